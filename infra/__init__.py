@@ -1,0 +1,4 @@
+"""The world outside the agent: corpus, embedder, stores, tokenizer, telemetry, settings.
+
+Importing this package loads nothing heavy; each module imports its backend where it is used.
+"""

@@ -1,0 +1,109 @@
+"""Reading a corpus: a BEIR folder, a JSONL file, or a folder of .txt/.md files.
+
+Every input is fully validated before anything is written, so a malformed line stops an ingest
+with its file and line number and the index stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.errors import CorpusError
+
+_ID_OK = re.compile(r"^[^\s#][^\s#]*$")
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    title: str
+    text: str
+    source: str = ""
+    date: str = ""
+    acl: tuple[str, ...] = ()  # empty: visible to everyone
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+def read_corpus(path: str | Path) -> list[Document]:
+    """All documents of `path`, validated; raises CorpusError naming the first bad input."""
+    path = Path(path)
+    if not path.exists():
+        raise CorpusError(f"corpus not found: {path}")
+    if path.is_dir() and (path / "corpus.jsonl").exists():
+        docs = list(_read_jsonl(path / "corpus.jsonl"))
+    elif path.is_dir():
+        docs = list(_read_text_folder(path))
+    elif path.suffix in (".jsonl", ".json"):
+        docs = list(_read_jsonl(path))
+    else:
+        raise CorpusError(f"{path}: expected a BEIR folder, a .jsonl file or a folder of .txt/.md")
+    if not docs:
+        raise CorpusError(f"{path}: no documents found")
+    seen: set[str] = set()
+    for doc in docs:
+        if doc.id in seen:
+            raise CorpusError(f"{path}: duplicate document id {doc.id!r}")
+        seen.add(doc.id)
+    return docs
+
+
+def _read_jsonl(path: Path) -> Iterator[Document]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise CorpusError(f"{where}: expected a JSON object")
+            doc_id = row.get("_id", row.get("id"))
+            if doc_id is None or str(doc_id).strip() == "":
+                raise CorpusError(f"{where}: missing document id ('_id' or 'id')")
+            text = row.get("text")
+            if not isinstance(text, str):
+                raise CorpusError(f"{where}: missing or non-string 'text'")
+            yield _document(str(doc_id), row, where, source=str(row.get("source", path.name)))
+
+
+def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
+    if not _ID_OK.match(doc_id):
+        raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
+    acl = row.get("acl", row.get("acl_groups", ()))
+    if isinstance(acl, str):
+        acl = (acl,)
+    if not isinstance(acl, (list, tuple)) or not all(isinstance(g, str) for g in acl):
+        raise CorpusError(f"{where}: 'acl' must be a list of group names")
+    known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
+    return Document(
+        id=doc_id,
+        title=str(row.get("title") or ""),
+        text=row["text"],
+        source=source,
+        date=str(row.get("date") or ""),
+        acl=tuple(acl),
+        meta={k: v for k, v in row.items() if k not in known},
+    )
+
+
+def _read_text_folder(root: Path) -> Iterator[Document]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+    for file in files:
+        rel = file.relative_to(root).as_posix()
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CorpusError(f"{file}: not UTF-8 text") from None
+        title = file.stem
+        for line in text.splitlines():
+            if line.startswith("# "):
+                title = line[2:].strip()
+                break
+        doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])
+        yield _document(doc_id, {"title": title, "text": text}, str(file), source=rel)

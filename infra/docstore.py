@@ -1,0 +1,109 @@
+"""The document store: chunk text and per-document metadata in one SQLite file.
+
+It is the source of truth for what is ingested: lexical and dense stores return chunk ids, and
+the retriever hydrates them here. A document becomes visible when its docstore transaction
+commits, which is the last step of an ingest (see `infra.ingest`).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from infra.chunking import Chunk
+from infra.corpus import Document
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (
+    doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT, acl TEXT, meta TEXT,
+    n_chunks INTEGER);
+CREATE TABLE IF NOT EXISTS chunks (
+    chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL, text TEXT NOT NULL,
+    start_token INTEGER, n_tokens INTEGER);
+CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
+"""
+
+
+class DocStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False)
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def replace_documents(self, docs: Sequence[Document], chunks: Iterable[Chunk]) -> None:
+        """Replace `docs` and all their chunks in one transaction."""
+        with self._db:
+            ids = [(d.id,) for d in docs]
+            self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
+            self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
+            by_doc: dict[str, int] = {}
+            rows = []
+            for c in chunks:
+                by_doc[c.doc_id] = by_doc.get(c.doc_id, 0) + 1
+                rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens))
+            self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?,?,?)", rows)
+            self._db.executemany(
+                "INSERT INTO docs VALUES (?,?,?,?,?,?,?)",
+                [(d.id, d.title, d.source, d.date, json.dumps(list(d.acl)), json.dumps(d.meta),
+                  by_doc.get(d.id, 0)) for d in docs])
+
+    def chunk_count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+
+    def doc_count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+
+    def existing_chunk_ids(self, doc_ids: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            out += [r[0] for r in self._db.execute(
+                f"SELECT chunk_id FROM chunks WHERE doc_id IN ({marks})", batch)]
+        return out
+
+    def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
+        """chunk id -> {chunk_id, doc_id, n, text, title, acl, ...}; unknown ids are absent."""
+        found: dict[str, dict] = {}
+        for batch in _batches(list(dict.fromkeys(chunk_ids)), 500):
+            marks = ",".join("?" * len(batch))
+            for row in self._db.execute(
+                f"SELECT c.chunk_id, c.doc_id, c.n, c.text, c.n_tokens, d.title, d.source, "
+                f"d.date, d.acl FROM chunks c JOIN docs d USING (doc_id) "
+                f"WHERE c.chunk_id IN ({marks})", batch):
+                found[row[0]] = {"chunk_id": row[0], "doc_id": row[1], "n": row[2],
+                                 "text": row[3], "n_tokens": row[4], "title": row[5],
+                                 "source": row[6], "date": row[7], "acl": json.loads(row[8])}
+        return found
+
+    def get_document(self, doc_id: str) -> dict | None:
+        row = self._db.execute(
+            "SELECT doc_id, title, source, date, acl, meta, n_chunks FROM docs WHERE doc_id = ?",
+            (doc_id,)).fetchone()
+        if row is None:
+            return None
+        chunks = [r[0] for r in self._db.execute(
+            "SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
+        return {"doc_id": row[0], "title": row[1], "source": row[2], "date": row[3],
+                "acl": json.loads(row[4]), "meta": json.loads(row[5]), "n_chunks": row[6],
+                "chunk_ids": chunks}
+
+    def document_chunks(self, doc_id: str) -> list[dict]:
+        return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3]}
+                for r in self._db.execute(
+                    "SELECT chunk_id, n, text, n_tokens FROM chunks WHERE doc_id = ? ORDER BY n",
+                    (doc_id,))]
+
+    def titles(self) -> dict[str, str]:
+        """doc id -> title, for every document (used for entity links between documents)."""
+        return dict(self._db.execute("SELECT doc_id, title FROM docs"))
+
+
+def _batches(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield list(items[i:i + size])

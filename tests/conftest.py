@@ -1,0 +1,47 @@
+"""Shared fixtures: real embedded backends on small shipped corpora, started once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from infra.ingest import ingest
+from infra.settings import load_settings
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HOTPOT = FIXTURES / "hotpot-mini"
+MUSIQUE = FIXTURES / "musique-mini"
+
+
+@pytest.fixture(scope="session")
+def hotpot_settings(tmp_path_factory):
+    """Settings pointing at an index of hotpot-mini (tantivy + Milvus Lite + docstore)."""
+    home = tmp_path_factory.mktemp("home")
+    settings = load_settings(overrides={"home": home, "index": "hotpot"}, read_env=False,
+                             read_file=False)
+    ingest(HOTPOT, settings)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def hotpot_retriever(hotpot_settings):
+    from infra.retriever import open_retriever
+
+    retriever = open_retriever(hotpot_settings)
+    yield retriever
+    retriever.close()
+
+
+@pytest.fixture(scope="session")
+def es_url(tmp_path_factory):
+    """A real cluster when BRANCHSEARCH_ES_URL is set, else the noida-db emulator on a free port."""
+    url = os.environ.get("BRANCHSEARCH_ES_URL")
+    if url:
+        yield url
+        return
+    from infra.es_emulator import start_es_emulator
+
+    with start_es_emulator(tmp_path_factory.mktemp("es")) as emulator:
+        yield emulator.url

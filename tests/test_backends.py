@@ -1,0 +1,145 @@
+"""Stores and the retriever on real embedded backends; the Elasticsearch adapter on the
+noida-db emulator (or a real cluster when BRANCHSEARCH_ES_URL is set)."""
+
+import json
+import uuid
+
+import pytest
+
+from infra.errors import BadQuery, CorpusError
+from infra.ingest import ingest
+from infra.lexical import TantivyStore
+from infra.retriever import open_retriever
+from infra.settings import load_settings
+from infra.stores import IndexedChunk
+
+from conftest import HOTPOT
+
+CHUNKS = [
+    IndexedChunk("apple#p0", "apple", "Apple", "Apples grow on trees; harvest 1999.", ()),
+    IndexedChunk("bank#p0", "bank", "River bank", "The bank of the river floods.", ("finance",)),
+    IndexedChunk("bank#p1", "bank", "River bank", "Herons nest by the river.", ("finance",)),
+]
+
+
+def lexical_contract(store):
+    store.write(CHUNKS, [])
+    assert store.count() == 3
+    assert [h.chunk_id for h in store.search("apple trees", 5)] == ["apple#p0"]
+    assert store.search("river", 5, acl_groups=["hr"]) == []
+    assert {h.chunk_id for h in store.search("river", 5, acl_groups=["finance"])} == \
+        {"bank#p0", "bank#p1"}
+    assert [h.chunk_id for h in store.search("river", 5, exclude_ids=["bank#p0"])] == ["bank#p1"]
+    assert [h.chunk_id for h in store.grep("19[0-9]{2}", 5)] == ["apple#p0"]
+    assert [h.chunk_id for h in store.grep("her.n.*", 5)] == ["bank#p1"]
+    with pytest.raises(BadQuery):
+        store.grep("(unclosed", 5)
+    with pytest.raises(BadQuery):
+        store.grep("a" * 500, 5)
+    # re-writing a document replaces all of its chunks
+    store.write([IndexedChunk("bank#p0", "bank", "Bank", "Savings accounts.", ())], ["bank"])
+    assert store.count() == 2
+    assert store.search("herons", 5) == []
+    assert [h.chunk_id for h in store.search("savings", 5)] == ["bank#p0"]
+    assert store.search("!!! ::: ((", 5) == []  # query syntax is never interpreted
+
+
+def test_tantivy_store(tmp_path):
+    lexical_contract(TantivyStore(tmp_path / "t"))
+
+
+@pytest.mark.es
+def test_elasticsearch_store(es_url):
+    from infra.elastic import ElasticStore
+
+    store = ElasticStore(es_url, index=f"bs-test-{uuid.uuid4().hex[:8]}")
+    try:
+        lexical_contract(store)
+    finally:
+        store.drop()
+        store.close()
+
+
+def test_elasticsearch_down_is_one_clear_error():
+    from infra.elastic import ElasticStore
+    from infra.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="not reachable"):
+        ElasticStore("http://127.0.0.1:9", index="x", timeout_s=2)
+
+
+def test_retriever_modes(hotpot_retriever):
+    q = "Were Scott Derrickson and Ed Wood of the same nationality?"
+    for mode in ("bm25", "dense", "hybrid"):
+        hits = hotpot_retriever.search(q, mode=mode, k=5)
+        assert len(hits) == 5 and [h.rank for h in hits] == [1, 2, 3, 4, 5]
+        assert hits[0].text and hits[0].title
+        assert {"scott-derrickson", "ed-wood"} & {h.doc_id for h in hits}
+    hybrid = hotpot_retriever.search(q, mode="hybrid", k=5)
+    assert all(set(h.ranks) <= {"bm25", "dense"} and h.ranks for h in hybrid)
+    seen = [h.chunk_id for h in hybrid]
+    again = hotpot_retriever.search(q, mode="hybrid", k=5, exclude_ids=seen)
+    assert not set(seen) & {h.chunk_id for h in again}
+    with pytest.raises(BadQuery):
+        hotpot_retriever.search(q, mode="fuzzy")
+
+
+def test_read_document_and_get_chunks(hotpot_retriever):
+    doc = hotpot_retriever.read_document("ed-wood")
+    assert doc["title"] == "Ed Wood" and doc["chunks"][0]["chunk_id"] == "ed-wood#p0"
+    got = hotpot_retriever.get_chunks(["ed-wood#p0", "nope#p0"])
+    assert list(got) == ["ed-wood#p0"]
+    with pytest.raises(BadQuery):
+        hotpot_retriever.read_document("nope")
+
+
+def test_acl_filter_end_to_end(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "pub", "title": "Roadmap", "text": "The public roadmap for Falcon."},
+        {"id": "sec", "title": "Falcon budget", "text": "Falcon budget is secret.",
+         "acl": ["finance"]}]) + "\n")
+    settings = load_settings(overrides={"home": tmp_path / "h"}, read_env=False, read_file=False)
+    ingest(corpus, settings)
+    r = open_retriever(settings)
+    for mode in ("bm25", "dense", "hybrid"):
+        assert {h.doc_id for h in r.search("Falcon budget", mode, 5, acl_groups=[])} == {"pub"}
+        assert {h.doc_id for h in r.search("Falcon budget", mode, 5,
+                                           acl_groups=["finance"])} == {"pub", "sec"}
+    r.close()
+
+
+def test_reingest_replaces_and_bad_input_changes_nothing(tmp_path):
+    settings = load_settings(overrides={"home": tmp_path / "h", "chunk_tokens": 32,
+                                        "chunk_overlap": 4}, read_env=False, read_file=False)
+    corpus = tmp_path / "c.jsonl"
+    long_text = " ".join(f"alpha{i}" for i in range(120))
+    corpus.write_text(json.dumps({"id": "d", "title": "D", "text": long_text}) + "\n")
+    first = ingest(corpus, settings)
+    assert first.chunks > 3
+    corpus.write_text(json.dumps({"id": "d", "title": "D", "text": "short now"}) + "\n")
+    assert ingest(corpus, settings).chunks == 1
+    r = open_retriever(settings)
+    assert r.read_document("d")["n_chunks"] == 1
+    assert r.lexical.count() == 1 and r.dense.count() == 1
+    assert [h.chunk_id for h in r.search("alpha5", "bm25", 5)] == []
+    r.close()
+    corpus.write_text(json.dumps({"id": "e", "text": "new"}) + "\n{broken\n")
+    with pytest.raises(CorpusError, match=":2:"):
+        ingest(corpus, settings)
+    r = open_retriever(settings)
+    assert r.docstore.doc_count() == 1 and r.lexical.count() == 1
+    r.close()
+
+
+def test_unknown_index_is_a_clear_error(tmp_path):
+    from infra.errors import IndexNotFound
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "missing"}, read_env=False,
+                             read_file=False)
+    with pytest.raises(IndexNotFound, match="branchsearch ingest"):
+        open_retriever(settings)
+
+
+def test_hotpot_fixture_is_what_conftest_ingests(hotpot_settings):
+    assert (hotpot_settings.index_dir / "docs.sqlite").exists() and HOTPOT.exists()

@@ -1,0 +1,77 @@
+"""Corpus reading, chunking, tokenizer, settings, docstore: plain functions, real files."""
+
+import json
+
+import pytest
+
+from infra.chunking import chunk_text, split_chunk_id
+from infra.corpus import read_corpus
+from infra.errors import CorpusError, SettingsError
+from infra.settings import load_settings
+from infra.tokenizer import TokenCounter, get_encoding
+
+
+def test_tokenizer_offline_matches_known_ids():
+    assert get_encoding("cl100k_base").encode("hello world") == [15339, 1917]
+    counter = TokenCounter("o200k_base")
+    assert counter.count("hello world") == 2
+    assert counter.truncate("one two three four five", 3).endswith("…")
+    assert get_encoding("o200k_harmony").n_vocab > get_encoding("o200k_base").n_vocab
+
+
+def test_chunks_have_stable_ids_and_cover_text():
+    counter = TokenCounter()
+    text = " ".join(f"word{i}" for i in range(600))
+    chunks = chunk_text("doc-1", text, counter, size=100, overlap=20)
+    assert [c.id for c in chunks] == [f"doc-1#p{i}" for i in range(len(chunks))]
+    assert chunks == chunk_text("doc-1", text, counter, size=100, overlap=20)
+    assert all(c.n_tokens <= 100 for c in chunks)
+    assert "word0" in chunks[0].text and "word599" in chunks[-1].text
+    assert all(not c.text.startswith(("ord", "rd")) for c in chunks)  # no mid-word starts
+    assert split_chunk_id("a#b#p12") == ("a#b", 12)
+
+
+def test_corpus_formats(tmp_path):
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"id": "a", "title": "A", "text": "x", "acl": ["g"], "date": "2024"}) + "\n\n"
+        + json.dumps({"_id": "b", "text": "y", "extra": 1}) + "\n")
+    docs = read_corpus(tmp_path / "c.jsonl")
+    assert [d.id for d in docs] == ["a", "b"] and docs[0].acl == ("g",)
+    assert docs[1].meta == {"extra": 1}
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "one.md").write_text("# Title One\nbody")
+    (folder / "two.txt").write_text("plain")
+    docs = read_corpus(folder)
+    assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two"}
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"id": "a", "text": "x"}\n{not json\n', ":2: not valid JSON"),
+    ('{"text": "x"}\n', "missing document id"),
+    ('{"id": "a"}\n', "missing or non-string 'text'"),
+    ('{"id": "a b", "text": "x"}\n', "may not contain whitespace"),
+    ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate document id"),
+    ('', "no documents"),
+])
+def test_corpus_errors_name_the_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(CorpusError, match=message):
+        read_corpus(path)
+
+
+def test_settings_precedence(tmp_path, monkeypatch):
+    toml = tmp_path / "s.toml"
+    toml.write_text("budget_tokens = 2048\nrrf_k = 10\n")
+    monkeypatch.setenv("BRANCHSEARCH_RRF_K", "20")
+    s = load_settings(toml, {"budget_tokens": None, "max_turns": 3})
+    assert (s.budget_tokens, s.rrf_k, s.max_turns) == (2048, 20, 3)
+    assert load_settings(toml, {"rrf_k": 30}).rrf_k == 30
+    monkeypatch.setenv("BRANCHSEARCH_PRUNE", "no")
+    assert load_settings().prune is False
+    with pytest.raises(SettingsError, match="unknown keys"):
+        toml.write_text("nope = 1\n")
+        load_settings(toml)
+    with pytest.raises(SettingsError, match="soft_limit"):
+        load_settings(overrides={"soft_limit": 0.95, "hard_limit": 0.9})

@@ -1,0 +1,1 @@
+"""One branch: the self-editing search agent — stores, harness, tools, policies, actor."""
