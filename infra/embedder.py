@@ -7,6 +7,7 @@ is downloaded; any other value is a local sentence-transformers model folder.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,8 +39,13 @@ class Embedder:
         self.batch_size = batch_size
         self.device = device
         self._model = None
+        self._lock = threading.Lock()
 
     def _load(self):
+        with self._lock:
+            return self._load_locked()
+
+    def _load_locked(self):
         if self._model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -36,6 +36,7 @@ class Settings:
     es_url: str = ""
     es_api_key: str = ""
     # retrieval
+    search_mode: str = "hybrid"  # the agent's search_corpus default: bm25 | dense | hybrid
     rrf_k: int = 60
     hybrid_candidates: int = 50
     grep_max_pattern: int = 200
@@ -100,6 +101,7 @@ def _validate(s: Settings) -> None:
         (s.branches >= 1, "branches must be >= 1"),
         (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
          "trace_exporter must be none, console, jsonl or otlp"),
+        (s.search_mode in ("bm25", "dense", "hybrid"), "search_mode must be bm25, dense or hybrid"),
         (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
         (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),
     ]

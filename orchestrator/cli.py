@@ -93,7 +93,11 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", help="bm25 | dense |
 
 @app.command("eval")
 def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
-             mode: str = typer.Option("hybrid", help="bm25 | dense | hybrid"),
+             mode: str = typer.Option("hybrid", help="bm25 | dense | hybrid (single-shot)"),
+             policy: Optional[str] = typer.Option(
+                 None, help="run the branch agent with this policy (heuristic | llm) instead "
+                            "of single-shot retrieval"),
+             prune: bool = typer.Option(True, "--prune/--no-prune", help="agent may prune"),
              limit: Optional[int] = typer.Option(None, min=1),
              report: Optional[Path] = typer.Option(None, help="write the JSON report here"),
              home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
@@ -108,16 +112,22 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
 
     if mode not in MODES:
         raise BranchsearchError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    settings = _settings(home, index or _slug(dataset), config)
+    settings = _settings(home, index or _slug(dataset), config, prune=prune,
+                         policy=policy)
     queries = read_queries(dataset)[:limit]
     if ingest_first and not (settings.index_dir / "docs.sqlite").exists():
         print(f"index {settings.index!r} missing: ingesting {dataset}", file=sys.stderr)
         bar = _progress(None, "doc", "ingest")
         run_ingest(dataset, settings, progress=lambda d, c: bar.update(d))
         bar.close()
-    retriever = open_retriever(settings, need_dense=mode != "bm25")
-    bar = _progress(len(queries), "q", f"eval {mode}")
-    result = eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1))
+    retriever = open_retriever(settings, need_dense=mode != "bm25" or policy is not None)
+    bar = _progress(len(queries), "q", f"eval {policy or mode}")
+    if policy:
+        from orchestrator.evaluate import eval_agent
+
+        result = eval_agent(retriever, queries, settings, progress=lambda: bar.update(1))
+    else:
+        result = eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1))
     bar.close()
     result["dataset"] = str(dataset)
     if report:
@@ -125,7 +135,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
     if as_json:
         print(json.dumps({k: v for k, v in result.items() if k != "per_query"}))
     else:
-        print(f"{dataset.name} mode={mode} queries={result['queries']}")
+        what = f"policy={policy} prune={prune}" if policy else f"mode={mode}"
+        print(f"{dataset.name} {what} queries={result['queries']}")
         for name, value in result["metrics"].items():
             print(f"  {name:<16} {value}")
 

@@ -1,0 +1,217 @@
+"""HeuristicPolicy: deterministic multi-hop search with no model.
+
+Query state: the sub-query's content terms, the entities named in it, and the bridge entities
+found in retained chunks (each with the chunk it came from and a salience). Each turn it
+
+1. scores every visible chunk against the query state: how it arrived (sub-query search rank,
+   or a bridge search whose entity names the chunk's document, inheriting its parent's score),
+   how many sub-query terms it covers, and which of them no better chunk already covers;
+2. expands the best unexpanded chunks: searches for their most salient bridge entities
+   (entities in sentences that share terms with the sub-query), with provenance to the parent;
+3. prunes what is spent or redundant (beyond the `keep` best, or below a score floor) and
+   recalls a pruned chunk when a new bridge entity names its document;
+4. finishes when nothing is left to expand or the hop limit is reached, ranking by score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.policy import AgentView, ToolCall, VisibleChunk
+from workers.text import entities, norm_title, sentences, terms
+
+
+@dataclass
+class _Origin:
+    query: str
+    rank: int
+    kind: str  # question | entity | bridge
+    entity: str = ""
+    parent: str = ""
+
+
+@dataclass
+class HeuristicPolicy:
+    max_hops: int = 3
+    keep: int = 8
+    expand_per_turn: int = 3
+    entities_per_chunk: int = 2
+    search_k: int = 6
+    entity_k: int = 3
+    final_k: int = 10
+    prune: bool = True
+    # episode state
+    subquery: str = ""
+    q_terms: set[str] = field(default_factory=set)
+    q_entities: list[str] = field(default_factory=list)
+    origins: dict[str, _Origin] = field(default_factory=dict)
+    chunks: dict[str, VisibleChunk] = field(default_factory=dict)  # everything ever seen
+    scores: dict[str, float] = field(default_factory=dict)
+    depth: dict[str, int] = field(default_factory=dict)
+    expanded: set[str] = field(default_factory=set)
+    searched: set[str] = field(default_factory=set)
+    bridges: dict[str, str] = field(default_factory=dict)  # entity -> parent chunk
+    pruned: set[str] = field(default_factory=set)
+    _pending: dict[tuple, _Origin] = field(default_factory=dict)
+
+    # --- Policy protocol -----------------------------------------------------------------------
+
+    def decide(self, view: AgentView) -> list[ToolCall]:
+        if view.turn == 1:
+            return self._first_turn(view)
+        self._absorb(view)
+        self._rescore(view)
+        visible = {c.id for c in view.visible}
+        if "search_corpus" not in view.allowed_tools:  # past the hard limit
+            return self._prune_calls(view, visible, force=True) or [self._finish(visible)]
+        searches = self._expansions(visible)
+        recalls = self._recalls()
+        if not searches and not recalls:
+            return [self._finish(visible)]
+        calls = self._prune_calls(view, visible) if self.prune else []
+        if recalls:
+            calls.append(ToolCall("recall_chunks", {"ids": recalls}))
+        return calls + searches
+
+    def query_state(self) -> dict:
+        top = sorted(self.scores, key=self.scores.get, reverse=True)[:5]
+        return {"subquery": self.subquery, "terms": sorted(self.q_terms),
+                "entities": self.q_entities, "bridges": dict(list(self.bridges.items())[-8:]),
+                "top": {cid: round(self.scores[cid], 3) for cid in top}}
+
+    # --- turns -----------------------------------------------------------------------------------
+
+    def _first_turn(self, view: AgentView) -> list[ToolCall]:
+        self.subquery = view.subquery
+        self.q_terms = terms(view.subquery)
+        self.q_entities = entities(view.subquery)[:4]
+        calls = [self._search(view.subquery, self.search_k, _Origin(view.subquery, 0, "question"))]
+        for e in self.q_entities:
+            calls.append(self._search(e, self.entity_k, _Origin(e, 0, "entity", entity=e)))
+        return calls
+
+    def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
+        self.searched.add(query.lower())
+        args = {"query": query, "k": k}
+        if parent:
+            args["from_ids"] = [parent]
+        self._pending[(query, parent)] = origin
+        return ToolCall("search_corpus", args)
+
+    def _absorb(self, view: AgentView) -> None:
+        """Record where each new chunk came from (the policy's own view of provenance)."""
+        by_id = {c.id: c for c in view.visible}
+        for result in view.last_results:
+            if not result.ok or result.call.name not in ("search_corpus", "recall_chunks"):
+                continue
+            if result.call.name == "recall_chunks":
+                self.pruned -= set(result.ids)
+                continue
+            parent = (result.call.args.get("from_ids") or [""])[0]
+            origin = self._pending.get((result.call.args["query"], parent))
+            for rank, cid in enumerate(result.ids, start=1):
+                if cid in by_id:
+                    self.chunks[cid] = by_id[cid]
+                if origin is not None and cid not in self.origins:
+                    self.origins[cid] = _Origin(origin.query, rank, origin.kind, origin.entity,
+                                                origin.parent)
+                    self.depth[cid] = self.depth.get(origin.parent, 0) + (1 if parent else 0)
+
+    def _rescore(self, view: AgentView) -> None:
+        for cid in self._by_arrival():
+            self.scores[cid] = self._score(cid)
+
+    def _by_arrival(self) -> list[str]:
+        # parents are always recorded before their children
+        return [cid for cid in self.origins if cid in self.chunks]
+
+    def _score(self, cid: str) -> float:
+        chunk, origin = self.chunks[cid], self.origins[cid]
+        coverage = len(self.q_terms & terms(f"{chunk.title} {chunk.text}")) / max(
+            len(self.q_terms), 1)
+        names_entity = bool(origin.entity) and _names(chunk.title, origin.entity)
+        if origin.kind == "question":
+            prior = 1.0 / (1.0 + 0.35 * (origin.rank - 1))
+        elif origin.kind == "entity":  # an entity named in the sub-query itself
+            prior = 0.95 if names_entity else 0.25 / origin.rank
+        else:  # a bridge: inherits from the chunk whose content named the entity
+            parent = self.scores.get(origin.parent, 0.3)
+            prior = 0.85 * parent if names_entity else 0.2 * parent / origin.rank
+        return prior + 0.5 * coverage
+
+    def _expansions(self, visible: set[str]) -> list[ToolCall]:
+        frontier = [cid for cid in self._ranked(visible)
+                    if cid not in self.expanded and self.depth.get(cid, 0) < self.max_hops - 1]
+        calls: list[ToolCall] = []
+        for cid in frontier[: self.expand_per_turn]:
+            self.expanded.add(cid)
+            for entity in self._bridge_entities(cid)[: self.entities_per_chunk]:
+                self.bridges[entity] = cid
+                calls.append(self._search(entity, self.entity_k,
+                                          _Origin(entity, 0, "bridge", entity, cid), parent=cid))
+        return calls
+
+    def _bridge_entities(self, cid: str) -> list[str]:
+        """Entities of a chunk not yet searched, most salient first: an entity ranks by the
+        share of sub-query terms in the sentence that mentions it."""
+        chunk = self.chunks[cid]
+        own = norm_title(chunk.title)
+        scored: list[tuple[float, int, str]] = []
+        for i, sentence in enumerate(sentences(chunk.text)):
+            overlap = len(self.q_terms & terms(sentence))
+            for e in entities(sentence):
+                low = e.lower()
+                if low in self.searched or low == own or low in own or _in_query(e, self.subquery):
+                    continue
+                scored.append((-(overlap + 0.1 * len(e.split())), i, e))
+        seen, out = set(), []
+        for _, _, e in sorted(scored):
+            if e.lower() not in seen:
+                seen.add(e.lower())
+                out.append(e)
+        return out
+
+    def _recalls(self) -> list[str]:
+        """Pruned chunks whose document a newer bridge entity names."""
+        out = []
+        for cid in self.pruned:
+            title = self.chunks[cid].title
+            if any(_names(title, e) for e in self.bridges):
+                out.append(cid)
+        return sorted(out)
+
+    def _prune_calls(self, view: AgentView, visible: set[str], force: bool = False
+                     ) -> list[ToolCall]:
+        ranked = self._ranked(visible)
+        keep = max(2, self.keep // 2) if force else self.keep
+        drop = [cid for cid in ranked[keep:]]
+        floor = 0.5 * self.scores.get(ranked[0], 0) if ranked else 0
+        drop += [cid for cid in ranked[:keep] if self.scores.get(cid, 0) < floor * 0.5
+                 and cid in self.expanded]
+        drop = list(dict.fromkeys(drop))
+        if not drop:
+            return []
+        self.pruned |= set(drop)
+        return [ToolCall("prune_chunks", {
+            "ids": drop,
+            "reason": f"spent or redundant: below the top {keep} by score against the query "
+                      f"state (terms {sorted(self.q_terms)[:6]}, bridges "
+                      f"{list(self.bridges)[-3:]})"})]
+
+    def _ranked(self, ids: set[str]) -> list[str]:
+        return sorted((cid for cid in ids if cid in self.scores),
+                      key=lambda c: (-self.scores[c], c))
+
+    def _finish(self, visible: set[str]) -> ToolCall:
+        ranked = self._ranked(visible)[: self.final_k]
+        return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
+                                   if ranked else "nothing found"})
+
+
+def _names(title: str, entity: str) -> bool:
+    t, e = norm_title(title), entity.lower()
+    return bool(t) and (t == e or (len(e) > 3 and (e in t or t in e)))
+
+
+def _in_query(entity: str, query: str) -> bool:
+    return entity.lower() in query.lower()

@@ -1,0 +1,71 @@
+"""Small text helpers for the heuristic policy: content terms and entity-like phrases."""
+
+from __future__ import annotations
+
+import re
+
+STOPWORDS = frozenset("""
+a an the and or but if of at by for with about against between into through during before after
+above below to from up down in out on off over under again further then once here there when where
+why how all any both each few more most other some such no nor not only own same so than too very
+can will just don should now is are was were be been being have has had having do does did doing
+i me my we our you your he him his she her it its they them their what which who whom this that
+these those am as until while also whose did does what's who's name named one two first second
+s t year years born known called based located which""".split())
+
+_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
+_CAP_WORD = r"(?:[A-Z]\.(?:[A-Z]\.)*|[A-Z][\w'\-]*)"
+_ENTITY = re.compile(rf"{_CAP_WORD}(?:\s+(?:(?:of|the|de|la|le|von|van|du|and|for|in)\s+)?{_CAP_WORD})*")
+_QUOTED = re.compile(r"[\"“]([^\"”]{3,80})[\"”]")
+_LEADING = frozenset("The A An In On At For By From With During After Before This That These "
+                     "Those It He She They His Her Their Its When While Where What Which Who "
+                     "How Why Is Are Was Were Did Does Do Has Have Had As Of And Or But If "
+                     "Although Since Until Also Both Each Many Most Some Other".split())
+
+
+def stem(word: str) -> str:
+    w = word.lower().strip("'-.")
+    if w.endswith("'s"):
+        w = w[:-2]
+    for suffix in ("ies", "es", "s"):
+        if w.endswith(suffix) and len(w) > len(suffix) + 3:
+            return w[: -len(suffix)] + ("y" if suffix == "ies" else "")
+    return w
+
+
+def terms(text: str) -> set[str]:
+    """Content terms: lower-cased, stopwords dropped, plurals folded."""
+    return {stem(w) for w in _WORD.findall(text) if w.lower() not in STOPWORDS and len(w) > 1}
+
+
+def entities(text: str) -> list[str]:
+    """Capitalised phrases and quoted titles, in order of first appearance, de-duplicated."""
+    found: list[str] = [m.group(1).strip() for m in _QUOTED.finditer(text)]
+    for m in _ENTITY.finditer(text):
+        phrase = m.group(0).rstrip(".")
+        words = phrase.split()
+        while words and words[0] in _LEADING:
+            words = words[1:]
+        while words and words[-1].lower() in ("of", "the", "and", "de", "for", "in"):
+            words = words[:-1]
+        if words and not (len(words) == 1 and len(words[0]) < 3):
+            found.append(" ".join(words))
+            if " and " in found[-1]:  # "Scott Derrickson and Ed Wood": keep the parts too
+                found += [p for p in found[-1].split(" and ") if len(p) > 2]
+    seen, out = set(), []
+    for e in found:
+        key = e.lower()
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def norm_title(title: str) -> str:
+    """Title without a trailing parenthetical qualifier, lower-cased: 'Kiss and Tell (1945 film)'
+    -> 'kiss and tell'."""
+    return re.sub(r"\s*\([^)]*\)\s*$", "", title).strip().lower()
+
+
+def sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
