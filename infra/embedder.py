@@ -34,8 +34,11 @@ def resolve_model_path(name: str) -> Path:
 class Embedder:
     """Batched, normalised embeddings; the model loads on first use."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu"):
+    def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu",
+                 cache_path: str | Path | None = None):
         self.model_name = model
+        self.cache_path = cache_path
+        self._cache = None
         self.batch_size = batch_size
         self.device = device
         self._model = None
@@ -68,7 +71,31 @@ class Embedder:
 
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self._load().encode(list(texts), batch_size=self.batch_size,
-                                      normalize_embeddings=True, show_progress_bar=progress,
-                                      convert_to_numpy=True)
-        return vectors.astype(np.float32, copy=False)
+        cache = self._open_cache()
+        cached = cache.get_many(texts) if cache else {}
+        missing = [i for i in range(len(texts)) if i not in cached]
+        fresh = None
+        if missing:
+            fresh = self._load().encode([texts[i] for i in missing], batch_size=self.batch_size,
+                                        normalize_embeddings=True, show_progress_bar=progress,
+                                        convert_to_numpy=True).astype(np.float32, copy=False)
+            if cache:
+                cache.put_many([texts[i] for i in missing], fresh)
+        if not cached:
+            return fresh
+        dim = len(next(iter(cached.values()))) // 4
+        out = np.empty((len(texts), dim), dtype=np.float32)
+        for i, blob in cached.items():
+            out[i] = np.frombuffer(blob, dtype=np.float32)
+        if missing:
+            out[missing] = fresh
+        return out
+
+    def _open_cache(self):
+        if self.cache_path is None:
+            return None
+        if self._cache is None:
+            from infra.embed_cache import EmbeddingCache
+
+            self._cache = EmbeddingCache(self.cache_path, self.model_name)
+        return self._cache

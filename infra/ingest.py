@@ -39,8 +39,9 @@ class IngestReport:
 
 
 def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_docs: int = 512,
-           progress: Callable[[int, int], None] | None = None) -> IngestReport:
-    """Ingest a corpus into `settings.index`. `progress(docs, chunks)` is called per batch."""
+           progress: Callable[[int, int], None] | None = None, embedder=None) -> IngestReport:
+    """Ingest a corpus into `settings.index`. `progress(docs, chunks)` is called per batch;
+    `embedder` replaces the configured one (benchmarks use a hashing embedder)."""
     from infra.retriever import open_stores
 
     report = IngestReport()
@@ -48,7 +49,8 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
     docs = read_corpus(path)
     report.seconds["read"] = time.perf_counter() - t
 
-    docstore, lexical, dense_store, embedder = open_stores(settings, create=True, need_dense=dense)
+    docstore, lexical, dense_store, embedder = open_stores(settings, create=True, need_dense=dense,
+                                                           embedder=embedder)
     counter = TokenCounter(settings.encoding)
     all_chunks: list[Chunk] = []
     indexed: list[IndexedChunk] = []

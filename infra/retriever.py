@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from fusion import rrf
 from infra.docstore import DocStore
@@ -104,8 +105,10 @@ class Retriever:
                 part.close()
 
 
-def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True):
-    """(docstore, lexical, dense, embedder) for the settings' index; dense may be None."""
+def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True,
+                embedder=None):
+    """(docstore, lexical, dense, embedder) for the settings' index; dense may be None.
+    `embedder` replaces the configured one (anything with `embed(texts)` and `dim`)."""
     from infra.embedder import Embedder
 
     root = settings.index_dir
@@ -124,11 +127,15 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
         from infra.lexical import TantivyStore
 
         lexical = TantivyStore(root / "tantivy", max_pattern=settings.grep_max_pattern)
-    dense = embedder = None
-    if need_dense:
+    dense = None
+    if not need_dense:
+        embedder = None
+    else:
         from infra.dense import MilvusStore
 
-        embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device)
+        embedder = embedder or Embedder(
+            settings.embed_model, settings.embed_batch, settings.embed_device,
+            cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
         dim = _dense_dim(root, embedder)
         dense = MilvusStore(settings.milvus_uri or root / "dense.db", dim,
                             token=settings.milvus_token,
@@ -146,7 +153,8 @@ def _dense_dim(root, embedder) -> int:
     return dim
 
 
-def open_retriever(settings: Settings, need_dense: bool = True) -> Retriever:
-    docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense)
+def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -> Retriever:
+    docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense,
+                                                     embedder=embedder)
     return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
                      settings.hybrid_candidates)

@@ -143,3 +143,18 @@ def test_unknown_index_is_a_clear_error(tmp_path):
 
 def test_hotpot_fixture_is_what_conftest_ingests(hotpot_settings):
     assert (hotpot_settings.index_dir / "docs.sqlite").exists() and HOTPOT.exists()
+
+
+def test_embedding_cache_returns_the_same_vectors(tmp_path):
+    import numpy as np
+
+    from infra.embedder import Embedder
+
+    texts = ["Ed Wood was a filmmaker.", "Shirley Temple was an actress.", "x"]
+    plain = Embedder().embed(texts)
+    cached = Embedder(cache_path=tmp_path / "e.sqlite")
+    first = cached.embed(texts[:2])
+    assert len(cached._open_cache().get_many(texts)) == 2
+    mixed = cached.embed(texts)  # two from the cache, one fresh
+    assert np.allclose(mixed, plain, atol=1e-5) and np.allclose(first, plain[:2], atol=1e-5)
+    assert abs(float(np.linalg.norm(mixed[0])) - 1.0) < 1e-4

@@ -38,6 +38,7 @@ class HeuristicPolicy:
     entities_per_chunk: int = 2
     search_k: int = 6
     entity_k: int = 3
+    expand_floor: float = 0.5
     final_k: int = 10
     prune: bool = True
     # episode state
@@ -51,6 +52,7 @@ class HeuristicPolicy:
     expanded: set[str] = field(default_factory=set)
     searched: set[str] = field(default_factory=set)
     bridges: dict[str, str] = field(default_factory=dict)  # entity -> parent chunk
+    links: dict[str, tuple[str, float]] = field(default_factory=dict)  # entity -> (parent, sal)
     pruned: set[str] = field(default_factory=set)
     _pending: dict[tuple, _Origin] = field(default_factory=dict)
 
@@ -85,6 +87,7 @@ class HeuristicPolicy:
         self.subquery = view.subquery
         self.q_terms = terms(view.subquery)
         self.q_entities = entities(view.subquery)[:4]
+        self.links = {e.lower(): ("", 1.0) for e in self.q_entities}
         calls = [self._search(view.subquery, self.search_k, _Origin(view.subquery, 0, "question"))]
         for e in self.q_entities:
             calls.append(self._search(e, self.entity_k, _Origin(e, 0, "entity", entity=e)))
@@ -126,50 +129,84 @@ class HeuristicPolicy:
         return [cid for cid in self.origins if cid in self.chunks]
 
     def _score(self, cid: str) -> float:
+        """Best support for a chunk under the current query state, plus term coverage.
+
+        Support is the strongest of: its rank in the sub-query search; the sub-query naming its
+        document's title; a bridge entity of a parent chunk naming its title (inheriting the
+        parent's score, scaled by the entity's salience), fully or in part. Coverage counts
+        sub-query terms in the chunk, and separately the *residual* terms its parent left
+        uncovered — the part of the question the next hop must answer.
+        """
         chunk, origin = self.chunks[cid], self.origins[cid]
-        coverage = len(self.q_terms & terms(f"{chunk.title} {chunk.text}")) / max(
-            len(self.q_terms), 1)
-        names_entity = bool(origin.entity) and _names(chunk.title, origin.entity)
+        words = terms(f"{chunk.title} {chunk.text}")
+        coverage = len(self.q_terms & words) / max(len(self.q_terms), 1)
+        support, parent = 0.15 / origin.rank, origin.parent
         if origin.kind == "question":
-            prior = 1.0 / (1.0 + 0.35 * (origin.rank - 1))
-        elif origin.kind == "entity":  # an entity named in the sub-query itself
-            prior = 0.95 if names_entity else 0.25 / origin.rank
-        else:  # a bridge: inherits from the chunk whose content named the entity
-            parent = self.scores.get(origin.parent, 0.3)
-            prior = 0.85 * parent if names_entity else 0.2 * parent / origin.rank
-        return prior + 0.5 * coverage
+            support, parent = 1.0 / (1.0 + 0.35 * (origin.rank - 1)), ""
+        title_terms = terms(norm_title(chunk.title))
+        if title_terms and title_terms <= self.q_terms:
+            support = max(support, 0.95 if len(title_terms) > 1 else 0.6)
+            parent = ""
+        for entity, (source, salience) in self.links.items():
+            if source == cid:
+                continue
+            if _names(chunk.title, entity):
+                via = (0.85 * salience * self.scores.get(source, 0.0) if source
+                       else 0.95 if " " in entity else 0.6)
+            else:
+                overlap = _word_overlap(chunk.title, entity)
+                if overlap < 0.5 or not source:
+                    continue
+                via = 0.5 * overlap * salience * self.scores.get(source, 0.0)
+            if via > support:
+                support, parent = via, source
+        residual = 0.0
+        if parent in self.chunks:
+            p = self.chunks[parent]
+            left = self.q_terms - terms(f"{p.title} {p.text}")
+            residual = len(left & words) / max(len(left), 1)
+        return support + 0.5 * coverage + 0.5 * residual
 
     def _expansions(self, visible: set[str]) -> list[ToolCall]:
-        frontier = [cid for cid in self._ranked(visible)
-                    if cid not in self.expanded and self.depth.get(cid, 0) < self.max_hops - 1]
+        ranked = self._ranked(visible)
+        best = self.scores.get(ranked[0], 0.0) if ranked else 0.0
+        frontier = [cid for cid in ranked
+                    if cid not in self.expanded and self.scores[cid] >= self.expand_floor * best
+                    and self.depth.get(cid, 0) < self.max_hops - 1]
         calls: list[ToolCall] = []
         for cid in frontier[: self.expand_per_turn]:
             self.expanded.add(cid)
-            for entity in self._bridge_entities(cid)[: self.entities_per_chunk]:
+            linked = self._bridge_entities(cid)
+            for entity, salience in linked:  # every entity links; the most salient are searched
+                old = self.links.get(entity.lower())
+                if old is None or (old[0] and self.scores.get(old[0], 0) * old[1]
+                                   < self.scores[cid] * salience):
+                    self.links[entity.lower()] = (cid, salience)
+            fresh = [(e, sal) for e, sal in linked if e.lower() not in self.searched]
+            for entity, salience in fresh[: self.entities_per_chunk]:
                 self.bridges[entity] = cid
                 calls.append(self._search(entity, self.entity_k,
                                           _Origin(entity, 0, "bridge", entity, cid), parent=cid))
         return calls
 
-    def _bridge_entities(self, cid: str) -> list[str]:
-        """Entities of a chunk not yet searched, most salient first: an entity ranks by the
-        share of sub-query terms in the sentence that mentions it."""
+    def _bridge_entities(self, cid: str) -> list[tuple[str, float]]:
+        """Entities a chunk mentions (bridge candidates), most salient first, with a salience in
+        (0.5, 1]: the share of sub-query terms in the sentence that mentions the entity, with a
+        bonus for the chunk's first sentence (where a page introduces its subject's links)."""
         chunk = self.chunks[cid]
         own = norm_title(chunk.title)
-        scored: list[tuple[float, int, str]] = []
+        best: dict[str, tuple[float, int, str]] = {}
         for i, sentence in enumerate(sentences(chunk.text)):
-            overlap = len(self.q_terms & terms(sentence))
+            overlap = min(len(self.q_terms & terms(sentence)) / 3, 1.0)
             for e in entities(sentence):
                 low = e.lower()
-                if low in self.searched or low == own or low in own or _in_query(e, self.subquery):
+                if low == own or low in own or low in SKIP or _in_query(e, self.subquery):
                     continue
-                scored.append((-(overlap + 0.1 * len(e.split())), i, e))
-        seen, out = set(), []
-        for _, _, e in sorted(scored):
-            if e.lower() not in seen:
-                seen.add(e.lower())
-                out.append(e)
-        return out
+                salience = 0.5 + 0.35 * overlap + (0.15 if i == 0 else 0.0)
+                key = (-salience - 0.01 * len(e.split()), i, e)
+                if low not in best or key < best[low]:
+                    best[low] = key
+        return [(e, -k - 0.01 * len(e.split())) for k, _, e in sorted(best.values())]
 
     def _recalls(self) -> list[str]:
         """Pruned chunks whose document a newer bridge entity names."""
@@ -208,9 +245,35 @@ class HeuristicPolicy:
                                    if ranked else "nothing found"})
 
 
+SKIP = frozenset("""january february march april may june july august september october november
+december monday tuesday wednesday thursday friday saturday sunday one two three four five six
+seven eight nine ten originally however during later after""".split())
+
+
 def _names(title: str, entity: str) -> bool:
-    t, e = norm_title(title), entity.lower()
-    return bool(t) and (t == e or (len(e) > 3 and (e in t or t in e)))
+    """Does a document title name this entity? Exact after dropping a parenthetical qualifier
+    and a leading article, or the title adds one word ('Manchester United F.C.')."""
+    t, e = _strip_article(norm_title(title)), _strip_article(entity.lower())
+    if not t or len(e) < 3:
+        return False
+    if t == e:
+        return True
+    t_words, e_words = len(t.split()), len(e.split())
+    if e_words >= 2 and t.startswith(e + " ") and t_words - e_words <= 1:
+        return True  # 'Manchester United' names 'Manchester United F.C.'
+    return t_words >= 2 and e.endswith(" " + t)  # 'Governor Nelson Rockefeller' names
+    # 'Nelson Rockefeller'; 'Esma Sultan Mansion' does not name 'Esma Sultan'
+
+
+def _word_overlap(title: str, entity: str) -> float:
+    """Jaccard overlap of the words of a title and an entity ('International Boxing Council'
+    vs 'International Boxing Federation': 0.5)."""
+    t, e = set(norm_title(title).split()), set(entity.lower().split())
+    return len(t & e) / len(t | e) if t and e and len(t) > 1 else 0.0
+
+
+def _strip_article(text: str) -> str:
+    return text[4:] if text.startswith("the ") else text
 
 
 def _in_query(entity: str, query: str) -> bool:

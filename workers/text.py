@@ -14,8 +14,8 @@ these those am as until while also whose did does what's who's name named one tw
 s t year years born known called based located which""".split())
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
-_CAP_WORD = r"(?:[A-Z]\.(?:[A-Z]\.)*|[A-Z][\w'\-]*)"
-_ENTITY = re.compile(rf"{_CAP_WORD}(?:\s+(?:(?:of|the|de|la|le|von|van|du|and|for|in)\s+)?{_CAP_WORD})*")
+_CAP_WORD = r"(?:[A-Z]\.(?:[A-Z]\.)*|[A-Z][\w\-]*(?:'(?!s\b)[\w\-]+)?)"
+_ENTITY = re.compile(rf"{_CAP_WORD}(?:\s+(?:(?:of|the|de|la|le|von|van|du|and|for)\s+)?{_CAP_WORD})*")
 _QUOTED = re.compile(r"[\"“]([^\"”]{3,80})[\"”]")
 _LEADING = frozenset("The A An In On At For By From With During After Before This That These "
                      "Those It He She They His Her Their Its When While Where What Which Who "
@@ -62,9 +62,10 @@ def entities(text: str) -> list[str]:
 
 
 def norm_title(title: str) -> str:
-    """Title without a trailing parenthetical qualifier, lower-cased: 'Kiss and Tell (1945 film)'
-    -> 'kiss and tell'."""
-    return re.sub(r"\s*\([^)]*\)\s*$", "", title).strip().lower()
+    """Title without a parenthetical or comma qualifier, lower-cased: 'Kiss and Tell (1945 film)'
+    -> 'kiss and tell', 'Brown County, Kansas' -> 'brown county'."""
+    title = re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0]
+    return title.strip().lower()
 
 
 def sentences(text: str) -> list[str]:
