@@ -201,13 +201,21 @@ class Episode:
 
     def add_hits(self, hits, *, tool: str, query: str, parents: tuple[str, ...],
                  cap: int | None = None, allow_cached: bool = False) -> list[str]:
-        """Cache, record provenance and show new hits, each cut to the cap and the room left."""
+        """Cache, record provenance and show new hits, each cut to the cap and the room left.
+        With `allow_cached` (reading), cached chunks come back and visible snippets are
+        replaced by the longer text."""
         added: list[str] = []
         cap = cap or self.settings.result_token_cap
-        for hit in hits:
-            if hit.chunk_id in self.context or (hit.chunk_id in self.cache and not allow_cached):
+        visible = {c.id: c for c in self.context.chunks()}
+        for hit in hits:  # (a longer view replaces a visible snippet in place)
+            if hit.chunk_id in self.cache and not allow_cached:
                 continue
-            room = self.budget.room(self.context.tokens)
+            shown_before = visible.get(hit.chunk_id)
+            if shown_before is not None and (shown_before.text == hit.text
+                                             or self.counter.count(shown_before.text) >= cap):
+                continue
+            room = self.budget.room(self.context.tokens - (shown_before.tokens
+                                                           if shown_before else 0))
             if room < 16:
                 break  # over budget: unseen hits stay findable by later searches
             if self.cache.add(hit.chunk_id, {"doc_id": hit.doc_id, "title": hit.title,

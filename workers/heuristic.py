@@ -35,10 +35,14 @@ class HeuristicPolicy:
     max_hops: int = 3
     keep: int = 8
     expand_per_turn: int = 3
-    entities_per_chunk: int = 2
+    entities_per_chunk: int = 4
     search_k: int = 6
     entity_k: int = 3
     expand_floor: float = 0.5
+    rank_decay: float = 0.6  # sub-query search: support 1 / (1 + decay * (rank - 1))
+    link_weight: float = 0.85  # a bridge child inherits this share of its parent's score
+    coverage_weight: float = 0.2
+    residual_weight: float = 0.7
     final_k: int = 10
     prune: bool = True
     # episode state
@@ -50,6 +54,7 @@ class HeuristicPolicy:
     scores: dict[str, float] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)
     expanded: set[str] = field(default_factory=set)
+    read: set[str] = field(default_factory=set)
     searched: set[str] = field(default_factory=set)
     bridges: dict[str, str] = field(default_factory=dict)  # entity -> parent chunk
     links: dict[str, tuple[str, float]] = field(default_factory=dict)  # entity -> (parent, sal)
@@ -68,7 +73,7 @@ class HeuristicPolicy:
             return self._prune_calls(view, visible, force=True) or [self._finish(visible)]
         searches = self._expansions(visible)
         recalls = self._recalls()
-        if not searches and not recalls:
+        if not searches and not recalls:  # nothing left to expand or read
             return [self._finish(visible)]
         calls = self._prune_calls(view, visible) if self.prune else []
         if recalls:
@@ -105,10 +110,16 @@ class HeuristicPolicy:
         """Record where each new chunk came from (the policy's own view of provenance)."""
         by_id = {c.id: c for c in view.visible}
         for result in view.last_results:
-            if not result.ok or result.call.name not in ("search_corpus", "recall_chunks"):
+            if not result.ok or result.call.name not in ("search_corpus", "recall_chunks",
+                                                         "read_document"):
                 continue
             if result.call.name == "recall_chunks":
                 self.pruned -= set(result.ids)
+                continue
+            if result.call.name == "read_document":
+                for cid in result.ids:
+                    if cid in by_id and cid in self.origins:
+                        self.chunks[cid] = by_id[cid]
                 continue
             parent = (result.call.args.get("from_ids") or [""])[0]
             origin = self._pending.get((result.call.args["query"], parent))
@@ -142,7 +153,7 @@ class HeuristicPolicy:
         coverage = len(self.q_terms & words) / max(len(self.q_terms), 1)
         support, parent = 0.15 / origin.rank, origin.parent
         if origin.kind == "question":
-            support, parent = 1.0 / (1.0 + 0.35 * (origin.rank - 1)), ""
+            support, parent = 1.0 / (1.0 + self.rank_decay * (origin.rank - 1)), ""
         title_terms = terms(norm_title(chunk.title))
         if title_terms and title_terms <= self.q_terms:
             support = max(support, 0.95 if len(title_terms) > 1 else 0.6)
@@ -151,7 +162,7 @@ class HeuristicPolicy:
             if source == cid:
                 continue
             if _names(chunk.title, entity):
-                via = (0.85 * salience * self.scores.get(source, 0.0) if source
+                via = (self.link_weight * salience * self.scores.get(source, 0.0) if source
                        else 0.95 if " " in entity else 0.6)
             else:
                 overlap = _word_overlap(chunk.title, entity)
@@ -165,7 +176,7 @@ class HeuristicPolicy:
             p = self.chunks[parent]
             left = self.q_terms - terms(f"{p.title} {p.text}")
             residual = len(left & words) / max(len(left), 1)
-        return support + 0.5 * coverage + 0.5 * residual
+        return support + self.coverage_weight * coverage + self.residual_weight * residual
 
     def _expansions(self, visible: set[str]) -> list[ToolCall]:
         ranked = self._ranked(visible)
@@ -175,6 +186,14 @@ class HeuristicPolicy:
                     and self.depth.get(cid, 0) < self.max_hops - 1]
         calls: list[ToolCall] = []
         for cid in frontier[: self.expand_per_turn]:
+            chunk = self.chunks[cid]
+            if chunk.text.endswith("…") and cid not in self.read:
+                # the snippet was cut: read the whole chunk, expand it next turn
+                self.read.add(cid)
+                n = int(cid.rsplit("#p", 1)[1])
+                calls.append(ToolCall("read_document", {"doc_id": chunk.doc_id, "start": n,
+                                                        "count": 1, "from_ids": [cid]}))
+                continue
             self.expanded.add(cid)
             linked = self._bridge_entities(cid)
             for entity, salience in linked:  # every entity links; the most salient are searched

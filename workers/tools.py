@@ -99,7 +99,7 @@ def _apply_read(ep: "Episode", args: dict, doc) -> ToolResult:
     from infra.hits import Hit
 
     hits = [Hit(c["chunk_id"], doc["doc_id"], 0.0, i + 1, "read", c["text"], doc["title"])
-            for i, c in enumerate(doc["chunks"]) if c["chunk_id"] not in ep.context]
+            for i, c in enumerate(doc["chunks"])]
     added = ep.add_hits(hits, tool="read_document", query=args["doc_id"],
                         parents=ep.known_parents(args.get("from_ids", [])),
                         cap=ep.settings.read_window_tokens, allow_cached=True)
@@ -136,7 +136,8 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
                "k": {"type": "integer", "minimum": 1, "maximum": 20}, "from_ids": _FROM},
               ["pattern"]),
          _apply_grep, _fetch_grep),
-    Tool("read_document", "Read a window of chunks of one document by id.",
+    Tool("read_document", "Read a window of chunks of one document by id; chunks already "
+                          "visible as snippets are shown in full.",
          _obj({"doc_id": {"type": "string", "minLength": 1},
                "start": {"type": "integer", "minimum": 0},
                "count": {"type": "integer", "minimum": 1, "maximum": 10}, "from_ids": _FROM},
