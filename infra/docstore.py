@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -26,16 +27,26 @@ CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
 """
 
 
+def _locked(method):
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
 class DocStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False)
         self._db.executescript(_SCHEMA)
+        self._lock = threading.RLock()  # one connection, many retriever threads
 
     def close(self) -> None:
         self._db.close()
 
+    @_locked
     def replace_documents(self, docs: Sequence[Document], chunks: Iterable[Chunk]) -> None:
         """Replace `docs` and all their chunks in one transaction."""
         with self._db:
@@ -53,12 +64,15 @@ class DocStore:
                 [(d.id, d.title, d.source, d.date, json.dumps(list(d.acl)), json.dumps(d.meta),
                   by_doc.get(d.id, 0)) for d in docs])
 
+    @_locked
     def chunk_count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
 
+    @_locked
     def doc_count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
 
+    @_locked
     def existing_chunk_ids(self, doc_ids: Sequence[str]) -> list[str]:
         out: list[str] = []
         for batch in _batches(doc_ids, 500):
@@ -67,6 +81,7 @@ class DocStore:
                 f"SELECT chunk_id FROM chunks WHERE doc_id IN ({marks})", batch)]
         return out
 
+    @_locked
     def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
         """chunk id -> {chunk_id, doc_id, n, text, title, acl, ...}; unknown ids are absent."""
         found: dict[str, dict] = {}
@@ -81,6 +96,7 @@ class DocStore:
                                  "source": row[6], "date": row[7], "acl": json.loads(row[8])}
         return found
 
+    @_locked
     def get_document(self, doc_id: str) -> dict | None:
         row = self._db.execute(
             "SELECT doc_id, title, source, date, acl, meta, n_chunks FROM docs WHERE doc_id = ?",
@@ -93,12 +109,14 @@ class DocStore:
                 "acl": json.loads(row[4]), "meta": json.loads(row[5]), "n_chunks": row[6],
                 "chunk_ids": chunks}
 
+    @_locked
     def document_chunks(self, doc_id: str) -> list[dict]:
         return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3]}
                 for r in self._db.execute(
                     "SELECT chunk_id, n, text, n_tokens FROM chunks WHERE doc_id = ? ORDER BY n",
                     (doc_id,))]
 
+    @_locked
     def titles(self) -> dict[str, str]:
         """doc id -> title, for every document (used for entity links between documents)."""
         return dict(self._db.execute("SELECT doc_id, title FROM docs"))

@@ -58,6 +58,7 @@ class Settings:
     branch_timeout_s: float = 120.0
     branch_retries: int = 1
     branch_num_cpus: float = 0.5
+    branch_num_gpus: float = 0.0  # used only when the cluster has GPUs (LLM policies)
     ray_address: str = ""
     batch_concurrency: int = 2
     # telemetry: none | console | jsonl | otlp

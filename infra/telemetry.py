@@ -85,7 +85,10 @@ def configure(exporter: str = "none", trace_file: str = "", otlp_endpoint: str =
 
         provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):
-            provider = TracerProvider(resource=Resource.create({"service.name": service}))
+            import os
+
+            provider = TracerProvider(resource=Resource.create(
+                {"service.name": service, "process.pid": os.getpid()}))
             trace.set_tracer_provider(provider)
         if span_exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(span_exporter))

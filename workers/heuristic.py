@@ -73,8 +73,9 @@ class HeuristicPolicy:
             return self._prune_calls(view, visible, force=True) or [self._finish(visible)]
         searches = self._expansions(visible)
         recalls = self._recalls()
-        if not searches and not recalls:  # nothing left to expand or read
-            return [self._finish(visible)]
+        if not searches and not recalls:  # nothing left to expand or read: keep what we
+            prune = self._prune_calls(view, visible) if self.prune else []  # return, finish
+            return prune + [self._finish(visible)]
         calls = self._prune_calls(view, visible) if self.prune else []
         if recalls:
             calls.append(ToolCall("recall_chunks", {"ids": recalls}))
@@ -259,7 +260,7 @@ class HeuristicPolicy:
                       key=lambda c: (-self.scores[c], c))
 
     def _finish(self, visible: set[str]) -> ToolCall:
-        ranked = self._ranked(visible)[: self.final_k]
+        ranked = self._ranked(visible - self.pruned)[: self.final_k]
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 

@@ -1,0 +1,75 @@
+"""Planning: decompose a question into weighted sub-queries, one branch each.
+
+`HeuristicPlanner` keeps the original question as the first branch (weight 1.0) and adds:
+* comparisons ("X or Y", "X and Y ... same/both/older/first") -> one branch per compared entity,
+  carrying the question's remaining terms;
+* conjunctions of clauses ("... and which ...", "...; ...") -> one branch per clause;
+* otherwise one branch per named entity with the question's content terms.
+Duplicates are dropped and the count is bounded by `max_branches` and by the question itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from workers.text import STOPWORDS, entities
+
+
+@dataclass(frozen=True)
+class SubQuery:
+    text: str
+    weight: float = 1.0
+    kind: str = "original"  # original | comparison | clause | entity
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "weight": self.weight, "kind": self.kind}
+
+
+_COMPARE = re.compile(r"\b(same|both|older|younger|first|earlier|later|larger|smaller|longer|"
+                      r"shorter|more|less|higher|lower|bigger|taller|either|neither|which one)\b",
+                      re.I)
+_CLAUSE = re.compile(r"\s*(?:;|,?\s+and\s+(?=(?:what|which|who|where|when|how)\b))\s*", re.I)
+
+
+def _residual(question: str, remove: list[str]) -> str:
+    text = question
+    for r in remove:
+        text = re.sub(re.escape(r), " ", text, flags=re.I)
+    words = [w for w in re.findall(r"[\w'-]+", text) if w.lower() not in STOPWORDS]
+    return " ".join(words)
+
+
+class HeuristicPlanner:
+    def plan(self, question: str, max_branches: int = 3) -> list[SubQuery]:
+        question = " ".join(question.split())
+        subs = [SubQuery(question, 1.0, "original")]
+        if max_branches > 1:
+            subs += self._comparison(question) or self._clauses(question) or \
+                self._entities(question)
+        seen, out = set(), []
+        for sub in subs:
+            key = sub.text.lower()
+            if key and key not in seen:
+                seen.add(key)
+                out.append(sub)
+        return out[:max_branches]
+
+    def _comparison(self, question: str) -> list[SubQuery]:
+        names = [e for e in entities(question) if " and " not in e]
+        if len(names) < 2 or not (_COMPARE.search(question) or " or " in question):
+            return []
+        rest = _residual(question, names)
+        return [SubQuery(f"{name} {rest}".strip(), 0.8, "comparison") for name in names[:4]]
+
+    def _clauses(self, question: str) -> list[SubQuery]:
+        parts = [p.strip(" ?") for p in _CLAUSE.split(question) if len(p.split()) >= 4]
+        if len(parts) < 2:
+            return []
+        return [SubQuery(p, 0.7, "clause") for p in parts]
+
+    def _entities(self, question: str) -> list[SubQuery]:
+        found = [e for e in entities(question) if len(e) > 3]
+        names = [e for e in found if not any(e != o and e.lower() in o.lower() for o in found)]
+        rest = _residual(question, names)
+        return [SubQuery(f"{name} {rest}".strip(), 0.5, "entity") for name in names[:3]]
