@@ -83,4 +83,13 @@ class MilvusStore:
         return int(stats.get("row_count", 0))
 
     def close(self) -> None:
+        """Close the client and, for an embedded file, stop its Milvus Lite server so another
+        process can open the file (Milvus Lite allows one process per file)."""
         self._client.close()
+        if not self.uri.startswith(("http://", "https://", "tcp://")):
+            try:
+                from milvus_lite.server_manager import server_manager_instance
+
+                server_manager_instance.release_server(self.uri)
+            except ImportError:
+                pass

@@ -141,6 +141,97 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
             print(f"  {name:<16} {value}")
 
 
+def _driver(settings: Settings, executor: str):
+    from orchestrator.driver import Driver
+
+    return Driver(settings, mode=executor)
+
+
+ExecutorOpt = typer.Option("ray", "--executor", help="ray (actors) | local (in-process)")
+AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default RAY_ADDRESS, "
+                                                   "else a local cluster)")
+
+
+@app.command()
+def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
+                                                                  help="at most N branches"),
+           policy: Optional[str] = typer.Option(None, help="heuristic | llm"),
+           trace: Optional[Path] = typer.Option(None, help="write spans (JSONL) here"),
+           executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
+           acl: Optional[list[str]] = typer.Option(None, help="caller's ACL groups"),
+           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
+           config: Optional[Path] = ConfigOpt, as_json: bool = typer.Option(False, "--json")):
+    """Search with parallel branch agents; prints the fused evidence."""
+    flags = {"branches": branches, "policy": policy, "ray_address": address}
+    if trace:
+        flags |= {"trace_exporter": "jsonl", "trace_file": str(trace)}
+    settings = _settings(home, index, config, **flags)
+    if branches == 1 and executor == "ray" and not address:
+        executor = "local"  # one branch needs no cluster
+    driver = _driver(settings, executor)
+    try:
+        result = driver.search(question, acl_groups=acl)
+    finally:
+        driver.close()
+    if as_json:
+        print(json.dumps(result.to_dict(), default=str))
+        return
+    print_result(result)
+
+
+def print_result(result) -> None:
+    print(f"question: {result.question}\ntrace_id: {result.trace_id}")
+    for b in result.branches:
+        extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
+                 f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
+                 if b.status == "ok" else b.error)
+        print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}: {extra}")
+    print("evidence:")
+    for doc in result.evidence:
+        print(f"  {doc['score']:.4f}  {doc['doc_id']}  ({doc['title']})")
+        for c in doc["chunks"]:
+            found = ", ".join(f"b{f['branch']}#{f['rank']}" for f in c["found_by"])
+            print(f"      {c['chunk_id']}  found by {found}: {' '.join(c['text'].split())[:110]}")
+
+
+@app.command()
+def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
+          output: Path = typer.Option(..., "-o", "--output", help="results JSONL (appended)"),
+          concurrency: Optional[int] = typer.Option(None, min=1),
+          branches: Optional[int] = typer.Option(None, min=1),
+          executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
+          home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
+          config: Optional[Path] = ConfigOpt):
+    """Many questions, resumable: re-running skips ids already in the output."""
+    from orchestrator.batch import read_questions, run_batch
+
+    settings = _settings(home, index, config, batch_concurrency=concurrency, branches=branches,
+                         ray_address=address)
+    data = read_questions(input)
+    for bad in data.bad_lines:
+        print(f"skipped {bad}", file=sys.stderr)
+    driver = _driver(settings, executor)
+    bar = _progress(len(data.items), "q", "batch")
+    failures = 0
+
+    def tick(ok: bool) -> None:
+        nonlocal failures
+        failures += not ok
+        bar.update(1)
+        bar.set_postfix(failures=failures)
+
+    try:
+        counts = run_batch(data.items, output, lambda q: driver.search(q).to_dict(),
+                           concurrency=settings.batch_concurrency, on_done=tick)
+    finally:
+        bar.close()
+        driver.close()
+    print(f"batch: {counts['done']} done, {counts['failed']} failed, {counts['skipped']} already "
+          f"in {output}, {len(data.bad_lines)} malformed input lines skipped")
+    if counts["failed"]:
+        sys.exit(1)
+
+
 def _slug(path: Path) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in path.resolve().name)
 

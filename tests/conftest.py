@@ -34,6 +34,14 @@ def hotpot_retriever(hotpot_settings):
     retriever.close()
 
 
+def ingest_copy(settings, index: str):
+    """The hotpot-mini fixture as another index in the same home (embeddings come from the
+    home's cache), for tests whose processes must own their own Milvus Lite file."""
+    copy = settings.replace(index=index)
+    ingest(HOTPOT, copy)
+    return copy
+
+
 @pytest.fixture(scope="session")
 def es_url(tmp_path_factory):
     """A real cluster when BRANCHSEARCH_ES_URL is set, else the noida-db emulator on a free port."""

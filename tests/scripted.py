@@ -27,3 +27,40 @@ class ScriptedPolicy:
 
 def call(name: str, **args) -> ToolCall:
     return ToolCall(name, args)
+
+
+class RaisingPolicy:
+    """Fails on the first decision (a crashed branch)."""
+
+    def decide(self, view):
+        raise RuntimeError("branch exploded on purpose")
+
+    def query_state(self) -> dict:
+        return {}
+
+
+class SlowPolicy:
+    """Sleeps through its deadline (a late branch)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def decide(self, view):
+        import time
+
+        time.sleep(self.seconds)
+        return [ToolCall("finish", {"ids": []})]
+
+    def query_state(self) -> dict:
+        return {}
+
+
+def faulty_factory(index: int, subquery: str):
+    """Branch 1 cannot even build its policy, branch 2 is too slow, the rest are heuristic."""
+    from workers.heuristic import HeuristicPolicy
+
+    if index == 1:
+        raise ValueError("no policy for branch 1")
+    if index == 2:
+        return SlowPolicy(30)
+    return HeuristicPolicy()
