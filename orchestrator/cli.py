@@ -18,6 +18,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 HomeOpt = typer.Option(None, "--home", help="data home (default ./.branchsearch)")
 IndexOpt = typer.Option(None, "--index", help="index name (default 'default')")
 ConfigOpt = typer.Option(None, "--config", help="settings TOML file")
+ExecutorOpt = typer.Option("ray", "--executor", help="ray (actors) | local (in-process)")
+AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default RAY_ADDRESS, "
+                                                   "else a local cluster)")
 
 
 def _settings(home, index, config, **flags) -> Settings:
@@ -98,6 +101,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  None, help="run the branch agent with this policy (heuristic | llm) instead "
                             "of single-shot retrieval"),
              prune: bool = typer.Option(True, "--prune/--no-prune", help="agent may prune"),
+             branches: int = typer.Option(1, min=1, help="branches per question (agent)"),
+             executor: str = ExecutorOpt,
              limit: Optional[int] = typer.Option(None, min=1),
              report: Optional[Path] = typer.Option(None, help="write the JSON report here"),
              home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
@@ -113,21 +118,26 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
     if mode not in MODES:
         raise BranchsearchError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     settings = _settings(home, index or _slug(dataset), config, prune=prune,
-                         policy=policy)
+                         policy=policy, branches=branches)
     queries = read_queries(dataset)[:limit]
     if ingest_first and not (settings.index_dir / "docs.sqlite").exists():
         print(f"index {settings.index!r} missing: ingesting {dataset}", file=sys.stderr)
         bar = _progress(None, "doc", "ingest")
         run_ingest(dataset, settings, progress=lambda d, c: bar.update(d))
         bar.close()
-    retriever = open_retriever(settings, need_dense=mode != "bm25" or policy is not None)
     bar = _progress(len(queries), "q", f"eval {policy or mode}")
     if policy:
         from orchestrator.evaluate import eval_agent
 
-        result = eval_agent(retriever, queries, settings, progress=lambda: bar.update(1))
+        driver = _driver(settings, "local" if settings.branches == 1 else executor)
+        try:
+            result = eval_agent(driver, queries, progress=lambda: bar.update(1))
+        finally:
+            driver.close()
     else:
+        retriever = open_retriever(settings, need_dense=mode != "bm25")
         result = eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1))
+        retriever.close()
     bar.close()
     result["dataset"] = str(dataset)
     if report:
@@ -147,9 +157,6 @@ def _driver(settings: Settings, executor: str):
     return Driver(settings, mode=executor)
 
 
-ExecutorOpt = typer.Option("ray", "--executor", help="ray (actors) | local (in-process)")
-AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default RAY_ADDRESS, "
-                                                   "else a local cluster)")
 
 
 @app.command()

@@ -31,7 +31,7 @@ class Driver:
         if mode == "local":
             from infra.retriever import open_retriever
 
-            self.retriever = open_retriever(settings)
+            self.retriever = TimedRetriever(open_retriever(settings))
         elif mode == "ray":
             self._start_ray(pool_size or settings.branches * max(settings.batch_concurrency, 1))
         else:
@@ -74,6 +74,10 @@ class Driver:
             return
         import ray
 
+        try:
+            ray.get(self._retriever.close.remote(), timeout=30)
+        except Exception:  # already dead: nothing to release
+            pass
         for actor in self._idle + [self._retriever]:
             ray.kill(actor)
         self._idle = []
@@ -121,7 +125,8 @@ class Driver:
         if out is not None:
             for name in ("termination", "turns", "tool_calls", "context_tokens_final",
                          "tokens_read", "latency_s", "ranked_chunk_ids", "retrieved_ids",
-                         "pruned_ids", "context_tokens_per_turn", "trace", "pid"):
+                         "pruned_ids", "context_tokens_per_turn", "trace", "pid", "policy_s",
+                         "backend_s", "rpc_s"):
                 if name in out:
                     setattr(report, name, out[name])
             evidence = out.get("evidence", [])
@@ -141,9 +146,11 @@ class Driver:
                     span.set_attributes({"branch.index": i, "branch.subquery": sub.text})
                     policy = (self.policy_factory(i, sub.text) if self.policy_factory
                               else make_policy(self.settings))
+                    before = self.retriever.backend_s
                     out = Episode(sub.text, self.retriever, policy, self.settings,
                                   acl_groups=acl_groups).run().to_dict()
-                out["latency_s"], out["pid"] = time.perf_counter() - started, os.getpid()
+                out |= {"latency_s": time.perf_counter() - started, "pid": os.getpid(),
+                        "backend_s": self.retriever.backend_s - before}
                 reports.append(self._report(i, sub, "ok", out))
             except Exception as exc:
                 reports.append(self._report(i, sub, "error", error=f"{type(exc).__name__}: "
@@ -180,3 +187,27 @@ class Driver:
                 self._release(actor)
         return reports
 
+
+
+class TimedRetriever:
+    """A local retriever that adds up the time spent inside it (the backend work)."""
+
+    def __init__(self, retriever):
+        self.retriever = retriever
+        self.backend_s = 0.0
+
+    def __getattr__(self, name):
+        method = getattr(self.retriever, name)
+        if name not in ("search", "grep", "get_chunks", "read_document"):
+            return method
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.backend_s += time.perf_counter() - started
+        return timed
+
+    def close(self) -> None:
+        self.retriever.close()

@@ -32,29 +32,29 @@ def eval_single_shot(retriever: Retriever, queries: list[Query], mode: str,
     return {"mode": mode, "queries": len(queries), "metrics": metrics, "per_query": per_query}
 
 
-def eval_agent(retriever: Retriever, queries: list[Query], settings,
+def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
                progress: Callable[[], None] | None = None) -> dict:
-    """Run one branch agent per query (in-process) and score its final evidence."""
-    from workers.factory import make_policy
-    from workers.harness import Episode
-
+    """Run the driver (one or more branch agents) per query and score the fused evidence."""
     per_query, latencies = [], []
     for q in queries:
-        t = time.perf_counter()
-        result = Episode(q.text, retriever, make_policy(settings), settings).run()
-        latencies.append(time.perf_counter() - t)
+        result = driver.search(q.text, max_branches=max_branches)
+        latencies.append(result.metrics["latency_s"])
+        ok = [b for b in result.branches if b.status == "ok"]
         ranking = doc_ranking(result.ranked_chunk_ids)
         metrics = single_shot_metrics(ranking, q.gold)
-        metrics |= {"context_tokens_final": result.context_tokens_final,
-                    "context_tokens_max": max(result.context_tokens_per_turn or [0]),
-                    "tokens_read": result.tokens_read, "turns": result.turns,
-                    "tool_calls": result.tool_calls}
+        metrics |= {
+            "context_tokens_final": mean([b.context_tokens_final for b in ok]),
+            "context_tokens_max": mean([max(b.context_tokens_per_turn or [0]) for b in ok]),
+            "tokens_read": sum(b.tokens_read for b in ok),
+            "turns": sum(b.turns for b in ok), "tool_calls": sum(b.tool_calls for b in ok),
+            "branches": len(result.branches), "branches_failed": len(result.branches) - len(ok)}
         per_query.append({"id": q.id, "ranking": ranking[:10], "metrics": metrics,
-                          "termination": result.termination})
+                          "terminations": [b.termination for b in ok]})
         if progress:
             progress()
     names = per_query[0]["metrics"].keys() if per_query else []
     metrics = {name: round(mean([p["metrics"][name] for p in per_query]), 4) for name in names}
     metrics["latency_s_p50"] = round(percentile(latencies, 50), 3)
-    return {"policy": settings.policy, "prune": settings.prune, "queries": len(queries),
+    return {"policy": driver.settings.policy, "prune": driver.settings.prune,
+            "branches": max_branches or driver.settings.branches, "queries": len(queries),
             "metrics": metrics, "per_query": per_query}

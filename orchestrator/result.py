@@ -27,6 +27,9 @@ class BranchReport:
     context_tokens_per_turn: list[int] = field(default_factory=list)
     trace: list[dict] = field(default_factory=list, repr=False)
     pid: int = 0
+    policy_s: float = 0.0
+    backend_s: float = 0.0
+    rpc_s: float = 0.0
 
     def summary(self) -> dict:
         return {k: v for k, v in self.__dict__.items()

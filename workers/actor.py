@@ -26,20 +26,23 @@ class RetrieverService:
 
         self.retriever = open_retriever(settings)
 
-    def search(self, *args, **kwargs):
-        return self.retriever.search(*args, **kwargs)
-
-    def grep(self, *args, **kwargs):
-        return self.retriever.grep(*args, **kwargs)
-
-    def get_chunks(self, ids):
-        return self.retriever.get_chunks(ids)
-
-    def read_document(self, *args, **kwargs):
-        return self.retriever.read_document(*args, **kwargs)
+    def call(self, method: str, *args, **kwargs):
+        """(result, seconds spent in the backend): the caller learns the RPC overhead."""
+        if method not in ("search", "grep", "get_chunks", "read_document"):
+            raise ValueError(f"unknown retriever method {method!r}")
+        started = time.perf_counter()
+        try:
+            return getattr(self.retriever, method)(*args, **kwargs), \
+                time.perf_counter() - started
+        except Exception as exc:  # BadQuery and friends travel back as values
+            return exc, time.perf_counter() - started
 
     def ping(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Release the stores (and the Milvus Lite file) before the actor is killed."""
+        self.retriever.close()
 
 
 class RemoteRetriever:
@@ -47,18 +50,29 @@ class RemoteRetriever:
 
     def __init__(self, handle):
         self.handle = handle
+        self.backend_s = 0.0  # time inside the retriever
+        self.rpc_s = 0.0  # round trips, backend included
+
+    def _call(self, method: str, *args, **kwargs):
+        started = time.perf_counter()
+        value, backend = ray.get(self.handle.call.remote(method, *args, **kwargs))
+        self.rpc_s += time.perf_counter() - started
+        self.backend_s += backend
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     def search(self, *args, **kwargs):
-        return ray.get(self.handle.search.remote(*args, **kwargs))
+        return self._call("search", *args, **kwargs)
 
     def grep(self, *args, **kwargs):
-        return ray.get(self.handle.grep.remote(*args, **kwargs))
+        return self._call("grep", *args, **kwargs)
 
     def get_chunks(self, ids):
-        return ray.get(self.handle.get_chunks.remote(ids))
+        return self._call("get_chunks", ids)
 
     def read_document(self, *args, **kwargs):
-        return ray.get(self.handle.read_document.remote(*args, **kwargs))
+        return self._call("read_document", *args, **kwargs)
 
 
 class BranchService:
@@ -67,7 +81,7 @@ class BranchService:
 
         self.settings = settings
         telemetry.configure_from(settings)
-        self.retriever = RemoteRetriever(retriever_handle)
+        self.handle = retriever_handle
 
     def run(self, index: int, subquery: str, carrier: dict | None = None,
             policy_factory=None, acl_groups: list[str] | None = None) -> dict:
@@ -81,13 +95,14 @@ class BranchService:
                 span.set_attributes({"branch.index": index, "branch.subquery": subquery,
                                      "process.pid": os.getpid()})
                 started = time.perf_counter()
+                retriever = RemoteRetriever(self.handle)  # fresh counters per episode
                 policy = (policy_factory(index, subquery) if policy_factory
                           else make_policy(self.settings))
-                result = Episode(subquery, self.retriever, policy, self.settings,
+                result = Episode(subquery, retriever, policy, self.settings,
                                  acl_groups=acl_groups).run()
                 out = result.to_dict()
-                out["latency_s"] = time.perf_counter() - started
-                out["pid"] = os.getpid()
+                out |= {"latency_s": time.perf_counter() - started, "pid": os.getpid(),
+                        "backend_s": retriever.backend_s, "rpc_s": retriever.rpc_s}
                 return out
         finally:
             telemetry.flush()

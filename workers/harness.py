@@ -8,6 +8,7 @@ schemas, the budget rules and the three-layer prune (propose → validate/apply 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from html import escape
@@ -50,6 +51,7 @@ class EpisodeResult:
     trace: list[dict] = field(repr=False, default_factory=list)
     provenance: list[dict] = field(repr=False, default_factory=list)
     trace_id: str = ""
+    policy_s: float = 0.0  # time the policy spent deciding
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -76,6 +78,7 @@ class Episode:
         self.last_results: list[ToolResult] = []
         self._stale_turns = 0
         self._progress = False
+        self.policy_s = 0.0
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -104,10 +107,13 @@ class Episode:
         with tracer().start_as_current_span("turn") as span:
             before = self.context.tokens
             view = self.view()
+            started = time.perf_counter()
             try:
                 calls = list(self.policy.decide(view))
             except Exception as exc:
                 raise EpisodeEnd("policy_error", f"{type(exc).__name__}: {exc}") from None
+            finally:
+                self.policy_s += time.perf_counter() - started
             self._progress = False
             self.last_results = self.execute(calls)
             after = self.context.tokens
@@ -323,5 +329,5 @@ class Episode:
             tool_calls=self.tool_calls, evidence=evidence, ranked_chunk_ids=ranked,
             context_tokens_final=self.context.tokens, context_tokens_per_turn=self.tokens_per_turn,
             tokens_read=self.tokens_read, retrieved_ids=self.cache.ids(),
-            pruned_ids=list(self.pruned), trace=self.trace.records(),
+            pruned_ids=list(self.pruned), trace=self.trace.records(), policy_s=self.policy_s,
             provenance=self.provenance.records())

@@ -1,0 +1,92 @@
+"""Per-query latency of the driver: 1 branch in-process vs 1 and 3 branches through Ray, the
+share of wall time spent outside backend and policy work, and batch throughput with 1, 2 and 4
+concurrent questions. One run; medians over the same questions for every configuration.
+
+    python bench/orchestrator_latency.py --home /tmp/bs --index hotpotqa-dev200 \\
+        --queries ../shared/data/hotpotqa-dev200 [--n 30] [--batch-n 40]
+
+Overhead share (per query) = 1 - work / wall, where work is the policy's deciding time plus the
+time spent inside the retriever (embedding, Milvus, tantivy, docstore) — summed over branches
+when they run one after another in-process, the busiest branch when they run in parallel.
+Everything else (harness bookkeeping, token counting, Ray dispatch and RPC, fusion) is overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infra.dataset import read_queries  # noqa: E402
+from infra.settings import load_settings  # noqa: E402
+from orchestrator.batch import run_batch  # noqa: E402
+from orchestrator.driver import Driver  # noqa: E402
+
+
+def measure(driver: Driver, questions: list[str], branches: int) -> dict:
+    driver.search(questions[0], max_branches=branches)  # warm-up
+    walls, shares = [], []
+    for q in questions:
+        r = driver.search(q, max_branches=branches)
+        work = [b.policy_s + b.backend_s for b in r.branches]
+        busy = sum(work) if driver.mode == "local" else max(work)
+        walls.append(r.metrics["latency_s"])
+        shares.append(max(0.0, 1 - busy / r.metrics["latency_s"]))
+    return {"p50_ms": 1000 * statistics.median(walls), "overhead": statistics.median(shares)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--home", default=".branchsearch")
+    ap.add_argument("--index", default="hotpotqa-dev200")
+    ap.add_argument("--queries", type=Path, required=True)
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--batch-n", type=int, default=40)
+    args = ap.parse_args()
+    settings = load_settings(overrides={"home": args.home, "index": args.index})
+    questions = [q.text for q in read_queries(args.queries)]
+    sample = questions[: args.n]
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.queries.name}, "
+          f"{len(sample)} questions, heuristic policy")
+
+    rows = []
+    local = Driver(settings, mode="local")
+    rows.append(("1 branch, in-process", measure(local, sample, 1)))
+    local.close()
+    ray_driver = Driver(settings, mode="ray", pool_size=3)
+    rows.append(("1 branch, Ray actors", measure(ray_driver, sample, 1)))
+    rows.append(("3 branches, Ray actors", measure(ray_driver, sample, 3)))
+    ray_driver.close()
+    base = rows[0][1]["p50_ms"]
+    print("\n| configuration | median latency ms | vs in-process | overhead share (median) |")
+    print("|---|---|---|---|")
+    for name, m in rows:
+        print(f"| {name} | {m['p50_ms']:.0f} | {m['p50_ms'] / base:.2f}x | "
+              f"{100 * m['overhead']:.1f} % |")
+
+    batch = [(str(i), q) for i, q in enumerate(questions[: args.batch_n])]
+    print(f"\nbatch throughput, {len(batch)} questions, 3 branches each")
+    print("| concurrency | questions/s | vs 1 |\n|---|---|---|")
+    first = None
+    out_dir = Path(settings.home) / "bench-batch"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for concurrency in (1, 2, 4):
+        driver = Driver(settings.replace(batch_concurrency=concurrency, branches=3), mode="ray")
+        out = out_dir / f"c{concurrency}.jsonl"
+        out.unlink(missing_ok=True)
+        started = time.perf_counter()
+        run_batch(batch, out, lambda q: driver.search(q).to_dict(), concurrency=concurrency)
+        rate = len(batch) / (time.perf_counter() - started)
+        driver.close()
+        first = first or rate
+        print(f"| {concurrency} | {rate:.2f} | {rate / first:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
