@@ -5,10 +5,12 @@ concurrent questions. One run; medians over the same questions for every configu
     python bench/orchestrator_latency.py --home /tmp/bs --index hotpotqa-dev200 \\
         --queries ../shared/data/hotpotqa-dev200 [--n 30] [--batch-n 40]
 
-Overhead share (per query) = 1 - work / wall, where work is the policy's deciding time plus the
-time spent inside the retriever (embedding, Milvus, tantivy, docstore) — summed over branches
-when they run one after another in-process, the busiest branch when they run in parallel.
-Everything else (harness bookkeeping, token counting, Ray dispatch and RPC, fusion) is overhead.
+Overhead share (per query) = 1 - work / wall. Work is the policy's deciding time plus the wall
+time of the retrieval phases (a turn's tool calls fetch concurrently), of which through Ray only
+the backend's share counts (backend time measured inside the retriever actor / round-trip time).
+Summed over branches when they run one after another in-process, the busiest branch when they
+run in parallel. Everything else (harness bookkeeping, token counting, Ray dispatch and RPC,
+fusion) is overhead.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def measure(driver: Driver, questions: list[str], branches: int) -> dict:
     walls, shares = [], []
     for q in questions:
         r = driver.search(q, max_branches=branches)
-        work = [b.policy_s + b.backend_s for b in r.branches]
+        work = [b.policy_s + b.fetch_s * (min(b.backend_s / b.rpc_s, 1.0) if b.rpc_s else 1.0)
+                for b in r.branches]
         busy = sum(work) if driver.mode == "local" else max(work)
         walls.append(r.metrics["latency_s"])
         shares.append(max(0.0, 1 - busy / r.metrics["latency_s"]))

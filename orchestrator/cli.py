@@ -34,14 +34,6 @@ def _progress(total: int | None, unit: str, desc: str):
                 disable=None)
 
 
-def _write_json(path: Path, data) -> None:
-    """Write atomically: a crash never leaves a half-written report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
-
-
 @app.command()
 def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or folder of .txt/.md"),
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
@@ -96,27 +88,40 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", help="bm25 | dense |
 
 @app.command("eval")
 def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
-             mode: str = typer.Option("hybrid", help="bm25 | dense | hybrid (single-shot)"),
+             mode: str = typer.Option("hybrid", help="bm25 | dense | hybrid (single-shot, when "
+                                                     "no --policy)"),
              policy: Optional[str] = typer.Option(
-                 None, help="run the branch agent with this policy (heuristic | llm) instead "
-                            "of single-shot retrieval"),
+                 None, help="evaluate the branch agent with this policy (heuristic | llm)"),
+             baseline: Optional[str] = typer.Option(
+                 None, help="also run a baseline: bm25 | dense | hybrid | no-prune"),
+             compare: bool = typer.Option(False, "--compare", help="paired comparison of the "
+                                          "agent against the baseline (default hybrid)"),
              prune: bool = typer.Option(True, "--prune/--no-prune", help="agent may prune"),
              branches: int = typer.Option(1, min=1, help="branches per question (agent)"),
              executor: str = ExecutorOpt,
              limit: Optional[int] = typer.Option(None, min=1),
-             report: Optional[Path] = typer.Option(None, help="write the JSON report here"),
+             report: Optional[Path] = typer.Option(None, help="JSON report (+ .md beside it)"),
+             plots: Optional[Path] = typer.Option(None, help="write PNG plots to this folder"),
              home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
              config: Optional[Path] = ConfigOpt, ingest_first: bool = typer.Option(
                  True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
              as_json: bool = typer.Option(False, "--json")):
-    """Evaluate single-shot retrieval on a BEIR folder."""
+    """Evaluate single-shot retrieval or the branch agent on a BEIR folder."""
     from infra.dataset import read_queries
     from infra.ingest import ingest as run_ingest
-    from infra.retriever import open_retriever, MODES
-    from orchestrator.evaluate import eval_single_shot
+    from infra.retriever import MODES
+    from orchestrator import report as rep
+    from orchestrator.evaluate import compare as paired
 
     if mode not in MODES:
         raise BranchsearchError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if compare and not policy:
+        raise BranchsearchError("--compare needs --policy (the agent to compare)")
+    baseline = baseline or ("hybrid" if compare else None)
+    if baseline and baseline not in (*MODES, "no-prune"):
+        raise BranchsearchError(f"unknown baseline {baseline!r}: bm25, dense, hybrid, no-prune")
+    if baseline == "no-prune" and not policy:
+        raise BranchsearchError("--baseline no-prune needs --policy")
     settings = _settings(home, index or _slug(dataset), config, prune=prune,
                          policy=policy, branches=branches)
     queries = read_queries(dataset)[:limit]
@@ -125,30 +130,75 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
         bar = _progress(None, "doc", "ingest")
         run_ingest(dataset, settings, progress=lambda d, c: bar.update(d))
         bar.close()
-    bar = _progress(len(queries), "q", f"eval {policy or mode}")
-    if policy:
-        from orchestrator.evaluate import eval_agent
 
-        driver = _driver(settings, "local" if settings.branches == 1 else executor)
-        try:
-            result = eval_agent(driver, queries, progress=lambda: bar.update(1))
-        finally:
-            driver.close()
+    runs = []
+    if policy:
+        runs.append(_eval_agent(settings, queries, executor))
     else:
-        retriever = open_retriever(settings, need_dense=mode != "bm25")
-        result = eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1))
-        retriever.close()
-    bar.close()
-    result["dataset"] = str(dataset)
+        runs.append(_eval_single(settings, queries, mode))
+    if baseline == "no-prune":
+        runs.append(_eval_agent(settings.replace(prune=False), queries, executor))
+    elif baseline:
+        runs.append(_eval_single(settings, queries, baseline))
+    result = {"dataset": str(dataset), "metrics": runs[0]["metrics"], "runs": runs}
+    if "attribution" in runs[0]:
+        result["attribution"] = runs[0]["attribution"]
+    if baseline:
+        comparison = paired(runs[0], runs[1])
+        result["comparisons"] = [{"agent": runs[0]["config"], "baseline": runs[1]["config"],
+                                  **comparison}]
+    if plots:
+        result["plots"] = rep.plots(result, {q.id: q.gold for q in queries}, plots)
     if report:
-        _write_json(report, result)
+        rep.write_json(report, result)
+        md = report.with_suffix(".md")
+        md.write_text(rep.markdown(result))
     if as_json:
-        print(json.dumps({k: v for k, v in result.items() if k != "per_query"}))
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"} | {
+            "runs": [{k: v for k, v in r.items() if k != "per_query"} for r in runs]},
+            default=str))
     else:
-        what = f"policy={policy} prune={prune}" if policy else f"mode={mode}"
-        print(f"{dataset.name} {what} queries={result['queries']}")
-        for name, value in result["metrics"].items():
-            print(f"  {name:<16} {value}")
+        print(f"{dataset.name}: {len(queries)} queries")
+        names = [m for m in rep.SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
+        print("  " + "metric".ljust(22) + "".join(r["config"][:22].rjust(24) for r in runs))
+        for m in names:
+            print("  " + m.ljust(22) + "".join(
+                (f"{r['metrics'][m]:.4g}" if m in r["metrics"] else "-").rjust(24)
+                for r in runs))
+        if "attribution" in runs[0]:
+            print("  attribution: " + ", ".join(f"{k} {v}" for k, v in
+                                                 runs[0]["attribution"].items()))
+        for c in result.get("comparisons", []):
+            print(f"  paired vs {c['baseline']} on {c['measure']}: {c['wins']} wins, "
+                  f"{c['losses']} losses, {c['ties']} ties")
+
+
+def _eval_single(settings: Settings, queries, mode: str) -> dict:
+    from infra.retriever import open_retriever
+    from orchestrator.evaluate import eval_single_shot
+
+    retriever = open_retriever(settings, need_dense=mode != "bm25")
+    bar = _progress(len(queries), "q", f"eval {mode}")
+    try:
+        return eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1))
+    finally:
+        bar.close()
+        retriever.close()
+
+
+def _eval_agent(settings: Settings, queries, executor: str) -> dict:
+    from infra.docstore import DocStore
+    from orchestrator.evaluate import eval_agent
+
+    driver = _driver(settings, "local" if settings.branches == 1 else executor)
+    docstore = DocStore(settings.index_dir / "docs.sqlite")
+    bar = _progress(len(queries), "q", f"eval {settings.policy}")
+    try:
+        return eval_agent(driver, queries, docstore=docstore, progress=lambda: bar.update(1))
+    finally:
+        bar.close()
+        docstore.close()
+        driver.close()
 
 
 def _driver(settings: Settings, executor: str):
@@ -237,6 +287,77 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           f"in {output}, {len(data.bad_lines)} malformed input lines skipped")
     if counts["failed"]:
         sys.exit(1)
+
+
+@app.command()
+def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format)"),
+          docs: int = typer.Option(2000, min=8), tasks: int = typer.Option(100, min=1),
+          seed: int = typer.Option(7)):
+    """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
+    from infra.synth import synth as make
+
+    try:
+        counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)
+    except ValueError as exc:
+        raise BranchsearchError(str(exc)) from None
+    print(f"wrote {counts['documents']} documents and {counts['tasks']} multi-hop questions "
+          f"to {out_dir}")
+
+
+@app.command()
+def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
+         executor: str = ExecutorOpt):
+    """The main job on embedded defaults: build a small synthetic corpus, ingest it, run one
+    multi-hop question through parallel branches and explain what each branch did."""
+    import json as _json
+
+    from infra.ingest import ingest as run_ingest
+    from infra.synth import synth as make
+
+    settings = _settings(home, "demo", None, branches=branches)
+    corpus = Path(settings.home) / "demo-corpus"
+    if not (settings.index_dir / "docs.sqlite").exists():
+        make(corpus, docs=240, tasks=12, seed=11)
+        print(f"1. wrote a synthetic corpus to {corpus} (240 documents, 12 multi-hop tasks)")
+        bar = _progress(240, "doc", "2. ingest (chunk, embed, index)")
+        report = run_ingest(corpus, settings, progress=lambda d, c: bar.update(d))
+        bar.close()
+        print(f"   {report.chunks} chunks in Milvus Lite + tantivy under {settings.index_dir}")
+    else:
+        print(f"1-2. reusing the demo index under {settings.index_dir}")
+    task = _json.loads((corpus / "queries.jsonl").read_text().splitlines()[1])
+    gold = [line.split("\t")[1] for line in (corpus / "qrels" / "test.tsv").read_text()
+            .splitlines()[1:] if line.startswith(task["_id"] + "\t")]
+    print(f"3. question ({task['metadata']['hops']} hops): {task['text']}")
+    driver = _driver(settings, "local" if branches == 1 else executor)
+    try:
+        result = driver.search(task["text"])
+    finally:
+        driver.close()
+    print("4. what each branch did:")
+    for b in result.branches:
+        print(f"   branch {b.index} [{b.status}] {b.kind} w={b.weight:g}: {b.subquery!r}")
+        if b.status != "ok":
+            print(f"      {b.error}")
+            continue
+        searched = [r["args"].get("query") or r["args"].get("doc_id") for r in b.trace
+                    if r["kind"] == "call" and r["tool"] in ("search_corpus", "read_document")]
+        print(f"      searched {len(searched)}x: " + "; ".join(map(str, searched[:6]))
+              + (" …" if len(searched) > 6 else ""))
+        for p in [r for r in b.trace if r["kind"] == "prune"][:2]:
+            print(f"      pruned {len(p['applied'])} at turn {p['turn']} "
+                  f"({p['tokens_before']}→{p['tokens_after']} tokens): {p['reason'][:90]}")
+        print(f"      kept {len(b.final_context_ids)} chunks ({b.context_tokens_final} tokens), "
+              f"stopped by {b.termination} after {b.turns} turns")
+    print("5. fused evidence (reciprocal rank fusion over branches):")
+    for doc in result.evidence[:6]:
+        mark = "*" if doc["doc_id"] in gold else " "
+        found = sorted({f["branch"] for c in doc["chunks"] for f in c["found_by"]})
+        print(f"   {mark} {doc['score']:.4f} {doc['title']}  [branches {found}]")
+        print(f"       {' '.join(doc['chunks'][0]['text'].split())[:120]}")
+    top = {d["doc_id"] for d in result.evidence[:len(gold) + 1]}
+    print(f"   (* = gold; {len(set(gold) & top)}/{len(gold)} gold documents in the top "
+          f"{len(gold) + 1}; answer: {task['metadata']['answer']!r}; trace id {result.trace_id})")
 
 
 def _slug(path: Path) -> str:

@@ -125,7 +125,8 @@ class Driver:
         if out is not None:
             for name in ("termination", "turns", "tool_calls", "context_tokens_final",
                          "tokens_read", "latency_s", "ranked_chunk_ids", "retrieved_ids",
-                         "pruned_ids", "context_tokens_per_turn", "trace", "pid", "policy_s",
+                         "final_context_ids",
+                         "pruned_ids", "context_tokens_per_turn", "trace", "pid", "policy_s", "fetch_s",
                          "backend_s", "rpc_s"):
                 if name in out:
                     setattr(report, name, out[name])

@@ -24,10 +24,12 @@ class BranchReport:
     ranked_chunk_ids: list[str] = field(default_factory=list)
     retrieved_ids: list[str] = field(default_factory=list)
     pruned_ids: list[str] = field(default_factory=list)
+    final_context_ids: list[str] = field(default_factory=list)
     context_tokens_per_turn: list[int] = field(default_factory=list)
     trace: list[dict] = field(default_factory=list, repr=False)
     pid: int = 0
     policy_s: float = 0.0
+    fetch_s: float = 0.0
     backend_s: float = 0.0
     rpc_s: float = 0.0
 

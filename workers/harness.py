@@ -48,10 +48,12 @@ class EpisodeResult:
     tokens_read: int
     retrieved_ids: list[str]
     pruned_ids: list[str]
+    final_context_ids: list[str]
     trace: list[dict] = field(repr=False, default_factory=list)
     provenance: list[dict] = field(repr=False, default_factory=list)
     trace_id: str = ""
     policy_s: float = 0.0  # time the policy spent deciding
+    fetch_s: float = 0.0  # wall time of the (concurrent) retrieval phases
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -79,6 +81,7 @@ class Episode:
         self._stale_turns = 0
         self._progress = False
         self.policy_s = 0.0
+        self.fetch_s = 0.0
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -160,6 +163,7 @@ class Episode:
                     if checked[i] is None and TOOLS[c.name].fetch is not None
                     and self.budget.allows(c.name, self.context.tokens)}
         fetched: dict[int, object] = {}
+        started = time.perf_counter()
         if fetchers:
             with ThreadPoolExecutor(max_workers=min(8, len(fetchers))) as pool:
                 futures = {i: pool.submit(fn, self, calls[i].args) for i, fn in fetchers.items()}
@@ -169,6 +173,7 @@ class Episode:
                     except Exception as exc:  # a backend failure is an observation, not a crash
                         fetched[i] = Rejected(f"{calls[i].name} failed: {type(exc).__name__}: "
                                               f"{exc}")
+        self.fetch_s += time.perf_counter() - started
         results = []
         for i, call in enumerate(calls):
             with trace.use_span(spans[i], end_on_exit=True):
@@ -329,5 +334,6 @@ class Episode:
             tool_calls=self.tool_calls, evidence=evidence, ranked_chunk_ids=ranked,
             context_tokens_final=self.context.tokens, context_tokens_per_turn=self.tokens_per_turn,
             tokens_read=self.tokens_read, retrieved_ids=self.cache.ids(),
-            pruned_ids=list(self.pruned), trace=self.trace.records(), policy_s=self.policy_s,
+            pruned_ids=list(self.pruned), final_context_ids=self.context.ids(), trace=self.trace.records(), policy_s=self.policy_s,
+            fetch_s=self.fetch_s,
             provenance=self.provenance.records())

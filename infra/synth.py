@@ -1,0 +1,167 @@
+"""A synthetic enterprise corpus with multi-hop clue chains, written as a BEIR folder.
+
+Each task is a chain  project -> planning doc -> vendor -> contract -> review:
+
+* the planning document of "Project Amber Falcon" (a year) names the selected vendor;
+* the vendor's profile names its master contract;
+* the contract names the year of its review; the review holds the answer (its outcome).
+
+The question names only the project and asks for the review outcome, so every hop must be
+found from the previous one. Look-alike distractors are mined from the same names: the same
+project in another year choosing another vendor, the same vendor's older contract, reviews of
+the right contract in the wrong year, and documents that meet part of the constraints.
+Filler documents (minutes, policies) pad the corpus to `docs`. Deterministic by seed; written
+line by line, so millions of documents need no memory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ADJ = ("Amber Azure Bold Cedar Cobalt Copper Crimson Delta Ember Frost Golden Granite Indigo "
+       "Iron Jade Lunar Maple Marble Nova Onyx Orchid Polar Quartz Raven Ruby Sable Silver "
+       "Solar Stone Storm Swift Tidal Topaz Velvet Violet Willow").split()
+NOUN = ("Falcon Heron Lynx Otter Panther Badger Condor Coyote Dolphin Eagle Fox Hawk Ibis Jaguar "
+        "Kestrel Lark Marten Osprey Puma Quail Raven Salmon Swallow Tiger Viper Walrus Wolf "
+        "Wren Yak Zebra Bison Crane Gecko Hornet Mantis").split()
+V1 = ("Nor Bright Clear Crest Delta Ever Fair High Keen Lake Mill North Oak Pine Quick River "
+      "Silver Stone Sun True West Wind").split()
+V2 = "bridge field gate haven mark point ridge stone view wood way well".split()
+V3 = ("Systems Logistics Analytics Networks Labs Partners Industries Solutions Robotics "
+      "Materials").split()
+FIRST = ("Ada Ben Carla Dev Elena Farid Grace Hugo Ines Jonas Kira Liam Maya Nils Olga Priya "
+         "Quinn Rosa Sami Tara Uma Victor Wen Yara Zane").split()
+LAST = ("Adler Brandt Chen Diaz Eriksen Fischer Garcia Haddad Ito Jansen Kowalski Larsen Moreau "
+        "Novak Okafor Petrov Quist Rossi Sato Tanaka Ueda Varga Weber Young Zhou").split()
+OUTCOMES = ("renewed for three years", "terminated for missed milestones",
+            "renewed with a 12% price cut", "put on probation for six months",
+            "extended by one year", "moved to a competitive re-bid", "renewed without changes",
+            "cancelled after a security audit")
+AREAS = ("warehouse automation", "data platform migration", "field sensor network",
+         "customer portal rebuild", "fleet telematics", "supplier analytics",
+         "clean-room expansion", "payroll consolidation")
+
+
+@dataclass(frozen=True)
+class Chain:
+    project: str
+    year: int
+    vendor: str
+    contract: str
+    review_year: int
+    reviewer: str
+    outcome: str
+    area: str
+
+
+def _unique(rng: random.Random, make, seen: set) -> str:
+    while True:
+        value = make()
+        if value not in seen:
+            seen.add(value)
+            return value
+
+
+def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7) -> dict:
+    """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
+    if tasks < 1 or docs < tasks * 8:
+        raise ValueError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    rng = random.Random(seed)
+    out = Path(out_dir)
+    (out / "qrels").mkdir(parents=True, exist_ok=True)
+    seen: set = set()
+    person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731
+    project = lambda: f"Project {rng.choice(ADJ)} {rng.choice(NOUN)}"  # noqa: E731
+    vendor = lambda: f"{rng.choice(V1)}{rng.choice(V2)} {rng.choice(V3)}"  # noqa: E731
+    contract = lambda: f"C-{rng.randrange(1000, 9999)}"  # noqa: E731
+    written = 0
+    tmp = out / "corpus.jsonl.tmp"
+    with tmp.open("w") as corpus, (out / "queries.jsonl").open("w") as queries, \
+            (out / "qrels" / "test.tsv").open("w") as qrels:
+        qrels.write("query-id\tcorpus-id\tscore\n")
+
+        def emit(doc_id: str, title: str, text: str, date: str, acl: tuple = ()) -> str:
+            nonlocal written
+            row = {"_id": doc_id, "title": title, "text": text, "date": date}
+            if acl:
+                row["acl"] = list(acl)
+            corpus.write(json.dumps(row) + "\n")
+            written += 1
+            return doc_id
+
+        for t in range(tasks):
+            c = Chain(_unique(rng, project, seen), rng.randrange(2016, 2024),
+                      _unique(rng, vendor, seen), _unique(rng, contract, seen), 0,
+                      person(), rng.choice(OUTCOMES), rng.choice(AREAS))
+            c = Chain(**{**c.__dict__, "review_year": c.year + rng.randrange(1, 3)})
+            gold = [
+                emit(f"t{t}-plan", f"{c.project} ({c.year} plan)",
+                     f"Planning document for {c.project}, approved in {c.year}. The {c.area} "
+                     f"work stream selected {c.vendor} as primary vendor after a four-way "
+                     f"tender. Budget owner: {person()}. Kick-off is planned for Q{rng.randrange(1, 5)}.",
+                     f"{c.year}-0{rng.randrange(1, 10)}-1{rng.randrange(0, 9)}"),
+                emit(f"t{t}-vendor", c.vendor,
+                     f"{c.vendor} is a supplier of {c.area} services. Its master agreement with "
+                     f"us is Contract {c.contract}, signed in {c.year}. Account manager: "
+                     f"{person()}.", f"{c.year}-01-15"),
+                emit(f"t{t}-contract", f"Contract {c.contract}",
+                     f"Contract {c.contract} between us and {c.vendor} covers {c.area}. The "
+                     f"contract is reviewed in {c.review_year} by {c.reviewer}, who reports to "
+                     f"the procurement board.", f"{c.year}-02-01"),
+                emit(f"t{t}-review", f"Contract {c.contract} review ({c.review_year})",
+                     f"Review of Contract {c.contract} held in {c.review_year}, chaired by "
+                     f"{c.reviewer}. Outcome: the contract was {c.outcome}.",
+                     f"{c.review_year}-11-20"),
+            ]
+            # look-alikes: same project another year, same vendor older contract, wrong-year
+            # review, a partial match
+            other_vendor = _unique(rng, vendor, seen)
+            other_contract = _unique(rng, contract, seen)
+            emit(f"t{t}-plan-old", f"{c.project} ({c.year - 3} pilot)",
+                 f"Pilot plan for {c.project} in {c.year - 3}. The pilot selected "
+                 f"{other_vendor} for a limited {c.area} trial.", f"{c.year - 3}-05-02")
+            emit(f"t{t}-vendor-old", other_vendor,
+                 f"{other_vendor} supplies {c.area} pilots. Master agreement: Contract "
+                 f"{other_contract}.", f"{c.year - 3}-05-10")
+            emit(f"t{t}-review-wrong-year", f"Contract {c.contract} review ({c.review_year - 2})",
+                 f"Interim check of Contract {c.contract} in {c.review_year - 2}, chaired by "
+                 f"{person()}. Outcome: the contract was {rng.choice(OUTCOMES)}.",
+                 f"{c.review_year - 2}-06-30")
+            emit(f"t{t}-contract-old", f"Contract {other_contract}",
+                 f"Contract {other_contract} with {c.vendor} for {rng.choice(AREAS)} expired in "
+                 f"{c.year - 1}.", f"{c.year - 4}-03-03")
+            hops = 4 if t % 3 else 3
+            if hops == 4:
+                question = (f"What was the outcome of the review of the master contract of the "
+                            f"vendor selected in the {c.year} plan for {c.project}?")
+            else:  # three hops: vendor named by the plan -> contract -> reviewer
+                question = (f"Who reviews the master contract of the vendor selected in the "
+                            f"{c.year} plan for {c.project}?")
+                gold = gold[:3]
+            answer = c.outcome if hops == 4 else c.reviewer
+            queries.write(json.dumps({"_id": f"synth-{t}", "text": question, "metadata": {
+                "answer": answer, "hops": hops}}) + "\n")
+            qrels.writelines(f"synth-{t}\t{g}\t1\n" for g in gold)
+        n = 0
+        while written < docs:
+            kind = n % 3
+            if kind == 0:
+                emit(f"minutes-{n}", f"Procurement board minutes {n}",
+                     f"The board discussed {rng.choice(AREAS)} budgets with {person()} and "
+                     f"{person()}. No contract decisions were taken.",
+                     f"{rng.randrange(2015, 2025)}-0{rng.randrange(1, 10)}-0{rng.randrange(1, 10)}")
+            elif kind == 1:
+                emit(f"policy-{n}", f"Travel policy update {n}",
+                     f"Employees travelling for {rng.choice(AREAS)} projects book through the "
+                     f"portal; {person()} approves exceptions.", f"{rng.randrange(2015, 2025)}-01-01")
+            else:
+                emit(f"hr-{n}", f"Salary review notes {n}",
+                     f"Confidential compensation notes prepared by {person()}.",
+                     f"{rng.randrange(2015, 2025)}-12-01", acl=("hr",))
+            n += 1
+    tmp.replace(out / "corpus.jsonl")
+    return {"documents": written, "tasks": tasks, "folder": str(out)}

@@ -1,0 +1,103 @@
+"""Agent measures and failure attribution, from what the branches did. Pure functions.
+
+Everything is at document level (qrels label documents). For one query:
+
+* trajectory_recall   share of gold documents any branch ever retrieved
+* precision / f1      of the final top-k documents against the gold set
+* prune_accuracy      share of pruned chunks that were not gold (1.0 when nothing was pruned)
+* bridge_preserved    all gold present at termination (final context or evidence), counted
+                      only for queries whose gold was all retrieved at some point
+* answer_found        the reference answer string appears in the final evidence text
+
+Attribution (first that applies, in this order):
+
+* ok               every gold document is in the final top k
+* early_stop       a gold document was never retrieved, but a retrieved chunk names its title:
+                   one more hop would have reached it
+* retrieval_miss   a gold document was never retrieved, and nothing retrieved points to it
+* premature_prune  a gold document was retrieved, then pruned and not recalled, so it was not
+                   in the context at termination nor in the evidence
+* overload         every gold document was present at termination, but ranked out of the top k
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from infra.chunking import split_chunk_id
+
+CLASSES = ("ok", "retrieval_miss", "premature_prune", "early_stop", "overload")
+
+
+def _doc(cid: str) -> str:
+    return split_chunk_id(cid)[0]
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """What the branches of one query did (union over branches)."""
+
+    final_ranking: Sequence[str]  # fused chunk ids, best first
+    retrieved: Sequence[str]  # every chunk id any branch fetched
+    pruned: Sequence[str]  # chunk ids pruned (at any time)
+    final_context: Sequence[str]  # chunk ids visible at termination
+    evidence_text: str = ""
+
+
+def agent_measures(t: Trajectory, gold: Mapping[str, int], k: int = 5,
+                   answer: str = "") -> dict[str, float]:
+    gold_docs = set(gold)
+    final_docs = list(dict.fromkeys(_doc(c) for c in t.final_ranking))[:k]
+    ever = {_doc(c) for c in t.retrieved}
+    present = {_doc(c) for c in t.final_context} | {_doc(c) for c in t.final_ranking}
+    pruned_docs = [_doc(c) for c in t.pruned]
+    hit = len(gold_docs & set(final_docs))
+    precision = hit / len(final_docs) if final_docs else 0.0
+    recall = hit / len(gold_docs) if gold_docs else 0.0
+    out = {
+        "trajectory_recall": len(gold_docs & ever) / len(gold_docs) if gold_docs else 0.0,
+        "precision": precision,
+        "f1": 2 * precision * recall / (precision + recall) if precision + recall else 0.0,
+        "prune_accuracy": (sum(d not in gold_docs for d in pruned_docs) / len(pruned_docs)
+                           if pruned_docs else 1.0),
+    }
+    if gold_docs <= ever:
+        out["bridge_preserved"] = float(gold_docs <= present)
+    if answer:
+        out["answer_found"] = float(answer_in(answer, t.evidence_text))
+    return out
+
+
+def answer_in(answer: str, text: str) -> bool:
+    norm = lambda s: re.sub(r"\W+", " ", s.lower()).strip()  # noqa: E731
+    a = norm(answer)
+    return bool(a) and f" {a} " in f" {norm(text)} "
+
+
+def attribute(t: Trajectory, gold: Mapping[str, int], titles: Mapping[str, str],
+              retrieved_text: str, k: int = 5) -> tuple[str, list[str]]:
+    """(class, the gold documents behind it)."""
+    gold_docs = list(gold)
+    final_docs = list(dict.fromkeys(_doc(c) for c in t.final_ranking))[:k]
+    missing = [g for g in gold_docs if g not in final_docs]
+    if not missing:
+        return "ok", []
+    ever = {_doc(c) for c in t.retrieved}
+    never = [g for g in missing if g not in ever]
+    if never:
+        text = f" {re.sub(r'[^a-z0-9]+', ' ', retrieved_text.lower())} "
+        reachable = [g for g in never if _title_in(titles.get(g, ""), text)]
+        return ("early_stop", reachable) if reachable else ("retrieval_miss", never)
+    present = {_doc(c) for c in t.final_context} | {_doc(c) for c in t.final_ranking}
+    lost = [g for g in missing if g not in present and g in {_doc(c) for c in t.pruned}]
+    if lost:
+        return "premature_prune", lost
+    return "overload", missing
+
+
+def _title_in(title: str, text: str) -> bool:
+    core = re.sub(r"\s*\([^)]*\)\s*$", "", title).lower()
+    core = re.sub(r"[^a-z0-9]+", " ", core).strip()
+    return len(core) > 3 and f" {core} " in text

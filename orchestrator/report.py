@@ -1,0 +1,118 @@
+"""Evaluation reports: one JSON, a Markdown summary beside it, and PNG plots (matplotlib)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.metrics import mean, recall_at
+
+SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_recall@10",
+                   "ndcg@10", "trajectory_recall", "precision", "f1", "prune_accuracy",
+                   "bridge_preserved", "answer_found", "context_tokens_final", "tokens_read",
+                   "turns", "tool_calls", "tool_calls_per_turn", "latency_s_p50",
+                   "latency_ms_p50")
+
+
+def write_json(path: Path, data) -> None:
+    """Atomic: a crash never leaves a half-written report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+def markdown(report: dict) -> str:
+    runs = report["runs"]
+    lines = [f"# Evaluation: {report['dataset']}", "",
+             f"{runs[0]['queries']} queries. Document-level metrics (a document ranks by its "
+             "best chunk).", "", "| metric | " + " | ".join(r["config"] for r in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for m in SUMMARY_METRICS:
+        if any(m in r["metrics"] for r in runs):
+            cells = [f"{r['metrics'][m]:.4g}" if m in r["metrics"] else "–" for r in runs]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    attributed = [r for r in runs if "attribution" in r]
+    if attributed:
+        lines += ["", "## Failure attribution", "", "| class | " +
+                  " | ".join(r["config"] for r in attributed) + " |",
+                  "|---|" + "---|" * len(attributed)]
+        for c in attributed[0]["attribution"]:
+            lines.append(f"| {c} | " + " | ".join(str(r["attribution"][c]) for r in attributed)
+                         + " |")
+        lines += ["", "Examples (two per failure class, first run):", ""]
+        for c in attributed[0]["attribution"]:
+            if c == "ok":
+                continue
+            for p in [p for p in attributed[0]["per_query"] if p["attribution"] == c][:2]:
+                lines.append(f"* **{c}** `{p['id']}` — {p['question']} gold {p['gold']}, "
+                             f"culprits {p['culprits']}, top-5 {p['ranking'][:5]}")
+    for cmp in report.get("comparisons", []):
+        lines += ["", f"## Paired: {cmp['agent']} vs {cmp['baseline']} ({cmp['measure']})", "",
+                  f"wins {cmp['wins']}, losses {cmp['losses']}, ties {cmp['ties']}", "",
+                  "| measure | difference (agent − baseline) |", "|---|---|"]
+        lines += [f"| {m} | {d:+.4g} |" for m, d in cmp["difference"].items()]
+        changed = [row for row in cmp["per_query"] if row["outcome"] != "tie"]
+        if changed:
+            lines += ["", "| query | agent | baseline | outcome |", "|---|---|---|---|"]
+            lines += [f"| {r['id']} | {r['agent']:.3g} | {r['baseline']:.3g} | {r['outcome']} |"
+                      for r in changed[:40]]
+    if report.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})"
+                                         for p in report["plots"]]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, gold: dict[str, dict], out_dir: Path) -> list[str]:
+    """recall@k curves per configuration, context tokens per turn, attribution bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = range(1, 11)
+    for run in report["runs"]:
+        curve = [mean([recall_at(p["ranking"], gold[p["id"]], k) for p in run["per_query"]])
+                 for k in ks]
+        ax.plot(list(ks), curve, marker="o", label=run["config"])
+    ax.set(xlabel="k (documents)", ylabel="recall@k", title=report["dataset"])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out_dir / "recall_at_k.png", plt))
+
+    agent_runs = [r for r in report["runs"] if r["per_query"] and
+                  "context_tokens_per_turn" in r["per_query"][0]]
+    if agent_runs:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run in agent_runs:
+            series = [t for p in run["per_query"] for t in p["context_tokens_per_turn"]]
+            longest = max((len(t) for t in series), default=0)
+            curve = [mean([t[i] for t in series if len(t) > i]) for i in range(longest)]
+            ax.plot(range(1, longest + 1), curve, marker="o", label=run["config"])
+        ax.set(xlabel="turn", ylabel="context tokens (mean over branches)",
+               title="Context tokens per turn")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, out_dir / "context_tokens_per_turn.png", plt))
+        fig, ax = plt.subplots(figsize=(7, 4))
+        classes = list(agent_runs[0]["attribution"])
+        width = 0.8 / len(agent_runs)
+        for i, run in enumerate(agent_runs):
+            ax.bar([x + i * width for x in range(len(classes))],
+                   [run["attribution"][c] for c in classes], width, label=run["config"])
+        ax.set_xticks([x + width * (len(agent_runs) - 1) / 2 for x in range(len(classes))],
+                      classes)
+        ax.set(ylabel="queries", title="Failure attribution")
+        ax.legend()
+        written.append(_save(fig, out_dir / "attribution.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
