@@ -48,7 +48,9 @@ class HashEmbedder:
 def build_corpus(data: Path, target_docs: int, out: Path) -> tuple[int, list[str]]:
     base, queries = [], []
     for folder in sorted(p for p in data.iterdir() if (p / "corpus.jsonl").exists()):
-        base += [json.loads(line) for line in open(folder / "corpus.jsonl")]
+        for line in open(folder / "corpus.jsonl"):
+            doc = json.loads(line)
+            base.append({**doc, "_id": f"{folder.name}-{doc['_id']}"})
         queries += [json.loads(line)["text"] for line in open(folder / "queries.jsonl")]
     n = 0
     with out.open("w") as f:

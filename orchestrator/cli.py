@@ -154,9 +154,11 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
         md = report.with_suffix(".md")
         md.write_text(rep.markdown(result))
     if as_json:
-        print(json.dumps({k: v for k, v in result.items() if k != "runs"} | {
-            "runs": [{k: v for k, v in r.items() if k != "per_query"} for r in runs]},
-            default=str))
+        brief = lambda d: {k: v for k, v in d.items() if k != "per_query"}  # noqa: E731
+        print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "comparisons")}
+                         | {"runs": [brief(r) for r in runs],
+                            "comparisons": [brief(c) for c in result.get("comparisons", [])]},
+                         default=str))
     else:
         print(f"{dataset.name}: {len(queries)} queries")
         names = [m for m in rep.SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
