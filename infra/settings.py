@@ -53,6 +53,16 @@ class Settings:
     final_k: int = 10
     prune: bool = True
     policy: str = "heuristic"
+    planner: str = "heuristic"  # heuristic | llm
+    # LLM engines (policy or planner = llm): an OpenAI-compatible endpoint by URL, else vLLM
+    llm_url: str = ""
+    llm_api_key: str = ""
+    llm_model: str = "smollm2"  # alias of the bundled SmolLM2-135M-Instruct, or a model path/name
+    llm_engines: int = 1  # vLLM engine actors shared by all branches
+    llm_tensor_parallel: int = 1  # GPUs per engine
+    llm_max_model_len: int = 4096
+    llm_max_tokens: int = 256
+    llm_detached: bool = False  # keep engines alive across driver runs (named, detached)
     # orchestration
     branches: int = 3
     branch_timeout_s: float = 120.0
@@ -104,6 +114,7 @@ def _validate(s: Settings) -> None:
          "trace_exporter must be none, console, jsonl or otlp"),
         (s.search_mode in ("bm25", "dense", "hybrid"), "search_mode must be bm25, dense or hybrid"),
         (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
+        (s.planner in ("heuristic", "llm"), "planner must be heuristic or llm"),
         (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),
     ]
     for ok, message in checks:

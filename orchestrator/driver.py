@@ -25,8 +25,7 @@ class Driver:
                  policy_factory: Callable | None = None, pool_size: int | None = None):
         self.settings = settings
         self.mode = mode
-        self.planner = planner or HeuristicPlanner()
-        self.policy_factory = policy_factory  # (index, subquery) -> Policy; tests and LLM
+        self.policy_factory = policy_factory  # (index, subquery) -> Policy; tests
         telemetry.configure_from(settings)
         if mode == "local":
             from infra.retriever import open_retriever
@@ -36,6 +35,15 @@ class Driver:
             self._start_ray(pool_size or settings.branches * max(settings.batch_concurrency, 1))
         else:
             raise ValueError(f"unknown executor {mode!r}")
+        self.planner = planner or self._make_planner()
+
+    def _make_planner(self):
+        if self.settings.planner != "llm":
+            return HeuristicPlanner()
+        from orchestrator.plan import LLMPlanner
+        from workers.factory import make_engine
+
+        return LLMPlanner(make_engine(self.settings))
 
     # --- Ray plumbing ------------------------------------------------------------------------
 
@@ -45,7 +53,14 @@ class Driver:
         from orchestrator.cluster import connect, plan_actors
         from workers.actor import BranchActor, RetrieverActor
 
-        self.actor_plan = plan_actors(self.settings, connect(self.settings), pool_size)
+        resources = connect(self.settings)
+        self.actor_plan = plan_actors(self.settings, resources, pool_size)
+        self._engines = []
+        if "llm" in (self.settings.policy, self.settings.planner) and not self.settings.llm_url:
+            from workers.engine_actor import start_engines
+
+            self._engines = start_engines(self.settings, resources)
+            ray.get([e.stats.remote() for e in self._engines])  # loaded, or fail clearly
         self._retriever = RetrieverActor.options(
             max_concurrency=16, max_restarts=self.settings.branch_retries,
             **self.actor_plan.retriever).remote(self.settings)
@@ -78,7 +93,9 @@ class Driver:
             ray.get(self._retriever.close.remote(), timeout=30)
         except Exception:  # already dead: nothing to release
             pass
-        for actor in self._idle + [self._retriever]:
+        keep = self._engines if self.settings.llm_detached else []
+        for actor in self._idle + [self._retriever] + [e for e in self._engines
+                                                        if e not in keep]:
             ray.kill(actor)
         self._idle = []
 
@@ -92,6 +109,9 @@ class Driver:
             with telemetry.tracer().start_as_current_span("plan") as plan_span:
                 subs = self.planner.plan(question, max_branches or self.settings.branches)
                 plan_span.set_attribute("subqueries", [s.text for s in subs])
+                fallback = getattr(self.planner, "last_fallback", "")
+                if fallback:
+                    plan_span.set_attribute("planner.fallback", fallback)
             run = self._run_local if self.mode == "local" else self._run_ray
             reports = run(subs, acl_groups)
             chunks = {c["chunk_id"]: {**c, "doc_id": d["doc_id"], "title": d["title"]}
@@ -107,6 +127,8 @@ class Driver:
         ok = [b for b in branches if b.status == "ok"]
         metrics = {
             "latency_s": round(wall, 4),
+            "planner": type(self.planner).__name__,
+            "planner_fallback": getattr(self.planner, "last_fallback", ""),
             "branches": len(branches), "branches_ok": len(ok),
             "branch_latency_s_sum": round(sum(b.latency_s for b in branches), 4),
             "branch_latency_s_max": round(max((b.latency_s for b in branches), default=0), 4),

@@ -73,3 +73,48 @@ class HeuristicPlanner:
         names = [e for e in found if not any(e != o and e.lower() in o.lower() for o in found)]
         rest = _residual(question, names)
         return [SubQuery(f"{name} {rest}".strip(), 0.5, "entity") for name in names[:3]]
+
+
+PLAN_PROMPT = """Split the question into at most {n} search sub-queries that together find all
+the evidence needed (one per entity, hop or compared item). Keep each short. Weight each from
+0 to 1 by importance. Answer only with JSON: {{"subqueries": [{{"text": ..., "weight": ...}}]}}.
+Question: {question}"""
+
+
+class LLMPlanner:
+    """Decomposition by a model (structured output), falling back to the heuristic planner on
+    any failure; `last_fallback` says why (the driver records it on the plan span)."""
+
+    def __init__(self, engine, fallback: HeuristicPlanner | None = None):
+        self.engine = engine
+        self.fallback = fallback or HeuristicPlanner()
+        self.last_fallback = ""
+
+    def plan(self, question: str, max_branches: int = 3) -> list[SubQuery]:
+        import json
+
+        question = " ".join(question.split())
+        self.last_fallback = ""
+        if max_branches <= 1:
+            return [SubQuery(question, 1.0, "original")]
+        schema = {"type": "object", "required": ["subqueries"], "properties": {"subqueries": {
+            "type": "array", "minItems": 1, "maxItems": max_branches - 1, "items": {
+                "type": "object", "required": ["text", "weight"], "properties": {
+                    "text": {"type": "string", "minLength": 3, "maxLength": 300},
+                    "weight": {"type": "number", "minimum": 0, "maximum": 1}}}}}}
+        try:
+            raw = self.engine.chat([{"role": "user", "content": PLAN_PROMPT.format(
+                n=max_branches - 1, question=question)}], schema=schema, max_tokens=200)
+            items = json.loads(raw)["subqueries"]
+            subs = [SubQuery(question, 1.0, "original")] + [
+                SubQuery(" ".join(str(i["text"]).split()), float(i["weight"]), "llm")
+                for i in items if str(i.get("text", "")).strip()]
+        except Exception as exc:  # the model, the endpoint or the JSON failed
+            self.last_fallback = f"{type(exc).__name__}: {exc}"[:300]
+            return self.fallback.plan(question, max_branches)
+        seen, out = set(), []
+        for sub in subs:
+            if sub.text.lower() not in seen and sub.weight > 0:
+                seen.add(sub.text.lower())
+                out.append(sub)
+        return out[:max_branches]

@@ -6,12 +6,48 @@ from infra.errors import SettingsError
 from infra.settings import Settings
 
 
-def make_policy(settings: Settings, name: str | None = None):
+def make_policy(settings: Settings, name: str | None = None, engine=None):
     name = name or settings.policy
     if name == "heuristic":
         from workers.heuristic import HeuristicPolicy
 
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune)
     if name == "llm":
-        raise SettingsError("policy 'llm' is not available yet (see the LLM policy issue)")
+        from workers.llm_policy import LLMPolicy
+
+        return LLMPolicy(engine or make_engine(settings), max_tokens=settings.llm_max_tokens)
     raise SettingsError(f"unknown policy {name!r}")
+
+
+def make_engine(settings: Settings, index: int = 0):
+    """The chat engine a policy or planner talks to: an endpoint by URL, a shared engine actor
+    when running inside a Ray cluster that has one, else vLLM in this process."""
+    if settings.llm_url:
+        from infra.llm import OpenAIEngine
+
+        return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from workers.engine_actor import RemoteEngine, engine_name
+
+            return RemoteEngine(engine_name(index % max(settings.llm_engines, 1)))
+    except (ImportError, ValueError):  # no Ray, or no engine actor by that name
+        pass
+    return local_engine(settings)
+
+
+_LOCAL: dict = {}
+
+
+def local_engine(settings: Settings):
+    """One in-process vLLM engine per model, shared by every policy in this process."""
+    from infra.llm import VLLMEngine
+    from infra.models import resolve_llm_model
+
+    model = resolve_llm_model(settings)
+    if model not in _LOCAL:
+        _LOCAL[model] = VLLMEngine(model, max_model_len=settings.llm_max_model_len,
+                                   tensor_parallel_size=settings.llm_tensor_parallel)
+    return _LOCAL[model]

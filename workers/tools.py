@@ -158,6 +158,8 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
 
 def validate_args(call: ToolCall) -> None:
     """Raise Rejected with a readable message if the call does not fit its tool's schema."""
+    if call.name == "invalid_action":  # a model output that did not parse (see llm_policy)
+        raise Rejected(f"invalid action: {call.args.get('error', 'unparseable output')}")
     tool = TOOLS.get(call.name)
     if tool is None:
         raise Rejected(f"unknown tool {call.name!r}; tools: {', '.join(TOOLS)}")
