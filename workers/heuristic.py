@@ -162,9 +162,10 @@ class HeuristicPolicy:
         for entity, (source, salience) in self.links.items():
             if source == cid:
                 continue
-            if _names(chunk.title, entity):
-                via = (self.link_weight * salience * self.scores.get(source, 0.0) if source
-                       else 0.95 if " " in entity else 0.6)
+            quality = _names(chunk.title, entity)
+            if quality:
+                via = quality * (self.link_weight * salience * self.scores.get(source, 0.0)
+                                 if source else 0.95 if " " in entity else 0.6)
             else:
                 overlap = _word_overlap(chunk.title, entity)
                 if overlap < 0.5 or not source:
@@ -270,18 +271,19 @@ december monday tuesday wednesday thursday friday saturday sunday one two three 
 seven eight nine ten originally however during later after""".split())
 
 
-def _names(title: str, entity: str) -> bool:
-    """Does a document title name this entity? Exact after dropping a parenthetical qualifier
-    and a leading article, or the title adds one word ('Manchester United F.C.')."""
+def _names(title: str, entity: str) -> float:
+    """How well a document title names this entity: 1.0 exactly (after dropping a parenthetical
+    qualifier and a leading article), 0.85 when the title adds one word ('Manchester United
+    F.C.') or the entity adds a prefix ('Governor Nelson Rockefeller'), else 0."""
     t, e = _strip_article(norm_title(title)), _strip_article(entity.lower())
     if not t or len(e) < 3:
-        return False
+        return 0.0
     if t == e:
-        return True
+        return 1.0
     t_words, e_words = len(t.split()), len(e.split())
     if e_words >= 2 and t.startswith(e + " ") and t_words - e_words <= 1:
-        return True  # 'Manchester United' names 'Manchester United F.C.'
-    return t_words >= 2 and e.endswith(" " + t)  # 'Governor Nelson Rockefeller' names
+        return 0.85
+    return 0.85 if t_words >= 2 and e.endswith(" " + t) else 0.0  # 'Governor Nelson Rockefeller' names
     # 'Nelson Rockefeller'; 'Esma Sultan Mansion' does not name 'Esma Sultan'
 
 
