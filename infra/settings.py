@@ -37,7 +37,8 @@ class Settings:
     es_api_key: str = ""
     # retrieval
     search_mode: str = "hybrid"  # the agent's search_corpus default: bm25 | dense | hybrid
-    rrf_k: int = 60
+    rrf_k: int = 60  # hybrid BM25 + dense fusion (long candidate lists)
+    branch_rrf_k: int = 5  # fusing branch rankings (short, already ordered by the agents)
     hybrid_candidates: int = 50
     grep_max_pattern: int = 200
     # the branch agent

@@ -117,7 +117,7 @@ class Driver:
             chunks = {c["chunk_id"]: {**c, "doc_id": d["doc_id"], "title": d["title"]}
                       for r in reports for d in r.pop("_evidence", []) for c in d["chunks"]}
             branches = [r["report"] for r in reports]
-            ranked, evidence = fuse_branches(branches, chunks, k=self.settings.rrf_k,
+            ranked, evidence = fuse_branches(branches, chunks, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
             span.set_attributes({"branches": len(branches),
