@@ -215,7 +215,8 @@ def _driver(settings: Settings, executor: str):
 def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
                                                                   help="at most N branches"),
            policy: Optional[str] = typer.Option(None, help="heuristic | llm"),
-           trace: Optional[Path] = typer.Option(None, help="write spans (JSONL) here"),
+           trace: Optional[Path] = typer.Option(
+               None, help="append spans (JSONL) here; episode traces go to *.episodes.jsonl"),
            executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
            acl: Optional[list[str]] = typer.Option(None, help="caller's ACL groups"),
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
@@ -232,6 +233,11 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
         result = driver.search(question, acl_groups=acl)
     finally:
         driver.close()
+    if trace:  # the branches' episode traces (the fourth store) beside the spans
+        episodes = trace.with_name(trace.stem + ".episodes.jsonl")
+        episodes.write_text("".join(json.dumps({"branch": b.index, **r}, default=str) + "\n"
+                                    for b in result.branches for r in b.trace))
+        print(f"spans: {trace}; episode traces: {episodes}", file=sys.stderr)
     if as_json:
         print(json.dumps(result.to_dict(), default=str))
         return
