@@ -26,16 +26,17 @@ class RetrieverService:
 
         self.retriever = open_retriever(settings)
 
-    def call(self, method: str, *args, **kwargs):
-        """(result, seconds spent in the backend): the caller learns the RPC overhead."""
-        if method not in ("search", "grep", "get_chunks", "read_document"):
-            raise ValueError(f"unknown retriever method {method!r}")
+    def call_many(self, requests: list[tuple]):
+        """([value or exception per request], seconds spent in the backend): one round trip
+        per turn, and the caller learns the RPC overhead."""
+        from workers.harness import run_requests
+
+        for method, _, _ in requests:
+            if method not in ("search", "grep", "get_chunks", "read_document"):
+                raise ValueError(f"unknown retriever method {method!r}")
         started = time.perf_counter()
-        try:
-            return getattr(self.retriever, method)(*args, **kwargs), \
-                time.perf_counter() - started
-        except Exception as exc:  # BadQuery and friends travel back as values
-            return exc, time.perf_counter() - started
+        values = run_requests(self.retriever, requests)
+        return values, time.perf_counter() - started
 
     def ping(self) -> int:
         return os.getpid()
@@ -53,11 +54,15 @@ class RemoteRetriever:
         self.backend_s = 0.0  # time inside the retriever
         self.rpc_s = 0.0  # round trips, backend included
 
-    def _call(self, method: str, *args, **kwargs):
+    def call_many(self, requests: list[tuple]) -> list:
         started = time.perf_counter()
-        value, backend = ray.get(self.handle.call.remote(method, *args, **kwargs))
+        values, backend = ray.get(self.handle.call_many.remote(requests))
         self.rpc_s += time.perf_counter() - started
         self.backend_s += backend
+        return values
+
+    def _call(self, method: str, *args, **kwargs):
+        value = self.call_many([(method, args, kwargs)])[0]
         if isinstance(value, Exception):
             raise value
         return value

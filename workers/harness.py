@@ -15,6 +15,7 @@ from html import escape
 
 from opentelemetry import trace
 
+from infra.errors import BadQuery
 from infra.settings import Settings
 from infra.telemetry import tracer
 from infra.tokenizer import TokenCounter
@@ -23,6 +24,28 @@ from workers.evidence import build_evidence
 from workers.policy import AgentView, Policy, ToolCall, ToolResult, VisibleChunk
 from workers.stores import ActiveContext, EpisodeTrace, Provenance, ProvenanceRecord, RetrievalCache
 from workers.tools import TOOLS, Rejected, validate_args
+
+
+def run_requests(retriever, requests: list[tuple]) -> list:
+    """Run retriever requests `(method, args, kwargs)`; each result is a value or the exception
+    it raised. A retriever with `call_many` (a remote one) gets them in one round trip; a local
+    one runs them on threads."""
+    if not requests:
+        return []
+    if hasattr(retriever, "call_many"):
+        return retriever.call_many(requests)
+
+    def one(request):
+        method, args, kwargs = request
+        try:
+            return getattr(retriever, method)(*args, **kwargs)
+        except Exception as exc:
+            return exc
+
+    if len(requests) == 1:
+        return [one(requests[0])]
+    with ThreadPoolExecutor(max_workers=min(8, len(requests))) as pool:
+        return list(pool.map(one, requests))
 
 
 class EpisodeEnd(Exception):
@@ -159,21 +182,17 @@ class Episode:
                 checked.append(None)
             except Rejected as exc:
                 checked.append(exc)
-        fetchers = {i: TOOLS[c.name].fetch for i, c in enumerate(calls)
+        requests = {i: TOOLS[c.name].fetch(self, c.args) for i, c in enumerate(calls)
                     if checked[i] is None and TOOLS[c.name].fetch is not None
                     and self.budget.allows(c.name, self.context.tokens)}
-        fetched: dict[int, object] = {}
         started = time.perf_counter()
-        if fetchers:
-            with ThreadPoolExecutor(max_workers=min(8, len(fetchers))) as pool:
-                futures = {i: pool.submit(fn, self, calls[i].args) for i, fn in fetchers.items()}
-                for i, future in futures.items():
-                    try:
-                        fetched[i] = future.result()
-                    except Exception as exc:  # a backend failure is an observation, not a crash
-                        fetched[i] = Rejected(f"{calls[i].name} failed: {type(exc).__name__}: "
-                                              f"{exc}")
+        values = run_requests(self.retriever, list(requests.values()))
         self.fetch_s += time.perf_counter() - started
+        fetched: dict[int, object] = {}
+        for (i, call), value in zip(((i, calls[i]) for i in requests), values):
+            if isinstance(value, Exception) and not isinstance(value, BadQuery):
+                value = Rejected(f"{call.name} failed: {type(value).__name__}: {value}")
+            fetched[i] = value  # a backend failure is an observation, not a crash
         results = []
         for i, call in enumerate(calls):
             with trace.use_span(spans[i], end_on_exit=True):

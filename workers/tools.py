@@ -1,7 +1,9 @@
 """The branch agent's tools: a JSON schema beside each, a fetch step and an apply step.
 
-`fetch(ep, args)` talks to the retriever and touches no episode state, so the fetches of one
-turn run concurrently; `apply(ep, args, fetched)` changes the stores and runs in call order.
+`fetch(ep, args)` describes the retriever request `(method, args, kwargs)` and touches no
+episode state, so the harness runs the requests of one turn together (concurrently, or as one
+round trip to a remote retriever); `apply(ep, args, fetched)` gets the value, or the exception
+the request raised, changes the stores and runs in call order.
 Tools return a `ToolResult`; a rule they enforce is an `Rejected` with the message to show.
 """
 
@@ -28,7 +30,7 @@ class Tool:
     description: str
     parameters: dict
     apply: Callable[["Episode", dict, Any], ToolResult]
-    fetch: Callable[["Episode", dict], Any] | None = None
+    fetch: Callable[["Episode", dict], tuple] | None = None
 
     @property
     def schema(self) -> dict:
@@ -48,23 +50,21 @@ _FROM = {"type": "array", "items": {"type": "string"}, "maxItems": 20,
 
 # --- search_corpus / grep_corpus -------------------------------------------------------------
 
-def _fetch_search(ep: "Episode", args: dict):
-    return ep.retriever.search(args["query"], mode=args.get("mode", ep.settings.search_mode),
-                               k=args.get("k", ep.settings.search_k),
-                               exclude_ids=ep.cache.ids(), acl_groups=ep.acl_groups)
+def _fetch_search(ep: "Episode", args: dict) -> tuple:
+    return ("search", (args["query"],), {
+        "mode": args.get("mode", ep.settings.search_mode), "k": args.get("k", ep.settings.search_k),
+        "exclude_ids": ep.cache.ids(), "acl_groups": ep.acl_groups})
 
 
-def _fetch_grep(ep: "Episode", args: dict):
-    try:
-        return ep.retriever.grep(args["pattern"], k=args.get("k", ep.settings.search_k),
-                                 exclude_ids=ep.cache.ids(), acl_groups=ep.acl_groups)
-    except BadQuery as exc:
-        return exc
+def _fetch_grep(ep: "Episode", args: dict) -> tuple:
+    return ("grep", (args["pattern"],), {"k": args.get("k", ep.settings.search_k),
+                                         "exclude_ids": ep.cache.ids(),
+                                         "acl_groups": ep.acl_groups})
 
 
 def _apply_hits(ep: "Episode", args: dict, hits, tool: str, query: str) -> ToolResult:
     call = ToolCall(tool, args)
-    if isinstance(hits, Exception):
+    if isinstance(hits, Exception):  # BadQuery (e.g. an invalid regex) or a backend failure
         raise Rejected(str(hits))
     parents = ep.known_parents(args.get("from_ids", []))
     added = ep.add_hits(hits, tool=tool, query=query, parents=parents)
@@ -83,12 +83,9 @@ def _apply_grep(ep, args, hits):
 
 # --- read_document ---------------------------------------------------------------------------
 
-def _fetch_read(ep: "Episode", args: dict):
-    try:
-        return ep.retriever.read_document(args["doc_id"], args.get("start", 0),
-                                          args.get("start", 0) + args.get("count", 3))
-    except BadQuery as exc:
-        return exc
+def _fetch_read(ep: "Episode", args: dict) -> tuple:
+    start = args.get("start", 0)
+    return ("read_document", (args["doc_id"], start, start + args.get("count", 3)), {})
 
 
 def _apply_read(ep: "Episode", args: dict, doc) -> ToolResult:
