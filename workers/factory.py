@@ -15,7 +15,10 @@ def make_policy(settings: Settings, name: str | None = None, engine=None):
     if name == "llm":
         from workers.llm_policy import LLMPolicy
 
-        return LLMPolicy(engine or make_engine(settings), max_tokens=settings.llm_max_tokens)
+        # chunk text shown to the model: what is left of its window, at ~3 characters a token
+        room = settings.llm_max_model_len - settings.llm_max_tokens - 900
+        return LLMPolicy(engine or make_engine(settings), max_tokens=settings.llm_max_tokens,
+                         max_context_chars=max(room, 500) * 3)
     raise SettingsError(f"unknown policy {name!r}")
 
 
