@@ -99,6 +99,7 @@ class VLLMEngine:
                 # engine core in this process: no __main__ guard needed, no extra processes
                 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, CPU builds only
+                os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the CLI readable
                 try:
                     from vllm import LLM
                     from vllm.platforms import current_platform

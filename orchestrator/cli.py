@@ -93,7 +93,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
              policy: Optional[str] = typer.Option(
                  None, help="evaluate the branch agent with this policy (heuristic | llm)"),
              baseline: Optional[str] = typer.Option(
-                 None, help="also run a baseline: bm25 | dense | hybrid | no-prune"),
+                 None, help="also run a baseline: bm25 | dense | hybrid (single-shot), no-prune "
+                            "(the same agent without pruning), heuristic (the heuristic policy)"),
              compare: bool = typer.Option(False, "--compare", help="paired comparison of the "
                                           "agent against the baseline (default hybrid)"),
              prune: bool = typer.Option(True, "--prune/--no-prune", help="agent may prune"),
@@ -118,10 +119,11 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
     if compare and not policy:
         raise BranchsearchError("--compare needs --policy (the agent to compare)")
     baseline = baseline or ("hybrid" if compare else None)
-    if baseline and baseline not in (*MODES, "no-prune"):
-        raise BranchsearchError(f"unknown baseline {baseline!r}: bm25, dense, hybrid, no-prune")
-    if baseline == "no-prune" and not policy:
-        raise BranchsearchError("--baseline no-prune needs --policy")
+    if baseline and baseline not in (*MODES, "no-prune", "heuristic"):
+        raise BranchsearchError(f"unknown baseline {baseline!r}: bm25, dense, hybrid, "
+                                "no-prune, heuristic")
+    if baseline in ("no-prune", "heuristic") and not policy:
+        raise BranchsearchError(f"--baseline {baseline} needs --policy")
     settings = _settings(home, index or _slug(dataset), config, prune=prune,
                          policy=policy, branches=branches)
     queries = read_queries(dataset)[:limit]
@@ -138,6 +140,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
         runs.append(_eval_single(settings, queries, mode))
     if baseline == "no-prune":
         runs.append(_eval_agent(settings.replace(prune=False), queries, executor))
+    elif baseline == "heuristic":
+        runs.append(_eval_agent(settings.replace(policy="heuristic"), queries, executor))
     elif baseline:
         runs.append(_eval_single(settings, queries, baseline))
     result = {"dataset": str(dataset), "metrics": runs[0]["metrics"], "runs": runs}
