@@ -100,6 +100,11 @@ class VLLMEngine:
                 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, CPU builds only
                 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the CLI readable
+                # vLLM's CPU build pins its compute thread — in-process, this process's main
+                # thread — to core 0 by default; on a machine shared with Ray, the embedder and
+                # other engines, everyone then queues on one core (measured: an engine actor
+                # at 5 % CPU). Bind across all cores instead.
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
                 try:
                     from vllm import LLM
                     from vllm.platforms import current_platform
