@@ -80,6 +80,16 @@ class TokenCounter:
     def decode(self, tokens: list[int]) -> str:
         return self._enc.decode(tokens)
 
+    def cut(self, text: str, max_tokens: int) -> tuple[str, int, int]:
+        """(text cut to `max_tokens` with an ellipsis when cut, its token count, the full
+        text's token count) — one encoding pass."""
+        tokens = self._enc.encode_ordinary(text)
+        if len(tokens) <= max_tokens:
+            return text, len(tokens), len(tokens)
+        keep = max(max_tokens - 1, 0)
+        return (self._enc.decode(tokens[:keep]) + "…" if max_tokens > 0 else ""), \
+            min(keep + 1, max_tokens), len(tokens)
+
     def truncate(self, text: str, max_tokens: int) -> str:
         """`text` cut to at most `max_tokens` tokens, with an ellipsis when cut."""
         if max_tokens <= 0:

@@ -248,13 +248,13 @@ class Episode:
                                                            if shown_before else 0))
             if room < 16:
                 break  # over budget: unseen hits stay findable by later searches
+            shown, shown_tokens, full_tokens = self.counter.cut(hit.text, min(cap, room - 8))
             if self.cache.add(hit.chunk_id, {"doc_id": hit.doc_id, "title": hit.title,
                                              "text": hit.text}):
-                self.tokens_read += self.counter.count(hit.text)
+                self.tokens_read += full_tokens
             self.provenance.add(ProvenanceRecord(hit.chunk_id, self.turn, tool, query, hit.rank,
                                                  round(hit.score, 6), parents))
-            shown = self.counter.truncate(hit.text, min(cap, room - 8))
-            tokens = self.counter.count(f"{hit.chunk_id} {hit.title} {shown}")
+            tokens = shown_tokens + self.counter.count(f"{hit.chunk_id} {hit.title} ")
             self.context.add(VisibleChunk(hit.chunk_id, hit.doc_id, hit.title, shown, tokens))
             added.append(hit.chunk_id)
         if added:
@@ -313,8 +313,9 @@ class Episode:
             if cid in self.context:
                 problems.append(f"{cid}: already visible")
                 continue
-            shown = self.counter.truncate(cached["text"], self.settings.result_token_cap)
-            tokens = self.counter.count(f"{cid} {cached['title']} {shown}")
+            shown, shown_tokens, _ = self.counter.cut(cached["text"],
+                                                      self.settings.result_token_cap)
+            tokens = shown_tokens + self.counter.count(f"{cid} {cached['title']} ")
             if tokens > self.budget.room(self.context.tokens):
                 problems.append(f"{cid}: does not fit the budget "
                                 f"{self.budget.usage_line(self.context.tokens)}")
