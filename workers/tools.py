@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from infra.errors import BadQuery
 from workers.policy import ToolCall, ToolResult
 
 if TYPE_CHECKING:
