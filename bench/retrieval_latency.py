@@ -4,7 +4,8 @@
 
 The corpus pools the passages of every set under --data and adds variants of them (sentences
 rotated, ids suffixed) until it holds --chunks chunks, so BM25 statistics stay realistic.
-Embedding 50k passages takes ~15 min on 2 CPU cores, so the dense side uses a hashing embedder
+Embedding 50k chunks would take about an hour on 2 CPU cores (SciFact's 8,528 chunks took
+741 s), so the dense side uses a hashing embedder
 (deterministic unit vectors): Milvus FLAT search cost depends on N and dim, not on the vectors.
 The real model's query embedding time is measured separately on the same queries and reported
 beside it. One run, medians and p90 per mode; the rival (milvus-lite 3.x) is in
