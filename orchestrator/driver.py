@@ -30,7 +30,7 @@ class Driver:
         if mode == "local":
             from infra.retriever import open_retriever
 
-            self.retriever = TimedRetriever(open_retriever(settings))
+            self.retriever = open_retriever(settings)
         elif mode == "ray":
             self._start_ray(pool_size or settings.branches * max(settings.batch_concurrency, 1))
         else:
@@ -169,11 +169,11 @@ class Driver:
                     span.set_attributes({"branch.index": i, "branch.subquery": sub.text})
                     policy = (self.policy_factory(i, sub.text) if self.policy_factory
                               else make_policy(self.settings))
-                    before = self.retriever.backend_s
                     out = Episode(sub.text, self.retriever, policy, self.settings,
                                   acl_groups=acl_groups).run().to_dict()
+                # in-process there is no RPC: the retrieval phases' wall time is backend time
                 out |= {"latency_s": time.perf_counter() - started, "pid": os.getpid(),
-                        "backend_s": self.retriever.backend_s - before}
+                        "backend_s": out["fetch_s"]}
                 reports.append(self._report(i, sub, "ok", out))
             except Exception as exc:
                 reports.append(self._report(i, sub, "error", error=f"{type(exc).__name__}: "
@@ -211,26 +211,3 @@ class Driver:
         return reports
 
 
-
-class TimedRetriever:
-    """A local retriever that adds up the time spent inside it (the backend work)."""
-
-    def __init__(self, retriever):
-        self.retriever = retriever
-        self.backend_s = 0.0
-
-    def __getattr__(self, name):
-        method = getattr(self.retriever, name)
-        if name not in ("search", "grep", "get_chunks", "read_document"):
-            return method
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.backend_s += time.perf_counter() - started
-        return timed
-
-    def close(self) -> None:
-        self.retriever.close()
