@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infra.settings import load_settings  # noqa: E402
-from workers.budget import Budget  # noqa: E402
-from workers.factory import local_engine  # noqa: E402
-from workers.llm_policy import action_schema, render  # noqa: E402
-from workers.policy import AgentView  # noqa: E402
-from workers.tools import TOOLS  # noqa: E402
+from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.workers.budget import Budget  # noqa: E402
+from branchsearch.workers.factory import local_engine  # noqa: E402
+from branchsearch.workers.llm_policy import action_schema, render  # noqa: E402
+from branchsearch.workers.policy import AgentView  # noqa: E402
+from branchsearch.workers.tools import TOOLS  # noqa: E402
 
 QUESTIONS = ["Who directed the film Ed Wood?", "Where was Shirley Temple born?",
              "What did Scott Derrickson direct?", "Which band recorded Brother?",

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infra.dataset import read_queries  # noqa: E402
-from infra.settings import load_settings  # noqa: E402
-from orchestrator.batch import run_batch  # noqa: E402
-from orchestrator.driver import Driver  # noqa: E402
+from branchsearch.infra.dataset import read_queries  # noqa: E402
+from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.orchestrator.batch import run_batch  # noqa: E402
+from branchsearch.orchestrator.driver import Driver  # noqa: E402
 
 
 def measure(driver: Driver, questions: list[str], branches: int) -> dict:

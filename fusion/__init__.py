@@ -1,5 +1,5 @@
 """Rank fusion: pure functions over ranked id lists. No Ray, no I/O, no imports of ours."""
 
-from fusion.rrf import FusedItem, rrf
+from branchsearch.fusion.rrf import FusedItem, rrf
 
 __all__ = ["FusedItem", "rrf"]

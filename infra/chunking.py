@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.tokenizer import TokenCounter
+from branchsearch.infra.tokenizer import TokenCounter
 
 
 @dataclass(frozen=True)

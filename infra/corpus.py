@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.errors import CorpusError
+from branchsearch.infra.errors import CorpusError
 
 _ID_OK = re.compile(r"^[^\s#][^\s#]*$")
 

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.errors import CorpusError
+from branchsearch.infra.errors import CorpusError
 
 
 @dataclass

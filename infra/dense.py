@@ -12,9 +12,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from infra.errors import BackendUnavailable
-from infra.hits import Hit
-from infra.stores import IndexedChunk, acl_terms
+from branchsearch.infra.errors import BackendUnavailable
+from branchsearch.infra.hits import Hit
+from branchsearch.infra.backends import IndexedChunk, acl_terms
 
 COLLECTION = "chunks"
 

@@ -13,8 +13,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from infra.chunking import Chunk
-from infra.corpus import Document
+from branchsearch.infra.chunking import Chunk
+from branchsearch.infra.corpus import Document
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from infra.errors import BackendUnavailable, BadQuery
-from infra.hits import Hit
-from infra.stores import IndexedChunk, acl_terms, check_pattern, query_words
+from branchsearch.infra.errors import BackendUnavailable, BadQuery
+from branchsearch.infra.hits import Hit
+from branchsearch.infra.backends import IndexedChunk, acl_terms, check_pattern, query_words
 
 MAPPINGS = {
     "properties": {

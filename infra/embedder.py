@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
@@ -95,7 +95,7 @@ class Embedder:
         if self.cache_path is None:
             return None
         if self._cache is None:
-            from infra.embed_cache import EmbeddingCache
+            from branchsearch.infra.embed_cache import EmbeddingCache
 
             self._cache = EmbeddingCache(self.cache_path, self.model_name)
         return self._cache

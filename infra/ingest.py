@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.chunking import Chunk, chunk_text
-from infra.corpus import read_corpus
-from infra.settings import Settings
-from infra.stores import IndexedChunk
-from infra.tokenizer import TokenCounter
+from branchsearch.infra.chunking import Chunk, chunk_text
+from branchsearch.infra.corpus import read_corpus
+from branchsearch.infra.settings import Settings
+from branchsearch.infra.backends import IndexedChunk
+from branchsearch.infra.tokenizer import TokenCounter
 
 
 @dataclass
@@ -42,7 +42,7 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
            progress: Callable[[int, int], None] | None = None, embedder=None) -> IngestReport:
     """Ingest a corpus into `settings.index`. `progress(docs, chunks)` is called per batch;
     `embedder` replaces the configured one (benchmarks use a hashing embedder)."""
-    from infra.retriever import open_stores
+    from branchsearch.infra.retriever import open_stores
 
     report = IngestReport()
     t = time.perf_counter()

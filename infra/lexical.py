@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from infra.errors import BadQuery
-from infra.hits import Hit
-from infra.stores import IndexedChunk, acl_terms, check_pattern, query_words
+from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.hits import Hit
+from branchsearch.infra.backends import IndexedChunk, acl_terms, check_pattern, query_words
 
 
 class TantivyStore:

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
 
 
 class ChatEngine(Protocol):

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError
 
 SMOLLM2 = "smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusion import rrf
-from infra.docstore import DocStore
-from infra.errors import BadQuery, IndexNotFound
-from infra.hits import Hit
-from infra.settings import Settings
+from branchsearch.fusion import rrf
+from branchsearch.infra.docstore import DocStore
+from branchsearch.infra.errors import BadQuery, IndexNotFound
+from branchsearch.infra.hits import Hit
+from branchsearch.infra.settings import Settings
 
 MODES = ("bm25", "dense", "hybrid")
 
@@ -28,7 +28,7 @@ MODES = ("bm25", "dense", "hybrid")
 @dataclass
 class Retriever:
     docstore: DocStore
-    lexical: object  # infra.stores.LexicalStore
+    lexical: object  # infra.backends.LexicalStore
     dense: object | None  # infra.dense.MilvusStore
     embedder: object | None  # infra.embedder.Embedder
     rrf_k: int = 60
@@ -109,7 +109,7 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
                 embedder=None):
     """(docstore, lexical, dense, embedder) for the settings' index; dense may be None.
     `embedder` replaces the configured one (anything with `embed(texts)` and `dim`)."""
-    from infra.embedder import Embedder
+    from branchsearch.infra.embedder import Embedder
 
     root = settings.index_dir
     if not create and not (root / "docs.sqlite").exists():
@@ -118,20 +118,20 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
             f"(run `branchsearch ingest PATH --index {settings.index}` first)")
     docstore = DocStore(root / "docs.sqlite")
     if settings.es_url:
-        from infra.elastic import ElasticStore
+        from branchsearch.infra.elastic import ElasticStore
 
         lexical = ElasticStore(settings.es_url, index=f"branchsearch-{settings.index}",
                                api_key=settings.es_api_key or None,
                                max_pattern=settings.grep_max_pattern)
     else:
-        from infra.lexical import TantivyStore
+        from branchsearch.infra.lexical import TantivyStore
 
         lexical = TantivyStore(root / "tantivy", max_pattern=settings.grep_max_pattern)
     dense = None
     if not need_dense:
         embedder = None
     else:
-        from infra.dense import MilvusStore
+        from branchsearch.infra.dense import MilvusStore
 
         embedder = embedder or Embedder(
             settings.embed_model, settings.embed_batch, settings.embed_device,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from infra.errors import SettingsError
+from branchsearch.infra.errors import SettingsError
 
 
 @dataclass(frozen=True)

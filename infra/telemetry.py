@@ -96,7 +96,7 @@ def configure(exporter: str = "none", trace_file: str = "", otlp_endpoint: str =
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
         elif exporter == "jsonl":
             if not trace_file:
-                from infra.errors import SettingsError
+                from branchsearch.infra.errors import SettingsError
 
                 raise SettingsError("trace_exporter=jsonl needs trace_file (or --trace FILE)")
             provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(trace_file)))

@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.errors import CorpusError
+from branchsearch.infra.errors import CorpusError
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
-from infra.errors import BranchsearchError
-from infra.settings import Settings, load_settings
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.settings import Settings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Parallel-branch evidence search over Milvus + BM25 (see README).")
@@ -41,7 +41,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
            dense: bool = typer.Option(True, help="embed and index vectors (--no-dense: BM25 only)"),
            as_json: bool = typer.Option(False, "--json")):
     """Chunk, embed and index a corpus (re-ingesting a document replaces its chunks)."""
-    from infra.ingest import ingest as run_ingest
+    from branchsearch.infra.ingest import ingest as run_ingest
 
     settings = _settings(home, index, config)
     bar = _progress(None, "doc", f"ingest {settings.index}")
@@ -73,7 +73,7 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", help="bm25 | dense |
              acl: Optional[list[str]] = typer.Option(None, help="caller's ACL groups"),
              as_json: bool = typer.Option(False, "--json")):
     """Single-shot retrieval (no agent)."""
-    from infra.retriever import open_retriever
+    from branchsearch.infra.retriever import open_retriever
 
     settings = _settings(home, index, config)
     retriever = open_retriever(settings, need_dense=mode != "bm25")
@@ -108,11 +108,11 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
              as_json: bool = typer.Option(False, "--json")):
     """Evaluate single-shot retrieval or the branch agent on a BEIR folder."""
-    from infra.dataset import read_queries
-    from infra.ingest import ingest as run_ingest
-    from infra.retriever import MODES
-    from orchestrator import report as rep
-    from orchestrator.evaluate import compare as paired
+    from branchsearch.infra.dataset import read_queries
+    from branchsearch.infra.ingest import ingest as run_ingest
+    from branchsearch.infra.retriever import MODES
+    from branchsearch.orchestrator import report as rep
+    from branchsearch.orchestrator.evaluate import compare as paired
 
     if mode not in MODES:
         raise BranchsearchError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -180,8 +180,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
 
 
 def _eval_single(settings: Settings, queries, mode: str) -> dict:
-    from infra.retriever import open_retriever
-    from orchestrator.evaluate import eval_single_shot
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.orchestrator.evaluate import eval_single_shot
 
     retriever = open_retriever(settings, need_dense=mode != "bm25")
     bar = _progress(len(queries), "q", f"eval {mode}")
@@ -193,8 +193,8 @@ def _eval_single(settings: Settings, queries, mode: str) -> dict:
 
 
 def _eval_agent(settings: Settings, queries, executor: str) -> dict:
-    from infra.docstore import DocStore
-    from orchestrator.evaluate import eval_agent
+    from branchsearch.infra.docstore import DocStore
+    from branchsearch.orchestrator.evaluate import eval_agent
 
     driver = _driver(settings, "local" if settings.branches == 1 else executor)
     docstore = DocStore(settings.index_dir / "docs.sqlite")
@@ -208,7 +208,7 @@ def _eval_agent(settings: Settings, queries, executor: str) -> dict:
 
 
 def _driver(settings: Settings, executor: str):
-    from orchestrator.driver import Driver
+    from branchsearch.orchestrator.driver import Driver
 
     return Driver(settings, mode=executor)
 
@@ -272,7 +272,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
           config: Optional[Path] = ConfigOpt):
     """Many questions, resumable: re-running skips ids already in the output."""
-    from orchestrator.batch import read_questions, run_batch
+    from branchsearch.orchestrator.batch import read_questions, run_batch
 
     settings = _settings(home, index, config, batch_concurrency=concurrency, branches=branches,
                          ray_address=address)
@@ -306,7 +306,7 @@ def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format
           docs: int = typer.Option(2000, min=8), tasks: int = typer.Option(100, min=1),
           seed: int = typer.Option(7)):
     """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
-    from infra.synth import synth as make
+    from branchsearch.infra.synth import synth as make
 
     try:
         counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)
@@ -323,8 +323,8 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
     multi-hop question through parallel branches and explain what each branch did."""
     import json as _json
 
-    from infra.ingest import ingest as run_ingest
-    from infra.synth import synth as make
+    from branchsearch.infra.ingest import ingest as run_ingest
+    from branchsearch.infra.synth import synth as make
 
     settings = _settings(home, "demo", None, branches=branches)
     corpus = Path(settings.home) / "demo-corpus"

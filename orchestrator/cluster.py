@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from infra.errors import BackendUnavailable
-from infra.settings import Settings
+from branchsearch.infra.errors import BackendUnavailable
+from branchsearch.infra.settings import Settings
 
 
 def connect(settings: Settings) -> dict:

@@ -14,10 +14,10 @@ import time
 import uuid
 from collections.abc import Callable
 
-from infra import telemetry
-from infra.settings import Settings
-from orchestrator.plan import HeuristicPlanner, SubQuery
-from orchestrator.result import BranchReport, SearchResult, fuse_branches
+from branchsearch.infra import telemetry
+from branchsearch.infra.settings import Settings
+from branchsearch.orchestrator.plan import HeuristicPlanner, SubQuery
+from branchsearch.orchestrator.result import BranchReport, SearchResult, fuse_branches
 
 
 class Driver:
@@ -28,7 +28,7 @@ class Driver:
         self.policy_factory = policy_factory  # (index, subquery) -> Policy; tests
         telemetry.configure_from(settings)
         if mode == "local":
-            from infra.retriever import open_retriever
+            from branchsearch.infra.retriever import open_retriever
 
             self.retriever = open_retriever(settings)
         elif mode == "ray":
@@ -40,8 +40,8 @@ class Driver:
     def _make_planner(self):
         if self.settings.planner != "llm":
             return HeuristicPlanner()
-        from orchestrator.plan import LLMPlanner
-        from workers.factory import make_engine
+        from branchsearch.orchestrator.plan import LLMPlanner
+        from branchsearch.workers.factory import make_engine
 
         return LLMPlanner(make_engine(self.settings))
 
@@ -50,14 +50,14 @@ class Driver:
     def _start_ray(self, pool_size: int) -> None:
         import ray
 
-        from orchestrator.cluster import connect, plan_actors
-        from workers.actor import BranchActor, RetrieverActor
+        from branchsearch.orchestrator.cluster import connect, plan_actors
+        from branchsearch.workers.actor import BranchActor, RetrieverActor
 
         resources = connect(self.settings)
         self.actor_plan = plan_actors(self.settings, resources, pool_size)
         self._engines = []
         if "llm" in (self.settings.policy, self.settings.planner) and not self.settings.llm_url:
-            from workers.engine_actor import start_engines
+            from branchsearch.workers.engine_actor import start_engines
 
             self._engines = start_engines(self.settings, resources)
             ray.get([e.stats.remote() for e in self._engines])  # loaded, or fail clearly
@@ -158,8 +158,8 @@ class Driver:
     def _run_local(self, subs: list[SubQuery], acl_groups) -> list[dict]:
         import os
 
-        from workers.factory import make_policy
-        from workers.harness import Episode
+        from branchsearch.workers.factory import make_policy
+        from branchsearch.workers.harness import Episode
 
         reports = []
         for i, sub in enumerate(subs):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from infra.dataset import Query
-from infra.retriever import Retriever
-from orchestrator.metrics import doc_ranking, mean, percentile, single_shot_metrics
+from branchsearch.infra.dataset import Query
+from branchsearch.infra.retriever import Retriever
+from branchsearch.orchestrator.metrics import doc_ranking, mean, percentile, single_shot_metrics
 
 # Chunks fetched per query so that at least 10 distinct documents survive collapsing.
 CHUNK_DEPTH = 50
@@ -39,7 +39,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
     attribute each failure from what the branches did (see `orchestrator.attribution`)."""
     from collections import Counter
 
-    from orchestrator.attribution import Trajectory, agent_measures, attribute
+    from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
 
     titles = docstore.titles() if docstore is not None else {}
     per_query, latencies, classes = [], [], Counter()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from workers.text import STOPWORDS, entities
+from branchsearch.workers.text import STOPWORDS, entities
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusion import rrf
+from branchsearch.fusion import rrf
 
 
 @dataclass

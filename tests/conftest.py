@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.ingest import ingest
-from infra.settings import load_settings
+from branchsearch.infra.ingest import ingest
+from branchsearch.infra.settings import load_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HOTPOT = FIXTURES / "hotpot-mini"
@@ -27,7 +27,7 @@ def hotpot_settings(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hotpot_retriever(hotpot_settings):
-    from infra.retriever import open_retriever
+    from branchsearch.infra.retriever import open_retriever
 
     retriever = open_retriever(hotpot_settings)
     yield retriever
@@ -49,7 +49,7 @@ def es_url(tmp_path_factory):
     if url:
         yield url
         return
-    from infra.es_emulator import start_es_emulator
+    from es_emulator import start_es_emulator
 
     with start_es_emulator(tmp_path_factory.mktemp("es")) as emulator:
         yield emulator.url

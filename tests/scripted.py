@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.policy import AgentView, ToolCall
+from branchsearch.workers.policy import AgentView, ToolCall
 
 
 class ScriptedPolicy:
@@ -57,7 +57,7 @@ class SlowPolicy:
 
 def faulty_factory(index: int, subquery: str):
     """Branch 1 cannot even build its policy, branch 2 is too slow, the rest are heuristic."""
-    from workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.heuristic import HeuristicPolicy
 
     if index == 1:
         raise ValueError("no policy for branch 1")

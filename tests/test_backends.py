@@ -6,12 +6,12 @@ import uuid
 
 import pytest
 
-from infra.errors import BadQuery, CorpusError
-from infra.ingest import ingest
-from infra.lexical import TantivyStore
-from infra.retriever import open_retriever
-from infra.settings import load_settings
-from infra.stores import IndexedChunk
+from branchsearch.infra.errors import BadQuery, CorpusError
+from branchsearch.infra.ingest import ingest
+from branchsearch.infra.lexical import TantivyStore
+from branchsearch.infra.retriever import open_retriever
+from branchsearch.infra.settings import load_settings
+from branchsearch.infra.backends import IndexedChunk
 
 from conftest import HOTPOT
 
@@ -50,7 +50,7 @@ def test_tantivy_store(tmp_path):
 
 @pytest.mark.es
 def test_elasticsearch_store(es_url):
-    from infra.elastic import ElasticStore
+    from branchsearch.infra.elastic import ElasticStore
 
     store = ElasticStore(es_url, index=f"bs-test-{uuid.uuid4().hex[:8]}")
     try:
@@ -61,8 +61,8 @@ def test_elasticsearch_store(es_url):
 
 
 def test_elasticsearch_down_is_one_clear_error():
-    from infra.elastic import ElasticStore
-    from infra.errors import BackendUnavailable
+    from branchsearch.infra.elastic import ElasticStore
+    from branchsearch.infra.errors import BackendUnavailable
 
     with pytest.raises(BackendUnavailable, match="not reachable"):
         ElasticStore("http://127.0.0.1:9", index="x", timeout_s=2)
@@ -133,7 +133,7 @@ def test_reingest_replaces_and_bad_input_changes_nothing(tmp_path):
 
 
 def test_unknown_index_is_a_clear_error(tmp_path):
-    from infra.errors import IndexNotFound
+    from branchsearch.infra.errors import IndexNotFound
 
     settings = load_settings(overrides={"home": tmp_path, "index": "missing"}, read_env=False,
                              read_file=False)
@@ -148,7 +148,7 @@ def test_hotpot_fixture_is_what_conftest_ingests(hotpot_settings):
 def test_embedding_cache_returns_the_same_vectors(tmp_path):
     import numpy as np
 
-    from infra.embedder import Embedder
+    from branchsearch.infra.embedder import Embedder
 
     texts = ["Ed Wood was a filmmaker.", "Shirley Temple was an actress.", "x"]
     plain = Embedder().embed(texts)

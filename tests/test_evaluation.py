@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from infra.synth import synth
-from orchestrator.attribution import Trajectory, agent_measures, answer_in, attribute
-from orchestrator.evaluate import compare
+from branchsearch.infra.synth import synth
+from branchsearch.orchestrator.attribution import Trajectory, agent_measures, answer_in, attribute
+from branchsearch.orchestrator.evaluate import compare
 
 GOLD = {"a": 1, "b": 1}
 TITLES = {"a": "Alpha Works", "b": "Beta Holdings (company)"}
@@ -81,7 +81,7 @@ def test_synth_is_deterministic_and_well_formed(tmp_path):
 
 
 def run_cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args],
+    return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args],
                           capture_output=True, text=True, timeout=300, **kw)
 
 

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fusion import rrf
+from branchsearch.fusion import rrf
 
 ids = st.lists(st.sampled_from("abcdefghij"), unique=True, max_size=10)
 

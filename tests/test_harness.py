@@ -6,9 +6,9 @@ import json
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from infra import telemetry
-from workers.harness import Episode
-from workers.heuristic import HeuristicPolicy
+from branchsearch.infra import telemetry
+from branchsearch.workers.harness import Episode
+from branchsearch.workers.heuristic import HeuristicPolicy
 
 from scripted import ScriptedPolicy, call
 
@@ -188,9 +188,9 @@ def test_planted_instructions_change_nothing(tmp_path):
     """Documents that try to finish the episode, prune chunks, raise the budget or grant ACL
     groups are returned as escaped data; tools, budget, ACL and termination are unchanged."""
     from conftest import FIXTURES, HOTPOT
-    from infra.ingest import ingest
-    from infra.retriever import open_retriever
-    from infra.settings import load_settings
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text((HOTPOT / "corpus.jsonl").read_text()

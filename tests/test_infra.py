@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from infra.chunking import chunk_text, split_chunk_id
-from infra.corpus import read_corpus
-from infra.errors import CorpusError, SettingsError
-from infra.settings import load_settings
-from infra.tokenizer import TokenCounter, get_encoding
+from branchsearch.infra.chunking import chunk_text, split_chunk_id
+from branchsearch.infra.corpus import read_corpus
+from branchsearch.infra.errors import CorpusError, SettingsError
+from branchsearch.infra.settings import load_settings
+from branchsearch.infra.tokenizer import TokenCounter, get_encoding
 
 
 def test_tokenizer_offline_matches_known_ids():

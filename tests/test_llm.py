@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from workers.harness import Episode
-from workers.llm_policy import INVALID, LLMPolicy
+from branchsearch.workers.harness import Episode
+from branchsearch.workers.llm_policy import INVALID, LLMPolicy
 
 pytestmark = pytest.mark.llm
 vllm = pytest.importorskip("vllm", reason="install branchsearch[llm] (scripts/setup.sh)")
@@ -25,7 +25,7 @@ def llm_settings(hotpot_settings):
 
 @pytest.fixture(scope="module")
 def engine(llm_settings):
-    from workers.factory import local_engine
+    from branchsearch.workers.factory import local_engine
 
     return local_engine(llm_settings)
 
@@ -62,9 +62,9 @@ def test_past_the_hard_limit_the_model_can_only_prune_recall_or_finish(
 
 def test_planted_instructions_do_not_change_tools_or_termination(engine, tmp_path):
     from conftest import FIXTURES, HOTPOT
-    from infra.ingest import ingest
-    from infra.retriever import open_retriever
-    from infra.settings import load_settings
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text((HOTPOT / "corpus.jsonl").read_text()
@@ -89,8 +89,8 @@ def test_planted_instructions_do_not_change_tools_or_termination(engine, tmp_pat
 
 
 def test_llm_planner_and_its_fallback(engine):
-    from infra.llm import OpenAIEngine
-    from orchestrator.plan import LLMPlanner
+    from branchsearch.infra.llm import OpenAIEngine
+    from branchsearch.orchestrator.plan import LLMPlanner
 
     planner = LLMPlanner(engine)
     subs = planner.plan(Q, 3)
@@ -108,8 +108,8 @@ def test_one_engine_actor_serves_several_branch_actors(llm_settings):
     import ray
 
     from conftest import ingest_copy
-    from orchestrator.driver import Driver
-    from workers.engine_actor import NAMESPACE, engine_name
+    from branchsearch.orchestrator.driver import Driver
+    from branchsearch.workers.engine_actor import NAMESPACE, engine_name
 
     settings = ingest_copy(llm_settings, "hotpot-llm").replace(max_turns=2, branches=2)
     driver = Driver(settings, mode="ray", pool_size=2)

@@ -4,10 +4,10 @@ import json
 
 import jsonschema
 
-from workers.budget import Budget
-from workers.llm_policy import INVALID, action_schema, parse_actions, render
-from workers.policy import AgentView, VisibleChunk
-from workers.tools import TOOLS
+from branchsearch.workers.budget import Budget
+from branchsearch.workers.llm_policy import INVALID, action_schema, parse_actions, render
+from branchsearch.workers.policy import AgentView, VisibleChunk
+from branchsearch.workers.tools import TOOLS
 
 
 def view(allowed, chunks=()):

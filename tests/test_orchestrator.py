@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from orchestrator.plan import HeuristicPlanner
-from orchestrator.result import BranchReport, fuse_branches
+from branchsearch.orchestrator.plan import HeuristicPlanner
+from branchsearch.orchestrator.result import BranchReport, fuse_branches
 
 from conftest import HOTPOT, ingest_copy
 
@@ -47,7 +47,7 @@ def ray_driver(hotpot_settings, tmp_path_factory):
     import ray
 
     import scripted
-    from orchestrator.driver import Driver
+    from branchsearch.orchestrator.driver import Driver
 
     ray.cloudpickle.register_pickle_by_value(scripted)
     trace_file = tmp_path_factory.mktemp("trace") / "spans.jsonl"
@@ -109,7 +109,7 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
                            for q in queries) + "{not json\n" + '{"id": "x"}\n')
     out = tmp_path / "out.jsonl"
     settings = ingest_copy(hotpot_settings, "hotpot-batch")
-    cmd = [sys.executable, "-m", "orchestrator.cli", "batch", str(inp), "-o", str(out),
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(inp), "-o", str(out),
            "--home", str(settings.home), "--index", settings.index,
            "--branches", "2", "--concurrency", "2"]
     env = {**os.environ, "BRANCHSEARCH_BRANCH_TIMEOUT_S": "60"}

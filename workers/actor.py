@@ -15,21 +15,21 @@ import time
 
 import ray
 
-from infra.settings import Settings
+from branchsearch.infra.settings import Settings
 
 
 class RetrieverService:
     """The retriever's methods as an actor (thread-pooled: several branches search at once)."""
 
     def __init__(self, settings: Settings):
-        from infra.retriever import open_retriever
+        from branchsearch.infra.retriever import open_retriever
 
         self.retriever = open_retriever(settings)
 
     def call_many(self, requests: list[tuple]):
         """([value or exception per request], seconds spent in the backend): one round trip
         per turn, and the caller learns the RPC overhead."""
-        from workers.harness import run_requests
+        from branchsearch.workers.harness import run_requests
 
         for method, _, _ in requests:
             if method not in ("search", "grep", "get_chunks", "read_document"):
@@ -82,7 +82,7 @@ class RemoteRetriever:
 
 class BranchService:
     def __init__(self, settings: Settings, retriever_handle):
-        from infra import telemetry
+        from branchsearch.infra import telemetry
 
         self.settings = settings
         telemetry.configure_from(settings)
@@ -90,9 +90,9 @@ class BranchService:
 
     def run(self, index: int, subquery: str, carrier: dict | None = None,
             policy_factory=None, acl_groups: list[str] | None = None) -> dict:
-        from infra import telemetry
-        from workers.factory import make_policy
-        from workers.harness import Episode
+        from branchsearch.infra import telemetry
+        from branchsearch.workers.factory import make_policy
+        from branchsearch.workers.harness import Episode
 
         token = telemetry.attach_carrier(carrier)
         try:

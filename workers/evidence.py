@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.stores import Provenance, RetrievalCache
+from branchsearch.workers.context import Provenance, RetrievalCache
 
 
 def build_evidence(ranked_ids: list[str], cache: RetrievalCache,

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from infra.errors import SettingsError
-from infra.settings import Settings
+from branchsearch.infra.errors import SettingsError
+from branchsearch.infra.settings import Settings
 
 
 def make_policy(settings: Settings, name: str | None = None, engine=None):
     name = name or settings.policy
     if name == "heuristic":
-        from workers.heuristic import HeuristicPolicy
+        from branchsearch.workers.heuristic import HeuristicPolicy
 
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune)
     if name == "llm":
-        from workers.llm_policy import LLMPolicy
+        from branchsearch.workers.llm_policy import LLMPolicy
 
         # chunk text shown to the model: what is left of its window, at ~3 characters a token
         room = settings.llm_max_model_len - settings.llm_max_tokens - 900
@@ -26,14 +26,14 @@ def make_engine(settings: Settings, index: int = 0):
     """The chat engine a policy or planner talks to: an endpoint by URL, a shared engine actor
     when running inside a Ray cluster that has one, else vLLM in this process."""
     if settings.llm_url:
-        from infra.llm import OpenAIEngine
+        from branchsearch.infra.llm import OpenAIEngine
 
         return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key)
     try:
         import ray
 
         if ray.is_initialized():
-            from workers.engine_actor import RemoteEngine, engine_name
+            from branchsearch.workers.engine_actor import RemoteEngine, engine_name
 
             return RemoteEngine(engine_name(index % max(settings.llm_engines, 1)))
     except (ImportError, ValueError):  # no Ray, or no engine actor by that name
@@ -46,8 +46,8 @@ _LOCAL: dict = {}
 
 def local_engine(settings: Settings):
     """One in-process vLLM engine per model, shared by every policy in this process."""
-    from infra.llm import VLLMEngine
-    from infra.models import resolve_llm_model
+    from branchsearch.infra.llm import VLLMEngine
+    from branchsearch.infra.models import resolve_llm_model
 
     model = resolve_llm_model(settings)
     if model not in _LOCAL:

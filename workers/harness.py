@@ -15,15 +15,15 @@ from html import escape
 
 from opentelemetry import trace
 
-from infra.errors import BadQuery
-from infra.settings import Settings
-from infra.telemetry import tracer
-from infra.tokenizer import TokenCounter
-from workers.budget import Budget
-from workers.evidence import build_evidence
-from workers.policy import AgentView, Policy, ToolCall, ToolResult, VisibleChunk
-from workers.stores import ActiveContext, EpisodeTrace, Provenance, ProvenanceRecord, RetrievalCache
-from workers.tools import TOOLS, Rejected, validate_args
+from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.settings import Settings
+from branchsearch.infra.telemetry import tracer
+from branchsearch.infra.tokenizer import TokenCounter
+from branchsearch.workers.budget import Budget
+from branchsearch.workers.evidence import build_evidence
+from branchsearch.workers.policy import AgentView, Policy, ToolCall, ToolResult, VisibleChunk
+from branchsearch.workers.context import ActiveContext, EpisodeTrace, Provenance, ProvenanceRecord, RetrievalCache
+from branchsearch.workers.tools import TOOLS, Rejected, validate_args
 
 
 def run_requests(retriever, requests: list[tuple]) -> list:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.policy import AgentView, ToolCall, VisibleChunk
-from workers.text import entities, norm_title, sentences, terms
+from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
+from branchsearch.workers.text import entities, norm_title, sentences, terms
 
 
 @dataclass

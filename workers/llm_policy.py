@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from html import escape
 
-from workers.policy import AgentView, ToolCall
+from branchsearch.workers.policy import AgentView, ToolCall
 
 INVALID = "invalid_action"
 
@@ -95,7 +95,7 @@ def render(view: AgentView, max_chunk_chars: int = 600, max_calls: int = 3,
             f"Allowed tools now:\n{tools}")
     # the format example searches an entity of this very question (a small model copies it,
     # and an example from elsewhere would then send every episode to the same place)
-    from workers.text import entities
+    from branchsearch.workers.text import entities
 
     names = entities(view.subquery)
     example = (names[0] if names else " ".join(view.subquery.split()[:5]))[:60]

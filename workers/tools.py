@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from workers.policy import ToolCall, ToolResult
+from branchsearch.workers.policy import ToolCall, ToolResult
 
 if TYPE_CHECKING:
-    from workers.harness import Episode
+    from branchsearch.workers.harness import Episode
 
 
 class Rejected(Exception):
@@ -92,7 +92,7 @@ def _apply_read(ep: "Episode", args: dict, doc) -> ToolResult:
         raise Rejected(str(doc))
     if ep.acl_groups is not None and doc["acl"] and not set(doc["acl"]) & set(ep.acl_groups):
         raise Rejected(f"unknown document id {args['doc_id']!r}")  # never reveal ACL'd docs
-    from infra.hits import Hit
+    from branchsearch.infra.hits import Hit
 
     hits = [Hit(c["chunk_id"], doc["doc_id"], 0.0, i + 1, "read", c["text"], doc["title"])
             for i, c in enumerate(doc["chunks"])]

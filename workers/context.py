@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.policy import VisibleChunk
+from branchsearch.workers.policy import VisibleChunk
 
 
 class ActiveContext:

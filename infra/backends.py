@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from infra.errors import BadQuery
-from infra.hits import Hit
+from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.hits import Hit
 
 PUBLIC = "__public__"  # the ACL group of documents without an ACL
 
