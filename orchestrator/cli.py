@@ -372,6 +372,12 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
           f"{len(gold) + 1}; answer: {task['metadata']['answer']!r}; trace id {result.trace_id})")
 
 
+# `branchsearch loadtest` lives in orchestrator/loadtest/command.py (options, run, print)
+from branchsearch.orchestrator.loadtest.command import loadtest  # noqa: E402
+
+app.command("loadtest")(loadtest)
+
+
 def _slug(path: Path) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in path.resolve().name)
 

@@ -1,0 +1,68 @@
+"""Locust users for the branchsearch HTTP service: the workload of `branchsearch loadtest --url`.
+
+    pip install 'branchsearch[loadtest]'
+    BRANCHSEARCH_API_KEY=KEY BRANCHSEARCH_LOADTEST_QUERIES=data/hotpotqa-dev200 \\
+      locust -f bench/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 1 -t 2m
+
+Environment: BRANCHSEARCH_API_KEY (the service key, sent as a bearer token),
+BRANCHSEARCH_LOADTEST_QUERIES (JSONL of questions or a BEIR folder; required),
+BRANCHSEARCH_LOADTEST_SEED (question order, default 0), BRANCHSEARCH_LOADTEST_INDEX,
+BRANCHSEARCH_LOADTEST_BRANCHES, BRANCHSEARCH_LOADTEST_DEADLINE_S (request fields, optional),
+BRANCHSEARCH_LOADTEST_THINK (seconds between a user's answer and its next question, default 0).
+
+Every user asks the next question of one seeded sequence. An answer counts as a Locust failure
+when it is not HTTP 200 (named `http_<code>:<error>`) or when its result `status` is not `ok`
+(`partial`, `failed`) — the same classes `branchsearch loadtest` reports. Locust users are a
+closed loop (each waits for its answer); for open-loop arrivals use `branchsearch loadtest --rate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from locust import HttpUser, constant, task
+
+from branchsearch.orchestrator.loadtest.targets import result_status
+from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
+
+_QUERIES = os.environ.get("BRANCHSEARCH_LOADTEST_QUERIES")
+if not _QUERIES:
+    raise SystemExit("locustfile: set BRANCHSEARCH_LOADTEST_QUERIES to a JSONL of questions "
+                     "or a BEIR folder")
+WORKLOAD = Workload(read_questions(_QUERIES), int(os.environ.get("BRANCHSEARCH_LOADTEST_SEED",
+                                                                 "0")), _QUERIES)
+_NEXT = itertools.count()
+_FIELDS = {"index": os.environ.get("BRANCHSEARCH_LOADTEST_INDEX"),
+           "branches": os.environ.get("BRANCHSEARCH_LOADTEST_BRANCHES"),
+           "deadline_s": os.environ.get("BRANCHSEARCH_LOADTEST_DEADLINE_S")}
+BODY = {k: (v if k == "index" else (int(v) if k == "branches" else float(v)))
+        for k, v in _FIELDS.items() if v}
+
+
+class SearchUser(HttpUser):
+    wait_time = constant(float(os.environ.get("BRANCHSEARCH_LOADTEST_THINK", "0")))
+
+    def on_start(self) -> None:
+        key = os.environ.get("BRANCHSEARCH_API_KEY", "")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    @task
+    def search(self) -> None:
+        body = {"question": WORKLOAD.question(next(_NEXT)), **BODY}
+        with self.client.post("/v1/search", json=body, headers=self.headers, name="/v1/search",
+                              catch_response=True) as response:
+            if response.status_code != 200:
+                try:
+                    error = response.json().get("error", "")
+                except Exception:  # not JSON (a proxy's error page)
+                    error = ""
+                response.failure(f"http_{response.status_code}" + (f":{error}" if error else ""))
+                return
+            try:
+                status = result_status(response.json())
+            except ValueError:
+                response.failure("error:BadResponse")
+                return
+            if status != "ok":
+                response.failure(status)

@@ -1,0 +1,111 @@
+"""The `branchsearch loadtest` command (registered by orchestrator/cli.py): parse, run, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from branchsearch.infra.settings import load_settings
+
+
+def _printer():
+    """Progress to stderr: one rewritten line on a terminal, a line every 10 s otherwise."""
+    tty = sys.stderr.isatty()
+    last = [0.0]
+
+    def show(text: str) -> None:
+        if text.endswith("\n"):  # a finished step: always its own line
+            print(("\r\033[K" if tty else "") + text.rstrip("\n"), file=sys.stderr, flush=True)
+        elif tty:
+            print("\r\033[K" + text, end="", file=sys.stderr, flush=True)
+        elif time.monotonic() - last[0] >= 10:
+            last[0] = time.monotonic()
+            print(text, file=sys.stderr, flush=True)
+
+    return show
+
+
+def loadtest(
+        url: Optional[str] = typer.Option(None, "--url", help="a running service "
+                                          "(branchsearch serve), e.g. http://127.0.0.1:8000; "
+                                          "default: the driver in this process"),
+        key: Optional[str] = typer.Option(None, "--key", envvar="BRANCHSEARCH_API_KEY",
+                                          help="the service's API key (Bearer)"),
+        queries: Optional[Path] = typer.Option(None, "--queries", help="JSONL of questions or a "
+                                               "BEIR folder / queries.jsonl"),
+        synth: Optional[int] = typer.Option(None, "--synth", help="N generated multi-hop "
+                                            "questions over a synth corpus (ingested into "
+                                            "--index if missing)"),
+        rate: Optional[float] = typer.Option(None, "--rate", help="open loop: requests/s"),
+        users: Optional[int] = typer.Option(None, "--users", help="closed loop: concurrent "
+                                            "users"),
+        ramp: Optional[str] = typer.Option(None, "--ramp", help="START:STOP:STEP rates (or users "
+                                           "with --loop closed), one step each"),
+        loop: Optional[str] = typer.Option(None, "--loop", help="open | closed (default: closed "
+                                           "with --users, else open)"),
+        arrivals: str = typer.Option("poisson", "--arrivals", help="open loop: poisson | "
+                                     "constant"),
+        duration: Optional[float] = typer.Option(None, "--duration", help="seconds of load "
+                                                 "(default 30; with --ramp: a cap on all steps)"),
+        step_duration: float = typer.Option(20.0, "--step-duration", help="seconds per ramp "
+                                            "step"),
+        drain: float = typer.Option(10.0, "--drain", help="after a step, wait at most this long "
+                                    "for running requests (then: unfinished)"),
+        max_inflight: int = typer.Option(256, "--max-inflight", help="open loop: arrivals past "
+                                         "this many running requests are dropped (errors)"),
+        think: float = typer.Option(0.0, "--think", help="closed loop: seconds between answer "
+                                    "and next question"),
+        warmup: int = typer.Option(2, "--warmup", min=0, help="requests before measuring"),
+        seed: int = typer.Option(0, "--seed"),
+        slo_p99_ms: Optional[float] = typer.Option(None, "--slo-p99-ms", help="report the "
+                                                   "highest load holding p99 <= X, errors <= 1%"),
+        stop_at_knee: bool = typer.Option(True, "--stop-at-knee/--full-ramp", help="stop the "
+                                          "ramp after the first step past the knee (and SLO)"),
+        branches: Optional[int] = typer.Option(None, "--branches", min=1),
+        policy: Optional[str] = typer.Option(None, "--policy", help="heuristic | llm (driver)"),
+        k: Optional[int] = typer.Option(None, "--k", min=1, help="service: evidence size"),
+        deadline_s: Optional[float] = typer.Option(None, "--deadline-s",
+                                                   help="per-request deadline"),
+        executor: str = typer.Option("ray", "--executor", help="driver: ray | local"),
+        address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address"),
+        concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="driver: "
+                                                  "questions run at once (actor pool = branches "
+                                                  "x this; default batch_concurrency)"),
+        timeout_s: float = typer.Option(120.0, "--timeout-s", help="service: HTTP timeout"),
+        report: Optional[Path] = typer.Option(None, "--report", help="OUT.json (+ OUT.md)"),
+        plots: Optional[Path] = typer.Option(None, "--plots", help="folder for PNG plots"),
+        home: Optional[Path] = typer.Option(None, "--home", help="data home"),
+        index: Optional[str] = typer.Option(None, "--index", help="index name"),
+        config: Optional[Path] = typer.Option(None, "--config", help="settings TOML file"),
+        as_json: bool = typer.Option(False, "--json", help="print the report as JSON")):
+    """Load test the driver or a running service: open or closed loop, bounded in time; reports
+    latency percentiles, achieved rate, the saturation knee, per-stage time, engine/GPU/Ray use."""
+    from branchsearch.orchestrator.loadtest import report as rep
+    from branchsearch.orchestrator.loadtest.run import Options, loadtest as run
+
+    settings = load_settings(config, {"home": home, "index": index, "branches": branches,
+                                      "policy": policy, "ray_address": address})
+    options = Options(url=url, key=key or "", queries=queries, synth=synth, rate=rate,
+                      users=users, ramp=ramp, loop=loop, arrivals=arrivals, duration_s=duration,
+                      step_duration_s=step_duration, drain_s=drain, max_inflight=max_inflight,
+                      think_s=think, warmup=warmup, seed=seed, slo_p99_ms=slo_p99_ms,
+                      stop_at_knee=stop_at_knee, branches=branches, k=k, deadline_s=deadline_s,
+                      executor=executor, concurrency=concurrency, timeout_s=timeout_s,
+                      report=report, plots=plots)
+    out = run(options, settings, progress=None if as_json else _printer(),
+              argv=["branchsearch", *sys.argv[1:]])
+    if as_json:
+        print(json.dumps(out | {"steps": [
+            {k_: v for k_, v in s.items() if k_ != "latencies_ms"} for s in out["steps"]]},
+            default=str))
+        return
+    print(rep.markdown(out).split("\n## Server-side")[0].rstrip())
+    if report:
+        print(f"report: {report} and {report.with_suffix('.md')}")
+    if plots:
+        print(f"plots: {', '.join(out.get('plots', []))}")

@@ -1,0 +1,164 @@
+"""`branchsearch loadtest`: validate options, build the target and workload, run, report."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from branchsearch.infra.errors import BranchsearchError, IndexNotFound
+from branchsearch.infra.settings import Settings
+from branchsearch.orchestrator.loadtest import arrivals, report as rep, workload as wl
+from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
+from branchsearch.orchestrator.loadtest.probes import StepProbe
+from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget
+
+
+@dataclass
+class Options:
+    url: str | None = None
+    key: str = ""
+    queries: Path | None = None
+    synth: int | None = None
+    rate: float | None = None
+    users: int | None = None
+    ramp: str | None = None
+    loop: str | None = None  # open | closed; default: closed with --users, else open
+    arrivals: str = "poisson"
+    duration_s: float | None = None
+    step_duration_s: float = 20.0
+    drain_s: float = 10.0
+    max_inflight: int = 256
+    think_s: float = 0.0
+    warmup: int = 2
+    seed: int = 0
+    slo_p99_ms: float | None = None
+    stop_at_knee: bool = True
+    branches: int | None = None
+    k: int | None = None
+    deadline_s: float | None = None
+    executor: str = "ray"
+    concurrency: int | None = None  # questions the driver runs at once (its actor pool)
+    timeout_s: float = 120.0
+    report: Path | None = None
+    plots: Path | None = None
+
+
+def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
+    """The steps to run, and notes about what was cut to keep the run bounded."""
+    notes = []
+    loop = o.loop or ("closed" if o.users is not None and o.rate is None else "open")
+    if loop not in ("open", "closed"):
+        raise BranchsearchError(f"--loop {loop!r}: use open or closed")
+    if o.rate is not None and o.users is not None:
+        raise BranchsearchError("give --rate (open loop) or --users (closed loop), not both")
+    if o.ramp:
+        if o.rate is not None or o.users is not None:
+            raise BranchsearchError("--ramp replaces --rate/--users; use --loop closed to ramp "
+                                    "users")
+        loads = arrivals.parse_ramp(o.ramp)
+        if loop == "closed":
+            if any(x != int(x) for x in loads):
+                raise BranchsearchError(f"--ramp {o.ramp}: users must be whole numbers")
+        steps, cut = arrivals.plan_steps(loads, o.step_duration_s, o.duration_s, o.drain_s)
+        if cut:
+            notes.append(f"--duration {o.duration_s:g} s leaves room for {len(steps)} of "
+                         f"{len(loads)} ramp steps: the last {cut} were not run")
+    else:
+        load = o.rate if loop == "open" else o.users
+        if load is None:
+            raise BranchsearchError("give --rate R (open loop), --users U (closed loop) or "
+                                    "--ramp START:STOP:STEP")
+        if load <= 0:
+            raise BranchsearchError("--rate and --users must be > 0")
+        steps = [arrivals.Step(float(load), o.duration_s if o.duration_s else 30.0)]
+    if o.arrivals not in arrivals.PROCESSES:
+        raise BranchsearchError(f"--arrivals {o.arrivals!r}: use poisson or constant")
+    if o.duration_s is not None and o.duration_s <= 0:
+        raise BranchsearchError("--duration must be > 0 seconds")
+    if o.max_inflight < 1 or o.drain_s < 0 or o.think_s < 0:
+        raise BranchsearchError("--max-inflight must be >= 1; --drain and --think >= 0")
+    return LoadSpec(loop, tuple(steps), o.arrivals, o.drain_s, o.max_inflight, o.think_s,
+                    o.seed, o.warmup, o.stop_at_knee, o.slo_p99_ms), notes
+
+
+def make_workload(o: Options, settings: Settings) -> wl.Workload:
+    if (o.queries is None) == (o.synth is None):
+        raise BranchsearchError("give the workload: --queries FILE or --synth N")
+    if o.queries is not None:
+        return wl.from_file(o.queries, o.seed)
+    if o.synth < 1:
+        raise BranchsearchError("--synth N needs N >= 1")
+    folder = Path(settings.home) / "loadtest-synth" / f"tasks{o.synth}-seed{o.seed}"
+    return wl.from_synth(folder, o.synth, seed=o.seed)
+
+
+def make_target(o: Options, settings: Settings, workload: wl.Workload):
+    if o.url:
+        if not o.url.startswith(("http://", "https://")):
+            raise BranchsearchError(f"--url {o.url!r}: expected http(s)://host:port")
+        return HttpTarget(o.url, o.key, index=settings.index if settings.index != "default"
+                          else None, branches=o.branches, k=o.k, deadline_s=o.deadline_s,
+                          timeout_s=o.timeout_s)
+    from branchsearch.orchestrator.driver import Driver
+
+    if not (settings.index_dir / "docs.sqlite").exists():
+        if o.synth is None:
+            raise IndexNotFound(f"index {settings.index!r} not found under {settings.home}: "
+                                "ingest it first (branchsearch ingest … --index NAME)")
+        from branchsearch.infra.ingest import ingest
+
+        print(f"index {settings.index!r} missing: ingesting the synth corpus {workload.corpus}",
+              file=sys.stderr)
+        ingest(workload.corpus, settings)
+    branches = o.branches or settings.branches
+    pool = branches * (o.concurrency or max(settings.batch_concurrency, 1))
+    executor = "local" if o.executor == "local" else "ray"
+    driver = Driver(settings, mode=executor, **({"pool_size": pool} if executor == "ray" else {}))
+    return DriverTarget(driver, branches=o.branches, deadline_s=o.deadline_s)
+
+
+def machine() -> dict:
+    try:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "unknown"
+    return {"cpus": os.cpu_count(), "platform": platform.platform(terse=True),
+            "python": platform.python_version(), "load_average": load}
+
+
+def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | None = None) -> dict:
+    """Run the whole load test; returns the report (also written when o.report is set)."""
+    spec, notes = load_spec(o)
+    workload = make_workload(o, settings)
+    target = make_target(o, settings, workload)
+    metrics_text = (lambda: target.get("/metrics")) if isinstance(target, HttpTarget) else None
+    probe = lambda: StepProbe(settings if not o.url else None, metrics_text)  # noqa: E731
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    info = {"machine": machine(), "target": target.describe()}
+    try:
+        result = Generator(target, workload, spec, probe=probe, progress=progress).run()
+    finally:
+        target.close()
+    if result["interrupted"]:
+        notes.append("interrupted (Ctrl-C): the steps finished so far")
+    if spec.loop == "open" and any(s["send_lag_ms"]["p99"] and s["send_lag_ms"]["p99"] > 20
+                                   for s in result["steps"]):
+        notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "
+                     "bottleneck; latency still counts from the scheduled times")
+    report = {"command": shlex.join(argv or sys.argv), "started": started, **info,
+              "workload": workload.describe(),
+              "arrivals": {"loop": spec.loop, "process": spec.process,
+                           "step_duration_s": spec.steps[0].duration_s, "drain_s": spec.drain_s,
+                           "max_inflight": spec.max_inflight, "think_s": spec.think_s,
+                           "seed": spec.seed, "warmup": spec.warmup},
+              "notes": notes, **result}
+    if o.plots:
+        report["plots"] = rep.plots(report, o.plots)
+    if o.report:
+        rep.write(report, o.report)
+    return report

@@ -1,0 +1,151 @@
+"""What one load step measured, and where a ramp saturates. Pure functions over `Sample`s.
+
+Latency is client-side and counted from the *scheduled* send time (open loop) or the send time
+(closed loop), so a request that waited behind a slow one still shows its wait. A request still
+running when the step's drain ends is `unfinished`: it counts as an error and enters the latency
+percentiles at its lower bound (`latency_lower_bound` says so). A request the generator refused
+because `max_inflight` requests were already running is `dropped`: an error, with no latency.
+
+Achieved rate is measured over the span of completions ((n - 1) / (last - first done)): equal
+to the offered rate when the system keeps up and to its capacity when it does not, without the
+start/end bias of counting completions inside the send window.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from branchsearch.orchestrator.metrics import percentile
+
+OK = "ok"
+DROPPED = "dropped"
+UNFINISHED = "unfinished"
+
+
+@dataclass
+class Sample:
+    step: int
+    scheduled: float  # monotonic seconds: when it should have been sent
+    sent: float = 0.0  # when it was sent
+    done: float | None = None  # when the answer (or error) came back; None: unfinished
+    outcome: str = UNFINISHED  # ok | partial | failed | http_<code> | error:<Class> | dropped
+    stages: dict = field(default_factory=dict)  # server-side seconds per stage
+    tokens_read: int = 0
+    branch_status: dict = field(default_factory=dict)  # non-ok branch statuses -> count
+
+    def latency(self, cutoff: float) -> float:
+        """Seconds from the scheduled send to the answer (or to `cutoff` if unfinished)."""
+        return (self.done if self.done is not None else cutoff) - self.scheduled
+
+
+def _pcts(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+    return {"p50": round(percentile(values, 50) * scale, 2),
+            "p90": round(percentile(values, 90) * scale, 2),
+            "p99": round(percentile(values, 99) * scale, 2),
+            "max": round(max(values) * scale, 2),
+            "mean": round(sum(values) / len(values) * scale, 2)}
+
+
+def completion_rate(done_times: list[float], fallback_window_s: float) -> float:
+    """Completions per second over their own span; n / window when fewer than two."""
+    if len(done_times) >= 2:
+        span = max(done_times) - min(done_times)
+        if span > 0:
+            return (len(done_times) - 1) / span
+    return len(done_times) / fallback_window_s if fallback_window_s > 0 else 0.0
+
+
+def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: float,
+              cutoff: float) -> dict:
+    """One step's figures. `loop` is `open` (load = offered rate/s) or `closed` (load = users);
+    `cutoff` is when the step's drain ended (the lower bound for unfinished requests)."""
+    answered = [s for s in samples if s.outcome != DROPPED]
+    done = [s for s in answered if s.done is not None]
+    ok = [s for s in done if s.outcome == OK]
+    throughput = completion_rate([s.done for s in done], duration_s)
+    achieved = throughput * len(ok) / len(done) if done else 0.0
+    span = (max(s.done for s in done) - min(s.scheduled for s in samples)) if done else 0.0
+    errors = Counter(s.outcome for s in samples if s.outcome != OK)
+    branch_errors: Counter = Counter()
+    for s in samples:
+        branch_errors.update(s.branch_status)
+    stage_names = sorted({k for s in done for k in s.stages})
+    stages = {name: _pcts([s.stages[name] for s in done if name in s.stages])
+              for name in stage_names}
+    return {
+        "load": load, "loop": loop, "duration_s": duration_s,
+        "offered_rate": round(len(samples) / duration_s, 4) if loop == "open" else None,
+        "users": int(load) if loop == "closed" else None,
+        "sent": len(samples), "completed": len(done), "ok": len(ok),
+        "throughput_rate": round(throughput, 4), "achieved_rate": round(achieved, 4),
+        "error_rate": round(sum(errors.values()) / len(samples), 4) if samples else 0.0,
+        "errors": dict(sorted(errors.items())), "branch_errors": dict(sorted(branch_errors.items())),
+        "latency_ms": _pcts([s.latency(cutoff) for s in answered]),
+        "latency_lower_bound": any(s.done is None for s in answered),
+        "send_lag_ms": _pcts([s.sent - s.scheduled for s in answered if s.sent]),
+        "stages_ms": stages,
+        "tokens_read_per_s": round(sum(s.tokens_read for s in done) / span, 1) if span > 0
+        else 0.0,
+    }
+
+
+def saturated(step: dict, previous: dict | None, baseline: dict, *, tolerance: float = 0.1,
+              latency_factor: float = 3.0, max_error: float = 0.01) -> str:
+    """Why a step is past the knee ('' if it is not).
+
+    Open loop: the achieved rate falls more than `tolerance` below the offered rate, errors pass
+    `max_error`, or p99 grows past `latency_factor` x the first step's. Closed loop (no offered
+    rate): adding users adds less than half the throughput linear scaling would, or errors."""
+    if step["error_rate"] > max_error:
+        return f"errors {step['error_rate']:.1%} > {max_error:.0%}"
+    if step["loop"] == "open":
+        if step["achieved_rate"] < (1 - tolerance) * step["offered_rate"]:
+            return (f"achieved {step['achieved_rate']:.3g}/s < {1 - tolerance:.0%} of offered "
+                    f"{step['offered_rate']:.3g}/s")
+        base, p99 = baseline["latency_ms"]["p99"], step["latency_ms"]["p99"]
+        if base and p99 is not None and p99 > latency_factor * base:
+            return f"p99 {p99:.0f} ms > {latency_factor:g} x the first step's {base:.0f} ms"
+        return ""
+    if previous is not None and previous["throughput_rate"] > 0:
+        linear_gain = step["load"] / previous["load"] - 1
+        gain = step["throughput_rate"] / previous["throughput_rate"] - 1
+        if linear_gain > 0 and gain < 0.5 * linear_gain:
+            return (f"throughput +{gain:.0%} for +{linear_gain:.0%} users (< half of linear)")
+    return ""
+
+
+def find_knee(steps: list[dict], **criteria) -> dict:
+    """The last step before the first saturated one. Returns {knee, saturated_at, reason}: knee
+    is None when the first step already saturates or no step does (then `reason` says which)."""
+    for i, step in enumerate(steps):
+        why = saturated(step, steps[i - 1] if i else None, steps[0], **criteria)
+        if why:
+            return {"knee": steps[i - 1]["load"] if i else None, "saturated_at": step["load"],
+                    "reason": why if i else f"already saturated at the first step: {why}"}
+    top = steps[-1]["load"] if steps else None
+    return {"knee": None, "saturated_at": None,
+            "reason": f"not reached up to {top:g}: raise the ramp's STOP" if steps
+            else "no steps"}
+
+
+def slo_max(steps: list[dict], p99_ms: float, *, max_error: float = 0.01,
+            tolerance: float = 0.1) -> dict | None:
+    """The highest load such that it and every lower step held p99 <= p99_ms, errors <=
+    max_error and (open loop) achieved >= (1 - tolerance) x offered; None if the first fails."""
+    best = None
+    for step in sorted(steps, key=lambda s: s["load"]):
+        p99 = step["latency_ms"]["p99"]
+        holds = (p99 is not None and p99 <= p99_ms and step["error_rate"] <= max_error
+                 and (step["loop"] != "open"
+                      or step["achieved_rate"] >= (1 - tolerance) * step["offered_rate"]))
+        if not holds:
+            break
+        best = step
+    if best is None:
+        return None
+    return {"load": best["load"], "offered_rate": best["offered_rate"],
+            "achieved_rate": best["achieved_rate"], "p99_ms": best["latency_ms"]["p99"],
+            "error_rate": best["error_rate"]}

@@ -1,0 +1,160 @@
+"""What receives the load: the driver in this process (local or on Ray), or the HTTP service.
+
+A target answers one question with the SearchResult as a JSON-able dict, or raises
+`RequestFailed` with an outcome class (`http_503:backend_unavailable`, `error:Timeout`, …).
+`classify` turns a result into the figures a sample keeps. Both targets are thread-safe: the
+generator calls `search` from many threads at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections import Counter
+from typing import Protocol
+
+
+class RequestFailed(Exception):
+    def __init__(self, outcome: str, detail: str = ""):
+        super().__init__(detail or outcome)
+        self.outcome = outcome
+
+
+class Target(Protocol):
+    def search(self, question: str) -> dict: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def result_status(result: dict) -> str:
+    """`status` of the result (ok | partial | failed); derived from the branches for drivers
+    that do not report it yet."""
+    if result.get("status"):
+        return str(result["status"])
+    statuses = [b.get("status") for b in result.get("branches", [])]
+    ok = sum(s == "ok" for s in statuses)
+    return "ok" if ok == len(statuses) and ok else ("partial" if ok else "failed")
+
+
+def stage_times(result: dict) -> dict[str, float]:
+    """Server-side seconds per stage, from what the result's metrics carry: queue, plan, the
+    slowest branch, retrieval backend and policy (LLM engine) time of the slowest-on-that-stage
+    branch, fusion, and the driver's total. Stages the result does not report are absent."""
+    metrics, branches = result.get("metrics") or {}, result.get("branches") or []
+    out: dict[str, float] = {}
+    named = {"queue": "queue_s", "plan": "plan_s", "fusion": "fusion_s", "server": "latency_s"}
+    for stage, key in named.items():
+        if isinstance(metrics.get(key), (int, float)):
+            out[stage] = float(metrics[key])
+    if isinstance(metrics.get("branch_latency_s_max"), (int, float)):
+        out["slowest_branch"] = float(metrics["branch_latency_s_max"])
+    elif branches:
+        out["slowest_branch"] = max(float(b.get("latency_s") or 0) for b in branches)
+    for stage, key in (("backend", "backend_s"), ("policy", "policy_s"), ("rpc", "rpc_s")):
+        values = [float(b[key]) for b in branches if isinstance(b.get(key), (int, float))]
+        if values:
+            out[stage] = max(values)
+    for key, value in metrics.items():  # stages added later (e.g. engine_s) show up as they are
+        if key.endswith("_s") and isinstance(value, (int, float)) and not key.startswith(
+                ("latency", "branch_latency")) and key[:-2] not in out \
+                and key not in named.values():
+            out[key[:-2]] = float(value)
+    return out
+
+
+def classify(result: dict) -> dict:
+    """The sample fields of one answered request."""
+    statuses = Counter(b.get("status") for b in result.get("branches") or [])
+    metrics = result.get("metrics") or {}
+    return {"outcome": result_status(result), "stages": stage_times(result),
+            "tokens_read": int(metrics.get("tokens_read") or 0),
+            "branch_status": {f"branch_{s}": n for s, n in statuses.items() if s != "ok"}}
+
+
+class DriverTarget:
+    """`Driver.search` called directly (the driver runs branches in-process or on Ray)."""
+
+    def __init__(self, driver, *, branches: int | None = None, deadline_s: float | None = None):
+        self.driver, self.branches, self.deadline_s = driver, branches, deadline_s
+        params = inspect.signature(driver.search).parameters
+        self.deadline_supported = "deadline_s" in params
+
+    def search(self, question: str) -> dict:
+        kwargs = {"max_branches": self.branches}
+        if self.deadline_s is not None and self.deadline_supported:
+            kwargs["deadline_s"] = self.deadline_s
+        try:
+            return self.driver.search(question, **kwargs).to_dict()
+        except Exception as exc:  # the driver raised: the whole request failed
+            raise RequestFailed(f"error:{type(exc).__name__}", str(exc)[:300]) from None
+
+    def describe(self) -> dict:
+        out = {"kind": "driver", "executor": self.driver.mode, "index": self.driver.settings.index,
+               "policy": self.driver.settings.policy, "planner": self.driver.settings.planner,
+               "branches": self.branches or self.driver.settings.branches}
+        if self.deadline_s is not None and not self.deadline_supported:
+            out["note"] = "this driver takes no deadline_s: --deadline-s ignored"
+        return out
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+class HttpTarget:
+    """POST {url}/v1/search with a bearer key; one connection per request (urllib)."""
+
+    def __init__(self, url: str, key: str = "", *, index: str | None = None,
+                 branches: int | None = None, k: int | None = None,
+                 deadline_s: float | None = None, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.key, self.timeout_s = key, timeout_s
+        self.body = {k_: v for k_, v in {"index": index, "branches": branches, "k": k,
+                                          "deadline_s": deadline_s}.items() if v is not None}
+
+    def search(self, question: str) -> dict:
+        request = urllib.request.Request(
+            f"{self.url}/v1/search", data=json.dumps({"question": question, **self.body}).encode(),
+            headers={"Content-Type": "application/json", "Accept": "application/json",
+                     **({"Authorization": f"Bearer {self.key}"} if self.key else {})})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                code = json.loads(exc.read()).get("error", "")
+            except (ValueError, AttributeError, OSError):
+                code = ""
+            raise RequestFailed(f"http_{exc.code}" + (f":{code}" if code else "")) from None
+        except (TimeoutError, socket.timeout):
+            raise RequestFailed("error:Timeout") from None
+        except urllib.error.URLError as exc:
+            reason = exc.reason
+            name = "Timeout" if isinstance(reason, (TimeoutError, socket.timeout)) \
+                else type(reason).__name__
+            raise RequestFailed(f"error:{name}", str(reason)) from None
+        except (ConnectionError, OSError) as exc:
+            raise RequestFailed(f"error:{type(exc).__name__}", str(exc)) from None
+        except ValueError:
+            raise RequestFailed("error:BadResponse", "the answer is not JSON") from None
+
+    def get(self, path: str, timeout_s: float = 5.0) -> str | None:
+        """GET a side endpoint (e.g. /metrics) as text; None if it does not answer."""
+        request = urllib.request.Request(
+            f"{self.url}{path}",
+            headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def describe(self) -> dict:
+        return {"kind": "service", "url": self.url, **self.body}
+
+    def close(self) -> None:
+        pass

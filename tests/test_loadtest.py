@@ -1,0 +1,384 @@
+"""Load testing: the arrival process, the statistics by hand, knee and SLO on synthetic curves,
+the generator's open-loop timing (no coordinated omission), and short real runs against the
+in-process driver, a live loopback HTTP service and Locust. Every request goes to loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.loadtest import arrivals
+from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
+from branchsearch.orchestrator.loadtest.stats import (DROPPED, UNFINISHED, Sample, find_knee,
+                                                      slo_max, summarize)
+from branchsearch.orchestrator.loadtest.targets import (HttpTarget, RequestFailed, classify,
+                                                        stage_times)
+from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
+from branchsearch.orchestrator.metrics import percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- arrivals -----------------------------------------------------------------------------------
+
+def test_poisson_rate_and_gaps_within_tolerance():
+    times = arrivals.poisson_schedule(20.0, 200.0, random.Random(3))
+    # 4000 expected; sd of a Poisson count is sqrt(4000) ~ 63: allow 4 sd
+    assert abs(len(times) - 4000) < 4 * 63
+    gaps = np.diff([0.0, *times])
+    assert abs(gaps.mean() - 0.05) < 0.003
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.06  # exponential: coefficient of variation 1
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 200
+    assert arrivals.poisson_schedule(20.0, 200.0, random.Random(3)) == times  # seeded
+
+
+def test_constant_schedule_is_evenly_spaced():
+    times = arrivals.constant_schedule(4.0, 2.0)
+    assert times == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
+    assert arrivals.schedule("constant", 3.0, 1.0) == pytest.approx([0, 1 / 3, 2 / 3])
+    with pytest.raises(BranchsearchError, match="poisson or constant"):
+        arrivals.schedule("bursty", 1.0, 1.0)
+
+
+def test_ramp_parsing_and_bounded_plan():
+    assert arrivals.parse_ramp("1:4:1") == [1, 2, 3, 4]
+    assert arrivals.parse_ramp("0.5:2:0.5") == [0.5, 1.0, 1.5, 2.0]
+    assert arrivals.parse_ramp("1:2.5:1") == [1, 2]
+    for bad in ("1:4", "a:b:c", "4:1:1", "0:4:1", "1:4:0"):
+        with pytest.raises(BranchsearchError, match="--ramp"):
+            arrivals.parse_ramp(bad)
+    steps, cut = arrivals.plan_steps([1, 2, 3, 4], 10, total_s=25, drain_s=2)
+    assert [s.load for s in steps] == [1, 2] and cut == 2  # 2 x (10 + 2) <= 25 < 3 x 12
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+def test_percentiles_match_numpy():
+    rng = np.random.default_rng(5)
+    values = list(rng.lognormal(0, 1, 997))
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_summary_by_hand_counts_latency_from_the_scheduled_time():
+    # five requests scheduled at 0, 1, 2, 3, 4 s of a 5 s step; the third was sent 1.5 s late
+    # (the generator was busy) and its latency must include that wait
+    s = [Sample(0, 100.0, 100.0, 100.2, "ok", {"plan": 0.01}, tokens_read=100),
+         Sample(0, 101.0, 101.0, 101.4, "ok", {"plan": 0.03}, tokens_read=100),
+         Sample(0, 102.0, 103.5, 103.6, "ok", {"plan": 0.02}, tokens_read=100),
+         Sample(0, 103.0, 103.0, 103.3, "partial", {}, branch_status={"branch_timeout": 1}),
+         Sample(0, 104.0, 0.0, None, DROPPED)]
+    out = summarize(s, load=1.0, loop="open", duration_s=5.0, cutoff=110.0)
+    # latencies of the answered: 0.2, 0.4, 1.6, 0.3 s (dropped: no latency)
+    lat = [0.2, 0.4, 1.6, 0.3]
+    assert out["latency_ms"]["p50"] == pytest.approx(np.percentile(lat, 50) * 1000)
+    assert out["latency_ms"]["p99"] == pytest.approx(np.percentile(lat, 99) * 1000)
+    assert out["latency_ms"]["max"] == pytest.approx(1600)
+    assert out["offered_rate"] == 1.0 and out["sent"] == 5 and out["ok"] == 3
+    # completions at 100.2, 101.4, 103.3, 103.6: 3 gaps over 3.4 s; 3 of 4 ok
+    assert out["throughput_rate"] == pytest.approx(3 / 3.4, abs=1e-4)
+    assert out["achieved_rate"] == pytest.approx(3 / 3.4 * 3 / 4, abs=1e-4)
+    assert out["errors"] == {"dropped": 1, "partial": 1} and out["error_rate"] == 0.4
+    assert out["branch_errors"] == {"branch_timeout": 1}
+    assert out["send_lag_ms"]["max"] == pytest.approx(1500)
+    assert out["stages_ms"]["plan"]["p50"] == pytest.approx(20)
+    assert out["tokens_read_per_s"] == pytest.approx(300 / 3.6, abs=0.1)
+    assert not out["latency_lower_bound"]
+
+
+def test_unfinished_requests_enter_latency_at_their_lower_bound():
+    s = [Sample(0, 0.0, 0.0, 0.1, "ok"), Sample(0, 1.0, 1.0, None, UNFINISHED)]
+    out = summarize(s, load=1, loop="open", duration_s=2.0, cutoff=9.0)
+    assert out["latency_ms"]["max"] == pytest.approx(8000) and out["latency_lower_bound"]
+    assert out["errors"] == {"unfinished": 1}
+
+
+def _step(load, achieved, p99, errors=0.0, loop="open", throughput=None):
+    return {"load": load, "loop": loop, "offered_rate": load if loop == "open" else None,
+            "users": load if loop == "closed" else None, "achieved_rate": achieved,
+            "throughput_rate": throughput if throughput is not None else achieved,
+            "error_rate": errors, "latency_ms": {"p50": p99 / 2, "p99": p99}}
+
+
+def test_knee_where_throughput_stops_following_the_offered_rate():
+    curve = [_step(1, 1.0, 300), _step(2, 1.98, 320), _step(3, 2.9, 400), _step(4, 3.1, 600),
+             _step(5, 3.1, 5000)]
+    knee = find_knee(curve)
+    assert knee["knee"] == 3 and knee["saturated_at"] == 4 and "achieved" in knee["reason"]
+
+
+def test_knee_where_latency_blows_up_or_errors_appear():
+    latency = [_step(1, 1, 200), _step(2, 2, 250), _step(3, 3, 700)]
+    assert find_knee(latency)["knee"] == 2 and "p99" in find_knee(latency)["reason"]
+    errors = [_step(1, 1, 200), _step(2, 2, 210, errors=0.05)]
+    assert find_knee(errors)["knee"] == 1 and "errors" in find_knee(errors)["reason"]
+    healthy = [_step(1, 1, 200), _step(2, 2, 210)]
+    assert find_knee(healthy)["knee"] is None and "not reached" in find_knee(healthy)["reason"]
+    first = [_step(4, 1.0, 200)]
+    assert find_knee(first)["knee"] is None and "first step" in find_knee(first)["reason"]
+
+
+def test_closed_loop_knee_is_where_throughput_stops_scaling_with_users():
+    curve = [_step(1, 1.0, 500, loop="closed"), _step(2, 1.9, 520, loop="closed"),
+             _step(4, 3.6, 600, loop="closed"), _step(8, 4.0, 1900, loop="closed")]
+    assert find_knee(curve)["knee"] == 4 and find_knee(curve)["saturated_at"] == 8
+
+
+def test_slo_holds_up_to_the_last_step_of_an_unbroken_run():
+    curve = [_step(1, 1, 300), _step(2, 2, 450), _step(3, 3, 900), _step(4, 4, 480)]
+    assert slo_max(curve, 500)["load"] == 2  # step 4 is under the SLO but step 3 broke it
+    assert slo_max(curve, 1000)["load"] == 4
+    assert slo_max(curve, 100) is None
+    assert slo_max([_step(1, 1, 300, errors=0.02)], 500) is None  # errors > 1 %
+    assert slo_max([_step(1, 0.5, 300)], 500) is None  # did not keep up with the offered rate
+
+
+# --- targets ------------------------------------------------------------------------------------
+
+def test_classify_derives_status_and_stages_from_the_result():
+    result = {"branches": [{"status": "ok", "latency_s": 0.5, "backend_s": 0.1, "policy_s": 0.2},
+                           {"status": "timeout", "latency_s": 2.0}],
+              "metrics": {"latency_s": 2.1, "branch_latency_s_max": 2.0, "tokens_read": 77,
+                          "plan_s": 0.05, "fusion_s": 0.001, "engine_wait_s": 0.3}}
+    out = classify(result)
+    assert out["outcome"] == "partial" and out["tokens_read"] == 77
+    assert out["branch_status"] == {"branch_timeout": 1}
+    assert out["stages"] == {"server": 2.1, "slowest_branch": 2.0, "backend": 0.1, "policy": 0.2,
+                             "plan": 0.05, "fusion": 0.001, "engine_wait": 0.3}
+    assert classify({**result, "status": "failed"})["outcome"] == "failed"  # reported wins
+    assert stage_times({"branches": [{"status": "ok", "latency_s": 0.4}]}) == \
+        {"slowest_branch": 0.4}
+
+
+def test_workload_reads_beir_and_plain_jsonl_and_is_seeded(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question": "a?"}\n\n{"_id": "2", "text": "b?"}\n{"query": "c?"}\n')
+    assert read_questions(f) == ["a?", "b?", "c?"]
+    w1, w2 = Workload(["a", "b", "c", "d"], seed=1), Workload(["a", "b", "c", "d"], seed=1)
+    assert [w1.question(i) for i in range(8)] == [w2.question(i) for i in range(8)]
+    assert sorted(w1.question(i) for i in range(4)) == ["a", "b", "c", "d"]
+    f.write_text('{"question": "a?"}\n{"id": 3}\n')
+    with pytest.raises(BranchsearchError, match=r"q.jsonl:2"):
+        read_questions(f)
+
+
+# --- the generator, against targets with known timing ------------------------------------------
+
+class SleepTarget:
+    """Answers after `seconds`; with `capacity`, at most that many at once (a queue)."""
+
+    def __init__(self, seconds: float, capacity: int | None = None):
+        self.seconds = seconds
+        self.slots = threading.Semaphore(capacity) if capacity else None
+
+    def search(self, question: str) -> dict:
+        if self.slots:
+            with self.slots:
+                time.sleep(self.seconds)
+        else:
+            time.sleep(self.seconds)
+        return {"branches": [{"status": "ok", "latency_s": self.seconds}],
+                "metrics": {"latency_s": self.seconds, "tokens_read": 10}}
+
+    def describe(self) -> dict:
+        return {"kind": "sleep"}
+
+    def close(self) -> None:
+        pass
+
+
+def _run(target, loop="open", loads=(5.0,), duration=2.0, **kw):
+    spec = LoadSpec(loop, tuple(arrivals.Step(x, duration) for x in loads), warmup=0, **kw)
+    started = time.monotonic()
+    out = Generator(target, Workload(["q1", "q2"]), spec).run()
+    return out, time.monotonic() - started
+
+
+def test_slow_answers_do_not_delay_open_loop_arrivals():
+    # 0.6 s answers at 10/s: a closed loop of one user could send under 2/s; the open loop must
+    # send on schedule (all 20) with ~10 in flight
+    out, wall = _run(SleepTarget(0.6), loads=(10.0,), process="constant", duration=2.0)
+    s = out["steps"][0]
+    assert s["sent"] == 20 and s["ok"] == 20
+    assert s["send_lag_ms"]["p99"] < 250  # coordinated omission would lag by seconds
+    assert 550 < s["latency_ms"]["p50"] < 900
+    assert s["achieved_rate"] == pytest.approx(10, rel=0.15)
+    assert wall < 2.0 + 0.6 + 1.0
+
+
+def test_queueing_shows_in_latency_measured_from_the_schedule():
+    # capacity 1 x 0.2 s = 5/s served; 10/s offered: each request waits behind the earlier ones,
+    # so latency grows through the step (a closed loop would report ~0.2 s throughout)
+    out, _ = _run(SleepTarget(0.2, capacity=1), loads=(10.0,), process="constant",
+                  duration=1.5, drain_s=5.0)
+    s = out["steps"][0]
+    assert s["ok"] == 15 and s["latency_ms"]["max"] > 1300  # the 15th waited for 14 others
+    assert s["achieved_rate"] == pytest.approx(5, rel=0.15)
+    assert find_knee(out["steps"])["knee"] is None  # one saturated step: no knee below it
+    closed, _ = _run(SleepTarget(0.2, capacity=1), loop="closed", loads=(1,), duration=1.0)
+    assert closed["steps"][0]["latency_ms"]["p99"] < 300
+
+
+def test_in_flight_cap_drops_and_drain_bounds_the_step():
+    out, wall = _run(SleepTarget(5.0), loads=(10.0,), process="constant", duration=0.5,
+                     max_inflight=2, drain_s=0.3)
+    s = out["steps"][0]
+    assert s["errors"] == {"dropped": 3, "unfinished": 2} and s["ok"] == 0
+    assert s["latency_lower_bound"]
+    assert wall < 0.5 + 0.3 + 0.5  # did not wait for the 5 s answers
+
+
+def test_closed_loop_users_and_a_ramp_stopping_after_the_knee():
+    out, wall = _run(SleepTarget(0.1, capacity=2), loop="closed", loads=(1, 2, 4, 8),
+                     duration=1.0)
+    tput = [s["throughput_rate"] for s in out["steps"]]
+    assert tput[0] == pytest.approx(10, rel=0.2) and tput[1] == pytest.approx(20, rel=0.2)
+    assert out["knee"]["knee"] == 2 and out["knee"]["saturated_at"] == 4
+    assert len(out["steps"]) == 3 and "stopped after step 3" in out["stopped"]
+    assert wall < 4 * 1.0
+
+
+# --- real runs: the in-process driver, a live loopback service, Locust -------------------------
+
+@pytest.fixture(scope="module")
+def local_driver(hotpot_settings):
+    from branchsearch.orchestrator.driver import Driver
+
+    driver = Driver(hotpot_settings.replace(branches=2), mode="local")
+    yield driver
+    driver.close()
+
+
+def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver, tmp_path):
+    from branchsearch.orchestrator.loadtest import report as rep
+    from branchsearch.orchestrator.loadtest.targets import DriverTarget
+
+    from conftest import HOTPOT
+
+    spec = LoadSpec("open", (arrivals.Step(2.0, 3.0),), drain_s=5.0, warmup=1)
+    started = time.monotonic()
+    out = Generator(DriverTarget(local_driver), Workload(read_questions(HOTPOT)), spec).run()
+    assert time.monotonic() - started < 1 + 3 + 5 + 10  # warm-up, step, drain, slack
+    s = out["steps"][0]
+    assert s["sent"] >= 2 and s["ok"] == s["sent"] - s["errors"].get("partial", 0)
+    assert s["latency_ms"]["p50"] > 0 and s["tokens_read_per_s"] > 0
+    assert {"slowest_branch", "server", "backend", "policy"} <= set(s["stages_ms"])
+    report = {"command": "test", "started": "now", "machine": {"cpus": 2, "platform": "x",
+                                                                "load_average": "0"},
+              "target": {"kind": "driver"}, "workload": {"source": "hotpot-mini",
+                                                          "questions": 12, "seed": 0},
+              "arrivals": {"loop": "open", "process": "poisson", "step_duration_s": 3,
+                           "drain_s": 5, "max_inflight": 256, "think_s": 0}, **out}
+    report["plots"] = rep.plots(report, tmp_path)
+    assert [Path(p).name for p in report["plots"]] == ["latency.png", "throughput.png",
+                                                       "cdf.png"]
+    md = rep.write(report, tmp_path / "lt.json").read_text()
+    assert "| offered rate (req/s) |" in md and "**Knee**" in md
+    assert json.loads((tmp_path / "lt.json").read_text())["steps"][0]["sent"] == s["sent"]
+
+
+class _Service(BaseHTTPRequestHandler):
+    """The service contract in miniature (POST /v1/search with a bearer key, JSON errors,
+    GET /metrics) around the in-process driver."""
+
+    driver = None
+    key = "k-test"
+    searches = 0
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, body: str, kind: str = "application/json") -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/metrics":
+            self._send(200, f"# TYPE branchsearch_searches_total counter\n"
+                            f"branchsearch_searches_total{{status=\"ok\"}} "
+                            f"{type(self).searches}\n", "text/plain")
+        else:
+            self._send(404, json.dumps({"error": "not_found", "detail": self.path}))
+
+    def do_POST(self):
+        if self.headers.get("Authorization") != f"Bearer {self.key}":
+            return self._send(401, json.dumps({"error": "unauthorized", "detail": "bad key"}))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        result = self.driver.search(body["question"], max_branches=body.get("branches"))
+        type(self).searches += 1
+        self._send(200, json.dumps(result.to_dict(), default=str))
+
+
+@pytest.fixture(scope="module")
+def live_service(local_driver):
+    handler = type("Handler", (_Service,), {"driver": local_driver})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_short_real_run_against_a_live_service_stops_on_time(live_service):
+    from branchsearch.orchestrator.loadtest.probes import StepProbe
+
+    from conftest import HOTPOT
+
+    target = HttpTarget(live_service, "k-test", branches=1)
+    spec = LoadSpec("closed", (arrivals.Step(2, 2.0),), drain_s=5.0, warmup=0)
+    started = time.monotonic()
+    out = Generator(target, Workload(read_questions(HOTPOT)), spec,
+                    probe=lambda: StepProbe(None, lambda: target.get("/metrics"))).run()
+    assert time.monotonic() - started < 2 + 5 + 5
+    s = out["steps"][0]
+    assert s["ok"] >= 2 and s["errors"] == {}
+    assert s["probes"]["gpu"] and s["probes"]["ray"] == "not connected to Ray"
+    assert s["probes"]["service_metrics"]['branchsearch_searches_total{status="ok"} /s'] > 0
+    with pytest.raises(RequestFailed) as bad_key:
+        HttpTarget(live_service, "wrong").search("q")
+    assert bad_key.value.outcome == "http_401:unauthorized"
+    with pytest.raises(RequestFailed) as refused:
+        HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
+    assert refused.value.outcome.startswith("error:")
+
+
+def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_path):
+    pytest.importorskip("locust", reason="install branchsearch[loadtest]")
+    from conftest import HOTPOT
+
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
+           "--headless", "-u", "2", "-r", "2", "-t", "4s", "--host", live_service,
+           "--csv", str(tmp_path / "lc"), "--only-summary"]
+    env = {**os.environ, "BRANCHSEARCH_API_KEY": "k-test",
+           "BRANCHSEARCH_LOADTEST_QUERIES": str(HOTPOT), "BRANCHSEARCH_LOADTEST_BRANCHES": "1"}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    assert time.monotonic() - started < 60, "locust did not stop on time"
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = (tmp_path / "lc_stats.csv").read_text().splitlines()
+    total = next(r for r in rows if ",Aggregated," in r).split(",")
+    assert int(total[2]) >= 2 and int(total[3]) == 0  # requests, failures
+
+
+def test_cli_user_errors_are_one_line_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest",
+                           "--queries", str(tmp_path / "none.jsonl"), "--ramp", "1:2",
+                           "--home", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--ramp" in proc.stderr
