@@ -382,6 +382,13 @@ def _slug(path: Path) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in path.resolve().name)
 
 
+# `branchsearch serve` and `branchsearch keys …` live in orchestrator/service_cli.py
+from branchsearch.orchestrator.service_cli import keys_app, serve  # noqa: E402
+
+app.command("serve")(serve)
+app.add_typer(keys_app, name="keys")
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

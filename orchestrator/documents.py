@@ -1,0 +1,96 @@
+"""Document writes for the service: parse a body of documents, upsert them by id, delete one.
+
+The writes run on the stores of an open `Retriever` (the process that owns them: the driver in
+local mode, the retriever actor in Ray mode; Milvus Lite allows one process per file). They keep
+the order `infra.ingest` uses: dense and lexical first, the docstore — what readers see — last for
+an upsert and first for a delete, so a search never returns a half-written document.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from branchsearch.infra.errors import CorpusError
+
+
+def parse_documents(body: bytes) -> list:
+    """Documents from a JSON array or JSONL body, validated as `read_corpus` validates a file
+    (id, text, acl as a list of groups, no duplicate ids). CorpusError names the bad line."""
+    from branchsearch.infra.corpus import read_corpus
+
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorpusError("body is not UTF-8") from None
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            rows = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"body is not a valid JSON array ({exc.msg})") from None
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not text.strip():
+        raise CorpusError("no documents in the body")
+    with tempfile.TemporaryDirectory(prefix="bs-put-") as tmp:
+        path = Path(tmp) / "body.jsonl"
+        path.write_text(text, encoding="utf-8")
+        try:
+            return read_corpus(path)
+        except CorpusError as exc:
+            raise CorpusError(str(exc).replace(str(path), "body")) from None
+
+
+def upsert(retriever, settings, docs: list) -> dict:
+    """Replace (or add) `docs` and all their chunks. Returns {documents, chunks}."""
+    from branchsearch.infra.backends import IndexedChunk
+    from branchsearch.infra.chunking import chunk_text
+    from branchsearch.infra.tokenizer import TokenCounter
+
+    counter = TokenCounter(settings.encoding)
+    chunks = [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
+                                                    settings.chunk_overlap)]
+    by_id = {d.id: d for d in docs}
+    indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
+               for c in chunks]
+    ids = [d.id for d in docs]
+    if retriever.dense is not None:
+        vectors = retriever.embedder.embed([c.body for c in indexed])
+        retriever.dense.write(indexed, vectors, ids)
+    retriever.lexical.write(indexed, ids)
+    retriever.docstore.replace_documents(docs, chunks)
+    return {"documents": len(docs), "chunks": len(chunks)}
+
+
+def delete(retriever, doc_id: str) -> bool:
+    """Remove a document from every store; False when the docstore did not have it."""
+    store = retriever.docstore
+    # DocStore has no delete yet (infra is the ingest engineer's): one transaction on its
+    # connection, under its lock.
+    with store._lock, store._db:
+        found = store._db.execute("DELETE FROM docs WHERE doc_id = ?", (doc_id,)).rowcount
+        store._db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
+    retriever.lexical.write([], [doc_id])
+    if retriever.dense is not None:
+        retriever.dense.write([], [], [doc_id])
+    return bool(found)
+
+
+def probe(retriever) -> dict:
+    """Touch every backend once (counts); raises what the backend raises when it is down."""
+    return {"documents": retriever.docstore.doc_count(), "lexical_chunks": retriever.lexical.count(),
+            "dense_chunks": retriever.dense.count() if retriever.dense is not None else None}
+
+
+# Run inside the Ray retriever actor (`actor.__ray_call__`): the actor owns the stores.
+def upsert_in_actor(service, settings, docs):
+    return upsert(service.retriever, settings, docs)
+
+
+def delete_in_actor(service, doc_id):
+    return delete(service.retriever, doc_id)
+
+
+def probe_in_actor(service):
+    return probe(service.retriever)

@@ -1,0 +1,163 @@
+"""API keys bound to ACL groups: the only source of a service caller's groups.
+
+A key is shown once when it is made; the keys file stores only its SHA-256 (keys are 32 random
+bytes, so a fast unsalted hash is enough: nothing to brute-force) with the key's name, groups,
+allowed indexes and admin flag. The file is JSON, written atomically with mode 0600; a server
+re-reads it when it changes, so `keys revoke` takes effect without a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from branchsearch.infra.errors import BranchsearchError
+
+PREFIX = "bsk_"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_GROUP = re.compile(r"^[^\s,]{1,128}$")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """What a key grants. `indexes` empty means every index."""
+
+    name: str
+    groups: tuple[str, ...]
+    indexes: tuple[str, ...] = ()
+    admin: bool = False
+    created: str = ""
+    revoked: bool = False
+    digest: str = field(default="", repr=False)
+
+    def may_use(self, index: str) -> bool:
+        return not self.indexes or index in self.indexes
+
+    def public(self) -> dict:
+        """The key as `keys list` and `/v1/whoami`-style answers show it (no digest)."""
+        return {"name": self.name, "groups": list(self.groups), "indexes": list(self.indexes),
+                "admin": self.admin, "created": self.created, "revoked": self.revoked}
+
+
+class AuthError(Exception):
+    """Missing, unknown or revoked key (HTTP 401); the message never echoes the key."""
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_list(text: str | None) -> tuple[str, ...]:
+    """`g1,g2` -> ('g1', 'g2'); blanks dropped, order kept, duplicates removed."""
+    items = [p.strip() for p in (text or "").split(",") if p.strip()]
+    for item in items:
+        if not _GROUP.match(item):
+            raise BranchsearchError(f"bad name {item!r} (no spaces or commas, ≤ 128 characters)")
+    return tuple(dict.fromkeys(items))
+
+
+class KeyStore:
+    """The keys file. Thread-safe; re-reads the file when its mtime or size changes."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp: tuple | None = None
+        self._keys: dict[str, ApiKey] = {}  # name -> key
+
+    # --- file ---------------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, ApiKey]:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            self._stamp, self._keys = None, {}
+            return self._keys
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp != self._stamp:
+            try:
+                rows = json.loads(self.path.read_text() or "{}").get("keys", [])
+                keys = {r["name"]: ApiKey(r["name"], tuple(r.get("groups", ())),
+                                          tuple(r.get("indexes", ())), bool(r.get("admin")),
+                                          r.get("created", ""), bool(r.get("revoked")),
+                                          r["digest"]) for r in rows}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise BranchsearchError(f"keys file {self.path} is not valid ({exc}); "
+                                        "fix it or make a new one with `branchsearch keys add`"
+                                        ) from None
+            self._stamp, self._keys = stamp, keys
+        return self._keys
+
+    def _save(self, keys: dict[str, ApiKey]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        data = {"keys": [asdict(k) | {"groups": list(k.groups), "indexes": list(k.indexes)}
+                         for k in keys.values()]}
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)
+        self._stamp = None
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def add(self, name: str, groups: tuple[str, ...], indexes: tuple[str, ...] = (),
+            admin: bool = False) -> str:
+        """Make a key; returns it (the only time it exists in clear)."""
+        if not _NAME.match(name):
+            raise BranchsearchError(f"bad key name {name!r}: letters, digits, _ . - "
+                                    "(≤ 64 characters)")
+        from datetime import datetime, timezone
+
+        with self._lock:
+            keys = dict(self._load())
+            if name in keys and not keys[name].revoked:
+                raise BranchsearchError(f"key {name!r} exists; revoke it first or pick "
+                                        "another name")
+            key = PREFIX + secrets.token_urlsafe(32)
+            keys[name] = ApiKey(name, tuple(groups), tuple(indexes), admin,
+                                datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                False, digest(key))
+            self._save(keys)
+        return key
+
+    def revoke(self, name: str) -> None:
+        with self._lock:
+            keys = dict(self._load())
+            if name not in keys:
+                raise BranchsearchError(f"no key named {name!r} in {self.path}")
+            keys[name] = ApiKey(**{**asdict(keys[name]), "revoked": True})
+            self._save(keys)
+
+    def list(self) -> list[ApiKey]:
+        with self._lock:
+            return list(self._load().values())
+
+    def authenticate(self, key: str | None) -> ApiKey:
+        """The key's grant, or AuthError (missing, unknown, revoked)."""
+        if not key:
+            raise AuthError("missing API key: send 'Authorization: Bearer KEY'")
+        wanted = digest(key)
+        with self._lock:
+            keys = self._load()
+        for k in keys.values():
+            if hmac.compare_digest(k.digest, wanted):
+                if k.revoked:
+                    raise AuthError(f"API key {k.name!r} was revoked")
+                return k
+        raise AuthError("unknown API key")
+
+
+def bearer(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header (None when absent or another scheme)."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    return value.strip() or None if scheme.lower() == "bearer" else None

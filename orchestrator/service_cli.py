@@ -1,0 +1,114 @@
+"""`branchsearch serve` and `branchsearch keys …` (registered in `orchestrator.cli`).
+
+Only parsing and printing; the service is `orchestrator.service`, keys are `orchestrator.keys`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from branchsearch.infra.errors import BranchsearchError
+
+DEFAULT_KEYS = Path(".branchsearch") / "keys.json"
+KeysOpt = typer.Option(None, "--keys", help=f"keys file (default {DEFAULT_KEYS}, or "
+                                            "BRANCHSEARCH_KEYS)")
+
+keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="API keys for `branchsearch serve` (bound to ACL groups).")
+
+
+def _keys_path(path: Path | None) -> Path:
+    import os
+
+    return path or Path(os.environ.get("BRANCHSEARCH_KEYS", DEFAULT_KEYS))
+
+
+@keys_app.command("add")
+def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL groups, g1,g2 "
+                                                    "(none: public documents only)"),
+             indexes: str = typer.Option("", "--indexes", help="allowed indexes a,b (default "
+                                                               "all)"),
+             admin: bool = typer.Option(False, "--admin", help="may write documents"),
+             keys: Optional[Path] = KeysOpt):
+    """Make a key; prints it once (only its hash is stored)."""
+    from branchsearch.orchestrator.keys import KeyStore, parse_list
+
+    store = KeyStore(_keys_path(keys))
+    key = store.add(name, parse_list(groups), parse_list(indexes), admin)
+    print(key)
+    print(f"key {name!r} added to {store.path} (groups: {groups or 'none — public only'}; "
+          f"indexes: {indexes or 'all'}{'; admin' if admin else ''}). It is shown only now.",
+          file=sys.stderr)
+
+
+@keys_app.command("list")
+def keys_list(keys: Optional[Path] = KeysOpt, as_json: bool = typer.Option(False, "--json")):
+    """Keys in the file (names and grants; never the keys)."""
+    import json
+
+    from branchsearch.orchestrator.keys import KeyStore
+
+    rows = [k.public() for k in KeyStore(_keys_path(keys)).list()]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(f"{r['name']:<20} {'revoked' if r['revoked'] else 'active':<8} "
+              f"{'admin' if r['admin'] else '':<6} groups={','.join(r['groups']) or '-'} "
+              f"indexes={','.join(r['indexes']) or '*'} created={r['created']}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(name: str, keys: Optional[Path] = KeysOpt):
+    """Revoke a key (a running server refuses it from the next request)."""
+    from branchsearch.orchestrator.keys import KeyStore
+
+    KeyStore(_keys_path(keys)).revoke(name)
+    print(f"revoked {name!r}", file=sys.stderr)
+
+
+def serve(index: Optional[str] = typer.Option(None, "--index", help="default index"),
+          host: str = typer.Option("127.0.0.1", "--host"),
+          port: int = typer.Option(8000, "--port", min=0, max=65535),
+          keys: Optional[Path] = typer.Option(None, "--keys", help="keys file; without one "
+                                              "the server is loopback-only (development)"),
+          replicas: int = typer.Option(1, "--replicas", min=1, help="ingress replicas"),
+          address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address"),
+          executor: str = typer.Option("ray", "--executor", help="ray | local (branches "
+                                       "in the searcher process)"),
+          max_queued: int = typer.Option(32, "--max-queued", min=1, help="queued requests per "
+                                         "ingress replica before 503"),
+          standalone: bool = typer.Option(False, "--standalone", help="one process (uvicorn), "
+                                          "no Ray Serve: development and tests"),
+          home: Optional[Path] = typer.Option(None, "--home"),
+          config: Optional[Path] = typer.Option(None, "--config")):
+    """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
+    document upsert/delete, /metrics, a web page at /."""
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator import service
+
+    if executor not in ("ray", "local"):
+        raise BranchsearchError(f"unknown executor {executor!r}: ray or local")
+    service.check_host(host, keys)
+    if keys is not None and not keys.exists():
+        raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
+                                f"add NAME --groups G --keys {keys}`)")
+    settings = load_settings(config, {"home": home, "index": index, "ray_address": address})
+    if not keys:
+        print(service.dev_mode_banner(host, port), file=sys.stderr)
+    if standalone:
+        import uvicorn
+
+        state = service.local_state(settings, executor=executor, keys_path=keys)
+        state.backend.searcher.driver(settings.index)
+        uvicorn.run(service.create_app(state), host=host, port=port, log_level="warning")
+        return
+    service.run_serve(settings, service.ServeOptions(
+        home=str(Path(settings.home).resolve()), index=settings.index,
+        config=str(config.resolve()) if config else None,
+        keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas,
+        max_queued_requests=max_queued), host, port)

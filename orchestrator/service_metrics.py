@@ -1,0 +1,68 @@
+"""Prometheus metrics of the service (`branchsearch_` names, units in names).
+
+One registry per app instance (so tests and replicas do not share module state). Labels are
+bounded sets — route templates, status codes, branch statuses — never questions, keys' groups or
+document ids, so `/metrics` cannot leak what a caller searched or found. Under Serve each ingress
+replica counts its own requests; Prometheus sums over replicas.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ServiceMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("branchsearch_http_requests_total", "HTTP requests",
+                                ["endpoint", "method", "status"], registry=r)
+        self.latency = Histogram("branchsearch_http_request_duration_seconds",
+                                 "HTTP request latency (a stream: until its last event)",
+                                 ["endpoint", "method", "status"], buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.in_flight = Gauge("branchsearch_http_requests_in_flight",
+                               "requests being served (queue depth at this replica)", registry=r)
+        self.branches = Counter("branchsearch_branches_total", "branches by final status",
+                                ["status"], registry=r)
+        self.pruned_chunks = Counter("branchsearch_pruned_chunks_total",
+                                     "chunks pruned by branches' context editing", registry=r)
+        self.tokens_read = Counter("branchsearch_tokens_read_total",
+                                   "tokens read by branches that finished", registry=r)
+        self.searches = Counter("branchsearch_searches_total", "searches by result status",
+                                ["status"], registry=r)
+        self.search_latency = Histogram("branchsearch_search_duration_seconds",
+                                        "driver latency of searches that answered",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.backend_errors = Counter("branchsearch_backend_errors_total",
+                                      "requests refused because a backend was unavailable",
+                                      registry=r)
+        self.refusals = Counter("branchsearch_refusals_total", "requests refused by a limit",
+                                ["reason"], registry=r)
+        self.acl_guard_dropped = Gauge("branchsearch_acl_guard_dropped_ids",
+                                       "ids the service's ACL guard removed (should stay 0)",
+                                       registry=r)
+
+    def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        labels = (endpoint, method, str(status))
+        self.requests.labels(*labels).inc()
+        self.latency.labels(*labels).observe(seconds)
+
+    def observe_error(self, status: int, error: str) -> None:
+        if error in ("backend_unavailable", "not_ready", "search_failed"):
+            self.backend_errors.inc()
+        if status in (413, 422, 429, 503, 504):
+            self.refusals.labels(error).inc()
+
+    def observe_result(self, result: dict) -> None:
+        self.searches.labels(result.get("status", "unknown")).inc()
+        for b in result.get("branches", []):
+            self.branches.labels(b.get("status", "unknown")).inc()
+            self.pruned_chunks.inc(len(b.get("pruned_ids", [])))
+        self.tokens_read.inc(result.get("metrics", {}).get("tokens_read", 0) or 0)
+        if "latency_s" in result.get("metrics", {}):
+            self.search_latency.observe(result["metrics"]["latency_s"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""Search events for callers: Server-Sent Events framing, the result object, the ACL guard.
+
+The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`, `result`)
+through `on_event`. A driver without `on_event` gets them replayed from its result's branch
+traces, in the same order a live run produces them, so a caller sees one protocol either way.
+Everything here is a plain function over JSON-able dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+
+EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "result", "error")
+SEARCH_TOOLS = ("search_corpus", "grep_corpus", "read_document")
+
+
+def sse(event: dict) -> str:
+    """One event as an SSE frame: `event: <type>` and one `data:` line of JSON."""
+    return f"event: {event.get('type', 'message')}\ndata: {json.dumps(event, default=str)}\n\n"
+
+
+def parse_sse(text: str) -> list[dict]:
+    """The events of an SSE body (tests and the bench read streams with it)."""
+    events = []
+    for frame in text.split("\n\n"):
+        data = [line[5:].strip() for line in frame.splitlines() if line.startswith("data:")]
+        if data:
+            events.append(json.loads("\n".join(data)))
+    return events
+
+
+def result_status(branches: list[dict]) -> str:
+    """ok (all branches ok) | partial (some) | failed (none) — as `SearchResult.status`."""
+    ok = sum(b.get("status") == "ok" for b in branches)
+    return "ok" if branches and ok == len(branches) else "partial" if ok else "failed"
+
+
+def result_dict(result, k: int | None = None) -> dict:
+    """`SearchResult.to_dict()` with `status` (computed when the driver does not set it yet)
+    and at most `k` evidence chunks."""
+    out = result.to_dict()
+    out.setdefault("status", getattr(result, "status", None) or result_status(out["branches"]))
+    if k is not None:
+        out["ranked_chunk_ids"] = out["ranked_chunk_ids"][:k]
+        keep = set(out["ranked_chunk_ids"])
+        docs = []
+        for doc in out["evidence"]:
+            chunks = [c for c in doc["chunks"] if c["chunk_id"] in keep]
+            if chunks:
+                docs.append({**doc, "chunks": chunks})
+        out["evidence"] = docs
+    return out
+
+
+def replay_events(result) -> list[dict]:
+    """The events of a finished search, from its branches' traces (drivers without on_event).
+    The `result` event is not included: the caller adds it with the final result dict."""
+    events: list[dict] = [{"type": "plan", "subqueries": [b.subquery for b in result.branches]}]
+    for b in result.branches:
+        events.append({"type": "branch_started", "branch": b.index, "subquery": b.subquery})
+    for b in result.branches:
+        for rec in b.trace:
+            if rec.get("kind") == "call" and rec.get("tool") in SEARCH_TOOLS:
+                args = rec.get("args") or {}
+                events.append({"type": "search", "branch": b.index, "tool": rec["tool"],
+                               "query": args.get("query") or args.get("pattern")
+                               or args.get("doc_id"), "new_ids": rec.get("ids") or []})
+            elif rec.get("kind") == "prune":
+                events.append({"type": "prune", "branch": b.index,
+                               "ids": rec.get("applied") or [], "reason": rec.get("reason", ""),
+                               "tokens_before": rec.get("tokens_before"),
+                               "tokens_after": rec.get("tokens_after")})
+        events.append(branch_done(b))
+    return events
+
+
+def branch_done(b) -> dict:
+    return {"type": "branch_done", "branch": b.index, "status": b.status, "error": b.error,
+            "termination": b.termination, "turns": b.turns,
+            "context_tokens_final": b.context_tokens_final, "tokens_read": b.tokens_read,
+            "latency_s": round(b.latency_s, 4)}
+
+
+# --- the ACL guard ---------------------------------------------------------------------------
+
+def visible(acl: Iterable[str], groups: list[str], all_marker: str = "*") -> bool:
+    """May a caller holding `groups` see a document with this ACL (empty ACL: public)?"""
+    acl = list(acl or ())
+    return not acl or all_marker in groups or bool(set(acl) & set(groups))
+
+
+def chunk_ids_in(event: dict) -> list[str]:
+    """Every chunk id an event or result mentions."""
+    if event.get("type") == "result":
+        r = event["result"]
+        return list(r.get("ranked_chunk_ids", [])) + [
+            cid for b in r.get("branches", []) for name in
+            ("ranked_chunk_ids", "pruned_ids", "final_context_ids") for cid in b.get(name, [])]
+    return list(event.get("new_ids", [])) + list(event.get("ids", []))
+
+
+def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, int]:
+    """Drop every chunk id (and evidence) that `hidden(ids)` says the caller may not see.
+    Returns the event and how many ids were dropped — non-zero means a layer below leaked."""
+    ids = chunk_ids_in(event)
+    bad = hidden(ids) if ids else set()
+    if not bad:
+        return event, 0
+    keep = lambda xs: [x for x in xs if x not in bad]  # noqa: E731
+    if event.get("type") != "result":
+        out = dict(event)
+        for name in ("new_ids", "ids"):
+            if name in out:
+                out[name] = keep(out[name])
+        return out, len(bad)
+    r = dict(event["result"])
+    r["ranked_chunk_ids"] = keep(r.get("ranked_chunk_ids", []))
+    r["branches"] = [{**b, **{n: keep(b[n]) for n in ("ranked_chunk_ids", "pruned_ids",
+                                                       "final_context_ids") if n in b}}
+                     for b in r.get("branches", [])]
+    docs = []
+    for doc in r.get("evidence", []):
+        chunks = [c for c in doc["chunks"] if c["chunk_id"] not in bad]
+        if chunks:
+            docs.append({**doc, "chunks": chunks})
+    r["evidence"] = docs
+    return {**event, "result": r}, len(bad)

@@ -1,0 +1,74 @@
+"""A live service on loopback for the service tests: a small corpus with ACL'd documents, keys,
+and a uvicorn server in a thread (port 0). Real stores, real HTTP; nothing mocked."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Group B's documents carry words no other document has, so a leak is unmistakable.
+SECRET_WORDS = ("quokkavault", "zephyrledger", "obsidianpact")
+CORPUS = [
+    {"_id": "pub-harbor", "title": "Harbor Festival",
+     "text": "The Harbor Festival takes place every June in Portsmouth. Boats, music and a "
+             "lantern parade along the quay draw visitors from the whole region."},
+    {"_id": "pub-lighthouse", "title": "Old Lighthouse",
+     "text": "The Old Lighthouse on the north cape was built in 1821 and guided ships into "
+             "Portsmouth harbor until 1960."},
+    {"_id": "a-roadmap", "title": "Alpha Roadmap", "acl": ["alpha"],
+     "text": "The Alpha team roadmap plans the harbor sensor network for next spring; the "
+             "lighthouse relay is its first milestone."},
+    {"_id": "a-budget", "title": "Alpha Budget", "acl": ["alpha"],
+     "text": "The Alpha budget funds twelve harbor sensors and one engineer for the lighthouse."},
+    {"_id": "b-vault", "title": "Bravo Quokkavault", "acl": ["bravo"],
+     "text": "Quokkavault is Bravo's secret harbor project: the zephyrledger records every boat "
+             "at the lighthouse under the obsidianpact."},
+    {"_id": "b-ledger", "title": "Zephyrledger Plan", "acl": ["bravo"],
+     "text": "The zephyrledger plan of the Bravo group moves the quokkavault archive to the "
+             "harbor festival grounds; obsidianpact members only."},
+]
+
+
+def write_corpus(path: Path, rows=CORPUS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    server: object
+    thread: threading.Thread
+    state: object
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_uvicorn(app, state) -> LiveServer:
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    return LiveServer(f"http://127.0.0.1:{port}", server, thread, state)

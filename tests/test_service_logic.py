@@ -1,0 +1,151 @@
+"""The service's logic as plain functions: keys, limits, event framing and the ACL guard.
+No server, no Ray."""
+
+import json
+import threading
+
+import pytest
+
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, IndexNotFound
+from branchsearch.orchestrator import stream
+from branchsearch.orchestrator.keys import AuthError, KeyStore, bearer, digest, parse_list
+from branchsearch.orchestrator.limits import (ApiError, Concurrency, Limits, api_error,
+                                              check_body_size, parse_search)
+from branchsearch.orchestrator.result import BranchReport
+
+
+def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
+    path = tmp_path / "keys.json"
+    store = KeyStore(path)
+    key = store.add("alice", ("alpha", "beta"), ("docs",))
+    assert key.startswith("bsk_") and len(key) > 40
+    text = path.read_text()
+    assert key not in text and digest(key) in text
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    other = KeyStore(path)  # a server reading the same file
+    grant = other.authenticate(key)
+    assert grant.groups == ("alpha", "beta") and grant.may_use("docs")
+    assert not grant.may_use("other") and not grant.admin
+    with pytest.raises(AuthError, match="unknown"):
+        other.authenticate(key + "x")
+    with pytest.raises(AuthError, match="missing"):
+        other.authenticate(None)
+    store.revoke("alice")
+    with pytest.raises(AuthError, match="revoked"):
+        other.authenticate(key)  # re-read on change, no restart
+    with pytest.raises(Exception, match="exists"):
+        store.add("bob", ()) and store.add("bob", ())
+    assert [k.name for k in store.list()] == ["alice", "bob"]
+    assert bearer("Bearer abc") == "abc" and bearer("Basic abc") is None and bearer(None) is None
+    assert parse_list("a, b,,a") == ("a", "b")
+
+
+def test_parse_search_bounds():
+    limits = Limits(max_question_chars=50, max_branches=4)
+    req = parse_search({"question": "  who?  ", "branches": 2, "k": 3, "deadline_s": 1.5}, limits)
+    assert (req.question, req.branches, req.k, req.deadline_s) == ("who?", 2, 3, 1.5)
+    bad = [None, [], {}, {"question": ""}, {"question": "x" * 51}, {"question": "q", "branches": 0},
+           {"question": "q", "branches": 5}, {"question": "q", "k": True},
+           {"question": "q", "deadline_s": -1}, {"question": "q", "deadline_s": float("nan")},
+           {"question": "q", "index": "../etc"}, {"question": "q", "acl_groups": ["bravo"]}]
+    for body in bad:
+        with pytest.raises(ApiError) as err:
+            parse_search(body, limits)
+        assert err.value.status == 422, body
+    with pytest.raises(ApiError, match="come from the API key"):
+        parse_search({"question": "q", "acl": ["x"]}, limits)
+    with pytest.raises(ApiError) as err:
+        check_body_size(11, Limits(max_body_bytes=10))
+    assert err.value.status == 413
+
+
+def test_concurrency_per_key_then_total():
+    conc = Concurrency(Limits(per_key_concurrency=2, max_in_flight=3))
+    with conc.slot("a"), conc.slot("a"):
+        with pytest.raises(ApiError) as err:
+            with conc.slot("a"):
+                pass
+        assert err.value.status == 429 and err.value.headers["Retry-After"] == "1"
+        with conc.slot("b"):
+            with pytest.raises(ApiError) as err:
+                with conc.slot("c"):
+                    pass
+            assert err.value.status == 503
+    assert conc.total == 0 and not conc._per_key
+    with conc.slot("a"):  # released slots are reusable, also after an exception inside
+        pass
+    errors = []
+
+    def worker():
+        try:
+            with conc.slot("z"):
+                threading.Event().wait(0.05)
+        except ApiError as exc:
+            errors.append(exc.status)
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert conc.total == 0 and errors and set(errors) <= {429, 503}
+
+
+def test_errors_map_to_statuses_without_internals():
+    assert api_error(BackendUnavailable("es down")).status == 503
+    assert api_error(IndexNotFound("nope")).status == 404
+    assert api_error(BadQuery("bad")).status == 422
+    crash = api_error(KeyError("/secret/path"))
+    assert crash.status == 500 and "secret" not in crash.detail
+    err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.status, again.body(), again.headers) == (429, err.body(), err.headers)
+
+
+class _Result:
+    question = "q"
+
+    def __init__(self, branches):
+        self.branches = branches
+
+    def to_dict(self):
+        return {"question": "q", "branches": [b.summary() for b in self.branches],
+                "evidence": [{"doc_id": "d", "title": "", "score": 1, "chunks": [
+                    {"chunk_id": "d#p0", "found_by": []}, {"chunk_id": "d#p1", "found_by": []}]}],
+                "ranked_chunk_ids": ["d#p0", "d#p1"], "metrics": {}, "trace_id": "t"}
+
+
+def test_replayed_events_are_ordered_and_framed():
+    trace = [{"kind": "start"},
+             {"kind": "call", "tool": "search_corpus", "args": {"query": "harbor"}, "ids": ["d#p0"]},
+             {"kind": "prune", "applied": ["d#p0"], "reason": "off topic", "tokens_before": 90,
+              "tokens_after": 10},
+             {"kind": "call", "tool": "finish", "args": {}, "ids": []}]
+    ok = BranchReport(0, "q", 1.0, "original", "ok", trace=trace)
+    dead = BranchReport(1, "q2", 1.0, "entity", "error", error="BackendUnavailable: x")
+    events = stream.replay_events(_Result([ok, dead]))
+    assert [e["type"] for e in events] == ["plan", "branch_started", "branch_started", "search",
+                                          "prune", "branch_done", "branch_done"]
+    assert events[3]["new_ids"] == ["d#p0"] and events[4]["reason"] == "off topic"
+    assert events[6]["status"] == "error"
+    frames = "".join(stream.sse(e) for e in events)
+    assert frames.startswith("event: plan\ndata: ") and stream.parse_sse(frames) == json.loads(
+        json.dumps(events))
+    out = stream.result_dict(_Result([ok, dead]), k=1)
+    assert out["status"] == "partial" and out["ranked_chunk_ids"] == ["d#p0"]
+    assert [c["chunk_id"] for d in out["evidence"] for c in d["chunks"]] == ["d#p0"]
+    assert stream.result_status([]) == "failed"
+
+
+def test_acl_guard_drops_hidden_ids_everywhere():
+    assert stream.visible([], ["a"]) and stream.visible(["a"], ["a", "b"])
+    assert not stream.visible(["b"], ["a"]) and stream.visible(["b"], ["*"])
+    hidden = lambda ids: {i for i in ids if i.startswith("secret")}  # noqa: E731
+    event, dropped = stream.guard({"type": "search", "new_ids": ["ok#p0", "secret#p0"]}, hidden)
+    assert event["new_ids"] == ["ok#p0"] and dropped == 1
+    result = {"ranked_chunk_ids": ["secret#p0", "ok#p0"], "branches": [
+        {"ranked_chunk_ids": ["secret#p0"], "pruned_ids": [], "final_context_ids": ["secret#p0"]}],
+        "evidence": [{"doc_id": "secret", "chunks": [{"chunk_id": "secret#p0"}]},
+                     {"doc_id": "ok", "chunks": [{"chunk_id": "ok#p0"}]}]}
+    event, dropped = stream.guard({"type": "result", "result": result}, hidden)
+    assert "secret" not in json.dumps(event) and dropped == 1
+    assert event["result"]["evidence"][0]["doc_id"] == "ok"
