@@ -1,0 +1,435 @@
+"""Indexes an enterprise already has, searched in place through a field mapping.
+
+An *external* index is declared in the settings file; nothing is ever written to it:
+
+    [indexes.corp]
+    lexical = "elasticsearch"          # or "none"
+    es_index = "corp-docs"
+    dense = "milvus"                   # or "none"
+    milvus_collection = "corp_vectors"
+    [indexes.corp.fields]
+    id = "doc_key"                     # document id (both backends)
+    title = "headline"
+    text = "body"
+    acl = "groups"                     # keyword / array field of group names
+    vector = "embedding"               # Milvus vector field
+
+Text comes from the backend (`_source` in Elasticsearch, output fields in Milvus): there is no
+local docstore. A document is one chunk, `"{id}#p0"`; `read_document` returns its text and the
+agent's read tool windows it. The stores here satisfy the same small protocols as the owned ones
+(`LexicalStore`, the dense `search(vector, …)`, the docstore's read methods), so the `Retriever`,
+the agent and fusion run unchanged on top of them.
+
+ACL: a document whose ACL field is missing or empty is public; otherwise a caller sees it only
+when it holds one of its groups; `ACL_ALL` (an explicit admin setting) sees everything. The
+filter is part of the backend query, as for owned indexes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from branchsearch.infra.backends import ACL_ALL, check_pattern, query_words
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
+from branchsearch.infra.hits import Hit
+
+
+CHUNK_SUFFIX = "#p0"
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """The backend's own field names for what branchsearch needs."""
+
+    id: str = "id"
+    title: str = "title"
+    text: str = "text"
+    acl: str = "acl"
+    vector: str = "vector"
+
+
+@dataclass(frozen=True)
+class ExternalIndex:
+    name: str
+    lexical: str = "none"  # elasticsearch | none
+    dense: str = "none"  # milvus | none
+    es_index: str = ""
+    es_url: str = ""  # default: the settings' es_url
+    milvus_collection: str = ""
+    milvus_uri: str = ""  # default: the settings' milvus_uri
+    fields: FieldMap = field(default_factory=FieldMap)
+
+    def describe(self) -> str:
+        parts = []
+        if self.lexical == "elasticsearch":
+            parts.append(f"elasticsearch:{self.es_index}")
+        if self.dense == "milvus":
+            parts.append(f"milvus:{self.milvus_collection}")
+        return " + ".join(parts)
+
+
+def parse_external(name: str, table: dict) -> ExternalIndex:
+    """One `[indexes.NAME]` table → ExternalIndex; every mistake is one SettingsError line."""
+    where = f"[indexes.{name}]"
+    if not isinstance(table, dict):
+        raise SettingsError(f"{where} must be a table")
+    known = {f.name for f in fields(ExternalIndex)} - {"name"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise SettingsError(f"{where}: unknown keys {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+    raw_fields = table.get("fields", {})
+    if not isinstance(raw_fields, dict):
+        raise SettingsError(f"{where}.fields must be a table")
+    field_names = {f.name for f in fields(FieldMap)}
+    bad = sorted(set(raw_fields) - field_names)
+    if bad:
+        raise SettingsError(f"[indexes.{name}.fields]: unknown keys {', '.join(bad)} "
+                            f"(known: {', '.join(sorted(field_names))})")
+    values = {k: str(v) for k, v in table.items() if k != "fields"}
+    spec = ExternalIndex(name=name, fields=FieldMap(**{k: str(v) for k, v in raw_fields.items()}),
+                         **values)
+    if spec.lexical not in ("elasticsearch", "none"):
+        raise SettingsError(f"{where}: lexical must be \"elasticsearch\" or \"none\"")
+    if spec.dense not in ("milvus", "none"):
+        raise SettingsError(f"{where}: dense must be \"milvus\" or \"none\"")
+    if spec.lexical == "none" and spec.dense == "none":
+        raise SettingsError(f"{where}: needs lexical = \"elasticsearch\" or dense = \"milvus\"")
+    if spec.lexical == "elasticsearch" and not spec.es_index:
+        raise SettingsError(f"{where}: lexical = \"elasticsearch\" needs es_index")
+    if spec.dense == "milvus" and not spec.milvus_collection:
+        raise SettingsError(f"{where}: dense = \"milvus\" needs milvus_collection")
+    return spec
+
+
+def parse_indexes(value) -> tuple[ExternalIndex, ...]:
+    """The settings' `indexes`: a TOML table of tables, or what `parse_indexes` returned (as
+    dataclasses or as the dicts `dataclasses.asdict` makes of them)."""
+    if isinstance(value, dict):
+        return tuple(parse_external(name, table) for name, table in value.items())
+    out = []
+    for item in value or ():
+        if isinstance(item, ExternalIndex):
+            out.append(item)
+        elif isinstance(item, dict) and "name" in item:
+            table = {k: v for k, v in item.items() if k != "name"}
+            out.append(parse_external(item["name"], table))
+        else:
+            raise SettingsError(f"indexes: cannot read {item!r}")
+    return tuple(out)
+
+
+def doc_id_of(chunk_id: str) -> str:
+    return chunk_id[: -len(CHUNK_SUFFIX)] if chunk_id.endswith(CHUNK_SUFFIX) else chunk_id
+
+
+def _sees_all(acl_groups: Sequence[str] | None) -> bool:
+    return acl_groups is not None and ACL_ALL in acl_groups
+
+
+def _read_only(name: str):
+    raise BadQuery(f"index {name!r} is external: branchsearch never writes to it")
+
+
+# --- Elasticsearch ----------------------------------------------------------------------------
+
+
+class ExternalElastic:
+    """BM25 (`multi_match` over the mapped title and text), term regexes and reads by id on an
+    existing Elasticsearch index; satisfies `LexicalStore` minus writing."""
+
+    def __init__(self, spec: ExternalIndex, url: str, *, api_key: str | None = None,
+                 max_pattern: int = 200, timeout_s: float = 30):
+        from elasticsearch import Elasticsearch
+
+        if not url:
+            raise SettingsError(f"index {spec.name!r}: lexical = \"elasticsearch\" needs es_url "
+                                f"(in [indexes.{spec.name}] or BRANCHSEARCH_ES_URL)")
+        self.spec, self.f, self.url, self.max_pattern = spec, spec.fields, url, max_pattern
+        self.index = spec.es_index
+        self._es = Elasticsearch(url, api_key=api_key, request_timeout=timeout_s)
+        try:
+            exists = self._es.indices.exists(index=self.index)
+        except Exception as exc:
+            raise _es_unavailable(url, exc) from None
+        if not exists:
+            raise SettingsError(f"index {spec.name!r}: Elasticsearch index {self.index!r} does "
+                                f"not exist at {url}")
+
+    # the id may be Elasticsearch's own `_id` or a field of the document
+    def _ids_query(self, doc_ids: Sequence[str]) -> dict:
+        if self.f.id == "_id":
+            return {"ids": {"values": list(doc_ids)}}
+        return {"terms": {self.f.id: list(doc_ids)}}
+
+    def _acl_filter(self, acl_groups) -> list[dict]:
+        if _sees_all(acl_groups):
+            return []
+        public = {"bool": {"must_not": [{"exists": {"field": self.f.acl}}]}}
+        if not acl_groups:
+            return [public]
+        return [{"bool": {"should": [public, {"terms": {self.f.acl: list(acl_groups)}}],
+                          "minimum_should_match": 1}}]
+
+    def _run(self, must: dict, k: int, exclude_ids: Sequence[str], acl_groups,
+             source: str) -> list[Hit]:
+        query: dict = {"bool": {"must": [must], "filter": self._acl_filter(acl_groups)}}
+        if exclude_ids:
+            query["bool"]["must_not"] = [self._ids_query([doc_id_of(c) for c in exclude_ids])]
+        try:
+            result = self._es.search(index=self.index, query=query, size=k,
+                                     source_includes=self._source_fields())
+        except Exception as exc:
+            if getattr(getattr(exc, "meta", None), "status", None) == 400:
+                raise BadQuery(f"elasticsearch rejected the {source} query: {exc}") from None
+            raise _es_unavailable(self.url, exc) from None
+        return [self._hit(h, rank, source) for rank, h in
+                enumerate(result["hits"]["hits"], start=1)]
+
+    def _source_fields(self) -> list[str]:
+        return [n for n in (self.f.id, self.f.title, self.f.text, self.f.acl) if n != "_id"]
+
+    def _doc_id(self, h: dict) -> str:
+        return str(h["_id"] if self.f.id == "_id" else h["_source"].get(self.f.id, h["_id"]))
+
+    def _hit(self, h: dict, rank: int, source: str) -> Hit:
+        doc_id = self._doc_id(h)
+        src = h["_source"]
+        return Hit(doc_id + CHUNK_SUFFIX, doc_id, float(h.get("_score") or 0.0), rank, source,
+                   text=str(src.get(self.f.text, "")), title=str(src.get(self.f.title, "")))
+
+    def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
+               acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        words = query_words(query)
+        if not words or k <= 0:
+            return []
+        must = {"multi_match": {"query": " ".join(words),
+                                "fields": [self.f.title, self.f.text]}}
+        return self._run(must, k, exclude_ids, acl_groups, "bm25")
+
+    def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
+             acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        pattern = check_pattern(pattern, self.max_pattern)
+        must = {"regexp": {self.f.text: {"value": pattern, "flags": "NONE",
+                                         "max_determinized_states": 10000}}}
+        return self._run(must, k, exclude_ids, acl_groups, "grep")
+
+    def get(self, doc_ids: Sequence[str], acl_groups=None) -> dict[str, Hit]:
+        if not doc_ids:
+            return {}
+        hits = self._run(self._ids_query(doc_ids), len(doc_ids), (), acl_groups, "read")
+        return {h.doc_id: h for h in hits}
+
+    def write(self, *args, **kwargs):
+        _read_only(self.spec.name)
+
+    def count(self) -> int:
+        try:
+            return int(self._es.count(index=self.index)["count"])
+        except Exception as exc:
+            raise _es_unavailable(self.url, exc) from None
+
+    def close(self) -> None:
+        self._es.close()
+
+
+def _es_unavailable(url: str, exc: Exception) -> BackendUnavailable:
+    status = getattr(getattr(exc, "meta", None), "status", None)
+    if status:
+        return BackendUnavailable(f"elasticsearch at {url}: {status} {exc}")
+    return BackendUnavailable(f"elasticsearch at {url} is not reachable ({type(exc).__name__});"
+                              " start it or fix es_url")
+
+
+# --- Milvus -------------------------------------------------------------------------------------
+
+
+class ExternalMilvus:
+    """Vector search and reads by id on an existing Milvus collection, through the mapping.
+    The query embedder must make vectors of the collection's dimension (checked here)."""
+
+    def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int, *, token: str = ""):
+        from pymilvus import MilvusClient
+
+        if not uri:
+            raise SettingsError(f"index {spec.name!r}: dense = \"milvus\" needs milvus_uri "
+                                f"(in [indexes.{spec.name}] or BRANCHSEARCH_MILVUS_URI)")
+        self.spec, self.f, self.uri = spec, spec.fields, uri
+        self.collection = spec.milvus_collection
+        try:
+            self._client = MilvusClient(uri=uri, token=token)
+            exists = self._client.has_collection(self.collection)
+        except Exception as exc:
+            raise BackendUnavailable(f"milvus at {uri} is not reachable ({type(exc).__name__}: "
+                                     f"{exc})") from None
+        if not exists:
+            raise SettingsError(f"index {spec.name!r}: Milvus collection {self.collection!r} "
+                                f"does not exist at {uri}")
+        schema = {f["name"]: f for f in self._client.describe_collection(self.collection)["fields"]}
+        self._check_fields(schema, embed_dim)
+        from pymilvus import DataType
+
+        self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
+        self._client.load_collection(self.collection)
+
+    def _check_fields(self, schema: dict, embed_dim: int) -> None:
+        name = self.spec.name
+        for role in ("id", "vector", "text"):
+            column = getattr(self.f, role)
+            if column not in schema:
+                raise SettingsError(
+                    f"index {name!r}: field {role} = {column!r} is not in Milvus collection "
+                    f"{self.collection!r} (it has {', '.join(sorted(schema))})")
+        dim = int(schema[self.f.vector].get("params", {}).get("dim", 0))
+        if dim != embed_dim:
+            raise SettingsError(
+                f"index {name!r}: collection {self.collection!r} holds {dim}-dim vectors in "
+                f"{self.f.vector!r} but the query embedder makes {embed_dim}-dim ones; set "
+                "embed_model to the model that embedded the collection")
+        self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
+                         if c in schema]
+
+    def _filters(self, exclude_ids: Sequence[str], acl_groups) -> str:
+        parts = []
+        if not _sees_all(acl_groups) and self.f.acl in self._outputs:
+            groups = json.dumps(list(acl_groups or []))
+            if self._acl_is_array:
+                public = f"array_length({self.f.acl}) == 0"
+                member = f"array_contains_any({self.f.acl}, {groups})"
+            else:
+                public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
+            parts.append(f"({public} or {member})" if acl_groups else public)
+        if exclude_ids:
+            parts.append(f"{self.f.id} not in {json.dumps([doc_id_of(c) for c in exclude_ids])}")
+        return " and ".join(parts)
+
+    def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
+        doc_id = str(entity[self.f.id])
+        return Hit(doc_id + CHUNK_SUFFIX, doc_id, score, rank, source,
+                   text=str(entity.get(self.f.text, "")), title=str(entity.get(self.f.title, "")))
+
+    def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
+               acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        try:
+            result = self._client.search(
+                self.collection, data=[list(map(float, vector))], limit=k,
+                anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
+                output_fields=self._outputs)
+        except Exception as exc:
+            raise BackendUnavailable(f"milvus at {self.uri}: search failed "
+                                     f"({type(exc).__name__}: {exc})") from None
+        return [self._hit(r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])},
+                          float(r["distance"]), rank, "dense")
+                for rank, r in enumerate(result[0], start=1)]
+
+    def get(self, doc_ids: Sequence[str], acl_groups=None) -> dict[str, Hit]:
+        if not doc_ids:
+            return {}
+        where = f"{self.f.id} in {json.dumps(list(doc_ids))}"
+        acl = self._filters((), acl_groups)
+        rows = self._client.query(self.collection, filter=f"{where} and {acl}" if acl else where,
+                                  output_fields=self._outputs)
+        return {str(r[self.f.id]): self._hit(r, 0.0, 0, "read") for r in rows}
+
+    def write(self, *args, **kwargs):
+        _read_only(self.spec.name)
+
+    def count(self) -> int:
+        return int(self._client.get_collection_stats(self.collection).get("row_count", 0))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+# --- reading: the docstore's read methods, answered by the backend --------------------------------
+
+
+class ExternalDocs:
+    """What the retriever asks a docstore, answered from the external backend (the lexical side
+    when there is one, else the dense side). Every document is one chunk."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def get_chunks(self, chunk_ids: Sequence[str], acl_groups=None) -> dict[str, dict]:
+        docs = self.source.get([doc_id_of(c) for c in dict.fromkeys(chunk_ids)],
+                               acl_groups=acl_groups if acl_groups is not None else [ACL_ALL])
+        return {h.chunk_id: {"chunk_id": h.chunk_id, "doc_id": h.doc_id, "n": 0, "text": h.text,
+                             "title": h.title} for h in docs.values()}
+
+    def get_document(self, doc_id: str, acl_groups=None) -> dict | None:
+        hit = self.source.get([doc_id], acl_groups=acl_groups if acl_groups is not None
+                              else [ACL_ALL]).get(doc_id)
+        if hit is None:
+            return None
+        return {"doc_id": doc_id, "title": hit.title, "n_chunks": 1,
+                "chunk_ids": [hit.chunk_id], "_text": hit.text}
+
+    def document_chunks(self, doc_id: str) -> list[dict]:
+        doc = self.get_document(doc_id)
+        if doc is None:
+            return []
+        return [{"chunk_id": doc["chunk_ids"][0], "n": 0, "text": doc["_text"]}]
+
+    def doc_count(self) -> int:
+        return self.source.count()
+
+    def replace_documents(self, *args, **kwargs):
+        _read_only(self.source.spec.name)
+
+    def close(self) -> None:
+        pass  # the backend client is closed by its store
+
+
+def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, embedder=None):
+    """(docs, lexical, dense, embedder) for an external index, in the shape `open_stores`
+    returns for an owned one. A side the index lacks is None; using it is one clear error."""
+    lexical = dense = None
+    if spec.lexical == "elasticsearch":
+        lexical = ExternalElastic(spec, spec.es_url or settings.es_url,
+                                  api_key=settings.es_api_key or None,
+                                  max_pattern=settings.grep_max_pattern)
+    if spec.dense == "milvus" and (need_dense or lexical is None):
+        if embedder is None:  # also for reading only: the dimension check needs it
+            from pathlib import Path
+
+            from branchsearch.infra.embedder import Embedder
+
+            embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
+                                cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
+        dense = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, embedder.dim,
+                               token=settings.milvus_token)
+    else:
+        embedder = None
+    docs = ExternalDocs(lexical or dense)
+    if not need_dense:
+        dense, embedder = None, None
+    return docs, lexical or MissingLexical(spec), dense, embedder
+
+
+class MissingLexical:
+    """The lexical side of a dense-only external index: every call is one clear error."""
+
+    def __init__(self, spec: ExternalIndex):
+        self.spec = spec
+
+    def _missing(self, tool: str):
+        raise BadQuery(f"{tool} needs a lexical backend; index {self.spec.name!r} has none "
+                       "(use mode dense)")
+
+    def search(self, *args, **kwargs):
+        self._missing("bm25 search")
+
+    def grep(self, *args, **kwargs):
+        self._missing("grep")
+
+    def write(self, *args, **kwargs):
+        _read_only(self.spec.name)
+
+    def count(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
