@@ -72,10 +72,16 @@ class Settings:
     branch_num_gpus: float = 0.0  # used only when the cluster has GPUs (LLM policies)
     ray_address: str = ""
     batch_concurrency: int = 2
-    # telemetry: none | console | jsonl | otlp
+    # telemetry: none | console | jsonl | otlp. The standard OTEL_TRACES_EXPORTER,
+    # OTEL_EXPORTER_OTLP_[TRACES_]{ENDPOINT,PROTOCOL,HEADERS} are read here, on the driver side,
+    # so they reach every actor inside this object (see `_otel_env`).
     trace_exporter: str = "none"
     trace_file: str = ""
-    otlp_endpoint: str = ""
+    otlp_endpoint: str = ""  # a collector's base URL (http://host:4318) or the full .../v1/traces
+    otlp_protocol: str = "http"  # http (OTLP/HTTP protobuf) | grpc
+    otlp_headers: str = ""  # k1=v1,k2=v2 (e.g. an API key header)
+    otlp_timeout_s: float = 2.0  # one export, retries included (in the background)
+    trace_flush_timeout_s: float = 0.5  # the most a query waits for its spans to leave
 
     @property
     def index_dir(self) -> Path:
@@ -113,6 +119,9 @@ def _validate(s: Settings) -> None:
         (s.branches >= 1, "branches must be >= 1"),
         (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
          "trace_exporter must be none, console, jsonl or otlp"),
+        (s.otlp_protocol in ("http", "grpc"), "otlp_protocol must be http or grpc"),
+        (0 < s.otlp_timeout_s <= 60, "otlp_timeout_s must be in (0, 60]"),
+        (0 <= s.trace_flush_timeout_s <= 10, "trace_flush_timeout_s must be in [0, 10]"),
         (s.search_mode in ("bm25", "dense", "hybrid"), "search_mode must be bm25, dense or hybrid"),
         (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
         (s.planner in ("heuristic", "llm"), "planner must be heuristic or llm"),
@@ -121,6 +130,38 @@ def _validate(s: Settings) -> None:
     for ok, message in checks:
         if not ok:
             raise SettingsError(f"bad settings: {message}")
+    if s.trace_exporter == "otlp":  # a bad collector URL or header list stops here, clearly
+        from branchsearch.infra.telemetry import otlp_headers, otlp_url
+
+        otlp_url(s.otlp_endpoint, s.otlp_protocol)
+        otlp_headers(s.otlp_headers)
+
+
+def _otel_env(env) -> dict[str, str]:
+    """The standard OpenTelemetry exporter variables as settings. They rank with the environment:
+    above the TOML file, below `BRANCHSEARCH_*` variables and flags."""
+    out: dict[str, str] = {}
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        if exporter not in ("otlp", "console", "none"):
+            raise SettingsError(f"OTEL_TRACES_EXPORTER={exporter!r}: branchsearch exports otlp, "
+                                "console or none")
+        out["trace_exporter"] = exporter
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip().lower()
+    if protocol:
+        if protocol not in ("grpc", "http/protobuf", "http"):
+            raise SettingsError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: branchsearch speaks "
+                                "grpc or http/protobuf")
+        out["otlp_protocol"] = "grpc" if protocol == "grpc" else "http"
+    endpoint = (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+                or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
+    if endpoint:  # a base URL gets /v1/traces when the exporter is built (telemetry.otlp_url)
+        out["otlp_endpoint"] = endpoint
+    headers = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS")
+    if headers and headers.strip():
+        out["otlp_headers"] = headers.strip()
+    return out
 
 
 def load_settings(
@@ -155,6 +196,7 @@ def load_settings(
                 raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")
             values.update(data)
 
+    values.update(_otel_env(env))
     for name in _FIELDS:
         key = f"BRANCHSEARCH_{name.upper()}"
         if key in env:
