@@ -15,6 +15,7 @@ from branchsearch.infra.errors import BadQuery
 from branchsearch.infra.hits import Hit
 
 PUBLIC = "__public__"  # the ACL group of documents without an ACL
+ACL_ALL = "*"  # in a caller's groups: sees every document (the explicit admin setting)
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,35 @@ class IndexedChunk:
 
 
 def acl_terms(groups: Sequence[str] | None) -> list[str] | None:
-    """Groups a caller may see (public included); None means no ACL filter (trusted caller)."""
-    return None if groups is None else [PUBLIC, *groups]
+    """The index terms a caller may match; None means no filter at all.
+
+    Closed by default: `None` (no groups) sees public documents only; groups add the documents
+    restricted to any of them; only `ACL_ALL` among the groups (an explicit admin setting) lifts
+    the filter. Every backend (tantivy, Milvus, Elasticsearch) filters on these terms.
+    """
+    groups = [] if groups is None else [groups] if isinstance(groups, str) else list(groups)
+    if ACL_ALL in groups:
+        return None
+    return [PUBLIC, *dict.fromkeys(g for g in groups if g and g != PUBLIC)]
+
+
+def acl_visible(doc_acl: Sequence[str], groups: Sequence[str] | None) -> bool:
+    """Whether a document with ACL `doc_acl` (empty: public) is visible to a caller with `groups`
+    (same rule as `acl_terms`, for reads by id)."""
+    terms = acl_terms(groups)
+    return terms is None or not doc_acl or bool(set(doc_acl) & set(terms))
+
+
+def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str] | None:
+    """The `acl_groups` to pass for a caller: `[ACL_ALL]` for an admin, else its groups (None:
+    public only)."""
+    if admin:
+        return [ACL_ALL]
+    groups = [g.strip() for g in groups or () if g.strip()]
+    if ACL_ALL in groups:
+        raise BadQuery(f"ACL group {ACL_ALL!r} is reserved: seeing every document needs the "
+                       "admin setting (acl_admin = true, or --acl-admin)")
+    return groups or None
 
 
 class LexicalStore(Protocol):
@@ -66,14 +94,25 @@ def query_words(query: str) -> list[str]:
     return _WORD.findall(query)
 
 
+MAX_K = 1000  # the most hits one search may return (Milvus rejects > 16384; tantivy aborts at 1e11)
+
+
+def check_k(k: int) -> int:
+    """`k` within 0..MAX_K (0: nothing asked, an empty answer), else BadQuery."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K:
+        raise BadQuery(f"k must be an integer in 1..{MAX_K}, got {k!r}")
+    return k
+
+
 def check_pattern(pattern: str, max_len: int = 200) -> str:
     """Validate a grep pattern and return it lower-cased.
 
     Patterns match whole *terms* (lower-cased words), as Elasticsearch's `regexp` query does on a
-    text field: `acme.*`, `19[0-9]{2}`, `colou?r`. Both engines run regexes as finite automata, so
-    no pattern can backtrack catastrophically; length is bounded and a few constructs that the
-    engines do not share (anchors, lookaround, backreferences, classes like \\d) are rejected
-    with a message that says what to use instead.
+    text field: `acme.*`, `19[0-9]{2}`, `colou?r`, `[^a]pple`. Both engines run regexes as finite
+    automata, so no pattern can backtrack catastrophically; length is bounded and a few
+    constructs that the engines do not share (anchors, lookaround, backreferences, classes like
+    \\d) are rejected with a message that says what to use instead. `^` inside a bracket
+    (`[^a]`, a negated class) and `$` inside a bracket are ordinary and allowed.
     """
     if not pattern or not pattern.strip():
         raise BadQuery("grep: empty pattern")
@@ -83,12 +122,44 @@ def check_pattern(pattern: str, max_len: int = 200) -> str:
         re.compile(pattern)
     except re.error as exc:
         raise BadQuery(f"grep: invalid regex {pattern!r}: {exc}") from None
-    for bad, hint in (("(?", "lookaround/flags"), ("^", "anchors (patterns match whole terms)"),
-                      ("$", "anchors (patterns match whole terms)"), ("\\d", "\\d (use [0-9])"),
-                      ("\\w", "\\w (use [a-z0-9_])"), ("\\s", "\\s (terms hold no spaces)"),
-                      ("\\b", "\\b (patterns match whole terms)")):
-        if bad in pattern:
-            raise BadQuery(f"grep: {hint} not supported in {pattern!r}")
-    if re.search(r"\\[1-9]", pattern):
-        raise BadQuery(f"grep: backreferences not supported in {pattern!r}")
+    problem = _unsupported(pattern)
+    if problem:
+        raise BadQuery(f"grep: {problem} not supported in {pattern!r}")
     return pattern.lower()
+
+
+_ESCAPE_HINTS = {
+    "d": "\\d (use [0-9])", "D": "\\D (use [^0-9])", "w": "\\w (use [a-z0-9_])",
+    "W": "\\W (terms hold only word characters)", "s": "\\s (terms hold no spaces)",
+    "S": "\\S (use .)", "b": "\\b (patterns match whole terms)",
+    "B": "\\B (patterns match whole terms)", "A": "\\A (patterns match whole terms)",
+    "Z": "\\Z (patterns match whole terms)", "z": "\\z (patterns match whole terms)",
+}
+
+
+def _unsupported(pattern: str) -> str | None:
+    """The first construct the engines do not share, read as the regex parser reads it: an escape
+    covers the next character, and inside a bracket `^` and `$` are not anchors."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt in _ESCAPE_HINTS:
+                return _ESCAPE_HINTS[nxt]
+            if nxt.isdigit() and nxt != "0" and not in_class:
+                return "backreferences"
+            i += 2
+            continue
+        if in_class:
+            if ch == "]" and not class_start:
+                in_class = False
+            class_start = class_start and ch == "^" and pattern[i - 1] == "["
+        elif ch == "[":
+            in_class, class_start = True, True
+        elif ch in "^$":
+            return "anchors (patterns match whole terms)"
+        elif ch == "(" and pattern[i + 1:i + 2] == "?":
+            return "lookaround/flags"
+        i += 1
+    return None

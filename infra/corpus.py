@@ -52,8 +52,10 @@ def read_corpus(path: str | Path) -> list[Document]:
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    from branchsearch.infra.textfile import utf8_lines
+
+    with path.open("rb") as f:  # bytes that are not UTF-8 stop with file, line and offset
+        for lineno, line in utf8_lines(f, path):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"

@@ -1,4 +1,5 @@
-"""BEIR-format evaluation sets: `queries.jsonl` and `qrels/test.tsv` beside `corpus.jsonl`."""
+"""BEIR-format evaluation sets: `queries.jsonl` and `qrels/{split}.tsv` beside `corpus.jsonl`
+(split: test, dev or train)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.textfile import utf8_lines
+
+SPLITS = ("test", "dev", "train")
 
 
 @dataclass
@@ -20,15 +24,22 @@ class Query:
 
 
 def read_queries(folder: str | Path, split: str = "test") -> list[Query]:
-    """Queries that have at least one positive qrel, in file order."""
+    """Queries that have at least one positive qrel in `qrels/{split}.tsv`, in file order."""
+    if split not in SPLITS:
+        raise CorpusError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     folder = Path(folder)
     qfile, qrels_file = folder / "queries.jsonl", folder / "qrels" / f"{split}.tsv"
-    for f in (qfile, qrels_file):
-        if not f.exists():
-            raise CorpusError(f"{folder}: not a BEIR folder (missing {f.relative_to(folder)})")
+    if not qfile.exists():
+        raise CorpusError(f"{folder}: not a BEIR folder (missing queries.jsonl)")
+    if not qrels_file.exists():
+        have = [s for s in SPLITS if (folder / "qrels" / f"{s}.tsv").exists()]
+        hint = (f"; it has {', '.join(have)}: use --split {have[0]}" if have
+                else " (not a BEIR folder?)")
+        raise CorpusError(f"{folder}: no qrels/{split}.tsv{hint}")
     gold: dict[str, dict[str, int]] = {}
-    with qrels_file.open(encoding="utf-8") as f:
-        for lineno, row in enumerate(csv.reader(f, delimiter="\t"), start=1):
+    with qrels_file.open("rb") as f:
+        rows = csv.reader((line for _, line in utf8_lines(f, qrels_file)), delimiter="\t")
+        for lineno, row in enumerate(rows, start=1):
             if lineno == 1 and row and not row[-1].lstrip("-").isdigit():
                 continue  # header
             if len(row) < 3 or not row[2].lstrip("-").isdigit():
@@ -36,8 +47,8 @@ def read_queries(folder: str | Path, split: str = "test") -> list[Query]:
             if int(row[2]) > 0:
                 gold.setdefault(row[0], {})[row[1]] = int(row[2])
     queries = []
-    with qfile.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with qfile.open("rb") as f:
+        for lineno, line in utf8_lines(f, qfile):
             if not line.strip():
                 continue
             try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
+from branchsearch.infra.backends import check_k
 from branchsearch.infra.errors import BadQuery, IndexNotFound
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.settings import Settings
@@ -39,6 +40,7 @@ class Retriever:
                ) -> list[Hit]:
         if mode not in MODES:
             raise BadQuery(f"unknown search mode {mode!r}; use one of {', '.join(MODES)}")
+        check_k(k)
         if k <= 0 or not query.strip():
             return []
         exclude = list(dict.fromkeys(exclude_ids))
@@ -81,6 +83,7 @@ class Retriever:
 
     def grep(self, pattern: str, k: int = 10, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        check_k(k)
         return self._hydrate(self.lexical.grep(pattern, k, list(exclude_ids), acl_groups))
 
     def get_chunks(self, ids: Sequence[str]) -> dict[str, dict]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from branchsearch.infra.backends import MAX_K
 from branchsearch.infra.errors import SettingsError
 
 
@@ -41,6 +42,9 @@ class Settings:
     branch_rrf_k: int = 5  # fusing branch rankings (short, already ordered by the agents)
     hybrid_candidates: int = 50
     grep_max_pattern: int = 200
+    # access control: a caller sees public documents and those of its groups (`--acl G`);
+    # acl_admin = true (or `--acl-admin`) sees every document (see infra/backends.ACL_ALL)
+    acl_admin: bool = False
     # the branch agent
     budget_tokens: int = 8192
     soft_limit: float = 0.5
@@ -116,6 +120,8 @@ def _validate(s: Settings) -> None:
         (s.budget_tokens >= 256, "budget_tokens must be >= 256"),
         (s.rrf_k > 0, "rrf_k must be > 0"),
         (s.max_turns >= 1, "max_turns must be >= 1"),
+        (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
+         f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
         (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
          "trace_exporter must be none, console, jsonl or otlp"),

@@ -18,8 +18,19 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from branchsearch.infra.errors import BranchsearchError
+
+MAX_DOCS = 1_000_000  # about 210 MB of corpus.jsonl; more is a load test, not a demo corpus
+BYTES_PER_DOC = 320  # upper estimate for the free-space check (measured: about 210 per document)
+SPARE_BYTES = 64 << 20  # leave this much free after writing
+
+
+class SynthError(BranchsearchError, ValueError):
+    """Bad synth parameters or an output folder that cannot take the corpus."""
 
 ADJ = ("Amber Azure Bold Cedar Cobalt Copper Crimson Delta Ember Frost Golden Granite Indigo "
        "Iron Jade Lunar Maple Marble Nova Onyx Orchid Polar Quartz Raven Ruby Sable Silver "
@@ -57,6 +68,25 @@ class Chain:
     area: str
 
 
+def _check_folder(out: Path, need_bytes: int) -> None:
+    """Stop before writing when `out` is a file, cannot be written, or its disk lacks room."""
+    import os
+
+    if out.exists() and not out.is_dir():
+        raise SynthError(f"synth: {out} is a file, not a folder: give a folder to write into")
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise SynthError(f"synth: cannot create {out}: {base} is not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise SynthError(f"synth: no permission to write in {base}")
+    free = shutil.disk_usage(base).free
+    if free < need_bytes + SPARE_BYTES:
+        raise SynthError(f"synth: {need_bytes / 1e6:,.0f} MB needed in {base} but only "
+                         f"{free / 1e6:,.0f} MB free (keeping {SPARE_BYTES >> 20} MB spare)")
+
+
 def _unique(rng: random.Random, make, seen: set) -> str:
     while True:
         value = make()
@@ -68,10 +98,16 @@ def _unique(rng: random.Random, make, seen: set) -> str:
 def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7) -> dict:
     """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
     if tasks < 1 or docs < tasks * 8:
-        raise ValueError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
-    rng = random.Random(seed)
+        raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    if docs > MAX_DOCS:
+        raise SynthError(f"synth: at most {MAX_DOCS:,} documents (got {docs:,})")
     out = Path(out_dir)
-    (out / "qrels").mkdir(parents=True, exist_ok=True)
+    _check_folder(out, docs * BYTES_PER_DOC + tasks * 600)
+    rng = random.Random(seed)
+    try:
+        (out / "qrels").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SynthError(f"synth: cannot create {out}: {exc.strerror}") from None
     seen: set = set()
     person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731
     project = lambda: f"Project {rng.choice(ADJ)} {rng.choice(NOUN)}"  # noqa: E731

@@ -29,9 +29,11 @@ def read_questions(path: str | Path) -> BatchInput:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"batch input not found: {path}")
+    from branchsearch.infra.textfile import utf8_lines
+
     out, seen = BatchInput(), set()
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes that are not UTF-8 stop with file, line and offset
+        for lineno, line in utf8_lines(f, path):
             if not line.strip():
                 continue
             try:

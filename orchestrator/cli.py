@@ -9,8 +9,11 @@ from typing import Optional
 
 import typer
 
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BadQuery, BranchsearchError
+from branchsearch.infra.backends import MAX_K
 from branchsearch.infra.settings import Settings, load_settings
+from branchsearch.infra.synth import MAX_DOCS
+from branchsearch.orchestrator.terminal import one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Parallel-branch evidence search over Milvus + BM25 (see README).")
@@ -18,13 +21,59 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 HomeOpt = typer.Option(None, "--home", help="data home (default ./.branchsearch)")
 IndexOpt = typer.Option(None, "--index", help="index name (default 'default')")
 ConfigOpt = typer.Option(None, "--config", help="settings TOML file")
-ExecutorOpt = typer.Option("ray", "--executor", help="ray (actors) | local (in-process)")
+EXECUTORS = ("ray", "local")
+
+
+def _choice(*allowed: str):
+    def check(value):
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(allowed)}")
+        return value
+    return check
+
+
+ExecutorOpt = typer.Option("ray", "--executor", callback=_choice(*EXECUTORS),
+                           help="ray (actors) | local (in-process)")
+AclOpt = typer.Option(None, "--acl", help="a group the caller holds (repeat for several); "
+                                          "without --acl: public documents only")
+AclAdminOpt = typer.Option(False, "--acl-admin", help="see every document, restricted or not "
+                                                      "(also: acl_admin = true in settings)")
+KOpt = typer.Option(10, "--k", min=1, max=MAX_K, help=f"hits to return (1..{MAX_K})")
 AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default RAY_ADDRESS, "
                                                    "else a local cluster)")
 
 
 def _settings(home, index, config, **flags) -> Settings:
     return load_settings(config, {"home": home, "index": index, **flags})
+
+
+def _acl(settings: Settings, groups: list[str] | None, admin: bool) -> list[str] | None:
+    """The caller's `acl_groups`: None (public only), its groups, or ACL_ALL for an admin."""
+    from branchsearch.infra.backends import caller_groups
+
+    return caller_groups(groups, admin or settings.acl_admin)
+
+
+def _writable_file(path: Path, what: str) -> None:
+    """Stop with one line when `path` cannot be written as a file (a folder, no permission)."""
+    import os
+
+    if path.is_dir():
+        raise BranchsearchError(f"{what} {path} is a folder: give a file name")
+    folder = path.parent if str(path.parent) else Path(".")
+    while not folder.exists() and folder != folder.parent:  # created on write
+        folder = folder.parent
+    if not folder.is_dir():
+        raise BranchsearchError(f"{what} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists()
+                                                     and not os.access(path, os.W_OK)):
+        raise BranchsearchError(f"{what} {path}: no permission to write there")
+
+
+def _question(text: str, what: str = "question") -> str:
+    if not text.strip():
+        raise BadQuery(f"empty {what}: give the words to search for")
+    return text
 
 
 def _progress(total: int | None, unit: str, desc: str):
@@ -67,23 +116,26 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
 
 
 @app.command()
-def retrieve(query: str, mode: str = typer.Option("hybrid", help="bm25 | dense | hybrid"),
-             k: int = typer.Option(10, min=1), home: Optional[Path] = HomeOpt,
+def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(
+                 "bm25", "dense", "hybrid"), help="bm25 | dense | hybrid"),
+             k: int = KOpt, home: Optional[Path] = HomeOpt,
              index: Optional[str] = IndexOpt, config: Optional[Path] = ConfigOpt,
-             acl: Optional[list[str]] = typer.Option(None, help="caller's ACL groups"),
+             acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
              as_json: bool = typer.Option(False, "--json")):
     """Single-shot retrieval (no agent)."""
     from branchsearch.infra.retriever import open_retriever
 
+    _question(query, "query")
     settings = _settings(home, index, config)
+    groups = _acl(settings, acl, acl_admin)
     retriever = open_retriever(settings, need_dense=mode != "bm25")
-    hits = retriever.search(query, mode=mode, k=k, acl_groups=acl)
+    hits = retriever.search(query, mode=mode, k=k, acl_groups=groups)
     if as_json:
         print(json.dumps([h.to_dict() for h in hits]))
         return
     for h in hits:
-        text = " ".join(h.text.split())[:160]
-        print(f"{h.rank:>3}. {h.chunk_id}  {h.score:.4f}  {h.title}\n     {text}")
+        print(f"{h.rank:>3}. {one_line(h.chunk_id)}  {h.score:.4f}  {one_line(h.title)}\n"
+              f"     {one_line(h.text, 160)}")
 
 
 @app.command("eval")
@@ -101,6 +153,9 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
              branches: int = typer.Option(1, min=1, help="branches per question (agent)"),
              executor: str = ExecutorOpt,
              limit: Optional[int] = typer.Option(None, min=1),
+             split: str = typer.Option("test", callback=_choice("test", "dev", "train"),
+                                       help="qrels split: qrels/{test,dev,train}.tsv"),
+             acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
              report: Optional[Path] = typer.Option(None, help="JSON report (+ .md beside it)"),
              plots: Optional[Path] = typer.Option(None, help="write PNG plots to this folder"),
              home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
@@ -126,7 +181,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
         raise BranchsearchError(f"--baseline {baseline} needs --policy")
     settings = _settings(home, index or _slug(dataset), config, prune=prune,
                          policy=policy, branches=branches)
-    queries = read_queries(dataset)[:limit]
+    groups = _acl(settings, acl, acl_admin)
+    queries = read_queries(dataset, split)[:limit]
     if ingest_first and not (settings.index_dir / "docs.sqlite").exists():
         print(f"index {settings.index!r} missing: ingesting {dataset}", file=sys.stderr)
         bar = _progress(None, "doc", "ingest")
@@ -135,16 +191,17 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
 
     runs = []
     if policy:
-        runs.append(_eval_agent(settings, queries, executor))
+        runs.append(_eval_agent(settings, queries, executor, groups))
     else:
-        runs.append(_eval_single(settings, queries, mode))
+        runs.append(_eval_single(settings, queries, mode, groups))
     if baseline == "no-prune":
-        runs.append(_eval_agent(settings.replace(prune=False), queries, executor))
+        runs.append(_eval_agent(settings.replace(prune=False), queries, executor, groups))
     elif baseline == "heuristic":
-        runs.append(_eval_agent(settings.replace(policy="heuristic"), queries, executor))
+        runs.append(_eval_agent(settings.replace(policy="heuristic"), queries, executor, groups))
     elif baseline:
-        runs.append(_eval_single(settings, queries, baseline))
-    result = {"dataset": str(dataset), "metrics": runs[0]["metrics"], "runs": runs}
+        runs.append(_eval_single(settings, queries, baseline, groups))
+    result = {"dataset": str(dataset), "split": split, "metrics": runs[0]["metrics"],
+              "runs": runs}
     if "attribution" in runs[0]:
         result["attribution"] = runs[0]["attribution"]
     if baseline:
@@ -164,7 +221,7 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                             "comparisons": [brief(c) for c in result.get("comparisons", [])]},
                          default=str))
     else:
-        print(f"{dataset.name}: {len(queries)} queries")
+        print(f"{dataset.name} ({split}): {len(queries)} queries")
         names = [m for m in rep.SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
         print("  " + "metric".ljust(22) + "".join(r["config"][:22].rjust(24) for r in runs))
         for m in names:
@@ -179,20 +236,21 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                   f"{c['losses']} losses, {c['ties']} ties")
 
 
-def _eval_single(settings: Settings, queries, mode: str) -> dict:
+def _eval_single(settings: Settings, queries, mode: str, groups=None) -> dict:
     from branchsearch.infra.retriever import open_retriever
     from branchsearch.orchestrator.evaluate import eval_single_shot
 
     retriever = open_retriever(settings, need_dense=mode != "bm25")
     bar = _progress(len(queries), "q", f"eval {mode}")
     try:
-        return eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1))
+        return eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1),
+                                acl_groups=groups)
     finally:
         bar.close()
         retriever.close()
 
 
-def _eval_agent(settings: Settings, queries, executor: str) -> dict:
+def _eval_agent(settings: Settings, queries, executor: str, groups=None) -> dict:
     from branchsearch.infra.docstore import DocStore
     from branchsearch.orchestrator.evaluate import eval_agent
 
@@ -200,7 +258,8 @@ def _eval_agent(settings: Settings, queries, executor: str) -> dict:
     docstore = DocStore(settings.index_dir / "docs.sqlite")
     bar = _progress(len(queries), "q", f"eval {settings.policy}")
     try:
-        return eval_agent(driver, queries, docstore=docstore, progress=lambda: bar.update(1))
+        return eval_agent(driver, queries, docstore=docstore, progress=lambda: bar.update(1),
+                          acl_groups=groups)
     finally:
         bar.close()
         docstore.close()
@@ -222,19 +281,21 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
            trace: Optional[Path] = typer.Option(
                None, help="append spans (JSONL) here; episode traces go to *.episodes.jsonl"),
            executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
-           acl: Optional[list[str]] = typer.Option(None, help="caller's ACL groups"),
+           acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
            config: Optional[Path] = ConfigOpt, as_json: bool = typer.Option(False, "--json")):
     """Search with parallel branch agents; prints the fused evidence."""
+    _question(question)
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     if trace:
         flags |= {"trace_exporter": "jsonl", "trace_file": str(trace)}
     settings = _settings(home, index, config, **flags)
+    groups = _acl(settings, acl, acl_admin)
     if branches == 1 and executor == "ray" and not address:
         executor = "local"  # one branch needs no cluster
     driver = _driver(settings, executor)
     try:
-        result = driver.search(question, acl_groups=acl)
+        result = driver.search(question, acl_groups=groups)
     finally:
         driver.close()
     if trace:  # the branches' episode traces (the fourth store) beside the spans
@@ -249,18 +310,20 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
 
 
 def print_result(result) -> None:
-    print(f"question: {result.question}\ntrace_id: {result.trace_id}")
+    """The result for a terminal: every text from the corpus or the caller goes through
+    `terminal.one_line` (no escape sequence reaches the terminal)."""
+    print(f"question: {one_line(result.question)}\ntrace_id: {result.trace_id}")
     for b in result.branches:
         extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
                  f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
                  if b.status == "ok" else b.error)
-        print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}: {extra}")
+        print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}: {one_line(extra)}")
     print("evidence:")
     for doc in result.evidence:
-        print(f"  {doc['score']:.4f}  {doc['doc_id']}  ({doc['title']})")
+        print(f"  {doc['score']:.4f}  {one_line(doc['doc_id'])}  ({one_line(doc['title'])})")
         for c in doc["chunks"]:
             found = ", ".join(f"b{f['branch']}#{f['rank']}" for f in c["found_by"])
-            print(f"      {c['chunk_id']}  found by {found}: {' '.join(c['text'].split())[:110]}")
+            print(f"      {one_line(c['chunk_id'])}  found by {found}: {one_line(c['text'], 110)}")
 
 
 @app.command()
@@ -269,13 +332,16 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           concurrency: Optional[int] = typer.Option(None, min=1),
           branches: Optional[int] = typer.Option(None, min=1),
           executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
+          acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
           config: Optional[Path] = ConfigOpt):
     """Many questions, resumable: re-running skips ids already in the output."""
     from branchsearch.orchestrator.batch import read_questions, run_batch
 
+    _writable_file(output, "batch output")
     settings = _settings(home, index, config, batch_concurrency=concurrency, branches=branches,
                          ray_address=address)
+    groups = _acl(settings, acl, acl_admin)
     data = read_questions(input)
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
@@ -290,7 +356,8 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
         bar.set_postfix(failures=failures)
 
     try:
-        counts = run_batch(data.items, output, lambda q: driver.search(q).to_dict(),
+        counts = run_batch(data.items, output,
+                           lambda q: driver.search(q, acl_groups=groups).to_dict(),
                            concurrency=settings.batch_concurrency, on_done=tick)
     finally:
         bar.close()
@@ -303,7 +370,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
 
 @app.command()
 def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format)"),
-          docs: int = typer.Option(2000, min=8), tasks: int = typer.Option(100, min=1),
+          docs: int = typer.Option(2000, min=8, max=MAX_DOCS,
+                                   help=f"documents to write (8..{MAX_DOCS:,})"),
+          tasks: int = typer.Option(100, min=1),
           seed: int = typer.Option(7)):
     """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
     from branchsearch.infra.synth import synth as make
@@ -312,6 +381,8 @@ def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format
         counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)
     except ValueError as exc:
         raise BranchsearchError(str(exc)) from None
+    except OSError as exc:  # a disk that filled up meanwhile, a folder removed under us
+        raise BranchsearchError(f"synth: cannot write {out_dir}: {exc.strerror or exc}") from None
     print(f"wrote {counts['documents']} documents and {counts['tasks']} multi-hop questions "
           f"to {out_dir}")
 
@@ -390,23 +461,65 @@ app.add_typer(keys_app, name="keys")
 
 
 def main() -> None:
+    """Run the app; every user-caused error ends as one `error:` line and exit status 2."""
     try:
-        app(standalone_mode=False)
-    except BranchsearchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        app(prog_name="branchsearch", standalone_mode=False)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.ClickException):
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        if message:
+            print(f"error: {message}", file=sys.stderr)
+        else:  # no arguments: the help text is the answer
             exc.show()
-            sys.exit(exc.exit_code)
-        raise
+        sys.exit(2)
+
+
+def user_error(exc: BaseException) -> str | None:
+    """The one line to show for a user-caused error ("" = show the exception's own text),
+    or None for a bug (which keeps its traceback)."""
+    cause = getattr(exc, "cause", None)  # a Ray task error: the original exception
+    if isinstance(cause, BranchsearchError):
+        return _one_line(str(cause))
+    if isinstance(exc, BranchsearchError):
+        return _one_line(str(exc))
+    if isinstance(exc, typer.TyperException) or _is_click_error(exc):  # usage errors
+        message = exc.format_message()
+        ctx = getattr(exc, "ctx", None)
+        if not message:
+            return ""
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        return _one_line(message) + where
+    cause = _user_cause(exc)
+    return None if cause is None else _one_line(str(cause))
+
+
+def _is_click_error(exc: BaseException) -> bool:
+    click = sys.modules.get("click")  # a plain click, if anything imported one
+    return click is not None and isinstance(exc, click.ClickException)
+
+
+def _user_cause(exc: BaseException) -> BaseException | None:
+    """A BranchsearchError behind a wrapper (a Ray actor that died of it, a chained error)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, BranchsearchError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

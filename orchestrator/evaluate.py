@@ -14,11 +14,12 @@ CHUNK_DEPTH = 50
 
 
 def eval_single_shot(retriever: Retriever, queries: list[Query], mode: str,
-                     progress: Callable[[], None] | None = None) -> dict:
+                     progress: Callable[[], None] | None = None,
+                     acl_groups: list[str] | None = None) -> dict:
     per_query, latencies = [], []
     for q in queries:
         t = time.perf_counter()
-        hits = retriever.search(q.text, mode=mode, k=CHUNK_DEPTH)
+        hits = retriever.search(q.text, mode=mode, k=CHUNK_DEPTH, acl_groups=acl_groups)
         latencies.append((time.perf_counter() - t) * 1000)
         ranking = doc_ranking([h.chunk_id for h in hits])
         per_query.append({"id": q.id, "ranking": ranking[:10],
@@ -34,7 +35,8 @@ def eval_single_shot(retriever: Retriever, queries: list[Query], mode: str,
 
 
 def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
-               progress: Callable[[], None] | None = None, docstore=None, k: int = 5) -> dict:
+               progress: Callable[[], None] | None = None, docstore=None, k: int = 5,
+               acl_groups: list[str] | None = None) -> dict:
     """Run the driver (one or more branch agents) per query, score the fused evidence and
     attribute each failure from what the branches did (see `orchestrator.attribution`)."""
     from collections import Counter
@@ -44,7 +46,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
     titles = docstore.titles() if docstore is not None else {}
     per_query, latencies, classes = [], [], Counter()
     for q in queries:
-        result = driver.search(q.text, max_branches=max_branches)
+        result = driver.search(q.text, max_branches=max_branches, acl_groups=acl_groups)
         latencies.append(result.metrics["latency_s"])
         ok = [b for b in result.branches if b.status == "ok"]
         ranking = doc_ranking(result.ranked_chunk_ids)

@@ -29,9 +29,14 @@ def lexical_contract(store):
     assert store.search("river", 5, acl_groups=["hr"]) == []
     assert {h.chunk_id for h in store.search("river", 5, acl_groups=["finance"])} == \
         {"bank#p0", "bank#p1"}
-    assert [h.chunk_id for h in store.search("river", 5, exclude_ids=["bank#p0"])] == ["bank#p1"]
+    assert store.search("river", 5) == []  # no groups: public documents only
+    assert [h.chunk_id for h in store.search("river", 5, exclude_ids=["bank#p0"],
+                                             acl_groups=["finance"])] == ["bank#p1"]
     assert [h.chunk_id for h in store.grep("19[0-9]{2}", 5)] == ["apple#p0"]
-    assert [h.chunk_id for h in store.grep("her.n.*", 5)] == ["bank#p1"]
+    assert store.grep("her.n.*", 5) == []
+    assert [h.chunk_id for h in store.grep("her.n.*", 5, acl_groups=["*"])] == ["bank#p1"]
+    assert [h.chunk_id for h in store.grep("[^x]pples", 5)] == ["apple#p0"]  # not an anchor
+    assert store.grep("[^a]pples", 5) == []
     with pytest.raises(BadQuery):
         store.grep("(unclosed", 5)
     with pytest.raises(BadQuery):
@@ -39,7 +44,7 @@ def lexical_contract(store):
     # re-writing a document replaces all of its chunks
     store.write([IndexedChunk("bank#p0", "bank", "Bank", "Savings accounts.", ())], ["bank"])
     assert store.count() == 2
-    assert store.search("herons", 5) == []
+    assert store.search("herons", 5, acl_groups=["*"]) == []
     assert [h.chunk_id for h in store.search("savings", 5)] == ["bank#p0"]
     assert store.search("!!! ::: ((", 5) == []  # query syntax is never interpreted
 

@@ -22,9 +22,14 @@ class RetrieverService:
     """The retriever's methods as an actor (thread-pooled: several branches search at once)."""
 
     def __init__(self, settings: Settings):
+        from branchsearch.infra.errors import BranchsearchError
         from branchsearch.infra.retriever import open_retriever
 
-        self.retriever = open_retriever(settings)
+        self.error = None
+        try:
+            self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+        except BranchsearchError as exc:  # keep the actor: `ping` gives the caller this error
+            self.error = exc
 
     def call_many(self, requests: list[tuple]):
         """([value or exception per request], seconds spent in the backend): one round trip
@@ -39,11 +44,14 @@ class RetrieverService:
         return values, time.perf_counter() - started
 
     def ping(self) -> int:
+        if self.error is not None:
+            raise self.error
         return os.getpid()
 
     def close(self) -> None:
         """Release the stores (and the Milvus Lite file) before the actor is killed."""
-        self.retriever.close()
+        if self.error is None:
+            self.retriever.close()
 
 
 class RemoteRetriever:

@@ -90,7 +90,9 @@ def _fetch_read(ep: "Episode", args: dict) -> tuple:
 def _apply_read(ep: "Episode", args: dict, doc) -> ToolResult:
     if isinstance(doc, Exception):
         raise Rejected(str(doc))
-    if ep.acl_groups is not None and doc["acl"] and not set(doc["acl"]) & set(ep.acl_groups):
+    from branchsearch.infra.backends import acl_visible
+
+    if not acl_visible(doc["acl"], ep.acl_groups):
         raise Rejected(f"unknown document id {args['doc_id']!r}")  # never reveal ACL'd docs
     from branchsearch.infra.hits import Hit
 

@@ -1,0 +1,25 @@
+"""Reading the user's text files line by line, with a clear error for bytes that are not UTF-8."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from branchsearch.infra.errors import CorpusError
+
+
+def utf8_lines(raw_lines: Iterable[bytes], name: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) for each line of a file opened in binary mode (`path.open("rb")`).
+    Bytes that are not UTF-8 raise CorpusError naming the file, the line and the byte offset; a
+    UTF-8 byte-order mark at the start is dropped."""
+    offset = 0
+    for lineno, raw in enumerate(raw_lines, start=1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            bad = raw[exc.start:exc.start + 1]
+            raise CorpusError(
+                f"{name}:{lineno}: not UTF-8 text (byte {bad!r} at offset {offset + exc.start}); "
+                "convert the file to UTF-8, e.g. with `iconv -f latin1 -t utf-8`") from None
+        offset += len(raw)
+        yield lineno, line

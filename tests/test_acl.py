@@ -1,0 +1,154 @@
+"""ACL closed by default, on a real small index with restricted documents.
+
+Documents without groups are public; documents with groups are visible only to a caller holding
+one of them; no groups (`acl_groups=None`, no `--acl`) means public only; only the explicit admin
+setting (`ACL_ALL`, `--acl-admin`, `acl_admin = true`) sees everything. Checked in every backend
+(tantivy, Milvus Lite, Elasticsearch emulator) and through retrieve, search and batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from branchsearch.infra.backends import ACL_ALL, PUBLIC, acl_terms, acl_visible, caller_groups
+from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.ingest import ingest
+from branchsearch.infra.retriever import open_retriever
+from branchsearch.infra.settings import load_settings
+
+DOCS = [
+    {"id": "pub", "title": "Falcon roadmap", "text": "The public roadmap of Project Falcon "
+     "names the quokka launch for spring."},
+    {"id": "fin", "title": "Falcon budget", "text": "The Falcon budget holds four million for "
+     "the quokka launch.", "acl": ["finance"]},
+    {"id": "hr", "title": "Falcon salaries", "text": "Salaries of the Falcon quokka team.",
+     "acl": ["hr", "board"]},
+]
+EVERY = {"pub", "fin", "hr"}
+
+
+@pytest.fixture(scope="module")
+def acl_settings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("acl")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    settings = load_settings(overrides={"home": root / "home", "index": "acl"}, read_env=False,
+                             read_file=False)
+    ingest(corpus, settings)
+    return settings
+
+
+def test_acl_rules():
+    assert acl_terms(None) == [PUBLIC]  # closed by default
+    assert acl_terms([]) == [PUBLIC]
+    assert acl_terms(["hr", "hr"]) == [PUBLIC, "hr"]
+    assert acl_terms([ACL_ALL]) is None and acl_terms(["hr", ACL_ALL]) is None
+    assert acl_visible([], None) and not acl_visible(["hr"], None)
+    assert acl_visible(["hr", "board"], ["board"]) and not acl_visible(["hr"], ["finance"])
+    assert acl_visible(["hr"], [ACL_ALL])
+    assert caller_groups(None) is None and caller_groups([" ", ""]) is None
+    assert caller_groups(["hr"]) == ["hr"] and caller_groups(["hr"], admin=True) == [ACL_ALL]
+    with pytest.raises(BadQuery, match="reserved"):  # '*' only through the admin setting
+        caller_groups([ACL_ALL])
+
+
+def _seen(retriever, mode, groups):
+    return {h.doc_id for h in retriever.search("Falcon quokka launch budget salaries", mode=mode,
+                                               k=10, acl_groups=groups)}
+
+
+def test_retriever_every_mode(acl_settings):
+    r = open_retriever(acl_settings)
+    try:
+        for mode in ("bm25", "dense", "hybrid"):  # tantivy, Milvus Lite, both fused
+            assert _seen(r, mode, None) == {"pub"}, mode
+            assert _seen(r, mode, []) == {"pub"}, mode
+            assert _seen(r, mode, ["finance"]) == {"pub", "fin"}, mode
+            assert _seen(r, mode, ["board"]) == {"pub", "hr"}, mode
+            assert _seen(r, mode, [ACL_ALL]) == EVERY, mode
+        assert {h.doc_id for h in r.grep("falcon", k=10)} == {"pub"}
+        assert {h.doc_id for h in r.grep("falcon", k=10, acl_groups=["hr"])} == {"pub", "hr"}
+    finally:
+        r.close()
+
+
+def test_search_reads_no_restricted_document(acl_settings):
+    """The agent (heuristic policy, in-process driver) searches and reads documents; without
+    groups nothing restricted reaches its evidence, with a group that group's documents do."""
+    from branchsearch.orchestrator.driver import Driver
+
+    driver = Driver(acl_settings.replace(branches=1), mode="local")
+    try:
+        def evidence(groups):
+            result = driver.search("What is the Falcon budget for the quokka launch?",
+                                   acl_groups=groups)
+            return {d["doc_id"] for d in result.evidence}
+
+        assert evidence(None) == {"pub"}
+        assert "fin" in evidence(["finance"]) and "hr" not in evidence(["finance"])
+        assert "fin" in evidence([ACL_ALL])
+    finally:
+        driver.close()
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_retrieve_and_batch(acl_settings, tmp_path):
+    where = ["--home", str(acl_settings.home), "--index", acl_settings.index]
+
+    def retrieve(*extra, env=None):
+        done = _cli("retrieve", "Falcon quokka", "--mode", "bm25", "--json", *where, *extra,
+                    env=env)
+        assert done.returncode == 0, done.stderr[-1500:]
+        return {h["doc_id"] for h in json.loads(done.stdout)}
+
+    assert retrieve() == {"pub"}
+    assert retrieve("--acl", "finance") == {"pub", "fin"}
+    assert retrieve("--acl", "finance", "--acl", "hr") == EVERY
+    assert retrieve("--acl-admin") == EVERY
+    assert retrieve(env={"BRANCHSEARCH_ACL_ADMIN": "true"}) == EVERY
+    denied = _cli("retrieve", "Falcon", "--acl", "*", *where)
+    assert denied.returncode == 2 and "reserved" in denied.stderr
+    assert "Traceback" not in denied.stderr
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"id": "q1", "question": "Falcon budget quokka launch"})
+                         + "\n")
+
+    def batch(out, *extra):
+        done = _cli("batch", str(questions), "-o", str(out), "--executor", "local",
+                    "--branches", "1", *where, *extra)
+        assert done.returncode == 0, done.stderr[-1500:]
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        return {d["doc_id"] for row in rows for d in row["evidence"]}
+
+    assert batch(tmp_path / "public.jsonl") == {"pub"}
+    assert "fin" in batch(tmp_path / "finance.jsonl", "--acl", "finance")
+
+
+@pytest.mark.es
+def test_elasticsearch_backend(acl_settings, es_url, tmp_path):
+    """The same rule with Elasticsearch (the emulator) as the lexical store."""
+    import uuid
+
+    settings = acl_settings.replace(es_url=es_url, index=f"acl-es-{uuid.uuid4().hex[:6]}")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    ingest(corpus, settings)
+    r = open_retriever(settings, need_dense=False)
+    try:
+        assert _seen(r, "bm25", None) == {"pub"}
+        assert _seen(r, "bm25", ["finance"]) == {"pub", "fin"}
+        assert _seen(r, "bm25", [ACL_ALL]) == EVERY
+        assert {h.doc_id for h in r.grep("falcon", k=10)} == {"pub"}
+    finally:
+        r.close()
