@@ -76,6 +76,10 @@ class Settings:
     branch_num_gpus: float = 0.0  # used only when the cluster has GPUs (LLM policies)
     ray_address: str = ""
     batch_concurrency: int = 2
+    backend_retries: int = 2  # a backend error in a tool is retried this often, then ends the branch
+    backend_backoff_s: float = 0.2  # first retry's wait; doubles each retry
+    actor_start_timeout_s: float = 300.0  # waiting for actors (engines, retriever, pool) to start
+    query_max_tokens: int = 96  # a longer question is cut to this many tokens before searching
     # telemetry: none | console | jsonl | otlp. The standard OTEL_TRACES_EXPORTER,
     # OTEL_EXPORTER_OTLP_[TRACES_]{ENDPOINT,PROTOCOL,HEADERS} are read here, on the driver side,
     # so they reach every actor inside this object (see `_otel_env`).
@@ -123,6 +127,10 @@ def _validate(s: Settings) -> None:
         (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
+        (s.backend_retries >= 0 and s.backend_backoff_s >= 0,
+         "backend_retries and backend_backoff_s must be >= 0"),
+        (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
+        (s.query_max_tokens >= 8, "query_max_tokens must be >= 8"),
         (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
          "trace_exporter must be none, console, jsonl or otlp"),
         (s.otlp_protocol in ("http", "grpc"), "otlp_protocol must be http or grpc"),

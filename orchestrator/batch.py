@@ -1,9 +1,15 @@
-"""Batch: many questions through one driver, resumable, each result appended when done.
+"""Batch: many questions through one driver, resumable, nothing lost or faked.
 
 Input lines are `{"id"|"_id", "question"|"text"}` (a BEIR queries.jsonl works as is). Output
-lines carry id, question, evidence, branches, metrics and trace_id. Re-running skips ids already
-in the output; a torn last line (a crash mid-write) is cut off first, so nothing is lost or
-duplicated. Malformed input lines are reported with their line numbers and skipped.
+lines carry id, question, status, evidence, branches, metrics and trace_id (or `error`).
+
+* Each result is appended (and fsynced) as it finishes, so a crash at any point loses at most
+  the questions in flight; a torn last line is cut off on the next run.
+* A re-run skips only ids whose latest line has `status` `ok`; `partial`, `failed` and `error`
+  rows are run again.
+* When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
+  line per id: the latest attempt.
+Malformed input lines are reported with their line numbers and skipped.
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
+
+STATUSES = ("ok", "partial", "failed")
 
 
 @dataclass
@@ -53,67 +62,104 @@ def read_questions(path: str | Path) -> BatchInput:
     return out
 
 
-def done_ids(path: str | Path) -> set[str]:
-    """Ids already written to `path`; cuts off a torn last line so appends stay valid JSONL."""
+def row_status(row: dict) -> str:
+    """ok | partial | failed; a row with an `error` or no status (an old format) is failed."""
+    status = row.get("status")
+    return status if status in STATUSES and "error" not in row else "failed"
+
+
+def latest_rows(path: str | Path) -> dict[str, dict]:
+    """id -> the latest row written for it. Cuts off a torn last line (a crash mid-write) so
+    appends stay valid JSONL."""
     path = Path(path)
     if not path.exists():
-        return set()
+        return {}
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
         with path.open("r+b") as f:
             f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
         data = data[:keep]
-    ids = set()
+    rows: dict[str, dict] = {}
     for line in data.splitlines():
         try:
-            ids.add(str(json.loads(line)["id"]))
+            row = json.loads(line)
+            rows.pop(str(row["id"]), None)  # the latest attempt goes last
+            rows[str(row["id"])] = row
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
-    return ids
+    return rows
+
+
+def done_ids(path: str | Path) -> set[str]:
+    """Ids whose latest row is ok (nothing to re-run)."""
+    return {qid for qid, row in latest_rows(path).items() if row_status(row) == "ok"}
+
+
+def compact(path: str | Path, order: list[str] | None = None) -> int:
+    """Rewrite `path` atomically to one line per id (the latest), ids of `order` first in that
+    order; returns the number of lines. The old file stays intact until the rename."""
+    path = Path(path)
+    rows = latest_rows(path)
+    ids = [qid for qid in (order or []) if qid in rows]
+    ids += [qid for qid in rows if qid not in set(ids)]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for qid in ids:
+            f.write(json.dumps(rows[qid], default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+    return len(ids)
 
 
 def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               search: Callable[[str], dict], *, concurrency: int = 2,
-              on_done: Callable[[bool], None] | None = None) -> dict:
-    """Run `search(question) -> result dict` for each item not yet in `out_path`."""
+              on_done: Callable[[str], None] | None = None) -> dict:
+    """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
+    not ok. Returns counts: ok, partial, failed (this run) and skipped (already ok)."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     finished = done_ids(out_path)
     todo = [(qid, q) for qid, q in items if qid not in finished]
     lock = threading.Lock()
-    counts = {"skipped": len(items) - len(todo), "done": 0, "failed": 0}
+    counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0}
 
-    def one(qid: str, question: str) -> bool:
+    def one(qid: str, question: str) -> str:
         try:
-            result = search(question)
-            row = {"id": qid, "question": question, **result}
-            ok = True
+            row = {"id": qid, "question": question, **search(question)}
         except Exception as exc:  # a failed question is recorded, not fatal
-            row = {"id": qid, "question": question, "error": f"{type(exc).__name__}: {exc}"}
-            ok = False
+            row = {"id": qid, "question": question, "status": "failed",
+                   "error": f"{type(exc).__name__}: {exc}"}
         line = json.dumps(row, default=str) + "\n"
         with lock, out_path.open("a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
-        return ok
+        return row_status(row)
 
-    with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
-        pending = set()
-        queue = iter(todo)
-        for qid, q in queue:
-            pending.add(pool.submit(one, qid, q))
-            if len(pending) >= concurrency:
-                break
-        while pending:
-            finished_now, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished_now:
-                ok = future.result()
-                counts["done" if ok else "failed"] += 1
-                if on_done:
-                    on_done(ok)
-                nxt = next(queue, None)
-                if nxt is not None:
-                    pending.add(pool.submit(one, *nxt))
+    try:
+        with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
+            queue = iter(todo)
+            pending = {pool.submit(one, *item) for item in islice(queue, max(concurrency, 1))}
+            while pending:
+                finished_now, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished_now:
+                    status = future.result()
+                    counts[status] += 1
+                    if on_done:
+                        on_done(status)
+                    nxt = next(queue, None)
+                    if nxt is not None:
+                        pending.add(pool.submit(one, *nxt))
+    finally:
+        if out_path.exists():
+            compact(out_path, [qid for qid, _ in items])
     return counts

@@ -312,7 +312,8 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
 def print_result(result) -> None:
     """The result for a terminal: every text from the corpus or the caller goes through
     `terminal.one_line` (no escape sequence reaches the terminal)."""
-    print(f"question: {one_line(result.question)}\ntrace_id: {result.trace_id}")
+    print(f"question: {one_line(result.question)}\nstatus: {result.status}\n"
+          f"trace_id: {result.trace_id}")
     for b in result.branches:
         extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
                  f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
@@ -335,7 +336,8 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
           config: Optional[Path] = ConfigOpt):
-    """Many questions, resumable: re-running skips ids already in the output."""
+    """Many questions, resumable: re-running runs again every id whose latest line is not ok;
+    the output ends with one line per id."""
     from branchsearch.orchestrator.batch import read_questions, run_batch
 
     _writable_file(output, "batch output")
@@ -347,13 +349,13 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
         print(f"skipped {bad}", file=sys.stderr)
     driver = _driver(settings, executor)
     bar = _progress(len(data.items), "q", "batch")
-    failures = 0
+    seen = {"partial": 0, "failed": 0}
 
-    def tick(ok: bool) -> None:
-        nonlocal failures
-        failures += not ok
+    def tick(status: str) -> None:
+        if status in seen:
+            seen[status] += 1
         bar.update(1)
-        bar.set_postfix(failures=failures)
+        bar.set_postfix(seen)
 
     try:
         counts = run_batch(data.items, output,
@@ -362,8 +364,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     finally:
         bar.close()
         driver.close()
-    print(f"batch: {counts['done']} done, {counts['failed']} failed, {counts['skipped']} already "
-          f"in {output}, {len(data.bad_lines)} malformed input lines skipped")
+    print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
+          f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
+          "lines skipped")
     if counts["failed"]:
         sys.exit(1)
 

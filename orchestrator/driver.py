@@ -30,7 +30,7 @@ class Driver:
         if mode == "local":
             from branchsearch.infra.retriever import open_retriever
 
-            self.retriever = open_retriever(settings)
+            self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
         elif mode == "ray":
             self._start_ray(pool_size or settings.branches * max(settings.batch_concurrency, 1))
         else:
@@ -142,6 +142,8 @@ class Driver:
 
     def _report(self, index: int, sub: SubQuery, status: str, out: dict | None = None,
                 error: str = "") -> dict:
+        if out is not None and out.get("termination") == "backend_error":
+            status, error = "error", out.get("detail", "")  # never an empty "ok"
         report = BranchReport(index, sub.text, sub.weight, sub.kind, status, error)
         evidence = []
         if out is not None:

@@ -47,8 +47,14 @@ class SearchResult:
     metrics: dict
     trace_id: str
 
+    @property
+    def status(self) -> str:
+        """ok (every branch ok) | partial (some failed; evidence from the rest) | failed."""
+        ok = sum(b.status == "ok" for b in self.branches)
+        return "ok" if ok and ok == len(self.branches) else "partial" if ok else "failed"
+
     def to_dict(self, full: bool = False) -> dict:
-        return {"question": self.question, "evidence": self.evidence,
+        return {"question": self.question, "status": self.status, "evidence": self.evidence,
                 "ranked_chunk_ids": self.ranked_chunk_ids,
                 "branches": [b.__dict__ if full else b.summary() for b in self.branches],
                 "metrics": self.metrics, "trace_id": self.trace_id}

@@ -131,4 +131,5 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
     ids = [r["id"] for r in rows]
     assert sorted(ids) == sorted(q["_id"] for q in queries) and len(ids) == len(set(ids))
     assert all(r["evidence"] and r["trace_id"] and r["branches"] for r in rows)
-    assert f"{len(queries) - first} done" in done.stdout
+    assert f"{len(queries) - first} ok, 0 partial, 0 failed" in done.stdout
+    assert all(r["status"] == "ok" for r in rows)

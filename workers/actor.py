@@ -63,8 +63,14 @@ class RemoteRetriever:
         self.rpc_s = 0.0  # round trips, backend included
 
     def call_many(self, requests: list[tuple]) -> list:
+        from branchsearch.infra.errors import BackendUnavailable
+
         started = time.perf_counter()
-        values, backend = ray.get(self.handle.call_many.remote(requests))
+        try:
+            values, backend = ray.get(self.handle.call_many.remote(requests))
+        except ray.exceptions.RayError as exc:  # the retriever actor died or is unreachable
+            error = BackendUnavailable(f"retriever actor: {type(exc).__name__}: {exc}"[:300])
+            return [error] * len(requests)
         self.rpc_s += time.perf_counter() - started
         self.backend_s += backend
         return values

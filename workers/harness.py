@@ -15,7 +15,7 @@ from html import escape
 
 from opentelemetry import trace
 
-from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.errors import BackendUnavailable, BadQuery
 from branchsearch.infra.settings import Settings
 from branchsearch.infra.telemetry import tracer
 from branchsearch.infra.tokenizer import TokenCounter
@@ -55,6 +55,26 @@ class EpisodeEnd(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason)
         self.reason, self.detail = reason, detail
+
+
+class BackendFailed(EpisodeEnd):
+    """A backend (retriever or LLM engine) still failing after bounded retries: the branch ends
+    with termination `backend_error`, which the runner reports as status `error`."""
+
+    def __init__(self, detail: str):
+        super().__init__("backend_error", detail)
+
+
+_BACKEND_MODULES = ("pymilvus", "grpc", "elastic_transport", "elasticsearch", "urllib3",
+                    "ray.exceptions")
+
+
+def is_backend_error(value) -> bool:
+    """A server down, timed out or failing (5xx) — not a bad query, not a bug in a tool."""
+    if isinstance(value, BadQuery) or not isinstance(value, Exception):
+        return False
+    return (isinstance(value, (BackendUnavailable, ConnectionError, TimeoutError))
+            or type(value).__module__.startswith(_BACKEND_MODULES))
 
 
 @dataclass
@@ -137,6 +157,8 @@ class Episode:
             try:
                 calls = list(self.policy.decide(view))
             except Exception as exc:
+                if is_backend_error(exc):
+                    raise BackendFailed(f"policy engine: {type(exc).__name__}: {exc}") from None
                 raise EpisodeEnd("policy_error", f"{type(exc).__name__}: {exc}") from None
             finally:
                 self.policy_s += time.perf_counter() - started
@@ -186,13 +208,18 @@ class Episode:
                     if checked[i] is None and TOOLS[c.name].fetch is not None
                     and self.budget.allows(c.name, self.context.tokens)}
         started = time.perf_counter()
-        values = run_requests(self.retriever, list(requests.values()))
+        try:
+            values = self.fetch(list(requests.values()))
+        except BackendFailed:
+            for span in spans:
+                span.end()
+            raise
         self.fetch_s += time.perf_counter() - started
         fetched: dict[int, object] = {}
         for (i, call), value in zip(((i, calls[i]) for i in requests), values):
             if isinstance(value, Exception) and not isinstance(value, BadQuery):
                 value = Rejected(f"{call.name} failed: {type(value).__name__}: {value}")
-            fetched[i] = value  # a backend failure is an observation, not a crash
+            fetched[i] = value  # a bad query is an observation, not a crash
         results = []
         for i, call in enumerate(calls):
             with trace.use_span(spans[i], end_on_exit=True):
@@ -204,6 +231,27 @@ class Episode:
                     spans[i].set_attribute("error", result.content)
             results.append(result)
         return results
+
+    def fetch(self, requests: list[tuple]) -> list:
+        """Run the turn's retriever requests. Those failing with a backend error are retried
+        (`backend_retries` times, backoff doubling from `backend_backoff_s`); one that still
+        fails ends the branch — a dead backend never looks like an empty corpus."""
+        values = run_requests(self.retriever, requests)
+        failing = [i for i, v in enumerate(values) if is_backend_error(v)]
+        for attempt in range(self.settings.backend_retries):
+            if not failing:
+                break
+            time.sleep(self.settings.backend_backoff_s * 2 ** attempt)
+            for i, value in zip(failing, run_requests(self.retriever,
+                                                      [requests[i] for i in failing])):
+                values[i] = value
+            failing = [i for i in failing if is_backend_error(values[i])]
+        if failing:
+            exc = values[failing[0]]
+            raise BackendFailed(f"{requests[failing[0]][0]} failed after "
+                                f"{self.settings.backend_retries} retries: "
+                                f"{type(exc).__name__}: {exc}"[:500])
+        return values
 
     def _apply(self, call: ToolCall, invalid: Exception | None, fetched) -> ToolResult:
         try:

@@ -1,0 +1,109 @@
+"""Backend faults end branches honestly: a dead backend is an `error` branch and a `failed`
+result, never an empty `ok`; batch retries what is not ok and ends with one line per id.
+Real components: the Elasticsearch emulator as the lexical backend, stopped mid-batch."""
+
+import json
+
+import pytest
+
+from branchsearch.orchestrator.batch import compact, done_ids, run_batch
+
+from conftest import HOTPOT
+
+
+def _items():
+    rows = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    return [(r["_id"], r["text"]) for r in rows]
+
+
+def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(
+        json.dumps({"id": "a", "status": "ok", "evidence": [1]}) + "\n"
+        + json.dumps({"id": "b", "status": "partial"}) + "\n"
+        + json.dumps({"id": "c", "error": "BackendUnavailable: down"}) + "\n"
+        + json.dumps({"id": "d", "evidence": []}) + "\n"  # an old row without status
+        + '{"id": "e", "sta')  # torn by a crash
+    assert done_ids(out) == {"a"}
+    asked = []
+
+    def search(question):
+        asked.append(question)
+        if question == "qd":
+            raise RuntimeError("still broken")
+        return {"status": "ok", "evidence": [question]}
+
+    items = [(x, f"q{x}") for x in "abcde"]
+    counts = run_batch(items, out, search, concurrency=2)
+    assert sorted(asked) == ["qb", "qc", "qd", "qe"]
+    assert counts == {"skipped": 1, "ok": 3, "partial": 0, "failed": 1}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == list("abcde")  # one line each, input order
+    assert rows[3]["status"] == "failed" and "still broken" in rows[3]["error"]
+    # a crash after appending a newer attempt: the latest line wins when compacted
+    with out.open("a") as f:
+        f.write(json.dumps({"id": "d", "status": "ok", "evidence": ["late"]}) + "\n")
+    assert compact(out, list("abcde")) == 5 and done_ids(out) == set("abcde")
+    assert json.loads(out.read_text().splitlines()[3])["evidence"] == ["late"]
+
+
+@pytest.fixture
+def es_index(tmp_path):
+    """hotpot-mini with its lexical index in the emulator (BM25 only: no embedding needed)."""
+    from es_emulator import start_es_emulator
+
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.settings import load_settings
+
+    es = start_es_emulator(tmp_path / "es")
+    settings = load_settings(overrides={
+        "home": tmp_path / "home", "index": "hotpot-es", "es_url": es.url, "branches": 1,
+        "search_mode": "bm25", "backend_retries": 1, "backend_backoff_s": 0.05},
+        read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    state = {"es": es}
+    yield settings, state
+    state["es"].stop()
+
+
+def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
+    from es_emulator import start_es_emulator
+
+    from branchsearch.orchestrator.driver import Driver
+
+    settings, state = es_index
+    items, out = _items(), tmp_path / "out.jsonl"
+    driver = Driver(settings, mode="local")
+    asked = 0
+
+    def search(question):
+        nonlocal asked
+        asked += 1
+        if asked == 4:
+            state["es"].stop()  # the outage: the lexical backend is gone mid-batch
+        return driver.search(question).to_dict()
+
+    try:
+        counts = run_batch(items, out, search, concurrency=1)
+    finally:
+        driver.close()
+    assert counts == {"skipped": 0, "ok": 3, "partial": 0, "failed": len(items) - 3}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [qid for qid, _ in items]
+    for row in rows[3:]:
+        assert row["status"] == "failed" and row["evidence"] == []
+        branch = row["branches"][0]
+        assert branch["status"] == "error" and branch["termination"] == "backend_error"
+        assert "BackendUnavailable" in branch["error"] and "after 1 retries" in branch["error"]
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows[:3])
+
+    state["es"] = start_es_emulator(tmp_path / "es", port=state["es"].port)  # same data
+    driver = Driver(settings, mode="local")
+    try:
+        again = run_batch(items, out, lambda q: driver.search(q).to_dict(), concurrency=2)
+    finally:
+        driver.close()
+    assert again == {"skipped": 3, "ok": len(items) - 3, "partial": 0, "failed": 0}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [qid for qid, _ in items]  # one line per id
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows)
