@@ -3,16 +3,21 @@
 One collection per index: chunk id (primary key), doc id, ACL groups (array), vector. Exclusion
 of seen chunks and the ACL filter are pushed into Milvus's boolean filter, so `k` results come
 back even when many candidates are filtered out. Milvus Lite allows one process per file: the
-retriever actor that owns this store is its only user.
+retriever actor that owns this store is its only user, and a second process gets one clear error
+naming the file. Milvus Lite indexes FLAT (exact); a server takes the index from settings (HNSW
+by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong consistency, so a
+search sees every write that returned before it (what an ingest followed by a search expects).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import BackendUnavailable
+from branchsearch.infra.errors import BackendUnavailable, IndexBusy
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.backends import IndexedChunk, acl_terms
 
@@ -23,23 +28,80 @@ def _quote(values: Sequence[str]) -> str:
     return json.dumps(list(values))  # JSON string literals are valid Milvus filter literals
 
 
+def is_server(uri: str | Path) -> bool:
+    return str(uri).startswith(("http://", "https://", "tcp://", "grpc://"))
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """The vector index of a collection and its search parameters.
+
+    `kind`: FLAT (exact), HNSW (graph; `m`, `ef_construction`; searched with `ef`) or IVF_FLAT
+    (`nlist`; searched with `nprobe`). Milvus Lite supports FLAT only, so `auto` means FLAT on a
+    file and HNSW on a server.
+    """
+
+    kind: str = "auto"
+    m: int = 16
+    ef_construction: int = 200
+    ef: int = 64
+    nlist: int = 1024
+    nprobe: int = 16
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def resolved(self, server: bool) -> str:
+        kind = self.kind.upper()
+        if kind == "AUTO":
+            return "HNSW" if server else "FLAT"
+        return kind if server else "FLAT"
+
+    def build_params(self, kind: str) -> dict:
+        if kind == "HNSW":
+            return {"M": self.m, "efConstruction": self.ef_construction}
+        if kind == "IVF_FLAT":
+            return {"nlist": self.nlist}
+        return {}
+
+    def search_params(self, kind: str, k: int) -> dict:
+        if kind == "HNSW":
+            return {"ef": max(self.ef, k)}
+        if kind == "IVF_FLAT":
+            return {"nprobe": self.nprobe}
+        return {}
+
+
 class MilvusStore:
-    def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION):
+    def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
+                 index: IndexSpec | None = None):
         from pymilvus import MilvusClient
 
         self.uri = str(uri)
         self.dim = dim
         self.collection = collection
-        if not self.uri.startswith(("http://", "https://", "tcp://")):
+        self.server = is_server(self.uri)
+        self.index = index or IndexSpec()
+        if not self.server:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
+        quiet = logging.getLogger("pymilvus.milvus_client._utils")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # it logs a line of its own before raising
         try:
             self._client = MilvusClient(uri=self.uri, token=token)
         except Exception as exc:
+            if "opened by another program" in str(exc):
+                raise IndexBusy(
+                    f"milvus lite: {self.uri} is open in another process (a running ingest, "
+                    "search or serve); Milvus Lite allows one process per file: wait for it to "
+                    "finish, or use a Milvus server (milvus_uri)") from None
+            hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
+                    else "check the index folder")
             raise BackendUnavailable(
-                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); "
-                "start Milvus there or unset milvus_uri for the embedded file") from None
+                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}") from None
+        finally:
+            quiet.setLevel(level)
         if not self._client.has_collection(collection):
             self._create()
+        self.index_kind = self._index_kind()
 
     def _create(self) -> None:
         from pymilvus import DataType
@@ -50,18 +112,34 @@ class MilvusStore:
         schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,
                          max_length=256)
         schema.add_field("vector", DataType.FLOAT_VECTOR, dim=self.dim)
+        kind = self.index.resolved(self.server)
         index = self._client.prepare_index_params()
-        index.add_index(field_name="vector", index_type="FLAT", metric_type="IP")
-        self._client.create_collection(self.collection, schema=schema, index_params=index)
+        index.add_index(field_name="vector", index_type=kind, metric_type="IP",
+                        params=self.index.build_params(kind))
+        self._client.create_collection(self.collection, schema=schema, index_params=index,
+                                       consistency_level="Strong")
+
+    def _index_kind(self) -> str:
+        """The index the collection really has (it may predate the current settings)."""
+        try:
+            info = self._client.describe_index(self.collection, "vector") or {}
+            return str(info.get("index_type") or "FLAT").upper()
+        except Exception:
+            return self.index.resolved(self.server)
 
     def write(self, chunks: Sequence[IndexedChunk], vectors, delete_doc_ids: Sequence[str]) -> None:
-        for i in range(0, len(delete_doc_ids), 500):
-            batch = list(delete_doc_ids[i:i + 500])
-            self._client.delete(self.collection, filter=f"doc_id in {_quote(batch)}")
+        """Delete every chunk of `delete_doc_ids`, then upsert `chunks` by chunk id (idempotent:
+        writing the same batch twice leaves one row per chunk)."""
+        self.delete_documents(delete_doc_ids)
         rows = [{"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
                  "vector": v.tolist()} for c, v in zip(chunks, vectors)]
         for i in range(0, len(rows), 1000):
-            self._client.insert(self.collection, rows[i:i + 1000])
+            self._client.upsert(self.collection, rows[i:i + 1000])
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        for i in range(0, len(doc_ids), 500):
+            batch = list(doc_ids[i:i + 500])
+            self._client.delete(self.collection, filter=f"doc_id in {_quote(batch)}")
 
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
@@ -74,19 +152,25 @@ class MilvusStore:
         result = self._client.search(
             self.collection, data=[vector.tolist()], limit=k,
             filter=" and ".join(filters), output_fields=["doc_id"],
-            search_params={"metric_type": "IP"})
+            search_params={"metric_type": "IP",
+                           "params": self.index.search_params(self.index_kind, k)})
         return [Hit(r["id"], r["entity"]["doc_id"], float(r["distance"]), rank, "dense")
                 for rank, r in enumerate(result[0], start=1)]
 
     def count(self) -> int:
-        stats = self._client.get_collection_stats(self.collection)
-        return int(stats.get("row_count", 0))
+        """Live rows (deletes subtracted; collection stats count deleted rows on a server)."""
+        rows = self._client.query(self.collection, filter="", output_fields=["count(*)"],
+                                  consistency_level="Strong")
+        return int(rows[0]["count(*)"]) if rows else 0
+
+    def drop(self) -> None:
+        self._client.drop_collection(self.collection)
 
     def close(self) -> None:
         """Close the client and, for an embedded file, stop its Milvus Lite server so another
         process can open the file (Milvus Lite allows one process per file)."""
         self._client.close()
-        if not self.uri.startswith(("http://", "https://", "tcp://")):
+        if not self.server:
             try:
                 from milvus_lite.server_manager import server_manager_instance
 

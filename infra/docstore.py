@@ -1,8 +1,12 @@
 """The document store: chunk text and per-document metadata in one SQLite file.
 
 It is the source of truth for what is ingested: lexical and dense stores return chunk ids, and
-the retriever hydrates them here. A document becomes visible when its docstore transaction
-commits, which is the last step of an ingest (see `infra.ingest`).
+the retriever hydrates them here. An ingest commits in batches; for each batch the docstore is
+written first (the batch's documents are removed and marked *pending*) and last (documents and
+chunks inserted with their content fingerprint, pending cleared), with the dense and lexical
+writes between. So a document present here with a matching fingerprint is complete in every
+store, and a document left pending by a killed ingest names exactly the vectors and terms that
+may be orphaned (see `infra.ingest`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from branchsearch.infra.corpus import Document
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
     doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT, acl TEXT, meta TEXT,
-    n_chunks INTEGER);
+    n_chunks INTEGER, fingerprint TEXT);
 CREATE TABLE IF NOT EXISTS chunks (
     chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL, text TEXT NOT NULL,
     start_token INTEGER, n_tokens INTEGER);
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
+CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
 """
 
 
@@ -41,14 +46,28 @@ class DocStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False)
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
+        if "fingerprint" not in columns:  # a docstore written before fingerprints
+            self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
         self._lock = threading.RLock()  # one connection, many retriever threads
 
     def close(self) -> None:
         self._db.close()
 
     @_locked
-    def replace_documents(self, docs: Sequence[Document], chunks: Iterable[Chunk]) -> None:
-        """Replace `docs` and all their chunks in one transaction."""
+    def begin_batch(self, doc_ids: Sequence[str]) -> None:
+        """Remove `doc_ids` and mark them pending, before their other stores are rewritten."""
+        with self._db:
+            ids = [(d,) for d in doc_ids]
+            self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
+            self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
+            self._db.executemany("INSERT OR IGNORE INTO pending VALUES (?)", ids)
+
+    @_locked
+    def replace_documents(self, docs: Sequence[Document], chunks: Iterable[Chunk],
+                          fingerprints: dict[str, str] | None = None) -> None:
+        """Replace `docs` and all their chunks in one transaction; they stop being pending."""
+        fingerprints = fingerprints or {}
         with self._db:
             ids = [(d.id,) for d in docs]
             self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
@@ -60,9 +79,42 @@ class DocStore:
                 rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens))
             self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?,?,?)", rows)
             self._db.executemany(
-                "INSERT INTO docs VALUES (?,?,?,?,?,?,?)",
+                "INSERT INTO docs VALUES (?,?,?,?,?,?,?,?)",
                 [(d.id, d.title, d.source, d.date, json.dumps(list(d.acl)), json.dumps(d.meta),
-                  by_doc.get(d.id, 0)) for d in docs])
+                  by_doc.get(d.id, 0), fingerprints.get(d.id)) for d in docs])
+            self._db.executemany("DELETE FROM pending WHERE doc_id = ?", ids)
+
+    @_locked
+    def pending(self) -> list[str]:
+        """Documents a stopped ingest removed here but never committed back."""
+        return [r[0] for r in self._db.execute("SELECT doc_id FROM pending ORDER BY doc_id")]
+
+    @_locked
+    def clear_pending(self, doc_ids: Sequence[str]) -> None:
+        with self._db:
+            self._db.executemany("DELETE FROM pending WHERE doc_id = ?", [(d,) for d in doc_ids])
+
+    @_locked
+    def fingerprints(self, doc_ids: Sequence[str]) -> dict[str, str]:
+        """doc id -> content fingerprint, for the committed documents among `doc_ids`."""
+        out: dict[str, str] = {}
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            out.update((r[0], r[1]) for r in self._db.execute(
+                f"SELECT doc_id, fingerprint FROM docs WHERE doc_id IN ({marks}) "
+                f"AND fingerprint IS NOT NULL", batch))
+        return out
+
+    @_locked
+    def chunk_counts(self, doc_ids: Sequence[str]) -> int:
+        """Chunks of the committed documents among `doc_ids`."""
+        total = 0
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            total += self._db.execute(
+                f"SELECT COALESCE(SUM(n_chunks), 0) FROM docs WHERE doc_id IN ({marks})",
+                batch).fetchone()[0]
+        return total
 
     @_locked
     def chunk_count(self) -> int:

@@ -23,3 +23,11 @@ class BadQuery(BranchsearchError):
 
 class SettingsError(BranchsearchError):
     """A settings file, environment variable or flag with a bad value."""
+
+
+class IndexIncomplete(BranchsearchError):
+    """An index whose ingest never finished (no manifest): it must not be read as if complete."""
+
+
+class IndexBusy(BranchsearchError):
+    """An index that a running ingest holds (another ingest, or a reader of an embedded index)."""

@@ -3,11 +3,13 @@
     search(query, mode=bm25|dense|hybrid, k, exclude_ids, acl_groups) -> list[Hit]
     grep(pattern, k, exclude_ids, acl_groups)                          -> list[Hit]
     get_chunks(ids)                                                    -> dict[id, chunk]
-    read_document(doc_id, start, end)                                  -> dict
+    read_document(doc_id, start, end, acl_groups)                      -> dict
+    call_many([(method, args, kwargs), ...])     -> [value or the exception it raised, ...]
 
 Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
-Hits are hydrated from the docstore; an id the docstore does not know (a half-finished ingest)
-is dropped, so readers only ever see committed documents.
+Hits are hydrated from the docstore; an id the docstore does not know is dropped. Readers open
+only a complete index: `open_stores` refuses one without a manifest (a killed or running ingest,
+see `infra.manifest`) with one line that says what to run.
 """
 
 from __future__ import annotations
@@ -89,10 +91,14 @@ class Retriever:
     def get_chunks(self, ids: Sequence[str]) -> dict[str, dict]:
         return self.docstore.get_chunks(ids)
 
-    def read_document(self, doc_id: str, start: int = 0, end: int | None = None) -> dict:
-        """Chunks `start`..`end` (exclusive) of a document, with its metadata."""
+    def read_document(self, doc_id: str, start: int = 0, end: int | None = None,
+                      acl_groups: Sequence[str] | None = None) -> dict:
+        """Chunks `start`..`end` (exclusive) of a document, with its metadata. A document the
+        caller's `acl_groups` may not see is unknown to it (checked before its chunks are read)."""
+        from branchsearch.infra.backends import acl_visible
+
         doc = self.docstore.get_document(doc_id)
-        if doc is None:
+        if doc is None or not acl_visible(doc["acl"], acl_groups):
             raise BadQuery(f"unknown document id {doc_id!r}")
         chunks = self.docstore.document_chunks(doc_id)
         end = len(chunks) if end is None else max(start, min(end, len(chunks)))
@@ -101,6 +107,28 @@ class Retriever:
 
     def titles(self) -> dict[str, str]:
         return self.docstore.titles()
+
+    CALLABLE = ("search", "grep", "get_chunks", "read_document")
+
+    def call_many(self, requests: list[tuple]) -> list:
+        """Run requests `(method, args, kwargs)` concurrently (threads); each result is the
+        value or the exception it raised. A branch agent sends one turn's requests together —
+        to a retriever actor, in one round trip."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(request):
+            method, args, kwargs = request
+            try:
+                if method not in self.CALLABLE:
+                    raise ValueError(f"unknown retriever method {method!r}")
+                return getattr(self, method)(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 — returned to the caller, who decides
+                return exc
+
+        if len(requests) <= 1:
+            return [one(r) for r in requests]
+        with ThreadPoolExecutor(max_workers=min(8, len(requests))) as pool:
+            return list(pool.map(one, requests))
 
     def close(self) -> None:
         for part in (self.lexical, self.dense, self.docstore):
@@ -161,3 +189,12 @@ def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -
                                                      embedder=embedder)
     return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
                      settings.hybrid_candidates)
+
+
+def check_readable(settings: Settings) -> None:
+    """Raise the one-line error `open_retriever` would (incomplete index, running ingest),
+    without opening anything: callers that open the retriever elsewhere (a Ray actor) check
+    here first, so the user sees the line rather than an actor's death."""
+    if getattr(settings, "external", None) is not None:
+        return
+    require_complete(settings.index_dir, settings.index, _home_flag(settings))

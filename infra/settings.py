@@ -34,6 +34,10 @@ class Settings:
     # backends: empty means embedded (Milvus Lite file, tantivy index under home)
     milvus_uri: str = ""
     milvus_token: str = ""
+    milvus_index: str = "auto"  # auto (Lite: FLAT, server: HNSW) | FLAT | HNSW | IVF_FLAT
+    milvus_hnsw_m: int = 16
+    milvus_hnsw_ef_construction: int = 200
+    milvus_search_ef: int = 64  # HNSW search breadth (at least k)
     es_url: str = ""
     es_api_key: str = ""
     # retrieval
@@ -137,6 +141,8 @@ def _validate(s: Settings) -> None:
         (0 < s.otlp_timeout_s <= 60, "otlp_timeout_s must be in (0, 60]"),
         (0 <= s.trace_flush_timeout_s <= 10, "trace_flush_timeout_s must be in [0, 10]"),
         (s.search_mode in ("bm25", "dense", "hybrid"), "search_mode must be bm25, dense or hybrid"),
+        (s.milvus_index.upper() in ("AUTO", "FLAT", "HNSW", "IVF_FLAT"),
+         "milvus_index must be auto, FLAT, HNSW or IVF_FLAT"),
         (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
         (s.planner in ("heuristic", "llm"), "planner must be heuristic or llm"),
         (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),

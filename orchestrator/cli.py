@@ -88,11 +88,17 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
            config: Optional[Path] = ConfigOpt,
            dense: bool = typer.Option(True, help="embed and index vectors (--no-dense: BM25 only)"),
+           workers: int = typer.Option(1, min=1, max=256, help="embed on a Ray Data actor pool "
+                                       "of N workers (GPUs when the cluster has them)"),
+           embed_batch: Optional[int] = typer.Option(None, min=1, max=4096,
+                                                     help="texts per model call (--workers)"),
+           address: Optional[str] = AddressOpt,
            as_json: bool = typer.Option(False, "--json")):
-    """Chunk, embed and index a corpus (re-ingesting a document replaces its chunks)."""
+    """Chunk, embed and index a corpus; re-running resumes a stopped ingest (re-ingesting a
+    changed document replaces its chunks)."""
     from branchsearch.infra.ingest import ingest as run_ingest
 
-    settings = _settings(home, index, config)
+    settings = _settings(home, index, config, ray_address=address)
     bar = _progress(None, "doc", f"ingest {settings.index}")
     chunks = 0
 
@@ -103,16 +109,19 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         rate = chunks / max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(chunks=chunks, chunks_per_s=f"{rate:.0f}")
 
-    report = run_ingest(path, settings, dense=dense, progress=tick)
+    report = run_ingest(path, settings, dense=dense, progress=tick, workers=workers,
+                        embed_batch=embed_batch)
     bar.close()
+    if report.stale_lock:
+        print(f"resumed the ingest that stopped unfinished ({report.stale_lock})", file=sys.stderr)
     if as_json:
         print(json.dumps(report.to_dict()))
     else:
         s = report.seconds
         print(f"ingested {report.documents} documents, {report.chunks} chunks into "
-              f"{settings.index!r} ({settings.index_dir}); "
-              f"{report.chunks_per_s_without_embedding:.0f} chunks/s without embedding, "
-              f"embedding {s.get('embed', 0):.1f} s")
+              f"{settings.index!r} ({settings.index_dir}); {report.resumed} documents were "
+              f"already committed; {report.chunks_per_s:.0f} chunks/s with {workers} "
+              f"worker(s), embedding {s.get('embed', 0):.1f} s")
 
 
 @app.command()
@@ -183,8 +192,9 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                          policy=policy, branches=branches)
     groups = _acl(settings, acl, acl_admin)
     queries = read_queries(dataset, split)[:limit]
-    if ingest_first and not (settings.index_dir / "docs.sqlite").exists():
-        print(f"index {settings.index!r} missing: ingesting {dataset}", file=sys.stderr)
+    if ingest_first and not index_complete(settings):  # missing, or a stopped ingest: resume
+        print(f"index {settings.index!r} missing or incomplete: ingesting {dataset}",
+              file=sys.stderr)
         bar = _progress(None, "doc", "ingest")
         run_ingest(dataset, settings, progress=lambda d, c: bar.update(d))
         bar.close()
@@ -267,8 +277,10 @@ def _eval_agent(settings: Settings, queries, executor: str, groups=None) -> dict
 
 
 def _driver(settings: Settings, executor: str):
+    from branchsearch.infra.retriever import check_readable
     from branchsearch.orchestrator.driver import Driver
 
+    check_readable(settings)  # one line for an incomplete or busy index, before any actor
     return Driver(settings, mode=executor)
 
 
@@ -402,7 +414,7 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
 
     settings = _settings(home, "demo", None, branches=branches)
     corpus = Path(settings.home) / "demo-corpus"
-    if not (settings.index_dir / "docs.sqlite").exists():
+    if not index_complete(settings):  # missing, or a stopped ingest: (re)build and resume
         make(corpus, docs=240, tasks=12, seed=11)
         print(f"1. wrote a synthetic corpus to {corpus} (240 documents, 12 multi-hop tasks)")
         bar = _progress(240, "doc", "2. ingest (chunk, embed, index)")
@@ -450,6 +462,12 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
 from branchsearch.orchestrator.loadtest.command import loadtest  # noqa: E402
 
 app.command("loadtest")(loadtest)
+
+
+def index_complete(settings: Settings) -> bool:
+    from branchsearch.infra.manifest import is_complete
+
+    return is_complete(settings.index_dir)
 
 
 def _slug(path: Path) -> str:

@@ -1,0 +1,163 @@
+"""Distributed chunk + embed on Ray Data: an actor pool embeds, the caller commits.
+
+`ray_batches(docs, settings, workers=N)` streams `EmbeddedBatch`es back to `infra.ingest`, which
+writes them (one writer: the embedded stores, Milvus Lite and tantivy, allow one). The pool's
+actors each load the embedding model once (`ChunkEmbedder`), on a GPU when the cluster has GPUs
+(`num_gpus` is derived from `ray.cluster_resources()`, so nothing pends on a CPU machine) and on
+CPU otherwise. Chunking runs in the actors too, so the driver only parses and writes.
+
+Output blocks may split or merge documents' chunks, so the driver regroups rows by document and
+releases a document only when all of its chunks arrived. Chunk ids are `"{doc_id}#p{n}"` as in a
+one-process ingest, and every write is by document id / chunk id, so the index is the same.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+
+from branchsearch.infra.chunking import Chunk
+from branchsearch.infra.corpus import Document
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.settings import Settings
+
+
+class ChunkEmbedder:
+    """The pool's UDF: a batch of documents in, one row per chunk (with its vector) out.
+
+    Plain Python: it runs without Ray (a test calls it directly) and holds its model for the
+    life of the actor."""
+
+    def __init__(self, chunking: dict, embed_model: str | None, embed_batch: int = 64,
+                 device: str = "cpu", embedder=None):
+        from branchsearch.infra.embedder import Embedder
+        from branchsearch.infra.tokenizer import TokenCounter
+
+        self.chunking = chunking  # encoding, chunk_tokens, chunk_overlap
+        self.counter = TokenCounter(chunking["encoding"])
+        self.embedder = embedder or (Embedder(embed_model, embed_batch, device)
+                                     if embed_model else None)
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        from branchsearch.infra.chunking import chunk_text
+
+        cols: dict[str, list] = {k: [] for k in ("chunk_id", "doc_id", "n", "text",
+                                                  "start_token", "n_tokens", "doc_chunks")}
+        bodies: list[str] = []
+        size, overlap = self.chunking["chunk_tokens"], self.chunking["chunk_overlap"]
+        for doc_id, title, text in zip(batch["id"], batch["title"], batch["text"]):
+            chunks = chunk_text(str(doc_id), str(text), self.counter, size, overlap)
+            for c in chunks:
+                for key in ("doc_id", "n", "text", "start_token", "n_tokens"):
+                    cols[key].append(getattr(c, key))
+                cols["chunk_id"].append(c.id)
+                cols["doc_chunks"].append(len(chunks))
+                bodies.append(f"{title}\n{c.text}" if title else c.text)
+        out = {k: np.asarray(v) for k, v in cols.items()}
+        if self.embedder is not None:
+            out["vector"] = self.embedder.embed(bodies)
+        return out
+
+
+def connect(settings: Settings) -> dict:
+    """`ray.init` once (the cluster at `ray_address` / RAY_ADDRESS, else a local one)."""
+    try:
+        import ray
+        import ray.data  # noqa: F401  (needs pyarrow)
+    except ImportError as exc:
+        raise BranchsearchError(
+            f"ingest --workers needs Ray Data ({exc.name} is missing): "
+            "pip install 'branchsearch[data]'") from None
+    if not ray.is_initialized():
+        address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
+        kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
+                  "log_to_driver": False, "configure_logging": False}
+        if address is None:
+            kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
+                       "object_store_memory": 512 * 1024 * 1024}
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, RuntimeError) as exc:
+            raise BackendUnavailable(f"ray: cannot connect to {address} ({exc})") from None
+    return ray.cluster_resources()
+
+
+def actor_resources(resources: dict, workers: int) -> dict:
+    """Per-actor request that fits: a GPU share when the cluster has GPUs, else a CPU share."""
+    gpus = float(resources.get("GPU", 0))
+    cpus = float(resources.get("CPU", 1))
+    if gpus >= 1:
+        return {"num_gpus": round(min(1.0, gpus / workers), 3), "num_cpus": 0.5}
+    return {"num_cpus": round(min(1.0, cpus / workers), 3)}
+
+
+def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
+                batch_docs: int = 256, embed: bool = True, embed_batch: int | None = None,
+                embedder=None) -> Iterator:
+    """Chunk and embed `docs` on a pool of `workers` actors; yield `EmbeddedBatch`es of about
+    `batch_docs` complete documents, as the pool produces them. `embedder` (picklable, with
+    `embed(texts)`) replaces the configured model in the actors (benchmarks)."""
+    import time
+
+    import numpy as np
+
+    from branchsearch.infra.ingest import EmbeddedBatch
+
+    resources = connect(settings)
+    import ray.data
+    from ray.data import ActorPoolStrategy
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.verbose_progress = False
+    request = actor_resources(resources, workers)
+    device = "cuda" if "num_gpus" in request else "cpu"
+    by_id = {d.id: d for d in docs}
+    rows = [{"id": d.id, "title": d.title, "text": d.text} for d in docs]
+    blocks = max(1, math.ceil(len(rows) / batch_docs))
+    ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
+        ChunkEmbedder, batch_size=batch_docs, batch_format="numpy",
+        fn_constructor_kwargs={
+            "chunking": {"encoding": settings.encoding, "chunk_tokens": settings.chunk_tokens,
+                         "chunk_overlap": settings.chunk_overlap},
+            "embed_model": settings.embed_model if embed else None,
+            "embed_batch": embed_batch or settings.embed_batch, "device": device,
+            "embedder": embedder if embed else None},
+        compute=ActorPoolStrategy(size=workers), **request)
+
+    waiting: dict[str, list] = {}  # doc id -> [(chunk, vector)] until all its chunks arrived
+    ready_docs: list[Document] = []
+    ready: list[tuple[Chunk, object]] = []
+    started = time.perf_counter()
+    for out in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+        vectors = out.get("vector")
+        for i in range(len(out["chunk_id"])):
+            doc_id = str(out["doc_id"][i])
+            chunk = Chunk(str(out["chunk_id"][i]), doc_id, int(out["n"][i]), str(out["text"][i]),
+                          int(out["start_token"][i]), int(out["n_tokens"][i]))
+            parts = waiting.setdefault(doc_id, [])
+            parts.append((chunk, None if vectors is None else vectors[i]))
+            if len(parts) == int(out["doc_chunks"][i]):
+                ready_docs.append(by_id[doc_id])
+                ready += sorted(waiting.pop(doc_id), key=lambda p: p[0].n)
+        if len(ready_docs) >= batch_docs:
+            yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started)
+            ready_docs, ready = [], []
+            started = time.perf_counter()
+    if waiting:
+        raise BranchsearchError(f"ingest: the worker pool lost chunks of {len(waiting)} "
+                                f"documents (e.g. {next(iter(waiting))!r}); run it again")
+    if ready_docs:
+        yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started)
+
+
+def _batch(cls, np, docs, pairs, embed: bool, started: float):
+    import time
+
+    vectors = np.stack([v for _, v in pairs]).astype(np.float32) if embed and pairs else None
+    # the pool's time (chunk + embed, overlapped with this process's writes) counts as embed
+    return cls(list(docs), [c for c, _ in pairs], vectors,
+               embed_s=time.perf_counter() - started)

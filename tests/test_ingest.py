@@ -1,0 +1,231 @@
+"""Index completeness on real stores (docstore, tantivy, Milvus Lite) and real processes: a
+killed ingest is refused by readers and resumed by `eval`; the stores end with equal chunk counts
+(no orphan vectors); a second ingest, or a reader, during an ingest gets one line naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from branchsearch.infra.errors import IndexBusy, IndexIncomplete, IndexNotFound
+from branchsearch.infra.ingest import ingest
+from branchsearch.infra.manifest import (IngestLock, read_manifest, require_complete,
+                                         running_ingest)
+from branchsearch.infra.retriever import open_retriever, open_stores
+from branchsearch.infra.settings import load_settings
+
+CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+
+
+def _settings(home: Path, **extra):
+    return load_settings(overrides={"home": home, **extra}, read_env=False, read_file=False)
+
+
+def _corpus(path: Path, n: int, prefix: str = "d") -> Path:
+    path.write_text("".join(json.dumps({"id": f"{prefix}{i}", "title": f"Doc {i}",
+                                        "text": f"Document {i} is about topic{i % 7} and "
+                                                f"keyword{i}."}) + "\n" for i in range(n)))
+    return path
+
+
+def _store_counts(settings) -> dict[str, int]:
+    docstore, lexical, dense, _ = open_stores(settings, create=True)
+    try:
+        return {"docstore": docstore.chunk_count(), "lexical": lexical.count(),
+                "dense": dense.count(), "pending": len(docstore.pending())}
+    finally:
+        for store in (lexical, dense, docstore):
+            store.close()
+
+
+def _env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BRANCHSEARCH_")}
+    return env | {"BRANCHSEARCH_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
+def _one_error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    return errors[0]
+
+
+# ---- in process -------------------------------------------------------------------------------
+
+def test_manifest_written_last_with_counts(tmp_path):
+    settings = _settings(tmp_path / "h")
+    report = ingest(_corpus(tmp_path / "c.jsonl", 5), settings)
+    manifest = read_manifest(settings.index_dir)
+    assert manifest is not None and manifest.documents == 5
+    assert manifest.chunks == {"docstore": 5, "lexical": 5, "dense": 5} == report.counts
+    assert manifest.embedding == {"model": "all-MiniLM-L6-v2", "dim": 384}
+    assert manifest.encoding == "o200k_base" and manifest.finished_at
+    assert not (settings.index_dir / "ingest.lock").exists()
+    again = ingest(tmp_path / "c.jsonl", settings)  # nothing changed: nothing redone
+    assert again.resumed == 5 and again.chunks == 5 and again.seconds.get("embed", 0) == 0
+
+
+def test_index_without_manifest_is_refused(tmp_path):
+    settings = _settings(tmp_path / "h")
+    with pytest.raises(IndexNotFound):
+        open_retriever(settings)
+    ingest(_corpus(tmp_path / "c.jsonl", 3), settings)
+    (settings.index_dir / "manifest.json").unlink()  # as an index built before manifests
+    with pytest.raises(IndexIncomplete, match="no manifest.*branchsearch ingest PATH"):
+        open_retriever(settings)
+
+
+def test_stale_lock_is_taken_over_and_named(tmp_path):
+    settings = _settings(tmp_path / "h")
+    ingest(_corpus(tmp_path / "c.jsonl", 3), settings)
+    (settings.index_dir / "manifest.json").unlink()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (settings.index_dir / "ingest.lock").write_text(json.dumps(
+        {"pid": int(dead), "host": os.uname().nodename, "started": "then", "corpus": "/x.jsonl"}))
+    assert running_ingest(settings.index_dir) is None  # nobody holds its flock
+    with pytest.raises(IndexIncomplete, match=f"PID {dead}.*branchsearch ingest /x.jsonl"):
+        require_complete(settings.index_dir, settings.index)
+    report = ingest(tmp_path / "c.jsonl", settings)
+    assert f"PID {dead}" in report.stale_lock and report.resumed == 3
+    assert read_manifest(settings.index_dir) is not None
+
+
+def test_lock_held_by_a_live_process_stops_a_second_ingest(tmp_path):
+    settings = _settings(tmp_path / "h")
+    corpus = _corpus(tmp_path / "c.jsonl", 3)
+    with IngestLock(settings.index_dir, settings.index, corpus="/first.jsonl"):
+        with pytest.raises(IndexBusy, match=f"PID {os.getpid()}.*/first.jsonl"):
+            IngestLock(settings.index_dir, settings.index).acquire()
+        with pytest.raises(IndexBusy, match=f"being ingested.*PID {os.getpid()}"):
+            ingest(corpus, settings)
+    ingest(corpus, settings)  # released: the next one runs
+
+
+# ---- kill -9 at the worst moment: vectors written, docstore not yet ----------------------------
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from branchsearch.infra import lexical
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.settings import load_settings
+
+    calls = 0
+    write = lexical.TantivyStore.write
+    def dying_write(self, chunks, delete_doc_ids):
+        global calls
+        calls += 1
+        if calls == int(sys.argv[3]):  # dense store already holds this batch's vectors
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, chunks, delete_doc_ids)
+    lexical.TantivyStore.write = dying_write
+    settings = load_settings(overrides={"home": sys.argv[2]}, read_env=False, read_file=False)
+    ingest(sys.argv[1], settings, batch_docs=4)
+""")
+
+
+def _killed_ingest(corpus: Path, home: Path, at_write: int) -> None:
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(corpus), str(home), str(at_write)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+
+
+def test_kill_mid_batch_then_rerun_leaves_equal_counts(tmp_path):
+    home = tmp_path / "h"
+    settings = _settings(home)
+    corpus = _corpus(tmp_path / "c.jsonl", 10)
+    _killed_ingest(corpus, home, at_write=2)  # batch 1 (4 docs) committed, batch 2 half
+    with pytest.raises(IndexIncomplete, match="stopped before it finished"):
+        open_retriever(settings)
+    before = _store_counts(settings)
+    assert before["docstore"] == 4 and before["dense"] == 8 and before["pending"] == 4
+    report = ingest(corpus, settings)  # resume: batch 1 kept, the rest (re)written
+    assert report.resumed == 4 and "PID" in report.stale_lock
+    assert _store_counts(settings) == {"docstore": 10, "lexical": 10, "dense": 10, "pending": 0}
+    r = open_retriever(settings)
+    assert [h.doc_id for h in r.search("keyword7", "bm25", 3)][:1] == ["d7"]
+    r.close()
+
+
+def test_rerun_with_another_corpus_purges_what_the_killed_ingest_left(tmp_path):
+    home = tmp_path / "h"
+    settings = _settings(home)
+    _killed_ingest(_corpus(tmp_path / "c.jsonl", 10), home, at_write=2)
+    # the next ingest brings other documents: d4..d7's vectors must not stay behind
+    report = ingest(_corpus(tmp_path / "other.jsonl", 3, prefix="x"), settings)
+    assert report.purged == 4
+    assert _store_counts(settings) == {"docstore": 7, "lexical": 7, "dense": 7, "pending": 0}
+    assert read_manifest(settings.index_dir).chunks["dense"] == 7
+
+
+# ---- the CLI: kill -9 a real ingest, readers and a second ingest meanwhile, eval resumes --------
+
+def _synth(home: Path, docs: int) -> Path:
+    from branchsearch.infra.synth import synth
+
+    corpus = home.parent / "synth"
+    synth(corpus, docs=docs, tasks=8, seed=3)
+    return corpus
+
+
+def _docs_committed(index_dir: Path) -> int:
+    try:
+        db = sqlite3.connect(f"file:{index_dir / 'docs.sqlite'}?mode=ro", uri=True, timeout=1)
+        try:
+            return db.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return 0
+
+
+def test_cli_kill9_refuse_busy_then_eval_resumes(tmp_path):
+    home = tmp_path / "home"
+    corpus = _synth(home, docs=1200)
+    env = _env(home)
+    index = "synth"
+    index_dir = home / "indexes" / index
+    run = lambda *args: subprocess.run([*CLI, *args], capture_output=True, text=True,  # noqa
+                                       env=env, timeout=600)
+    first = subprocess.Popen([*CLI, "ingest", str(corpus), "--index", index], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while _docs_committed(index_dir) == 0:  # the first batch is committed
+            assert first.poll() is None, first.stderr.read()[-2000:]
+            assert time.time() < deadline, "the ingest committed nothing in 300 s"
+            time.sleep(0.05)
+        # while it runs: a second ingest, a retrieve and a Ray search each get one line naming it
+        for args in (["ingest", str(corpus), "--index", index],
+                     ["retrieve", "contract review", "--index", index],
+                     ["search", "contract review", "--index", index, "--branches", "2"]):
+            line = _one_error_line(run(*args))
+            assert f"PID {first.pid}" in line and "being ingested" in line, line
+        assert first.poll() is None, "the ingest finished before it could be killed"
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    line = _one_error_line(run("retrieve", "contract review", "--index", index))
+    assert "incomplete" in line and f"branchsearch ingest {corpus.resolve()} --index synth" in line
+    done = run("eval", str(corpus), "--index", index, "--mode", "bm25", "--limit", "2", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "missing or incomplete: ingesting" in done.stderr
+    manifest = read_manifest(index_dir)
+    assert manifest is not None and manifest.documents == 1200
+    counts = _store_counts(_settings(home, index=index))
+    assert counts == {"docstore": manifest.chunks["docstore"], "lexical": manifest.chunks["docstore"],
+                      "dense": manifest.chunks["docstore"], "pending": 0}
+    assert json.loads(done.stdout)["metrics"]
