@@ -1,16 +1,21 @@
-"""Connecting to Ray and sizing actors from what the cluster really has.
+"""Connecting to Ray and planning every actor a driver starts against what the cluster has.
 
-An actor that asks for a resource the cluster lacks (e.g. `num_gpus=1` on a CPU machine) pends
-forever, so every request is derived from `ray.cluster_resources()`.
+An actor that asks for more than the cluster has pends forever, so the plan counts every actor
+it starts — the LLM engine actors, the retriever actor and the branch pool — before any is
+started. When the pool does not fit it shrinks; when even the smallest plan does not fit it
+stops at once with one line naming the shortage. `plan_actors` is a pure function.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
-from branchsearch.infra.errors import BackendUnavailable
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
 from branchsearch.infra.settings import Settings
+
+MIN_BRANCH_CPUS = 0.05  # below this a branch actor is starved; shrink the pool instead
 
 
 def connect(settings: Settings) -> dict:
@@ -33,17 +38,56 @@ def connect(settings: Settings) -> dict:
 
 @dataclass(frozen=True)
 class ActorPlan:
+    """Ray options for each kind of actor, and how many branch actors the pool may hold."""
+
+    engines: tuple[dict, ...]  # one options dict per LLM engine actor
     retriever: dict
     branch: dict
-    pool_size: int
+    branch_actors: int
+    shrunk_from: int = 0  # the pool size asked for, when it had to shrink
+
+    def demand(self) -> dict[str, float]:
+        """Total CPU and GPU the plan asks for."""
+        actors = [*self.engines, self.retriever, *[self.branch] * self.branch_actors]
+        return {r: round(sum(a.get(f"num_{r.lower()}s", 0) for a in actors), 6)
+                for r in ("CPU", "GPU")}
 
 
-def plan_actors(settings: Settings, resources: dict, pool_size: int) -> ActorPlan:
-    """Fractional CPUs that fit the cluster; GPUs only when it has them and settings ask."""
-    cpus = float(resources.get("CPU", 1))
-    retriever_cpus = min(1.0, cpus / 4)
-    per_branch = min(settings.branch_num_cpus, max(cpus - retriever_cpus, 0.1) / pool_size)
-    branch = {"num_cpus": round(per_branch, 3)}
-    if resources.get("GPU", 0) >= 1 and settings.branch_num_gpus > 0:
-        branch["num_gpus"] = min(settings.branch_num_gpus, resources["GPU"] / pool_size)
-    return ActorPlan({"num_cpus": round(retriever_cpus, 3)}, branch, pool_size)
+def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
+                engines: int = 0) -> ActorPlan:
+    """Fit `engines` LLM engine actors, one retriever actor and a pool of up to `pool_size`
+    branch actors (at least `settings.branches`, one question's worth) into `resources`
+    (`ray.cluster_resources()`). GPUs are used only when the cluster has them."""
+    cpus, gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
+    need = max(min(settings.branches, pool_size), 1)
+    engine_opts: list[dict] = []
+    tp = max(settings.llm_tensor_parallel, 1)
+    if engines and gpus >= tp:
+        if engines * tp > gpus:
+            raise BranchsearchError(
+                f"not enough GPUs: {engines} LLM engine(s) x llm_tensor_parallel {tp} need "
+                f"{engines * tp} GPUs, the cluster has {gpus:g} (lower llm_engines)")
+        engine_opts = [{"num_gpus": tp, "num_cpus": _down(min(1.0, cpus / 8))}] * engines
+    elif engines:
+        engine_opts = [{"num_cpus": _down(min(1.0, cpus / 4, cpus / (2 * engines)))}] * engines
+    retriever = {"num_cpus": _down(min(1.0, cpus / 4))}
+    left = cpus - retriever["num_cpus"] - sum(e["num_cpus"] for e in engine_opts)
+    fits = math.floor(round(left / MIN_BRANCH_CPUS, 6)) if left > 0 else 0
+    if fits < need:
+        raise BranchsearchError(
+            f"not enough CPUs: the cluster has {cpus:g}; {engines} LLM engine actor(s) and the "
+            f"retriever take {cpus - max(left, 0):g}, leaving {max(left, 0):g} for {need} branch "
+            f"actor(s) of at least {MIN_BRANCH_CPUS:g} CPU (add CPUs, or lower branches or "
+            "llm_engines)")
+    pool = min(pool_size, fits)
+    branch = {"num_cpus": _down(min(settings.branch_num_cpus, left / pool))}
+    gpus_left = gpus - sum(e.get("num_gpus", 0) for e in engine_opts)
+    if gpus_left > 0 and settings.branch_num_gpus > 0:
+        branch["num_gpus"] = _down(min(settings.branch_num_gpus, gpus_left / pool))
+    return ActorPlan(tuple(engine_opts), retriever, branch, pool,
+                     pool_size if pool < pool_size else 0)
+
+
+def _down(x: float) -> float:
+    """Rounded down to 1/1000: requests that sum to at most what is there."""
+    return math.floor(x * 1000 + 1e-9) / 1000

@@ -49,8 +49,9 @@ class RemoteEngine:
         return ray.get(self.handle.chat.remote(messages, schema, max_tokens, temperature))
 
 
-def start_engines(settings, resources: dict) -> list:
-    """Create (or reuse) `llm_engines` named engine actors sized to the cluster."""
+def start_engines(settings, resources: dict, plan: list[dict] | None = None) -> list:
+    """Create (or reuse) `llm_engines` named engine actors sized to the cluster, or with the
+    resources of `plan` (one options dict per engine, from `orchestrator.cluster.plan_actors`)."""
     from branchsearch.infra.models import resolve_llm_model
 
     model = resolve_llm_model(settings)
@@ -60,7 +61,9 @@ def start_engines(settings, resources: dict) -> list:
                       "lifetime": "detached" if settings.llm_detached else None,
                       "max_concurrency": 32}
         gpus = resources.get("GPU", 0)
-        if gpus >= settings.llm_tensor_parallel:
+        if plan:
+            opts |= plan[i % len(plan)]
+        elif gpus >= settings.llm_tensor_parallel:
             opts["num_gpus"] = settings.llm_tensor_parallel
         else:
             opts["num_cpus"] = min(1.0, resources.get("CPU", 1) / 4)
