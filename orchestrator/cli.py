@@ -436,23 +436,24 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
     for b in result.branches:
         print(f"   branch {b.index} [{b.status}] {b.kind} w={b.weight:g}: {b.subquery!r}")
         if b.status != "ok":
-            print(f"      {b.error}")
+            print(f"      {one_line(b.error)}")
             continue
         searched = [r["args"].get("query") or r["args"].get("doc_id") for r in b.trace
                     if r["kind"] == "call" and r["tool"] in ("search_corpus", "read_document")]
-        print(f"      searched {len(searched)}x: " + "; ".join(map(str, searched[:6]))
+        print(f"      searched {len(searched)}x: " + "; ".join(map(one_line, searched[:6]))
               + (" …" if len(searched) > 6 else ""))
         for p in [r for r in b.trace if r["kind"] == "prune"][:2]:
             print(f"      pruned {len(p['applied'])} at turn {p['turn']} "
-                  f"({p['tokens_before']}→{p['tokens_after']} tokens): {p['reason'][:90]}")
+                  f"({p['tokens_before']}→{p['tokens_after']} tokens): "
+                  f"{one_line(p['reason'], 90)}")
         print(f"      kept {len(b.final_context_ids)} chunks ({b.context_tokens_final} tokens), "
               f"stopped by {b.termination} after {b.turns} turns")
     print("5. fused evidence (reciprocal rank fusion over branches):")
     for doc in result.evidence[:6]:
         mark = "*" if doc["doc_id"] in gold else " "
         found = sorted({f["branch"] for c in doc["chunks"] for f in c["found_by"]})
-        print(f"   {mark} {doc['score']:.4f} {doc['title']}  [branches {found}]")
-        print(f"       {' '.join(doc['chunks'][0]['text'].split())[:120]}")
+        print(f"   {mark} {doc['score']:.4f} {one_line(doc['title'])}  [branches {found}]")
+        print(f"       {one_line(doc['chunks'][0]['text'], 120)}")
     top = {d["doc_id"] for d in result.evidence[:len(gold) + 1]}
     print(f"   (* = gold; {len(set(gold) & top)}/{len(gold)} gold documents in the top "
           f"{len(gold) + 1}; answer: {task['metadata']['answer']!r}; trace id {result.trace_id})")

@@ -1,0 +1,173 @@
+"""Every user-caused error is one `error:` line on stderr and exit status 2, never a traceback.
+
+Each case runs the real CLI as a subprocess (`python -m branchsearch.orchestrator.cli …`); the
+cases start together, so the whole table costs about one CLI start per core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from branchsearch.infra.backends import MAX_K, check_k, check_pattern
+from branchsearch.infra.errors import BadQuery
+from branchsearch.orchestrator.terminal import clean, one_line
+
+CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+
+
+def run(args, env=None, timeout=300):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_all(cases: dict) -> dict:
+    with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 2, 2)) as pool:
+        futures = {name: pool.submit(run, args) for name, args in cases.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def assert_one_error_line(done, expect: str, name: str = ""):
+    assert done.returncode == 2, (name, done.returncode, done.stderr[-800:])
+    assert "Traceback" not in done.stderr and "Traceback" not in done.stdout, name
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (name, done.stderr[-800:])
+    assert expect.lower() in lines[0].lower(), (name, lines[0])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-errors")
+    (root / "a-file").write_text("not a folder\n")
+    (root / "outdir").mkdir()
+    (root / "questions.jsonl").write_text(json.dumps({"id": "q", "question": "x"}) + "\n")
+    (root / "latin1-questions.jsonl").write_bytes(b'{"id": "q", "question": "caf\xe9"}\n')
+    (root / "latin1-corpus.jsonl").write_bytes(
+        b'{"_id": "d", "title": "T", "text": "ok"}\n{"_id": "e", "text": "caf\xe9"}\n')
+    beir = root / "dev-only"  # a BEIR folder whose qrels are only dev.tsv
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "queries.jsonl").write_text(json.dumps({"_id": "q1", "text": "what?"}) + "\n")
+    (beir / "corpus.jsonl").write_text(json.dumps({"_id": "d1", "text": "x"}) + "\n")
+    (beir / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    return root
+
+
+def test_usage_errors(inputs, tmp_path):
+    home = ["--home", tmp_path / "home"]
+    cases = {  # name: (args, what the error line must say)
+        "k 0": (["retrieve", "q", "--k", "0", *home], "--k"),
+        "k -1": (["retrieve", "q", "--k", "-1", *home], "--k"),
+        "k 100000 (Milvus)": (["retrieve", "q", "--k", "100000", *home], "less than or equal"),
+        "k 1e11 (tantivy)": (["retrieve", "q", "--k", "100000000000", *home], "--k"),
+        "unknown option": (["retrieve", "q", "--bogus"], "no such option: --bogus"),
+        "missing argument": (["retrieve"], "missing argument 'query'"),
+        "branches 0": (["search", "q", "--branches", "0", *home], "--branches"),
+        "limit 0": (["eval", inputs / "dev-only", "--limit", "0", *home], "--limit"),
+        "synth docs 3": (["synth", tmp_path / "s", "--docs", "3"], "--docs"),
+        "synth docs 10M": (["synth", tmp_path / "s", "--docs", "10000000"], "--docs"),
+        "unknown executor": (["search", "q", "--executor", "spark", *home], "--executor"),
+        "unknown mode": (["retrieve", "q", "--mode", "fuzzy", *home], "--mode"),
+        "unknown split": (["eval", inputs / "dev-only", "--split", "val", *home], "--split"),
+        "empty question": (["search", "  ", *home], "empty question"),
+        "empty query": (["retrieve", "", *home], "empty query"),
+        "batch -o folder": (["batch", inputs / "questions.jsonl", "-o", inputs / "outdir",
+                             *home], "is a folder"),
+        "synth into a file": (["synth", inputs / "a-file"], "is a file"),
+        "synth under a file": (["synth", inputs / "a-file" / "sub"], "not a folder"),
+        "synth unwritable": (["synth", "/proc/branchsearch-synth"], "synth:"),
+        "non-UTF-8 batch input": (["batch", inputs / "latin1-questions.jsonl", "-o",
+                                   tmp_path / "out.jsonl", *home], "latin1-questions.jsonl:1: "
+                                  "not UTF-8 text (byte b'\\xe9' at offset 28)"),
+        "non-UTF-8 corpus": (["ingest", inputs / "latin1-corpus.jsonl", *home],
+                             "latin1-corpus.jsonl:2: not UTF-8"),
+        "split missing": (["eval", inputs / "dev-only", *home], "use --split dev"),
+        "acl * is reserved": (["retrieve", "q", "--acl", "*", *home], "reserved"),
+        "settings k": (["search", "q", "--config", inputs / "k.toml", *home], "search_k"),
+    }
+    (inputs / "k.toml").write_text("search_k = 5000\n")
+    results = run_all({name: args for name, (args, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        assert_one_error_line(results[name], expect, name)
+    assert not (tmp_path / "s").exists()  # nothing written by the refused synth runs
+
+
+def test_no_arguments_prints_help_and_exits_2():
+    done = run([])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "Usage: branchsearch" in done.stdout + done.stderr
+    assert run(["--help"]).returncode == 0
+
+
+def test_eval_split_reads_dev_qrels(inputs):
+    from branchsearch.infra.dataset import read_queries
+
+    assert [q.id for q in read_queries(inputs / "dev-only", "dev")] == ["q1"]
+    with pytest.raises(Exception, match="use --split dev"):
+        read_queries(inputs / "dev-only")
+
+
+def test_bounds_and_patterns_below_the_cli():
+    assert check_k(MAX_K) == MAX_K and check_k(0) == 0
+    for bad in (MAX_K + 1, 100_000_000_000, -1, 2.5, True):
+        with pytest.raises(BadQuery):
+            check_k(bad)
+    assert check_pattern("[^a]pple") == "[^a]pple"  # a negated class, not an anchor
+    assert check_pattern("[a$]") == "[a$]" and check_pattern("a\\$") == "a\\$"
+    for bad, says in (("^acme", "anchors"), ("acme$", "anchors"), ("a\\d", "[0-9]"),
+                      ("(?i)a", "lookaround"), ("(a)\\1", "backreferences")):
+        with pytest.raises(BadQuery, match=says.replace("[", r"\[").replace("]", r"\]")):
+            check_pattern(bad)
+
+
+def test_terminal_text_strips_control_sequences():
+    hostile = ("T\x1b]0;pwned\x07i\x1b]52;c;aGk=\x1b\\t\x1b[2J\x1b[31ml\x1b[0me"
+               "\x9b31m\u202e\x00\x7f")
+    assert clean(hostile) == "Title"
+    assert one_line("a\n\tb \x1b[Kc", 4) == "a b "
+
+
+def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    title, text = "Falcon \x1b]0;pwned\x07 plan\x1b[2J", "Falcon \x1b[31mred\x1b[0m text"
+    corpus.write_text(json.dumps({"_id": "d1", "title": title, "text": text}) + "\n")
+    home = ["--home", tmp_path / "home"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    shown = run(["retrieve", "Falcon", "--mode", "bm25", *home])
+    assert shown.returncode == 0, shown.stderr[-800:]
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+    assert "Falcon plan" in shown.stdout and "Falcon red text" in shown.stdout
+    raw = run(["retrieve", "Falcon", "--mode", "bm25", "--json", *home])
+    assert json.loads(raw.stdout)[0]["title"] == title  # --json keeps the text as it is
+
+
+@pytest.mark.ray
+def test_backend_down_on_the_ray_executor(tmp_path):
+    """A retriever actor that cannot reach its backend: the error it died of, as one line
+    (was: ActorDiedError, 115 lines of traceback)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d1", "title": "Falcon", "text": "Falcon plan"}) + "\n")
+    home = ["--home", tmp_path / "home"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    done = run(["search", "Falcon", "--branches", "2", *home],
+               env={"BRANCHSEARCH_ES_URL": "http://127.0.0.1:9", "RAY_ADDRESS": ""},
+               timeout=600)
+    assert done.returncode == 2, done.stderr[-1500:]
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "127.0.0.1:9" in errors[0], done.stderr[-1500:]
+
+
+def test_synth_bounds_in_the_library(tmp_path):
+    from branchsearch.infra.synth import MAX_DOCS, SynthError, synth
+
+    with pytest.raises(SynthError, match="at most"):
+        synth(tmp_path / "big", docs=MAX_DOCS + 1, tasks=1)
+    with pytest.raises(SynthError, match="free"):  # /dev/shm or similar: check before writing
+        synth(Path("/proc") / "x", docs=1000, tasks=10)
+    assert not (tmp_path / "big").exists()
