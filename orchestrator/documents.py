@@ -78,9 +78,28 @@ def delete(retriever, doc_id: str) -> bool:
 
 
 def probe(retriever) -> dict:
-    """Touch every backend once (counts); raises what the backend raises when it is down."""
-    return {"documents": retriever.docstore.doc_count(), "lexical_chunks": retriever.lexical.count(),
-            "dense_chunks": retriever.dense.count() if retriever.dense is not None else None}
+    """Touch every backend once (counts); BackendUnavailable names the one that is down."""
+    from branchsearch.infra.errors import BackendUnavailable
+
+    counts = {}
+    for name, store in (("lexical", retriever.lexical), ("dense", retriever.dense)):
+        if store is None:
+            continue
+        try:
+            counts[name] = store.count()
+        except BackendUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 — name the backend and the cause, one line
+            where = getattr(store, "url", None) or getattr(store, "uri", None) or ""
+            raise BackendUnavailable(
+                f"{name} store {_backend_name(store)}{' at ' + where if where else ''} is not "
+                f"answering ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return counts
+
+
+def _backend_name(store) -> str:
+    return {"ElasticStore": "elasticsearch", "TantivyStore": "tantivy",
+            "MilvusStore": "milvus"}.get(type(store).__name__, type(store).__name__)
 
 
 # Run inside the Ray retriever actor (`actor.__ray_call__`): the actor owns the stores.

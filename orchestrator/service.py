@@ -124,7 +124,11 @@ def create_app(state: ServiceState):
             response = await call_next(request)
             status = response.status_code
             return response
-        except ApiError as err:
+        except Exception as exc:  # noqa: BLE001 — domain errors and crashes: JSON, no traceback
+            err = api_error(exc)
+            if err.status == 500:
+                log.error("unhandled error on %s %s", request.method, request.url.path,
+                          exc_info=exc)
             status = err.status
             return error_response(err)
         finally:

@@ -10,8 +10,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Group B's documents carry words no other document has, so a leak is unmistakable.
+# Group B's documents carry words no other document has; the questions of the leak test ask for
+# them. LEAK_MARKER is in every B document and in no question, so finding it in a response means
+# B's text came back (a question echoed back is not a leak).
 SECRET_WORDS = ("quokkavault", "zephyrledger", "obsidianpact")
+LEAK_MARKER = "marzipanfleet"
 CORPUS = [
     {"_id": "pub-harbor", "title": "Harbor Festival",
      "text": "The Harbor Festival takes place every June in Portsmouth. Boats, music and a "
@@ -26,10 +29,10 @@ CORPUS = [
      "text": "The Alpha budget funds twelve harbor sensors and one engineer for the lighthouse."},
     {"_id": "b-vault", "title": "Bravo Quokkavault", "acl": ["bravo"],
      "text": "Quokkavault is Bravo's secret harbor project: the zephyrledger records every boat "
-             "at the lighthouse under the obsidianpact."},
+             "at the lighthouse under the obsidianpact of the marzipanfleet."},
     {"_id": "b-ledger", "title": "Zephyrledger Plan", "acl": ["bravo"],
      "text": "The zephyrledger plan of the Bravo group moves the quokkavault archive to the "
-             "harbor festival grounds; obsidianpact members only."},
+             "harbor festival grounds; obsidianpact members of the marzipanfleet only."},
 ]
 
 

@@ -1,0 +1,284 @@
+"""The service against a live server on loopback, through a real HTTP client (httpx): the auth
+matrix, the ACL leak test, limits, streaming, upsert/delete, a backend going down. Real stores
+(tantivy, Milvus Lite, the Elasticsearch emulator), the in-process executor, uvicorn.
+The Ray Serve test (replicas) and the browser test live in test_service_serve.py and
+test_service_web.py."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from branchsearch.infra.ingest import ingest
+from branchsearch.infra.settings import load_settings
+from branchsearch.orchestrator import service
+from branchsearch.orchestrator.keys import KeyStore
+from branchsearch.orchestrator.limits import Limits
+from branchsearch.orchestrator.stream import parse_sse
+
+from service_fixtures import CORPUS, LEAK_MARKER, start_uvicorn, write_corpus
+
+LIMITS = Limits(max_body_bytes=64 * 1024, max_question_chars=300, per_key_concurrency=2,
+                max_in_flight=8, default_deadline_s=60)
+BRAVO_DOCS = [d["_id"] for d in CORPUS if d.get("acl") == ["bravo"]]
+ALPHA_DOCS = [d["_id"] for d in CORPUS if d.get("acl") == ["alpha"]]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    home = tmp_path_factory.mktemp("svc-home")
+    settings = load_settings(overrides={"home": home, "index": "acl", "branches": 2},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings)
+    ingest(write_corpus(home / "other.jsonl", CORPUS[:2]), settings.replace(index="other"))
+    store = KeyStore(home / "keys.json")
+    keys = {"alpha": store.add("alpha", ("alpha",), ("acl",)),
+            "bravo": store.add("bravo", ("bravo",)),
+            "public": store.add("public", ()),
+            "admin": store.add("admin", ("alpha",), admin=True),
+            "gone": store.add("gone", ("bravo",))}
+    store.revoke("gone")
+    state = service.local_state(settings, executor="local", keys_path=home / "keys.json",
+                                limits=LIMITS)
+    state.backend.searcher.driver("acl")
+    server = start_uvicorn(service.create_app(state), state)
+    client = httpx.Client(base_url=server.url, timeout=120)
+    yield client, keys, state
+    client.close()
+    server.stop()
+    state.backend.searcher.close()
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_error(r: httpx.Response, status: int, error: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error", "detail"} and body["detail"], body
+    assert "Traceback" not in r.text
+    if error:
+        assert body["error"] == error, body
+    return body
+
+
+def test_auth_matrix(site):
+    client, keys, _ = site
+    q = {"question": "harbor lighthouse"}
+    doc = [{"id": "x1", "text": "x"}]
+    cases = [  # (method, path, key, json, status)
+        ("POST", "/v1/search", None, q, 401),
+        ("POST", "/v1/search", "bsk_not-a-key", q, 401),
+        ("POST", "/v1/search", keys["gone"], q, 401),
+        ("GET", "/v1/indexes", None, None, 401),
+        ("GET", "/v1/whoami", keys["gone"], None, 401),
+        ("PUT", "/v1/indexes/acl/documents", None, doc, 401),
+        ("DELETE", "/v1/indexes/acl/documents/pub-harbor", "bsk_x", None, 401),
+        ("POST", "/v1/search", keys["alpha"], {**q, "index": "other"}, 403),  # index not allowed
+        ("PUT", "/v1/indexes/acl/documents", keys["alpha"], doc, 403),  # not admin
+        ("DELETE", "/v1/indexes/acl/documents/pub-harbor", keys["bravo"], None, 403),
+        ("POST", "/v1/search", keys["alpha"], q, 200),
+        ("POST", "/v1/search", keys["bravo"], {**q, "index": "other"}, 200),
+        ("GET", "/v1/indexes", keys["public"], None, 200),
+        ("GET", "/healthz", None, None, 200),
+        ("GET", "/readyz", None, None, 200),
+        ("GET", "/metrics", None, None, 200),
+    ]
+    for method, path, key, body, status in cases:
+        r = client.request(method, path, json=body, headers=auth(key) if key else {})
+        if status >= 400:
+            err = assert_error(r, status)
+            if status == 401:
+                assert r.headers["www-authenticate"].startswith("Bearer")
+                assert (key or "") not in err["detail"] or not key
+        else:
+            assert r.status_code == 200, (method, path, r.text)
+    assert client.get("/v1/indexes", headers=auth(keys["alpha"])).json() == {"indexes": ["acl"]}
+    assert client.get("/v1/indexes", headers=auth(keys["bravo"])).json() == {
+        "indexes": ["acl", "other"]}
+    assert client.get("/v1/whoami", headers=auth(keys["alpha"])).json()["groups"] == ["alpha"]
+
+
+QUESTIONS = ["What is Quokkavault?", "zephyrledger obsidianpact", "Bravo secret harbor project",
+             "Zephyrledger Plan quokkavault archive", "Who are the obsidianpact members?",
+             "Which boats does the lighthouse record?"]
+
+
+def _leaks(text: str, docs: list[str], marker: str = "") -> list[str]:
+    """Ids of `docs` in a response, and the marker only their text holds."""
+    return [d for d in docs if d in text] + ([marker] if marker and marker in text.lower() else [])
+
+
+def test_acl_leak(site, capsys):
+    """A group-A key never sees a group-B document: JSON search, the stream, indexes, whoami,
+    metrics. The bravo key finding them with the same questions shows the test can fail."""
+    client, keys, state = site
+    tried, leaks = 0, []
+    for question in QUESTIONS:
+        for key in ("alpha", "public"):
+            body = {"question": question}
+            for accept in ("application/json", "text/event-stream"):
+                r = client.post("/v1/search", json=body,
+                                headers={**auth(keys[key]), "Accept": accept})
+                assert r.status_code == 200, r.text
+                tried += 1
+                leaks += _leaks(r.text, BRAVO_DOCS, LEAK_MARKER)
+                if key == "public":
+                    leaks += _leaks(r.text, ALPHA_DOCS)
+    for path in ("/v1/indexes", "/v1/whoami", "/metrics", "/readyz"):
+        r = client.get(path, headers=auth(keys["alpha"]))
+        tried += 1
+        leaks += _leaks(r.text, BRAVO_DOCS, LEAK_MARKER)
+    found, marked = set(), 0
+    for question in QUESTIONS[:3]:  # positive control: the same questions as group B
+        r = client.post("/v1/search", json={"question": question}, headers=auth(keys["bravo"]))
+        found |= {d["doc_id"] for d in r.json()["evidence"]}
+        marked += LEAK_MARKER in r.text
+    with capsys.disabled():
+        print(f"\nACL leak test: {tried} requests as group-A/public keys, {len(leaks)} leaks; "
+              f"ACL guard dropped {state.backend.searcher.acl_guard_dropped} ids")
+    assert leaks == []
+    assert set(BRAVO_DOCS) <= found and marked
+    assert state.backend.searcher.acl_guard_dropped == 0  # the backends' filter held
+
+
+def test_stream_events_in_order(site):
+    client, keys, _ = site
+    r = client.post("/v1/search", json={"question": "Alpha roadmap harbor sensors", "branches": 2},
+                    headers={**auth(keys["alpha"]), "Accept": "text/event-stream"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(r.text)
+    types = [e["type"] for e in events]
+    assert types[0] == "plan" and types[-1] == "result" and types.count("result") == 1
+    assert "error" not in types and "search" in types
+    n = len(events[0]["subqueries"])
+    assert types.count("branch_started") == types.count("branch_done") == n
+    for i in range(n):  # per branch: started < its searches/prunes < done
+        mine = [k for k, e in enumerate(events) if e.get("branch") == i]
+        assert events[mine[0]]["type"] == "branch_started"
+        assert events[mine[-1]]["type"] == "branch_done"
+    result = events[-1]["result"]
+    assert result["status"] == "ok" and len(result["trace_id"]) == 32
+    assert {d["doc_id"] for d in result["evidence"]} & set(ALPHA_DOCS)
+    for doc in result["evidence"]:
+        for chunk in doc["chunks"]:
+            assert chunk["found_by"] and chunk["provenance"]
+
+
+def test_upsert_then_search_finds_delete_then_not(site):
+    client, keys, _ = site
+    admin, alpha = auth(keys["admin"]), auth(keys["alpha"])
+    q = {"question": "flamingo orbital station", "branches": 1}
+    ids = lambda: {d["doc_id"] for d in client.post("/v1/search", json=q,  # noqa: E731
+                                                   headers=alpha).json()["evidence"]}
+    assert "flamingo" not in ids()
+    body = "\n".join(json.dumps(d) for d in [
+        {"id": "flamingo", "title": "Flamingo Orbital", "text": "The flamingo orbital station "
+         "circles the harbor moon.", "acl": ["alpha"]},
+        {"id": "flamingo-b", "title": "Flamingo Bravo", "text": "Flamingo orbital station "
+         "bravo copy.", "acl": ["bravo"]}])
+    r = client.put("/v1/indexes/acl/documents", content=body, headers=admin)
+    assert r.status_code == 200 and r.json()["upserted"] == ["flamingo", "flamingo-b"]
+    found = ids()
+    assert "flamingo" in found and "flamingo-b" not in found  # the upsert kept its ACL
+    r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": "flamingo", "title": "Flamingo Orbital", "text": "Renamed: the heron orbital "
+         "station.", "acl": ["alpha"]}])
+    assert r.status_code == 200
+    heron = client.post("/v1/search", json={"question": "heron orbital", "branches": 1},
+                        headers=alpha).json()
+    assert any("heron" in c["text"] for d in heron["evidence"] for c in d["chunks"])
+    for doc_id in ("flamingo", "flamingo-b"):
+        assert client.delete(f"/v1/indexes/acl/documents/{doc_id}", headers=admin).json() == {
+            "index": "acl", "deleted": doc_id}
+    assert "flamingo" not in ids()
+    assert_error(client.delete("/v1/indexes/acl/documents/flamingo", headers=admin), 404)
+    bad = client.put("/v1/indexes/acl/documents", headers=admin,
+                     content=b'{"id": "ok", "text": "fine"}\n{"id": "bad"}\n')
+    assert "body:2" in assert_error(bad, 422)["detail"]
+    assert_error(client.put("/v1/indexes/acl/documents", headers=admin,
+                            json=[{"id": "x", "text": "y", "acl": "not a list" and 5}]), 422)
+
+
+def test_limits(site):
+    client, keys, state = site
+    alpha = auth(keys["alpha"])
+    assert_error(client.post("/v1/search", headers=alpha, content=b"x" * (LIMITS.max_body_bytes
+                                                                          + 1)), 413)
+    assert_error(client.post("/v1/search", headers=alpha, json={"question": "q" * 301}), 422,
+                 "question_too_long")
+    assert_error(client.post("/v1/search", headers=alpha, content=b"{not json"), 422)
+    assert_error(client.post("/v1/search", headers=alpha,
+                             json={"question": "q", "acl_groups": ["bravo"]}), 422)
+    conc = state.backend.searcher.concurrency
+    with conc.slot("alpha"), conc.slot("alpha"):  # the key's two slots are busy
+        r = client.post("/v1/search", headers=alpha, json={"question": "harbor"})
+        assert_error(r, 429, "too_many_requests")
+        assert r.headers["retry-after"] == "1"
+        r = client.post("/v1/search", headers={**alpha, "Accept": "text/event-stream"},
+                        json={"question": "harbor"})
+        assert_error(r, 429)  # the stream too, before it starts
+        assert client.post("/v1/search", headers=auth(keys["bravo"]),
+                           json={"question": "harbor"}).status_code == 200  # other keys go on
+    # a deadline nothing can meet: 504 (or a partial result when the driver cuts branches)
+    r = client.post("/v1/search", headers=alpha, json={"question": "harbor festival lighthouse",
+                                                       "deadline_s": 0.001})
+    if r.status_code == 200:
+        assert r.json()["status"] == "partial"
+    else:
+        assert_error(r, 504, "deadline_exceeded")
+    assert_error(client.get("/nope"), 404)
+    assert_error(client.delete("/v1/search"), 405)
+    metrics = client.get("/metrics").text
+    for name in ("branchsearch_http_requests_total", "branchsearch_refusals_total",
+                 "branchsearch_branches_total", "branchsearch_tokens_read_total",
+                 "branchsearch_http_request_duration_seconds_bucket",
+                 "branchsearch_http_requests_in_flight", "branchsearch_backend_errors_total"):
+        assert name in metrics
+    assert 'branchsearch_refusals_total{reason="too_many_requests"} 2.0' in metrics
+    assert 'endpoint="/v1/search",method="POST",status="429"' in metrics
+
+
+def test_backend_down_readyz_and_search_503(tmp_path_factory):
+    """Lexical store on Elasticsearch (the emulator); stop it: /readyz and search answer 503
+    with the reason."""
+    from es_emulator import start_es_emulator
+
+    home = tmp_path_factory.mktemp("svc-es")
+    es = start_es_emulator(home / "es")
+    try:
+        settings = load_settings(overrides={"home": home, "index": "es", "es_url": es.url,
+                                            "branches": 1}, read_env=False, read_file=False)
+        ingest(write_corpus(home / "c.jsonl", CORPUS[:3]), settings)
+        state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+        state.backend.searcher.driver("es")
+        server = start_uvicorn(service.create_app(state), state)
+        client = httpx.Client(base_url=server.url, timeout=120)
+        try:
+            q = {"question": "Harbor Festival in June"}
+            r = client.post("/v1/search", json=q)
+            assert r.status_code == 200 and r.json()["evidence"]
+            assert client.get("/readyz").status_code == 200
+            es.stop()
+            ready = assert_error(client.get("/readyz"), 503, "not_ready")
+            assert "elasticsearch" in ready["detail"]
+            down = assert_error(client.post("/v1/search", json=q), 503)
+            assert "elasticsearch" in down["detail"] and down["error"] in (
+                "backend_unavailable", "search_failed")
+            stream = client.post("/v1/search", json=q, headers={"Accept": "text/event-stream"})
+            if stream.status_code == 200:  # events came first: the stream ends with the error
+                last = parse_sse(stream.text)[-1]
+                assert last["type"] == "error" and last["status"] == 503
+            else:
+                assert_error(stream, 503)
+            assert client.get("/healthz").status_code == 200  # up, not ready
+            assert "branchsearch_backend_errors_total 3.0" in client.get("/metrics").text
+        finally:
+            client.close()
+            server.stop()
+            state.backend.searcher.close()
+    finally:
+        es.stop()
