@@ -78,12 +78,13 @@ class Searcher:
 
     def _in_retriever(self, driver, local_fn, actor_fn, *args):
         """Run on the stores' owner: in this process (local) or in the retriever actor (Ray)."""
-        if getattr(driver, "mode", "local") == "local":
-            return local_fn(driver.retriever, *args)
+        owner = driver.retriever  # a Retriever (local) or the retriever actor's handle (ray)
+        if not hasattr(owner, "__ray_call__"):
+            return local_fn(owner, *args)
         import ray
 
-        # Driver keeps its retriever actor private; __ray_call__ runs a function on the actor
-        return ray.get(driver._retriever.__ray_call__.remote(actor_fn, *args), timeout=120)
+        # __ray_call__ runs a function on the actor, with the actor's instance as first argument
+        return ray.get(owner.__ray_call__.remote(actor_fn, *args), timeout=120)
 
     # --- search ---------------------------------------------------------------------------------
 

@@ -343,8 +343,10 @@ class ServeOptions:
     executor: str = "ray"
     replicas: int = 1  # ingress replicas
     searcher_replicas: int = 1  # > 1 only with server backends (Milvus/ES by URL)
-    max_ongoing_requests: int = 16  # per ingress replica
-    max_queued_requests: int = 32  # per ingress replica, then 503
+    max_ongoing_requests: int = 64  # per ingress replica (HTTP connections being served)
+    max_queued_requests: int = 256  # per ingress replica; past it Serve's proxy answers 503
+    searcher_max_ongoing: int = 16  # searches at once per searcher replica
+    searcher_max_queued: int = 32  # waiting searches, then 503 {error: overloaded} (JSON)
     autoscaling: dict | None = None  # Serve's autoscaling_config for the ingress
     limits: dict = field(default_factory=dict)  # Limits fields
 
@@ -355,7 +357,7 @@ def build_application(opts: ServeOptions):
 
     from branchsearch.orchestrator.searcher import AsyncSearcher, Searcher
 
-    @serve.deployment(name="Searcher", max_ongoing_requests=256)
+    @serve.deployment(name="Searcher")
     class SearcherDeployment:
         def __init__(self, o: dict):
             from branchsearch.infra.settings import load_settings
@@ -406,7 +408,9 @@ def build_application(opts: ServeOptions):
                    "max_queued_requests": opts.max_queued_requests}
     ingress_cfg |= ({"autoscaling_config": opts.autoscaling} if opts.autoscaling
                     else {"num_replicas": opts.replicas})
-    searcher = SearcherDeployment.options(num_replicas=opts.searcher_replicas).bind(o)
+    searcher = SearcherDeployment.options(
+        num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
+        max_queued_requests=opts.searcher_max_queued).bind(o)
     return Ingress.options(**ingress_cfg).bind(searcher, o)
 
 
@@ -438,8 +442,9 @@ def app_builder(args: dict):
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise ValueError(f"unknown serve args {unknown}; known: {sorted(known)}")
-    casts = {"replicas": int, "searcher_replicas": int, "max_ongoing_requests": int,
-             "max_queued_requests": int}
+    casts = {k: int for k in ("replicas", "searcher_replicas", "max_ongoing_requests",
+                              "max_queued_requests", "searcher_max_ongoing",
+                              "searcher_max_queued")}
     opts = ServeOptions(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items()})
     if opts.keys is None:
         log.warning("no keys file: development mode, every request is an admin "

@@ -80,8 +80,10 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
           address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address"),
           executor: str = typer.Option("ray", "--executor", help="ray | local (branches "
                                        "in the searcher process)"),
-          max_queued: int = typer.Option(32, "--max-queued", min=1, help="queued requests per "
-                                         "ingress replica before 503"),
+          max_queued: int = typer.Option(32, "--max-queued", min=1, help="searches waiting for "
+                                         "the searcher before 503 (Serve queue limit)"),
+          max_searches: int = typer.Option(16, "--max-searches", min=1, help="searches at "
+                                           "once per searcher replica"),
           standalone: bool = typer.Option(False, "--standalone", help="one process (uvicorn), "
                                           "no Ray Serve: development and tests"),
           home: Optional[Path] = typer.Option(None, "--home"),
@@ -111,4 +113,4 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
         home=str(Path(settings.home).resolve()), index=settings.index,
         config=str(config.resolve()) if config else None,
         keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas,
-        max_queued_requests=max_queued), host, port)
+        searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)
