@@ -28,6 +28,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -270,9 +271,10 @@ class BoundedExportProcessor(SpanProcessor):
 
     def __init__(self, exporter: SpanExporter, *, max_queue: int = 4096, batch_size: int = 512,
                  delay_s: float = 1.0, backoff_s: float = 5.0, max_backoff_s: float = 60.0,
-                 target: str = ""):
+                 flush_timeout_s: float = FLUSH_TIMEOUT_S, target: str = ""):
         self.exporter = exporter
         self.target = target
+        self.flush_timeout_s = flush_timeout_s
         self.max_queue, self.batch_size, self.delay_s = max_queue, batch_size, delay_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._next_backoff = backoff_s
@@ -283,9 +285,22 @@ class BoundedExportProcessor(SpanProcessor):
         self._down_until = 0.0
         self._slow = False  # a flush ran out of time; cleared by the next successful export
         self._stopped = False
+        self._start_thread()
+        if hasattr(os, "register_at_fork"):  # a forked child gets its own thread and queue
+            after_fork = weakref.WeakMethod(self._after_fork)
+            os.register_at_fork(after_in_child=lambda: (f := after_fork()) and f())
+
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="branchsearch-span-export",
                                         daemon=True)
         self._thread.start()
+
+    def _after_fork(self) -> None:
+        self._cond = threading.Condition()
+        self._queue.clear()
+        self._busy, self._flushers = False, 0
+        if not self._stopped:
+            self._start_thread()
 
     # SpanProcessor hooks: cheap, never block, never raise
     def on_start(self, span, parent_context=None) -> None:
@@ -304,8 +319,9 @@ class BoundedExportProcessor(SpanProcessor):
                     if len(self._queue) >= self.batch_size:
                         self._cond.notify_all()
             if full:
-                HEALTH.drop(1, self.target, "trace queue full: the collector is slower than "
-                                            "the spans arrive, or down")
+                HEALTH.drop(1, self.target, "tracing shut down" if self._stopped else
+                            "trace queue full: the collector is slower than the spans arrive, "
+                            "or down")
         except Exception:
             pass
 
@@ -330,8 +346,9 @@ class BoundedExportProcessor(SpanProcessor):
             finally:
                 self._flushers -= 1
 
-    def shutdown(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-        self.force_flush(int(timeout_s * 1000))
+    def shutdown(self) -> None:
+        """Give the queue one flush timeout to leave, then stop; what is left is counted."""
+        self.force_flush(int(self.flush_timeout_s * 1000))
         with self._cond:
             self._stopped = True
             left = len(self._queue)
@@ -600,7 +617,7 @@ def configure(exporter: str = "none", trace_file: str = "", otlp_endpoint: str =
             target = f"{url} (OTLP/{'gRPC' if protocol == 'grpc' else 'HTTP'})"
             processor = BoundedExportProcessor(
                 GuardedExporter(_otlp_exporter(url, protocol, parsed_headers, export_timeout_s),
-                                target), target=target)
+                                target), target=target, flush_timeout_s=flush_timeout_s)
         else:
             from branchsearch.infra.errors import SettingsError
 

@@ -289,3 +289,37 @@ def test_a_search_reaches_a_real_receiver_with_span_kinds(local_driver, hotpot_s
     assert all(t["attributes"]["gen_ai.tool.name"] == t["name"][5:] for t in tools)
     assert {r["path"] for r in receiver.requests} == {"/v1/traces"}
     assert telemetry.stats()["dropped"] == 0
+
+
+@pytest.mark.ray
+def test_otel_variables_reach_ray_actors_through_settings(hotpot_settings, receiver,
+                                                           monkeypatch):
+    """The driver's environment names the collector; the actors' environment names a dead port
+    (as on nodes started with `ray start` elsewhere). Actor spans still reach the collector."""
+    import ray
+
+    from branchsearch.orchestrator.driver import Driver
+
+    from conftest import ingest_copy
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.base_url)
+    settings = load_settings(overrides={"home": hotpot_settings.home}, read_file=False)
+    settings = ingest_copy(settings.replace(index="hotpot"), "hotpot-trace-ray").replace(
+        branches=2, branch_timeout_s=60)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    driver = Driver(settings, mode="ray", pool_size=2)  # actors inherit the dead variable
+    try:
+        result = driver.search(Q)
+        assert [b.status for b in result.branches] == ["ok", "ok"]
+        assert receiver.wait_for(lambda spans: sum(
+            s["name"] == "episode" and s["trace_id"] == result.trace_id for s in spans) == 2)
+        mine = [s for s in receiver.spans if s["trace_id"] == result.trace_id]
+        pids = {s["resource"]["process.pid"] for s in mine}
+        assert os.getpid() in pids and len(pids) >= 3  # the driver and both branch actors
+        by_id = {s["span_id"]: s for s in mine}
+        branch = next(s for s in mine if s["name"] == "branch")
+        assert by_id[branch["parent_id"]]["name"] == "query"
+    finally:
+        driver.close()
+        ray.shutdown()
