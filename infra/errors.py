@@ -31,3 +31,18 @@ class IndexIncomplete(BranchsearchError):
 
 class IndexBusy(BranchsearchError):
     """An index that a running ingest holds (another ingest, or a reader of an embedded index)."""
+
+
+class OutputTruncated(Exception):
+    """A model's output cut at max_tokens before it was complete (`text`: what it wrote). Not a
+    user error: a policy turns it into an invalid action."""
+
+    def __init__(self, text: str = ""):
+        super().__init__(text)  # (the only argument, so it survives pickling across Ray)
+
+    @property
+    def text(self) -> str:
+        return self.args[0] if self.args else ""
+
+    def __str__(self) -> str:
+        return f"output cut at max_tokens after {len(self.text)} characters"

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, OutputTruncated
 
 
 class ChatEngine(Protocol):
@@ -150,10 +150,13 @@ class VLLMEngine:
         slot["done"].wait()
         if slot["error"] is not None:
             raise slot["error"]
+        if isinstance(slot["out"], OutputTruncated):
+            raise slot["out"]
         return slot["out"]
 
-    def chat_many(self, requests: list[tuple]) -> list[str]:
-        """Generate for several conversations in one batch."""
+    def chat_many(self, requests: list[tuple]) -> list[str | OutputTruncated]:
+        """Generate for several conversations in one batch; an output cut at max_tokens is an
+        `OutputTruncated` (with the text) in its place."""
         llm = self._load()
         from vllm import SamplingParams
 
@@ -165,7 +168,7 @@ class VLLMEngine:
         self.stats.requests += len(requests)
         self.stats.completion_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
         return [o.outputs[0].text if o.outputs[0].finish_reason != "length"
-                else o.outputs[0].text + "\u0000truncated" for o in outputs]
+                else OutputTruncated(o.outputs[0].text) for o in outputs]
 
 
 def _structured(schema: dict | None) -> dict:

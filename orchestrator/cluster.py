@@ -31,8 +31,10 @@ def connect(settings: Settings) -> dict:
                        "object_store_memory": 256 * 1024 * 1024}
         try:
             ray.init(address=address, **kwargs)
-        except (ConnectionError, RuntimeError) as exc:
-            raise BackendUnavailable(f"ray: cannot connect to {address} ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a start timeout
+            where = f"connect to {address}" if address else "start a local cluster"
+            raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
+                                     f"{str(exc)[:300]})") from None
     return ray.cluster_resources()
 
 

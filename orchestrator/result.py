@@ -1,51 +1,24 @@
-"""Fusing branch rankings into one evidence list, and the result of a question."""
+"""The result of a question, and fusing branch rankings into its evidence."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from branchsearch.fusion import rrf
+from branchsearch.workers.branch import BranchReport
 
-
-@dataclass
-class BranchReport:
-    index: int
-    subquery: str
-    weight: float
-    kind: str
-    status: str  # ok | error | timeout
-    error: str = ""
-    termination: str = ""
-    turns: int = 0
-    tool_calls: int = 0
-    context_tokens_final: int = 0
-    tokens_read: int = 0
-    latency_s: float = 0.0
-    ranked_chunk_ids: list[str] = field(default_factory=list)
-    retrieved_ids: list[str] = field(default_factory=list)
-    pruned_ids: list[str] = field(default_factory=list)
-    final_context_ids: list[str] = field(default_factory=list)
-    context_tokens_per_turn: list[int] = field(default_factory=list)
-    trace: list[dict] = field(default_factory=list, repr=False)
-    pid: int = 0
-    policy_s: float = 0.0
-    fetch_s: float = 0.0
-    backend_s: float = 0.0
-    rpc_s: float = 0.0
-
-    def summary(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("trace", "retrieved_ids", "context_tokens_per_turn")}
+__all__ = ["BranchReport", "SearchResult", "fuse_branches"]
 
 
 @dataclass
 class SearchResult:
     question: str
-    evidence: list[dict]
+    evidence: list[dict]  # documents in order of their best chunk, each with its chunks
     ranked_chunk_ids: list[str]
     branches: list[BranchReport]
     metrics: dict
     trace_id: str
+    notes: list[str] = field(default_factory=list)  # what was changed about the question
 
     @property
     def status(self) -> str:
@@ -54,21 +27,23 @@ class SearchResult:
         return "ok" if ok and ok == len(self.branches) else "partial" if ok else "failed"
 
     def to_dict(self, full: bool = False) -> dict:
-        return {"question": self.question, "status": self.status, "evidence": self.evidence,
-                "ranked_chunk_ids": self.ranked_chunk_ids,
-                "branches": [b.__dict__ if full else b.summary() for b in self.branches],
+        return {"question": self.question, "status": self.status, "notes": self.notes,
+                "evidence": self.evidence, "ranked_chunk_ids": self.ranked_chunk_ids,
+                "branches": [b.to_dict(full) for b in self.branches],
                 "metrics": self.metrics, "trace_id": self.trace_id}
 
 
-def fuse_branches(branches: list[BranchReport], chunks: dict[str, dict], k: int = 60,
+def fuse_branches(branches: list[BranchReport], k: int = 60,
                   limit: int = 10) -> tuple[list[str], list[dict]]:
     """RRF over the rankings of the branches that finished (weights from the planner).
 
     Returns the fused chunk ids and the evidence: documents in order of their best chunk, each
-    chunk with its fused score and which branches found it at what rank."""
+    chunk (as the branches returned it: `workers.evidence`) with its fused score and which
+    branches found it at what rank. This is the only place chunks are grouped by document."""
     ok = [b for b in branches if b.status == "ok" and b.ranked_chunk_ids]
     fused = rrf([b.ranked_chunk_ids for b in ok], weights=[b.weight for b in ok], k=k,
                 limit=limit)
+    chunks = {c["chunk_id"]: c for b in ok for c in b.evidence}
     docs: dict[str, dict] = {}
     for rank, item in enumerate(fused, start=1):
         chunk = chunks.get(item.id, {})

@@ -10,7 +10,7 @@ from branchsearch.infra import telemetry
 from branchsearch.workers.harness import Episode
 from branchsearch.workers.heuristic import HeuristicPolicy
 
-from scripted import ScriptedPolicy, call
+from branchsearch.workers.scripted import ScriptedPolicy, call
 
 Q = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
 
@@ -234,3 +234,69 @@ def test_trace_exports_as_jsonl(hotpot_retriever, hotpot_settings, tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["start", "call", "turn", "finish", "call", "turn", "end"]
     assert [r["seq"] for r in rows] == list(range(7))
+
+
+def test_invalid_actions_are_counted_shown_and_end_the_episode_in_a_row(hotpot_retriever,
+                                                                        hotpot_settings):
+    from branchsearch.workers.policy import InvalidAction
+
+    ep, policy = episode(hotpot_retriever, hotpot_settings, [
+        InvalidAction("not JSON (Expecting value at 0)"),
+        [call("search_corpus", query="Ed Wood", k=2)],
+        InvalidAction("output cut at max_tokens"), InvalidAction("again"),
+        InvalidAction("and again"), [call("finish", ids=[])],
+    ], no_progress_turns=10)
+    result = ep.run()
+    assert policy.views[1].last_error == "not JSON (Expecting value at 0)"
+    assert policy.views[1].last_results == [] and policy.views[2].last_error == ""
+    assert result.invalid_actions == 4 and result.termination == "policy_error"
+    assert "3 invalid actions in a row: and again" in result.detail
+    assert [r["message"] for r in result.trace if r["kind"] == "invalid_action"] == [
+        "not JSON (Expecting value at 0)", "output cut at max_tokens", "again", "and again"]
+    assert {r["tool"] for r in result.trace if r["kind"] == "call"} == {"search_corpus"}
+
+
+def test_an_llm_engine_down_ends_the_branch_with_error(hotpot_retriever, hotpot_settings):
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.workers.branch import BranchTask, run_branch
+
+    def down(view):
+        raise BackendUnavailable("llm endpoint http://127.0.0.1:9 is not reachable")
+
+    report = run_branch(BranchTask(0, Q), hotpot_retriever, hotpot_settings,
+                        policy_factory=lambda i, q: ScriptedPolicy([
+                            [call("search_corpus", query="Corliss Archer", k=2)], down]))
+    assert report.status == "error" and "not reachable" in report.error
+    assert report.termination == "backend_error" and report.turns == 2
+    assert report.episode.retrieved_ids  # what it did before is still in the report
+
+
+def test_read_document_checks_the_callers_groups_before_the_fetch(tmp_path):
+    from conftest import FIXTURES, HOTPOT
+    from branchsearch.infra.errors import BadQuery
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text((HOTPOT / "corpus.jsonl").read_text()
+                      + (FIXTURES / "injection.jsonl").read_text())
+    settings = load_settings(overrides={"home": tmp_path / "h", "search_mode": "bm25"},
+                             read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        assert retriever.read_document("secret-memo", acl_groups=["finance"])["chunks"]
+        for groups in (None, ["staff"]):
+            with pytest.raises(BadQuery, match="unknown document id 'secret-memo'"):
+                retriever.read_document("secret-memo", acl_groups=groups)
+        ep, policy = episode(retriever, settings, [
+            [call("read_document", doc_id="secret-memo"), call("read_document", doc_id="ed-wood")],
+            [call("finish", ids=[])]])
+        ep.acl_groups = ep.ws.acl_groups = ["staff"]
+        ep.run()
+        hidden, public = policy.views[1].last_results
+        assert not hidden.ok and "unknown document id 'secret-memo'" in hidden.content
+        assert public.ok and public.ids[0].startswith("ed-wood#")
+    finally:
+        retriever.close()

@@ -8,14 +8,14 @@ import json
 import pytest
 
 from branchsearch.workers.harness import Episode
-from branchsearch.workers.llm_policy import INVALID, LLMPolicy
+from branchsearch.workers.llm_policy import LLMPolicy
 
 pytestmark = pytest.mark.llm
 vllm = pytest.importorskip("vllm", reason="install branchsearch[llm] (scripts/setup.sh)")
 
 Q = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
 TOOLS = {"search_corpus", "grep_corpus", "read_document", "prune_chunks", "recall_chunks",
-         "finish", INVALID}
+         "finish"}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,10 @@ def test_past_the_hard_limit_the_model_can_only_prune_recall_or_finish(
     hard = [t for t in result.trace if t["kind"] == "turn" and t["tokens_before"] >= 150]
     assert hard, "the first search must push the context past the hard limit"
     later = [c for c in calls_of(result) if c["turn"] >= hard[0]["turn"]]
-    assert later and {c["tool"] for c in later} <= {"prune_chunks", "recall_chunks",
-                                                     "finish", INVALID}
+    invalid = [r for r in result.trace if r["kind"] == "invalid_action"
+               and r["turn"] >= hard[0]["turn"]]  # (counted by the harness, not calls)
+    assert (later or invalid) and {c["tool"] for c in later} <= {"prune_chunks",
+                                                                 "recall_chunks", "finish"}
 
 
 def test_planted_instructions_do_not_change_tools_or_termination(engine, tmp_path):

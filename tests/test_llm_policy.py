@@ -5,7 +5,7 @@ import json
 import jsonschema
 
 from branchsearch.workers.budget import Budget
-from branchsearch.workers.llm_policy import INVALID, action_schema, parse_actions, render
+from branchsearch.workers.llm_policy import action_schema, parse_actions, render
 from branchsearch.workers.policy import AgentView, VisibleChunk
 from branchsearch.workers.tools import TOOLS
 
@@ -51,4 +51,3 @@ def test_parse_actions():
     assert "not allowed" in parse_actions('{"calls": [{"tool": "prune_chunks", "args": {}}]}',
                                           allowed)[1]
     assert "at least one" in parse_actions('{"calls": []}', allowed)[1]
-    assert INVALID == "invalid_action"

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from branchsearch.orchestrator.plan import HeuristicPlanner
-from branchsearch.orchestrator.result import BranchReport, fuse_branches
+from branchsearch.orchestrator.result import BranchReport, SearchResult, fuse_branches
+from branchsearch.workers.harness import EpisodeResult
 
 from conftest import HOTPOT, ingest_copy
 
@@ -30,26 +31,36 @@ def test_planner_bounds_and_kinds():
 
 
 def test_fusion_of_branches_by_hand():
-    a = BranchReport(0, "q", 1.0, "original", "ok", ranked_chunk_ids=["x#p0", "y#p0"])
-    b = BranchReport(1, "q2", 0.5, "entity", "ok", ranked_chunk_ids=["y#p0", "z#p0"])
-    dead = BranchReport(2, "q3", 1.0, "entity", "error", ranked_chunk_ids=["w#p0"])
-    chunks = {"y#p0": {"doc_id": "y", "title": "Y", "text": "why"}}
-    ranked, evidence = fuse_branches([a, b, dead], chunks, k=60)
+    def branch(i, weight, status, ids):
+        evidence = [{"chunk_id": c, "doc_id": c.split("#")[0], "title": c[0].upper(),
+                     "text": f"text of {c}", "rank": r, "score": 1 / r, "provenance": []}
+                    for r, c in enumerate(ids, start=1)]
+        return BranchReport(i, f"q{i}", weight, "entity", status, episode=EpisodeResult(
+            f"q{i}", "finish", evidence=evidence, ranked_chunk_ids=ids))
+
+    a, b = branch(0, 1.0, "ok", ["x#p0", "y#p0"]), branch(1, 0.5, "ok", ["y#p0", "z#p0"])
+    dead = branch(2, 1.0, "error", ["w#p0"])
+    ranked, evidence = fuse_branches([a, b, dead], k=60)
     # y: 1/62 + 0.5/61 ; x: 1/61 ; z: 0.5/62
     assert ranked == ["y#p0", "x#p0", "z#p0"]
     assert evidence[0]["chunks"][0]["found_by"] == [
-        {"branch": 0, "subquery": "q", "rank": 2}, {"branch": 1, "subquery": "q2", "rank": 1}]
+        {"branch": 0, "subquery": "q0", "rank": 2}, {"branch": 1, "subquery": "q1", "rank": 1}]
+    assert evidence[0]["title"] == "Y" and evidence[0]["chunks"][0]["text"] == "text of y#p0"
     assert evidence[1]["doc_id"] == "x"
+    # a report reads its episode's fields through; without an episode they are empty
+    assert a.turns == 0 and a.ranked_chunk_ids == ["x#p0", "y#p0"] and dead.status == "error"
+    late = BranchReport(3, "q3", 1.0, "entity", "timeout", "no result within 8 s")
+    assert late.ranked_chunk_ids == [] and late.summary()["termination"] == ""
+    assert SearchResult("q", [], [], [a, dead], {}, "t").status == "partial"
+    assert SearchResult("q", [], [], [late, dead], {}, "t").to_dict()["status"] == "failed"
 
 
 @pytest.fixture(scope="module")
 def ray_driver(hotpot_settings, tmp_path_factory):
     import ray
 
-    import scripted
     from branchsearch.orchestrator.driver import Driver
 
-    ray.cloudpickle.register_pickle_by_value(scripted)
     trace_file = tmp_path_factory.mktemp("trace") / "spans.jsonl"
     settings = ingest_copy(hotpot_settings, "hotpot-ray").replace(
         trace_exporter="jsonl", trace_file=str(trace_file), branch_timeout_s=20, branches=3)
@@ -81,7 +92,7 @@ def test_fan_out_fuses_branches_and_shares_one_trace(ray_driver):
 
 @pytest.mark.ray
 def test_a_crashed_and_a_late_branch_are_reported(ray_driver):
-    import scripted
+    from branchsearch.workers import scripted
 
     driver, _ = ray_driver
     driver.settings = driver.settings.replace(branch_timeout_s=8)
@@ -133,3 +144,62 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
     assert all(r["evidence"] and r["trace_id"] and r["branches"] for r in rows)
     assert f"{len(queries) - first} ok, 0 partial, 0 failed" in done.stdout
     assert all(r["status"] == "ok" for r in rows)
+
+
+@pytest.fixture(scope="module")
+def local_driver(tmp_path_factory):
+    """hotpot-mini, BM25 only (no embedding), searched in-process."""
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator.driver import Driver
+
+    settings = load_settings(overrides={"home": tmp_path_factory.mktemp("local"),
+                                        "search_mode": "bm25", "branches": 3},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    driver = Driver(settings, mode="local")
+    yield driver
+    driver.close()
+
+
+def test_local_search_streams_events_in_order(local_driver):
+    events = []
+    result = local_driver.search(Q, on_event=events.append)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "plan" and kinds[-1] == "result"
+    assert events[0]["subqueries"] == [b.subquery for b in result.branches]
+    for b in result.branches:  # started, its searches (and prunes), done — branch by branch
+        mine = [e["type"] for e in events if e.get("branch") == b.index]
+        assert mine[0] == "branch_started" and mine[-1] == "branch_done" and "search" in mine
+        done = next(e for e in events if e["type"] == "branch_done" and e["branch"] == b.index)
+        assert done["status"] == "ok" and done["turns"] == b.turns
+    searched = {i for e in events if e["type"] == "search" for i in e["new_ids"]}
+    assert set(result.ranked_chunk_ids) <= searched
+    prunes = [e for e in events if e["type"] == "prune"]
+    assert all(p["tokens_after"] <= p["tokens_before"] and p["reason"] for p in prunes)
+    assert events[-1]["result"]["status"] == "ok" == result.status
+    assert json.loads(json.dumps(events))  # plain JSON-able dicts
+
+
+def test_question_checks_empty_and_over_long(local_driver):
+    from branchsearch.infra.errors import BranchsearchError
+
+    for empty in ("", "   \n"):
+        with pytest.raises(BranchsearchError, match="empty question"):
+            local_driver.search(empty)
+    long = Q + " " + " ".join(f"padding{i}" for i in range(20000))  # ~100 KB
+    result = local_driver.search(long, max_branches=1)
+    cap = local_driver.settings.query_max_tokens
+    assert result.status == "ok" and result.evidence  # searched, not silently rejected
+    assert result.notes and f"to {cap} tokens" in result.notes[0]
+    assert result.to_dict()["notes"] == result.notes
+    sub = result.branches[0].subquery
+    assert local_driver.counter.count(sub) <= cap and sub.startswith(Q)
+    assert local_driver.search(Q, max_branches=1).notes == []
+
+
+def test_a_deadline_stops_local_branches(local_driver):
+    result = local_driver.search(Q, deadline_s=0)
+    assert result.status == "failed"
+    assert {b.status for b in result.branches} == {"timeout"}
+    assert result.evidence == []

@@ -12,6 +12,7 @@ from branchsearch.orchestrator.keys import AuthError, KeyStore, bearer, digest, 
 from branchsearch.orchestrator.limits import (ApiError, Concurrency, Limits, api_error,
                                               check_body_size, parse_search)
 from branchsearch.orchestrator.result import BranchReport
+from branchsearch.workers.harness import EpisodeResult
 
 
 def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
@@ -120,7 +121,8 @@ def test_replayed_events_are_ordered_and_framed():
              {"kind": "prune", "applied": ["d#p0"], "reason": "off topic", "tokens_before": 90,
               "tokens_after": 10},
              {"kind": "call", "tool": "finish", "args": {}, "ids": []}]
-    ok = BranchReport(0, "q", 1.0, "original", "ok", trace=trace)
+    ok = BranchReport(0, "q", 1.0, "original", "ok",
+                      episode=EpisodeResult("q", "finish", trace=trace))
     dead = BranchReport(1, "q2", 1.0, "entity", "error", error="BackendUnavailable: x")
     events = stream.replay_events(_Result([ok, dead]))
     assert [e["type"] for e in events] == ["plan", "branch_started", "branch_started", "search",

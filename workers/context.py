@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from branchsearch.infra.hits import Hit
 from branchsearch.workers.policy import VisibleChunk
 
 
@@ -47,17 +48,19 @@ class ActiveContext:
 
 
 class RetrievalCache:
-    def __init__(self) -> None:
-        self._chunks: dict[str, dict] = {}
+    """Retrieved chunks as the retriever returned them (`Hit`, full text), by chunk id."""
 
-    def add(self, cid: str, chunk: dict) -> bool:
+    def __init__(self) -> None:
+        self._chunks: dict[str, Hit] = {}
+
+    def add(self, hit: Hit) -> bool:
         """Store a chunk; False (and no change) if it was already cached."""
-        if cid in self._chunks:
+        if hit.chunk_id in self._chunks:
             return False
-        self._chunks[cid] = dict(chunk)
+        self._chunks[hit.chunk_id] = hit
         return True
 
-    def get(self, cid: str) -> dict | None:
+    def get(self, cid: str) -> Hit | None:
         return self._chunks.get(cid)
 
     def __contains__(self, cid: str) -> bool:
@@ -92,10 +95,6 @@ class Provenance:
 
     def of(self, cid: str) -> list[ProvenanceRecord]:
         return list(self._by_chunk.get(cid, ()))
-
-    def first(self, cid: str) -> ProvenanceRecord | None:
-        records = self._by_chunk.get(cid)
-        return records[0] if records else None
 
     def records(self) -> list[dict]:
         return [asdict(r) for r in self._records]

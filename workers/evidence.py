@@ -1,4 +1,9 @@
-"""Evidence: the ranked chunks a branch returns, grouped by document, with provenance."""
+"""Evidence: the ranked chunks a branch returns, each with its provenance.
+
+One chunk shape from the branch to the fused result: `{chunk_id, doc_id, title, text, rank,
+score, provenance}`. Branches return these flat, in rank order; only branch fusion
+(`orchestrator.result.fuse_branches`) groups chunks by document.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,17 @@ from branchsearch.workers.context import Provenance, RetrievalCache
 
 def build_evidence(ranked_ids: list[str], cache: RetrievalCache,
                    provenance: Provenance) -> list[dict]:
-    """Documents in order of their best chunk; chunk score = 1 / rank in the branch's ranking."""
-    docs: dict[str, dict] = {}
-    for rank, cid in enumerate(ranked_ids, start=1):
-        chunk = cache.get(cid)
-        if chunk is None:
+    """The ranked chunks with their text; chunk score = 1 / rank in the branch's ranking."""
+    out = []
+    for cid in ranked_ids:
+        hit = cache.get(cid)
+        if hit is None:
             continue
-        doc = docs.setdefault(chunk["doc_id"], {"doc_id": chunk["doc_id"],
-                                                "title": chunk["title"], "score": 1.0 / rank,
-                                                "chunks": []})
-        doc["chunks"].append({
-            "chunk_id": cid, "rank": rank, "score": round(1.0 / rank, 6), "text": chunk["text"],
+        rank = len(out) + 1
+        out.append({
+            "chunk_id": cid, "doc_id": hit.doc_id, "title": hit.title, "text": hit.text,
+            "rank": rank, "score": round(1.0 / rank, 6),
             "provenance": [
                 {"turn": r.turn, "tool": r.tool, "query": r.query, "rank": r.rank,
-                 "score": r.score, "parents": list(r.parents)} for r in provenance.of(cid)],
-        })
-    return list(docs.values())
+                 "score": r.score, "parents": list(r.parents)} for r in provenance.of(cid)]})
+    return out

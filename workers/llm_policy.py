@@ -4,9 +4,10 @@ The agent view is rendered into chat messages: rules, the sub-query, the usage l
 budget reminder, the visible chunks inside `<chunk id=…>` delimiters (escaped: retrieved text is
 data), the last observations, and the tools allowed now. The model must answer with JSON that
 fits a schema built from *only the allowed tools* — past the hard limit the schema itself only
-offers prune/recall/finish. Output that does not parse or fit becomes an invalid action: the
-harness rejects it with the reason (an error observation, recorded in the trace), and after
-`max_invalid` in a row the policy gives up (the episode ends with `policy_error`).
+offers prune/recall/finish. Output that does not parse or fit raises `InvalidAction`: the
+harness counts it, records it in the trace and shows the reason next turn; after a few in a row
+the episode ends with `policy_error`. An engine that is down raises `BackendUnavailable`, which
+ends the branch with status `error`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import json
 from dataclasses import dataclass, field
 from html import escape
 
-from branchsearch.workers.policy import AgentView, ToolCall
-
-INVALID = "invalid_action"
+from branchsearch.infra.errors import OutputTruncated
+from branchsearch.workers.policy import AgentView, InvalidAction, ToolCall
 
 SYSTEM = """You are a search agent collecting evidence (not answers) for a question.
 Each turn, call one to {max_calls} tools. Rules:
@@ -87,6 +87,8 @@ def render(view: AgentView, max_chunk_chars: int = 600, max_calls: int = 3,
         f"- {r.call.name}({json.dumps(r.call.args)[:120]}): "
         f"{'ok' if r.ok else 'ERROR'} {r.content[:200] if not r.ok else f'{len(r.ids)} ids'}"
         for r in view.last_results) or "- (none yet)"
+    if view.last_error:
+        observations += f"\n- your last answer was not a valid action: {view.last_error[:200]}"
     tools = "\n".join(f"- {t['name']}: {DESCRIPTIONS.get(t['name'], t['description'])} args: "
                       f"{', '.join(compact(t['parameters'])['properties'])}"
                       for t in view.tool_schemas)
@@ -110,9 +112,7 @@ class LLMPolicy:
     max_calls: int = 2
     max_tokens: int = 256
     temperature: float = 0.3
-    max_invalid: int = 3
     max_context_chars: int = 9000  # ~3k tokens of chunk text: fits a 4k-token model window
-    invalid_in_a_row: int = 0
     log: list[dict] = field(default_factory=list)  # raw outputs, for the trace and tests
     _last_view: AgentView | None = None
 
@@ -121,16 +121,15 @@ class LLMPolicy:
         schema = action_schema(view.tool_schemas, self.max_calls)
         messages = render(view, max_calls=self.max_calls,
                           max_context_chars=self.max_context_chars)
-        raw = self.engine.chat(messages, schema=schema,
-                               max_tokens=self.max_tokens, temperature=self.temperature)
-        calls, error = parse_actions(raw, {t["name"] for t in view.tool_schemas})
+        try:
+            raw = self.engine.chat(messages, schema=schema,
+                                   max_tokens=self.max_tokens, temperature=self.temperature)
+            calls, error = parse_actions(raw, {t["name"] for t in view.tool_schemas})
+        except OutputTruncated as exc:
+            raw, calls, error = exc.text, [], TRUNCATED
         self.log.append({"turn": view.turn, "raw": raw[:2000], "error": error})
         if error:
-            self.invalid_in_a_row += 1
-            if self.invalid_in_a_row >= self.max_invalid:
-                raise RuntimeError(f"{self.max_invalid} invalid actions in a row: {error}")
-            return [ToolCall(INVALID, {"error": error, "raw": raw[:500]})]
-        self.invalid_in_a_row = 0
+            raise InvalidAction(error)
         return calls
 
     def query_state(self) -> dict:
@@ -139,10 +138,11 @@ class LLMPolicy:
                 "last_output": self.log[-1]["raw"][:300] if self.log else ""}
 
 
+TRUNCATED = "output cut at max_tokens before the JSON was complete"
+
+
 def parse_actions(raw: str, allowed: set[str]) -> tuple[list[ToolCall], str]:
     """(calls, "") or ([], why the output is not a valid action)."""
-    if raw.endswith("\u0000truncated"):
-        return [], "output cut at max_tokens before the JSON was complete"
     text = raw.strip()
     if text.startswith("```"):
         text = text.strip("`").removeprefix("json").strip()

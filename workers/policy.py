@@ -1,7 +1,8 @@
 """The seam between the harness and whatever decides: the agent's view, tool calls, results.
 
-A policy is anything with `decide(view) -> list[ToolCall]` and `query_state() -> dict`.
-Implementations (heuristic, LLM, the scripted one in tests) never inherit from each other.
+A policy is anything with `decide(view) -> list[ToolCall]` and `query_state() -> dict`; output
+that is no valid action raises `InvalidAction`. Implementations (heuristic, LLM, the scripted one
+in `workers.scripted`) never inherit from each other.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class AgentView:
     last_results: list[ToolResult]
     reminder: str = ""
     tool_schemas: list[dict] = field(default_factory=list)
+    last_error: str = ""  # why the policy's last output was not a valid action
+
+
+class InvalidAction(Exception):
+    """Raised by a policy whose output is not a valid action (unparseable, cut at max_tokens,
+    a tool not allowed now). The harness counts it, records it in the trace and shows the message
+    to the policy next turn (`AgentView.last_error`); several in a row end the episode."""
 
 
 class Policy(Protocol):

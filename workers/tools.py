@@ -1,22 +1,26 @@
-"""The branch agent's tools: a JSON schema beside each, a fetch step and an apply step.
+"""The branch agent's tools: functions over a `Workspace`, a JSON schema beside each.
 
-`fetch(ep, args)` describes the retriever request `(method, args, kwargs)` and touches no
-episode state, so the harness runs the requests of one turn together (concurrently, or as one
-round trip to a remote retriever); `apply(ep, args, fetched)` gets the value, or the exception
-the request raised, changes the stores and runs in call order.
-Tools return a `ToolResult`; a rule they enforce is an `Rejected` with the message to show.
+A tool has an `apply(ws, args, fetched) -> ToolResult` step that changes the workspace, and the
+retrieving tools a `fetch(ws, args)` step before it that only *describes* the retriever request
+`(method, args, kwargs)`, so the harness runs the requests of one turn together (concurrently,
+or in one round trip to a remote retriever) and then applies the calls in order. A rule a tool
+enforces is a `Rejected` with the message to show.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from branchsearch.infra.hits import Hit
+from branchsearch.infra.telemetry import tracer
+from branchsearch.workers.context import ProvenanceRecord
 from branchsearch.workers.policy import ToolCall, ToolResult
+from branchsearch.workers.workspace import Workspace
 
-if TYPE_CHECKING:
-    from branchsearch.workers.harness import Episode
+QUERY_MAX_CHARS = 500  # the search cap: a longer query is rejected (questions are cut to fit)
 
 
 class Rejected(Exception):
@@ -28,14 +32,147 @@ class Tool:
     name: str
     description: str
     parameters: dict
-    apply: Callable[["Episode", dict, Any], ToolResult]
-    fetch: Callable[["Episode", dict], tuple] | None = None
+    apply: Callable[[Workspace, dict, Any], ToolResult]
+    fetch: Callable[[Workspace, dict], tuple] | None = None
 
     @property
     def schema(self) -> dict:
         return {"name": self.name, "description": self.description,
                 "parameters": self.parameters}
 
+
+# --- search_corpus / grep_corpus / read_document: fetch, then show --------------------------
+
+def fetch_search(ws: Workspace, args: dict) -> tuple:
+    return ("search", (args["query"],), {
+        "mode": args.get("mode", ws.settings.search_mode), "k": args.get("k", ws.settings.search_k),
+        "exclude_ids": ws.cache.ids(), "acl_groups": ws.acl_groups})
+
+
+def fetch_grep(ws: Workspace, args: dict) -> tuple:
+    return ("grep", (args["pattern"],), {"k": args.get("k", ws.settings.search_k),
+                                         "exclude_ids": ws.cache.ids(),
+                                         "acl_groups": ws.acl_groups})
+
+
+def fetch_read(ws: Workspace, args: dict) -> tuple:
+    start = args.get("start", 0)  # the retriever checks the caller's groups before the fetch
+    return ("read_document", (args["doc_id"], start, start + args.get("count", 3)),
+            {"acl_groups": ws.acl_groups})
+
+
+def _shown(ws: Workspace, call: ToolCall, hits: list[Hit], query: str, empty: str,
+           **show) -> ToolResult:
+    added = ws.show(hits, tool=call.name, query=query,
+                    parents=ws.known(call.args.get("from_ids", [])), **show)
+    ws.emit({"type": "search", "tool": call.name, "query": query, "new_ids": added})
+    if not added:
+        return ToolResult(call, True, empty)
+    return ToolResult(call, True, ws.render(added), added)
+
+
+def apply_search(ws: Workspace, args: dict, hits) -> ToolResult:
+    if isinstance(hits, Exception):  # BadQuery, e.g. an unknown mode
+        raise Rejected(str(hits))
+    return _shown(ws, ToolCall("search_corpus", args), hits, args["query"], "No new results.")
+
+
+def apply_grep(ws: Workspace, args: dict, hits) -> ToolResult:
+    if isinstance(hits, Exception):  # BadQuery, e.g. an invalid regex
+        raise Rejected(str(hits))
+    return _shown(ws, ToolCall("grep_corpus", args), hits, args["pattern"], "No new results.")
+
+
+def apply_read(ws: Workspace, args: dict, doc) -> ToolResult:
+    if isinstance(doc, Exception):  # unknown, or not visible to the caller: the same message
+        raise Rejected(str(doc))
+    hits = [Hit(c["chunk_id"], doc["doc_id"], 0.0, i + 1, "read", c["text"], doc["title"])
+            for i, c in enumerate(doc["chunks"])]
+    return _shown(ws, ToolCall("read_document", args), hits, args["doc_id"],
+                  "No new chunks in that window.", cap=ws.settings.read_window_tokens,
+                  allow_cached=True)
+
+
+# --- prune_chunks / recall_chunks / finish --------------------------------------------------
+
+def apply_prune(ws: Workspace, args: dict, _=None) -> ToolResult:
+    """Three layers: the policy proposed `ids`; validate and apply here; record it all."""
+    ids, reason = args["ids"], args["reason"]
+    before = ws.used
+    applied, rejected = [], {}
+    for cid in dict.fromkeys(ids):
+        if cid not in ws.cache:
+            rejected[cid] = "unknown chunk id"
+        elif cid not in ws.context:
+            rejected[cid] = "not visible (already pruned)"
+        else:
+            applied.append(cid)
+    if applied and len(applied) == len(ws.context):
+        rejected[applied.pop()] = "last evidence in context"
+    ws.context.remove(applied)
+    ws.pruned += applied
+    ws.progress |= bool(applied)
+    after, state = ws.used, ws.query_state()
+    ws.trace.record("prune", turn=ws.turn, proposed=list(ids), applied=applied,
+                    rejected=rejected, reason=reason, tokens_before=before,
+                    tokens_after=after, query_state=state)
+    with tracer().start_as_current_span("prune") as span:
+        span.set_attributes({
+            "prune.proposed_ids": list(ids), "prune.applied_ids": applied,
+            "prune.rejected_ids": list(rejected),
+            "prune.rejected_reasons": json.dumps(rejected), "prune.reason": reason,
+            "prune.tokens_before": before, "prune.tokens_after": after,
+            "prune.query_state": json.dumps(state, default=str)[:4000]})
+    ws.emit({"type": "prune", "ids": applied, "reason": reason, "tokens_before": before,
+             "tokens_after": after})
+    lines = [f"Pruned {len(applied)} chunk(s)."]
+    lines += [f"Not pruned {cid}: {why}" for cid, why in rejected.items()]
+    ok = bool(applied) or not rejected
+    return ToolResult(ToolCall("prune_chunks", args), ok,
+                      ("" if ok else "Error: ") + " ".join(lines), applied)
+
+
+def apply_recall(ws: Workspace, args: dict, _=None) -> ToolResult:
+    ids = args["ids"]
+    restored, problems = [], []
+    for cid in dict.fromkeys(ids):
+        hit = ws.cache.get(cid)
+        if hit is None:
+            problems.append(f"{cid}: unknown chunk id")
+            continue
+        if cid in ws.context:
+            problems.append(f"{cid}: already visible")
+            continue
+        chunk = ws.visible_chunk(hit, *ws.counter.cut(hit.text, ws.settings.result_token_cap)[:2])
+        if chunk.tokens > ws.budget.room(ws.used):
+            problems.append(f"{cid}: does not fit the budget {ws.budget.usage_line(ws.used)}")
+            continue
+        ws.context.add(chunk)
+        ws.provenance.add(ProvenanceRecord(cid, ws.turn, "recall_chunks", "", 0, 0.0))
+        restored.append(cid)
+    ws.progress |= bool(restored)
+    ws.trace.record("recall", turn=ws.turn, proposed=list(ids), applied=restored,
+                    rejected=problems)
+    if not restored:
+        raise Rejected("nothing recalled: " + "; ".join(problems))
+    text = ws.render(restored)
+    if problems:
+        text += "\nNot recalled: " + "; ".join(problems)
+    return ToolResult(ToolCall("recall_chunks", args), True, text, restored)
+
+
+def apply_finish(ws: Workspace, args: dict, _=None) -> ToolResult:
+    ids, reason = args["ids"], args.get("reason", "")
+    known = [cid for cid in dict.fromkeys(ids) if cid in ws.cache]
+    unknown = [cid for cid in ids if cid not in ws.cache]
+    ws.finish_ids = known
+    ws.trace.record("finish", turn=ws.turn, ids=known, unknown=unknown, reason=reason)
+    note = f" Ignored unknown ids: {', '.join(unknown)}." if unknown else ""
+    return ToolResult(ToolCall("finish", args), True,
+                      f"Finished with {len(known)} chunk(s).{note}", known)
+
+
+# --- the table -------------------------------------------------------------------------------
 
 def _obj(properties: dict, required: list[str]) -> dict:
     return {"type": "object", "properties": properties, "required": required,
@@ -46,118 +183,42 @@ _IDS = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems":
 _FROM = {"type": "array", "items": {"type": "string"}, "maxItems": 20,
          "description": "chunk ids whose content led to this call (provenance)"}
 
-
-# --- search_corpus / grep_corpus -------------------------------------------------------------
-
-def _fetch_search(ep: "Episode", args: dict) -> tuple:
-    return ("search", (args["query"],), {
-        "mode": args.get("mode", ep.settings.search_mode), "k": args.get("k", ep.settings.search_k),
-        "exclude_ids": ep.cache.ids(), "acl_groups": ep.acl_groups})
-
-
-def _fetch_grep(ep: "Episode", args: dict) -> tuple:
-    return ("grep", (args["pattern"],), {"k": args.get("k", ep.settings.search_k),
-                                         "exclude_ids": ep.cache.ids(),
-                                         "acl_groups": ep.acl_groups})
-
-
-def _apply_hits(ep: "Episode", args: dict, hits, tool: str, query: str) -> ToolResult:
-    call = ToolCall(tool, args)
-    if isinstance(hits, Exception):  # BadQuery (e.g. an invalid regex) or a backend failure
-        raise Rejected(str(hits))
-    parents = ep.known_parents(args.get("from_ids", []))
-    added = ep.add_hits(hits, tool=tool, query=query, parents=parents)
-    if not added:
-        return ToolResult(call, True, "No new results.")
-    return ToolResult(call, True, ep.render_chunks(added), added)
-
-
-def _apply_search(ep, args, hits):
-    return _apply_hits(ep, args, hits, "search_corpus", args["query"])
-
-
-def _apply_grep(ep, args, hits):
-    return _apply_hits(ep, args, hits, "grep_corpus", args["pattern"])
-
-
-# --- read_document ---------------------------------------------------------------------------
-
-def _fetch_read(ep: "Episode", args: dict) -> tuple:
-    start = args.get("start", 0)
-    return ("read_document", (args["doc_id"], start, start + args.get("count", 3)), {})
-
-
-def _apply_read(ep: "Episode", args: dict, doc) -> ToolResult:
-    if isinstance(doc, Exception):
-        raise Rejected(str(doc))
-    from branchsearch.infra.backends import acl_visible
-
-    if not acl_visible(doc["acl"], ep.acl_groups):
-        raise Rejected(f"unknown document id {args['doc_id']!r}")  # never reveal ACL'd docs
-    from branchsearch.infra.hits import Hit
-
-    hits = [Hit(c["chunk_id"], doc["doc_id"], 0.0, i + 1, "read", c["text"], doc["title"])
-            for i, c in enumerate(doc["chunks"])]
-    added = ep.add_hits(hits, tool="read_document", query=args["doc_id"],
-                        parents=ep.known_parents(args.get("from_ids", [])),
-                        cap=ep.settings.read_window_tokens, allow_cached=True)
-    if not added:
-        return ToolResult(ToolCall("read_document", args), True, "No new chunks in that window.")
-    return ToolResult(ToolCall("read_document", args), True, ep.render_chunks(added), added)
-
-
-# --- prune / recall / finish -----------------------------------------------------------------
-
-def _apply_prune(ep: "Episode", args: dict, _=None) -> ToolResult:
-    return ep.prune(args["ids"], args["reason"])
-
-
-def _apply_recall(ep: "Episode", args: dict, _=None) -> ToolResult:
-    return ep.recall(args["ids"])
-
-
-def _apply_finish(ep: "Episode", args: dict, _=None) -> ToolResult:
-    return ep.finish(args["ids"], args.get("reason", ""))
-
-
 TOOLS: dict[str, Tool] = {t.name: t for t in [
     Tool("search_corpus",
          "Hybrid BM25 + dense search. Returns only chunks not seen before in this episode.",
-         _obj({"query": {"type": "string", "minLength": 1, "maxLength": 500},
+         _obj({"query": {"type": "string", "minLength": 1, "maxLength": QUERY_MAX_CHARS},
                "k": {"type": "integer", "minimum": 1, "maximum": 20},
                "mode": {"enum": ["hybrid", "bm25", "dense"]}, "from_ids": _FROM}, ["query"]),
-         _apply_search, _fetch_search),
+         apply_search, fetch_search),
     Tool("grep_corpus",
          "Chunks containing a term that matches a regex (whole lower-cased terms, e.g. "
          "'acme.*', '19[0-9]{2}'). Returns only chunks not seen before.",
          _obj({"pattern": {"type": "string", "minLength": 1, "maxLength": 200},
                "k": {"type": "integer", "minimum": 1, "maximum": 20}, "from_ids": _FROM},
               ["pattern"]),
-         _apply_grep, _fetch_grep),
+         apply_grep, fetch_grep),
     Tool("read_document", "Read a window of chunks of one document by id; chunks already "
                           "visible as snippets are shown in full.",
          _obj({"doc_id": {"type": "string", "minLength": 1},
                "start": {"type": "integer", "minimum": 0},
                "count": {"type": "integer", "minimum": 1, "maximum": 10}, "from_ids": _FROM},
               ["doc_id"]),
-         _apply_read, _fetch_read),
+         apply_read, fetch_read),
     Tool("prune_chunks", "Remove chunks from the visible context by id (they stay recallable).",
          _obj({"ids": _IDS, "reason": {"type": "string", "minLength": 1, "maxLength": 500}},
               ["ids", "reason"]),
-         _apply_prune),
+         apply_prune),
     Tool("recall_chunks", "Bring pruned chunks back into the context by id, without a search.",
-         _obj({"ids": _IDS}, ["ids"]), _apply_recall),
+         _obj({"ids": _IDS}, ["ids"]), apply_recall),
     Tool("finish", "Stop and return the supporting chunk ids, best first.",
          _obj({"ids": {**_IDS, "minItems": 0}, "reason": {"type": "string", "maxLength": 500}},
               ["ids"]),
-         _apply_finish),
+         apply_finish),
 ]}
 
 
 def validate_args(call: ToolCall) -> None:
     """Raise Rejected with a readable message if the call does not fit its tool's schema."""
-    if call.name == "invalid_action":  # a model output that did not parse (see llm_policy)
-        raise Rejected(f"invalid action: {call.args.get('error', 'unparseable output')}")
     tool = TOOLS.get(call.name)
     if tool is None:
         raise Rejected(f"unknown tool {call.name!r}; tools: {', '.join(TOOLS)}")
@@ -170,3 +231,15 @@ def validate_args(call: ToolCall) -> None:
     if errors:
         where = "/".join(str(p) for p in errors[0].path) or "arguments"
         raise Rejected(f"{call.name}: invalid {where}: {errors[0].message}")
+
+
+def fit_query(text: str, counter, max_tokens: int, max_chars: int = QUERY_MAX_CHARS
+              ) -> tuple[str, int]:
+    """`text` cut to `max_tokens` tokens (and the search cap in characters, at a word);
+    returns (text, tokens it had)."""
+    text = " ".join(text.split())
+    tokens = counter.encode(text)
+    cut = counter.decode(tokens[:max_tokens]) if len(tokens) > max_tokens else text
+    if len(cut) > max_chars:
+        cut = cut[:max_chars].rsplit(" ", 1)[0] or cut[:max_chars]
+    return cut.strip(), len(tokens)

@@ -1,14 +1,19 @@
-"""A deterministic scripted policy: replays fixed turns of tool calls (tests only)."""
+"""Policies for testing the loop without a model (as OpenTelemetry ships an in-memory exporter).
+
+`ScriptedPolicy` replays fixed turns of tool calls, deterministically; `RaisingPolicy` and
+`SlowPolicy` are a crashed and a late branch; `faulty_factory` mixes them for driver tests.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from branchsearch.workers.policy import AgentView, ToolCall
+from branchsearch.workers.policy import AgentView, InvalidAction, ToolCall
 
 
 class ScriptedPolicy:
-    """Each turn is a list of ToolCalls, or a function of the view returning one."""
+    """Each turn is a list of ToolCalls, or a function of the view returning one; a turn that
+    is an `InvalidAction` instance is raised (an output that did not parse)."""
 
     def __init__(self, turns: list[list[ToolCall] | Callable[[AgentView], list[ToolCall]]]):
         self.turns = list(turns)
@@ -19,6 +24,8 @@ class ScriptedPolicy:
         if not self.turns:
             return []
         turn = self.turns.pop(0)
+        if isinstance(turn, InvalidAction):
+            raise turn
         return turn(view) if callable(turn) else turn
 
     def query_state(self) -> dict:

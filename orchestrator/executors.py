@@ -1,0 +1,253 @@
+"""Two executors behind one interface: `run(tasks, ...) -> [BranchReport]`, `close()`.
+
+* `LocalExecutor` — `run_branch` in this process, one branch after another, over one
+  `Retriever` (no Ray; the baseline and the laptop path).
+* `RayExecutor` — `run_branch` inside `BranchActor`s from a pool, retrieval in one
+  `RetrieverActor`, LLM engines in named engine actors; every actor counted by
+  `orchestrator.cluster.plan_actors` before any starts, every start awaited with a timeout.
+
+`make_executor` is the one place that picks between them. A branch that raises or misses its
+deadline is reported in its `BranchReport.status`; the others still count.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from branchsearch.infra import telemetry
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.settings import Settings
+from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
+
+MODES = ("ray", "local")
+Events = Callable[[dict], None] | None
+
+
+class Executor(Protocol):
+    def run(self, tasks: list[BranchTask], *, settings: Settings,
+            policy_factory: Callable | None = None, on_event: Events = None
+            ) -> list[BranchReport]:
+        """Run every task; one report per task, in order, whatever happened to it."""
+
+    def close(self) -> None: ...
+
+
+def choose_mode(requested: str, settings: Settings) -> str:
+    """The executor to use: one branch needs no cluster (unless one was named)."""
+    if requested not in MODES:
+        raise BranchsearchError(f"unknown executor {requested!r}; use ray or local")
+    if requested == "ray" and settings.branches == 1 and not settings.ray_address:
+        return "local"
+    return requested
+
+
+def make_executor(settings: Settings, mode: str, *, pool_size: int | None = None) -> Executor:
+    if mode == "local":
+        return LocalExecutor(settings)
+    if mode == "ray":
+        return RayExecutor(settings, pool_size or settings.branches
+                           * max(settings.batch_concurrency, 1))
+    raise BranchsearchError(f"unknown executor {mode!r}; use ray or local")
+
+
+def _emit(on_event: Events, event: dict) -> None:
+    if on_event is not None:
+        try:
+            on_event(event)
+        except Exception:  # noqa: BLE001 — a watcher never breaks the search
+            pass
+
+
+def _done_event(report: BranchReport) -> dict:
+    return {"type": "branch_done", "branch": report.index, "status": report.status,
+            "error": report.error, "termination": report.termination, "turns": report.turns,
+            "context_tokens_final": report.context_tokens_final,
+            "tokens_read": report.tokens_read, "latency_s": round(report.latency_s, 4)}
+
+
+class LocalExecutor:
+    def __init__(self, settings: Settings):
+        from branchsearch.infra.retriever import open_retriever
+
+        self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+
+    def run(self, tasks: list[BranchTask], *, settings: Settings,
+            policy_factory: Callable | None = None, on_event: Events = None
+            ) -> list[BranchReport]:
+        reports = []
+        for task in tasks:
+            if task.deadline is not None and time.time() >= task.deadline:
+                report = BranchReport(task.index, task.subquery, task.weight, task.kind,
+                                      "timeout", "not started before the deadline")
+            else:
+                _emit(on_event, {"type": "branch_started", "branch": task.index,
+                                 "subquery": task.subquery})
+                report = run_branch(task, self.retriever, settings,
+                                    policy_factory=policy_factory, on_event=on_event)
+            _emit(on_event, _done_event(report))
+            reports.append(report)
+        return reports
+
+    def close(self) -> None:
+        self.retriever.close()
+
+
+class RayExecutor:
+    POLL_S = 0.2  # how often branch events are collected while branches run
+
+    def __init__(self, settings: Settings, pool_size: int):
+        from branchsearch.orchestrator.cluster import connect, plan_actors
+        from branchsearch.workers.actor import BranchActor, RetrieverActor
+
+        self.settings = settings
+        self.resources = connect(settings)
+        engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
+                   and not settings.llm_url else 0)
+        plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines)
+        self.engines: list = []
+        if engines:
+            from branchsearch.workers.engine_actor import start_engines
+
+            self.engines = start_engines(settings, self.resources, list(plan.engines))
+            self._wait_started([e.stats.remote() for e in self.engines],
+                               f"{engines} LLM engine actor(s)")
+        # each actor gets the secrets it needs, no others
+        self.retriever = RetrieverActor.options(
+            max_concurrency=16, max_restarts=settings.branch_retries,
+            **plan.retriever).remote(settings.replace(llm_api_key=""))
+        self._wait_started([self.retriever.ping.remote()], "the retriever actor")
+        branch_settings = settings.replace(es_api_key="", milvus_token="")
+        self._new_branch = lambda: BranchActor.options(
+            max_restarts=settings.branch_retries, **plan.branch).remote(branch_settings,
+                                                                        self.retriever)
+        # the pool grows on demand up to the plan's size; one question's worth starts now
+        self._idle = [self._new_branch() for _ in range(min(settings.branches,
+                                                            plan.branch_actors))]
+        self._created = len(self._idle)
+        self._cond = threading.Condition()
+        self._wait_started([a.ping.remote() for a in self._idle],
+                           f"{len(self._idle)} branch actor(s)")
+
+    def _wait_started(self, refs: list, what: str) -> None:
+        """Wait for actors to answer, at most `actor_start_timeout_s`: a plan the cluster
+        cannot place fails here with one line instead of hanging."""
+        import ray
+
+        timeout = self.settings.actor_start_timeout_s
+        try:
+            ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            have = {k: v for k, v in self.resources.items() if k in ("CPU", "GPU")}
+            raise BackendUnavailable(
+                f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, the "
+                f"plan asks {self.plan.demand()}; see `ray status`, or raise "
+                "actor_start_timeout_s)") from None
+
+    # --- the pool ------------------------------------------------------------------------------
+
+    def _acquire(self, n: int) -> list:
+        """n branch actors at once (all or none, so concurrent questions cannot deadlock
+        holding part of the pool each); new ones start while the pool may still grow."""
+        limit = self.plan.branch_actors
+        with self._cond:
+            while len(self._idle) + limit - self._created < n:
+                self._cond.wait()
+            while len(self._idle) < n:
+                self._idle.append(self._new_branch())
+                self._created += 1
+            taken, self._idle = self._idle[:n], self._idle[n:]
+            return taken
+
+    def _release(self, actor) -> None:
+        with self._cond:
+            self._idle.append(actor)
+            self._cond.notify_all()
+
+    # --- running -------------------------------------------------------------------------------
+
+    def run(self, tasks: list[BranchTask], *, settings: Settings,
+            policy_factory: Callable | None = None, on_event: Events = None
+            ) -> list[BranchReport]:
+        import ray
+
+        if len(tasks) > self.plan.branch_actors:
+            raise BranchsearchError(f"{len(tasks)} branches need as many branch actors; the "
+                                    f"pool holds {self.plan.branch_actors} on this cluster")
+        carrier = telemetry.current_carrier()
+        actors = self._acquire(len(tasks))
+        stream = on_event is not None
+        refs = [a.run.remote(t, carrier, policy_factory, stream) for a, t in zip(actors, tasks)]
+        for t in tasks:
+            _emit(on_event, {"type": "branch_started", "branch": t.index,
+                             "subquery": t.subquery})
+        timeout = settings.branch_timeout_s
+        deadline = min([t.deadline for t in tasks if t.deadline is not None], default=None)
+        if deadline is not None:
+            timeout = max(min(timeout, deadline - time.time()), 0.0)
+        done = self._wait(refs, actors, timeout, on_event)
+        reports = []
+        for actor, task, ref in zip(actors, tasks, refs):
+            if ref not in done:
+                report = BranchReport(task.index, task.subquery, task.weight, task.kind,
+                                      "timeout", f"no result within {timeout:g} s")
+                ray.kill(actor)  # it is still busy: replace it
+                self._release(self._new_branch())
+            else:
+                report = self._collect(task, actor, ref)
+            _emit(on_event, _done_event(report))
+            reports.append(report)
+        return reports
+
+    def _wait(self, refs: list, actors: list, timeout: float, on_event: Events) -> set:
+        """The refs that finished within `timeout`; meanwhile, with a watcher, the branches'
+        events are drained every POLL_S and passed on."""
+        import ray
+
+        if on_event is None:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            return set(ready)
+        end, done = time.monotonic() + timeout, set()
+        while True:
+            left = end - time.monotonic()
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(min(self.POLL_S,
+                                                                              left), 0))
+            try:
+                for batch in ray.get([a.events.remote() for a in actors], timeout=10):
+                    for event in batch:
+                        _emit(on_event, event)
+            except ray.exceptions.RayError:
+                pass  # a dead actor's events are lost; its report says what happened
+            done = set(ready)
+            if len(done) == len(refs) or left <= 0:
+                return done
+
+    def _collect(self, task: BranchTask, actor, ref) -> BranchReport:
+        import ray
+
+        try:
+            report = ray.get(ref)
+            self._release(actor)
+            return report
+        except ray.exceptions.RayActorError as exc:
+            error = f"actor died: {exc}"[:500]
+            self._release(self._new_branch())
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            error = f"{type(cause).__name__}: {cause}"[:500]
+            self._release(actor)
+        return BranchReport(task.index, task.subquery, task.weight, task.kind, "error", error)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.retriever.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 — already dead: nothing to release
+            pass
+        keep = self.engines if self.settings.llm_detached else []
+        for actor in self._idle + [self.retriever] + [e for e in self.engines if e not in keep]:
+            ray.kill(actor)
+        self._idle = []
