@@ -83,8 +83,16 @@ def _check_folder(out: Path, need_bytes: int) -> None:
         raise SynthError(f"synth: no permission to write in {base}")
     free = shutil.disk_usage(base).free
     if free < need_bytes + SPARE_BYTES:
-        raise SynthError(f"synth: {need_bytes / 1e6:,.0f} MB needed in {base} but only "
-                         f"{free / 1e6:,.0f} MB free (keeping {SPARE_BYTES >> 20} MB spare)")
+        raise SynthError(f"synth: not enough free space in {base}: the corpus needs about "
+                         f"{_size(need_bytes)} plus {_size(SPARE_BYTES)} kept spare, "
+                         f"{_size(free)} free")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _unique(rng: random.Random, make, seen: set) -> str:
