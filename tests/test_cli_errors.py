@@ -160,6 +160,8 @@ def test_backend_down_on_the_ray_executor(tmp_path):
     assert done.returncode == 2, done.stderr[-1500:]
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if len(errors) == 1 and "cannot start a local cluster" in errors[0]:
+        pytest.skip(f"this machine could not start Ray (not the case under test): {errors[0]}")
     assert len(errors) == 1 and "127.0.0.1:9" in errors[0], done.stderr[-1500:]
 
 
