@@ -33,6 +33,7 @@ class EngineStats:
     requests: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
+    batches: int = 0  # engine calls (a batch of requests each); requests / batches = mean batch
 
 
 class OpenAIEngine:
@@ -166,6 +167,7 @@ class VLLMEngine:
         outputs = llm.chat([r[0] for r in requests], params, use_tqdm=False)
         self.stats.seconds += time.perf_counter() - started
         self.stats.requests += len(requests)
+        self.stats.batches += 1
         self.stats.completion_tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
         return [o.outputs[0].text if o.outputs[0].finish_reason != "length"
                 else OutputTruncated(o.outputs[0].text) for o in outputs]

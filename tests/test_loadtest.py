@@ -1,6 +1,7 @@
 """Load testing: the arrival process, the statistics by hand, knee and SLO on synthetic curves,
 the generator's open-loop timing (no coordinated omission), and short real runs against the
-in-process driver, a live loopback HTTP service and Locust. Every request goes to loopback."""
+in-process driver, the live service (`branchsearch serve`'s app under uvicorn) and Locust against
+it. Every request goes to loopback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -86,9 +86,10 @@ def test_summary_by_hand_counts_latency_from_the_scheduled_time():
     assert out["latency_ms"]["p99"] == pytest.approx(np.percentile(lat, 99) * 1000)
     assert out["latency_ms"]["max"] == pytest.approx(1600)
     assert out["offered_rate"] == 1.0 and out["sent"] == 5 and out["ok"] == 3
-    # completions at 100.2, 101.4, 103.3, 103.6: 3 gaps over 3.4 s; 3 of 4 ok
-    assert out["throughput_rate"] == pytest.approx(3 / 3.4, abs=1e-4)
-    assert out["achieved_rate"] == pytest.approx(3 / 3.4 * 3 / 4, abs=1e-4)
+    # completions at 100.2, 101.4, 103.3, 103.6: a span of 3.4 s, plus the mean arrival gap
+    # (5 s / 5 sent) for the n-th; 3 of the 4 answers ok
+    assert out["throughput_rate"] == pytest.approx(4 / 4.4, abs=1e-4)
+    assert out["achieved_rate"] == pytest.approx(3 / 4.4, abs=1e-4)
     assert out["errors"] == {"dropped": 1, "partial": 1} and out["error_rate"] == 0.4
     assert out["branch_errors"] == {"branch_timeout": 1}
     assert out["send_lag_ms"]["max"] == pytest.approx(1500)
@@ -159,6 +160,11 @@ def test_classify_derives_status_and_stages_from_the_result():
     assert classify({**result, "status": "failed"})["outcome"] == "failed"  # reported wins
     assert stage_times({"branches": [{"status": "ok", "latency_s": 0.4}]}) == \
         {"slowest_branch": 0.4}
+    assert stage_times({"metrics": {"latency_s": 0.5, "branch_latency_s_max": 0.4}}) == \
+        pytest.approx({"server": 0.5, "slowest_branch": 0.4, "outside_branches": 0.1})
+    # branches one after another (sum 0.9 s within the 1.0 s total): 0.1 s outside them
+    sequential = {"latency_s": 1.0, "branch_latency_s_max": 0.5, "branch_latency_s_sum": 0.9}
+    assert stage_times({"metrics": sequential})["outside_branches"] == pytest.approx(0.1)
 
 
 def test_workload_reads_beir_and_plain_jsonl_and_is_seeded(tmp_path):
@@ -266,12 +272,18 @@ def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver
 
     from conftest import HOTPOT
 
-    spec = LoadSpec("open", (arrivals.Step(2.0, 3.0),), drain_s=5.0, warmup=1)
+    # 1/s for 3 s: three requests; the drain is generous (a shared 2-core machine is slow) but
+    # bounded, and whatever it cuts off must show as unfinished, not vanish
+    spec = LoadSpec("open", (arrivals.Step(1.0, 3.0),), process="constant", drain_s=20.0,
+                    warmup=1)
     started = time.monotonic()
     out = Generator(DriverTarget(local_driver), Workload(read_questions(HOTPOT)), spec).run()
-    assert time.monotonic() - started < 1 + 3 + 5 + 10  # warm-up, step, drain, slack
+    step_wall = out["steps"][0]["wall_s"]
+    assert step_wall < 3 + 20 + 1  # the step, its drain, slack
+    assert time.monotonic() - started < step_wall + 60  # and the warm-up request
     s = out["steps"][0]
-    assert s["sent"] >= 2 and s["ok"] == s["sent"] - s["errors"].get("partial", 0)
+    assert s["sent"] == 3 and s["ok"] >= 1
+    assert set(s["errors"]) <= {"unfinished"}, s["errors"]
     assert s["latency_ms"]["p50"] > 0 and s["tokens_read_per_s"] > 0
     assert {"slowest_branch", "server", "backend", "policy"} <= set(s["stages_ms"])
     report = {"command": "test", "started": "now", "machine": {"cpus": 2, "platform": "x",
@@ -284,54 +296,29 @@ def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver
     assert [Path(p).name for p in report["plots"]] == ["latency.png", "throughput.png",
                                                        "cdf.png"]
     md = rep.write(report, tmp_path / "lt.json").read_text()
-    assert "| offered rate (req/s) |" in md and "**Knee**" in md
+    assert "| target rate (req/s) | offered/s |" in md and "**Knee**" in md
     assert json.loads((tmp_path / "lt.json").read_text())["steps"][0]["sent"] == s["sent"]
 
 
-class _Service(BaseHTTPRequestHandler):
-    """The service contract in miniature (POST /v1/search with a bearer key, JSON errors,
-    GET /metrics) around the in-process driver."""
-
-    driver = None
-    key = "k-test"
-    searches = 0
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status: int, body: str, kind: str = "application/json") -> None:
-        data = body.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        if self.path == "/metrics":
-            self._send(200, f"# TYPE branchsearch_searches_total counter\n"
-                            f"branchsearch_searches_total{{status=\"ok\"}} "
-                            f"{type(self).searches}\n", "text/plain")
-        else:
-            self._send(404, json.dumps({"error": "not_found", "detail": self.path}))
-
-    def do_POST(self):
-        if self.headers.get("Authorization") != f"Bearer {self.key}":
-            return self._send(401, json.dumps({"error": "unauthorized", "detail": "bad key"}))
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        result = self.driver.search(body["question"], max_branches=body.get("branches"))
-        type(self).searches += 1
-        self._send(200, json.dumps(result.to_dict(), default=str))
-
-
 @pytest.fixture(scope="module")
-def live_service(local_driver):
-    handler = type("Handler", (_Service,), {"driver": local_driver})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def live_service(hotpot_settings, tmp_path_factory):
+    """`branchsearch serve`'s app (uvicorn, in-process executor) on loopback, with one key, over
+    its own copy of hotpot-mini (a Milvus Lite file has one owner)."""
+    from branchsearch.orchestrator import service
+    from branchsearch.orchestrator.keys import KeyStore
+
+    from conftest import ingest_copy
+    from service_fixtures import start_uvicorn
+
+    settings = ingest_copy(hotpot_settings, "lt-svc").replace(branches=2)
+    keys = tmp_path_factory.mktemp("lt-keys") / "keys.json"
+    key = KeyStore(keys).add("loadtest", ())
+    state = service.local_state(settings, executor="local", keys_path=keys)
+    state.backend.searcher.driver(settings.index)  # opened before any clock runs
+    server = start_uvicorn(service.create_app(state), state)
+    yield server.url, key
+    server.stop()
+    state.backend.searcher.close()
 
 
 def test_short_real_run_against_a_live_service_stops_on_time(live_service):
@@ -339,18 +326,20 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
 
     from conftest import HOTPOT
 
-    target = HttpTarget(live_service, "k-test", branches=1)
-    spec = LoadSpec("closed", (arrivals.Step(2, 2.0),), drain_s=5.0, warmup=0)
-    started = time.monotonic()
+    url, key = live_service
+    target = HttpTarget(url, key, branches=1)
+    spec = LoadSpec("closed", (arrivals.Step(2, 2.0),), drain_s=20.0, warmup=0)
     out = Generator(target, Workload(read_questions(HOTPOT)), spec,
                     probe=lambda: StepProbe(None, lambda: target.get("/metrics"))).run()
-    assert time.monotonic() - started < 2 + 5 + 5
     s = out["steps"][0]
-    assert s["ok"] >= 2 and s["errors"] == {}
+    assert s["wall_s"] < 2 + 20 + 1
+    assert s["ok"] >= 1 and set(s["errors"]) <= {"unfinished"}, s["errors"]
     assert s["probes"]["gpu"] and s["probes"]["ray"] == "not connected to Ray"
-    assert s["probes"]["service_metrics"]['branchsearch_searches_total{status="ok"} /s'] > 0
+    service_rates = s["probes"]["service_metrics"]
+    assert any(k.startswith("branchsearch_searches_total") and v > 0
+               for k, v in service_rates.items()), service_rates
     with pytest.raises(RequestFailed) as bad_key:
-        HttpTarget(live_service, "wrong").search("q")
+        HttpTarget(url, "wrong").search("q")
     assert bad_key.value.outcome == "http_401:unauthorized"
     with pytest.raises(RequestFailed) as refused:
         HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
@@ -362,13 +351,14 @@ def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_pat
     from conftest import HOTPOT
 
     cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
-           "--headless", "-u", "2", "-r", "2", "-t", "4s", "--host", live_service,
+           "--headless", "-u", "2", "-r", "2", "-t", "3s", "--stop-timeout", "30",
+           "--host", live_service[0],
            "--csv", str(tmp_path / "lc"), "--only-summary"]
-    env = {**os.environ, "BRANCHSEARCH_API_KEY": "k-test",
+    env = {**os.environ, "BRANCHSEARCH_API_KEY": live_service[1],
            "BRANCHSEARCH_LOADTEST_QUERIES": str(HOTPOT), "BRANCHSEARCH_LOADTEST_BRANCHES": "1"}
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    assert time.monotonic() - started < 60, "locust did not stop on time"
+    assert time.monotonic() - started < 3 + 30 + 30, "locust did not stop on time"
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = (tmp_path / "lc_stats.csv").read_text().splitlines()
     total = next(r for r in rows if ",Aggregated," in r).split(",")

@@ -49,6 +49,15 @@ def ask(target: Target, question: str) -> dict:
         return {"outcome": f"error:{type(exc).__name__}"}
 
 
+def _outside(fields: dict, sent: float) -> dict:
+    """Add `outside_server`: the client's wait beyond the driver's own time (HTTP, the
+    service's queue and limits; in-process, next to nothing)."""
+    stages = fields.get("stages")
+    if stages and "server" in stages:
+        stages["outside_server"] = max(time.monotonic() - sent - stages["server"], 0.0)
+    return fields
+
+
 class _Step:
     """Shared state of the step that is running (the progress line reads it)."""
 
@@ -117,7 +126,7 @@ class Generator:
         def send(sample: Sample, question: str) -> None:
             sample.sent = time.monotonic()
             fields = ask(self.target, question)
-            step.finish(sample, fields, time.monotonic())
+            step.finish(sample, _outside(fields, sample.sent), time.monotonic())
 
         for offset in offsets:
             at = start + offset
@@ -135,6 +144,7 @@ class Generator:
         self._stop.wait(max(start + duration_s - time.monotonic(), 0))
 
     def _closed(self, step: _Step, users: int, duration_s: float) -> None:
+        step.started = time.monotonic()
         end = step.started + duration_s
 
         def user() -> None:
@@ -145,7 +155,7 @@ class Generator:
                     step.samples.append(sample)
                     step.inflight += 1
                 fields = ask(self.target, self._next_question())
-                step.finish(sample, fields, time.monotonic())
+                step.finish(sample, _outside(fields, sample.sent), time.monotonic())
                 if self.spec.think_s and self._stop.wait(self.spec.think_s):
                     return
 

@@ -8,6 +8,7 @@ counters are read before and after the step and reported as rates over the step.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -63,6 +64,8 @@ def summarize_gpu(readings: list[list[dict]]) -> dict:
 
 def ray_usage() -> dict | None:
     """Resources in use on the Ray cluster this process is connected to (None if none)."""
+    if "ray" not in sys.modules:  # never imported: not connected (and not worth importing)
+        return None
     try:
         import ray
 
@@ -97,6 +100,8 @@ def engine_counters(settings=None) -> dict[str, dict]:
     batches?}}; empty when no engine runs."""
     out: dict[str, dict] = {}
     try:
+        if "ray" not in sys.modules:
+            raise ImportError
         import ray
 
         if ray.is_initialized() and settings is not None:
@@ -111,8 +116,7 @@ def engine_counters(settings=None) -> dict[str, dict]:
     except ImportError:
         pass
     try:
-        from branchsearch.workers import factory
-
+        factory = sys.modules.get("branchsearch.workers.factory")  # loaded if an engine is
         for model, engine in getattr(factory, "_LOCAL", {}).items():
             out[f"local:{model}"] = dict(engine.stats.__dict__)
     except Exception:

@@ -14,11 +14,13 @@ def _ms(v) -> str:
 
 
 def load_label(report: dict) -> str:
-    return "offered rate (req/s)" if report["arrivals"]["loop"] == "open" else "users"
+    return "target rate (req/s)" if report["arrivals"]["loop"] == "open" else "users"
 
 
 def _x(step: dict) -> float:
-    return step["offered_rate"] if step["loop"] == "open" else step["users"]
+    """The step's nominal load (the rate asked for, or users); `offered_rate` is what the
+    arrival process really sent in the step."""
+    return step["load"]
 
 
 def markdown(report: dict) -> str:
@@ -39,13 +41,15 @@ def markdown(report: dict) -> str:
         lines.append(f"> {note}")
     if report.get("notes"):
         lines.append("")
-    lines += ["| " + " | ".join([load_label(report), "achieved/s", "sent", "p50 ms", "p90 ms",
-                                 "p99 ms", "max ms", "errors", "tokens read/s"]) + " |",
-              "|" + "---:|" * 9]
+    lines += ["| " + " | ".join([load_label(report), "offered/s", "achieved/s", "sent", "p50 ms",
+                                 "p90 ms", "p99 ms", "max ms", "errors", "tokens read/s"]) + " |",
+              "|" + "---:|" * 10]
     for s in steps:
         lat = s["latency_ms"]
         errs = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0"
-        lines.append(f"| {_x(s):.3g} | {s['achieved_rate']:.3g} | {s['sent']} | {_ms(lat['p50'])} "
+        offered = f"{s['offered_rate']:.3g}" if s["offered_rate"] is not None else "-"
+        lines.append(f"| {_x(s):.3g} | {offered} | {s['achieved_rate']:.3g} | {s['sent']} "
+                     f"| {_ms(lat['p50'])} "
                      f"| {_ms(lat['p90'])} | {_ms(lat['p99'])}{'≥' if s['latency_lower_bound'] else ''} "
                      f"| {_ms(lat['max'])} | {errs} | {s['tokens_read_per_s']:.0f} |")
     knee = report["knee"]
@@ -146,7 +150,8 @@ def plots(report: dict, out_dir: str | Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(xs, [s["achieved_rate"] for s in steps], "o-", label="achieved (ok answers/s)")
     if report["arrivals"]["loop"] == "open":
-        ax.plot(xs, xs, ":", color="grey", label="offered")
+        ax.plot(xs, [s["offered_rate"] for s in steps], "x:", color="grey",
+                label="offered (sent/s)")
     ax.set(xlabel=load_label(report), ylabel="answers per second", title=title)
     ax.legend(fontsize=8)
     paths.append(_save(fig, out / "throughput.png"))

@@ -6,9 +6,10 @@ running when the step's drain ends is `unfinished`: it counts as an error and en
 percentiles at its lower bound (`latency_lower_bound` says so). A request the generator refused
 because `max_inflight` requests were already running is `dropped`: an error, with no latency.
 
-Achieved rate is measured over the span of completions ((n - 1) / (last - first done)): equal
+Achieved rate is ok answers per second over the span of completions (`completion_rate`): equal
 to the offered rate when the system keeps up and to its capacity when it does not, without the
-start/end bias of counting completions inside the send window.
+start/end bias of counting completions inside the send window (a bias of latency/duration, which
+for multi-second searches would look like saturation).
 """
 
 from __future__ import annotations
@@ -49,13 +50,21 @@ def _pcts(values: list[float], scale: float = 1000.0) -> dict:
             "mean": round(sum(values) / len(values) * scale, 2)}
 
 
-def completion_rate(done_times: list[float], fallback_window_s: float) -> float:
-    """Completions per second over their own span; n / window when fewer than two."""
-    if len(done_times) >= 2:
-        span = max(done_times) - min(done_times)
-        if span > 0:
-            return (len(done_times) - 1) / span
-    return len(done_times) / fallback_window_s if fallback_window_s > 0 else 0.0
+def completion_rate(done_times: list[float], mean_gap_s: float | None,
+                    fallback_window_s: float) -> float:
+    """Completions per second over their own span.
+
+    Open loop (`mean_gap_s` = the step's mean gap between arrivals): n / (span + gap), which is
+    the offered rate while the target keeps up (completions are the arrivals, shifted) and its
+    capacity when it does not. Closed loop (no gap known): (n - 1) / span. Fewer than two
+    completions, or no span: n / fallback_window_s."""
+    n = len(done_times)
+    span = max(done_times) - min(done_times) if n else 0.0
+    if mean_gap_s is not None and n:
+        return n / (span + mean_gap_s)
+    if n >= 2 and span > 0:
+        return (n - 1) / span
+    return n / fallback_window_s if fallback_window_s > 0 else 0.0
 
 
 def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: float,
@@ -65,7 +74,8 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     answered = [s for s in samples if s.outcome != DROPPED]
     done = [s for s in answered if s.done is not None]
     ok = [s for s in done if s.outcome == OK]
-    throughput = completion_rate([s.done for s in done], duration_s)
+    gap = duration_s / len(samples) if loop == "open" and samples else None
+    throughput = completion_rate([s.done for s in done], gap, duration_s)
     achieved = throughput * len(ok) / len(done) if done else 0.0
     span = (max(s.done for s in done) - min(s.scheduled for s in samples)) if done else 0.0
     errors = Counter(s.outcome for s in samples if s.outcome != OK)

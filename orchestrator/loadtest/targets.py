@@ -44,7 +44,9 @@ def result_status(result: dict) -> str:
 def stage_times(result: dict) -> dict[str, float]:
     """Server-side seconds per stage, from what the result's metrics carry: queue, plan, the
     slowest branch, retrieval backend and policy (LLM engine) time of the slowest-on-that-stage
-    branch, fusion, and the driver's total. Stages the result does not report are absent."""
+    branch, fusion, and the driver's total (`server`); without a plan time, `outside_branches`
+    is the driver's total less the branches' wall time (plan, dispatch, fusion). Stages the
+    result does not report are absent."""
     metrics, branches = result.get("metrics") or {}, result.get("branches") or []
     out: dict[str, float] = {}
     named = {"queue": "queue_s", "plan": "plan_s", "fusion": "fusion_s", "server": "latency_s"}
@@ -59,6 +61,13 @@ def stage_times(result: dict) -> dict[str, float]:
         values = [float(b[key]) for b in branches if isinstance(b.get(key), (int, float))]
         if values:
             out[stage] = max(values)
+    if "server" in out and "slowest_branch" in out and "plan" not in out:
+        # planning, dispatch and fusion together, when the driver does not time them apart;
+        # branches ran one after another (the local executor) when their sum fits in the total
+        total = metrics.get("branch_latency_s_sum")
+        wall = total if isinstance(total, (int, float)) and total <= out["server"] \
+            else out["slowest_branch"]
+        out["outside_branches"] = max(out["server"] - wall, 0.0)
     for key, value in metrics.items():  # stages added later (e.g. engine_s) show up as they are
         if key.endswith("_s") and isinstance(value, (int, float)) and not key.startswith(
                 ("latency", "branch_latency")) and key[:-2] not in out \
