@@ -76,7 +76,7 @@ def main() -> None:
                              read_env=False, read_file=False)
     if not (settings.index_dir / "docs.sqlite").exists():
         ingest(ROOT / "tests" / "fixtures" / "hotpot-mini", settings)
-    driver = Driver(settings, mode=args.executor)
+    driver = Driver(settings, mode=args.executor, pool_size=args.branches)  # one actor a branch
     timed(driver, 1, args.branches, telemetry)  # warm-up: models, indexes, actors
 
     receiver = HttpReceiver()
@@ -91,7 +91,7 @@ def main() -> None:
             telemetry.configure_from(traced)  # replaces (and closes) the previous exporter
             if args.executor == "ray":  # actors configure tracing when they start
                 driver.close()
-                driver = Driver(traced, mode="ray")
+                driver = Driver(traced, mode="ray", pool_size=args.branches)
                 timed(driver, 1, args.branches, telemetry)
         marks.append(stats())  # counts before this mode (the previous exporter closed)
         walls = timed(driver, args.runs, args.branches, telemetry)
