@@ -89,11 +89,11 @@ def main() -> None:
             # (dataclasses.replace: settings validation imports the installed telemetry module)
             traced = dataclasses.replace(settings, trace_exporter="otlp", otlp_endpoint=endpoint)
             telemetry.configure_from(traced)  # replaces (and closes) the previous exporter
-            if args.executor == "ray":  # actors configure tracing when they start
-                driver.close()
-                driver = Driver(traced, mode="ray", pool_size=args.branches)
-                timed(driver, 1, args.branches, telemetry)
         marks.append(stats())  # counts before this mode (the previous exporter closed)
+        if mode != "off" and args.executor == "ray":  # actors configure tracing at start
+            driver.close()
+            driver = Driver(traced, mode="ray", pool_size=args.branches)
+            timed(driver, 1, args.branches, telemetry)
         walls = timed(driver, args.runs, args.branches, telemetry)
         rows.append((mode, walls))
         print(f"  {mode}: " + " ".join(f"{w:.3f}" for w in walls), file=sys.stderr, flush=True)
@@ -122,7 +122,8 @@ def main() -> None:
         spans = (f"exported {b['exported'] - a['exported']}, dropped {b['dropped'] - a['dropped']}"
                  if a and b else "")
         print(f"{mode:<6} {med:>9.3f} {min(walls):>7.3f} {max(walls):>7.3f} {extra:>15}  {spans}")
-    print(f"live receiver got {received} spans")
+    print(f"live receiver got {received} spans (span counts: this process only; Ray actors "
+          "count their own)")
 
 
 if __name__ == "__main__":
