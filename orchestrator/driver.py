@@ -14,7 +14,7 @@ from branchsearch.infra import telemetry
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.settings import Settings
 from branchsearch.infra.tokenizer import TokenCounter
-from branchsearch.orchestrator.executors import make_executor
+from branchsearch.orchestrator.executors import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import SearchResult, fuse_branches
 from branchsearch.workers.branch import BranchTask
@@ -83,7 +83,7 @@ class Driver:
                 fallback = getattr(self.planner, "last_fallback", "")
                 if fallback:
                     plan_span.set_attribute("planner.fallback", fallback)
-            _emit(on_event, {"type": "plan", "subqueries": [s.text for s in subs]})
+            emit(on_event, {"type": "plan", "subqueries": [s.text for s in subs]})
             groups = tuple(acl_groups) if acl_groups is not None else None
             tasks = [BranchTask(i, fit_query(s.text, self.counter, cap)[0], s.weight, s.kind,
                                 groups, deadline) for i, s in enumerate(subs)]
@@ -110,13 +110,6 @@ class Driver:
         }
         result = SearchResult(question, evidence, ranked, branches, metrics,
                               trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes)
-        _emit(on_event, {"type": "result", "result": result.to_dict()})
+        emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
 
-
-def _emit(on_event, event: dict) -> None:
-    if on_event is not None:
-        try:
-            on_event(event)
-        except Exception:  # noqa: BLE001 — a watcher never breaks the search
-            pass

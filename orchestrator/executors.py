@@ -12,6 +12,7 @@ deadline is reported in its `BranchReport.status`; the others still count.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from branchsearch.infra.settings import Settings
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
 MODES = ("ray", "local")
+log = logging.getLogger("branchsearch.executors")
 Events = Callable[[dict], None] | None
 
 
@@ -53,7 +55,8 @@ def make_executor(settings: Settings, mode: str, *, pool_size: int | None = None
     raise BranchsearchError(f"unknown executor {mode!r}; use ray or local")
 
 
-def _emit(on_event: Events, event: dict) -> None:
+def emit(on_event: Events, event: dict) -> None:
+    """Pass an event to the watcher, if any; a watcher that fails never breaks the search."""
     if on_event is not None:
         try:
             on_event(event)
@@ -83,11 +86,11 @@ class LocalExecutor:
                 report = BranchReport(task.index, task.subquery, task.weight, task.kind,
                                       "timeout", "not started before the deadline")
             else:
-                _emit(on_event, {"type": "branch_started", "branch": task.index,
+                emit(on_event, {"type": "branch_started", "branch": task.index,
                                  "subquery": task.subquery})
                 report = run_branch(task, self.retriever, settings,
                                     policy_factory=policy_factory, on_event=on_event)
-            _emit(on_event, _done_event(report))
+            emit(on_event, _done_event(report))
             reports.append(report)
         return reports
 
@@ -107,6 +110,9 @@ class RayExecutor:
         engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
                    and not settings.llm_url else 0)
         plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines)
+        if plan.shrunk_from:
+            log.warning("branch pool: %d actors instead of %d, to fit the cluster (%s)",
+                        plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
         self.engines: list = []
         if engines:
             from branchsearch.workers.engine_actor import start_engines
@@ -181,7 +187,7 @@ class RayExecutor:
         stream = on_event is not None
         refs = [a.run.remote(t, carrier, policy_factory, stream) for a, t in zip(actors, tasks)]
         for t in tasks:
-            _emit(on_event, {"type": "branch_started", "branch": t.index,
+            emit(on_event, {"type": "branch_started", "branch": t.index,
                              "subquery": t.subquery})
         timeout = settings.branch_timeout_s
         deadline = min([t.deadline for t in tasks if t.deadline is not None], default=None)
@@ -197,7 +203,7 @@ class RayExecutor:
                 self._release(self._new_branch())
             else:
                 report = self._collect(task, actor, ref)
-            _emit(on_event, _done_event(report))
+            emit(on_event, _done_event(report))
             reports.append(report)
         return reports
 
@@ -217,7 +223,7 @@ class RayExecutor:
             try:
                 for batch in ray.get([a.events.remote() for a in actors], timeout=10):
                     for event in batch:
-                        _emit(on_event, event)
+                        emit(on_event, event)
             except ray.exceptions.RayError:
                 pass  # a dead actor's events are lost; its report says what happened
             done = set(ready)
