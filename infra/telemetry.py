@@ -209,10 +209,12 @@ class _ExporterLog(logging.Filter):
         """The most telling part of what the exporter logged during the last export."""
         text = " ".join(self.messages)
         for pattern in (r"\[Errno -?\d+\] [^'\")\]]+", r"StatusCode\.[A-Z_]+",
-                        r"code: \d{3}[^.]*", r"[Tt]imed? ?out[^.'\"]*"):
+                        r"code: \d{3}[^.]*", r"[Tt]imed out[^.'\"]*"):
             found = re.search(pattern, text)
             if found:
                 return found.group(0).strip().rstrip(":").strip()[:200]
+        if "due to timeout, max retries or shutdown" in text:
+            return "no answer within otlp_timeout_s"
         return self.messages[0][:200] if self.messages else ""
 
     def install(self) -> None:

@@ -238,6 +238,30 @@ def test_flush_to_a_dead_collector_is_bounded(protocol, capfd):
     assert "Traceback" not in err and "Transient error" not in err
 
 
+def test_a_silent_collector_costs_one_flush_timeout(capfd):
+    """A collector that accepts connections and never answers (hung, or a black hole)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel completes connections; nobody reads or answers
+        telemetry.configure("otlp", otlp_endpoint=f"127.0.0.1:{silent.getsockname()[1]}",
+                            export_timeout_s=1.0, flush_timeout_s=0.3)
+        waits = []
+        for _ in range(4):
+            span("turn")
+            started = time.perf_counter()
+            telemetry.flush()
+            waits.append(time.perf_counter() - started)
+        assert waits[0] < 1.0 and sum(waits[1:]) < 0.5, waits  # later flushes do not wait
+        deadline = time.monotonic() + 15
+        while telemetry.stats()["dropped"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert telemetry.stats()["dropped"] >= 1
+    err = capfd.readouterr().err
+    assert err.count("branchsearch: trace export to") == 1 and "Traceback" not in err
+
+
 # --- a whole search ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
