@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
-                                       CorpusError, IndexNotFound)
+                                       CorpusError, IndexBusy, IndexNotFound)
 
 
 class ApiError(Exception):
@@ -37,6 +37,8 @@ def api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, BackendUnavailable):
         return ApiError(503, "backend_unavailable", str(exc))
+    if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest)
+        return ApiError(409, "index_busy", str(exc))
     if isinstance(exc, IndexNotFound):
         return ApiError(404, "index_not_found", str(exc))
     if isinstance(exc, (BadQuery, CorpusError)):

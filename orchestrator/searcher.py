@@ -203,7 +203,7 @@ class Searcher:
         self._admin(key, index)
         docs = documents.parse_documents(body)
         driver = self.driver(index)
-        with self._write_locks[index]:
+        with self._write_locks[index], self._ingest_lock(driver):
             counts = self._in_retriever(driver, documents.upsert, documents.upsert_in_actor,
                                         driver.settings, docs)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
@@ -211,12 +211,20 @@ class Searcher:
     def delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
         self._admin(key, index)
         driver = self.driver(index)
-        with self._write_locks[index]:
+        with self._write_locks[index], self._ingest_lock(driver):
             found = self._in_retriever(driver, documents.delete, documents.delete_in_actor,
                                        doc_id)
         if not found:
             raise ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         return {"index": index, "deleted": doc_id}
+
+    @staticmethod
+    def _ingest_lock(driver):
+        """The index's ingest lock (`infra.manifest`): a CLI ingest and a service write never
+        run at once; IndexBusy (409) names the ingest that holds it."""
+        from branchsearch.infra.manifest import IngestLock
+
+        return IngestLock(driver.settings.index_dir, driver.settings.index, corpus="service write")
 
     @staticmethod
     def _admin(key: ApiKey, index: str) -> None:

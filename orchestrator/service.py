@@ -348,6 +348,10 @@ class ServeOptions:
     searcher_max_ongoing: int = 16  # searches at once per searcher replica
     searcher_max_queued: int = 32  # waiting searches, then 503 {error: overloaded} (JSON)
     autoscaling: dict | None = None  # Serve's autoscaling_config for the ingress
+    # logical CPUs per replica: small, so the replicas never starve the branch and retriever
+    # actors that `plan_actors` sizes from the cluster's CPUs (Serve's default is 1 each)
+    ingress_cpus: float = 0.05
+    searcher_cpus: float = 0.1
     limits: dict = field(default_factory=dict)  # Limits fields
 
 
@@ -405,12 +409,14 @@ def build_application(opts: ServeOptions):
 
     o = asdict(opts)
     ingress_cfg = {"max_ongoing_requests": opts.max_ongoing_requests,
-                   "max_queued_requests": opts.max_queued_requests}
+                   "max_queued_requests": opts.max_queued_requests,
+                   "ray_actor_options": {"num_cpus": opts.ingress_cpus}}
     ingress_cfg |= ({"autoscaling_config": opts.autoscaling} if opts.autoscaling
                     else {"num_replicas": opts.replicas})
     searcher = SearcherDeployment.options(
         num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
-        max_queued_requests=opts.searcher_max_queued).bind(o)
+        max_queued_requests=opts.searcher_max_queued,
+        ray_actor_options={"num_cpus": opts.searcher_cpus}).bind(o)
     return Ingress.options(**ingress_cfg).bind(searcher, o)
 
 
@@ -444,7 +450,8 @@ def app_builder(args: dict):
         raise ValueError(f"unknown serve args {unknown}; known: {sorted(known)}")
     casts = {k: int for k in ("replicas", "searcher_replicas", "max_ongoing_requests",
                               "max_queued_requests", "searcher_max_ongoing",
-                              "searcher_max_queued")}
+                              "searcher_max_queued")} | {"ingress_cpus": float,
+                                                         "searcher_cpus": float}
     opts = ServeOptions(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items()})
     if opts.keys is None:
         log.warning("no keys file: development mode, every request is an admin "

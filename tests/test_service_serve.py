@@ -34,7 +34,14 @@ def serve_app(tmp_path_factory):
     ingest(write_corpus(home / "corpus.jsonl"), settings)
     store = KeyStore(home / "keys.json")
     keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", (), admin=True)}
-    connect(settings)
+    for attempt in range(3):  # Ray waits a fixed 30 s for its raylet: a loaded machine misses it
+        try:
+            connect(settings)
+            break
+        except Exception:  # noqa: BLE001
+            if attempt == 2:
+                raise
+            ray.shutdown()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     opts = ServeOptions(home=str(home), index="acl", keys=str(home / "keys.json"),
