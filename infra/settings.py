@@ -72,6 +72,7 @@ class Settings:
     llm_max_model_len: int = 4096
     llm_max_tokens: int = 256
     llm_detached: bool = False  # keep engines alive across driver runs (named, detached)
+    llm_timeout_s: float = 120.0  # one call to llm_url; timed out: retried (3 attempts in all)
     # orchestration
     branches: int = 3
     branch_timeout_s: float = 120.0
@@ -134,6 +135,7 @@ def _validate(s: Settings) -> None:
         (s.backend_retries >= 0 and s.backend_backoff_s >= 0,
          "backend_retries and backend_backoff_s must be >= 0"),
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
+        (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
         (s.query_max_tokens >= 8, "query_max_tokens must be >= 8"),
         (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
          "trace_exporter must be none, console, jsonl or otlp"),

@@ -28,6 +28,10 @@ class Driver:
         self.mode = mode
         self.policy_factory = policy_factory  # (index, subquery) -> Policy; tests
         telemetry.configure_from(settings)
+        if settings.llm_url and "llm" in (settings.policy, settings.planner):
+            from branchsearch.infra.llm import check_endpoint
+
+            check_endpoint(settings)  # wrong URL or model: one clear error, before any branch
         self.executor = make_executor(settings, mode, pool_size=pool_size)
         self.planner = planner or self._make_planner()
         self.counter = TokenCounter(settings.encoding)

@@ -28,7 +28,8 @@ def make_engine(settings: Settings, index: int = 0):
     if settings.llm_url:
         from branchsearch.infra.llm import OpenAIEngine
 
-        return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key)
+        return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key,
+                            timeout_s=settings.llm_timeout_s)
     try:
         import ray
 
