@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -521,7 +522,28 @@ def user_error(exc: BaseException) -> str | None:
         where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         return _one_line(message) + where
     cause = _user_cause(exc)
-    return None if cause is None else _one_line(str(cause))
+    if cause is not None:
+        return _one_line(str(cause))
+    return _actor_init_error(exc)
+
+
+_OUR_ERROR = re.compile(r"branchsearch\.infra\.errors\.(\w+): (.*)\Z", re.S)
+
+
+def _actor_init_error(exc: BaseException) -> str | None:
+    """The user error an actor died of in its constructor. Ray's ActorDiedError keeps only the
+    text of the creation task's traceback (not the exception), whose last entry is ours."""
+    if not getattr(exc, "actor_init_failed", False):
+        return None
+    match = _OUR_ERROR.search(str(exc).rstrip())
+    if match is None:
+        return None
+    from branchsearch.infra import errors
+
+    kind = getattr(errors, match[1], None)
+    if not (isinstance(kind, type) and issubclass(kind, BranchsearchError)):
+        return None
+    return _one_line(match[2])
 
 
 def _is_click_error(exc: BaseException) -> bool:

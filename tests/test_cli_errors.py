@@ -173,3 +173,27 @@ def test_synth_bounds_in_the_library(tmp_path):
     with pytest.raises(SynthError, match="free space"):  # /proc has none: checked before writing
         synth(Path("/proc") / "x", docs=1000, tasks=10)
     assert not (tmp_path / "big").exists()
+
+
+def test_actor_died_of_a_user_error_is_one_line():
+    """Ray 2.60's ActorDiedError keeps only the text of the constructor's traceback; the CLI
+    still shows the user error it ends with (and nothing for an unrelated actor death)."""
+    import traceback
+
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.cli import user_error
+
+    try:
+        raise BackendUnavailable("elasticsearch at http://127.0.0.1:9 is not reachable")
+    except BackendUnavailable as exc:
+        died = ActorDiedError(RayTaskError("RetrieverService.__init__",
+                                           "".join(traceback.format_exception(exc)), exc))
+    assert user_error(died) == "elasticsearch at http://127.0.0.1:9 is not reachable"
+    assert user_error(ActorDiedError()) is None  # a crash, not the user's: keeps its traceback
+    try:
+        raise KeyError("x")
+    except KeyError as exc:
+        bug = ActorDiedError(RayTaskError("f", "".join(traceback.format_exception(exc)), exc))
+    assert user_error(bug) is None
