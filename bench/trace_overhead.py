@@ -42,7 +42,7 @@ def load_telemetry(path: str | None):
     return telemetry
 
 
-def timed(driver, runs: int, branches: int, telemetry) -> list[float]:
+def timed(driver, runs: int, branches: int) -> list[float]:
     walls = []
     for _ in range(runs):
         started = time.perf_counter()
@@ -77,7 +77,7 @@ def main() -> None:
     if not (settings.index_dir / "docs.sqlite").exists():
         ingest(ROOT / "tests" / "fixtures" / "hotpot-mini", settings)
     driver = Driver(settings, mode=args.executor, pool_size=args.branches)  # one actor a branch
-    timed(driver, 1, args.branches, telemetry)  # warm-up: models, indexes, actors
+    timed(driver, 1, args.branches)  # warm-up: models, indexes, actors
 
     receiver = HttpReceiver()
     dead = f"http://127.0.0.1:{closed_port()}/v1/traces"  # full URL: old versions need it
@@ -93,8 +93,8 @@ def main() -> None:
         if mode != "off" and args.executor == "ray":  # actors configure tracing at start
             driver.close()
             driver = Driver(traced, mode="ray", pool_size=args.branches)
-            timed(driver, 1, args.branches, telemetry)
-        walls = timed(driver, args.runs, args.branches, telemetry)
+            timed(driver, 1, args.branches)
+        walls = timed(driver, args.runs, args.branches)
         rows.append((mode, walls))
         print(f"  {mode}: " + " ".join(f"{w:.3f}" for w in walls), file=sys.stderr, flush=True)
     newer = args.telemetry is None

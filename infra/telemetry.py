@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 TRACER_NAME = "branchsearch"
-FLUSH_TIMEOUT_S = 0.5  # the most a query waits for its spans to leave (settings: trace_flush_timeout_s)
+FLUSH_TIMEOUT_S = 0.5  # the most a query waits for its spans (settings: trace_flush_timeout_s)
 EXPORT_TIMEOUT_S = 2.0  # one OTLP export, retries included (settings: otlp_timeout_s)
 _lock = threading.Lock()
 _configured: str | None = None
