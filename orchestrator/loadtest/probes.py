@@ -85,10 +85,10 @@ def summarize_ray(readings: list[dict]) -> dict:
     for k in readings[0]:
         used = [r[k]["used"] for r in readings if k in r]
         scale = 2**30 if "memory" in k else 1
-        unit = "gib" if scale > 1 else ""
-        out[k] = {f"used{('_' + unit) if unit else ''}_mean": round(sum(used) / len(used) / scale, 3),
-                  f"used{('_' + unit) if unit else ''}_max": round(max(used) / scale, 3),
-                  f"total{('_' + unit) if unit else ''}": round(readings[0][k]["total"] / scale, 3)}
+        unit = "_gib" if scale > 1 else ""
+        out[k] = {f"used{unit}_mean": round(sum(used) / len(used) / scale, 3),
+                  f"used{unit}_max": round(max(used) / scale, 3),
+                  f"total{unit}": round(readings[0][k]["total"] / scale, 3)}
     return out
 
 

@@ -48,9 +48,10 @@ def markdown(report: dict) -> str:
         lat = s["latency_ms"]
         errs = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0"
         offered = f"{s['offered_rate']:.3g}" if s["offered_rate"] is not None else "-"
+        bound = "≥" if s["latency_lower_bound"] else ""  # unfinished requests at their bound
         lines.append(f"| {_x(s):.3g} | {offered} | {s['achieved_rate']:.3g} | {s['sent']} "
                      f"| {_ms(lat['p50'])} "
-                     f"| {_ms(lat['p90'])} | {_ms(lat['p99'])}{'≥' if s['latency_lower_bound'] else ''} "
+                     f"| {_ms(lat['p90'])} | {_ms(lat['p99'])}{bound} "
                      f"| {_ms(lat['max'])} | {errs} | {s['tokens_read_per_s']:.0f} |")
     knee = report["knee"]
     lines += ["", f"**Knee**: {knee['knee'] if knee['knee'] is not None else 'none'}"

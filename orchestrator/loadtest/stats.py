@@ -75,7 +75,12 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     done = [s for s in answered if s.done is not None]
     ok = [s for s in done if s.outcome == OK]
     gap = duration_s / len(samples) if loop == "open" and samples else None
-    throughput = completion_rate([s.done for s in done], gap, duration_s)
+    if len(done) < len(answered) and samples:
+        # requests still running at the cutoff: the target was busy all along and finished
+        # only these (the span of the few completions would overstate its rate)
+        throughput = len(done) / (cutoff - min(s.scheduled for s in samples))
+    else:
+        throughput = completion_rate([s.done for s in done], gap, duration_s)
     achieved = throughput * len(ok) / len(done) if done else 0.0
     span = (max(s.done for s in done) - min(s.scheduled for s in samples)) if done else 0.0
     errors = Counter(s.outcome for s in samples if s.outcome != OK)
@@ -92,7 +97,8 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
         "sent": len(samples), "completed": len(done), "ok": len(ok),
         "throughput_rate": round(throughput, 4), "achieved_rate": round(achieved, 4),
         "error_rate": round(sum(errors.values()) / len(samples), 4) if samples else 0.0,
-        "errors": dict(sorted(errors.items())), "branch_errors": dict(sorted(branch_errors.items())),
+        "errors": dict(sorted(errors.items())),
+        "branch_errors": dict(sorted(branch_errors.items())),
         "latency_ms": _pcts([s.latency(cutoff) for s in answered]),
         "latency_lower_bound": any(s.done is None for s in answered),
         "send_lag_ms": _pcts([s.sent - s.scheduled for s in answered if s.sent]),
