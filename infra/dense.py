@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,38 @@ def _quote(values: Sequence[str]) -> str:
 
 def is_server(uri: str | Path) -> bool:
     return str(uri).startswith(("http://", "https://", "tcp://", "grpc://"))
+
+
+def _held_elsewhere(db: Path) -> bool:
+    """Whether another process holds Milvus Lite's lock on `db` (its `.NAME.lock` lockf).
+
+    Asked before opening: a failed open makes milvus-lite 2.5.1 delete the holder's lock file
+    (its failed server object cleans up on garbage collection). Never probes a file this process
+    serves itself: closing the probe would drop our own POSIX lock and stop that server."""
+    import fcntl
+
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return False
+    if str(db.absolute().resolve()) in server_manager_instance._servers:
+        return False
+    lock = db.parent / f".{db.name}.lock"
+    if not lock.exists():
+        return False
+    with open(lock, "a") as f:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(f, fcntl.LOCK_UN)
+    return False
+
+
+def _lite_busy(uri: str) -> IndexBusy:
+    return IndexBusy(f"milvus lite: {uri} is open in another process (a running ingest, search "
+                     "or serve); Milvus Lite allows one process per file: wait for it to finish, "
+                     "or use a Milvus server (milvus_uri)")
 
 
 @dataclass(frozen=True)
@@ -82,17 +115,19 @@ class MilvusStore:
         self.index = index or IndexSpec()
         if not self.server:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
+        if not self.server and _held_elsewhere(Path(self.uri)):
+            raise _lite_busy(self.uri)
         quiet = logging.getLogger("pymilvus.milvus_client._utils")
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)  # it logs a line of its own before raising
         try:
-            self._client = MilvusClient(uri=self.uri, token=token)
+            # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
+            # closing one store would cut every other store of this process on that server
+            self._client = MilvusClient(uri=self.uri, token=token,
+                                        alias=f"branchsearch-{uuid.uuid4().hex}")
         except Exception as exc:
-            if "opened by another program" in str(exc):
-                raise IndexBusy(
-                    f"milvus lite: {self.uri} is open in another process (a running ingest, "
-                    "search or serve); Milvus Lite allows one process per file: wait for it to "
-                    "finish, or use a Milvus server (milvus_uri)") from None
+            if not self.server and "opened by another program" in str(exc):
+                raise _lite_busy(self.uri) from None
             hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
                     else "check the index folder")
             raise BackendUnavailable(

@@ -85,6 +85,14 @@ class DocStore:
             self._db.executemany("DELETE FROM pending WHERE doc_id = ?", ids)
 
     @_locked
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        """Remove documents and their chunks in one transaction (unknown ids are ignored)."""
+        with self._db:
+            ids = [(d,) for d in doc_ids]
+            self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
+            self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
+
+    @_locked
     def pending(self) -> list[str]:
         """Documents a stopped ingest removed here but never committed back."""
         return [r[0] for r in self._db.execute("SELECT doc_id FROM pending ORDER BY doc_id")]

@@ -5,7 +5,8 @@ Failure behaviour, in order:
 * The input is fully parsed and validated before anything is touched (a malformed line changes
   nothing, not even the manifest).
 * The ingest takes the index's lock (`infra.manifest.IngestLock`): a second ingest, or a reader,
-  stops with one line naming this one. Then it removes the manifest: from here until the end the
+  stops with one line naming this one. It opens the stores (a Milvus Lite file held by a running
+  search stops it here, index untouched), then removes the manifest: from here until the end the
   index is *incomplete*, and every reader refuses it with one line that says what to run.
 * Documents already committed with the same content and settings (same fingerprint) are kept:
   re-running a killed ingest resumes where it stopped.
@@ -146,10 +147,12 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
     with IngestLock(root, settings.index, corpus=str(Path(path).resolve())) as lock:
         if lock.stale is not None:
             report.stale_lock = lock.stale.describe()
-        remove_manifest(root)
+        # open first: a store that cannot be opened (a Milvus Lite file held by a running
+        # search, a server down) stops the ingest before the index is marked incomplete
         docstore, lexical, dense_store, embedder = open_stores(
             settings, create=True, need_dense=dense, embedder=embedder)
         try:
+            remove_manifest(root)
             embedding = f"{embedder_name(embedder)}/{dense_store.dim}" if dense_store else "-"
             prints = {d.id: fingerprint(d, settings, embedding) for d in docs}
             done = docstore.fingerprints(list(prints))

@@ -80,9 +80,15 @@ def connect(settings: Settings) -> dict:
                        "object_store_memory": 512 * 1024 * 1024}
         try:
             ray.init(address=address, **kwargs)
-        except (ConnectionError, RuntimeError) as exc:
-            raise BackendUnavailable(f"ray: cannot connect to {address} ({exc})") from None
+        except Exception as exc:  # ConnectionError, RuntimeError, a node start timeout
+            where = f"connect to {address}" if address else "start a local cluster"
+            raise BackendUnavailable(f"ray: cannot {where} ({_first_line(exc)})") from None
     return ray.cluster_resources()
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def actor_resources(resources: dict, workers: int) -> dict:

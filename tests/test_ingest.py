@@ -229,3 +229,21 @@ def test_cli_kill9_refuse_busy_then_eval_resumes(tmp_path):
     assert counts == {"docstore": manifest.chunks["docstore"], "lexical": manifest.chunks["docstore"],
                       "dense": manifest.chunks["docstore"], "pending": 0}
     assert json.loads(done.stdout)["metrics"]
+
+
+def test_ingest_while_a_reader_holds_milvus_lite_is_one_line_and_changes_nothing(tmp_path):
+    home = tmp_path / "h"
+    settings = _settings(home)
+    corpus = _corpus(tmp_path / "c.jsonl", 3)
+    ingest(corpus, settings)
+    reader = open_retriever(settings)  # this process owns dense.db (as a running search does)
+    try:
+        _corpus(corpus, 4)
+        proc = subprocess.run([*CLI, "ingest", str(corpus)], capture_output=True, text=True,
+                              env=_env(home), timeout=600)
+        line = _one_error_line(proc)
+        assert "open in another process" in line and "milvus_uri" in line, line
+        assert read_manifest(settings.index_dir).documents == 3  # still complete, untouched
+        assert len(reader.search("keyword1", "bm25", 3)) == 1
+    finally:
+        reader.close()

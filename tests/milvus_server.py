@@ -1,0 +1,92 @@
+"""A real standalone Milvus for tests and benchmarks: the PyPI package `milvus` (2.3.5).
+
+`start_milvus_server(dir)` extracts its binary under `dir`, starts `milvus run standalone` on
+free ports (gRPC proxy and metrics), waits for `/healthz`, and yields the URI. It stops the
+`milvus` binary by its own PID (SIGTERM, then SIGKILL): stopping only the package's Python wrapper
+can leave the binary running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class MilvusServerHandle:
+    uri: str
+    pid: int
+    data_dir: Path
+    started_s: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_pid(pid: int, grace_s: float = 15.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child: poll for it
+            done = 0 if _alive(pid) else pid
+        if done:
+            return
+        time.sleep(0.2)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@contextmanager
+def start_milvus_server(data_dir: str | Path, timeout_s: float = 300):
+    """Yield a `MilvusServerHandle`; raises RuntimeError when the server cannot start."""
+    from milvus import MilvusServer, MilvusServerConfig
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    server = MilvusServer(MilvusServerConfig(), wait_for_started=False)
+    server.set_base_dir(str(data_dir))
+    port = _free_port()
+    server.listen_port = port
+    started = time.perf_counter()
+    server.start()
+    pid = server.server_proc.pid
+    try:
+        try:
+            server.wait_started(timeout=timeout_s * 1000)
+        except (TimeoutError, RuntimeError) as exc:
+            log = data_dir / "logs" / "milvus-stderr.log"
+            tail = log.read_text()[-500:] if log.exists() else ""
+            raise RuntimeError(f"milvus server did not start in {timeout_s:.0f} s ({exc}); "
+                               f"{tail}") from None
+        yield MilvusServerHandle(f"http://127.0.0.1:{port}", pid, data_dir,
+                                 time.perf_counter() - started)
+    finally:
+        _stop_pid(pid)
+        server.server_proc = None  # stopped by PID above; the wrapper has nothing left to stop
+        for fd in server.proc_fds.values():
+            fd.close()
+        server.proc_fds.clear()
