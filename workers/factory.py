@@ -11,7 +11,8 @@ def make_policy(settings: Settings, name: str | None = None, engine=None):
     if name == "heuristic":
         from branchsearch.workers.heuristic import HeuristicPolicy
 
-        return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune)
+        return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
+                               max_turns=settings.max_turns)
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
 

@@ -15,9 +15,11 @@ found in retained chunks (each with the chunk it came from and a salience). Each
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
+from branchsearch.workers.rank import final_ranking
 from branchsearch.workers.text import entities, norm_title, sentences, terms
 
 
@@ -45,6 +47,9 @@ class HeuristicPolicy:
     residual_weight: float = 0.7
     final_k: int = 10
     prune: bool = True
+    rank_all: bool = True  # finish ranks every scored chunk, not only the visible ones
+    max_turns: int = 12  # the harness's limit: finish (ranked) on the last turn it allows
+    qualifier_weight: float = 0.3  # a title's qualifier agreeing (or not) with what led to it
     # episode state
     subquery: str = ""
     q_terms: set[str] = field(default_factory=set)
@@ -59,7 +64,9 @@ class HeuristicPolicy:
     bridges: dict[str, str] = field(default_factory=dict)  # entity -> parent chunk
     links: dict[str, tuple[str, float]] = field(default_factory=dict)  # entity -> (parent, sal)
     pruned: set[str] = field(default_factory=set)
+    recalled: set[str] = field(default_factory=set)  # recalled once: never again, never re-pruned
     _pending: dict[tuple, _Origin] = field(default_factory=dict)
+    _term_cache: dict[tuple, set[str]] = field(default_factory=dict)
 
     # --- Policy protocol -----------------------------------------------------------------------
 
@@ -69,6 +76,8 @@ class HeuristicPolicy:
         self._absorb(view)
         self._rescore(view)
         visible = {c.id for c in view.visible}
+        if view.turn >= self.max_turns:  # the last turn: return a ranking, not arrival order
+            return [self._finish(visible)]
         if "search_corpus" not in view.allowed_tools:  # past the hard limit
             return self._prune_calls(view, visible, force=True) or [self._finish(visible)]
         searches = self._expansions(visible)
@@ -116,6 +125,7 @@ class HeuristicPolicy:
                 continue
             if result.call.name == "recall_chunks":
                 self.pruned -= set(result.ids)
+                self.recalled |= set(result.ids)
                 continue
             if result.call.name == "read_document":
                 for cid in result.ids:
@@ -178,7 +188,40 @@ class HeuristicPolicy:
             p = self.chunks[parent]
             left = self.q_terms - terms(f"{p.title} {p.text}")
             residual = len(left & words) / max(len(left), 1)
-        return support + self.coverage_weight * coverage + self.residual_weight * residual
+        return (support + self.coverage_weight * coverage + self.residual_weight * residual
+                + self.qualifier_weight * self._qualifier_agreement(cid))
+
+    def _qualifier_agreement(self, cid: str) -> float:
+        """In [-0.5, 0.5], for a chunk with look-alikes (other documents whose titles share its
+        name and differ in the qualifier: 'Contract C-7867 review (2015)' / '(2017)'): how far
+        its qualifier agrees with what is known about the thing it names — the sub-query, and
+        every other chunk that mentions that name (its title core, or the bridge entity that
+        found it), the look-alikes excepted. 0 without a qualifier or without a look-alike: the
+        qualifier only decides between chunks that the name alone cannot."""
+        chunk = self.chunks[cid]
+        qualifier = terms(title_qualifier(chunk.title))
+        if not qualifier:
+            return 0.0
+        core = norm_title(chunk.title)
+        alike = {o.doc_id for o in self.chunks.values()
+                 if o.doc_id != chunk.doc_id and norm_title(o.title) == core}
+        if not alike:
+            return 0.0
+        names = {n for n in (core, self.origins[cid].entity.lower()) if len(n) > 3}
+        known = set(self.q_terms)
+        for other_id, other in self.chunks.items():
+            if other.doc_id == chunk.doc_id or other.doc_id in alike:
+                continue
+            text = other.text.lower()
+            if any(n in text for n in names):
+                known |= self._terms_of(other_id, other.text)
+        return len(qualifier & known) / len(qualifier) - 0.5
+
+    def _terms_of(self, cid: str, text: str) -> set[str]:
+        key = (cid, len(text))  # a read replaces a snippet by the longer text
+        if key not in self._term_cache:
+            self._term_cache[key] = terms(text)
+        return self._term_cache[key]
 
     def _expansions(self, visible: set[str]) -> list[ToolCall]:
         ranked = self._ranked(visible)
@@ -232,7 +275,7 @@ class HeuristicPolicy:
     def _recalls(self) -> list[str]:
         """Pruned chunks whose document a newer bridge entity names."""
         out = []
-        for cid in self.pruned:
+        for cid in self.pruned - self.recalled:  # once: prune/recall must not cycle
             title = self.chunks[cid].title
             if any(_names(title, e) for e in self.bridges):
                 out.append(cid)
@@ -246,7 +289,9 @@ class HeuristicPolicy:
         floor = 0.5 * self.scores.get(ranked[0], 0) if ranked else 0
         drop += [cid for cid in ranked[:keep] if self.scores.get(cid, 0) < floor * 0.5
                  and cid in self.expanded]
-        drop = list(dict.fromkeys(drop))
+        # a recalled chunk stays until it has been expanded (what it bridges to is searched)
+        drop = [cid for cid in dict.fromkeys(drop)
+                if force or cid not in self.recalled or cid in self.expanded]
         if not drop:
             return []
         self.pruned |= set(drop)
@@ -261,7 +306,10 @@ class HeuristicPolicy:
                       key=lambda c: (-self.scores[c], c))
 
     def _finish(self, visible: set[str]) -> ToolCall:
-        ranked = self._ranked(visible - self.pruned)[: self.final_k]
+        """Rank everything the trajectory scored — kept, pruned or never expanded — by the score
+        it holds now (`workers.rank.final_ranking`): a prune frees context, it is no verdict."""
+        ranked = final_ranking(self.scores, self.final_k) if self.rank_all else \
+            self._ranked(visible - self.pruned)[: self.final_k]
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 
@@ -292,6 +340,16 @@ def _word_overlap(title: str, entity: str) -> float:
     vs 'International Boxing Federation': 0.5)."""
     t, e = set(norm_title(title).split()), set(entity.lower().split())
     return len(t & e) / len(t | e) if t and e and len(t) > 1 else 0.0
+
+
+def title_qualifier(title: str) -> str:
+    """The qualifier of a title: 'Kiss and Tell (1945 film)' -> '1945 film', 'Brown County,
+    Kansas' -> 'Kansas', 'Ed Wood' -> ''."""
+    m = re.search(r"\(([^)]*)\)\s*$", title)
+    if m:
+        return m.group(1)
+    head, comma, tail = title.partition(",")
+    return tail.strip() if comma else ""
 
 
 def _strip_article(text: str) -> str:

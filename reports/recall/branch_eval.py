@@ -1,0 +1,216 @@
+"""Offline evaluation of branch fusion and branch planning from one run's per-branch dump.
+
+    python reports/recall/branch_eval.py run  DATASET INDEX OUT.json [--branches 3]
+        runs `orchestrator.evaluate.eval_agent` (the function behind `branchsearch eval
+        --policy heuristic`) with the local executor and keeps every branch's ranking,
+        retrieved/pruned/kept ids, tokens read and searches (settings from BRANCHSEARCH_* env,
+        home from --home).
+    python reports/recall/branch_eval.py table OUT.json [...] [--share S --k K --agreement A
+        --plan all|no-lone-entity|one-entity]
+        scores, from the dump, the question's own branch alone (= a 1-branch run: branches are
+        independent and deterministic) and the fused branches that a planner rule keeps:
+        AR@5, AR@10, R@5, trajectory recall, tokens read, duplicate searches, attribution.
+    python reports/recall/branch_eval.py fit OUT.json [...] --on NAME
+        grid-searches share, k and agreement of `fusion.anchored` on the dump named NAME and
+        reports the chosen values on every dump (fit on one set, report on the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import time
+from collections import Counter
+from pathlib import Path
+
+from branchsearch.fusion.anchored import anchored_rrf
+from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
+from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
+
+
+def run(dataset: str, index: str, out: str, branches: int, home: str) -> None:
+    from branchsearch.infra.dataset import read_queries
+    from branchsearch.infra.docstore import DocStore
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator.driver import Driver
+    from branchsearch.orchestrator.evaluate import eval_agent
+
+    settings = load_settings(None, {"home": home, "index": index, "branches": branches})
+    queries = read_queries(dataset)
+    driver = Driver(settings, mode="local")
+    search, rows = driver.search, []
+
+    def keep(question, **kw):
+        result = search(question, **kw)
+        rows.append({"question": question, "fused": result.ranked_chunk_ids,
+                     "latency_s": result.metrics["latency_s"], "branches": [{
+                         "index": b.index, "kind": b.kind, "weight": b.weight,
+                         "subquery": b.subquery, "status": b.status,
+                         "termination": b.termination, "ranked": b.ranked_chunk_ids,
+                         "retrieved": b.retrieved_ids, "pruned": b.pruned_ids,
+                         "final_context": b.final_context_ids, "tokens_read": b.tokens_read,
+                         "context_tokens_final": b.context_tokens_final,
+                         "turns": b.turns, "latency_s": b.latency_s,
+                         "searches": [[c["tool"], str(c["args"].get("query")
+                                                      or c["args"].get("pattern")
+                                                      or c["args"].get("doc_id"))]
+                                      for c in b.trace if c.get("kind") == "call" and c.get(
+                                          "tool") in ("search_corpus", "grep_corpus",
+                                                      "read_document")]}
+                         for b in result.branches]})
+        return result
+
+    driver.search = keep
+    docstore = DocStore(settings.index_dir / "docs.sqlite")
+    started = time.time()
+    try:
+        res = eval_agent(driver, queries, max_branches=branches, docstore=docstore)
+    finally:
+        docstore.close()
+        driver.close()
+    for row, pq in zip(rows, res["per_query"]):
+        row["id"], row["gold"] = pq["id"], pq["gold"]
+    Path(out).write_text(json.dumps({"dataset": dataset, "index": index, "home": home,
+                                     "eval": {k: v for k, v in res.items() if k != "per_query"},
+                                     "seconds": round(time.time() - started), "rows": rows}))
+
+
+# --- planner rules: which of the planned branches a rule launches ------------------------------
+
+def plan_rule(name: str):
+    """`all`: every planned branch. `no-lone-entity`: an entity branch only when the question
+    names two or more entities (a lone entity branch restates the question, whose own branch
+    already searches every entity it names). `one-entity`: as no-lone-entity, and of two
+    entity branches only the first (the planner's order)."""
+    def keep(branches: list[dict]) -> list[dict]:
+        entity = [b for b in branches if b["kind"] == "entity"]
+        if name == "all":
+            return branches
+        drop = set()
+        if len(entity) == 1:
+            drop.add(entity[0]["index"])
+        elif name == "one-entity":
+            drop |= {b["index"] for b in entity[1:]}
+        return [b for b in branches if b["index"] not in drop]
+    return keep
+
+
+def fused(row: dict, keep, share: float, k: float, agreement: float) -> list[str]:
+    ok = [b for b in keep(row["branches"]) if b["status"] == "ok" and b["ranked"]]
+    anchor = next((i for i, b in enumerate(ok) if b["kind"] == "original"), None)
+    return [f.id for f in anchored_rrf([b["ranked"] for b in ok],
+                                       weights=[b["weight"] for b in ok], anchor=anchor, k=k,
+                                       share=share, agreement=agreement, limit=10)]
+
+
+def score(rows: list[dict], ranking, branches, titles=None, texts=None) -> dict:
+    """Means over queries of the measures `eval_agent` reports, for a ranking function and
+    the branches (a function of the row) whose trajectories count."""
+    out, classes = Counter(), Counter()
+    for row in rows:
+        used = branches(row)
+        ranked = ranking(row)
+        gold = row["gold"] if isinstance(row["gold"], dict) else dict.fromkeys(row["gold"], 1)
+        m = single_shot_metrics(doc_ranking(ranked), gold)
+        t = Trajectory(ranked, list(dict.fromkeys(c for b in used for c in b["retrieved"])),
+                       list(dict.fromkeys(c for b in used for c in b["pruned"])),
+                       list(dict.fromkeys(c for b in used for c in b["final_context"])))
+        m |= agent_measures(t, gold, 5)
+        queries = Counter((tool, q.lower()) for b in used for tool, q in
+                          {(s[0], s[1]) for s in b["searches"]})
+        m |= {"tokens_read": sum(b["tokens_read"] for b in used),
+              "searches": sum(queries.values()),
+              "duplicate_searches": sum(v - 1 for v in queries.values()),
+              "branches": len(used), "context_tokens_final": sum(
+                  b.get("context_tokens_final", 0) for b in used) / max(len(used), 1),
+              "latency_s": sum(b.get("latency_s", 0) for b in used)}
+        for name in ("all_recall@5", "all_recall@10", "recall@5", "trajectory_recall",
+                     "tokens_read", "searches", "duplicate_searches", "branches",
+                     "prune_accuracy", "context_tokens_final", "latency_s"):
+            out[name] += m[name]
+        if titles is not None:
+            text = " ".join(texts.get(c, "") for c in t.retrieved)
+            classes[attribute(t, gold, titles, text, 5)[0]] += 1
+    n = max(len(rows), 1)
+    res = {name: round(v / n, 4) for name, v in out.items()}
+    if titles is not None:
+        res["attribution"] = {c: classes.get(c, 0) for c in
+                              ("ok", "retrieval_miss", "premature_prune", "early_stop",
+                               "overload")}
+    return res
+
+
+def docstore_text(dump: dict):
+    db = sqlite3.connect(f"file:{Path(dump['home']) / 'indexes' / dump['index'] / 'docs.sqlite'}"
+                         "?mode=ro", uri=True)
+    titles = dict(db.execute("select doc_id, title from docs"))
+    texts = dict(db.execute("select chunk_id, text from chunks"))
+    db.close()
+    return titles, texts
+
+
+def table(paths: list[str], share: float, k: float, agreement: float, plan: str) -> list[dict]:
+    keep = plan_rule(plan)
+    out = []
+    for path in paths:
+        dump = json.loads(Path(path).read_text())
+        titles, texts = docstore_text(dump)
+        rows = dump["rows"]
+        one = score(rows, lambda r: r["branches"][0]["ranked"], lambda r: r["branches"][:1],
+                    titles, texts)
+        many = score(rows, lambda r: fused(r, keep, share, k, agreement),
+                     lambda r: keep(r["branches"]), titles, texts)
+        out.append({"dump": path, "index": dump["index"], "queries": len(rows),
+                    "one_branch": one, "branches": many,
+                    "params": {"share": share, "k": k, "agreement": agreement, "plan": plan}})
+    return out
+
+
+GRID = {"share": (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0), "k": (2, 5, 10, 20, 60),
+        "agreement": (0.0, 0.2, 0.5, 1.0)}
+
+
+def fit(paths: list[str], on: str, plan: str) -> dict:
+    """Choose (share, k, agreement) by AR@5, then AR@10, on the dump whose index is `on`;
+    ties go to the smaller share, k and agreement (the simpler fusion). Report all dumps."""
+    keep = plan_rule(plan)
+    dumps = {json.loads(Path(p).read_text())["index"]: json.loads(Path(p).read_text())["rows"]
+             for p in paths}
+    results = {}
+    for share in GRID["share"]:
+        for k in GRID["k"]:
+            for agreement in GRID["agreement"]:
+                results[(share, k, agreement)] = {
+                    name: score(rows, lambda r: fused(r, keep, share, k, agreement),
+                                lambda r: keep(r["branches"]))
+                    for name, rows in dumps.items()}
+    best = max(results, key=lambda p: (results[p][on]["all_recall@5"],
+                                       results[p][on]["all_recall@10"], -p[0], -p[1], -p[2]))
+    return {"fit_on": on, "plan": plan, "chosen": dict(zip(("share", "k", "agreement"), best)),
+            "reported": {name: {m: results[best][name][m] for m in
+                                ("all_recall@5", "all_recall@10")} for name in dumps}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=("run", "table", "fit"))
+    ap.add_argument("args", nargs="+")
+    ap.add_argument("--branches", type=int, default=3)
+    ap.add_argument("--home", default=".branchsearch")
+    ap.add_argument("--share", type=float, default=0.3)
+    ap.add_argument("--k", type=float, default=5)
+    ap.add_argument("--agreement", type=float, default=0.0)
+    ap.add_argument("--plan", default="all")
+    ap.add_argument("--on", default="")
+    a = ap.parse_args()
+    if a.cmd == "run":
+        run(*a.args, a.branches, a.home)
+    elif a.cmd == "table":
+        print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan), indent=1))
+    else:
+        print(json.dumps(fit(a.args, a.on, a.plan), indent=1))
+
+
+if __name__ == "__main__":
+    main()

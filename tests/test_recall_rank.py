@@ -1,0 +1,86 @@
+"""The final ranking stage (workers/rank.py) and what the heuristic policy returns with it."""
+
+from branchsearch.workers.rank import doc_of, final_ranking
+
+
+def test_doc_of_splits_the_chunk_suffix_only():
+    assert doc_of("d1#p0") == "d1"
+    assert doc_of("a#pb#p12") == "a#pb"
+    assert doc_of("plain") == "plain"
+
+
+def test_final_ranking_orders_by_score_then_id():
+    scores = {"b#p0": 0.5, "a#p0": 0.5, "c#p0": 0.9, "d#p0": 0.1}
+    # 0.9 first; the two 0.5 ties by id (a before b); limit cuts d
+    assert final_ranking(scores, 3) == ["c#p0", "a#p0", "b#p0"]
+
+
+def test_final_ranking_spreads_documents_before_repeating_one():
+    scores = {"x#p0": 0.9, "x#p1": 0.8, "y#p0": 0.3, "x#p2": 0.7, "z#p4": 0.2}
+    # best chunk of each document by score (x 0.9, y 0.3, z 0.2), then x's other chunks
+    assert final_ranking(scores, 10) == ["x#p0", "y#p0", "z#p4", "x#p1", "x#p2"]
+    assert final_ranking(scores, 2) == ["x#p0", "y#p0"]
+    assert final_ranking({}, 5) == []
+
+
+# --- the heuristic policy's final ranking over everything it scored ------------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bm25_hotpot(tmp_path_factory):
+    """hotpot-mini as a BM25-only index (no embedding: fast), the agent searching by BM25."""
+    from conftest import HOTPOT
+
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path_factory.mktemp("rc"), "index": "h",
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    yield settings, retriever
+    retriever.close()
+
+
+Q = "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+
+
+def test_finish_ranks_pruned_chunks_by_their_final_score(bm25_hotpot):
+    from branchsearch.workers.harness import Episode
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    settings, retriever = bm25_hotpot
+    policy = HeuristicPolicy(keep=2)  # a tight context: most chunks get pruned on the way
+    result = Episode(Q, retriever, policy, settings).run()
+    assert result.termination == "finish" and result.pruned_ids
+    # the ranking is over every scored chunk, by the score the policy holds at the end
+    assert result.ranked_chunk_ids == final_ranking(policy.scores, settings.final_k)
+    pruned = set(result.pruned_ids) - set(result.final_context_ids)
+    assert pruned & set(result.ranked_chunk_ids), "a pruned chunk that scores well is returned"
+
+    # the old behaviour (rank only what is still visible) can return nothing that was pruned
+    old = Episode(Q, retriever, HeuristicPolicy(keep=2, rank_all=False), settings).run()
+    assert not (set(old.ranked_chunk_ids) - set(old.final_context_ids))
+
+
+def test_a_pruned_chunk_is_recalled_once_and_then_kept_until_expanded():
+    from branchsearch.workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.policy import AgentView, ToolCall, ToolResult, VisibleChunk
+
+    p = HeuristicPolicy(keep=1)
+    a = VisibleChunk("a#p0", "a", "Ed Wood", "Ed Wood was a director.", 8)
+    b = VisibleChunk("b#p0", "b", "Tim Burton", "Tim Burton made Ed Wood.", 8)
+    p.chunks = {"a#p0": a, "b#p0": b}
+    p.scores = {"a#p0": 0.4, "b#p0": 0.9}
+    p.pruned, p.bridges = {"a#p0"}, {"Ed Wood": "b#p0"}
+    assert p._recalls() == ["a#p0"]  # a new bridge names the pruned chunk's document
+    recall = ToolResult(ToolCall("recall_chunks", {"ids": ["a#p0"]}), True, "", ["a#p0"])
+    p._absorb(AgentView("q", 3, [a, b], "", 16, 8192, [], [recall]))
+    assert p._recalls() == []  # never twice: prune/recall must not cycle to max_turns
+    # keep=1 would drop a#p0 (below b#p0), but it stays until it has been expanded
+    assert p._prune_calls(None, {"a#p0", "b#p0"}) == []
+    p.expanded.add("a#p0")
+    assert p._prune_calls(None, {"a#p0", "b#p0"})[0].args["ids"] == ["a#p0"]

@@ -1,0 +1,37 @@
+"""The final ranking of an episode: over everything the trajectory scored, not only what stayed
+in the active context. Pure functions.
+
+Pruning is about the *context* (what a policy keeps reading); it is not a verdict on the
+evidence. A chunk pruned on turn 3 because eight others scored higher may, by the end, score
+higher than any of them (its child confirmed it as a bridge). So the ranking a branch returns
+is taken over every chunk it scored — kept, pruned or never expanded — by the score the policy
+holds at the end, and documents are spread before a document's second chunk is repeated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+
+def doc_of(chunk_id: str) -> str:
+    """Document id of a chunk id `"{doc_id}#p{n}"` (the id itself when it has no `#p`)."""
+    head, sep, _ = chunk_id.rpartition("#p")
+    return head if sep else chunk_id
+
+
+def final_ranking(scores: Mapping[str, float], limit: int,
+                  doc: Callable[[str], str] = doc_of) -> list[str]:
+    """Chunk ids, best first: the best chunk of each document in order of score, then the
+    other chunks in order of score; at most `limit`.
+
+    Ties: equal scores are ordered by chunk id, so the result never depends on dict order.
+    Documents first because a reader (and every document-level measure) gains nothing from a
+    second chunk of a document before the first chunk of another that scored almost as well.
+    """
+    ordered = sorted(scores, key=lambda cid: (-scores[cid], cid))
+    firsts, rest, seen = [], [], set()
+    for cid in ordered:
+        d = doc(cid)
+        (rest if d in seen else firsts).append(cid)
+        seen.add(d)
+    return (firsts + rest)[:limit]
