@@ -5,12 +5,15 @@ questions (medians, one run), then requests/s at 1, 4 and 8 concurrent clients.
         [--executor local|ray] [--branches 3] [--seconds 30] [--concurrency 1,4,8]
         [--mode serve|standalone] [--json reports/service_latency.json]
 
-Order: ingest into a fresh home; the in-process `Driver` answers every question (after one
-warm-up) and is closed (Milvus Lite has one owner); then the same executor behind the service
-(Ray Serve by default: proxy → Ingress → Searcher) answers the same questions over HTTP on
-loopback. The ratio is median HTTP latency / median driver latency. Throughput: each client
-loops over the questions for `--seconds` (closed loop); requests/s = answers / wall time.
-The machine is shared: the load average at start and end is printed with the table.
+Ingest into a fresh home and copy it (Milvus Lite has one owner per file): the in-process
+`Driver` reads the copy, the service (Ray Serve by default: proxy → Ingress → Searcher, same
+executor) reads the original. Latency is measured interleaved — question i through the driver,
+then through POST /v1/search — for `--rounds` passes over the questions, so load drifting on a
+shared machine hits both sides alike. The ratio is median HTTP latency / median driver latency;
+the layer's own cost is also given per request as HTTP wall time minus the driver latency the
+service measured inside (`metrics.latency_s`). Throughput: each client loops over the questions
+for `--seconds` (closed loop); requests/s = answers / wall time. The load average at start and
+end is printed with the table.
 """
 
 from __future__ import annotations
@@ -34,35 +37,26 @@ def median_ms(xs: list[float]) -> float:
     return round(1000 * statistics.median(xs), 1)
 
 
-def driver_latency(settings, executor: str, questions: list[str]) -> dict:
-    from branchsearch.orchestrator.driver import Driver
-
-    driver = Driver(settings, mode=executor)
-    try:
-        driver.search(questions[0])  # warm-up
-        walls, statuses = [], []
+def interleaved(driver, client, questions: list[str], rounds: int) -> dict:
+    """Each question through the in-process driver, then over HTTP; medians of both."""
+    driver.search(questions[0], acl_groups=["*"])  # warm-up, both sides
+    client.post("/v1/search", json={"question": questions[0]})
+    direct, http, layer, codes = [], [], [], []
+    for _ in range(rounds):
         for q in questions:
             t = time.perf_counter()
-            r = driver.search(q, acl_groups=["*"])
-            walls.append(time.perf_counter() - t)
-            statuses.append(r.status if hasattr(r, "status") else "ok")
-    finally:
-        driver.close()
-    return {"median_ms": median_ms(walls), "statuses": statuses}
-
-
-def http_latency(client, questions: list[str]) -> dict:
-    client.post("/v1/search", json={"question": questions[0]})  # warm-up
-    walls, inner, codes = [], [], []
-    for q in questions:
-        t = time.perf_counter()
-        r = client.post("/v1/search", json={"question": q})
-        walls.append(time.perf_counter() - t)
-        codes.append(r.status_code)
-        if r.status_code == 200:
-            inner.append(r.json()["metrics"]["latency_s"])
-    return {"median_ms": median_ms(walls), "driver_inside_median_ms": median_ms(inner),
-            "codes": codes}
+            driver.search(q, acl_groups=["*"])  # the service's dev key is ACL_ALL too
+            direct.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            r = client.post("/v1/search", json={"question": q})
+            wall = time.perf_counter() - t
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                http.append(wall)
+                layer.append(wall - r.json()["metrics"]["latency_s"])
+    return {"driver_median_ms": median_ms(direct), "http_median_ms": median_ms(http),
+            "layer_median_ms": median_ms(layer), "samples": len(direct),
+            "non_200": len(codes) - codes.count(200)}
 
 
 def throughput(url: str, questions: list[str], clients: int, seconds: float) -> dict:
@@ -100,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus", default=str(ROOT / "tests/fixtures/hotpot-mini"))
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--executor", default="local", choices=("local", "ray"))
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=30)
@@ -126,7 +121,13 @@ def main() -> None:
     print(f"{len(questions)} questions from {args.corpus}; executor {args.executor}, "
           f"{args.branches} branches; service via {args.mode}", file=sys.stderr)
 
-    direct = driver_latency(settings, args.executor, questions)
+    import shutil
+
+    from branchsearch.orchestrator.driver import Driver
+
+    twin = Path(str(home) + "-driver")
+    shutil.copytree(home, twin)
+    driver = Driver(settings.replace(home=twin), mode=args.executor)
     limits = {"per_key_concurrency": 64, "max_in_flight": 256}
     if args.mode == "serve":
         from ray import serve
@@ -153,24 +154,28 @@ def main() -> None:
             state.backend.searcher.close()
     try:
         with httpx.Client(base_url=url, timeout=300) as client:
-            http = http_latency(client, questions)
+            lat = interleaved(driver, client, questions, args.rounds)
+        driver.close()
         rates = [throughput(url, questions, int(c), args.seconds)
                  for c in args.concurrency.split(",")]
     finally:
         stop()
     out = {"corpus": args.corpus, "questions": len(questions), "executor": args.executor,
-           "branches": args.branches, "mode": args.mode, "driver": direct, "http": http,
-           "ratio": round(http["median_ms"] / direct["median_ms"], 3), "throughput": rates,
-           "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+           "branches": args.branches, "mode": args.mode, "latency": lat,
+           "ratio": round(lat["http_median_ms"] / lat["driver_median_ms"], 3),
+           "throughput": rates, "cpus": os.cpu_count(),
+           "cpu": platform.processor() or platform.machine(),
            "loadavg_start": [round(x, 1) for x in load_start],
            "loadavg_end": [round(x, 1) for x in os.getloadavg()]}
     print(f"\nhardware: {out['cpus']} CPUs ({out['cpu']}), shared; load average start "
           f"{out['loadavg_start'][0]}, end {out['loadavg_end'][0]}")
-    print(f"latency, median over {len(questions)} questions (one run):")
-    print(f"  in-process driver            {direct['median_ms']:>9.1f} ms")
-    print(f"  POST /v1/search ({args.mode:<10}) {http['median_ms']:>9.1f} ms   "
-          f"(driver inside the service: {http['driver_inside_median_ms']:.1f} ms)")
+    print(f"latency, medians of {lat['samples']} interleaved samples ({len(questions)} questions "
+          f"x {args.rounds} rounds, one run):")
+    print(f"  in-process driver            {lat['driver_median_ms']:>9.1f} ms")
+    print(f"  POST /v1/search ({args.mode:<10}) {lat['http_median_ms']:>9.1f} ms")
     print(f"  ratio HTTP / in-process      {out['ratio']:>9.3f}")
+    print(f"  layer per request (HTTP wall - driver time inside): {lat['layer_median_ms']:.1f} ms"
+          f"; non-200 answers: {lat['non_200']}")
     print("throughput (closed loop, each client loops over the questions):")
     print("  clients   answers   wall s    req/s   median ms   errors")
     for r in rates:

@@ -14,7 +14,6 @@ import inspect
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 
 from branchsearch.infra.errors import BackendUnavailable, IndexNotFound

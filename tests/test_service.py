@@ -86,6 +86,9 @@ def test_auth_matrix(site):
         ("GET", "/healthz", None, None, 200),
         ("GET", "/readyz", None, None, 200),
         ("GET", "/metrics", None, None, 200),
+        ("GET", "/docs", None, None, 200),
+        ("GET", "/openapi.json", None, None, 200),
+        ("GET", "/", None, None, 200),
     ]
     for method, path, key, body, status in cases:
         r = client.request(method, path, json=body, headers=auth(key) if key else {})
@@ -100,11 +103,15 @@ def test_auth_matrix(site):
     assert client.get("/v1/indexes", headers=auth(keys["bravo"])).json() == {
         "indexes": ["acl", "other"]}
     assert client.get("/v1/whoami", headers=auth(keys["alpha"])).json()["groups"] == ["alpha"]
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/search", "/v1/indexes/{index}/documents", "/readyz", "/metrics"} <= set(paths)
+    assert "question" in json.dumps(paths["/v1/search"])
 
 
 QUESTIONS = ["What is Quokkavault?", "zephyrledger obsidianpact", "Bravo secret harbor project",
              "Zephyrledger Plan quokkavault archive", "Who are the obsidianpact members?",
-             "Which boats does the lighthouse record?"]
+             "Which boats does the lighthouse record?", "b-vault b-ledger",
+             "Bravo Quokkavault and the Zephyrledger Plan"]
 
 
 def _leaks(text: str, docs: list[str], marker: str = "") -> list[str]:
