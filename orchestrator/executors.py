@@ -6,7 +6,8 @@
   `RetrieverActor`, LLM engines in named engine actors; every actor counted by
   `orchestrator.cluster.plan_actors` before any starts, every start awaited with a timeout.
 
-`make_executor` is the one place that picks between them. A branch that raises or misses its
+`pick_executor` is the one place that decides between them (one branch runs in-process),
+`make_executor` the one place that builds them. A branch that raises or misses its
 deadline is reported in its `BranchReport.status`; the others still count.
 """
 
@@ -19,11 +20,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from branchsearch.infra import telemetry
+from branchsearch.infra.choices import EXECUTORS, Executor as ExecutorName, one_of
 from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
 from branchsearch.infra.settings import Settings
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
-MODES = ("ray", "local")
 log = logging.getLogger("branchsearch.executors")
 Events = Callable[[dict], None] | None
 
@@ -37,22 +38,24 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def choose_mode(requested: str, settings: Settings) -> str:
-    """The executor to use: one branch needs no cluster (unless one was named)."""
-    if requested not in MODES:
-        raise BranchsearchError(f"unknown executor {requested!r}; use ray or local")
+def pick_executor(settings: Settings, requested: str = "ray") -> ExecutorName:
+    """The executor to use: the one requested, except that one branch needs no cluster, so
+    `ray` with `branches = 1` runs in-process, unless a cluster was named (`ray_address`)."""
+    if requested not in EXECUTORS:
+        raise BranchsearchError(f"unknown executor {requested!r}; use {one_of(EXECUTORS)}")
     if requested == "ray" and settings.branches == 1 and not settings.ray_address:
         return "local"
     return requested
 
 
-def make_executor(settings: Settings, mode: str, *, pool_size: int | None = None) -> Executor:
+def make_executor(settings: Settings, mode: ExecutorName, *,
+                  pool_size: int | None = None) -> Executor:
     if mode == "local":
         return LocalExecutor(settings)
     if mode == "ray":
         return RayExecutor(settings, pool_size or settings.branches
                            * max(settings.batch_concurrency, 1))
-    raise BranchsearchError(f"unknown executor {mode!r}; use ray or local")
+    raise BranchsearchError(f"unknown executor {mode!r}; use {one_of(EXECUTORS)}")
 
 
 def emit(on_event: Events, event: dict) -> None:
@@ -118,13 +121,10 @@ class RayExecutor:
             from branchsearch.workers.engine_actor import start_engines
 
             self.engines = start_engines(settings, self.resources, list(plan.engines))
-            self._wait_started([e.stats.remote() for e in self.engines],
-                               f"{engines} LLM engine actor(s)")
         # each actor gets the secrets it needs, no others
         self.retriever = RetrieverActor.options(
             max_concurrency=16, max_restarts=settings.branch_retries,
             **plan.retriever).remote(settings.replace(llm_api_key=""))
-        self._wait_started([self.retriever.ping.remote()], "the retriever actor")
         branch_settings = settings.replace(es_api_key="", milvus_token="")
         self._new_branch = lambda: BranchActor.options(
             max_restarts=settings.branch_retries, **plan.branch).remote(branch_settings,
@@ -134,6 +134,11 @@ class RayExecutor:
                                                             plan.branch_actors))]
         self._created = len(self._idle)
         self._cond = threading.Condition()
+        # every actor starts at once (engines load while the rest start); then each is awaited
+        if self.engines:
+            self._wait_started([e.stats.remote() for e in self.engines],
+                               f"{engines} LLM engine actor(s)")
+        self._wait_started([self.retriever.ping.remote()], "the retriever actor")
         self._wait_started([a.ping.remote() for a in self._idle],
                            f"{len(self._idle)} branch actor(s)")
 

@@ -27,6 +27,8 @@ class RetrieverService:
         from branchsearch.infra.retriever import open_retriever
 
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+        if self.retriever.embedder is not None:  # load the model now, not in the first query
+            _ = self.retriever.embedder.dim
 
     def call_many(self, requests: list[tuple]):
         """([value or exception per request], seconds spent in the backend): the caller
@@ -73,6 +75,12 @@ class BranchService:
         self.settings = settings
         telemetry.configure_from(settings)
         self.handle = retriever_handle
+        # import the branch runner and load the token encoding now, while the driver waits for
+        # actors to start, not inside the first question's branch timeout
+        from branchsearch.infra.tokenizer import TokenCounter
+        from branchsearch.workers import branch  # noqa: F401
+
+        TokenCounter(settings.encoding).count("warm up")
         self._events: list[dict] = []
         self._lock = threading.Lock()
 
