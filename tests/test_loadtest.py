@@ -192,6 +192,32 @@ def test_synth_workload_writes_its_corpus_once_and_asks_its_questions(tmp_path):
     assert from_synth(tmp_path / "s", 3, seed=1).questions == w.questions
 
 
+def test_probe_arithmetic_engine_rates_and_service_counters():
+    from branchsearch.orchestrator.loadtest.probes import (engine_rates, metric_deltas,
+                                                           parse_prometheus, summarize_gpu)
+
+    before = {"e0": {"requests": 10, "completion_tokens": 1000, "seconds": 5.0, "batches": 10}}
+    after = {"e0": {"requests": 40, "completion_tokens": 4000, "seconds": 15.0, "batches": 20}}
+    assert engine_rates(before, after, 20.0) == {"e0": {
+        "requests": 30, "completion_tokens": 3000, "completion_tokens_per_s": 150.0,
+        "busy_share": 0.5, "mean_batch": 3.0}}
+    text = ("# HELP x\nbranchsearch_searches_total{status=\"ok\"} 12\n"
+            "branchsearch_http_requests_in_flight 3\nbranchsearch_search_duration_seconds_bucket"
+            "{le=\"1\"} 4\nvllm:num_requests_running 2\nother_metric 9\nbroken line\n")
+    parsed = parse_prometheus(text)
+    assert parsed["branchsearch_searches_total{status=\"ok\"}"] == 12 and len(parsed) == 5
+    deltas = metric_deltas({"branchsearch_searches_total{status=\"ok\"}": 2.0}, parsed, 5.0)
+    assert deltas == {"branchsearch_http_requests_in_flight": 3.0,
+                      "branchsearch_searches_total{status=\"ok\"} /s": 2.0,
+                      "vllm:num_requests_running": 2.0}
+    gpu = summarize_gpu([[{"index": 0, "name": "H200", "util_pct": 40.0, "mem_used_mib": 1000,
+                           "mem_total_mib": 143000}],
+                         [{"index": 0, "name": "H200", "util_pct": 80.0, "mem_used_mib": 3000,
+                           "mem_total_mib": 143000}]])
+    assert gpu == {"0": {"name": "H200", "util_pct_mean": 60.0, "util_pct_max": 80.0,
+                         "mem_used_mib_max": 3000, "mem_total_mib": 143000}}
+
+
 # --- the generator, against targets with known timing ------------------------------------------
 
 class SleepTarget:
@@ -354,6 +380,10 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
     with pytest.raises(RequestFailed) as bad_key:
         HttpTarget(url, "wrong").search("q")
     assert bad_key.value.outcome == "http_401:unauthorized"
+    from branchsearch.orchestrator.loadtest.run import preflight
+
+    with pytest.raises(BranchsearchError, match="http_401:unauthorized .*check --url, --key"):
+        preflight(HttpTarget(url, "wrong"), "q")  # the CLI stops here: one line, exit 2
     with pytest.raises(RequestFailed) as refused:
         HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
     assert refused.value.outcome.startswith("error:")

@@ -4,6 +4,7 @@ load, throughput vs offered load, latency CDF per step)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError
@@ -23,7 +24,8 @@ def _x(step: dict) -> float:
     return step["load"]
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict, md_dir: str | Path | None = None) -> str:
+    """The summary; plot links are relative to `md_dir` (where the .md is written)."""
     steps, arr = report["steps"], report["arrivals"]
     target, wl, m = report["target"], report["workload"], report["machine"]
     lines = [f"# Load test: {target.get('kind')} "
@@ -102,8 +104,9 @@ def markdown(report: dict) -> str:
                 parts.append("  * service: " + ", ".join(f"{k} {v}" for k, v in picked.items()))
         lines += parts
     if report.get("plots"):
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})"
-                                           for p in report["plots"]]
+        lines += ["", "## Plots", ""] + [
+            f"![{Path(p).stem}]({os.path.relpath(p, md_dir) if md_dir else p})"
+            for p in report["plots"]]
     return "\n".join(lines) + "\n"
 
 
@@ -113,7 +116,7 @@ def write(report: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     md = path.with_suffix(".md")
-    md.write_text(markdown(report))
+    md.write_text(markdown(report, path.parent))
     return md
 
 
@@ -134,7 +137,9 @@ def plots(report: dict, out_dir: str | Path) -> list[str]:
     if not steps:
         return []
     xs = [_x(s) for s in steps]
-    title = f"{report['target'].get('kind')} — {report['workload']['source'][:60]}"
+    target = report["target"]
+    title = (f"{target.get('kind')} {target.get('executor') or target.get('url', '')} — "
+             f"{Path(report['workload']['source']).name[:40]}")
     paths = []
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

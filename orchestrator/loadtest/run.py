@@ -15,7 +15,7 @@ from branchsearch.infra.settings import Settings
 from branchsearch.orchestrator.loadtest import arrivals, report as rep, workload as wl
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
 from branchsearch.orchestrator.loadtest.probes import StepProbe
-from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget
+from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget, RequestFailed
 
 
 @dataclass
@@ -122,6 +122,19 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
     return DriverTarget(driver, branches=o.branches, deadline_s=o.deadline_s)
 
 
+def preflight(target: HttpTarget, question: str) -> None:
+    """One question before any load: a refused key, a missing index or an unreachable URL is
+    one clear error now, not a report full of identical errors."""
+    try:
+        target.search(question)
+    except RequestFailed as exc:
+        if exc.outcome.startswith(("http_401", "http_403", "http_404", "http_422", "error:")):
+            detail = f" ({exc})" if str(exc) != exc.outcome else ""
+            raise BranchsearchError(f"--url {target.url}: the first question got "
+                                    f"{exc.outcome}{detail}; check --url, --key and --index") \
+                from None
+
+
 def machine() -> dict:
     try:
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -136,6 +149,8 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     spec, notes = load_spec(o)
     workload = make_workload(o, settings)
     target = make_target(o, settings, workload)
+    if isinstance(target, HttpTarget):
+        preflight(target, workload.question(0))
     metrics_text = (lambda: target.get("/metrics")) if isinstance(target, HttpTarget) else None
     probe = lambda: StepProbe(settings if not o.url else None, metrics_text)  # noqa: E731
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")

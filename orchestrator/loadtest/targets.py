@@ -135,10 +135,12 @@ class HttpTarget:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             try:
-                code = json.loads(exc.read()).get("error", "")
+                body = json.loads(exc.read())
+                code, detail = str(body.get("error", "")), str(body.get("detail", ""))
             except (ValueError, AttributeError, OSError):
-                code = ""
-            raise RequestFailed(f"http_{exc.code}" + (f":{code}" if code else "")) from None
+                code, detail = "", ""
+            raise RequestFailed(f"http_{exc.code}" + (f":{code}" if code else ""),
+                                detail[:300]) from None
         except (TimeoutError, socket.timeout):
             raise RequestFailed("error:Timeout") from None
         except urllib.error.URLError as exc:
