@@ -434,10 +434,17 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
           file=sys.stderr)
     if not block:
         return
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # `kill PID` stops it as ^C does: drain, then exit
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        print("stopping: shutting the Serve application down", file=sys.stderr)
         serve.shutdown()
 
 

@@ -114,9 +114,40 @@ QUESTIONS = ["What is Quokkavault?", "zephyrledger obsidianpact", "Bravo secret 
              "Bravo Quokkavault and the Zephyrledger Plan"]
 
 
+_DOC_FIELDS = {"doc_id", "chunk_id", "new_ids", "ids", "ranked_chunk_ids", "pruned_ids",
+               "final_context_ids", "retrieved_ids", "text", "title"}
+
+
+def _doc_values(obj) -> list[str]:
+    """Every value of a response that carries documents (ids, text, titles) — not the echoes of
+    the question (question, subqueries, queries), which may name anything the caller typed."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in _DOC_FIELDS:
+                out += [json.dumps(v)]
+            else:
+                out += _doc_values(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            out += _doc_values(v)
+    return out
+
+
 def _leaks(text: str, docs: list[str], marker: str = "") -> list[str]:
-    """Ids of `docs` in a response, and the marker only their text holds."""
-    return [d for d in docs if d in text] + ([marker] if marker and marker in text.lower() else [])
+    """Ids of `docs` in the document-bearing fields of a response (JSON or SSE), and the marker
+    only their text holds anywhere in it (no question contains the marker)."""
+    if text.startswith("event:"):
+        body = parse_sse(text)
+    else:
+        try:
+            body = json.loads(text)
+        except ValueError:  # /metrics: plain text, no question in it: check all of it
+            return ([d for d in docs if d in text]
+                    + ([marker] if marker and marker in text.lower() else []))
+    values = " ".join(_doc_values(body))
+    return ([d for d in docs if f'"{d}' in values or f"{d}#" in values]
+            + ([marker] if marker and marker in text.lower() else []))
 
 
 def test_acl_leak(site, capsys):
