@@ -216,11 +216,18 @@ class ExternalElastic:
                                          "max_determinized_states": 10000}}}
         return self._run(must, k, exclude_ids, acl_groups, "grep")
 
-    def get(self, doc_ids: Sequence[str], acl_groups=None) -> dict[str, Hit]:
+    def get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
+        """doc id -> {doc_id, title, text, acl} for the ids that exist (no ACL filter: the
+        retriever checks each record's `acl` against the caller before showing it)."""
         if not doc_ids:
             return {}
-        hits = self._run(self._ids_query(doc_ids), len(doc_ids), (), acl_groups, "read")
-        return {h.doc_id: h for h in hits}
+        try:
+            result = self._es.search(index=self.index, query=self._ids_query(doc_ids),
+                                     size=len(doc_ids), source_includes=self._source_fields())
+        except Exception as exc:
+            raise _es_unavailable(self.url, exc) from None
+        return {self._doc_id(h): _record(self._doc_id(h), h["_source"], self.f)
+                for h in result["hits"]["hits"]}
 
     def write(self, *args, **kwargs):
         _read_only(self.spec.name)
@@ -324,14 +331,17 @@ class ExternalMilvus:
                           float(r["distance"]), rank, "dense")
                 for rank, r in enumerate(result[0], start=1)]
 
-    def get(self, doc_ids: Sequence[str], acl_groups=None) -> dict[str, Hit]:
+    def get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
+        """doc id -> {doc_id, title, text, acl} (no ACL filter; see ExternalElastic.get)."""
         if not doc_ids:
             return {}
-        where = f"{self.f.id} in {json.dumps(list(doc_ids))}"
-        acl = self._filters((), acl_groups)
-        rows = self._client.query(self.collection, filter=f"{where} and {acl}" if acl else where,
-                                  output_fields=self._outputs)
-        return {str(r[self.f.id]): self._hit(r, 0.0, 0, "read") for r in rows}
+        try:
+            rows = self._client.query(self.collection, output_fields=self._outputs,
+                                      filter=f"{self.f.id} in {json.dumps(list(doc_ids))}")
+        except Exception as exc:
+            raise BackendUnavailable(f"milvus at {self.uri}: query failed "
+                                     f"({type(exc).__name__}: {exc})") from None
+        return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
 
     def write(self, *args, **kwargs):
         _read_only(self.spec.name)
@@ -340,38 +350,50 @@ class ExternalMilvus:
         return int(self._client.get_collection_stats(self.collection).get("row_count", 0))
 
     def close(self) -> None:
+        """Close the client; for a Milvus Lite file, also stop its server so another process
+        can open the file (one process per file)."""
         self._client.close()
+        if not self.uri.startswith(("http://", "https://", "tcp://")):
+            from milvus_lite.server_manager import server_manager_instance
+
+            server_manager_instance.release_server(self.uri)
 
 
 # --- reading: the docstore's read methods, answered by the backend --------------------------------
 
 
+def _record(doc_id: str, source: dict, f: FieldMap) -> dict:
+    acl = source.get(f.acl) or []
+    return {"doc_id": doc_id, "title": str(source.get(f.title, "")),
+            "text": str(source.get(f.text, "")), "acl": [acl] if isinstance(acl, str) else
+            list(acl)}
+
+
 class ExternalDocs:
     """What the retriever asks a docstore, answered from the external backend (the lexical side
-    when there is one, else the dense side). Every document is one chunk."""
+    when there is one, else the dense side). Every document is one chunk; like the owned
+    docstore it returns records with their `acl`, and the retriever decides who sees them."""
 
     def __init__(self, source):
         self.source = source
 
-    def get_chunks(self, chunk_ids: Sequence[str], acl_groups=None) -> dict[str, dict]:
-        docs = self.source.get([doc_id_of(c) for c in dict.fromkeys(chunk_ids)],
-                               acl_groups=acl_groups if acl_groups is not None else [ACL_ALL])
-        return {h.chunk_id: {"chunk_id": h.chunk_id, "doc_id": h.doc_id, "n": 0, "text": h.text,
-                             "title": h.title} for h in docs.values()}
+    def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
+        docs = self.source.get([doc_id_of(c) for c in dict.fromkeys(chunk_ids)])
+        return {d["doc_id"] + CHUNK_SUFFIX: {"chunk_id": d["doc_id"] + CHUNK_SUFFIX, "n": 0, **d}
+                for d in docs.values()}
 
-    def get_document(self, doc_id: str, acl_groups=None) -> dict | None:
-        hit = self.source.get([doc_id], acl_groups=acl_groups if acl_groups is not None
-                              else [ACL_ALL]).get(doc_id)
-        if hit is None:
+    def get_document(self, doc_id: str) -> dict | None:
+        doc = self.source.get([doc_id]).get(doc_id)
+        if doc is None:
             return None
-        return {"doc_id": doc_id, "title": hit.title, "n_chunks": 1,
-                "chunk_ids": [hit.chunk_id], "_text": hit.text}
+        return {"doc_id": doc_id, "title": doc["title"], "acl": doc["acl"], "n_chunks": 1,
+                "chunk_ids": [doc_id + CHUNK_SUFFIX]}
 
     def document_chunks(self, doc_id: str) -> list[dict]:
-        doc = self.get_document(doc_id)
+        doc = self.source.get([doc_id]).get(doc_id)
         if doc is None:
             return []
-        return [{"chunk_id": doc["chunk_ids"][0], "n": 0, "text": doc["_text"]}]
+        return [{"chunk_id": doc_id + CHUNK_SUFFIX, "n": 0, "text": doc["text"]}]
 
     def doc_count(self) -> int:
         return self.source.count()

@@ -137,6 +137,11 @@ def test_acl_through_the_mapped_field(foreign):
                               acl_groups=["film-dept"])
             assert "scott-derrickson" in {h.doc_id for h in member}, mode
         assert "scott-derrickson#p0" not in {h.chunk_id for h in r.grep("derrickson", k=5)}
+        with pytest.raises(BadQuery, match="unknown document"):  # reads check before fetching
+            r.read_document("scott-derrickson")
+        with pytest.raises(BadQuery, match="unknown document"):
+            r.read_document("scott-derrickson", acl_groups=["hr"])
+        assert r.read_document("scott-derrickson", acl_groups=["film-dept"])["chunks"]
     finally:
         r.close()
 
@@ -193,3 +198,23 @@ def test_agent_search_and_no_writes(foreign):
     assert run.returncode == 2, run.stderr
     assert "external" in run.stderr and "Traceback" not in run.stderr
     assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]
+
+
+@pytest.mark.es
+def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
+    """`branchsearch indexes`: counts and health of each external index, one line per problem."""
+    import shutil
+
+    owned = foreign["home"] / "indexes" / "hotpot"
+    if not owned.exists():  # an owned, complete index beside the external ones
+        shutil.copytree(hotpot_settings.index_dir, owned)
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes", "--home",
+           str(foreign["home"]), "--config", str(foreign["home"] / "branchsearch.toml"), "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    infos = {i["name"]: i for i in json.loads(run.stdout)}
+    assert infos["hotpot"]["kind"] == "owned" and infos["hotpot"]["health"] == "ok"
+    assert infos["corp"]["health"] == "ok" and infos["corp"]["documents"] == foreign["count"]
+    assert infos["corp_vec"]["documents"] == foreign["count"]
+    assert "8-dim" in infos["tiny"]["health"]
+    assert "'content'" in infos["broken"]["health"]
