@@ -80,6 +80,10 @@ class IndexSpec:
     ef: int = 64
     nlist: int = 1024
     nprobe: int = 16
+    # searches on a server: Strong waits for the server's time tick (~200+ ms a search, measured
+    # in bench/milvus_scaling.py); Bounded sees writes older than the server's graceful time
+    # (5 s by default). Counts after an ingest always use Strong.
+    consistency: str = "Bounded"
     extra: dict = field(default_factory=dict, compare=False)
 
     def resolved(self, server: bool) -> str:
@@ -188,7 +192,8 @@ class MilvusStore:
             self.collection, data=[vector.tolist()], limit=k,
             filter=" and ".join(filters), output_fields=["doc_id"],
             search_params={"metric_type": "IP",
-                           "params": self.index.search_params(self.index_kind, k)})
+                           "params": self.index.search_params(self.index_kind, k)},
+            consistency_level=self.index.consistency if self.server else "Strong")
         return [Hit(r["id"], r["entity"]["doc_id"], float(r["distance"]), rank, "dense")
                 for rank, r in enumerate(result[0], start=1)]
 

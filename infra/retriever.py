@@ -21,7 +21,8 @@ from pathlib import Path
 from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
 from branchsearch.infra.backends import check_k
-from branchsearch.infra.errors import BadQuery, IndexNotFound
+from branchsearch.infra.errors import BadQuery, SettingsError
+from branchsearch.infra.manifest import require_complete
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.settings import Settings
 
@@ -143,10 +144,15 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
     from branchsearch.infra.embedder import Embedder
 
     root = settings.index_dir
-    if not create and not (root / "docs.sqlite").exists():
-        raise IndexNotFound(
-            f"index {settings.index!r} not found under {settings.home} "
-            f"(run `branchsearch ingest PATH --index {settings.index}` first)")
+    manifest = None
+    if not create:  # readers: only a complete index that no ingest is writing
+        manifest = require_complete(root, settings.index, _home_flag(settings))
+        if manifest.embedding is None:
+            need_dense = False  # a BM25-only index (ingest --no-dense): dense search says so
+        elif embedder is None and manifest.embedding.get("model") != settings.embed_model:
+            raise SettingsError(
+                f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
+                f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
     docstore = DocStore(root / "docs.sqlite")
     if settings.es_url:
         from branchsearch.infra.elastic import ElasticStore
@@ -167,11 +173,33 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
         embedder = embedder or Embedder(
             settings.embed_model, settings.embed_batch, settings.embed_device,
             cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
-        dim = _dense_dim(root, embedder)
-        dense = MilvusStore(settings.milvus_uri or root / "dense.db", dim,
-                            token=settings.milvus_token,
-                            collection=f"chunks_{settings.index}".replace("-", "_"))
+        dim = manifest.embedding["dim"] if manifest else _dense_dim(root, embedder)
+        try:
+            dense = MilvusStore(settings.milvus_uri or root / "dense.db", dim,
+                                token=settings.milvus_token,
+                                collection=f"chunks_{settings.index}".replace("-", "_"),
+                                index=index_spec(settings))
+        except BaseException:
+            for store in (lexical, docstore):
+                store.close()
+            raise
     return docstore, lexical, dense, embedder
+
+
+def index_spec(settings: Settings):
+    from branchsearch.infra.dense import IndexSpec
+
+    return IndexSpec(settings.milvus_index, m=settings.milvus_hnsw_m,
+                     ef_construction=settings.milvus_hnsw_ef_construction,
+                     ef=settings.milvus_search_ef, consistency=settings.milvus_consistency)
+
+
+def _home_flag(settings: Settings) -> str:
+    """`--home` for the hints in error messages, when it is not the default."""
+    import os
+
+    return "" if str(settings.home) == ".branchsearch" or os.environ.get(
+        "BRANCHSEARCH_HOME") == str(settings.home) else str(settings.home)
 
 
 def _dense_dim(root, embedder) -> int:

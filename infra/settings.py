@@ -38,6 +38,7 @@ class Settings:
     milvus_hnsw_m: int = 16
     milvus_hnsw_ef_construction: int = 200
     milvus_search_ef: int = 64  # HNSW search breadth (at least k)
+    milvus_consistency: str = "Bounded"  # server searches: Bounded | Strong (+~200 ms/search)
     es_url: str = ""
     es_api_key: str = ""
     # retrieval
@@ -145,6 +146,8 @@ def _validate(s: Settings) -> None:
         (s.search_mode in ("bm25", "dense", "hybrid"), "search_mode must be bm25, dense or hybrid"),
         (s.milvus_index.upper() in ("AUTO", "FLAT", "HNSW", "IVF_FLAT"),
          "milvus_index must be auto, FLAT, HNSW or IVF_FLAT"),
+        (s.milvus_consistency in ("Bounded", "Strong", "Session", "Eventually"),
+         "milvus_consistency must be Bounded, Strong, Session or Eventually"),
         (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
         (s.planner in ("heuristic", "llm"), "planner must be heuristic or llm"),
         (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),

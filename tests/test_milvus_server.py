@@ -85,7 +85,8 @@ def test_dense_contract_milvus_lite(tmp_path):
 
 def test_dense_contract_milvus_server(milvus_uri):
     name = f"contract_{uuid.uuid4().hex[:8]}"
-    dense_contract(lambda: MilvusStore(milvus_uri, 4, collection=name))
+    strong = IndexSpec(consistency="Strong")  # the contract reads right after each write
+    dense_contract(lambda: MilvusStore(milvus_uri, 4, collection=name, index=strong))
     store = MilvusStore(milvus_uri, 4, collection=name + "_kind", index=IndexSpec("auto"))
     try:
         assert store.server and store.index_kind == "HNSW"  # ANN on a server by default
@@ -96,7 +97,8 @@ def test_dense_contract_milvus_server(milvus_uri):
 
 def test_ingest_and_hybrid_retrieval_through_milvus_uri(milvus_uri, hotpot_settings):
     index = f"srv{uuid.uuid4().hex[:6]}"
-    settings = hotpot_settings.replace(index=index, milvus_uri=milvus_uri)
+    settings = hotpot_settings.replace(index=index, milvus_uri=milvus_uri,
+                                       milvus_consistency="Strong")  # search right after ingest
     report = ingest(HOTPOT, settings)
     manifest = read_manifest(settings.index_dir)
     assert manifest.chunks["dense"] == manifest.chunks["docstore"] == report.chunks

@@ -1,0 +1,209 @@
+"""Dense search latency vs corpus size: Milvus Lite (FLAT, exact) vs a Milvus server (HNSW).
+
+    python bench/milvus_scaling.py [--sizes 10000 50000 100000] [--queries 200] [--dim 384]
+                                   [--uri http://HOST:19530]   # default: start the `milvus`
+                                                               # package's server here
+
+Vectors are synthetic, not a model's: unit vectors drawn around 2,000 random centroids (noise
+0.6 of the centroid norm), so that, like real sentence embeddings, they are clustered; queries
+are perturbed copies of stored vectors. Search cost depends on N, dim and the index, not on what
+the vectors mean; HNSW recall on these is indicative only (real embeddings: measure on your data).
+Each size goes into a fresh collection through `infra.dense.MilvusStore` (the code the retriever
+uses): insert time, index build (the server indexes sealed segments after a flush), then
+--queries searches with k=10 as the agent issues them (with an ACL filter and 20 excluded ids),
+one at a time; median and p90 latency, recall@10 against exact numpy search, and the resident
+memory of the server process. One run per size; the machine may be shared (load printed).
+Projections to larger N are printed separately and marked as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from branchsearch.infra.backends import IndexedChunk  # noqa: E402
+from branchsearch.infra.dense import IndexSpec, MilvusStore  # noqa: E402
+
+
+CONSISTENCY = "Bounded"
+
+
+def vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centroids = rng.standard_normal((2000, dim)).astype(np.float32)
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
+    out = np.empty((n, dim), dtype=np.float32)
+    for start in range(0, n, 50_000):
+        m = min(50_000, n - start)
+        v = centroids[rng.integers(0, len(centroids), m)] + \
+            0.6 / np.sqrt(dim) * rng.standard_normal((m, dim)).astype(np.float32)
+        out[start:start + m] = v / np.linalg.norm(v, axis=1, keepdims=True)
+    return out
+
+
+def rss_mb(pid: int | None) -> float | None:
+    if not pid:
+        return None
+    try:
+        import psutil
+
+        proc = psutil.Process(pid)
+        return round(sum(p.memory_info().rss for p in [proc, *proc.children(True)]) / 2**20, 0)
+    except Exception:
+        return None
+
+
+def lite_pid(path: str) -> int | None:
+    try:
+        import psutil
+
+        for p in psutil.process_iter(["cmdline"]):
+            if any(path in (c or "") for c in p.info["cmdline"] or []) and p.pid != os.getpid():
+                return p.pid
+    except Exception:
+        pass
+    return None
+
+
+def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None) -> dict:
+    data = vectors(n, dim)
+    rng = np.random.default_rng(1)
+    picks = rng.integers(0, n, queries)
+    qv = data[picks] + 0.3 / np.sqrt(dim) * rng.standard_normal((queries, dim)).astype(np.float32)
+    qv /= np.linalg.norm(qv, axis=1, keepdims=True)
+    spec = IndexSpec("FLAT" if kind == "lite" else "HNSW", consistency=CONSISTENCY)
+    store = MilvusStore(uri, dim, collection=f"scale_{kind}_{n}", index=spec)
+    try:
+        t = time.perf_counter()
+        step = 1000
+        for s in range(0, n, step):
+            chunks = [IndexedChunk(f"d{i}#p0", f"d{i}", "", "", ("g",) if i % 10 == 0 else ())
+                      for i in range(s, min(s + step, n))]
+            store._client.insert(store.collection, [
+                {"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
+                 "vector": v.tolist()} for c, v in zip(chunks, data[s:s + step])])
+        insert_s = time.perf_counter() - t
+        t = time.perf_counter()
+        if store.server:  # seal segments and wait for the HNSW build
+            store._client.flush(store.collection)
+            _wait_index(store)
+        index_s = time.perf_counter() - t
+        store.search(qv[0], 10)  # warm (load)
+        lat, recall = [], []
+        exact = data @ qv.T  # (n, queries)
+        public = np.array([i % 10 != 0 for i in range(n)])
+        for j in range(queries):
+            excluded = rng.integers(0, n, 20)
+            exclude = [f"d{i}#p0" for i in excluded]
+            t = time.perf_counter()
+            hits = store.search(qv[j], 10, exclude_ids=exclude)
+            lat.append((time.perf_counter() - t) * 1000)
+            scores = np.where(public, exact[:, j], -np.inf)
+            scores[excluded] = -np.inf
+            truth = {f"d{i}#p0" for i in np.argpartition(-scores, 10)[:10]}
+            recall.append(len(truth & {h.chunk_id for h in hits}) / 10)
+        lat.sort()
+        return {"backend": kind, "index": store.index_kind, "n": n, "dim": dim,
+                "consistency": CONSISTENCY if store.server else "-",
+                "insert_s": round(insert_s, 1), "index_build_s": round(index_s, 1),
+                "search_ms_median": round(statistics.median(lat), 2),
+                "search_ms_p90": round(lat[int(0.9 * len(lat))], 2),
+                "recall_at_10": round(float(np.mean(recall)), 4), "queries": queries,
+                "server_rss_mb": rss_mb(pid or lite_pid(uri))}
+    finally:
+        store.drop()
+        store.close()
+
+
+def _wait_index(store, timeout_s: float = 1800) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        info = store._client.describe_index(store.collection, "vector") or {}
+        total, done = info.get("total_rows", 0), info.get("indexed_rows", 0)
+        if info.get("state") in ("Finished", 3) or (total and done >= total):
+            return
+        time.sleep(0.5)
+    raise TimeoutError("index build did not finish")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 50_000, 100_000])
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--uri", default="")
+    ap.add_argument("--pid", type=int, default=None, help="the --uri server's PID (memory)")
+    ap.add_argument("--backends", nargs="+", default=["lite", "server"])
+    ap.add_argument("--consistency", default="Bounded", help="server searches: Bounded|Strong")
+    args = ap.parse_args()
+    global CONSISTENCY
+    CONSISTENCY = args.consistency
+    print(f"host: {platform.node()}, {os.cpu_count()} cores; load average {os.getloadavg()}",
+          flush=True)
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-milvus-"))
+    if "lite" in args.backends:
+        for n in args.sizes:
+            rows.append(run("lite", str(tmp / f"lite{n}.db"), n, args.dim, args.queries, None))
+            print(json.dumps(rows[-1] | {"load": os.getloadavg()}), flush=True)
+    if "server" in args.backends:
+        if args.uri:
+            servers = [(args.uri, args.pid)]
+        else:
+            from milvus_server import start_milvus_server
+
+            ctx = start_milvus_server(tmp / "server")
+            handle = ctx.__enter__()
+            print(f"milvus server {handle.uri} (PID {handle.pid}) started in "
+                  f"{handle.started_s:.0f} s", flush=True)
+            servers = [(handle.uri, handle.pid)]
+        try:
+            for n in args.sizes:
+                rows.append(run("server", servers[0][0], n, args.dim, args.queries,
+                                servers[0][1]))
+                print(json.dumps(rows[-1] | {"load": os.getloadavg()}), flush=True)
+        finally:
+            if not args.uri:
+                ctx.__exit__(None, None, None)
+    print("\n| backend | index | N | insert s | index build s | search ms median | p90 | "
+          "recall@10 | server RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['index']} | {r['n']:,} | {r['insert_s']} | "
+              f"{r['index_build_s']} | {r['search_ms_median']} | {r['search_ms_p90']} | "
+              f"{r['recall_at_10']} | {r['server_rss_mb']} |")
+    _project(rows)
+
+
+def _project(rows: list[dict]) -> None:
+    """PROJECTED figures: FLAT grows linearly in N (fit through the measured sizes); HNSW grows
+    about logarithmically (fit a + b·log N). Marked as projections."""
+    print("\nPROJECTED (not measured): search ms median at larger N, fitted on the sizes above")
+    for backend in ("lite", "server"):
+        pts = [(r["n"], r["search_ms_median"]) for r in rows if r["backend"] == backend]
+        if len(pts) < 2:
+            continue
+        n, ms = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+        x = n if backend == "lite" else np.log(n)
+        b, a = np.polyfit(x, ms, 1)
+        for target in (1_000_000, 10_000_000):
+            xt = target if backend == "lite" else np.log(target)
+            print(f"  {backend} ({'FLAT, linear' if backend == 'lite' else 'HNSW, log'} fit): "
+                  f"N={target:,}: ~{a + b * xt:.1f} ms (projected)")
+
+
+if __name__ == "__main__":
+    main()
