@@ -8,7 +8,7 @@ One run on the bundled SmolLM2-135M-Instruct (vLLM CPU build), hotpot-mini (BM25
    chunks) and a turn-2 view (the top 5 BM25 chunks visible), rendered and constrained as
    LLMPolicy does (max 160 tokens). Reports median latency per turn and completion tokens/s.
    Both engines decode with the same grammar settings (xgrammar, no free whitespace) and the
-   same CPU binding.
+   same CPU binding (`--bind`).
 2. The server's batch with 1 vs 3 branches: real episodes (LLMPolicy, `--turns` turns) on
    threads, one client each, while vLLM's /metrics is sampled every 0.1 s
    (`vllm:num_requests_running`). Reports the median and max batch while busy, and the
@@ -55,11 +55,9 @@ def metric(root: str, name: str) -> float:
     return 0.0
 
 
-def start_server(model: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, log: Path, bind: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
-           # the in-process engine's binding (infra/llm.py), so both use the same cores
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": bind}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
          "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
@@ -115,12 +113,20 @@ def requests_for(questions: list[str], retriever) -> list[tuple[list[dict], dict
 
 def per_turn(engine, requests) -> dict:
     """Sequential calls: median latency per turn and median completion tokens/s."""
-    engine.chat(requests[0][0], schema=requests[0][1], max_tokens=8)  # warm-up
+    from branchsearch.infra.errors import OutputTruncated
+
+    def call(messages, schema, max_tokens):
+        try:
+            engine.chat(messages, schema=schema, max_tokens=max_tokens, temperature=0.3)
+        except OutputTruncated:  # cut at max_tokens: its tokens still count
+            pass
+
+    call(*requests[0], 8)  # warm-up (grammar compiled, caches filled)
     latencies, rates, tokens = [], [], []
     for messages, schema in requests:
         before = engine.stats.completion_tokens
         started = time.perf_counter()
-        engine.chat(messages, schema=schema, max_tokens=MAX_TOKENS, temperature=0.3)
+        call(messages, schema, MAX_TOKENS)
         elapsed = time.perf_counter() - started
         n = engine.stats.completion_tokens - before
         latencies.append(elapsed)
@@ -178,7 +184,11 @@ def main() -> None:
     ap.add_argument("--home", default=".branchsearch", help="where the model is converted")
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=2, help="max_turns of the branch episodes")
+    ap.add_argument("--bind", default=f"0-{(os.cpu_count() or 1) - 1}",
+                    help="VLLM_CPU_OMP_THREADS_BIND for both engines (default: the in-process "
+                         "engine's, all cores; on an oversubscribed machine '0' is faster)")
     args = ap.parse_args()
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind  # the in-process engine reads it
 
     sys.path.insert(0, str(ROOT))
     from branchsearch.infra.ingest import ingest
@@ -203,12 +213,13 @@ def main() -> None:
     load_before = os.getloadavg()
 
     t = time.perf_counter()
-    proc, root = start_server(model, work / "server.log")
+    proc, root = start_server(model, work / "server.log", args.bind)
     server_start = time.perf_counter() - t
     try:
         settings = settings.replace(llm_url=root, llm_model="smollm2")
         server = per_turn(OpenAIEngine(root, "smollm2", timeout_s=900), reqs)
-        batch = [branches(settings, root, questions[:n]) for n in (1, 3)]
+        batch = [branches(settings, root, [questions[i % len(questions)] for i in range(n)])
+                 for n in (1, 3)]  # (with fewer than 3 questions, a question runs twice)
     finally:
         stop_server(proc)
 
@@ -221,7 +232,8 @@ def main() -> None:
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, SHARED with other work "
           f"(load average 1/5/15 min: {'/'.join(f'{x:.1f}' for x in load_before)} before, "
-          f"{'/'.join(f'{x:.1f}' for x in load_after)} after); vLLM CPU build, {model}")
+          f"{'/'.join(f'{x:.1f}' for x in load_after)} after); vLLM CPU build, {model}; "
+          f"VLLM_CPU_OMP_THREADS_BIND={args.bind} for both engines")
     print(f"server ready in {server_start:.0f} s; in-process engine loaded in {local_load:.0f} s")
     print(f"\nper turn, {len(reqs)} identical requests ({len(questions)} hotpot-mini questions x "
           f"turn 1 and turn 2 views), max {MAX_TOKENS} tokens, medians:\n")
