@@ -16,6 +16,7 @@ Executor = Literal["ray", "local"]  # where branches run: Ray actors or this pro
 TraceExporter = Literal["none", "console", "jsonl", "otlp"]
 OtlpProtocol = Literal["http", "grpc"]
 MilvusIndex = Literal["auto", "FLAT", "HNSW", "IVF_FLAT"]  # compared upper-cased
+MilvusConsistency = Literal["Bounded", "Strong", "Session", "Eventually"]  # server searches
 Split = Literal["test", "dev", "train"]  # a BEIR folder's qrels/{split}.tsv
 # what `eval --baseline` runs beside the agent: a single-shot mode, the same agent without
 # pruning, or the heuristic policy
@@ -28,6 +29,7 @@ EXECUTORS: tuple[Executor, ...] = get_args(Executor)
 TRACE_EXPORTERS: tuple[TraceExporter, ...] = get_args(TraceExporter)
 OTLP_PROTOCOLS: tuple[OtlpProtocol, ...] = get_args(OtlpProtocol)
 MILVUS_INDEXES: tuple[MilvusIndex, ...] = get_args(MilvusIndex)
+MILVUS_CONSISTENCIES: tuple[MilvusConsistency, ...] = get_args(MilvusConsistency)
 SPLITS: tuple[Split, ...] = get_args(Split)
 BASELINES: tuple[Baseline, ...] = get_args(Baseline)
 

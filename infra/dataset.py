@@ -8,10 +8,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from branchsearch.infra.choices import SPLITS, Split
 from branchsearch.infra.errors import CorpusError
 from branchsearch.infra.textfile import utf8_lines
-
-SPLITS = ("test", "dev", "train")
 
 
 @dataclass
@@ -23,7 +22,7 @@ class Query:
     meta: dict = field(default_factory=dict)
 
 
-def read_queries(folder: str | Path, split: str = "test") -> list[Query]:
+def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
     """Queries that have at least one positive qrel in `qrels/{split}.tsv`, in file order."""
     if split not in SPLITS:
         raise CorpusError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")

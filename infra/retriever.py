@@ -21,12 +21,11 @@ from pathlib import Path
 from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
 from branchsearch.infra.backends import check_k
+from branchsearch.infra.choices import MODES, Mode
 from branchsearch.infra.errors import BadQuery, SettingsError
 from branchsearch.infra.manifest import require_complete
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.settings import Settings
-
-MODES = ("bm25", "dense", "hybrid")
 
 
 @dataclass
@@ -38,7 +37,7 @@ class Retriever:
     rrf_k: int = 60
     hybrid_candidates: int = 50
 
-    def search(self, query: str, mode: str = "hybrid", k: int = 10,
+    def search(self, query: str, mode: Mode = "hybrid", k: int = 10,
                exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None
                ) -> list[Hit]:
         if mode not in MODES:

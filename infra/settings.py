@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from branchsearch.infra.backends import MAX_K
+from branchsearch.infra.choices import (MILVUS_CONSISTENCIES, MILVUS_INDEXES, MODES,
+                                        OTLP_PROTOCOLS, PLANNERS, POLICIES, TRACE_EXPORTERS,
+                                        MilvusConsistency, Mode, OtlpProtocol, Planner,
+                                        Policy, TraceExporter, one_of)
 from branchsearch.infra.errors import SettingsError
 
 
@@ -38,14 +42,14 @@ class Settings:
     milvus_hnsw_m: int = 16
     milvus_hnsw_ef_construction: int = 200
     milvus_search_ef: int = 64  # HNSW search breadth (at least k)
-    milvus_consistency: str = "Bounded"  # server searches: Bounded | Strong (+~200 ms/search)
+    milvus_consistency: MilvusConsistency = "Bounded"  # server searches (Strong: +~200 ms each)
     es_url: str = ""
     es_api_key: str = ""
     # retrieval
-    search_mode: str = "hybrid"  # the agent's search_corpus default: bm25 | dense | hybrid
+    search_mode: Mode = "hybrid"  # the agent's search_corpus default
     rrf_k: int = 60  # hybrid BM25 + dense fusion (long candidate lists)
     branch_rrf_k: int = 5  # fusing branch rankings (short, already ordered by the agents)
-    hybrid_candidates: int = 50
+    hybrid_candidates: int = 50  # from each of BM25 and dense (1..MAX_K)
     grep_max_pattern: int = 200
     # access control: a caller sees public documents and those of its groups (`--acl G`);
     # acl_admin = true (or `--acl-admin`) sees every document (see infra/backends.ACL_ALL)
@@ -62,8 +66,8 @@ class Settings:
     read_window_tokens: int = 400
     final_k: int = 10
     prune: bool = True
-    policy: str = "heuristic"
-    planner: str = "heuristic"  # heuristic | llm
+    policy: Policy = "heuristic"
+    planner: Planner = "heuristic"
     # LLM engines (policy or planner = llm): an OpenAI-compatible endpoint by URL, else vLLM
     llm_url: str = ""
     llm_api_key: str = ""
@@ -89,10 +93,10 @@ class Settings:
     # telemetry: none | console | jsonl | otlp. The standard OTEL_TRACES_EXPORTER,
     # OTEL_EXPORTER_OTLP_[TRACES_]{ENDPOINT,PROTOCOL,HEADERS} are read here, on the driver side,
     # so they reach every actor inside this object (see `_otel_env`).
-    trace_exporter: str = "none"
+    trace_exporter: TraceExporter = "none"
     trace_file: str = ""
     otlp_endpoint: str = ""  # a collector's base URL (http://host:4318) or the full .../v1/traces
-    otlp_protocol: str = "http"  # http (OTLP/HTTP protobuf) | grpc
+    otlp_protocol: OtlpProtocol = "http"  # http (OTLP/HTTP protobuf) | grpc
     otlp_headers: str = ""  # k1=v1,k2=v2 (e.g. an API key header)
     otlp_timeout_s: float = 2.0  # one export, retries included (in the background)
     trace_flush_timeout_s: float = 0.5  # the most a query waits for its spans to leave
@@ -129,6 +133,7 @@ def _validate(s: Settings) -> None:
         (0 < s.soft_limit <= s.hard_limit <= 1, "need 0 < soft_limit <= hard_limit <= 1"),
         (s.budget_tokens >= 256, "budget_tokens must be >= 256"),
         (s.rrf_k > 0, "rrf_k must be > 0"),
+        (1 <= s.hybrid_candidates <= MAX_K, f"hybrid_candidates must be in 1..{MAX_K}"),
         (s.max_turns >= 1, "max_turns must be >= 1"),
         (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
          f"search_k and final_k must be in 1..{MAX_K}"),
@@ -138,18 +143,18 @@ def _validate(s: Settings) -> None:
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
         (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
         (s.query_max_tokens >= 8, "query_max_tokens must be >= 8"),
-        (s.trace_exporter in ("none", "console", "jsonl", "otlp"),
-         "trace_exporter must be none, console, jsonl or otlp"),
-        (s.otlp_protocol in ("http", "grpc"), "otlp_protocol must be http or grpc"),
+        (s.trace_exporter in TRACE_EXPORTERS,
+         f"trace_exporter must be {one_of(TRACE_EXPORTERS)}"),
+        (s.otlp_protocol in OTLP_PROTOCOLS, f"otlp_protocol must be {one_of(OTLP_PROTOCOLS)}"),
         (0 < s.otlp_timeout_s <= 60, "otlp_timeout_s must be in (0, 60]"),
         (0 <= s.trace_flush_timeout_s <= 10, "trace_flush_timeout_s must be in [0, 10]"),
-        (s.search_mode in ("bm25", "dense", "hybrid"), "search_mode must be bm25, dense or hybrid"),
-        (s.milvus_index.upper() in ("AUTO", "FLAT", "HNSW", "IVF_FLAT"),
-         "milvus_index must be auto, FLAT, HNSW or IVF_FLAT"),
-        (s.milvus_consistency in ("Bounded", "Strong", "Session", "Eventually"),
-         "milvus_consistency must be Bounded, Strong, Session or Eventually"),
-        (s.policy in ("heuristic", "llm"), "policy must be heuristic or llm"),
-        (s.planner in ("heuristic", "llm"), "planner must be heuristic or llm"),
+        (s.search_mode in MODES, f"search_mode must be {one_of(MODES)}"),
+        (s.milvus_index.upper() in (i.upper() for i in MILVUS_INDEXES),
+         f"milvus_index must be {one_of(MILVUS_INDEXES)}"),
+        (s.milvus_consistency in MILVUS_CONSISTENCIES,
+         f"milvus_consistency must be {one_of(MILVUS_CONSISTENCIES)}"),
+        (s.policy in POLICIES, f"policy must be {one_of(POLICIES)}"),
+        (s.planner in PLANNERS, f"planner must be {one_of(PLANNERS)}"),
         (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),
     ]
     for ok, message in checks:

@@ -10,8 +10,9 @@ from typing import Optional
 
 import typer
 
-from branchsearch.infra.errors import BadQuery, BranchsearchError
 from branchsearch.infra.backends import MAX_K
+from branchsearch.infra.choices import EXECUTORS, MODES, POLICIES, SPLITS
+from branchsearch.infra.errors import BadQuery, BranchsearchError
 from branchsearch.infra.settings import Settings, load_settings
 from branchsearch.infra.synth import MAX_DOCS
 from branchsearch.orchestrator.terminal import one_line
@@ -22,7 +23,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 HomeOpt = typer.Option(None, "--home", help="data home (default ./.branchsearch)")
 IndexOpt = typer.Option(None, "--index", help="index name (default 'default')")
 ConfigOpt = typer.Option(None, "--config", help="settings TOML file")
-EXECUTORS = ("ray", "local")
 
 
 def _choice(*allowed: str):
@@ -34,7 +34,10 @@ def _choice(*allowed: str):
 
 
 ExecutorOpt = typer.Option("ray", "--executor", callback=_choice(*EXECUTORS),
-                           help="ray (actors) | local (in-process)")
+                           help="ray (actors) | local (in-process); one branch runs in-process "
+                                "unless a Ray address is set")
+PolicyOpt = typer.Option(None, "--policy", callback=_choice(*POLICIES),
+                         help=" | ".join(POLICIES))
 AclOpt = typer.Option(None, "--acl", help="a group the caller holds (repeat for several); "
                                           "without --acl: public documents only")
 AclAdminOpt = typer.Option(False, "--acl-admin", help="see every document, restricted or not "
@@ -126,8 +129,8 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
 
 
 @app.command()
-def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(
-                 "bm25", "dense", "hybrid"), help="bm25 | dense | hybrid"),
+def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(*MODES),
+                                                 help=" | ".join(MODES)),
              k: int = KOpt, home: Optional[Path] = HomeOpt,
              index: Optional[str] = IndexOpt, config: Optional[Path] = ConfigOpt,
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
@@ -150,12 +153,13 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(
 
 @app.command("eval")
 def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
-             mode: str = typer.Option("hybrid", help="bm25 | dense | hybrid (single-shot, when "
+             mode: str = typer.Option("hybrid", help=f"{' | '.join(MODES)} (single-shot, when "
                                                      "no --policy)"),
              policy: Optional[str] = typer.Option(
-                 None, help="evaluate the branch agent with this policy (heuristic | llm)"),
+                 None, callback=_choice(*POLICIES), help="evaluate the branch agent with this "
+                 f"policy ({' | '.join(POLICIES)})"),
              baseline: Optional[str] = typer.Option(
-                 None, help="also run a baseline: bm25 | dense | hybrid (single-shot), no-prune "
+                 None, help=f"also run a baseline: {' | '.join(MODES)} (single-shot), no-prune "
                             "(the same agent without pruning), heuristic (the heuristic policy)"),
              compare: bool = typer.Option(False, "--compare", help="paired comparison of the "
                                           "agent against the baseline (default hybrid)"),
@@ -163,8 +167,8 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
              branches: int = typer.Option(1, min=1, help="branches per question (agent)"),
              executor: str = ExecutorOpt,
              limit: Optional[int] = typer.Option(None, min=1),
-             split: str = typer.Option("test", callback=_choice("test", "dev", "train"),
-                                       help="qrels split: qrels/{test,dev,train}.tsv"),
+             split: str = typer.Option("test", callback=_choice(*SPLITS),
+                                       help=f"qrels split: qrels/{{{','.join(SPLITS)}}}.tsv"),
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
              report: Optional[Path] = typer.Option(None, help="JSON report (+ .md beside it)"),
              plots: Optional[Path] = typer.Option(None, help="write PNG plots to this folder"),
@@ -173,124 +177,52 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
              as_json: bool = typer.Option(False, "--json")):
     """Evaluate single-shot retrieval or the branch agent on a BEIR folder."""
-    from branchsearch.infra.dataset import read_queries
-    from branchsearch.infra.ingest import ingest as run_ingest
-    from branchsearch.infra.retriever import MODES
-    from branchsearch.orchestrator import report as rep
-    from branchsearch.orchestrator.evaluate import compare as paired
+    from branchsearch.orchestrator.evaluate import EvalOptions, dataset_index, run_evaluation
 
-    if mode not in MODES:
-        raise BranchsearchError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    if compare and not policy:
-        raise BranchsearchError("--compare needs --policy (the agent to compare)")
-    baseline = baseline or ("hybrid" if compare else None)
-    if baseline and baseline not in (*MODES, "no-prune", "heuristic"):
-        raise BranchsearchError(f"unknown baseline {baseline!r}: bm25, dense, hybrid, "
-                                "no-prune, heuristic")
-    if baseline in ("no-prune", "heuristic") and not policy:
-        raise BranchsearchError(f"--baseline {baseline} needs --policy")
-    settings = _settings(home, index or _slug(dataset), config, prune=prune,
+    options = EvalOptions(dataset, mode=mode, policy=policy, baseline=baseline, compare=compare,
+                          executor=executor, limit=limit, split=split, ingest_first=ingest_first,
+                          report=report, plots=plots)
+    settings = _settings(home, index or dataset_index(dataset), config, prune=prune,
                          policy=policy, branches=branches)
-    groups = _acl(settings, acl, acl_admin)
-    queries = read_queries(dataset, split)[:limit]
-    if ingest_first and not index_complete(settings):  # missing, or a stopped ingest: resume
-        print(f"index {settings.index!r} missing or incomplete: ingesting {dataset}",
-              file=sys.stderr)
-        bar = _progress(None, "doc", "ingest")
-        run_ingest(dataset, settings, progress=lambda d, c: bar.update(d))
-        bar.close()
-
-    runs = []
-    if policy:
-        runs.append(_eval_agent(settings, queries, executor, groups))
-    else:
-        runs.append(_eval_single(settings, queries, mode, groups))
-    if baseline == "no-prune":
-        runs.append(_eval_agent(settings.replace(prune=False), queries, executor, groups))
-    elif baseline == "heuristic":
-        runs.append(_eval_agent(settings.replace(policy="heuristic"), queries, executor, groups))
-    elif baseline:
-        runs.append(_eval_single(settings, queries, baseline, groups))
-    result = {"dataset": str(dataset), "split": split, "metrics": runs[0]["metrics"],
-              "runs": runs}
-    if "attribution" in runs[0]:
-        result["attribution"] = runs[0]["attribution"]
-    if baseline:
-        comparison = paired(runs[0], runs[1])
-        result["comparisons"] = [{"agent": runs[0]["config"], "baseline": runs[1]["config"],
-                                  **comparison}]
-    if plots:
-        result["plots"] = rep.plots(result, {q.id: q.gold for q in queries}, plots)
-    if report:
-        rep.write_json(report, result)
-        md = report.with_suffix(".md")
-        md.write_text(rep.markdown(result))
+    result = run_evaluation(settings, options, acl_groups=_acl(settings, acl, acl_admin),
+                            progress=_progress, say=lambda line: print(line, file=sys.stderr))
     if as_json:
-        brief = lambda d: {k: v for k, v in d.items() if k != "per_query"}  # noqa: E731
-        print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "comparisons")}
-                         | {"runs": [brief(r) for r in runs],
-                            "comparisons": [brief(c) for c in result.get("comparisons", [])]},
-                         default=str))
+        print(json.dumps(_eval_brief(result), default=str))
     else:
-        print(f"{dataset.name} ({split}): {len(queries)} queries")
-        names = [m for m in rep.SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
-        print("  " + "metric".ljust(22) + "".join(r["config"][:22].rjust(24) for r in runs))
-        for m in names:
-            print("  " + m.ljust(22) + "".join(
-                (f"{r['metrics'][m]:.4g}" if m in r["metrics"] else "-").rjust(24)
-                for r in runs))
-        if "attribution" in runs[0]:
-            print("  attribution: " + ", ".join(f"{k} {v}" for k, v in
-                                                 runs[0]["attribution"].items()))
-        for c in result.get("comparisons", []):
-            print(f"  paired vs {c['baseline']} on {c['measure']}: {c['wins']} wins, "
-                  f"{c['losses']} losses, {c['ties']} ties")
+        print_evaluation(result)
 
 
-def _eval_single(settings: Settings, queries, mode: str, groups=None) -> dict:
-    from branchsearch.infra.retriever import open_retriever
-    from branchsearch.orchestrator.evaluate import eval_single_shot
-
-    retriever = open_retriever(settings, need_dense=mode != "bm25")
-    bar = _progress(len(queries), "q", f"eval {mode}")
-    try:
-        return eval_single_shot(retriever, queries, mode, progress=lambda: bar.update(1),
-                                acl_groups=groups)
-    finally:
-        bar.close()
-        retriever.close()
+def _eval_brief(result: dict) -> dict:
+    """The report without its per-query rows (what `eval --json` prints)."""
+    brief = lambda d: {k: v for k, v in d.items() if k != "per_query"}  # noqa: E731
+    return ({k: v for k, v in result.items() if k not in ("runs", "comparisons")}
+            | {"runs": [brief(r) for r in result["runs"]],
+               "comparisons": [brief(c) for c in result.get("comparisons", [])]})
 
 
-def _eval_agent(settings: Settings, queries, executor: str, groups=None) -> dict:
-    from branchsearch.infra.docstore import DocStore
-    from branchsearch.orchestrator.evaluate import eval_agent
+def print_evaluation(result: dict) -> None:
+    """The report as a table: one column per run, then attribution and comparisons."""
+    from branchsearch.orchestrator.report import SUMMARY_METRICS
 
-    driver = _driver(settings, "local" if settings.branches == 1 else executor)
-    docstore = DocStore(settings.index_dir / "docs.sqlite")
-    bar = _progress(len(queries), "q", f"eval {settings.policy}")
-    try:
-        return eval_agent(driver, queries, docstore=docstore, progress=lambda: bar.update(1),
-                          acl_groups=groups)
-    finally:
-        bar.close()
-        docstore.close()
-        driver.close()
-
-
-def _driver(settings: Settings, executor: str):
-    from branchsearch.infra.retriever import check_readable
-    from branchsearch.orchestrator.driver import Driver
-
-    check_readable(settings)  # one line for an incomplete or busy index, before any actor
-    return Driver(settings, mode=executor)
-
-
+    runs = result["runs"]
+    print(f"{Path(result['dataset']).name} ({result['split']}): {runs[0]['queries']} queries")
+    names = [m for m in SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
+    print("  " + "metric".ljust(22) + "".join(r["config"][:22].rjust(24) for r in runs))
+    for m in names:
+        print("  " + m.ljust(22) + "".join(
+            (f"{r['metrics'][m]:.4g}" if m in r["metrics"] else "-").rjust(24) for r in runs))
+    if "attribution" in runs[0]:
+        print("  attribution: " + ", ".join(f"{k} {v}" for k, v in
+                                             runs[0]["attribution"].items()))
+    for c in result.get("comparisons", []):
+        print(f"  paired vs {c['baseline']} on {c['measure']}: {c['wins']} wins, "
+              f"{c['losses']} losses, {c['ties']} ties")
 
 
 @app.command()
 def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
                                                                   help="at most N branches"),
-           policy: Optional[str] = typer.Option(None, help="heuristic | llm"),
+           policy: Optional[str] = PolicyOpt,
            trace: Optional[Path] = typer.Option(
                None, help="append spans (JSONL) here; episode traces go to *.episodes.jsonl"),
            executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
@@ -298,15 +230,16 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
            config: Optional[Path] = ConfigOpt, as_json: bool = typer.Option(False, "--json")):
     """Search with parallel branch agents; prints the fused evidence."""
+    from branchsearch.orchestrator.driver import open_driver
+    from branchsearch.orchestrator.executors import pick_executor
+
     _question(question)
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     if trace:
         flags |= {"trace_exporter": "jsonl", "trace_file": str(trace)}
     settings = _settings(home, index, config, **flags)
     groups = _acl(settings, acl, acl_admin)
-    if branches == 1 and executor == "ray" and not address:
-        executor = "local"  # one branch needs no cluster
-    driver = _driver(settings, executor)
+    driver = open_driver(settings, pick_executor(settings, executor))
     try:
         result = driver.search(question, acl_groups=groups)
     finally:
@@ -352,6 +285,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     """Many questions, resumable: re-running runs again every id whose latest line is not ok;
     the output ends with one line per id."""
     from branchsearch.orchestrator.batch import read_questions, run_batch
+    from branchsearch.orchestrator.driver import open_driver
 
     _writable_file(output, "batch output")
     settings = _settings(home, index, config, batch_concurrency=concurrency, branches=branches,
@@ -360,7 +294,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     data = read_questions(input)
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
-    driver = _driver(settings, executor)
+    driver = open_driver(settings, executor)  # questions run at once: the executor as asked
     bar = _progress(len(data.items), "q", "batch")
     seen = {"partial": 0, "failed": 0}
 
@@ -408,10 +342,12 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
          executor: str = ExecutorOpt):
     """The main job on embedded defaults: build a small synthetic corpus, ingest it, run one
     multi-hop question through parallel branches and explain what each branch did."""
-    import json as _json
-
+    from branchsearch.infra.dataset import read_queries
     from branchsearch.infra.ingest import ingest as run_ingest
     from branchsearch.infra.synth import synth as make
+    from branchsearch.orchestrator.driver import open_driver
+    from branchsearch.orchestrator.evaluate import index_complete
+    from branchsearch.orchestrator.executors import pick_executor
 
     settings = _settings(home, "demo", None, branches=branches)
     corpus = Path(settings.home) / "demo-corpus"
@@ -424,15 +360,18 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
         print(f"   {report.chunks} chunks in Milvus Lite + tantivy under {settings.index_dir}")
     else:
         print(f"1-2. reusing the demo index under {settings.index_dir}")
-    task = _json.loads((corpus / "queries.jsonl").read_text().splitlines()[1])
-    gold = [line.split("\t")[1] for line in (corpus / "qrels" / "test.tsv").read_text()
-            .splitlines()[1:] if line.startswith(task["_id"] + "\t")]
-    print(f"3. question ({task['metadata']['hops']} hops): {task['text']}")
-    driver = _driver(settings, "local" if branches == 1 else executor)
+    task = read_queries(corpus)[1]  # a multi-hop question and its gold documents
+    print(f"3. question ({task.meta['hops']} hops): {task.text}")
+    driver = open_driver(settings, pick_executor(settings, executor))
     try:
-        result = driver.search(task["text"])
+        result = driver.search(task.text)
     finally:
         driver.close()
+    _print_demo_branches(result)
+    _print_demo_evidence(result, task)
+
+
+def _print_demo_branches(result) -> None:
     print("4. what each branch did:")
     for b in result.branches:
         print(f"   branch {b.index} [{b.status}] {b.kind} w={b.weight:g}: {b.subquery!r}")
@@ -449,6 +388,10 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
                   f"{one_line(p['reason'], 90)}")
         print(f"      kept {len(b.final_context_ids)} chunks ({b.context_tokens_final} tokens), "
               f"stopped by {b.termination} after {b.turns} turns")
+
+
+def _print_demo_evidence(result, task) -> None:
+    gold = list(task.gold)
     print("5. fused evidence (reciprocal rank fusion over branches):")
     for doc in result.evidence[:6]:
         mark = "*" if doc["doc_id"] in gold else " "
@@ -457,23 +400,13 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
         print(f"       {one_line(doc['chunks'][0]['text'], 120)}")
     top = {d["doc_id"] for d in result.evidence[:len(gold) + 1]}
     print(f"   (* = gold; {len(set(gold) & top)}/{len(gold)} gold documents in the top "
-          f"{len(gold) + 1}; answer: {task['metadata']['answer']!r}; trace id {result.trace_id})")
+          f"{len(gold) + 1}; answer: {task.answer!r}; trace id {result.trace_id})")
 
 
 # `branchsearch loadtest` lives in orchestrator/loadtest/command.py (options, run, print)
 from branchsearch.orchestrator.loadtest.command import loadtest  # noqa: E402
 
 app.command("loadtest")(loadtest)
-
-
-def index_complete(settings: Settings) -> bool:
-    from branchsearch.infra.manifest import is_complete
-
-    return is_complete(settings.index_dir)
-
-
-def _slug(path: Path) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in path.resolve().name)
 
 
 # `branchsearch serve` and `branchsearch keys …` live in orchestrator/service_cli.py

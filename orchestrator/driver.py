@@ -117,3 +117,11 @@ class Driver:
         emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
 
+
+def open_driver(settings: Settings, executor: str = "ray") -> Driver:
+    """A driver on `executor` (see `executors.pick_executor` for the one-branch rule), made
+    once the index is readable: an incomplete or busy index is one line, before any actor."""
+    from branchsearch.infra.retriever import check_readable
+
+    check_readable(settings)
+    return Driver(settings, mode=executor)

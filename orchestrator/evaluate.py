@@ -1,12 +1,19 @@
-"""Single-shot retrieval evaluation over a BEIR folder (agent evaluation builds on this)."""
+"""Evaluation over a BEIR folder: single-shot retrieval, the branch agent, paired comparisons,
+and `run_evaluation`, the whole of `branchsearch eval` (the CLI only parses and prints)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
+from branchsearch.infra.choices import BASELINES, MODES, Baseline, Executor, Mode, Policy, Split
 from branchsearch.infra.dataset import Query
+from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.retriever import Retriever
+from branchsearch.infra.settings import Settings
 from branchsearch.orchestrator.metrics import doc_ranking, mean, percentile, single_shot_metrics
 
 # Chunks fetched per query so that at least 10 distinct documents survive collapsing.
@@ -112,3 +119,142 @@ def compare(agent: dict, baseline: dict, measure: str = "all_recall@5") -> dict:
         table.append({"id": p["id"], "agent": a_val, "baseline": b_val, "outcome": outcome})
     return {"measure": measure, "difference": diff, "wins": wins, "losses": losses,
             "ties": len(table) - wins - losses, "per_query": table}
+
+
+# ---- orchestration: what `branchsearch eval` runs ----
+
+# progress(total or None, unit, description) -> a bar with update(n) and close() (e.g. tqdm)
+Progress = Callable[[int | None, str, str], object]
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What one `eval` runs: the agent (`policy`) or single-shot `mode`, and an optional
+    `baseline` beside it (`compare` alone means the hybrid baseline). Checked when made."""
+
+    dataset: Path
+    mode: Mode = "hybrid"
+    policy: Policy | None = None
+    baseline: Baseline | None = None
+    compare: bool = False
+    executor: Executor = "ray"
+    limit: int | None = None
+    split: Split = "test"
+    ingest_first: bool = True  # ingest (or resume) the dataset when its index is not complete
+    report: Path | None = None  # JSON report, and Markdown beside it
+    plots: Path | None = None  # PNG plots into this folder
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise BranchsearchError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.compare and not self.policy:
+            raise BranchsearchError("--compare needs --policy (the agent to compare)")
+        baseline = self.baseline or ("hybrid" if self.compare else None)
+        if baseline and baseline not in BASELINES:
+            raise BranchsearchError(f"unknown baseline {baseline!r}: {', '.join(BASELINES)}")
+        if baseline in ("no-prune", "heuristic") and not self.policy:
+            raise BranchsearchError(f"--baseline {baseline} needs --policy")
+        object.__setattr__(self, "baseline", baseline)
+
+
+def dataset_index(dataset: Path) -> str:
+    """The index `eval` uses for a dataset when none is named: its folder name, as a slug."""
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in dataset.resolve().name)
+
+
+def index_complete(settings: Settings) -> bool:
+    """Whether the settings' index can be searched as it is (an external index always can)."""
+    from branchsearch.infra.manifest import is_complete
+
+    return getattr(settings, "external", None) is not None or is_complete(settings.index_dir)
+
+
+def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list[str] | None = None,
+                   progress: Progress | None = None,
+                   say: Callable[[str], None] = lambda line: None) -> dict:
+    """Ingest first if needed, run the evaluation and its baseline, compare them, write the
+    report and plots; returns the report (`runs[0]` is the evaluated configuration)."""
+    from branchsearch.infra.dataset import read_queries
+    from branchsearch.orchestrator import report as rep
+
+    queries = read_queries(options.dataset, options.split)[:options.limit]
+    if options.ingest_first and not index_complete(settings):  # missing or stopped: resume
+        from branchsearch.infra.ingest import ingest
+
+        say(f"index {settings.index!r} missing or incomplete: ingesting {options.dataset}")
+        with _bar(progress, None, "doc", "ingest") as tick:
+            ingest(options.dataset, settings, progress=lambda docs, chunks: tick(docs))
+    runs = [_agent_run(s, queries, options.executor, acl_groups, progress) if mode is None
+            else _single_shot_run(s, queries, mode, acl_groups, progress)
+            for s, mode in _configurations(settings, options)]
+    result = {"dataset": str(options.dataset), "split": options.split,
+              "metrics": runs[0]["metrics"], "runs": runs}
+    if "attribution" in runs[0]:
+        result["attribution"] = runs[0]["attribution"]
+    if options.baseline:
+        result["comparisons"] = [{"agent": runs[0]["config"], "baseline": runs[1]["config"],
+                                  **compare(runs[0], runs[1])}]
+    if options.plots:
+        result["plots"] = rep.plots(result, {q.id: q.gold for q in queries}, options.plots)
+    if options.report:
+        rep.write_json(options.report, result)
+        options.report.with_suffix(".md").write_text(rep.markdown(result))
+    return result
+
+
+def _configurations(settings: Settings, options: EvalOptions
+                    ) -> list[tuple[Settings, Mode | None]]:
+    """(settings, single-shot mode or None for the agent) of the evaluated run and its baseline."""
+    runs = [(settings, None if options.policy else options.mode)]
+    if options.baseline == "no-prune":
+        runs.append((settings.replace(prune=False), None))
+    elif options.baseline == "heuristic":
+        runs.append((settings.replace(policy="heuristic"), None))
+    elif options.baseline:
+        runs.append((settings, options.baseline))
+    return runs
+
+
+def _single_shot_run(settings: Settings, queries: list[Query], mode: Mode,
+                     acl_groups: list[str] | None, progress: Progress | None) -> dict:
+    from branchsearch.infra.retriever import open_retriever
+
+    retriever = open_retriever(settings, need_dense=mode != "bm25")
+    try:
+        with _bar(progress, len(queries), "q", f"eval {mode}") as tick:
+            return eval_single_shot(retriever, queries, mode, progress=tick,
+                                    acl_groups=acl_groups)
+    finally:
+        retriever.close()
+
+
+def _agent_run(settings: Settings, queries: list[Query], executor: Executor,
+               acl_groups: list[str] | None, progress: Progress | None) -> dict:
+    from branchsearch.infra.docstore import DocStore
+    from branchsearch.orchestrator.driver import open_driver
+    from branchsearch.orchestrator.executors import pick_executor
+
+    driver = open_driver(settings, pick_executor(settings, executor))
+    # (an external index has no docstore: titles for attribution are not listed there)
+    external = getattr(settings, "external", None)
+    docstore = None if external else DocStore(settings.index_dir / "docs.sqlite")
+    try:
+        with _bar(progress, len(queries), "q", f"eval {settings.policy}") as tick:
+            return eval_agent(driver, queries, docstore=docstore, progress=tick,
+                              acl_groups=acl_groups)
+    finally:
+        if docstore is not None:
+            docstore.close()
+        driver.close()
+
+
+@contextmanager
+def _bar(progress: Progress | None, total: int | None, unit: str,
+         desc: str) -> Iterator[Callable[..., None]]:
+    """`tick(n=1)` that advances a progress bar (none when `progress` is None), closed after."""
+    bar = progress(total, unit, desc) if progress is not None else None
+    try:  # (not `if bar`: a tqdm bar of unknown total refuses bool())
+        yield (lambda n=1: bar.update(n)) if bar is not None else (lambda n=1: None)
+    finally:
+        if bar is not None:
+            bar.close()

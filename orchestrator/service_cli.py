@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from branchsearch.infra.choices import EXECUTORS, one_of
 from branchsearch.infra.errors import BranchsearchError
 
 DEFAULT_KEYS = Path(".branchsearch") / "keys.json"
@@ -93,8 +94,8 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     from branchsearch.infra.settings import load_settings
     from branchsearch.orchestrator import service
 
-    if executor not in ("ray", "local"):
-        raise BranchsearchError(f"unknown executor {executor!r}: ray or local")
+    if executor not in EXECUTORS:
+        raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
     service.check_host(host, keys)
     if keys is not None and not keys.exists():
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from branchsearch.infra.choices import MODES
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.telemetry import tracer
 from branchsearch.workers.context import ProvenanceRecord
@@ -188,7 +189,8 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
          "Hybrid BM25 + dense search. Returns only chunks not seen before in this episode.",
          _obj({"query": {"type": "string", "minLength": 1, "maxLength": QUERY_MAX_CHARS},
                "k": {"type": "integer", "minimum": 1, "maximum": 20},
-               "mode": {"enum": ["hybrid", "bm25", "dense"]}, "from_ids": _FROM}, ["query"]),
+               "mode": {"enum": ["hybrid", *(m for m in MODES if m != "hybrid")]},
+               "from_ids": _FROM}, ["query"]),
          apply_search, fetch_search),
     Tool("grep_corpus",
          "Chunks containing a term that matches a regex (whole lower-cased terms, e.g. "

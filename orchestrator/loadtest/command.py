@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from branchsearch.infra.choices import EXECUTORS
 from branchsearch.infra.settings import load_settings
 
 
@@ -88,6 +89,9 @@ def loadtest(
     from branchsearch.orchestrator.loadtest import report as rep
     from branchsearch.orchestrator.loadtest.run import Options, loadtest as run
 
+    if executor not in EXECUTORS:  # (was: anything but local ran on Ray)
+        raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
+                                 param_hint="'--executor'")
     settings = load_settings(config, {"home": home, "index": index, "branches": branches,
                                       "policy": policy, "ray_address": address})
     options = Options(url=url, key=key or "", queries=queries, synth=synth, rate=rate,
