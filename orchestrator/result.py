@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from branchsearch.fusion import rrf
+from branchsearch.fusion.anchored import anchored_rrf
 from branchsearch.workers.branch import BranchReport
 
 __all__ = ["BranchReport", "SearchResult", "fuse_branches"]
@@ -35,14 +35,16 @@ class SearchResult:
 
 def fuse_branches(branches: list[BranchReport], k: int = 60,
                   limit: int = 10) -> tuple[list[str], list[dict]]:
-    """RRF over the rankings of the branches that finished (weights from the planner).
+    """Anchored RRF (`fusion.anchored`) over the rankings of the branches that finished
+    (weights from the planner; the question's own branch anchors, the others add).
 
     Returns the fused chunk ids and the evidence: documents in order of their best chunk, each
     chunk (as the branches returned it: `workers.evidence`) with its fused score and which
     branches found it at what rank. This is the only place chunks are grouped by document."""
     ok = [b for b in branches if b.status == "ok" and b.ranked_chunk_ids]
-    fused = rrf([b.ranked_chunk_ids for b in ok], weights=[b.weight for b in ok], k=k,
-                limit=limit)
+    anchor = next((i for i, b in enumerate(ok) if b.kind == "original"), None)
+    fused = anchored_rrf([b.ranked_chunk_ids for b in ok], weights=[b.weight for b in ok],
+                         anchor=anchor, k=k, limit=limit)  # fusion/anchored.py
     chunks = {c["chunk_id"]: c for b in ok for c in b.evidence}
     docs: dict[str, dict] = {}
     for rank, item in enumerate(fused, start=1):
