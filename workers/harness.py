@@ -165,9 +165,12 @@ class Episode:
                                                  f"in a row: {exc}") from None
             return []
         except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc  # a remote engine's own error, in one
+            lines = str(cause).strip().splitlines()  # line (Ray's text carries a traceback)
+            why = f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:500]
             if is_backend_error(exc):
-                raise BackendFailed(f"policy engine: {type(exc).__name__}: {exc}") from None
-            raise EpisodeEnd("policy_error", f"{type(exc).__name__}: {exc}") from None
+                raise BackendFailed(f"policy engine: {why}") from None
+            raise EpisodeEnd("policy_error", why) from None
         finally:
             self.policy_s += time.perf_counter() - started
 
