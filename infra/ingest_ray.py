@@ -123,9 +123,11 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     device = "cuda" if "num_gpus" in request else "cpu"
     by_id = {d.id: d for d in docs}
     rows = [{"id": d.id, "title": d.title, "text": d.text} for d in docs]
-    blocks = max(1, math.ceil(len(rows) / batch_docs))
+    # at least two blocks per worker, so a small corpus still keeps every actor busy
+    blocks = max(math.ceil(len(rows) / batch_docs), min(len(rows), 2 * workers), 1)
+    per_block = math.ceil(len(rows) / blocks)
     ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-        ChunkEmbedder, batch_size=batch_docs, batch_format="numpy",
+        ChunkEmbedder, batch_size=per_block, batch_format="numpy",
         fn_constructor_kwargs={
             "chunking": {"encoding": settings.encoding, "chunk_tokens": settings.chunk_tokens,
                          "chunk_overlap": settings.chunk_overlap},
