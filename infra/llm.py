@@ -201,9 +201,11 @@ class VLLMEngine:
                 eager = self.enforce_eager
                 if eager is None:
                     eager = current_platform.is_cpu()
+                self._cpu = current_platform.is_cpu()
                 self._llm = LLM(
                     model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                     tensor_parallel_size=self.tensor_parallel_size, enforce_eager=eager,
+                    seed=self.seed if self.seed is not None else 0,
                     # a compact JSON grammar: small models otherwise pad with whitespace
                     structured_outputs_config={"backend": "xgrammar",
                                                "disable_any_whitespace": True})
@@ -245,7 +247,12 @@ class VLLMEngine:
         llm = self._load()
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=m, temperature=t, seed=self.seed,
+        # Per-request seeds give each request its own torch generator; when vLLM discards a
+        # token of a chunked prefill it rewinds that generator's offset, which CPU generators do
+        # not support ("CPU Generator does not use offset": it killed an engine actor serving 3
+        # branches). On CPU the engine-wide seed (set at load) makes sampling reproducible.
+        seed = None if getattr(self, "_cpu", False) else self.seed
+        params = [SamplingParams(max_tokens=m, temperature=t, seed=seed,
                                  **_structured(schema)) for _, schema, m, t in requests]
         started = time.perf_counter()
         outputs = llm.chat([r[0] for r in requests], params, use_tqdm=False)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
@@ -30,12 +33,37 @@ def connect(settings: Settings) -> dict:
             kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
                        "object_store_memory": 256 * 1024 * 1024}
         try:
-            ray.init(address=address, **kwargs)
+            with _without_ray_notices():
+                ray.init(address=address, **kwargs)
         except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a start timeout
             where = f"connect to {address}" if address else "start a local cluster"
             raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
                                      f"{str(exc)[:300]})") from None
     return ray.cluster_resources()
+
+
+# What Ray's C++ core prints on stderr at every start, which is not ours to show a user.
+_RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
+
+
+@contextmanager
+def _without_ray_notices():
+    """Hold fd 2 in a temporary file while Ray starts, then replay it without Ray's notices
+    (they come from C++, past Python's logging). Processes Ray starts meanwhile keep the file."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(notice in line for notice in _RAY_NOTICES):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 @dataclass(frozen=True)
