@@ -36,6 +36,7 @@ class Retriever:
     embedder: object | None  # infra.embedder.Embedder
     rrf_k: int = 60
     hybrid_candidates: int = 50
+    one_sided: str = ""  # "bm25" | "dense" for an external index with only that backend
 
     def search(self, query: str, mode: Mode = "hybrid", k: int = 10,
                exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None
@@ -46,6 +47,8 @@ class Retriever:
         if k <= 0 or not query.strip():
             return []
         exclude = list(dict.fromkeys(exclude_ids))
+        if mode == "hybrid" and self.one_sided:
+            mode = self.one_sided  # an external index with one backend: hybrid is that side
         if mode == "bm25":
             hits = self.lexical.search(query, k, exclude, acl_groups)
         elif mode == "dense":
@@ -72,11 +75,14 @@ class Retriever:
                 for rank, f in enumerate(fused, start=1)]
 
     def _hydrate(self, hits: list[Hit]) -> list[Hit]:
-        rows = self.docstore.get_chunks([h.chunk_id for h in hits])
+        # (hits of an external index arrive with their text: there is no docstore to ask)
+        rows = self.docstore.get_chunks([h.chunk_id for h in hits if not h.text])
         out = []
         for h in hits:
             row = rows.get(h.chunk_id)
-            if row is not None:
+            if h.text:
+                out.append(h)
+            elif row is not None:
                 h.text, h.title = row["text"], row["title"]
                 out.append(h)
         for rank, h in enumerate(out, start=1):
@@ -142,6 +148,14 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
     `embedder` replaces the configured one (anything with `embed(texts)` and `dim`)."""
     from branchsearch.infra.embedder import Embedder
 
+    if settings.external is not None:  # an index the enterprise already has: read in place
+        from branchsearch.infra.external import open_external
+
+        if create:
+            raise BadQuery(f"index {settings.index!r} is external ({settings.external.describe()}"
+                           "): branchsearch never writes to it; ingest into another index name")
+        return open_external(settings.external, settings, need_dense=need_dense,
+                             embedder=embedder)
     root = settings.index_dir
     manifest = None
     if not create:  # readers: only a complete index that no ingest is writing
@@ -214,8 +228,11 @@ def _dense_dim(root, embedder) -> int:
 def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -> Retriever:
     docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense,
                                                      embedder=embedder)
+    ext = settings.external
+    one_sided = "" if ext is None or "none" not in (ext.lexical, ext.dense) else (
+        "bm25" if ext.dense == "none" else "dense")
     return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
-                     settings.hybrid_candidates)
+                     settings.hybrid_candidates, one_sided)
 
 
 def check_readable(settings: Settings) -> None:

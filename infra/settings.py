@@ -101,6 +101,14 @@ class Settings:
     otlp_timeout_s: float = 2.0  # one export, retries included (in the background)
     trace_flush_timeout_s: float = 0.5  # the most a query waits for its spans to leave
 
+    # indexes an enterprise already has: `[indexes.NAME]` tables (see infra/external.py)
+    indexes: tuple = ()
+
+    @property
+    def external(self):
+        """The external index named by `index`, or None for an index of our own."""
+        return next((spec for spec in self.indexes if spec.name == self.index), None)
+
     @property
     def index_dir(self) -> Path:
         return Path(self.home) / "indexes" / self.index
@@ -113,6 +121,10 @@ _FIELDS = {f.name: f for f in fields(Settings)}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    if name == "indexes":
+        from branchsearch.infra.external import parse_indexes
+
+        return parse_indexes(value)
     kind = type(getattr(Settings, name)) if name != "home" else Path
     try:
         if kind is bool and isinstance(value, str):
