@@ -251,8 +251,10 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
         print(f"spans: {trace}; episode traces: {episodes}", file=sys.stderr)
     if as_json:
         print(json.dumps(result.to_dict(), default=str))
-        return
-    print_result(result)
+    else:
+        print_result(result)
+    if result.status == "failed":  # no branch finished: the evidence is not an answer
+        raise typer.Exit(1)
 
 
 def print_result(result) -> None:
@@ -403,11 +405,31 @@ def _print_demo_evidence(result, task) -> None:
           f"{len(gold) + 1}; answer: {task.answer!r}; trace id {result.trace_id})")
 
 
+@app.command("indexes")
+def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
+            check: bool = typer.Option(True, "--check/--no-check",
+                                       help="ask external backends for counts (health)"),
+            as_json: bool = typer.Option(False, "--json")):
+    """List owned and external indexes with their backends, document counts and health."""
+    from branchsearch.infra.catalog import list_indexes
+    from branchsearch.orchestrator.terminal import clean
+
+    infos = list_indexes(_settings(home, None, config), check=check)
+    if as_json:
+        print(json.dumps([i.to_dict() for i in infos]))
+        return
+    if not infos:
+        print("no indexes (run `branchsearch ingest PATH --index NAME`, or declare "
+              "[indexes.NAME] in the settings file)")
+    for i in infos:
+        count = "-" if i.documents is None else f"{i.documents:,} docs"
+        print(clean(f"{i.name:<24} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
+
+
 # `branchsearch loadtest` lives in orchestrator/loadtest/command.py (options, run, print)
 from branchsearch.orchestrator.loadtest.command import loadtest  # noqa: E402
 
 app.command("loadtest")(loadtest)
-
 
 # `branchsearch serve` and `branchsearch keys …` live in orchestrator/service_cli.py
 from branchsearch.orchestrator.service_cli import keys_app, serve  # noqa: E402
