@@ -52,6 +52,7 @@ class Embedder:
         if self._model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            quiet_transformers()
             from sentence_transformers import SentenceTransformer
 
             self._model = SentenceTransformer(str(resolve_model_path(self.model_name)),
@@ -99,3 +100,16 @@ class Embedder:
 
             self._cache = EmbeddingCache(self.cache_path, self.model_name)
         return self._cache
+
+
+def quiet_transformers() -> None:
+    """Model loading prints progress bars and notices of its own; ours are the lines a user
+    reads (the CLI shows its own progress)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

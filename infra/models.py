@@ -39,6 +39,10 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from branchsearch.infra.embedder import quiet_transformers
+
+        quiet_transformers()
     except ImportError:
         raise BranchsearchError("converting the bundled LLM needs torch and transformers") from None
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -359,7 +359,8 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
         bar = _progress(240, "doc", "2. ingest (chunk, embed, index)")
         report = run_ingest(corpus, settings, progress=lambda d, c: bar.update(d))
         bar.close()
-        print(f"   {report.chunks} chunks in Milvus Lite + tantivy under {settings.index_dir}")
+        print(f"2. ingested {report.chunks} chunks into Milvus Lite + tantivy under "
+              f"{settings.index_dir}")
     else:
         print(f"1-2. reusing the demo index under {settings.index_dir}")
     task = read_queries(corpus)[1]  # a multi-hop question and its gold documents

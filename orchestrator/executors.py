@@ -126,9 +126,11 @@ class RayExecutor:
             max_concurrency=16, max_restarts=settings.branch_retries,
             **plan.retriever).remote(settings.replace(llm_api_key=""))
         branch_settings = settings.replace(es_api_key="", milvus_token="")
+        # no restarts: a branch actor that dies is replaced by a fresh one (see `_collect`);
+        # a restartable actor holding a handle in its arguments also makes Ray's core print an
+        # error-level notice on the user's terminal (ray-project/ray#53727)
         self._new_branch = lambda: BranchActor.options(
-            max_restarts=settings.branch_retries, **plan.branch).remote(branch_settings,
-                                                                        self.retriever)
+            max_restarts=0, **plan.branch).remote(branch_settings, self.retriever)
         # the pool grows on demand up to the plan's size; one question's worth starts now
         self._idle = [self._new_branch() for _ in range(min(settings.branches,
                                                             plan.branch_actors))]
