@@ -14,12 +14,11 @@ one-process ingest, and every write is by document id / chunk id, so the index i
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sequence
 
 from branchsearch.infra.chunking import Chunk
 from branchsearch.infra.corpus import Document
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.settings import Settings
 
 
@@ -71,24 +70,9 @@ def connect(settings: Settings) -> dict:
         raise BranchsearchError(
             f"ingest --workers needs Ray Data ({exc.name} is missing): "
             "pip install 'branchsearch[data]'") from None
-    if not ray.is_initialized():
-        address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
-        kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
-                  "log_to_driver": False, "configure_logging": False}
-        if address is None:
-            kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
-                       "object_store_memory": 512 * 1024 * 1024}
-        try:
-            ray.init(address=address, **kwargs)
-        except Exception as exc:  # ConnectionError, RuntimeError, a node start timeout
-            where = f"connect to {address}" if address else "start a local cluster"
-            raise BackendUnavailable(f"ray: cannot {where} ({_first_line(exc)})") from None
-    return ray.cluster_resources()
+    from branchsearch.infra.raycluster import connect as connect_ray
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return connect_ray(settings, object_store_mb=512)
 
 
 def actor_resources(resources: dict, workers: int) -> dict:

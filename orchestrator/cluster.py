@@ -9,61 +9,13 @@ stops at once with one line naming the shortage. `plan_actors` is a pure functio
 from __future__ import annotations
 
 import math
-import os
-import sys
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.raycluster import connect  # noqa: F401  (re-exported)
 from branchsearch.infra.settings import Settings
 
 MIN_BRANCH_CPUS = 0.05  # below this a branch actor is starved; shrink the pool instead
-
-
-def connect(settings: Settings) -> dict:
-    """`ray.init` once: the cluster at `ray_address` / RAY_ADDRESS, else a local one."""
-    import ray
-
-    if not ray.is_initialized():
-        address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
-        kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
-                  "log_to_driver": False, "configure_logging": False}
-        if address is None:
-            kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
-                       "object_store_memory": 256 * 1024 * 1024}
-        try:
-            with _without_ray_notices():
-                ray.init(address=address, **kwargs)
-        except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a start timeout
-            where = f"connect to {address}" if address else "start a local cluster"
-            raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
-                                     f"{str(exc)[:300]})") from None
-    return ray.cluster_resources()
-
-
-# What Ray's C++ core prints on stderr at every start, which is not ours to show a user.
-_RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
-
-
-@contextmanager
-def _without_ray_notices():
-    """Hold fd 2 in a temporary file while Ray starts, then replay it without Ray's notices
-    (they come from C++, past Python's logging). Processes Ray starts meanwhile keep the file."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            for line in held.read().decode(errors="replace").splitlines(keepends=True):
-                if not any(notice in line for notice in _RAY_NOTICES):
-                    sys.stderr.write(line)
-            sys.stderr.flush()
 
 
 @dataclass(frozen=True)

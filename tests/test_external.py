@@ -218,3 +218,36 @@ def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
     assert infos["corp_vec"]["documents"] == foreign["count"]
     assert "8-dim" in infos["tiny"]["health"]
     assert "'content'" in infos["broken"]["health"]
+
+
+@pytest.mark.es
+@pytest.mark.ray
+def test_three_branches_through_ray_and_batch(foreign, tmp_path):
+    """The Ray executor's retriever actor opens the external index from the settings it is
+    sent; `batch` writes one ok line per question; the foreign index is unchanged."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"id": "q1", "question": "Were Scott Derrickson and Ed Wood of the same "
+                                            "nationality?"}) + "\n"
+        + json.dumps({"id": "q2", "question": "Who directed Ed Wood?"}) + "\n")
+    base = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+    where = ["--home", str(foreign["home"]), "--index", "corp"]
+    search = subprocess.run(
+        [*base, "search", "Were Scott Derrickson and Ed Wood of the same nationality?", *where,
+         "--branches", "3", "--executor", "ray", "--acl", "film-dept", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert search.returncode == 0, search.stderr[-2000:]
+    result = json.loads(search.stdout)
+    assert result["status"] == "ok"
+    assert {"ed-wood", "scott-derrickson"} <= {e["doc_id"] for e in result["evidence"]}
+    out = tmp_path / "out.jsonl"
+    batch = subprocess.run([*base, "batch", str(questions), "-o", str(out), *where,
+                            "--executor", "local", "--branches", "1"],
+                           capture_output=True, text=True, timeout=600)
+    assert batch.returncode == 0, batch.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == ["q1", "q2"]
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows)
+    # public only (no --acl): the restricted document never appears
+    assert all("scott-derrickson" not in {e["doc_id"] for e in r["evidence"]} for r in rows)
+    assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]

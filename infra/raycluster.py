@@ -1,0 +1,58 @@
+"""Starting or joining a Ray cluster: one place for `ray.init`, used by the driver's executors,
+the service and the distributed ingest."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+
+from branchsearch.infra.errors import BackendUnavailable
+from branchsearch.infra.settings import Settings
+
+
+def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
+    """`ray.init` once: the cluster at `ray_address` / RAY_ADDRESS, else a local one with
+    `object_store_mb` of object store. Returns `ray.cluster_resources()`."""
+    import ray
+
+    if not ray.is_initialized():
+        address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
+        kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
+                  "log_to_driver": False, "configure_logging": False}
+        if address is None:
+            kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
+                       "object_store_memory": object_store_mb * 1024 * 1024}
+        try:
+            with _without_ray_notices():
+                ray.init(address=address, **kwargs)
+        except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a start timeout
+            where = f"connect to {address}" if address else "start a local cluster"
+            raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
+                                     f"{str(exc)[:300]})") from None
+    return ray.cluster_resources()
+
+
+# What Ray's C++ core prints on stderr at every start, which is not ours to show a user.
+_RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
+
+
+@contextmanager
+def _without_ray_notices():
+    """Hold fd 2 in a temporary file while Ray starts, then replay it without Ray's notices
+    (they come from C++, past Python's logging). Processes Ray starts meanwhile keep the file."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(notice in line for notice in _RAY_NOTICES):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
