@@ -91,11 +91,14 @@ class Bars:
 
 
 def test_run_evaluation_single_shot_with_baseline_and_report(hotpot_settings, tmp_path):
-    from conftest import HOTPOT
+    from conftest import HOTPOT, ingest_copy
 
+    # its own copy: closing a retriever stops the Milvus Lite server of its file, which the
+    # session's `hotpot_retriever` still uses
+    settings = ingest_copy(hotpot_settings, "orch-eval")
     bars, said = Bars(), []
     report = tmp_path / "out" / "r.json"
-    result = run_evaluation(hotpot_settings, EvalOptions(HOTPOT, mode="bm25", baseline="hybrid",
+    result = run_evaluation(settings, EvalOptions(HOTPOT, mode="bm25", baseline="hybrid",
                                                          limit=3, report=report),
                             progress=bars, say=said.append)
     assert said == []  # the index is complete: nothing ingested
