@@ -206,8 +206,11 @@ def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
     import shutil
 
     owned = foreign["home"] / "indexes" / "hotpot"
-    if not owned.exists():  # an owned, complete index beside the external ones
-        shutil.copytree(hotpot_settings.index_dir, owned)
+    if not owned.exists():  # an owned, complete index beside the external ones: its manifest
+        # (only that: reading the session index's Milvus Lite lock file, even to copy it, would
+        # drop this process's POSIX lock on it and stop the server other tests use)
+        owned.mkdir(parents=True)
+        shutil.copy(hotpot_settings.index_dir / "manifest.json", owned / "manifest.json")
     cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes", "--home",
            str(foreign["home"]), "--config", str(foreign["home"] / "branchsearch.toml"), "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
