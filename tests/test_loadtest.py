@@ -373,7 +373,8 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
     s = out["steps"][0]
     assert s["wall_s"] < 2 + 20 + 1
     assert s["ok"] >= 1 and set(s["errors"]) <= {"unfinished"}, s["errors"]
-    assert s["probes"]["gpu"] and s["probes"]["ray"] == "not connected to Ray"
+    # (Ray use is probed when this process is connected: an earlier test may have connected it)
+    assert s["probes"]["gpu"] and s["probes"]["ray"]
     service_rates = s["probes"]["service_metrics"]
     assert any(k.startswith("branchsearch_searches_total") and v > 0
                for k, v in service_rates.items()), service_rates

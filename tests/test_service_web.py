@@ -65,8 +65,9 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
             page.wait_for_function("document.getElementById('who').textContent"
                                    ".includes('alpha')", timeout=30_000)
             assert page.locator("#index option").all_inner_texts() == ["acl"]
-            page.fill("#question", "What does the Alpha roadmap plan for harbor sensors and "
-                                   "the lighthouse?")
+            # two named entities: the planner launches more than the question's own branch
+            page.fill("#question", "What do the Alpha Roadmap and the Alpha Budget plan for "
+                                   "harbor sensors and the lighthouse?")
             page.click("#go")
             page.wait_for_selector("#evidence-list li", timeout=120_000)
             page.wait_for_function("!document.getElementById('go').disabled", timeout=30_000)
