@@ -33,6 +33,18 @@ def is_server(uri: str | Path) -> bool:
     return str(uri).startswith(("http://", "https://", "tcp://", "grpc://"))
 
 
+def release_lite(uri: str | Path) -> None:
+    """Stop this process's Milvus Lite server for an embedded file, so another process can open
+    it (Milvus Lite allows one process per file); a server URI needs nothing."""
+    if is_server(uri):
+        return
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return
+    server_manager_instance.release_server(str(uri))
+
+
 def _held_elsewhere(db: Path) -> bool:
     """Whether another process holds Milvus Lite's lock on `db` (its `.NAME.lock` lockf).
 
@@ -210,10 +222,4 @@ class MilvusStore:
         """Close the client and, for an embedded file, stop its Milvus Lite server so another
         process can open the file (Milvus Lite allows one process per file)."""
         self._client.close()
-        if not self.server:
-            try:
-                from milvus_lite.server_manager import server_manager_instance
-
-                server_manager_instance.release_server(self.uri)
-            except ImportError:
-                pass
+        release_lite(self.uri)

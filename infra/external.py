@@ -271,11 +271,16 @@ class ExternalMilvus:
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {uri} is not reachable ({type(exc).__name__}: "
                                      f"{exc})") from None
-        if not exists:
-            raise SettingsError(f"index {spec.name!r}: Milvus collection {self.collection!r} "
-                                f"does not exist at {uri}")
-        schema = {f["name"]: f for f in self._client.describe_collection(self.collection)["fields"]}
-        self._check_fields(schema, embed_dim)
+        try:
+            if not exists:
+                raise SettingsError(f"index {spec.name!r}: Milvus collection "
+                                    f"{self.collection!r} does not exist at {uri}")
+            schema = {f["name"]: f for f in
+                      self._client.describe_collection(self.collection)["fields"]}
+            self._check_fields(schema, embed_dim)
+        except BaseException:
+            self.close()  # a refused open must not keep the Lite file from other processes
+            raise
         from pymilvus import DataType
 
         self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
@@ -352,11 +357,10 @@ class ExternalMilvus:
     def close(self) -> None:
         """Close the client; for a Milvus Lite file, also stop its server so another process
         can open the file (one process per file)."""
-        self._client.close()
-        if not self.uri.startswith(("http://", "https://", "tcp://")):
-            from milvus_lite.server_manager import server_manager_instance
+        from branchsearch.infra.dense import release_lite
 
-            server_manager_instance.release_server(self.uri)
+        self._client.close()
+        release_lite(self.uri)
 
 
 # --- reading: the docstore's read methods, answered by the backend --------------------------------
