@@ -260,8 +260,11 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
 def print_result(result) -> None:
     """The result for a terminal: every text from the corpus or the caller goes through
     `terminal.one_line` (no escape sequence reaches the terminal)."""
-    print(f"question: {one_line(result.question)}\nstatus: {result.status}\n"
-          f"trace_id: {result.trace_id}")
+    question = one_line(result.question)
+    print(f"question: {question[:300]}{' …' if len(question) > 300 else ''}\n"
+          f"status: {result.status}\ntrace_id: {result.trace_id}")
+    for note in getattr(result, "notes", None) or []:
+        print(f"note: {one_line(note)}")
     for b in result.branches:
         extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
                  f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
