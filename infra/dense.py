@@ -33,11 +33,33 @@ def is_server(uri: str | Path) -> bool:
     return str(uri).startswith(("http://", "https://", "tcp://", "grpc://"))
 
 
+_lite_users: dict[str, int] = {}  # embedded file -> open stores of this process on it
+
+
+def _lite_key(uri: str | Path) -> str:
+    return str(Path(uri).absolute().resolve())
+
+
+def acquire_lite(uri: str | Path) -> None:
+    """Count one more open store of this process on an embedded file (see `release_lite`)."""
+    if not is_server(uri):
+        key = _lite_key(uri)
+        _lite_users[key] = _lite_users.get(key, 0) + 1
+
+
 def release_lite(uri: str | Path) -> None:
-    """Stop this process's Milvus Lite server for an embedded file, so another process can open
-    it (Milvus Lite allows one process per file); a server URI needs nothing."""
+    """One store of this process is done with an embedded file. The last one stops this
+    process's Milvus Lite server for it, so another process can open the file (Milvus Lite
+    allows one process per file); while other stores of this process still use the file, its
+    server stays up (stopping it would cut them off). A server URI needs nothing."""
     if is_server(uri):
         return
+    key = _lite_key(uri)
+    left = _lite_users.get(key, 0) - 1
+    if left > 0:
+        _lite_users[key] = left
+        return
+    _lite_users.pop(key, None)
     try:
         from milvus_lite.server_manager import server_manager_instance
     except ImportError:
@@ -150,6 +172,7 @@ class MilvusStore:
                 f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}") from None
         finally:
             quiet.setLevel(level)
+        acquire_lite(self.uri)
         if not self._client.has_collection(collection):
             self._create()
         self.index_kind = self._index_kind()
@@ -220,6 +243,10 @@ class MilvusStore:
 
     def close(self) -> None:
         """Close the client and, for an embedded file, stop its Milvus Lite server so another
-        process can open the file (Milvus Lite allows one process per file)."""
+        process can open the file (Milvus Lite allows one process per file) once no other store
+        of this process uses it. Closing twice releases once."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._client.close()
         release_lite(self.uri)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.backends import ACL_ALL, check_pattern, query_words
+from branchsearch.infra.dense import acquire_lite, release_lite
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
 from branchsearch.infra.hits import Hit
 
@@ -267,6 +268,7 @@ class ExternalMilvus:
         self.collection = spec.milvus_collection
         try:
             self._client = MilvusClient(uri=uri, token=token)
+            acquire_lite(uri)
             exists = self._client.has_collection(self.collection)
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {uri} is not reachable ({type(exc).__name__}: "
@@ -356,9 +358,10 @@ class ExternalMilvus:
 
     def close(self) -> None:
         """Close the client; for a Milvus Lite file, also stop its server so another process
-        can open the file (one process per file)."""
-        from branchsearch.infra.dense import release_lite
-
+        can open the file (one process per file). Closing twice releases once."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._client.close()
         release_lite(self.uri)
 

@@ -119,3 +119,27 @@ def test_ingest_and_hybrid_retrieval_through_milvus_uri(milvus_uri, hotpot_setti
         server.dense.drop()
         server.close()
         lite.close()
+
+
+def test_lite_file_stays_served_until_its_last_store_closes(tmp_path):
+    """Two stores of one process on one Lite file: closing the first leaves the second working
+    (one Lite server per file per process); closing the last frees the file for another
+    process, which then opens it."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "shared.db"
+    first = MilvusStore(db, 4, collection="shared")
+    first.write(CHUNKS, VECTORS, ["apple", "bank"])
+    second = MilvusStore(db, 4, collection="shared")
+    first.close()
+    first.close()  # a second close must not release the file under `second`
+    assert [h.chunk_id for h in second.search(VECTORS[0], 1)] == ["apple#p0"]
+    assert second.count() == 3
+    second.close()
+    probe = ("import sys; from branchsearch.infra.dense import MilvusStore; "
+             "s = MilvusStore(sys.argv[1], 4, collection='shared'); print(s.count()); s.close()")
+    out = subprocess.run([sys.executable, "-c", probe, str(db)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.split()[-1] == "3"
