@@ -282,7 +282,7 @@ class BoundedExportProcessor(SpanProcessor):
         self._next_backoff = backoff_s
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()
-        self._busy = False
+        self._busy = 0  # spans of the batch being exported now (0: none)
         self._flushers = 0
         self._down_until = 0.0
         self._slow = False  # a flush ran out of time; cleared by the next successful export
@@ -300,7 +300,7 @@ class BoundedExportProcessor(SpanProcessor):
     def _after_fork(self) -> None:
         self._cond = threading.Condition()
         self._queue.clear()
-        self._busy, self._flushers = False, 0
+        self._busy, self._flushers = 0, 0
         if not self._stopped:
             self._start_thread()
 
@@ -349,7 +349,9 @@ class BoundedExportProcessor(SpanProcessor):
                 self._flushers -= 1
 
     def shutdown(self) -> None:
-        """Give the queue one flush timeout to leave, then stop; what is left is counted."""
+        """Give the queue one flush timeout to leave, then stop; what is left is counted, the
+        batch still in flight included (the process is about to end: nobody will learn whether
+        the collector took it, so it is not reported as delivered)."""
         self.force_flush(int(self.flush_timeout_s * 1000))
         with self._cond:
             self._stopped = True
@@ -357,6 +359,9 @@ class BoundedExportProcessor(SpanProcessor):
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=0.1)
+        with self._cond:
+            left += self._busy
+            self._busy = 0  # an export that still returns must not count these as delivered
         if left:
             HEALTH.drop(left, self.target, "the process ended before the collector took its "
                                            "spans: the collector is slow or down")
@@ -375,14 +380,16 @@ class BoundedExportProcessor(SpanProcessor):
                     continue
                 batch = [self._queue.popleft()
                          for _ in range(min(self.batch_size, len(self._queue)))]
-                self._busy = True
+                self._busy = len(batch)
             ok = False
             try:
                 ok = self.exporter.export(batch) == SpanExportResult.SUCCESS
             except Exception:
                 pass
             with self._cond:
-                self._busy = False
+                if self._stopped and not self._busy:
+                    return  # shutdown already counted this batch as dropped
+                self._busy = 0
                 if ok:
                     self._next_backoff = self.backoff_s
                     self._slow = False

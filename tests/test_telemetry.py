@@ -238,6 +238,24 @@ def test_flush_to_a_dead_collector_is_bounded(protocol, capfd):
     assert "Traceback" not in err and "Transient error" not in err
 
 
+def test_a_short_process_with_a_dead_collector_says_its_spans_were_dropped():
+    """A command that ends before its exporter learns the collector is down must still say,
+    once, that its spans did not arrive (its printed trace id names spans nobody has)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from branchsearch.infra import telemetry; "
+            "telemetry.configure('otlp', otlp_endpoint=sys.argv[1], export_timeout_s=5.0); "
+            "[telemetry.tracer().start_span('turn').end() for _ in range(3)]; "
+            "telemetry.flush()")
+    for endpoint in (f"http://127.0.0.1:{closed_port()}", "http://10.255.255.1:4318"):
+        out = subprocess.run([sys.executable, "-c", code, endpoint], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-500:]
+        assert out.stderr.count("branchsearch: trace export to") == 1, (endpoint, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
 def test_a_silent_collector_costs_one_flush_timeout(capfd):
     """A collector that accepts connections and never answers (hung, or a black hole)."""
     import socket
