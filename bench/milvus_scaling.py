@@ -14,6 +14,11 @@ uses): insert time, index build (the server indexes sealed segments after a flus
 one at a time; median and p90 latency, recall@10 against exact numpy search, and the resident
 memory of the server process. One run per size; the machine may be shared (load printed).
 Projections to larger N are printed separately and marked as such.
+
+Large sizes do not fit one 10-minute run on 2 cores, so a run can stop inserting after
+--insert-budget-s and a later run with the same --workdir resumes (the collection and the
+inserted count are kept there; insert seconds add up). Only a complete collection is searched.
+--keep leaves it for a later search-only run (e.g. with other --ef values).
 """
 
 from __future__ import annotations
@@ -78,33 +83,60 @@ def lite_pid(path: str) -> int | None:
     return None
 
 
-def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None) -> dict:
-    data = vectors(n, dim)
-    rng = np.random.default_rng(1)
-    picks = rng.integers(0, n, queries)
-    qv = data[picks] + 0.3 / np.sqrt(dim) * rng.standard_normal((queries, dim)).astype(np.float32)
-    qv /= np.linalg.norm(qv, axis=1, keepdims=True)
-    spec = IndexSpec("FLAT" if kind == "lite" else "HNSW", consistency=CONSISTENCY)
+def _state(workdir: Path, kind: str, n: int) -> tuple[Path, dict]:
+    path = workdir / f"scale_{kind}_{n}.json"
+    return path, (json.loads(path.read_text()) if path.exists() else
+                  {"inserted": 0, "insert_s": 0.0, "index_build_s": 0.0, "runs": 0})
+
+
+def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
+        workdir: Path, budget_s: float = 0, keep: bool = False, ef: int = 64) -> dict | None:
+    """One size: insert (resuming), build, search. None when the insert budget ran out first."""
+    state_path, state = _state(workdir, kind, n)
+    spec = IndexSpec("FLAT" if kind == "lite" else "HNSW", consistency=CONSISTENCY, ef=ef)
     store = MilvusStore(uri, dim, collection=f"scale_{kind}_{n}", index=spec)
+    done = False
     try:
+        data = vectors(n, dim)
         t = time.perf_counter()
         step = 1000
-        for s in range(0, n, step):
+        state["runs"] += 1
+        for s in range(state["inserted"], n, step):
             chunks = [IndexedChunk(f"d{i}#p0", f"d{i}", "", "", ("g",) if i % 10 == 0 else ())
                       for i in range(s, min(s + step, n))]
             store._client.insert(store.collection, [
                 {"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
                  "vector": v.tolist()} for c, v in zip(chunks, data[s:s + step])])
-        insert_s = time.perf_counter() - t
+            state["inserted"] = min(s + step, n)
+            if budget_s and time.perf_counter() - t > budget_s and state["inserted"] < n:
+                break
+        state["insert_s"] += time.perf_counter() - t
+        state_path.write_text(json.dumps(state))
+        if state["inserted"] < n:
+            print(f"{kind} {n:,}: {state['inserted']:,} inserted so far "
+                  f"({state['insert_s']:.0f} s); run again with the same --workdir", flush=True)
+            keep = True
+            return None
         t = time.perf_counter()
-        if store.server:  # seal segments and wait for the HNSW build
+        if store.server and not state.get("indexed"):  # seal segments, wait for the HNSW build
             store._client.flush(store.collection)
             _wait_index(store)
-        index_s = time.perf_counter() - t
+            state["index_build_s"] += time.perf_counter() - t
+            state["indexed"] = True
+            state_path.write_text(json.dumps(state))
+        t = time.perf_counter()
+        if not store.server:
+            store._client.load_collection(store.collection)
+        rng = np.random.default_rng(1)
+        picks = rng.integers(0, n, queries)
+        qv = data[picks] + 0.3 / np.sqrt(dim) * rng.standard_normal((queries, dim)).astype(
+            np.float32)
+        qv /= np.linalg.norm(qv, axis=1, keepdims=True)
         store.search(qv[0], 10)  # warm (load)
+        load_s = time.perf_counter() - t
         lat, recall = [], []
         exact = data @ qv.T  # (n, queries)
-        public = np.array([i % 10 != 0 for i in range(n)])
+        public = np.arange(n) % 10 != 0
         for j in range(queries):
             excluded = rng.integers(0, n, 20)
             exclude = [f"d{i}#p0" for i in excluded]
@@ -116,15 +148,24 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None) ->
             truth = {f"d{i}#p0" for i in np.argpartition(-scores, 10)[:10]}
             recall.append(len(truth & {h.chunk_id for h in hits}) / 10)
         lat.sort()
+        done = True
         return {"backend": kind, "index": store.index_kind, "n": n, "dim": dim,
+                "ef": ef if store.index_kind == "HNSW" else None,
                 "consistency": CONSISTENCY if store.server else "-",
-                "insert_s": round(insert_s, 1), "index_build_s": round(index_s, 1),
+                "insert_s": round(state["insert_s"], 1), "insert_runs": state["runs"],
+                "insert_rows_s": round(n / state["insert_s"], 0),
+                "index_build_s": round(state["index_build_s"], 1),
+                "load_s": round(load_s, 1),
                 "search_ms_median": round(statistics.median(lat), 2),
                 "search_ms_p90": round(lat[int(0.9 * len(lat))], 2),
+                "search_ms_p95": round(lat[int(0.95 * len(lat))], 2),
                 "recall_at_10": round(float(np.mean(recall)), 4), "queries": queries,
-                "server_rss_mb": rss_mb(pid or lite_pid(uri))}
+                "server_rss_mb": rss_mb(pid or lite_pid(uri)),
+                "vectors_mb": round(n * dim * 4 / 2**20, 0)}
     finally:
-        store.drop()
+        if done and not keep:
+            store.drop()
+            state_path.unlink(missing_ok=True)
         store.close()
 
 
@@ -148,17 +189,36 @@ def main() -> None:
     ap.add_argument("--pid", type=int, default=None, help="the --uri server's PID (memory)")
     ap.add_argument("--backends", nargs="+", default=["lite", "server"])
     ap.add_argument("--consistency", default="Bounded", help="server searches: Bounded|Strong")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keeps Lite files and insert progress between runs (default: a temp dir)")
+    ap.add_argument("--insert-budget-s", type=float, default=0,
+                    help="stop inserting after this long; a later run resumes (0: no limit)")
+    ap.add_argument("--keep", action="store_true", help="keep the collections after searching")
+    ap.add_argument("--ef", type=int, default=64, help="HNSW search breadth")
+    ap.add_argument("--json", type=Path, default=None, help="append each row here (JSON lines)")
     args = ap.parse_args()
     global CONSISTENCY
     CONSISTENCY = args.consistency
     print(f"host: {platform.node()}, {os.cpu_count()} cores; load average {os.getloadavg()}",
           flush=True)
     rows = []
-    tmp = Path(tempfile.mkdtemp(prefix="bench-milvus-"))
+    tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench-milvus-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    opts = {"workdir": tmp, "budget_s": args.insert_budget_s, "keep": args.keep, "ef": args.ef}
+
+    def record(row):
+        if row is None:
+            return
+        row |= {"load": [round(x, 2) for x in os.getloadavg()]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
     if "lite" in args.backends:
         for n in args.sizes:
-            rows.append(run("lite", str(tmp / f"lite{n}.db"), n, args.dim, args.queries, None))
-            print(json.dumps(rows[-1] | {"load": os.getloadavg()}), flush=True)
+            record(run("lite", str(tmp / f"lite{n}.db"), n, args.dim, args.queries, None,
+                       **opts))
     if "server" in args.backends:
         if args.uri:
             servers = [(args.uri, args.pid)]
@@ -172,18 +232,17 @@ def main() -> None:
             servers = [(handle.uri, handle.pid)]
         try:
             for n in args.sizes:
-                rows.append(run("server", servers[0][0], n, args.dim, args.queries,
-                                servers[0][1]))
-                print(json.dumps(rows[-1] | {"load": os.getloadavg()}), flush=True)
+                record(run("server", servers[0][0], n, args.dim, args.queries,
+                           servers[0][1], **opts))
         finally:
             if not args.uri:
                 ctx.__exit__(None, None, None)
-    print("\n| backend | index | N | insert s | index build s | search ms median | p90 | "
-          "recall@10 | server RSS MB |")
+    print("\n| backend | index | N | insert s | index build s | search ms median | p95 | "
+          "recall@10 | RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['index']} | {r['n']:,} | {r['insert_s']} | "
-              f"{r['index_build_s']} | {r['search_ms_median']} | {r['search_ms_p90']} | "
+              f"{r['index_build_s']} | {r['search_ms_median']} | {r['search_ms_p95']} | "
               f"{r['recall_at_10']} | {r['server_rss_mb']} |")
     _project(rows)
 

@@ -19,6 +19,7 @@ from branchsearch.infra.choices import (MILVUS_CONSISTENCIES, MILVUS_INDEXES, MO
                                         OTLP_PROTOCOLS, PLANNERS, POLICIES, TRACE_EXPORTERS,
                                         MilvusConsistency, Mode, OtlpProtocol, Planner,
                                         Policy, TraceExporter, one_of)
+from branchsearch.infra.embed_export import BACKENDS as EMBED_BACKENDS
 from branchsearch.infra.errors import SettingsError
 
 
@@ -35,6 +36,9 @@ class Settings:
     embed_model: str = "all-MiniLM-L6-v2"  # or a sentence-transformers model path
     embed_batch: int = 64
     embed_device: str = "cpu"
+    # the CPU runtime: torch | onnx | onnx-int8 | openvino | openvino-int8 (reports/embedding.md);
+    # an exported one whose packages are missing falls back to torch with one line
+    embed_backend: str = "torch"
     # backends: empty means embedded (Milvus Lite file, tantivy index under home)
     milvus_uri: str = ""
     milvus_token: str = ""
@@ -86,6 +90,9 @@ class Settings:
     branch_num_gpus: float = 0.0  # used only when the cluster has GPUs (LLM policies)
     ray_address: str = ""
     batch_concurrency: int = 2
+    # retriever actors the branches share, load-balanced (least-loaded). More than 1 only with
+    # server backends: a Milvus Lite file has one owning process, so Lite keeps 1 (README: Scaling)
+    retriever_replicas: int = 1
     backend_retries: int = 2  # a backend error in a tool is retried this often, then ends the branch
     backend_backoff_s: float = 0.2  # first retry's wait; doubles each retry
     actor_start_timeout_s: float = 300.0  # waiting for actors (engines, retriever, pool) to start
@@ -150,6 +157,9 @@ def _validate(s: Settings) -> None:
         (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
+        (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),
+        (s.embed_batch >= 1, "embed_batch must be >= 1"),
+        (s.retriever_replicas >= 1, "retriever_replicas must be >= 1"),
         (s.backend_retries >= 0 and s.backend_backoff_s >= 0,
          "backend_retries and backend_backoff_s must be >= 0"),
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),

@@ -27,19 +27,22 @@ class ActorPlan:
     branch: dict
     branch_actors: int
     shrunk_from: int = 0  # the pool size asked for, when it had to shrink
+    retrievers: int = 1  # retriever actors (replicas), each with the `retriever` options
 
     def demand(self) -> dict[str, float]:
         """Total CPU and GPU the plan asks for."""
-        actors = [*self.engines, self.retriever, *[self.branch] * self.branch_actors]
+        actors = [*self.engines, *[self.retriever] * self.retrievers,
+                  *[self.branch] * self.branch_actors]
         return {r: round(sum(a.get(f"num_{r.lower()}s", 0) for a in actors), 6)
                 for r in ("CPU", "GPU")}
 
 
 def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
-                engines: int = 0) -> ActorPlan:
-    """Fit `engines` LLM engine actors, one retriever actor and a pool of up to `pool_size`
-    branch actors (at least `settings.branches`, one question's worth) into `resources`
-    (`ray.cluster_resources()`). GPUs are used only when the cluster has them."""
+                engines: int = 0, retrievers: int = 1) -> ActorPlan:
+    """Fit `engines` LLM engine actors, `retrievers` retriever actors and a pool of up to
+    `pool_size` branch actors (at least `settings.branches`, one question's worth) into
+    `resources` (`ray.cluster_resources()`). GPUs are used only when the cluster has them.
+    The retrievers share at most a quarter of the CPUs (1 each on a large cluster)."""
     cpus, gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
     need = max(min(settings.branches, pool_size), 1)
     engine_opts: list[dict] = []
@@ -52,13 +55,15 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
         engine_opts = [{"num_gpus": tp, "num_cpus": _down(min(1.0, cpus / 8))}] * engines
     elif engines:
         engine_opts = [{"num_cpus": _down(min(1.0, cpus / 4, cpus / (2 * engines)))}] * engines
-    retriever = {"num_cpus": _down(min(1.0, cpus / 4))}
-    left = cpus - retriever["num_cpus"] - sum(e["num_cpus"] for e in engine_opts)
+    retrievers = max(retrievers, 1)
+    retriever = {"num_cpus": _down(min(1.0, cpus / (4 * retrievers)))}
+    left = cpus - retrievers * retriever["num_cpus"] - sum(e["num_cpus"] for e in engine_opts)
     fits = math.floor(round(left / MIN_BRANCH_CPUS, 6)) if left > 0 else 0
     if fits < need:
         raise BranchsearchError(
-            f"not enough CPUs: the cluster has {cpus:g}; {engines} LLM engine actor(s) and the "
-            f"retriever take {cpus - max(left, 0):g}, leaving {max(left, 0):g} for {need} branch "
+            f"not enough CPUs: the cluster has {cpus:g}; {engines} LLM engine actor(s) and "
+            f"{retrievers} retriever actor(s) take {cpus - max(left, 0):g}, leaving "
+            f"{max(left, 0):g} for {need} branch "
             f"actor(s) of at least {MIN_BRANCH_CPUS:g} CPU (add CPUs, or lower branches or "
             "llm_engines)")
     pool = min(pool_size, fits)
@@ -67,7 +72,7 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
     if gpus_left > 0 and settings.branch_num_gpus > 0:
         branch["num_gpus"] = _down(min(settings.branch_num_gpus, gpus_left / pool))
     return ActorPlan(tuple(engine_opts), retriever, branch, pool,
-                     pool_size if pool < pool_size else 0)
+                     pool_size if pool < pool_size else 0, retrievers)
 
 
 def _down(x: float) -> float:

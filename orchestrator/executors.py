@@ -2,9 +2,11 @@
 
 * `LocalExecutor` — `run_branch` in this process, one branch after another, over one
   `Retriever` (no Ray; the baseline and the laptop path).
-* `RayExecutor` — `run_branch` inside `BranchActor`s from a pool, retrieval in one
-  `RetrieverActor`, LLM engines in named engine actors; every actor counted by
-  `orchestrator.cluster.plan_actors` before any starts, every start awaited with a timeout.
+* `RayExecutor` — `run_branch` inside `BranchActor`s from a pool, retrieval in
+  `retriever_replicas` `RetrieverActor`s (one when the index is a Milvus Lite file: see
+  `replica_count`), each branch sent to the least-loaded one (`ReplicaBalancer`), LLM engines in
+  named engine actors; every actor counted by `orchestrator.cluster.plan_actors` before any
+  starts, every start awaited with a timeout.
 
 `pick_executor` is the one place that decides between them (one branch runs in-process),
 `make_executor` the one place that builds them. A branch that raises or misses its
@@ -56,6 +58,73 @@ def make_executor(settings: Settings, mode: ExecutorName, *,
         return RayExecutor(settings, pool_size or settings.branches
                            * max(settings.batch_concurrency, 1))
     raise BranchsearchError(f"unknown executor {mode!r}; use {one_of(EXECUTORS)}")
+
+
+def lite_file(settings: Settings) -> str:
+    """The Milvus Lite file a retriever for these settings opens, or "" when it opens none (a
+    Milvus server by URI, no dense search, or a BM25-only index)."""
+    from branchsearch.infra.dense import is_server
+
+    if settings.search_mode == "bm25":  # the retriever actor then opens no dense store
+        return ""
+    ext = settings.external
+    if ext is not None:
+        uri = (ext.milvus_uri or settings.milvus_uri) if ext.dense == "milvus" else ""
+        return "" if not uri or is_server(uri) else str(uri)
+    if settings.milvus_uri:
+        return "" if is_server(settings.milvus_uri) else settings.milvus_uri
+    from branchsearch.infra.manifest import read_manifest
+
+    try:
+        manifest = read_manifest(settings.index_dir)
+    except Exception:  # noqa: BLE001 — unreadable: assume the Lite file (the safe answer)
+        manifest = None
+    if manifest is not None and manifest.embedding is None:
+        return ""  # BM25-only index (ingest --no-dense): no dense file is opened
+    return str(settings.index_dir / "dense.db")
+
+
+def replica_count(settings: Settings) -> tuple[int, str]:
+    """(retriever actors to start, a note when fewer than asked). Milvus Lite allows one process
+    per file, so an index on a Lite file is served by one retriever actor whatever
+    `retriever_replicas` says; servers (Milvus by URI, Elasticsearch) and the read-only local
+    files (tantivy, the SQLite docstore) take any number."""
+    asked = settings.retriever_replicas
+    lite = lite_file(settings) if asked > 1 else ""
+    if lite:
+        return 1, (f"retriever_replicas = {asked}: using 1, because the dense index is a Milvus "
+                   f"Lite file ({lite}) and a Lite file has one owning process; replicas need "
+                   "a Milvus server (milvus_uri)")
+    return asked, ""
+
+
+class ReplicaBalancer:
+    """Which retriever replica serves the next branch: the one with the fewest branches in
+    flight, ties broken round-robin (so a quiet pool still spreads). A branch keeps its replica
+    for all its tool calls; `done(i)` when it ends. Thread-safe (concurrent questions)."""
+
+    def __init__(self, replicas: int):
+        if replicas < 1:
+            raise ValueError("at least one replica")
+        self.load = [0] * replicas  # branches in flight per replica
+        self.served = [0] * replicas  # branches sent to each replica, ever
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            n = len(self.load)
+            order = [(self._next + j) % n for j in range(n)]
+            pick = min(order, key=lambda r: self.load[r])  # first least-loaded in rotation
+            self.load[pick] += 1
+            self.served[pick] += 1
+            self._next = (pick + 1) % n
+            return pick
+
+    def done(self, replica: int) -> None:
+        with self._lock:
+            if self.load[replica] > 0:
+                self.load[replica] -= 1
 
 
 def emit(on_event: Events, event: dict) -> None:
@@ -112,7 +181,12 @@ class RayExecutor:
         self.resources = connect(settings)
         engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
                    and not settings.llm_url else 0)
-        plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines)
+        replicas, note = replica_count(settings)
+        if note:
+            log.warning("%s", note)
+        self.replica_note = note
+        plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines,
+                                       retrievers=replicas)
         if plan.shrunk_from:
             log.warning("branch pool: %d actors instead of %d, to fit the cluster (%s)",
                         plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
@@ -122,9 +196,12 @@ class RayExecutor:
 
             self.engines = start_engines(settings, self.resources, list(plan.engines))
         # each actor gets the secrets it needs, no others
-        self.retriever = RetrieverActor.options(
+        retriever_settings = settings.replace(llm_api_key="")
+        self.retrievers = [RetrieverActor.options(
             max_concurrency=16, max_restarts=settings.branch_retries,
-            **plan.retriever).remote(settings.replace(llm_api_key=""))
+            **plan.retriever).remote(retriever_settings) for _ in range(replicas)]
+        self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
+        self.balancer = ReplicaBalancer(replicas)
         branch_settings = settings.replace(es_api_key="", milvus_token="")
         # no restarts: a branch actor that dies is replaced by a fresh one (see `_collect`);
         # a restartable actor holding a handle in its arguments also makes Ray's core print an
@@ -140,7 +217,8 @@ class RayExecutor:
         if self.engines:
             self._wait_started([e.stats.remote() for e in self.engines],
                                f"{engines} LLM engine actor(s)")
-        self._wait_started([self.retriever.ping.remote()], "the retriever actor")
+        self._wait_started([r.ping.remote() for r in self.retrievers],
+                           f"{replicas} retriever actor(s)")
         self._wait_started([a.ping.remote() for a in self._idle],
                            f"{len(self._idle)} branch actor(s)")
 
@@ -184,15 +262,25 @@ class RayExecutor:
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None
             ) -> list[BranchReport]:
-        import ray
-
         if len(tasks) > self.plan.branch_actors:
             raise BranchsearchError(f"{len(tasks)} branches need as many branch actors; the "
                                     f"pool holds {self.plan.branch_actors} on this cluster")
         carrier = telemetry.current_carrier()
         actors = self._acquire(len(tasks))
         stream = on_event is not None
-        refs = [a.run.remote(t, carrier, policy_factory, stream) for a, t in zip(actors, tasks)]
+        replicas = [self.balancer.take() for _ in tasks]
+        try:
+            refs = [a.run.remote(t, carrier, policy_factory, stream, self.retrievers[r])
+                    for a, t, r in zip(actors, tasks, replicas)]
+            return self._gather(tasks, actors, refs, settings, on_event)
+        finally:
+            for r in replicas:
+                self.balancer.done(r)
+
+    def _gather(self, tasks: list[BranchTask], actors: list, refs: list, settings: Settings,
+                on_event: Events) -> list[BranchReport]:
+        import ray
+
         for t in tasks:
             emit(on_event, {"type": "branch_started", "branch": t.index,
                              "subquery": t.subquery})
@@ -257,10 +345,10 @@ class RayExecutor:
         import ray
 
         try:
-            ray.get(self.retriever.close.remote(), timeout=30)
+            ray.get([r.close.remote() for r in self.retrievers], timeout=30)
         except Exception:  # noqa: BLE001 — already dead: nothing to release
             pass
         keep = self.engines if self.settings.llm_detached else []
-        for actor in self._idle + [self.retriever] + [e for e in self.engines if e not in keep]:
+        for actor in self._idle + self.retrievers + [e for e in self.engines if e not in keep]:
             ray.kill(actor)
         self._idle = []

@@ -27,6 +27,7 @@ class RetrieverService:
         from branchsearch.infra.retriever import open_retriever
 
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+        self.calls = 0
         if self.retriever.embedder is not None:  # load the model now, not in the first query
             _ = self.retriever.embedder.dim
 
@@ -34,11 +35,16 @@ class RetrieverService:
         """([value or exception per request], seconds spent in the backend): the caller
         learns the RPC overhead."""
         started = time.perf_counter()
+        self.calls += 1
         values = self.retriever.call_many(requests)
         return values, time.perf_counter() - started
 
     def ping(self) -> int:
         return os.getpid()
+
+    def served(self) -> int:
+        """`call_many` calls served (one per tool-call round of a branch turn)."""
+        return self.calls
 
     def close(self) -> None:
         """Release the stores (and the Milvus Lite file) before the actor is killed."""
@@ -85,8 +91,9 @@ class BranchService:
         self._lock = threading.Lock()
 
     def run(self, task, carrier: dict | None = None, policy_factory=None,
-            stream: bool = False):
-        """`run_branch` here; with `stream`, events wait in a buffer for `events()`."""
+            stream: bool = False, retriever=None):
+        """`run_branch` here, against `retriever` (the replica the executor chose) or the
+        actor's own; with `stream`, events wait in a buffer for `events()`."""
         from branchsearch.infra import telemetry
         from branchsearch.workers.branch import run_branch
 
@@ -94,7 +101,7 @@ class BranchService:
             self._events.clear()
         token = telemetry.attach_carrier(carrier)
         try:
-            return run_branch(task, RemoteRetriever(self.handle), self.settings,
+            return run_branch(task, RemoteRetriever(retriever or self.handle), self.settings,
                               policy_factory=policy_factory,
                               on_event=self._buffer if stream else None)
         finally:
