@@ -319,7 +319,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
           f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
           "lines skipped")
-    if counts["failed"]:
+    if counts["failed"] or data.bad_lines:  # a skipped line is a question nobody answered
         sys.exit(1)
 
 

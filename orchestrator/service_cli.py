@@ -106,12 +106,33 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     if standalone:
         import uvicorn
 
+        sock = _listen(host, port)  # first: a taken port is said before any index is opened
         state = service.local_state(settings, executor=executor, keys_path=keys)
         state.backend.searcher.driver(settings.index)
-        uvicorn.run(service.create_app(state), host=host, port=port, log_level="warning")
+        print(f"serving on http://{host}:{sock.getsockname()[1]} (docs at /docs; one process)",
+              file=sys.stderr)
+        server = uvicorn.Server(uvicorn.Config(service.create_app(state), log_level="warning"))
+        server.run(sockets=[sock])
         return
     service.run_serve(settings, service.ServeOptions(
         home=str(Path(settings.home).resolve()), index=settings.index,
         config=str(config.resolve()) if config else None,
         keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas,
         searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)
+
+
+def _listen(host: str, port: int):
+    """A listening socket on host:port (port 0: a free one), or one error line saying why not."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise BranchsearchError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                                "pick another --port or stop what holds it") from None
+    return sock

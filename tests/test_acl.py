@@ -134,6 +134,16 @@ def test_cli_retrieve_and_batch(acl_settings, tmp_path):
     assert batch(tmp_path / "public.jsonl") == {"pub"}
     assert "fin" in batch(tmp_path / "finance.jsonl", "--acl", "finance")
 
+    # a malformed line: the good question still runs and is written, the bad one is named,
+    # and the exit status says not every question was answered
+    questions.write_text(questions.read_text() + "{not json\n")
+    out = tmp_path / "mixed.jsonl"
+    done = _cli("batch", str(questions), "-o", str(out), "--executor", "local",
+                "--branches", "1", *where)
+    assert done.returncode == 1, done.stderr[-1500:]
+    assert "q.jsonl:2" in done.stderr and "1 malformed input lines skipped" in done.stdout
+    assert [json.loads(line)["status"] for line in out.read_text().splitlines()] == ["ok"]
+
 
 @pytest.mark.es
 def test_elasticsearch_backend(acl_settings, es_url, tmp_path):

@@ -320,3 +320,39 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             state.backend.searcher.close()
     finally:
         es.stop()
+
+
+def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp_path):
+    """`branchsearch serve --standalone` (its own process, a real socket): one line naming the
+    address it serves, /healthz answers there; a port already taken is one error line, exit 2."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    home = tmp_path / "home"
+    settings = load_settings(overrides={"home": home, "index": "acl"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--standalone",
+           "--host", "127.0.0.1", "--port", "0", "--home", str(home), "--index", "acl",
+           "--executor", "local"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
+    try:
+        line, deadline = "", time.monotonic() + 180
+        while "serving on" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "serve exited before listening"
+        port = int(re.search(r"serving on http://127\.0\.0\.1:(\d+)", line).group(1))
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200
+        taken = subprocess.run([str(port) if a == "0" else a for a in cmd],
+                               capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 2, taken.stderr
+        errors = [ln for ln in taken.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], taken.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
