@@ -53,8 +53,8 @@ def test_finish_ranks_pruned_chunks_by_their_final_score(bm25_hotpot):
     from branchsearch.workers.heuristic import HeuristicPolicy
 
     settings, retriever = bm25_hotpot
-    policy = HeuristicPolicy(keep=2)  # a tight context: most chunks get pruned on the way
-    result = Episode(Q, retriever, policy, settings).run()
+    policy = HeuristicPolicy(keep=2, learned_rank=False)  # a tight context: most chunks get
+    result = Episode(Q, retriever, policy, settings).run()  # pruned on the way
     assert result.termination == "finish" and result.pruned_ids
     # the ranking is over every scored chunk, by the score the policy holds at the end
     assert result.ranked_chunk_ids == final_ranking(policy.scores, settings.final_k)
@@ -62,7 +62,8 @@ def test_finish_ranks_pruned_chunks_by_their_final_score(bm25_hotpot):
     assert pruned & set(result.ranked_chunk_ids), "a pruned chunk that scores well is returned"
 
     # the old behaviour (rank only what is still visible) can return nothing that was pruned
-    old = Episode(Q, retriever, HeuristicPolicy(keep=2, rank_all=False), settings).run()
+    old = Episode(Q, retriever, HeuristicPolicy(keep=2, rank_all=False, learned_rank=False),
+                  settings).run()
     assert not (set(old.ranked_chunk_ids) - set(old.final_context_ids))
 
 

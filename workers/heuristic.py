@@ -50,6 +50,8 @@ class HeuristicPolicy:
     rank_all: bool = True  # finish ranks every scored chunk, not only the visible ones
     max_turns: int = 12  # the harness's limit: finish (ranked) on the last turn it allows
     qualifier_weight: float = 0.3  # a title's qualifier agreeing (or not) with what led to it
+    learned_rank: bool = True  # finish by the learned ranker (workers/ranker.py), else by score
+    ranker_path: str | None = None  # weights file; None: the shipped workers/ranker_weights.json
     # episode state
     subquery: str = ""
     q_terms: set[str] = field(default_factory=set)
@@ -65,6 +67,7 @@ class HeuristicPolicy:
     links: dict[str, tuple[str, float]] = field(default_factory=dict)  # entity -> (parent, sal)
     pruned: set[str] = field(default_factory=set)
     recalled: set[str] = field(default_factory=set)  # recalled once: never again, never re-pruned
+    final_features: dict[str, list[float]] = field(default_factory=dict)  # at finish
     _pending: dict[tuple, _Origin] = field(default_factory=dict)
     _term_cache: dict[tuple, set[str]] = field(default_factory=dict)
 
@@ -307,9 +310,19 @@ class HeuristicPolicy:
 
     def _finish(self, visible: set[str]) -> ToolCall:
         """Rank everything the trajectory scored — kept, pruned or never expanded — by the score
-        it holds now (`workers.rank.final_ranking`): a prune frees context, it is no verdict."""
-        ranked = final_ranking(self.scores, self.final_k) if self.rank_all else \
-            self._ranked(visible - self.pruned)[: self.final_k]
+        it holds now (`workers.rank.final_ranking`): a prune frees context, it is no verdict.
+        With `learned_rank`, the order is the learned ranker's (`workers.ranker`) over the
+        features of every scored chunk (kept in `final_features`)."""
+        if not self.rank_all:
+            ranked = self._ranked(visible - self.pruned)[: self.final_k]
+        elif self.learned_rank:
+            from branchsearch.workers.ranker import episode_features, load_ranker
+
+            self.final_features = episode_features(self)
+            ranked = final_ranking(load_ranker(self.ranker_path).scores(self.final_features),
+                                   self.final_k)
+        else:
+            ranked = final_ranking(self.scores, self.final_k)
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 

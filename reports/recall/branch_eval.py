@@ -29,7 +29,8 @@ from branchsearch.orchestrator.attribution import Trajectory, agent_measures, at
 from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
 
 
-def run(dataset: str, index: str, out: str, branches: int, home: str) -> None:
+def run(dataset: str, index: str, out: str, branches: int, home: str,
+        features: bool = False) -> None:
     from branchsearch.infra.dataset import read_queries
     from branchsearch.infra.docstore import DocStore
     from branchsearch.infra.settings import load_settings
@@ -38,10 +39,20 @@ def run(dataset: str, index: str, out: str, branches: int, home: str) -> None:
 
     settings = load_settings(None, {"home": home, "index": index, "branches": branches})
     queries = read_queries(dataset)
-    driver = Driver(settings, mode="local")
+    policies: dict[int, object] = {}
+
+    def policy(index, subquery):  # as workers.factory.make_policy, ranking by the score
+        from branchsearch.workers.heuristic import HeuristicPolicy
+
+        policies[index] = HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
+                                          max_turns=settings.max_turns, learned_rank=False)
+        return policies[index]
+
+    driver = Driver(settings, mode="local", policy_factory=policy if features else None)
     search, rows = driver.search, []
 
     def keep(question, **kw):
+        policies.clear()
         result = search(question, **kw)
         rows.append({"question": question, "fused": result.ranked_chunk_ids,
                      "latency_s": result.metrics["latency_s"], "branches": [{
@@ -59,6 +70,13 @@ def run(dataset: str, index: str, out: str, branches: int, home: str) -> None:
                                           "tool") in ("search_corpus", "grep_corpus",
                                                       "read_document")]}
                          for b in result.branches]})
+        if features:  # every scored chunk's ranker features at the end of each branch
+            from branchsearch.workers.ranker import episode_features
+
+            for b in rows[-1]["branches"]:
+                p = policies.get(b["index"])
+                b["features"] = ({c: [round(v, 5) for v in x] for c, x in
+                                  episode_features(p).items()} if p is not None else {})
         return result
 
     driver.search = keep
@@ -203,9 +221,11 @@ def main() -> None:
     ap.add_argument("--agreement", type=float, default=0.0)
     ap.add_argument("--plan", default="all")
     ap.add_argument("--on", default="")
+    ap.add_argument("--features", action="store_true",
+                    help="run: keep every scored chunk's ranker features (learned_rank off)")
     a = ap.parse_args()
     if a.cmd == "run":
-        run(*a.args, a.branches, a.home)
+        run(*a.args, a.branches, a.home, a.features)
     elif a.cmd == "table":
         print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan), indent=1))
     else:

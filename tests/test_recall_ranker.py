@@ -1,0 +1,122 @@
+"""The learned final ranker (workers/ranker.py): the shipped weights load, the features are
+computed from a policy's state at the end of an episode, and the ranker reorders in the
+direction its weights say (it never adds or drops a chunk)."""
+
+import json
+
+import pytest
+
+from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+from branchsearch.workers.policy import VisibleChunk
+from branchsearch.workers.rank import final_ranking
+from branchsearch.workers.ranker import (FEATURES, WEIGHTS_PATH, LinearRanker, episode_features,
+                                         load_ranker)
+
+
+def test_the_shipped_ranker_loads_and_corrects_the_heuristic_score():
+    ranker = load_ranker()
+    assert ranker.features == FEATURES
+    w = dict(zip(ranker.features, ranker.weights))
+    assert w["score"] == 1.0  # a correction to the heuristic's score, not a replacement
+    assert all(abs(v) <= 0.6 for k, v in w.items() if k != "score")
+    assert ranker.meta.get("fit_on"), "the weights say which data sets they were fit on"
+
+
+def test_weights_for_other_features_are_refused(tmp_path):
+    data = json.loads(WEIGHTS_PATH.read_text())
+    data["features"] = data["features"][:-1]
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="retrain"):
+        load_ranker(str(path))
+
+
+def _episode() -> HeuristicPolicy:
+    """A finished episode in miniature: the sub-query names 'Ed Wood'; the question search
+    returned 'Tim Burton' first (rank 1) and the 'Ed Wood' page second; the entity search for
+    'Ed Wood' found the page too (first come: the question search); 'Plan 9' came from a bridge
+    of the Ed Wood page."""
+    p = HeuristicPolicy()
+    p.subquery = "Which film did Ed Wood direct in 1957?"
+    from branchsearch.workers.text import entities, terms
+
+    p.q_terms, p.q_entities = terms(p.subquery), entities(p.subquery)
+    chunks = [VisibleChunk("tb#p0", "tb", "Tim Burton", "Tim Burton directed the film Ed Wood "
+                           "in 1994.", 20),
+              VisibleChunk("ew#p0", "ew", "Ed Wood", "Ed Wood was a director. In 1957 he made "
+                           "Plan 9 from Outer Space.", 20),
+              VisibleChunk("p9#p0", "p9", "Plan 9 from Outer Space", "Plan 9 from Outer Space "
+                           "is a 1957 film directed by Ed Wood.", 20),
+              VisibleChunk("bl#p0", "bl", "Bela Lugosi", "Bela Lugosi starred in Plan 9.", 20)]
+    p.chunks = {c.id: c for c in chunks}
+    p.origins = {"tb#p0": _Origin(p.subquery, 1, "question"),
+                 "ew#p0": _Origin(p.subquery, 2, "question"),
+                 "p9#p0": _Origin("Plan 9 from Outer Space", 1, "bridge",
+                                  "Plan 9 from Outer Space", "ew#p0"),
+                 "bl#p0": _Origin("Bela Lugosi", 1, "bridge", "Bela Lugosi", "ew#p0")}
+    p.depth = {"tb#p0": 0, "ew#p0": 0, "p9#p0": 1, "bl#p0": 1}
+    p.links = {"ed wood": ("", 1.0), "plan 9 from outer space": ("ew#p0", 0.9),
+               "bela lugosi": ("ew#p0", 0.6)}
+    p.expanded = {"tb#p0", "ew#p0"}
+    p.pruned = {"bl#p0"}
+    for cid in p.origins:  # parents before children, as the policy scores them
+        p.scores[cid] = p._score(cid)
+    return p
+
+
+def test_episode_features_read_the_policy_state():
+    p = _episode()
+    feats = episode_features(p)
+    assert set(feats) == set(p.scores) and all(len(x) == len(FEATURES) for x in feats.values())
+    f = {cid: dict(zip(FEATURES, x)) for cid, x in feats.items()}
+    assert f["tb#p0"]["question_support"] == 1.0 and f["ew#p0"]["question_support"] == 1 / 1.6
+    assert f["ew#p0"]["names_q_entity"] == 1.0 and f["tb#p0"]["names_q_entity"] == 0.0
+    assert f["p9#p0"]["from_bridge"] == 1.0 and f["p9#p0"]["depth"] == 1.0
+    assert f["p9#p0"]["parent_score"] == pytest.approx(p.scores["ew#p0"])
+    assert f["p9#p0"]["names_bridge"] == 1.0  # the Ed Wood page's bridge entity names it
+    assert f["ew#p0"]["mentioned_by"] > 0  # Tim Burton and Plan 9 mention 'Ed Wood'
+    assert f["ew#p0"]["children_inv"] == pytest.approx(1 - 1 / 3)  # it led to two chunks
+    assert f["bl#p0"]["pruned"] == 1.0 and f["ew#p0"]["pruned"] == 0.0
+    assert f["tb#p0"]["rank_inv"] == 1.0 / (sorted(p.scores, key=lambda c: (-p.scores[c], c))
+                                             .index("tb#p0") + 1)
+
+
+def test_the_ranker_moves_chunks_the_way_its_weights_say():
+    p = _episode()
+    feats = episode_features(p)
+    heuristic = final_ranking(p.scores, 10)
+    n = len(FEATURES)
+
+    def ranker(**weights):
+        w = [weights.get(name, 0.0) for name in FEATURES]
+        w[FEATURES.index("score")] = 1.0
+        return LinearRanker(FEATURES, tuple(w), (0.0,) * n, (1.0,) * n, {})
+
+    # weight 0 everywhere but the score: exactly the heuristic's own order
+    assert final_ranking(ranker().scores(feats), 10) == heuristic
+    # the question's rank-1 hit (Tim Burton) is above the page the question names (Ed Wood);
+    # weighting 'the title names an entity of the sub-query' turns them round
+    assert heuristic.index("tb#p0") < heuristic.index("ew#p0")
+    lifted = final_ranking(ranker(names_q_entity=0.1).scores(feats), 10)
+    assert lifted.index("ew#p0") < lifted.index("tb#p0")
+    assert sorted(lifted) == sorted(heuristic)  # reordered, nothing added or dropped
+
+    # the shipped ranker discounts the question search's own rank a little: the gap between
+    # the rank-1 hit and the named page narrows by exactly its weights times their features
+    ranker_ = load_ranker()
+    s = ranker_.scores(feats)
+    w = dict(zip(FEATURES, ranker_.weights))
+    fe, ft = dict(zip(FEATURES, feats["ew#p0"])), dict(zip(FEATURES, feats["tb#p0"]))
+    expected = sum(w[k] * (fe[k] - ft[k]) for k in FEATURES if k != "score")
+    gain = (s["ew#p0"] - s["tb#p0"]) - (p.scores["ew#p0"] - p.scores["tb#p0"])
+    assert gain == pytest.approx(expected) and gain > 0
+    assert sorted(final_ranking(s, 10)) == sorted(heuristic)
+
+
+def test_the_policy_finishes_with_the_ranker_and_keeps_the_features():
+    p = _episode()
+    call = p._finish(set(p.chunks))
+    assert call.args["ids"] == final_ranking(load_ranker().scores(p.final_features), p.final_k)
+    off = _episode()
+    off.learned_rank = False
+    assert off._finish(set(off.chunks)).args["ids"] == final_ranking(off.scores, off.final_k)
