@@ -71,6 +71,20 @@ def rss_mb(pid: int | None) -> float | None:
         return None
 
 
+def cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process and its children so far."""
+    if not pid:
+        return None
+    try:
+        import psutil
+
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(True)
+        return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+    except Exception:
+        return None
+
+
 def lite_pid(path: str) -> int | None:
     try:
         import psutil
@@ -137,6 +151,8 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
         lat, recall = [], []
         exact = data @ qv.T  # (n, queries)
         public = np.arange(n) % 10 != 0
+        owner = pid or lite_pid(uri)
+        cpu0, client0 = cpu_s(owner), time.process_time()
         for j in range(queries):
             excluded = rng.integers(0, n, 20)
             exclude = [f"d{i}#p0" for i in excluded]
@@ -147,6 +163,7 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
             scores[excluded] = -np.inf
             truth = {f"d{i}#p0" for i in np.argpartition(-scores, 10)[:10]}
             recall.append(len(truth & {h.chunk_id for h in hits}) / 10)
+        cpu1, client1 = cpu_s(owner), time.process_time()
         lat.sort()
         done = True
         return {"backend": kind, "index": store.index_kind, "n": n, "dim": dim,
@@ -160,6 +177,11 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
                 "search_ms_p90": round(lat[int(0.9 * len(lat))], 2),
                 "search_ms_p95": round(lat[int(0.95 * len(lat))], 2),
                 "recall_at_10": round(float(np.mean(recall)), 4), "queries": queries,
+                # CPU seconds the Milvus process (Lite server / milvus binary) spent per search
+                "server_cpu_ms_per_search": (round(1000 * (cpu1 - cpu0) / queries, 2)
+                                             if cpu0 is not None and cpu1 is not None else None),
+                # this client, incl. the recall bookkeeping (an upper bound of the client's cost)
+                "client_cpu_ms_per_search": round(1000 * (client1 - client0) / queries, 2),
                 "server_rss_mb": rss_mb(pid or lite_pid(uri)),
                 "vectors_mb": round(n * dim * 4 / 2**20, 0)}
     finally:
