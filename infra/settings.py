@@ -19,6 +19,8 @@ from branchsearch.infra.choices import (MILVUS_CONSISTENCIES, MILVUS_INDEXES, MO
                                         OTLP_PROTOCOLS, PLANNERS, POLICIES, TRACE_EXPORTERS,
                                         MilvusConsistency, Mode, OtlpProtocol, Planner,
                                         Policy, TraceExporter, one_of)
+from branchsearch.infra.embed_export import BACKENDS as EMBED_BACKENDS
+from branchsearch.infra.embed_export import DEFAULT_BACKEND as EMBED_DEFAULT_BACKEND
 from branchsearch.infra.errors import SettingsError
 
 
@@ -35,6 +37,9 @@ class Settings:
     embed_model: str = "all-MiniLM-L6-v2"  # or a sentence-transformers model path
     embed_batch: int = 64
     embed_device: str = "cpu"
+    # the CPU runtime: torch | onnx | onnx-int8 | openvino | openvino-int8 (reports/embedding.md);
+    # an exported one whose packages are missing falls back to torch with one line
+    embed_backend: str = EMBED_DEFAULT_BACKEND
     # backends: empty means embedded (Milvus Lite file, tantivy index under home)
     milvus_uri: str = ""
     milvus_token: str = ""
@@ -153,6 +158,8 @@ def _validate(s: Settings) -> None:
         (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
+        (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),
+        (s.embed_batch >= 1, "embed_batch must be >= 1"),
         (s.retriever_replicas >= 1, "retriever_replicas must be >= 1"),
         (s.backend_retries >= 0 and s.backend_backoff_s >= 0,
          "backend_retries and backend_backoff_s must be >= 0"),
