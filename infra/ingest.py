@@ -82,6 +82,7 @@ class EmbeddedBatch:
     vectors: object | None  # float32 array (len(chunks), dim)
     embed_s: float = 0.0
     chunk_s: float = 0.0
+    written: frozenset[str] = frozenset()  # stores the workers already wrote: dense, lexical
 
 
 def chunk_documents(docs: Sequence[Document], settings: Settings,
@@ -169,7 +170,8 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
 
                 batches: Iterable[EmbeddedBatch] = ray_batches(
                     todo, settings, workers=workers, batch_docs=batch_docs,
-                    embed=dense_store is not None, embed_batch=embed_batch, embedder=override)
+                    embed=dense_store is not None, embed_batch=embed_batch, embedder=override,
+                    dim=dense_store.dim if dense_store else 0)
             else:
                 batches = local_batches(todo, settings, embedder if dense_store else None,
                                         batch_docs)
@@ -205,13 +207,14 @@ def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[s
     t = time.perf_counter()
     docstore.begin_batch(ids)
     _add(report, "docstore", t)
-    if dense_store is not None:
+    if dense_store is not None and "dense" not in batch.written:
         t = time.perf_counter()
         dense_store.write(items, batch.vectors, ids)
         _add(report, "dense", t)
-    t = time.perf_counter()
-    lexical.write(items, ids)
-    _add(report, "lexical", t)
+    if "lexical" not in batch.written:
+        t = time.perf_counter()
+        lexical.write(items, ids)
+        _add(report, "lexical", t)
     t = time.perf_counter()
     docstore.replace_documents(batch.docs, batch.chunks, {i: prints[i] for i in ids})
     _add(report, "docstore", t)

@@ -1,7 +1,13 @@
-"""Distributed chunk + embed on Ray Data: an actor pool embeds, the caller commits.
+"""Distributed chunk + embed on Ray Data: an actor pool embeds; server stores are written by the
+workers, the embedded ones by the caller.
 
 `ray_batches(docs, settings, workers=N)` streams `EmbeddedBatch`es back to `infra.ingest`, which
-writes them (one writer: the embedded stores, Milvus Lite and tantivy, allow one). The pool's
+commits them. Who writes what (`direct_stores`): a Milvus server (`milvus_uri`) and
+Elasticsearch (`es_url`) take many writers, so each worker writes its own documents' vectors and
+text to them, and no vector travels back through the object store; the embedded stores (a
+Milvus Lite file, tantivy) allow one writer, so the caller writes those, and always the
+docstore, whose commit of a document is what makes it count as ingested (a worker's write of a
+document the docstore never committed is redone, by document id, on the next run). The pool's
 actors each load the embedding model once (`ChunkEmbedder`), on a GPU when the cluster has GPUs
 (`num_gpus` is derived from `ray.cluster_resources()`, so nothing pends on a CPU machine) and on
 CPU otherwise. Chunking runs in the actors too, so the driver only parses and writes.
@@ -29,7 +35,8 @@ class ChunkEmbedder:
     life of the actor."""
 
     def __init__(self, chunking: dict, embed_model: str | None, embed_batch: int = 64,
-                 device: str = "cpu", embedder=None):
+                 device: str = "cpu", embedder=None, settings: Settings | None = None,
+                 direct: frozenset[str] = frozenset(), dim: int = 0):
         from branchsearch.infra.embedder import Embedder
         from branchsearch.infra.tokenizer import TokenCounter
 
@@ -37,6 +44,12 @@ class ChunkEmbedder:
         self.counter = TokenCounter(chunking["encoding"])
         self.embedder = embedder or (Embedder(embed_model, embed_batch, device)
                                      if embed_model else None)
+        self.dense = self.lexical = None  # the server stores this worker writes itself
+        if direct:
+            from branchsearch.infra.retriever import dense_store, lexical_store
+
+            self.dense = dense_store(settings, dim) if "dense" in direct else None
+            self.lexical = lexical_store(settings) if "lexical" in direct else None
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -58,7 +71,35 @@ class ChunkEmbedder:
         out = {k: np.asarray(v) for k, v in cols.items()}
         if self.embedder is not None:
             out["vector"] = self.embedder.embed(bodies)
+        if self.dense is not None or self.lexical is not None:
+            self._write(batch, out)
         return out
+
+    def _write(self, batch: dict, out: dict) -> None:
+        """Write this batch's documents to the server stores (by document id, so a retry
+        replaces what an earlier attempt wrote); the vectors then stay here."""
+        import json
+
+        from branchsearch.infra.backends import IndexedChunk
+
+        docs = {str(d): (str(t), tuple(json.loads(str(a))))
+                for d, t, a in zip(batch["id"], batch["title"], batch["acl"])}
+        items = [IndexedChunk(str(cid), str(did), docs[str(did)][0], str(text),
+                              docs[str(did)][1])
+                 for cid, did, text in zip(out["chunk_id"], out["doc_id"], out["text"])]
+        ids = list(docs)
+        if self.dense is not None:
+            self.dense.write(items, out.pop("vector"), ids)
+        if self.lexical is not None:
+            self.lexical.write(items, ids)
+
+
+def direct_stores(settings: Settings, embed: bool) -> frozenset[str]:
+    """The stores the pool's workers write themselves: those on servers (many writers)."""
+    from branchsearch.infra.dense import is_server
+
+    return frozenset(({"dense"} if embed and is_server(settings.milvus_uri or "") else set())
+                     | ({"lexical"} if settings.es_url else set()))
 
 
 def connect(settings: Settings) -> dict:
@@ -86,10 +127,12 @@ def actor_resources(resources: dict, workers: int) -> dict:
 
 def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
                 batch_docs: int = 256, embed: bool = True, embed_batch: int | None = None,
-                embedder=None) -> Iterator:
-    """Chunk and embed `docs` on a pool of `workers` actors; yield `EmbeddedBatch`es of about
-    `batch_docs` complete documents, as the pool produces them. `embedder` (picklable, with
-    `embed(texts)`) replaces the configured model in the actors (benchmarks)."""
+                embedder=None, dim: int = 0) -> Iterator:
+    """Chunk and embed `docs` on a pool of `workers` actors, which also write the server
+    stores (`direct_stores`); yield `EmbeddedBatch`es of about `batch_docs` complete documents,
+    as the pool produces them. `embedder` (picklable, with `embed(texts)`) replaces the
+    configured model in the actors (benchmarks); `dim` is the dense store's dimension."""
+    import json
     import time
 
     import numpy as np
@@ -106,7 +149,9 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     request = actor_resources(resources, workers)
     device = "cuda" if "num_gpus" in request else "cpu"
     by_id = {d.id: d for d in docs}
-    rows = [{"id": d.id, "title": d.title, "text": d.text} for d in docs]
+    direct = direct_stores(settings, embed)
+    rows = [{"id": d.id, "title": d.title, "text": d.text, "acl": json.dumps(list(d.acl))}
+            for d in docs]
     # at least two blocks per worker, so a small corpus still keeps every actor busy
     blocks = max(math.ceil(len(rows) / batch_docs), min(len(rows), 2 * workers), 1)
     per_block = math.ceil(len(rows) / blocks)
@@ -117,7 +162,8 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
                          "chunk_overlap": settings.chunk_overlap},
             "embed_model": settings.embed_model if embed else None,
             "embed_batch": embed_batch or settings.embed_batch, "device": device,
-            "embedder": embedder if embed else None},
+            "embedder": embedder if embed else None, "settings": settings,
+            "direct": direct, "dim": dim},
         compute=ActorPoolStrategy(size=workers), **request)
 
     waiting: dict[str, list] = {}  # doc id -> [(chunk, vector)] until all its chunks arrived
@@ -136,20 +182,21 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
                 ready_docs.append(by_id[doc_id])
                 ready += sorted(waiting.pop(doc_id), key=lambda p: p[0].n)
         if len(ready_docs) >= batch_docs:
-            yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started)
+            yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started, direct)
             ready_docs, ready = [], []
             started = time.perf_counter()
     if waiting:
         raise BranchsearchError(f"ingest: the worker pool lost chunks of {len(waiting)} "
                                 f"documents (e.g. {next(iter(waiting))!r}); run it again")
     if ready_docs:
-        yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started)
+        yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started, direct)
 
 
-def _batch(cls, np, docs, pairs, embed: bool, started: float):
+def _batch(cls, np, docs, pairs, embed: bool, started: float, written: frozenset[str]):
     import time
 
+    embed = embed and "dense" not in written  # else the vectors are in Milvus already
     vectors = np.stack([v for _, v in pairs]).astype(np.float32) if embed and pairs else None
     # the pool's time (chunk + embed, overlapped with this process's writes) counts as embed
     return cls(list(docs), [c for c, _ in pairs], vectors,
-               embed_s=time.perf_counter() - started)
+               embed_s=time.perf_counter() - started, written=written)

@@ -167,36 +167,46 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
                 f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
                 f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
     docstore = DocStore(root / "docs.sqlite")
-    if settings.es_url:
-        from branchsearch.infra.elastic import ElasticStore
-
-        lexical = ElasticStore(settings.es_url, index=f"branchsearch-{settings.index}",
-                               api_key=settings.es_api_key or None,
-                               max_pattern=settings.grep_max_pattern)
-    else:
-        from branchsearch.infra.lexical import TantivyStore
-
-        lexical = TantivyStore(root / "tantivy", max_pattern=settings.grep_max_pattern)
+    lexical = lexical_store(settings)
     dense = None
     if not need_dense:
         embedder = None
     else:
-        from branchsearch.infra.dense import MilvusStore
-
         embedder = embedder or Embedder(
             settings.embed_model, settings.embed_batch, settings.embed_device,
-            cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
+            cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
+            backend=settings.embed_backend)
         dim = manifest.embedding["dim"] if manifest else _dense_dim(root, embedder)
         try:
-            dense = MilvusStore(settings.milvus_uri or root / "dense.db", dim,
-                                token=settings.milvus_token,
-                                collection=f"chunks_{settings.index}".replace("-", "_"),
-                                index=index_spec(settings))
+            dense = dense_store(settings, dim)
         except BaseException:
             for store in (lexical, docstore):
                 store.close()
             raise
     return docstore, lexical, dense, embedder
+
+
+def lexical_store(settings: Settings):
+    """The owned index's lexical store: Elasticsearch at `es_url`, else tantivy in the index."""
+    if settings.es_url:
+        from branchsearch.infra.elastic import ElasticStore
+
+        return ElasticStore(settings.es_url, index=f"branchsearch-{settings.index}",
+                            api_key=settings.es_api_key or None,
+                            max_pattern=settings.grep_max_pattern)
+    from branchsearch.infra.lexical import TantivyStore
+
+    return TantivyStore(settings.index_dir / "tantivy", max_pattern=settings.grep_max_pattern)
+
+
+def dense_store(settings: Settings, dim: int):
+    """The owned index's dense store: Milvus at `milvus_uri`, else the index's Lite file."""
+    from branchsearch.infra.dense import MilvusStore
+
+    return MilvusStore(settings.milvus_uri or settings.index_dir / "dense.db", dim,
+                       token=settings.milvus_token,
+                       collection=f"chunks_{settings.index}".replace("-", "_"),
+                       index=index_spec(settings))
 
 
 def index_spec(settings: Settings):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,23 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every component is installed: {reason}"
+
+
+@pytest.fixture(scope="session")
+def milvus_uri(tmp_path_factory):
+    """BRANCHSEARCH_MILVUS_URI when set, else a standalone Milvus started for this session."""
+    uri = os.environ.get("BRANCHSEARCH_MILVUS_URI")
+    if uri:
+        yield uri
+        return
+    try:
+        from milvus_server import start_milvus_server
+        import milvus  # noqa: F401
+    except ImportError:
+        pytest.skip("the `milvus` package is not installed (pip install -e '.[test]')")
+    with ExitStack() as stack:
+        try:
+            server = stack.enter_context(start_milvus_server(tmp_path_factory.mktemp("milvus")))
+        except RuntimeError as exc:
+            pytest.skip(f"a Milvus server could not start here: {exc}")
+        yield server.uri

@@ -60,6 +60,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _own_etcd_ports(config):
+    """The package's config leaves Milvus's embedded etcd on its fixed ports (client 2379, peer
+    2380), so a second server on the machine panics at start ("bind: address already in use").
+    Point etcd at a config file of its own with free ports (`etcd.config.path`)."""
+    write = config.write_config
+
+    def write_config() -> None:
+        write()
+        etcd_file = Path(config.base_data_dir) / "configs" / "embedEtcd.yaml"
+        client, peer = _free_port(), _free_port()
+        etcd_file.parent.mkdir(parents=True, exist_ok=True)
+        etcd_file.write_text(
+            "name: default\n"
+            f"listen-client-urls: http://127.0.0.1:{client}\n"
+            f"advertise-client-urls: http://127.0.0.1:{client}\n"
+            f"listen-peer-urls: http://127.0.0.1:{peer}\n"
+            f"initial-advertise-peer-urls: http://127.0.0.1:{peer}\n"
+            f"initial-cluster: default=http://127.0.0.1:{peer}\n")
+        milvus_yaml = Path(config.base_data_dir) / "configs" / "milvus.yaml"
+        text = milvus_yaml.read_text()
+        milvus_yaml.write_text(text.replace("\netcd:\n", f"\netcd:\n  config:\n    path: {etcd_file}\n",
+                                            1))
+
+    config.write_config = write_config
+    return config
+
+
 @contextmanager
 def start_milvus_server(data_dir: str | Path, timeout_s: float = 300):
     """Yield a `MilvusServerHandle`; raises RuntimeError when the server cannot start."""
@@ -67,7 +94,7 @@ def start_milvus_server(data_dir: str | Path, timeout_s: float = 300):
 
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = MilvusServer(MilvusServerConfig(), wait_for_started=False)
+    server = MilvusServer(_own_etcd_ports(MilvusServerConfig()), wait_for_started=False)
     server.set_base_dir(str(data_dir))
     port = _free_port()
     server.listen_port = port

@@ -65,3 +65,43 @@ def test_workers_build_the_same_index(tmp_path):
     finally:
         ra.close()
         rb.close()
+
+
+@pytest.mark.ray
+@pytest.mark.es
+def test_workers_write_server_stores_themselves(tmp_path, milvus_uri, es_url):
+    """With a Milvus server and Elasticsearch, the pool's workers write vectors and text to them
+    (no vector comes back to the caller); the index equals a one-process ingest's."""
+    import uuid
+
+    import ray
+
+    from branchsearch.infra.ingest_ray import direct_stores
+
+    tag = uuid.uuid4().hex[:6]
+    base = load_settings(overrides={"home": tmp_path / "h", "chunk_tokens": 64,
+                                    "chunk_overlap": 8, "milvus_uri": milvus_uri,
+                                    "es_url": es_url, "milvus_consistency": "Strong"},
+                         read_env=False, read_file=False)
+    one, two = base.replace(index=f"one{tag}"), base.replace(index=f"two{tag}")
+    assert direct_stores(two, embed=True) == {"dense", "lexical"}
+    assert direct_stores(two.replace(milvus_uri="", es_url=""), embed=True) == set()
+    a = ingest(HOTPOT, one)
+    try:
+        b = ingest(HOTPOT, two, workers=2, batch_docs=16)
+    finally:
+        ray.shutdown()
+    assert b.seconds.get("dense", 0) == 0 and b.seconds.get("lexical", 0) == 0  # not the caller
+    ma, mb = read_manifest(one.index_dir), read_manifest(two.index_dir)
+    assert ma.chunks == mb.chunks and mb.chunks["dense"] == mb.chunks["lexical"] == a.chunks
+    ra, rb = open_retriever(one), open_retriever(two)
+    try:
+        for q in ("Were Scott Derrickson and Ed Wood of the same nationality?",
+                  "Which magazine was started first?"):
+            for mode in ("bm25", "dense", "hybrid"):
+                ha, hb = ra.search(q, mode, 8), rb.search(q, mode, 8)
+                assert [h.chunk_id for h in ha] == [h.chunk_id for h in hb], (q, mode)
+    finally:
+        for r in (ra, rb):
+            r.dense.drop() if getattr(r, "dense", None) else None
+            r.close()

@@ -4,9 +4,7 @@ hybrid retrieval through `milvus_uri` with an HNSW index."""
 
 from __future__ import annotations
 
-import os
 import uuid
-from contextlib import ExitStack
 
 import numpy as np
 import pytest
@@ -19,26 +17,6 @@ from branchsearch.infra.retriever import open_retriever
 from branchsearch.infra.settings import load_settings
 
 from conftest import HOTPOT
-
-
-@pytest.fixture(scope="session")
-def milvus_uri(tmp_path_factory):
-    """BRANCHSEARCH_MILVUS_URI when set, else a standalone Milvus started for this session."""
-    uri = os.environ.get("BRANCHSEARCH_MILVUS_URI")
-    if uri:
-        yield uri
-        return
-    try:
-        from milvus_server import start_milvus_server
-        import milvus  # noqa: F401
-    except ImportError:
-        pytest.skip("the `milvus` package is not installed (pip install -e '.[test]')")
-    with ExitStack() as stack:
-        try:
-            server = stack.enter_context(start_milvus_server(tmp_path_factory.mktemp("milvus")))
-        except RuntimeError as exc:
-            pytest.skip(f"a Milvus server could not start here: {exc}")
-        yield server.uri
 
 
 CHUNKS = [

@@ -5,9 +5,7 @@ searches and give the same results as one; on a Milvus Lite file one replica sta
 from __future__ import annotations
 
 import logging
-import os
 import uuid
-from contextlib import ExitStack
 
 import pytest
 
@@ -22,22 +20,10 @@ QUESTIONS = ["Were Scott Derrickson and Ed Wood of the same nationality?",
 
 
 @pytest.fixture(scope="module")
-def server_uri(tmp_path_factory):
-    uri = os.environ.get("BRANCHSEARCH_MILVUS_URI")
-    if uri:
-        yield uri
-        return
-    try:
-        import milvus  # noqa: F401
-        from milvus_server import start_milvus_server
-    except ImportError:
-        pytest.skip("the `milvus` package is not installed (pip install -e '.[test]')")
-    with ExitStack() as stack:
-        try:
-            server = stack.enter_context(start_milvus_server(tmp_path_factory.mktemp("milvus")))
-        except RuntimeError as exc:
-            pytest.skip(f"a Milvus server could not start here: {exc}")
-        yield server.uri
+def server_uri(milvus_uri):
+    """The session's one Milvus server (conftest): two standalone servers cannot run on one
+    machine (their embedded etcd both bind port 2380)."""
+    return milvus_uri
 
 
 @pytest.fixture(scope="module")
