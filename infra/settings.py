@@ -71,6 +71,7 @@ class Settings:
     read_window_tokens: int = 400
     final_k: int = 10
     prune: bool = True
+    learned_rank: bool = True  # heuristic policy: finish by workers/ranker.py (False: its score)
     policy: Policy = "heuristic"
     planner: Planner = "heuristic"
     # LLM engines (policy or planner = llm): an OpenAI-compatible endpoint by URL, else vLLM

@@ -12,7 +12,7 @@ def make_policy(settings: Settings, name: str | None = None, engine=None):
         from branchsearch.workers.heuristic import HeuristicPolicy
 
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
-                               max_turns=settings.max_turns)
+                               max_turns=settings.max_turns, learned_rank=settings.learned_rank)
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
 

@@ -1,6 +1,7 @@
 """Offline evaluation of branch fusion and branch planning from one run's per-branch dump.
 
     python reports/recall/branch_eval.py run  DATASET INDEX OUT.json [--branches 3]
+        [--ranker on|off] [--features] [--policy-arg search_k=10]
         runs `orchestrator.evaluate.eval_agent` (the function behind `branchsearch eval
         --policy heuristic`) with the local executor and keeps every branch's ranking,
         retrieved/pruned/kept ids, tokens read and searches (settings from BRANCHSEARCH_* env,
@@ -30,7 +31,7 @@ from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
 
 
 def run(dataset: str, index: str, out: str, branches: int, home: str,
-        features: bool = False) -> None:
+        features: bool = False, ranker: bool = True, policy_args: dict | None = None) -> None:
     from branchsearch.infra.dataset import read_queries
     from branchsearch.infra.docstore import DocStore
     from branchsearch.infra.settings import load_settings
@@ -41,14 +42,17 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
     queries = read_queries(dataset)
     policies: dict[int, object] = {}
 
-    def policy(index, subquery):  # as workers.factory.make_policy, ranking by the score
+    def policy(index, subquery):  # as workers.factory.make_policy, the learned ranking on/off
         from branchsearch.workers.heuristic import HeuristicPolicy
 
         policies[index] = HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
-                                          max_turns=settings.max_turns, learned_rank=False)
+                                          max_turns=settings.max_turns,
+                                          learned_rank=ranker and not features,
+                                          **(policy_args or {}))
         return policies[index]
 
-    driver = Driver(settings, mode="local", policy_factory=policy if features else None)
+    driver = Driver(settings, mode="local",
+                    policy_factory=policy if features or not ranker or policy_args else None)
     search, rows = driver.search, []
 
     def keep(question, **kw):
@@ -223,9 +227,15 @@ def main() -> None:
     ap.add_argument("--on", default="")
     ap.add_argument("--features", action="store_true",
                     help="run: keep every scored chunk's ranker features (learned_rank off)")
+    ap.add_argument("--policy-arg", action="append", default=[], metavar="NAME=NUMBER",
+                    help="run: a HeuristicPolicy field, e.g. search_k=10 (repeatable)")
+    ap.add_argument("--ranker", choices=("on", "off"), default="on",
+                    help="run: the heuristic's learned final ranking (workers/ranker.py)")
     a = ap.parse_args()
     if a.cmd == "run":
-        run(*a.args, a.branches, a.home, a.features)
+        args = {k: float(v) if "." in v else int(v)
+                for k, v in (x.split("=", 1) for x in a.policy_arg)}
+        run(*a.args, a.branches, a.home, a.features, a.ranker == "on", args)
     elif a.cmd == "table":
         print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan), indent=1))
     else:
