@@ -84,3 +84,32 @@ def test_the_planner_launches_an_entity_branch_only_where_it_adds_one():
     assert [s.kind for s in one] == ["original"]  # a lone entity branch restates the question
     compared = planner.plan("Were Scott Derrickson and Ed Wood of the same nationality?", 3)
     assert [s.kind for s in compared] == ["original", "comparison", "comparison"]
+
+
+# --- properties (hypothesis) ------------------------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_lists = st.lists(st.lists(st.sampled_from("abcdefghijkl"), unique=True, max_size=10),
+                  min_size=1, max_size=4)
+
+
+@given(_lists, st.sampled_from([0.0, 0.2, 0.5, 1.0]), st.sampled_from([None, 3, 5]))
+def test_fusion_reorders_the_union_and_never_adds_or_loses_an_item(lists, share, head):
+    fused = ids(anchored_rrf(lists, share=share, head=head))
+    assert sorted(fused) == sorted({x for lst in lists for x in lst})
+    assert fused == ids(anchored_rrf([list(x) for x in lists], share=share, head=head))
+
+
+@given(_lists, st.sampled_from([3, 5]))
+def test_with_share_0_the_head_is_the_anchor_s_own_top(lists, head):
+    # other branches cannot reach the head at all; they only fill it when the anchor is short
+    fused = ids(anchored_rrf(lists, share=0.0, head=head))
+    own = lists[0][:head]
+    assert fused[:len(own)] == own
+
+
+@given(_lists)
+def test_share_1_without_agreement_is_plain_weighted_rrf(lists):
+    assert ids(anchored_rrf(lists, share=1.0, k=5)) == ids(rrf(lists, k=5))
