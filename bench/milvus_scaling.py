@@ -104,7 +104,8 @@ def _state(workdir: Path, kind: str, n: int) -> tuple[Path, dict]:
 
 
 def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
-        workdir: Path, budget_s: float = 0, keep: bool = False, ef: int = 64) -> dict | None:
+        workdir: Path, budget_s: float = 0, keep: bool = False, ef: int = 64,
+        insert_only: bool = False) -> dict | None:
     """One size: insert (resuming), build, search. None when the insert budget ran out first."""
     state_path, state = _state(workdir, kind, n)
     spec = IndexSpec("FLAT" if kind == "lite" else "HNSW", consistency=CONSISTENCY, ef=ef)
@@ -126,7 +127,7 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
                 break
         state["insert_s"] += time.perf_counter() - t
         state_path.write_text(json.dumps(state))
-        if state["inserted"] < n:
+        if state["inserted"] < n or insert_only:
             print(f"{kind} {n:,}: {state['inserted']:,} inserted so far "
                   f"({state['insert_s']:.0f} s); run again with the same --workdir", flush=True)
             keep = True
@@ -217,6 +218,8 @@ def main() -> None:
                     help="stop inserting after this long; a later run resumes (0: no limit)")
     ap.add_argument("--keep", action="store_true", help="keep the collections after searching")
     ap.add_argument("--ef", type=int, default=64, help="HNSW search breadth")
+    ap.add_argument("--insert-only", action="store_true",
+                    help="insert (resuming), then stop; a later run builds and searches")
     ap.add_argument("--json", type=Path, default=None, help="append each row here (JSON lines)")
     args = ap.parse_args()
     global CONSISTENCY
@@ -226,7 +229,8 @@ def main() -> None:
     rows = []
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench-milvus-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    opts = {"workdir": tmp, "budget_s": args.insert_budget_s, "keep": args.keep, "ef": args.ef}
+    opts = {"workdir": tmp, "budget_s": args.insert_budget_s, "keep": args.keep, "ef": args.ef,
+            "insert_only": args.insert_only}
 
     def record(row):
         if row is None:
