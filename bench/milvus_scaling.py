@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from branchsearch.infra.backends import IndexedChunk  # noqa: E402
+from branchsearch.infra.backends import ACL_ALL, IndexedChunk  # noqa: E402
 from branchsearch.infra.dense import IndexSpec, MilvusStore  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def _state(workdir: Path, kind: str, n: int) -> tuple[Path, dict]:
 
 def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
         workdir: Path, budget_s: float = 0, keep: bool = False, ef: int = 64,
-        insert_only: bool = False) -> dict | None:
+        insert_only: bool = False, unfiltered: bool = False) -> dict | None:
     """One size: insert (resuming), build, search. None when the insert budget ran out first."""
     state_path, state = _state(workdir, kind, n)
     spec = IndexSpec("FLAT" if kind == "lite" else "HNSW", consistency=CONSISTENCY, ef=ef)
@@ -166,6 +166,19 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
             recall.append(len(truth & {h.chunk_id for h in hits}) / 10)
         cpu1, client1 = cpu_s(owner), time.process_time()
         lat.sort()
+        plain = {}
+        if unfiltered:  # the same queries without the ACL filter and exclusions: filter cost
+            plain_lat, c0 = [], cpu_s(owner)
+            for j in range(queries):
+                t = time.perf_counter()
+                store.search(qv[j], 10, acl_groups=[ACL_ALL])
+                plain_lat.append((time.perf_counter() - t) * 1000)
+            c1 = cpu_s(owner)
+            plain_lat.sort()
+            plain = {"unfiltered_ms_median": round(statistics.median(plain_lat), 2),
+                     "unfiltered_ms_p95": round(plain_lat[int(0.95 * queries)], 2),
+                     "unfiltered_server_cpu_ms": (round(1000 * (c1 - c0) / queries, 2)
+                                                  if c0 is not None and c1 is not None else None)}
         done = True
         return {"backend": kind, "index": store.index_kind, "n": n, "dim": dim,
                 "ef": ef if store.index_kind == "HNSW" else None,
@@ -184,7 +197,7 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
                 # this client, incl. the recall bookkeeping (an upper bound of the client's cost)
                 "client_cpu_ms_per_search": round(1000 * (client1 - client0) / queries, 2),
                 "server_rss_mb": rss_mb(pid or lite_pid(uri)),
-                "vectors_mb": round(n * dim * 4 / 2**20, 0)}
+                "vectors_mb": round(n * dim * 4 / 2**20, 0)} | plain
     finally:
         if done and not keep:
             store.drop()
@@ -218,6 +231,8 @@ def main() -> None:
                     help="stop inserting after this long; a later run resumes (0: no limit)")
     ap.add_argument("--keep", action="store_true", help="keep the collections after searching")
     ap.add_argument("--ef", type=int, default=64, help="HNSW search breadth")
+    ap.add_argument("--unfiltered", action="store_true",
+                    help="also search without the ACL filter and exclusions (their cost)")
     ap.add_argument("--insert-only", action="store_true",
                     help="insert (resuming), then stop; a later run builds and searches")
     ap.add_argument("--json", type=Path, default=None, help="append each row here (JSON lines)")
@@ -230,7 +245,7 @@ def main() -> None:
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench-milvus-"))
     tmp.mkdir(parents=True, exist_ok=True)
     opts = {"workdir": tmp, "budget_s": args.insert_budget_s, "keep": args.keep, "ef": args.ef,
-            "insert_only": args.insert_only}
+            "insert_only": args.insert_only, "unfiltered": args.unfiltered}
 
     def record(row):
         if row is None:
