@@ -71,7 +71,7 @@ def main() -> None:
     print("\nPROJECTED (fits through the measured sizes; not measured):\n")
     print("| backend | N | search ms median | per question serial s | RSS MB | insert s |")
     print("|---|---|---|---|---|---|")
-    for backend, log in (("lite", False), ("server", True)):
+    for backend, log in (("lite", False), ("server", True), ("server", False)):
         lat = fit(rows, backend, "search_ms_median", log)
         rss = fit(rows, backend, "server_rss_mb", False)
         ins = fit(rows, backend, "insert_s", False)
@@ -79,7 +79,7 @@ def main() -> None:
         for n in args.project:
             if n in have or lat is None:
                 continue
-            print(f"| {backend} ({'linear' if not log else 'log N'} fit) | {n:,} | "
+            print(f"| {backend} ({'linear' if not log else 'a + b ln N'} fit) | {n:,} | "
                   f"{lat(n):.1f} | {args.searches * lat(n) / 1000:.2f} | "
                   f"{rss(n):.0f} | {ins(n):.0f} |")
 
