@@ -80,8 +80,8 @@ def main() -> None:
             if n in have or lat is None:
                 continue
             print(f"| {backend} ({'linear' if not log else 'a + b ln N'} fit) | {n:,} | "
-                  f"{lat(n):.1f} | {args.searches * lat(n) / 1000:.2f} | "
-                  f"{rss(n):.0f} | {ins(n):.0f} |")
+                  f"{lat(n):,.0f} | {args.searches * lat(n) / 1000:,.1f} | "
+                  f"{rss(n):,.0f} | {ins(n):,.0f} |")
 
     server = [r for r in rows if r["backend"] == "server" and r.get("server_rss_mb")]
     if len(server) >= 2:
