@@ -113,6 +113,18 @@ def test_the_ranker_moves_chunks_the_way_its_weights_say():
     assert sorted(final_ranking(s, 10)) == sorted(heuristic)
 
 
+def test_computing_only_the_weighted_features_gives_the_same_scores():
+    p = _episode()
+    ranker = load_ranker()
+    full, part = episode_features(p), episode_features(p, ranker.used)
+    assert ranker.scores(part) == ranker.scores(full)
+    # the costly ones it does not weigh are skipped (0.0), not left out of the vector
+    costly = [FEATURES.index(f) for f in ("names_bridge", "mentioned_by", "coverage")
+              if f not in ranker.used]
+    assert costly and all(x[i] == 0.0 for x in part.values() for i in costly)
+    assert any(full[c][i] != 0.0 for c in full for i in costly)
+
+
 def test_the_policy_finishes_with_the_ranker_and_keeps_the_features():
     p = _episode()
     call = p._finish(set(p.chunks))

@@ -318,9 +318,9 @@ class HeuristicPolicy:
         elif self.learned_rank:
             from branchsearch.workers.ranker import episode_features, load_ranker
 
-            self.final_features = episode_features(self)
-            ranked = final_ranking(load_ranker(self.ranker_path).scores(self.final_features),
-                                   self.final_k)
+            ranker = load_ranker(self.ranker_path)
+            self.final_features = episode_features(self, ranker.used)  # only what it weighs
+            ranked = final_ranking(ranker.scores(self.final_features), self.final_k)
         else:
             ranked = final_ranking(self.scores, self.final_k)
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"

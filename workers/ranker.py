@@ -56,59 +56,66 @@ FEATURES = (
 )
 
 
-def episode_features(policy) -> dict[str, list[float]]:
+def episode_features(policy, needed: frozenset[str] | None = None) -> dict[str, list[float]]:
     """Feature vectors (in `FEATURES` order) of every chunk a `HeuristicPolicy` scored, read
-    from its state at the end of an episode."""
+    from its state at the end of an episode. `needed`: compute only these (the others are 0.0;
+    the policy passes the ones its ranker weighs, a training dump needs them all)."""
     scores = policy.scores
     if not scores:
         return {}
+    want = (lambda name: True) if needed is None else needed.__contains__
     order = sorted(scores, key=lambda c: (-scores[c], c))
     place = {cid: i for i, cid in enumerate(order, start=1)}
     best = max(scores.values()) or 1.0
-    q_ents = [e.lower() for e in policy.q_entities]
+    q, q_ents = policy.q_terms, [e.lower() for e in policy.q_entities]
     bridge_ents = [e for e, (src, _) in policy.links.items() if src]
     texts = {cid: f"{c.title} {c.text}".lower() for cid, c in policy.chunks.items()
              if cid in scores}
     children = Counter(o.parent for cid, o in policy.origins.items() if o.parent and cid in scores)
     per_doc = Counter(doc_of(cid) for cid in scores)
-    out = {}
     from branchsearch.workers.heuristic import _names  # the policy's own title matcher
 
-    for cid in scores:
+    def row(cid: str) -> dict[str, float]:
         chunk, origin = policy.chunks[cid], policy.origins[cid]
-        words = policy._terms_of(cid, f"{chunk.title} {chunk.text}")
-        q = policy.q_terms
-        title_terms = terms(norm_title(chunk.title))
-        core = norm_title(chunk.title)
-        mentioned = sum(1 for other, text in texts.items()
-                        if doc_of(other) != chunk.doc_id and len(core) > 3 and core in text)
-        text = texts[cid]
-        question = origin.kind == "question"
-        out[cid] = [
-            scores[cid],
-            scores[cid] / best,
-            1.0 / place[cid],
-            1.0 / (1.0 + policy.rank_decay * (origin.rank - 1)) if question else 0.0,
-            float(origin.kind == "entity"),
-            float(origin.kind == "bridge"),
-            1.0 / max(origin.rank, 1),
-            len(q & words) / max(len(q), 1),
-            len(title_terms & q) / max(len(title_terms), 1),
-            float(bool(title_terms) and title_terms <= q),
-            max((_names(chunk.title, e) for e in q_ents), default=0.0),
-            max((_names(chunk.title, e) for e in bridge_ents), default=0.0),
-            math.log1p(mentioned),
-            sum(e in text for e in q_ents) / max(len(q_ents), 1),
-            _residual(policy, cid, words),
-            policy._qualifier_agreement(cid),
-            float(policy.depth.get(cid, 0)),
-            1.0 - 1.0 / (1 + children[cid]),
-            scores.get(origin.parent, 0.0) if origin.parent else 0.0,
-            float(cid in policy.expanded),
-            float(cid in policy.pruned),
-            float(cid.endswith("#p0")),
-            math.log(per_doc[doc_of(cid)]),
-        ]
+        f = {"score": scores[cid], "score_rel": scores[cid] / best, "rank_inv": 1.0 / place[cid],
+             "question_support": 1.0 / (1.0 + policy.rank_decay * (origin.rank - 1))
+             if origin.kind == "question" else 0.0,
+             "from_entity": float(origin.kind == "entity"),
+             "from_bridge": float(origin.kind == "bridge"),
+             "origin_rank_inv": 1.0 / max(origin.rank, 1),
+             "depth": float(policy.depth.get(cid, 0)),
+             "children_inv": 1.0 - 1.0 / (1 + children[cid]),
+             "parent_score": scores.get(origin.parent, 0.0) if origin.parent else 0.0,
+             "expanded": float(cid in policy.expanded), "pruned": float(cid in policy.pruned),
+             "first_chunk": float(cid.endswith("#p0")),
+             "doc_chunks": math.log(per_doc[doc_of(cid)])}
+        if want("coverage") or want("residual"):
+            words = policy._terms_of(cid, f"{chunk.title} {chunk.text}")
+            f["coverage"] = len(q & words) / max(len(q), 1)
+            f["residual"] = _residual(policy, cid, words) if want("residual") else 0.0
+        if want("title_coverage") or want("title_in_query"):
+            title_terms = terms(norm_title(chunk.title))
+            f["title_coverage"] = len(title_terms & q) / max(len(title_terms), 1)
+            f["title_in_query"] = float(bool(title_terms) and title_terms <= q)
+        if want("names_q_entity"):
+            f["names_q_entity"] = max((_names(chunk.title, e) for e in q_ents), default=0.0)
+        if want("names_bridge"):
+            f["names_bridge"] = max((_names(chunk.title, e) for e in bridge_ents), default=0.0)
+        if want("mentioned_by"):
+            core = norm_title(chunk.title)
+            f["mentioned_by"] = math.log1p(sum(
+                1 for other, text in texts.items()
+                if doc_of(other) != chunk.doc_id and len(core) > 3 and core in text))
+        if want("mentions_q_ent"):
+            f["mentions_q_ent"] = sum(e in texts[cid] for e in q_ents) / max(len(q_ents), 1)
+        if want("qualifier"):
+            f["qualifier"] = policy._qualifier_agreement(cid)
+        return f
+
+    out = {}
+    for cid in scores:
+        f = row(cid)
+        out[cid] = [f.get(name, 0.0) for name in FEATURES]
     return out
 
 
@@ -130,6 +137,11 @@ class LinearRanker:
     mean: tuple[float, ...]
     scale: tuple[float, ...]
     meta: dict
+
+    @property
+    def used(self) -> frozenset[str]:
+        """The features with a weight (the only ones `episode_features` must compute)."""
+        return frozenset(f for f, w in zip(self.features, self.weights) if w)
 
     def score(self, x: list[float]) -> float:
         return sum(w * (v - m) / s for w, v, m, s in zip(self.weights, x, self.mean, self.scale))
