@@ -10,7 +10,7 @@ installed, for the export itself), onnxruntime, openvino and nncf, and never the
   (torch.onnx TorchScript exporter, eager attention, the padding mask built outside the
   transformers mask helpers, which do not trace), run by ONNX Runtime.
 * `onnx-int8`: that graph with dynamic int8 quantization (weights 8-bit per channel,
-  activations quantized per batch; `onnxruntime.quantization.quantize_dynamic`, what
+  activations quantized per batch, the FFN output projections left fp32; `onnxruntime.quantization.quantize_dynamic`, what
   sentence-transformers' `export_dynamic_quantized_onnx_model` does through Optimum).
 * `openvino`: the ONNX graph read by OpenVINO.
 * `openvino-int8`: OpenVINO post-training static int8 quantization (NNCF, transformer preset,
@@ -18,8 +18,8 @@ installed, for the export itself), onnxruntime, openvino and nncf, and never the
   card and a fixed set of passages; never a downloaded data set).
 
 An export is written once per (model folder, backend, exporter version) under the export root
-(`$BRANCHSEARCH_MODEL_CACHE`, else `<branchsearch home>/cache/models` when the embedder has an
-embedding cache, else `~/.cache/branchsearch/models`), atomically (a temporary folder
+(`$BRANCHSEARCH_MODEL_CACHE`, else `~/.cache/branchsearch/models`: one per machine, shared by
+every home and process), atomically (a temporary folder
 renamed into place), so concurrent processes (Ray actors) never read half a file.
 """
 
@@ -35,7 +35,10 @@ from pathlib import Path
 
 BACKENDS = ("torch", "onnx", "onnx-int8", "openvino", "openvino-int8")
 DEFAULT_BACKEND = "torch"  # settings `embed_backend`; chosen by measurement (reports/embedding.md)
-EXPORT_VERSION = "1"  # bump when the export changes, so old exports are not reused
+# a text's vector does not depend on the other texts in its batch (dynamic int8 quantizes
+# activations with one scale per batch tensor, so onnx-int8's vectors do)
+BATCH_INDEPENDENT = ("torch", "onnx", "openvino", "openvino-int8")
+EXPORT_VERSION = "2"  # bump when the export changes, so old exports are not reused
 # the packages each exported backend needs (the `embed-fast` extra)
 NEEDS = {"onnx": ("onnxruntime", "onnx"), "onnx-int8": ("onnxruntime", "onnx"),
          "openvino": ("openvino", "onnx"), "openvino-int8": ("openvino", "nncf", "onnx")}
@@ -115,12 +118,18 @@ def ensure_export(model_path: Path, backend: str, root: Path) -> Path:
         elif backend == "onnx-int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
-            # per-channel, weights of constant MatMuls only, u8 weights: per-tensor int8 (what
-            # sentence-transformers' presets do) drops MiniLM's cosine to torch to 0.63-0.90 on
-            # this AVX2 machine (u8*s8 saturates without VNNI); this keeps it >= 0.98
+            # per-channel u8 weights, constant-weight MatMuls only, each layer's FFN output
+            # projection kept fp32: per-tensor int8 (sentence-transformers' presets) drops
+            # MiniLM's cosine to torch to 0.63-0.90 on this AVX2 machine; quantizing every
+            # projection per channel gives min 0.990, keeping the FFN outputs fp32 min 0.994
+            import onnx
+
+            keep = [node.name for node in onnx.load(str(base)).graph.node
+                    if node.op_type == "MatMul" and "/output/dense/" in node.name
+                    and "attention" not in node.name]
             quantize_dynamic(str(base), str(tmp / "model.onnx"), weight_type=QuantType.QUInt8,
                              per_channel=True, op_types_to_quantize=["MatMul"],
-                             extra_options={"MatMulConstBOnly": True})
+                             nodes_to_exclude=keep, extra_options={"MatMulConstBOnly": True})
         elif backend == "openvino":
             import openvino as ov
 
@@ -256,6 +265,9 @@ class ExportedEncoder:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
             options.log_severity_level = 3
+            # no busy-waiting between ops: on a shared machine (Ray actors, other processes)
+            # spinning threads burn the cores the others need
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             session = ort.InferenceSession(str(self.path), options,
                                            providers=["CPUExecutionProvider"])
             names = {i.name for i in session.get_inputs()}

@@ -59,10 +59,9 @@ class Embedder:
         self.device = device
         # exported runtimes are CPU ones: on a GPU, torch is the fast path
         self.backend = backend if device == "cpu" else TORCH
-        # exports: the given root, else $BRANCHSEARCH_MODEL_CACHE, else beside the embedding
-        # cache (<home>/cache/models), else ~/.cache/branchsearch/models
-        self.export_root = Path(export_root or os.environ.get("BRANCHSEARCH_MODEL_CACHE") or (
-            Path(cache_path).parent / "models" if cache_path else default_export_root()))
+        # exports: the given root, else $BRANCHSEARCH_MODEL_CACHE, else
+        # ~/.cache/branchsearch/models: one per machine, shared by every home and process
+        self.export_root = Path(export_root) if export_root else default_export_root()
         self._model = None
         self._lock = threading.Lock()
 
