@@ -42,7 +42,8 @@ class ChunkEmbedder:
 
         self.chunking = chunking  # encoding, chunk_tokens, chunk_overlap
         self.counter = TokenCounter(chunking["encoding"])
-        self.embedder = embedder or (Embedder(embed_model, embed_batch, device)
+        backend = getattr(settings, "embed_backend", None)  # the driver's, not the worker's env
+        self.embedder = embedder or (Embedder(embed_model, embed_batch, device, backend=backend)
                                      if embed_model else None)
         self.dense = self.lexical = None  # the server stores this worker writes itself
         if direct:
