@@ -214,13 +214,17 @@ class RayExecutor:
         self._created = len(self._idle)
         self._cond = threading.Condition()
         # every actor starts at once (engines load while the rest start); then each is awaited
-        if self.engines:
-            self._wait_started([e.stats.remote() for e in self.engines],
-                               f"{engines} LLM engine actor(s)")
-        self._wait_started([r.ping.remote() for r in self.retrievers],
-                           f"{replicas} retriever actor(s)")
-        self._wait_started([a.ping.remote() for a in self._idle],
-                           f"{len(self._idle)} branch actor(s)")
+        try:
+            if self.engines:
+                self._wait_started([e.stats.remote() for e in self.engines],
+                                   f"{engines} LLM engine actor(s)")
+            self._wait_started([r.ping.remote() for r in self.retrievers],
+                               f"{replicas} retriever actor(s)")
+            self._wait_started([a.ping.remote() for a in self._idle],
+                               f"{len(self._idle)} branch actor(s)")
+        except BaseException:
+            self._kill_all()  # a failed start must not hold CPUs or the index's files
+            raise
 
     def _wait_started(self, refs: list, what: str) -> None:
         """Wait for actors to answer, at most `actor_start_timeout_s`: a plan the cluster
@@ -232,10 +236,15 @@ class RayExecutor:
             ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             have = {k: v for k, v in self.resources.items() if k in ("CPU", "GPU")}
+            try:  # what other actors (another index's, another job's) left free
+                free = {k: round(v, 2) for k, v in ray.available_resources().items()
+                        if k in ("CPU", "GPU")}
+            except Exception:  # noqa: BLE001
+                free = "unknown"
             raise BackendUnavailable(
-                f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, the "
-                f"plan asks {self.plan.demand()}; see `ray status`, or raise "
-                "actor_start_timeout_s)") from None
+                f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
+                f"free now {free}, this plan asks {self.plan.demand()}: other actors hold the "
+                "rest; see `ray status`, or raise actor_start_timeout_s)") from None
 
     # --- the pool ------------------------------------------------------------------------------
 
@@ -348,7 +357,15 @@ class RayExecutor:
             ray.get([r.close.remote() for r in self.retrievers], timeout=30)
         except Exception:  # noqa: BLE001 — already dead: nothing to release
             pass
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        import ray
+
         keep = self.engines if self.settings.llm_detached else []
         for actor in self._idle + self.retrievers + [e for e in self.engines if e not in keep]:
-            ray.kill(actor)
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
         self._idle = []

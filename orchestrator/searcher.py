@@ -41,6 +41,7 @@ class Searcher:
         self._drivers: dict[str, object] = {}
         self._docstores: dict[str, object] = {}
         self._lock = threading.Lock()
+        self._starting: dict[str, threading.Lock] = {}  # one per index while its driver starts
         self._write_locks: dict[str, threading.Lock] = {}
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
 
@@ -52,18 +53,30 @@ class Searcher:
             if root.is_dir() else []
 
     def driver(self, index: str):
+        """The index's driver, started on first use. Starting one (its actors may take a while,
+        or fail on a full cluster) holds only that index's lock: searches of other indexes
+        (and unknown-index answers) go on meanwhile."""
         with self._lock:
-            if index not in self._drivers:
-                settings = self.settings.replace(index=index)
-                if not settings.index_dir.is_dir():  # before any actor starts for it
-                    raise IndexNotFound(f"index {index!r} not found")
-                from branchsearch.infra.docstore import DocStore
+            if index in self._drivers:
+                return self._drivers[index]
+            starting = self._starting.setdefault(index, threading.Lock())
+        with starting:
+            with self._lock:
+                if index in self._drivers:  # started by the request we waited for
+                    return self._drivers[index]
+            settings = self.settings.replace(index=index)
+            if not settings.index_dir.is_dir():  # before any actor starts for it
+                raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
+                                    f"ingest PATH --index {index}`)")
+            from branchsearch.infra.docstore import DocStore
 
-                self._drivers[index] = self.driver_factory(settings, self.executor)
-                docs = settings.index_dir / "docs.sqlite"
+            driver = self.driver_factory(settings, self.executor)
+            docs = settings.index_dir / "docs.sqlite"
+            with self._lock:
+                self._drivers[index] = driver
                 self._docstores[index] = DocStore(docs) if docs.exists() else None
                 self._write_locks[index] = threading.Lock()
-            return self._drivers[index]
+            return driver
 
     def close(self) -> None:
         with self._lock:

@@ -151,3 +151,45 @@ def test_acl_guard_drops_hidden_ids_everywhere():
     event, dropped = stream.guard({"type": "result", "result": result}, hidden)
     assert "secret" not in json.dumps(event) and dropped == 1
     assert event["result"]["evidence"][0]["doc_id"] == "ok"
+
+
+def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
+    """Starting one index's driver (actors that wait for room on the cluster) must not hold up
+    searches of other indexes or unknown-index answers; a failed start leaves nothing behind
+    and the next request tries again."""
+    import time
+
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    for name in ("slow", "fast"):
+        settings.replace(index=name).index_dir.mkdir(parents=True)
+    release, attempts = threading.Event(), []
+
+    def factory(s, executor):
+        attempts.append(s.index)
+        if s.index == "slow":
+            release.wait(30)
+            raise BackendUnavailable("ray: 1 retriever actor(s) did not start")
+        return f"driver-{s.index}"
+
+    searcher = Searcher(settings, executor="local", driver_factory=factory)
+    failed = []
+    slow = threading.Thread(target=lambda: failed.append(
+        pytest.raises(BackendUnavailable, searcher.driver, "slow")))
+    slow.start()
+    while "slow" not in attempts:
+        time.sleep(0.01)
+    started = time.perf_counter()
+    assert searcher.driver("fast") == "driver-fast"
+    with pytest.raises(IndexNotFound, match="branchsearch ingest"):
+        searcher.driver("nope")
+    assert time.perf_counter() - started < 5 and slow.is_alive()  # not behind "slow"
+    release.set()
+    slow.join(30)
+    assert failed and "slow" not in searcher._drivers
+    release.set()
+    with pytest.raises(BackendUnavailable):  # tried again, not a cached failure
+        searcher.driver("slow")
+    assert attempts.count("slow") == 2
