@@ -297,6 +297,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
                          ray_address=address)
     groups = _acl(settings, acl, acl_admin)
     data = read_questions(input)
+    if not data.items and not data.bad_lines:
+        raise BranchsearchError(f"{input}: no questions (one JSON object a line, "
+                                '{"id": …, "question": …})')
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     driver = open_driver(settings, executor)  # questions run at once: the executor as asked

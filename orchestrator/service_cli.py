@@ -101,12 +101,12 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
                                 f"add NAME --groups G --keys {keys}`)")
     settings = load_settings(config, {"home": home, "index": index, "ray_address": address})
-    if not keys:
-        print(service.dev_mode_banner(host, port), file=sys.stderr)
     if standalone:
         import uvicorn
 
         sock = _listen(host, port)  # first: a taken port is said before any index is opened
+        if not keys:
+            print(service.dev_mode_banner(host, sock.getsockname()[1]), file=sys.stderr)
         state = service.local_state(settings, executor=executor, keys_path=keys)
         state.backend.searcher.driver(settings.index)
         print(f"serving on http://{host}:{sock.getsockname()[1]} (docs at /docs; one process)",
@@ -114,6 +114,8 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
         server = uvicorn.Server(uvicorn.Config(service.create_app(state), log_level="warning"))
         server.run(sockets=[sock])
         return
+    if not keys:
+        print(service.dev_mode_banner(host, port), file=sys.stderr)
     service.run_serve(settings, service.ServeOptions(
         home=str(Path(settings.home).resolve()), index=settings.index,
         config=str(config.resolve()) if config else None,
@@ -132,7 +134,11 @@ def _listen(host: str, port: int):
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as exc:
+        import errno
+
         sock.close()
+        hint = ("pick another --port or stop what holds it" if exc.errno == errno.EADDRINUSE
+                else "check --host (an address of this machine) and --port")
         raise BranchsearchError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
-                                "pick another --port or stop what holds it") from None
+                                f"{hint}") from None
     return sock

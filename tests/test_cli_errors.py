@@ -47,6 +47,7 @@ def inputs(tmp_path_factory):
     (root / "a-file").write_text("not a folder\n")
     (root / "outdir").mkdir()
     (root / "questions.jsonl").write_text(json.dumps({"id": "q", "question": "x"}) + "\n")
+    (root / "empty.jsonl").write_text("\n")
     (root / "latin1-questions.jsonl").write_bytes(b'{"id": "q", "question": "caf\xe9"}\n')
     (root / "latin1-corpus.jsonl").write_bytes(
         b'{"_id": "d", "title": "T", "text": "ok"}\n{"_id": "e", "text": "caf\xe9"}\n')
@@ -88,6 +89,8 @@ def test_usage_errors(inputs, tmp_path):
                              "latin1-corpus.jsonl:2: not UTF-8"),
         "split missing": (["eval", inputs / "dev-only", *home], "use --split dev"),
         "acl * is reserved": (["retrieve", "q", "--acl", "*", *home], "reserved"),
+        "empty batch input": (["batch", inputs / "empty.jsonl", "-o", tmp_path / "e.jsonl",
+                               *home], "no questions"),
         "settings k": (["search", "q", "--config", inputs / "k.toml", *home], "search_k"),
     }
     (inputs / "k.toml").write_text("search_k = 5000\n")
@@ -95,6 +98,7 @@ def test_usage_errors(inputs, tmp_path):
     for name, (_, expect) in cases.items():
         assert_one_error_line(results[name], expect, name)
     assert not (tmp_path / "s").exists()  # nothing written by the refused synth runs
+    assert not (tmp_path / "e.jsonl").exists()  # nor by the empty batch
 
 
 def test_no_arguments_prints_help_and_exits_2():
