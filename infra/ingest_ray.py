@@ -20,6 +20,7 @@ one-process ingest, and every write is by document id / chunk id, so the index i
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 
 from branchsearch.infra.chunking import Chunk
@@ -147,6 +148,10 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.verbose_progress = False
+    # our progress line is the user's; Ray Data's execution notices are not
+    import logging
+
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
     request = actor_resources(resources, workers)
     device = "cuda" if "num_gpus" in request else "cpu"
     by_id = {d.id: d for d in docs}
@@ -156,16 +161,15 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     # at least two blocks per worker, so a small corpus still keeps every actor busy
     blocks = max(math.ceil(len(rows) / batch_docs), min(len(rows), 2 * workers), 1)
     per_block = math.ceil(len(rows) / blocks)
-    ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-        ChunkEmbedder, batch_size=per_block, batch_format="numpy",
-        fn_constructor_kwargs={
+    with warnings.catch_warnings():  # Ray 2.60 has no named parameter for max_restarts yet
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+        ds = _embed_pool(ray, ActorPoolStrategy, rows, blocks, per_block, workers, request, {
             "chunking": {"encoding": settings.encoding, "chunk_tokens": settings.chunk_tokens,
                          "chunk_overlap": settings.chunk_overlap},
             "embed_model": settings.embed_model if embed else None,
             "embed_batch": embed_batch or settings.embed_batch, "device": device,
             "embedder": embedder if embed else None, "settings": settings,
-            "direct": direct, "dim": dim},
-        compute=ActorPoolStrategy(size=workers), **request)
+            "direct": direct, "dim": dim})
 
     waiting: dict[str, list] = {}  # doc id -> [(chunk, vector)] until all its chunks arrived
     ready_docs: list[Document] = []
@@ -201,3 +205,18 @@ def _batch(cls, np, docs, pairs, embed: bool, started: float, written: frozenset
     # the pool's time (chunk + embed, overlapped with this process's writes) counts as embed
     return cls(list(docs), [c for c, _ in pairs], vectors,
                embed_s=time.perf_counter() - started, written=written)
+
+
+def _no_restarts() -> dict:
+    return {"max_restarts": 0}
+
+
+def _embed_pool(ray, pool, rows, blocks, per_block, workers, request, kwargs):
+    """The dataset: `ChunkEmbedder` on an actor pool of `workers`. max_restarts 0: a
+    restartable actor whose constructor arguments sit in the object store makes Ray's core
+    print an error-level notice; a failed batch fails the ingest, which resumes on the next
+    run."""
+    return ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
+        ChunkEmbedder, batch_size=per_block, batch_format="numpy",
+        fn_constructor_kwargs=kwargs, compute=pool(size=workers),
+        ray_remote_args_fn=_no_restarts, **request)
