@@ -199,11 +199,17 @@ def lexical_store(settings: Settings):
     return TantivyStore(settings.index_dir / "tantivy", max_pattern=settings.grep_max_pattern)
 
 
+def dense_uri(settings: Settings) -> str:
+    """Where the owned index's vectors live: Milvus at `milvus_uri`, else the index's Lite
+    file."""
+    return str(settings.milvus_uri or settings.index_dir / "dense.db")
+
+
 def dense_store(settings: Settings, dim: int):
-    """The owned index's dense store: Milvus at `milvus_uri`, else the index's Lite file."""
+    """The owned index's dense store (`dense_uri`)."""
     from branchsearch.infra.dense import MilvusStore
 
-    return MilvusStore(settings.milvus_uri or settings.index_dir / "dense.db", dim,
+    return MilvusStore(dense_uri(settings), dim,
                        token=settings.milvus_token,
                        collection=f"chunks_{settings.index}".replace("-", "_"),
                        index=index_spec(settings))

@@ -71,8 +71,10 @@ def lite_file(settings: Settings) -> str:
     if ext is not None:
         uri = (ext.milvus_uri or settings.milvus_uri) if ext.dense == "milvus" else ""
         return "" if not uri or is_server(uri) else str(uri)
-    if settings.milvus_uri:
-        return "" if is_server(settings.milvus_uri) else settings.milvus_uri
+    from branchsearch.infra.retriever import dense_uri
+
+    if is_server(dense_uri(settings)):
+        return ""
     from branchsearch.infra.manifest import read_manifest
 
     try:
@@ -81,7 +83,7 @@ def lite_file(settings: Settings) -> str:
         manifest = None
     if manifest is not None and manifest.embedding is None:
         return ""  # BM25-only index (ingest --no-dense): no dense file is opened
-    return str(settings.index_dir / "dense.db")
+    return dense_uri(settings)
 
 
 def replica_count(settings: Settings) -> tuple[int, str]:
