@@ -85,3 +85,55 @@ def test_a_pruned_chunk_is_recalled_once_and_then_kept_until_expanded():
     assert p._prune_calls(None, {"a#p0", "b#p0"}) == []
     p.expanded.add("a#p0")
     assert p._prune_calls(None, {"a#p0", "b#p0"})[0].args["ids"] == ["a#p0"]
+
+
+def test_a_word_capitalised_only_by_opening_its_sentence_is_not_a_bridge_entity():
+    from branchsearch.workers.text import entities, sentences
+
+    passage = ("Planning document for Project Orchid Eagle, approved in 2022. Budget owner: "
+               "Carla Novak. Interestingly, DNA binds CD4. Rome was founded early. "
+               "The walls of Rome are old.")
+    found = [e for s in sentences(passage) for e in entities(s, passage)]
+    # positional capitals (a common noun, a discourse adverb) are not names ...
+    assert "Planning" not in found and "Budget" not in found and "Interestingly" not in found
+    # ... a name keeps its capital elsewhere in the passage, or by its shape
+    assert {"Project Orchid Eagle", "Carla Novak", "DNA", "CD4", "Rome"} <= set(found)
+    # a question has no passage to check against: its opening word counts, unless a stopword
+    assert entities("Planning of which city?") == ["Planning"]
+    assert entities("There is a country where Trajan ruled.") == ["Trajan"]
+
+
+def test_a_residual_search_asks_for_the_next_hop_and_credits_only_linked_hits():
+    """An expanded chunk also searches what the question still needs (its uncovered words)
+    with the entities it mentions; a hit of that search earns the residual credit only when it
+    mentions one of those entities (it covers the leftover words by construction)."""
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.policy import VisibleChunk
+    from branchsearch.workers.text import terms
+
+    q = "What is the name of the waterfall in the country where the Bubye River is found?"
+    p = HeuristicPolicy(learned_rank=False)
+    p.subquery, p.q_terms = q, terms(q)
+    bubye = VisibleChunk("bubye#p0", "bubye", "Bubye River",
+                         "The Bubye River is a tributary of the Limpopo River in Zimbabwe.", 20)
+    p.chunks["bubye#p0"] = bubye
+    p.origins["bubye#p0"] = _Origin(q, 1, "question")
+    p.scores["bubye#p0"] = p._score("bubye#p0")
+
+    calls = p._expansions({"bubye#p0"})
+    residual = [c for c in calls if p._pending[(c.args["query"], "bubye#p0")].kind == "residual"]
+    assert len(residual) == 1
+    words = residual[0].args["query"].split()
+    assert "waterfall" in words and "Zimbabwe" in words  # what is left, and where it may be
+    assert "Bubye" not in words and "River" not in words[:3]  # what the chunk already covers
+
+    query = residual[0].args["query"]
+    linked = VisibleChunk("vf#p0", "vf", "Victoria Falls",
+                          "Victoria Falls is a waterfall on the border of Zambia and Zimbabwe.", 20)
+    stray = VisibleChunk("af#p0", "af", "Angel Falls",
+                         "Angel Falls is the highest waterfall of the country of Venezuela.", 20)
+    for rank, chunk in enumerate((stray, linked), start=1):  # the stray one ranks first
+        p.chunks[chunk.id] = chunk
+        p.origins[chunk.id] = _Origin(query, rank, "residual", "", "bubye#p0")
+    # the stray page covers more of the leftover words and ranked first, yet the linked one wins
+    assert p._score("vf#p0") > p._score("af#p0") + 0.1

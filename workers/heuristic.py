@@ -27,7 +27,7 @@ from branchsearch.workers.text import entities, norm_title, sentences, terms
 class _Origin:
     query: str
     rank: int
-    kind: str  # question | entity | bridge
+    kind: str  # question | entity | bridge | residual
     entity: str = ""
     parent: str = ""
 
@@ -40,6 +40,8 @@ class HeuristicPolicy:
     entities_per_chunk: int = 4
     search_k: int = 6
     entity_k: int = 3
+    residual_k: int = 3  # hits of one residual search per expanded chunk (0: none)
+    residual_entities: int = 8  # the chunk's entities that join the residual words
     expand_floor: float = 0.5
     rank_decay: float = 0.6  # sub-query search: support 1 / (1 + decay * (rank - 1))
     link_weight: float = 0.85  # a bridge child inherits this share of its parent's score
@@ -187,12 +189,19 @@ class HeuristicPolicy:
             if via > support:
                 support, parent = via, source
         residual = 0.0
-        if parent in self.chunks:
+        if parent in self.chunks and (origin.kind != "residual" or parent != origin.parent
+                                      or self._mentions_link_of(parent, chunk)):
+            # a residual search's hit covers the parent's leftover terms by construction:
+            # that counts only when it also mentions what the parent links to
             p = self.chunks[parent]
             left = self.q_terms - terms(f"{p.title} {p.text}")
             residual = len(left & words) / max(len(left), 1)
         return (support + self.coverage_weight * coverage + self.residual_weight * residual
                 + self.qualifier_weight * self._qualifier_agreement(cid))
+
+    def _mentions_link_of(self, parent: str, chunk: VisibleChunk) -> bool:
+        text = f"{chunk.title} {chunk.text}".lower()
+        return any(src == parent and entity in text for entity, (src, _) in self.links.items())
 
     def _qualifier_agreement(self, cid: str) -> float:
         """In [-0.5, 0.5], for a chunk with look-alikes (other documents whose titles share its
@@ -254,7 +263,28 @@ class HeuristicPolicy:
                 self.bridges[entity] = cid
                 calls.append(self._search(entity, self.entity_k,
                                           _Origin(entity, 0, "bridge", entity, cid), parent=cid))
+            query = self._residual_query(cid, [e for e, _ in linked])
+            if query and query.lower() not in self.searched:
+                calls.append(self._search(query, self.residual_k,
+                                          _Origin(query, 0, "residual", "", cid), parent=cid))
         return calls
+
+    def _residual_query(self, cid: str, linked: list[str]) -> str:
+        """What the next hop from this chunk must find, as one search: the sub-query's words
+        the chunk does not cover, with the entities it mentions ("the waterfall in the country
+        where the Bubye River is found" from the Bubye River page: "waterfall country Zimbabwe
+        Limpopo River ..."). It finds the page that a relation, not a name, leads to — a
+        Victoria Falls page that the Bubye River page never names. Empty when the chunk
+        covers the whole sub-query or mentions no entity."""
+        if not self.residual_k or not linked:
+            return ""
+        chunk = self.chunks[cid]
+        covered = terms(f"{chunk.title} {chunk.text}")
+        left = [w for w in re.findall(r"[\w'-]+", self.subquery)
+                if (t := terms(w)) and not t <= covered]
+        if not left:
+            return ""
+        return " ".join(dict.fromkeys(left + linked[: self.residual_entities]))
 
     def _bridge_entities(self, cid: str) -> list[tuple[str, float]]:
         """Entities a chunk mentions (bridge candidates), most salient first, with a salience in
@@ -265,7 +295,7 @@ class HeuristicPolicy:
         best: dict[str, tuple[float, int, str]] = {}
         for i, sentence in enumerate(sentences(chunk.text)):
             overlap = min(len(self.q_terms & terms(sentence)) / 3, 1.0)
-            for e in entities(sentence):
+            for e in entities(sentence, chunk.text):
                 low = e.lower()
                 if low == own or low in own or low in SKIP or _in_query(e, self.subquery):
                     continue

@@ -38,12 +38,22 @@ def terms(text: str) -> set[str]:
     return {stem(w) for w in _WORD.findall(text) if w.lower() not in STOPWORDS and len(w) > 1}
 
 
-def entities(text: str) -> list[str]:
-    """Capitalised phrases and quoted titles, in order of first appearance, de-duplicated."""
+def entities(text: str, context: str | None = None) -> list[str]:
+    """Capitalised phrases and quoted titles, in order of first appearance, de-duplicated.
+
+    With `context` (the passage `text` is a sentence of), a lone word that opens the sentence
+    is a name only if the passage also capitalises it where position does not ("Planning
+    document for ...", "Interestingly, ..." are not names; "DNA" and "CD4" are by their
+    shape). Without it (a question), only an opening stopword ("There", "Here") is dropped."""
     found: list[str] = [m.group(1).strip() for m in _QUOTED.finditer(text)]
+    opening = len(text) - len(text.lstrip(" \"'“‘(["))
     for m in _ENTITY.finditer(text):
         phrase = m.group(0).rstrip(".")
         words = phrase.split()
+        if m.start() == opening and len(words) == 1 and (
+                words[0].lower() in STOPWORDS  # "There is a country where ..."
+                or context is not None and not _named_elsewhere(words[0], context)):
+            continue
         while words and words[0] in _LEADING:
             words = words[1:]
         while words and words[-1].lower() in ("of", "the", "and", "de", "for", "in"):
@@ -59,6 +69,19 @@ def entities(text: str) -> list[str]:
             seen.add(key)
             out.append(e)
     return out
+
+
+def _named_elsewhere(word: str, context: str) -> bool:
+    """Whether `word` is a name by its shape (a capital or digit after its first letter) or
+    by the passage capitalising it somewhere other than a sentence's first word."""
+    if any(c.isupper() or c.isdigit() for c in word[1:]):
+        return True
+    pattern = re.compile(rf"(?<![\w'\-]){re.escape(word)}(?![\w'\-])")
+    for sentence in sentences(context):
+        start = len(sentence) - len(sentence.lstrip(" \"'“‘(["))
+        if any(m.start() > start for m in pattern.finditer(sentence)):
+            return True
+    return False
 
 
 def norm_title(title: str) -> str:
