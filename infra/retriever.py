@@ -4,25 +4,36 @@
     grep(pattern, k, exclude_ids, acl_groups)                          -> list[Hit]
     get_chunks(ids)                                                    -> dict[id, chunk]
     read_document(doc_id, start, end, acl_groups)                      -> dict
-    call_many([(method, args, kwargs), ...])     -> [value or the exception it raised, ...]
+    call_many([(method, args, kwargs), ...], cache=None)
+                                                 -> [value or the exception it raised, ...]
 
 Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
 Hits are hydrated from the docstore; an id the docstore does not know is dropped. Readers open
 only a complete index: `open_stores` refuses one without a manifest (a killed or running ingest,
 see `infra.manifest`) with one line that says what to run.
+
+With a question's `cache` (`infra.fetch_cache.QuestionCache`, via `call_many(..., cache=)` or
+`QuestionRetriever`), the branches of one question share what the backends answered: each
+backend list is cached before exclusion and fusion, so every result equals the uncached one.
+`backend_requests` counts the requests that reached the backends (bm25, dense, grep, doc,
+doc_chunks).
 """
 
 from __future__ import annotations
 
+import copy
+import threading
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
-from branchsearch.infra.backends import check_k
+from branchsearch.infra.backends import MAX_K, check_k
 from branchsearch.infra.choices import MODES, Mode
 from branchsearch.infra.errors import BadQuery, SettingsError
+from branchsearch.infra.fetch_cache import QuestionCache, copy_hit
 from branchsearch.infra.manifest import require_complete
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.settings import Settings
@@ -37,10 +48,13 @@ class Retriever:
     rrf_k: int = 60
     hybrid_candidates: int = 50
     one_sided: str = ""  # "bm25" | "dense" for an external index with only that backend
+    backend_requests: Counter = field(default_factory=Counter, init=False, repr=False)
+    _count_lock: threading.Lock = field(default_factory=threading.Lock, init=False,
+                                        repr=False)
 
     def search(self, query: str, mode: Mode = "hybrid", k: int = 10,
-               exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None
-               ) -> list[Hit]:
+               exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None,
+               *, cache: QuestionCache | None = None) -> list[Hit]:
         if mode not in MODES:
             raise BadQuery(f"unknown search mode {mode!r}; use one of {', '.join(MODES)}")
         check_k(k)
@@ -50,15 +64,60 @@ class Retriever:
         if mode == "hybrid" and self.one_sided:
             mode = self.one_sided  # an external index with one backend: hybrid is that side
         if mode == "bm25":
-            hits = self.lexical.search(query, k, exclude, acl_groups)
+            hits = self._list("bm25", query, k, exclude, acl_groups, cache)
         elif mode == "dense":
-            hits = self._dense(query, k, exclude, acl_groups)
+            hits = self._list("dense", query, k, exclude, acl_groups, cache)
         else:
             n = max(k, self.hybrid_candidates)
-            lists = [self.lexical.search(query, n, exclude, acl_groups),
-                     self._dense(query, n, exclude, acl_groups)]
+            lists = [self._list("bm25", query, n, exclude, acl_groups, cache),
+                     self._list("dense", query, n, exclude, acl_groups, cache)]
             hits = self._fuse(lists, k)
         return self._hydrate(hits)
+
+    def _list(self, kind: str, query: str, k: int, exclude: list[str], acl_groups,
+              cache: QuestionCache | None) -> list[Hit]:
+        """One backend's top `k` for `query` without `exclude` (`kind`: bm25 | dense | grep).
+        With a question's cache: a prefix-exact backend's list is cached unexcluded and
+        filtered here (see `infra.fetch_cache`); another backend's by its whole request."""
+        def fetch(depth: int, without: Sequence[str]) -> list[Hit]:
+            if kind == "bm25":
+                hits = self.lexical.search(query, depth, without, acl_groups)
+            elif kind == "grep":
+                hits = self.lexical.grep(query, depth, without, acl_groups)
+            else:
+                hits = self._dense(query, depth, without, acl_groups)
+            self._count(kind)
+            return hits
+
+        if cache is None:
+            return fetch(k, exclude)
+        groups = None if acl_groups is None else tuple(acl_groups)
+        if self._prefix_exact(kind):
+            hits = cache.ranked((kind, query, groups), k, exclude,
+                                lambda depth: fetch(depth, []), MAX_K)
+            return hits if hits is not None else fetch(k, exclude)
+        hits = cache.once((kind, query, groups, k, frozenset(exclude)),
+                          lambda: fetch(k, exclude), size=k)
+        return [copy_hit(h, h.rank) for h in hits]
+
+    def _prefix_exact(self, kind: str) -> bool:
+        """Whether the backend's top k without some ids is always its top (k + more) with those
+        ids dropped: one total order whatever the depth, exclusion a pure filter. tantivy
+        (score, then document address) and an exact (FLAT) Milvus search; not an approximate
+        index (HNSW's breadth grows with k), nor a backend not checked (Elasticsearch,
+        external indexes), which are cached by their whole request instead."""
+        if kind in ("bm25", "grep"):
+            from branchsearch.infra.lexical import TantivyStore
+
+            return type(self.lexical) is TantivyStore
+        from branchsearch.infra.dense import MilvusStore
+
+        return (type(self.dense) is MilvusStore
+                and str(getattr(self.dense, "index_kind", "")).upper() == "FLAT")
+
+    def _count(self, kind: str) -> None:
+        with self._count_lock:
+            self.backend_requests[kind] += 1
 
     def _dense(self, query: str, k: int, exclude: list[str], acl_groups) -> list[Hit]:
         if self.dense is None or self.embedder is None:
@@ -90,24 +149,41 @@ class Retriever:
         return out
 
     def grep(self, pattern: str, k: int = 10, exclude_ids: Sequence[str] = (),
-             acl_groups: Sequence[str] | None = None) -> list[Hit]:
+             acl_groups: Sequence[str] | None = None, *,
+             cache: QuestionCache | None = None) -> list[Hit]:
         check_k(k)
-        return self._hydrate(self.lexical.grep(pattern, k, list(exclude_ids), acl_groups))
+        return self._hydrate(self._list("grep", pattern, k, list(exclude_ids), acl_groups,
+                                        cache))
 
     def get_chunks(self, ids: Sequence[str]) -> dict[str, dict]:
         return self.docstore.get_chunks(ids)
 
     def read_document(self, doc_id: str, start: int = 0, end: int | None = None,
-                      acl_groups: Sequence[str] | None = None) -> dict:
+                      acl_groups: Sequence[str] | None = None, *,
+                      cache: QuestionCache | None = None) -> dict:
         """Chunks `start`..`end` (exclusive) of a document, with its metadata. A document the
-        caller's `acl_groups` may not see is unknown to it (checked before its chunks are read)."""
+        caller's `acl_groups` may not see is unknown to it (checked before its chunks are read).
+        With a question's cache the document and its chunks are read once per question."""
         from branchsearch.infra.backends import acl_visible
 
-        doc = self.docstore.get_document(doc_id)
+        def doc_row():
+            row = self.docstore.get_document(doc_id)
+            self._count("doc")
+            return row
+
+        def doc_chunks():
+            rows = self.docstore.document_chunks(doc_id)
+            self._count("doc_chunks")
+            return rows
+
+        doc = doc_row() if cache is None else cache.once(("doc", doc_id), doc_row)
         if doc is None or not acl_visible(doc["acl"], acl_groups):
             raise BadQuery(f"unknown document id {doc_id!r}")
-        chunks = self.docstore.document_chunks(doc_id)
+        chunks = doc_chunks() if cache is None else cache.once(
+            ("doc_chunks", doc_id), doc_chunks, size=max(len(doc.get("chunk_ids") or ()), 1))
         end = len(chunks) if end is None else max(start, min(end, len(chunks)))
+        if cache is not None:  # the caller's own copy (the cached rows stay as read)
+            doc, chunks = copy.deepcopy(doc), [dict(c) for c in chunks]
         doc["chunks"] = chunks[max(start, 0):end]
         return doc
 
@@ -115,11 +191,13 @@ class Retriever:
         return self.docstore.titles()
 
     CALLABLE = ("search", "grep", "get_chunks", "read_document")
+    CACHED = ("search", "grep", "read_document")
 
-    def call_many(self, requests: list[tuple]) -> list:
+    def call_many(self, requests: list[tuple], cache: QuestionCache | None = None) -> list:
         """Run requests `(method, args, kwargs)` concurrently (threads); each result is the
         value or the exception it raised. A branch agent sends one turn's requests together —
-        to a retriever actor, in one round trip."""
+        to a retriever actor, in one round trip. `cache`: the question's, shared by its
+        branches (same results, fewer backend requests)."""
         from concurrent.futures import ThreadPoolExecutor
 
         def one(request):
@@ -127,6 +205,8 @@ class Retriever:
             try:
                 if method not in self.CALLABLE:
                     raise ValueError(f"unknown retriever method {method!r}")
+                if cache is not None and method in self.CACHED:
+                    kwargs = {**kwargs, "cache": cache}
                 return getattr(self, method)(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 — returned to the caller, who decides
                 return exc
@@ -140,6 +220,20 @@ class Retriever:
         for part in (self.lexical, self.dense, self.docstore):
             if part is not None:
                 part.close()
+
+
+class QuestionRetriever:
+    """A retriever as one question's branches see it: `call_many` shares the question's cache;
+    everything else is the retriever's."""
+
+    def __init__(self, retriever: Retriever, cache: QuestionCache):
+        self.retriever, self.cache = retriever, cache
+
+    def call_many(self, requests: list[tuple]) -> list:
+        return self.retriever.call_many(requests, cache=self.cache)
+
+    def __getattr__(self, name: str):
+        return getattr(self.retriever, name)
 
 
 def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True,

@@ -95,6 +95,9 @@ class Settings:
     # retriever actors the branches share, load-balanced (least-loaded). More than 1 only with
     # server backends: a Milvus Lite file has one owning process, so Lite keeps 1 (README: Scaling)
     retriever_replicas: int = 1
+    # the branches of one question share what the backends answered (infra/fetch_cache.py):
+    # fewer backend searches, the same results; off: every branch asks the backends itself
+    fetch_cache: bool = True
     backend_retries: int = 2  # a backend error in a tool is retried this often, then ends the branch
     backend_backoff_s: float = 0.2  # first retry's wait; doubles each retry
     actor_start_timeout_s: float = 300.0  # waiting for actors (engines, retriever, pool) to start

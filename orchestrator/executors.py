@@ -4,9 +4,15 @@
   `Retriever` (no Ray; the baseline and the laptop path).
 * `RayExecutor` — `run_branch` inside `BranchActor`s from a pool, retrieval in
   `retriever_replicas` `RetrieverActor`s (one when the index is a Milvus Lite file: see
-  `replica_count`), each branch sent to the least-loaded one (`ReplicaBalancer`), LLM engines in
-  named engine actors; every actor counted by `orchestrator.cluster.plan_actors` before any
+  `replica_count`), each question sent to the least-loaded one (`ReplicaBalancer`), LLM engines
+  in named engine actors; every actor counted by `orchestrator.cluster.plan_actors` before any
   starts, every start awaited with a timeout.
+
+With `fetch_cache` (default), the branches of one question share a `QuestionCache`
+(`infra.fetch_cache`): locally one per `run`; on Ray it lives in the retriever replica that
+serves all the question's branches (the question's requests carry its id; `end_question` drops
+it). Same results, fewer backend requests. Off, each branch of a question may take its own
+replica, as before.
 
 `pick_executor` is the one place that decides between them (one branch runs in-process),
 `make_executor` the one place that builds them. A branch that raises or misses its
@@ -101,9 +107,10 @@ def replica_count(settings: Settings) -> tuple[int, str]:
 
 
 class ReplicaBalancer:
-    """Which retriever replica serves the next branch: the one with the fewest branches in
-    flight, ties broken round-robin (so a quiet pool still spreads). A branch keeps its replica
-    for all its tool calls; `done(i)` when it ends. Thread-safe (concurrent questions)."""
+    """Which retriever replica serves the next branch (or question: `take(branches)`): the one
+    with the fewest branches in flight, ties broken round-robin (so a quiet pool still
+    spreads). A branch keeps its replica for all its tool calls; `done(i, branches)` when it
+    ends. Thread-safe (concurrent questions)."""
 
     def __init__(self, replicas: int):
         if replicas < 1:
@@ -113,20 +120,19 @@ class ReplicaBalancer:
         self._next = 0
         self._lock = threading.Lock()
 
-    def take(self) -> int:
+    def take(self, branches: int = 1) -> int:
         with self._lock:
             n = len(self.load)
             order = [(self._next + j) % n for j in range(n)]
             pick = min(order, key=lambda r: self.load[r])  # first least-loaded in rotation
-            self.load[pick] += 1
-            self.served[pick] += 1
+            self.load[pick] += branches
+            self.served[pick] += branches
             self._next = (pick + 1) % n
             return pick
 
-    def done(self, replica: int) -> None:
+    def done(self, replica: int, branches: int = 1) -> None:
         with self._lock:
-            if self.load[replica] > 0:
-                self.load[replica] -= 1
+            self.load[replica] = max(self.load[replica] - branches, 0)
 
 
 def emit(on_event: Events, event: dict) -> None:
@@ -145,15 +151,34 @@ def _done_event(report: BranchReport) -> dict:
             "tokens_read": report.tokens_read, "latency_s": round(report.latency_s, 4)}
 
 
+def shares_cache(settings: Settings, tasks: list[BranchTask]) -> bool:
+    """Whether a question's branches share a fetch cache: with `fetch_cache`, when there are
+    two or more (a lone branch has no one to share with and would only over-fetch)."""
+    return settings.fetch_cache and len(tasks) > 1
+
+
 class LocalExecutor:
     def __init__(self, settings: Settings):
         from branchsearch.infra.retriever import open_retriever
 
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+        self.last_cache_stats: dict = {}  # the last question's fetch cache counters
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None
             ) -> list[BranchReport]:
+        from branchsearch.infra.fetch_cache import QuestionCache
+        from branchsearch.infra.retriever import QuestionRetriever
+
+        cache = QuestionCache() if shares_cache(settings, tasks) else None
+        retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
+        try:
+            return self._run(tasks, retriever, settings, policy_factory, on_event)
+        finally:  # the cache dies with the question
+            self.last_cache_stats = dict(cache.stats) if cache is not None else {}
+
+    def _run(self, tasks: list[BranchTask], retriever, settings: Settings,
+             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
         reports = []
         for task in tasks:
             if task.deadline is not None and time.time() >= task.deadline:
@@ -162,7 +187,7 @@ class LocalExecutor:
             else:
                 emit(on_event, {"type": "branch_started", "branch": task.index,
                                  "subquery": task.subquery})
-                report = run_branch(task, self.retriever, settings,
+                report = run_branch(task, retriever, settings,
                                     policy_factory=policy_factory, on_event=on_event)
             emit(on_event, _done_event(report))
             reports.append(report)
@@ -276,17 +301,35 @@ class RayExecutor:
         if len(tasks) > self.plan.branch_actors:
             raise BranchsearchError(f"{len(tasks)} branches need as many branch actors; the "
                                     f"pool holds {self.plan.branch_actors} on this cluster")
+        import uuid
+
         carrier = telemetry.current_carrier()
         actors = self._acquire(len(tasks))
         stream = on_event is not None
-        replicas = [self.balancer.take() for _ in tasks]
+        # a question sharing a fetch cache runs on one replica, which holds the cache
+        question = uuid.uuid4().hex if shares_cache(settings, tasks) else None
+        if question is not None:
+            replicas = [self.balancer.take(len(tasks))] * len(tasks)
+        else:
+            replicas = [self.balancer.take() for _ in tasks]
         try:
-            refs = [a.run.remote(t, carrier, policy_factory, stream, self.retrievers[r])
-                    for a, t, r in zip(actors, tasks, replicas)]
+            refs = [a.run.remote(t, carrier, policy_factory, stream, self.retrievers[r],
+                                 question) for a, t, r in zip(actors, tasks, replicas)]
             return self._gather(tasks, actors, refs, settings, on_event)
         finally:
-            for r in replicas:
-                self.balancer.done(r)
+            if question is not None:
+                self.balancer.done(replicas[0], len(tasks))
+                self._end_question(replicas[0], question)
+            else:
+                for r in replicas:
+                    self.balancer.done(r)
+
+    def _end_question(self, replica: int, question: str) -> None:
+        """Drop the question's cache in its replica (not awaited: it answers only counters)."""
+        try:
+            self.retrievers[replica].end_question.remote(question)
+        except Exception:  # noqa: BLE001 — a dead replica holds no cache
+            pass
 
     def _gather(self, tasks: list[BranchTask], actors: list, refs: list, settings: Settings,
                 on_event: Events) -> list[BranchReport]:

@@ -2,7 +2,9 @@
 
 * `RetrieverActor` owns the embedder and the backend clients (one owner per embedded Milvus Lite
   file; a pool when backends are servers), so models load once per node. It runs
-  `Retriever.call_many`: one round trip per turn.
+  `Retriever.call_many`: one round trip per turn. It also holds the fetch caches of the
+  questions it serves (`infra.fetch_cache.FetchCaches`, by question id): the executor sends all
+  the branches of a question to one replica, so they share what the backends answered.
 * `BranchActor` runs `workers.branch.run_branch` against a `RemoteRetriever` and returns the
   `BranchReport` (the episode result inside it whole). The driver's span context arrives as W3C
   headers and becomes the parent of the branch span, so a query is one trace across processes.
@@ -26,18 +28,30 @@ class RetrieverService:
     def __init__(self, settings: Settings):
         from branchsearch.infra.retriever import open_retriever
 
+        from branchsearch.infra.fetch_cache import FetchCaches
+
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+        self.caches = FetchCaches()
         self.calls = 0
         if self.retriever.embedder is not None:  # load the model now, not in the first query
             _ = self.retriever.embedder.dim
 
-    def call_many(self, requests: list[tuple]):
+    def call_many(self, requests: list[tuple], question: str | None = None):
         """([value or exception per request], seconds spent in the backend): the caller
-        learns the RPC overhead."""
+        learns the RPC overhead. `question`: the id whose fetch cache the requests share."""
         started = time.perf_counter()
         self.calls += 1
-        values = self.retriever.call_many(requests)
+        values = self.retriever.call_many(requests, cache=self.caches.get(question))
         return values, time.perf_counter() - started
+
+    def end_question(self, question: str) -> dict:
+        """Drop the question's fetch cache; its counters."""
+        return self.caches.end(question)
+
+    def fetch_stats(self) -> dict:
+        """Backend requests served, the ended questions' cache counters, live caches."""
+        return {"backend_requests": dict(self.retriever.backend_requests),
+                "cache": dict(self.caches.stats), "live_questions": len(self.caches)}
 
     def ping(self) -> int:
         return os.getpid()
@@ -55,8 +69,8 @@ class RemoteRetriever:
     """`call_many` of a RetrieverActor, with the time spent in the backend and in round trips.
     A dead or unreachable actor is a backend failure of every request."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, question: str | None = None):
+        self.handle, self.question = handle, question
         self.backend_s = 0.0  # time inside the retriever
         self.rpc_s = 0.0  # round trips, backend included
 
@@ -65,7 +79,7 @@ class RemoteRetriever:
 
         started = time.perf_counter()
         try:
-            values, backend = ray.get(self.handle.call_many.remote(requests))
+            values, backend = ray.get(self.handle.call_many.remote(requests, self.question))
         except ray.exceptions.RayError as exc:
             error = BackendUnavailable(f"retriever actor: {type(exc).__name__}: {exc}"[:300])
             return [error] * len(requests)
@@ -91,9 +105,10 @@ class BranchService:
         self._lock = threading.Lock()
 
     def run(self, task, carrier: dict | None = None, policy_factory=None,
-            stream: bool = False, retriever=None):
+            stream: bool = False, retriever=None, question: str | None = None):
         """`run_branch` here, against `retriever` (the replica the executor chose) or the
-        actor's own; with `stream`, events wait in a buffer for `events()`."""
+        actor's own; with `stream`, events wait in a buffer for `events()`. `question`: the id
+        under which the replica shares fetches among the question's branches."""
         from branchsearch.infra import telemetry
         from branchsearch.workers.branch import run_branch
 
@@ -101,7 +116,8 @@ class BranchService:
             self._events.clear()
         token = telemetry.attach_carrier(carrier)
         try:
-            return run_branch(task, RemoteRetriever(retriever or self.handle), self.settings,
+            return run_branch(task, RemoteRetriever(retriever or self.handle, question),
+                              self.settings,
                               policy_factory=policy_factory,
                               on_event=self._buffer if stream else None)
         finally:
