@@ -54,11 +54,16 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
     driver = Driver(settings, mode="local",
                     policy_factory=policy if features or not ranker or policy_args else None)
     search, rows = driver.search, []
+    counted = driver.executor.retriever.backend_requests  # requests reaching the backends
 
     def keep(question, **kw):
         policies.clear()
+        before = dict(counted)
         result = search(question, **kw)
         rows.append({"question": question, "fused": result.ranked_chunk_ids,
+                     "backend": {k: v - before.get(k, 0) for k, v in counted.items()
+                                 if v - before.get(k, 0)},
+                     "fetch_cache": getattr(driver.executor, "last_cache_stats", {}),
                      "latency_s": result.metrics["latency_s"], "branches": [{
                          "index": b.index, "kind": b.kind, "weight": b.weight,
                          "subquery": b.subquery, "status": b.status,
@@ -183,8 +188,13 @@ def table(paths: list[str], share: float, k: float, agreement: float, plan: str)
                     titles, texts)
         many = score(rows, lambda r: fused(r, keep, share, k, agreement),
                      lambda r: keep(r["branches"]), titles, texts)
+        backend = Counter()  # backend requests per question (dumps that counted them)
+        for row in rows:
+            backend.update(row.get("backend", {}))
         out.append({"dump": path, "index": dump["index"], "queries": len(rows),
                     "one_branch": one, "branches": many,
+                    "backend_requests": {k: round(v / max(len(rows), 1), 2)
+                                         for k, v in sorted(backend.items())},
                     "params": {"share": share, "k": k, "agreement": agreement, "plan": plan}})
     return out
 
