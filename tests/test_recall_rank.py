@@ -137,3 +137,24 @@ def test_a_residual_search_asks_for_the_next_hop_and_credits_only_linked_hits():
         p.origins[chunk.id] = _Origin(query, rank, "residual", "", "bubye#p0")
     # the stray page covers more of the leftover words and ranked first, yet the linked one wins
     assert p._score("vf#p0") > p._score("af#p0") + 0.1
+
+
+def test_the_question_search_pages_on_until_it_covers_search_k_documents():
+    """Long documents split into chunks: a first page of 4 hits from 2 documents asks the
+    question once more (it excludes what it saw), and the new hits rank after the first page."""
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+
+    q = "Statins decrease blood cholesterol."
+    p = HeuristicPolicy(search_k=4, learned_rank=False)
+    p.subquery = q
+    for rank, cid in enumerate(["a#p0", "a#p1", "b#p0", "a#p2"], start=1):
+        p.origins[cid] = _Origin(q, rank, "question")
+    [call] = p._question_page()
+    assert call.args == {"query": q, "k": 4}  # 2 documents missing, twice as many chunks asked
+    assert p._pending[(q, "")].rank == 4  # its first hit will rank 5th
+    p.origins["c#p0"] = _Origin(q, 5, "question")
+    p.origins["d#p0"] = _Origin(q, 6, "question")
+    assert p._question_page() == []  # 4 documents now
+    short = HeuristicPolicy(search_k=4)
+    short.origins = {"a#p0": _Origin(q, 1, "question")}  # fewer hits than asked: no more exist
+    assert short._question_page() == []

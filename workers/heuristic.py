@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
-from branchsearch.workers.rank import final_ranking
+from branchsearch.workers.rank import doc_of, final_ranking
 from branchsearch.workers.text import entities, norm_title, sentences, terms
 
 
@@ -85,7 +85,8 @@ class HeuristicPolicy:
             return [self._finish(visible)]
         if "search_corpus" not in view.allowed_tools:  # past the hard limit
             return self._prune_calls(view, visible, force=True) or [self._finish(visible)]
-        searches = self._expansions(visible)
+        searches = self._question_page() if view.turn == 2 else []
+        searches += self._expansions(visible)
         recalls = self._recalls()
         if not searches and not recalls:  # nothing left to expand or read: keep what we
             prune = self._prune_calls(view, visible) if self.prune else []  # return, finish
@@ -113,6 +114,18 @@ class HeuristicPolicy:
             calls.append(self._search(e, self.entity_k, _Origin(e, 0, "entity", entity=e)))
         return calls
 
+    def _question_page(self) -> list[ToolCall]:
+        """The sub-query's own search once more, when its hits came from fewer than `search_k`
+        documents (long documents split into chunks): a document is the unit of evidence, so
+        the search should bring `search_k` of them. It excludes what is already seen; its
+        hits rank after the first page's."""
+        hits = [cid for cid, o in self.origins.items() if o.kind == "question"]
+        missing = self.search_k - len({doc_of(cid) for cid in hits})
+        if missing <= 0 or len(hits) < self.search_k:  # the index had no more to give
+            return []
+        return [self._search(self.subquery, 2 * missing,
+                             _Origin(self.subquery, len(hits), "question"))]
+
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
         self.searched.add(query.lower())
         args = {"query": query, "k": k}
@@ -139,7 +152,7 @@ class HeuristicPolicy:
                 continue
             parent = (result.call.args.get("from_ids") or [""])[0]
             origin = self._pending.get((result.call.args["query"], parent))
-            for rank, cid in enumerate(result.ids, start=1):
+            for rank, cid in enumerate(result.ids, start=origin.rank + 1 if origin else 1):
                 if cid in by_id:
                     self.chunks[cid] = by_id[cid]
                 if origin is not None and cid not in self.origins:
