@@ -132,3 +132,88 @@ def test_the_policy_finishes_with_the_ranker_and_keeps_the_features():
     off = _episode()
     off.learned_rank = False
     assert off._finish(set(off.chunks)).args["ids"] == final_ranking(off.scores, off.final_k)
+
+
+# --- set-level features (Session 3): the chain, restating, what a page adds to those above it --
+
+@pytest.fixture(scope="module")
+def publix_episode(tmp_path_factory):
+    """A real episode: musique-mini as a BM25-only index, the heuristic policy (ranker off) on
+    the 4-hop question whose gold is the chain Hello Love (song) -> Hank Snow -> Tennessee ->
+    Publix; musique-mini holds two 'Publix' pages (two paragraphs of one article)."""
+    from conftest import MUSIQUE
+
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.workers.harness import Episode
+
+    settings = load_settings(overrides={"home": tmp_path_factory.mktemp("rk"), "index": "m",
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(MUSIQUE, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    policy = HeuristicPolicy(learned_rank=False)
+    Episode("How many Publix stores are in the state that borders the east of the state where "
+            "Hello Love's performer lived in when he died?", retriever, policy, settings).run()
+    retriever.close()
+    return policy
+
+
+def _by_doc(policy, feats):
+    order = final_ranking(policy.scores, len(policy.scores))
+    first = {}
+    for cid in order:
+        first.setdefault(policy.chunks[cid].doc_id, cid)
+    place = {d: i for i, d in enumerate(first, start=1)}
+    return first, place, {d: dict(zip(FEATURES, feats[c])) for d, c in first.items()}
+
+
+def test_the_chain_credits_a_page_named_by_a_stronger_page(publix_episode):
+    p = publix_episode
+    first, place, f = _by_doc(p, episode_features(p))
+    assert {"hello-love-song", "hank-snow", "tennessee"} <= set(first)
+    # Hello Love (song) names its performer, Hank Snow: his page is a link of the chain, credited
+    # with the place and the relative score of the first (best) page that names it
+    namer = min((d for d in first if d != "hank-snow" and "hank snow" in " ".join(
+        p.chunks[c].text.lower() for c in p.scores if p.chunks[c].doc_id == d)),
+        key=place.get)
+    assert f["hank-snow"]["chain_rank_inv"] == pytest.approx(1 / place[namer])
+    assert f["hank-snow"]["chain_support"] == pytest.approx(
+        p.scores[first[namer]] / max(p.scores.values()))
+    assert place[namer] <= place["hello-love-song"]
+    assert f["tennessee"]["chain_support"] > 0  # Hank Snow's page names Tennessee
+    # a page named by nothing scored has no chain credit, and the best page has no doc above it
+    top = next(iter(first))
+    assert f[top]["doc_rank_inv"] == 1.0
+    assert f[top]["novel_terms"] == pytest.approx(f[top]["coverage"])  # nothing above it
+
+
+def test_a_second_page_with_the_same_title_restates_and_is_no_chain_link(publix_episode):
+    p = publix_episode
+    first, place, f = _by_doc(p, episode_features(p))
+    publix = sorted((d for d in first if p.chunks[first[d]].title == "Publix"), key=place.get)
+    assert len(publix) == 2, "both Publix paragraphs are scored in this episode"
+    assert f[publix[0]]["restates"] == 0.0 and f[publix[1]]["restates"] == 1.0
+    # the second Publix page mentions 'Publix' but is not a page that names the first: the
+    # chain credit comes from a page with another title, or there is none
+    credit = f[publix[0]]["chain_rank_inv"]
+    if credit:
+        namer = [d for d in first if place[d] == round(1 / credit)]
+        assert namer and p.chunks[first[namer[0]]].title != "Publix"
+
+
+def test_novel_terms_count_only_what_the_pages_above_leave_uncovered():
+    p = _episode()
+    feats = episode_features(p)
+    first, place, f = _by_doc(p, feats)
+    q = len(p.q_terms)
+    covered = set()
+    for d in list(first)[:5]:
+        c = first[d]
+        words = p.q_terms & p._terms_of(c, f"{p.chunks[c].title} {p.chunks[c].text}")
+        assert f[d]["novel_terms"] == pytest.approx(len(words - covered) / q)
+        covered |= words
+    # computed only when asked for: the ranker's `used` set without them leaves them 0
+    part = episode_features(p, frozenset({"score"}))
+    assert all(x[FEATURES.index("novel_terms")] == 0.0 for x in part.values())
+    assert any(x[FEATURES.index("novel_terms")] > 0.0 for x in feats.values())

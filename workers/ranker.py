@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,6 +29,7 @@ from branchsearch.workers.rank import doc_of
 from branchsearch.workers.text import norm_title, terms
 
 WEIGHTS_PATH = Path(__file__).with_name("ranker_weights.json")
+_WORDS = re.compile(r"\w+")
 
 FEATURES = (
     "score",            # the heuristic's own score at the end
@@ -53,6 +55,13 @@ FEATURES = (
     "pruned",           # pruned from the context and not recalled by the end
     "first_chunk",      # the document's first chunk (#p0)
     "doc_chunks",       # log of the number of its document's chunks the episode scored
+    # set-level, scale-free (ranks and shares within the episode; Session 3):
+    "doc_rank_inv",     # 1 / its document's place in the heuristic's document order
+    "chain_support",    # best score_rel of another document whose text names its title
+    "chain_rank_inv",   # 1 / the heuristic document place of the best such document
+    "restates",         # a document with the same title core scored higher (a restatement)
+    "novel_terms",      # share of the sub-query's terms it covers that no document above it does
+    "novel_entity",     # it names or mentions a sub-query entity no document above it does
 )
 
 
@@ -110,12 +119,84 @@ def episode_features(policy, needed: frozenset[str] | None = None) -> dict[str, 
             f["mentions_q_ent"] = sum(e in texts[cid] for e in q_ents) / max(len(q_ents), 1)
         if want("qualifier"):
             f["qualifier"] = policy._qualifier_agreement(cid)
+        f.update(sets.get(cid, {}))
         return f
+
+    sets = _set_features(policy, order, texts, want)
 
     out = {}
     for cid in scores:
         f = row(cid)
         out[cid] = [f.get(name, 0.0) for name in FEATURES]
+    return out
+
+
+SET_FEATURES = ("doc_rank_inv", "chain_support", "chain_rank_inv", "restates", "novel_terms",
+                "novel_entity")
+HEAD = 5  # "above it" for novel_terms / novel_entity: the documents placed before it in the top 5
+
+
+def _set_features(policy, order: list[str], texts: dict[str, str], want
+                  ) -> dict[str, dict[str, float]]:
+    """Features of a chunk relative to the other documents of the episode, all ranks or shares
+    (no raw score), so they mean the same on every data set:
+
+    * the chain: the gold of a multi-hop question is a chain of pages, each naming the next; a
+      page whose title is named by a strong page of the episode (one with another title) is a
+      link of it
+      (`chain_support`: that page's score over the episode's best, `chain_rank_inv`: 1 / its
+      place in the heuristic's document order);
+    * restating: another document with the same title core placed higher (`restates`);
+    * coverage: what it adds to the documents placed before it in the top `HEAD`: sub-query
+      terms (`novel_terms`, share of the sub-query's terms) and sub-query entities
+      (`novel_entity`, 0/1)."""
+    if not any(want(n) for n in SET_FEATURES):
+        return {}
+    scores, chunks = policy.scores, policy.chunks
+    best = max(scores.values()) or 1.0
+    doc_first: dict[str, str] = {}
+    for cid in order:
+        doc_first.setdefault(chunks[cid].doc_id, cid)
+    place = {d: i for i, d in enumerate(doc_first, start=1)}
+    doc_text: dict[str, str] = {}
+    for cid, text in texts.items():
+        doc_text[chunks[cid].doc_id] = doc_text.get(chunks[cid].doc_id, "") + " " + text
+    doc_words = {d: " " + " ".join(_WORDS.findall(t)) + " " for d, t in doc_text.items()}
+    core = {d: norm_title(chunks[c].title) for d, c in doc_first.items()}
+    first: dict[str, int] = {}  # title core -> the first document place holding it
+    for d, name in core.items():
+        first.setdefault(name, place[d])
+    chain: dict[str, tuple[float, int]] = {}
+    if want("chain_support") or want("chain_rank_inv"):
+        for d, name in core.items():
+            needle = " " + " ".join(_WORDS.findall(name)) + " "
+            if len(needle) <= 5:
+                continue
+            for other in doc_first:  # in document order: the first that names it is the best
+                if core[other] != name and needle in doc_words[other]:  # not a restatement
+                    chain[d] = (scores[doc_first[other]] / best, place[other])
+                    break
+    q_ents = [e.lower() for e in policy.q_entities]
+    head = list(doc_first)[:HEAD]
+    covered: list[set[str]] = [set()]  # covered[i]: sub-query terms of the first i head documents
+    mentioned: list[set[str]] = [set()]
+    for d in head:
+        c = doc_first[d]
+        covered.append(covered[-1] | (policy.q_terms & policy._terms_of(
+            c, f"{chunks[c].title} {chunks[c].text}")))
+        mentioned.append(mentioned[-1] | {e for e in q_ents if e in doc_text[d].lower()})
+    out: dict[str, dict[str, float]] = {}
+    for cid in scores:
+        d = chunks[cid].doc_id
+        k = min(place[d] - 1, len(head))
+        support, by = chain.get(d, (0.0, 0))
+        words = policy.q_terms & policy._terms_of(cid, f"{chunks[cid].title} {chunks[cid].text}")
+        ents = {e for e in q_ents if e in texts[cid]}
+        out[cid] = {"doc_rank_inv": 1.0 / place[d], "chain_support": support,
+                    "chain_rank_inv": 1.0 / by if by else 0.0,
+                    "restates": float(first[core[d]] < place[d]),
+                    "novel_terms": len(words - covered[k]) / max(len(policy.q_terms), 1),
+                    "novel_entity": float(bool(ents - mentioned[k]))}
     return out
 
 
