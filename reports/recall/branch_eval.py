@@ -1,16 +1,25 @@
 """Offline evaluation of branch fusion and branch planning from one run's per-branch dump.
 
     python reports/recall/branch_eval.py run  DATASET INDEX OUT.json [--branches 3]
-        [--ranker on|off] [--features] [--policy-arg search_k=10]
+        [--ranker on|off] [--features] [--policy-arg search_k=10] [--rule RULE]
         runs `orchestrator.evaluate.eval_agent` (the function behind `branchsearch eval
         --policy heuristic`) with the local executor and keeps every branch's ranking,
         retrieved/pruned/kept ids, tokens read and searches (settings from BRANCHSEARCH_* env,
-        home from --home).
+        home from --home). `--rule candidates --branches 10`: every candidate sub-query of
+        `orchestrator.plan.candidates` runs as a branch, so `table --plan RULE` simulates any
+        planner rule exactly.
     python reports/recall/branch_eval.py table OUT.json [...] [--share S --k K --agreement A
-        --plan all|no-lone-entity|one-entity]
+        --plan all|no-lone-entity|one-entity|v1|kinds:a,b|... --branches N --tail M,P]
         scores, from the dump, the question's own branch alone (= a 1-branch run: branches are
         independent and deterministic) and the fused branches that a planner rule keeps:
         AR@5, AR@10, R@5, trajectory recall, tokens read, duplicate searches, attribution.
+        `--tail M,P`: instead of `fusion.anchored`, the anchor's first M documents, then up to
+        P documents of the other branches' top 10s that the anchor's top 10 lacks (by rank,
+        round the branches), then the anchor's rest (tried in session 3, not shipped).
+    python reports/recall/branch_eval.py ceilings OUT.json [...]
+        per candidate kind (a `--rule candidates` dump): what the question's branch plus that
+        kind's branches could reach: all gold in the union of their top 10s, all gold found
+        anywhere in their trajectories, trajectory recall, tokens read.
     python reports/recall/branch_eval.py fit OUT.json [...] --on NAME
         grid-searches share, k and agreement of `fusion.anchored` on the dump named NAME and
         reports the chosen values on every dump (fit on one set, report on the others).
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,12 +41,14 @@ from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
 
 
 def run(dataset: str, index: str, out: str, branches: int, home: str,
-        features: bool = False, ranker: bool = True, policy_args: dict | None = None) -> None:
+        features: bool = False, ranker: bool = True, policy_args: dict | None = None,
+        rule: str = "") -> None:
     from branchsearch.infra.dataset import read_queries
     from branchsearch.infra.docstore import DocStore
     from branchsearch.infra.settings import load_settings
     from branchsearch.orchestrator.driver import Driver
     from branchsearch.orchestrator.evaluate import eval_agent
+    from branchsearch.orchestrator.plan import HeuristicPlanner
 
     settings = load_settings(None, {"home": home, "index": index, "branches": branches})
     queries = read_queries(dataset)
@@ -51,7 +63,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
                                           **(policy_args or {}))
         return policies[index]
 
-    driver = Driver(settings, mode="local",
+    driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
                     policy_factory=policy if features or not ranker or policy_args else None)
     search, rows = driver.search, []
     counted = driver.executor.retriever.backend_requests  # requests reaching the backends
@@ -105,11 +117,29 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
 
 # --- planner rules: which of the planned branches a rule launches ------------------------------
 
-def plan_rule(name: str):
-    """`all`: every planned branch. `no-lone-entity`: an entity branch only when the question
+def plan_rule(name: str, max_branches: int = 3):
+    """A planner rule of `orchestrator.plan` (`v1`, `kinds:a,b`, ...): the branches
+    `plan.select` launches from the dump's branches taken as the candidates, at most
+    `max_branches` (exact on a dump run with `--rule candidates`: every candidate branch ran).
+    `all`: every planned branch. `no-lone-entity`: an entity branch only when the question
     names two or more entities (a lone entity branch restates the question, whose own branch
     already searches every entity it names). `one-entity`: as no-lone-entity, and of two
     entity branches only the first (the planner's order)."""
+    from branchsearch.orchestrator.plan import RULES, SubQuery, select
+
+    if name in RULES or name.startswith("kinds:"):
+        select([SubQuery("q")], name, 1)  # an unknown kind fails here
+
+        def chosen(branches: list[dict]) -> list[dict]:
+            subs = [SubQuery(b["subquery"], b["weight"], b["kind"]) for b in branches]
+            by_sub = {(b["subquery"], b["kind"]): b for b in reversed(branches)}
+            return [by_sub[(s.text, s.kind)] for s in select(subs, name, max_branches)]
+        return chosen
+
+    if name not in ("all", "no-lone-entity", "one-entity"):
+        raise ValueError(f"unknown --plan {name!r}: all, no-lone-entity, one-entity, "
+                         f"{', '.join(RULES)} or kinds:<kind>,...")
+
     def keep(branches: list[dict]) -> list[dict]:
         entity = [b for b in branches if b["kind"] == "entity"]
         if name == "all":
@@ -123,12 +153,51 @@ def plan_rule(name: str):
     return keep
 
 
-def fused(row: dict, keep, share: float, k: float, agreement: float) -> list[str]:
+def fused(row: dict, keep, share: float, k: float, agreement: float,
+          tail: tuple[int, int] | None = None) -> list[str]:
     ok = [b for b in keep(row["branches"]) if b["status"] == "ok" and b["ranked"]]
     anchor = next((i for i, b in enumerate(ok) if b["kind"] == "original"), None)
+    if tail is not None and anchor is not None:
+        return novel_tail(ok[anchor]["ranked"], [b["ranked"] for i, b in enumerate(ok)
+                                                 if i != anchor], *tail)
     return [f.id for f in anchored_rrf([b["ranked"] for b in ok],
                                        weights=[b["weight"] for b in ok], anchor=anchor, k=k,
                                        share=share, agreement=agreement, limit=10)]
+
+
+def _doc(chunk_id: str) -> str:
+    return chunk_id.rpartition("#p")[0] or chunk_id
+
+
+def novel_tail(anchor: list[str], others: list[list[str]], head: int, novel: int,
+               limit: int = 10) -> list[str]:
+    """The anchor's first `head` documents; then up to `novel` documents that are in another
+    branch's top 10 and not in the anchor's, taken by rank round the branches; then the
+    anchor's rest and the other branches' rest. One chunk per document."""
+    out, seen = [], set()
+
+    def add(chunk_id: str) -> bool:
+        if _doc(chunk_id) in seen or len(out) >= limit:
+            return False
+        seen.add(_doc(chunk_id))
+        out.append(chunk_id)
+        return True
+
+    for c in anchor:
+        if len(out) >= head:
+            break
+        add(c)
+    own = {_doc(c) for c in anchor[:10]}
+    fresh = sorted((r, i, c) for i, lst in enumerate(others)
+                   for r, c in enumerate(lst[:10]) if _doc(c) not in own)
+    taken = 0
+    for _, _, c in fresh:
+        if taken >= novel:
+            break
+        taken += add(c)
+    for c in anchor + [c for lst in others for c in lst]:
+        add(c)
+    return out
 
 
 def score(rows: list[dict], ranking, branches, titles=None, texts=None) -> dict:
@@ -177,8 +246,9 @@ def docstore_text(dump: dict):
     return titles, texts
 
 
-def table(paths: list[str], share: float, k: float, agreement: float, plan: str) -> list[dict]:
-    keep = plan_rule(plan)
+def table(paths: list[str], share: float, k: float, agreement: float, plan: str,
+          max_branches: int = 3, tail: tuple[int, int] | None = None) -> list[dict]:
+    keep = plan_rule(plan, max_branches)
     out = []
     for path in paths:
         dump = json.loads(Path(path).read_text())
@@ -186,7 +256,7 @@ def table(paths: list[str], share: float, k: float, agreement: float, plan: str)
         rows = dump["rows"]
         one = score(rows, lambda r: r["branches"][0]["ranked"], lambda r: r["branches"][:1],
                     titles, texts)
-        many = score(rows, lambda r: fused(r, keep, share, k, agreement),
+        many = score(rows, lambda r: fused(r, keep, share, k, agreement, tail),
                      lambda r: keep(r["branches"]), titles, texts)
         backend = Counter()  # backend requests per question (dumps that counted them)
         for row in rows:
@@ -195,7 +265,44 @@ def table(paths: list[str], share: float, k: float, agreement: float, plan: str)
                     "one_branch": one, "branches": many,
                     "backend_requests": {k: round(v / max(len(rows), 1), 2)
                                          for k, v in sorted(backend.items())},
-                    "params": {"share": share, "k": k, "agreement": agreement, "plan": plan}})
+                    "params": {"share": share, "k": k, "agreement": agreement, "plan": plan,
+                               "branches": max_branches, "tail": tail}})
+    return out
+
+
+def ceilings(paths: list[str]) -> list[dict]:
+    """Per candidate kind of a `--rule candidates` dump: the question's branch plus every branch
+    of that kind (`+kind`), and all the candidates (`all`). `union_top10`: share of questions
+    whose gold all lie in the union of those branches' top 10s (what a fusion could at most
+    put in a top 10); `all_found`: all gold retrieved somewhere in their trajectories;
+    `trajectory_recall`: mean share of gold retrieved; `tokens_read`: mean per question."""
+    out = []
+    for path in paths:
+        dump = json.loads(Path(path).read_text())
+        rows = dump["rows"]
+        kinds = sorted({b["kind"] for r in rows for b in r["branches"]} - {"original"})
+
+        def reach(use) -> dict:
+            top = found = share = tokens = 0.0
+            for row in rows:
+                gold = set(row["gold"])
+                used = [b for b in row["branches"] if b["kind"] == "original" or use(b)]
+                in_top = {_doc(c) for b in used for c in b["ranked"][:10]}
+                seen = in_top | {_doc(c) for b in used for c in b["retrieved"]}
+                top += gold <= in_top
+                found += gold <= seen
+                share += len(gold & seen) / max(len(gold), 1)
+                tokens += sum(b["tokens_read"] for b in used)
+            n = max(len(rows), 1)
+            return {"union_top10": round(top / n, 3), "all_found": round(found / n, 3),
+                    "trajectory_recall": round(share / n, 3), "tokens_read": round(tokens / n)}
+
+        res = {"original": reach(lambda b: False)}
+        for kind in kinds:
+            res["+" + kind] = reach(lambda b, kind=kind: b["kind"] == kind) | {
+                "questions": sum(any(b["kind"] == kind for b in r["branches"]) for r in rows)}
+        res["all"] = reach(lambda b: True)
+        out.append({"dump": path, "index": dump["index"], "queries": len(rows), "kinds": res})
     return out
 
 
@@ -226,7 +333,7 @@ def fit(paths: list[str], on: str, plan: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=("run", "table", "fit"))
+    ap.add_argument("cmd", choices=("run", "table", "fit", "ceilings"))
     ap.add_argument("args", nargs="+")
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--home", default=".branchsearch")
@@ -235,6 +342,12 @@ def main() -> None:
     ap.add_argument("--agreement", type=float, default=0.0)
     ap.add_argument("--plan", default="all")
     ap.add_argument("--on", default="")
+    ap.add_argument("--tail", default="", metavar="M,P",
+                    help="table: the novel-tail fusion (anchor's M documents, then up to P "
+                         "the anchor's top 10 lacks) instead of fusion.anchored")
+    ap.add_argument("--rule", default="",
+                    help="run: the planner rule (orchestrator.plan.RULES); `candidates` runs "
+                         "every candidate branch (with --branches 9) for `table --plan RULE`")
     ap.add_argument("--features", action="store_true",
                     help="run: keep every scored chunk's ranker features (learned_rank off)")
     ap.add_argument("--policy-arg", action="append", default=[], metavar="NAME=NUMBER",
@@ -242,12 +355,21 @@ def main() -> None:
     ap.add_argument("--ranker", choices=("on", "off"), default="on",
                     help="run: the heuristic's learned final ranking (workers/ranker.py)")
     a = ap.parse_args()
+    try:
+        plan_rule(a.plan)
+    except ValueError as exc:
+        print(f"branch_eval: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if a.cmd == "run":
         args = {k: float(v) if "." in v else int(v)
                 for k, v in (x.split("=", 1) for x in a.policy_arg)}
-        run(*a.args, a.branches, a.home, a.features, a.ranker == "on", args)
+        run(*a.args, a.branches, a.home, a.features, a.ranker == "on", args, a.rule)
     elif a.cmd == "table":
-        print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan), indent=1))
+        tail = tuple(int(x) for x in a.tail.split(",")) if a.tail else None
+        print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan, a.branches, tail),
+                         indent=1))
+    elif a.cmd == "ceilings":
+        print(json.dumps(ceilings(a.args), indent=1))
     else:
         print(json.dumps(fit(a.args, a.on, a.plan), indent=1))
 
