@@ -132,11 +132,15 @@ def test_a_residual_search_asks_for_the_next_hop_and_credits_only_linked_hits():
                           "Victoria Falls is a waterfall on the border of Zambia and Zimbabwe.", 20)
     stray = VisibleChunk("af#p0", "af", "Angel Falls",
                          "Angel Falls is the highest waterfall of the country of Venezuela.", 20)
-    for rank, chunk in enumerate((stray, linked), start=1):  # the stray one ranks first
+    inside = VisibleChunk("kf#p0", "kf", "Kariba Gorge",
+                          "A waterfall of the country that Zimbabweans visit.", 20)
+    for rank, chunk in enumerate((stray, linked, inside), start=1):  # the stray one ranks first
         p.chunks[chunk.id] = chunk
         p.origins[chunk.id] = _Origin(query, rank, "residual", "", "bubye#p0")
     # the stray page covers more of the leftover words and ranked first, yet the linked one wins
     assert p._score("vf#p0") > p._score("af#p0") + 0.1
+    # an entity inside a longer word ("Zimbabweans") is no mention of it
+    assert p._score("kf#p0") < p._score("vf#p0") - 0.1
 
 
 def test_the_question_search_pages_on_until_it_covers_search_k_documents():
@@ -158,3 +162,24 @@ def test_the_question_search_pages_on_until_it_covers_search_k_documents():
     short = HeuristicPolicy(search_k=4)
     short.origins = {"a#p0": _Origin(q, 1, "question")}  # fewer hits than asked: no more exist
     assert short._question_page() == []
+
+
+def test_a_one_word_title_is_named_by_the_question_only_as_a_name():
+    """'hotel and casino' does not name the town 'Casino, New South Wales'; 'the Casino
+    Richmond Valley' would. Longer titles are named by all their words, as before."""
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.policy import VisibleChunk
+    from branchsearch.workers.text import terms
+
+    def support(question: str, title: str) -> float:
+        p = HeuristicPolicy(learned_rank=False, coverage_weight=0.0, residual_weight=0.0,
+                            qualifier_weight=0.0)
+        p.subquery, p.q_terms = question, terms(question)
+        p.chunks["t#p0"] = VisibleChunk("t#p0", "t", title, "A town on a river.", 10)
+        p.origins["t#p0"] = _Origin("x", 3, "entity")
+        return p._score("t#p0")
+
+    assert support("Which hotel and casino hosted the recording?", "Casino, New South Wales") \
+        == pytest.approx(0.05)  # only its search rank (0.15 / 3)
+    assert support("How big is Casino in Australia?", "Casino, New South Wales") == 0.6
+    assert support("Who founded the Flamingo Las Vegas hotel?", "Flamingo Las Vegas") == 0.95

@@ -184,7 +184,10 @@ class HeuristicPolicy:
         if origin.kind == "question":
             support, parent = 1.0 / (1.0 + self.rank_decay * (origin.rank - 1)), ""
         title_terms = terms(norm_title(chunk.title))
-        if title_terms and title_terms <= self.q_terms:
+        if title_terms and title_terms <= self.q_terms and (
+                len(title_terms) > 1 or _named_in(chunk.title, self.subquery)):
+            # the sub-query names the page: all of a longer title's words, or a one-word
+            # title as a name ("Casino, New South Wales" is not named by "hotel and casino")
             support = max(support, 0.95 if len(title_terms) > 1 else 0.6)
             parent = ""
         for entity, (source, salience) in self.links.items():
@@ -205,16 +208,20 @@ class HeuristicPolicy:
         if parent in self.chunks and (origin.kind != "residual" or parent != origin.parent
                                       or self._mentions_link_of(parent, chunk)):
             # a residual search's hit covers the parent's leftover terms by construction:
-            # that counts only when it also mentions what the parent links to
+            # that counts only when it also mentions what the parent links to; and a leftover
+            # of one or two words (a one-hop claim its first hit already covers) is weak
+            # evidence of a next hop
             p = self.chunks[parent]
             left = self.q_terms - terms(f"{p.title} {p.text}")
-            residual = len(left & words) / max(len(left), 1)
+            residual = len(left & words) / max(len(left), 1) * min(1.0, len(left) / 3)
         return (support + self.coverage_weight * coverage + self.residual_weight * residual
                 + self.qualifier_weight * self._qualifier_agreement(cid))
 
     def _mentions_link_of(self, parent: str, chunk: VisibleChunk) -> bool:
+        """Whether the chunk names, as whole words, an entity that `parent` links to."""
         text = f"{chunk.title} {chunk.text}".lower()
-        return any(src == parent and entity in text for entity, (src, _) in self.links.items())
+        return any(src == parent and re.search(rf"(?<!\w){re.escape(entity)}(?!\w)", text)
+                   for entity, (src, _) in self.links.items())
 
     def _qualifier_agreement(self, cid: str) -> float:
         """In [-0.5, 0.5], for a chunk with look-alikes (other documents whose titles share its
@@ -406,6 +413,12 @@ def title_qualifier(title: str) -> str:
         return m.group(1)
     head, comma, tail = title.partition(",")
     return tail.strip() if comma else ""
+
+
+def _named_in(title: str, query: str) -> bool:
+    """Whether the query writes a one-word title's word as the title does (capitalised)."""
+    word = re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
+    return bool(word) and re.search(rf"(?<!\w){re.escape(word)}(?!\w)", query) is not None
 
 
 def _strip_article(text: str) -> str:
