@@ -10,8 +10,10 @@ Results must be exactly those of an uncached search, and a branch excludes what 
 *without* the exclusion: `ranked` asks the backend for `k + |exclude|` (+ a margin) hits, then
 drops the excluded ones here and keeps `k`. That equals the backend's own excluded top k when
 the backend's ranking is one total order whatever the depth and exclusion only removes
-entries from it (tantivy, an exact FLAT Milvus search); `Retriever._prefix_exact` says which
-backends qualify — the others are cached by their whole request (`once`), exclusion included.
+entries from it (tantivy); `Retriever._prefix_exact` says which backends qualify — the others
+are cached by their whole request (`once`), exclusion included. Milvus does not qualify, not
+even FLAT: chunks with equal scores (duplicates) come back in an order that depends on the
+limit and the filter.
 When the cached depth is too shallow for a caller's exclusion, the list is fetched again,
 deeper. Exclusion is applied per backend list, before any fusion (hybrid fuses the two lists
 afterwards, in the retriever, as before).
@@ -220,8 +222,10 @@ class FetchCaches:
                 if question in self._ended:
                     return None
                 cache = self._caches[question] = QuestionCache(self.max_items)
-                while len(self._caches) > self.max_questions:  # an abandoned question
+                while len(self._caches) > self.max_questions:  # the longest unused question
                     self._caches.popitem(last=False)
+            else:
+                self._caches.move_to_end(question)  # in use: the last to be dropped
             return cache
 
     def end(self, question: str) -> dict:

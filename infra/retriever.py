@@ -30,7 +30,7 @@ from pathlib import Path
 
 from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
-from branchsearch.infra.backends import MAX_K, check_k
+from branchsearch.infra.backends import MAX_K, acl_terms, check_k
 from branchsearch.infra.choices import MODES, Mode
 from branchsearch.infra.errors import BadQuery, SettingsError
 from branchsearch.infra.fetch_cache import QuestionCache, copy_hit
@@ -91,7 +91,8 @@ class Retriever:
 
         if cache is None:
             return fetch(k, exclude)
-        groups = None if acl_groups is None else tuple(acl_groups)
+        terms = acl_terms(acl_groups)  # the groups as the backends filter on them
+        groups = None if terms is None else tuple(sorted(terms))
         if self._prefix_exact(kind):
             hits = cache.ranked((kind, query, groups), k, exclude,
                                 lambda depth: fetch(depth, []), MAX_K)
@@ -103,17 +104,16 @@ class Retriever:
     def _prefix_exact(self, kind: str) -> bool:
         """Whether the backend's top k without some ids is always its top (k + more) with those
         ids dropped: one total order whatever the depth, exclusion a pure filter. tantivy
-        (score, then document address) and an exact (FLAT) Milvus search; not an approximate
-        index (HNSW's breadth grows with k), nor a backend not checked (Elasticsearch,
-        external indexes), which are cached by their whole request instead."""
+        (score, then document address). Not Milvus, not even FLAT: equal scores (duplicate
+        chunks) come back in an order that depends on the limit and the filter (measured:
+        k=1 and k=4 put the same tied chunk first and fourth); nor an approximate index, nor a
+        backend not checked (Elasticsearch, external indexes). Those are cached by their whole
+        request instead."""
         if kind in ("bm25", "grep"):
             from branchsearch.infra.lexical import TantivyStore
 
             return type(self.lexical) is TantivyStore
-        from branchsearch.infra.dense import MilvusStore
-
-        return (type(self.dense) is MilvusStore
-                and str(getattr(self.dense, "index_kind", "")).upper() == "FLAT")
+        return False
 
     def _count(self, kind: str) -> None:
         with self._count_lock:

@@ -159,6 +159,10 @@ def test_the_question_search_pages_on_until_it_covers_search_k_documents():
     p.origins["c#p0"] = _Origin(q, 5, "question")
     p.origins["d#p0"] = _Origin(q, 6, "question")
     assert p._question_page() == []  # 4 documents now
+    wide = HeuristicPolicy(search_k=15)
+    wide.subquery = q
+    wide.origins = {f"a#p{i}": _Origin(q, i + 1, "question") for i in range(15)}  # 1 document
+    assert wide._question_page()[0].args["k"] == 20  # the tool's cap, not 2 x 14
     short = HeuristicPolicy(search_k=4)
     short.origins = {"a#p0": _Origin(q, 1, "question")}  # fewer hits than asked: no more exist
     assert short._question_page() == []
@@ -183,3 +187,19 @@ def test_a_one_word_title_is_named_by_the_question_only_as_a_name():
         == pytest.approx(0.05)  # only its search rank (0.15 / 3)
     assert support("How big is Casino in Australia?", "Casino, New South Wales") == 0.6
     assert support("Who founded the Flamingo Las Vegas hotel?", "Flamingo Las Vegas") == 0.95
+
+
+def test_a_residual_query_stays_within_the_search_cap():
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.policy import VisibleChunk
+    from branchsearch.workers.text import terms
+    from branchsearch.workers.tools import QUERY_MAX_CHARS
+
+    q = " ".join(f"unusualword{i} qualifier{i}" for i in range(24))  # a long question
+    p = HeuristicPolicy(learned_rank=False)
+    p.subquery, p.q_terms = q, terms(q)
+    text = " ".join(f"It mentions Longish Entity Name Number{i} here." for i in range(30))
+    p.chunks["c#p0"] = VisibleChunk("c#p0", "c", "Some Page", text, 300)
+    p.origins["c#p0"] = _Origin(q, 1, "question")
+    query = p._residual_query("c#p0", [f"Longish Entity Name Number{i}" for i in range(30)])
+    assert query.startswith("unusualword0 qualifier0") and len(query) <= QUERY_MAX_CHARS

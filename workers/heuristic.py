@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
+from branchsearch.workers.tools import MAX_SEARCH_K, QUERY_MAX_CHARS
 from branchsearch.workers.rank import doc_of, final_ranking
 from branchsearch.workers.text import entities, norm_title, sentences, terms
 
@@ -123,7 +124,7 @@ class HeuristicPolicy:
         missing = self.search_k - len({doc_of(cid) for cid in hits})
         if missing <= 0 or len(hits) < self.search_k:  # the index had no more to give
             return []
-        return [self._search(self.subquery, 2 * missing,
+        return [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K),
                              _Origin(self.subquery, len(hits), "question"))]
 
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
@@ -304,7 +305,12 @@ class HeuristicPolicy:
                 if (t := terms(w)) and not t <= covered]
         if not left:
             return ""
-        return " ".join(dict.fromkeys(left + linked[: self.residual_entities]))
+        query = ""  # within the search tool's cap: the words first, then as many entities
+        for part in dict.fromkeys(left + linked[: self.residual_entities]):
+            if len(query) + 1 + len(part) > QUERY_MAX_CHARS:
+                break
+            query = f"{query} {part}" if query else part
+        return query
 
     def _bridge_entities(self, cid: str) -> list[tuple[str, float]]:
         """Entities a chunk mentions (bridge candidates), most salient first, with a salience in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 STOPWORDS = frozenset("""
 a an the and or but if of at by for with about against between into through during before after
@@ -76,12 +77,21 @@ def _named_elsewhere(word: str, context: str) -> bool:
     by the passage capitalising it somewhere other than a sentence's first word."""
     if any(c.isupper() or c.isdigit() for c in word[1:]):
         return True
-    pattern = re.compile(rf"(?<![\w'\-]){re.escape(word)}(?![\w'\-])")
+    return word in _inner_words(context)
+
+
+_TOKEN = re.compile(r"[\w'\-]+")
+
+
+@lru_cache(maxsize=512)
+def _inner_words(context: str) -> frozenset[str]:
+    """The passage's words that are not a sentence's first (once per passage: a chunk's
+    every sentence asks about the same passage)."""
+    out: set[str] = set()
     for sentence in sentences(context):
         start = len(sentence) - len(sentence.lstrip(" \"'“‘(["))
-        if any(m.start() > start for m in pattern.finditer(sentence)):
-            return True
-    return False
+        out.update(m.group(0) for m in _TOKEN.finditer(sentence) if m.start() > start)
+    return frozenset(out)
 
 
 def norm_title(title: str) -> str:

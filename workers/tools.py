@@ -22,6 +22,7 @@ from branchsearch.workers.policy import ToolCall, ToolResult
 from branchsearch.workers.workspace import Workspace
 
 QUERY_MAX_CHARS = 500  # the search cap: a longer query is rejected (questions are cut to fit)
+MAX_SEARCH_K = 20  # the most hits one search_corpus / grep_corpus call may ask for
 
 
 class Rejected(Exception):
@@ -188,7 +189,7 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
     Tool("search_corpus",
          "Hybrid BM25 + dense search. Returns only chunks not seen before in this episode.",
          _obj({"query": {"type": "string", "minLength": 1, "maxLength": QUERY_MAX_CHARS},
-               "k": {"type": "integer", "minimum": 1, "maximum": 20},
+               "k": {"type": "integer", "minimum": 1, "maximum": MAX_SEARCH_K},
                "mode": {"enum": ["hybrid", *(m for m in MODES if m != "hybrid")]},
                "from_ids": _FROM}, ["query"]),
          apply_search, fetch_search),
@@ -196,7 +197,7 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
          "Chunks containing a term that matches a regex (whole lower-cased terms, e.g. "
          "'acme.*', '19[0-9]{2}'). Returns only chunks not seen before.",
          _obj({"pattern": {"type": "string", "minLength": 1, "maxLength": 200},
-               "k": {"type": "integer", "minimum": 1, "maximum": 20}, "from_ids": _FROM},
+               "k": {"type": "integer", "minimum": 1, "maximum": MAX_SEARCH_K}, "from_ids": _FROM},
               ["pattern"]),
          apply_grep, fetch_grep),
     Tool("read_document", "Read a window of chunks of one document by id; chunks already "
