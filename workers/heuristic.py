@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
 from branchsearch.workers.tools import MAX_SEARCH_K, QUERY_MAX_CHARS
 from branchsearch.workers.rank import doc_of, final_ranking
-from branchsearch.workers.text import entities, norm_title, sentences, terms
+from branchsearch.workers.text import (bare_title, entities, has_phrase, norm_title,
+                                       sentences, terms)
 
 
 @dataclass
@@ -221,7 +222,7 @@ class HeuristicPolicy:
     def _mentions_link_of(self, parent: str, chunk: VisibleChunk) -> bool:
         """Whether the chunk names, as whole words, an entity that `parent` links to."""
         text = f"{chunk.title} {chunk.text}".lower()
-        return any(src == parent and re.search(rf"(?<!\w){re.escape(entity)}(?!\w)", text)
+        return any(src == parent and has_phrase(text, entity)
                    for entity, (src, _) in self.links.items())
 
     def _qualifier_agreement(self, cid: str) -> float:
@@ -423,8 +424,8 @@ def title_qualifier(title: str) -> str:
 
 def _named_in(title: str, query: str) -> bool:
     """Whether the query writes a one-word title's word as the title does (capitalised)."""
-    word = re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
-    return bool(word) and re.search(rf"(?<!\w){re.escape(word)}(?!\w)", query) is not None
+    word = bare_title(title)
+    return bool(word) and has_phrase(query, word)
 
 
 def _strip_article(text: str) -> str:

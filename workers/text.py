@@ -47,7 +47,7 @@ def entities(text: str, context: str | None = None) -> list[str]:
     document for ...", "Interestingly, ..." are not names; "DNA" and "CD4" are by their
     shape). Without it (a question), only an opening stopword ("There", "Here") is dropped."""
     found: list[str] = [m.group(1).strip() for m in _QUOTED.finditer(text)]
-    opening = len(text) - len(text.lstrip(" \"'“‘(["))
+    opening = _opening(text)
     for m in _ENTITY.finditer(text):
         phrase = m.group(0).rstrip(".")
         words = phrase.split()
@@ -89,16 +89,30 @@ def _inner_words(context: str) -> frozenset[str]:
     every sentence asks about the same passage)."""
     out: set[str] = set()
     for sentence in sentences(context):
-        start = len(sentence) - len(sentence.lstrip(" \"'“‘(["))
+        start = _opening(sentence)
         out.update(m.group(0) for m in _TOKEN.finditer(sentence) if m.start() > start)
     return frozenset(out)
 
 
+def _opening(sentence: str) -> int:
+    """Where a sentence's first word starts (after leading quotes and brackets)."""
+    return len(sentence) - len(sentence.lstrip(" \"'“‘(["))
+
+
+def has_phrase(text: str, phrase: str) -> bool:
+    """Whether `phrase` occurs in `text` as whole words ("Uni" is not in "University")."""
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text) is not None
+
+
+def bare_title(title: str) -> str:
+    """Title without a parenthetical or comma qualifier: 'Kiss and Tell (1945 film)' -> 'Kiss
+    and Tell', 'Brown County, Kansas' -> 'Brown County'."""
+    return re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
+
+
 def norm_title(title: str) -> str:
-    """Title without a parenthetical or comma qualifier, lower-cased: 'Kiss and Tell (1945 film)'
-    -> 'kiss and tell', 'Brown County, Kansas' -> 'brown county'."""
-    title = re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0]
-    return title.strip().lower()
+    """`bare_title`, lower-cased: 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
+    return bare_title(title).lower()
 
 
 def sentences(text: str) -> list[str]:
