@@ -34,7 +34,7 @@ from branchsearch.infra.backends import MAX_K, acl_terms, check_k
 from branchsearch.infra.choices import MODES, Mode
 from branchsearch.infra.errors import BadQuery, SettingsError
 from branchsearch.infra.fetch_cache import QuestionCache, copy_hit
-from branchsearch.infra.manifest import require_complete
+from branchsearch.infra.manifest import read_manifest, require_complete
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.settings import Settings
 
@@ -47,7 +47,7 @@ class Retriever:
     embedder: object | None  # infra.embedder.Embedder
     rrf_k: int = 60
     hybrid_candidates: int = 50
-    one_sided: str = ""  # "bm25" | "dense" for an external index with only that backend
+    one_sided: str = ""  # "bm25" | "dense": an index with only that backend (hybrid = that side)
     backend_requests: Counter = field(default_factory=Counter, init=False, repr=False)
     _count_lock: threading.Lock = field(default_factory=threading.Lock, init=False,
                                         repr=False)
@@ -62,7 +62,7 @@ class Retriever:
             return []
         exclude = list(dict.fromkeys(exclude_ids))
         if mode == "hybrid" and self.one_sided:
-            mode = self.one_sided  # an external index with one backend: hybrid is that side
+            mode = self.one_sided  # an index with one backend: hybrid is that side
         if mode == "bm25":
             hits = self._list("bm25", query, k, exclude, acl_groups, cache)
         elif mode == "dense":
@@ -339,8 +339,12 @@ def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -
     docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense,
                                                      embedder=embedder)
     ext = settings.external
-    one_sided = "" if ext is None or "none" not in (ext.lexical, ext.dense) else (
-        "bm25" if ext.dense == "none" else "dense")
+    if ext is None:  # an owned index ingested --no-dense: hybrid (the default) is its BM25 side
+        manifest = read_manifest(settings.index_dir)
+        one_sided = "bm25" if manifest is not None and manifest.embedding is None else ""
+    else:
+        one_sided = "" if "none" not in (ext.lexical, ext.dense) else (
+            "bm25" if ext.dense == "none" else "dense")
     return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
                      settings.hybrid_candidates, one_sided)
 

@@ -332,3 +332,26 @@ def test_a_question_in_use_is_not_the_one_evicted():
     assert caches.get("A") is a  # A asks again: it is in use
     caches.get("C")  # one too many: the least recently used (B) goes, not A
     assert caches.get("A") is a and len(caches) == 2
+
+
+def test_hybrid_on_an_index_ingested_without_vectors_is_its_bm25_side(tmp_path):
+    """The default mode (hybrid) on a --no-dense index: BM25's hits, not an error that leaves a
+    branch 'ok' with no evidence; an explicit dense search still says what is missing."""
+    from conftest import HOTPOT
+
+    from branchsearch.infra.errors import BadQuery
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+
+    settings = load_settings(overrides={"home": str(tmp_path), "index": "lex"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    r = open_retriever(settings)
+    try:
+        hybrid = r.search("Scott Derrickson director", "hybrid", 5)
+        assert hybrid and rows(hybrid) == rows(r.search("Scott Derrickson director", "bm25", 5))
+        with pytest.raises(BadQuery, match="dense search needs"):
+            r.search("Scott Derrickson director", "dense", 5)
+    finally:
+        r.close()
