@@ -51,6 +51,7 @@ class Retriever:
     backend_requests: Counter = field(default_factory=Counter, init=False, repr=False)
     _count_lock: threading.Lock = field(default_factory=threading.Lock, init=False,
                                         repr=False)
+    _pool: object | None = field(default=None, init=False, repr=False)  # call_many's threads
 
     def search(self, query: str, mode: Mode = "hybrid", k: int = 10,
                exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None,
@@ -198,8 +199,6 @@ class Retriever:
         value or the exception it raised. A branch agent sends one turn's requests together —
         to a retriever actor, in one round trip. `cache`: the question's, shared by its
         branches (same results, fewer backend requests)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         def one(request):
             method, args, kwargs = request
             try:
@@ -213,10 +212,24 @@ class Retriever:
 
         if len(requests) <= 1:
             return [one(r) for r in requests]
-        with ThreadPoolExecutor(max_workers=min(8, len(requests))) as pool:
-            return list(pool.map(one, requests))
+        return list(self._threads().map(one, requests))
+
+    def _threads(self):
+        """One thread pool for the retriever's life: a pool per turn spent about 1 ms per
+        thread started, a tenth of a branch's turn. (`one` never submits to it: no deadlock.)"""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self._count_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=16,
+                                                thread_name_prefix="retriever")
+            return self._pool
 
     def close(self) -> None:
+        with self._count_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for part in (self.lexical, self.dense, self.docstore):
             if part is not None:
                 part.close()

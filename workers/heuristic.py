@@ -16,6 +16,7 @@ found in retained chunks (each with the chunk it came from and a salience). Each
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from dataclasses import dataclass, field
 
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
@@ -74,6 +75,7 @@ class HeuristicPolicy:
     final_features: dict[str, list[float]] = field(default_factory=dict)  # at finish
     _pending: dict[tuple, _Origin] = field(default_factory=dict)
     _term_cache: dict[tuple, set[str]] = field(default_factory=dict)
+    _link_index: tuple | None = None  # (links, its size, word -> link positions, link order)
 
     # --- Policy protocol -----------------------------------------------------------------------
 
@@ -192,7 +194,8 @@ class HeuristicPolicy:
             # title as a name ("Casino, New South Wales" is not named by "hotel and casino")
             support = max(support, 0.95 if len(title_terms) > 1 else 0.6)
             parent = ""
-        for entity, (source, salience) in self.links.items():
+        for entity in self._links_sharing_a_word(chunk.title):
+            source, salience = self.links[entity]
             if source == cid:
                 continue
             quality = _names(chunk.title, entity)
@@ -218,6 +221,21 @@ class HeuristicPolicy:
             residual = len(left & words) / max(len(left), 1) * min(1.0, len(left) / 3)
         return (support + self.coverage_weight * coverage + self.residual_weight * residual
                 + self.qualifier_weight * self._qualifier_agreement(cid))
+
+    def _links_sharing_a_word(self, title: str) -> list[str]:
+        """The linked entities that share a word with `title`, in link order: the only ones
+        `_names` or `_word_overlap` can credit (a rescoring otherwise tries every chunk against
+        every link, most of a branch's CPU time). The index follows `links`, which only grows."""
+        seen = self._link_index
+        if seen is None or seen[0] is not self.links or seen[1] != len(self.links):
+            by_word: dict[str, list[int]] = {}
+            for pos, entity in enumerate(self.links):
+                for word in set(entity.split()):
+                    by_word.setdefault(word, []).append(pos)
+            seen = self._link_index = (self.links, len(self.links), by_word, list(self.links))
+        _, _, by_word, order = seen
+        return [order[p] for p in sorted({p for w in _title_words(title)
+                                          for p in by_word.get(w, ())})]
 
     def _mentions_link_of(self, parent: str, chunk: VisibleChunk) -> bool:
         """Whether the chunk names, as whole words, an entity that `parent` links to."""
@@ -389,6 +407,7 @@ december monday tuesday wednesday thursday friday saturday sunday one two three 
 seven eight nine ten originally however during later after""".split())
 
 
+@lru_cache(maxsize=65536)
 def _names(title: str, entity: str) -> float:
     """How well a document title names this entity: 1.0 exactly (after dropping a parenthetical
     qualifier and a leading article), 0.85 when the title adds one word ('Manchester United
@@ -405,6 +424,12 @@ def _names(title: str, entity: str) -> float:
     # 'Nelson Rockefeller'; 'Esma Sultan Mansion' does not name 'Esma Sultan'
 
 
+@lru_cache(maxsize=16384)
+def _title_words(title: str) -> frozenset[str]:
+    return frozenset(norm_title(title).split())
+
+
+@lru_cache(maxsize=65536)
 def _word_overlap(title: str, entity: str) -> float:
     """Jaccard overlap of the words of a title and an entity ('International Boxing Council'
     vs 'International Boxing Federation': 0.5)."""

@@ -24,6 +24,7 @@ _LEADING = frozenset("The A An In On At For By From With During After Before Thi
                      "Although Since Until Also Both Each Many Most Some Other".split())
 
 
+@lru_cache(maxsize=65536)
 def stem(word: str) -> str:
     w = word.lower().strip("'-.")
     if w.endswith("'s"):
@@ -34,9 +35,11 @@ def stem(word: str) -> str:
     return w
 
 
-def terms(text: str) -> set[str]:
-    """Content terms: lower-cased, stopwords dropped, plurals folded."""
-    return {stem(w) for w in _WORD.findall(text) if w.lower() not in STOPWORDS and len(w) > 1}
+@lru_cache(maxsize=8192)
+def terms(text: str) -> frozenset[str]:
+    """Content terms: lower-cased, stopwords dropped, plurals folded. (Cached: the policy asks
+    for the same chunk's terms at every turn's rescoring.)"""
+    return frozenset({stem(w) for w in _WORD.findall(text) if w.lower() not in STOPWORDS and len(w) > 1})
 
 
 def entities(text: str, context: str | None = None) -> list[str]:
@@ -101,15 +104,22 @@ def _opening(sentence: str) -> int:
 
 def has_phrase(text: str, phrase: str) -> bool:
     """Whether `phrase` occurs in `text` as whole words ("Uni" is not in "University")."""
-    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text) is not None
+    return _whole_word(phrase).search(text) is not None
 
 
+@lru_cache(maxsize=4096)
+def _whole_word(phrase: str) -> re.Pattern:
+    return re.compile(rf"(?<!\w){re.escape(phrase)}(?!\w)")
+
+
+@lru_cache(maxsize=16384)
 def bare_title(title: str) -> str:
     """Title without a parenthetical or comma qualifier: 'Kiss and Tell (1945 film)' -> 'Kiss
     and Tell', 'Brown County, Kansas' -> 'Brown County'."""
     return re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
 
 
+@lru_cache(maxsize=16384)
 def norm_title(title: str) -> str:
     """`bare_title`, lower-cased: 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
     return bare_title(title).lower()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,13 +228,19 @@ def validate_args(call: ToolCall) -> None:
         raise Rejected(f"unknown tool {call.name!r}; tools: {', '.join(TOOLS)}")
     if not isinstance(call.args, dict):
         raise Rejected(f"{call.name}: arguments must be a JSON object")
-    import jsonschema
-
-    errors = sorted(jsonschema.Draft7Validator(tool.parameters).iter_errors(call.args),
-                    key=lambda e: list(e.path))
+    errors = sorted(_validator(call.name).iter_errors(call.args), key=lambda e: list(e.path))
     if errors:
         where = "/".join(str(p) for p in errors[0].path) or "arguments"
         raise Rejected(f"{call.name}: invalid {where}: {errors[0].message}")
+
+
+@lru_cache(maxsize=None)
+def _validator(name: str):
+    """The tool's compiled argument schema (built once: a validator per call cost more than
+    the search it checked)."""
+    import jsonschema
+
+    return jsonschema.Draft7Validator(TOOLS[name].parameters)
 
 
 def fit_query(text: str, counter, max_tokens: int, max_chars: int = QUERY_MAX_CHARS
