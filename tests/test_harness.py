@@ -300,3 +300,35 @@ def test_read_document_checks_the_callers_groups_before_the_fetch(tmp_path):
         assert public.ok and public.ids[0].startswith("ed-wood#")
     finally:
         retriever.close()
+
+
+def test_a_branch_whose_every_retrieval_fails_is_an_error_not_an_empty_ok(tmp_path):
+    """A store that breaks in a way that is not 'the backend is down' (here the docstore's
+    SQLite file closed under the retriever): every search_corpus fails, and the branch must
+    say so, not finish 'ok' with no evidence. One failure among answers stays an observation."""
+    from conftest import HOTPOT
+
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.workers.branch import BranchTask, run_branch
+
+    settings = load_settings(overrides={"home": str(tmp_path), "index": "lex",
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        ok = run_branch(BranchTask(0, Q), retriever, settings)
+        assert ok.status == "ok" and ok.episode.ranked_chunk_ids
+        mixed = run_branch(BranchTask(0, Q), retriever, settings,
+                           policy_factory=lambda i, q: ScriptedPolicy([
+                               [call("search_corpus", query="Corliss Archer", k=2),
+                                call("search_corpus", query="x", mode="nonsense")]]))
+        assert mixed.status == "ok"  # a bad call among good ones is the policy's to read
+        retriever.docstore.close()
+        broken = run_branch(BranchTask(0, Q), retriever, settings)
+    finally:
+        retriever.close()
+    assert broken.status == "error" and broken.termination == "backend_error"
+    assert "every retrieval failed" in broken.error and "search_corpus" in broken.error
+    assert not broken.episode.ranked_chunk_ids

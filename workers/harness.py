@@ -102,6 +102,7 @@ class Episode:
         self.last_results: list[ToolResult] = []
         self.last_error = ""
         self.policy_s = self.fetch_s = 0.0
+        self.fetched_ok, self.fetch_failures = 0, []  # retrievals answered / failed (not BadQuery)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -119,12 +120,22 @@ class Episode:
             except EpisodeEnd as end:
                 self.trace.record("end", reason=end.reason, detail=end.detail,
                                   turns=self.ws.turn, tokens=self.ws.used)
+                end = self._no_retrieval_worked(end)
                 span.set_attributes({"termination": end.reason, "turns": self.ws.turn,
                                      "context_tokens_final": self.ws.used,
                                      "tokens_read": self.ws.tokens_read})
                 result = self.result(end)
             result.trace_id = format(span.get_span_context().trace_id, "032x")
             return result
+
+    def _no_retrieval_worked(self, end: EpisodeEnd) -> EpisodeEnd:
+        """An episode whose every retrieval failed (an error that is neither the backend being
+        down nor a bad query: a missing dense index, a broken store) ends `backend_error`: no
+        evidence because nothing could be searched must not look like an `ok` with none."""
+        if self.fetched_ok or not self.fetch_failures or end.reason == "backend_error":
+            return end
+        return BackendFailed(f"every retrieval failed ({len(self.fetch_failures)}); the first: "
+                             f"{self.fetch_failures[0]}"[:500])
 
     def step(self) -> None:
         """One turn: show the policy its view, execute what it decides, record the turn."""
@@ -262,7 +273,10 @@ class Episode:
                                f"{self.budget.usage_line(self.ws.used)}; "
                                "prune_chunks, recall_chunks or finish")
             if isinstance(fetched, Exception) and not isinstance(fetched, BadQuery):
+                self.fetch_failures.append(f"{call.name}: {type(fetched).__name__}: {fetched}")
                 raise Rejected(f"{call.name} failed: {type(fetched).__name__}: {fetched}")
+            if fetched is not None and not isinstance(fetched, Exception):
+                self.fetched_ok += 1
             result = TOOLS[call.name].apply(self.ws, call.args, fetched)
         except Rejected as exc:
             result = ToolResult(call, False, f"Error: {exc}")
