@@ -3,7 +3,7 @@ share of wall time spent outside backend and policy work, and batch throughput w
 concurrent questions. One run; medians over the same questions for every configuration.
 
     python bench/orchestrator_latency.py --home /tmp/bs --index hotpotqa-dev200 \\
-        --queries ../shared/data/hotpotqa-dev200 [--n 30] [--batch-n 40]
+        --queries ../shared/data/hotpotqa-dev200 [--n 30] [--batch-n 40 | 0: no batch]
 
 Overhead share (per query) = 1 - work / wall. Work is the policy's deciding time plus the wall
 time of the retrieval phases (a turn's tool calls fetch concurrently), of which through Ray only
@@ -31,9 +31,21 @@ from branchsearch.orchestrator.batch import run_batch  # noqa: E402
 from branchsearch.orchestrator.driver import Driver  # noqa: E402
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (user + system, every process: the
+    driver, Ray's workers and daemons), from /proc/stat; 0 where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(driver: Driver, questions: list[str], branches: int) -> dict:
     driver.search(questions[0], max_branches=branches)  # warm-up
     walls, shares = [], []
+    cpu0 = busy_cpu_s()
     for q in questions:
         r = driver.search(q, max_branches=branches)
         work = [b.policy_s + b.fetch_s * (min(b.backend_s / b.rpc_s, 1.0) if b.rpc_s else 1.0)
@@ -41,7 +53,9 @@ def measure(driver: Driver, questions: list[str], branches: int) -> dict:
         busy = sum(work) if driver.mode == "local" else max(work)
         walls.append(r.metrics["latency_s"])
         shares.append(max(0.0, 1 - busy / r.metrics["latency_s"]))
-    return {"p50_ms": 1000 * statistics.median(walls), "overhead": statistics.median(shares)}
+    cpu = (busy_cpu_s() - cpu0) / len(questions)
+    return {"p50_ms": 1000 * statistics.median(walls), "overhead": statistics.median(shares),
+            "cpu_ms": 1000 * cpu, "floor_ms": 1000 * cpu / (os.cpu_count() or 1)}
 
 
 def main() -> None:
@@ -61,17 +75,24 @@ def main() -> None:
     rows = []
     local = Driver(settings, mode="local")
     rows.append(("1 branch, in-process", measure(local, sample, 1)))
+    rows.append(("3 branches, in-process (one after another)", measure(local, sample, 3)))
     local.close()
     ray_driver = Driver(settings, mode="ray", pool_size=3)
     rows.append(("1 branch, Ray actors", measure(ray_driver, sample, 1)))
     rows.append(("3 branches, Ray actors", measure(ray_driver, sample, 3)))
     ray_driver.close()
     base = rows[0][1]["p50_ms"]
-    print("\n| configuration | median latency ms | vs in-process | overhead share (median) |")
-    print("|---|---|---|---|")
+    print("\n| configuration | median latency ms | vs 1 branch in-process | overhead share "
+          "(median) | machine CPU ms per question | its floor on these cores, ms |")
+    print("|---|---|---|---|---|---|")
     for name, m in rows:
         print(f"| {name} | {m['p50_ms']:.0f} | {m['p50_ms'] / base:.2f}x | "
-              f"{100 * m['overhead']:.1f} % |")
+              f"{100 * m['overhead']:.1f} % | {m['cpu_ms']:.0f} | {m['floor_ms']:.0f} |")
+    print("(machine CPU: every process's busy time over the run, per question: Ray's workers "
+          "and daemons included; the floor is that divided by the cores, the wall time no "
+          "scheduling could beat)")
+    if args.batch_n <= 0:
+        return
 
     batch = [(str(i), q) for i, q in enumerate(questions[: args.batch_n])]
     print(f"\nbatch throughput, {len(batch)} questions, 3 branches each")
