@@ -9,6 +9,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   rows are run again.
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt.
+* After `stop_after` failed questions in a row (a dead backend fails every question in
+  milliseconds) no more are started: the rest stay unwritten, not marked failed by an outage,
+  and the counts say how many were not run and why; re-running the command resumes.
 Malformed input lines are reported with their line numbers and skipped.
 """
 
@@ -60,6 +63,16 @@ def read_questions(path: str | Path) -> BatchInput:
             seen.add(str(qid))
             out.items.append((str(qid), question))
     return out
+
+
+def _why_failed(row: dict) -> str:
+    """A failed row's reason: its error, else its first failed branch's."""
+    if row.get("error"):
+        return str(row["error"])
+    for branch in row.get("branches") or []:
+        if isinstance(branch, dict) and branch.get("error"):
+            return str(branch["error"])
+    return "no branch finished"
 
 
 def row_status(row: dict) -> str:
@@ -120,17 +133,24 @@ def compact(path: str | Path, order: list[str] | None = None) -> int:
     return len(ids)
 
 
+STOP_AFTER = 20  # failed questions in a row that stop a batch (0: never stop)
+
+
 def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               search: Callable[[str], dict], *, concurrency: int = 2,
-              on_done: Callable[[str], None] | None = None) -> dict:
+              on_done: Callable[[str], None] | None = None,
+              stop_after: int = STOP_AFTER) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
-    not ok. Returns counts: ok, partial, failed (this run) and skipped (already ok)."""
+    not ok. Returns counts: ok, partial, failed (this run), skipped (already ok), not_run
+    (left when `stop_after` failures in a row stopped the run) and `stopped` (why, or "")."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     finished = done_ids(out_path)
     todo = [(qid, q) for qid, q in items if qid not in finished]
     lock = threading.Lock()
-    counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0}
+    counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
+              "not_run": 0, "stopped": ""}
+    in_a_row, last_error = 0, [""]
 
     def one(qid: str, question: str) -> str:
         try:
@@ -138,6 +158,8 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
         except Exception as exc:  # a failed question is recorded, not fatal
             row = {"id": qid, "question": question, "status": "failed",
                    "error": f"{type(exc).__name__}: {exc}"}
+        if row_status(row) == "failed":
+            last_error[0] = _why_failed(row)
         line = json.dumps(row, default=str) + "\n"
         with lock, out_path.open("a", encoding="utf-8") as f:
             f.write(line)
@@ -154,11 +176,16 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
                 for future in finished_now:
                     status = future.result()
                     counts[status] += 1
+                    in_a_row = in_a_row + 1 if status == "failed" else 0
                     if on_done:
                         on_done(status)
-                    nxt = next(queue, None)
+                    if stop_after and in_a_row >= stop_after and not counts["stopped"]:
+                        counts["stopped"] = (f"{in_a_row} questions failed in a row (the "
+                                             f"last: {last_error[0][:300]})")
+                    nxt = None if counts["stopped"] else next(queue, None)
                     if nxt is not None:
                         pending.add(pool.submit(one, *nxt))
+            counts["not_run"] = sum(1 for _ in queue)
     finally:
         if out_path.exists():
             compact(out_path, [qid for qid, _ in items])

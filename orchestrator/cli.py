@@ -15,6 +15,7 @@ from branchsearch.infra.choices import EXECUTORS, MODES, POLICIES, SPLITS
 from branchsearch.infra.errors import BadQuery, BranchsearchError
 from branchsearch.infra.settings import Settings, load_settings
 from branchsearch.infra.synth import MAX_DOCS
+from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.terminal import one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -285,6 +286,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           branches: Optional[int] = typer.Option(None, min=1),
           executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
           acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
+          stop_after: int = typer.Option(
+              STOP_AFTER, "--stop-after", min=0,
+              help="stop starting questions after this many failed in a row (0: never)"),
           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
           config: Optional[Path] = ConfigOpt):
     """Many questions, resumable: re-running runs again every id whose latest line is not ok;
@@ -315,14 +319,18 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     try:
         counts = run_batch(data.items, output,
                            lambda q: driver.search(q, acl_groups=groups).to_dict(),
-                           concurrency=settings.batch_concurrency, on_done=tick)
+                           concurrency=settings.batch_concurrency, on_done=tick,
+                           stop_after=stop_after)
     finally:
         bar.close()
         driver.close()
     print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
           f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
           "lines skipped")
-    if counts["failed"] or data.bad_lines:  # a skipped line is a question nobody answered
+    if counts["stopped"]:
+        print(f"batch stopped: {counts['stopped']}; {counts['not_run']} questions not run. "
+              "Fix the cause and run the same command again: it resumes", file=sys.stderr)
+    if counts["failed"] or counts["not_run"] or data.bad_lines:  # nobody answered these
         sys.exit(1)
 
 

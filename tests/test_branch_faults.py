@@ -36,7 +36,8 @@ def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
     items = [(x, f"q{x}") for x in "abcde"]
     counts = run_batch(items, out, search, concurrency=2)
     assert sorted(asked) == ["qb", "qc", "qd", "qe"]
-    assert counts == {"skipped": 1, "ok": 3, "partial": 0, "failed": 1}
+    assert counts == {"skipped": 1, "ok": 3, "partial": 0, "failed": 1, "not_run": 0,
+                      "stopped": ""}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == list("abcde")  # one line each, input order
     assert rows[3]["status"] == "failed" and "still broken" in rows[3]["error"]
@@ -83,13 +84,16 @@ def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
             state["es"].stop()  # the outage: the lexical backend is gone mid-batch
         return driver.search(question).to_dict()
 
-    try:
-        counts = run_batch(items, out, search, concurrency=1)
+    try:  # 3 failures in a row stop it: the outage does not mark every later question failed
+        counts = run_batch(items, out, search, concurrency=1, stop_after=3)
     finally:
         driver.close()
-    assert counts == {"skipped": 0, "ok": 3, "partial": 0, "failed": len(items) - 3}
+    assert len(items) > 6 and counts["not_run"] == len(items) - 6
+    assert counts["stopped"].startswith("3 questions failed in a row (the last: ")
+    assert "BackendUnavailable" in counts["stopped"]
+    assert (counts["ok"], counts["failed"], counts["skipped"]) == (3, 3, 0)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == [qid for qid, _ in items]
+    assert [r["id"] for r in rows] == [qid for qid, _ in items[:6]]  # nothing for the rest
     for row in rows[3:]:
         assert row["status"] == "failed" and row["evidence"] == []
         branch = row["branches"][0]
@@ -103,7 +107,8 @@ def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
         again = run_batch(items, out, lambda q: driver.search(q).to_dict(), concurrency=2)
     finally:
         driver.close()
-    assert again == {"skipped": 3, "ok": len(items) - 3, "partial": 0, "failed": 0}
+    assert again == {"skipped": 3, "ok": len(items) - 3, "partial": 0, "failed": 0,
+                     "not_run": 0, "stopped": ""}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [qid for qid, _ in items]  # one line per id
     assert all(r["status"] == "ok" and r["evidence"] for r in rows)
