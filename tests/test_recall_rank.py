@@ -203,3 +203,35 @@ def test_a_residual_query_stays_within_the_search_cap():
     p.origins["c#p0"] = _Origin(q, 1, "question")
     query = p._residual_query("c#p0", [f"Longish Entity Name Number{i}" for i in range(30)])
     assert query.startswith("unusualword0 qualifier0") and len(query) <= QUERY_MAX_CHARS
+
+
+def test_a_leading_year_is_a_qualifier_among_the_pages_of_a_series():
+    """'1974 Texas Tech Red Raiders football team' and its 2013 sibling are one series told
+    apart by the year: the year the question gives agrees with one and not the other, however
+    the season is written ('1992–93' in a title, '1992-93' in a question). A page with no
+    sibling, or no year, gets nothing from it."""
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin, title_qualifier
+    from branchsearch.workers.policy import VisibleChunk
+    from branchsearch.workers.text import terms
+
+    assert title_qualifier("1995–96 Manchester United F.C. season") == "1995–96"
+    assert title_qualifier("2001: A Space Odyssey") == ""  # a year that is the name
+    assert title_qualifier("Kiss and Tell (1945 film)") == "1945 film"
+
+    def agreement(question: str, titles: list[str]) -> list[float]:
+        p = HeuristicPolicy(learned_rank=False)
+        p.subquery, p.q_terms = question, terms(question)
+        for i, title in enumerate(titles):
+            cid = f"d{i}#p0"
+            p.chunks[cid] = VisibleChunk(cid, f"d{i}", title, "A season of a team.", 10)
+            p.origins[cid] = _Origin(question, i + 1, "question")
+        return [p._qualifier_agreement(f"d{i}#p0") for i in range(len(titles))]
+
+    q = "The 1974 Texas Tech Raiders football team represented what university?"
+    assert agreement(q, ["2013 Texas Tech Red Raiders football team",
+                         "1974 Texas Tech Red Raiders football team"]) == [-0.5, 0.5]
+    assert agreement("Who played for the Charlotte Hornets in their 1992-93 season?",
+                     ["1993–94 Charlotte Hornets season", "1992–93 Charlotte Hornets season"]
+                     ) == [-0.5, 0.5]
+    assert agreement(q, ["1974 Texas Tech Red Raiders football team", "Texas Tech University"]
+                     ) == [0.0, 0.0]  # no look-alike

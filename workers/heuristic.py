@@ -251,12 +251,12 @@ class HeuristicPolicy:
         found it), the look-alikes excepted. 0 without a qualifier or without a look-alike: the
         qualifier only decides between chunks that the name alone cannot."""
         chunk = self.chunks[cid]
-        qualifier = terms(title_qualifier(chunk.title))
+        qualifier = _dashless(terms(title_qualifier(chunk.title)))  # '1992–93' = '1992-93'
         if not qualifier:
             return 0.0
-        core = norm_title(chunk.title)
+        core = _series_core(chunk.title)
         alike = {o.doc_id for o in self.chunks.values()
-                 if o.doc_id != chunk.doc_id and norm_title(o.title) == core}
+                 if o.doc_id != chunk.doc_id and _series_core(o.title) == core}
         if not alike:
             return 0.0
         names = {n for n in (core, self.origins[cid].entity.lower()) if len(n) > 3}
@@ -267,7 +267,7 @@ class HeuristicPolicy:
             text = other.text.lower()
             if any(n in text for n in names):
                 known |= self._terms_of(other_id, other.text)
-        return len(qualifier & known) / len(qualifier) - 0.5
+        return len(qualifier & _dashless(known)) / len(qualifier) - 0.5
 
     def _terms_of(self, cid: str, text: str) -> set[str]:
         key = (cid, len(text))  # a read replaces a snippet by the longer text
@@ -444,7 +444,31 @@ def title_qualifier(title: str) -> str:
     if m:
         return m.group(1)
     head, comma, tail = title.partition(",")
-    return tail.strip() if comma else ""
+    if comma:
+        return tail.strip()
+    m = _LEADING_YEAR.match(title)
+    return m.group(1) if m else ""
+
+
+# a title that opens with a year or a season names one of a series: '1974 Texas Tech Red
+# Raiders football team', '1995–96 Manchester United F.C. season'
+_LEADING_YEAR = re.compile(r"((?:1[0-9]|20)\d\d(?:[–-]\d{2,4})?)\s+\S")
+
+
+def _dashless(words) -> set[str]:
+    """Words with those joined by a dash also split ('1992-93' -> '1992', '93')."""
+    out = set(words)
+    for w in words:
+        if "-" in w:
+            out.update(p for p in w.split("-") if p)
+    return out
+
+
+def _series_core(title: str) -> str:
+    """`norm_title` without a leading year: what the titles of one series share."""
+    core = norm_title(title)
+    m = _LEADING_YEAR.match(core)
+    return core[m.end(1):].strip() if m else core
 
 
 def _named_in(title: str, query: str) -> bool:
