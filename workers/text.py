@@ -54,6 +54,9 @@ def entities(text: str, context: str | None = None) -> list[str]:
     for m in _ENTITY.finditer(text):
         phrase = m.group(0).rstrip(".")
         words = phrase.split()
+        while context is not None and m.start() == opening and len(words) > 1 \
+                and _heading(words[0]):
+            words = words[1:]  # "RESULTS There were …", "METHODS Cervical …": a section heading
         if m.start() == opening and len(words) == 1 and (
                 words[0].lower() in STOPWORDS  # "There is a country where ..."
                 or context is not None and not _named_elsewhere(words[0], context)):
@@ -75,11 +78,18 @@ def entities(text: str, context: str | None = None) -> list[str]:
     return out
 
 
+def _heading(word: str) -> bool:
+    """A section heading opening a sentence of a passage (BACKGROUND, RESULTS, METHODS): a word
+    of six or more capital letters and nothing else (shorter ones are mostly acronyms: NASA,
+    UEFA), followed by the sentence it heads."""
+    return len(word) >= 6 and word.isalpha() and word.isupper()
+
+
 def _named_elsewhere(word: str, context: str) -> bool:
     """Whether `word` is a name by its shape (a capital or digit after its first letter) or
     by the passage capitalising it somewhere other than a sentence's first word."""
-    if any(c.isupper() or c.isdigit() for c in word[1:]):
-        return True
+    if any(c.isupper() or c.isdigit() for c in word[1:]) and not _heading(word):
+        return True  # (a heading's capitals are not a name's: DESIGN, SETTING)
     return word in _inner_words(context)
 
 
@@ -93,7 +103,10 @@ def _inner_words(context: str) -> frozenset[str]:
     out: set[str] = set()
     for sentence in sentences(context):
         start = _opening(sentence)
-        out.update(m.group(0) for m in _TOKEN.finditer(sentence) if m.start() > start)
+        tokens = [m for m in _TOKEN.finditer(sentence) if m.start() >= start]
+        while len(tokens) > 1 and _heading(tokens[0].group(0)):
+            tokens = tokens[1:]  # the heading's sentence opens at the next word
+        out.update(m.group(0) for m in tokens[1:])
     return frozenset(out)
 
 
