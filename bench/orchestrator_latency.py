@@ -5,6 +5,10 @@ concurrent questions. One run; medians over the same questions for every configu
     python bench/orchestrator_latency.py --home /tmp/bs --index hotpotqa-dev200 \\
         --queries ../shared/data/hotpotqa-dev200 [--n 30] [--batch-n 40 | 0: no batch]
 
+Machine CPU per question comes from /proc/stat (every process: the driver, Ray's workers and
+daemons), less the rate the machine was busy while the bench slept just before each
+configuration; on 2 cores it shows why 3 branches through Ray cannot come within 1.5x of one.
+
 Overhead share (per query) = 1 - work / wall. Work is the policy's deciding time plus the wall
 time of the retrieval phases (a turn's tool calls fetch concurrently), of which through Ray only
 the backend's share counts (backend time measured inside the retriever actor / round-trip time).
@@ -39,13 +43,23 @@ def busy_cpu_s() -> float:
             v = [int(x) for x in f.readline().split()[1:]]
     except OSError:
         return 0.0
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    # user, nice, system, irq, softirq (not idle, iowait, steal; guest is inside user)
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_rate(seconds: float = 3.0) -> float:
+    """The machine's busy CPU per second while this process sleeps: what others (and an idle
+    Ray cluster's daemons) use, subtracted from every measurement."""
+    before = busy_cpu_s()
+    time.sleep(seconds)
+    return (busy_cpu_s() - before) / seconds
 
 
 def measure(driver: Driver, questions: list[str], branches: int) -> dict:
     driver.search(questions[0], max_branches=branches)  # warm-up
+    idle = idle_rate()
     walls, shares = [], []
-    cpu0 = busy_cpu_s()
+    cpu0, started = busy_cpu_s(), time.perf_counter()
     for q in questions:
         r = driver.search(q, max_branches=branches)
         work = [b.policy_s + b.fetch_s * (min(b.backend_s / b.rpc_s, 1.0) if b.rpc_s else 1.0)
@@ -53,9 +67,11 @@ def measure(driver: Driver, questions: list[str], branches: int) -> dict:
         busy = sum(work) if driver.mode == "local" else max(work)
         walls.append(r.metrics["latency_s"])
         shares.append(max(0.0, 1 - busy / r.metrics["latency_s"]))
-    cpu = (busy_cpu_s() - cpu0) / len(questions)
+    busy = busy_cpu_s() - cpu0 - idle * (time.perf_counter() - started)
+    cpu = max(busy, 0.0) / len(questions)
     return {"p50_ms": 1000 * statistics.median(walls), "overhead": statistics.median(shares),
-            "cpu_ms": 1000 * cpu, "floor_ms": 1000 * cpu / (os.cpu_count() or 1)}
+            "cpu_ms": 1000 * cpu, "floor_ms": 1000 * cpu / (os.cpu_count() or 1),
+            "idle_cores": idle}
 
 
 def main() -> None:
@@ -88,9 +104,11 @@ def main() -> None:
     for name, m in rows:
         print(f"| {name} | {m['p50_ms']:.0f} | {m['p50_ms'] / base:.2f}x | "
               f"{100 * m['overhead']:.1f} % | {m['cpu_ms']:.0f} | {m['floor_ms']:.0f} |")
-    print("(machine CPU: every process's busy time over the run, per question: Ray's workers "
-          "and daemons included; the floor is that divided by the cores, the wall time no "
-          "scheduling could beat)")
+    print("(machine CPU: every process's busy time over the run, per question, less what the "
+          "machine used while the bench slept just before (" + ", ".join(
+              f"{m['idle_cores']:.2f}" for _, m in rows) + " cores): Ray's workers and daemons "
+          "at work included; the floor is that divided by the cores, the wall time no "
+          "scheduling could beat. Run it on an otherwise idle machine)")
     if args.batch_n <= 0:
         return
 

@@ -52,6 +52,7 @@ class Retriever:
     _count_lock: threading.Lock = field(default_factory=threading.Lock, init=False,
                                         repr=False)
     _pool: object | None = field(default=None, init=False, repr=False)  # call_many's threads
+    _closed: bool = field(default=False, init=False, repr=False)
 
     def search(self, query: str, mode: Mode = "hybrid", k: int = 10,
                exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None,
@@ -210,9 +211,10 @@ class Retriever:
             except Exception as exc:  # noqa: BLE001 — returned to the caller, who decides
                 return exc
 
-        if len(requests) <= 1:
+        pool = self._threads() if len(requests) > 1 else None
+        if pool is None:  # one request, or a closed retriever (each request says so)
             return [one(r) for r in requests]
-        return list(self._threads().map(one, requests))
+        return list(pool.map(one, requests))
 
     def _threads(self):
         """One thread pool for the retriever's life: a pool per turn spent about 1 ms per
@@ -220,16 +222,16 @@ class Retriever:
         from concurrent.futures import ThreadPoolExecutor
 
         with self._count_lock:
-            if self._pool is None:
+            if self._pool is None and not self._closed:
                 self._pool = ThreadPoolExecutor(max_workers=16,
                                                 thread_name_prefix="retriever")
             return self._pool
 
     def close(self) -> None:
         with self._count_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is not None:  # requests in flight fail on the closed stores, not hang close()
+            pool.shutdown(wait=False, cancel_futures=True)
         for part in (self.lexical, self.dense, self.docstore):
             if part is not None:
                 part.close()

@@ -327,8 +327,17 @@ def test_a_branch_whose_every_retrieval_fails_is_an_error_not_an_empty_ok(tmp_pa
         assert mixed.status == "ok"  # a bad call among good ones is the policy's to read
         retriever.docstore.close()
         broken = run_branch(BranchTask(0, Q), retriever, settings)
+        # one of its searches ('Arthur') has no hit, so it never reaches the broken docstore:
+        # an empty answer is no proof that retrieval works
+        some_empty = run_branch(BranchTask(0, "Which magazine was started first, Arthur's "
+                                               "Magazine or First for Women?"),
+                                retriever, settings)
     finally:
         retriever.close()
-    assert broken.status == "error" and broken.termination == "backend_error"
-    assert "every retrieval failed" in broken.error and "search_corpus" in broken.error
-    assert not broken.episode.ranked_chunk_ids
+    for report in (broken, some_empty):
+        assert report.status == "error" and report.termination == "backend_error"
+        assert "every retrieval failed" in report.error and "search_corpus" in report.error
+        assert not report.episode.ranked_chunk_ids
+        end = [r for r in report.episode.trace if r["kind"] == "end"][-1]
+        assert end["reason"] == "backend_error"  # the trace tells the same ending
+    assert any(r["kind"] == "call" and r["ok"] for r in some_empty.episode.trace)

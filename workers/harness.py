@@ -102,7 +102,7 @@ class Episode:
         self.last_results: list[ToolResult] = []
         self.last_error = ""
         self.policy_s = self.fetch_s = 0.0
-        self.fetched_ok, self.fetch_failures = 0, []  # retrievals answered / failed (not BadQuery)
+        self.fetched_ok, self.fetch_failures = 0, []  # non-empty answers / failures (not BadQuery)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -118,9 +118,9 @@ class Episode:
                 while True:
                     self.step()
             except EpisodeEnd as end:
+                end = self._no_retrieval_worked(end)
                 self.trace.record("end", reason=end.reason, detail=end.detail,
                                   turns=self.ws.turn, tokens=self.ws.used)
-                end = self._no_retrieval_worked(end)
                 span.set_attributes({"termination": end.reason, "turns": self.ws.turn,
                                      "context_tokens_final": self.ws.used,
                                      "tokens_read": self.ws.tokens_read})
@@ -275,8 +275,9 @@ class Episode:
             if isinstance(fetched, Exception) and not isinstance(fetched, BadQuery):
                 self.fetch_failures.append(f"{call.name}: {type(fetched).__name__}: {fetched}")
                 raise Rejected(f"{call.name} failed: {type(fetched).__name__}: {fetched}")
-            if fetched is not None and not isinstance(fetched, Exception):
-                self.fetched_ok += 1
+            if fetched and not isinstance(fetched, Exception):
+                self.fetched_ok += 1  # an answer with something in it (an empty one may
+                # never have reached the broken part: no hits, nothing to hydrate)
             result = TOOLS[call.name].apply(self.ws, call.args, fetched)
         except Rejected as exc:
             result = ToolResult(call, False, f"Error: {exc}")
