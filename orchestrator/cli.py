@@ -76,8 +76,12 @@ def _writable_file(path: Path, what: str) -> None:
 
 
 def _question(text: str, what: str = "question") -> str:
+    from branchsearch.workers.tools import has_words
+
     if not text.strip():
         raise BadQuery(f"empty {what}: give the words to search for")
+    if not has_words(text):
+        raise BadQuery(f"{what} has no words to search for (only punctuation or symbols)")
     return text
 
 

@@ -18,7 +18,7 @@ from branchsearch.orchestrator.executors import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import SearchResult, fuse_branches
 from branchsearch.workers.branch import BranchTask
-from branchsearch.workers.tools import fit_query
+from branchsearch.workers.tools import fit_query, has_words
 
 
 class Driver:
@@ -67,11 +67,14 @@ class Driver:
         finished are fused with RRF. `on_event`, when given, is called in this thread with
         JSON-able dicts: plan, branch_started, search, prune, branch_done, result.
 
-        Raises BranchsearchError for an empty question; never for a failing branch — the
+        Raises BranchsearchError for an empty question or one without a letter or digit; never for a failing branch — the
         result's `status` (ok | partial | failed) and its branches say what happened.
         """
         if not isinstance(question, str) or not question.strip():
             raise BranchsearchError("empty question: give the question to search evidence for")
+        if not has_words(question):
+            raise BranchsearchError("question has no words to search for (only punctuation or "
+                                    "symbols)")
         started = time.perf_counter()
         deadline = time.time() + deadline_s if deadline_s is not None else None
         cap = self.settings.query_max_tokens

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
                                        CorpusError, IndexBusy, IndexNotFound)
+from branchsearch.workers.tools import has_words
 
 
 class ApiError(Exception):
@@ -88,6 +89,9 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
     question = body.get("question")
     if not isinstance(question, str) or not question.strip():
         raise ApiError(422, "bad_request", "'question' must be a non-empty string")
+    if not has_words(question):
+        raise ApiError(422, "bad_request", "'question' has no words to search for (only "
+                                           "punctuation or symbols)")
     if len(question) > limits.max_question_chars:
         raise ApiError(422, "question_too_long", f"question has {len(question)} characters; "
                                                  f"the limit is {limits.max_question_chars}")

@@ -77,6 +77,8 @@ def test_usage_errors(inputs, tmp_path):
         "unknown split": (["eval", inputs / "dev-only", "--split", "val", *home], "--split"),
         "empty question": (["search", "  ", *home], "empty question"),
         "empty query": (["retrieve", "", *home], "empty query"),
+        "punctuation question": (["search", "?! …", *home], "question has no words"),
+        "punctuation query": (["retrieve", "...", *home], "query has no words"),
         "batch -o folder": (["batch", inputs / "questions.jsonl", "-o", inputs / "outdir",
                              *home], "is a folder"),
         "synth into a file": (["synth", inputs / "a-file"], "is a file"),

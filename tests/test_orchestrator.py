@@ -188,6 +188,10 @@ def test_question_checks_empty_and_over_long(local_driver):
     for empty in ("", "   \n"):
         with pytest.raises(BranchsearchError, match="empty question"):
             local_driver.search(empty)
+    for wordless in ("?!?", " … -- ** "):  # nothing to search: no arbitrary neighbours
+        with pytest.raises(BranchsearchError, match="no words to search for"):
+            local_driver.search(wordless)
+    assert local_driver.search("Wer ist Corliss Archer? 1945", max_branches=1).status == "ok"
     long = Q + " " + " ".join(f"padding{i}" for i in range(20000))  # ~100 KB
     result = local_driver.search(long, max_branches=1)
     cap = local_driver.settings.query_max_tokens

@@ -45,7 +45,7 @@ def test_parse_search_bounds():
     limits = Limits(max_question_chars=50, max_branches=4)
     req = parse_search({"question": "  who?  ", "branches": 2, "k": 3, "deadline_s": 1.5}, limits)
     assert (req.question, req.branches, req.k, req.deadline_s) == ("who?", 2, 3, 1.5)
-    bad = [None, [], {}, {"question": ""}, {"question": "x" * 51}, {"question": "q", "branches": 0},
+    bad = [None, [], {}, {"question": ""}, {"question": "?!?"}, {"question": "x" * 51}, {"question": "q", "branches": 0},
            {"question": "q", "branches": 5}, {"question": "q", "k": True},
            {"question": "q", "deadline_s": -1}, {"question": "q", "deadline_s": float("nan")},
            {"question": "q", "index": "../etc"}, {"question": "q", "acl_groups": ["bravo"]}]
