@@ -9,6 +9,7 @@ import pytest
 from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
 from branchsearch.workers.policy import VisibleChunk
 from branchsearch.workers.rank import final_ranking
+from branchsearch.workers.text import terms
 from branchsearch.workers.ranker import (FEATURES, WEIGHTS_PATH, LinearRanker, episode_features,
                                          load_ranker)
 
@@ -210,7 +211,7 @@ def test_novel_terms_count_only_what_the_pages_above_leave_uncovered():
     covered = set()
     for d in list(first)[:5]:
         c = first[d]
-        words = p.q_terms & p._terms_of(c, f"{p.chunks[c].title} {p.chunks[c].text}")
+        words = p.q_terms & terms(f"{p.chunks[c].title} {p.chunks[c].text}")
         assert f[d]["novel_terms"] == pytest.approx(len(words - covered) / q)
         covered |= words
     # computed only when asked for: the ranker's `used` set without them leaves them 0

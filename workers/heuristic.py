@@ -74,7 +74,6 @@ class HeuristicPolicy:
     recalled: set[str] = field(default_factory=set)  # recalled once: never again, never re-pruned
     final_features: dict[str, list[float]] = field(default_factory=dict)  # at finish
     _pending: dict[tuple, _Origin] = field(default_factory=dict)
-    _term_cache: dict[tuple, set[str]] = field(default_factory=dict)
     _link_index: tuple | None = None  # (links, its size, word -> link positions, link order)
 
     # --- Policy protocol -----------------------------------------------------------------------
@@ -261,19 +260,13 @@ class HeuristicPolicy:
             return 0.0
         names = {n for n in (core, self.origins[cid].entity.lower()) if len(n) > 3}
         known = set(self.q_terms)
-        for other_id, other in self.chunks.items():
+        for other in self.chunks.values():
             if other.doc_id == chunk.doc_id or other.doc_id in alike:
                 continue
             text = other.text.lower()
             if any(n in text for n in names):
-                known |= self._terms_of(other_id, other.text)
+                known |= terms(other.text)
         return len(qualifier & _dashless(known)) / len(qualifier) - 0.5
-
-    def _terms_of(self, cid: str, text: str) -> set[str]:
-        key = (cid, len(text))  # a read replaces a snippet by the longer text
-        if key not in self._term_cache:
-            self._term_cache[key] = terms(text)
-        return self._term_cache[key]
 
     def _expansions(self, visible: set[str]) -> list[ToolCall]:
         ranked = self._ranked(visible)
@@ -433,7 +426,7 @@ def _title_words(title: str) -> frozenset[str]:
 def _word_overlap(title: str, entity: str) -> float:
     """Jaccard overlap of the words of a title and an entity ('International Boxing Council'
     vs 'International Boxing Federation': 0.5)."""
-    t, e = set(norm_title(title).split()), set(entity.lower().split())
+    t, e = _title_words(title), set(entity.lower().split())
     return len(t & e) / len(t | e) if t and e and len(t) > 1 else 0.0
 
 

@@ -99,7 +99,7 @@ def episode_features(policy, needed: frozenset[str] | None = None) -> dict[str, 
              "first_chunk": float(cid.endswith("#p0")),
              "doc_chunks": math.log(per_doc[doc_of(cid)])}
         if want("coverage") or want("residual"):
-            words = policy._terms_of(cid, f"{chunk.title} {chunk.text}")
+            words = terms(f"{chunk.title} {chunk.text}")
             f["coverage"] = len(q & words) / max(len(q), 1)
             f["residual"] = _residual(policy, cid, words) if want("residual") else 0.0
         if want("title_coverage") or want("title_in_query"):
@@ -182,15 +182,15 @@ def _set_features(policy, order: list[str], texts: dict[str, str], want
     mentioned: list[set[str]] = [set()]
     for d in head:
         c = doc_first[d]
-        covered.append(covered[-1] | (policy.q_terms & policy._terms_of(
-            c, f"{chunks[c].title} {chunks[c].text}")))
+        words = terms(f"{chunks[c].title} {chunks[c].text}")
+        covered.append(covered[-1] | (policy.q_terms & words))
         mentioned.append(mentioned[-1] | {e for e in q_ents if e in doc_text[d].lower()})
     out: dict[str, dict[str, float]] = {}
     for cid in scores:
         d = chunks[cid].doc_id
         k = min(place[d] - 1, len(head))
         support, by = chain.get(d, (0.0, 0))
-        words = policy.q_terms & policy._terms_of(cid, f"{chunks[cid].title} {chunks[cid].text}")
+        words = policy.q_terms & terms(f"{chunks[cid].title} {chunks[cid].text}")
         ents = {e for e in q_ents if e in texts[cid]}
         out[cid] = {"doc_rank_inv": 1.0 / place[d], "chain_support": support,
                     "chain_rank_inv": 1.0 / by if by else 0.0,
@@ -205,7 +205,7 @@ def _residual(policy, cid: str, words: set[str]) -> float:
     if parent not in policy.chunks:
         return 0.0
     p = policy.chunks[parent]
-    left = policy.q_terms - policy._terms_of(parent, f"{p.title} {p.text}")
+    left = policy.q_terms - terms(f"{p.title} {p.text}")
     return len(left & words) / max(len(left), 1)
 
 

@@ -39,7 +39,8 @@ def stem(word: str) -> str:
 def terms(text: str) -> frozenset[str]:
     """Content terms: lower-cased, stopwords dropped, plurals folded. (Cached: the policy asks
     for the same chunk's terms at every turn's rescoring.)"""
-    return frozenset({stem(w) for w in _WORD.findall(text) if w.lower() not in STOPWORDS and len(w) > 1})
+    return frozenset(stem(w) for w in _WORD.findall(text)
+                     if w.lower() not in STOPWORDS and len(w) > 1)
 
 
 def entities(text: str, context: str | None = None) -> list[str]:
