@@ -32,7 +32,7 @@ from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
 from branchsearch.infra.backends import MAX_K, acl_terms, check_k
 from branchsearch.infra.choices import MODES, Mode
-from branchsearch.infra.errors import BadQuery, SettingsError
+from branchsearch.infra.errors import BadQuery, IndexIncomplete, SettingsError
 from branchsearch.infra.fetch_cache import QuestionCache, copy_hit
 from branchsearch.infra.manifest import read_manifest, require_complete
 from branchsearch.infra.hits import Hit
@@ -275,7 +275,8 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
             raise SettingsError(
                 f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
                 f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
-    docstore = DocStore(root / "docs.sqlite")
+        _check_files(root, settings)
+    docstore = _open_docstore(root / "docs.sqlite", settings.index)
     lexical = lexical_store(settings)
     dense = None
     if not need_dense:
@@ -293,6 +294,26 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
                 store.close()
             raise
     return docstore, lexical, dense, embedder
+
+
+def _check_files(root: Path, settings: Settings) -> None:
+    """A complete index whose store files are gone is damaged, not empty: opening them would
+    create empty ones and every search would answer 'ok' with nothing."""
+    need = [root / "docs.sqlite"] + ([] if settings.es_url else [root / "tantivy" / "meta.json"])
+    missing = [str(p) for p in need if not p.exists()]
+    if missing:
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {', '.join(missing)} "
+                              "missing; re-ingest it")
+
+
+def _open_docstore(path: Path, index: str) -> DocStore:
+    import sqlite3
+
+    try:
+        return DocStore(path)
+    except sqlite3.DatabaseError as exc:
+        raise IndexIncomplete(f"index {index!r} is damaged: {path}: {exc}; re-ingest it"
+                              ) from None
 
 
 def lexical_store(settings: Settings):

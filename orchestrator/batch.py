@@ -54,6 +54,8 @@ def read_questions(path: str | Path) -> BatchInput:
                 question = row.get("question", row.get("text"))
                 if qid is None or not isinstance(question, str) or not question.strip():
                     raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
+                if not any(c.isalnum() for c in question):  # workers.tools.has_words
+                    raise ValueError("the question has no words to search for")
             except (json.JSONDecodeError, ValueError, AttributeError) as exc:
                 out.bad_lines.append(f"{path}:{lineno}: {exc}")
                 continue

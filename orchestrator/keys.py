@@ -114,6 +114,9 @@ class KeyStore:
         if not _NAME.match(name):
             raise BranchsearchError(f"bad key name {name!r}: letters, digits, _ . - "
                                     "(≤ 64 characters)")
+        from branchsearch.infra.backends import caller_groups
+
+        caller_groups(groups)  # '*' is reserved: a key with it would read every document
         from datetime import datetime, timezone
 
         with self._lock:

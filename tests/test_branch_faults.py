@@ -112,3 +112,48 @@ def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [qid for qid, _ in items]  # one line per id
     assert all(r["status"] == "ok" and r["evidence"] for r in rows)
+
+
+def test_an_index_whose_store_files_are_gone_or_garbage_is_damaged_not_empty(tmp_path):
+    """Deleting docs.sqlite or tantivy/ used to make every search 'ok' with no evidence (and a
+    fresh empty store file appear); a garbage docs.sqlite a traceback. Both are one error,
+    and nothing is created in the index."""
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "hm", "search_mode": "bm25"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    docs = settings.index_dir / "docs.sqlite"
+    saved = docs.read_bytes()
+    docs.unlink()
+    with pytest.raises(IndexIncomplete, match="damaged.*docs.sqlite missing"):
+        open_retriever(settings, need_dense=False)
+    assert not docs.exists()
+    docs.write_bytes(b"not a database" * 600)
+    with pytest.raises(IndexIncomplete, match="damaged.*not a database"):
+        open_retriever(settings, need_dense=False)
+    docs.write_bytes(saved)
+    meta = settings.index_dir / "tantivy" / "meta.json"
+    meta.rename(meta.with_suffix(".bak"))
+    with pytest.raises(IndexIncomplete, match="tantivy"):
+        open_retriever(settings, need_dense=False)
+    meta.with_suffix(".bak").rename(meta)
+    r = open_retriever(settings, need_dense=False)
+    try:
+        assert r.search("Ed Wood", "bm25", 3)
+    finally:
+        r.close()
+
+
+def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_path):
+    from branchsearch.orchestrator.batch import read_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "question": "..."}) + "\n" for i in range(3))
+                    + json.dumps({"id": "ok", "question": "Who is Ed Wood?"}) + "\n")
+    data = read_questions(path)
+    assert data.items == [("ok", "Who is Ed Wood?")]
+    assert len(data.bad_lines) == 3 and "no words" in data.bad_lines[0]

@@ -193,3 +193,15 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     with pytest.raises(BackendUnavailable):  # tried again, not a cached failure
         searcher.driver("slow")
     assert attempts.count("slow") == 2
+
+
+def test_a_key_cannot_hold_the_reserved_group(tmp_path):
+    """'*' means every document to the backends: a key with it would read every group's
+    documents without being an admin key (hostile pass). Refused, and nothing is written."""
+    store = KeyStore(tmp_path / "keys.json")
+    with pytest.raises(BadQuery, match="reserved"):
+        store.add("kstar", ("*",))
+    with pytest.raises(BadQuery, match="reserved"):
+        store.add("mixed", ("alpha", " * "))
+    path = tmp_path / "keys.json"
+    assert not path.exists() or "kstar" not in path.read_text()
