@@ -254,3 +254,48 @@ def test_a_leading_year_is_a_qualifier_among_the_pages_of_a_series():
                      ) == [-0.5, 0.5]
     assert agreement(q, ["1974 Texas Tech Red Raiders football team", "Texas Tech University"]
                      ) == [0.0, 0.0]  # no look-alike
+
+
+def test_a_bridge_hit_that_mentions_a_pageless_entity_inherits_from_its_parent():
+    """'Jump for Glory' names its director Raoul Walsh; the corpus has no Raoul Walsh page, so
+    the hit of his search that mentions him ('Betrayed', a film of his) is where the next hop
+    is: it inherits from the parent. A hit that does not mention him, an entity that has a page
+    of its own, and an entity that turns up all over the episode ('California') do not."""
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.policy import VisibleChunk
+    from branchsearch.workers.text import terms
+
+    def policy(**kw) -> HeuristicPolicy:
+        q = "Who is the spouse of the director of Jump for Glory?"
+        p = HeuristicPolicy(learned_rank=False, coverage_weight=0.0, residual_weight=0.0,
+                            qualifier_weight=0.0, **kw)
+        p.subquery, p.q_terms = q, terms(q)
+        parent = VisibleChunk("jfg#p0", "jfg", "Jump for Glory", "Jump for Glory is a 1937 film "
+                              "directed by Raoul Walsh, shot in California.", 20)
+        p.chunks[parent.id], p.origins[parent.id] = parent, _Origin(q, 1, "question")
+        p.scores[parent.id] = 1.0
+        p.links = {"raoul walsh": (parent.id, 0.9), "california": (parent.id, 0.9)}
+        hits = [("bet", "Betrayed (1917 film)", "A 1917 film directed by Raoul Walsh and "
+                 "starring his wife Miriam Cooper, shot in California.", "Raoul Walsh", 1),
+                ("oth", "Other Film", "A film shot in California.", "Raoul Walsh", 2),
+                ("cal", "Gold Rush", "A film about California.", "California", 1)]
+        for doc, title, text, entity, rank in hits:
+            p.chunks[f"{doc}#p0"] = VisibleChunk(f"{doc}#p0", doc, title, text, 20)
+            p.origins[f"{doc}#p0"] = _Origin(entity, rank, "bridge", entity, parent.id)
+        p._count_mentions()
+        return p
+
+    p = policy()
+    assert p._score("bet#p0") == pytest.approx(0.6 * 0.85 * 0.9 * 1.0)  # inherits
+    assert p._score("oth#p0") == pytest.approx(0.15 / 2)  # no mention: its search rank only
+    # 'California' is mentioned in passing by two other chunks: its credit is a third
+    assert p._score("cal#p0") == pytest.approx(max(0.15, 0.6 * 0.85 * 0.9 / 3))
+    assert policy(mention_weight=0.0)._score("bet#p0") == pytest.approx(0.15)
+    titled = policy()
+    titled.chunks["rw#p0"] = VisibleChunk("rw#p0", "rw", "Raoul Walsh", "A director.", 5)
+    titled.origins["rw#p0"] = _Origin("Raoul Walsh", 3, "bridge", "Raoul Walsh", "jfg#p0")
+    assert titled._score("bet#p0") == pytest.approx(0.15)  # his own page is the next hop
+    paper = policy()  # a paper titled by its claim is no page about a named thing
+    paper.chunks["bet#p0"] = VisibleChunk("bet#p0", "bet", "Raoul Walsh films of 1917 show a "
+                                          "marked shift in staging", "Raoul Walsh directed.", 9)
+    assert paper._score("bet#p0") == pytest.approx(0.15)

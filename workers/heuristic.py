@@ -4,7 +4,8 @@ Query state: the sub-query's content terms, the entities named in it, and the br
 found in retained chunks (each with the chunk it came from and a salience). Each turn it
 
 1. scores every visible chunk against the query state: how it arrived (sub-query search rank,
-   or a bridge search whose entity names the chunk's document, inheriting its parent's score),
+   or a bridge search whose entity names the chunk's document, inheriting its parent's score;
+   or, for an entity with no page, a bridge search's hit that mentions it),
    how many sub-query terms it covers, and which of them no better chunk already covers;
 2. expands the best unexpanded chunks: searches for their most salient bridge entities
    (entities in sentences that share terms with the sub-query), with provenance to the parent;
@@ -55,6 +56,7 @@ class HeuristicPolicy:
     rank_all: bool = True  # finish ranks every scored chunk, not only the visible ones
     max_turns: int = 12  # the harness's limit: finish (ranked) on the last turn it allows
     qualifier_weight: float = 0.3  # a title's qualifier agreeing (or not) with what led to it
+    mention_weight: float = 0.6  # a bridge hit mentioning an entity that has no page here
     learned_rank: bool = True  # finish by the learned ranker (workers/ranker.py), else by score
     ranker_path: str | None = None  # weights file; None: the shipped workers/ranker_weights.json
     # episode state
@@ -74,6 +76,9 @@ class HeuristicPolicy:
     recalled: set[str] = field(default_factory=set)  # recalled once: never again, never re-pruned
     final_features: dict[str, list[float]] = field(default_factory=dict)  # at finish
     _pending: dict[tuple, _Origin] = field(default_factory=dict)
+    _mentions: dict[str, tuple] = field(default_factory=dict)  # (text size, links checked, found)
+    _mention_count: dict[str, int] = field(default_factory=dict)
+    _title_set: tuple = (-1, frozenset())
     _link_index: tuple | None = None  # (links, its size, word -> link positions, link order)
 
     # --- Policy protocol -----------------------------------------------------------------------
@@ -164,6 +169,8 @@ class HeuristicPolicy:
                     self.depth[cid] = self.depth.get(origin.parent, 0) + (1 if parent else 0)
 
     def _rescore(self, view: AgentView) -> None:
+        if self.mention_weight:
+            self._count_mentions()
         for cid in self._by_arrival():
             self.scores[cid] = self._score(cid)
 
@@ -208,6 +215,10 @@ class HeuristicPolicy:
                 via = 0.5 * overlap * salience * self.scores.get(source, 0.0)
             if via > support:
                 support, parent = via, source
+        if origin.kind == "bridge" and self.mention_weight:
+            via = self._mention_support(cid, origin)
+            if via > support:
+                support, parent = via, origin.parent
         residual = 0.0
         if parent in self.chunks and (origin.kind != "residual" or parent != origin.parent
                                       or self._mentions_link_of(parent, chunk)):
@@ -220,6 +231,59 @@ class HeuristicPolicy:
             residual = len(left & words) / max(len(left), 1) * min(1.0, len(left) / 3)
         return (support + self.coverage_weight * coverage + self.residual_weight * residual
                 + self.qualifier_weight * self._qualifier_agreement(cid))
+
+    def _mention_support(self, cid: str, origin: _Origin) -> float:
+        """A bridge search's hit that mentions the entity, when no page seen is titled by it:
+        the entity has no page here ('Raoul Walsh' directed 'Jump for Glory'; the corpus has
+        'Betrayed (1917 film)', directed by Raoul Walsh, not a Raoul Walsh page), so the pages
+        that mention it are where the next hop is. Inherits from the parent like a titled page,
+        scaled by `mention_weight`, the hit's rank, and how many other chunks mention the
+        entity in passing. Only a page titled by a name (not a paper titled by its claim, where
+        no entity has a page and an absent one says nothing) takes it."""
+        entity = origin.entity.lower()
+        source, salience = self.links.get(entity, (origin.parent, 0.5))
+        if (not source or source == cid or _strip_article(entity) in self._titles()
+                or entity not in self._mentioned_links(cid)
+                or len(norm_title(self.chunks[cid].title).split()) > NAME_WORDS):
+            return 0.0
+        return (self.mention_weight * self.link_weight * salience * self.scores.get(source, 0.0)
+                / origin.rank / (1 + self._mention_count.get(entity, 0)))
+
+    def _count_mentions(self) -> None:
+        """How many chunks seen mention each linked entity *in passing*: not its source, not a
+        hit of its own search. 'Florida' turns up all over an episode; 'Raoul Walsh' only in
+        the page that links to him and in what his search finds."""
+        count: dict[str, int] = {}
+        for cid in self.chunks:
+            origin = self.origins.get(cid)
+            own = origin.entity.lower() if origin and origin.kind == "bridge" else ""
+            for entity in self._mentioned_links(cid):
+                if entity != own and self.links[entity][0] != cid:
+                    count[entity] = count.get(entity, 0) + 1
+        self._mention_count = count
+
+    def _mentioned_links(self, cid: str) -> set[str]:
+        """The linked entities the chunk mentions as whole words. Links only grow, so each
+        chunk is checked against each link once (again only when a read made its text whole)."""
+        chunk = self.chunks[cid]
+        size, checked, found = self._mentions.get(cid, (len(chunk.text), 0, set()))
+        if size != len(chunk.text):
+            checked, found = 0, set()
+        if checked < len(self.links):
+            text = f"{chunk.title} {chunk.text}".lower()
+            words = set(re.findall(r"\w+", text))
+            for entity in list(self.links)[checked:]:
+                if set(re.findall(r"\w+", entity)) <= words and has_phrase(text, entity):
+                    found.add(entity)
+            self._mentions[cid] = (len(chunk.text), len(self.links), found)
+        return found
+
+    def _titles(self) -> frozenset[str]:
+        """The normalised titles of every chunk seen (article stripped), cached by count."""
+        if self._title_set[0] != len(self.chunks):
+            self._title_set = (len(self.chunks), frozenset(
+                _strip_article(norm_title(c.title)) for c in self.chunks.values()))
+        return self._title_set[1]
 
     def _links_sharing_a_word(self, title: str) -> list[str]:
         """The linked entities that share a word with `title`, in link order: the only ones
@@ -394,6 +458,11 @@ class HeuristicPolicy:
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 
+
+# a title of at most this many words is a name (encyclopedia pages: 3 words at the median of
+# hotpot's and musique's corpora, 5 at the 90th percentile), longer is a sentence (a paper's
+# title: 12 at SciFact's median, 7 at its 10th percentile)
+NAME_WORDS = 8
 
 SKIP = frozenset("""january february march april may june july august september october november
 december monday tuesday wednesday thursday friday saturday sunday one two three four five six
