@@ -271,9 +271,9 @@ class HeuristicPolicy:
             checked, found = 0, set()
         if checked < len(self.links):
             text = f"{chunk.title} {chunk.text}".lower()
-            words = set(re.findall(r"\w+", text))
+            words = _words(text)
             for entity in list(self.links)[checked:]:
-                if set(re.findall(r"\w+", entity)) <= words and has_phrase(text, entity):
+                if _words(entity) <= words and has_phrase(text, entity):
                     found.add(entity)
             self._mentions[cid] = (len(chunk.text), len(self.links), found)
         return found
@@ -484,6 +484,11 @@ def _names(title: str, entity: str) -> float:
         return 0.85
     return 0.85 if t_words >= 2 and e.endswith(" " + t) else 0.0  # 'Governor Nelson Rockefeller' names
     # 'Nelson Rockefeller'; 'Esma Sultan Mansion' does not name 'Esma Sultan'
+
+
+@lru_cache(maxsize=16384)
+def _words(text: str) -> frozenset[str]:
+    return frozenset(re.findall(r"\w+", text))
 
 
 @lru_cache(maxsize=16384)
