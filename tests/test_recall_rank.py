@@ -299,3 +299,14 @@ def test_a_bridge_hit_that_mentions_a_pageless_entity_inherits_from_its_parent()
     paper.chunks["bet#p0"] = VisibleChunk("bet#p0", "bet", "Raoul Walsh films of 1917 show a "
                                           "marked shift in staging", "Raoul Walsh directed.", 9)
     assert paper._score("bet#p0") == pytest.approx(0.15)
+
+
+def test_a_title_stored_with_html_entities_is_named_as_the_text_writes_it():
+    """HotpotQA stores 'Will &amp; Grace'; the pages that link to it write 'Will & Grace'."""
+    from branchsearch.workers.heuristic import _names
+    from branchsearch.workers.text import bare_title, norm_title
+
+    assert norm_title("Will &amp; Grace") == "will & grace"
+    assert bare_title("I&quot;s (manga)") == 'I"s'
+    assert _names("Will &amp; Grace", "Will & Grace") == 1.0
+    assert bare_title("AT&T Park") == "AT&T Park"  # an ampersand that is no entity stays

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 from functools import lru_cache
 
@@ -143,7 +144,9 @@ _WORD_CHAR = re.compile(r"\w")
 @lru_cache(maxsize=16384)
 def bare_title(title: str) -> str:
     """Title without a parenthetical or comma qualifier: 'Kiss and Tell (1945 film)' -> 'Kiss
-    and Tell', 'Brown County, Kansas' -> 'Brown County'."""
+    and Tell', 'Brown County, Kansas' -> 'Brown County'. HTML entities are read as the text
+    writes them: a title stored as 'Will &amp; Grace' is the 'Will & Grace' a page names."""
+    title = html.unescape(title) if "&" in title else title
     return re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
 
 
