@@ -310,3 +310,4 @@ def test_a_title_stored_with_html_entities_is_named_as_the_text_writes_it():
     assert bare_title("I&quot;s (manga)") == 'I"s'
     assert _names("Will &amp; Grace", "Will & Grace") == 1.0
     assert bare_title("AT&T Park") == "AT&T Park"  # an ampersand that is no entity stays
+    assert bare_title("Barnes&not Sons") == "Barnes&not Sons"  # nor a name without its ';'

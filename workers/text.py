@@ -141,12 +141,15 @@ def _word_char(char: str) -> bool:
 _WORD_CHAR = re.compile(r"\w")
 
 
+_ENTITY_REF = re.compile(r"&(?:[A-Za-z]+|#[0-9]+|#[xX][0-9A-Fa-f]+);")
+
+
 @lru_cache(maxsize=16384)
 def bare_title(title: str) -> str:
     """Title without a parenthetical or comma qualifier: 'Kiss and Tell (1945 film)' -> 'Kiss
     and Tell', 'Brown County, Kansas' -> 'Brown County'. HTML entities are read as the text
     writes them: a title stored as 'Will &amp; Grace' is the 'Will & Grace' a page names."""
-    title = html.unescape(title) if "&" in title else title
+    title = _ENTITY_REF.sub(lambda m: html.unescape(m.group(0)), title) if "&" in title else title
     return re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
 
 
