@@ -221,7 +221,7 @@ class HeuristicPolicy:
                 support, parent = via, origin.parent
         residual = 0.0
         if parent in self.chunks and (origin.kind != "residual" or parent != origin.parent
-                                      or self._mentions_link_of(parent, chunk)):
+                                      or self._mentions_link_of(parent, cid)):
             # a residual search's hit covers the parent's leftover terms by construction:
             # that counts only when it also mentions what the parent links to; and a leftover
             # of one or two words (a one-hop claim its first hit already covers) is weak
@@ -300,11 +300,9 @@ class HeuristicPolicy:
         return [order[p] for p in sorted({p for w in _title_words(title)
                                           for p in by_word.get(w, ())})]
 
-    def _mentions_link_of(self, parent: str, chunk: VisibleChunk) -> bool:
+    def _mentions_link_of(self, parent: str, cid: str) -> bool:
         """Whether the chunk names, as whole words, an entity that `parent` links to."""
-        text = f"{chunk.title} {chunk.text}".lower()
-        return any(src == parent and has_phrase(text, entity)
-                   for entity, (src, _) in self.links.items())
+        return any(self.links[entity][0] == parent for entity in self._mentioned_links(cid))
 
     def _qualifier_agreement(self, cid: str) -> float:
         """In [-0.5, 0.5], for a chunk with look-alikes (other documents whose titles share its

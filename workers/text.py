@@ -149,7 +149,7 @@ def bare_title(title: str) -> str:
     """Title without a parenthetical or comma qualifier: 'Kiss and Tell (1945 film)' -> 'Kiss
     and Tell', 'Brown County, Kansas' -> 'Brown County'. HTML entities are read as the text
     writes them: a title stored as 'Will &amp; Grace' is the 'Will & Grace' a page names."""
-    title = _ENTITY_REF.sub(lambda m: html.unescape(m.group(0)), title) if "&" in title else title
+    title = _ENTITY_REF.sub(lambda m: html.unescape(m.group(0)), title)
     return re.sub(r"\s*\([^)]*\)\s*$", "", title).split(",")[0].strip()
 
 
