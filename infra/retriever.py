@@ -255,8 +255,6 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
                 embedder=None):
     """(docstore, lexical, dense, embedder) for the settings' index; dense may be None.
     `embedder` replaces the configured one (anything with `embed(texts)` and `dim`)."""
-    from branchsearch.infra.embedder import Embedder
-
     if settings.external is not None:  # an index the enterprise already has: read in place
         from branchsearch.infra.external import open_external
 
@@ -282,18 +280,26 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
     if not need_dense:
         embedder = None
     else:
-        embedder = embedder or Embedder(
-            settings.embed_model, settings.embed_batch, settings.embed_device,
-            cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
-            backend=settings.embed_backend)
-        dim = manifest.embedding["dim"] if manifest else _dense_dim(root, embedder)
         try:
-            dense = dense_store(settings, dim)
+            dense, embedder = open_dense(settings, manifest, embedder)
         except BaseException:
             for store in (lexical, docstore):
                 store.close()
             raise
     return docstore, lexical, dense, embedder
+
+
+def open_dense(settings: Settings, manifest=None, embedder=None):
+    """(dense store, embedder) of the owned index: the manifest's dimension, else the one an
+    ingest in progress recorded (`dense.dim`), else the embedder's."""
+    from branchsearch.infra.embedder import Embedder
+
+    embedder = embedder or Embedder(
+        settings.embed_model, settings.embed_batch, settings.embed_device,
+        cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
+        backend=settings.embed_backend)
+    dim = manifest.embedding["dim"] if manifest else _dense_dim(settings.index_dir, embedder)
+    return dense_store(settings, dim), embedder
 
 
 def _check_files(root: Path, settings: Settings) -> None:

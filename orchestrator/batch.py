@@ -50,13 +50,16 @@ def read_questions(path: str | Path) -> BatchInput:
                 continue
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"a line is one JSON object per question, not a JSON "
+                                     f"{type(row).__name__}")
                 qid = row.get("id", row.get("_id"))
                 question = row.get("question", row.get("text"))
                 if qid is None or not isinstance(question, str) or not question.strip():
                     raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
                 if not any(c.isalnum() for c in question):  # workers.tools.has_words
                     raise ValueError("the question has no words to search for")
-            except (json.JSONDecodeError, ValueError, AttributeError) as exc:
+            except (json.JSONDecodeError, ValueError) as exc:
                 out.bad_lines.append(f"{path}:{lineno}: {exc}")
                 continue
             if str(qid) in seen:

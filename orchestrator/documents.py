@@ -4,6 +4,11 @@ The writes run on the stores of an open `Retriever` (the process that owns them:
 local mode, the retriever actor in Ray mode; Milvus Lite allows one process per file). They keep
 the order `infra.ingest` uses: dense and lexical first, the docstore — what readers see — last for
 an upsert and first for a delete, so a search never returns a half-written document.
+
+A write reaches every store the index has, whatever the service searches: a service started
+with `search_mode = bm25` has not opened the dense store, so the first write opens it (and the
+embedder). Writing only the stores a search uses would leave the others behind, and the next
+ingest would find the stores disagree.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def upsert(retriever, settings, docs: list) -> dict:
     indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
                for c in chunks]
     ids = [d.id for d in docs]
+    _open_every_store(retriever, settings)
     if retriever.dense is not None:
         vectors = retriever.embedder.embed([c.body for c in indexed])
         retriever.dense.write(indexed, vectors, ids)
@@ -63,8 +69,9 @@ def upsert(retriever, settings, docs: list) -> dict:
     return {"documents": len(docs), "chunks": len(chunks)}
 
 
-def delete(retriever, doc_id: str) -> bool:
+def delete(retriever, settings, doc_id: str) -> bool:
     """Remove a document from every store; False when the docstore did not have it."""
+    _open_every_store(retriever, settings)
     store = retriever.docstore
     # DocStore has no delete yet (infra is the ingest engineer's): one transaction on its
     # connection, under its lock.
@@ -75,6 +82,19 @@ def delete(retriever, doc_id: str) -> bool:
     if retriever.dense is not None:
         retriever.dense.write([], [], [doc_id])
     return bool(found)
+
+
+def _open_every_store(retriever, settings) -> None:
+    """Open the owned index's dense store on `retriever` when its manifest has one and the
+    retriever was opened without it (a BM25 search mode)."""
+    from branchsearch.infra.manifest import read_manifest
+    from branchsearch.infra.retriever import open_dense
+
+    if retriever.dense is not None or settings.external is not None:
+        return
+    manifest = read_manifest(settings.index_dir)
+    if manifest is not None and manifest.embedding is not None:
+        retriever.dense, retriever.embedder = open_dense(settings, manifest)
 
 
 def probe(retriever) -> dict:
@@ -107,8 +127,8 @@ def upsert_in_actor(service, settings, docs):
     return upsert(service.retriever, settings, docs)
 
 
-def delete_in_actor(service, doc_id):
-    return delete(service.retriever, doc_id)
+def delete_in_actor(service, settings, doc_id):
+    return delete(service.retriever, settings, doc_id)
 
 
 def probe_in_actor(service):

@@ -225,7 +225,7 @@ class Searcher:
         driver = self.driver(index)
         with self._write_locks[index], self._ingest_lock(driver):
             found = self._in_retriever(driver, documents.delete, documents.delete_in_actor,
-                                       doc_id)
+                                       driver.settings, doc_id)
         if not found:
             raise ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         return {"index": index, "deleted": doc_id}

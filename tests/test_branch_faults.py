@@ -157,3 +157,16 @@ def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_
     data = read_questions(path)
     assert data.items == [("ok", "Who is Ed Wood?")]
     assert len(data.bad_lines) == 3 and "no words" in data.bad_lines[0]
+
+
+def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
+    from branchsearch.orchestrator.batch import read_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('[{"id": 1, "question": "Who is Ed Wood?"}]\n"Who?"\n'
+                    '{"id": "ok", "question": "Who is Ed Wood?"}\n')
+    data = read_questions(path)
+    assert data.items == [("ok", "Who is Ed Wood?")]
+    assert data.bad_lines == [f"{path}:1: a line is one JSON object per question, not a JSON "
+                              "list", f"{path}:2: a line is one JSON object per question, not "
+                              "a JSON str"]

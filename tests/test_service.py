@@ -241,6 +241,42 @@ def test_upsert_then_search_finds_delete_then_not(site):
                             json=[{"id": "x", "text": "y", "acl": "not a list" and 5}]), 422)
 
 
+def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
+    """A service searching BM25 only still writes the dense store of a hybrid index: before,
+    an upsert skipped it, and the next ingest stopped on 'stores disagree' and left the index
+    incomplete."""
+    from branchsearch.infra.retriever import open_retriever
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl"}, read_env=False,
+                             read_file=False)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    ingest(corpus, settings)
+    admin = KeyStore(tmp_path / "keys.json").add("admin", ("alpha",), admin=True)
+    state = service.local_state(settings.replace(search_mode="bm25"), executor="local",
+                                keys_path=tmp_path / "keys.json", limits=LIMITS)
+    server = start_uvicorn(service.create_app(state), state)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            r = client.put("/v1/indexes/acl/documents", headers=auth(admin), json=[
+                {"id": "osprey", "title": "Osprey Relay", "text": "The osprey relay beacon.",
+                 "acl": ["alpha"]}])
+            assert r.status_code == 200, r.text
+            r = client.delete("/v1/indexes/acl/documents/pub-harbor", headers=auth(admin))
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+        state.backend.searcher.close()
+    report = ingest(corpus, settings)  # puts pub-harbor back; keeps the upload
+    assert set(report.counts) == {"docstore", "lexical", "dense"}
+    assert len(set(report.counts.values())) == 1, report.counts
+    retriever = open_retriever(settings)
+    try:
+        dense = retriever.search("osprey relay beacon", mode="dense", k=3, acl_groups=["alpha"])
+        assert dense and dense[0].doc_id == "osprey"
+    finally:
+        retriever.close()
+
+
 def test_limits(site):
     client, keys, state = site
     alpha = auth(keys["alpha"])
