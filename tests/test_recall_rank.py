@@ -1,6 +1,6 @@
 """The final ranking stage (workers/rank.py) and what the heuristic policy returns with it."""
 
-from branchsearch.workers.rank import doc_of, final_ranking
+from branchsearch.workers.rank import doc_of, final_ranking, hold_back
 
 
 def test_doc_of_splits_the_chunk_suffix_only():
@@ -21,6 +21,17 @@ def test_final_ranking_spreads_documents_before_repeating_one():
     assert final_ranking(scores, 10) == ["x#p0", "y#p0", "z#p4", "x#p1", "x#p2"]
     assert final_ranking(scores, 2) == ["x#p0", "y#p0"]
     assert final_ranking({}, 5) == []
+
+
+def test_hold_back_keeps_late_chunks_out_of_the_head_only():
+    ranked = ["t1#p0", "a#p0", "t2#p0", "b#p0", "c#p0", "a#p1", "t3#p0"]
+    late = {"t1#p0", "t2#p0", "t3#p0"}
+    # the first 2 documents that are not late, then the late ones in their order, then the rest
+    assert hold_back(ranked, late, 2) == ["a#p0", "b#p0", "t1#p0", "t2#p0", "c#p0", "a#p1",
+                                          "t3#p0"]
+    assert hold_back(ranked, late, 0) == ranked
+    assert hold_back(ranked, set(), 3) == ranked
+    assert hold_back(["t1#p0", "a#p0"], late, 5) == ["a#p0", "t1#p0"]  # too few to fill a head
 
 
 # --- the heuristic policy's final ranking over everything it scored ------------------------------
@@ -185,6 +196,39 @@ def test_the_question_search_pages_on_until_it_covers_search_k_documents():
     short = HeuristicPolicy(search_k=4)
     short.origins = {"a#p0": _Origin(q, 1, "question")}  # fewer hits than asked: no more exist
     assert short._question_page() == []
+
+
+def test_the_question_tail_is_the_last_search_and_never_takes_the_head(bm25_hotpot):
+    """With nothing left to expand, the question's own search once more down to final_k
+    documents; then the episode finishes (nothing found by it is expanded), and its hits rank
+    only after the first search_k documents."""
+    from branchsearch.workers.harness import Episode
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.rank import doc_of
+
+    settings, retriever = bm25_hotpot
+    policy = HeuristicPolicy(tail_page=True, search_k=3, final_k=8)
+    result = Episode(Q, retriever, policy, settings).run()
+    calls = [c for c in result.trace if c.get("kind") == "call"]
+    assert [c["tool"] for c in calls[-2:]] in (["search_corpus", "finish"],
+                                               ["prune_chunks", "finish"])
+    tail = [c for c in calls if c["tool"] == "search_corpus" and c["args"]["query"] == Q][-1]
+    assert calls.index(tail) >= len(calls) - 3 and policy.tail_ids
+    assert not policy.tail_ids & policy.expanded
+    docs = list(dict.fromkeys(doc_of(c) for c in result.ranked_chunk_ids))
+    assert not {doc_of(c) for c in policy.tail_ids} & set(docs[:3])
+
+    q = "Statins decrease blood cholesterol."
+    p = HeuristicPolicy(search_k=4, final_k=7, tail_page=True)
+    p.subquery = q
+    for rank, cid in enumerate(["a#p0", "a#p1", "b#p0", "c#p0", "d#p0"], start=1):
+        p.origins[cid] = _Origin(q, rank, "question")
+    [call] = p._question_tail()
+    assert call.args == {"query": q, "k": 6}  # 3 documents missing, twice as many chunks
+    assert p._pending[(q, "")].rank == 5 and p._tail is p._pending[(q, "")]
+    full = HeuristicPolicy(search_k=4, final_k=4, tail_page=True)
+    full.origins = dict(p.origins)
+    assert full._question_tail() == [] and full._tail is not None  # done: finish next
 
 
 def test_a_one_word_title_is_named_by_the_question_only_as_a_name():

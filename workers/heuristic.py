@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
 from branchsearch.workers.tools import MAX_SEARCH_K, QUERY_MAX_CHARS
-from branchsearch.workers.rank import doc_of, final_ranking
+from branchsearch.workers.rank import doc_of, final_ranking, hold_back
 from branchsearch.workers.text import (bare_title, entities, has_phrase, norm_title,
                                        sentences, terms)
 
@@ -59,6 +59,7 @@ class HeuristicPolicy:
     mention_weight: float = 0.6  # a bridge hit mentioning an entity that has no page here
     learned_rank: bool = True  # finish by the learned ranker (workers/ranker.py), else by score
     ranker_path: str | None = None  # weights file; None: the shipped workers/ranker_weights.json
+    tail_page: bool = True  # before finishing, the question's search down to final_k documents
     # episode state
     subquery: str = ""
     q_terms: set[str] = field(default_factory=set)
@@ -80,6 +81,10 @@ class HeuristicPolicy:
     _mention_count: dict[str, int] = field(default_factory=dict)
     _title_set: tuple = (-1, frozenset())
     _link_index: tuple | None = None  # (links, its size, word -> link positions, link order)
+    tail_ids: set[str] = field(default_factory=set)  # found by the question tail (none kept)
+    _tail: _Origin | None = None
+    _tail_rounds: int = 0
+    _tail_asked: int = 0  # question hits there would be had the last page come back full
 
     # --- Policy protocol -----------------------------------------------------------------------
 
@@ -93,9 +98,13 @@ class HeuristicPolicy:
             return [self._finish(visible)]
         if "search_corpus" not in view.allowed_tools:  # past the hard limit
             return self._prune_calls(view, visible, force=True) or [self._finish(visible)]
-        searches = self._question_page() if view.turn == 2 else []
-        searches += self._expansions(visible)
-        recalls = self._recalls()
+        searches, recalls = [], []
+        if self._tail is None:  # (once the question's tail is searched: rank and finish)
+            searches = self._question_page() if view.turn == 2 else []
+            searches += self._expansions(visible)
+            recalls = self._recalls()
+        if not searches and not recalls and self.tail_page:
+            searches = self._question_tail()
         if not searches and not recalls:  # nothing left to expand or read: keep what we
             prune = self._prune_calls(view, visible) if self.prune else []  # return, finish
             return prune + [self._finish(visible)]
@@ -113,6 +122,7 @@ class HeuristicPolicy:
     # --- turns -----------------------------------------------------------------------------------
 
     def _first_turn(self, view: AgentView) -> list[ToolCall]:
+        self._tail_asked = self.search_k
         self.subquery = view.subquery
         self.q_terms = terms(view.subquery)
         self.q_entities = entities(view.subquery)[:4]
@@ -133,6 +143,21 @@ class HeuristicPolicy:
             return []
         return [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K),
                              _Origin(self.subquery, len(hits), "question"))]
+
+    def _question_tail(self) -> list[ToolCall]:
+        """The sub-query's own search down to `final_k` documents, once, when nothing is left
+        to expand: the ranking returns `final_k` documents, and where the hops found nothing
+        better the question's own next hits are what single-shot retrieval would return."""
+        hits = [cid for cid, o in self.origins.items() if o.kind == "question"]
+        missing = self.final_k - len({doc_of(cid) for cid in hits})
+        exhausted = len(hits) < self._tail_asked  # the last page came back short
+        self._tail = _Origin(self.subquery, len(hits), "question")
+        self._tail_rounds += 1
+        if missing <= 0 or exhausted or self._tail_rounds > TAIL_ROUNDS:
+            return []
+        k = min(2 * missing, MAX_SEARCH_K)
+        self._tail_asked = len(hits) + k
+        return [self._search(self.subquery, k, self._tail)]
 
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
         self.searched.add(query.lower())
@@ -164,6 +189,8 @@ class HeuristicPolicy:
                 if cid in by_id:
                     self.chunks[cid] = by_id[cid]
                 if origin is not None and cid not in self.origins:
+                    if origin is self._tail:
+                        self.tail_ids.add(cid)
                     self.origins[cid] = _Origin(origin.query, rank, origin.kind, origin.entity,
                                                 origin.parent)
                     self.depth[cid] = self.depth.get(origin.parent, 0) + (1 if parent else 0)
@@ -450,12 +477,16 @@ class HeuristicPolicy:
 
             ranker = load_ranker(self.ranker_path)
             self.final_features = episode_features(self, ranker.used)  # only what it weighs
-            ranked = final_ranking(ranker.scores(self.final_features), self.final_k)
+            ranked = final_ranking(ranker.scores(self.final_features), len(self.scores))
         else:
-            ranked = final_ranking(self.scores, self.final_k)
+            ranked = final_ranking(self.scores, len(self.scores))
+        if self.rank_all:
+            ranked = hold_back(ranked, self.tail_ids, self.search_k)[: self.final_k]
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 
+
+TAIL_ROUNDS = 3  # question tail searches at most (a document of many chunks takes several)
 
 # a title of at most this many words is a name (encyclopedia pages: 3 words at the median of
 # hotpot's and musique's corpora, 5 at the 90th percentile), longer is a sentence (a paper's

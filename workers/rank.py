@@ -35,3 +35,20 @@ def final_ranking(scores: Mapping[str, float], limit: int,
         (rest if d in seen else firsts).append(cid)
         seen.add(d)
     return (firsts + rest)[:limit]
+
+
+def hold_back(ranked: list[str], late: set[str], head: int,
+              doc: Callable[[str], str] = doc_of) -> list[str]:
+    """`ranked` with the chunks of `late` moved below its first `head` documents that are not
+    late; every other order kept. A late chunk competes for the places after the head, never
+    for the head itself."""
+    first, held, rest, docs = [], [], [], set()
+    for cid in ranked:
+        if len(docs) >= head:
+            rest.append(cid)
+        elif cid in late:
+            held.append(cid)
+        else:
+            first.append(cid)
+            docs.add(doc(cid))
+    return first + held + rest

@@ -118,7 +118,7 @@ def _opening(sentence: str) -> int:
 
 
 def has_phrase(text: str, phrase: str) -> bool:
-    """Whether `phrase` occurs in `text` as whole words ("Uni" is not in "University"): the
+    r"""Whether `phrase` occurs in `text` as whole words ("Uni" is not in "University"): the
     regex `(?<!\w)phrase(?!\w)`, found with `str.find` (compiling a pattern per phrase cost
     more than the searches it served)."""
     if not phrase:
