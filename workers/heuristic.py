@@ -83,8 +83,6 @@ class HeuristicPolicy:
     _link_index: tuple | None = None  # (links, its size, word -> link positions, link order)
     tail_ids: set[str] = field(default_factory=set)  # found by the question tail (none kept)
     _tail: _Origin | None = None
-    _tail_rounds: int = 0
-    _tail_asked: int = 0  # question hits there would be had the last page come back full
 
     # --- Policy protocol -----------------------------------------------------------------------
 
@@ -103,8 +101,8 @@ class HeuristicPolicy:
             searches = self._question_page() if view.turn == 2 else []
             searches += self._expansions(visible)
             recalls = self._recalls()
-        if not searches and not recalls and self.tail_page:
-            searches = self._question_tail()
+            if not searches and not recalls and self.tail_page:
+                searches = self._question_tail()
         if not searches and not recalls:  # nothing left to expand or read: keep what we
             prune = self._prune_calls(view, visible) if self.prune else []  # return, finish
             return prune + [self._finish(visible)]
@@ -122,7 +120,6 @@ class HeuristicPolicy:
     # --- turns -----------------------------------------------------------------------------------
 
     def _first_turn(self, view: AgentView) -> list[ToolCall]:
-        self._tail_asked = self.search_k
         self.subquery = view.subquery
         self.q_terms = terms(view.subquery)
         self.q_entities = entities(view.subquery)[:4]
@@ -150,14 +147,10 @@ class HeuristicPolicy:
         better the question's own next hits are what single-shot retrieval would return."""
         hits = [cid for cid, o in self.origins.items() if o.kind == "question"]
         missing = self.final_k - len({doc_of(cid) for cid in hits})
-        exhausted = len(hits) < self._tail_asked  # the last page came back short
         self._tail = _Origin(self.subquery, len(hits), "question")
-        self._tail_rounds += 1
-        if missing <= 0 or exhausted or self._tail_rounds > TAIL_ROUNDS:
+        if missing <= 0 or len(hits) < self.search_k:  # enough, or the index had no more
             return []
-        k = min(2 * missing, MAX_SEARCH_K)
-        self._tail_asked = len(hits) + k
-        return [self._search(self.subquery, k, self._tail)]
+        return [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K), self._tail)]
 
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
         self.searched.add(query.lower())
@@ -485,8 +478,6 @@ class HeuristicPolicy:
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 
-
-TAIL_ROUNDS = 3  # question tail searches at most (a document of many chunks takes several)
 
 # a title of at most this many words is a name (encyclopedia pages: 3 words at the median of
 # hotpot's and musique's corpora, 5 at the 90th percentile), longer is a sentence (a paper's
