@@ -214,13 +214,11 @@ def require_complete(index_dir: Path, index: str, home: Path | str = "") -> Mani
     """The manifest of a complete index that no ingest is writing, else one clear error."""
     index_dir = Path(index_dir)
     run = f"branchsearch ingest PATH --index {index}" + (f" --home {home}" if home else "")
-    live = running_ingest(index_dir)
-    if live is not None:
-        raise IndexBusy(f"index {index!r} is being ingested right now ({live.describe()}); "
-                        f"wait for that ingest to finish, then run this again")
+    _not_busy(index_dir, index)
     manifest = read_manifest(index_dir)
     if manifest is not None:
         return manifest
+    _not_busy(index_dir, index)  # an ingest that started after the first look took it away
     dead = stale_ingest(index_dir)
     if dead is not None:
         corpus = dead.corpus or "PATH"
@@ -234,6 +232,13 @@ def require_complete(index_dir: Path, index: str, home: Path | str = "") -> Mani
     raise IndexIncomplete(
         f"index {index!r} has no manifest: its ingest never finished (or it was built before "
         f"manifests); run `{run}` to complete it")
+
+
+def _not_busy(index_dir: Path, index: str) -> None:
+    live = running_ingest(index_dir)
+    if live is not None:
+        raise IndexBusy(f"index {index!r} is being ingested right now ({live.describe()}); "
+                        f"wait for that ingest to finish, then run this again")
 
 
 def is_complete(index_dir: Path) -> bool:

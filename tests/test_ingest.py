@@ -113,6 +113,32 @@ def test_lock_held_by_a_live_process_stops_a_second_ingest(tmp_path):
     ingest(corpus, settings)  # released: the next one runs
 
 
+def test_a_reader_racing_an_ingest_that_starts_names_it_not_a_missing_manifest(tmp_path,
+                                                                              monkeypatch):
+    """The ingest takes its lock and removes the manifest between the reader's look for a
+    running ingest and its read of the manifest: the reader says 'being ingested', not 'has no
+    manifest'."""
+    from branchsearch.infra import manifest as manifest_mod
+
+    settings = _settings(tmp_path / "h")
+    ingest(_corpus(tmp_path / "c.jsonl", 3), settings)
+    read, held = manifest_mod.read_manifest, []
+
+    def ingest_starts_now(index_dir):
+        lock = IngestLock(settings.index_dir, settings.index, corpus="/racing.jsonl")
+        held.append(lock.acquire())
+        (settings.index_dir / "manifest.json").unlink()
+        return read(index_dir)
+
+    monkeypatch.setattr(manifest_mod, "read_manifest", ingest_starts_now)
+    try:
+        with pytest.raises(IndexBusy, match="being ingested.*/racing.jsonl"):
+            require_complete(settings.index_dir, settings.index)
+    finally:
+        for lock in held:
+            lock.release()
+
+
 # ---- kill -9 at the worst moment: vectors written, docstore not yet ----------------------------
 
 KILLER = textwrap.dedent("""
