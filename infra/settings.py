@@ -231,6 +231,7 @@ def load_settings(
 ) -> Settings:
     """Merge defaults, TOML, environment and `overrides` (None values are ignored)."""
     values: dict[str, Any] = dataclasses.asdict(base or Settings())
+    given: dict[str, Any] = {}  # what a file, the environment or an override set
     env = os.environ if read_env else {}
     if "BRANCHSEARCH_HOME" in env:
         values["home"] = env["BRANCHSEARCH_HOME"]
@@ -252,17 +253,22 @@ def load_settings(
             if unknown:
                 raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")
             values.update(data)
+            given.update(data)
 
-    values.update(_otel_env(env))
+    otel = _otel_env(env)
+    values.update(otel)
+    given.update(otel)
     for name in _FIELDS:
         key = f"BRANCHSEARCH_{name.upper()}"
         if key in env:
-            values[name] = env[key]
+            values[name] = given[name] = env[key]
     for name, value in (overrides or {}).items():
         if name not in _FIELDS:
             raise SettingsError(f"unknown setting {name!r}")
         if value is not None:
-            values[name] = value
+            values[name] = given[name] = value
+    if given.get("otlp_endpoint") and "trace_exporter" not in given:
+        values["trace_exporter"] = "otlp"  # a collector named and no exporter chosen: export there
 
     settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
     _validate(settings)

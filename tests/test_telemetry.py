@@ -104,6 +104,20 @@ def test_standard_otel_variables_become_settings(monkeypatch, tmp_path):
         load_settings(read_file=False)
 
 
+def test_a_collector_named_without_an_exporter_means_otlp(monkeypatch, tmp_path):
+    """Before, an endpoint alone exported nothing, silently (the exporter stayed 'none')."""
+    only = dict(read_env=False, read_file=False)
+    assert load_settings(**only).trace_exporter == "none"
+    assert load_settings(overrides={"otlp_endpoint": "http://c:4318"}, **only
+                         ).trace_exporter == "otlp"
+    assert load_settings(overrides={"otlp_endpoint": "http://c:4318", "trace_exporter": "none"},
+                         **only).trace_exporter == "none"  # chosen explicitly: kept
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    assert load_settings(overrides={"home": tmp_path}, read_file=False).trace_exporter == "otlp"
+    monkeypatch.setenv("BRANCHSEARCH_TRACE_EXPORTER", "jsonl")
+    assert load_settings(overrides={"home": tmp_path}, read_file=False).trace_exporter == "jsonl"
+
+
 def test_env_settings_reach_a_process_with_another_environment(monkeypatch, receiver, tmp_path):
     """Actors get the driver's Settings object (pickled), never re-read their environment: a
     process whose own OTEL_EXPORTER_OTLP_ENDPOINT points at a dead port (a node started with
