@@ -1,5 +1,7 @@
 """Errors a user can cause. The CLI prints `str(error)` as one line and exits non-zero."""
 
+import re
+
 
 class BranchsearchError(Exception):
     """Base for user-facing errors: the message names the problem and, where possible, the fix."""
@@ -46,3 +48,16 @@ class OutputTruncated(Exception):
 
     def __str__(self) -> str:
         return f"output cut at max_tokens after {len(self.text)} characters"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def error_line(exc: BaseException, width: int = 300) -> str:
+    """`Type: message` on one line, for a status or a log line: an error raised inside a Ray
+    task by its cause (not Ray's coloured traceback), escape codes and line breaks dropped."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and type(exc).__module__.startswith("ray."):
+        exc = cause
+    text = _ANSI.sub("", f"{type(exc).__name__}: {exc}")
+    return " ".join(text.split())[:width]

@@ -382,16 +382,17 @@ class RayExecutor:
     def _collect(self, task: BranchTask, actor, ref) -> BranchReport:
         import ray
 
+        from branchsearch.infra.errors import error_line
+
         try:
             report = ray.get(ref)
             self._release(actor)
             return report
         except ray.exceptions.RayActorError as exc:
-            error = f"actor died: {exc}"[:500]
+            error = f"actor died: {error_line(exc, 480)}"
             self._release(self._new_branch())
         except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            error = f"{type(cause).__name__}: {cause}"[:500]
+            error = error_line(exc, 500)
             self._release(actor)
         return BranchReport(task.index, task.subquery, task.weight, task.kind, "error", error)
 

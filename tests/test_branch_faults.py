@@ -170,3 +170,20 @@ def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
     assert data.bad_lines == [f"{path}:1: a line is one JSON object per question, not a JSON "
                               "list", f"{path}:2: a line is one JSON object per question, not "
                               "a JSON str"]
+
+
+def test_an_error_inside_a_ray_task_is_one_line_by_its_cause():
+    """A branch's error (and a batch's stop line) names what failed, not Ray's coloured
+    traceback: before, 'RayTaskError(ValueError): ray::RetrieverActor.call_many() (pid=…)'
+    and a traceback fragment with escape codes."""
+    import ray.exceptions
+
+    from branchsearch.infra.errors import error_line
+
+    cause = ValueError("tantivy: index directory\nis gone")
+    exc = ray.exceptions.RayTaskError(
+        "RetrieverActor.call_many", "Traceback (most recent call last):\n  \x1b[36mFile x\x1b[0m",
+        cause, proctitle="ray::RetrieverActor", pid=4242, ip="10.0.0.1")
+    assert error_line(exc) == "ValueError: tantivy: index directory is gone"
+    assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two"), 12) == "RuntimeError"[:12]
+    assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two")) == "RuntimeError: red line two"

@@ -75,13 +75,13 @@ class RemoteRetriever:
         self.rpc_s = 0.0  # round trips, backend included
 
     def call_many(self, requests: list[tuple]) -> list:
-        from branchsearch.infra.errors import BackendUnavailable
+        from branchsearch.infra.errors import BackendUnavailable, error_line
 
         started = time.perf_counter()
         try:
             values, backend = ray.get(self.handle.call_many.remote(requests, self.question))
         except ray.exceptions.RayError as exc:
-            error = BackendUnavailable(f"retriever actor: {type(exc).__name__}: {exc}"[:300])
+            error = BackendUnavailable(f"retriever actor: {error_line(exc)}")
             return [error] * len(requests)
         self.rpc_s += time.perf_counter() - started
         self.backend_s += backend

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from branchsearch.infra import telemetry
+from branchsearch.infra.errors import error_line
 from branchsearch.infra.settings import Settings
 from branchsearch.workers.harness import Episode, EpisodeResult
 
@@ -88,7 +89,7 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
                                      acl_groups=groups, on_event=emit,
                                      deadline=task.deadline).run()
         except Exception as exc:  # noqa: BLE001 — reported, the other branches still count
-            report.status, report.error = "error", f"{type(exc).__name__}: {exc}"[:500]
+            report.status, report.error = "error", error_line(exc, 500)
         episode = report.episode
         if episode is not None and episode.termination == "backend_error":
             report.status, report.error = "error", episode.detail
