@@ -56,8 +56,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 def error_line(exc: BaseException, width: int = 300) -> str:
     """`Type: message` on one line, for a status or a log line: an error raised inside a Ray
     task by its cause (not Ray's coloured traceback), escape codes and line breaks dropped."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException) and type(exc).__module__.startswith("ray."):
-        exc = cause
+    while isinstance(getattr(exc, "cause", None), BaseException) and \
+            type(exc).__module__.startswith("ray."):  # a task error inside a task error too
+        exc = exc.cause
     text = _ANSI.sub("", f"{type(exc).__name__}: {exc}")
     return " ".join(text.split())[:width]

@@ -219,6 +219,9 @@ def require_complete(index_dir: Path, index: str, home: Path | str = "") -> Mani
     if manifest is not None:
         return manifest
     _not_busy(index_dir, index)  # an ingest that started after the first look took it away
+    manifest = read_manifest(index_dir)  # ... or has finished since
+    if manifest is not None:
+        return manifest
     dead = stale_ingest(index_dir)
     if dead is not None:
         corpus = dead.corpus or "PATH"

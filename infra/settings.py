@@ -267,7 +267,8 @@ def load_settings(
             raise SettingsError(f"unknown setting {name!r}")
         if value is not None:
             values[name] = given[name] = value
-    if given.get("otlp_endpoint") and "trace_exporter" not in given:
+    if given.get("otlp_endpoint") and "trace_exporter" not in given and \
+            values["trace_exporter"] == "none":
         values["trace_exporter"] = "otlp"  # a collector named and no exporter chosen: export there
 
     settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})

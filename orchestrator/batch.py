@@ -37,6 +37,9 @@ class BatchInput:
     bad_lines: list[str] = field(default_factory=list)
 
 
+_JSON_KIND = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}
+
+
 def read_questions(path: str | Path) -> BatchInput:
     path = Path(path)
     if not path.is_file():
@@ -51,8 +54,8 @@ def read_questions(path: str | Path) -> BatchInput:
             try:
                 row = json.loads(line)
                 if not isinstance(row, dict):
-                    raise ValueError(f"a line is one JSON object per question, not a JSON "
-                                     f"{type(row).__name__}")
+                    raise ValueError(f"a line is one JSON object per question, not "
+                                     f"{_JSON_KIND.get(type(row), 'a number')}")
                 qid = row.get("id", row.get("_id"))
                 question = row.get("question", row.get("text"))
                 if qid is None or not isinstance(question, str) or not question.strip():

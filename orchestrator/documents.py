@@ -6,15 +6,17 @@ the order `infra.ingest` uses: dense and lexical first, the docstore — what re
 an upsert and first for a delete, so a search never returns a half-written document.
 
 A write reaches every store the index has, whatever the service searches: a service started
-with `search_mode = bm25` has not opened the dense store, so the first write opens it (and the
-embedder). Writing only the stores a search uses would leave the others behind, and the next
-ingest would find the stores disagree.
+with `search_mode = bm25` has not opened the dense store, so a write opens it (and the
+embedder, kept) and closes it after, so the service holds no Milvus Lite file between writes.
+Writing only the stores a search uses would leave the others behind, and the next ingest would
+find the stores disagree.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
@@ -60,41 +62,49 @@ def upsert(retriever, settings, docs: list) -> dict:
     indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
                for c in chunks]
     ids = [d.id for d in docs]
-    _open_every_store(retriever, settings)
-    if retriever.dense is not None:
-        vectors = retriever.embedder.embed([c.body for c in indexed])
-        retriever.dense.write(indexed, vectors, ids)
-    retriever.lexical.write(indexed, ids)
-    retriever.docstore.replace_documents(docs, chunks)
+    with every_store(retriever, settings) as dense:
+        if dense is not None:
+            dense.write(indexed, retriever.embedder.embed([c.body for c in indexed]), ids)
+        retriever.lexical.write(indexed, ids)
+        retriever.docstore.replace_documents(docs, chunks)
     return {"documents": len(docs), "chunks": len(chunks)}
 
 
 def delete(retriever, settings, doc_id: str) -> bool:
     """Remove a document from every store; False when the docstore did not have it."""
-    _open_every_store(retriever, settings)
     store = retriever.docstore
-    # DocStore has no delete yet (infra is the ingest engineer's): one transaction on its
-    # connection, under its lock.
-    with store._lock, store._db:
-        found = store._db.execute("DELETE FROM docs WHERE doc_id = ?", (doc_id,)).rowcount
-        store._db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
-    retriever.lexical.write([], [doc_id])
-    if retriever.dense is not None:
-        retriever.dense.write([], [], [doc_id])
+    with every_store(retriever, settings) as dense:
+        # DocStore has no delete yet (infra is the ingest engineer's): one transaction on its
+        # connection, under its lock.
+        with store._lock, store._db:
+            found = store._db.execute("DELETE FROM docs WHERE doc_id = ?", (doc_id,)).rowcount
+            store._db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
+        retriever.lexical.write([], [doc_id])
+        if dense is not None:
+            dense.write([], [], [doc_id])
     return bool(found)
 
 
-def _open_every_store(retriever, settings) -> None:
-    """Open the owned index's dense store on `retriever` when its manifest has one and the
-    retriever was opened without it (a BM25 search mode)."""
+@contextmanager
+def every_store(retriever, settings):
+    """The dense store a write must reach: the retriever's, or, when it was opened without one
+    (a BM25 search mode) and the owned index has one, that store opened for this write and
+    closed after it (the embedder stays loaded on the retriever). None: the index has none."""
     from branchsearch.infra.manifest import read_manifest
     from branchsearch.infra.retriever import open_dense
 
     if retriever.dense is not None or settings.external is not None:
+        yield retriever.dense
         return
     manifest = read_manifest(settings.index_dir)
-    if manifest is not None and manifest.embedding is not None:
-        retriever.dense, retriever.embedder = open_dense(settings, manifest)
+    if manifest is None or manifest.embedding is None:
+        yield None
+        return
+    dense, retriever.embedder = open_dense(settings, manifest, retriever.embedder)
+    try:
+        yield dense
+    finally:
+        dense.close()
 
 
 def probe(retriever) -> dict:

@@ -163,13 +163,13 @@ def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
     from branchsearch.orchestrator.batch import read_questions
 
     path = tmp_path / "q.jsonl"
-    path.write_text('[{"id": 1, "question": "Who is Ed Wood?"}]\n"Who?"\n'
+    path.write_text('[{"id": 1, "question": "Who is Ed Wood?"}]\n"Who?"\nnull\n7\n'
                     '{"id": "ok", "question": "Who is Ed Wood?"}\n')
     data = read_questions(path)
     assert data.items == [("ok", "Who is Ed Wood?")]
-    assert data.bad_lines == [f"{path}:1: a line is one JSON object per question, not a JSON "
-                              "list", f"{path}:2: a line is one JSON object per question, not "
-                              "a JSON str"]
+    assert data.bad_lines == [f"{path}:{n}: a line is one JSON object per question, not {kind}"
+                              for n, kind in ((1, "an array"), (2, "a string"), (3, "null"),
+                                              (4, "a number"))]
 
 
 def test_an_error_inside_a_ray_task_is_one_line_by_its_cause():
@@ -187,3 +187,5 @@ def test_an_error_inside_a_ray_task_is_one_line_by_its_cause():
     assert error_line(exc) == "ValueError: tantivy: index directory is gone"
     assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two"), 12) == "RuntimeError"[:12]
     assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two")) == "RuntimeError: red line two"
+    outer = ray.exceptions.RayTaskError("BranchActor.run", "Traceback …", exc, pid=1)
+    assert error_line(outer) == "ValueError: tantivy: index directory is gone"

@@ -198,6 +198,22 @@ def test_the_question_search_pages_on_until_it_covers_search_k_documents():
     assert short._question_page() == []
 
 
+def test_a_limit_that_stops_the_episode_still_returns_the_policys_ranking(bm25_hotpot):
+    """max_tokens_read stops the episode before the policy finishes: the ranking is the one
+    `finish` would have returned then (the harness asks the policy), not arrival order."""
+    from branchsearch.workers.harness import Episode
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    settings, retriever = bm25_hotpot
+    tight = settings.replace(max_tokens_read=900)
+    policy = HeuristicPolicy(learned_rank=False)
+    result = Episode(Q, retriever, policy, tight).run()
+    assert result.termination == "max_tokens_read"
+    assert result.ranked_chunk_ids == final_ranking(policy.scores, settings.final_k)
+    arrival = [c for c in result.retrieved_ids if c not in result.pruned_ids]
+    assert result.ranked_chunk_ids != arrival[: settings.final_k]
+
+
 def test_the_question_tail_is_the_last_search_and_never_takes_the_head(bm25_hotpot):
     """With nothing left to expand, the question's own search once more down to final_k
     documents; then the episode finishes (nothing found by it is expanded), and its hits rank
@@ -355,3 +371,19 @@ def test_a_title_stored_with_html_entities_is_named_as_the_text_writes_it():
     assert _names("Will &amp; Grace", "Will & Grace") == 1.0
     assert bare_title("AT&T Park") == "AT&T Park"  # an ampersand that is no entity stays
     assert bare_title("Barnes&not Sons") == "Barnes&not Sons"  # nor a name without its ';'
+
+
+def test_an_entity_branch_searches_its_sub_query_once_as_the_question(bm25_hotpot):
+    """A sub-query that is itself an entity ('Shirley Temple', a planner's entity branch): its
+    search is the question's (first-page support, the question page and tail), not an entity
+    search of 3 hits that overwrote it (same query, same key)."""
+    from branchsearch.workers.harness import Episode
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    settings, retriever = bm25_hotpot
+    policy = HeuristicPolicy()
+    result = Episode("Shirley Temple", retriever, policy, settings).run()
+    kinds = {o.kind for o in policy.origins.values()}
+    assert "question" in kinds
+    first = [c for c in result.trace if c.get("kind") == "call" and c.get("turn") == 1]
+    assert [c["args"]["query"] for c in first] == ["Shirley Temple"]

@@ -7,6 +7,8 @@ test_service_web.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -263,6 +265,16 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
             assert r.status_code == 200, r.text
             r = client.delete("/v1/indexes/acl/documents/pub-harbor", headers=auth(admin))
             assert r.status_code == 200, r.text
+        # the service holds no Milvus Lite file between writes: another process opens it
+        code = ("import sys; from branchsearch.infra.settings import load_settings; "
+                "from branchsearch.infra.retriever import open_retriever; "
+                "r = open_retriever(load_settings(overrides={'home': sys.argv[1], 'index': "
+                "'acl'}, read_env=False, read_file=False)); "
+                "print([h.doc_id for h in r.search('osprey relay', mode='dense', k=1, "
+                "acl_groups=['alpha'])]); r.close()")
+        other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                               text=True, timeout=300)
+        assert other.returncode == 0 and "osprey" in other.stdout, other.stderr[-2000:]
     finally:
         server.stop()
         state.backend.searcher.close()

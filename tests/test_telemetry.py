@@ -112,6 +112,8 @@ def test_a_collector_named_without_an_exporter_means_otlp(monkeypatch, tmp_path)
                          ).trace_exporter == "otlp"
     assert load_settings(overrides={"otlp_endpoint": "http://c:4318", "trace_exporter": "none"},
                          **only).trace_exporter == "none"  # chosen explicitly: kept
+    console = load_settings(overrides={"trace_exporter": "console"}, **only)
+    assert console.replace(otlp_endpoint="http://c:4318").trace_exporter == "console"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
     assert load_settings(overrides={"home": tmp_path}, read_file=False).trace_exporter == "otlp"
     monkeypatch.setenv("BRANCHSEARCH_TRACE_EXPORTER", "jsonl")

@@ -288,9 +288,23 @@ class Episode:
 
     # --- the result ----------------------------------------------------------------------------
 
+    def _ranking_at_stop(self) -> list[str]:
+        """Stopped without `finish` (a limit, the deadline): the policy's own ranking of what it
+        found when it has one (`rank`), else the context in arrival order."""
+        rank = getattr(self.policy, "rank", None)
+        if rank is not None:
+            try:
+                known = [cid for cid in rank(self.view()) if cid in self.ws.cache]
+                if known:
+                    return known
+            except Exception as exc:  # noqa: BLE001 — a ranking must not lose the evidence
+                self.trace.record("invalid_action", turn=self.ws.turn,
+                                  message=f"rank at stop: {type(exc).__name__}: {exc}"[:300])
+        return self.ws.context.ids()
+
     def result(self, end: EpisodeEnd) -> EpisodeResult:
         ws = self.ws
-        ranked = ws.finish_ids if ws.finish_ids is not None else ws.context.ids()
+        ranked = ws.finish_ids if ws.finish_ids is not None else self._ranking_at_stop()
         ranked = ranked[: self.settings.final_k]
         return EpisodeResult(
             subquery=self.subquery, termination=end.reason, detail=end.detail,

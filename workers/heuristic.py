@@ -111,6 +111,13 @@ class HeuristicPolicy:
             calls.append(ToolCall("recall_chunks", {"ids": recalls}))
         return calls + searches
 
+    def rank(self, view: AgentView) -> list[str]:
+        """The ranking `finish` would return now (the harness asks when a limit stops the
+        episode before this policy finished): the last turn's results absorbed first."""
+        self._absorb(view)
+        self._rescore(view)
+        return self._finish({c.id for c in view.visible}).args["ids"]
+
     def query_state(self) -> dict:
         top = sorted(self.scores, key=self.scores.get, reverse=True)[:5]
         return {"subquery": self.subquery, "terms": sorted(self.q_terms),
@@ -126,7 +133,8 @@ class HeuristicPolicy:
         self.links = {e.lower(): ("", 1.0) for e in self.q_entities}
         calls = [self._search(view.subquery, self.search_k, _Origin(view.subquery, 0, "question"))]
         for e in self.q_entities:
-            calls.append(self._search(e, self.entity_k, _Origin(e, 0, "entity", entity=e)))
+            if e.lower() != view.subquery.lower():  # an entity branch's sub-query is searched
+                calls.append(self._search(e, self.entity_k, _Origin(e, 0, "entity", entity=e)))
         return calls
 
     def _question_page(self) -> list[ToolCall]:

@@ -66,3 +66,6 @@ class Policy(Protocol):
 
     def query_state(self) -> dict:
         """What the policy is looking for now (recorded in the trace and on prune spans)."""
+
+    # optional: `rank(view) -> list[str]`, the ranking `finish` would return now, asked for when
+    # the episode stops without `finish` (a limit or the deadline); without it, arrival order

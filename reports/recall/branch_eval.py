@@ -98,6 +98,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
                 p = policies.get(b["index"])
                 b["features"] = ({c: [round(v, 5) for v in x] for c, x in
                                   episode_features(p).items()} if p is not None else {})
+                b["tail"] = sorted(p.tail_ids) if p is not None else []  # rank.hold_back
         return result
 
     driver.search = keep

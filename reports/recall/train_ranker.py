@@ -36,8 +36,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from branch_eval import fused, plan_rule, score  # noqa: E402
 
-from branchsearch.workers.rank import doc_of, final_ranking  # noqa: E402
+from branchsearch.workers.heuristic import HeuristicPolicy  # noqa: E402
+from branchsearch.workers.rank import doc_of, final_ranking, hold_back  # noqa: E402
 from branchsearch.workers.ranker import FEATURES, LinearRanker, load_ranker  # noqa: E402
+
+
+SEARCH_K = HeuristicPolicy.search_k  # the places a question tail's hits never take
 
 
 def load(paths: list[str]) -> dict[str, list[dict]]:
@@ -210,7 +214,8 @@ def bagged(sets: list[list[dict]], bags: int, **kw) -> LinearRanker:
 def rerank(row: dict, ranker: LinearRanker | None, branch: dict, k: int = 10) -> list[str]:
     if ranker is None or not branch.get("features"):
         return branch["ranked"]
-    return final_ranking(ranker.scores(branch["features"]), k)
+    ranked = final_ranking(ranker.scores(branch["features"]), len(branch["features"]))
+    return hold_back(ranked, set(branch.get("tail", ())), SEARCH_K)[:k]  # as the policy does
 
 
 def evaluate(rows: list[dict], ranker: LinearRanker | None, plan: str = "all",
