@@ -83,7 +83,7 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
                              "process.pid": os.getpid()})
         try:
             policy = (policy_factory(task.index, task.subquery) if policy_factory
-                      else make_policy(settings))
+                      else make_policy(settings, kind=task.kind))
             groups = list(task.acl_groups) if task.acl_groups is not None else None
             report.episode = Episode(task.subquery, retriever, policy, settings,
                                      acl_groups=groups, on_event=emit,

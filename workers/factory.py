@@ -6,13 +6,18 @@ from branchsearch.infra.errors import SettingsError
 from branchsearch.infra.settings import Settings
 
 
-def make_policy(settings: Settings, name: str | None = None, engine=None):
+def make_policy(settings: Settings, name: str | None = None, engine=None,
+                kind: str = "original"):
+    """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
+    searches the question tail: fused, an entity branch's tail changed no ranking and cost 8 %
+    of a 3-branch question's tokens (reports/recall/README.md, session 6)."""
     name = name or settings.policy
     if name == "heuristic":
         from branchsearch.workers.heuristic import HeuristicPolicy
 
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
-                               max_turns=settings.max_turns, learned_rank=settings.learned_rank)
+                               max_turns=settings.max_turns, learned_rank=settings.learned_rank,
+                               tail_page=kind == "original")
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
 
