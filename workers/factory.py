@@ -9,7 +9,7 @@ from branchsearch.infra.settings import Settings
 def make_policy(settings: Settings, name: str | None = None, engine=None,
                 kind: str = "original"):
     """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
-    searches the question tail: fused, an entity branch's tail changed no ranking and cost 8 %
+    searches the question tail: fused, an entity branch's tail changed no ranking and cost 4–8 %
     of a 3-branch question's tokens (reports/recall/README.md, session 6)."""
     name = name or settings.policy
     if name == "heuristic":
