@@ -140,25 +140,26 @@ class HeuristicPolicy:
     def _question_page(self) -> list[ToolCall]:
         """The sub-query's own search once more, when its hits came from fewer than `search_k`
         documents (long documents split into chunks): a document is the unit of evidence, so
-        the search should bring `search_k` of them. It excludes what is already seen; its
-        hits rank after the first page's."""
-        hits = [cid for cid, o in self.origins.items() if o.kind == "question"]
-        missing = self.search_k - len({doc_of(cid) for cid in hits})
-        if missing <= 0 or len(hits) < self.search_k:  # the index had no more to give
-            return []
-        return [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K),
-                             _Origin(self.subquery, len(hits), "question"))]
+        the search should bring `search_k` of them. Its hits rank after the first page's."""
+        return self._more_of_the_question(self.search_k)[1]
 
     def _question_tail(self) -> list[ToolCall]:
         """The sub-query's own search down to `final_k` documents, once, when nothing is left
         to expand: the ranking returns `final_k` documents, and where the hops found nothing
         better the question's own next hits are what single-shot retrieval would return."""
+        self._tail, calls = self._more_of_the_question(self.final_k)
+        return calls
+
+    def _more_of_the_question(self, documents: int) -> tuple[_Origin, list[ToolCall]]:
+        """(the origin of its hits, the search) that brings the sub-query's own hits up to
+        `documents` documents; the search excludes what was seen, its hits rank after the
+        question's hits so far. No search when there are enough, or the index had no more."""
         hits = [cid for cid, o in self.origins.items() if o.kind == "question"]
-        missing = self.final_k - len({doc_of(cid) for cid in hits})
-        self._tail = _Origin(self.subquery, len(hits), "question")
-        if missing <= 0 or len(hits) < self.search_k:  # enough, or the index had no more
-            return []
-        return [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K), self._tail)]
+        missing = documents - len({doc_of(cid) for cid in hits})
+        origin = _Origin(self.subquery, len(hits), "question")
+        if missing <= 0 or len(hits) < self.search_k:
+            return origin, []
+        return origin, [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K), origin)]
 
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
         self.searched.add(query.lower())
