@@ -332,7 +332,13 @@ def lexical_store(settings: Settings):
                             max_pattern=settings.grep_max_pattern)
     from branchsearch.infra.lexical import TantivyStore
 
-    return TantivyStore(settings.index_dir / "tantivy", max_pattern=settings.grep_max_pattern)
+    path = settings.index_dir / "tantivy"
+    try:
+        return TantivyStore(path, max_pattern=settings.grep_max_pattern)
+    except ValueError as exc:  # a segment file truncated or gone: tantivy cannot open the index
+        why = " ".join(str(exc).split())[:200]
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {path}: {why}; remove "
+                              f"{settings.index_dir} and ingest it again") from None
 
 
 def dense_uri(settings: Settings) -> str:

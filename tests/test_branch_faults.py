@@ -141,6 +141,16 @@ def test_an_index_whose_store_files_are_gone_or_garbage_is_damaged_not_empty(tmp
     with pytest.raises(IndexIncomplete, match="tantivy"):
         open_retriever(settings, need_dense=False)
     meta.with_suffix(".bak").rename(meta)
+    terms = {p: p.read_bytes() for p in (settings.index_dir / "tantivy").glob("*.term")}
+    assert terms
+    for path in terms:  # a segment file emptied: tantivy refuses the index; before, a traceback
+        path.write_bytes(b"")
+    with pytest.raises(IndexIncomplete, match="damaged.*tantivy.*ingest it again"):
+        open_retriever(settings, need_dense=False)
+    with pytest.raises(IndexIncomplete, match="damaged"):
+        ingest(HOTPOT, settings, dense=False)
+    for path, data in terms.items():
+        path.write_bytes(data)
     r = open_retriever(settings, need_dense=False)
     try:
         assert r.search("Ed Wood", "bm25", 3)
