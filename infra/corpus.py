@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from branchsearch.infra.backends import ACL_ALL, PUBLIC
 from branchsearch.infra.errors import CorpusError
 
 _ID_OK = re.compile(r"^[^\s#][^\s#]*$")
@@ -82,6 +83,11 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         acl = (acl,)
     if not isinstance(acl, (list, tuple)) or not all(isinstance(g, str) for g in acl):
         raise CorpusError(f"{where}: 'acl' must be a list of group names")
+    reserved = sorted({ACL_ALL, PUBLIC} & set(acl))
+    if reserved:  # "*" would read as "everyone" but mean "admins only"
+        raise CorpusError(f"{where}: 'acl' may not name {reserved[0]!r} (reserved: {ACL_ALL!r} "
+                          f"in a caller's groups sees every document); leave 'acl' empty for a "
+                          f"document everyone may see")
     known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
     return Document(
         id=doc_id,

@@ -8,6 +8,7 @@ if it exists. Keys are the field names below (flat), e.g. `budget_tokens = 16384
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -221,6 +222,29 @@ def _otel_env(env) -> dict[str, str]:
     return out
 
 
+# `BRANCHSEARCH_*` variables that are not settings: read by one command or tool each.
+OTHER_VARIABLES = frozenset({
+    "CONFIG", "KEYS", "API_KEY", "MODEL_CACHE", "CI", "SCREENSHOT", "CHROMIUM",
+    "LOADTEST_QUERIES", "LOADTEST_SEED", "LOADTEST_INDEX", "LOADTEST_BRANCHES",
+    "LOADTEST_DEADLINE_S", "LOADTEST_THINK"})
+
+
+def _refuse_misspelt(env) -> None:
+    """A `BRANCHSEARCH_*` variable that is no setting but nearly spells one is a typo: refused,
+    as an unknown key in the TOML file is, instead of silently running on the default. Other
+    unknown names pass (another tool's variable may share the prefix)."""
+    for key in env:
+        if not key.startswith("BRANCHSEARCH_"):
+            continue
+        name = key.removeprefix("BRANCHSEARCH_")
+        if name.lower() in _FIELDS or name in OTHER_VARIABLES:
+            continue
+        near = difflib.get_close_matches(name.lower(), _FIELDS, n=1, cutoff=0.8)
+        if near:
+            raise SettingsError(f"environment variable {key} is not a setting; did you mean "
+                                f"BRANCHSEARCH_{near[0].upper()}?")
+
+
 def load_settings(
     config: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
@@ -258,6 +282,7 @@ def load_settings(
     otel = _otel_env(env)
     values.update(otel)
     given.update(otel)
+    _refuse_misspelt(env)
     for name in _FIELDS:
         key = f"BRANCHSEARCH_{name.upper()}"
         if key in env:

@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from branchsearch.infra.backends import ACL_ALL
 from branchsearch.infra.errors import BackendUnavailable, IndexNotFound
 from branchsearch.infra.settings import Settings
 from branchsearch.orchestrator import documents, stream
@@ -23,11 +24,6 @@ from branchsearch.orchestrator.keys import ApiKey
 from branchsearch.orchestrator.limits import ApiError, Concurrency, Limits, SearchRequest, api_error
 
 log = logging.getLogger("branchsearch.service")
-
-try:  # the contract's "see everything" marker (infra.backends, owner: cli-input)
-    from branchsearch.infra.backends import ACL_ALL
-except ImportError:  # not landed yet: "*" is what it will be
-    ACL_ALL = "*"
 
 _DONE = object()
 

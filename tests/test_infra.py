@@ -53,6 +53,8 @@ def test_corpus_formats(tmp_path):
     ('{"id": "a b", "text": "x"}\n', "may not contain whitespace"),
     ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate document id"),
     ('', "no documents"),
+    ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),
+    ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n', "may not name '__public__'"),
 ])
 def test_corpus_errors_name_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -75,3 +77,16 @@ def test_settings_precedence(tmp_path, monkeypatch):
         load_settings(toml)
     with pytest.raises(SettingsError, match="soft_limit"):
         load_settings(overrides={"soft_limit": 0.95, "hard_limit": 0.9})
+
+
+def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(monkeypatch):
+    monkeypatch.setenv("BRANCHSEARCH_SEARCH_MOD", "bm25")  # would silently run hybrid
+    with pytest.raises(SettingsError, match="BRANCHSEARCH_SEARCH_MOD is not a setting; did you "
+                                            "mean BRANCHSEARCH_SEARCH_MODE"):
+        load_settings(read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_SEARCH_MOD")
+    monkeypatch.setenv("BRANCHSEARCH_API_KEY", "k")  # the load tester's: near es_api_key, allowed
+    monkeypatch.setenv("BRANCHSEARCH_LOADTEST_SEED", "3")
+    monkeypatch.setenv("BRANCHSEARCH_SOMETHING_ELSE", "1")  # nothing like a setting
+    monkeypatch.setenv("BRANCHSEARCH_SEARCH_MODE", "bm25")
+    assert load_settings(read_file=False).search_mode == "bm25"
