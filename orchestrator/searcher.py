@@ -17,7 +17,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from branchsearch.infra.backends import ACL_ALL
-from branchsearch.infra.errors import BackendUnavailable, IndexNotFound
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexNotFound,
+                                       error_line)
 from branchsearch.infra.settings import Settings
 from branchsearch.orchestrator import documents, stream
 from branchsearch.orchestrator.keys import ApiKey
@@ -212,19 +213,33 @@ class Searcher:
         docs = documents.parse_documents(body)
         driver = self.driver(index)
         with self._write_locks[index], self._ingest_lock(driver):
-            counts = self._in_retriever(driver, documents.upsert, documents.upsert_in_actor,
-                                        driver.settings, docs)
+            counts = self._write(index, driver, documents.upsert, documents.upsert_in_actor,
+                                 driver.settings, docs)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
 
     def delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
         self._admin(key, index)
         driver = self.driver(index)
         with self._write_locks[index], self._ingest_lock(driver):
-            found = self._in_retriever(driver, documents.delete, documents.delete_in_actor,
-                                       driver.settings, doc_id)
+            found = self._write(index, driver, documents.delete, documents.delete_in_actor,
+                                driver.settings, doc_id)
         if not found:
             raise ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         return {"index": index, "deleted": doc_id}
+
+    def _write(self, index: str, driver, local_fn, actor_fn, *args):
+        """A document write on the stores' owner. A store that fails under it (a file gone, a
+        server down) is a 503 naming the store's error, not a 500: the docstore is written last
+        for an upsert, so searches still see the documents as they were."""
+        try:
+            return self._in_retriever(driver, local_fn, actor_fn, *args)
+        except Exception as exc:  # noqa: BLE001 — domain errors keep their status
+            cause = getattr(exc, "cause", None) or exc
+            if isinstance(cause, (BranchsearchError, ApiError)):
+                raise cause from None
+            raise ApiError(503, "write_failed", f"the write to index {index!r} did not complete "
+                           f"({error_line(cause, 300)}); retry it, and re-ingest the index if "
+                           f"it fails again") from None
 
     @staticmethod
     def _ingest_lock(driver):

@@ -289,6 +289,32 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
         retriever.close()
 
 
+def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path):
+    """The tantivy folder renamed under a running service (found by a hostile pass): a PUT was
+    a 500 internal_error; it is a 503 that names the store's error, and the documents that were
+    there are still found once the folder is back."""
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
+    state.backend.searcher.driver("acl")
+    server = start_uvicorn(service.create_app(state), state)
+    folder = settings.index_dir / "tantivy"
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            folder.rename(folder.with_name("tantivy-away"))
+            err = assert_error(client.put("/v1/indexes/acl/documents", json=[
+                {"id": "osprey", "text": "The osprey relay beacon."}]), 503)
+            assert err["error"] in ("write_failed", "backend_unavailable"), err
+            assert "'acl'" in err["detail"] or "tantivy" in err["detail"], err
+            folder.with_name("tantivy-away").rename(folder)
+            r = client.post("/v1/search", json={"question": "Harbor Festival in June"})
+            assert r.status_code == 200 and r.json()["evidence"], r.text
+    finally:
+        server.stop()
+        state.backend.searcher.close()
+
+
 def test_limits(site):
     client, keys, state = site
     alpha = auth(keys["alpha"])
@@ -362,6 +388,9 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
                 assert_error(stream, 503)
             assert client.get("/healthz").status_code == 200  # up, not ready
             assert "branchsearch_backend_errors_total 3.0" in client.get("/metrics").text
+            put = assert_error(client.put("/v1/indexes/es/documents", json=[
+                {"id": "late", "text": "Written while the lexical store is down."}]), 503)
+            assert put["error"] in ("backend_unavailable", "write_failed"), put
         finally:
             client.close()
             server.stop()
