@@ -57,10 +57,12 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
     def policy(index, subquery):  # as workers.factory.make_policy, the learned ranking on/off
         from branchsearch.workers.heuristic import HeuristicPolicy
 
+        # the planner keeps the question's own branch first: only it searches the question
+        # tail, as make_policy(kind="original") does
         policies[index] = HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
                                           max_turns=settings.max_turns,
                                           learned_rank=ranker and not features,
-                                          **(policy_args or {}))
+                                          **({"tail_page": index == 0} | (policy_args or {})))
         return policies[index]
 
     driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
