@@ -54,15 +54,18 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
     queries = read_queries(dataset)
     policies: dict[int, object] = {}
 
+    def own(index):  # `branch.NAME`: only the branches other than the question's own
+        return {k.removeprefix("branch."): v for k, v in (policy_args or {}).items()
+                if index > 0 or not k.startswith("branch.")}
+
     def policy(index, subquery):  # as workers.factory.make_policy, the learned ranking on/off
         from branchsearch.workers.heuristic import HeuristicPolicy
 
         # the planner keeps the question's own branch first: only it searches the question
         # tail, as make_policy(kind="original") does
-        policies[index] = HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
-                                          max_turns=settings.max_turns,
-                                          learned_rank=ranker and not features,
-                                          **({"tail_page": index == 0} | (policy_args or {})))
+        policies[index] = HeuristicPolicy(**{
+            "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
+            "learned_rank": ranker and not features, "tail_page": index == 0} | own(index))
         return policies[index]
 
     driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
@@ -354,7 +357,8 @@ def main() -> None:
     ap.add_argument("--features", action="store_true",
                     help="run: keep every scored chunk's ranker features (learned_rank off)")
     ap.add_argument("--policy-arg", action="append", default=[], metavar="NAME=NUMBER",
-                    help="run: a HeuristicPolicy field, e.g. search_k=10 (repeatable)")
+                    help="run: a HeuristicPolicy field, e.g. search_k=10 (repeatable); "
+                         "branch.NAME=NUMBER: only in the branches other than the question's")
     ap.add_argument("--ranker", choices=("on", "off"), default="on",
                     help="run: the heuristic's learned final ranking (workers/ranker.py)")
     a = ap.parse_args()
