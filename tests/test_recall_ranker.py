@@ -10,17 +10,40 @@ from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
 from branchsearch.workers.policy import VisibleChunk
 from branchsearch.workers.rank import final_ranking
 from branchsearch.workers.text import terms
-from branchsearch.workers.ranker import (FEATURES, WEIGHTS_PATH, LinearRanker, episode_features,
-                                         load_ranker)
+from branchsearch.infra.settings import load_settings
+from branchsearch.workers.factory import make_policy
+from branchsearch.workers.ranker import (FEATURES, HYBRID_WEIGHTS_PATH, WEIGHTS_PATH,
+                                         LinearRanker, episode_features, load_ranker)
 
 
-def test_the_shipped_ranker_loads_and_corrects_the_heuristic_score():
-    ranker = load_ranker()
+@pytest.mark.parametrize("path", [WEIGHTS_PATH, HYBRID_WEIGHTS_PATH])
+def test_the_shipped_ranker_loads_and_corrects_the_heuristic_score(path):
+    ranker = load_ranker(str(path))
     assert ranker.features == FEATURES
     w = dict(zip(ranker.features, ranker.weights))
     assert w["score"] == 1.0  # a correction to the heuristic's score, not a replacement
     assert all(abs(v) <= 0.6 for k, v in w.items() if k != "score")
     assert ranker.meta.get("fit_on"), "the weights say which data sets they were fit on"
+
+
+def test_each_search_mode_finishes_with_the_ranker_fit_on_it():
+    for mode, path in (("bm25", WEIGHTS_PATH), ("hybrid", HYBRID_WEIGHTS_PATH),
+                       ("dense", WEIGHTS_PATH)):  # dense-only has no fit of its own
+        policy = make_policy(load_settings(overrides={"search_mode": mode}, read_env=False,
+                                           read_file=False))
+        assert policy.ranker_path == str(path)
+        assert load_ranker(policy.ranker_path).meta["search_mode"] == {"dense": "bm25"}.get(
+            mode, mode)
+    hybrid = load_ranker(str(HYBRID_WEIGHTS_PATH))
+    assert hybrid.weights != load_ranker().weights
+    p = _episode()
+    p.ranker_path = str(HYBRID_WEIGHTS_PATH)
+    call = p._finish(set(p.chunks))
+    assert call.args["ids"] == final_ranking(hybrid.scores(p.final_features), p.final_k)
+    # it computed what hybrid weighs and BM25's ranker does not (BM25's finish leaves it 0.0)
+    only = FEATURES.index("novel_terms")
+    assert "novel_terms" in hybrid.used - load_ranker().used
+    assert any(x[only] for x in p.final_features.values())
 
 
 def test_weights_for_other_features_are_refused(tmp_path):

@@ -58,7 +58,8 @@ class HeuristicPolicy:
     qualifier_weight: float = 0.3  # a title's qualifier agreeing (or not) with what led to it
     mention_weight: float = 0.6  # a bridge hit mentioning an entity that has no page here
     learned_rank: bool = True  # finish by the learned ranker (workers/ranker.py), else by score
-    ranker_path: str | None = None  # weights file; None: the shipped workers/ranker_weights.json
+    ranker_path: str | None = None  # weights file; None: the shipped BM25 one (make_policy
+    # passes the search mode's: workers.ranker.weights_for)
     tail_page: bool = True  # before finishing, the question's search down to final_k documents
     # episode state
     subquery: str = ""

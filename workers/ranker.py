@@ -1,6 +1,7 @@
 """A learned final ranking for the heuristic policy: a linear model over the features the policy
 already computes for every chunk it scored. Pure functions; the weights ship as JSON beside this
-file (`ranker_weights.json`), retrained by `reports/recall/train_ranker.py`.
+file, one per search mode (`ranker_weights.json` for BM25, `ranker_weights_hybrid.json`; see
+`weights_for`), retrained by `reports/recall/train_ranker.py`.
 
 Why: the heuristic's one score adds its parts with hand-set weights (support, coverage,
 residual, qualifier), chosen on one set. What marks a chunk as evidence differs in kind between
@@ -28,7 +29,8 @@ from pathlib import Path
 from branchsearch.workers.rank import doc_of
 from branchsearch.workers.text import norm_title, terms
 
-WEIGHTS_PATH = Path(__file__).with_name("ranker_weights.json")
+WEIGHTS_PATH = Path(__file__).with_name("ranker_weights.json")  # fit on BM25 search
+HYBRID_WEIGHTS_PATH = Path(__file__).with_name("ranker_weights_hybrid.json")
 _WORDS = re.compile(r"\w+")
 
 FEATURES = (
@@ -247,7 +249,16 @@ class LinearRanker:
                    tuple(float(s) or 1.0 for s in data["scale"]), dict(data.get("meta", {})))
 
 
+def weights_for(search_mode: str) -> Path:
+    """The shipped weights for a search mode. Each file is fit on hotpot + synth episodes
+    searched that way and reported on musique and SciFact: the features describe the episode's
+    search lists, and a hybrid question list puts other pages first than a BM25 one (BM25's
+    weights cost hybrid SciFact 0.004 nDCG@10 against no ranker; hybrid's cost BM25 musique
+    0.07 AR@5: reports/recall/README.md, session 7). Dense-only search has no fit: BM25's."""
+    return HYBRID_WEIGHTS_PATH if search_mode == "hybrid" else WEIGHTS_PATH
+
+
 @lru_cache(maxsize=4)
 def load_ranker(path: str | None = None) -> LinearRanker:
-    """The shipped ranker (or the one at `path`)."""
+    """The shipped BM25 ranker (or the one at `path`; `weights_for` picks by search mode)."""
     return LinearRanker.from_json(json.loads(Path(path or WEIGHTS_PATH).read_text()))

@@ -60,12 +60,14 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
 
     def policy(index, subquery):  # as workers.factory.make_policy, the learned ranking on/off
         from branchsearch.workers.heuristic import HeuristicPolicy
+        from branchsearch.workers.ranker import weights_for
 
         # the planner keeps the question's own branch first: only it searches the question
         # tail, as make_policy(kind="original") does
         policies[index] = HeuristicPolicy(**{
             "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
-            "learned_rank": ranker and not features, "tail_page": index == 0} | own(index))
+            "learned_rank": ranker and not features, "tail_page": index == 0,
+            "ranker_path": str(weights_for(settings.search_mode))} | own(index))
         return policies[index]
 
     driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
