@@ -10,7 +10,11 @@
 2. Fit on one dump, report on every dump (leave one data set out), and optionally ship:
 
        python reports/recall/train_ranker.py FEAT-hotpot.json FEAT-musique.json FEAT-synth.json \\
-           --on hotpotqa-dev200 [--write workers/ranker_weights.json]
+           --on hotpotqa-dev200 --on synth [--write workers/ranker_weights.json]
+
+   One ranker per search mode (`workers.ranker.weights_for`): BM25 dumps (as above) ship as
+   `ranker_weights.json`, dumps of a hybrid index with `BRANCHSEARCH_SEARCH_MODE` unset as
+   `ranker_weights_hybrid.json`. The shipped ones: both fit on hotpot + synth, one fit each.
 
    Model: linear over `workers.ranker.FEATURES`, the heuristic's own score at weight 1 and the
    other weights chosen by coordinate ascent on the measure itself (AR@5 + 0.3 AR@10 of the
