@@ -83,6 +83,8 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         acl = (acl,)
     if not isinstance(acl, (list, tuple)) or not all(isinstance(g, str) for g in acl):
         raise CorpusError(f"{where}: 'acl' must be a list of group names")
+    if any(not g.strip() for g in acl):  # "" would match no caller's group: admins only
+        raise CorpusError(f"{where}: 'acl' group names may not be empty")
     reserved = sorted({ACL_ALL, PUBLIC} & set(acl))
     if reserved:  # "*" would read as "everyone" but mean "admins only"
         raise CorpusError(f"{where}: 'acl' may not name {reserved[0]!r} (reserved: {ACL_ALL!r} "

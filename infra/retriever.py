@@ -386,15 +386,27 @@ def _dense_dim(root, embedder) -> int:
 def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -> Retriever:
     docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense,
                                                      embedder=embedder)
-    ext = settings.external
-    if ext is None:  # an owned index ingested --no-dense: hybrid (the default) is its BM25 side
-        manifest = read_manifest(settings.index_dir)
-        one_sided = "bm25" if manifest is not None and manifest.embedding is None else ""
-    else:
-        one_sided = "" if "none" not in (ext.lexical, ext.dense) else (
-            "bm25" if ext.dense == "none" else "dense")
     return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
-                     settings.hybrid_candidates, one_sided)
+                     settings.hybrid_candidates, one_side(settings))
+
+
+def one_side(settings: Settings) -> str:
+    """"bm25" or "dense" for an index with only that backend (an owned one ingested --no-dense,
+    an external one with a side "none"), where a hybrid search is that side; "" otherwise."""
+    ext = settings.external
+    if ext is None:
+        manifest = read_manifest(settings.index_dir)
+        return "bm25" if manifest is not None and manifest.embedding is None else ""
+    return "" if "none" not in (ext.lexical, ext.dense) else (
+        "bm25" if ext.dense == "none" else "dense")
+
+
+def searched_mode(settings: Settings) -> str:
+    """The mode a search with `settings.search_mode` runs on the index (hybrid on a one-sided
+    index is that side). Read where the index is; a process that cannot see an owned index's
+    folder takes the setting as it is."""
+    return (one_side(settings) or "hybrid") if settings.search_mode == "hybrid" else \
+        settings.search_mode
 
 
 def check_readable(settings: Settings) -> None:

@@ -237,7 +237,7 @@ def _refuse_misspelt(env) -> None:
         if not key.startswith("BRANCHSEARCH_"):
             continue
         name = key.removeprefix("BRANCHSEARCH_")
-        if name.lower() in _FIELDS or name in OTHER_VARIABLES:
+        if name in OTHER_VARIABLES or (name.lower() in _FIELDS and name == name.upper()):
             continue
         near = difflib.get_close_matches(name.lower(), _FIELDS, n=1, cutoff=0.8)
         if near:

@@ -229,17 +229,21 @@ class Searcher:
 
     def _write(self, index: str, driver, local_fn, actor_fn, *args):
         """A document write on the stores' owner. A store that fails under it (a file gone, a
-        server down) is a 503 naming the store's error, not a 500: the docstore is written last
-        for an upsert, so searches still see the documents as they were."""
+        server down) is a 503 that names the store's error and what searches see now, not a
+        500. Domain errors and timeouts keep their status (api_error); a bug stays a 500."""
         try:
             return self._in_retriever(driver, local_fn, actor_fn, *args)
-        except Exception as exc:  # noqa: BLE001 — domain errors keep their status
+        except Exception as exc:  # noqa: BLE001
             cause = getattr(exc, "cause", None) or exc
-            if isinstance(cause, (BranchsearchError, ApiError)):
+            if isinstance(cause, (BranchsearchError, ApiError, TimeoutError, TypeError,
+                                  AttributeError, NameError, AssertionError)):
                 raise cause from None
+            # upsert writes the docstore (what searches see) last, delete first
+            now = ("searches still see the documents as they were; retry it"
+                   if local_fn is documents.upsert else "repeat the delete to finish it (a 404 "
+                   "then means searches no longer saw it, and the repeat cleared the rest)")
             raise ApiError(503, "write_failed", f"the write to index {index!r} did not complete "
-                           f"({error_line(cause, 300)}); retry it, and re-ingest the index if "
-                           f"it fails again") from None
+                           f"({error_line(cause, 300)}); {now}") from None
 
     @staticmethod
     def _ingest_lock(driver):

@@ -55,6 +55,7 @@ def test_corpus_formats(tmp_path):
     ('', "no documents"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),
     ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n', "may not name '__public__'"),
+    ('{"id": "a", "text": "x", "acl": [""]}\n', "group names may not be empty"),
 ])
 def test_corpus_errors_name_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -85,6 +86,10 @@ def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(m
                                             "mean BRANCHSEARCH_SEARCH_MODE"):
         load_settings(read_file=False)
     monkeypatch.delenv("BRANCHSEARCH_SEARCH_MOD")
+    monkeypatch.setenv("BRANCHSEARCH_search_mode", "bm25")  # names are upper-case: read never
+    with pytest.raises(SettingsError, match="did you mean BRANCHSEARCH_SEARCH_MODE"):
+        load_settings(read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_search_mode")
     monkeypatch.setenv("BRANCHSEARCH_API_KEY", "k")  # the load tester's: near es_api_key, allowed
     monkeypatch.setenv("BRANCHSEARCH_LOADTEST_SEED", "3")
     monkeypatch.setenv("BRANCHSEARCH_SOMETHING_ELSE", "1")  # nothing like a setting

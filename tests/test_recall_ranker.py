@@ -46,6 +46,22 @@ def test_each_search_mode_finishes_with_the_ranker_fit_on_it():
     assert any(x[only] for x in p.final_features.values())
 
 
+def test_a_hybrid_search_of_a_bm25_only_index_finishes_with_bm25_weights(tmp_path):
+    """An index ingested --no-dense is searched BM25 under the default hybrid mode; the ranker
+    must be the one fit on BM25 episodes (found by a review: it took hybrid's)."""
+    from conftest import HOTPOT
+
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import searched_mode
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "bm25-only"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    assert settings.search_mode == "hybrid" and searched_mode(settings) == "bm25"
+    assert make_policy(settings).ranker_path == str(WEIGHTS_PATH)
+    assert searched_mode(settings.replace(index="never-ingested")) == "hybrid"
+
+
 def test_weights_for_other_features_are_refused(tmp_path):
     data = json.loads(WEIGHTS_PATH.read_text())
     data["features"] = data["features"][:-1]

@@ -307,7 +307,11 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
                 {"id": "osprey", "text": "The osprey relay beacon."}]), 503)
             assert err["error"] in ("write_failed", "backend_unavailable"), err
             assert "'acl'" in err["detail"] or "tantivy" in err["detail"], err
+            gone = assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor"), 503)
+            assert "repeat the delete" in gone["detail"], gone
             folder.with_name("tantivy-away").rename(folder)
+            again = client.delete("/v1/indexes/acl/documents/pub-harbor")  # finishes it
+            assert again.status_code in (200, 404), again.text
             r = client.post("/v1/search", json={"question": "Harbor Festival in June"})
             assert r.status_code == 200 and r.json()["evidence"], r.text
     finally:

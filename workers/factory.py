@@ -13,12 +13,13 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
     of a 3-branch question's tokens (reports/recall/README.md, session 6)."""
     name = name or settings.policy
     if name == "heuristic":
+        from branchsearch.infra.retriever import searched_mode
         from branchsearch.workers.heuristic import HeuristicPolicy
         from branchsearch.workers.ranker import weights_for
 
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
                                max_turns=settings.max_turns, learned_rank=settings.learned_rank,
-                               ranker_path=str(weights_for(settings.search_mode)),
+                               ranker_path=str(weights_for(searched_mode(settings))),
                                tail_page=kind == "original")
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy

@@ -254,7 +254,9 @@ def weights_for(search_mode: str) -> Path:
     searched that way and reported on musique and SciFact: the features describe the episode's
     search lists, and a hybrid question list puts other pages first than a BM25 one (BM25's
     weights cost hybrid SciFact 0.004 nDCG@10 against no ranker; hybrid's cost BM25 musique
-    0.07 AR@5: reports/recall/README.md, session 7). Dense-only search has no fit: BM25's."""
+    0.07 AR@5: reports/recall/README.md, session 7). Dense-only search has no fit: BM25's.
+    `search_mode` is the mode searched (`infra.retriever.searched_mode`): hybrid on an index
+    with one backend is that backend's."""
     return HYBRID_WEIGHTS_PATH if search_mode == "hybrid" else WEIGHTS_PATH
 
 
