@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from branchsearch.fusion.anchored import anchored_rrf
 from branchsearch.workers.branch import BranchReport
+from branchsearch.workers.rank import doc_of
 
 __all__ = ["BranchReport", "SearchResult", "fuse_branches"]
 
@@ -35,26 +36,47 @@ class SearchResult:
 
 def fuse_branches(branches: list[BranchReport], k: int = 60,
                   limit: int = 10) -> tuple[list[str], list[dict]]:
-    """Anchored RRF (`fusion.anchored`) over the rankings of the branches that finished
-    (weights from the planner; the question's own branch anchors, the others add).
+    """Anchored RRF (`fusion.anchored`) over the *document* rankings of the branches that
+    finished (weights from the planner; the question's own branch anchors, the others add).
 
-    Returns the fused chunk ids and the evidence: documents in order of their best chunk, each
-    chunk (as the branches returned it: `workers.evidence`) with its fused score and which
-    branches found it at what rank. This is the only place chunks are grouped by document."""
+    A document's place in a branch is that of its first chunk in the branch's ranking, so two
+    branches that return different chunks of one document agree on it (fusing chunk ids, the
+    question's 'Russian Civil War#p0' and an entity branch's '#p1' were two items, and the
+    page fell out of the fused top 5). The ranking lists the best chunk of each document in
+    fused order, then the documents' other chunks, as `workers.rank.final_ranking` does.
+
+    Returns the fused chunk ids (at most `limit`) and the evidence: documents in fused order,
+    each chunk (as the branches returned it: `workers.evidence`) with its document's fused
+    score and which branches found that chunk at what rank. This is the only place chunks are
+    grouped by document."""
     ok = [b for b in branches if b.status == "ok" and b.ranked_chunk_ids]
     anchor = next((i for i, b in enumerate(ok) if b.kind == "original"), None)
-    fused = anchored_rrf([b.ranked_chunk_ids for b in ok], weights=[b.weight for b in ok],
-                         anchor=anchor, k=k, limit=limit)  # fusion/anchored.py
     chunks = {c["chunk_id"]: c for b in ok for c in b.evidence}
+
+    def doc(chunk_id: str) -> str:
+        return chunks.get(chunk_id, {}).get("doc_id") or doc_of(chunk_id)
+
+    found: dict[str, list[tuple[int, int]]] = {}  # chunk -> (branch, rank), branch order
+    for li, b in enumerate(ok):
+        for rank, cid in enumerate(b.ranked_chunk_ids, start=1):
+            found.setdefault(cid, []).append((li, rank))
+    documents = [list(dict.fromkeys(doc(c) for c in b.ranked_chunk_ids)) for b in ok]
+    fused = anchored_rrf(documents, weights=[b.weight for b in ok], anchor=anchor,
+                         k=k)  # fusion/anchored.py
+    of_doc: dict[str, list[str]] = {}  # a document's chunks: the anchor's first, by rank
+    for cid in sorted(found, key=lambda c: (min((li != anchor, r) for li, r in found[c]), c)):
+        of_doc.setdefault(doc(cid), []).append(cid)
+    ranked = ([of_doc[d.id][0] for d in fused] +
+              [c for d in fused for c in of_doc[d.id][1:]])[:limit]
+    score = {d.id: round(d.score, 6) for d in fused}
     docs: dict[str, dict] = {}
-    for rank, item in enumerate(fused, start=1):
-        chunk = chunks.get(item.id, {})
-        doc_id = chunk.get("doc_id", item.id.rpartition("#p")[0])
-        doc = docs.setdefault(doc_id, {"doc_id": doc_id, "title": chunk.get("title", ""),
-                                       "score": round(item.score, 6), "chunks": []})
-        doc["chunks"].append({
-            "chunk_id": item.id, "rank": rank, "score": round(item.score, 6),
+    for rank, cid in enumerate(ranked, start=1):
+        chunk, doc_id = chunks.get(cid, {}), doc(cid)
+        entry = docs.setdefault(doc_id, {"doc_id": doc_id, "title": chunk.get("title", ""),
+                                         "score": score[doc_id], "chunks": []})
+        entry["chunks"].append({
+            "chunk_id": cid, "rank": rank, "score": score[doc_id],
             "text": chunk.get("text", ""), "provenance": chunk.get("provenance", []),
             "found_by": [{"branch": ok[li].index, "subquery": ok[li].subquery, "rank": r}
-                         for li, r in sorted(item.ranks.items())]})
-    return [f.id for f in fused], list(docs.values())
+                         for li, r in found[cid]]})
+    return ranked, list(docs.values())

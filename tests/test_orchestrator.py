@@ -47,6 +47,18 @@ def test_fusion_of_branches_by_hand():
         {"branch": 0, "subquery": "q0", "rank": 2}, {"branch": 1, "subquery": "q1", "rank": 1}]
     assert evidence[0]["title"] == "Y" and evidence[0]["chunks"][0]["text"] == "text of y#p0"
     assert evidence[1]["doc_id"] == "x"
+    # two branches that return different chunks of one document agree on the document: 'r'
+    # (the question's 3rd, an entity branch's 1st, by another chunk) passes 'q' (only the
+    # question's 2nd); the question's chunk stands for it, the other follows the documents
+    # (k 5: p 1/6, r 1/8 + 0.2/6, q 1/7, s 0.2/7; by chunk ids r#p0 alone had 1/8, below q)
+    q, e = branch(0, 1.0, "ok", ["p#p0", "q#p0", "r#p0"]), branch(1, 1.0, "ok", ["r#p1", "s#p0"])
+    q.kind = "original"
+    ranked, evidence = fuse_branches([q, e], k=5)
+    assert ranked == ["p#p0", "r#p0", "q#p0", "s#p0", "r#p1"]
+    assert [d["doc_id"] for d in evidence] == ["p", "r", "q", "s"]
+    assert [c["chunk_id"] for c in evidence[1]["chunks"]] == ["r#p0", "r#p1"]
+    assert evidence[1]["chunks"][1]["found_by"] == [{"branch": 1, "subquery": "q1", "rank": 1}]
+    assert fuse_branches([q, e], k=5, limit=3)[0] == ["p#p0", "r#p0", "q#p0"]
     # a report reads its episode's fields through; without an episode they are empty
     assert a.turns == 0 and a.ranked_chunk_ids == ["x#p0", "y#p0"] and dead.status == "error"
     late = BranchReport(3, "q3", 1.0, "entity", "timeout", "no result within 8 s")

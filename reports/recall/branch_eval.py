@@ -169,9 +169,16 @@ def fused(row: dict, keep, share: float, k: float, agreement: float,
     if tail is not None and anchor is not None:
         return novel_tail(ok[anchor]["ranked"], [b["ranked"] for i, b in enumerate(ok)
                                                  if i != anchor], *tail)
-    return [f.id for f in anchored_rrf([b["ranked"] for b in ok],
-                                       weights=[b["weight"] for b in ok], anchor=anchor, k=k,
-                                       share=share, agreement=agreement, limit=10)]
+    # by document, as orchestrator.result.fuse_branches: a document's place in a branch is
+    # its first chunk's; each fused document is shown by the first branch chunk of it
+    documents = [list(dict.fromkeys(_doc(c) for c in b["ranked"])) for b in ok]
+    shown: dict[str, str] = {}
+    for b in ([ok[anchor]] if anchor is not None else []) + ok:
+        for c in b["ranked"]:
+            shown.setdefault(_doc(c), c)
+    return [shown[f.id] for f in anchored_rrf(documents, weights=[b["weight"] for b in ok],
+                                              anchor=anchor, k=k, share=share,
+                                              agreement=agreement, limit=10)]
 
 
 def _doc(chunk_id: str) -> str:
