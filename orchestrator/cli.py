@@ -277,7 +277,9 @@ def print_result(result) -> None:
         print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}: {one_line(extra)}")
     print("evidence:")
     for doc in result.evidence:
-        print(f"  {doc['score']:.4f}  {one_line(doc['doc_id'])}  ({one_line(doc['title'])})")
+        by = ", ".join(f"b{f['branch']}#{f['rank']}" for f in doc["found_by"])
+        print(f"  {doc['score']:.4f}  {one_line(doc['doc_id'])}  ({one_line(doc['title'])})  "
+              f"[{by}]")
         for c in doc["chunks"]:
             found = ", ".join(f"b{f['branch']}#{f['rank']}" for f in c["found_by"])
             print(f"      {one_line(c['chunk_id'])}  found by {found}: {one_line(c['text'], 110)}")
@@ -416,7 +418,7 @@ def _print_demo_evidence(result, task) -> None:
     print("5. fused evidence (reciprocal rank fusion over branches):")
     for doc in result.evidence[:6]:
         mark = "*" if doc["doc_id"] in gold else " "
-        found = sorted({f["branch"] for c in doc["chunks"] for f in c["found_by"]})
+        found = [f["branch"] for f in doc["found_by"]]
         print(f"   {mark} {doc['score']:.4f} {one_line(doc['title'])}  [branches {found}]")
         print(f"       {one_line(doc['chunks'][0]['text'], 120)}")
     top = {d["doc_id"] for d in result.evidence[:len(gold) + 1]}

@@ -46,9 +46,9 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
     fused order, then the documents' other chunks, as `workers.rank.final_ranking` does.
 
     Returns the fused chunk ids (at most `limit`) and the evidence: documents in fused order,
-    each chunk (as the branches returned it: `workers.evidence`) with its document's fused
-    score and which branches found that chunk at what rank. This is the only place chunks are
-    grouped by document."""
+    each with its fused score and the branches that found it (its place in each), and its
+    chunks (as the branches returned them: `workers.evidence`), each with which branches
+    returned that chunk at what rank. This is the only place chunks are grouped by document."""
     ok = [b for b in branches if b.status == "ok" and b.ranked_chunk_ids]
     anchor = next((i for i, b in enumerate(ok) if b.kind == "original"), None)
     chunks = {c["chunk_id"]: c for b in ok for c in b.evidence}
@@ -59,7 +59,8 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
     found: dict[str, list[tuple[int, int]]] = {}  # chunk -> (branch, rank), branch order
     for li, b in enumerate(ok):
         for rank, cid in enumerate(b.ranked_chunk_ids, start=1):
-            found.setdefault(cid, []).append((li, rank))
+            if not any(i == li for i, _ in found.get(cid, ())):  # a repeat: its first place
+                found.setdefault(cid, []).append((li, rank))
     documents = [list(dict.fromkeys(doc(c) for c in b.ranked_chunk_ids)) for b in ok]
     fused = anchored_rrf(documents, weights=[b.weight for b in ok], anchor=anchor,
                          k=k)  # fusion/anchored.py
@@ -68,15 +69,23 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
         of_doc.setdefault(doc(cid), []).append(cid)
     ranked = ([of_doc[d.id][0] for d in fused] +
               [c for d in fused for c in of_doc[d.id][1:]])[:limit]
-    score = {d.id: round(d.score, 6) for d in fused}
+    by_id = {d.id: d for d in fused}
+
+    def finders(places) -> list[dict]:
+        return [{"branch": ok[li].index, "subquery": ok[li].subquery, "rank": r}
+                for li, r in sorted(places)]
+
     docs: dict[str, dict] = {}
     for rank, cid in enumerate(ranked, start=1):
         chunk, doc_id = chunks.get(cid, {}), doc(cid)
+        # the document's score and the branches it came from (its place in each): the chunks'
+        # own found_by say which branch returned that chunk
         entry = docs.setdefault(doc_id, {"doc_id": doc_id, "title": chunk.get("title", ""),
-                                         "score": score[doc_id], "chunks": []})
+                                         "score": round(by_id[doc_id].score, 6),
+                                         "found_by": finders(by_id[doc_id].ranks.items()),
+                                         "chunks": []})
         entry["chunks"].append({
-            "chunk_id": cid, "rank": rank, "score": score[doc_id],
+            "chunk_id": cid, "rank": rank, "score": entry["score"],
             "text": chunk.get("text", ""), "provenance": chunk.get("provenance", []),
-            "found_by": [{"branch": ok[li].index, "subquery": ok[li].subquery, "rank": r}
-                         for li, r in found[cid]]})
+            "found_by": finders(found[cid])})
     return ranked, list(docs.values())

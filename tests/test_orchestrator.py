@@ -58,6 +58,12 @@ def test_fusion_of_branches_by_hand():
     assert [d["doc_id"] for d in evidence] == ["p", "r", "q", "s"]
     assert [c["chunk_id"] for c in evidence[1]["chunks"]] == ["r#p0", "r#p1"]
     assert evidence[1]["chunks"][1]["found_by"] == [{"branch": 1, "subquery": "q1", "rank": 1}]
+    # the document's score comes from both branches, and says so (its place in each)
+    assert evidence[1]["found_by"] == [{"branch": 0, "subquery": "q0", "rank": 3},
+                                       {"branch": 1, "subquery": "q1", "rank": 1}]
+    twice = branch(0, 1.0, "ok", ["p#p0", "q#p0", "p#p0"])
+    assert fuse_branches([twice], k=5)[1][0]["chunks"][0]["found_by"] == [
+        {"branch": 0, "subquery": "q0", "rank": 1}]  # a repeated chunk: its first place
     assert fuse_branches([q, e], k=5, limit=3)[0] == ["p#p0", "r#p0", "q#p0"]
     # a report reads its episode's fields through; without an episode they are empty
     assert a.turns == 0 and a.ranked_chunk_ids == ["x#p0", "y#p0"] and dead.status == "error"

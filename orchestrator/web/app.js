@@ -113,7 +113,8 @@ function renderResult(r) {
     const li = el("li", "doc");
     li.dataset.docId = doc.doc_id;
     li.append(el("div", "title", doc.title || doc.doc_id),
-              el("div", "meta", `${doc.doc_id} · score ${doc.score}`));
+              el("div", "meta", `${doc.doc_id} · score ${doc.score} · from ` +
+                 doc.found_by.map((f) => `branch ${f.branch} #${f.rank}`).join(", ")));
     for (const c of doc.chunks) {
       const found = c.found_by.map((f) => `branch ${f.branch} #${f.rank}`).join(", ");
       li.append(el("div", "chunk", `${c.rank}. ${c.text.slice(0, 300)}`),

@@ -172,10 +172,13 @@ def fused(row: dict, keep, share: float, k: float, agreement: float,
     # by document, as orchestrator.result.fuse_branches: a document's place in a branch is
     # its first chunk's; each fused document is shown by the first branch chunk of it
     documents = [list(dict.fromkeys(_doc(c) for c in b["ranked"])) for b in ok]
+    place = {}  # chunk -> its best (not the anchor's, rank), as fuse_branches orders them
+    for li, b in enumerate(ok):
+        for r, c in enumerate(b["ranked"], start=1):
+            place[c] = min(place.get(c, (True, r)), (li != anchor, r))
     shown: dict[str, str] = {}
-    for b in ([ok[anchor]] if anchor is not None else []) + ok:
-        for c in b["ranked"]:
-            shown.setdefault(_doc(c), c)
+    for c in sorted(place, key=lambda c: (place[c], c)):
+        shown.setdefault(_doc(c), c)
     return [shown[f.id] for f in anchored_rrf(documents, weights=[b["weight"] for b in ok],
                                               anchor=anchor, k=k, share=share,
                                               agreement=agreement, limit=10)]
