@@ -20,8 +20,8 @@ agreement = 0` this is the planner-weighted RRF the driver used before.
 plain weighted RRF (share 1) over what is left, so the other branches' finds fill the tail
 (recall at 10) without reaching the head (all-recall at 5). `head=None`: one order throughout.
 
-The driver fuses the branches' *document* rankings (`orchestrator.result.fuse_branches`); this
-function takes any hashable ids.
+The driver fuses the branches' *document* rankings with it (`fusion.documents`); it takes any
+hashable ids.
 
 Tie-breaking (as in `fusion.rrf`, and stable): equal scores order by the best rank reached in
 any list, then by the first list reaching it, then by id.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from branchsearch.fusion.anchored import anchored_rrf
+from branchsearch.fusion.documents import fuse_documents
 from branchsearch.workers.branch import BranchReport
 from branchsearch.workers.rank import doc_of
 
@@ -36,14 +36,12 @@ class SearchResult:
 
 def fuse_branches(branches: list[BranchReport], k: int = 60,
                   limit: int = 10) -> tuple[list[str], list[dict]]:
-    """Anchored RRF (`fusion.anchored`) over the *document* rankings of the branches that
-    finished (weights from the planner; the question's own branch anchors, the others add).
-
-    A document's place in a branch is that of its first chunk in the branch's ranking, so two
-    branches that return different chunks of one document agree on it (fusing chunk ids, the
-    question's 'Russian Civil War#p0' and an entity branch's '#p1' were two items, and the
-    page fell out of the fused top 5). The ranking lists the best chunk of each document in
-    fused order, then the documents' other chunks, as `workers.rank.final_ranking` does.
+    """Anchored RRF over the *document* rankings of the branches that finished
+    (`fusion.documents`: a document's place in a branch is its first chunk's, so branches that
+    return different chunks of one document agree on it; weights from the planner; the
+    question's own branch anchors, the others add). The ranking lists each document's best
+    chunk in fused order, then the documents' other chunks, as `workers.rank.final_ranking`
+    does.
 
     Returns the fused chunk ids (at most `limit`) and the evidence: documents in fused order,
     each with its fused score and the branches that found it (its place in each), and its
@@ -61,12 +59,8 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
         for rank, cid in enumerate(b.ranked_chunk_ids, start=1):
             if not any(i == li for i, _ in found.get(cid, ())):  # a repeat: its first place
                 found.setdefault(cid, []).append((li, rank))
-    documents = [list(dict.fromkeys(doc(c) for c in b.ranked_chunk_ids)) for b in ok]
-    fused = anchored_rrf(documents, weights=[b.weight for b in ok], anchor=anchor,
-                         k=k)  # fusion/anchored.py
-    of_doc: dict[str, list[str]] = {}  # a document's chunks: the anchor's first, by rank
-    for cid in sorted(found, key=lambda c: (min((li != anchor, r) for li, r in found[c]), c)):
-        of_doc.setdefault(doc(cid), []).append(cid)
+    fused, of_doc = fuse_documents([b.ranked_chunk_ids for b in ok], doc,
+                                   weights=[b.weight for b in ok], anchor=anchor, k=k)
     ranked = ([of_doc[d.id][0] for d in fused] +
               [c for d in fused for c in of_doc[d.id][1:]])[:limit]
     by_id = {d.id: d for d in fused}

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from branchsearch.fusion.anchored import anchored_rrf
+from branchsearch.fusion.documents import fuse_documents
 from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
 from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
 
@@ -169,19 +169,11 @@ def fused(row: dict, keep, share: float, k: float, agreement: float,
     if tail is not None and anchor is not None:
         return novel_tail(ok[anchor]["ranked"], [b["ranked"] for i, b in enumerate(ok)
                                                  if i != anchor], *tail)
-    # by document, as orchestrator.result.fuse_branches: a document's place in a branch is
-    # its first chunk's; each fused document is shown by the first branch chunk of it
-    documents = [list(dict.fromkeys(_doc(c) for c in b["ranked"])) for b in ok]
-    place = {}  # chunk -> its best (not the anchor's, rank), as fuse_branches orders them
-    for li, b in enumerate(ok):
-        for r, c in enumerate(b["ranked"], start=1):
-            place[c] = min(place.get(c, (True, r)), (li != anchor, r))
-    shown: dict[str, str] = {}
-    for c in sorted(place, key=lambda c: (place[c], c)):
-        shown.setdefault(_doc(c), c)
-    return [shown[f.id] for f in anchored_rrf(documents, weights=[b["weight"] for b in ok],
-                                              anchor=anchor, k=k, share=share,
-                                              agreement=agreement, limit=10)]
+    # by document, as orchestrator.result.fuse_branches; each shown by its first chunk
+    fused_docs, chunks = fuse_documents([b["ranked"] for b in ok], _doc,
+                                        weights=[b["weight"] for b in ok], anchor=anchor, k=k,
+                                        share=share, agreement=agreement, limit=10)
+    return [chunks[d.id][0] for d in fused_docs]
 
 
 def _doc(chunk_id: str) -> str:
