@@ -62,10 +62,16 @@ def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str
     public only)."""
     if admin:
         return [ACL_ALL]
-    groups = [g.strip() for g in groups or () if g.strip()]
+    groups = list(groups or ())
+    if any(not g.strip() for g in groups):  # `--acl "$GROUP"` with GROUP unset, most likely
+        raise BadQuery("ACL group names may not be empty")
+    groups = [g.strip() for g in groups]
     if ACL_ALL in groups:
         raise BadQuery(f"ACL group {ACL_ALL!r} is reserved: seeing every document needs the "
                        "admin setting (acl_admin = true, or --acl-admin)")
+    if PUBLIC in groups:
+        raise BadQuery(f"ACL group {PUBLIC!r} is reserved: every caller sees the documents "
+                       "without an ACL; name only the groups of restricted ones")
     return groups or None
 
 

@@ -85,11 +85,15 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         raise CorpusError(f"{where}: 'acl' must be a list of group names")
     if any(not g.strip() for g in acl):  # "" would match no caller's group: admins only
         raise CorpusError(f"{where}: 'acl' group names may not be empty")
-    reserved = sorted({ACL_ALL, PUBLIC} & set(acl))
-    if reserved:  # "*" would read as "everyone" but mean "admins only"
-        raise CorpusError(f"{where}: 'acl' may not name {reserved[0]!r} (reserved: {ACL_ALL!r} "
-                          f"in a caller's groups sees every document); leave 'acl' empty for a "
-                          f"document everyone may see")
+    acl = tuple(g.strip() for g in acl)  # as a caller's groups are: " hr" is "hr"
+    if ACL_ALL in acl:  # it would read as "everyone" but mean "admins only"
+        raise CorpusError(f"{where}: 'acl' may not name {ACL_ALL!r} (reserved: {ACL_ALL!r} in a "
+                          "caller's groups sees every document); leave 'acl' empty for a "
+                          "document everyone may see")
+    if PUBLIC in acl:
+        raise CorpusError(f"{where}: 'acl' may not name {PUBLIC!r} (reserved: the group of the "
+                          "documents without an ACL); leave 'acl' empty for a document everyone "
+                          "may see")
     known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
     return Document(
         id=doc_id,

@@ -7,22 +7,33 @@ retriever actor that owns this store is its only user, and a second process gets
 naming the file. Milvus Lite indexes FLAT (exact); a server takes the index from settings (HNSW
 by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong consistency, so a
 search sees every write that returned before it (what an ingest followed by a search expects).
+
+Every request carries a timeout (`timeout_s`, the settings' `backend_timeout_s`): a Milvus that
+stops answering (a server gone, a Lite process killed) is a `BackendUnavailable` within it, which
+ends the branch with status `error`, never a search that hangs. A reader opens with
+`create=False`: a collection that is not there is a damaged index (`IndexIncomplete`), not an empty
+one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import BackendUnavailable, IndexBusy
+from branchsearch.infra.errors import BackendUnavailable, IndexBusy, IndexIncomplete
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.backends import IndexedChunk, acl_terms
 
 COLLECTION = "chunks"
+# pymilvus logs every failed request at ERROR before raising it; `MilvusStore._request` raises
+# it as one BackendUnavailable line, so those log lines would only say it twice
+for _name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client"):
+    logging.getLogger(_name).setLevel(logging.CRITICAL)
 
 
 def _quote(values: Sequence[str]) -> str:
@@ -143,10 +154,11 @@ class IndexSpec:
 
 class MilvusStore:
     def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
-                 index: IndexSpec | None = None):
+                 index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0):
         from pymilvus import MilvusClient
 
         self.uri = str(uri)
+        self.timeout_s = timeout_s
         self.dim = dim
         self.collection = collection
         self.server = is_server(self.uri)
@@ -173,9 +185,28 @@ class MilvusStore:
         finally:
             quiet.setLevel(level)
         acquire_lite(self.uri)
-        if not self._client.has_collection(collection):
+        try:
+            exists = self._request("open", self._client.has_collection, collection)
+            if not exists and not create:
+                raise IndexIncomplete(f"milvus: collection {collection!r} is not in {self.uri}")
+        except BaseException:
+            self.close()  # a refused open must not keep the Lite file from other processes
+            raise
+        if not exists:
             self._create()
         self.index_kind = self._index_kind()
+
+    def _request(self, what: str, call, *args, **kwargs):
+        """One request to Milvus with the store's timeout; a failure is `BackendUnavailable`
+        naming the store and the request. The timeout goes as an int: pymilvus 2.5 bounds its
+        retries by `timeout` only when it is one (a float: 75 retries, minutes on a dead
+        server)."""
+        try:
+            return call(*args, timeout=max(1, math.ceil(self.timeout_s)), **kwargs)
+        except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
+            why = " ".join(str(exc).split())[:300]
+            raise BackendUnavailable(f"milvus at {self.uri}: {what} failed "
+                                     f"({type(exc).__name__}: {why})") from None
 
     def _create(self) -> None:
         from pymilvus import DataType
@@ -208,12 +239,13 @@ class MilvusStore:
         rows = [{"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
                  "vector": v.tolist()} for c, v in zip(chunks, vectors)]
         for i in range(0, len(rows), 1000):
-            self._client.upsert(self.collection, rows[i:i + 1000])
+            self._request("upsert", self._client.upsert, self.collection, rows[i:i + 1000])
 
     def delete_documents(self, doc_ids: Sequence[str]) -> None:
         for i in range(0, len(doc_ids), 500):
             batch = list(doc_ids[i:i + 500])
-            self._client.delete(self.collection, filter=f"doc_id in {_quote(batch)}")
+            self._request("delete", self._client.delete, self.collection,
+                          filter=f"doc_id in {_quote(batch)}")
 
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
@@ -223,8 +255,8 @@ class MilvusStore:
             filters.append(f"array_contains_any(acl, {_quote(groups)})")
         if exclude_ids:
             filters.append(f"chunk_id not in {_quote(exclude_ids)}")
-        result = self._client.search(
-            self.collection, data=[vector.tolist()], limit=k,
+        result = self._request(
+            "search", self._client.search, self.collection, data=[vector.tolist()], limit=k,
             filter=" and ".join(filters), output_fields=["doc_id"],
             search_params={"metric_type": "IP",
                            "params": self.index.search_params(self.index_kind, k)},
@@ -234,8 +266,8 @@ class MilvusStore:
 
     def count(self) -> int:
         """Live rows (deletes subtracted; collection stats count deleted rows on a server)."""
-        rows = self._client.query(self.collection, filter="", output_fields=["count(*)"],
-                                  consistency_level="Strong")
+        rows = self._request("count", self._client.query, self.collection, filter="",
+                             output_fields=["count(*)"], consistency_level="Strong")
         return int(rows[0]["count(*)"]) if rows else 0
 
     def drop(self) -> None:

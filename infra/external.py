@@ -28,6 +28,7 @@ filter is part of the backend query, as for owned indexes.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -258,9 +259,11 @@ class ExternalMilvus:
     """Vector search and reads by id on an existing Milvus collection, through the mapping.
     The query embedder must make vectors of the collection's dimension (checked here)."""
 
-    def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int, *, token: str = ""):
+    def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int, *, token: str = "",
+                 timeout_s: float = 30.0):
         from pymilvus import MilvusClient
 
+        self.timeout_s = timeout_s
         if not uri:
             raise SettingsError(f"index {spec.name!r}: dense = \"milvus\" needs milvus_uri "
                                 f"(in [indexes.{spec.name}] or BRANCHSEARCH_MILVUS_URI)")
@@ -330,7 +333,7 @@ class ExternalMilvus:
             result = self._client.search(
                 self.collection, data=[list(map(float, vector))], limit=k,
                 anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
-                output_fields=self._outputs)
+                output_fields=self._outputs, timeout=max(1, math.ceil(self.timeout_s)))
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {self.uri}: search failed "
                                      f"({type(exc).__name__}: {exc})") from None
@@ -344,7 +347,8 @@ class ExternalMilvus:
             return {}
         try:
             rows = self._client.query(self.collection, output_fields=self._outputs,
-                                      filter=f"{self.f.id} in {json.dumps(list(doc_ids))}")
+                                      filter=f"{self.f.id} in {json.dumps(list(doc_ids))}",
+                                      timeout=max(1, math.ceil(self.timeout_s)))
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {self.uri}: query failed "
                                      f"({type(exc).__name__}: {exc})") from None
@@ -419,7 +423,8 @@ def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, emb
     if spec.lexical == "elasticsearch":
         lexical = ExternalElastic(spec, spec.es_url or settings.es_url,
                                   api_key=settings.es_api_key or None,
-                                  max_pattern=settings.grep_max_pattern)
+                                  max_pattern=settings.grep_max_pattern,
+                                  timeout_s=settings.backend_timeout_s)
     if spec.dense == "milvus" and (need_dense or lexical is None):
         if embedder is None:  # also for reading only: the dimension check needs it
             from pathlib import Path
@@ -429,7 +434,7 @@ def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, emb
             embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
                                 cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
         dense = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, embedder.dim,
-                               token=settings.milvus_token)
+                               token=settings.milvus_token, timeout_s=settings.backend_timeout_s)
     else:
         embedder = None
     docs = ExternalDocs(lexical or dense)

@@ -298,8 +298,18 @@ def open_dense(settings: Settings, manifest=None, embedder=None):
         settings.embed_model, settings.embed_batch, settings.embed_device,
         cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
         backend=settings.embed_backend)
-    dim = manifest.embedding["dim"] if manifest else _dense_dim(settings.index_dir, embedder)
-    return dense_store(settings, dim), embedder
+    from branchsearch.infra.dense import is_server
+
+    if manifest is None:  # a writer (ingest): the collection is created when missing
+        return dense_store(settings, _dense_dim(settings.index_dir, embedder)), embedder
+    uri = dense_uri(settings)
+    if not is_server(uri) and not Path(uri).exists():  # Milvus Lite would create it empty
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {uri} missing; re-ingest it")
+    try:
+        return dense_store(settings, manifest.embedding["dim"], create=False), embedder
+    except IndexIncomplete as exc:  # a complete index whose collection is gone is damaged
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {exc}; re-ingest it"
+                              ) from None
 
 
 def _check_files(root: Path, settings: Settings) -> None:
@@ -329,7 +339,8 @@ def lexical_store(settings: Settings):
 
         return ElasticStore(settings.es_url, index=f"branchsearch-{settings.index}",
                             api_key=settings.es_api_key or None,
-                            max_pattern=settings.grep_max_pattern)
+                            max_pattern=settings.grep_max_pattern,
+                            timeout_s=settings.backend_timeout_s)
     from branchsearch.infra.lexical import TantivyStore
 
     path = settings.index_dir / "tantivy"
@@ -347,14 +358,16 @@ def dense_uri(settings: Settings) -> str:
     return str(settings.milvus_uri or settings.index_dir / "dense.db")
 
 
-def dense_store(settings: Settings, dim: int):
-    """The owned index's dense store (`dense_uri`)."""
+def dense_store(settings: Settings, dim: int, *, create: bool = True):
+    """The owned index's dense store (`dense_uri`). `create=False` (a reader): a missing
+    collection is `IndexIncomplete`."""
     from branchsearch.infra.dense import MilvusStore
 
     return MilvusStore(dense_uri(settings), dim,
                        token=settings.milvus_token,
                        collection=f"chunks_{settings.index}".replace("-", "_"),
-                       index=index_spec(settings))
+                       index=index_spec(settings), create=create,
+                       timeout_s=settings.backend_timeout_s)
 
 
 def index_spec(settings: Settings):

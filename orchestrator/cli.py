@@ -151,6 +151,8 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(*MO
     if as_json:
         print(json.dumps([h.to_dict() for h in hits]))
         return
+    if not hits:
+        print(f"no hits ({mode} search of index {settings.index!r})")
     for h in hits:
         print(f"{h.rank:>3}. {one_line(h.chunk_id)}  {h.score:.4f}  {one_line(h.title)}\n"
               f"     {one_line(h.text, 160)}")

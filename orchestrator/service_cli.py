@@ -15,17 +15,29 @@ from branchsearch.infra.choices import EXECUTORS, one_of
 from branchsearch.infra.errors import BranchsearchError
 
 DEFAULT_KEYS = Path(".branchsearch") / "keys.json"
-KeysOpt = typer.Option(None, "--keys", help=f"keys file (default {DEFAULT_KEYS}, or "
+KeysOpt = typer.Option(None, "--keys", help="keys file (default: HOME/keys.json, or "
                                             "BRANCHSEARCH_KEYS)")
+KeysHomeOpt = typer.Option(None, "--home", help="branchsearch home whose keys.json to use "
+                                                "(default BRANCHSEARCH_HOME, else .branchsearch)")
 
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="API keys for `branchsearch serve` (bound to ACL groups).")
 
 
-def _keys_path(path: Path | None) -> Path:
+def _keys_path(path: Path | None, home: Path | None = None) -> Path:
+    """--keys, else --home's keys.json, else BRANCHSEARCH_KEYS, else BRANCHSEARCH_HOME's
+    keys.json, else .branchsearch/keys.json: a flag beats a variable."""
     import os
 
-    return path or Path(os.environ.get("BRANCHSEARCH_KEYS", DEFAULT_KEYS))
+    if path is not None:
+        return path
+    if home is not None:
+        return Path(home) / "keys.json"
+    if os.environ.get("BRANCHSEARCH_KEYS"):
+        return Path(os.environ["BRANCHSEARCH_KEYS"])
+    if os.environ.get("BRANCHSEARCH_HOME"):
+        return Path(os.environ["BRANCHSEARCH_HOME"]) / "keys.json"
+    return DEFAULT_KEYS
 
 
 @keys_app.command("add")
@@ -34,11 +46,11 @@ def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL gro
              indexes: str = typer.Option("", "--indexes", help="allowed indexes a,b (default "
                                                                "all)"),
              admin: bool = typer.Option(False, "--admin", help="may write documents"),
-             keys: Optional[Path] = KeysOpt):
+             keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt):
     """Make a key; prints it once (only its hash is stored)."""
     from branchsearch.orchestrator.keys import KeyStore, parse_list
 
-    store = KeyStore(_keys_path(keys))
+    store = KeyStore(_keys_path(keys, home))
     key = store.add(name, parse_list(groups), parse_list(indexes), admin)
     print(key)
     print(f"key {name!r} added to {store.path} (groups: {groups or 'none — public only'}; "
@@ -47,13 +59,14 @@ def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL gro
 
 
 @keys_app.command("list")
-def keys_list(keys: Optional[Path] = KeysOpt, as_json: bool = typer.Option(False, "--json")):
+def keys_list(keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt,
+              as_json: bool = typer.Option(False, "--json")):
     """Keys in the file (names and grants; never the keys)."""
     import json
 
     from branchsearch.orchestrator.keys import KeyStore
 
-    rows = [k.public() for k in KeyStore(_keys_path(keys)).list()]
+    rows = [k.public() for k in KeyStore(_keys_path(keys, home)).list()]
     if as_json:
         print(json.dumps(rows))
         return
@@ -64,11 +77,12 @@ def keys_list(keys: Optional[Path] = KeysOpt, as_json: bool = typer.Option(False
 
 
 @keys_app.command("revoke")
-def keys_revoke(name: str, keys: Optional[Path] = KeysOpt):
+def keys_revoke(name: str, keys: Optional[Path] = KeysOpt,
+                home: Optional[Path] = KeysHomeOpt):
     """Revoke a key (a running server refuses it from the next request)."""
     from branchsearch.orchestrator.keys import KeyStore
 
-    KeyStore(_keys_path(keys)).revoke(name)
+    KeyStore(_keys_path(keys, home)).revoke(name)
     print(f"revoked {name!r}", file=sys.stderr)
 
 

@@ -51,10 +51,14 @@ def test_acl_rules():
     assert acl_visible([], None) and not acl_visible(["hr"], None)
     assert acl_visible(["hr", "board"], ["board"]) and not acl_visible(["hr"], ["finance"])
     assert acl_visible(["hr"], [ACL_ALL])
-    assert caller_groups(None) is None and caller_groups([" ", ""]) is None
-    assert caller_groups(["hr"]) == ["hr"] and caller_groups(["hr"], admin=True) == [ACL_ALL]
-    with pytest.raises(BadQuery, match="reserved"):  # '*' only through the admin setting
+    assert caller_groups(None) is None and caller_groups([]) is None
+    assert caller_groups([" hr "]) == ["hr"] and caller_groups(["hr"], admin=True) == [ACL_ALL]
+    with pytest.raises(BadQuery, match="reserved: seeing every"):  # '*' only by the admin setting
         caller_groups([ACL_ALL])
+    with pytest.raises(BadQuery, match="'__public__' is reserved: every caller sees"):
+        caller_groups(["hr", PUBLIC])
+    with pytest.raises(BadQuery, match="may not be empty"):  # `--acl "$UNSET"`: not public-only
+        caller_groups(["hr", " "])
 
 
 def _seen(retriever, mode, groups):

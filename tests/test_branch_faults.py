@@ -199,3 +199,92 @@ def test_an_error_inside_a_ray_task_is_one_line_by_its_cause():
     assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two")) == "RuntimeError: red line two"
     outer = ray.exceptions.RayTaskError("BranchActor.run", "Traceback …", exc, pid=1)
     assert error_line(outer) == "ValueError: tantivy: index directory is gone"
+
+
+def test_a_dense_store_gone_from_a_complete_index_is_damaged_not_empty(hotpot_settings):
+    """A deleted dense.db used to be recreated empty by Milvus Lite: dense search answered `[]`
+    with rc 0 and a hybrid search 'ok' on BM25 alone. Now it is one error line, and nothing is
+    created; a collection dropped from the file likewise."""
+    import subprocess
+    import sys
+
+    from conftest import ingest_copy
+
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.retriever import dense_store, open_retriever
+
+    settings = ingest_copy(hotpot_settings, "dense-gone")
+    db = settings.index_dir / "dense.db"
+    db.rename(db.with_suffix(".bak"))
+    with pytest.raises(IndexIncomplete, match=r"damaged: .*dense\.db missing; re-ingest"):
+        open_retriever(settings)
+    done = subprocess.run(
+        [sys.executable, "-m", "branchsearch.orchestrator.cli", "retrieve", "Ed Wood", "--home",
+         str(settings.home), "--index", settings.index, "--mode", "dense", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[-300:])
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "damaged" in lines[0] and "dense.db missing" in lines[0], lines
+    assert not db.exists()  # nothing recreated
+
+    db.with_suffix(".bak").rename(db)
+    r = open_retriever(settings)
+    try:
+        assert r.search("Ed Wood", "dense", 3)  # the file back: dense search answers again
+    finally:
+        r.close()
+    store = dense_store(settings, 384)
+    store.drop()
+    store.close()
+    with pytest.raises(IndexIncomplete, match=r"damaged: .*collection 'chunks_dense_gone'"):
+        open_retriever(settings)
+    with pytest.raises(IndexIncomplete):  # the refused open released the file: still refused
+        open_retriever(settings)
+
+
+def test_a_dense_backend_that_stops_answering_ends_the_branch_not_the_batch(hotpot_settings):
+    """Killing Milvus Lite's process under a running search used to hang it for good (pymilvus
+    retried with no deadline). Every Milvus request now has `backend_timeout_s`: the search
+    raises BackendUnavailable, the branch ends `error`, the question `failed`."""
+    import os
+    import signal
+    import threading
+
+    from milvus_lite.server_manager import server_manager_instance
+
+    from conftest import ingest_copy
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.driver import Driver
+
+    settings = ingest_copy(hotpot_settings, "dense-killed").replace(
+        backend_timeout_s=2.0, backend_retries=0, branches=1, search_mode="dense")
+    driver = Driver(settings, mode="local")
+    try:
+        assert driver.search("Who directed Ed Wood?").to_dict()["status"] == "ok"
+        server = server_manager_instance._servers[str(
+            (settings.index_dir / "dense.db").absolute().resolve())]
+        os.kill(server._p.pid, signal.SIGKILL)  # the Lite process dies under the retriever
+        server._p.wait()
+        outcome = {}
+
+        def question():
+            try:
+                outcome["result"] = driver.search("Who directed Ed Wood?").to_dict()
+            except Exception as exc:  # noqa: BLE001 — reported below
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=question, daemon=True)
+        worker.start()
+        worker.join(120)  # far above the 2 s timeout: only a hang reaches it
+        assert not worker.is_alive(), "a question on a dead Milvus Lite hangs"
+        result = outcome.get("result")
+        assert result is not None, outcome
+        assert result["status"] == "failed" and result["evidence"] == []
+        branch = result["branches"][0]
+        assert branch["status"] == "error" and branch["termination"] == "backend_error"
+        assert "milvus at" in branch["error"] and "search failed" in branch["error"]
+        with pytest.raises(BackendUnavailable, match="search failed"):
+            driver.executor.retriever.search("Ed Wood", "dense", 3)
+    finally:
+        driver.close()

@@ -46,6 +46,14 @@ def test_corpus_formats(tmp_path):
     assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two"}
 
 
+def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
+    """' hr' in a document's ACL used to be stored as is: no caller (whose groups are stripped)
+    could match it, so the document was silently admins-only."""
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"id": "a", "text": "x", "acl": [" hr", "board "]}\n')
+    assert read_corpus(path)[0].acl == ("hr", "board")
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"id": "a", "text": "x"}\n{not json\n', ":2: not valid JSON"),
     ('{"text": "x"}\n', "missing document id"),
@@ -54,7 +62,8 @@ def test_corpus_formats(tmp_path):
     ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate document id"),
     ('', "no documents"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),
-    ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n', "may not name '__public__'"),
+    ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n',
+     r"may not name '__public__' \(reserved: the group of the documents without an ACL\)"),
     ('{"id": "a", "text": "x", "acl": [""]}\n', "group names may not be empty"),
 ])
 def test_corpus_errors_name_the_line(tmp_path, content, message):

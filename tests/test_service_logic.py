@@ -205,3 +205,32 @@ def test_a_key_cannot_hold_the_reserved_group(tmp_path):
         store.add("mixed", ("alpha", " * "))
     path = tmp_path / "keys.json"
     assert not path.exists() or "kstar" not in path.read_text()
+
+
+def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
+    """`keys` had no --home: a key made for `serve --home H` went to ./.branchsearch. Now the
+    file is --keys, else HOME/keys.json (--home, else BRANCHSEARCH_HOME)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "keys"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BRANCHSEARCH_HOME", "BRANCHSEARCH_KEYS")}
+
+    def run(*args, **extra):
+        return subprocess.run([*cli, *map(str, args)], capture_output=True, text=True,
+                              cwd=tmp_path, env={**env, **extra}, timeout=120)
+
+    home = tmp_path / "home"
+    made = run("add", "alice", "--groups", "hr", "--home", home)
+    assert made.returncode == 0, made.stderr
+    assert str(home / "keys.json") in made.stderr and made.stdout.strip()
+    assert not (tmp_path / ".branchsearch").exists()
+    listed = run("list", "--json", BRANCHSEARCH_HOME=str(home))
+    assert [k["name"] for k in json.loads(listed.stdout)] == ["alice"]
+    assert run("revoke", "alice", "--keys", home / "keys.json").returncode == 0
+    again = run("list", "--json", "--home", home)
+    assert json.loads(again.stdout)[0]["revoked"] is True
+    assert json.loads(run("list", "--json").stdout) == []  # ./.branchsearch: another file
