@@ -60,12 +60,16 @@ def acl_visible(doc_acl: Sequence[str], groups: Sequence[str] | None) -> bool:
 def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str] | None:
     """The `acl_groups` to pass for a caller: `[ACL_ALL]` for an admin, else its groups (None:
     public only)."""
-    if admin:
-        return [ACL_ALL]
     groups = list(groups or ())
     if any(not g.strip() for g in groups):  # `--acl "$GROUP"` with GROUP unset, most likely
         raise BadQuery("ACL group names may not be empty")
     groups = [g.strip() for g in groups]
+    comma = next((g for g in groups if "," in g), None)
+    if comma is not None:  # as in a key's groups, where "a,b" is two
+        raise BadQuery(f"ACL group {comma!r} holds a comma: name each group on its own "
+                       "(--acl a --acl b)")
+    if admin:
+        return [ACL_ALL]
     if ACL_ALL in groups:
         raise BadQuery(f"ACL group {ACL_ALL!r} is reserved: seeing every document needs the "
                        "admin setting (acl_admin = true, or --acl-admin)")

@@ -35,7 +35,7 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
         if manifest is not None:
             backends = " + ".join(f"{role}: {where}" for role, where in
                                   sorted(manifest.backends.items()))
-            health = "ingesting" if running else "ok"
+            health = "ingesting" if running else _files_health(folder, manifest)
             out.append(IndexInfo(folder.name, "owned", backends, manifest.documents,
                                  manifest.chunks.get("docstore"), health))
         else:
@@ -43,6 +43,19 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
                 f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
+
+
+def _files_health(folder: Path, manifest) -> str:
+    """"ok", or what a complete index's folder lacks (its store files deleted since): the same
+    files `infra.retriever` refuses to open without. Backends on servers are not asked here."""
+    need = ["docs.sqlite"]
+    if manifest.backends.get("lexical") == "tantivy":
+        need.append("tantivy/meta.json")
+    if str(manifest.backends.get("dense", "")).startswith("milvus-lite "):
+        need.append("dense.db")
+    missing = [name for name in need if not (folder / name).exists()]
+    return f"damaged: {', '.join(missing)} missing; remove the folder and ingest it again" \
+        if missing else "ok"
 
 
 def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
@@ -56,14 +69,16 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
             try:
                 if spec.lexical == "elasticsearch":
                     store = ExternalElastic(spec, spec.es_url or settings.es_url,
-                                            api_key=settings.es_api_key or None)
+                                            api_key=settings.es_api_key or None,
+                                            timeout_s=settings.backend_timeout_s)
                 else:
                     from branchsearch.infra.embedder import Embedder
 
                     dim = Embedder(settings.embed_model, settings.embed_batch,
                                    settings.embed_device).dim
                     store = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, dim,
-                                           token=settings.milvus_token)
+                                           token=settings.milvus_token,
+                                           timeout_s=settings.backend_timeout_s)
                 try:
                     info.documents = info.chunks = store.count()
                 finally:

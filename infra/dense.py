@@ -9,8 +9,8 @@ by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong co
 search sees every write that returned before it (what an ingest followed by a search expects).
 
 Every request carries a timeout (`timeout_s`, the settings' `backend_timeout_s`): a Milvus that
-stops answering (a server gone, a Lite process killed) is a `BackendUnavailable` within it, which
-ends the branch with status `error`, never a search that hangs. A reader opens with
+stops answering (a server gone) is a `BackendUnavailable` within it, and a Milvus Lite process
+that died one at once; either ends the branch with status `error`, never a search that hangs. A reader opens with
 `create=False`: a collection that is not there is a damaged index (`IndexIncomplete`), not an empty
 one.
 """
@@ -30,14 +30,54 @@ from branchsearch.infra.hits import Hit
 from branchsearch.infra.backends import IndexedChunk, acl_terms
 
 COLLECTION = "chunks"
-# pymilvus logs every failed request at ERROR before raising it; `MilvusStore._request` raises
-# it as one BackendUnavailable line, so those log lines would only say it twice
-for _name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client"):
-    logging.getLogger(_name).setLevel(logging.CRITICAL)
+
+
+def quiet_pymilvus() -> None:
+    """pymilvus logs every failed request at ERROR before raising it; our stores raise it as one
+    `BackendUnavailable` line, so those log lines would only say it twice (and break the CLI's
+    one `error:` line). Called after pymilvus is imported: its import resets its loggers."""
+    for name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def milvus_error(exc: BaseException) -> str:
+    """A pymilvus or gRPC error in one short line: the server's message (a `MilvusException`'s
+    `message`, a gRPC error's code and details), not the reprs of its bound methods."""
+    if hasattr(exc, "details") and callable(exc.details):
+        try:
+            code = exc.code()
+            why = f"{getattr(code, 'name', code)}: {exc.details()}"
+        except Exception:  # noqa: BLE001 — fall back to the text
+            why = str(exc)
+    else:
+        why = str(getattr(exc, "message", "") or exc)
+    return f"{type(exc).__name__}: {' '.join(why.split())[:300]}"
+
+
+def lite_process_exited(uri: str | Path) -> int | None:
+    """The exit status of this process's Milvus Lite server for an embedded file when it has
+    died (killed, crashed), else None (alive, not started, or a server URI). A request to a
+    dead one would be retried by pymilvus until its deadline; asked first, it fails at once."""
+    if is_server(uri):
+        return None
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return None
+    server = server_manager_instance._servers.get(_lite_key(uri))
+    process = getattr(server, "_p", None)
+    return None if process is None else process.poll()
 
 
 def _quote(values: Sequence[str]) -> str:
     return json.dumps(list(values))  # JSON string literals are valid Milvus filter literals
+
+
+def timeout_arg(seconds: float) -> int:
+    """A request timeout as pymilvus needs it: whole seconds (at least 1). pymilvus 2.5 bounds
+    its retries by `timeout` only when it is an int; a float means 75 retries, minutes on a
+    server that is gone."""
+    return max(1, math.ceil(seconds))
 
 
 def is_server(uri: str | Path) -> bool:
@@ -167,6 +207,7 @@ class MilvusStore:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
         if not self.server and _held_elsewhere(Path(self.uri)):
             raise _lite_busy(self.uri)
+        quiet_pymilvus()
         quiet = logging.getLogger("pymilvus.milvus_client._utils")
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)  # it logs a line of its own before raising
@@ -198,15 +239,18 @@ class MilvusStore:
 
     def _request(self, what: str, call, *args, **kwargs):
         """One request to Milvus with the store's timeout; a failure is `BackendUnavailable`
-        naming the store and the request. The timeout goes as an int: pymilvus 2.5 bounds its
-        retries by `timeout` only when it is one (a float: 75 retries, minutes on a dead
-        server)."""
+        naming the store and the request. A Milvus Lite process that has died fails at once
+        (pymilvus would retry its refused connection until the deadline)."""
+        exited = lite_process_exited(self.uri)
+        if exited is not None:
+            raise BackendUnavailable(f"milvus lite: the server process for {self.uri} exited "
+                                     f"(status {exited}); {what} failed. Restart the search "
+                                     "(the file is intact)")
         try:
-            return call(*args, timeout=max(1, math.ceil(self.timeout_s)), **kwargs)
+            return call(*args, timeout=timeout_arg(self.timeout_s), **kwargs)
         except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
-            why = " ".join(str(exc).split())[:300]
             raise BackendUnavailable(f"milvus at {self.uri}: {what} failed "
-                                     f"({type(exc).__name__}: {why})") from None
+                                     f"({milvus_error(exc)})") from None
 
     def _create(self) -> None:
         from pymilvus import DataType
@@ -221,15 +265,16 @@ class MilvusStore:
         index = self._client.prepare_index_params()
         index.add_index(field_name="vector", index_type=kind, metric_type="IP",
                         params=self.index.build_params(kind))
-        self._client.create_collection(self.collection, schema=schema, index_params=index,
-                                       consistency_level="Strong")
+        self._request("create", self._client.create_collection, self.collection,
+                      schema=schema, index_params=index, consistency_level="Strong")
 
     def _index_kind(self) -> str:
         """The index the collection really has (it may predate the current settings)."""
         try:
-            info = self._client.describe_index(self.collection, "vector") or {}
+            info = self._request("open", self._client.describe_index, self.collection,
+                                 "vector") or {}
             return str(info.get("index_type") or "FLAT").upper()
-        except Exception:
+        except Exception:  # noqa: BLE001 — unknown: the settings' (a dead server fails next)
             return self.index.resolved(self.server)
 
     def write(self, chunks: Sequence[IndexedChunk], vectors, delete_doc_ids: Sequence[str]) -> None:

@@ -28,12 +28,12 @@ filter is part of the backend query, as for owned indexes.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.backends import ACL_ALL, check_pattern, query_words
-from branchsearch.infra.dense import acquire_lite, release_lite
+from branchsearch.infra.dense import (acquire_lite, milvus_error, quiet_pymilvus, release_lite,
+                                      timeout_arg)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
 from branchsearch.infra.hits import Hit
 
@@ -269,27 +269,37 @@ class ExternalMilvus:
                                 f"(in [indexes.{spec.name}] or BRANCHSEARCH_MILVUS_URI)")
         self.spec, self.f, self.uri = spec, spec.fields, uri
         self.collection = spec.milvus_collection
+        quiet_pymilvus()
+        wait = timeout_arg(timeout_s)
         try:
-            self._client = MilvusClient(uri=uri, token=token)
+            self._client = MilvusClient(uri=uri, token=token, timeout=wait)
             acquire_lite(uri)
-            exists = self._client.has_collection(self.collection)
+            exists = self._client.has_collection(self.collection, timeout=wait)
         except Exception as exc:
-            raise BackendUnavailable(f"milvus at {uri} is not reachable ({type(exc).__name__}: "
-                                     f"{exc})") from None
+            raise BackendUnavailable(f"milvus at {uri} is not reachable ({milvus_error(exc)})"
+                                     ) from None
         try:
             if not exists:
                 raise SettingsError(f"index {spec.name!r}: Milvus collection "
                                     f"{self.collection!r} does not exist at {uri}")
-            schema = {f["name"]: f for f in
-                      self._client.describe_collection(self.collection)["fields"]}
+            try:
+                described = self._client.describe_collection(self.collection, timeout=wait)
+                schema = {f["name"]: f for f in described["fields"]}
+            except Exception as exc:  # noqa: BLE001 — a server that stopped answering
+                raise BackendUnavailable(f"milvus at {uri}: describe {self.collection!r} failed "
+                                         f"({milvus_error(exc)})") from None
             self._check_fields(schema, embed_dim)
+            from pymilvus import DataType
+
+            self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
+            try:
+                self._client.load_collection(self.collection, timeout=wait)
+            except Exception as exc:  # noqa: BLE001
+                raise BackendUnavailable(f"milvus at {uri}: load {self.collection!r} failed "
+                                         f"({milvus_error(exc)})") from None
         except BaseException:
             self.close()  # a refused open must not keep the Lite file from other processes
             raise
-        from pymilvus import DataType
-
-        self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
-        self._client.load_collection(self.collection)
 
     def _check_fields(self, schema: dict, embed_dim: int) -> None:
         name = self.spec.name
@@ -333,10 +343,10 @@ class ExternalMilvus:
             result = self._client.search(
                 self.collection, data=[list(map(float, vector))], limit=k,
                 anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
-                output_fields=self._outputs, timeout=max(1, math.ceil(self.timeout_s)))
+                output_fields=self._outputs, timeout=timeout_arg(self.timeout_s))
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {self.uri}: search failed "
-                                     f"({type(exc).__name__}: {exc})") from None
+                                     f"({milvus_error(exc)})") from None
         return [self._hit(r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])},
                           float(r["distance"]), rank, "dense")
                 for rank, r in enumerate(result[0], start=1)]
@@ -348,17 +358,23 @@ class ExternalMilvus:
         try:
             rows = self._client.query(self.collection, output_fields=self._outputs,
                                       filter=f"{self.f.id} in {json.dumps(list(doc_ids))}",
-                                      timeout=max(1, math.ceil(self.timeout_s)))
+                                      timeout=timeout_arg(self.timeout_s))
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {self.uri}: query failed "
-                                     f"({type(exc).__name__}: {exc})") from None
+                                     f"({milvus_error(exc)})") from None
         return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
 
     def write(self, *args, **kwargs):
         _read_only(self.spec.name)
 
     def count(self) -> int:
-        return int(self._client.get_collection_stats(self.collection).get("row_count", 0))
+        try:
+            stats = self._client.get_collection_stats(self.collection,
+                                                      timeout=timeout_arg(self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 — the service's health probe asks this
+            raise BackendUnavailable(f"milvus at {self.uri}: count failed "
+                                     f"({milvus_error(exc)})") from None
+        return int(stats.get("row_count", 0))
 
     def close(self) -> None:
         """Close the client; for a Milvus Lite file, also stop its server so another process

@@ -303,13 +303,19 @@ def open_dense(settings: Settings, manifest=None, embedder=None):
     if manifest is None:  # a writer (ingest): the collection is created when missing
         return dense_store(settings, _dense_dim(settings.index_dir, embedder)), embedder
     uri = dense_uri(settings)
+    ingested_into = str(manifest.backends.get("dense", ""))
+    if not is_server(uri) and " " in ingested_into and is_server(ingested_into.split()[1]):
+        raise SettingsError(  # the vectors are on a server this process was not told about
+            f"index {settings.index!r} keeps its vectors in {ingested_into}; set milvus_uri "
+            "(BRANCHSEARCH_MILVUS_URI) to that server")
+    # an ingest skips documents it already holds, so it cannot refill a lost dense store
+    again = f"remove {settings.index_dir} and ingest it again"
     if not is_server(uri) and not Path(uri).exists():  # Milvus Lite would create it empty
-        raise IndexIncomplete(f"index {settings.index!r} is damaged: {uri} missing; re-ingest it")
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {uri} missing; {again}")
     try:
         return dense_store(settings, manifest.embedding["dim"], create=False), embedder
     except IndexIncomplete as exc:  # a complete index whose collection is gone is damaged
-        raise IndexIncomplete(f"index {settings.index!r} is damaged: {exc}; re-ingest it"
-                              ) from None
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {exc}; {again}") from None
 
 
 def _check_files(root: Path, settings: Settings) -> None:

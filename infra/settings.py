@@ -102,6 +102,7 @@ class Settings:
     backend_retries: int = 2  # a backend error in a tool is retried this often, then ends the branch
     backend_backoff_s: float = 0.2  # first retry's wait; doubles each retry
     # one request to Milvus or Elasticsearch; one not answered in time is a backend error
+    # (Milvus takes whole seconds: 0.5 is 1)
     backend_timeout_s: float = 30.0
     actor_start_timeout_s: float = 300.0  # waiting for actors (engines, retriever, pool) to start
     query_max_tokens: int = 96  # a longer question is cut to this many tokens before searching
@@ -172,7 +173,7 @@ def _validate(s: Settings) -> None:
          "backend_retries and backend_backoff_s must be >= 0"),
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
         (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
-        (s.backend_timeout_s > 0, "backend_timeout_s must be > 0"),
+        (0 < s.backend_timeout_s <= 3600, "backend_timeout_s must be in (0, 3600]"),
         (s.query_max_tokens >= 8, "query_max_tokens must be >= 8"),
         (s.trace_exporter in TRACE_EXPORTERS,
          f"trace_exporter must be {one_of(TRACE_EXPORTERS)}"),

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
-                                       CorpusError, IndexBusy, IndexNotFound)
+                                       CorpusError, IndexBusy, IndexIncomplete, IndexNotFound)
 from branchsearch.workers.tools import has_words
 
 
@@ -40,6 +40,8 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(503, "backend_unavailable", str(exc))
     if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest)
         return ApiError(409, "index_busy", str(exc))
+    if isinstance(exc, IndexIncomplete):  # an ingest to finish, or store files gone: the server's
+        return ApiError(503, "index_incomplete", str(exc))
     if isinstance(exc, IndexNotFound):
         return ApiError(404, "index_not_found", str(exc))
     if isinstance(exc, (BadQuery, CorpusError)):

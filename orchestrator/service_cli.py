@@ -89,8 +89,9 @@ def keys_revoke(name: str, keys: Optional[Path] = KeysOpt,
 def serve(index: Optional[str] = typer.Option(None, "--index", help="default index"),
           host: str = typer.Option("127.0.0.1", "--host"),
           port: int = typer.Option(8000, "--port", min=0, max=65535),
-          keys: Optional[Path] = typer.Option(None, "--keys", help="keys file; without one "
-                                              "the server is loopback-only (development)"),
+          keys: Optional[Path] = typer.Option(None, "--keys", help="keys file (default: "
+                                              "HOME/keys.json when it exists); without one the "
+                                              "server is loopback-only (development)"),
           replicas: int = typer.Option(1, "--replicas", min=1, help="ingress replicas"),
           address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address"),
           executor: str = typer.Option("ray", "--executor", help="ray | local (branches "
@@ -110,6 +111,9 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
 
     if executor not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
+    if keys is None and _keys_path(None, home).exists():  # where `keys add` put them
+        keys = _keys_path(None, home)
+        print(f"keys file {keys}", file=sys.stderr)
     service.check_host(host, keys)
     if keys is not None and not keys.exists():
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "

@@ -59,6 +59,10 @@ def test_acl_rules():
         caller_groups(["hr", PUBLIC])
     with pytest.raises(BadQuery, match="may not be empty"):  # `--acl "$UNSET"`: not public-only
         caller_groups(["hr", " "])
+    with pytest.raises(BadQuery, match="may not be empty"):  # checked for an admin too
+        caller_groups([""], admin=True)
+    with pytest.raises(BadQuery, match="holds a comma"):  # not one group named "hr,board"
+        caller_groups(["hr,board"])
 
 
 def _seen(retriever, mode, groups):

@@ -216,7 +216,7 @@ def test_a_dense_store_gone_from_a_complete_index_is_damaged_not_empty(hotpot_se
     settings = ingest_copy(hotpot_settings, "dense-gone")
     db = settings.index_dir / "dense.db"
     db.rename(db.with_suffix(".bak"))
-    with pytest.raises(IndexIncomplete, match=r"damaged: .*dense\.db missing; re-ingest"):
+    with pytest.raises(IndexIncomplete, match=r"damaged: .*dense\.db missing; remove .* again"):
         open_retriever(settings)
     done = subprocess.run(
         [sys.executable, "-m", "branchsearch.orchestrator.cli", "retrieve", "Ed Wood", "--home",
@@ -226,6 +226,16 @@ def test_a_dense_store_gone_from_a_complete_index_is_damaged_not_empty(hotpot_se
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "damaged" in lines[0] and "dense.db missing" in lines[0], lines
     assert not db.exists()  # nothing recreated
+    from branchsearch.infra.catalog import owned_indexes
+
+    health = {i.name: i.health for i in owned_indexes(settings)}
+    assert health[settings.index].startswith("damaged: dense.db missing"), health
+    assert health[hotpot_settings.index] == "ok"
+    bm25 = open_retriever(settings.replace(search_mode="bm25"), need_dense=False)
+    try:  # the lexical side is intact and still answers
+        assert bm25.search("Ed Wood", "bm25", 3)
+    finally:
+        bm25.close()
 
     db.with_suffix(".bak").rename(db)
     r = open_retriever(settings)
@@ -244,8 +254,9 @@ def test_a_dense_store_gone_from_a_complete_index_is_damaged_not_empty(hotpot_se
 
 def test_a_dense_backend_that_stops_answering_ends_the_branch_not_the_batch(hotpot_settings):
     """Killing Milvus Lite's process under a running search used to hang it for good (pymilvus
-    retried with no deadline). Every Milvus request now has `backend_timeout_s`: the search
-    raises BackendUnavailable, the branch ends `error`, the question `failed`."""
+    retried with no deadline). Every Milvus request now has `backend_timeout_s` (a stopped
+    process: the search raises BackendUnavailable when it passes), and a dead Lite process
+    fails at once: the branch ends `error`, the question `failed`."""
     import os
     import signal
     import threading
@@ -264,6 +275,14 @@ def test_a_dense_backend_that_stops_answering_ends_the_branch_not_the_batch(hotp
         assert driver.search("Who directed Ed Wood?").to_dict()["status"] == "ok"
         server = server_manager_instance._servers[str(
             (settings.index_dir / "dense.db").absolute().resolve())]
+        retriever = driver.executor.retriever
+        os.kill(server._p.pid, signal.SIGSTOP)  # alive but not answering: the deadline ends it
+        try:
+            with pytest.raises(BackendUnavailable, match="search failed .*DEADLINE_EXCEEDED"):
+                retriever.search("Ed Wood", "dense", 3)
+        finally:
+            os.kill(server._p.pid, signal.SIGCONT)
+        assert retriever.search("Ed Wood", "dense", 3)  # answering again
         os.kill(server._p.pid, signal.SIGKILL)  # the Lite process dies under the retriever
         server._p.wait()
         outcome = {}
@@ -283,8 +302,9 @@ def test_a_dense_backend_that_stops_answering_ends_the_branch_not_the_batch(hotp
         assert result["status"] == "failed" and result["evidence"] == []
         branch = result["branches"][0]
         assert branch["status"] == "error" and branch["termination"] == "backend_error"
-        assert "milvus at" in branch["error"] and "search failed" in branch["error"]
-        with pytest.raises(BackendUnavailable, match="search failed"):
-            driver.executor.retriever.search("Ed Wood", "dense", 3)
+        # a dead Lite process fails at once (pymilvus would retry it until the deadline)
+        assert "server process for" in branch["error"] and "exited" in branch["error"]
+        with pytest.raises(BackendUnavailable, match="exited .*search failed"):
+            retriever.search("Ed Wood", "dense", 3)
     finally:
         driver.close()

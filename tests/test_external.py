@@ -211,6 +211,10 @@ def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
         # drop this process's POSIX lock on it and stop the server other tests use)
         owned.mkdir(parents=True)
         shutil.copy(hotpot_settings.index_dir / "manifest.json", owned / "manifest.json")
+        # and its store files by name (`indexes` checks they are there, not what they hold)
+        for name in ("docs.sqlite", "tantivy/meta.json", "dense.db"):
+            (owned / name).parent.mkdir(exist_ok=True)
+            (owned / name).touch()
     cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes", "--home",
            str(foreign["home"]), "--config", str(foreign["home"] / "branchsearch.toml"), "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

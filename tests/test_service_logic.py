@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from branchsearch.infra.errors import BackendUnavailable, BadQuery, IndexNotFound
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, IndexIncomplete, IndexNotFound
 from branchsearch.orchestrator import stream
 from branchsearch.orchestrator.keys import AuthError, KeyStore, bearer, digest, parse_list
 from branchsearch.orchestrator.limits import (ApiError, Concurrency, Limits, api_error,
@@ -93,6 +93,7 @@ def test_errors_map_to_statuses_without_internals():
     assert api_error(BackendUnavailable("es down")).status == 503
     assert api_error(IndexNotFound("nope")).status == 404
     assert api_error(BadQuery("bad")).status == 422
+    assert api_error(IndexIncomplete("dense.db missing")).status == 503  # the server's, not 400
     crash = api_error(KeyError("/secret/path"))
     assert crash.status == 500 and "secret" not in crash.detail
     err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
