@@ -268,6 +268,30 @@ def test_a_one_word_title_is_named_by_the_question_only_as_a_name():
     assert support("Who founded the Flamingo Las Vegas hotel?", "Flamingo Las Vegas") == 0.95
 
 
+def test_a_concept_page_is_named_only_as_its_title_writes_it():
+    """'What body of water is near …' asks for a body of water; it does not name the page
+    'Body of water' (a concept, in sentence case), which used to get a named page's support and
+    crowd the evidence. A proper name is named by its words however the question writes them."""
+    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.policy import VisibleChunk
+    from branchsearch.workers.text import terms
+
+    def support(question: str, title: str, **kw) -> float:
+        p = HeuristicPolicy(learned_rank=False, coverage_weight=0.0, residual_weight=0.0,
+                            qualifier_weight=0.0, **kw)
+        p.subquery, p.q_terms = question, terms(question)
+        p.chunks["t#p0"] = VisibleChunk("t#p0", "t", title, "Some text.", 10)
+        p.origins["t#p0"] = _Origin("x", 3, "entity")
+        return p._score("t#p0")
+
+    q = "What body of water is near the location where the Siege of Cassel took place?"
+    assert support(q, "Body of water") == pytest.approx(0.05)  # only its search rank
+    assert support(q, "Body of water", common_titles_named=True) == 0.95  # the old rule
+    assert support(q, "Siege of Cassel (1761)") == 0.95
+    assert support(q.lower(), "Siege of Cassel (1761)") == 0.95  # a name, however written
+    assert support("Which party won? Political party founders", "Political party") == 0.95
+
+
 def test_a_residual_query_stays_within_the_search_cap():
     from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
     from branchsearch.workers.policy import VisibleChunk

@@ -57,6 +57,7 @@ class HeuristicPolicy:
     max_turns: int = 12  # the harness's limit: finish (ranked) on the last turn it allows
     qualifier_weight: float = 0.3  # a title's qualifier agreeing (or not) with what led to it
     mention_weight: float = 0.6  # a bridge hit mentioning an entity that has no page here
+    common_titles_named: bool = False  # True: a sentence-case title is named by its words alone
     learned_rank: bool = True  # finish by the learned ranker (workers/ranker.py), else by score
     ranker_path: str | None = None  # weights file; None: the shipped BM25 one (make_policy
     # passes the search mode's: workers.ranker.weights_for)
@@ -225,9 +226,11 @@ class HeuristicPolicy:
             support, parent = 1.0 / (1.0 + self.rank_decay * (origin.rank - 1)), ""
         title_terms = terms(norm_title(chunk.title))
         if title_terms and title_terms <= self.q_terms and (
-                len(title_terms) > 1 or _named_in(chunk.title, self.subquery)):
-            # the sub-query names the page: all of a longer title's words, or a one-word
-            # title as a name ("Casino, New South Wales" is not named by "hotel and casino")
+                _named_in(chunk.title, self.subquery) if len(title_terms) == 1
+                else self.common_titles_named or _names_page(chunk.title, self.subquery)):
+            # the sub-query names the page: a longer title's words written as a name, or a
+            # one-word title as a name ("Casino, New South Wales" is not named by "hotel and
+            # casino"; "Body of water" is not named by "what body of water")
             support = max(support, 0.95 if len(title_terms) > 1 else 0.6)
             parent = ""
         for entity in self._links_sharing_a_word(chunk.title):
@@ -566,6 +569,16 @@ def _series_core(title: str) -> str:
     core = norm_title(title)
     m = _LEADING_YEAR.match(core)
     return core[m.end(1):].strip() if m else core
+
+
+def _names_page(title: str, query: str) -> bool:
+    """Whether the query names a page of a longer title. A proper name ('Siege of Cassel', two
+    or more capitalised words) is named by its words, however the query writes them; a
+    sentence-case title ('Body of water', 'Political party': a concept, not a name) only when
+    the query writes it as the title does, capital included."""
+    bare = bare_title(title)
+    capitals = sum(1 for w in bare.split() if w[:1].isupper())
+    return capitals >= 2 or has_phrase(query, bare)
 
 
 def _named_in(title: str, query: str) -> bool:
