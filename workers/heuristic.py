@@ -230,7 +230,7 @@ class HeuristicPolicy:
                 else self.common_titles_named or _names_page(chunk.title, self.subquery)):
             # the sub-query names the page: a longer title's words written as a name, or a
             # one-word title as a name ("Casino, New South Wales" is not named by "hotel and
-            # casino"; "Body of water" is not named by "what body of water")
+            # casino"; "Body water" is not named by "what body of water")
             support = max(support, 0.95 if len(title_terms) > 1 else 0.6)
             parent = ""
         for entity in self._links_sharing_a_word(chunk.title):
@@ -572,13 +572,18 @@ def _series_core(title: str) -> str:
 
 
 def _names_page(title: str, query: str) -> bool:
-    """Whether the query names a page of a longer title. A proper name ('Siege of Cassel', two
-    or more capitalised words) is named by its words, however the query writes them; a
-    sentence-case title ('Body of water', 'Political party': a concept, not a name) only when
-    the query writes it as the title does, capital included."""
+    """Whether the query names a page of a longer title (all its words are in the query). A
+    proper name ('Siege of Cassel', two or more capitalised words) is named by its words,
+    however the query writes them. A title with one capital ('Body water', 'Political party',
+    a concept; 'Gila monster', 'Argand lamp', '2018 Kansas gubernatorial election', built on a
+    name) is named when the query writes that word as a name too — capitalised, and not as its
+    first word — or writes the whole title as the title does."""
     bare = bare_title(title)
-    capitals = sum(1 for w in bare.split() if w[:1].isupper())
-    return capitals >= 2 or has_phrase(query, bare)
+    capitals = [w for w in bare.split() if w[:1].isupper()]
+    if len(capitals) >= 2:
+        return True
+    rest = query.split(None, 1)[1] if len(query.split(None, 1)) > 1 else ""
+    return any(has_phrase(rest, w) for w in capitals) or has_phrase(query, bare)
 
 
 def _named_in(title: str, query: str) -> bool:

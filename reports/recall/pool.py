@@ -4,10 +4,10 @@ The held-back sets the issues were measured on pool their questions' paragraphs 
 (HotpotQA: 100 questions over 9,077 passages). On such a pool the agent lost 5–8 points of AR@5
 against the dev sets. This builds the same kind of pool from what the repository has: every
 passage of hotpotqa-dev200, musique-train100, scifact and a synthetic set, in one corpus
-(12,055 passages with `branchsearch synth DIR --docs 2000 --tasks 100 --seed 7`), and a BEIR
-folder per multi-hop set with that corpus and the set's own questions and qrels. The few ids two
-sets share (a Wikipedia title in both) keep the first set's passage; the later set's copy gets
-the suffix `--SET`, and its qrels follow it.
+(12,054 passages with `branchsearch synth DIR --docs 2000 --tasks 100 --seed 7`), and a BEIR
+folder per multi-hop set with that corpus and the set's own questions and qrels. A passage two
+sets both hold (same id, same text) is kept once; where the same id has different text in two
+sets (4 Wikipedia titles), the later set's copy gets the suffix `--SET`, and its qrels follow it.
 
     python reports/recall/pool.py OUT --data ../shared/data --synth /tmp/rc-synth
     branchsearch ingest OUT/corpus.jsonl --home H --index pool
@@ -33,7 +33,7 @@ def build(out: Path, data: Path, synth: Path | None) -> int:
     if synth is not None:
         folders["synth"] = synth
     out.mkdir(parents=True, exist_ok=True)
-    seen: set[str] = set()
+    texts: dict[str, str] = {}  # id -> text of the passage kept under it
     renamed: dict[tuple[str, str], str] = {}
     tmp = out / "corpus.jsonl.tmp"
     with tmp.open("w") as f:
@@ -42,15 +42,17 @@ def build(out: Path, data: Path, synth: Path | None) -> int:
                 if not line.strip():
                     continue
                 doc = json.loads(line)
-                if doc["_id"] in seen:
+                if texts.get(doc["_id"]) == doc["text"]:
+                    continue  # the same passage in two sets: one copy, both sets' gold
+                if doc["_id"] in texts:
                     renamed[(name, doc["_id"])] = doc["_id"] = f"{doc['_id']}--{name}"
-                seen.add(doc["_id"])
+                texts[doc["_id"]] = doc["text"]
                 f.write(json.dumps(doc) + "\n")
     tmp.replace(out / "corpus.jsonl")
     for name in QUESTION_SETS:
         target = out / name
         (target / "qrels").mkdir(parents=True, exist_ok=True)
-        shutil.copy(folders[name] / "queries.jsonl", target / "queries.jsonl")
+        shutil.copyfile(folders[name] / "queries.jsonl", target / "queries.jsonl")  # not its mode
         lines = (folders[name] / "qrels" / "test.tsv").read_text().splitlines()
         rows = [lines[0]]
         for line in lines[1:]:
@@ -59,8 +61,8 @@ def build(out: Path, data: Path, synth: Path | None) -> int:
         (target / "qrels" / "test.tsv").write_text("\n".join(rows) + "\n")
         link = target / "corpus.jsonl"
         link.unlink(missing_ok=True)
-        link.symlink_to(out / "corpus.jsonl")
-    return len(seen)
+        link.symlink_to(Path("..") / "corpus.jsonl")  # relative: the folder may move
+    return len(texts)
 
 
 def main() -> None:
