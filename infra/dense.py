@@ -8,11 +8,11 @@ naming the file. Milvus Lite indexes FLAT (exact); a server takes the index from
 by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong consistency, so a
 search sees every write that returned before it (what an ingest followed by a search expects).
 
-Every request carries a timeout (`timeout_s`, the settings' `backend_timeout_s`): a Milvus that
-stops answering (a server gone) is a `BackendUnavailable` within it, and a Milvus Lite process
-that died one at once; either ends the branch with status `error`, never a search that hangs. A reader opens with
-`create=False`: a collection that is not there is a damaged index (`IndexIncomplete`), not an empty
-one.
+Every request goes through `milvus_call`, with a timeout (the settings' `backend_timeout_s`): a
+Milvus that stops answering (a server gone) is a `BackendUnavailable` within it, and a Milvus
+Lite process that died one at once; either ends the branch with status `error`, never a search
+that hangs. A reader opens with `create=False`: a collection that is not there is a damaged
+index (`IndexIncomplete`), not an empty one.
 """
 
 from __future__ import annotations
@@ -54,19 +54,42 @@ def milvus_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(why.split())[:300]}"
 
 
-def lite_process_exited(uri: str | Path) -> int | None:
-    """The exit status of this process's Milvus Lite server for an embedded file when it has
-    died (killed, crashed), else None (alive, not started, or a server URI). A request to a
-    dead one would be retried by pymilvus until its deadline; asked first, it fails at once."""
-    if is_server(uri):
+def lite_key(uri: str | Path) -> str | None:
+    """The key Milvus Lite's server manager holds an embedded file's server under; None for a
+    server URI. (Resolving it touches the filesystem: a store works it out once.)"""
+    return None if is_server(uri) else _lite_key(uri)
+
+
+def lite_process_exited(key: str | None) -> int | None:
+    """The exit status of this process's Milvus Lite server for an embedded file (by
+    `lite_key`) when it has died (killed, crashed), else None (alive, not started, or a
+    server). A request to a dead one would be retried by pymilvus until its deadline; asked
+    first, it fails at once."""
+    if key is None:
         return None
     try:
         from milvus_lite.server_manager import server_manager_instance
     except ImportError:
         return None
-    server = server_manager_instance._servers.get(_lite_key(uri))
-    process = getattr(server, "_p", None)
+    process = getattr(server_manager_instance._servers.get(key), "_p", None)
     return None if process is None else process.poll()
+
+
+def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | None = None,
+                **kwargs):
+    """One request to Milvus at `uri` (`call(*args, **kwargs)` of a `MilvusClient`) with a
+    timeout; any failure is one `BackendUnavailable` line naming the place and the request.
+    `lite`: the file's `lite_key`, so that a dead Lite process fails at once."""
+    exited = lite_process_exited(lite)
+    if exited is not None:
+        raise BackendUnavailable(f"milvus lite: the server process for {uri} exited (status "
+                                 f"{exited}); {what} failed. Restart the search (the file is "
+                                 "intact)")
+    try:
+        return call(*args, timeout=timeout_arg(timeout_s), **kwargs)
+    except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
+        raise BackendUnavailable(f"milvus at {uri}: {what} failed ({milvus_error(exc)})"
+                                 ) from None
 
 
 def _quote(values: Sequence[str]) -> str:
@@ -199,6 +222,7 @@ class MilvusStore:
 
         self.uri = str(uri)
         self.timeout_s = timeout_s
+        self._lite = lite_key(self.uri)
         self.dim = dim
         self.collection = collection
         self.server = is_server(self.uri)
@@ -238,19 +262,8 @@ class MilvusStore:
         self.index_kind = self._index_kind()
 
     def _request(self, what: str, call, *args, **kwargs):
-        """One request to Milvus with the store's timeout; a failure is `BackendUnavailable`
-        naming the store and the request. A Milvus Lite process that has died fails at once
-        (pymilvus would retry its refused connection until the deadline)."""
-        exited = lite_process_exited(self.uri)
-        if exited is not None:
-            raise BackendUnavailable(f"milvus lite: the server process for {self.uri} exited "
-                                     f"(status {exited}); {what} failed. Restart the search "
-                                     "(the file is intact)")
-        try:
-            return call(*args, timeout=timeout_arg(self.timeout_s), **kwargs)
-        except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
-            raise BackendUnavailable(f"milvus at {self.uri}: {what} failed "
-                                     f"({milvus_error(exc)})") from None
+        return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
+                           lite=self._lite, **kwargs)
 
     def _create(self) -> None:
         from pymilvus import DataType

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.backends import ACL_ALL, check_pattern, query_words
-from branchsearch.infra.dense import (acquire_lite, milvus_error, quiet_pymilvus, release_lite,
-                                      timeout_arg)
+from branchsearch.infra.dense import (acquire_lite, lite_key, milvus_call, milvus_error,
+                                      quiet_pymilvus, release_lite, timeout_arg)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
 from branchsearch.infra.hits import Hit
 
@@ -263,7 +263,7 @@ class ExternalMilvus:
                  timeout_s: float = 30.0):
         from pymilvus import MilvusClient
 
-        self.timeout_s = timeout_s
+        self.timeout_s, self._lite = timeout_s, lite_key(uri) if uri else None
         if not uri:
             raise SettingsError(f"index {spec.name!r}: dense = \"milvus\" needs milvus_uri "
                                 f"(in [indexes.{spec.name}] or BRANCHSEARCH_MILVUS_URI)")
@@ -282,21 +282,15 @@ class ExternalMilvus:
             if not exists:
                 raise SettingsError(f"index {spec.name!r}: Milvus collection "
                                     f"{self.collection!r} does not exist at {uri}")
-            try:
-                described = self._client.describe_collection(self.collection, timeout=wait)
-                schema = {f["name"]: f for f in described["fields"]}
-            except Exception as exc:  # noqa: BLE001 — a server that stopped answering
-                raise BackendUnavailable(f"milvus at {uri}: describe {self.collection!r} failed "
-                                         f"({milvus_error(exc)})") from None
+            described = self._request(f"describe {self.collection!r}",
+                                      self._client.describe_collection, self.collection)
+            schema = {f["name"]: f for f in described["fields"]}
             self._check_fields(schema, embed_dim)
             from pymilvus import DataType
 
             self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
-            try:
-                self._client.load_collection(self.collection, timeout=wait)
-            except Exception as exc:  # noqa: BLE001
-                raise BackendUnavailable(f"milvus at {uri}: load {self.collection!r} failed "
-                                         f"({milvus_error(exc)})") from None
+            self._request(f"load {self.collection!r}", self._client.load_collection,
+                          self.collection)
         except BaseException:
             self.close()  # a refused open must not keep the Lite file from other processes
             raise
@@ -339,14 +333,10 @@ class ExternalMilvus:
 
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
-        try:
-            result = self._client.search(
-                self.collection, data=[list(map(float, vector))], limit=k,
-                anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
-                output_fields=self._outputs, timeout=timeout_arg(self.timeout_s))
-        except Exception as exc:
-            raise BackendUnavailable(f"milvus at {self.uri}: search failed "
-                                     f"({milvus_error(exc)})") from None
+        result = self._request(
+            "search", self._client.search, self.collection, data=[list(map(float, vector))],
+            limit=k, anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
+            output_fields=self._outputs)
         return [self._hit(r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])},
                           float(r["distance"]), rank, "dense")
                 for rank, r in enumerate(result[0], start=1)]
@@ -355,26 +345,21 @@ class ExternalMilvus:
         """doc id -> {doc_id, title, text, acl} (no ACL filter; see ExternalElastic.get)."""
         if not doc_ids:
             return {}
-        try:
-            rows = self._client.query(self.collection, output_fields=self._outputs,
-                                      filter=f"{self.f.id} in {json.dumps(list(doc_ids))}",
-                                      timeout=timeout_arg(self.timeout_s))
-        except Exception as exc:
-            raise BackendUnavailable(f"milvus at {self.uri}: query failed "
-                                     f"({milvus_error(exc)})") from None
+        rows = self._request("query", self._client.query, self.collection,
+                             output_fields=self._outputs,
+                             filter=f"{self.f.id} in {json.dumps(list(doc_ids))}")
         return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
 
     def write(self, *args, **kwargs):
         _read_only(self.spec.name)
 
     def count(self) -> int:
-        try:
-            stats = self._client.get_collection_stats(self.collection,
-                                                      timeout=timeout_arg(self.timeout_s))
-        except Exception as exc:  # noqa: BLE001 — the service's health probe asks this
-            raise BackendUnavailable(f"milvus at {self.uri}: count failed "
-                                     f"({milvus_error(exc)})") from None
+        stats = self._request("count", self._client.get_collection_stats, self.collection)
         return int(stats.get("row_count", 0))
+
+    def _request(self, what: str, call, *args, **kwargs):
+        return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
+                           lite=self._lite, **kwargs)
 
     def close(self) -> None:
         """Close the client; for a Milvus Lite file, also stop its server so another process

@@ -111,8 +111,9 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
 
     if executor not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
-    if keys is None and _keys_path(None, home).exists():  # where `keys add` put them
-        keys = _keys_path(None, home)
+    found = _keys_path(None, home)
+    if keys is None and found.exists():  # where `keys add` put them
+        keys = found
         print(f"keys file {keys}", file=sys.stderr)
     service.check_host(host, keys)
     if keys is not None and not keys.exists():

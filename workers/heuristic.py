@@ -582,7 +582,8 @@ def _names_page(title: str, query: str) -> bool:
     capitals = [w for w in bare.split() if w[:1].isupper()]
     if len(capitals) >= 2:
         return True
-    rest = query.split(None, 1)[1] if len(query.split(None, 1)) > 1 else ""
+    parts = query.split(None, 1)
+    rest = parts[1] if len(parts) == 2 else ""  # the query past its first word
     return any(has_phrase(rest, w) for w in capitals) or has_phrase(query, bare)
 
 
