@@ -289,7 +289,7 @@ def print_result(result) -> None:
 
 @app.command()
 def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
-          output: Path = typer.Option(..., "-o", "--output", help="results JSONL (appended)"),
+          output: Path = typer.Option(..., "-o", "--output", help="results JSONL (one line per id; re-runs resume)"),
           concurrency: Optional[int] = typer.Option(None, min=1),
           branches: Optional[int] = typer.Option(None, min=1),
           executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,

@@ -38,6 +38,8 @@ def parse_documents(body: bytes) -> list:
         except json.JSONDecodeError as exc:
             raise CorpusError(f"body is not a valid JSON array ({exc.msg})") from None
         text = "".join(json.dumps(r) + "\n" for r in rows)
+    elif stripped.startswith("{"):
+        _refuse_wrapper(stripped)
     if not text.strip():
         raise CorpusError("no documents in the body")
     with tempfile.TemporaryDirectory(prefix="bs-put-") as tmp:
@@ -47,6 +49,21 @@ def parse_documents(body: bytes) -> list:
             return read_corpus(path)
         except CorpusError as exc:
             raise CorpusError(str(exc).replace(str(path), "body")) from None
+
+
+def _refuse_wrapper(text: str) -> None:
+    """A body that is one JSON object holding the documents in a list (`{"documents": [...]}`)
+    would otherwise read as one document without an id: say what the body must be."""
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        return  # JSONL (or a bad line, which read_corpus names)
+    if isinstance(whole, dict) and not ({"id", "_id"} & whole.keys()):
+        field = next((k for k, v in whole.items() if isinstance(v, list) and v
+                      and all(isinstance(d, dict) for d in v)), None)
+        if field is not None:
+            raise CorpusError(f"body is one JSON object holding {field!r}: send the documents "
+                              "themselves, as a JSON array or as JSONL (one a line)")
 
 
 def upsert(retriever, settings, docs: list) -> dict:

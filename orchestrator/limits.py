@@ -7,6 +7,7 @@ a short error code and one line of detail — what the caller sees as `{error, d
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from contextlib import contextmanager
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
                                        CorpusError, IndexBusy, IndexIncomplete, IndexNotFound)
 from branchsearch.workers.tools import has_words
+
+log = logging.getLogger("branchsearch.service")
 
 
 class ApiError(Exception):
@@ -41,7 +44,9 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest)
         return ApiError(409, "index_busy", str(exc))
     if isinstance(exc, IndexIncomplete):  # an ingest to finish, or store files gone: the server's
-        return ApiError(503, "index_incomplete", str(exc))
+        log.warning("index unavailable: %s", exc)  # the operator's fix names server paths
+        return ApiError(503, "index_incomplete", "the index is incomplete or damaged on the "
+                        "server; its operator must finish or repair it (the server log says how)")
     if isinstance(exc, IndexNotFound):
         return ApiError(404, "index_not_found", str(exc))
     if isinstance(exc, (BadQuery, CorpusError)):

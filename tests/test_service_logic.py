@@ -93,7 +93,8 @@ def test_errors_map_to_statuses_without_internals():
     assert api_error(BackendUnavailable("es down")).status == 503
     assert api_error(IndexNotFound("nope")).status == 404
     assert api_error(BadQuery("bad")).status == 422
-    assert api_error(IndexIncomplete("dense.db missing")).status == 503  # the server's, not 400
+    damaged = api_error(IndexIncomplete("index 'x' is damaged: /srv/bs/x/dense.db missing"))
+    assert damaged.status == 503 and "/srv" not in damaged.detail  # the server's; no paths
     crash = api_error(KeyError("/secret/path"))
     assert crash.status == 500 and "secret" not in crash.detail
     err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
@@ -235,3 +236,17 @@ def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
     again = run("list", "--json", "--home", home)
     assert json.loads(again.stdout)[0]["revoked"] is True
     assert json.loads(run("list", "--json").stdout) == []  # ./.branchsearch: another file
+
+
+def test_a_wrapped_upload_says_what_the_body_must_be():
+    """`{"documents": [...]}` used to be read as one JSONL line: 'body:1: missing document id',
+    though each document had one (found by a hostile pass)."""
+    from branchsearch.infra.errors import CorpusError
+    from branchsearch.orchestrator.documents import parse_documents
+
+    with pytest.raises(CorpusError, match="one JSON object holding 'documents'.*JSON array"):
+        parse_documents(json.dumps({"documents": [{"_id": "a", "text": "x"}]}).encode())
+    assert [d.id for d in parse_documents(b'{"id": "a", "text": "x"}')] == ["a"]  # JSONL
+    assert [d.id for d in parse_documents(b'[{"id": "a", "text": "x"}]')] == ["a"]
+    with pytest.raises(CorpusError, match="body:1: missing document id"):
+        parse_documents(b'{"text": "no id", "tags": ["t"]}')  # a list, but a document's
