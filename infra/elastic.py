@@ -1,7 +1,8 @@
 """Lexical store on Elasticsearch through the official client: BM25, regexp, ids, ACL filter.
 
-Mapping: `body` (title + text, `english` analyzer) for BM25, `terms` (same text, `standard`
-analyzer) for term regexes, keyword `chunk_id`, `doc_id`, `acl`. The document `_id` is the chunk
+Mapping: `body` (title + text, `english_folded`: Elasticsearch's `english` analyzer rebuilt
+with `asciifolding`, so 'Aschenbrodel' finds 'Aschenbrödel') for BM25, `terms` (same text,
+`standard` analyzer) for term regexes, keyword `chunk_id`, `doc_id`, `acl`. The document `_id` is the chunk
 id, so re-indexing a chunk replaces it. Works against a real cluster (8.x/9.x; use the client
 major that matches the server) and against the `noida-db` emulator used in tests.
 """
@@ -19,10 +20,21 @@ MAPPINGS = {
         "chunk_id": {"type": "keyword"},
         "doc_id": {"type": "keyword"},
         "acl": {"type": "keyword"},
-        "body": {"type": "text", "analyzer": "english"},
+        "body": {"type": "text", "analyzer": "english_folded"},
         "terms": {"type": "text", "analyzer": "standard"},
     }
 }
+
+# the `english` analyzer as Elasticsearch documents its rebuild, with `asciifolding` before the
+# stop words and the stemmer (an index created before this keeps its own mapping)
+SETTINGS = {"analysis": {
+    "filter": {"english_stop": {"type": "stop", "stopwords": "_english_"},
+               "english_stemmer": {"type": "stemmer", "language": "english"},
+               "english_possessive_stemmer": {"type": "stemmer",
+                                              "language": "possessive_english"}},
+    "analyzer": {"english_folded": {"tokenizer": "standard", "filter": [
+        "english_possessive_stemmer", "lowercase", "asciifolding", "english_stop",
+        "english_stemmer"]}}}}
 
 
 class ElasticStore:
@@ -34,7 +46,7 @@ class ElasticStore:
         self._es = Elasticsearch(url, api_key=api_key, request_timeout=timeout_s)
         try:
             if not self._es.indices.exists(index=index):
-                self._es.indices.create(index=index, mappings=MAPPINGS)
+                self._es.indices.create(index=index, settings=SETTINGS, mappings=MAPPINGS)
         except Exception as exc:
             raise _unavailable(url, exc) from None
 

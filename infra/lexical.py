@@ -1,4 +1,8 @@
-"""Embedded lexical store on tantivy: BM25 (English stemming) over title + text, term regex."""
+"""Embedded lexical store on tantivy: BM25 over title + text, term regex.
+
+BM25 terms are lower-cased, accent-folded and English-stemmed (`en_stem_fold`): 'Aschenbrodel'
+finds 'Aschenbrödel'. An index written before folding keeps its own analyzer (`en_stem`, no
+folding) until it is ingested again."""
 
 from __future__ import annotations
 
@@ -10,6 +14,18 @@ from branchsearch.infra.hits import Hit
 from branchsearch.infra.backends import IndexedChunk, acl_terms, check_pattern, query_words
 
 
+FOLDING = "en_stem_fold"
+
+
+def _folding_analyzer(tantivy):
+    """tantivy's `en_stem` (simple tokenizer, long tokens dropped, lower case, English stemmer)
+    with accents folded before stemming."""
+    return (tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
+            .filter(tantivy.Filter.remove_long(40)).filter(tantivy.Filter.lowercase())
+            .filter(tantivy.Filter.ascii_fold()).filter(tantivy.Filter.stemmer("english"))
+            .build())
+
+
 class TantivyStore:
     def __init__(self, path: str | Path, *, max_pattern: int = 200):
         import tantivy
@@ -18,14 +34,19 @@ class TantivyStore:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_pattern = max_pattern
-        sb = tantivy.SchemaBuilder()
-        sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
-        sb.add_text_field("doc_id", stored=True, tokenizer_name="raw")
-        sb.add_text_field("body", stored=False, tokenizer_name="en_stem")
-        sb.add_text_field("terms", stored=False, tokenizer_name="default", index_option="basic")
-        sb.add_text_field("acl", stored=False, tokenizer_name="raw", index_option="basic")
-        self._schema = sb.build()
-        self._index = tantivy.Index(self._schema, path=str(self.path), reuse=True)
+        if (self.path / "meta.json").exists():  # an index keeps the schema it was made with
+            self._index = tantivy.Index.open(str(self.path))
+        else:
+            sb = tantivy.SchemaBuilder()
+            sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
+            sb.add_text_field("doc_id", stored=True, tokenizer_name="raw")
+            sb.add_text_field("body", stored=False, tokenizer_name=FOLDING)
+            sb.add_text_field("terms", stored=False, tokenizer_name="default",
+                              index_option="basic")
+            sb.add_text_field("acl", stored=False, tokenizer_name="raw", index_option="basic")
+            self._index = tantivy.Index(sb.build(), path=str(self.path))
+        self._index.register_tokenizer(FOLDING, _folding_analyzer(tantivy))
+        self._schema = self._index.schema
         self._writer = None
 
     def write(self, chunks: Sequence[IndexedChunk], delete_doc_ids: Sequence[str]) -> None:

@@ -19,13 +19,18 @@ CHUNKS = [
     IndexedChunk("apple#p0", "apple", "Apple", "Apples grow on trees; harvest 1999.", ()),
     IndexedChunk("bank#p0", "bank", "River bank", "The bank of the river floods.", ("finance",)),
     IndexedChunk("bank#p1", "bank", "River bank", "Herons nest by the river.", ("finance",)),
+    IndexedChunk("ballet#p0", "ballet", "Aschenbrödel", "A ballet by Johann Strauß by the Tekezé "
+                 "falls.", ()),
 ]
 
 
 def lexical_contract(store):
     store.write(CHUNKS, [])
-    assert store.count() == 3
+    assert store.count() == 4
     assert [h.chunk_id for h in store.search("apple trees", 5)] == ["apple#p0"]
+    # accents fold: a question typed without them finds the page, and with them too
+    for query in ("Aschenbrodel", "aschenbrödel", "Tekeze", "Strauss"):
+        assert [h.chunk_id for h in store.search(query, 5)] == ["ballet#p0"], query
     assert store.search("river", 5, acl_groups=["hr"]) == []
     assert {h.chunk_id for h in store.search("river", 5, acl_groups=["finance"])} == \
         {"bank#p0", "bank#p1"}
@@ -43,7 +48,7 @@ def lexical_contract(store):
         store.grep("a" * 500, 5)
     # re-writing a document replaces all of its chunks
     store.write([IndexedChunk("bank#p0", "bank", "Bank", "Savings accounts.", ())], ["bank"])
-    assert store.count() == 2
+    assert store.count() == 3
     assert store.search("herons", 5, acl_groups=["*"]) == []
     assert [h.chunk_id for h in store.search("savings", 5)] == ["bank#p0"]
     assert store.search("!!! ::: ((", 5) == []  # query syntax is never interpreted
@@ -51,6 +56,27 @@ def lexical_contract(store):
 
 def test_tantivy_store(tmp_path):
     lexical_contract(TantivyStore(tmp_path / "t"))
+    reopened = TantivyStore(tmp_path / "t")  # the folding analyzer is registered on open
+    assert [h.chunk_id for h in reopened.search("Aschenbrodel", 5)] == ["ballet#p0"]
+
+
+def test_tantivy_index_written_before_folding_still_opens(tmp_path):
+    """An index made with the old schema (`en_stem`, no folding) is searched with its own
+    analyzer: opening it must not fail on the schema, and exact words still match."""
+    import tantivy
+
+    sb = tantivy.SchemaBuilder()
+    sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
+    sb.add_text_field("doc_id", stored=True, tokenizer_name="raw")
+    sb.add_text_field("body", stored=False, tokenizer_name="en_stem")
+    sb.add_text_field("terms", stored=False, tokenizer_name="default", index_option="basic")
+    sb.add_text_field("acl", stored=False, tokenizer_name="raw", index_option="basic")
+    (tmp_path / "old").mkdir()
+    tantivy.Index(sb.build(), path=str(tmp_path / "old"))
+    store = TantivyStore(tmp_path / "old")
+    store.write(CHUNKS, [])
+    assert [h.chunk_id for h in store.search("aschenbrödel", 5)] == ["ballet#p0"]
+    assert store.search("Aschenbrodel", 5) == []  # no folding until it is ingested again
 
 
 @pytest.mark.es

@@ -36,6 +36,8 @@ def test_hold_back_keeps_late_chunks_out_of_the_head_only():
 
 # --- the heuristic policy's final ranking over everything it scored ------------------------------
 
+import json  # noqa: E402
+
 import pytest  # noqa: E402
 
 
@@ -417,3 +419,53 @@ def test_an_entity_branch_searches_its_sub_query_once_as_the_question(bm25_hotpo
     assert "question" in kinds
     first = [c for c in result.trace if c.get("kind") == "call" and c.get("turn") == 1]
     assert [c["args"]["query"] for c in first] == ["Shirley Temple"]
+
+
+def test_accents_fold_in_every_comparison_of_names_and_terms():
+    """A question typed without accents ('Aschenbrodel', 'Tekeze River') names the page
+    'Aschenbrödel'; a page's 'Johann Strauß' links to the page 'Johann Strauss II'."""
+    from branchsearch.workers.heuristic import _in_query, _named_in, _names, _names_page
+    from branchsearch.workers.text import fold, norm_title, terms
+
+    assert fold("Aschenbrödel") == "Aschenbrodel" and fold("Øresund Æsir Strauß") == \
+        "Oresund AEsir Strauss"
+    assert fold("Ελλάδα") == "Ελλαδα" and fold("서울") == "서울"  # other scripts keep letters
+    assert terms("Aschenbrödel on the Tekezé") == terms("aschenbrodel on the Tekeze")
+    assert norm_title("Tekezé River") == "tekeze river"
+    assert _names("Aschenbrödel", "Aschenbrodel") == 1.0
+    assert _names("Johann Strauss II", "Johann Strauß II") == 1.0
+    assert _named_in("Aschenbrödel", "Who composed Aschenbrodel?")
+    assert _names_page("Tekezé River", "Which river does the Tekeze River join?")
+    assert _in_query("Tekezé", "the Tekeze River")
+
+
+def test_an_unaccented_question_finds_and_ranks_the_accented_pages(tmp_path):
+    """End to end on a BM25 index: the question writes no accents, the pages do."""
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.workers.harness import Episode
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    docs = [("aschenbrodel", "Aschenbrödel", "Aschenbrödel is a ballet written by Johann "
+             "Strauß II, finished by Josef Bayer in 1900."),
+            ("strauss", "Johann Strauss II", "Johann Strauss II was an Austrian composer of "
+             "light music, born in St. Ulrich near Vienna."),
+            ("bayer", "Josef Bayer", "Josef Bayer was an Austrian composer of ballets."),
+            ("cinderella", "Cinderella", "Cinderella is a folk tale about a ballet of ashes.")]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "title": t, "text": x}) + "\n"
+                              for i, t, x in docs))
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "a",
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        policy = HeuristicPolicy(learned_rank=False)
+        result = Episode("Where was the composer of Aschenbrodel born?", retriever, policy,
+                         settings).run()
+    finally:
+        retriever.close()
+    ranking = [doc_of(c) for c in result.ranked_chunk_ids]
+    assert {"aschenbrodel", "strauss"} <= set(ranking[:3]), ranking  # (old: never found)
+    assert "johann strauss ii" in policy.links  # the page's 'Johann Strauß II', folded

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
 from branchsearch.workers.tools import MAX_SEARCH_K, QUERY_MAX_CHARS
 from branchsearch.workers.rank import doc_of, final_ranking, hold_back
-from branchsearch.workers.text import (bare_title, entities, has_phrase, norm_title,
-                                       sentences, terms)
+from branchsearch.workers.text import (bare_title, entities, fold, folded, has_phrase,
+                                       norm_title, sentences, terms)
 
 
 @dataclass
@@ -132,10 +132,10 @@ class HeuristicPolicy:
         self.subquery = view.subquery
         self.q_terms = terms(view.subquery)
         self.q_entities = entities(view.subquery)[:4]
-        self.links = {e.lower(): ("", 1.0) for e in self.q_entities}
+        self.links = {folded(e): ("", 1.0) for e in self.q_entities}
         calls = [self._search(view.subquery, self.search_k, _Origin(view.subquery, 0, "question"))]
         for e in self.q_entities:
-            if e.lower() != view.subquery.lower():  # an entity branch's sub-query is searched
+            if folded(e) != folded(view.subquery):  # an entity branch's sub-query is searched
                 calls.append(self._search(e, self.entity_k, _Origin(e, 0, "entity", entity=e)))
         return calls
 
@@ -164,7 +164,7 @@ class HeuristicPolicy:
         return origin, [self._search(self.subquery, min(2 * missing, MAX_SEARCH_K), origin)]
 
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
-        self.searched.add(query.lower())
+        self.searched.add(folded(query))
         args = {"query": query, "k": k}
         if parent:
             args["from_ids"] = [parent]
@@ -273,7 +273,7 @@ class HeuristicPolicy:
         scaled by `mention_weight`, the hit's rank, and how many other chunks mention the
         entity in passing. Only a page titled by a name (not a paper titled by its claim, where
         no entity has a page and an absent one says nothing) takes it."""
-        entity = origin.entity.lower()
+        entity = folded(origin.entity)
         source, salience = self.links.get(entity, (origin.parent, 0.5))
         if (not source or source == cid or _strip_article(entity) in self._titles()
                 or entity not in self._mentioned_links(cid)
@@ -289,7 +289,7 @@ class HeuristicPolicy:
         count: dict[str, int] = {}
         for cid in self.chunks:
             origin = self.origins.get(cid)
-            own = origin.entity.lower() if origin and origin.kind == "bridge" else ""
+            own = folded(origin.entity) if origin and origin.kind == "bridge" else ""
             for entity in self._mentioned_links(cid):
                 if entity != own and self.links[entity][0] != cid:
                     count[entity] = count.get(entity, 0) + 1
@@ -303,7 +303,7 @@ class HeuristicPolicy:
         if size != len(chunk.text):
             checked, found = 0, set()
         if checked < len(self.links):
-            text = f"{chunk.title} {chunk.text}".lower()
+            text = folded(f"{chunk.title} {chunk.text}")
             words = _words(text)
             for entity in list(self.links)[checked:]:
                 if _words(entity) <= words and has_phrase(text, entity):
@@ -353,12 +353,12 @@ class HeuristicPolicy:
                  if o.doc_id != chunk.doc_id and _series_core(o.title) == core}
         if not alike:
             return 0.0
-        names = {n for n in (core, self.origins[cid].entity.lower()) if len(n) > 3}
+        names = {n for n in (core, folded(self.origins[cid].entity)) if len(n) > 3}
         known = set(self.q_terms)
         for other in self.chunks.values():
             if other.doc_id == chunk.doc_id or other.doc_id in alike:
                 continue
-            text = other.text.lower()
+            text = folded(other.text)
             if any(n in text for n in names):
                 known |= terms(other.text)
         return len(qualifier & _dashless(known)) / len(qualifier) - 0.5
@@ -382,17 +382,17 @@ class HeuristicPolicy:
             self.expanded.add(cid)
             linked = self._bridge_entities(cid)
             for entity, salience in linked:  # every entity links; the most salient are searched
-                old = self.links.get(entity.lower())
+                old = self.links.get(folded(entity))
                 if old is None or (old[0] and self.scores.get(old[0], 0) * old[1]
                                    < self.scores[cid] * salience):
-                    self.links[entity.lower()] = (cid, salience)
-            fresh = [(e, sal) for e, sal in linked if e.lower() not in self.searched]
+                    self.links[folded(entity)] = (cid, salience)
+            fresh = [(e, sal) for e, sal in linked if folded(e) not in self.searched]
             for entity, salience in fresh[: self.entities_per_chunk]:
                 self.bridges[entity] = cid
                 calls.append(self._search(entity, self.entity_k,
                                           _Origin(entity, 0, "bridge", entity, cid), parent=cid))
             query = self._residual_query(cid, [e for e, _ in linked])
-            if query and query.lower() not in self.searched:
+            if query and folded(query) not in self.searched:
                 calls.append(self._search(query, self.residual_k,
                                           _Origin(query, 0, "residual", "", cid), parent=cid))
         return calls
@@ -429,7 +429,7 @@ class HeuristicPolicy:
         for i, sentence in enumerate(sentences(chunk.text)):
             overlap = min(len(self.q_terms & terms(sentence)) / 3, 1.0)
             for e in entities(sentence, chunk.text):
-                low = e.lower()
+                low = folded(e)
                 if low == own or low in own or low in SKIP or _in_query(e, self.subquery):
                     continue
                 salience = 0.5 + 0.35 * overlap + (0.15 if i == 0 else 0.0)
@@ -507,7 +507,7 @@ def _names(title: str, entity: str) -> float:
     """How well a document title names this entity: 1.0 exactly (after dropping a parenthetical
     qualifier and a leading article), 0.85 when the title adds one word ('Manchester United
     F.C.') or the entity adds a prefix ('Governor Nelson Rockefeller'), else 0."""
-    t, e = _strip_article(norm_title(title)), _strip_article(entity.lower())
+    t, e = _strip_article(norm_title(title)), _strip_article(folded(entity))
     if not t or len(e) < 3:
         return 0.0
     if t == e:
@@ -533,7 +533,7 @@ def _title_words(title: str) -> frozenset[str]:
 def _word_overlap(title: str, entity: str) -> float:
     """Jaccard overlap of the words of a title and an entity ('International Boxing Council'
     vs 'International Boxing Federation': 0.5)."""
-    t, e = _title_words(title), set(entity.lower().split())
+    t, e = _title_words(title), set(folded(entity).split())
     return len(t & e) / len(t | e) if t and e and len(t) > 1 else 0.0
 
 
@@ -578,7 +578,7 @@ def _names_page(title: str, query: str) -> bool:
     a concept; 'Gila monster', 'Argand lamp', '2018 Kansas gubernatorial election', built on a
     name) is named when the query writes that word as a name too — capitalised, and not as its
     first word — or writes the whole title as the title does."""
-    bare = bare_title(title)
+    bare, query = fold(bare_title(title)), fold(query)
     capitals = [w for w in bare.split() if w[:1].isupper()]
     if len(capitals) >= 2:
         return True
@@ -589,8 +589,8 @@ def _names_page(title: str, query: str) -> bool:
 
 def _named_in(title: str, query: str) -> bool:
     """Whether the query writes a one-word title's word as the title does (capitalised)."""
-    word = bare_title(title)
-    return bool(word) and has_phrase(query, word)
+    word = fold(bare_title(title))
+    return bool(word) and has_phrase(fold(query), word)
 
 
 def _strip_article(text: str) -> str:
@@ -598,4 +598,4 @@ def _strip_article(text: str) -> str:
 
 
 def _in_query(entity: str, query: str) -> bool:
-    return entity.lower() in query.lower()
+    return folded(entity) in folded(query)

@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from branchsearch.workers.rank import doc_of
-from branchsearch.workers.text import norm_title, terms
+from branchsearch.workers.text import folded, norm_title, terms
 
 WEIGHTS_PATH = Path(__file__).with_name("ranker_weights.json")  # fit on BM25 search
 HYBRID_WEIGHTS_PATH = Path(__file__).with_name("ranker_weights_hybrid.json")
@@ -78,9 +78,9 @@ def episode_features(policy, needed: frozenset[str] | None = None) -> dict[str, 
     order = sorted(scores, key=lambda c: (-scores[c], c))
     place = {cid: i for i, cid in enumerate(order, start=1)}
     best = max(scores.values()) or 1.0
-    q, q_ents = policy.q_terms, [e.lower() for e in policy.q_entities]
+    q, q_ents = policy.q_terms, [folded(e) for e in policy.q_entities]
     bridge_ents = [e for e, (src, _) in policy.links.items() if src]
-    texts = {cid: f"{c.title} {c.text}".lower() for cid, c in policy.chunks.items()
+    texts = {cid: folded(f"{c.title} {c.text}") for cid, c in policy.chunks.items()
              if cid in scores}
     children = Counter(o.parent for cid, o in policy.origins.items() if o.parent and cid in scores)
     per_doc = Counter(doc_of(cid) for cid in scores)
@@ -178,7 +178,7 @@ def _set_features(policy, order: list[str], texts: dict[str, str], want
                 if core[other] != name and needle in doc_words[other]:  # not a restatement
                     chain[d] = (scores[doc_first[other]] / best, place[other])
                     break
-    q_ents = [e.lower() for e in policy.q_entities]
+    q_ents = [folded(e) for e in policy.q_entities]
     head = list(doc_first)[:HEAD]
     covered: list[set[str]] = [set()]  # covered[i]: sub-query terms of the first i head documents
     mentioned: list[set[str]] = [set()]
@@ -186,7 +186,7 @@ def _set_features(policy, order: list[str], texts: dict[str, str], want
         c = doc_first[d]
         words = terms(f"{chunks[c].title} {chunks[c].text}")
         covered.append(covered[-1] | (policy.q_terms & words))
-        mentioned.append(mentioned[-1] | {e for e in q_ents if e in doc_text[d].lower()})
+        mentioned.append(mentioned[-1] | {e for e in q_ents if e in doc_text[d]})
     out: dict[str, dict[str, float]] = {}
     for cid in scores:
         d = chunks[cid].doc_id

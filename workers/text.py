@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import re
+import unicodedata
 from functools import lru_cache
 
 STOPWORDS = frozenset("""
@@ -25,6 +26,31 @@ _LEADING = frozenset("The A An In On At For By From With During After Before Thi
                      "Although Since Until Also Both Each Many Most Some Other".split())
 
 
+# letters that Unicode does not decompose into a base letter and a mark
+_LETTERS = str.maketrans({"ß": "ss", "æ": "ae", "Æ": "AE", "œ": "oe", "Œ": "OE", "ø": "o",
+                          "Ø": "O", "đ": "d", "Đ": "D", "ł": "l", "Ł": "L", "ð": "d", "Ð": "D",
+                          "þ": "th", "Þ": "Th", "ı": "i"})
+# the combining diacritical marks (the blocks Latin, Greek and Cyrillic accents come from; the
+# vowel signs of other scripts are letters, not accents, and stay)
+_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
+
+
+def fold(text: str) -> str:
+    """`text` without accents: 'Aschenbrödel' -> 'Aschenbrodel', 'Øresund' -> 'Oresund'. A
+    question typed without them names the same page, so every comparison of names and terms
+    folds; the lexical stores index the same way (tantivy's `ascii_fold` filter,
+    Elasticsearch's `asciifolding`), so a search finds the page either way."""
+    if text.isascii():
+        return text
+    decomposed = unicodedata.normalize("NFKD", text.translate(_LETTERS))
+    return unicodedata.normalize("NFC", _MARKS.sub("", decomposed))
+
+
+def folded(text: str) -> str:
+    """`fold`ed and lower-cased: the form in which names are compared."""
+    return fold(text).lower()
+
+
 @lru_cache(maxsize=65536)
 def stem(word: str) -> str:
     w = word.lower().strip("'-.")
@@ -38,9 +64,9 @@ def stem(word: str) -> str:
 
 @lru_cache(maxsize=8192)
 def terms(text: str) -> frozenset[str]:
-    """Content terms: lower-cased, stopwords dropped, plurals folded. (Cached: the policy asks
-    for the same chunk's terms at every turn's rescoring.)"""
-    return frozenset(stem(w) for w in _WORD.findall(text)
+    """Content terms: lower-cased, accents and plurals folded, stopwords dropped. (Cached: the
+    policy asks for the same chunk's terms at every turn's rescoring.)"""
+    return frozenset(stem(w) for w in _WORD.findall(fold(text))
                      if w.lower() not in STOPWORDS and len(w) > 1)
 
 
@@ -155,8 +181,9 @@ def bare_title(title: str) -> str:
 
 @lru_cache(maxsize=16384)
 def norm_title(title: str) -> str:
-    """`bare_title`, lower-cased: 'Kiss and Tell (1945 film)' -> 'kiss and tell'."""
-    return bare_title(title).lower()
+    """`bare_title`, `folded`: 'Kiss and Tell (1945 film)' -> 'kiss and tell', 'Tekezé River'
+    -> 'tekeze river'."""
+    return folded(bare_title(title))
 
 
 def sentences(text: str) -> list[str]:
