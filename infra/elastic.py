@@ -1,10 +1,9 @@
 """Lexical store on Elasticsearch through the official client: BM25, regexp, ids, ACL filter.
 
-Mapping: `body` (title + text) and `title`, both `english_folded` (Elasticsearch's `english`
-analyzer rebuilt with `asciifolding`, so 'Aschenbrodel' finds 'Aschenbrödel'), searched by BM25
-as `most_fields` (the sum of both, as `infra.lexical` does: a name finds the page titled by it);
-`terms` (same text, `standard` analyzer) for term regexes; keyword `chunk_id`, `doc_id`, `acl`.
-The document `_id` is the chunk id, so re-indexing a chunk replaces it. Works against a real cluster (8.x/9.x; use the client
+Mapping: `body` (title + text, `english_folded`: Elasticsearch's `english` analyzer rebuilt
+with `asciifolding`, so 'Aschenbrodel' finds 'Aschenbrödel') for BM25, `terms` (same text,
+`standard` analyzer) for term regexes, keyword `chunk_id`, `doc_id`, `acl`. The document `_id` is the chunk
+id, so re-indexing a chunk replaces it. Works against a real cluster (8.x/9.x; use the client
 major that matches the server) and against the `noida-db` emulator used in tests.
 """
 
@@ -22,7 +21,6 @@ MAPPINGS = {
         "doc_id": {"type": "keyword"},
         "acl": {"type": "keyword"},
         "body": {"type": "text", "analyzer": "english_folded"},
-        "title": {"type": "text", "analyzer": "english_folded"},
         "terms": {"type": "text", "analyzer": "standard"},
     }
 }
@@ -63,7 +61,7 @@ class ElasticStore:
                 for c in chunks[i:i + 500]:
                     ops.append({"index": {"_index": self.index, "_id": c.chunk_id}})
                     ops.append({"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
-                                "body": c.body, "title": c.title, "terms": c.body})
+                                "body": c.body, "terms": c.body})
                 result = self._es.bulk(operations=ops)
                 if result.get("errors"):
                     first = next(item for item in result["items"]
@@ -100,9 +98,8 @@ class ElasticStore:
         words = query_words(query)
         if not words or k <= 0:
             return []
-        match = {"multi_match": {"query": " ".join(words), "fields": ["body", "title"],
-                                 "type": "most_fields"}}  # the sum of both fields' BM25
-        return self._run(self._query(match, exclude_ids, acl_groups), k, "bm25")
+        return self._run(self._query({"match": {"body": " ".join(words)}}, exclude_ids,
+                                     acl_groups), k, "bm25")
 
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:

