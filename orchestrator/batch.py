@@ -150,7 +150,8 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               stop_after: int = STOP_AFTER) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok. Returns counts: ok, partial, failed (this run), skipped (already ok), not_run
-    (left when `stop_after` failures in a row stopped the run) and `stopped` (why, or "")."""
+    (left when `stop_after` failures in a row stopped the run), `stopped` (why, or "") and
+    `failed_ids` (this run's failed question ids, in input order)."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     finished = done_ids(out_path)
@@ -158,7 +159,7 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
               "not_run": 0, "stopped": ""}
-    in_a_row, last_error = 0, [""]
+    in_a_row, last_error, failed_ids = 0, [""], set()
 
     def one(qid: str, question: str) -> str:
         try:
@@ -168,6 +169,8 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
                    "error": f"{type(exc).__name__}: {exc}"}
         if row_status(row) == "failed":
             last_error[0] = _why_failed(row)
+            with lock:
+                failed_ids.add(qid)
         line = json.dumps(row, default=str) + "\n"
         with lock, out_path.open("a", encoding="utf-8") as f:
             f.write(line)
@@ -197,4 +200,5 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     finally:
         if out_path.exists():
             compact(out_path, [qid for qid, _ in items])
+    counts["failed_ids"] = [qid for qid, _ in todo if qid in failed_ids]
     return counts

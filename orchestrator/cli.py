@@ -335,6 +335,11 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
           f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
           "lines skipped")
+    if counts["failed_ids"]:
+        ids = counts["failed_ids"]
+        more = f" and {len(ids) - 10} more" if len(ids) > 10 else ""
+        print(f"failed: {', '.join(ids[:10])}{more} (each row's error is in {output}; run the "
+              "same command again to retry them)", file=sys.stderr)
     if counts["stopped"]:
         print(f"batch stopped: {counts['stopped']}; {counts['not_run']} questions not run. "
               "Fix the cause and run the same command again: it resumes", file=sys.stderr)
