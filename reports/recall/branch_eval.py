@@ -65,10 +65,12 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
 
         # the planner keeps the question's own branch first: only it searches the question
         # tail, as make_policy(kind="original") does
+        mode = searched_mode(settings)
         policies[index] = HeuristicPolicy(**{
             "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
             "learned_rank": ranker and not features, "tail_page": index == 0,
-            "ranker_path": str(weights_for(searched_mode(settings)))} | own(index))
+            "name_mode": "bm25" if mode == "hybrid" else "",
+            "ranker_path": str(weights_for(mode))} | own(index))
         return policies[index]
 
     driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
