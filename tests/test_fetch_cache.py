@@ -6,6 +6,7 @@ cache dies with its question — in-process and on a real local Ray cluster."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
@@ -300,7 +301,14 @@ def test_ray_branches_share_one_replica_cache(hotpot_settings):
             try:
                 r = driver.search(Q3)
                 assert r.status == "ok", [b.error for b in r.branches]
-                stats = ray.get(driver.executor.retrievers[0].fetch_stats.remote())
+                # the question's end is sent, not awaited, to a threaded actor: a stats call
+                # right after can run first (a CI failure); wait until the question is gone
+                deadline = time.time() + 30
+                while True:
+                    stats = ray.get(driver.executor.retrievers[0].fetch_stats.remote())
+                    if stats["live_questions"] == 0 or time.time() > deadline:
+                        break
+                    time.sleep(0.1)
                 got[on] = (r.ranked_chunk_ids, [b.ranked_chunk_ids for b in r.branches], stats)
                 assert driver.executor.balancer.load == [0]
             finally:
