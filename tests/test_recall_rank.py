@@ -472,15 +472,16 @@ def test_an_unaccented_question_finds_and_ranks_the_accented_pages(tmp_path):
     assert "johann strauss ii" in policy.links  # the page's 'Johann Strauß II', folded
 
 
-def test_names_are_searched_by_bm25_on_a_hybrid_index(hotpot_settings, hotpot_retriever):
-    """On a hybrid index the question is searched hybrid and the names (the question's
-    entities, bridge entities) by BM25: the embedding of a bare name is a weak signal, and
-    hybrid pooled recall rose with it (reports/recall/README.md, session 9)."""
+def test_hops_are_searched_by_bm25_on_a_hybrid_index(hotpot_settings, hotpot_retriever):
+    """On a hybrid index the question is searched hybrid and the hops the policy builds (the
+    question's entities, bridge entities, residual words) by BM25: the embedding of a bare name
+    or a bag of words is a weak signal, and hybrid pooled recall rose with it
+    (reports/recall/README.md, session 9)."""
     from branchsearch.workers.factory import make_policy
     from branchsearch.workers.harness import Episode
 
     policy = make_policy(hotpot_settings)
-    assert policy.name_mode == "bm25"
+    assert policy.hop_mode == "bm25"
     result = Episode("Were Scott Derrickson and Ed Wood of the same nationality?",
                      hotpot_retriever, policy, hotpot_settings).run()
     searches = [c for c in result.trace
@@ -491,7 +492,7 @@ def test_names_are_searched_by_bm25_on_a_hybrid_index(hotpot_settings, hotpot_re
                                   (call["args"].get("from_ids") or [""])[0])]
         kinds.setdefault(origin.kind, set()).add(call["args"].get("mode", "default"))
     assert kinds["question"] == {"default"}  # the settings' mode: hybrid
-    assert kinds["entity"] == {"bm25"} and kinds["bridge"] == {"bm25"}
+    assert kinds["entity"] == kinds["bridge"] == kinds["residual"] == {"bm25"}
     assert {"ed-wood", "scott-derrickson"} <= {doc_of(c) for c in result.ranked_chunk_ids[:5]}
     bm25 = replace(hotpot_settings, search_mode="bm25")
-    assert make_policy(bm25).name_mode == ""  # one mode for every search
+    assert make_policy(bm25).hop_mode == ""  # one mode for every search

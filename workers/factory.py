@@ -11,7 +11,8 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
     """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
     searches the question tail: fused, an entity branch's tail changed no ranking and cost 4–8 %
     of a 3-branch question's tokens (reports/recall/README.md, session 6). On a hybrid index
-    the heuristic's entity and bridge searches are BM25 (`HeuristicPolicy.name_mode`)."""
+    the heuristic's hop searches (entities, bridge entities, residual words) are BM25 and its
+    question searches hybrid (`HeuristicPolicy.hop_mode`)."""
     name = name or settings.policy
     if name == "heuristic":
         from branchsearch.infra.retriever import searched_mode
@@ -22,7 +23,7 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
                                max_turns=settings.max_turns, learned_rank=settings.learned_rank,
                                ranker_path=str(weights_for(mode)),
-                               name_mode="bm25" if mode == "hybrid" else "",
+                               hop_mode="bm25" if mode == "hybrid" else "",
                                tail_page=kind == "original")
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy

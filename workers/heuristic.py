@@ -62,9 +62,10 @@ class HeuristicPolicy:
     ranker_path: str | None = None  # weights file; None: the shipped BM25 one (make_policy
     # passes the search mode's: workers.ranker.weights_for)
     tail_page: bool = True  # before finishing, the question's search down to final_k documents
-    name_mode: str = ""  # the search mode of entity and bridge searches ("": the tool's default;
-    # make_policy passes "bm25" on a hybrid index: a name is matched by its words, and the
-    # embedding of a bare name is a weak signal; reports/recall/README.md, session 9)
+    hop_mode: str = ""  # the search mode of the searches the policy builds (entities, bridge
+    # entities, residual words); "": the tool's default. make_policy passes "bm25" on a hybrid
+    # index: a name or a bag of leftover words is matched by its words (their embedding is a
+    # weak signal); the question's own searches stay hybrid (reports/recall/README.md, session 9)
     # episode state
     subquery: str = ""
     q_terms: set[str] = field(default_factory=set)
@@ -169,8 +170,8 @@ class HeuristicPolicy:
     def _search(self, query: str, k: int, origin: _Origin, parent: str = "") -> ToolCall:
         self.searched.add(folded(query))
         args = {"query": query, "k": k}
-        if self.name_mode and origin.kind in ("entity", "bridge"):
-            args["mode"] = self.name_mode
+        if self.hop_mode and origin.kind != "question":
+            args["mode"] = self.hop_mode
         if parent:
             args["from_ids"] = [parent]
         self._pending[(query, parent)] = origin

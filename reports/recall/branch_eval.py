@@ -69,7 +69,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
         policies[index] = HeuristicPolicy(**{
             "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
             "learned_rank": ranker and not features, "tail_page": index == 0,
-            "name_mode": "bm25" if mode == "hybrid" else "",
+            "hop_mode": "bm25" if mode == "hybrid" else "",
             "ranker_path": str(weights_for(mode))} | own(index))
         return policies[index]
 
