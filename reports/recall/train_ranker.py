@@ -265,6 +265,9 @@ def main() -> None:
     dumps = load(a.dumps)
     fits = [a.on] if a.on else [[name] for name in dumps]
     report = {"heuristic": {n: evaluate(rows, None) for n, rows in dumps.items()}}
+    if a.start:  # the weights the fit starts from (the shipped ones), as they are
+        report[f"{Path(a.start).name} (start)"] = {
+            n: evaluate(rows, load_ranker(a.start)) for n, rows in dumps.items()}
     if a.held_out and not a.on:
         fits += [[n for n in dumps if n != held] for held in dumps]
     for on in fits:
