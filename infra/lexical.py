@@ -2,10 +2,12 @@
 
 BM25 terms are lower-cased, accent-folded and English-stemmed (`en_stem_fold`): 'Aschenbrodel'
 finds 'Aschenbrödel'. An index written before folding keeps its own analyzer (`en_stem`, no
-folding) until it is ingested again."""
+folding), also when documents are ingested into it again: only a new index (remove the index
+folder, ingest again) folds. `folds` tells them apart."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +17,20 @@ from branchsearch.infra.backends import IndexedChunk, acl_terms, check_pattern, 
 
 
 FOLDING = "en_stem_fold"
+
+
+def folds(path: str | Path) -> bool:
+    """Whether the tantivy index at `path` folds accents (True where there is no index yet:
+    one made now does)."""
+    meta = Path(path) / "meta.json"
+    try:
+        fields = json.loads(meta.read_text())["schema"]
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable: the store's own open reports it
+    return any(f.get("name") == "body" and f.get("options", {}).get("indexing", {}).get(
+        "tokenizer") == FOLDING for f in fields)
 
 
 def _folding_analyzer(tantivy):

@@ -338,6 +338,16 @@ def _open_docstore(path: Path, index: str) -> DocStore:
                               ) from None
 
 
+def lexical_folds(settings: Settings) -> bool:
+    """Whether the index's BM25 folds accents: an owned tantivy index made before folding does
+    not (`infra.lexical.folds`); our Elasticsearch indexes and external stores are taken to."""
+    if settings.external is not None or settings.es_url:
+        return True
+    from branchsearch.infra.lexical import folds
+
+    return folds(settings.index_dir / "tantivy")
+
+
 def lexical_store(settings: Settings):
     """The owned index's lexical store: Elasticsearch at `es_url`, else tantivy in the index."""
     if settings.es_url:

@@ -62,8 +62,13 @@ def test_tantivy_store(tmp_path):
 
 def test_tantivy_index_written_before_folding_still_opens(tmp_path):
     """An index made with the old schema (`en_stem`, no folding) is searched with its own
-    analyzer: opening it must not fail on the schema, and exact words still match."""
+    analyzer: opening it must not fail on the schema, and exact words still match; `folds`
+    tells it from a new one (which the policy's hop searches need: workers.factory)."""
     import tantivy
+
+    from branchsearch.infra.lexical import folds
+
+    TantivyStore(tmp_path / "t")  # a new one, beside it
 
     sb = tantivy.SchemaBuilder()
     sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
@@ -75,6 +80,7 @@ def test_tantivy_index_written_before_folding_still_opens(tmp_path):
     tantivy.Index(sb.build(), path=str(tmp_path / "old"))
     store = TantivyStore(tmp_path / "old")
     store.write(CHUNKS, [])
+    assert not folds(tmp_path / "old") and folds(tmp_path / "t") and folds(tmp_path / "none")
     assert [h.chunk_id for h in store.search("aschenbrödel", 5)] == ["ballet#p0"]
     assert store.search("Aschenbrodel", 5) == []  # no folding until it is ingested again
 

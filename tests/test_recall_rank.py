@@ -426,10 +426,11 @@ def test_accents_fold_in_every_comparison_of_names_and_terms():
     """A question typed without accents ('Aschenbrodel', 'Tekeze River') names the page
     'Aschenbrödel'; a page's 'Johann Strauß' links to the page 'Johann Strauss II'."""
     from branchsearch.workers.heuristic import _in_query, _named_in, _names, _names_page
-    from branchsearch.workers.text import fold, norm_title, terms
+    from branchsearch.workers.text import fold, folded, norm_title, terms
 
     assert fold("Aschenbrödel") == "Aschenbrodel" and fold("Øresund Æsir Strauß") == \
         "Oresund AEsir Strauss"
+    assert folded("STRAẞE") == folded("Straße") == "strasse"
     assert fold("Ελλάδα") == "Ελλαδα" and fold("서울") == "서울"  # other scripts keep letters
     assert terms("Aschenbrödel on the Tekezé") == terms("aschenbrodel on the Tekeze")
     assert norm_title("Tekezé River") == "tekeze river"
@@ -496,3 +497,24 @@ def test_hops_are_searched_by_bm25_on_a_hybrid_index(hotpot_settings, hotpot_ret
     assert {"ed-wood", "scott-derrickson"} <= {doc_of(c) for c in result.ranked_chunk_ids[:5]}
     bm25 = replace(hotpot_settings, search_mode="bm25")
     assert make_policy(bm25).hop_mode == ""  # one mode for every search
+
+
+def test_an_index_whose_bm25_does_not_fold_keeps_hybrid_hops(hotpot_settings, tmp_path):
+    """A tantivy index made before accent folding: there the dense side is what matched a name
+    written without its accents, so its hops stay hybrid (the settings' mode)."""
+    import json
+    import shutil
+
+    from branchsearch.workers.factory import make_policy
+
+    home = tmp_path / "home"
+    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / hotpot_settings.index)
+    old = replace(hotpot_settings, home=home)
+    assert make_policy(old).hop_mode == "bm25"
+    meta = old.index_dir / "tantivy" / "meta.json"
+    data = json.loads(meta.read_text())
+    for field in data["schema"]:
+        if field["name"] == "body":
+            field["options"]["indexing"]["tokenizer"] = "en_stem"  # as the old code made it
+    meta.write_text(json.dumps(data))
+    assert make_policy(old).hop_mode == ""

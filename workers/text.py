@@ -27,7 +27,7 @@ _LEADING = frozenset("The A An In On At For By From With During After Before Thi
 
 
 # letters that Unicode does not decompose into a base letter and a mark
-_LETTERS = str.maketrans({"ß": "ss", "æ": "ae", "Æ": "AE", "œ": "oe", "Œ": "OE", "ø": "o",
+_LETTERS = str.maketrans({"ß": "ss", "ẞ": "SS", "æ": "ae", "Æ": "AE", "œ": "oe", "Œ": "OE", "ø": "o",
                           "Ø": "O", "đ": "d", "Đ": "D", "ł": "l", "Ł": "L", "ð": "d", "Ð": "D",
                           "þ": "th", "Þ": "Th", "ı": "i"})
 # the combining diacritical marks (the blocks Latin, Greek and Cyrillic accents come from; the
