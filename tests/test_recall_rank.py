@@ -431,6 +431,9 @@ def test_accents_fold_in_every_comparison_of_names_and_terms():
     assert fold("Aschenbrödel") == "Aschenbrodel" and fold("Øresund Æsir Strauß") == \
         "Oresund AEsir Strauss"
     assert folded("STRAẞE") == folded("Straße") == "strasse"
+    from branchsearch.workers.text import entities
+    assert entities("Was Émile Zola born near Łódź or the Øresund Bridge?") == [
+        "Émile Zola", "Łódź", "Øresund Bridge"]  # an accented capital opens a name too
     assert fold("Ελλάδα") == "Ελλαδα" and fold("서울") == "서울"  # other scripts keep letters
     assert terms("Aschenbrödel on the Tekezé") == terms("aschenbrodel on the Tekeze")
     assert norm_title("Tekezé River") == "tekeze river"

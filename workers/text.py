@@ -17,7 +17,10 @@ these those am as until while also whose did does what's who's name named one tw
 s t year years born known called based located which""".split())
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
-_CAP_WORD = r"(?:[A-Z]\.(?:[A-Z]\.)*|[A-Z][\w\-]*(?:'(?!s\b)[\w\-]+)?)"
+# a capital letter: A-Z and the accented and non-Latin capitals of the alphabets before U+0530
+# (Latin, Greek, Cyrillic): 'Émile Zola', 'Łódź', 'Øresund' are names as 'Emile Zola' is
+_UPPER = "A-Z" + "".join(re.escape(c) for c in map(chr, range(0xC0, 0x530)) if c.isupper())
+_CAP_WORD = rf"(?:[{_UPPER}]\.(?:[{_UPPER}]\.)*|[{_UPPER}][\w\-]*(?:'(?!s\b)[\w\-]+)?)"
 _ENTITY = re.compile(rf"{_CAP_WORD}(?:\s+(?:(?:of|the|de|la|le|von|van|du|and|for)\s+)?{_CAP_WORD})*")
 _QUOTED = re.compile(r"[\"“]([^\"”]{3,80})[\"”]")
 _LEADING = frozenset("The A An In On At For By From With During After Before This That These "
