@@ -510,9 +510,13 @@ def test_an_index_whose_bm25_does_not_fold_keeps_hybrid_hops(hotpot_settings, tm
 
     from branchsearch.workers.factory import make_policy
 
-    home = tmp_path / "home"
-    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / hotpot_settings.index)
+    home = tmp_path / "home"  # what make_policy reads: the manifest and tantivy's schema (not
+    # the whole folder: a copy of a Milvus Lite file in use breaks the process's own server)
     old = replace(hotpot_settings, home=home)
+    (old.index_dir / "tantivy").mkdir(parents=True)
+    shutil.copy(hotpot_settings.index_dir / "manifest.json", old.index_dir / "manifest.json")
+    shutil.copy(hotpot_settings.index_dir / "tantivy" / "meta.json",
+                old.index_dir / "tantivy" / "meta.json")
     assert make_policy(old).hop_mode == "bm25"
     meta = old.index_dir / "tantivy" / "meta.json"
     data = json.loads(meta.read_text())
