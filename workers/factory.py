@@ -10,23 +10,18 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
                 kind: str = "original"):
     """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
     searches the question tail: fused, an entity branch's tail changed no ranking and cost 4–8 %
-    of a 3-branch question's tokens (reports/recall/README.md, session 6). On a hybrid index
-    the heuristic's hop searches (entities, bridge entities, residual words) are BM25 and its
-    question searches hybrid (`HeuristicPolicy.hop_mode`), unless the index's BM25 does not
-    fold accents (tantivy made before folding): there the dense side is what matched a name
-    written without its accents."""
+    of a 3-branch question's tokens (reports/recall/README.md, session 6)."""
     name = name or settings.policy
     if name == "heuristic":
-        from branchsearch.infra.retriever import lexical_folds, searched_mode
+        from branchsearch.infra.retriever import searched_mode
         from branchsearch.workers.heuristic import HeuristicPolicy
         from branchsearch.workers.ranker import weights_for
 
         mode = searched_mode(settings)
-        hop = "bm25" if mode == "hybrid" and lexical_folds(settings) else ""
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
                                max_turns=settings.max_turns, learned_rank=settings.learned_rank,
                                ranker_path=str(weights_for(mode)),
-                               hop_mode=hop,
+                               hop_mode=hop_mode(settings, mode),
                                tail_page=kind == "original")
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
@@ -36,6 +31,16 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
         return LLMPolicy(engine or make_engine(settings), max_tokens=settings.llm_max_tokens,
                          max_context_chars=max(room, 500) * 3)
     raise SettingsError(f"unknown policy {name!r}")
+
+
+def hop_mode(settings: Settings, mode: str) -> str:
+    """The heuristic's `hop_mode` when its searches run in `mode` (`searched_mode`): on a hybrid
+    index the hop searches (entities, bridge entities, residual words) are BM25 and the question
+    searches hybrid, unless the index's BM25 does not fold accents (tantivy made before
+    folding): there the dense side is what matched a name written without its accents."""
+    from branchsearch.infra.retriever import lexical_folds
+
+    return "bm25" if mode == "hybrid" and lexical_folds(settings) else ""
 
 
 def make_engine(settings: Settings, index: int = 0):

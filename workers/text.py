@@ -30,9 +30,9 @@ _LEADING = frozenset("The A An In On At For By From With During After Before Thi
 
 
 # letters that Unicode does not decompose into a base letter and a mark
-_LETTERS = str.maketrans({"ß": "ss", "ẞ": "SS", "æ": "ae", "Æ": "AE", "œ": "oe", "Œ": "OE", "ø": "o",
-                          "Ø": "O", "đ": "d", "Đ": "D", "ł": "l", "Ł": "L", "ð": "d", "Ð": "D",
-                          "þ": "th", "Þ": "Th", "ı": "i"})
+_LETTERS = str.maketrans({"ß": "ss", "ẞ": "SS", "æ": "ae", "Æ": "AE", "œ": "oe", "Œ": "OE",
+                          "ø": "o", "Ø": "O", "đ": "d", "Đ": "D", "ł": "l", "Ł": "L", "ð": "d",
+                          "Ð": "D", "þ": "th", "Þ": "Th", "ı": "i"})
 # the combining diacritical marks (the blocks Latin, Greek and Cyrillic accents come from; the
 # vowel signs of other scripts are letters, not accents, and stay)
 _MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
@@ -43,8 +43,12 @@ def fold(text: str) -> str:
     question typed without them names the same page, so every comparison of names and terms
     folds; the lexical stores index the same way (tantivy's `ascii_fold` filter,
     Elasticsearch's `asciifolding`), so a search finds the page either way."""
-    if text.isascii():
-        return text
+    return text if text.isascii() else _fold_accented(text)
+
+
+@lru_cache(maxsize=4096)
+def _fold_accented(text: str) -> str:
+    """(Cached: a rescoring folds the same chunk texts again at every turn.)"""
     decomposed = unicodedata.normalize("NFKD", text.translate(_LETTERS))
     return unicodedata.normalize("NFC", _MARKS.sub("", decomposed))
 

@@ -60,7 +60,8 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
 
     def policy(index, subquery):  # as workers.factory.make_policy, the learned ranking on/off
         from branchsearch.workers.heuristic import HeuristicPolicy
-        from branchsearch.infra.retriever import lexical_folds, searched_mode
+        from branchsearch.infra.retriever import searched_mode
+        from branchsearch.workers.factory import hop_mode
         from branchsearch.workers.ranker import weights_for
 
         # the planner keeps the question's own branch first: only it searches the question
@@ -69,7 +70,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
         policies[index] = HeuristicPolicy(**{
             "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
             "learned_rank": ranker and not features, "tail_page": index == 0,
-            "hop_mode": "bm25" if mode == "hybrid" and lexical_folds(settings) else "",
+            "hop_mode": hop_mode(settings, mode),
             "ranker_path": str(weights_for(mode))} | own(index))
         return policies[index]
 
