@@ -114,6 +114,33 @@ def latest_rows(path: str | Path) -> dict[str, dict]:
     return rows
 
 
+def check_output(out_path: str | Path, input_path: str | Path) -> None:
+    """Refuse an output that is not ours to rewrite (a run ends by rewriting it to one line per
+    id): the input file itself, or a file holding lines that no batch wrote. Every line must be
+    a JSON object with an `id` and a `status`, `error` or `evidence`; only a torn last line (a
+    crash mid-write) may be cut."""
+    out_path = Path(out_path)
+    if not out_path.is_file():
+        return
+    if Path(input_path).is_file() and os.path.samefile(out_path, input_path):
+        raise CorpusError(f"batch output {out_path} is the input file: give another file")
+    data = out_path.read_bytes()
+    lines = data.split(b"\n")
+    if not data.endswith(b"\n"):
+        lines = lines[:-1]  # a torn last line: cut off by the run, as after a crash
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not (isinstance(row, dict) and "id" in row
+                and {"status", "error", "evidence"} & row.keys()):
+            raise CorpusError(f"batch output {out_path}:{lineno} is not a batch result line; "
+                              "give a new file, or one a batch wrote (it is rewritten)")
+
+
 def done_ids(path: str | Path) -> set[str]:
     """Ids whose latest row is ok (nothing to re-run)."""
     return {qid for qid, row in latest_rows(path).items() if row_status(row) == "ok"}

@@ -301,10 +301,11 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           config: Optional[Path] = ConfigOpt):
     """Many questions, resumable: re-running runs again every id whose latest line is not ok;
     the output ends with one line per id."""
-    from branchsearch.orchestrator.batch import read_questions, run_batch
+    from branchsearch.orchestrator.batch import check_output, read_questions, run_batch
     from branchsearch.orchestrator.driver import open_driver
 
     _writable_file(output, "batch output")
+    check_output(output, input)
     settings = _settings(home, index, config, batch_concurrency=concurrency, branches=branches,
                          ray_address=address)
     groups = _acl(settings, acl, acl_admin)

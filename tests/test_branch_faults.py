@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from branchsearch.orchestrator.batch import compact, done_ids, run_batch
+from branchsearch.orchestrator.batch import check_output, compact, done_ids, run_batch
 
 from conftest import HOTPOT
 
@@ -25,6 +25,7 @@ def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
         + json.dumps({"id": "d", "evidence": []}) + "\n"  # an old row without status
         + '{"id": "e", "sta')  # torn by a crash
     assert done_ids(out) == {"a"}
+    check_output(out, tmp_path / "in.jsonl")  # every line is one a batch wrote (or torn)
     asked = []
 
     def search(question):

@@ -48,6 +48,7 @@ def inputs(tmp_path_factory):
     (root / "outdir").mkdir()
     (root / "questions.jsonl").write_text(json.dumps({"id": "q", "question": "x"}) + "\n")
     (root / "empty.jsonl").write_text("\n")
+    (root / "notes.jsonl").write_text('{"id": "zz", "note": "my notes"}\nplain text\n')
     (root / "latin1-questions.jsonl").write_bytes(b'{"id": "q", "question": "caf\xe9"}\n')
     (root / "latin1-corpus.jsonl").write_bytes(
         b'{"_id": "d", "title": "T", "text": "ok"}\n{"_id": "e", "text": "caf\xe9"}\n')
@@ -96,6 +97,11 @@ def test_usage_errors(inputs, tmp_path):
         "acl empty": (["search", "q", "--acl", "", *home], "may not be empty"),
         "empty batch input": (["batch", inputs / "empty.jsonl", "-o", tmp_path / "e.jsonl",
                                *home], "no questions"),
+        "batch -o the input": (["batch", inputs / "questions.jsonl", "-o",
+                                inputs / "." / "questions.jsonl", *home], "is the input file"),
+        "batch -o a foreign file": (["batch", inputs / "questions.jsonl", "-o",
+                                     inputs / "notes.jsonl", *home],
+                                    "notes.jsonl:1 is not a batch result line"),
         "settings k": (["search", "q", "--config", inputs / "k.toml", *home], "search_k"),
     }
     (inputs / "k.toml").write_text("search_k = 5000\n")
@@ -104,6 +110,8 @@ def test_usage_errors(inputs, tmp_path):
         assert_one_error_line(results[name], expect, name)
     assert not (tmp_path / "s").exists()  # nothing written by the refused synth runs
     assert not (tmp_path / "e.jsonl").exists()  # nor by the empty batch
+    assert (inputs / "questions.jsonl").read_text().count("\n") == 1  # input untouched
+    assert "plain text" in (inputs / "notes.jsonl").read_text()  # nor the foreign file
 
 
 def test_no_arguments_prints_help_and_exits_2():
