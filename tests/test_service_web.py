@@ -64,6 +64,10 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
             page.click("#savekey")
             page.wait_for_function("document.getElementById('who').textContent"
                                    ".includes('alpha')", timeout=30_000)
+            # the index list arrives by a request of its own, after or before the caller's name
+            # (read before it had in one CI run)
+            page.wait_for_function("document.querySelectorAll('#index option').length > 0",
+                                   timeout=30_000)
             assert page.locator("#index option").all_inner_texts() == ["acl"]
             # two named entities: the planner launches more than the question's own branch
             page.fill("#question", "What do the Alpha Roadmap and the Alpha Budget plan for "
