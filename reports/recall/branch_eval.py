@@ -12,7 +12,9 @@
         --plan all|no-lone-entity|one-entity|v1|kinds:a,b|... --branches N --tail M,P]
         scores, from the dump, the question's own branch alone (= a 1-branch run: branches are
         independent and deterministic) and the fused branches that a planner rule keeps:
-        AR@5, AR@10, R@5, trajectory recall, tokens read, duplicate searches, attribution.
+        AR@5, AR@10, R@5, trajectory recall, all found (every gold document retrieved
+        somewhere: the most a final ranking or fusion of these trajectories could put in a top
+        10), tokens read, duplicate searches, attribution.
         `--tail M,P`: instead of `fusion.anchored`, the anchor's first M documents, then up to
         P documents of the other branches' top 10s that the anchor's top 10 lacks (by rank,
         round the branches), then the anchor's rest (tried in session 3, not shipped).
@@ -38,6 +40,7 @@ from pathlib import Path
 from branchsearch.fusion.documents import fuse_documents
 from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
 from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
+from branchsearch.workers.rank import doc_of
 
 
 def run(dataset: str, index: str, out: str, branches: int, home: str,
@@ -227,6 +230,10 @@ def score(rows: list[dict], ranking, branches, titles=None, texts=None) -> dict:
                        list(dict.fromkeys(c for b in used for c in b["pruned"])),
                        list(dict.fromkeys(c for b in used for c in b["final_context"])))
         m |= agent_measures(t, gold, 5)
+        # every gold document retrieved somewhere in the trajectories: what a perfect final
+        # ranking of everything found could put in a top 10 (the ceiling of any fusion)
+        positive = {g for g, v in gold.items() if v > 0}
+        m["all_found"] = float(positive <= {doc_of(c) for c in t.retrieved})
         queries = Counter((tool, q.lower()) for b in used for tool, q in
                           {(s[0], s[1]) for s in b["searches"]})
         m |= {"tokens_read": sum(b["tokens_read"] for b in used),
@@ -235,7 +242,8 @@ def score(rows: list[dict], ranking, branches, titles=None, texts=None) -> dict:
               "branches": len(used), "context_tokens_final": sum(
                   b.get("context_tokens_final", 0) for b in used) / max(len(used), 1),
               "latency_s": sum(b.get("latency_s", 0) for b in used)}
-        for name in ("all_recall@5", "all_recall@10", "recall@5", "trajectory_recall",
+        for name in ("all_recall@5", "all_recall@10", "all_found", "recall@5",
+                     "trajectory_recall",
                      "tokens_read", "searches", "duplicate_searches", "branches",
                      "prune_accuracy", "context_tokens_final", "latency_s"):
             out[name] += m[name]
@@ -345,6 +353,16 @@ def fit(paths: list[str], on: str, plan: str) -> dict:
                                 ("all_recall@5", "all_recall@10")} for name in dumps}}
 
 
+def _value(text: str):
+    """A --policy-arg value: a number when it reads as one, else the string (hop_mode=hybrid)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=("run", "table", "fit", "ceilings"))
@@ -364,7 +382,7 @@ def main() -> None:
                          "every candidate branch (with --branches 9) for `table --plan RULE`")
     ap.add_argument("--features", action="store_true",
                     help="run: keep every scored chunk's ranker features (learned_rank off)")
-    ap.add_argument("--policy-arg", action="append", default=[], metavar="NAME=NUMBER",
+    ap.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
                     help="run: a HeuristicPolicy field, e.g. search_k=10 (repeatable); "
                          "branch.NAME=NUMBER: only in the branches other than the question's")
     ap.add_argument("--ranker", choices=("on", "off"), default="on",
@@ -376,8 +394,7 @@ def main() -> None:
         print(f"branch_eval: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if a.cmd == "run":
-        args = {k: float(v) if "." in v else int(v)
-                for k, v in (x.split("=", 1) for x in a.policy_arg)}
+        args = {k: _value(v) for k, v in (x.split("=", 1) for x in a.policy_arg)}
         run(*a.args, a.branches, a.home, a.features, a.ranker == "on", args, a.rule)
     elif a.cmd == "table":
         tail = tuple(int(x) for x in a.tail.split(",")) if a.tail else None
