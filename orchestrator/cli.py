@@ -141,12 +141,17 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(*MO
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
              as_json: bool = typer.Option(False, "--json")):
     """Single-shot retrieval (no agent)."""
-    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.retriever import one_side, open_retriever
 
     _question(query, "query")
     settings = _settings(home, index, config)
     groups = _acl(settings, acl, acl_admin)
     retriever = open_retriever(settings, need_dense=mode != "bm25")
+    side = one_side(settings) if mode == "hybrid" else ""
+    if side:  # the results would say `source: bm25` and nothing else: say why, once
+        print(f"note: index {settings.index!r} has only its {side} side (ingested "
+              f"{'--no-dense' if side == 'bm25' else 'without a lexical side'}): this hybrid "
+              f"search is a {side} search", file=sys.stderr)
     hits = retriever.search(query, mode=mode, k=k, acl_groups=groups)
     if as_json:
         print(json.dumps([h.to_dict() for h in hits]))

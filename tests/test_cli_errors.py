@@ -161,6 +161,10 @@ def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
     assert "Falcon plan" in shown.stdout and "Falcon red text" in shown.stdout
     raw = run(["retrieve", "Falcon", "--mode", "bm25", "--json", *home])
     assert json.loads(raw.stdout)[0]["title"] == title  # --json keeps the text as it is
+    assert "note:" not in shown.stderr  # asked for BM25, got BM25: nothing to say
+    hybrid = run(["retrieve", "Falcon", *home])  # the default mode on a BM25-only index
+    assert hybrid.returncode == 0 and "Falcon plan" in hybrid.stdout
+    assert "has only its bm25 side" in hybrid.stderr and "--no-dense" in hybrid.stderr
 
 
 @pytest.mark.ray
