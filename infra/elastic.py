@@ -39,16 +39,31 @@ SETTINGS = {"analysis": {
 
 class ElasticStore:
     def __init__(self, url: str, index: str, *, api_key: str | None = None,
-                 max_pattern: int = 200, timeout_s: float = 30):
+                 max_pattern: int = 200, timeout_s: float = 30, create: bool = True):
         from elasticsearch import Elasticsearch
 
         self.url, self.index, self.max_pattern = url, index, max_pattern
         self._es = Elasticsearch(url, api_key=api_key, request_timeout=timeout_s)
         try:
-            if not self._es.indices.exists(index=index):
+            if create and not self._es.indices.exists(index=index):
                 self._es.indices.create(index=index, settings=SETTINGS, mappings=MAPPINGS)
         except Exception as exc:
             raise _unavailable(url, exc) from None
+
+    def folds(self) -> bool:
+        """Whether this index's BM25 folds accents: its `body` is analysed by `english_folded`
+        (True where there is no index yet). An index created before folding keeps the plain
+        `english` analyzer (ingesting again writes into the same mapping), and the policy must
+        not assume it folds."""
+        try:
+            if not self._es.indices.exists(index=self.index):
+                return True  # none yet: the one ingest creates will fold
+            mapping = self._es.indices.get_mapping(index=self.index)
+        except Exception as exc:
+            raise _unavailable(self.url, exc) from None
+        fields = [m.get("mappings", {}).get("properties", {}).get("body", {})
+                  for m in dict(mapping).values()]
+        return bool(fields) and all(f.get("analyzer") == "english_folded" for f in fields)
 
     def write(self, chunks: Sequence[IndexedChunk], delete_doc_ids: Sequence[str]) -> None:
         try:

@@ -22,6 +22,7 @@ doc_chunks).
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -339,13 +340,28 @@ def _open_docstore(path: Path, index: str) -> DocStore:
 
 
 def lexical_folds(settings: Settings) -> bool:
-    """Whether the index's BM25 folds accents: an owned tantivy index made before folding does
-    not (`infra.lexical.folds`); our Elasticsearch indexes and external stores are taken to."""
-    if settings.external is not None or settings.es_url:
+    """Whether the index's BM25 folds accents: an owned index made before folding does not
+    (tantivy: `infra.lexical.folds`; Elasticsearch: `ElasticStore.folds`, its mapping, asked once
+    per process); external stores, whose analyzers are their owners', are taken to."""
+    if settings.external is not None:
         return True
+    if settings.es_url:
+        return _elastic_folds(settings.es_url, f"branchsearch-{settings.index}",
+                              settings.es_api_key or None, settings.backend_timeout_s)
     from branchsearch.infra.lexical import folds
 
     return folds(settings.index_dir / "tantivy")
+
+
+@functools.lru_cache(maxsize=64)
+def _elastic_folds(url: str, index: str, api_key: str | None, timeout_s: float) -> bool:
+    from branchsearch.infra.elastic import ElasticStore
+
+    store = ElasticStore(url, index=index, api_key=api_key, timeout_s=timeout_s, create=False)
+    try:
+        return store.folds()
+    finally:
+        store.close()
 
 
 def lexical_store(settings: Settings):

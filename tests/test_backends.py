@@ -92,9 +92,38 @@ def test_elasticsearch_store(es_url):
     store = ElasticStore(es_url, index=f"bs-test-{uuid.uuid4().hex[:8]}")
     try:
         lexical_contract(store)
+        assert store.folds()
     finally:
         store.drop()
         store.close()
+
+
+def test_elasticsearch_index_made_before_folding_is_told_apart(es_url):
+    """An index with the plain `english` analyzer (made before folding; ingesting again keeps
+    its mapping): `folds` says so, and the policy's hops then stay hybrid on it, as on an old
+    tantivy index. Asking never creates an index."""
+    from elasticsearch import Elasticsearch
+
+    from branchsearch.infra.elastic import MAPPINGS, ElasticStore
+    from branchsearch.infra.settings import Settings
+    from branchsearch.workers.factory import hop_mode
+
+    name = f"bs-old-{uuid.uuid4().hex[:8]}"
+    es = Elasticsearch(es_url)
+    old = {"properties": MAPPINGS["properties"] | {"body": {"type": "text",
+                                                            "analyzer": "english"}}}
+    es.indices.create(index=f"branchsearch-{name}", mappings=old)
+    try:
+        store = ElasticStore(es_url, index=f"branchsearch-{name}", create=False)
+        assert not store.folds()
+        settings = Settings(es_url=es_url, index=name)
+        assert hop_mode(settings, "hybrid") == ""
+        assert hop_mode(settings.replace(index=f"{name}-new"), "hybrid") == "bm25"
+        assert not es.indices.exists(index=f"branchsearch-{name}-new")
+        store.close()
+    finally:
+        es.indices.delete(index=f"branchsearch-{name}", ignore_unavailable=True)
+        es.close()
 
 
 def test_elasticsearch_down_is_one_clear_error():
