@@ -50,6 +50,12 @@ class ElasticStore:
         except Exception as exc:
             raise _unavailable(url, exc) from None
 
+    def exists(self) -> bool:
+        try:
+            return bool(self._es.indices.exists(index=self.index))
+        except Exception as exc:
+            raise _unavailable(self.url, exc) from None
+
     def folds(self) -> bool:
         """Whether this index's BM25 folds accents: its `body` is analysed by `english_folded`
         (True where there is no index yet). An index created before folding keeps the plain

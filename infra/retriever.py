@@ -22,7 +22,6 @@ doc_chunks).
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -353,15 +352,25 @@ def lexical_folds(settings: Settings) -> bool:
     return folds(settings.index_dir / "tantivy")
 
 
-@functools.lru_cache(maxsize=64)
+_FOLDING: set[tuple[str, str]] = set()  # Elasticsearch indexes seen folding (they stay so)
+
+
 def _elastic_folds(url: str, index: str, api_key: str | None, timeout_s: float) -> bool:
+    """Only a folding mapping is remembered: an index made before folding is asked again at
+    every policy, so one dropped and ingested anew (the README's fix) folds from the next
+    question on, in a service that keeps running."""
+    if (url, index) in _FOLDING:
+        return True
     from branchsearch.infra.elastic import ElasticStore
 
     store = ElasticStore(url, index=index, api_key=api_key, timeout_s=timeout_s, create=False)
     try:
-        return store.folds()
+        exists, folding = store.exists(), store.folds()
     finally:
         store.close()
+    if exists and folding:
+        _FOLDING.add((url, index))
+    return folding
 
 
 def lexical_store(settings: Settings):

@@ -149,8 +149,9 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=_choice(*MO
     retriever = open_retriever(settings, need_dense=mode != "bm25")
     side = one_side(settings) if mode == "hybrid" else ""
     if side:  # the results would say `source: bm25` and nothing else: say why, once
-        print(f"note: index {settings.index!r} has only its {side} side (ingested "
-              f"{'--no-dense' if side == 'bm25' else 'without a lexical side'}): this hybrid "
+        why = ("its config maps no " + ("dense" if side == "bm25" else "lexical") + " store"
+               if settings.external is not None else "ingested --no-dense")
+        print(f"note: index {settings.index!r} has only its {side} side ({why}): this hybrid "
               f"search is a {side} search", file=sys.stderr)
     hits = retriever.search(query, mode=mode, k=k, acl_groups=groups)
     if as_json:

@@ -163,6 +163,12 @@ def test_one_sided_indexes(foreign):
         assert dense.read_document("ed-wood")["chunks"][0]["text"]
     finally:
         dense.close()
+    # the CLI says why a hybrid search is one side's, in the external index's own terms
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "retrieve", "Ed Wood",
+           "--home", str(foreign["home"]), "--index", "corp_es"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "Ed Wood" in run.stdout, run.stderr[-800:]
+    assert "its config maps no dense store" in run.stderr and "ingested" not in run.stderr
 
 
 @pytest.mark.es

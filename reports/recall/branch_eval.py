@@ -233,7 +233,7 @@ def score(rows: list[dict], ranking, branches, titles=None, texts=None) -> dict:
         # every gold document retrieved somewhere in the trajectories: what a perfect final
         # ranking of everything found could put in a top 10 (the ceiling of any fusion)
         positive = {g for g, v in gold.items() if v > 0}
-        m["all_found"] = float(positive <= {doc_of(c) for c in t.retrieved})
+        m["all_found"] = float(bool(positive) and positive <= {doc_of(c) for c in t.retrieved})
         queries = Counter((tool, q.lower()) for b in used for tool, q in
                           {(s[0], s[1]) for s in b["searches"]})
         m |= {"tokens_read": sum(b["tokens_read"] for b in used),
@@ -353,14 +353,34 @@ def fit(paths: list[str], on: str, plan: str) -> dict:
                                 ("all_recall@5", "all_recall@10")} for name in dumps}}
 
 
-def _value(text: str):
-    """A --policy-arg value: a number when it reads as one, else the string (hop_mode=hybrid)."""
-    for kind in (int, float):
+def policy_arg(item: str) -> tuple[str, object]:
+    """`NAME=VALUE` of a --policy-arg, the value read as the type of HeuristicPolicy's field
+    NAME (`branch.NAME`: the same field): a number, true/false, or a word (hop_mode=hybrid).
+    An unknown field or a value of the wrong type is an error here, not a silent setting."""
+    import dataclasses
+
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    name, sep, text = item.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(HeuristicPolicy)}
+    field = fields.get(name.removeprefix("branch."))
+    if not sep or field is None or field.default is dataclasses.MISSING:  # not state
+        raise ValueError(f"--policy-arg {item!r}: NAME=VALUE with NAME a HeuristicPolicy field")
+    default = field.default
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"--policy-arg {item!r}: {name} takes true or false")
+        return name, text.lower() == "true"
+    if isinstance(default, (int, float)):
         try:
-            return kind(text)
+            value = int(text) if isinstance(default, int) else float(text)
         except ValueError:
-            pass
-    return text
+            raise ValueError(f"--policy-arg {item!r}: {name} takes a number") from None
+        return name, value
+    if name.removeprefix("branch.") == "hop_mode" and text not in ("", "bm25", "dense",
+                                                                   "hybrid"):
+        raise ValueError(f"--policy-arg {item!r}: hop_mode is bm25, dense, hybrid or empty")
+    return name, text
 
 
 def main() -> None:
@@ -394,7 +414,11 @@ def main() -> None:
         print(f"branch_eval: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if a.cmd == "run":
-        args = {k: _value(v) for k, v in (x.split("=", 1) for x in a.policy_arg)}
+        try:
+            args = dict(policy_arg(x) for x in a.policy_arg)
+        except ValueError as exc:
+            print(f"branch_eval: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         run(*a.args, a.branches, a.home, a.features, a.ranker == "on", args, a.rule)
     elif a.cmd == "table":
         tail = tuple(int(x) for x in a.tail.split(",")) if a.tail else None
