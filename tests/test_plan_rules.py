@@ -90,3 +90,41 @@ def test_novel_tail_keeps_the_anchor_head_and_adds_only_what_it_lacks():
     # 10: a0#p1 is a0's document, a9 is the anchor's), then the anchor's next one
     assert got == anchor[:7] + ["x#p0", "y#p0", "a7#p0"]
     assert be.novel_tail(anchor, [], head=5, novel=3) == anchor
+
+
+def test_policy_args_are_read_as_their_field_type():
+    be = _branch_eval()
+    assert be.policy_arg("search_k=8") == ("search_k", 8)
+    assert be.policy_arg("prune=false") == ("prune", False)  # was the truthy string 'false'
+    assert be.policy_arg("branch.expand_floor=1") == ("branch.expand_floor", 1.0)
+    assert be.policy_arg("hop_mode=hybrid") == ("hop_mode", "hybrid")
+    for bad in ("prune=0", "search_k=1O", "hop_mode=bm52", "q_terms=x", "nope=1", "search_k"):
+        with pytest.raises(ValueError, match="--policy-arg"):
+            be.policy_arg(bad)
+
+
+def test_pair_fuses_two_runs_with_the_first_anchoring(tmp_path):
+    """Two runs of the same question: the pair keeps ONE's top and adds OTHER's find below it;
+    all found counts the gold either run retrieved."""
+    import json
+
+    be = _branch_eval()
+
+    def dump(path, ranked, tokens):
+        branch = {"ranked": ranked, "retrieved": ranked, "pruned": [], "final_context": ranked,
+                  "searches": [["search_corpus", "q"]], "tokens_read": tokens}
+        path.write_text(json.dumps({"index": "x", "rows": [
+            {"question": "q", "gold": {"g1": 1, "g2": 1}, "branches": [branch]}]}))
+        return str(path)
+
+    one = dump(tmp_path / "one.json", ["g1#p0"] + [f"a{i}#p0" for i in range(9)], 100)
+    other = dump(tmp_path / "other.json", ["b0#p0", "g2#p0"], 50)
+    got = be.pair(one, other, share=0.0, k=5)
+    assert got["one"]["all_recall@10"] == 0 and got["other"]["all_recall@10"] == 0
+    assert got["pair"]["all_found"] == 1 and got["pair"]["all_recall@10"] == 1
+    assert got["pair"]["all_recall@5"] == 0  # share 0: ONE's first five stay the head
+    assert got["other_tokens_over_one"] == 0.5
+    (tmp_path / "other.json").write_text((tmp_path / "other.json").read_text().replace(
+        '"question": "q"', '"question": "another"'))
+    with pytest.raises(ValueError, match="same questions"):
+        be.pair(one, other, share=0.0, k=5)

@@ -22,6 +22,11 @@
         per candidate kind (a `--rule candidates` dump): what the question's branch plus that
         kind's branches could reach: all gold in the union of their top 10s, all gold found
         anywhere in their trajectories, trajectory recall, tokens read.
+    python reports/recall/branch_eval.py pair ONE.json OTHER.json [--share 0]
+        two runs of the same questions (e.g. `run --branches 1` and the same with
+        `--policy-arg hop_mode=hybrid`): each run's question branch alone, and the two fused
+        as two branches (`fusion.documents`, ONE's branch anchoring, `--share`, `--k`), with
+        all found of the pair and OTHER's tokens read over ONE's.
     python reports/recall/branch_eval.py fit OUT.json [...] --on NAME
         grid-searches share, k and agreement of `fusion.anchored` on the dump named NAME and
         reports the chosen values on every dump (fit on one set, report on the others).
@@ -328,6 +333,32 @@ def ceilings(paths: list[str]) -> list[dict]:
     return out
 
 
+def pair(one_path: str, other_path: str, share: float, k: float) -> dict:
+    """ONE's and OTHER's question branch alone, and fused with ONE's branch as the anchor."""
+    one, other = (json.loads(Path(p).read_text())["rows"] for p in (one_path, other_path))
+    if [r["question"] for r in one] != [r["question"] for r in other]:
+        raise ValueError("pair: the two dumps must hold the same questions in the same order")
+
+    def fused_pair(i: int) -> list[str]:
+        a, b = one[i]["branches"][0]["ranked"], other[i]["branches"][0]["ranked"]
+        docs, chunks = fuse_documents([a, b], _doc, anchor=0, k=k, share=share, limit=10)
+        return [chunks[d.id][0] for d in docs]
+
+    both = [dict(r, branches=[r["branches"][0], o["branches"][0]]) for r, o in zip(one, other)]
+    keys = ("all_recall@5", "all_recall@10", "all_found", "tokens_read")
+    out = {"one": score(one, lambda r: r["branches"][0]["ranked"], lambda r: r["branches"][:1]),
+           "other": score(other, lambda r: r["branches"][0]["ranked"],
+                          lambda r: r["branches"][:1])}
+    out = {name: {key: m[key] for key in keys} for name, m in out.items()}
+    index = {id(r): i for i, r in enumerate(both)}
+    m = score(both, lambda r: fused_pair(index[id(r)]), lambda r: r["branches"])
+    out["pair"] = {key: m[key] for key in keys}
+    out["other_tokens_over_one"] = round(out["other"]["tokens_read"] /
+                                         max(out["one"]["tokens_read"], 1), 3)
+    out["params"] = {"share": share, "k": k}
+    return out
+
+
 GRID = {"share": (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0), "k": (2, 5, 10, 20, 60),
         "agreement": (0.0, 0.2, 0.5, 1.0)}
 
@@ -385,7 +416,7 @@ def policy_arg(item: str) -> tuple[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=("run", "table", "fit", "ceilings"))
+    ap.add_argument("cmd", choices=("run", "table", "fit", "ceilings", "pair"))
     ap.add_argument("args", nargs="+")
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--home", default=".branchsearch")
@@ -424,6 +455,16 @@ def main() -> None:
         tail = tuple(int(x) for x in a.tail.split(",")) if a.tail else None
         print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan, a.branches, tail),
                          indent=1))
+    elif a.cmd == "pair":
+        if len(a.args) != 2:
+            print("branch_eval: pair takes two dumps: ONE.json OTHER.json", file=sys.stderr)
+            raise SystemExit(2)
+        share = a.share if "--share" in sys.argv else 0.0
+        try:
+            print(json.dumps(pair(*a.args, share, a.k), indent=1))
+        except ValueError as exc:
+            print(f"branch_eval: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     elif a.cmd == "ceilings":
         print(json.dumps(ceilings(a.args), indent=1))
     else:
