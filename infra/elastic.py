@@ -50,21 +50,17 @@ class ElasticStore:
         except Exception as exc:
             raise _unavailable(url, exc) from None
 
-    def exists(self) -> bool:
-        try:
-            return bool(self._es.indices.exists(index=self.index))
-        except Exception as exc:
-            raise _unavailable(self.url, exc) from None
+    def folds(self) -> bool | None:
+        """Whether this index's BM25 folds accents: its `body` is analysed by `english_folded`.
+        An index created before folding keeps the plain `english` analyzer (ingesting again
+        writes into the same mapping), and the policy must not assume it folds. None where
+        there is no index yet (the one an ingest creates will fold)."""
+        from elasticsearch import NotFoundError
 
-    def folds(self) -> bool:
-        """Whether this index's BM25 folds accents: its `body` is analysed by `english_folded`
-        (True where there is no index yet). An index created before folding keeps the plain
-        `english` analyzer (ingesting again writes into the same mapping), and the policy must
-        not assume it folds."""
         try:
-            if not self._es.indices.exists(index=self.index):
-                return True  # none yet: the one ingest creates will fold
             mapping = self._es.indices.get_mapping(index=self.index)
+        except NotFoundError:
+            return None
         except Exception as exc:
             raise _unavailable(self.url, exc) from None
         fields = [m.get("mappings", {}).get("properties", {}).get("body", {})

@@ -340,8 +340,8 @@ def _open_docstore(path: Path, index: str) -> DocStore:
 
 def lexical_folds(settings: Settings) -> bool:
     """Whether the index's BM25 folds accents: an owned index made before folding does not
-    (tantivy: `infra.lexical.folds`; Elasticsearch: `ElasticStore.folds`, its mapping, asked once
-    per process); external stores, whose analyzers are their owners', are taken to."""
+    (tantivy: `infra.lexical.folds`; Elasticsearch: `ElasticStore.folds`, its mapping);
+    external stores, whose analyzers are their owners', are taken to."""
     if settings.external is not None:
         return True
     if settings.es_url:
@@ -365,12 +365,12 @@ def _elastic_folds(url: str, index: str, api_key: str | None, timeout_s: float) 
 
     store = ElasticStore(url, index=index, api_key=api_key, timeout_s=timeout_s, create=False)
     try:
-        exists, folding = store.exists(), store.folds()
+        folding = store.folds()
     finally:
         store.close()
-    if exists and folding:
+    if folding:
         _FOLDING.add((url, index))
-    return folding
+    return folding is not False  # no index yet: the one an ingest creates folds
 
 
 def lexical_store(settings: Settings):

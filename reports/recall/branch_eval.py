@@ -43,6 +43,7 @@ from collections import Counter
 from pathlib import Path
 
 from branchsearch.fusion.documents import fuse_documents
+from branchsearch.infra.choices import MODES
 from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
 from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
 from branchsearch.workers.rank import doc_of
@@ -181,14 +182,10 @@ def fused(row: dict, keep, share: float, k: float, agreement: float,
         return novel_tail(ok[anchor]["ranked"], [b["ranked"] for i, b in enumerate(ok)
                                                  if i != anchor], *tail)
     # by document, as orchestrator.result.fuse_branches; each shown by its first chunk
-    fused_docs, chunks = fuse_documents([b["ranked"] for b in ok], _doc,
+    fused_docs, chunks = fuse_documents([b["ranked"] for b in ok], doc_of,
                                         weights=[b["weight"] for b in ok], anchor=anchor, k=k,
                                         share=share, agreement=agreement, limit=10)
     return [chunks[d.id][0] for d in fused_docs]
-
-
-def _doc(chunk_id: str) -> str:
-    return chunk_id.rpartition("#p")[0] or chunk_id
 
 
 def novel_tail(anchor: list[str], others: list[list[str]], head: int, novel: int,
@@ -199,9 +196,9 @@ def novel_tail(anchor: list[str], others: list[list[str]], head: int, novel: int
     out, seen = [], set()
 
     def add(chunk_id: str) -> bool:
-        if _doc(chunk_id) in seen or len(out) >= limit:
+        if doc_of(chunk_id) in seen or len(out) >= limit:
             return False
-        seen.add(_doc(chunk_id))
+        seen.add(doc_of(chunk_id))
         out.append(chunk_id)
         return True
 
@@ -209,9 +206,9 @@ def novel_tail(anchor: list[str], others: list[list[str]], head: int, novel: int
         if len(out) >= head:
             break
         add(c)
-    own = {_doc(c) for c in anchor[:10]}
+    own = {doc_of(c) for c in anchor[:10]}
     fresh = sorted((r, i, c) for i, lst in enumerate(others)
-                   for r, c in enumerate(lst[:10]) if _doc(c) not in own)
+                   for r, c in enumerate(lst[:10]) if doc_of(c) not in own)
     taken = 0
     for _, _, c in fresh:
         if taken >= novel:
@@ -314,8 +311,8 @@ def ceilings(paths: list[str]) -> list[dict]:
             for row in rows:
                 gold = set(row["gold"])
                 used = [b for b in row["branches"] if b["kind"] == "original" or use(b)]
-                in_top = {_doc(c) for b in used for c in b["ranked"][:10]}
-                seen = in_top | {_doc(c) for b in used for c in b["retrieved"]}
+                in_top = {doc_of(c) for b in used for c in b["ranked"][:10]}
+                seen = in_top | {doc_of(c) for b in used for c in b["retrieved"]}
                 top += gold <= in_top
                 found += gold <= seen
                 share += len(gold & seen) / max(len(gold), 1)
@@ -339,19 +336,19 @@ def pair(one_path: str, other_path: str, share: float, k: float) -> dict:
     if [r["question"] for r in one] != [r["question"] for r in other]:
         raise ValueError("pair: the two dumps must hold the same questions in the same order")
 
-    def fused_pair(i: int) -> list[str]:
-        a, b = one[i]["branches"][0]["ranked"], other[i]["branches"][0]["ranked"]
-        docs, chunks = fuse_documents([a, b], _doc, anchor=0, k=k, share=share, limit=10)
+    def fused_pair(a: list[str], b: list[str]) -> list[str]:
+        docs, chunks = fuse_documents([a, b], doc_of, anchor=0, k=k, share=share, limit=10)
         return [chunks[d.id][0] for d in docs]
 
-    both = [dict(r, branches=[r["branches"][0], o["branches"][0]]) for r, o in zip(one, other)]
+    both = [dict(r, branches=[r["branches"][0], o["branches"][0]],
+                 fused=fused_pair(r["branches"][0]["ranked"], o["branches"][0]["ranked"]))
+            for r, o in zip(one, other)]
     keys = ("all_recall@5", "all_recall@10", "all_found", "tokens_read")
     out = {"one": score(one, lambda r: r["branches"][0]["ranked"], lambda r: r["branches"][:1]),
            "other": score(other, lambda r: r["branches"][0]["ranked"],
                           lambda r: r["branches"][:1])}
     out = {name: {key: m[key] for key in keys} for name, m in out.items()}
-    index = {id(r): i for i, r in enumerate(both)}
-    m = score(both, lambda r: fused_pair(index[id(r)]), lambda r: r["branches"])
+    m = score(both, lambda r: r["fused"], lambda r: r["branches"])
     out["pair"] = {key: m[key] for key in keys}
     out["other_tokens_over_one"] = round(out["other"]["tokens_read"] /
                                          max(out["one"]["tokens_read"], 1), 3)
@@ -408,9 +405,9 @@ def policy_arg(item: str) -> tuple[str, object]:
         except ValueError:
             raise ValueError(f"--policy-arg {item!r}: {name} takes a number") from None
         return name, value
-    if name.removeprefix("branch.") == "hop_mode" and text not in ("", "bm25", "dense",
-                                                                   "hybrid"):
-        raise ValueError(f"--policy-arg {item!r}: hop_mode is bm25, dense, hybrid or empty")
+    if name.removeprefix("branch.") == "hop_mode" and text and text not in MODES:
+        raise ValueError(f"--policy-arg {item!r}: hop_mode is one of {', '.join(MODES)} or "
+                         "empty")
     return name, text
 
 
