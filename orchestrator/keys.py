@@ -41,9 +41,12 @@ class ApiKey:
         return not self.indexes or index in self.indexes
 
     def public(self) -> dict:
-        """The key as `keys list` and `/v1/whoami`-style answers show it (no digest)."""
+        """The key as `keys list` and `/v1/whoami`-style answers show it (no digest).
+        `all_indexes`: the key may use every index (its `indexes` list is then empty, which
+        read alone looks like none)."""
         return {"name": self.name, "groups": list(self.groups), "indexes": list(self.indexes),
-                "admin": self.admin, "created": self.created, "revoked": self.revoked}
+                "all_indexes": not self.indexes, "admin": self.admin, "created": self.created,
+                "revoked": self.revoked}
 
 
 class AuthError(Exception):

@@ -128,3 +128,23 @@ def test_pair_fuses_two_runs_with_the_first_anchoring(tmp_path):
         '"question": "q"', '"question": "another"'))
     with pytest.raises(ValueError, match="same questions"):
         be.pair(one, other, share=0.0, k=5)
+
+
+def test_branch_eval_errors_are_one_line(tmp_path):
+    """A dump missing, not JSON or not one `run` wrote, a missing argument, a NaN setting: one
+    line and exit 2, never a traceback or a run that quietly goes on."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "reports" / "recall" / "branch_eval.py"
+    (tmp_path / "empty.json").write_text('{"rows": []}')
+    (tmp_path / "text.json").write_text("not json")
+    for args, words in ((["pair", "missing.json", "empty.json"], "No such file"),
+                        (["pair", "empty.json", "empty.json"], "not a dump"),
+                        (["table", "text.json"], "not JSON"),
+                        (["run", "data", "index"], "takes DATASET INDEX OUT.json"),
+                        (["run", "a", "b", "c", "--policy-arg", "rank_decay=nan"], "finite")):
+        done = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and words in lines[0], done.stderr

@@ -104,7 +104,11 @@ def test_auth_matrix(site):
     assert client.get("/v1/indexes", headers=auth(keys["alpha"])).json() == {"indexes": ["acl"]}
     assert client.get("/v1/indexes", headers=auth(keys["bravo"])).json() == {
         "indexes": ["acl", "other"]}
-    assert client.get("/v1/whoami", headers=auth(keys["alpha"])).json()["groups"] == ["alpha"]
+    alpha = client.get("/v1/whoami", headers=auth(keys["alpha"])).json()
+    assert alpha["groups"] == ["alpha"]
+    assert alpha["indexes"] == ["acl"] and alpha["all_indexes"] is False
+    bravo = client.get("/v1/whoami", headers=auth(keys["bravo"])).json()
+    assert bravo["indexes"] == [] and bravo["all_indexes"] is True  # [] alone read as "none"
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/search", "/v1/indexes/{index}/documents", "/readyz", "/metrics"} <= set(paths)
     assert "question" in json.dumps(paths["/v1/search"])

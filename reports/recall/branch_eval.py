@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sqlite3
 import sys
 import time
@@ -134,6 +135,18 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
     Path(out).write_text(json.dumps({"dataset": dataset, "index": index, "home": home,
                                      "eval": {k: v for k, v in res.items() if k != "per_query"},
                                      "seconds": round(time.time() - started), "rows": rows}))
+
+
+def load_dump(path: str) -> dict:
+    """A dump `run` wrote; a file that is not one is a ValueError naming it."""
+    try:
+        dump = json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not (isinstance(dump, dict) and isinstance(dump.get("rows"), list) and dump["rows"]
+            and "index" in dump):
+        raise ValueError(f"{path} is not a dump of `branch_eval.py run` (no index or no rows)")
+    return dump
 
 
 # --- planner rules: which of the planned branches a rule launches ------------------------------
@@ -275,7 +288,7 @@ def table(paths: list[str], share: float, k: float, agreement: float, plan: str,
     keep = plan_rule(plan, max_branches)
     out = []
     for path in paths:
-        dump = json.loads(Path(path).read_text())
+        dump = load_dump(path)
         titles, texts = docstore_text(dump)
         rows = dump["rows"]
         one = score(rows, lambda r: r["branches"][0]["ranked"], lambda r: r["branches"][:1],
@@ -302,7 +315,7 @@ def ceilings(paths: list[str]) -> list[dict]:
     `trajectory_recall`: mean share of gold retrieved; `tokens_read`: mean per question."""
     out = []
     for path in paths:
-        dump = json.loads(Path(path).read_text())
+        dump = load_dump(path)
         rows = dump["rows"]
         kinds = sorted({b["kind"] for r in rows for b in r["branches"]} - {"original"})
 
@@ -332,7 +345,7 @@ def ceilings(paths: list[str]) -> list[dict]:
 
 def pair(one_path: str, other_path: str, share: float, k: float) -> dict:
     """ONE's and OTHER's question branch alone, and fused with ONE's branch as the anchor."""
-    one, other = (json.loads(Path(p).read_text())["rows"] for p in (one_path, other_path))
+    one, other = (load_dump(p)["rows"] for p in (one_path, other_path))
     if [r["question"] for r in one] != [r["question"] for r in other]:
         raise ValueError("pair: the two dumps must hold the same questions in the same order")
 
@@ -364,8 +377,7 @@ def fit(paths: list[str], on: str, plan: str) -> dict:
     """Choose (share, k, agreement) by AR@5, then AR@10, on the dump whose index is `on`;
     ties go to the smaller share, k and agreement (the simpler fusion). Report all dumps."""
     keep = plan_rule(plan)
-    dumps = {json.loads(Path(p).read_text())["index"]: json.loads(Path(p).read_text())["rows"]
-             for p in paths}
+    dumps = {d["index"]: d["rows"] for d in map(load_dump, paths)}
     results = {}
     for share in GRID["share"]:
         for k in GRID["k"]:
@@ -404,6 +416,9 @@ def policy_arg(item: str) -> tuple[str, object]:
             value = int(text) if isinstance(default, int) else float(text)
         except ValueError:
             raise ValueError(f"--policy-arg {item!r}: {name} takes a number") from None
+        if not math.isfinite(value) or (isinstance(default, int) and value < 0):
+            raise ValueError(f"--policy-arg {item!r}: {name} takes a finite number"
+                             + (" >= 0" if isinstance(default, int) else ""))
         return name, value
     if name.removeprefix("branch.") == "hop_mode" and text and text not in MODES:
         raise ValueError(f"--policy-arg {item!r}: hop_mode is one of {', '.join(MODES)} or "
@@ -417,7 +432,8 @@ def main() -> None:
     ap.add_argument("args", nargs="+")
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--home", default=".branchsearch")
-    ap.add_argument("--share", type=float, default=0.3)
+    ap.add_argument("--share", type=float, default=None,
+                    help="the non-anchor branches' share (default: 0.3 for table, 0 for pair)")
     ap.add_argument("--k", type=float, default=5)
     ap.add_argument("--agreement", type=float, default=0.0)
     ap.add_argument("--plan", default="all")
@@ -437,36 +453,34 @@ def main() -> None:
                     help="run: the heuristic's learned final ranking (workers/ranker.py)")
     a = ap.parse_args()
     try:
-        plan_rule(a.plan)
-    except ValueError as exc:
-        print(f"branch_eval: {exc}", file=sys.stderr)
+        _command(a)
+    except (OSError, ValueError) as exc:  # a dump missing, not JSON or not one `run` wrote;
+        # a bad argument: one line, as the CLI's errors are
+        print(f"branch_eval: {a.cmd}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+WANT = {"run": (3, "DATASET INDEX OUT.json"), "pair": (2, "ONE.json OTHER.json")}
+
+
+def _command(a) -> None:
+    plan_rule(a.plan)
+    if a.cmd in WANT and len(a.args) != WANT[a.cmd][0]:
+        raise ValueError(f"takes {WANT[a.cmd][1]}, got {len(a.args)} argument(s)")
+    share = a.share if a.share is not None else (0.0 if a.cmd == "pair" else 0.3)
     if a.cmd == "run":
-        try:
-            args = dict(policy_arg(x) for x in a.policy_arg)
-        except ValueError as exc:
-            print(f"branch_eval: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+        args = dict(policy_arg(x) for x in a.policy_arg)
         run(*a.args, a.branches, a.home, a.features, a.ranker == "on", args, a.rule)
     elif a.cmd == "table":
         tail = tuple(int(x) for x in a.tail.split(",")) if a.tail else None
-        print(json.dumps(table(a.args, a.share, a.k, a.agreement, a.plan, a.branches, tail),
+        print(json.dumps(table(a.args, share, a.k, a.agreement, a.plan, a.branches, tail),
                          indent=1))
     elif a.cmd == "pair":
-        if len(a.args) != 2:
-            print("branch_eval: pair takes two dumps: ONE.json OTHER.json", file=sys.stderr)
-            raise SystemExit(2)
-        share = a.share if "--share" in sys.argv else 0.0
-        try:
-            print(json.dumps(pair(*a.args, share, a.k), indent=1))
-        except ValueError as exc:
-            print(f"branch_eval: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+        print(json.dumps(pair(*a.args, share, a.k), indent=1))
     elif a.cmd == "ceilings":
         print(json.dumps(ceilings(a.args), indent=1))
     else:
         print(json.dumps(fit(a.args, a.on, a.plan), indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from branch_eval import fused, plan_rule, score  # noqa: E402
+from branch_eval import fused, load_dump, plan_rule, score  # noqa: E402
 
 from branchsearch.workers.heuristic import HeuristicPolicy  # noqa: E402
 from branchsearch.workers.rank import doc_of, final_ranking, hold_back  # noqa: E402
@@ -49,8 +49,7 @@ SEARCH_K = HeuristicPolicy.search_k  # the places a question tail's hits never t
 
 
 def load(paths: list[str]) -> dict[str, list[dict]]:
-    return {json.loads(Path(p).read_text())["index"]: json.loads(Path(p).read_text())["rows"]
-            for p in paths}
+    return {d["index"]: d["rows"] for d in map(load_dump, paths)}
 
 
 def episodes(rows: list[dict], kind: str = "original") -> list[tuple]:
