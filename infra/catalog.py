@@ -48,6 +48,11 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
 def _files_health(folder: Path, manifest) -> str:
     """"ok", or what a complete index's folder lacks (its store files deleted since): the same
     files `infra.retriever` refuses to open without. Backends on servers are not asked here."""
+    from branchsearch.infra.manifest import ingested_as
+
+    old = ingested_as(folder, manifest)
+    if old is not None:
+        return f"copied or renamed from {old!r}: rename the folder back, or ingest it anew"
     need = ["docs.sqlite"]
     if manifest.backends.get("lexical") == "tantivy":
         need.append("tantivy/meta.json")

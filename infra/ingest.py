@@ -37,7 +37,8 @@ from branchsearch.infra.backends import IndexedChunk
 from branchsearch.infra.chunking import Chunk, chunk_text
 from branchsearch.infra.corpus import Document, read_corpus
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.manifest import IngestLock, Manifest, remove_manifest, write_manifest
+from branchsearch.infra.manifest import (IngestLock, Manifest, check_name, read_manifest,
+                                         remove_manifest, write_manifest)
 from branchsearch.infra.settings import Settings
 from branchsearch.infra.tokenizer import TokenCounter
 
@@ -148,6 +149,9 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
     with IngestLock(root, settings.index, corpus=str(Path(path).resolve())) as lock:
         if lock.stale is not None:
             report.stale_lock = lock.stale.describe()
+        previous = read_manifest(root)
+        if previous is not None:  # a copied or renamed folder: refuse before touching it
+            check_name(root, settings.index, previous)
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
         docstore, lexical, dense_store, embedder = open_stores(

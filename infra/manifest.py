@@ -83,6 +83,30 @@ def write_manifest(index_dir: Path, manifest: Manifest) -> None:
     _fsync_dir(index_dir)
 
 
+def ingested_as(index_dir: Path, manifest: Manifest) -> str | None:
+    """The name an index was ingested under when its folder has been copied or renamed since,
+    else None. Its Milvus Lite file names the collection after that name (`chunks_<index>`), so
+    under the new name the vectors are not found: readers would call it damaged and an ingest
+    would fill a second, empty collection. Known from the Lite file's recorded path; an index
+    whose vectors are on a server records no folder."""
+    kind, _, rest = str(manifest.backends.get("dense", "")).partition(" ")
+    if kind != "milvus-lite" or not rest:
+        return None
+    old = Path(rest.split(" (")[0]).parent.name
+    collection = lambda name: name.replace("-", "_")  # noqa: E731 (as infra.retriever names it)
+    return old if old and collection(old) != collection(Path(index_dir).name) else None
+
+
+def check_name(index_dir: Path, index: str, manifest: Manifest) -> None:
+    """One clear error for an index folder copied or renamed since its ingest (`ingested_as`)."""
+    old = ingested_as(index_dir, manifest)
+    if old is not None:
+        raise IndexIncomplete(
+            f"index {index!r} was ingested as {old!r} and its folder copied or renamed since; "
+            f"its vectors are stored under that name: rename the folder back to {old!r}, or "
+            f"ingest the corpus into a new index")
+
+
 def remove_manifest(index_dir: Path) -> None:
     """Mark the index incomplete (the first thing an ingest does before touching a store)."""
     try:
@@ -217,10 +241,12 @@ def require_complete(index_dir: Path, index: str, home: Path | str = "") -> Mani
     _not_busy(index_dir, index)
     manifest = read_manifest(index_dir)
     if manifest is not None:
+        check_name(index_dir, index, manifest)
         return manifest
     _not_busy(index_dir, index)  # an ingest that started after the first look took it away
     manifest = read_manifest(index_dir)  # ... or has finished since
     if manifest is not None:
+        check_name(index_dir, index, manifest)
         return manifest
     dead = stale_ingest(index_dir)
     if dead is not None:

@@ -324,3 +324,38 @@ def test_a_dense_backend_that_stops_answering_ends_the_branch_not_the_batch(hotp
             retriever.search("Ed Wood", "dense", 3)
     finally:
         driver.close()
+
+
+def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(hotpot_settings):
+    """Its Milvus Lite collection is named for the index it was ingested as: under a new folder
+    name a search called it damaged ("remove it and ingest again") and an ingest filled a
+    second, empty collection, then failed and left the copy without a manifest. Now both say
+    what happened, before anything is touched; renamed back, it answers."""
+    import shutil
+    from pathlib import Path
+
+    from branchsearch.infra.catalog import owned_indexes
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.retriever import open_retriever
+
+    copy = hotpot_settings.replace(index="hotpot-copy")
+    shutil.copytree(hotpot_settings.index_dir, copy.index_dir)
+    manifest = (copy.index_dir / "manifest.json").read_bytes()
+    said = r"ingested as 'hotpot' and its folder copied or renamed since.*rename the folder back"
+    with pytest.raises(IndexIncomplete, match=said):
+        open_retriever(copy)
+    with pytest.raises(IndexIncomplete, match=said):
+        ingest(HOTPOT, copy)
+    assert (copy.index_dir / "manifest.json").read_bytes() == manifest  # untouched
+    health = {i.name: i.health for i in owned_indexes(copy)}
+    assert health["hotpot-copy"].startswith("copied or renamed from 'hotpot'"), health
+    assert health["hotpot"] == "ok"
+    # the same folder under its own name in another home (a moved home) is fine
+    moved = hotpot_settings.replace(home=Path(copy.home).parent / "moved-home")
+    shutil.copytree(copy.index_dir, moved.index_dir)
+    retriever = open_retriever(moved)
+    try:
+        assert retriever.search("Ed Wood", "hybrid", 3)
+    finally:
+        retriever.close()
