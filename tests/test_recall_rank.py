@@ -1,6 +1,6 @@
 """The final ranking stage (workers/rank.py) and what the heuristic policy returns with it."""
 
-from branchsearch.workers.rank import doc_of, final_ranking, hold_back
+from branchsearch.workers.rank import crowd, doc_of, final_ranking, hold_back
 
 
 def test_doc_of_splits_the_chunk_suffix_only():
@@ -33,6 +33,34 @@ def test_hold_back_keeps_late_chunks_out_of_the_head_only():
     assert hold_back(ranked, set(), 3) == ranked
     assert hold_back(["t1#p0", "a#p0"], late, 5) == ["a#p0", "t1#p0"]  # too few to fill a head
 
+
+def test_crowd_moves_a_titles_documents_after_the_first_few_below_the_others():
+    title = {"h1": "Hiroshima", "h2": "Hiroshima", "h3": "Hiroshima", "e": "Enola Gay",
+             "w": "World War II", "h4": "Hiroshima"}
+    ranked = ["h1#p0", "h2#p0", "h3#p0", "w#p0", "h4#p0", "e#p0", "h1#p1"]
+    of = lambda cid: title[doc_of(cid)]  # noqa: E731
+    # two Hiroshima passages, then the other pages in order; the crowded-out ones keep theirs
+    assert crowd(ranked, of, 2) == ["h1#p0", "h2#p0", "w#p0", "e#p0", "h1#p1", "h3#p0", "h4#p0"]
+    assert crowd(ranked, of, 1) == ["h1#p0", "w#p0", "e#p0", "h1#p1", "h2#p0", "h3#p0", "h4#p0"]
+    assert crowd(ranked, of, 4) == ranked  # never more than four of one title: unchanged
+    assert crowd([], of, 2) == []
+
+
+def test_the_heuristic_finish_crowds_one_titles_passages():
+    from branchsearch.workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.policy import VisibleChunk
+
+    def state(**kw):
+        p = HeuristicPolicy(learned_rank=False, final_k=3, **kw)
+        titles = {"a": "Atomic bombings (Hiroshima)", "b": "Atomic bombings", "c":
+                  "Atomic bombings", "e": "Enola Gay"}
+        p.chunks = {f"{d}#p0": VisibleChunk(f"{d}#p0", d, t, "text", 8) for d, t in titles.items()}
+        p.scores = {"a#p0": 0.9, "b#p0": 0.8, "c#p0": 0.7, "e#p0": 0.6}
+        return p
+
+    # one title with its qualifier dropped: a and b are the two passages it may place first
+    assert state()._finish(set()).args["ids"] == ["a#p0", "b#p0", "e#p0"]
+    assert state(per_title=0)._finish(set()).args["ids"] == ["a#p0", "b#p0", "c#p0"]
 
 # --- the heuristic policy's final ranking over everything it scored ------------------------------
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from branchsearch.workers.policy import AgentView, ToolCall, VisibleChunk
 from branchsearch.workers.tools import MAX_SEARCH_K, QUERY_MAX_CHARS
-from branchsearch.workers.rank import doc_of, final_ranking, hold_back
+from branchsearch.workers.rank import crowd, doc_of, final_ranking, hold_back
 from branchsearch.workers.text import (bare_title, entities, fold, folded, has_phrase,
                                        norm_title, sentences, terms)
 
@@ -62,6 +62,10 @@ class HeuristicPolicy:
     ranker_path: str | None = None  # weights file; None: the shipped BM25 one (make_policy
     # passes the search mode's: workers.ranker.weights_for)
     tail_page: bool = True  # before finishing, the question's search down to final_k documents
+    per_title: int = 2  # documents of one title (qualifier dropped) before the other pages get
+    # the next places: workers.rank.crowd; 0: off. The smallest value that costs nothing on the
+    # fit sets (1 splits hotpot's and synth's look-alike titles; reports/recall/README.md,
+    # session 11)
     hop_mode: str = ""  # the search mode of the searches the policy builds (entities, bridge
     # entities, residual words); "": the tool's default. make_policy passes "bm25" on a hybrid
     # index: a name or a bag of leftover words is matched by its words (their embedding is a
@@ -477,6 +481,10 @@ class HeuristicPolicy:
         return sorted((cid for cid in ids if cid in self.scores),
                       key=lambda c: (-self.scores[c], c))
 
+    def _title_key(self, cid: str) -> str:
+        chunk = self.chunks.get(cid)
+        return norm_title(chunk.title) if chunk is not None and chunk.title else cid
+
     def _finish(self, visible: set[str]) -> ToolCall:
         """Rank everything the trajectory scored — kept, pruned or never expanded — by the score
         it holds now (`workers.rank.final_ranking`): a prune frees context, it is no verdict.
@@ -493,7 +501,10 @@ class HeuristicPolicy:
         else:
             ranked = final_ranking(self.scores, len(self.scores))
         if self.rank_all:
-            ranked = hold_back(ranked, self.tail_ids, self.search_k)[: self.final_k]
+            ranked = hold_back(ranked, self.tail_ids, self.search_k)
+        if self.per_title:
+            ranked = crowd(ranked, self._title_key, self.per_title)
+        ranked = ranked[: self.final_k]
         return ToolCall("finish", {"ids": ranked, "reason": "no unexpanded bridge entities left"
                                    if ranked else "nothing found"})
 

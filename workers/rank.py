@@ -5,7 +5,8 @@ Pruning is about the *context* (what a policy keeps reading); it is not a verdic
 evidence. A chunk pruned on turn 3 because eight others scored higher may, by the end, score
 higher than any of them (its child confirmed it as a bridge). So the ranking a branch returns
 is taken over every chunk it scored — kept, pruned or never expanded — by the score the policy
-holds at the end, and documents are spread before a document's second chunk is repeated.
+holds at the end, and documents are spread before a document's second chunk is repeated
+(and, by `crowd`, a title's documents after its first few before other titles').
 """
 
 from __future__ import annotations
@@ -52,3 +53,21 @@ def hold_back(ranked: list[str], late: set[str], head: int,
             first.append(cid)
             docs.add(doc(cid))
     return first + held + rest
+
+
+def crowd(ranked: list[str], title_of: Callable[[str], str], per_title: int,
+          doc: Callable[[str], str] = doc_of) -> list[str]:
+    """`ranked` with each title's documents after its first `per_title` moved below every
+    document not crowded out (search engines' "host crowding"; order otherwise kept). Chunks of
+    an article split into many documents under one title (a passage each) would otherwise fill
+    the head with one article: `per_title` of them say what it holds, the next places go to other
+    pages. A document keeps its place for all its chunks: only documents are counted."""
+    kept, held, count, fate = [], [], {}, {}
+    for cid in ranked:
+        d = doc(cid)
+        if d not in fate:
+            title = title_of(cid)
+            count[title] = count.get(title, 0) + 1
+            fate[d] = count[title] <= per_title
+        (kept if fate[d] else held).append(cid)
+    return kept + held

@@ -257,7 +257,7 @@ def score(rows: list[dict], ranking, branches, titles=None, texts=None) -> dict:
               "branches": len(used), "context_tokens_final": sum(
                   b.get("context_tokens_final", 0) for b in used) / max(len(used), 1),
               "latency_s": sum(b.get("latency_s", 0) for b in used)}
-        for name in ("all_recall@5", "all_recall@10", "all_found", "recall@5",
+        for name in ("all_recall@5", "all_recall@10", "all_found", "recall@5", "ndcg@10",
                      "trajectory_recall",
                      "tokens_read", "searches", "duplicate_searches", "branches",
                      "prune_accuracy", "context_tokens_final", "latency_s"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,18 +39,29 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from branch_eval import fused, load_dump, plan_rule, score  # noqa: E402
+from branch_eval import docstore_text, fused, load_dump, plan_rule, score  # noqa: E402
 
 from branchsearch.workers.heuristic import HeuristicPolicy  # noqa: E402
-from branchsearch.workers.rank import doc_of, final_ranking, hold_back  # noqa: E402
+from branchsearch.workers.rank import crowd, doc_of, final_ranking, hold_back  # noqa: E402
 from branchsearch.workers.ranker import FEATURES, LinearRanker, load_ranker  # noqa: E402
+from branchsearch.workers.text import norm_title  # noqa: E402
 
 
 SEARCH_K = HeuristicPolicy.search_k  # the places a question tail's hits never take
+PER_TITLE = HeuristicPolicy.per_title
 
 
 def load(paths: list[str]) -> dict[str, list[dict]]:
-    return {d["index"]: d["rows"] for d in map(load_dump, paths)}
+    """Each dump's rows, each row with `titles` (document id -> title, from the index's
+    docstore) for the policy's title crowding (`rerank`)."""
+    out = {}
+    for d in map(load_dump, paths):
+        try:
+            titles, _ = docstore_text(d)
+        except sqlite3.Error:  # the index is gone: rank without crowding, as the fit does
+            titles = {}
+        out[d["index"]] = [dict(row, titles=titles) for row in d["rows"]]
+    return out
 
 
 def episodes(rows: list[dict], kind: str = "original") -> list[tuple]:
@@ -218,7 +230,11 @@ def rerank(row: dict, ranker: LinearRanker | None, branch: dict, k: int = 10) ->
     if ranker is None or not branch.get("features"):
         return branch["ranked"]
     ranked = final_ranking(ranker.scores(branch["features"]), len(branch["features"]))
-    return hold_back(ranked, set(branch.get("tail", ())), SEARCH_K)[:k]  # as the policy does
+    ranked = hold_back(ranked, set(branch.get("tail", ())), SEARCH_K)  # as the policy does
+    titles = row.get("titles") or {}
+    if titles and PER_TITLE:  # ... and its title crowding (the fit itself ignores it)
+        ranked = crowd(ranked, lambda c: norm_title(titles.get(doc_of(c), "")) or c, PER_TITLE)
+    return ranked[:k]
 
 
 def evaluate(rows: list[dict], ranker: LinearRanker | None, plan: str = "all",
@@ -236,7 +252,7 @@ def evaluate(rows: list[dict], ranker: LinearRanker | None, plan: str = "all",
     for name, ranking, branches in (("1br", one, lambda r: r["branches"][:1]),
                                     ("3br", many, lambda r: keep(r["branches"]))):
         m = score(rows, ranking, branches, titles, texts)
-        out[name] = {k: m[k] for k in ("all_recall@5", "all_recall@10", "recall@5")}
+        out[name] = {k: m[k] for k in ("all_recall@5", "all_recall@10", "recall@5", "ndcg@10")}
         if "attribution" in m:
             out[name]["attribution"] = m["attribution"]
     return out
