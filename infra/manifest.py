@@ -90,9 +90,10 @@ def ingested_as(index_dir: Path, manifest: Manifest) -> str | None:
     would fill a second, empty collection. Known from the Lite file's recorded path; an index
     whose vectors are on a server records no folder."""
     kind, _, rest = str(manifest.backends.get("dense", "")).partition(" ")
-    if kind != "milvus-lite" or not rest:
-        return None
-    old = Path(rest.split(" (")[0]).parent.name
+    lite = Path(rest.split(" (")[0])
+    if kind != "milvus-lite" or lite.name != "dense.db" or lite.parent.parent.name != "indexes":
+        return None  # not an owned index's own Lite file (`milvus_uri` may name a shared one)
+    old = lite.parent.name
     collection = lambda name: name.replace("-", "_")  # noqa: E731 (as infra.retriever names it)
     return old if old and collection(old) != collection(Path(index_dir).name) else None
 

@@ -359,3 +359,19 @@ def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(
         assert retriever.search("Ed Wood", "hybrid", 3)
     finally:
         retriever.close()
+
+
+def test_ingested_as_reads_only_an_owned_index_s_own_lite_file():
+    from branchsearch.infra.manifest import Manifest, ingested_as
+
+    def manifest(dense: str) -> Manifest:
+        fields = {f: None for f in Manifest.__dataclass_fields__}
+        return Manifest(**(fields | {"backends": {"dense": dense, "lexical": "tantivy"}}))
+
+    folder = "/h/indexes/new-name"
+    assert ingested_as(folder, manifest("milvus-lite /old/indexes/old/dense.db (FLAT)")) == "old"
+    assert ingested_as(folder, manifest("milvus-lite /h/indexes/new_name/dense.db (HNSW)")) is None
+    # a Lite file that milvus_uri names (shared by indexes), a server, no dense store: no guess
+    assert ingested_as(folder, manifest("milvus-lite /data/vectors.db (FLAT)")) is None
+    assert ingested_as(folder, manifest("milvus http://milvus:19530 (HNSW)")) is None
+    assert ingested_as(folder, manifest("")) is None
