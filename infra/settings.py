@@ -73,6 +73,8 @@ class Settings:
     final_k: int = 10
     prune: bool = True
     learned_rank: bool = True  # heuristic policy: finish by workers/ranker.py (False: its score)
+    per_title: int = 2  # heuristic policy: documents of one title before other pages get the
+    # next places (workers.rank.crowd); 0: off, for corpora whose titles repeat by design
     policy: Policy = "heuristic"
     planner: Planner = "heuristic"
     # LLM engines (policy or planner = llm): an OpenAI-compatible endpoint by URL, else vLLM
@@ -166,6 +168,7 @@ def _validate(s: Settings) -> None:
         (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
+        (s.per_title >= 0, "per_title must be >= 0 (0: off)"),
         (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),
         (s.embed_batch >= 1, "embed_batch must be >= 1"),
         (s.retriever_replicas >= 1, "retriever_replicas must be >= 1"),

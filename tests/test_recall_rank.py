@@ -553,3 +553,11 @@ def test_an_index_whose_bm25_does_not_fold_keeps_hybrid_hops(hotpot_settings, tm
             field["options"]["indexing"]["tokenizer"] = "en_stem"  # as the old code made it
     meta.write_text(json.dumps(data))
     assert make_policy(old).hop_mode == ""
+
+
+def test_per_title_is_a_setting_the_policy_gets(bm25_hotpot):
+    from branchsearch.workers.factory import make_policy
+
+    settings, _ = bm25_hotpot
+    assert make_policy(settings).per_title == 2
+    assert make_policy(settings.replace(per_title=0)).per_title == 0

@@ -20,6 +20,7 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
         mode = searched_mode(settings)
         return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
                                max_turns=settings.max_turns, learned_rank=settings.learned_rank,
+                               per_title=settings.per_title,
                                ranker_path=str(weights_for(mode)),
                                hop_mode=hop_mode(settings, mode),
                                tail_page=kind == "original")
