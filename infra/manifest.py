@@ -90,9 +90,10 @@ def ingested_as(index_dir: Path, manifest: Manifest) -> str | None:
     would fill a second, empty collection. Known from the Lite file's recorded path; an index
     whose vectors are on a server records no folder."""
     kind, _, rest = str(manifest.backends.get("dense", "")).partition(" ")
-    lite = Path(rest.split(" (")[0])
-    if kind != "milvus-lite" or lite.name != "dense.db" or lite.parent.parent.name != "indexes":
-        return None  # not an owned index's own Lite file (`milvus_uri` may name a shared one)
+    lite = Path(rest.rpartition(" (")[0] or rest)  # "<path> (<vector index>)"; the path may hold " ("
+    if (kind != "milvus-lite" or lite.name != "dense.db" or lite.parent.parent.name != "indexes"
+            or not (Path(index_dir) / "dense.db").exists()):
+        return None  # not a folder carrying its own Lite file (`milvus_uri` may name another's)
     old = lite.parent.name
     collection = lambda name: name.replace("-", "_")  # noqa: E731 (as infra.retriever names it)
     return old if old and collection(old) != collection(Path(index_dir).name) else None

@@ -339,20 +339,25 @@ def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(
     from branchsearch.infra.ingest import ingest
     from branchsearch.infra.retriever import open_retriever
 
+    from conftest import ingest_copy
+
+    # an index of its own: copying a folder whose Lite file a process has open (the session's
+    # hotpot index) closes that process's lock handle, and Milvus Lite stops its server
+    source = ingest_copy(hotpot_settings, "copy-source")
     copy = hotpot_settings.replace(index="hotpot-copy")
-    shutil.copytree(hotpot_settings.index_dir, copy.index_dir)
+    shutil.copytree(source.index_dir, copy.index_dir)
     manifest = (copy.index_dir / "manifest.json").read_bytes()
-    said = r"ingested as 'hotpot' and its folder copied or renamed since.*rename the folder back"
+    said = r"ingested as 'copy-source' and its folder copied .*rename the folder back"
     with pytest.raises(IndexIncomplete, match=said):
         open_retriever(copy)
     with pytest.raises(IndexIncomplete, match=said):
         ingest(HOTPOT, copy)
     assert (copy.index_dir / "manifest.json").read_bytes() == manifest  # untouched
     health = {i.name: i.health for i in owned_indexes(copy)}
-    assert health["hotpot-copy"].startswith("copied or renamed from 'hotpot'"), health
-    assert health["hotpot"] == "ok"
+    assert health["hotpot-copy"].startswith("copied or renamed from 'copy-source'"), health
+    assert health["copy-source"] == "ok"
     # the same folder under its own name in another home (a moved home) is fine
-    moved = hotpot_settings.replace(home=Path(copy.home).parent / "moved-home")
+    moved = source.replace(home=Path(copy.home).parent / "moved-home")
     shutil.copytree(copy.index_dir, moved.index_dir)
     retriever = open_retriever(moved)
     try:
@@ -361,17 +366,21 @@ def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(
         retriever.close()
 
 
-def test_ingested_as_reads_only_an_owned_index_s_own_lite_file():
+def test_ingested_as_reads_only_a_folder_s_own_lite_file(tmp_path):
     from branchsearch.infra.manifest import Manifest, ingested_as
 
     def manifest(dense: str) -> Manifest:
         fields = {f: None for f in Manifest.__dataclass_fields__}
         return Manifest(**(fields | {"backends": {"dense": dense, "lexical": "tantivy"}}))
 
-    folder = "/h/indexes/new-name"
+    folder = tmp_path / "indexes" / "new-name"
+    folder.mkdir(parents=True)
+    # no dense.db here: its vectors are in a file milvus_uri names (another index's): no guess
+    assert ingested_as(folder, manifest("milvus-lite /old/indexes/old/dense.db (FLAT)")) is None
+    (folder / "dense.db").write_bytes(b"")  # a copied folder carries its own Lite file
     assert ingested_as(folder, manifest("milvus-lite /old/indexes/old/dense.db (FLAT)")) == "old"
+    assert ingested_as(folder, manifest("milvus-lite /h (1)/indexes/old/dense.db (HNSW)")) == "old"
     assert ingested_as(folder, manifest("milvus-lite /h/indexes/new_name/dense.db (HNSW)")) is None
-    # a Lite file that milvus_uri names (shared by indexes), a server, no dense store: no guess
     assert ingested_as(folder, manifest("milvus-lite /data/vectors.db (FLAT)")) is None
     assert ingested_as(folder, manifest("milvus http://milvus:19530 (HNSW)")) is None
     assert ingested_as(folder, manifest("")) is None

@@ -39,9 +39,10 @@ def test_crowd_moves_a_titles_documents_after_the_first_few_below_the_others():
              "w": "World War II", "h4": "Hiroshima"}
     ranked = ["h1#p0", "h2#p0", "h3#p0", "w#p0", "h4#p0", "e#p0", "h1#p1"]
     of = lambda cid: title[doc_of(cid)]  # noqa: E731
-    # two Hiroshima passages, then the other pages in order; the crowded-out ones keep theirs
-    assert crowd(ranked, of, 2) == ["h1#p0", "h2#p0", "w#p0", "e#p0", "h1#p1", "h3#p0", "h4#p0"]
-    assert crowd(ranked, of, 1) == ["h1#p0", "w#p0", "e#p0", "h1#p1", "h2#p0", "h3#p0", "h4#p0"]
+    # two Hiroshima passages, then the other pages in order, then the crowded-out ones in
+    # theirs; a document's second chunk still after every document's first
+    assert crowd(ranked, of, 2) == ["h1#p0", "h2#p0", "w#p0", "e#p0", "h3#p0", "h4#p0", "h1#p1"]
+    assert crowd(ranked, of, 1) == ["h1#p0", "w#p0", "e#p0", "h2#p0", "h3#p0", "h4#p0", "h1#p1"]
     assert crowd(ranked, of, 4) == ranked  # never more than four of one title: unchanged
     assert crowd([], of, 2) == []
 
@@ -51,7 +52,7 @@ def test_the_heuristic_finish_crowds_one_titles_passages():
     from branchsearch.workers.policy import VisibleChunk
 
     def state(**kw):
-        p = HeuristicPolicy(learned_rank=False, final_k=3, **kw)
+        p = HeuristicPolicy(learned_rank=False, **({"final_k": 3} | kw))
         titles = {"a": "Atomic bombings (Hiroshima)", "b": "Atomic bombings", "c":
                   "Atomic bombings", "e": "Enola Gay"}
         p.chunks = {f"{d}#p0": VisibleChunk(f"{d}#p0", d, t, "text", 8) for d, t in titles.items()}
@@ -61,6 +62,18 @@ def test_the_heuristic_finish_crowds_one_titles_passages():
     # one title with its qualifier dropped: a and b are the two passages it may place first
     assert state()._finish(set()).args["ids"] == ["a#p0", "b#p0", "e#p0"]
     assert state(per_title=0)._finish(set()).args["ids"] == ["a#p0", "b#p0", "c#p0"]
+    assert state(rank_all=False)._finish({"a#p0", "b#p0", "c#p0", "e#p0"}).args["ids"] == [
+        "a#p0", "b#p0", "e#p0"]  # the visible-only ranking crowds before its cut too
+    # a second chunk of e does not take the place of document c
+    p = state(final_k=4)
+    p.chunks["e#p1"] = VisibleChunk("e#p1", "e", "Enola Gay", "more", 8)
+    p.scores["e#p1"] = 0.5
+    assert p._finish(set()).args["ids"] == ["a#p0", "b#p0", "e#p0", "c#p0"]
+    # a title that is only a qualifier is no title: such documents are not crowded together
+    p = state()
+    for cid in ("a#p0", "b#p0", "c#p0"):
+        p.chunks[cid] = VisibleChunk(cid, cid[0], "(untitled)", "text", 8)
+    assert p._finish(set()).args["ids"] == ["a#p0", "b#p0", "c#p0"]
 
 # --- the heuristic policy's final ranking over everything it scored ------------------------------
 

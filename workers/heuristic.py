@@ -483,7 +483,7 @@ class HeuristicPolicy:
 
     def _title_key(self, cid: str) -> str:
         chunk = self.chunks.get(cid)
-        return norm_title(chunk.title) if chunk is not None and chunk.title else cid
+        return (norm_title(chunk.title) if chunk is not None else "") or cid  # '(untitled)': none
 
     def _finish(self, visible: set[str]) -> ToolCall:
         """Rank everything the trajectory scored — kept, pruned or never expanded — by the score
@@ -491,7 +491,7 @@ class HeuristicPolicy:
         With `learned_rank`, the order is the learned ranker's (`workers.ranker`) over the
         features of every scored chunk (kept in `final_features`)."""
         if not self.rank_all:
-            ranked = self._ranked(visible - self.pruned)[: self.final_k]
+            ranked = self._ranked(visible - self.pruned)
         elif self.learned_rank:
             from branchsearch.workers.ranker import episode_features, load_ranker
 

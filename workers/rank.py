@@ -61,13 +61,17 @@ def crowd(ranked: list[str], title_of: Callable[[str], str], per_title: int,
     document not crowded out (search engines' "host crowding"; order otherwise kept). Chunks of
     an article split into many documents under one title (a passage each) would otherwise fill
     the head with one article: `per_title` of them say what it holds, the next places go to other
-    pages. A document keeps its place for all its chunks: only documents are counted."""
-    kept, held, count, fate = [], [], {}, {}
+    pages. Documents are placed by their first chunk in `ranked`, and every document's first
+    chunk still comes before any document's second (`final_ranking`'s rule), so a cut at k keeps
+    as many documents as it did."""
+    kept, held, repeats, count, seen = [], [], [], {}, set()
     for cid in ranked:
         d = doc(cid)
-        if d not in fate:
-            title = title_of(cid)
-            count[title] = count.get(title, 0) + 1
-            fate[d] = count[title] <= per_title
-        (kept if fate[d] else held).append(cid)
-    return kept + held
+        if d in seen:
+            repeats.append(cid)
+            continue
+        seen.add(d)
+        title = title_of(cid)
+        count[title] = count.get(title, 0) + 1
+        (kept if count[title] <= per_title else held).append(cid)
+    return kept + held + repeats

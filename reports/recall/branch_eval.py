@@ -80,6 +80,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
         policies[index] = HeuristicPolicy(**{
             "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
             "learned_rank": ranker and not features, "tail_page": index == 0,
+            "per_title": settings.per_title,
             "hop_mode": hop_mode(settings, mode),
             "ranker_path": str(weights_for(mode))} | own(index))
         return policies[index]
