@@ -55,12 +55,16 @@ def load(paths: list[str]) -> dict[str, list[dict]]:
     """Each dump's rows, each row with `titles` (document id -> title, from the index's
     docstore) for the policy's title crowding (`rerank`)."""
     out = {}
-    for d in map(load_dump, paths):
+    for path in paths:
+        d = load_dump(path)
         try:
             titles, _ = docstore_text(d)
         except sqlite3.Error:  # the index is gone: rank without crowding, as the fit does
             titles = {}
-        out[d["index"]] = [dict(row, titles=titles) for row in d["rows"]]
+        # two dumps of one index (the pooled corpus's hotpot and musique questions) are two
+        # sets: the second is named INDEX:FILE (it replaced the first before)
+        name = d["index"] if d["index"] not in out else f"{d['index']}:{Path(path).stem}"
+        out[name] = [dict(row, titles=titles) for row in d["rows"]]
     return out
 
 
