@@ -32,6 +32,12 @@ from branchsearch.infra.backends import IndexedChunk, acl_terms
 COLLECTION = "chunks"
 
 
+def collection_for(index: str) -> str:
+    """The collection of an owned index: `chunks_<index>`, '-' written '_' (Milvus allows no
+    '-' in a name), so 'a-b' and 'a_b' share one."""
+    return f"{COLLECTION}_{index}".replace("-", "_")
+
+
 def quiet_pymilvus() -> None:
     """pymilvus logs every failed request at ERROR before raising it; our stores raise it as one
     `BackendUnavailable` line, so those log lines would only say it twice (and break the CLI's

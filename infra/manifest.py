@@ -94,9 +94,10 @@ def ingested_as(index_dir: Path, manifest: Manifest) -> str | None:
     if (kind != "milvus-lite" or lite.name != "dense.db" or lite.parent.parent.name != "indexes"
             or not (Path(index_dir) / "dense.db").exists()):
         return None  # not a folder carrying its own Lite file (`milvus_uri` may name another's)
+    from branchsearch.infra.dense import collection_for
+
     old = lite.parent.name
-    collection = lambda name: name.replace("-", "_")  # noqa: E731 (as infra.retriever names it)
-    return old if old and collection(old) != collection(Path(index_dir).name) else None
+    return old if old and collection_for(old) != collection_for(Path(index_dir).name) else None
 
 
 def check_name(index_dir: Path, index: str, manifest: Manifest) -> None:

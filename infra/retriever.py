@@ -402,11 +402,11 @@ def dense_uri(settings: Settings) -> str:
 def dense_store(settings: Settings, dim: int, *, create: bool = True):
     """The owned index's dense store (`dense_uri`). `create=False` (a reader): a missing
     collection is `IndexIncomplete`."""
-    from branchsearch.infra.dense import MilvusStore
+    from branchsearch.infra.dense import MilvusStore, collection_for
 
     return MilvusStore(dense_uri(settings), dim,
                        token=settings.milvus_token,
-                       collection=f"chunks_{settings.index}".replace("-", "_"),
+                       collection=collection_for(settings.index),
                        index=index_spec(settings), create=create,
                        timeout_s=settings.backend_timeout_s)
 

@@ -483,7 +483,7 @@ class HeuristicPolicy:
 
     def _title_key(self, cid: str) -> str:
         chunk = self.chunks.get(cid)
-        return (norm_title(chunk.title) if chunk is not None else "") or cid  # '(untitled)': none
+        return norm_title(chunk.title) if chunk is not None else ""
 
     def _finish(self, visible: set[str]) -> ToolCall:
         """Rank everything the trajectory scored — kept, pruned or never expanded — by the score

@@ -63,7 +63,8 @@ def crowd(ranked: list[str], title_of: Callable[[str], str], per_title: int,
     the head with one article: `per_title` of them say what it holds, the next places go to other
     pages. Documents are placed by their first chunk in `ranked`, and every document's first
     chunk still comes before any document's second (`final_ranking`'s rule), so a cut at k keeps
-    as many documents as it did."""
+    as many documents as it did. An empty title ('(untitled)' without its qualifier) is no
+    title: such a document is never crowded."""
     kept, held, repeats, count, seen = [], [], [], {}, set()
     for cid in ranked:
         d = doc(cid)
@@ -71,7 +72,7 @@ def crowd(ranked: list[str], title_of: Callable[[str], str], per_title: int,
             repeats.append(cid)
             continue
         seen.add(d)
-        title = title_of(cid)
+        title = title_of(cid) or ("", d)  # no title: a group of its own
         count[title] = count.get(title, 0) + 1
         (kept if count[title] <= per_title else held).append(cid)
     return kept + held + repeats

@@ -237,7 +237,7 @@ def rerank(row: dict, ranker: LinearRanker | None, branch: dict, k: int = 10) ->
     ranked = hold_back(ranked, set(branch.get("tail", ())), SEARCH_K)  # as the policy does
     titles = row.get("titles") or {}
     if titles and PER_TITLE:  # ... and its title crowding (the fit itself ignores it)
-        ranked = crowd(ranked, lambda c: norm_title(titles.get(doc_of(c), "")) or c, PER_TITLE)
+        ranked = crowd(ranked, lambda c: norm_title(titles.get(doc_of(c), "")), PER_TITLE)
     return ranked[:k]
 
 
