@@ -68,21 +68,16 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
         return {k.removeprefix("branch."): v for k, v in (policy_args or {}).items()
                 if index > 0 or not k.startswith("branch.")}
 
-    def policy(index, subquery):  # as workers.factory.make_policy, the learned ranking on/off
-        from branchsearch.workers.heuristic import HeuristicPolicy
-        from branchsearch.infra.retriever import searched_mode
-        from branchsearch.workers.factory import hop_mode
-        from branchsearch.workers.ranker import weights_for
+    def policy(index, subquery):  # workers.factory.make_policy's, the learned ranking on/off
+        from dataclasses import replace
+
+        from branchsearch.workers.factory import make_policy
 
         # the planner keeps the question's own branch first: only it searches the question
-        # tail, as make_policy(kind="original") does
-        mode = searched_mode(settings)
-        policies[index] = HeuristicPolicy(**{
-            "final_k": settings.final_k, "prune": settings.prune, "max_turns": settings.max_turns,
-            "learned_rank": ranker and not features, "tail_page": index == 0,
-            "per_title": settings.per_title,
-            "hop_mode": hop_mode(settings, mode),
-            "ranker_path": str(weights_for(mode))} | own(index))
+        # tail (make_policy's kind="original")
+        own_settings = settings.replace(learned_rank=ranker and not features)
+        policies[index] = replace(make_policy(own_settings, "heuristic", kind="original" if
+                                              index == 0 else "entity"), **own(index))
         return policies[index]
 
     driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
