@@ -65,6 +65,11 @@ class Searcher:
             if not settings.index_dir.is_dir():  # before any actor starts for it
                 raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
                                     f"ingest PATH --index {index}`)")
+            from branchsearch.infra.manifest import check_name, read_manifest
+
+            manifest = read_manifest(settings.index_dir)
+            if manifest is not None:  # a copied folder: its 503, not a retriever actor's death
+                check_name(settings.index_dir, index, manifest)  # (a 500 under Ray)
             from branchsearch.infra.docstore import DocStore
 
             driver = self.driver_factory(settings, self.executor)

@@ -197,6 +197,30 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     assert attempts.count("slow") == 2
 
 
+def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
+    """Under Ray the copied-folder error was raised in the retriever actor's constructor and
+    reached the caller as ActorDiedError: a 500. Now the searcher refuses it first (a 503 by
+    `api_error`), and starts nothing."""
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.manifest import Manifest, write_manifest
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator.limits import api_error
+    from branchsearch.orchestrator.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="copy").index_dir
+    folder.mkdir(parents=True)
+    (folder / "dense.db").write_bytes(b"")
+    fields = {f: None for f in Manifest.__dataclass_fields__}
+    write_manifest(folder, Manifest(**(fields | {"backends": {
+        "dense": f"milvus-lite {tmp_path}/indexes/orig/dense.db (FLAT)", "lexical": "tantivy"}})))
+    started = []
+    searcher = Searcher(settings, executor="ray",
+                        driver_factory=lambda s, executor: started.append(s.index))
+    with pytest.raises(IndexIncomplete, match="ingested as 'orig'") as caught:
+        searcher.driver("copy")
+    assert api_error(caught.value).status == 503 and started == []
+
 def test_a_key_cannot_hold_the_reserved_group(tmp_path):
     """'*' means every document to the backends: a key with it would read every group's
     documents without being an admin key (hostile pass). Refused, and nothing is written."""
