@@ -151,6 +151,9 @@ def _coerce(name: str, value: Any) -> Any:
             if value.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
+        if kind is int and (isinstance(value, bool) or isinstance(value, float)
+                            and not value.is_integer()):  # a TOML 1.5 or true, not rounded
+            raise ValueError(value)
         return kind(value)
     except (TypeError, ValueError):
         raise SettingsError(f"setting {name}: cannot read {value!r} as {kind.__name__}") from None

@@ -89,6 +89,18 @@ def test_settings_precedence(tmp_path, monkeypatch):
         load_settings(overrides={"soft_limit": 0.95, "hard_limit": 0.9})
 
 
+def test_a_toml_number_for_a_whole_number_setting_is_not_rounded(tmp_path):
+    """`per_title = 1.5` or `backend_retries = true` in a config file read as 1 and ran on
+    (hostile pass); the same value in an environment variable was refused."""
+    toml = tmp_path / "s.toml"
+    for line in ("per_title = 1.5", "backend_retries = true"):
+        toml.write_text(line + "\n")
+        with pytest.raises(SettingsError, match="cannot read .* as int"):
+            load_settings(toml, read_env=False)
+    toml.write_text("per_title = 3.0\nbackend_retries = 2\n")  # a whole number is one
+    s = load_settings(toml, read_env=False)
+    assert (s.per_title, s.backend_retries) == (3, 2)
+
 def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(monkeypatch):
     monkeypatch.setenv("BRANCHSEARCH_SEARCH_MOD", "bm25")  # would silently run hybrid
     with pytest.raises(SettingsError, match="BRANCHSEARCH_SEARCH_MOD is not a setting; did you "
