@@ -30,6 +30,9 @@ CREATE TABLE IF NOT EXISTS chunks (
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
 CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
 """
+# for `named`; added on open to a docstore written before it (where the folder is read-only or
+# another process holds the write lock, `named` scans: slower, same answer)
+_TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title ON docs(title COLLATE NOCASE)"
 
 
 def _locked(method):
@@ -49,6 +52,10 @@ class DocStore:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
         if "fingerprint" not in columns:  # a docstore written before fingerprints
             self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
+        try:
+            self._db.execute(_TITLE_INDEX)
+        except sqlite3.OperationalError:  # read-only, or locked by a writer: scan instead
+            pass
         self._lock = threading.RLock()  # one connection, many retriever threads
 
     def close(self) -> None:
@@ -175,6 +182,23 @@ class DocStore:
                 for r in self._db.execute(
                     "SELECT chunk_id, n, text, n_tokens FROM chunks WHERE doc_id = ? ORDER BY n",
                     (doc_id,))]
+
+    @_locked
+    def named(self, name: str, limit: int = 5) -> list[dict]:
+        """Documents titled `name`, case aside, or `name (qualifier)` ('Brand' names 'Brand
+        (play)'): {doc_id, title, acl, chunk_id of its first chunk}, at most `limit`, exact
+        titles first. By the title index (`docs_title`), not a scan."""
+        name = name.strip()
+        if not name:
+            return []
+        like = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + " (%"
+        rows = self._db.execute(
+            "SELECT d.doc_id, d.title, d.acl, c.chunk_id FROM docs d JOIN chunks c "
+            "ON c.doc_id = d.doc_id AND c.n = 0 "
+            "WHERE d.title = ? COLLATE NOCASE OR d.title LIKE ? ESCAPE '\\' "
+            "ORDER BY length(d.title), d.doc_id LIMIT ?", (name, like, limit)).fetchall()
+        return [{"doc_id": r[0], "title": r[1], "acl": json.loads(r[2]), "chunk_id": r[3]}
+                for r in rows]
 
     @_locked
     def titles(self) -> dict[str, str]:

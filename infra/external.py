@@ -410,6 +410,11 @@ class ExternalDocs:
     def doc_count(self) -> int:
         return self.source.count()
 
+    def named(self, name: str, limit: int = 5) -> list[dict]:
+        """No title lookup on a foreign index (its title field has no exact-match contract):
+        a `named` search is then the plain search."""
+        return []
+
     def replace_documents(self, *args, **kwargs):
         _read_only(self.source.spec.name)
 

@@ -1,12 +1,16 @@
 """The retrieval API the agent and the evaluation use.
 
-    search(query, mode=bm25|dense|hybrid, k, exclude_ids, acl_groups) -> list[Hit]
+    search(query, mode=bm25|dense|hybrid, k, exclude_ids, acl_groups, named=False) -> list[Hit]
     grep(pattern, k, exclude_ids, acl_groups)                          -> list[Hit]
     get_chunks(ids)                                                    -> dict[id, chunk]
     read_document(doc_id, start, end, acl_groups)                      -> dict
     call_many([(method, args, kwargs), ...], cache=None)
                                                  -> [value or the exception it raised, ...]
 
+With `named`, the document titled `query` (case aside; else one titled `query (qualifier)`)
+comes first: a search for a name opens that name's page, as an encyclopedia's search box does,
+where longer pages that mention the name outscore it (BM25 ranks 'Kansas (song)' and six Kansas
+City and Kansas district pages above the 'Kansas' article in the pooled benchmark corpus).
 Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
 Hits are hydrated from the docstore; an id the docstore does not know is dropped. Readers open
 only a complete index: `open_stores` refuses one without a manifest (a killed or running ingest,
@@ -39,6 +43,9 @@ from branchsearch.infra.hits import Hit
 from branchsearch.infra.settings import Settings
 
 
+NAMED_FIRST = 1  # pages a `named` search puts first: the name's own page
+
+
 @dataclass
 class Retriever:
     docstore: DocStore
@@ -56,7 +63,7 @@ class Retriever:
 
     def search(self, query: str, mode: Mode = "hybrid", k: int = 10,
                exclude_ids: Sequence[str] = (), acl_groups: Sequence[str] | None = None,
-               *, cache: QuestionCache | None = None) -> list[Hit]:
+               *, named: bool = False, cache: QuestionCache | None = None) -> list[Hit]:
         if mode not in MODES:
             raise BadQuery(f"unknown search mode {mode!r}; use one of {', '.join(MODES)}")
         check_k(k)
@@ -74,7 +81,35 @@ class Retriever:
             lists = [self._list("bm25", query, n, exclude, acl_groups, cache),
                      self._list("dense", query, n, exclude, acl_groups, cache)]
             hits = self._fuse(lists, k)
-        return self._hydrate(hits)
+        hits = self._hydrate(hits)
+        return self._named_first(query, hits, k, exclude, acl_groups) if named else hits
+
+    def _named_first(self, query: str, hits: list[Hit], k: int, exclude: list[str],
+                     acl_groups) -> list[Hit]:
+        """`hits` with the pages titled `query` first (exact titles, then qualified ones, each
+        in the search's own order), at most `NAMED_FIRST`, still k in all. The pages are
+        filtered like the search (`exclude`, the caller's groups)."""
+        from branchsearch.infra.backends import acl_visible
+
+        skip = set(exclude)
+        pages = [p for p in self.docstore.named(query, limit=NAMED_FIRST + len(skip))
+                 if p["chunk_id"] not in skip and acl_visible(p["acl"], acl_groups)]
+        if not pages:
+            return hits
+        place = {h.chunk_id: i for i, h in enumerate(hits)}
+        exact = query.strip().casefold()
+        pages.sort(key=lambda p: (p["title"].casefold() != exact,
+                                  place.get(p["chunk_id"], len(hits))))
+        found = {h.chunk_id: h for h in hits}
+        found |= {h.chunk_id: h for h in self._hydrate([  # the pages the search did not bring
+            Hit(p["chunk_id"], p["doc_id"], 0.0, 0, "title")
+            for p in pages[:NAMED_FIRST] if p["chunk_id"] not in found])}
+        front = [found[p["chunk_id"]] for p in pages[:NAMED_FIRST] if p["chunk_id"] in found]
+        ids = {h.chunk_id for h in front}
+        out = (front + [h for h in hits if h.chunk_id not in ids])[:k]
+        for rank, h in enumerate(out, start=1):
+            h.rank = rank
+        return out
 
     def _list(self, kind: str, query: str, k: int, exclude: list[str], acl_groups,
               cache: QuestionCache | None) -> list[Hit]:

@@ -85,6 +85,21 @@ def test_retriever_every_mode(acl_settings):
         r.close()
 
 
+def test_a_named_search_opens_no_restricted_page(acl_settings):
+    """The page a `named` search puts first is filtered like every hit: 'Falcon budget' is
+    restricted to finance."""
+    r = open_retriever(acl_settings)
+    try:
+        for groups in (None, ["hr"]):
+            hits = r.search("Falcon budget", mode="bm25", k=3, acl_groups=groups, named=True)
+            assert "fin" not in {h.doc_id for h in hits} and hits[0].source == "bm25"
+        [first, *_] = r.search("falcon budget", mode="bm25", k=3, acl_groups=["finance"],
+                               named=True)
+        assert first.doc_id == "fin"
+    finally:
+        r.close()
+
+
 def test_search_reads_no_restricted_document(acl_settings):
     """The agent (heuristic policy, in-process driver) searches and reads documents; without
     groups nothing restricted reaches its evidence, with a group that group's documents do."""

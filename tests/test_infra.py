@@ -116,3 +116,29 @@ def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(m
     monkeypatch.setenv("BRANCHSEARCH_SOMETHING_ELSE", "1")  # nothing like a setting
     monkeypatch.setenv("BRANCHSEARCH_SEARCH_MODE", "bm25")
     assert load_settings(read_file=False).search_mode == "bm25"
+
+
+def test_the_docstore_finds_a_page_by_its_title_and_reads_no_wildcard(tmp_path):
+    """`named`: the title, case aside, or the title with a qualifier; '%' and '_' in a name
+    are characters, not SQL wildcards; the title index is there to answer it."""
+    from branchsearch.infra.chunking import Chunk
+    from branchsearch.infra.corpus import Document
+    from branchsearch.infra.docstore import DocStore
+
+    store = DocStore(tmp_path / "docs.sqlite")
+    titles = {"a": "A_B", "b": "AxB (band)", "c": "50% Off", "d": "50% Off (film)",
+              "e": "505 Off", "f": "Kansas", "g": "Kansas City"}
+    docs = [Document(i, t, f"text of {t}") for i, t in titles.items()]
+    store.replace_documents(docs, [Chunk(f"{i}#p0", i, 0, "x", 0, 1) for i in titles])
+
+    def named(name, limit=5):
+        return [p["doc_id"] for p in store.named(name, limit)]
+
+    assert named("kansas") == ["f"]
+    assert named("A_B") == ["a"] and named("AxB") == ["b"]
+    assert named("50% Off") == ["c", "d"] and named("50% Off", 1) == ["c"]
+    assert named("50_ Off") == [] and named(" ") == []
+    assert store.named("Kansas")[0] == {"doc_id": "f", "title": "Kansas", "acl": [],
+                                        "chunk_id": "f#p0"}
+    assert store._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'docs_title'").fetchone()
+    store.close()

@@ -574,3 +574,43 @@ def test_per_title_is_a_setting_the_policy_gets(bm25_hotpot):
     settings, _ = bm25_hotpot
     assert make_policy(settings).per_title == 2
     assert make_policy(settings.replace(per_title=0)).per_title == 0
+
+
+def test_a_named_search_opens_the_names_own_page_first(bm25_hotpot):
+    """`named`: the page titled with the query comes first, even from below the cut (BM25
+    ranks 'Ed Wood (film)' above 'Ed Wood'); a qualified title when there is no exact one; an
+    excluded page stays excluded; no page by that name leaves the search as it was."""
+    _, retriever = bm25_hotpot
+
+    def ids(query, k, **kw):
+        return [h.doc_id for h in retriever.search(query, mode="bm25", k=k, **kw)]
+
+    assert ids("Ed Wood", 1) == ["ed-wood-film"]
+    [page] = retriever.search("ed wood", mode="bm25", k=1, named=True)
+    assert (page.doc_id, page.source, page.rank, page.title) == ("ed-wood", "title", 1, "Ed Wood")
+    assert page.text.startswith("Edward Davis Wood Jr.")
+    assert ids("Ed Wood", 3, named=True) == ["ed-wood", "ed-wood-film", "woodson-arkansas"]
+    assert ids("Ed Wood", 2, named=True, exclude_ids=["ed-wood#p0"])[0] == "ed-wood-film"
+    assert ids("Sinister", 2, named=True)[0] == "sinister-film"  # 'Sinister (film)'
+    assert ids("Corliss Archer", 3, named=True) == ids("Corliss Archer", 3)
+
+
+def test_the_heuristic_opens_the_pages_of_the_questions_names_only(bm25_hotpot):
+    """The searches for the sub-query's own names are `named`; the question's search and the
+    bridge searches are not (bridge pages are mostly hubs that crowd the top)."""
+    from branchsearch.workers.harness import Episode
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    settings, retriever = bm25_hotpot
+
+    def searches(policy):
+        result = Episode(Q, retriever, policy, settings).run()
+        return [c["args"] for c in result.trace
+                if c.get("kind") == "call" and c["tool"] == "search_corpus"]
+
+    policy = HeuristicPolicy()
+    calls = searches(policy)
+    named = {a["query"] for a in calls if a.get("named")}
+    assert named and named == set(policy.q_entities)  # 'Corliss Archer', 'Kiss and Tell'
+    assert policy.bridges and not named & set(policy.bridges)
+    assert not any(a.get("named") for a in searches(HeuristicPolicy(named_pages=False)))

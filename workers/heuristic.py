@@ -70,6 +70,10 @@ class HeuristicPolicy:
     # entities, residual words); "": the tool's default. make_policy passes "bm25" on a hybrid
     # index: a name or a bag of leftover words is matched by its words (their embedding is a
     # weak signal); the question's own searches stay hybrid (reports/recall/README.md, session 9)
+    named_pages: bool = True  # the search for a name the sub-query holds puts the page titled
+    # with it first (the search tool's `named`): a name's page often ranks below longer pages
+    # that mention it. Not for bridge entities: their pages are mostly hubs (a state, a
+    # country) that then crowd the top (reports/recall/README.md, session 12)
     # episode state
     subquery: str = ""
     q_terms: set[str] = field(default_factory=set)
@@ -176,6 +180,8 @@ class HeuristicPolicy:
         args = {"query": query, "k": k}
         if self.hop_mode and origin.kind != "question":
             args["mode"] = self.hop_mode
+        if self.named_pages and origin.kind == "entity":
+            args["named"] = True  # a name's own page first
         if parent:
             args["from_ids"] = [parent]
         self._pending[(query, parent)] = origin

@@ -49,7 +49,8 @@ class Tool:
 def fetch_search(ws: Workspace, args: dict) -> tuple:
     return ("search", (args["query"],), {
         "mode": args.get("mode", ws.settings.search_mode), "k": args.get("k", ws.settings.search_k),
-        "exclude_ids": ws.cache.ids(), "acl_groups": ws.acl_groups})
+        "exclude_ids": ws.cache.ids(), "acl_groups": ws.acl_groups,
+        "named": args.get("named", False)})
 
 
 def fetch_grep(ws: Workspace, args: dict) -> tuple:
@@ -192,6 +193,8 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
          _obj({"query": {"type": "string", "minLength": 1, "maxLength": QUERY_MAX_CHARS},
                "k": {"type": "integer", "minimum": 1, "maximum": MAX_SEARCH_K},
                "mode": {"enum": ["hybrid", *(m for m in MODES if m != "hybrid")]},
+               "named": {"type": "boolean", "description": "the query is a name: the pages "
+                         "titled with it come first"},
                "from_ids": _FROM}, ["query"]),
          apply_search, fetch_search),
     Tool("grep_corpus",
