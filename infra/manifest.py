@@ -89,7 +89,7 @@ def ingested_as(index_dir: Path, manifest: Manifest) -> str | None:
     under the new name the vectors are not found: readers would call it damaged and an ingest
     would fill a second, empty collection. Known from the Lite file's recorded path; an index
     whose vectors are on a server records no folder."""
-    kind, _, rest = str(manifest.backends.get("dense", "")).partition(" ")
+    kind, _, rest = str((manifest.backends or {}).get("dense", "")).partition(" ")
     lite = Path(rest.rpartition(" (")[0] or rest)  # "<path> (<vector index>)"; the path may hold " ("
     if (kind != "milvus-lite" or lite.name != "dense.db" or lite.parent.parent.name != "indexes"
             or not (Path(index_dir) / "dense.db").exists()):

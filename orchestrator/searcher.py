@@ -65,11 +65,11 @@ class Searcher:
             if not settings.index_dir.is_dir():  # before any actor starts for it
                 raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
                                     f"ingest PATH --index {index}`)")
-            from branchsearch.infra.manifest import check_name, read_manifest
+            from branchsearch.infra.manifest import require_complete
 
-            manifest = read_manifest(settings.index_dir)
-            if manifest is not None:  # a copied folder: its 503, not a retriever actor's death
-                check_name(settings.index_dir, index, manifest)  # (a 500 under Ray)
+            # incomplete, being ingested, or a copied folder: its 503 now, not the death of a
+            # retriever actor whose constructor found it (ActorDiedError, a 500, under Ray)
+            require_complete(settings.index_dir, index)
             from branchsearch.infra.docstore import DocStore
 
             driver = self.driver_factory(settings, self.executor)

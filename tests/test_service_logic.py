@@ -164,9 +164,13 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     from branchsearch.infra.settings import load_settings
     from branchsearch.orchestrator.searcher import Searcher
 
+    from branchsearch.infra.manifest import Manifest, write_manifest
+
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
-    for name in ("slow", "fast"):
-        settings.replace(index=name).index_dir.mkdir(parents=True)
+    for name in ("slow", "fast"):  # complete indexes as far as the searcher looks
+        folder = settings.replace(index=name).index_dir
+        folder.mkdir(parents=True)
+        write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
     release, attempts = threading.Event(), []
 
     def factory(s, executor):
@@ -181,8 +185,10 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     slow = threading.Thread(target=lambda: failed.append(
         pytest.raises(BackendUnavailable, searcher.driver, "slow")))
     slow.start()
-    while "slow" not in attempts:
+    waited = time.perf_counter()
+    while "slow" not in attempts and time.perf_counter() - waited < 30:
         time.sleep(0.01)
+    assert attempts == ["slow"], failed
     started = time.perf_counter()
     assert searcher.driver("fast") == "driver-fast"
     with pytest.raises(IndexNotFound, match="branchsearch ingest"):
@@ -220,6 +226,27 @@ def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
     with pytest.raises(IndexIncomplete, match="ingested as 'orig'") as caught:
         searcher.driver("copy")
     assert api_error(caught.value).status == 503 and started == []
+
+def test_an_incomplete_index_is_refused_before_its_driver_starts(tmp_path):
+    """The same for an index whose ingest never finished (a docstore, no manifest): its 503
+    from the searcher, not a dead retriever actor's 500."""
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator.limits import api_error
+    from branchsearch.orchestrator.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="half").index_dir
+    folder.mkdir(parents=True)
+    (folder / "docs.sqlite").write_bytes(b"")
+    started = []
+    searcher = Searcher(settings, executor="ray",
+                        driver_factory=lambda s, executor: started.append(s.index))
+    with pytest.raises(IndexIncomplete, match="no manifest: its ingest never finished"
+                       ) as caught:
+        searcher.driver("half")
+    assert api_error(caught.value).status == 503 and started == []
+
 
 def test_a_key_cannot_hold_the_reserved_group(tmp_path):
     """'*' means every document to the backends: a key with it would read every group's
