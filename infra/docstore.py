@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -23,16 +24,22 @@ from branchsearch.infra.corpus import Document
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
     doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT, acl TEXT, meta TEXT,
-    n_chunks INTEGER, fingerprint TEXT);
+    n_chunks INTEGER, fingerprint TEXT, title_key TEXT);
 CREATE TABLE IF NOT EXISTS chunks (
     chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL, text TEXT NOT NULL,
     start_token INTEGER, n_tokens INTEGER);
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
 CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
 """
-# for `named`; added on open to a docstore written before it (where the folder is read-only or
-# another process holds the write lock, `named` scans: slower, same answer)
-_TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title ON docs(title COLLATE NOCASE)"
+_TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title_key ON docs(title_key)"
+
+
+def title_key(title: str) -> str:
+    """How `named` compares titles: case folded (any script), accents dropped, spaces
+    collapsed ('  École  Normale' and 'ecole normale' are one key; 'Aschenbrödel' is
+    'aschenbrodel', as the lexical index folds it)."""
+    decomposed = unicodedata.normalize("NFKD", title.casefold())
+    return " ".join("".join(c for c in decomposed if not unicodedata.combining(c)).split())
 
 
 def _locked(method):
@@ -52,11 +59,34 @@ class DocStore:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
         if "fingerprint" not in columns:  # a docstore written before fingerprints
             self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
-        try:
-            self._db.execute(_TITLE_INDEX)
-        except sqlite3.OperationalError:  # read-only, or locked by a writer: scan instead
-            pass
+        if "title_key" in columns:  # the index is made with the table (a no-op after)
+            self.has_title_keys = True
+            try:
+                self._db.execute(_TITLE_INDEX)
+            except sqlite3.OperationalError:  # read-only: `named` scans
+                pass
+        else:
+            self.has_title_keys = self._add_title_keys()
         self._lock = threading.RLock()  # one connection, many retriever threads
+
+    def _add_title_keys(self) -> bool:
+        """Give a docstore written before `named` its title keys (one pass over the titles:
+        about 2 s per million documents). Only when the write lock is free at once: a
+        read-only folder, or another process writing, leaves it without them (and `named`
+        finds nothing there) rather than stall the open."""
+        try:
+            self._db.execute("PRAGMA busy_timeout = 0")
+            with self._db:
+                self._db.execute("ALTER TABLE docs ADD COLUMN title_key TEXT")
+                self._db.executemany("UPDATE docs SET title_key = ? WHERE doc_id = ?", [
+                    (title_key(t or ""), d) for d, t in self._db.execute(
+                        "SELECT doc_id, title FROM docs").fetchall()])
+                self._db.execute(_TITLE_INDEX)
+            return True
+        except sqlite3.OperationalError:  # read-only, locked, or added by another process now
+            return "title_key" in {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
+        finally:
+            self._db.execute("PRAGMA busy_timeout = 5000")
 
     def close(self) -> None:
         self._db.close()
@@ -86,9 +116,11 @@ class DocStore:
                 rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens))
             self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?,?,?)", rows)
             self._db.executemany(
-                "INSERT INTO docs VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT INTO docs (doc_id, title, source, date, acl, meta, n_chunks, "
+                "fingerprint, title_key) VALUES (?,?,?,?,?,?,?,?,?)",
                 [(d.id, d.title, d.source, d.date, json.dumps(list(d.acl)), json.dumps(d.meta),
-                  by_doc.get(d.id, 0), fingerprints.get(d.id)) for d in docs])
+                  by_doc.get(d.id, 0), fingerprints.get(d.id), title_key(d.title or ""))
+                 for d in docs])
             self._db.executemany("DELETE FROM pending WHERE doc_id = ?", ids)
 
     @_locked
@@ -184,19 +216,20 @@ class DocStore:
                     (doc_id,))]
 
     @_locked
-    def named(self, name: str, limit: int = 5) -> list[dict]:
-        """Documents titled `name`, case aside, or `name (qualifier)` ('Brand' names 'Brand
-        (play)'): {doc_id, title, acl, chunk_id of its first chunk}, at most `limit`, exact
-        titles first. By the title index (`docs_title`), not a scan."""
-        name = name.strip()
-        if not name:
+    def named(self, name: str, limit: int = 20) -> list[dict]:
+        """Documents titled `name` or `name (qualifier)` ('Brand' names 'Brand (play)'),
+        compared by `title_key`: {doc_id, title, acl, chunk_id of its first chunk}, at most
+        `limit`, exact titles first. By the title key index (two range lookups, no pattern);
+        [] on a docstore without title keys (see `_add_title_keys`)."""
+        key = title_key(name)
+        if not key or not self.has_title_keys:
             return []
-        like = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + " (%"
         rows = self._db.execute(
             "SELECT d.doc_id, d.title, d.acl, c.chunk_id FROM docs d JOIN chunks c "
             "ON c.doc_id = d.doc_id AND c.n = 0 "
-            "WHERE d.title = ? COLLATE NOCASE OR d.title LIKE ? ESCAPE '\\' "
-            "ORDER BY length(d.title), d.doc_id LIMIT ?", (name, like, limit)).fetchall()
+            "WHERE d.title_key = ? OR (d.title_key >= ? AND d.title_key < ?) "
+            "ORDER BY d.title_key != ?, length(d.title_key), d.doc_id LIMIT ?",
+            (key, key + " (", key + " )", key, limit)).fetchall()
         return [{"doc_id": r[0], "title": r[1], "acl": json.loads(r[2]), "chunk_id": r[3]}
                 for r in rows]
 

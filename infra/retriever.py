@@ -7,8 +7,8 @@
     call_many([(method, args, kwargs), ...], cache=None)
                                                  -> [value or the exception it raised, ...]
 
-With `named`, the document titled `query` (case aside; else one titled `query (qualifier)`)
-comes first: a search for a name opens that name's page, as an encyclopedia's search box does,
+With `named`, the document titled `query` (case and accents aside; else one titled `query
+(qualifier)`, the search's best) comes first: a search for a name opens that name's page, as an encyclopedia's search box does,
 where longer pages that mention the name outscore it (BM25 ranks 'Kansas (song)' and six Kansas
 City and Kansas district pages above the 'Kansas' article in the pooled benchmark corpus).
 Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
@@ -44,6 +44,7 @@ from branchsearch.infra.settings import Settings
 
 
 NAMED_FIRST = 1  # pages a `named` search puts first: the name's own page
+NAMED_CANDIDATES = 20  # namesakes read per `named` search, before exclusion and groups
 
 
 @dataclass
@@ -91,15 +92,17 @@ class Retriever:
         filtered like the search (`exclude`, the caller's groups)."""
         from branchsearch.infra.backends import acl_visible
 
-        skip = set(exclude)
-        pages = [p for p in self.docstore.named(query, limit=NAMED_FIRST + len(skip))
+        from branchsearch.infra.docstore import title_key
+
+        skip = set(exclude)  # (namesakes the caller may not see are read, and then dropped)
+        pages = [p for p in self.docstore.named(query, limit=NAMED_CANDIDATES + len(skip))
                  if p["chunk_id"] not in skip and acl_visible(p["acl"], acl_groups)]
         if not pages:
             return hits
         place = {h.chunk_id: i for i, h in enumerate(hits)}
-        exact = query.strip().casefold()
-        pages.sort(key=lambda p: (p["title"].casefold() != exact,
-                                  place.get(p["chunk_id"], len(hits))))
+        exact = title_key(query)
+        pages.sort(key=lambda p: (title_key(p["title"] or "") != exact,
+                                  place.get(p["chunk_id"], len(hits))))  # stable: then by length
         found = {h.chunk_id: h for h in hits}
         found |= {h.chunk_id: h for h in self._hydrate([  # the pages the search did not bring
             Hit(p["chunk_id"], p["doc_id"], 0.0, 0, "title")

@@ -41,8 +41,10 @@ def api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, BackendUnavailable):
         return ApiError(503, "backend_unavailable", str(exc))
-    if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest)
-        return ApiError(409, "index_busy", str(exc))
+    if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest); which one
+        log.warning("index busy: %s", exc)  # (its PID and corpus path) is the server's
+        return ApiError(409, "index_busy", "an ingest or another write is updating the index "
+                        "right now; retry when it has finished")
     if isinstance(exc, IndexIncomplete):  # an ingest to finish, or store files gone: the server's
         log.warning("index unavailable: %s", exc)  # the operator's fix names server paths
         return ApiError(503, "index_incomplete", "the index is incomplete or damaged on the "

@@ -62,14 +62,18 @@ class Searcher:
                 if index in self._drivers:  # started by the request we waited for
                     return self._drivers[index]
             settings = self.settings.replace(index=index)
-            if not settings.index_dir.is_dir():  # before any actor starts for it
-                raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
+            missing = IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
                                     f"ingest PATH --index {index}`)")
+            if not settings.index_dir.is_dir():  # before any actor starts for it
+                raise missing
             from branchsearch.infra.manifest import require_complete
 
             # incomplete, being ingested, or a copied folder: its 503 now, not the death of a
             # retriever actor whose constructor found it (ActorDiedError, a 500, under Ray)
-            require_complete(settings.index_dir, index)
+            try:
+                require_complete(settings.index_dir, index)
+            except IndexNotFound:  # a folder without a docstore (its message names the home)
+                raise missing from None
             from branchsearch.infra.docstore import DocStore
 
             driver = self.driver_factory(settings, self.executor)
@@ -253,7 +257,7 @@ class Searcher:
     @staticmethod
     def _ingest_lock(driver):
         """The index's ingest lock (`infra.manifest`): a CLI ingest and a service write never
-        run at once; IndexBusy (409) names the ingest that holds it."""
+        run at once; IndexBusy (409; the server log names the ingest that holds it)."""
         from branchsearch.infra.manifest import IngestLock
 
         return IngestLock(driver.settings.index_dir, driver.settings.index, corpus="service write")

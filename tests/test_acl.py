@@ -100,6 +100,33 @@ def test_a_named_search_opens_no_restricted_page(acl_settings):
         r.close()
 
 
+def test_a_hidden_namesake_neither_shows_nor_stops_the_visible_one(tmp_path):
+    """A page titled exactly as the query that the caller may not see is skipped, and the
+    visible namesake still comes first; among pages of one title the search's order holds."""
+    corpus = tmp_path / "names.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in [
+        {"id": "k-secret", "title": "Kansas", "text": "Plans.", "acl": ["secret"]},
+        {"id": "k-band", "title": "Kansas (band)", "text": "A rock band."},
+        {"id": "kc", "title": "Kansas City", "text": "Kansas City, Kansas, on the Kansas."},
+        {"id": "m-a", "title": "Mercury", "text": "A planet."},
+        {"id": "m-b", "title": "Mercury", "text": "Mercury, the element Mercury."}]))
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "names",
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    r = open_retriever(settings, need_dense=False)
+    try:
+        def ids(query, groups=None):
+            return [h.doc_id for h in r.search(query, mode="bm25", k=3, acl_groups=groups,
+                                               named=True)]
+
+        assert ids("Kansas")[0] == "k-band" and "k-secret" not in ids("Kansas")
+        assert ids("Kansas", ["secret"])[0] == "k-secret"
+        plain = [h.doc_id for h in r.search("Mercury", mode="bm25", k=2)]
+        assert plain == ["m-b", "m-a"] and ids("Mercury")[:2] == plain
+    finally:
+        r.close()
+
+
 def test_search_reads_no_restricted_document(acl_settings):
     """The agent (heuristic policy, in-process driver) searches and reads documents; without
     groups nothing restricted reaches its evidence, with a group that group's documents do."""

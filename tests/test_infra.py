@@ -118,16 +118,18 @@ def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(m
     assert load_settings(read_file=False).search_mode == "bm25"
 
 
-def test_the_docstore_finds_a_page_by_its_title_and_reads_no_wildcard(tmp_path):
-    """`named`: the title, case aside, or the title with a qualifier; '%' and '_' in a name
-    are characters, not SQL wildcards; the title index is there to answer it."""
+def test_the_docstore_finds_a_page_by_its_title_key(tmp_path):
+    """`named`: the title or the title with a qualifier, by `title_key` (case in any script,
+    accents and spacing aside); '%', '_' and '\\' are characters, not patterns; exact titles
+    first; the key index is there to answer it."""
     from branchsearch.infra.chunking import Chunk
     from branchsearch.infra.corpus import Document
     from branchsearch.infra.docstore import DocStore
 
     store = DocStore(tmp_path / "docs.sqlite")
-    titles = {"a": "A_B", "b": "AxB (band)", "c": "50% Off", "d": "50% Off (film)",
-              "e": "505 Off", "f": "Kansas", "g": "Kansas City"}
+    titles = {"a": "A_B", "b": "AxB (band)", "c": "50% Off (film)", "d": "50% Off",
+              "e": "505 Off", "f": "Kansas", "g": "Kansas City", "h": "  École  Normale ",
+              "i": "Aschenbrödel", "j": "C:\\path"}
     docs = [Document(i, t, f"text of {t}") for i, t in titles.items()]
     store.replace_documents(docs, [Chunk(f"{i}#p0", i, 0, "x", 0, 1) for i in titles])
 
@@ -136,9 +138,55 @@ def test_the_docstore_finds_a_page_by_its_title_and_reads_no_wildcard(tmp_path):
 
     assert named("kansas") == ["f"]
     assert named("A_B") == ["a"] and named("AxB") == ["b"]
-    assert named("50% Off") == ["c", "d"] and named("50% Off", 1) == ["c"]
-    assert named("50_ Off") == [] and named(" ") == []
+    assert named("50% Off") == ["d", "c"] and named("50% Off", 1) == ["d"]
+    assert named("50_ Off") == [] and named("%") == [] and named(" ") == []
+    assert named("école normale") == named("ECOLE NORMALE") == ["h"]
+    assert named("Aschenbrodel") == named("ASCHENBRÖDEL") == ["i"]
+    assert named("c:\\PATH") == ["j"] and named("c:") == []
     assert store.named("Kansas")[0] == {"doc_id": "f", "title": "Kansas", "acl": [],
                                         "chunk_id": "f#p0"}
-    assert store._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'docs_title'").fetchone()
+    assert store._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'docs_title_key'"
+                             ).fetchone()
     store.close()
+
+
+def test_an_older_docstore_gets_its_title_keys_on_open_unless_it_cannot_wait(tmp_path):
+    """A docstore written before title keys gets them on open (its titles found by `named`);
+    when another connection holds the write lock the open does not wait for it: `named` finds
+    nothing there until a later open adds them."""
+    import sqlite3
+    import time
+
+    from branchsearch.infra.docstore import DocStore
+
+    def old_docstore(path):
+        db = sqlite3.connect(path)
+        db.executescript("""
+            CREATE TABLE docs (doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT,
+                               acl TEXT, meta TEXT, n_chunks INTEGER, fingerprint TEXT);
+            CREATE TABLE chunks (chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL,
+                                 n INTEGER NOT NULL, text TEXT NOT NULL, start_token INTEGER,
+                                 n_tokens INTEGER);
+            CREATE INDEX chunks_doc ON chunks(doc_id, n);
+            CREATE TABLE pending (doc_id TEXT PRIMARY KEY);
+            INSERT INTO docs VALUES ('k', 'Kansas', '', '', '[]', '{}', 1, 'f');
+            INSERT INTO chunks VALUES ('k#p0', 'k', 0, 'Kansas is a state.', 0, 4);""")
+        db.commit()
+        return db
+
+    old_docstore(tmp_path / "a.sqlite").close()
+    store = DocStore(tmp_path / "a.sqlite")
+    assert [p["doc_id"] for p in store.named("KANSAS")] == ["k"]
+    store.close()
+
+    writer = old_docstore(tmp_path / "b.sqlite")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("UPDATE docs SET source = 'x'")
+    started = time.perf_counter()
+    store = DocStore(tmp_path / "b.sqlite")
+    assert time.perf_counter() - started < 2 and store.named("Kansas") == []
+    assert store.get_document("k")["title"] == "Kansas"  # reads as before
+    writer.rollback()
+    writer.close()
+    store.close()
+    assert [p["doc_id"] for p in DocStore(tmp_path / "b.sqlite").named("Kansas")] == ["k"]

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from branchsearch.infra.errors import BackendUnavailable, BadQuery, IndexIncomplete, IndexNotFound
+from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy, IndexIncomplete,
+                                       IndexNotFound)
 from branchsearch.orchestrator import stream
 from branchsearch.orchestrator.keys import AuthError, KeyStore, bearer, digest, parse_list
 from branchsearch.orchestrator.limits import (ApiError, Concurrency, Limits, api_error,
@@ -95,6 +96,8 @@ def test_errors_map_to_statuses_without_internals():
     assert api_error(BadQuery("bad")).status == 422
     damaged = api_error(IndexIncomplete("index 'x' is damaged: /srv/bs/x/dense.db missing"))
     assert damaged.status == 503 and "/srv" not in damaged.detail  # the server's; no paths
+    busy = api_error(IndexBusy("index 'x' is being ingested right now (PID 7, corpus /srv/c)"))
+    assert busy.status == 409 and "/srv" not in busy.detail and "PID" not in busy.detail
     crash = api_error(KeyError("/secret/path"))
     assert crash.status == 500 and "secret" not in crash.detail
     err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
@@ -246,6 +249,10 @@ def test_an_incomplete_index_is_refused_before_its_driver_starts(tmp_path):
                        ) as caught:
         searcher.driver("half")
     assert api_error(caught.value).status == 503 and started == []
+    settings.replace(index="bare").index_dir.mkdir()  # no docstore: unknown, no home path
+    with pytest.raises(IndexNotFound, match=r"^index 'bare' not found \(make it") as caught:
+        searcher.driver("bare")
+    assert str(tmp_path) not in str(caught.value) and started == []
 
 
 def test_a_key_cannot_hold_the_reserved_group(tmp_path):
