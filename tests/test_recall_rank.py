@@ -614,3 +614,18 @@ def test_the_heuristic_opens_the_pages_of_the_questions_names_only(bm25_hotpot):
     assert named and named == set(policy.q_entities)  # 'Corliss Archer', 'Kiss and Tell'
     assert policy.bridges and not named & set(policy.bridges)
     assert not any(a.get("named") for a in searches(HeuristicPolicy(named_pages=False)))
+
+
+def test_an_entity_branch_follows_one_hop_and_the_questions_branch_two(bm25_hotpot):
+    """make_policy: the question's own branch expands to depth 2 (max_hops 3); an entity
+    branch, whose sub-query starts at a name, expands only what its own searches found."""
+    from branchsearch.workers.factory import make_policy
+    from branchsearch.workers.harness import Episode
+
+    settings, retriever = bm25_hotpot
+    depths = {}
+    for kind in ("original", "entity"):
+        policy = make_policy(settings, "heuristic", kind=kind)
+        Episode(Q, retriever, policy, settings).run()
+        depths[kind] = max(policy.depth.values())
+    assert depths == {"original": 2, "entity": 1}
