@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 import unicodedata
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
 CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
 """
 _TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title_key ON docs(title_key)"
+KEYS_RETRY_S = 10.0  # a docstore that could not get its title keys on open tries again then
 
 
 def title_key(title: str) -> str:
@@ -59,32 +61,44 @@ class DocStore:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
         if "fingerprint" not in columns:  # a docstore written before fingerprints
             self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
-        if "title_key" in columns:  # the index is made with the table (a no-op after)
-            self.has_title_keys = True
+        self._lock = threading.RLock()  # one connection, many retriever threads
+        self._keys_tried = 0.0
+        self.has_title_keys = self._title_keys(columns)
+
+    def _title_keys(self, columns: set[str] | None = None) -> bool:
+        """Whether every document has its title key, giving them one first where needed: a
+        docstore written before `named` (one pass over the titles, about 2 s per million
+        documents), or one whose keys a killed open left unfilled. The column, the keys and
+        their index commit together or not at all, and only when the write lock is free at
+        once: a read-only folder, or another process writing, does not stall the open;
+        `named` finds nothing there and tries again later (`KEYS_RETRY_S`)."""
+        self._keys_tried = time.monotonic()
+        if columns is None:
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
+        if "title_key" in columns and self._db.execute(
+                "SELECT 1 FROM docs WHERE title_key IS NULL LIMIT 1").fetchone() is None:
             try:
-                self._db.execute(_TITLE_INDEX)
+                self._db.execute(_TITLE_INDEX)  # made with the table: a no-op after
             except sqlite3.OperationalError:  # read-only: `named` scans
                 pass
-        else:
-            self.has_title_keys = self._add_title_keys()
-        self._lock = threading.RLock()  # one connection, many retriever threads
-
-    def _add_title_keys(self) -> bool:
-        """Give a docstore written before `named` its title keys (one pass over the titles:
-        about 2 s per million documents). Only when the write lock is free at once: a
-        read-only folder, or another process writing, leaves it without them (and `named`
-        finds nothing there) rather than stall the open."""
+            return True
         try:
             self._db.execute("PRAGMA busy_timeout = 0")
-            with self._db:
-                self._db.execute("ALTER TABLE docs ADD COLUMN title_key TEXT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if "title_key" not in {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}:
+                    self._db.execute("ALTER TABLE docs ADD COLUMN title_key TEXT")
                 self._db.executemany("UPDATE docs SET title_key = ? WHERE doc_id = ?", [
                     (title_key(t or ""), d) for d, t in self._db.execute(
-                        "SELECT doc_id, title FROM docs").fetchall()])
+                        "SELECT doc_id, title FROM docs WHERE title_key IS NULL").fetchall()])
                 self._db.execute(_TITLE_INDEX)
+                self._db.commit()
+            except BaseException:
+                self._db.rollback()
+                raise
             return True
-        except sqlite3.OperationalError:  # read-only, locked, or added by another process now
-            return "title_key" in {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
+        except sqlite3.OperationalError:  # read-only, or locked by another process
+            return False
         finally:
             self._db.execute("PRAGMA busy_timeout = 5000")
 
@@ -216,20 +230,35 @@ class DocStore:
                     (doc_id,))]
 
     @_locked
-    def named(self, name: str, limit: int = 20) -> list[dict]:
+    def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),
+              groups: Sequence[str] | None = None) -> list[dict]:
         """Documents titled `name` or `name (qualifier)` ('Brand' names 'Brand (play)'),
-        compared by `title_key`: {doc_id, title, acl, chunk_id of its first chunk}, at most
-        `limit`, exact titles first. By the title key index (two range lookups, no pattern);
-        [] on a docstore without title keys (see `_add_title_keys`)."""
+        compared by `title_key`: {doc_id, title, acl, chunk_id of its first chunk}, exact
+        titles first, at most `limit` of those whose first chunk is not in `exclude` and that
+        `groups` may see (`infra.backends.acl_terms`' terms; None: every document). By the
+        title key index (two range lookups, no pattern); [] while the docstore has no title
+        keys (`_title_keys`)."""
         key = title_key(name)
-        if not key or not self.has_title_keys:
+        if not key:
             return []
-        rows = self._db.execute(
-            "SELECT d.doc_id, d.title, d.acl, c.chunk_id FROM docs d JOIN chunks c "
-            "ON c.doc_id = d.doc_id AND c.n = 0 "
-            "WHERE d.title_key = ? OR (d.title_key >= ? AND d.title_key < ?) "
-            "ORDER BY d.title_key != ?, length(d.title_key), d.doc_id LIMIT ?",
-            (key, key + " (", key + " )", key, limit)).fetchall()
+        if not self.has_title_keys and time.monotonic() - self._keys_tried > KEYS_RETRY_S:
+            self.has_title_keys = self._title_keys()
+        if not self.has_title_keys:
+            return []
+        exclude = list(dict.fromkeys(exclude))
+        sql = ("SELECT d.doc_id, d.title, d.acl, c.chunk_id FROM docs d JOIN chunks c "
+               "ON c.doc_id = d.doc_id AND c.n = 0 "
+               "WHERE (d.title_key = ? OR (d.title_key >= ? AND d.title_key < ?))")
+        args: list = [key, key + " (", key + " )"]
+        if exclude:
+            sql += f" AND c.chunk_id NOT IN ({','.join('?' * len(exclude))})"
+            args += exclude
+        if groups is not None:  # public, or restricted to one of the groups
+            sql += (" AND (json_array_length(d.acl) = 0 OR EXISTS (SELECT 1 FROM "
+                    f"json_each(d.acl) WHERE value IN ({','.join('?' * len(groups))})))")
+            args += list(groups)
+        sql += " ORDER BY d.title_key != ?, length(d.title_key), d.doc_id LIMIT ?"
+        rows = self._db.execute(sql, [*args, key, limit]).fetchall()
         return [{"doc_id": r[0], "title": r[1], "acl": json.loads(r[2]), "chunk_id": r[3]}
                 for r in rows]
 

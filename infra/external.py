@@ -410,7 +410,8 @@ class ExternalDocs:
     def doc_count(self) -> int:
         return self.source.count()
 
-    def named(self, name: str, limit: int = 5) -> list[dict]:
+    def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),
+              groups: Sequence[str] | None = None) -> list[dict]:
         """No title lookup on a foreign index (its title field has no exact-match contract):
         a `named` search is then the plain search."""
         return []

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from branchsearch.fusion import rrf
 from branchsearch.infra.docstore import DocStore
-from branchsearch.infra.backends import MAX_K, acl_terms, check_k
+from branchsearch.infra.backends import MAX_K, acl_terms, acl_visible, check_k
 from branchsearch.infra.choices import MODES, Mode
 from branchsearch.infra.errors import BadQuery, IndexIncomplete, SettingsError
 from branchsearch.infra.fetch_cache import QuestionCache, copy_hit
@@ -44,7 +44,7 @@ from branchsearch.infra.settings import Settings
 
 
 NAMED_FIRST = 1  # pages a `named` search puts first: the name's own page
-NAMED_CANDIDATES = 20  # namesakes read per `named` search, before exclusion and groups
+NAMED_CANDIDATES = 20  # namesakes the caller may see, read per `named` search
 
 
 @dataclass
@@ -90,13 +90,11 @@ class Retriever:
         """`hits` with the pages titled `query` first (exact titles, then qualified ones, each
         in the search's own order), at most `NAMED_FIRST`, still k in all. The pages are
         filtered like the search (`exclude`, the caller's groups)."""
-        from branchsearch.infra.backends import acl_visible
-
         from branchsearch.infra.docstore import title_key
 
-        skip = set(exclude)  # (namesakes the caller may not see are read, and then dropped)
-        pages = [p for p in self.docstore.named(query, limit=NAMED_CANDIDATES + len(skip))
-                 if p["chunk_id"] not in skip and acl_visible(p["acl"], acl_groups)]
+        pages = [p for p in self.docstore.named(query, NAMED_CANDIDATES, exclude,
+                                                acl_terms(acl_groups))
+                 if acl_visible(p["acl"], acl_groups)]  # (the docstore filtered them already)
         if not pages:
             return hits
         place = {h.chunk_id: i for i, h in enumerate(hits)}

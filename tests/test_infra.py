@@ -150,13 +150,15 @@ def test_the_docstore_finds_a_page_by_its_title_key(tmp_path):
     store.close()
 
 
-def test_an_older_docstore_gets_its_title_keys_on_open_unless_it_cannot_wait(tmp_path):
+def test_an_older_docstore_gets_its_title_keys_on_open_unless_it_cannot_wait(tmp_path,
+                                                                             monkeypatch):
     """A docstore written before title keys gets them on open (its titles found by `named`);
     when another connection holds the write lock the open does not wait for it: `named` finds
     nothing there until a later open adds them."""
     import sqlite3
     import time
 
+    from branchsearch.infra import docstore
     from branchsearch.infra.docstore import DocStore
 
     def old_docstore(path):
@@ -187,6 +189,20 @@ def test_an_older_docstore_gets_its_title_keys_on_open_unless_it_cannot_wait(tmp
     assert time.perf_counter() - started < 2 and store.named("Kansas") == []
     assert store.get_document("k")["title"] == "Kansas"  # reads as before
     writer.rollback()
+    assert store.named("Kansas") == []  # tried again only after KEYS_RETRY_S
+    monkeypatch.setattr(docstore, "KEYS_RETRY_S", 0.0)
+    assert [p["doc_id"] for p in store.named("Kansas")] == ["k"]  # this process, once free
     writer.close()
     store.close()
-    assert [p["doc_id"] for p in DocStore(tmp_path / "b.sqlite").named("Kansas")] == ["k"]
+
+    # a reader holding the file while the keys commit: all or nothing, not a column of NULLs
+    reader = old_docstore(tmp_path / "c.sqlite")
+    reader.execute("BEGIN")
+    reader.execute("SELECT * FROM docs").fetchall()
+    store = DocStore(tmp_path / "c.sqlite")  # its commit cannot wait for the reader
+    assert not store.has_title_keys
+    assert "title_key" not in {r[1] for r in reader.execute("PRAGMA table_info(docs)")}
+    reader.rollback()
+    reader.close()
+    assert [p["doc_id"] for p in store.named("Kansas")] == ["k"]
+    store.close()

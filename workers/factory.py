@@ -10,11 +10,12 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
                 kind: str = "original"):
     """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
     searches the question tail: fused, an entity branch's tail changed no ranking and cost 4–8 %
-    of a 3-branch question's tokens (reports/recall/README.md, session 6). An entity branch
-    follows one hop from what its own searches find (`max_hops` 2, the question's branch 3):
-    its sub-query starts at a name, one hop nearer the evidence; the third hop changed no
-    fused ranking and cost 5–8 % of a 3-branch question's tokens (session 12). (Not 1: then
-    it only repeats the question branch's search for that name.)"""
+    of a 3-branch question's tokens (reports/recall/README.md, session 6). The planner's other
+    branches (comparison, clause, entity) follow one hop from what their own searches find
+    (`max_hops` 2, the question's branch 3): each sub-query is narrower than the question,
+    around a name or one clause, so it starts a hop nearer its evidence; the third hop changed
+    no fused ranking and cost 5–8 % of a 3-branch question's tokens (session 12). (Not 1: an
+    entity branch then only repeats the question branch's search for that name.)"""
     name = name or settings.policy
     if name == "heuristic":
         from branchsearch.infra.retriever import searched_mode
@@ -28,7 +29,7 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
                                ranker_path=str(weights_for(mode)),
                                hop_mode=hop_mode(settings, mode),
                                tail_page=kind == "original",
-                               max_hops=3 if kind == "original" else ENTITY_MAX_HOPS)
+                               max_hops=3 if kind == "original" else OTHER_MAX_HOPS)
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
 
@@ -39,7 +40,7 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
     raise SettingsError(f"unknown policy {name!r}")
 
 
-ENTITY_MAX_HOPS = 2
+OTHER_MAX_HOPS = 2  # the hops of a branch other than the question's own
 
 
 def hop_mode(settings: Settings, mode: str) -> str:
