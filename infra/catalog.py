@@ -35,7 +35,7 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
         if manifest is not None:
             backends = " + ".join(f"{role}: {where}" for role, where in
                                   sorted(manifest.backends.items()))
-            health = "ingesting" if running else _files_health(folder, manifest)
+            health = "ingesting" if running else files_health(folder, manifest)
             out.append(IndexInfo(folder.name, "owned", backends, manifest.documents,
                                  manifest.chunks.get("docstore"), health))
         else:
@@ -45,7 +45,7 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
     return out
 
 
-def _files_health(folder: Path, manifest) -> str:
+def files_health(folder: Path, manifest) -> str:
     """"ok", or what a complete index's folder lacks (its store files deleted since): the same
     files `infra.retriever` refuses to open without. Backends on servers are not asked here."""
     from branchsearch.infra.manifest import ingested_as

@@ -35,6 +35,10 @@ class IndexBusy(BranchsearchError):
     """An index that a running ingest holds (another ingest, or a reader of an embedded index)."""
 
 
+class KeysFileError(BranchsearchError):
+    """The service's API keys file cannot be read: the operator's to fix, not the caller's."""
+
+
 class OutputTruncated(Exception):
     """A model's output cut at max_tokens before it was complete (`text`: what it wrote). Not a
     user error: a policy turns it into an invalid action."""

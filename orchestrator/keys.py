@@ -18,7 +18,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError, KeysFileError
 
 PREFIX = "bsk_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -92,7 +92,7 @@ class KeyStore:
                                           r.get("created", ""), bool(r.get("revoked")),
                                           r["digest"]) for r in rows}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise BranchsearchError(f"keys file {self.path} is not valid ({exc}); "
+                raise KeysFileError(f"keys file {self.path} is not valid ({exc}); "
                                         "fix it or make a new one with `branchsearch keys add`"
                                         ) from None
             self._stamp, self._keys = stamp, keys

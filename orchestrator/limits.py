@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
-                                       CorpusError, IndexBusy, IndexIncomplete, IndexNotFound)
+                                       CorpusError, IndexBusy, IndexIncomplete, IndexNotFound,
+                                       KeysFileError)
 from branchsearch.workers.tools import has_words
 
 log = logging.getLogger("branchsearch.service")
@@ -49,6 +50,10 @@ def api_error(exc: BaseException) -> ApiError:
         log.warning("index unavailable: %s", exc)  # the operator's fix names server paths
         return ApiError(503, "index_incomplete", "the index is incomplete or damaged on the "
                         "server; its operator must finish or repair it (the server log says how)")
+    if isinstance(exc, KeysFileError):  # names the server's file: logged, not sent
+        log.error("%s", exc)
+        return ApiError(503, "keys_unavailable", "the server cannot read its API keys file; "
+                        "its operator must fix it (the server log says how)")
     if isinstance(exc, IndexNotFound):
         return ApiError(404, "index_not_found", str(exc))
     if isinstance(exc, (BadQuery, CorpusError)):

@@ -14,11 +14,12 @@ import inspect
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from branchsearch.infra.backends import ACL_ALL
-from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexNotFound,
-                                       error_line)
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
+                                       IndexNotFound, error_line)
 from branchsearch.infra.settings import Settings
 from branchsearch.orchestrator import documents, stream
 from branchsearch.orchestrator.keys import ApiKey
@@ -84,6 +85,35 @@ class Searcher:
                 self._write_locks[index] = threading.Lock()
             return driver
 
+    def _driver_within(self, index: str, seconds: float):
+        """The index's driver, waiting at most `seconds` (the request's deadline) for it to
+        start. A start that waits for room on the cluster (another index's actors hold it, up
+        to `actor_start_timeout_s`) goes on in the background, and the request gets a 503
+        that says so instead of hanging past its deadline."""
+        with self._lock:
+            if index in self._drivers:
+                return self._drivers[index]
+        box: dict = {}
+        done = threading.Event()
+
+        def start():
+            try:
+                box["driver"] = self.driver(index)
+            except BaseException as exc:  # noqa: BLE001 — re-raised in the request's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=start, name=f"start-{index}", daemon=True).start()
+        if not done.wait(seconds):
+            raise ApiError(503, "index_starting", f"index {index!r} is still starting: its "
+                           "searcher's actors are waiting for room on the cluster (other "
+                           "indexes' searchers may hold it); retry later",
+                           {"Retry-After": "5"})
+        if "error" in box:
+            raise box["error"]
+        return box["driver"]
+
     def close(self) -> None:
         with self._lock:
             for d in self._drivers.values():
@@ -119,10 +149,12 @@ class Searcher:
         if not key.may_use(index):
             raise ApiError(403, "forbidden", f"key {key.name!r} may not use index {index!r}")
         with self.concurrency.slot(key.name):
-            driver = self.driver(index)
+            deadline = req.deadline_s or self.limits.default_deadline_s
+            started = time.monotonic()
+            driver = self._driver_within(index, deadline)
             groups = self.groups(key)
             emit = self._guarded(index, groups, on_event)
-            deadline = req.deadline_s or self.limits.default_deadline_s
+            deadline = max(deadline - (time.monotonic() - started), 0.001)  # what is left
             result, live = self._run(driver, req, groups, deadline, emit)
             if not live:
                 for event in stream.replay_events(result):
@@ -222,6 +254,7 @@ class Searcher:
         docs = documents.parse_documents(body)
         driver = self.driver(index)
         with self._write_locks[index], self._ingest_lock(driver):
+            self._check_files(driver)
             counts = self._write(index, driver, documents.upsert, documents.upsert_in_actor,
                                  driver.settings, docs)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
@@ -230,6 +263,7 @@ class Searcher:
         self._admin(key, index)
         driver = self.driver(index)
         with self._write_locks[index], self._ingest_lock(driver):
+            self._check_files(driver)
             found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                 driver.settings, doc_id)
         if not found:
@@ -253,6 +287,21 @@ class Searcher:
                    "then means searches no longer saw it, and the repeat cleared the rest)")
             raise ApiError(503, "write_failed", f"the write to index {index!r} did not complete "
                            f"({error_line(cause, 300)}); {now}") from None
+
+    @staticmethod
+    def _check_files(driver) -> None:
+        """A write to an index whose store files were deleted since its driver opened them
+        would go to the open, deleted file and be lost: refused (503), as the CLI refuses to
+        open such an index. Searches go on from what the stores hold open."""
+        from branchsearch.infra.catalog import files_health
+        from branchsearch.infra.manifest import read_manifest
+
+        folder = driver.settings.index_dir
+        manifest = read_manifest(folder)
+        health = "no manifest" if manifest is None else files_health(folder, manifest)
+        if health != "ok":
+            raise IndexIncomplete(f"index {driver.settings.index!r} cannot take writes: "
+                                  f"{health}")
 
     @staticmethod
     def _ingest_lock(driver):

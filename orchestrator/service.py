@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
+from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.keys import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.limits import (ApiError, Limits, api_error, check_body_size,
                                               parse_search)
@@ -225,7 +226,8 @@ def create_app(state: ServiceState):
         body = await read_body(request)
         return await state.backend.upsert(index, body, key)
 
-    @app.delete("/v1/indexes/{index}/documents/{doc_id}", tags=["documents"])
+    @app.delete("/v1/indexes/{index}/documents/{doc_id:path}", tags=["documents"])  # ids
+    # may hold '/' (a URL as the id), which a PUT accepts
     async def delete_document(index: str, doc_id: str, request: Request):
         """Delete a document and its chunks: admin keys only."""
         key = state.principal(request.headers.get("authorization"))
@@ -322,6 +324,8 @@ def _unwrap(exc: BaseException) -> ApiError:
     cause = getattr(exc, "cause", None)
     if isinstance(exc, ApiError) or isinstance(cause, ApiError):
         return exc if isinstance(exc, ApiError) else cause
+    if isinstance(cause, BranchsearchError):  # raised by the replica's own code: its status
+        return api_error(cause)  # (a RayTaskError(BackendUnavailable) is not a restart)
     name = type(exc).__name__
     if "BackPressure" in name:
         return ApiError(503, "overloaded", "the searcher's queue is full; retry later",

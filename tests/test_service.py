@@ -235,7 +235,10 @@ def test_upsert_then_search_finds_delete_then_not(site):
     heron = client.post("/v1/search", json={"question": "heron orbital", "branches": 1},
                         headers=alpha).json()
     assert any("heron" in c["text"] for d in heron["evidence"] for c in d["chunks"])
-    for doc_id in ("flamingo", "flamingo-b"):
+    r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": "https://wiki/a/b", "text": "An id with slashes, as a URL.", "acl": ["alpha"]}])
+    assert r.status_code == 200, r.text
+    for doc_id in ("flamingo", "flamingo-b", "https://wiki/a/b"):  # a '/' id is deletable
         assert client.delete(f"/v1/indexes/acl/documents/{doc_id}", headers=admin).json() == {
             "index": "acl", "deleted": doc_id}
     assert "flamingo" not in ids()
@@ -295,8 +298,9 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
 
 def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path):
     """The tantivy folder renamed under a running service (found by a hostile pass): a PUT was
-    a 500 internal_error; it is a 503 that names the store's error, and the documents that were
-    there are still found once the folder is back."""
+    a 500 internal_error. A store file gone (tantivy, or the dense.db a write would have put
+    into the deleted file and lost) is now a 503 before anything is written; the documents
+    that were there are still found once the file is back, and writes go on."""
     settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
                                         "search_mode": "bm25"}, read_env=False, read_file=False)
     ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
@@ -306,18 +310,21 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
     folder = settings.index_dir / "tantivy"
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            folder.rename(folder.with_name("tantivy-away"))
-            err = assert_error(client.put("/v1/indexes/acl/documents", json=[
-                {"id": "osprey", "text": "The osprey relay beacon."}]), 503)
-            assert err["error"] in ("write_failed", "backend_unavailable"), err
-            assert "'acl'" in err["detail"] or "tantivy" in err["detail"], err
-            gone = assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor"), 503)
-            assert "repeat the delete" in gone["detail"], gone
-            folder.with_name("tantivy-away").rename(folder)
-            again = client.delete("/v1/indexes/acl/documents/pub-harbor")  # finishes it
-            assert again.status_code in (200, 404), again.text
+            put = lambda: client.put("/v1/indexes/acl/documents", json=[  # noqa: E731
+                {"id": "osprey", "text": "The osprey relay beacon."}])
+            dense = settings.index_dir / "dense.db"
+            for gone, away in ((folder, folder.with_name("tantivy-away")),
+                               (dense, dense.with_name("dense-away.db"))):
+                gone.rename(away)
+                err = assert_error(put(), 503, "index_incomplete")
+                assert str(tmp_path) not in err["detail"], err
+                assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor"), 503,
+                             "index_incomplete")
+                away.rename(gone)
             r = client.post("/v1/search", json={"question": "Harbor Festival in June"})
             assert r.status_code == 200 and r.json()["evidence"], r.text
+            assert put().status_code == 200
+            assert client.delete("/v1/indexes/acl/documents/pub-harbor").status_code == 200
     finally:
         server.stop()
         state.backend.searcher.close()

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy, IndexIncomplete,
-                                       IndexNotFound)
+                                       IndexNotFound, KeysFileError)
 from branchsearch.orchestrator import stream
 from branchsearch.orchestrator.keys import AuthError, KeyStore, bearer, digest, parse_list
 from branchsearch.orchestrator.limits import (ApiError, Concurrency, Limits, api_error,
@@ -98,6 +98,20 @@ def test_errors_map_to_statuses_without_internals():
     assert damaged.status == 503 and "/srv" not in damaged.detail  # the server's; no paths
     busy = api_error(IndexBusy("index 'x' is being ingested right now (PID 7, corpus /srv/c)"))
     assert busy.status == 409 and "/srv" not in busy.detail and "PID" not in busy.detail
+    keys = api_error(KeysFileError("keys file /srv/bs/keys.json is not valid (Expecting …)"))
+    assert (keys.status, keys.body()["error"]) == (503, "keys_unavailable")  # not the caller's
+    assert "/srv" not in keys.detail
+    # raised in a Serve replica: its own status, not "the replica is restarting"
+    import ray.exceptions
+
+    from branchsearch.orchestrator.service import _unwrap
+
+    wrapped = ray.exceptions.RayTaskError("search", "tb", BackendUnavailable(
+        "ray: 2 branch actor(s) did not start within 300 s")).as_instanceof_cause()
+    assert type(wrapped).__name__ == "RayTaskError(BackendUnavailable)"
+    unwrapped = _unwrap(wrapped)
+    assert unwrapped.body() == {"error": "backend_unavailable", "detail": "ray: 2 branch "
+                                "actor(s) did not start within 300 s"}
     crash = api_error(KeyError("/secret/path"))
     assert crash.status == 500 and "secret" not in crash.detail
     err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
@@ -204,6 +218,41 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     with pytest.raises(BackendUnavailable):  # tried again, not a cached failure
         searcher.driver("slow")
     assert attempts.count("slow") == 2
+
+
+def test_a_request_waits_for_a_starting_driver_only_until_its_deadline(tmp_path):
+    """A driver whose actors wait for room on the cluster (another index's actors hold it):
+    the request answered after 313 s with a misleading 'replica restarting' (new-user pass).
+    Now it gets a 503 index_starting at its deadline; the start goes on, and a later request
+    gets the driver."""
+    import time
+
+    from branchsearch.infra.manifest import Manifest, write_manifest
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.orchestrator.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="late").index_dir
+    folder.mkdir(parents=True)
+    write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    release, starts = threading.Event(), []
+
+    def factory(s, executor):
+        starts.append(s.index)
+        release.wait(30)
+        return "driver-late"
+
+    searcher = Searcher(settings, executor="local", driver_factory=factory)
+    began = time.perf_counter()
+    with pytest.raises(ApiError) as caught:
+        searcher._driver_within("late", 0.3)
+    assert time.perf_counter() - began < 5
+    assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
+    assert caught.value.headers == {"Retry-After": "5"}
+    release.set()
+    assert searcher._driver_within("late", 10) == "driver-late" and starts == ["late"]
+    with pytest.raises(IndexNotFound):  # a start's own error reaches the request
+        searcher._driver_within("nope", 10)
 
 
 def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
