@@ -42,6 +42,9 @@ _JSON_KIND = {list: "an array", str: "a string", bool: "true or false", type(Non
 
 def read_questions(path: str | Path) -> BatchInput:
     path = Path(path)
+    if path.is_dir():
+        raise CorpusError(f"batch input {path} is a folder; give the questions file (JSONL, "
+                          "one {\"id\", \"question\"} per line)")
     if not path.is_file():
         raise CorpusError(f"batch input not found: {path}")
     from branchsearch.infra.textfile import utf8_lines
@@ -58,8 +61,10 @@ def read_questions(path: str | Path) -> BatchInput:
                                      f"{_JSON_KIND.get(type(row), 'a number')}")
                 qid = row.get("id", row.get("_id"))
                 question = row.get("question", row.get("text"))
-                if qid is None or not isinstance(question, str) or not question.strip():
+                if qid is None or not isinstance(question, str):
                     raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
+                if not question.strip():
+                    raise ValueError("the question is empty")
                 if not any(c.isalnum() for c in question):  # workers.tools.has_words
                     raise ValueError("the question has no words to search for")
             except (json.JSONDecodeError, ValueError) as exc:

@@ -169,6 +169,15 @@ def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_
     data = read_questions(path)
     assert data.items == [("ok", "Who is Ed Wood?")]
     assert len(data.bad_lines) == 3 and "no words" in data.bad_lines[0]
+    path.write_text(json.dumps({"id": "e", "question": " "}) + "\n"
+                    + json.dumps({"question": "Who?"}) + "\n")
+    assert read_questions(path).bad_lines == [  # each says what is wrong with it
+        f"{path}:1: the question is empty",
+        f"{path}:2: needs 'id' (or '_id') and 'question' (or 'text')"]
+    from branchsearch.infra.errors import CorpusError
+
+    with pytest.raises(CorpusError, match="is a folder; give the questions file"):
+        read_questions(tmp_path)
 
 
 def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
