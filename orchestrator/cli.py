@@ -126,10 +126,11 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
     if as_json:
         print(json.dumps(report.to_dict()))
     else:
-        s = report.seconds
+        s, rate = report.seconds, report.chunks_per_s
+        rate = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"  # a tiny corpus: not "0"
         print(f"ingested {report.documents} documents, {report.chunks} chunks into "
               f"{settings.index!r} ({settings.index_dir}); {report.resumed} documents were "
-              f"already committed; {report.chunks_per_s:.0f} chunks/s with {workers} "
+              f"already committed; {rate} chunks/s with {workers} "
               f"worker(s), embedding {s.get('embed', 0):.1f} s")
 
 
