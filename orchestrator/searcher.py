@@ -40,6 +40,7 @@ class Searcher:
         self._docstores: dict[str, object] = {}
         self._lock = threading.Lock()
         self._starting: dict[str, threading.Lock] = {}  # one per index while its driver starts
+        self._background: dict[str, dict] = {}  # index -> its one start that requests wait on
         self._write_locks: dict[str, threading.Lock] = {}
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
 
@@ -88,31 +89,35 @@ class Searcher:
     def _driver_within(self, index: str, seconds: float):
         """The index's driver, waiting at most `seconds` (the request's deadline) for it to
         start. A start that waits for room on the cluster (another index's actors hold it, up
-        to `actor_start_timeout_s`) goes on in the background, and the request gets a 503
-        that says so instead of hanging past its deadline."""
+        to `actor_start_timeout_s`) goes on in the background, one per index whatever the
+        number of requests waiting on it, and a request gets a 503 that says so instead of
+        hanging past its deadline. A failed start is tried again by the next request."""
         with self._lock:
             if index in self._drivers:
                 return self._drivers[index]
-        box: dict = {}
-        done = threading.Event()
-
-        def start():
-            try:
-                box["driver"] = self.driver(index)
-            except BaseException as exc:  # noqa: BLE001 — re-raised in the request's thread
-                box["error"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=start, name=f"start-{index}", daemon=True).start()
-        if not done.wait(seconds):
+            start = self._background.get(index)
+            if start is None:
+                start = self._background[index] = {"done": threading.Event()}
+                threading.Thread(target=self._start, args=(index, start), daemon=True,
+                                 name=f"start-{index}").start()
+        if not start["done"].wait(seconds):
             raise ApiError(503, "index_starting", f"index {index!r} is still starting: its "
                            "searcher's actors are waiting for room on the cluster (other "
                            "indexes' searchers may hold it); retry later",
                            {"Retry-After": "5"})
-        if "error" in box:
-            raise box["error"]
-        return box["driver"]
+        if "error" in start:
+            raise start["error"]
+        return start["driver"]
+
+    def _start(self, index: str, start: dict) -> None:
+        try:
+            start["driver"] = self.driver(index)
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting requests
+            start["error"] = exc
+        finally:
+            with self._lock:
+                self._background.pop(index, None)
+            start["done"].set()
 
     def close(self) -> None:
         with self._lock:
