@@ -233,8 +233,8 @@ class DocStore:
     def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),
               groups: Sequence[str] | None = None) -> list[dict]:
         """Documents titled `name` or `name (qualifier)` ('Brand' names 'Brand (play)'),
-        compared by `title_key`: {doc_id, title, acl, chunk_id of its first chunk}, exact
-        titles first, at most `limit` of those whose first chunk is not in `exclude` and that
+        compared by `title_key`: {doc_id, title, acl, chunk_id of its first chunk, exact: the
+        title without a qualifier}, exact titles first, at most `limit` of those whose first chunk is not in `exclude` and that
         `groups` may see (`infra.backends.acl_terms`' terms; None: every document). By the
         title key index (two range lookups, no pattern); [] while the docstore has no title
         keys (`_title_keys`)."""
@@ -246,10 +246,11 @@ class DocStore:
         if not self.has_title_keys:
             return []
         exclude = list(dict.fromkeys(exclude))
-        sql = ("SELECT d.doc_id, d.title, d.acl, c.chunk_id FROM docs d JOIN chunks c "
+        sql = ("SELECT d.doc_id, d.title, d.acl, c.chunk_id, d.title_key = ? "
+               "FROM docs d JOIN chunks c "
                "ON c.doc_id = d.doc_id AND c.n = 0 "
                "WHERE (d.title_key = ? OR (d.title_key >= ? AND d.title_key < ?))")
-        args: list = [key, key + " (", key + " )"]
+        args: list = [key, key, key + " (", key + " )"]
         if exclude:
             sql += f" AND c.chunk_id NOT IN ({','.join('?' * len(exclude))})"
             args += exclude
@@ -259,8 +260,8 @@ class DocStore:
             args += list(groups)
         sql += " ORDER BY d.title_key != ?, length(d.title_key), d.doc_id LIMIT ?"
         rows = self._db.execute(sql, [*args, key, limit]).fetchall()
-        return [{"doc_id": r[0], "title": r[1], "acl": json.loads(r[2]), "chunk_id": r[3]}
-                for r in rows]
+        return [{"doc_id": r[0], "title": r[1], "acl": json.loads(r[2]), "chunk_id": r[3],
+                 "exact": bool(r[4])} for r in rows]
 
     @_locked
     def titles(self) -> dict[str, str]:

@@ -90,17 +90,14 @@ class Retriever:
         """`hits` with the pages titled `query` first (exact titles, then qualified ones, each
         in the search's own order), at most `NAMED_FIRST`, still k in all. The pages are
         filtered like the search (`exclude`, the caller's groups)."""
-        from branchsearch.infra.docstore import title_key
-
         pages = [p for p in self.docstore.named(query, NAMED_CANDIDATES, exclude,
                                                 acl_terms(acl_groups))
                  if acl_visible(p["acl"], acl_groups)]  # (the docstore filtered them already)
         if not pages:
             return hits
         place = {h.chunk_id: i for i, h in enumerate(hits)}
-        exact = title_key(query)
-        pages.sort(key=lambda p: (title_key(p["title"] or "") != exact,
-                                  place.get(p["chunk_id"], len(hits))))  # stable: then by length
+        pages.sort(key=lambda p: (not p["exact"], place.get(p["chunk_id"], len(hits))))
+        # (stable: then the docstore's order, shortest title first)
         found = {h.chunk_id: h for h in hits}
         found |= {h.chunk_id: h for h in self._hydrate([  # the pages the search did not bring
             Hit(p["chunk_id"], p["doc_id"], 0.0, 0, "title")

@@ -39,8 +39,7 @@ class Searcher:
         self._drivers: dict[str, object] = {}
         self._docstores: dict[str, object] = {}
         self._lock = threading.Lock()
-        self._starting: dict[str, threading.Lock] = {}  # one per index while its driver starts
-        self._background: dict[str, dict] = {}  # index -> its one start that requests wait on
+        self._background: dict[str, dict] = {}  # index -> its one start, while it runs
         self._write_locks: dict[str, threading.Lock] = {}
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
 
@@ -51,47 +50,14 @@ class Searcher:
         return sorted(p.name for p in root.iterdir() if (p / "docs.sqlite").exists()) \
             if root.is_dir() else []
 
-    def driver(self, index: str):
-        """The index's driver, started on first use. Starting one (its actors may take a while,
-        or fail on a full cluster) holds only that index's lock: searches of other indexes
-        (and unknown-index answers) go on meanwhile."""
-        with self._lock:
-            if index in self._drivers:
-                return self._drivers[index]
-            starting = self._starting.setdefault(index, threading.Lock())
-        with starting:
-            with self._lock:
-                if index in self._drivers:  # started by the request we waited for
-                    return self._drivers[index]
-            settings = self.settings.replace(index=index)
-            missing = IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
-                                    f"ingest PATH --index {index}`)")
-            if not settings.index_dir.is_dir():  # before any actor starts for it
-                raise missing
-            from branchsearch.infra.manifest import require_complete
-
-            # incomplete, being ingested, or a copied folder: its 503 now, not the death of a
-            # retriever actor whose constructor found it (ActorDiedError, a 500, under Ray)
-            try:
-                require_complete(settings.index_dir, index)
-            except IndexNotFound:  # a folder without a docstore (its message names the home)
-                raise missing from None
-            from branchsearch.infra.docstore import DocStore
-
-            driver = self.driver_factory(settings, self.executor)
-            docs = settings.index_dir / "docs.sqlite"
-            with self._lock:
-                self._drivers[index] = driver
-                self._docstores[index] = DocStore(docs) if docs.exists() else None
-                self._write_locks[index] = threading.Lock()
-            return driver
-
-    def _driver_within(self, index: str, seconds: float):
-        """The index's driver, waiting at most `seconds` (the request's deadline) for it to
-        start. A start that waits for room on the cluster (another index's actors hold it, up
-        to `actor_start_timeout_s`) goes on in the background, one per index whatever the
-        number of requests waiting on it, and a request gets a 503 that says so instead of
-        hanging past its deadline. A failed start is tried again by the next request."""
+    def driver(self, index: str, wait: float | None = None):
+        """The index's driver, started on first use. The start (its actors may take a while,
+        or fail on a full cluster) runs in the background, one per index whatever the number
+        of callers waiting on it, so searches of other indexes (and unknown-index answers) go
+        on meanwhile. `wait`: the most seconds to wait for it (a request's deadline); past it,
+        a 503 index_starting while the start goes on, instead of a request hanging past its
+        deadline while another index's actors hold the cluster (up to
+        `actor_start_timeout_s`). A failed start is tried again by the next caller."""
         with self._lock:
             if index in self._drivers:
                 return self._drivers[index]
@@ -100,7 +66,7 @@ class Searcher:
                 start = self._background[index] = {"done": threading.Event()}
                 threading.Thread(target=self._start, args=(index, start), daemon=True,
                                  name=f"start-{index}").start()
-        if not start["done"].wait(seconds):
+        if not start["done"].wait(wait):
             raise ApiError(503, "index_starting", f"index {index!r} is still starting: its "
                            "searcher's actors are waiting for room on the cluster (other "
                            "indexes' searchers may hold it); retry later",
@@ -111,13 +77,38 @@ class Searcher:
 
     def _start(self, index: str, start: dict) -> None:
         try:
-            start["driver"] = self.driver(index)
-        except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting requests
+            start["driver"] = self._open(index)
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
             start["error"] = exc
         finally:
             with self._lock:
                 self._background.pop(index, None)
             start["done"].set()
+
+    def _open(self, index: str):
+        """Start the index's driver (`driver` makes sure only one start runs per index)."""
+        settings = self.settings.replace(index=index)
+        missing = IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
+                                f"ingest PATH --index {index}`)")
+        if not settings.index_dir.is_dir():  # before any actor starts for it
+            raise missing
+        from branchsearch.infra.manifest import require_complete
+
+        # incomplete, being ingested, or a copied folder: its 503 now, not the death of a
+        # retriever actor whose constructor found it (ActorDiedError, a 500, under Ray)
+        try:
+            require_complete(settings.index_dir, index)
+        except IndexNotFound:  # a folder without a docstore (its message names the home)
+            raise missing from None
+        from branchsearch.infra.docstore import DocStore
+
+        driver = self.driver_factory(settings, self.executor)
+        docs = settings.index_dir / "docs.sqlite"
+        with self._lock:
+            self._drivers[index] = driver
+            self._docstores[index] = DocStore(docs) if docs.exists() else None
+            self._write_locks[index] = threading.Lock()
+        return driver
 
     def close(self) -> None:
         with self._lock:
@@ -156,7 +147,7 @@ class Searcher:
         with self.concurrency.slot(key.name):
             deadline = req.deadline_s or self.limits.default_deadline_s
             started = time.monotonic()
-            driver = self._driver_within(index, deadline)
+            driver = self.driver(index, wait=deadline)
             groups = self.groups(key)
             emit = self._guarded(index, groups, on_event)
             deadline = max(deadline - (time.monotonic() - started), 0.001)  # what is left

@@ -144,7 +144,8 @@ def test_the_docstore_finds_a_page_by_its_title_key(tmp_path):
     assert named("Aschenbrodel") == named("ASCHENBRÖDEL") == ["i"]
     assert named("c:\\PATH") == ["j"] and named("c:") == []
     assert store.named("Kansas")[0] == {"doc_id": "f", "title": "Kansas", "acl": [],
-                                        "chunk_id": "f#p0"}
+                                        "chunk_id": "f#p0", "exact": True}
+    assert [p["exact"] for p in store.named("50% Off")] == [True, False]
     assert store._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'docs_title_key'"
                              ).fetchone()
     store.close()

@@ -245,19 +245,19 @@ def test_a_request_waits_for_a_starting_driver_only_until_its_deadline(tmp_path)
     searcher = Searcher(settings, executor="local", driver_factory=factory)
     began = time.perf_counter()
     with pytest.raises(ApiError) as caught:
-        searcher._driver_within("late", 0.3)
+        searcher.driver("late", wait=0.3)
     assert time.perf_counter() - began < 5
     assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
     assert caught.value.headers == {"Retry-After": "5"}
     threads = threading.active_count()
     for _ in range(20):  # requests meanwhile wait on the one start: no thread each
         with pytest.raises(ApiError):
-            searcher._driver_within("late", 0.01)
+            searcher.driver("late", wait=0.01)
     assert threading.active_count() == threads
     release.set()
-    assert searcher._driver_within("late", 10) == "driver-late" and starts == ["late"]
+    assert searcher.driver("late", wait=10) == "driver-late" and starts == ["late"]
     with pytest.raises(IndexNotFound):  # a start's own error reaches the request
-        searcher._driver_within("nope", 10)
+        searcher.driver("nope", wait=10)
 
 
 def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
