@@ -59,8 +59,12 @@ def files_health(folder: Path, manifest) -> str:
     if str(manifest.backends.get("dense", "")).startswith("milvus-lite "):
         need.append("dense.db")
     missing = [name for name in need if not (folder / name).exists()]
-    return f"damaged: {', '.join(missing)} missing; remove the folder and ingest it again" \
-        if missing else "ok"
+    if missing:
+        return f"damaged: {', '.join(missing)} missing; remove the folder and ingest it again"
+    with open(folder / "docs.sqlite", "rb") as f:  # overwritten: not a database any more
+        if f.read(16) != b"SQLite format 3\x00":
+            return "damaged: docs.sqlite is not a database; remove the folder and ingest it again"
+    return "ok"
 
 
 def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:

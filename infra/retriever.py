@@ -306,6 +306,10 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
             raise SettingsError(
                 f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
                 f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
+        lexical = str((manifest.backends or {}).get("lexical", ""))
+        if lexical.startswith("elasticsearch") and not settings.es_url:  # not "damaged"
+            raise SettingsError(f"index {settings.index!r} keeps its BM25 side in "
+                                f"{lexical}; set es_url (BRANCHSEARCH_ES_URL) to search it")
         _check_files(root, settings)
     docstore = _open_docstore(root / "docs.sqlite", settings.index)
     lexical = lexical_store(settings)

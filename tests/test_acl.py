@@ -215,3 +215,8 @@ def test_elasticsearch_backend(acl_settings, es_url, tmp_path):
         assert {h.doc_id for h in r.grep("falcon", k=10)} == {"pub"}
     finally:
         r.close()
+    from branchsearch.infra.errors import SettingsError
+
+    # searched without es_url: where its BM25 side is, not "damaged: tantivy missing"
+    with pytest.raises(SettingsError, match=f"BM25 side in elasticsearch {es_url}; set es_url"):
+        open_retriever(settings.replace(es_url=""), need_dense=False)

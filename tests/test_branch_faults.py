@@ -137,6 +137,10 @@ def test_an_index_whose_store_files_are_gone_or_garbage_is_damaged_not_empty(tmp
     docs.write_bytes(b"not a database" * 600)
     with pytest.raises(IndexIncomplete, match="damaged.*not a database"):
         open_retriever(settings, need_dense=False)
+    from branchsearch.infra.catalog import owned_indexes  # `indexes` says so too (said "ok")
+
+    assert [i.health for i in owned_indexes(settings)] == [
+        "damaged: docs.sqlite is not a database; remove the folder and ingest it again"]
     docs.write_bytes(saved)
     meta = settings.index_dir / "tantivy" / "meta.json"
     meta.rename(meta.with_suffix(".bak"))
