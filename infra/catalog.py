@@ -61,8 +61,9 @@ def files_health(folder: Path, manifest) -> str:
     missing = [name for name in need if not (folder / name).exists()]
     if missing:
         return f"damaged: {', '.join(missing)} missing; remove the folder and ingest it again"
-    with open(folder / "docs.sqlite", "rb") as f:  # overwritten: not a database any more
-        if f.read(16) != b"SQLite format 3\x00":
+    with open(folder / "docs.sqlite", "rb") as f:  # overwritten: not a database any more (as
+        head = f.read(16)  # SQLite says: an empty file is an empty database)
+        if head and head != b"SQLite format 3\x00":
             return "damaged: docs.sqlite is not a database; remove the folder and ingest it again"
     return "ok"
 
