@@ -12,13 +12,17 @@ branches are chosen by a *rule* from the candidate sub-queries `candidates(quest
 * relative: one per relative clause ("the state *where* X lived", "the person *under whom* ..."),
   its content terms (0.5).
 
-Rule "v1" (the planner of sessions 1-2, the default): comparison, else clause, else entity.
-"kinds:a,b": the candidates of kind a, then of kind b (for offline comparisons). "candidates":
-every candidate. Duplicates are dropped and the count is bounded by `max_branches` and by the
-question itself. `select` is the rule as a pure function of the candidates, so an offline dump
-of every candidate branch (reports/recall/branch_eval.py `run --rule candidates`) simulates any
-rule exactly (branches are independent and deterministic). Session 3 measured the other kinds'
-ceilings and fusions and kept v1 (reports/recall/README.md).
+Rule "v2" (the default since session 13): comparison, else clause; a question that compares
+nothing and joins no clauses is searched by its own branch alone. Rule "v1" (sessions 1-12)
+adds, for the rest, an entity branch when the question names two or more entities: the
+question's branch already searches every entity the question names and follows their
+bridges, so on every set entity branches found no gold document it missed and left the fused
+AR@5/AR@10 as they were, for 1.2-1.3x the tokens read (reports/recall/README.md, session
+13). "kinds:a,b": the candidates of kind a, then of kind b (for offline comparisons).
+"candidates": every candidate. Duplicates are dropped and the count is bounded by
+`max_branches` and by the question itself. `select` is the rule as a pure function of the
+candidates, so an offline dump of every candidate branch (reports/recall/branch_eval.py `run
+--rule candidates`) simulates any rule exactly (branches are independent and deterministic).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ _CLAUSE = re.compile(r"\s*(?:;|,?\s+and\s+(?=(?:what|which|who|where|when|how)\b
 _RELATIVE = re.compile(r"\s*,?\s+(?:(?:in|at|on|under|by|from|with|for|to|of|during)\s+)?"
                        r"(?:which|whom|whose|where|who|that|when)\s+", re.I)
 
-RULES = ("v1", "candidates")  # and "kinds:<kind>,<kind>,..." of KINDS
+RULES = ("v2", "v1", "candidates")  # and "kinds:<kind>,<kind>,..." of KINDS
 KINDS = ("comparison", "clause", "entity", "entity_last", "residual", "relative")
 
 
@@ -124,6 +128,8 @@ def select(cands: list[SubQuery], rule: str, max_branches: int) -> list[SubQuery
     chosen: list[SubQuery]
     if rule == "candidates":
         chosen = rest
+    elif rule == "v2":
+        chosen = by.get("comparison") or by.get("clause", [])
     elif rule == "v1":
         chosen = by.get("comparison") or by.get("clause") or by.get("entity", [])
     elif rule.startswith("kinds:"):
@@ -150,7 +156,7 @@ def _dedup(subs: list[SubQuery]) -> list[SubQuery]:
 
 
 class HeuristicPlanner:
-    def __init__(self, rule: str = "v1"):
+    def __init__(self, rule: str = "v2"):
         select([SubQuery("q")], rule, 1)  # an unknown rule fails here, not at the first search
         self.rule = rule
 

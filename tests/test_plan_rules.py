@@ -35,8 +35,17 @@ def test_candidates_list_every_kind_once_original_first():
     assert len({s.text.lower() for s in subs}) == len(subs)
 
 
-def test_v1_is_the_planner_of_sessions_1_and_2():
+def test_v2_the_default_branches_only_comparisons_and_clauses():
     planner = HeuristicPlanner()
+    assert planner.rule == "v2"
+    assert kinds(planner.plan(KISS, 3)) == ["original"]  # two names, no comparison: no branch
+    assert kinds(planner.plan(COMPARE, 3)) == ["original", "comparison", "comparison"]
+    assert kinds(planner.plan(MUSIQUE, 3)) == ["original"]
+    assert kinds(planner.plan(COMPARE, 2)) == ["original", "comparison"]
+
+
+def test_v1_is_the_planner_of_sessions_1_to_12():
+    planner = HeuristicPlanner("v1")
     assert kinds(planner.plan(KISS, 3)) == ["original", "entity"]
     assert kinds(planner.plan(COMPARE, 3)) == ["original", "comparison", "comparison"]
     assert kinds(planner.plan(MUSIQUE, 3)) == ["original"]  # one entity: no entity branch
@@ -69,7 +78,7 @@ def _branch_eval():
     return module
 
 
-@pytest.mark.parametrize("rule,cap", [("v1", 3), ("kinds:residual,relative", 3),
+@pytest.mark.parametrize("rule,cap", [("v2", 3), ("v1", 3), ("kinds:residual,relative", 3),
                                       ("kinds:entity_last", 2), ("candidates", 10)])
 def test_the_offline_simulation_launches_what_the_planner_launches(rule, cap):
     be = _branch_eval()

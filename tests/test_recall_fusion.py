@@ -74,7 +74,7 @@ def test_the_head_is_anchored_and_the_tail_follows_plain_rrf():
 def test_the_planner_launches_an_entity_branch_only_where_it_adds_one():
     from branchsearch.orchestrator.plan import HeuristicPlanner
 
-    planner = HeuristicPlanner()
+    planner = HeuristicPlanner("v1")  # the default (v2) launches no entity branch at all
     two = planner.plan("What government position was held by the woman who portrayed Corliss "
                        "Archer in the film Kiss and Tell?", 3)
     assert [s.kind for s in two] == ["original", "entity"]  # one branch, not one per entity
