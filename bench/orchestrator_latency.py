@@ -58,7 +58,7 @@ def idle_rate(seconds: float = 3.0) -> float:
 def measure(driver: Driver, questions: list[str], branches: int) -> dict:
     driver.search(questions[0], max_branches=branches)  # warm-up
     idle = idle_rate()
-    walls, shares = [], []
+    walls, shares, multi = [], [], []  # multi: the questions planned to 2+ branches
     cpu0, started = busy_cpu_s(), time.perf_counter()
     for q in questions:
         r = driver.search(q, max_branches=branches)
@@ -66,10 +66,13 @@ def measure(driver: Driver, questions: list[str], branches: int) -> dict:
                 for b in r.branches]
         busy = sum(work) if driver.mode == "local" else max(work)
         walls.append(r.metrics["latency_s"])
+        if len(r.branches) > 1:
+            multi.append(len(walls) - 1)
         shares.append(max(0.0, 1 - busy / r.metrics["latency_s"]))
     busy = busy_cpu_s() - cpu0 - idle * (time.perf_counter() - started)
     cpu = max(busy, 0.0) / len(questions)
-    return {"p50_ms": 1000 * statistics.median(walls), "overhead": statistics.median(shares),
+    return {"p50_ms": 1000 * statistics.median(walls), "walls": walls, "multi": multi,
+            "overhead": statistics.median(shares),
             "cpu_ms": 1000 * cpu, "floor_ms": 1000 * cpu / (os.cpu_count() or 1),
             "idle_cores": idle}
 
@@ -98,11 +101,18 @@ def main() -> None:
     rows.append(("3 branches, Ray actors", measure(ray_driver, sample, 3)))
     ray_driver.close()
     base = rows[0][1]["p50_ms"]
-    print("\n| configuration | median latency ms | vs 1 branch in-process | overhead share "
-          "(median) | machine CPU ms per question | its floor on these cores, ms |")
-    print("|---|---|---|---|---|---|")
+    one = rows[0][1]["walls"]  # 1 branch in-process, question by question
+    print("\n| configuration | median latency ms | vs 1 branch in-process | questions planned "
+          "to 2+ branches: n, median ms, vs the same questions with 1 branch in-process | overhead share (median) | "
+          "machine CPU ms per question | its floor on these cores, ms |")
+    print("|---|---|---|---|---|---|---|")
     for name, m in rows:
-        print(f"| {name} | {m['p50_ms']:.0f} | {m['p50_ms'] / base:.2f}x | "
+        multi = "–"
+        if m["multi"]:  # those questions' median, against the same questions with 1 branch
+            mine = statistics.median(m["walls"][i] for i in m["multi"])
+            theirs = statistics.median(one[i] for i in m["multi"])
+            multi = f"{len(m['multi'])}, {1000 * mine:.0f}, {mine / theirs:.2f}x"
+        print(f"| {name} | {m['p50_ms']:.0f} | {m['p50_ms'] / base:.2f}x | {multi} | "
               f"{100 * m['overhead']:.1f} % | {m['cpu_ms']:.0f} | {m['floor_ms']:.0f} |")
     print("(machine CPU: every process's busy time over the run, per question, less what the "
           "machine used while the bench slept just before (" + ", ".join(

@@ -131,6 +131,66 @@ def test_a_crashed_and_a_late_branch_are_reported(ray_driver):
 
 
 @pytest.mark.ray
+def test_the_question_s_branch_runs_in_its_retriever_and_streams_its_events(ray_driver):
+    import ray
+
+    driver, _ = ray_driver
+    retriever_pid = ray.get(driver.executor.retrievers[0].ping.remote())
+    events = []
+    result = driver.search(Q, on_event=events.append)
+    own, *others = result.branches
+    assert [b.status for b in result.branches] == ["ok", "ok", "ok"]
+    assert own.pid == retriever_pid and own.rpc_s == 0 and own.backend_s > 0  # no round trips
+    assert all(b.pid != retriever_pid and b.rpc_s > 0 for b in others)  # pool actors
+    for b in result.branches:  # each branch's own events reached the driver, hosted or not
+        mine = [e["type"] for e in events if e.get("branch") == b.index]
+        assert mine[0] == "branch_started" and mine[-1] == "branch_done" and "search" in mine
+    assert driver.executor.balancer.hosting == [False]  # the slot is free again
+
+
+def test_event_buffers_drain_and_forget_a_finished_branch():
+    from branchsearch.workers.actor import Events
+
+    events = Events()
+    put = events.sink("q1")
+    put({"n": 1})
+    assert events.take("q1") == [{"n": 1}] and events.take("q1") == []
+    put({"n": 2})
+    assert events.take("q1", last=True) == [{"n": 2}]
+    put({"n": 3})  # a late branch's events after its last drain are not kept
+    assert events.take("q1") == [] and events._buffers == {}
+
+
+def test_a_replica_hosts_one_branch_at_a_time():
+    from branchsearch.orchestrator.executors import ReplicaBalancer
+
+    b = ReplicaBalancer(2)
+    assert b.host(0) and not b.host(0) and b.host(1)
+    b.unhost(0)
+    assert b.host(0) and b.hosting == [True, True]
+
+
+@pytest.mark.ray
+def test_a_late_hosted_branch_is_a_timeout_and_the_next_question_is_hosted_again(ray_driver):
+    from branchsearch.workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.scripted import SlowPolicy
+
+    driver, _ = ray_driver
+    driver.settings = driver.settings.replace(branch_timeout_s=4)
+    driver.policy_factory = lambda i, q: SlowPolicy(6) if i == 0 else HeuristicPolicy()
+    try:
+        result = driver.search(Q)
+    finally:
+        driver.policy_factory = None
+        driver.settings = driver.settings.replace(branch_timeout_s=20)
+    assert [b.status for b in result.branches] == ["timeout", "ok", "ok"]
+    assert "within 4 s" in result.branches[0].error and result.evidence
+    again = driver.search(Q)  # the late branch still sleeps in a replica thread; this one is
+    assert [b.status for b in again.branches] == ["ok", "ok", "ok"]  # hosted beside it
+    assert again.branches[0].rpc_s == 0
+
+
+@pytest.mark.ray
 def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings, tmp_path):
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     inp = tmp_path / "in.jsonl"

@@ -5,10 +5,14 @@
   `Retriever.call_many`: one round trip per turn. It also holds the fetch caches of the
   questions it serves (`infra.fetch_cache.FetchCaches`, by question id): the executor sends all
   the branches of a question to one replica, so they share what the backends answered.
+  It can *host* a branch too (`run`): the question's own branch, beside the stores, calls them
+  in-process — no round trip per turn (the executor hosts at most one at a time per replica).
 * `BranchActor` runs `workers.branch.run_branch` against a `RemoteRetriever` and returns the
-  `BranchReport` (the episode result inside it whole). The driver's span context arrives as W3C
-  headers and becomes the parent of the branch span, so a query is one trace across processes.
-  Events (search, prune) wait in a buffer that the driver drains while the branch runs.
+  `BranchReport` (the episode result inside it whole).
+
+Either way the driver's span context arrives as W3C headers and becomes the parent of the
+branch span, so a query is one trace across processes, and events (search, prune) wait in a
+buffer (`Events`) that the driver drains while the branch runs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,60 @@ import ray
 from branchsearch.infra.settings import Settings
 
 
+class Events:
+    """Buffers of branch events by key, drained by the driver (`take`) while branches run."""
+
+    def __init__(self):
+        self._buffers: dict[str, list[dict]] = {}
+        self._lock = threading.Lock()
+
+    def sink(self, key: str):
+        with self._lock:
+            self._buffers[key] = []
+
+        def put(event: dict) -> None:
+            with self._lock:
+                buffer = self._buffers.get(key)
+                if buffer is not None:  # none once taken for the last time: not kept
+                    buffer.append(event)
+        return put
+
+    def take(self, key: str, last: bool = False) -> list[dict]:
+        with self._lock:
+            if key not in self._buffers:
+                return []
+            out = self._buffers.pop(key)
+            if not last:
+                self._buffers[key] = []
+            return out
+
+
+def warm_up(settings: Settings) -> None:
+    """Import the branch runner and load the token encoding now, while the driver waits for
+    actors to start, not inside the first question's branch timeout."""
+    from branchsearch.infra import telemetry
+    from branchsearch.infra.tokenizer import TokenCounter
+    from branchsearch.workers import branch  # noqa: F401
+
+    telemetry.configure_from(settings)
+    TokenCounter(settings.encoding).count("warm up")
+
+
+def run_here(task, retriever, settings: Settings, carrier: dict | None, policy_factory,
+             on_event):
+    """`run_branch` in this actor, its span a child of the driver's (`carrier`)."""
+    from branchsearch.infra import telemetry
+    from branchsearch.workers.branch import run_branch
+
+    token = telemetry.attach_carrier(carrier)
+    try:
+        return run_branch(task, retriever, settings, policy_factory=policy_factory,
+                          on_event=on_event)
+    finally:
+        telemetry.flush()
+        telemetry.detach(token)
+
+
 class RetrieverService:
     """The retriever as an actor (thread-pooled: several branches search at once)."""
 
@@ -30,11 +88,14 @@ class RetrieverService:
 
         from branchsearch.infra.fetch_cache import FetchCaches
 
+        self.settings = settings
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
         self.caches = FetchCaches()
         self.calls = 0
+        self.events = Events()
         if self.retriever.embedder is not None:  # load the model now, not in the first query
             _ = self.retriever.embedder.dim
+        warm_up(settings)
 
     def call_many(self, requests: list[tuple], question: str | None = None):
         """([value or exception per request], seconds spent in the backend): the caller
@@ -43,6 +104,18 @@ class RetrieverService:
         self.calls += 1
         values = self.retriever.call_many(requests, cache=self.caches.get(question))
         return values, time.perf_counter() - started
+
+    def run(self, task, carrier: dict | None = None, policy_factory=None,
+            events: str | None = None, question: str | None = None):
+        """Host a branch: `run_branch` here, against the stores themselves (and the question's
+        fetch cache), so its turns make no round trip. `events`: the key under which its
+        events wait for `branch_events` (None: not streamed)."""
+        return run_here(task, HostedRetriever(self, self.caches.get(question)), self.settings,
+                        carrier, policy_factory, self.events.sink(events) if events else None)
+
+    def branch_events(self, key: str, last: bool = False) -> list[dict]:
+        """A hosted branch's events since the last call; `last`: and forget the key."""
+        return self.events.take(key, last)
 
     def end_question(self, question: str) -> dict:
         """Drop the question's fetch cache; its counters."""
@@ -57,12 +130,27 @@ class RetrieverService:
         return os.getpid()
 
     def served(self) -> int:
-        """`call_many` calls served (one per tool-call round of a branch turn)."""
+        """Tool-call rounds served (one per branch turn), to pool actors and hosted branches."""
         return self.calls
 
     def close(self) -> None:
         """Release the stores (and the Milvus Lite file) before the actor is killed."""
         self.retriever.close()
+
+
+class HostedRetriever:
+    """The replica's retriever as a branch it hosts sees it: in-process calls that share the
+    question's fetch cache and count as the replica's served calls."""
+
+    def __init__(self, service: RetrieverService, cache):
+        self.service, self.cache = service, cache
+
+    def call_many(self, requests: list[tuple]) -> list:
+        self.service.calls += 1
+        return self.service.retriever.call_many(requests, cache=self.cache)
+
+    def __getattr__(self, name: str):
+        return getattr(self.service.retriever, name)
 
 
 class RemoteRetriever:
@@ -90,49 +178,23 @@ class RemoteRetriever:
 
 class BranchService:
     def __init__(self, settings: Settings, retriever_handle):
-        from branchsearch.infra import telemetry
-
         self.settings = settings
-        telemetry.configure_from(settings)
         self.handle = retriever_handle
-        # import the branch runner and load the token encoding now, while the driver waits for
-        # actors to start, not inside the first question's branch timeout
-        from branchsearch.infra.tokenizer import TokenCounter
-        from branchsearch.workers import branch  # noqa: F401
-
-        TokenCounter(settings.encoding).count("warm up")
-        self._events: list[dict] = []
-        self._lock = threading.Lock()
+        self._events = Events()
+        warm_up(settings)
 
     def run(self, task, carrier: dict | None = None, policy_factory=None,
             stream: bool = False, retriever=None, question: str | None = None):
         """`run_branch` here, against `retriever` (the replica the executor chose) or the
         actor's own; with `stream`, events wait in a buffer for `events()`. `question`: the id
         under which the replica shares fetches among the question's branches."""
-        from branchsearch.infra import telemetry
-        from branchsearch.workers.branch import run_branch
-
-        with self._lock:
-            self._events.clear()
-        token = telemetry.attach_carrier(carrier)
-        try:
-            return run_branch(task, RemoteRetriever(retriever or self.handle, question),
-                              self.settings,
-                              policy_factory=policy_factory,
-                              on_event=self._buffer if stream else None)
-        finally:
-            telemetry.flush()
-            telemetry.detach(token)
-
-    def _buffer(self, event: dict) -> None:
-        with self._lock:
-            self._events.append(event)
+        sink = self._events.sink("run") if stream else None
+        return run_here(task, RemoteRetriever(retriever or self.handle, question),
+                        self.settings, carrier, policy_factory, sink)
 
     def events(self) -> list[dict]:
         """The events since the last call (runs beside `run`: the actor has two threads)."""
-        with self._lock:
-            out, self._events = self._events, []
-        return out
+        return self._events.take("run")
 
     def ping(self) -> int:
         return os.getpid()
