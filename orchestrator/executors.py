@@ -342,19 +342,31 @@ class RayExecutor:
         else:
             replicas = [self.balancer.take() for _ in tasks]
         hosted = self.hosts and self.balancer.host(replicas[0])
+
+        def on_pool(actor, task: BranchTask, replica: int) -> Placement:
+            return Placement(actor.run.remote(task, carrier, policy_factory, stream,
+                                              self.retrievers[replica], question),
+                             replica, actor)
+
+        def rescue(task: BranchTask) -> Placement:  # the hosting replica went away
+            return on_pool(self._acquire(1)[0], task, replicas[0])
+
         try:
             actors = self._acquire(len(tasks) - hosted)
             places = []
-            if hosted:  # the question's own branch, beside the stores
-                key = uuid.uuid4().hex if stream else None
-                ref = self.retrievers[replicas[0]].run.remote(
-                    self._bounded(tasks[0], settings), carrier, policy_factory, key, question)
-                places.append(Placement(ref, replicas[0], events=key))
-            for actor, task, r in zip(actors, tasks[hosted:], replicas[hosted:]):
-                ref = actor.run.remote(task, carrier, policy_factory, stream,
-                                       self.retrievers[r], question)
-                places.append(Placement(ref, r, actor))
-            return self._gather(tasks, places, settings, on_event)
+            try:
+                if hosted:  # the question's own branch, beside the stores
+                    key = uuid.uuid4().hex if stream else None
+                    ref = self.retrievers[replicas[0]].run.remote(
+                        self._bounded(tasks[0], settings), carrier, policy_factory, key,
+                        question)
+                    places.append(Placement(ref, replicas[0], events=key))
+                for actor, task, r in zip(actors, tasks[hosted:], replicas[hosted:]):
+                    places.append(on_pool(actor, task, r))
+            except BaseException:  # a task that cannot be sent: the pool gets its actors back
+                self._give_back(actors, [p.actor for p in places if p.actor is not None])
+                raise
+            return self._gather(tasks, places, settings, on_event, rescue)
         finally:
             if hosted:
                 self.balancer.unhost(replicas[0])
@@ -364,6 +376,17 @@ class RayExecutor:
             else:
                 for r in replicas:
                     self.balancer.done(r)
+
+    def _give_back(self, actors: list, busy: list) -> None:
+        """Return `actors` to the pool; those in `busy` (running a task nobody will collect)
+        are replaced by fresh ones."""
+        import ray
+
+        for actor in actors:
+            if any(actor is b for b in busy):
+                ray.kill(actor)
+                actor = self._new_branch()
+            self._release(actor)
 
     @staticmethod
     def _bounded(task: BranchTask, settings: Settings) -> BranchTask:
@@ -380,9 +403,8 @@ class RayExecutor:
             pass
 
     def _gather(self, tasks: list[BranchTask], places: list[Placement], settings: Settings,
-                on_event: Events) -> list[BranchReport]:
-        import ray
-
+                on_event: Events, rescue: Callable[[BranchTask], Placement]
+                ) -> list[BranchReport]:
         for t in tasks:
             emit(on_event, {"type": "branch_started", "branch": t.index,
                              "subquery": t.subquery})
@@ -390,22 +412,40 @@ class RayExecutor:
         deadline = min([t.deadline for t in tasks if t.deadline is not None], default=None)
         if deadline is not None:
             timeout = max(min(timeout, deadline - time.time()), 0.0)
+        end = time.monotonic() + timeout
         done = self._wait(places, timeout, on_event)
-        reports = []
-        for place, task in zip(places, tasks):
-            if place.ref not in done:
-                report = BranchReport(task.index, task.subquery, task.weight, task.kind,
-                                      "timeout", f"no result within {timeout:g} s")
-                if place.actor is not None:
-                    ray.kill(place.actor)  # it is still busy: replace it
-                    self._release(self._new_branch())
-                elif place.events:  # hosted: it ends by its deadline; its events are not kept
-                    self.retrievers[place.replica].branch_events.remote(place.events, True)
-            else:
-                report = self._collect(task, place)
+        reports = [self._report(task, place, done, timeout)
+                   for place, task in zip(places, tasks)]
+        for i, report in enumerate(reports):
+            if report is None:  # hosted, and its replica died or is restarting: once the
+                task = tasks[i]  # question's pool actors are back, one of them runs it
+                left = end - time.monotonic()
+                if left > 0:
+                    place = rescue(task)
+                    report = self._report(task, place, self._wait([place], left, on_event),
+                                          timeout)
+                reports[i] = report or BranchReport(
+                    task.index, task.subquery, task.weight, task.kind, "error",
+                    "its retriever actor died, and no time was left to run it elsewhere")
+        for report in reports:
             emit(on_event, _done_event(report))
-            reports.append(report)
         return reports
+
+    def _report(self, task: BranchTask, place: Placement, done: set, timeout: float
+                ) -> BranchReport | None:
+        """The branch's report: its own, or a timeout; None for a hosted branch whose replica
+        died (it can run again elsewhere)."""
+        import ray
+
+        if place.ref in done:
+            return self._collect(task, place)
+        if place.actor is not None:
+            ray.kill(place.actor)  # it is still busy: replace it
+            self._release(self._new_branch())
+        elif place.events:  # hosted: it ends by its deadline; its events are not kept
+            self.retrievers[place.replica].branch_events.remote(place.events, True)
+        return BranchReport(task.index, task.subquery, task.weight, task.kind, "timeout",
+                            f"no result within {timeout:g} s")
 
     def _wait(self, places: list[Placement], timeout: float, on_event: Events) -> set:
         """The refs that finished within `timeout`; meanwhile, with a watcher, the branches'
@@ -425,16 +465,16 @@ class RayExecutor:
             calls = [p.actor.events.remote() if p.actor is not None else
                      self.retrievers[p.replica].branch_events.remote(p.events, p.ref in done)
                      for p in places]
-            try:
-                for batch in ray.get(calls, timeout=10):
-                    for event in batch:
+            for call in calls:  # one by one: a dead actor's events are lost, no one else's
+                try:
+                    for event in ray.get(call, timeout=10):
                         emit(on_event, event)
-            except ray.exceptions.RayError:
-                pass  # a dead actor's events are lost; its report says what happened
+                except ray.exceptions.RayError:
+                    pass  # its report says what happened
             if len(done) == len(refs) or left <= 0:
                 return done
 
-    def _collect(self, task: BranchTask, place: Placement) -> BranchReport:
+    def _collect(self, task: BranchTask, place: Placement) -> BranchReport | None:
         import ray
 
         from branchsearch.infra.errors import error_line
@@ -444,11 +484,11 @@ class RayExecutor:
             if place.actor is not None:
                 self._release(place.actor)
             return report
-        except ray.exceptions.RayActorError as exc:
-            who = "actor" if place.actor is not None else "retriever actor (hosting it)"
-            error = f"{who} died: {error_line(exc, 480)}"
-            if place.actor is not None:
-                self._release(self._new_branch())
+        except ray.exceptions.RayActorError as exc:  # ActorUnavailableError too (restarting)
+            if place.actor is None:
+                return None
+            error = f"actor died: {error_line(exc, 480)}"
+            self._release(self._new_branch())
         except ray.exceptions.RayTaskError as exc:
             error = error_line(exc, 500)
             if place.actor is not None:

@@ -191,6 +191,24 @@ def test_a_late_hosted_branch_is_a_timeout_and_the_next_question_is_hosted_again
 
 
 @pytest.mark.ray
+def test_a_branch_that_cannot_be_sent_gives_the_pool_its_actors_back(ray_driver):
+    import threading
+
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    driver, _ = ray_driver
+    lock = threading.Lock()  # a factory that closes over a lock cannot be pickled
+    driver.policy_factory = lambda i, q, lock=lock: HeuristicPolicy()
+    try:
+        for _ in range(3):  # more than the pool holds, were actors lost
+            with pytest.raises(TypeError, match="serialize"):
+                driver.search(Q)
+    finally:
+        driver.policy_factory = None
+    assert [b.status for b in driver.search(Q).branches] == ["ok", "ok", "ok"]
+
+
+@pytest.mark.ray
 def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings, tmp_path):
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     inp = tmp_path / "in.jsonl"

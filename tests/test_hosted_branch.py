@@ -1,0 +1,48 @@
+"""The question's own branch hosted by its retriever replica, when that replica fails (a Ray
+cluster of its own: a replica killed here must not touch another module's actors)."""
+
+import pytest
+
+from conftest import ingest_copy
+
+Q = "Were Scott Derrickson and Ed Wood of the same nationality?"
+
+
+@pytest.mark.ray
+def test_a_replica_lost_under_a_hosted_branch_runs_it_on_a_pool_actor(hotpot_settings):
+    """The replica restarts (max_restarts) while it hosts the question's branch: a pool actor
+    runs that branch again, the others' events still arrive, the next question is hosted."""
+    import threading
+
+    import ray
+
+    from branchsearch.orchestrator.driver import Driver
+    from branchsearch.workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.scripted import SlowPolicy
+
+    settings = ingest_copy(hotpot_settings, "hotpot-rescue").replace(
+        branches=3, branch_timeout_s=40, search_mode="bm25")
+    driver = Driver(settings, mode="ray", pool_size=3)
+    try:
+        replica = driver.executor.retrievers[0]
+        driver.policy_factory = lambda i, q: SlowPolicy(2) if i == 0 else HeuristicPolicy()
+        threading.Timer(1.0, lambda: ray.kill(replica, no_restart=False)).start()
+        events = []
+        result = driver.search(Q, on_event=events.append)
+        assert [b.status for b in result.branches] == ["ok", "ok", "ok"], \
+            [b.error for b in result.branches]
+        restarted = ray.get(replica.ping.remote())  # the replica's new process
+        assert result.branches[0].pid != restarted  # it ran again, on a pool actor
+        for b in result.branches[1:]:  # the healthy branches' events were all kept
+            mine = [e for e in events if e.get("branch") == b.index]
+            assert [e["type"] for e in mine].count("branch_done") == 1
+            found = {i for e in mine if e["type"] == "search" for i in e["new_ids"]}
+            assert b.ranked_chunk_ids and set(b.ranked_chunk_ids) <= found
+        driver.policy_factory = None
+        again = driver.search(Q)
+        assert [b.status for b in again.branches] == ["ok", "ok", "ok"]
+        executor = driver.executor
+        assert executor.balancer.hosting == [False] and len(executor._idle) == executor._created
+    finally:
+        driver.close()
+        ray.shutdown()
