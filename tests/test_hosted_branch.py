@@ -46,3 +46,33 @@ def test_a_replica_lost_under_a_hosted_branch_runs_it_on_a_pool_actor(hotpot_set
     finally:
         driver.close()
         ray.shutdown()
+
+
+@pytest.mark.ray
+def test_hosted_and_pool_branches_rank_as_the_in_process_run(hotpot_settings):
+    """Where a branch runs changes nothing it finds: Ray (hosted + pool actors) and the local
+    executor give the same fused and per-branch rankings, question by question."""
+    import json
+
+    import ray
+
+    from branchsearch.orchestrator.driver import Driver
+
+    from conftest import HOTPOT
+
+    questions = [json.loads(line)["text"]
+                 for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    settings = ingest_copy(hotpot_settings, "hotpot-same").replace(
+        branches=3, branch_timeout_s=60, search_mode="bm25")
+    got = {}
+    for mode in ("local", "ray"):
+        driver = Driver(settings, mode=mode, pool_size=3)
+        try:
+            got[mode] = [(r.ranked_chunk_ids, [b.ranked_chunk_ids for b in r.branches],
+                          [b.status for b in r.branches])
+                         for r in (driver.search(q) for q in questions)]
+        finally:
+            driver.close()
+    ray.shutdown()
+    assert got["ray"] == got["local"]
+    assert any(len(branches) > 1 for _, branches, _ in got["ray"])  # some questions branch
