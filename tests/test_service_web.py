@@ -69,9 +69,9 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
             page.wait_for_function("document.querySelectorAll('#index option').length > 0",
                                    timeout=30_000)
             assert page.locator("#index option").all_inner_texts() == ["acl"]
-            # two named entities: the planner launches more than the question's own branch
-            page.fill("#question", "What do the Alpha Roadmap and the Alpha Budget plan for "
-                                   "harbor sensors and the lighthouse?")
+            # two clauses: the planner launches more than the question's own branch
+            page.fill("#question", "What does the Alpha Roadmap plan for harbor sensors and "
+                                   "what does the Alpha Budget plan for the lighthouse?")
             page.click("#go")
             page.wait_for_selector("#evidence-list li", timeout=120_000)
             page.wait_for_function("!document.getElementById('go').disabled", timeout=30_000)
