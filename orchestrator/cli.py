@@ -425,7 +425,7 @@ def _print_demo_branches(result) -> None:
                   f"({p['tokens_before']}→{p['tokens_after']} tokens): "
                   f"{one_line(p['reason'], 90)}")
         print(f"      kept {len(b.final_context_ids)} chunks ({b.context_tokens_final} tokens), "
-              f"stopped by {b.termination} after {b.turns} turns")
+              f"stopped by {b.termination} after {b.turns} turn{'' if b.turns == 1 else 's'}")
 
 
 def _print_demo_evidence(result, task) -> None:
@@ -477,10 +477,10 @@ app.add_typer(keys_app, name="keys")
 def main() -> None:
     """Run the app; every user-caused error ends as one `error:` line and exit status 2."""
     try:
-        app(prog_name="branchsearch", standalone_mode=False)
+        # not standalone, typer *returns* a command's `typer.Exit(code)` and Ctrl-C (130)
+        code = app(prog_name="branchsearch", standalone_mode=False)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
@@ -495,6 +495,10 @@ def main() -> None:
         else:  # no arguments: the help text is the answer
             exc.show()
         sys.exit(2)
+    if code == 130:
+        print("interrupted", file=sys.stderr)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 def user_error(exc: BaseException) -> str | None:

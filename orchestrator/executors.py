@@ -445,7 +445,7 @@ class RayExecutor:
         elif place.events:  # hosted: it ends by its deadline; its events are not kept
             self.retrievers[place.replica].branch_events.remote(place.events, True)
         return BranchReport(task.index, task.subquery, task.weight, task.kind, "timeout",
-                            f"no result within {timeout:g} s")
+                            f"no result within {timeout:.3g} s")
 
     def _wait(self, places: list[Placement], timeout: float, on_event: Events) -> set:
         """The refs that finished within `timeout`; meanwhile, with a watcher, the branches'

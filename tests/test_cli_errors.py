@@ -218,3 +218,47 @@ def test_actor_died_of_a_user_error_is_one_line():
     except KeyError as exc:
         bug = ActorDiedError(RayTaskError("f", "".join(traceback.format_exception(exc)), exc))
     assert user_error(bug) is None
+
+
+@pytest.mark.ray
+def test_a_failed_search_exits_1(tmp_path):
+    """`status: failed` is exit status 1 (typer hands a command's exit code back to `main`,
+    which once dropped it: a failed search exited 0)."""
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    done = run(["search", "Were Scott Derrickson and Ed Wood of the same nationality?",
+                "--branches", "3", *home],
+               env={"BRANCHSEARCH_SEARCH_MODE": "bm25", "BRANCHSEARCH_BRANCH_TIMEOUT_S": "0.0001",
+                    "RAY_ADDRESS": ""}, timeout=600)
+    assert "status: failed" in done.stdout, (done.stdout[-800:], done.stderr[-800:])
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
+    import signal
+    import time
+
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    queries = [json.loads(line)["text"] for line in
+               (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
+                           + "\n" for i in range(2000)))
+    proc = subprocess.Popen([*CLI, "batch", inp, "-o", out, "--executor", "local",
+                             "--branches", "1", *home],
+                            env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # what ^C sends
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stderr[-800:])
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    lines = out.read_text().splitlines()
+    assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)

@@ -142,7 +142,8 @@ class Episode:
         if self.ws.turn >= self.settings.max_turns:
             raise EpisodeEnd("max_turns")
         if self.deadline is not None and time.time() >= self.deadline:
-            raise EpisodeEnd("deadline", f"stopped at the deadline after {self.ws.turn} turns")
+            raise EpisodeEnd("deadline", f"stopped at the deadline after {self.ws.turn} turn"
+                             f"{'' if self.ws.turn == 1 else 's'}")
         self.ws.turn += 1
         with tracer().start_as_current_span("turn") as span:
             before = self.ws.used
