@@ -274,7 +274,7 @@ class QuestionRetriever:
     """A retriever as one question's branches see it: `call_many` shares the question's cache;
     everything else is the retriever's."""
 
-    def __init__(self, retriever: Retriever, cache: QuestionCache):
+    def __init__(self, retriever: Retriever, cache: QuestionCache | None):
         self.retriever, self.cache = retriever, cache
 
     def call_many(self, requests: list[tuple]) -> list:

@@ -23,6 +23,7 @@ import time
 
 import ray
 
+from branchsearch.infra.retriever import QuestionRetriever
 from branchsearch.infra.settings import Settings
 
 
@@ -138,19 +139,17 @@ class RetrieverService:
         self.retriever.close()
 
 
-class HostedRetriever:
-    """The replica's retriever as a branch it hosts sees it: in-process calls that share the
-    question's fetch cache and count as the replica's served calls."""
+class HostedRetriever(QuestionRetriever):
+    """The replica's own retriever as a branch it hosts sees it: the question's fetch cache
+    (None: unshared), and its calls counted as the replica's served calls."""
 
     def __init__(self, service: RetrieverService, cache):
-        self.service, self.cache = service, cache
+        super().__init__(service.retriever, cache)
+        self.service = service
 
     def call_many(self, requests: list[tuple]) -> list:
         self.service.calls += 1
-        return self.service.retriever.call_many(requests, cache=self.cache)
-
-    def __getattr__(self, name: str):
-        return getattr(self.service.retriever, name)
+        return super().call_many(requests)
 
 
 class RemoteRetriever:
