@@ -159,7 +159,50 @@ def _coerce(name: str, value: Any) -> Any:
         raise SettingsError(f"setting {name}: cannot read {value!r} as {kind.__name__}") from None
 
 
+INDEX_NAME_CHARS = 100  # an index name is 1..100 characters
+INDEX_NAME_BYTES = 200  # and at most this many bytes in UTF-8 (a file name holds 255)
+INDEX_NAME_RULE = (f"index names are 1-{INDEX_NAME_CHARS} letters, digits, '-' or '_' (any "
+                   f"script; at most {INDEX_NAME_BYTES} bytes in UTF-8)")
+
+
+def index_name_problem(name: object) -> str:
+    """Why `name` cannot name an index ("" when it can). The one rule for every command and the
+    service: the name is a folder under `home/indexes`, a Milvus collection and an Elasticsearch
+    index, so it holds no path separator, dot or space and fits in one file name."""
+    if not isinstance(name, str) or not name:
+        return f"the index name is empty ({INDEX_NAME_RULE})"
+    shown = repr(name) if len(name) <= 40 else f"{name[:20]!r}… ({len(name)} characters)"
+    if not name.replace("-", "").replace("_", "").isalnum():
+        return f"index name {shown} is not allowed: {INDEX_NAME_RULE}"
+    if len(name) > INDEX_NAME_CHARS or len(name.encode("utf-8")) > INDEX_NAME_BYTES:
+        return f"index name {shown} is too long: {INDEX_NAME_RULE}"
+    return ""
+
+
+def _check_home(home: Path, index_dir: Path) -> None:
+    """The data home and the index folder must be folders where they exist: a file there (a
+    `--home` that names a file) would fail deep inside the first write."""
+    path = index_dir
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if path.is_dir() or not path.exists():
+        return
+    if path == home:
+        raise SettingsError(f"data home {home} is a file, not a folder; give --home a folder "
+                            "(it is created if missing)")
+    if home.is_relative_to(path):
+        raise SettingsError(f"data home {home}: {path} is a file, not a folder; give --home a "
+                            "folder (it is created if missing)")
+    raise SettingsError(f"{path} is a file where branchsearch keeps a folder of the data home "
+                        f"{home}; move it away")
+
+
 def _validate(s: Settings) -> None:
+    from branchsearch.infra.errors import register_secret
+
+    for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, *[
+            v.split("=", 1)[-1] for v in s.otlp_headers.split(",")]):
+        register_secret(secret.strip())  # masked in every message that leaves the process
     checks = [
         (s.chunk_tokens >= 16, "chunk_tokens must be >= 16"),
         (0 <= s.chunk_overlap < s.chunk_tokens, "chunk_overlap must be in [0, chunk_tokens)"),
@@ -193,11 +236,18 @@ def _validate(s: Settings) -> None:
          f"milvus_consistency must be {one_of(MILVUS_CONSISTENCIES)}"),
         (s.policy in POLICIES, f"policy must be {one_of(POLICIES)}"),
         (s.planner in PLANNERS, f"planner must be {one_of(PLANNERS)}"),
-        (s.index.replace("-", "").replace("_", "").isalnum(), "index names are [A-Za-z0-9_-]"),
     ]
     for ok, message in checks:
         if not ok:
             raise SettingsError(f"bad settings: {message}")
+    problem = index_name_problem(s.index)
+    if problem:
+        raise SettingsError(problem)
+    for spec in s.indexes:  # a declared name that `--index` could never select
+        problem = index_name_problem(spec.name)
+        if problem:
+            raise SettingsError(f"[indexes.NAME] in the settings file: {problem}")
+    _check_home(Path(s.home), s.index_dir)
     if s.trace_exporter == "otlp":  # a bad collector URL or header list stops here, clearly
         from branchsearch.infra.telemetry import otlp_headers, otlp_url
 
@@ -255,6 +305,30 @@ def _refuse_misspelt(env) -> None:
                                 f"BRANCHSEARCH_{near[0].upper()}?")
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The settings file as a table; SettingsError in one line for every way it can be bad."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SettingsError(f"settings file not found: {path}") from None
+    except IsADirectoryError:
+        raise SettingsError(f"settings file {path} is a folder: give the TOML file") from None
+    except OSError as exc:
+        raise SettingsError(f"settings file {path}: cannot read it "
+                            f"({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise SettingsError(f"settings file {path}:{line}: not UTF-8 text (byte "
+                            f"{raw[exc.start:exc.start + 1]!r} at offset {exc.start}); a TOML "
+                            "file is UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"settings file {path}: not valid TOML ({exc})") from None
+
+
 def load_settings(
     config: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
@@ -277,12 +351,7 @@ def load_settings(
         if path is None and (Path(values["home"]) / "branchsearch.toml").exists():
             path = Path(values["home"]) / "branchsearch.toml"
         if path is not None:
-            try:
-                data = tomllib.loads(Path(path).read_text())
-            except FileNotFoundError:
-                raise SettingsError(f"settings file not found: {path}") from None
-            except tomllib.TOMLDecodeError as exc:
-                raise SettingsError(f"settings file {path}: {exc}") from None
+            data = _read_toml(Path(path))
             unknown = sorted(set(data) - set(_FIELDS))
             if unknown:
                 raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")

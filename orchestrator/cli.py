@@ -519,7 +519,31 @@ def user_error(exc: BaseException) -> str | None:
     cause = _user_cause(exc)
     if cause is not None:
         return _one_line(str(cause))
+    if isinstance(exc, OSError):
+        line = _path_error(exc)
+        if line is not None:
+            return line
     return _actor_init_error(exc)
+
+
+def _path_error(exc: OSError) -> str | None:
+    """A file the user named where a folder must be (`--home FILE` for `keys`), or a full disk,
+    when no command turned it into its own line. Other OS errors keep their traceback."""
+    import errno
+
+    name = exc.filename
+    if exc.errno == errno.ENOTDIR and name is not None:
+        path = Path(name)
+        while path != path.parent and not path.exists():
+            path = path.parent
+        if path.exists() and not path.is_dir():
+            return _one_line(f"{name}: {path} is a file, not a folder")
+        return _one_line(f"{name}: a part of this path is not a folder")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        where = f" writing {name}" if name is not None else ""
+        return _one_line(f"the disk is full{where} ({exc.strerror}): free space and run the "
+                         "command again")
+    return None
 
 
 _OUR_ERROR = re.compile(r"branchsearch\.infra\.errors\.(\w+): (.*)\Z", re.S)

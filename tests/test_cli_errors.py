@@ -114,6 +114,87 @@ def test_usage_errors(inputs, tmp_path):
     assert "plain text" in (inputs / "notes.jsonl").read_text()  # nor the foreign file
 
 
+def test_bad_home_index_name_and_settings_file(inputs, tmp_path):
+    """A `--home` that is a file, an index name no folder can have, a settings file that is not
+    UTF-8 or not TOML: one line, exit 2, nothing written (were tracebacks, exit 1)."""
+    a_file = inputs / "a-file"
+    long_name = "a" * 300
+    home = ["--home", tmp_path / "home"]
+    (tmp_path / "latin1.toml").write_bytes(b"budget_tokens = 4096 # caf\xe9\n")
+    (tmp_path / "broken.toml").write_text("budget_tokens = = 3\n")
+    (tmp_path / "latin1-home").mkdir()
+    (tmp_path / "latin1-home" / "branchsearch.toml").write_bytes(b"# caf\xe9\n")
+    questions = inputs / "questions.jsonl"
+    file_home = "is a file, not a folder"
+    cases = {
+        "ingest --home file": (["ingest", questions, "--home", a_file], file_home),
+        "retrieve --home file": (["retrieve", "q", "--home", a_file], file_home),
+        "search --home file": (["search", "q", "--executor", "local", "--home", a_file],
+                               file_home),
+        "batch --home file": (["batch", questions, "-o", tmp_path / "o.jsonl", "--executor",
+                               "local", "--home", a_file], file_home),
+        "indexes --home file": (["indexes", "--home", a_file], file_home),
+        "eval --home file": (["eval", inputs / "dev-only", "--split", "dev", "--home", a_file],
+                             file_home),
+        "--home under a file": (["retrieve", "q", "--home", a_file / "sub"],
+                                f"{a_file} is a file"),
+        "ingest long index": (["ingest", questions, "--index", long_name, *home], "too long"),
+        "retrieve long index": (["retrieve", "q", "--index", long_name, *home], "too long"),
+        "search long index": (["search", "q", "--index", long_name, *home], "too long"),
+        "batch long index": (["batch", questions, "-o", tmp_path / "o.jsonl", "--index",
+                              long_name, *home], "1-100 letters"),
+        "index 101 characters": (["retrieve", "q", "--index", "b" * 101, *home], "too long"),
+        "index with a slash": (["retrieve", "q", "--index", "../x", *home], "not allowed"),
+        "config not UTF-8": (["retrieve", "q", "--config", tmp_path / "latin1.toml", *home],
+                             "latin1.toml:1: not UTF-8"),
+        "home's config not UTF-8": (["retrieve", "q", "--home", tmp_path / "latin1-home"],
+                                    "branchsearch.toml:1: not UTF-8"),
+        "config not TOML": (["search", "q", "--config", tmp_path / "broken.toml", *home],
+                            "not valid TOML"),
+        "config a folder": (["ingest", questions, "--config", tmp_path, *home], "is a folder"),
+    }
+    results = run_all({name: args for name, (args, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        assert_one_error_line(results[name], expect, name)
+    assert a_file.read_text() == "not a folder\n"
+    assert not (tmp_path / "home").exists() and not (tmp_path / "o.jsonl").exists()
+    assert list((tmp_path / "latin1-home").iterdir()) == [tmp_path / "latin1-home" /
+                                                           "branchsearch.toml"]
+
+
+def test_index_names_any_script_up_to_100_characters(tmp_path):
+    """The rule (infra/settings.py, one place): 1-100 letters, digits, '-', '_' of any script,
+    at most 200 bytes in UTF-8, so the name is one folder on every file system."""
+    from branchsearch.infra.errors import SettingsError
+    from branchsearch.infra.settings import index_name_problem, load_settings
+
+    for good in ("default", "a" * 100, "é" * 100, "财务-2024_q1", "x"):
+        assert index_name_problem(good) == "", good
+    for bad in ("", "a" * 101, "😀" * 51, "../x", "a b", "a.b", "a/b", "-", "__", None, 5):
+        assert index_name_problem(bad), bad
+    with pytest.raises(SettingsError, match="too long"):
+        load_settings(overrides={"index": "a" * 300}, read_env=False, read_file=False)
+    with pytest.raises(SettingsError, match="too long"):  # from a settings file too
+        (tmp_path / "s.toml").write_text(f'index = "{"a" * 300}"\n')
+        load_settings(tmp_path / "s.toml", read_env=False)
+    name = "é" * 100  # 200 bytes: the longest name in the widest letters still ingests
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d1", "title": "T", "text": "Falcon plan"}) + "\n")
+    home = ["--home", tmp_path / "home", "--index", name]
+    done = run(["ingest", corpus, "--no-dense", *home])
+    assert done.returncode == 0, done.stderr[-800:]
+    shown = run(["retrieve", "Falcon", "--mode", "bm25", *home])
+    assert shown.returncode == 0 and "d1#p0" in shown.stdout, shown.stderr[-800:]
+
+
+def test_keys_with_a_home_that_is_a_file(inputs):
+    """`keys` reads `--home`/keys.json without settings: a file there is one line too."""
+    for args in (["keys", "list"], ["keys", "add", "bob", "--groups", "g"]):
+        done = run([*args, "--home", inputs / "a-file"])
+        assert_one_error_line(done, f"{inputs / 'a-file'} is a file, not a folder", args[1])
+    assert (inputs / "a-file").read_text() == "not a folder\n"
+
+
 def test_no_arguments_prints_help_and_exits_2():
     done = run([])
     assert done.returncode == 2 and "Traceback" not in done.stderr
