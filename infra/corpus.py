@@ -79,12 +79,21 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     if not _ID_OK.match(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
     acl = row.get("acl", row.get("acl_groups", ()))
-    if isinstance(acl, str):
+    if isinstance(acl, str):  # one group; "finance,hr" would be one group nobody can hold
+        if "," in acl:
+            fix = json.dumps([g.strip() for g in acl.split(",") if g.strip()], ensure_ascii=False)
+            raise CorpusError(f"{where}: 'acl' is the string {json.dumps(acl, ensure_ascii=False)}"
+                              f"; give the groups as a list: \"acl\": {fix}")
         acl = (acl,)
     if not isinstance(acl, (list, tuple)) or not all(isinstance(g, str) for g in acl):
         raise CorpusError(f"{where}: 'acl' must be a list of group names")
     if any(not g.strip() for g in acl):  # "" would match no caller's group: admins only
         raise CorpusError(f"{where}: 'acl' group names may not be empty")
+    comma = next((g for g in acl if "," in g), None)
+    if comma is not None:  # a caller's `--acl` and a key's groups read "a,b" as two groups
+        fix = json.dumps([g.strip() for g in comma.split(",") if g.strip()], ensure_ascii=False)
+        raise CorpusError(f"{where}: 'acl' group {json.dumps(comma, ensure_ascii=False)} holds "
+                          f"a comma: give each group as its own list item, e.g. \"acl\": {fix}")
     acl = tuple(g.strip() for g in acl)  # as a caller's groups are: " hr" is "hr"
     if ACL_ALL in acl:  # it would read as "everyone" but mean "admins only"
         raise CorpusError(f"{where}: 'acl' may not name {ACL_ALL!r} (reserved: {ACL_ALL!r} in a "

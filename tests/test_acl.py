@@ -220,3 +220,46 @@ def test_elasticsearch_backend(acl_settings, es_url, tmp_path):
     # searched without es_url: where its BM25 side is, not "damaged: tantivy missing"
     with pytest.raises(SettingsError, match=f"BM25 side in elasticsearch {es_url}; set es_url"):
         open_retriever(settings.replace(es_url=""), need_dense=False)
+
+
+def test_acl_as_one_string_is_one_group_and_a_comma_is_refused(tmp_path):
+    """`"acl": "finance,hr"` once became one group named "finance,hr", which no caller can
+    hold (`--acl` and a key's groups read a comma as two groups): refused, naming the list to
+    write. One group as a plain string stays one group. Uploads share the parser."""
+    from branchsearch.infra.errors import CorpusError
+    from branchsearch.orchestrator.documents import parse_documents
+
+    home = ["--home", str(tmp_path / "home"), "--index", "strings"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(DOCS[0]) + "\n"
+                   + json.dumps({"id": "fin", "text": "Falcon budget.", "acl": "finance,hr"})
+                   + "\n")
+    done = _cli("ingest", str(bad), "--no-dense", *home)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-1500:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-1500:]
+    assert "bad.jsonl:2: 'acl' is the string \"finance,hr\"" in lines[0]
+    assert '"acl": ["finance", "hr"]' in lines[0]
+    assert not (tmp_path / "home" / "indexes" / "strings").exists()  # nothing written
+
+    item = tmp_path / "item.jsonl"
+    item.write_text(json.dumps({"id": "fin", "text": "Falcon budget.", "acl": ["finance, hr"]})
+                    + "\n")
+    done = _cli("ingest", str(item), "--no-dense", *home)
+    assert done.returncode == 2 and "holds a comma" in done.stderr, done.stderr[-1500:]
+
+    with pytest.raises(CorpusError, match=r"body:1: 'acl' is the string \"a,b\"; give the "
+                                          r"groups as a list: \"acl\": \[\"a\", \"b\"\]"):
+        parse_documents(json.dumps([{"id": "x", "text": "y", "acl": "a,b"}]).encode())
+    assert parse_documents(b'{"id": "x", "text": "y", "acl": "finance"}\n')[0].acl == ("finance",)
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(DOCS[0]) + "\n" + json.dumps(
+        {"id": "fin", "title": "Falcon budget", "text": "The Falcon quokka budget.",
+         "acl": "finance"}) + "\n")
+    done = _cli("ingest", str(good), "--no-dense", *home)
+    assert done.returncode == 0, done.stderr[-1500:]
+    for extra, seen in (((), {"pub"}), (("--acl", "finance"), {"pub", "fin"})):
+        done = _cli("retrieve", "Falcon quokka", "--mode", "bm25", "--json", *home, *extra)
+        assert done.returncode == 0, done.stderr[-1500:]
+        assert {h["doc_id"] for h in json.loads(done.stdout)} == seen
