@@ -12,12 +12,15 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
 * After `stop_after` failed questions in a row (a dead backend fails every question in
   milliseconds) no more are started: the rest stay unwritten, not marked failed by an outage,
   and the counts say how many were not run and why; re-running the command resumes.
-Malformed input lines are reported with their line numbers and skipped.
+Malformed input lines are reported with their line numbers and skipped. An id is a non-empty
+string, written back as given, or a number, written back as text (`7` -> "7", `1.5` -> "1.5"); an
+empty id, true/false, an array or an object is a malformed line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -63,6 +66,7 @@ def read_questions(path: str | Path) -> BatchInput:
                 question = row.get("question", row.get("text"))
                 if qid is None or not isinstance(question, str):
                     raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
+                qid = question_id(qid)
                 if not question.strip():
                     raise ValueError("the question is empty")
                 if not any(c.isalnum() for c in question):  # workers.tools.has_words
@@ -70,12 +74,30 @@ def read_questions(path: str | Path) -> BatchInput:
             except (json.JSONDecodeError, ValueError) as exc:
                 out.bad_lines.append(f"{path}:{lineno}: {exc}")
                 continue
-            if str(qid) in seen:
+            if qid in seen:
                 out.bad_lines.append(f"{path}:{lineno}: duplicate id {qid!r}")
                 continue
-            seen.add(str(qid))
-            out.items.append((str(qid), question))
+            seen.add(qid)
+            out.items.append((qid, question))
     return out
+
+
+def question_id(value: object) -> str:
+    """A question's id as the output writes it: a non-empty string as given, a number as
+    text (`7` -> "7", `1.5` -> "1.5"); ValueError for anything else (empty, true/false,
+    an array, an object, NaN)."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("'id' is empty: give each question a non-empty id")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
+    kind = ("NaN or infinity" if isinstance(value, float)
+            else "an object" if isinstance(value, dict)
+            else _JSON_KIND.get(type(value), type(value).__name__))
+    raise ValueError(f"'id' must be a non-empty string or a number, not {kind}")
 
 
 def _why_failed(row: dict) -> str:

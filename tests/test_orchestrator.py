@@ -243,6 +243,40 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
     assert all(r["status"] == "ok" for r in rows)
 
 
+def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
+    """Ids that are "", true, an array or an object were written as Python text ("['a']"):
+    now malformed lines, named with their line numbers. A number id is written back as text
+    ("7"), and a re-run finds it done."""
+    from branchsearch.infra.ingest import ingest
+    from branchsearch.infra.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ids"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    question = json.loads((HOTPOT / "queries.jsonl").read_text().splitlines()[0])["text"]
+    ids = ["", "  ", ["a"], {"a": 1}, True, None, "a", 7, 1.5, "7"]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "question": question}) + "\n" for i in ids))
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(inp), "-o",
+           str(out), "--home", str(settings.home), "--index", "ids", "--executor", "local",
+           "--branches", "1"]
+    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    rule = "'id' must be a non-empty string or a number, not"
+    for lineno, says in ((1, "'id' is empty"), (2, "'id' is empty"), (3, f"{rule} an array"),
+                         (4, f"{rule} an object"), (5, f"{rule} true or false"),
+                         (6, "needs 'id'"), (10, "duplicate id '7'")):
+        assert f"in.jsonl:{lineno}: {says}" in done.stderr, (lineno, done.stderr[-2000:])
+    assert "3 ok" in done.stdout and "7 malformed input lines skipped" in done.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "7", "1.5"]
+    assert all(r["status"] == "ok" for r in rows)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert "0 ok, 0 partial, 0 failed; 3 already ok" in again.stdout, again.stderr[-2000:]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "7", "1.5"]
+
+
 @pytest.fixture(scope="module")
 def local_driver(tmp_path_factory):
     """hotpot-mini, BM25 only (no embedding), searched in-process."""
