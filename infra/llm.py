@@ -67,10 +67,16 @@ class OpenAIEngine:
     reset, a timeout, HTTP 408/429/5xx — is retried `attempts` times in all with doubling
     backoff, then raises `BackendUnavailable` with the reason; other 4xx (a wrong path, a bad
     key, a prompt over the model's window) are not transient and raise at once. A policy that
-    gets `BackendUnavailable` ends its branch with status `error`, never an empty `ok`."""
+    gets `BackendUnavailable` ends its branch with status `error`, never an empty `ok`.
+
+    `seed` is sent with each request only when given (setting `llm_seed`; default none). A
+    per-request seed gives the request its own torch generator on a vLLM server, and a vLLM CPU
+    server dies on the first seeded request whose prompt it prefills in chunks (prompt longer
+    than its `max_num_batched_tokens`): "CPU Generator does not use offset", EngineDeadError,
+    the server gone for every client."""
 
     def __init__(self, base_url: str, model: str, api_key: str = "", timeout_s: float = 120,
-                 attempts: int = 3, backoff_s: float = 0.5, seed: int | None = 0):
+                 attempts: int = 3, backoff_s: float = 0.5, seed: int | None = None):
         self.base_url = api_base(base_url)
         self.model, self.api_key, self.timeout_s = model, api_key, timeout_s
         self.attempts, self.backoff_s, self.seed = max(attempts, 1), backoff_s, seed

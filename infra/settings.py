@@ -87,6 +87,10 @@ class Settings:
     llm_max_tokens: int = 256
     llm_detached: bool = False  # keep engines alive across driver runs (named, detached)
     llm_timeout_s: float = 120.0  # one call to llm_url; timed out: retried (3 attempts in all)
+    # a `seed` sent with every request to llm_url, for reproducible sampling; None: none sent.
+    # A seeded request whose prompt the server prefills in chunks kills a vLLM CPU server
+    # ("CPU Generator does not use offset"), so set it only for a server that supports it
+    llm_seed: int | None = None
     # orchestration
     branches: int = 3
     branch_timeout_s: float = 120.0
@@ -143,6 +147,16 @@ def _coerce(name: str, value: Any) -> Any:
         from branchsearch.infra.external import parse_indexes
 
         return parse_indexes(value)
+    if name == "llm_seed":  # the one optional number: "" or "none" (any case) is no seed
+        if value is None or isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise SettingsError(f"setting llm_seed: cannot read {value!r} as int (or none)")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"setting llm_seed: cannot read {value!r} as int (or none)") \
+                from None
     kind = type(getattr(Settings, name)) if name != "home" else Path
     try:
         if kind is bool and isinstance(value, str):
@@ -231,6 +245,7 @@ def _validate(s: Settings) -> None:
         (0 <= s.trace_flush_timeout_s <= 10, "trace_flush_timeout_s must be in [0, 10]"),
         (s.search_mode in MODES, f"search_mode must be {one_of(MODES)}"),
         (s.milvus_index.upper() in (i.upper() for i in MILVUS_INDEXES),
+        (s.llm_seed is None or 0 <= s.llm_seed < 2 ** 63, "llm_seed must be in [0, 2^63) or none"),
          f"milvus_index must be {one_of(MILVUS_INDEXES)}"),
         (s.milvus_consistency in MILVUS_CONSISTENCIES,
          f"milvus_consistency must be {one_of(MILVUS_CONSISTENCIES)}"),

@@ -127,3 +127,58 @@ def test_one_engine_actor_serves_several_branch_actors(llm_settings):
     assert len({b.pid for b in result.branches}) == 2
     turns = sum(b.turns for b in result.branches)
     assert stats["requests"] >= turns >= 2  # every branch's decisions went to the one engine
+
+
+def test_the_endpoint_client_sends_a_seed_only_when_llm_seed_is_set(tmp_path):
+    """The request bodies as a real loopback HTTP server receives them: no `seed` by default
+    (a seeded request whose prefill a vLLM CPU server chunks kills that server), `seed` when
+    `llm_seed` is set, from the TOML file, the environment or a flag."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from branchsearch.infra.errors import SettingsError
+    from branchsearch.infra.settings import load_settings
+    from branchsearch.workers.factory import make_engine
+
+    bodies = []
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            out = json.dumps({"choices": [{"message": {"content": "ok"},
+                                           "finish_reason": "stop"}],
+                              "usage": {"completion_tokens": 1}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = load_settings(overrides={
+            "home": tmp_path, "llm_url": f"http://127.0.0.1:{server.server_port}/v1",
+            "llm_model": "m"}, read_env=False, read_file=False)
+        assert settings.llm_seed is None
+        assert make_engine(settings).chat([{"role": "user", "content": "q"}]) == "ok"
+        assert make_engine(settings.replace(llm_seed=7)).chat(
+            [{"role": "user", "content": "q"}], temperature=0.3) == "ok"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "seed" not in bodies[0] and bodies[0]["model"] == "m"
+    assert bodies[1]["seed"] == 7 and bodies[1]["temperature"] == 0.3
+
+    def seed(**given):
+        return load_settings(overrides={"home": tmp_path, **given}, read_env=False,
+                             read_file=False).llm_seed
+
+    assert seed() is None and seed(llm_seed="none") is None and seed(llm_seed="") is None
+    assert seed(llm_seed="7") == 7 and seed(llm_seed=0) == 0
+    for bad in ("seven", 1.5, True, -1):
+        with pytest.raises(SettingsError, match="llm_seed"):
+            seed(llm_seed=bad)

@@ -3,13 +3,16 @@ bundled SmolLM2) on a loopback port, started once for this module with the READM
 
 What must hold: both `llm_url` forms reach it; a wrong model, path or key is one clear error at
 start; the LLM planner and policy work through it, two branches at once batched by the server;
-and a server that fails (a wrong path, stopped mid-episode) ends the branch with status `error`
-and the reason — never an ok, empty result. The last test stops the server: keep it last.
-A small CPU model at ~20 tokens/s on a shared machine: few tests, few turns.
+a prompt longer than the server's prefill chunk leaves the server alive (our client sends no
+per-request seed unless `llm_seed` asks for one: a seeded, chunked prefill kills a vLLM CPU
+engine); and a server that fails (a wrong path, stopped mid-episode) ends the branch with status
+`error` and the reason — never an ok, empty result. The last test stops the server: keep it
+last. A small CPU model at ~20 tokens/s on a shared machine: few tests, few turns.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,7 +27,7 @@ import pytest
 
 from conftest import HOTPOT
 
-from branchsearch.infra.errors import BackendUnavailable, SettingsError
+from branchsearch.infra.errors import BackendUnavailable, OutputTruncated, SettingsError
 from branchsearch.infra.llm import OpenAIEngine, api_base
 
 pytestmark = pytest.mark.llm
@@ -32,6 +35,10 @@ pytest.importorskip("vllm", reason="install branchsearch[llm] (scripts/setup.sh)
 
 Q = "Were Scott Derrickson and Ed Wood of the same nationality?"
 KEY = "test-key"
+# The server prefills at most this many tokens per engine step; a longer prompt is prefilled in
+# chunks. Given explicitly (the README's command leaves vLLM's default, 2048-4096 on CPU by
+# version) so the long-prompt test knows how long "longer" is.
+CHUNK_TOKENS = 2048
 
 
 def free_port() -> int:
@@ -49,6 +56,37 @@ def running_requests(root: str) -> float:
     return 0.0
 
 
+def prompt_tokens_computed(root: str) -> float:
+    """Prompt tokens the server has prefilled (not taken from its prefix cache), from its
+    metrics."""
+    with urllib.request.urlopen(f"{root}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total") and \
+                    'source="local_compute"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("the server's metrics have no vllm:prompt_tokens_by_source_total")
+
+
+def answer(engine, messages: list[dict], max_tokens: int) -> str:
+    """What the model wrote at the LLM policy's temperature; cut at max_tokens is still an
+    answer here."""
+    from branchsearch.workers.llm_policy import LLMPolicy
+
+    try:
+        return engine.chat(messages, max_tokens=max_tokens, temperature=LLMPolicy.temperature)
+    except OutputTruncated as cut:
+        return cut.text
+
+
+def count_tokens(root: str, messages: list[dict]) -> int:
+    """The prompt's length in the server's own tokens, chat template included (POST /tokenize)."""
+    request = urllib.request.Request(
+        f"{root}/tokenize", data=json.dumps({"model": "smollm2", "messages": messages}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return int(json.loads(r.read())["count"])
+
+
 class Server:
     """The vLLM OpenAI-compatible server in its own process group, stopped by its PID."""
 
@@ -60,7 +98,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(self.port),
-             "--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization", "0.3"],
+             "--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization", "0.3",
+             "--max-num-batched-tokens", str(CHUNK_TOKENS)],
             env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 900) -> None:
@@ -180,6 +219,56 @@ def test_planner_and_two_concurrent_branches_through_the_server(server, settings
         assert result.tool_calls >= 1 and result.retrieved_ids, policy.log
         assert policy.engine.stats.requests == result.turns
     assert max(running) == 2  # both branches' turns in one server batch
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_leaves_the_server_alive(server, settings):
+    """A real question's prompt (corpus passages, ~1.4 chunks) sent as the LLM policy sends it:
+    through the client `make_engine` builds, at the policy's temperature. The server prefills
+    it in two steps and keeps answering. (With a per-request seed, as the client sent before,
+    the CPU engine died here: "CPU Generator does not use offset", EngineDeadError.)
+
+    Chunked by construction: the engine runs with chunked prefill and at most CHUNK_TOKENS
+    tokens per step (its log says so), and it prefilled more than that for this request."""
+    from conftest import HOTPOT
+
+    from branchsearch.workers.factory import make_engine
+
+    engine = make_engine(settings)
+    assert settings.llm_seed is None and engine.seed is None
+    docs = [json.loads(line) for line in (HOTPOT / "corpus.jsonl").read_text().splitlines()]
+    passages = [f"[{d['title']}] {d['text']}" for d in docs]
+    # a fresh first line: no prefix of this prompt is in the server's prefix cache
+    text, n = f"Request {time.time_ns()}. Evidence:", 0
+    while True:
+        messages = [{"role": "user", "content": f"{text}\n\nQuestion: {Q} Answer briefly."}]
+        tokens = count_tokens(server.root, messages)
+        if tokens > 1.4 * CHUNK_TOKENS:
+            break
+        assert n < len(passages), f"the corpus is {tokens} tokens: too short"
+        text += "\n" + "\n".join(passages[n:n + 4])
+        n += 4
+    assert tokens < 2 * CHUNK_TOKENS  # two chunks: the prefill is split once
+    log = server.log.read_text(errors="replace")
+    assert f"'max_num_batched_tokens': {CHUNK_TOKENS}" in log
+    assert "enable_chunked_prefill=True" in log
+    before = prompt_tokens_computed(server.root)
+    assert answer(engine, messages, max_tokens=16).strip()
+    assert prompt_tokens_computed(server.root) - before > CHUNK_TOKENS  # more than one step's
+    with urllib.request.urlopen(f"{server.root}/health", timeout=10) as r:
+        assert r.status == 200  # the engine is alive
+    assert answer(engine, [{"role": "user", "content": Q}], max_tokens=8).strip()  # answering
+
+
+def test_a_seed_is_sent_only_when_llm_seed_asks_and_the_server_takes_it(server, settings):
+    """`llm_seed` set: the client sends it and the server answers (a prompt shorter than one
+    prefill chunk, which a seed does not break)."""
+    from branchsearch.workers.factory import make_engine
+
+    engine = make_engine(settings.replace(llm_seed=7))
+    assert engine.seed == 7
+    assert answer(engine, [{"role": "user", "content": Q}], max_tokens=8).strip()
+    with urllib.request.urlopen(f"{server.root}/health", timeout=10) as r:
+        assert r.status == 200
 
 
 def test_wrong_path_ends_the_branch_with_error_not_an_empty_ok(server, settings):

@@ -60,7 +60,7 @@ def make_engine(settings: Settings, index: int = 0):
         from branchsearch.infra.llm import OpenAIEngine
 
         return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key,
-                            timeout_s=settings.llm_timeout_s)
+                            timeout_s=settings.llm_timeout_s, seed=settings.llm_seed)
     try:
         import ray
 
