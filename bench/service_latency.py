@@ -108,7 +108,7 @@ def main() -> None:
     from branchsearch.infra.dataset import read_queries
     from branchsearch.infra.ingest import ingest
     from branchsearch.infra.settings import load_settings
-    from branchsearch.orchestrator import service
+    from branchsearch.orchestrator.service import deploy as service
     from service_fixtures import free_port, start_uvicorn
 
     load_start = os.getloadavg()
@@ -142,16 +142,16 @@ def main() -> None:
             searcher_max_queued=64, limits=limits)), name="branchsearch", route_prefix="/")
         url, stop = f"http://127.0.0.1:{port}", serve.shutdown
     else:
-        from branchsearch.orchestrator.limits import Limits
+        from branchsearch.orchestrator.service.admission import Limits
 
         state = service.local_state(settings, executor=args.executor, limits=Limits(**limits))
-        state.backend.searcher.driver("bench")
+        state.searcher.target.driver("bench")
         server = start_uvicorn(service.create_app(state), state)
         url = server.url
 
         def stop():
             server.stop()
-            state.backend.searcher.close()
+            state.searcher.target.close()
     try:
         with httpx.Client(base_url=url, timeout=300) as client:
             lat = interleaved(driver, client, questions, args.rounds)

@@ -19,6 +19,10 @@ class BackendUnavailable(BranchsearchError):
     """Milvus, Elasticsearch or another server that does not answer."""
 
 
+class Overloaded(BranchsearchError):
+    """No capacity for the work within its deadline (every branch actor busy): retry later."""
+
+
 class BadQuery(BranchsearchError):
     """A query or regex pattern that is invalid or outside the allowed bounds."""
 
@@ -64,4 +68,61 @@ def error_line(exc: BaseException, width: int = 300) -> str:
             type(exc).__module__.startswith("ray."):  # a task error inside a task error too
         exc = exc.cause
     text = _ANSI.sub("", f"{type(exc).__name__}: {exc}")
-    return " ".join(text.split())[:width]
+    return " ".join(redact(text).split())[:width]
+
+
+# --- what may leave the process ------------------------------------------------------------------
+# Every message that can reach someone outside (a CLI line, a report, a span, an HTTP body) goes
+# through `redact`: no credentials. What reaches a *caller* of the service goes through
+# `public_line` as well: no internal address either (those stay in the server log).
+
+_SECRETS: set[str] = set()  # secret values from the settings, masked wherever they appear
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+_CREDENTIAL = re.compile(
+    r"(?i)(?P<name>\b(?:authorization|bearer|basic|api[_-]?key|apikey|token|password|passwd|"
+    r"secret)\b[\"']?(?:\s*[:=]\s*|\s+)(?:(?:bearer|basic|apikey)\s+)?[\"']?)[^\s\"',;)}\]]+")
+_PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
+_ADDRESS = re.compile(
+    r"(?<![\w.-])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:]+\]|localhost|"
+    r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|(?<![\w.-])[A-Za-z0-9-]+:\d{2,5}\b")
+
+
+def register_secret(value: str | None) -> None:
+    """Mask `value` (an API key, a token, a password) in every message `redact` sees."""
+    if value and len(value) >= 4:
+        _SECRETS.add(value)
+
+
+def redact(text: str) -> str:
+    """`text` without credentials: userinfo in URLs, the values after authorization/api key/
+    token/password words, and every registered secret value."""
+    for secret in sorted(_SECRETS, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    text = _USERINFO.sub(r"\g<scheme>***@", text)
+    return _CREDENTIAL.sub(r"\g<name>***", text)
+
+
+def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
+    """One line for a caller of the service: `redact`ed, URLs and host[:port] addresses replaced
+    by `<server>`."""
+    text = error_line(exc_or_text, 10_000) if isinstance(exc_or_text, BaseException) \
+        else " ".join(redact(exc_or_text).split())
+    text = _URL.sub("<server>", text)
+    text = _PORT.sub(r"\g<1><server>", text)
+    text = _ADDRESS.sub(lambda m: m.group(0) if _not_address(m.group(0)) else "<server>", text)
+    return text[:width]
+
+
+def _not_address(token: str) -> bool:
+    """Dotted words that are not hosts: file names, versions, dotted Python names, numbers."""
+    if ":" in token or token.startswith("[") or token == "localhost":
+        return False
+    if re.fullmatch(r"\d{1,3}(\.\d{1,3}){3}", token):
+        return False
+    last = token.rsplit(".", 1)[-1].lower()
+    return last not in _TLDS
+
+
+_TLDS = {"com", "net", "org", "io", "local", "internal", "lan", "corp", "cloud", "dev", "svc",
+         "cluster", "intra", "home", "example", "test", "ai", "co", "de", "uk", "fr", "eu", "us"}

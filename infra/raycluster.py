@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 
 from branchsearch.infra.errors import BackendUnavailable
@@ -18,6 +19,11 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
     import ray
 
     if not ray.is_initialized():
+        if threading.current_thread() is not threading.main_thread():
+            # Ray ties the GCS and raylet it starts to the starting thread: a cluster started
+            # here would die when this thread ends. Connect from the main thread first.
+            raise RuntimeError("ray.init() called from a worker thread: connect to Ray from "
+                               "the main thread before starting threads that use it")
         address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
         kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
                   "log_to_driver": False, "configure_logging": False}

@@ -214,7 +214,16 @@ def _check_home(home: Path, index_dir: Path) -> None:
 def _validate(s: Settings) -> None:
     from branchsearch.infra.errors import register_secret
 
-    for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, *[
+    from urllib.parse import urlsplit
+
+    def password(url: str) -> str:
+        try:
+            return urlsplit(url).password or ""
+        except ValueError:
+            return ""
+
+    for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, password(s.es_url),
+                   password(s.milvus_uri), password(s.llm_url), password(s.otlp_endpoint), *[
             v.split("=", 1)[-1] for v in s.otlp_headers.split(",")]):
         register_secret(secret.strip())  # masked in every message that leaves the process
     checks = [
@@ -236,6 +245,7 @@ def _validate(s: Settings) -> None:
          "backend_retries and backend_backoff_s must be >= 0"),
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
         (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
+        (s.llm_seed is None or 0 <= s.llm_seed < 2 ** 63, "llm_seed must be in [0, 2^63) or none"),
         (0 < s.backend_timeout_s <= 3600, "backend_timeout_s must be in (0, 3600]"),
         (s.query_max_tokens >= 8, "query_max_tokens must be >= 8"),
         (s.trace_exporter in TRACE_EXPORTERS,
@@ -245,7 +255,6 @@ def _validate(s: Settings) -> None:
         (0 <= s.trace_flush_timeout_s <= 10, "trace_flush_timeout_s must be in [0, 10]"),
         (s.search_mode in MODES, f"search_mode must be {one_of(MODES)}"),
         (s.milvus_index.upper() in (i.upper() for i in MILVUS_INDEXES),
-        (s.llm_seed is None or 0 <= s.llm_seed < 2 ** 63, "llm_seed must be in [0, 2^63) or none"),
          f"milvus_index must be {one_of(MILVUS_INDEXES)}"),
         (s.milvus_consistency in MILVUS_CONSISTENCIES,
          f"milvus_consistency must be {one_of(MILVUS_CONSISTENCIES)}"),

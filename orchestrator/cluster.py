@@ -78,3 +78,33 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
 def _down(x: float) -> float:
     """Rounded down to 1/1000: requests that sum to at most what is there."""
     return math.floor(x * 1000 + 1e-9) / 1000
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    """The service's one branch pool (shared by every index) and each retriever actor's share."""
+
+    retriever: dict
+    branch: dict
+    branch_actors: int
+
+
+def plan_service(settings: Settings, free: dict, indexes: int, pool_size: int) -> ServicePlan:
+    """Fit a branch pool of up to `pool_size` actors into what is `free` now
+    (`ray.available_resources()` once Serve's replicas, proxy and controller are placed),
+    leaving room for the retriever actors of `indexes` indexes plus one made later.
+    Raises one line when not even one question's branches fit."""
+    cpus = float(free.get("CPU", 0))
+    slots = (max(indexes, 0) + 1) * max(settings.retriever_replicas, 1)
+    retriever = {"num_cpus": _down(min(1.0, cpus / (4 * slots)))}
+    left = cpus - slots * retriever["num_cpus"]
+    fits = math.floor(round(left / MIN_BRANCH_CPUS, 6)) if left > 0 else 0
+    need = max(settings.branches, 1)
+    if fits < need:
+        raise BranchsearchError(
+            f"not enough CPUs for the service: {cpus:g} free; {slots} retriever actor(s) take "
+            f"{slots * retriever['num_cpus']:g}, leaving {max(left, 0):g} for {need} branch "
+            f"actor(s) of at least {MIN_BRANCH_CPUS:g} CPU (add CPUs, or lower branches)")
+    pool = max(min(pool_size, fits), need)
+    return ServicePlan(retriever, {"num_cpus": _down(min(settings.branch_num_cpus, left / pool))},
+                       pool)

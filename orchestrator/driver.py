@@ -23,7 +23,10 @@ from branchsearch.workers.tools import fit_query, has_words
 
 class Driver:
     def __init__(self, settings: Settings, *, mode: str = "ray", planner=None,
-                 policy_factory: Callable | None = None, pool_size: int | None = None):
+                 policy_factory: Callable | None = None, pool_size: int | None = None,
+                 executor=None):
+        """`executor`: one already made (the service's, on its shared branch pool); else one
+        for `mode`."""
         self.settings = settings
         self.mode = mode
         self.policy_factory = policy_factory  # (index, subquery) -> Policy; tests
@@ -32,7 +35,7 @@ class Driver:
             from branchsearch.infra.llm import check_endpoint
 
             check_endpoint(settings)  # wrong URL or model: one clear error, before any branch
-        self.executor = make_executor(settings, mode, pool_size=pool_size)
+        self.executor = executor or make_executor(settings, mode, pool_size=pool_size)
         self.planner = planner or self._make_planner()
         self.counter = TokenCounter(settings.encoding)
 
@@ -48,8 +51,6 @@ class Driver:
     def retriever(self):
         """The stores' owner: a `Retriever` (local) or the retriever actor's handle (ray)."""
         return self.executor.retriever
-
-    _retriever = retriever  # (the name the service used before)
 
     def close(self) -> None:
         self.executor.close()

@@ -36,7 +36,7 @@ from typing import Protocol
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.choices import EXECUTORS, Executor as ExecutorName, one_of
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, Overloaded
 from branchsearch.infra.settings import Settings
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
@@ -155,6 +155,26 @@ class ReplicaBalancer:
             self.hosting[replica] = False
 
 
+def wait_started(refs: list, what: str, timeout: float, resources: dict, demand: dict) -> None:
+    """Wait for actors to answer, at most `timeout`: a plan the cluster cannot place fails here
+    with one line instead of hanging."""
+    import ray
+
+    try:
+        ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+        try:  # what other actors (another index's, another job's) left free
+            free = {k: round(v, 2) for k, v in ray.available_resources().items()
+                    if k in ("CPU", "GPU")}
+        except Exception:  # noqa: BLE001
+            free = "unknown"
+        raise BackendUnavailable(
+            f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
+            f"free now {free}, this plan asks {demand}: other actors hold the "
+            "rest; see `ray status`, or raise actor_start_timeout_s)") from None
+
+
 @dataclass
 class Placement:
     """Where one branch runs: a pool actor, or hosted by retriever replica `replica` (`actor`
@@ -228,12 +248,88 @@ class LocalExecutor:
         self.retriever.close()
 
 
+class BranchPool:
+    """Branch actors shared by every question (and, in the service, every index): a question
+    takes all its actors at once and gives them back when its branches end. Each run carries its
+    own settings and retriever, so one pool serves any index. With `grow`, actors start on
+    demand up to `size`; without, all start now (the service: every actor is placed before a
+    request waits on one). `acquire` waits at most `timeout` seconds, then raises `Overloaded`:
+    nothing waits on an actor that cannot be placed."""
+
+    def __init__(self, size: int, options: dict, settings: Settings, *, start: int | None = None):
+        from branchsearch.workers.actor import BranchActor
+
+        self.size = size
+        # secrets stay with the retrievers and engines; each run brings its own settings
+        branch_settings = settings.replace(es_api_key="", milvus_token="")
+        # no restarts: a branch actor that dies is replaced by a fresh one (see `replace`);
+        # a restartable actor holding a handle in its arguments also makes Ray's core print an
+        # error-level notice on the user's terminal (ray-project/ray#53727)
+        self._new = lambda: BranchActor.options(max_restarts=0, **options).remote(
+            branch_settings, None)
+        self._idle = [self._new() for _ in range(size if start is None else min(start, size))]
+        self._created = len(self._idle)
+        self._cond = threading.Condition()
+
+    def ping_all(self) -> list:
+        return [a.ping.remote() for a in self._idle]
+
+    def acquire(self, n: int, timeout: float | None = None) -> list:
+        """n actors at once (all or none, so concurrent questions cannot deadlock holding part
+        of the pool each); new ones start while the pool may still grow."""
+        if n > self.size:
+            raise BranchsearchError(f"{n} branches need as many branch actors; the pool holds "
+                                    f"{self.size} on this cluster")
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._idle) + self.size - self._created < n:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise Overloaded(f"no {n} branch actor(s) free within the deadline: the "
+                                     f"pool of {self.size} is busy with other searches")
+                self._cond.wait(left)
+            while len(self._idle) < n:
+                self._idle.append(self._new())
+                self._created += 1
+            taken, self._idle = self._idle[:n], self._idle[n:]
+            return taken
+
+    def release(self, actor) -> None:
+        with self._cond:
+            self._idle.append(actor)
+            self._cond.notify_all()
+
+    def replace(self, actor) -> None:
+        """`actor` is dead or busy with work nobody will collect: kill it, add a fresh one."""
+        import ray
+
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 — already gone
+            pass
+        self.release(self._new())
+
+    def close(self) -> None:
+        import ray
+
+        with self._cond:
+            idle, self._idle = self._idle, []
+        for actor in idle:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
+
+
 class RayExecutor:
     POLL_S = 0.2  # how often branch events are collected while branches run
 
-    def __init__(self, settings: Settings, pool_size: int):
+    def __init__(self, settings: Settings, pool_size: int, *, pool: BranchPool | None = None,
+                 retriever_cpus: float | None = None):
+        """`pool`: a shared branch pool (the service's, for every index; not closed here);
+        then only the retriever actors are planned, each with `retriever_cpus`."""
         from branchsearch.orchestrator.cluster import connect, plan_actors
-        from branchsearch.workers.actor import BranchActor, RetrieverActor
+        from branchsearch.workers.actor import RetrieverActor
 
         self.settings = settings
         self.resources = connect(settings)
@@ -245,7 +341,10 @@ class RayExecutor:
         self.replica_note = note
         plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines,
                                        retrievers=replicas)
-        if plan.shrunk_from:
+        if pool is not None and retriever_cpus is not None:
+            self.plan = plan = replace(plan, retriever={"num_cpus": retriever_cpus},
+                                       branch_actors=pool.size, shrunk_from=0)
+        elif plan.shrunk_from:
             log.warning("branch pool: %d actors instead of %d, to fit the cluster (%s)",
                         plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
         self.engines: list = []
@@ -261,17 +360,11 @@ class RayExecutor:
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
-        branch_settings = settings.replace(es_api_key="", milvus_token="")
-        # no restarts: a branch actor that dies is replaced by a fresh one (see `_collect`);
-        # a restartable actor holding a handle in its arguments also makes Ray's core print an
-        # error-level notice on the user's terminal (ray-project/ray#53727)
-        self._new_branch = lambda: BranchActor.options(
-            max_restarts=0, **plan.branch).remote(branch_settings, self.retriever)
+        self.branch_settings = settings.replace(es_api_key="", milvus_token="")
+        self.shared_pool = pool is not None
         # the pool grows on demand up to the plan's size; one question's worth starts now
-        self._idle = [self._new_branch() for _ in range(min(settings.branches,
-                                                            plan.branch_actors))]
-        self._created = len(self._idle)
-        self._cond = threading.Condition()
+        self.pool = pool or BranchPool(plan.branch_actors, plan.branch, settings,
+                                       start=settings.branches)
         # every actor starts at once (engines load while the rest start); then each is awaited
         try:
             if self.engines:
@@ -279,60 +372,21 @@ class RayExecutor:
                                    f"{engines} LLM engine actor(s)")
             self._wait_started([r.ping.remote() for r in self.retrievers],
                                f"{replicas} retriever actor(s)")
-            self._wait_started([a.ping.remote() for a in self._idle],
-                               f"{len(self._idle)} branch actor(s)")
+            if not self.shared_pool:
+                self._wait_started(self.pool.ping_all(), f"{settings.branches} branch actor(s)")
         except BaseException:
             self._kill_all()  # a failed start must not hold CPUs or the index's files
             raise
 
     def _wait_started(self, refs: list, what: str) -> None:
-        """Wait for actors to answer, at most `actor_start_timeout_s`: a plan the cluster
-        cannot place fails here with one line instead of hanging."""
-        import ray
-
-        timeout = self.settings.actor_start_timeout_s
-        try:
-            ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            have = {k: v for k, v in self.resources.items() if k in ("CPU", "GPU")}
-            try:  # what other actors (another index's, another job's) left free
-                free = {k: round(v, 2) for k, v in ray.available_resources().items()
-                        if k in ("CPU", "GPU")}
-            except Exception:  # noqa: BLE001
-                free = "unknown"
-            raise BackendUnavailable(
-                f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
-                f"free now {free}, this plan asks {self.plan.demand()}: other actors hold the "
-                "rest; see `ray status`, or raise actor_start_timeout_s)") from None
-
-    # --- the pool ------------------------------------------------------------------------------
-
-    def _acquire(self, n: int) -> list:
-        """n branch actors at once (all or none, so concurrent questions cannot deadlock
-        holding part of the pool each); new ones start while the pool may still grow."""
-        limit = self.plan.branch_actors
-        with self._cond:
-            while len(self._idle) + limit - self._created < n:
-                self._cond.wait()
-            while len(self._idle) < n:
-                self._idle.append(self._new_branch())
-                self._created += 1
-            taken, self._idle = self._idle[:n], self._idle[n:]
-            return taken
-
-    def _release(self, actor) -> None:
-        with self._cond:
-            self._idle.append(actor)
-            self._cond.notify_all()
+        wait_started(refs, what, self.settings.actor_start_timeout_s, self.resources,
+                     self.plan.demand())
 
     # --- running -------------------------------------------------------------------------------
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None
             ) -> list[BranchReport]:
-        if len(tasks) > self.plan.branch_actors:
-            raise BranchsearchError(f"{len(tasks)} branches need as many branch actors; the "
-                                    f"pool holds {self.plan.branch_actors} on this cluster")
         carrier = telemetry.current_carrier()
         stream = on_event is not None
         # a question sharing a fetch cache runs on one replica, which holds the cache
@@ -345,14 +399,14 @@ class RayExecutor:
 
         def on_pool(actor, task: BranchTask, replica: int) -> Placement:
             return Placement(actor.run.remote(task, carrier, policy_factory, stream,
-                                              self.retrievers[replica], question),
-                             replica, actor)
+                                              self.retrievers[replica], question,
+                                              self.branch_settings), replica, actor)
 
         def rescue(task: BranchTask) -> Placement:  # the hosting replica went away
-            return on_pool(self._acquire(1)[0], task, replicas[0])
+            return on_pool(self.pool.acquire(1, _left(tasks))[0], task, replicas[0])
 
         try:
-            actors = self._acquire(len(tasks) - hosted)
+            actors = self.pool.acquire(len(tasks) - hosted, _left(tasks))
             places = []
             try:
                 if hosted:  # the question's own branch, beside the stores
@@ -380,13 +434,11 @@ class RayExecutor:
     def _give_back(self, actors: list, busy: list) -> None:
         """Return `actors` to the pool; those in `busy` (running a task nobody will collect)
         are replaced by fresh ones."""
-        import ray
-
         for actor in actors:
             if any(actor is b for b in busy):
-                ray.kill(actor)
-                actor = self._new_branch()
-            self._release(actor)
+                self.pool.replace(actor)
+            else:
+                self.pool.release(actor)
 
     @staticmethod
     def _bounded(task: BranchTask, settings: Settings) -> BranchTask:
@@ -440,8 +492,7 @@ class RayExecutor:
         if place.ref in done:
             return self._collect(task, place)
         if place.actor is not None:
-            ray.kill(place.actor)  # it is still busy: replace it
-            self._release(self._new_branch())
+            self.pool.replace(place.actor)  # it is still busy
         elif place.events:  # hosted: it ends by its deadline; its events are not kept
             self.retrievers[place.replica].branch_events.remote(place.events, True)
         return BranchReport(task.index, task.subquery, task.weight, task.kind, "timeout",
@@ -482,17 +533,17 @@ class RayExecutor:
         try:
             report = ray.get(place.ref)
             if place.actor is not None:
-                self._release(place.actor)
+                self.pool.release(place.actor)
             return report
         except ray.exceptions.RayActorError as exc:  # ActorUnavailableError too (restarting)
             if place.actor is None:
                 return None
             error = f"actor died: {error_line(exc, 480)}"
-            self._release(self._new_branch())
+            self.pool.replace(place.actor)
         except ray.exceptions.RayTaskError as exc:
             error = error_line(exc, 500)
             if place.actor is not None:
-                self._release(place.actor)
+                self.pool.release(place.actor)
         return BranchReport(task.index, task.subquery, task.weight, task.kind, "error", error)
 
     def close(self) -> None:
@@ -507,10 +558,17 @@ class RayExecutor:
     def _kill_all(self) -> None:
         import ray
 
+        if not self.shared_pool and hasattr(self, "pool"):
+            self.pool.close()
         keep = self.engines if self.settings.llm_detached else []
-        for actor in self._idle + self.retrievers + [e for e in self.engines if e not in keep]:
+        for actor in self.retrievers + [e for e in self.engines if e not in keep]:
             try:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 — already gone
                 pass
-        self._idle = []
+
+
+def _left(tasks: list[BranchTask]) -> float | None:
+    """Seconds until the question's deadline (None: no deadline)."""
+    deadline = min([t.deadline for t in tasks if t.deadline is not None], default=None)
+    return None if deadline is None else max(deadline - time.time(), 0.0)

@@ -1,6 +1,7 @@
 """`branchsearch serve` and `branchsearch keys …` (registered in `orchestrator.cli`).
 
-Only parsing and printing; the service is `orchestrator.service`, keys are `orchestrator.keys`.
+Only parsing and printing; the service is `orchestrator.service` (`deploy` runs it), keys are
+`orchestrator.service.auth`.
 """
 
 from __future__ import annotations
@@ -45,15 +46,19 @@ def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL gro
                                                     "(none: public documents only)"),
              indexes: str = typer.Option("", "--indexes", help="allowed indexes a,b (default "
                                                                "all)"),
-             admin: bool = typer.Option(False, "--admin", help="may write documents"),
+             admin: bool = typer.Option(False, "--admin", help="may write documents of its "
+                                        "groups"),
+             all_groups: bool = typer.Option(False, "--all-groups", help="with --admin: a global "
+                                             "admin that sees and writes every document"),
              keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt):
     """Make a key; prints it once (only its hash is stored)."""
-    from branchsearch.orchestrator.keys import KeyStore, parse_list
+    from branchsearch.orchestrator.service.auth import KeyStore, parse_list
 
     store = KeyStore(_keys_path(keys, home))
-    key = store.add(name, parse_list(groups), parse_list(indexes), admin)
+    key = store.add(name, parse_list(groups), parse_list(indexes), admin, all_groups)
     print(key)
-    print(f"key {name!r} added to {store.path} (groups: {groups or 'none — public only'}; "
+    shown = "all (global admin)" if all_groups else groups or "none — public only"
+    print(f"key {name!r} added to {store.path} (groups: {shown}; "
           f"indexes: {indexes or 'all'}{'; admin' if admin else ''}). It is shown only now.",
           file=sys.stderr)
 
@@ -64,7 +69,7 @@ def keys_list(keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt
     """Keys in the file (names and grants; never the keys)."""
     import json
 
-    from branchsearch.orchestrator.keys import KeyStore
+    from branchsearch.orchestrator.service.auth import KeyStore
 
     rows = [k.public() for k in KeyStore(_keys_path(keys, home)).list()]
     if as_json:
@@ -80,7 +85,7 @@ def keys_list(keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt
 def keys_revoke(name: str, keys: Optional[Path] = KeysOpt,
                 home: Optional[Path] = KeysHomeOpt):
     """Revoke a key (a running server refuses it from the next request)."""
-    from branchsearch.orchestrator.keys import KeyStore
+    from branchsearch.orchestrator.service.auth import KeyStore
 
     KeyStore(_keys_path(keys, home)).revoke(name)
     print(f"revoked {name!r}", file=sys.stderr)
@@ -107,7 +112,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
     document upsert/delete, /metrics, a web page at /."""
     from branchsearch.infra.settings import load_settings
-    from branchsearch.orchestrator import service
+    from branchsearch.orchestrator.service import deploy as service
 
     if executor not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
@@ -121,17 +126,10 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
                                 f"add NAME --groups G --keys {keys}`)")
     settings = load_settings(config, {"home": home, "index": index, "ray_address": address})
     if standalone:
-        import uvicorn
-
         sock = _listen(host, port)  # first: a taken port is said before any index is opened
         if not keys:
             print(service.dev_mode_banner(host, sock.getsockname()[1]), file=sys.stderr)
-        state = service.local_state(settings, executor=executor, keys_path=keys)
-        state.backend.searcher.driver(settings.index)
-        print(f"serving on http://{host}:{sock.getsockname()[1]} (docs at /docs; one process)",
-              file=sys.stderr)
-        server = uvicorn.Server(uvicorn.Config(service.create_app(state), log_level="warning"))
-        server.run(sockets=[sock])
+        service.run_standalone(settings, executor=executor, keys=keys, sock=sock)
         return
     if not keys:
         print(service.dev_mode_banner(host, port), file=sys.stderr)

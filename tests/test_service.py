@@ -15,10 +15,10 @@ import pytest
 
 from branchsearch.infra.ingest import ingest
 from branchsearch.infra.settings import load_settings
-from branchsearch.orchestrator import service
-from branchsearch.orchestrator.keys import KeyStore
-from branchsearch.orchestrator.limits import Limits
-from branchsearch.orchestrator.stream import parse_sse
+from branchsearch.orchestrator.service import deploy as service
+from branchsearch.orchestrator.service.auth import KeyStore
+from branchsearch.orchestrator.service.admission import Limits
+from branchsearch.orchestrator.service.events import parse_sse
 
 from service_fixtures import CORPUS, LEAK_MARKER, start_uvicorn, write_corpus
 
@@ -39,18 +39,19 @@ def site(tmp_path_factory):
     keys = {"alpha": store.add("alpha", ("alpha",), ("acl",)),
             "bravo": store.add("bravo", ("bravo",)),
             "public": store.add("public", ()),
-            "admin": store.add("admin", ("alpha",), admin=True),
+            "admin": store.add("admin", (), admin=True, everything=True),
+            "alpha-admin": store.add("alpha-admin", ("alpha",), admin=True),
             "gone": store.add("gone", ("bravo",))}
     store.revoke("gone")
     state = service.local_state(settings, executor="local", keys_path=home / "keys.json",
                                 limits=LIMITS)
-    state.backend.searcher.driver("acl")
+    state.searcher.target.driver("acl")
     server = start_uvicorn(service.create_app(state), state)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield client, keys, state
     client.close()
     server.stop()
-    state.backend.searcher.close()
+    state.searcher.target.close()
 
 
 def auth(key: str) -> dict:
@@ -183,10 +184,10 @@ def test_acl_leak(site, capsys):
         marked += LEAK_MARKER in r.text
     with capsys.disabled():
         print(f"\nACL leak test: {tried} requests as group-A/public keys, {len(leaks)} leaks; "
-              f"ACL guard dropped {state.backend.searcher.acl_guard_dropped} ids")
+              f"ACL guard dropped {state.searcher.target.acl_guard_dropped} ids")
     assert leaks == []
     assert set(BRAVO_DOCS) <= found and marked
-    assert state.backend.searcher.acl_guard_dropped == 0  # the backends' filter held
+    assert state.searcher.target.acl_guard_dropped == 0  # the backends' filter held
 
 
 def test_stream_events_in_order(site):
@@ -260,7 +261,7 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
                              read_file=False)
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     ingest(corpus, settings)
-    admin = KeyStore(tmp_path / "keys.json").add("admin", ("alpha",), admin=True)
+    admin = KeyStore(tmp_path / "keys.json").add("admin", (), admin=True, everything=True)
     state = service.local_state(settings.replace(search_mode="bm25"), executor="local",
                                 keys_path=tmp_path / "keys.json", limits=LIMITS)
     server = start_uvicorn(service.create_app(state), state)
@@ -284,7 +285,7 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
         assert other.returncode == 0 and "osprey" in other.stdout, other.stderr[-2000:]
     finally:
         server.stop()
-        state.backend.searcher.close()
+        state.searcher.target.close()
     report = ingest(corpus, settings)  # puts pub-harbor back; keeps the upload
     assert set(report.counts) == {"docstore", "lexical", "dense"}
     assert len(set(report.counts.values())) == 1, report.counts
@@ -305,7 +306,7 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
                                         "search_mode": "bm25"}, read_env=False, read_file=False)
     ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
     state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
-    state.backend.searcher.driver("acl")
+    state.searcher.target.driver("acl")
     server = start_uvicorn(service.create_app(state), state)
     folder = settings.index_dir / "tantivy"
     try:
@@ -327,7 +328,7 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
             assert client.delete("/v1/indexes/acl/documents/pub-harbor").status_code == 200
     finally:
         server.stop()
-        state.backend.searcher.close()
+        state.searcher.target.close()
 
 
 def test_limits(site):
@@ -340,7 +341,7 @@ def test_limits(site):
     assert_error(client.post("/v1/search", headers=alpha, content=b"{not json"), 422)
     assert_error(client.post("/v1/search", headers=alpha,
                              json={"question": "q", "acl_groups": ["bravo"]}), 422)
-    conc = state.backend.searcher.concurrency
+    conc = state.searcher.target.concurrency
     with conc.slot("alpha"), conc.slot("alpha"):  # the key's two slots are busy
         r = client.post("/v1/search", headers=alpha, json={"question": "harbor"})
         assert_error(r, 429, "too_many_requests")
@@ -370,18 +371,20 @@ def test_limits(site):
 
 
 def test_backend_down_readyz_and_search_503(tmp_path_factory):
-    """Lexical store on Elasticsearch (the emulator); stop it: /readyz and search answer 503
-    with the reason."""
+    """Lexical store on Elasticsearch (the emulator) at a URL with credentials; stop it:
+    /readyz and search answer 503, search with the reason; no answer holds the password or the
+    backend's address (they reached every caller before)."""
     from es_emulator import start_es_emulator
 
     home = tmp_path_factory.mktemp("svc-es")
     es = start_es_emulator(home / "es")
     try:
-        settings = load_settings(overrides={"home": home, "index": "es", "es_url": es.url,
+        url = es.url.replace("://", "://elastic:hunter2@")
+        settings = load_settings(overrides={"home": home, "index": "es", "es_url": url,
                                             "branches": 1}, read_env=False, read_file=False)
         ingest(write_corpus(home / "c.jsonl", CORPUS[:3]), settings)
         state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
-        state.backend.searcher.driver("es")
+        state.searcher.target.driver("es")
         server = start_uvicorn(service.create_app(state), state)
         client = httpx.Client(base_url=server.url, timeout=120)
         try:
@@ -391,11 +394,13 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             assert client.get("/readyz").status_code == 200
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
-            assert "elasticsearch" in ready["detail"]
+            assert ready["detail"] == "index 'es' is not ready"
             down = assert_error(client.post("/v1/search", json=q), 503)
-            assert "elasticsearch" in down["detail"] and down["error"] in (
-                "backend_unavailable", "search_failed")
+            assert down["error"] in ("backend_unavailable", "search_failed"), down
             stream = client.post("/v1/search", json=q, headers={"Accept": "text/event-stream"})
+            host = es.url.split("//")[1]
+            for answer in (ready, down, stream.text):
+                assert "hunter2" not in str(answer) and host not in str(answer), answer
             if stream.status_code == 200:  # events came first: the stream ends with the error
                 last = parse_sse(stream.text)[-1]
                 assert last["type"] == "error" and last["status"] == 503
@@ -406,10 +411,11 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             put = assert_error(client.put("/v1/indexes/es/documents", json=[
                 {"id": "late", "text": "Written while the lexical store is down."}]), 503)
             assert put["error"] in ("backend_unavailable", "write_failed"), put
+            assert "hunter2" not in str(put) and host not in str(put), put
         finally:
             client.close()
             server.stop()
-            state.backend.searcher.close()
+            state.searcher.target.close()
     finally:
         es.stop()
 

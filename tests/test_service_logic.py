@@ -8,10 +8,11 @@ import pytest
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy, IndexIncomplete,
                                        IndexNotFound, KeysFileError)
-from branchsearch.orchestrator import stream
-from branchsearch.orchestrator.keys import AuthError, KeyStore, bearer, digest, parse_list
-from branchsearch.orchestrator.limits import (ApiError, Concurrency, Limits, api_error,
-                                              check_body_size, parse_search)
+from branchsearch.orchestrator.service import events as stream
+from branchsearch.orchestrator.service.auth import AuthError, KeyStore, bearer, digest, parse_list
+from branchsearch.orchestrator.service.admission import Concurrency, Limits, check_body_size
+from branchsearch.orchestrator.service.errors import ApiError, api_error
+from branchsearch.orchestrator.service.protocol import parse_search
 from branchsearch.orchestrator.result import BranchReport
 from branchsearch.workers.harness import EpisodeResult
 
@@ -104,7 +105,7 @@ def test_errors_map_to_statuses_without_internals():
     # raised in a Serve replica: its own status, not "the replica is restarting"
     import ray.exceptions
 
-    from branchsearch.orchestrator.service import _unwrap
+    from branchsearch.orchestrator.service.app import _unwrap
 
     wrapped = ray.exceptions.RayTaskError("search", "tb", BackendUnavailable(
         "ray: 2 branch actor(s) did not start within 300 s")).as_instanceof_cause()
@@ -179,7 +180,7 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     import time
 
     from branchsearch.infra.settings import load_settings
-    from branchsearch.orchestrator.searcher import Searcher
+    from branchsearch.orchestrator.service.searcher import Searcher
 
     from branchsearch.infra.manifest import Manifest, write_manifest
 
@@ -229,7 +230,7 @@ def test_a_request_waits_for_a_starting_driver_only_until_its_deadline(tmp_path)
 
     from branchsearch.infra.manifest import Manifest, write_manifest
     from branchsearch.infra.settings import load_settings
-    from branchsearch.orchestrator.searcher import Searcher
+    from branchsearch.orchestrator.service.searcher import Searcher
 
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
     folder = settings.replace(index="late").index_dir
@@ -267,8 +268,7 @@ def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
     from branchsearch.infra.errors import IndexIncomplete
     from branchsearch.infra.manifest import Manifest, write_manifest
     from branchsearch.infra.settings import load_settings
-    from branchsearch.orchestrator.limits import api_error
-    from branchsearch.orchestrator.searcher import Searcher
+    from branchsearch.orchestrator.service.searcher import Searcher
 
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
     folder = settings.replace(index="copy").index_dir
@@ -289,8 +289,7 @@ def test_an_incomplete_index_is_refused_before_its_driver_starts(tmp_path):
     from the searcher, not a dead retriever actor's 500."""
     from branchsearch.infra.errors import IndexIncomplete
     from branchsearch.infra.settings import load_settings
-    from branchsearch.orchestrator.limits import api_error
-    from branchsearch.orchestrator.searcher import Searcher
+    from branchsearch.orchestrator.service.searcher import Searcher
 
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
     folder = settings.replace(index="half").index_dir

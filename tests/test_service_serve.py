@@ -12,8 +12,8 @@ import pytest
 
 from branchsearch.infra.ingest import ingest
 from branchsearch.infra.settings import load_settings
-from branchsearch.orchestrator.keys import KeyStore
-from branchsearch.orchestrator.stream import parse_sse
+from branchsearch.orchestrator.service.auth import KeyStore
+from branchsearch.orchestrator.service.events import parse_sse
 
 from service_fixtures import free_port, write_corpus
 
@@ -26,14 +26,14 @@ def serve_app(tmp_path_factory):
     from ray import serve
 
     from branchsearch.orchestrator.cluster import connect
-    from branchsearch.orchestrator.service import ServeOptions, build_application
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
 
     home = tmp_path_factory.mktemp("serve-home")
     settings = load_settings(overrides={"home": home, "index": "acl", "branches": 2},
                              read_env=False, read_file=False)
     ingest(write_corpus(home / "corpus.jsonl"), settings)
     store = KeyStore(home / "keys.json")
-    keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", (), admin=True)}
+    keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", (), admin=True, everything=True)}
     for attempt in range(3):  # Ray waits a fixed 30 s for its raylet: a loaded machine misses it
         try:
             connect(settings)

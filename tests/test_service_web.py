@@ -13,8 +13,8 @@ import pytest
 
 from branchsearch.infra.ingest import ingest
 from branchsearch.infra.settings import load_settings
-from branchsearch.orchestrator import service
-from branchsearch.orchestrator.keys import KeyStore
+from branchsearch.orchestrator.service import deploy as service
+from branchsearch.orchestrator.service.auth import KeyStore
 
 from service_fixtures import LEAK_MARKER, start_uvicorn, write_corpus
 
@@ -34,11 +34,11 @@ def web(tmp_path_factory):
     keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", ("alpha",),
                                                                         admin=True)}
     state = service.local_state(settings, executor="local", keys_path=home / "keys.json")
-    state.backend.searcher.driver("acl")
+    state.searcher.target.driver("acl")
     server = start_uvicorn(service.create_app(state), state)
     yield server.url, keys
     server.stop()
-    state.backend.searcher.close()
+    state.searcher.target.close()
 
 
 def test_page_streams_branches_and_renders_evidence(web, tmp_path):

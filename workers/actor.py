@@ -1,4 +1,4 @@
-"""Ray wiring for the branch agent — the only module in workers/ that imports Ray.
+"""Ray wiring for the branch agent: the retriever and branch actors.
 
 * `RetrieverActor` owns the embedder and the backend clients (one owner per embedded Milvus Lite
   file; a pool when backends are servers), so models load once per node. It runs
@@ -183,13 +183,15 @@ class BranchService:
         warm_up(settings)
 
     def run(self, task, carrier: dict | None = None, policy_factory=None,
-            stream: bool = False, retriever=None, question: str | None = None):
+            stream: bool = False, retriever=None, question: str | None = None,
+            settings: Settings | None = None):
         """`run_branch` here, against `retriever` (the replica the executor chose) or the
         actor's own; with `stream`, events wait in a buffer for `events()`. `question`: the id
-        under which the replica shares fetches among the question's branches."""
+        under which the replica shares fetches among the question's branches. `settings`: the
+        index's (a shared pool serves every index), else the actor's."""
         sink = self._events.sink("run") if stream else None
         return run_here(task, RemoteRetriever(retriever or self.handle, question),
-                        self.settings, carrier, policy_factory, sink)
+                        settings or self.settings, carrier, policy_factory, sink)
 
     def events(self) -> list[dict]:
         """The events since the last call (runs beside `run`: the actor has two threads)."""

@@ -126,3 +126,18 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
             docs.append({**doc, "chunks": chunks})
     r["evidence"] = docs
     return {**event, "result": r}, len(bad)
+
+
+def public(event: dict) -> dict:
+    """The event as a caller may see it: branch errors without credentials or internal
+    addresses (`infra.errors.public_line`); the server log keeps them whole."""
+    from branchsearch.infra.errors import public_line
+
+    if event.get("type") == "branch_done" and event.get("error"):
+        return {**event, "error": public_line(event["error"])}
+    if event.get("type") == "result":
+        r = event["result"]
+        branches = [{**b, "error": public_line(b["error"])} if b.get("error") else b
+                    for b in r.get("branches", [])]
+        return {**event, "result": {**r, "branches": branches}}
+    return event

@@ -112,14 +112,21 @@ class KeyStore:
     # --- commands -----------------------------------------------------------------------------
 
     def add(self, name: str, groups: tuple[str, ...], indexes: tuple[str, ...] = (),
-            admin: bool = False) -> str:
-        """Make a key; returns it (the only time it exists in clear)."""
+            admin: bool = False, everything: bool = False) -> str:
+        """Make a key; returns it (the only time it exists in clear). An admin key writes the
+        documents of its own groups; `everything` (admins only) makes it global: it sees and
+        writes every document, whatever its groups."""
         if not _NAME.match(name):
             raise BranchsearchError(f"bad key name {name!r}: letters, digits, _ . - "
                                     "(≤ 64 characters)")
-        from branchsearch.infra.backends import caller_groups
+        from branchsearch.infra.backends import ACL_ALL, caller_groups
 
         caller_groups(groups)  # '*' is reserved: a key with it would read every document
+        if everything:
+            if not admin:
+                raise BranchsearchError("only an admin key can see every document (--admin "
+                                        "--all-groups)")
+            groups = (ACL_ALL,)
         from datetime import datetime, timezone
 
         with self._lock:

@@ -1,0 +1,194 @@
+"""Running the service: standalone (uvicorn, one process) or on Ray Serve (the builder).
+
+Either way Ray is connected once, from the main thread, before any request or start thread (a
+cluster started from a thread that later ends dies with it), and one `Searcher` serves every
+index. Serve deploys the plain `Searcher` class as is, behind an ingress that holds the FastAPI
+app; standalone runs both in this process. SIGTERM drains: requests in flight, streams
+included, finish within the grace period, and the process exits 0.
+
+Ray Serve users deploy it with `serve run deploy/serve_config.yaml` (see README, "Service"), or
+`serve run branchsearch.orchestrator.service.deploy:app_builder home=… keys=…`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.service.admission import Limits
+from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, create_app
+from branchsearch.orchestrator.service.auth import KeyStore
+
+log = logging.getLogger("branchsearch.service")
+GRACE_S = 30  # SIGTERM: how long requests in flight may take to finish
+
+
+def check_host(host: str, keys_path: str | Path | None) -> None:
+    """Without a keys file the service is a development server: loopback only."""
+    if keys_path:
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise BranchsearchError(
+            f"refusing to listen on {host} without API keys: with no --keys file every caller "
+            "is an admin who sees every document (development mode, loopback only). Make keys "
+            "with `branchsearch keys add NAME --groups G --keys FILE` and pass --keys FILE")
+
+
+def dev_mode_banner(host: str, port: int) -> str:
+    return (f"development mode: no --keys file, so every request is an admin that sees every "
+            f"document; listening on loopback only (http://{host}:{port})")
+
+
+# --- one process: uvicorn -----------------------------------------------------------------------
+
+def local_state(settings, *, executor: str = "local", keys_path=None,
+                limits: Limits = Limits(), driver_factory=None) -> ServiceState:
+    """The app's state with the Searcher in this process. With the Ray executor, connect to Ray
+    here — call this from the main thread."""
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    if executor == "ray":
+        from branchsearch.orchestrator.cluster import connect
+
+        connect(settings)
+    searcher = Searcher(settings, executor=executor, limits=limits, driver_factory=driver_factory)
+    return ServiceState(SearcherClient(searcher), KeyStore(keys_path) if keys_path else None,
+                        limits)
+
+
+def run_standalone(settings, *, executor: str, keys, sock) -> None:
+    """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits)."""
+    import uvicorn
+
+    state = local_state(settings, executor=executor, keys_path=keys)
+    state.searcher.target.driver(settings.index)  # load models before taking traffic
+    print(f"serving on http://{sock.getsockname()[0]}:{sock.getsockname()[1]} (docs at /docs; "
+          "one process)", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning",
+                                           timeout_graceful_shutdown=GRACE_S))
+    import signal
+
+    # uvicorn drains on SIGTERM, then re-raises it under the handler it found: ours makes that
+    # a clean exit (Ray's own handler, installed when it connected, would exit 15)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.searcher.target.close()
+
+
+# --- Ray Serve ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `branchsearch serve` and `app_builder` pass to the deployments."""
+
+    home: str = ".branchsearch"
+    index: str = "default"
+    config: str | None = None
+    keys: str | None = None
+    executor: str = "ray"
+    replicas: int = 1  # ingress replicas
+    searcher_replicas: int = 1  # > 1 only with server backends (Milvus/ES by URL)
+    max_ongoing_requests: int = 64  # per ingress replica (HTTP connections being served)
+    max_queued_requests: int = 256  # per ingress replica; past it Serve's proxy answers 503
+    searcher_max_ongoing: int = 16  # searches at once per searcher replica
+    searcher_max_queued: int = 32  # waiting searches, then 503 {error: overloaded} (JSON)
+    autoscaling: dict | None = None  # Serve's autoscaling_config for the ingress
+    # logical CPUs per replica: small; the searcher plans its branch pool from what is free
+    # once they are placed (Serve's default is 1 each)
+    ingress_cpus: float = 0.05
+    searcher_cpus: float = 0.1
+    limits: dict = field(default_factory=dict)  # Limits fields
+
+
+def build_application(opts: ServeOptions):
+    """The Serve application (Ingress → Searcher); `serve.run` or `serve deploy` it."""
+    from ray import serve
+
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    @serve.deployment(name="Ingress")
+    @serve.ingress()
+    class Ingress:
+        def __init__(self, searcher, o: dict):
+            self.state = ServiceState(SearcherClient(searcher),
+                                      KeyStore(o["keys"]) if o["keys"] else None,
+                                      Limits(**o["limits"]))
+
+        def __serve_build_asgi_app__(self):
+            return create_app(self.state)
+
+    from branchsearch.infra.settings import load_settings
+
+    o = asdict(opts)
+    settings = load_settings(opts.config, {"home": opts.home, "index": opts.index})
+    grace = {"graceful_shutdown_timeout_s": GRACE_S, "graceful_shutdown_wait_loop_s": 0.5}
+    ingress_cfg = {"max_ongoing_requests": opts.max_ongoing_requests,
+                   "max_queued_requests": opts.max_queued_requests,
+                   "ray_actor_options": {"num_cpus": opts.ingress_cpus}} | grace
+    ingress_cfg |= ({"autoscaling_config": opts.autoscaling} if opts.autoscaling
+                    else {"num_replicas": opts.replicas})
+    searcher = serve.deployment(Searcher, name="Searcher").options(
+        num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
+        max_queued_requests=opts.searcher_max_queued,
+        ray_actor_options={"num_cpus": opts.searcher_cpus}, **grace).bind(
+        settings, executor=opts.executor, limits=Limits(**opts.limits), warm=True)
+    return Ingress.options(**ingress_cfg).bind(searcher, o)
+
+
+def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool = True):
+    """Start Serve's HTTP proxy on host:port and deploy the application (blocks until SIGTERM
+    or ^C unless `block` is False). Uses the settings' Ray cluster, else a local one, connected
+    from this (the main) thread."""
+    from ray import serve
+
+    from branchsearch.orchestrator.cluster import connect
+
+    connect(settings)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(opts), name="branchsearch", route_prefix="/")
+    print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app 'branchsearch')",
+          file=sys.stderr)
+    if not block:
+        return
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # `kill PID` stops it as ^C does: drain, then exit
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print(f"stopping: draining requests in flight (up to {GRACE_S} s)", file=sys.stderr)
+        serve.delete("branchsearch")  # replicas finish their requests (graceful shutdown)
+        serve.shutdown()
+
+
+def app_builder(args: dict):
+    """`serve run branchsearch.orchestrator.service.deploy:app_builder home=… keys=…` and the
+    `import_path` of a Serve config file; `args` are `ServeOptions` fields."""
+    known = ServeOptions.__dataclass_fields__
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise ValueError(f"unknown serve args {unknown}; known: {sorted(known)}")
+    casts = {k: int for k in ("replicas", "searcher_replicas", "max_ongoing_requests",
+                              "max_queued_requests", "searcher_max_ongoing",
+                              "searcher_max_queued")} | {"ingress_cpus": float,
+                                                         "searcher_cpus": float}
+    opts = ServeOptions(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items()})
+    if opts.keys is None:
+        log.warning("no keys file: development mode, every request is an admin "
+                    "(bind the Serve proxy to loopback only)")
+    return build_application(opts)

@@ -1,0 +1,60 @@
+"""The one error shape of the service: `ApiError` (an HTTP status, a short code, one line of
+detail) and `api_error`, which maps any exception to what a caller may see."""
+
+from __future__ import annotations
+
+import logging
+
+from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
+                                       CorpusError, IndexBusy, IndexIncomplete, IndexNotFound,
+                                       KeysFileError, Overloaded, error_line, public_line)
+
+log = logging.getLogger("branchsearch.service")
+
+
+class ApiError(Exception):
+    """An answer other than 200: `status`, `error` (a code), `detail` (one line), headers."""
+
+    def __init__(self, status: int, error: str, detail: str, headers: dict | None = None):
+        detail = public_line(detail, 1000)  # the one path to a caller: no secret, no address
+        super().__init__(detail)
+        self.status, self.error, self.detail = status, error, detail
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": self.error, "detail": self.detail}
+
+    def __reduce__(self):  # crosses Ray Serve handles intact
+        return (ApiError, (self.status, self.error, self.detail, self.headers))
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """Map any exception to what a caller may see; unknown exceptions say only their type."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, Overloaded):
+        return ApiError(503, "overloaded", str(exc), {"Retry-After": "1"})
+    if isinstance(exc, BackendUnavailable):  # the whole line (addresses too) in the server log
+        log.error("%s", error_line(exc, 1000))
+        return ApiError(503, "backend_unavailable", str(exc), {"Retry-After": "5"})
+    if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest); which one
+        log.warning("index busy: %s", exc)  # (its PID and corpus path) is the server's
+        return ApiError(409, "index_busy", "an ingest or another write is updating the index "
+                        "right now; retry when it has finished")
+    if isinstance(exc, IndexIncomplete):  # an ingest to finish, or store files gone: the server's
+        log.warning("index unavailable: %s", exc)  # the operator's fix names server paths
+        return ApiError(503, "index_incomplete", "the index is incomplete or damaged on the "
+                        "server; its operator must finish or repair it (the server log says how)")
+    if isinstance(exc, KeysFileError):  # names the server's file: logged, not sent
+        log.error("%s", exc)
+        return ApiError(503, "keys_unavailable", "the server cannot read its API keys file; "
+                        "its operator must fix it (the server log says how)")
+    if isinstance(exc, IndexNotFound):
+        return ApiError(404, "index_not_found", str(exc))
+    if isinstance(exc, (BadQuery, CorpusError)):
+        return ApiError(422, "bad_request", str(exc))
+    if isinstance(exc, BranchsearchError):
+        return ApiError(400, "bad_request", str(exc))
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, "deadline_exceeded", str(exc) or "the search did not finish in time")
+    return ApiError(500, "internal_error", f"{type(exc).__name__} (details in the server log)")

@@ -1,0 +1,481 @@
+"""What the service does for a caller, as one plain async class: no HTTP.
+
+`Searcher` owns one `Driver` per index (owned under the data home or declared external), the
+executor the CLI uses, and — with the Ray executor — one branch pool shared by every index. It
+admits a request (the key's indexes, its per-key concurrency), runs the search within the
+request's deadline, streams the driver's events, guards every id it returns against the caller's
+groups, and writes documents through the stores' owner.
+
+Standalone (`serve --standalone`) runs it in the uvicorn process; Ray Serve deploys this same
+class as the `Searcher` deployment (`service.deploy`). Its async methods are the whole interface;
+blocking work runs in threads, and a caller that goes away (a cancelled coroutine) gives its
+concurrency slot back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from branchsearch.infra.backends import ACL_ALL
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
+                                       IndexNotFound, error_line, public_line)
+from branchsearch.infra.settings import Settings, index_name_problem
+from branchsearch.orchestrator import documents
+from branchsearch.orchestrator.service import events
+from branchsearch.orchestrator.service.admission import Concurrency, Limits
+from branchsearch.orchestrator.service.auth import ApiKey
+from branchsearch.orchestrator.service.errors import ApiError, api_error
+from branchsearch.orchestrator.service.protocol import SearchRequest
+
+log = logging.getLogger("branchsearch.service")
+
+_DONE = object()
+
+
+class Searcher:
+    def __init__(self, settings: Settings, *, executor: str = "ray", limits: Limits = Limits(),
+                 driver_factory: Callable | None = None, warm: bool = False):
+        """`driver_factory(settings, executor)`: how a driver is made (tests); `warm`: open the
+        default index now (a Serve replica loads its models before taking traffic)."""
+        self.settings, self.executor, self.limits = settings, executor, limits
+        self.driver_factory = driver_factory or self._make_driver
+        self.concurrency = Concurrency(limits)
+        self._drivers: dict[str, object] = {}
+        self._docstores: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._background: dict[str, dict] = {}  # index -> its one start, while it runs
+        self._write_locks: dict[str, threading.Lock] = {}
+        self._pool_lock = threading.Lock()
+        self.pool = None  # the branch pool every index shares (Ray executor), made once
+        self._retriever_options: dict = {}
+        self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
+        if warm:
+            self.driver(settings.index)
+
+    # --- the interface (standalone calls it, Serve deploys it) ----------------------------------
+
+    async def search(self, req: SearchRequest, key: ApiKey) -> dict:
+        """The result dict (`search --json` shape plus `status`, `index`). ApiError for every
+        refusal."""
+        self._may_use(self._index(req), key)
+        with self.concurrency.slot(key.name):  # freed at once if the caller goes away
+            return await asyncio.to_thread(self._search, req, key, None)
+
+    async def stream(self, req: SearchRequest, key: ApiKey) -> AsyncIterator[dict]:
+        """Events as they happen, ending with `result` (or `error`). A refusal before the search
+        starts (403, 429, 404) is raised, so the HTTP status can still say so."""
+        self._may_use(self._index(req), key)
+        with self.concurrency.slot(key.name):
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            put = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)  # noqa: E731
+            work = asyncio.ensure_future(asyncio.to_thread(self._search, req, key, put))
+            work.add_done_callback(lambda _: queue.put_nowait(_DONE))
+            first = True
+            try:
+                while (item := await queue.get()) is not _DONE:
+                    first = False
+                    yield item
+                if work.exception() is not None:
+                    err = api_error(work.exception())
+                    if first:
+                        raise err
+                    yield {"type": "error", "status": err.status, **err.body()}
+            finally:
+                if not work.done():
+                    work.cancel()
+
+    async def upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
+        return await asyncio.to_thread(self._upsert, index, body, key)
+
+    async def delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
+        return await asyncio.to_thread(self._delete, index, doc_id, key)
+
+    async def ready(self) -> dict:
+        return await asyncio.to_thread(self._ready)
+
+    async def indexes(self) -> list[str]:
+        return self.index_names()
+
+    async def guard_dropped(self) -> int:
+        return self.acl_guard_dropped
+
+    def check_health(self) -> None:  # Serve restarts a replica whose check raises
+        pass
+
+    # --- indexes and drivers ------------------------------------------------------------------
+
+    def index_names(self) -> list[str]:
+        """Owned indexes under the data home, and the external ones declared in the settings."""
+        root = self.settings.home / "indexes"
+        owned = [p.name for p in root.iterdir() if (p / "docs.sqlite").exists()] \
+            if root.is_dir() else []
+        return sorted(set(owned) | {spec.name for spec in self.settings.indexes})
+
+    def _index(self, req: SearchRequest) -> str:
+        return req.index or self.settings.index
+
+    def driver(self, index: str, wait: float | None = None):
+        """The index's driver, started on first use. The start (its actors may take a while,
+        or fail on a full cluster) runs in the background, one per index whatever the number
+        of callers waiting on it, so searches of other indexes go on meanwhile. `wait`: the
+        most seconds to wait for it (a request's deadline); past it, a 503 index_starting
+        while the start goes on. A failed start is tried again by the next caller."""
+        with self._lock:
+            if index in self._drivers:
+                return self._drivers[index]
+            start = self._background.get(index)
+            if start is None:
+                start = self._background[index] = {"done": threading.Event()}
+                threading.Thread(target=self._start, args=(index, start), daemon=True,
+                                 name=f"start-{index}").start()
+        if not start["done"].wait(wait):
+            raise ApiError(503, "index_starting", f"index {index!r} is still starting; retry "
+                           "later", {"Retry-After": "5"})
+        if "error" in start:
+            raise start["error"]
+        return start["driver"]
+
+    def _start(self, index: str, start: dict) -> None:
+        try:
+            start["driver"] = self._open(index)
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
+            start["error"] = exc
+        finally:
+            with self._lock:
+                self._background.pop(index, None)
+            start["done"].set()
+
+    def _open(self, index: str):
+        """Check the index, then start its driver (`driver` runs one start per index)."""
+        from branchsearch.infra.docstore import DocStore
+        from branchsearch.infra.manifest import require_complete
+
+        settings = self.settings.replace(index=index)
+        docstore = None
+        if settings.external is None:
+            missing = IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
+                                    f"ingest PATH --index {index}`)")
+            if not settings.index_dir.is_dir():  # before any actor starts for it
+                raise missing
+            # incomplete, being ingested, or a copied folder: its 503 now, not the death of a
+            # retriever actor whose constructor found it
+            try:
+                require_complete(settings.index_dir, index)
+            except IndexNotFound:  # a folder without a docstore (its message names the home)
+                raise missing from None
+            docs = settings.index_dir / "docs.sqlite"
+            docstore = DocStore(docs) if docs.exists() else None
+        driver = self.driver_factory(settings, self.executor)
+        with self._lock:
+            self._drivers[index] = driver
+            self._docstores[index] = docstore
+            self._write_locks[index] = threading.Lock()
+        return driver
+
+    def _make_driver(self, settings: Settings, executor: str):
+        from branchsearch.orchestrator.driver import Driver
+
+        if executor != "ray":
+            return Driver(settings, mode=executor)
+        from branchsearch.orchestrator.executors import RayExecutor
+
+        pool = self._branch_pool()
+        return Driver(settings, mode="ray", executor=RayExecutor(
+            settings, pool.size, pool=pool, retriever_cpus=self._retriever_options["num_cpus"]))
+
+    def _branch_pool(self):
+        """The one branch pool of the service, planned against what the cluster has free now
+        (Serve's replicas, proxy and controller placed), with room for every index's retriever;
+        every actor placed before any search waits on one."""
+        with self._pool_lock:
+            if self.pool is None:
+                import ray
+
+                from branchsearch.orchestrator.cluster import connect, plan_service
+                from branchsearch.orchestrator.executors import BranchPool, wait_started
+
+                resources = connect(self.settings)
+                plan = plan_service(self.settings, ray.available_resources(),
+                                    len(self.index_names()),
+                                    self.settings.branches * max(self.settings.batch_concurrency, 1))
+                pool = BranchPool(plan.branch_actors, plan.branch, self.settings)
+                try:
+                    wait_started(pool.ping_all(), f"{plan.branch_actors} branch actor(s)",
+                                 self.settings.actor_start_timeout_s, resources,
+                                 {"CPU": plan.branch["num_cpus"] * plan.branch_actors})
+                except BaseException:
+                    pool.close()
+                    raise
+                log.info("branch pool: %d actors of %g CPU; retrievers %g CPU each",
+                         plan.branch_actors, plan.branch["num_cpus"], plan.retriever["num_cpus"])
+                self.pool, self._retriever_options = pool, plan.retriever
+            return self.pool
+
+    def close(self) -> None:
+        with self._lock:
+            for d in self._drivers.values():
+                d.close()
+            for s in self._docstores.values():
+                if s is not None:
+                    s.close()
+            self._drivers.clear()
+            self._docstores.clear()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    @staticmethod
+    def _in_retriever(driver, local_fn, actor_fn, *args):
+        """Run on the stores' owner: in this process (local) or in the retriever actor (Ray)."""
+        from branchsearch.orchestrator.executors import RayExecutor
+
+        if not isinstance(driver.executor, RayExecutor):
+            return local_fn(driver.executor.retriever, *args)
+        import ray
+
+        # __ray_call__ runs a function on the actor, with the actor's instance as first argument
+        return ray.get(driver.executor.retriever.__ray_call__.remote(actor_fn, *args),
+                       timeout=120)
+
+    # --- search ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def groups(key: ApiKey) -> list[str]:
+        """The ACL groups a search runs with: the key's, never None (None would be public-only
+        by contract; a list is unambiguous)."""
+        return [ACL_ALL] if ACL_ALL in key.groups else list(key.groups)
+
+    @staticmethod
+    def _may_use(index: str, key: ApiKey) -> None:
+        problem = index_name_problem(index)
+        if problem:
+            raise ApiError(422, "bad_request", problem)
+        if not key.may_use(index):
+            raise ApiError(403, "forbidden", f"key {key.name!r} may not use index {index!r}")
+
+    def _search(self, req: SearchRequest, key: ApiKey,
+                on_event: Callable[[dict], None] | None) -> dict:
+        """The search itself (a worker thread): events go to `on_event`, ending with
+        `result`."""
+        index = self._index(req)
+        deadline = req.deadline_s or self.limits.default_deadline_s
+        started = time.monotonic()
+        driver = self.driver(index, wait=deadline)
+        groups = self.groups(key)
+        emit = self._guarded(index, groups, on_event)
+        left = max(deadline - (time.monotonic() - started), 0.001)
+        result = self._run(driver, req, groups, left, emit)
+        out = events.result_dict(result, req.k)
+        out["index"] = index
+        self._check_failure(driver, out)
+        event, _ = events.guard({"type": "result", "result": out}, self._hidden(index, groups))
+        event = events.public(event)
+        if on_event:
+            on_event(event)
+        return event["result"]
+
+    @staticmethod
+    def _run(driver, req: SearchRequest, groups, deadline: float, emit):
+        """Driver.search within the deadline (the driver reports late branches as timeouts;
+        the join is the backstop)."""
+        box: dict = {}
+
+        def work():
+            try:
+                box["result"] = driver.search(
+                    req.question, max_branches=req.branches, acl_groups=groups,
+                    deadline_s=deadline,
+                    on_event=lambda e: emit(e) if e.get("type") != "result" else None)
+            except BaseException as exc:  # noqa: BLE001 — carried to the caller's thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="search", daemon=True)
+        worker.start()
+        worker.join(deadline + 10)
+        if worker.is_alive():
+            raise ApiError(504, "deadline_exceeded",
+                           f"no result within the deadline of {deadline:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _check_failure(self, driver, out: dict) -> None:
+        """A failed search answers 503/504 with the reason, never an empty 200; an empty result
+        is checked against the backends, so a backend that is down never looks like no hits."""
+        if out["status"] == "failed":
+            if all(b["status"] == "timeout" for b in out["branches"]):
+                raise ApiError(504, "deadline_exceeded", "no branch finished within the "
+                               "deadline")
+            self._probe(driver)
+            log.error("every branch failed: %s",
+                      "; ".join(sorted({b.get("error", "") for b in out["branches"]})))
+            raise ApiError(503, "search_failed", "every branch failed (the server log says "
+                           "why); retry later", {"Retry-After": "5"})
+        if not out["evidence"]:
+            self._probe(driver)
+
+    def _probe(self, driver) -> dict:
+        try:
+            return self._in_retriever(driver, documents.probe, documents.probe_in_actor)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — any backend failure is a 503 with its reason
+            cause = getattr(exc, "cause", None) or exc
+            log.error("backend unavailable: %s", error_line(cause, 1000))
+            raise ApiError(503, "backend_unavailable", public_line(cause),
+                           {"Retry-After": "5"}) from None
+
+    # --- the ACL guard ---------------------------------------------------------------------------
+
+    def _hidden(self, index: str, groups: list[str]) -> Callable[[list[str]], set[str]]:
+        store = self._docstores[index]
+
+        def hidden(ids: list[str]) -> set[str]:
+            if store is None:  # an external index: the backends' filter is all
+                return set()
+            rows = store.get_chunks(ids)
+            bad = {cid for cid, row in rows.items()
+                   if not events.visible(row["acl"], groups, ACL_ALL)}
+            if bad:
+                self.acl_guard_dropped += len(bad)
+                log.error("ACL guard dropped %d chunk ids a branch returned to groups %s",
+                          len(bad), groups)
+            return bad
+        return hidden
+
+    def _guarded(self, index: str, groups: list[str], on_event):
+        hidden = self._hidden(index, groups)
+
+        def emit(event: dict) -> None:
+            if event.get("type") == "plan":  # the web page draws token bars against it
+                event = {**event, "budget_tokens": self.settings.budget_tokens}
+            if on_event is not None:
+                on_event(events.public(events.guard(event, hidden)[0]))
+        return emit
+
+    # --- documents -------------------------------------------------------------------------------
+
+    def _upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
+        self._admin(key, index)
+        docs = documents.parse_documents(body)
+        driver = self._writable(index)
+        store = self._docstores[index]
+        for doc in docs:  # a scoped admin writes its groups' documents, and only those
+            old = store.get_document(doc.id)
+            if not self._owns(key, doc.acl) or (old is not None and not self._owns(
+                    key, old["acl"])):
+                raise ApiError(403, "forbidden", f"key {key.name!r} may write only documents "
+                               f"whose acl is within its groups ({', '.join(key.groups)}); "
+                               f"document {doc.id!r} is not")
+        with self._write_locks[index], self._ingest_lock(driver):
+            self._check_files(driver)
+            counts = self._write(index, driver, documents.upsert, documents.upsert_in_actor,
+                                 driver.settings, docs)
+        return {"index": index, "upserted": [d.id for d in docs], **counts}
+
+    def _delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
+        self._admin(key, index)
+        driver = self._writable(index)
+        missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
+        old = self._docstores[index].get_document(doc_id)
+        if old is not None and not events.visible(old["acl"], self.groups(key), ACL_ALL):
+            raise missing  # an id the key may not see answers as a missing one
+        if old is not None and not self._owns(key, old["acl"]):
+            raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
+                           f"whose acl is within its groups; document {doc_id!r} is not")
+        with self._write_locks[index], self._ingest_lock(driver):
+            self._check_files(driver)
+            found = self._write(index, driver, documents.delete, documents.delete_in_actor,
+                                driver.settings, doc_id)
+        if not found:
+            raise missing
+        return {"index": index, "deleted": doc_id}
+
+    def _writable(self, index: str):
+        if self.settings.replace(index=index).external is not None:
+            raise ApiError(409, "read_only_index", f"index {index!r} is an external index "
+                           "(declared in the settings): branchsearch searches it in place and "
+                           "never writes to it")
+        return self.driver(index)
+
+    @staticmethod
+    def _owns(key: ApiKey, acl) -> bool:
+        """A global admin writes any document; a scoped one only documents whose groups are
+        all its own (a public document, seen by everyone, is a global admin's)."""
+        return ACL_ALL in key.groups or (bool(acl) and set(acl) <= set(key.groups))
+
+    def _write(self, index: str, driver, local_fn, actor_fn, *args):
+        """A document write on the stores' owner. A store that fails under it (a file gone, a
+        server down) is a 503 saying what searches see now, not a 500. Domain errors and
+        timeouts keep their status (api_error); a bug stays a 500."""
+        try:
+            return self._in_retriever(driver, local_fn, actor_fn, *args)
+        except Exception as exc:  # noqa: BLE001
+            cause = getattr(exc, "cause", None) or exc
+            if isinstance(cause, (BranchsearchError, ApiError, TimeoutError, TypeError,
+                                  AttributeError, NameError, AssertionError)):
+                raise cause from None
+            log.error("write to index %r failed: %s", index, error_line(cause, 1000))
+            # upsert writes the docstore (what searches see) last, delete first
+            now = ("searches still see the documents as they were; retry it"
+                   if local_fn is documents.upsert else "repeat the delete to finish it (a 404 "
+                   "then means searches no longer saw it, and the repeat cleared the rest)")
+            raise ApiError(503, "write_failed", f"the write to index {index!r} did not complete "
+                           f"({public_line(cause, 300)}); {now}") from None
+
+    @staticmethod
+    def _check_files(driver) -> None:
+        """A write to an index whose store files were deleted since its driver opened them
+        would go to the open, deleted file and be lost: refused (503), as the CLI refuses to
+        open such an index. Searches go on from what the stores hold open."""
+        from branchsearch.infra.catalog import files_health
+        from branchsearch.infra.manifest import read_manifest
+
+        folder = driver.settings.index_dir
+        manifest = read_manifest(folder)
+        health = "no manifest" if manifest is None else files_health(folder, manifest)
+        if health != "ok":
+            raise IndexIncomplete(f"index {driver.settings.index!r} cannot take writes: "
+                                  f"{health}")
+
+    @staticmethod
+    def _ingest_lock(driver):
+        """The index's ingest lock (`infra.manifest`): a CLI ingest and a service write never
+        run at once; IndexBusy (409; the server log names the ingest that holds it)."""
+        from branchsearch.infra.manifest import IngestLock
+
+        return IngestLock(driver.settings.index_dir, driver.settings.index, corpus="service write")
+
+    @classmethod
+    def _admin(cls, key: ApiKey, index: str) -> None:
+        cls._may_use(index, key)
+        if not key.admin:
+            raise ApiError(403, "forbidden", f"key {key.name!r} is not an admin key; document "
+                                             "writes need one (`keys add --admin`)")
+        if not key.may_use(index):
+            raise ApiError(403, "forbidden", f"key {key.name!r} may not use index {index!r}")
+
+    # --- health ------------------------------------------------------------------------------------
+
+    def _ready(self) -> dict:
+        """Ready when the default index is open and every open index's backends answer;
+        ApiError 503 naming the index otherwise (the reason goes to the server log only)."""
+        try:
+            self.driver(self.settings.index, wait=self.limits.default_deadline_s)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("not ready: index %r: %s", self.settings.index, error_line(exc, 1000))
+            raise ApiError(503, "not_ready", f"index {self.settings.index!r} is not ready",
+                           {"Retry-After": "5"}) from None
+        for index, driver in list(self._drivers.items()):
+            try:
+                self._probe(driver)
+            except ApiError as exc:
+                log.warning("not ready: index %r: %s", index, exc.detail)
+                raise ApiError(503, "not_ready", f"index {index!r} is not ready",
+                               {"Retry-After": "5"}) from None
+        return {"status": "ready", "indexes": sorted(self._drivers)}
