@@ -1,10 +1,21 @@
 """Locust users for the branchsearch HTTP service: the workload of `branchsearch loadtest --url`.
 
+The service admits `per_key_concurrency` searches at once per key (default 4; more: 429), so
+give each key at most that many users. One key, 4 users:
+
     pip install 'branchsearch[loadtest]'
     BRANCHSEARCH_API_KEY=KEY BRANCHSEARCH_LOADTEST_QUERIES=data/hotpotqa-dev200 \\
+      locust -f bench/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 1 -t 2m
+
+More users: a file of keys, one a line (`branchsearch keys add NAME` prints one); user i sends
+key i mod N, so 8 keys give 8 users one key each:
+
+    for i in 1 2 3 4 5 6 7 8; do branchsearch keys add locust-$i; done > locust-keys.txt
+    BRANCHSEARCH_LOADTEST_KEYS=locust-keys.txt BRANCHSEARCH_LOADTEST_QUERIES=data/hotpotqa-dev200 \\
       locust -f bench/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 1 -t 2m
 
-Environment: BRANCHSEARCH_API_KEY (the service key, sent as a bearer token),
+Environment: BRANCHSEARCH_LOADTEST_KEYS (a file of service keys, one a line) or
+BRANCHSEARCH_API_KEY (one key), sent as a bearer token;
 BRANCHSEARCH_LOADTEST_QUERIES (JSONL of questions or a BEIR folder; required),
 BRANCHSEARCH_LOADTEST_SEED (question order, default 0), BRANCHSEARCH_LOADTEST_INDEX,
 BRANCHSEARCH_LOADTEST_BRANCHES, BRANCHSEARCH_LOADTEST_DEADLINE_S (request fields, optional),
@@ -12,8 +23,11 @@ BRANCHSEARCH_LOADTEST_THINK (seconds between a user's answer and its next questi
 
 Every user asks the next question of one seeded sequence. An answer counts as a Locust failure
 when it is not HTTP 200 (named `http_<code>:<error>`) or when its result `status` is not `ok`
-(`partial`, `failed`) — the same classes `branchsearch loadtest` reports. Locust users are a
-closed loop (each waits for its answer); for open-loop arrivals use `branchsearch loadtest --rate`.
+(`partial`, `failed`) — the same classes `branchsearch loadtest` reports. A refusal (429: the
+key is over its limit; 503: the service is overloaded or starting) is a failure recorded under
+its own name, `/v1/search refused`, so its fast answers stay out of `/v1/search`'s response
+times. Locust users are a closed loop (each waits for its answer); for open-loop arrivals use
+`branchsearch loadtest --rate`.
 """
 
 from __future__ import annotations
@@ -33,6 +47,26 @@ if not _QUERIES:
 WORKLOAD = Workload(read_questions(_QUERIES), int(os.environ.get("BRANCHSEARCH_LOADTEST_SEED",
                                                                  "0")), _QUERIES)
 _NEXT = itertools.count()
+_USERS = itertools.count()
+
+
+def _keys() -> list[str]:
+    path = os.environ.get("BRANCHSEARCH_LOADTEST_KEYS")
+    if path:
+        try:
+            keys = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+        except OSError as exc:
+            raise SystemExit(f"locustfile: BRANCHSEARCH_LOADTEST_KEYS={path}: {exc.strerror}") \
+                from None
+        if not keys:
+            raise SystemExit(f"locustfile: BRANCHSEARCH_LOADTEST_KEYS={path} holds no key")
+        return keys
+    key = os.environ.get("BRANCHSEARCH_API_KEY", "").strip()
+    return [key] if key else []
+
+
+KEYS = _keys()
+REFUSED = "/v1/search refused"  # 429 and 503: their own stats row, out of /v1/search's times
 _FIELDS = {"index": os.environ.get("BRANCHSEARCH_LOADTEST_INDEX"),
            "branches": os.environ.get("BRANCHSEARCH_LOADTEST_BRANCHES"),
            "deadline_s": os.environ.get("BRANCHSEARCH_LOADTEST_DEADLINE_S")}
@@ -44,7 +78,7 @@ class SearchUser(HttpUser):
     wait_time = constant(float(os.environ.get("BRANCHSEARCH_LOADTEST_THINK", "0")))
 
     def on_start(self) -> None:
-        key = os.environ.get("BRANCHSEARCH_API_KEY", "")
+        key = KEYS[next(_USERS) % len(KEYS)] if KEYS else ""
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     @task
@@ -57,6 +91,8 @@ class SearchUser(HttpUser):
                     error = response.json().get("error", "")
                 except Exception:  # not JSON (a proxy's error page)
                     error = ""
+                if response.status_code in (429, 503):
+                    response.request_meta["name"] = REFUSED
                 response.failure(f"http_{response.status_code}" + (f":{error}" if error else ""))
                 return
             try:

@@ -99,6 +99,38 @@ def test_summary_by_hand_counts_latency_from_the_scheduled_time():
     assert not out["latency_lower_bound"]
 
 
+def test_refusals_stay_out_of_the_latency_percentiles_and_are_counted_apart():
+    # two searches of 2 and 3 s; three fast refusals (a key over its limit, an overloaded
+    # service): they are errors, but the percentiles describe the searches the service ran
+    s = [Sample(0, 0.0, 0.0, 2.0, "ok"), Sample(0, 0.1, 0.1, 3.1, "ok"),
+         Sample(0, 0.2, 0.2, 0.21, "http_429:too_many_requests"),
+         Sample(0, 0.3, 0.3, 0.32, "http_429:too_many_requests"),
+         Sample(0, 0.4, 0.4, 0.43, "http_503:overloaded"),
+         Sample(0, 0.5, 0.5, 5.5, "http_504:deadline_exceeded")]
+    out = summarize(s, load=6, loop="closed", duration_s=6.0, cutoff=9.0)
+    lat = [2.0, 3.0, 5.0]  # the two answers and the 504 (it ran to its deadline)
+    assert out["latency_ms"]["p50"] == pytest.approx(np.percentile(lat, 50) * 1000)
+    assert out["latency_ms"]["max"] == pytest.approx(5000)
+    assert out["refused"] == 3 and out["refusal_rate"] == 0.5
+    assert out["refusals"] == {"http_429:too_many_requests": 2, "http_503:overloaded": 1}
+    assert out["refusal_latency_ms"]["max"] == pytest.approx(30)
+    assert out["error_rate"] == pytest.approx(4 / 6, abs=1e-4)  # refusals are still errors
+    # the report's table: refusals in their own column, not among the other errors
+    from branchsearch.orchestrator.loadtest import report as rep
+
+    report = {"command": "c", "started": "s", "machine": {"cpus": 2, "platform": "p",
+                                                          "load_average": "0"},
+              "target": {"kind": "service"}, "workload": {"source": "w", "questions": 1,
+                                                          "seed": 0},
+              "arrivals": {"loop": "closed", "process": "poisson", "step_duration_s": 6,
+                           "drain_s": 5, "max_inflight": 256, "think_s": 0},
+              "steps": [out], "knee": find_knee([out]), "stopped": ""}
+    row = [line for line in rep.markdown(report).splitlines() if line.startswith("| 6 ")][0]
+    assert "| 3 (50.0%): http_429:too_many_requests 2, http_503:overloaded 1 " \
+           "| http_504:deadline_exceeded 1 |" in row
+    assert "| 6 | 3000 | 4600 | " in row  # sent 6; p50 and p90 of the three that ran
+
+
 def test_unfinished_requests_enter_latency_at_their_lower_bound():
     s = [Sample(0, 0.0, 0.0, 0.1, "ok"), Sample(0, 1.0, 1.0, None, UNFINISHED)]
     out = summarize(s, load=1, loop="open", duration_s=2.0, cutoff=9.0)
@@ -341,10 +373,10 @@ def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver
 
 @pytest.fixture(scope="module")
 def live_service(hotpot_settings, tmp_path_factory):
-    """`branchsearch serve`'s app (uvicorn, in-process executor) on loopback, with one key, over
+    """`branchsearch serve`'s app (uvicorn, in-process executor) on loopback, with two keys, over
     its own copy of hotpot-mini (a Milvus Lite file has one owner)."""
-    from branchsearch.orchestrator import service
-    from branchsearch.orchestrator.keys import KeyStore
+    from branchsearch.orchestrator.service import deploy as service
+    from branchsearch.orchestrator.service.auth import KeyStore
 
     from conftest import ingest_copy
     from service_fixtures import start_uvicorn
@@ -352,12 +384,13 @@ def live_service(hotpot_settings, tmp_path_factory):
     settings = ingest_copy(hotpot_settings, "lt-svc").replace(branches=2)
     keys = tmp_path_factory.mktemp("lt-keys") / "keys.json"
     key = KeyStore(keys).add("loadtest", ())
+    other = KeyStore(keys).add("loadtest-2", ())  # a second caller (Locust: a key per user)
     state = service.local_state(settings, executor="local", keys_path=keys)
-    state.backend.searcher.driver(settings.index)  # opened before any clock runs
+    state.searcher.target.driver(settings.index)  # opened before any clock runs
     server = start_uvicorn(service.create_app(state), state)
-    yield server.url, key
+    yield server.url, key, other
     server.stop()
-    state.backend.searcher.close()
+    state.searcher.target.close()
 
 
 def test_short_real_run_against_a_live_service_stops_on_time(live_service):
@@ -365,7 +398,7 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
 
     from conftest import HOTPOT
 
-    url, key = live_service
+    url, key, _ = live_service
     target = HttpTarget(url, key, branches=1)
     spec = LoadSpec("closed", (arrivals.Step(2, 2.0),), drain_s=20.0, warmup=0)
     out = Generator(target, Workload(read_questions(HOTPOT)), spec,
@@ -383,33 +416,111 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
     assert bad_key.value.outcome == "http_401:unauthorized"
     from branchsearch.orchestrator.loadtest.run import preflight
 
-    with pytest.raises(BranchsearchError, match="http_401:unauthorized .*check --url, --key"):
+    with pytest.raises(BranchsearchError, match="http_401:unauthorized .*check --url, the key"):
         preflight(HttpTarget(url, "wrong"), "q")  # the CLI stops here: one line, exit 2
     with pytest.raises(RequestFailed) as refused:
         HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
     assert refused.value.outcome.startswith("error:")
 
 
-def test_locustfile_runs_headless_against_the_live_service(live_service):
+def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_path):
+    """The recipe for more users than one key admits (per_key_concurrency 4): a file of keys,
+    one per user in turn. 5 users on 2 keys (3 and 2 at once): every request admitted."""
     # never import locust here: it monkey-patches threading (gevent) for the whole process
     if importlib.util.find_spec("locust") is None:
         pytest.skip("locust is not installed: pip install 'branchsearch[loadtest]'")
     from conftest import HOTPOT
 
+    url, key, other = live_service
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{key}\n{other}\n")
     # --stop-timeout: users finish the search they are in when the 3 s are up (searches take
     # seconds here); the final stats come as JSON on stdout (the CSV is written before that)
     cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
-           "--headless", "-u", "2", "-r", "2", "-t", "3s", "--stop-timeout", "30",
-           "--host", live_service[0], "--json"]
-    env = {**os.environ, "BRANCHSEARCH_API_KEY": live_service[1],
+           "--headless", "-u", "5", "-r", "5", "-t", "3s", "--stop-timeout", "60",
+           "--host", url, "--json"]
+    env = {**os.environ, "BRANCHSEARCH_LOADTEST_KEYS": str(keys),
            "BRANCHSEARCH_LOADTEST_QUERIES": str(HOTPOT), "BRANCHSEARCH_LOADTEST_BRANCHES": "1"}
     started = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert time.monotonic() - started < 3 + 30 + 40, "locust did not stop on time"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert time.monotonic() - started < 3 + 60 + 40, "locust did not stop on time"
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads(proc.stdout)
-    assert sum(s["num_requests"] for s in stats) >= 2, proc.stderr[-2000:]
+    assert {s["name"] for s in stats} == {"/v1/search"}, stats  # no "/v1/search refused" row
+    assert sum(s["num_requests"] for s in stats) >= 5, proc.stderr[-2000:]
     assert sum(s["num_failures"] for s in stats) == 0, proc.stderr[-2000:]
+
+
+def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_path):
+    from branchsearch.orchestrator.loadtest.run import read_key, redact_argv, scrub
+
+    f = tmp_path / "k"
+    f.write_text("bs_secret-1\n")
+    assert read_key(f, None, {"BRANCHSEARCH_API_KEY": "other"}) == ("bs_secret-1",
+                                                                   f"--key-file {f}")
+    assert read_key(None, None, {"BRANCHSEARCH_API_KEY": " bs_env "}) == \
+        ("bs_env", "BRANCHSEARCH_API_KEY")
+    assert read_key(None, "bs_flag", {"BRANCHSEARCH_API_KEY": "x"}) == ("bs_flag", "--key")
+    assert read_key(None, None, {}) == ("", "none")
+    for bad, why in ((tmp_path / "missing", "cannot read"), (tmp_path, "cannot read")):
+        with pytest.raises(BranchsearchError, match=why):
+            read_key(bad, None, {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(BranchsearchError, match="is empty"):
+        read_key(tmp_path / "empty", None, {})
+    with pytest.raises(BranchsearchError, match="once"):
+        read_key(f, "k", {})
+    assert redact_argv(["bs", "loadtest", "--key", "s3", "--key=s3", "--url", "u"]) == \
+        ["bs", "loadtest", "--key", "REDACTED", "--key=REDACTED", "--url", "u"]
+    assert scrub({"a": ["x s3 y", 3, {"b": "s3"}], "c": None}, "s3") == \
+        {"a": ["x REDACTED y", 3, {"b": "REDACTED"}], "c": None}
+
+
+def _cli_loadtest(url: str, args: list[str], env: dict, home: Path) -> subprocess.CompletedProcess:
+    from conftest import HOTPOT
+
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"} | env
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url", url,
+           "--queries", str(HOTPOT), "--home", str(home), "--branches", "1", "--warmup", "0",
+           "--drain", "60", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live_service,
+                                                                           tmp_path):
+    """`branchsearch loadtest` against the real service with one key: 6 users over a per-key
+    limit of 4. The key (from --key-file, or the old --key) is in no report, line or output;
+    the 429s are counted apart and are not in the latency percentiles."""
+    url, key, _ = live_service
+    key_file = tmp_path / "lt.key"
+    key_file.write_text(key + "\n")
+    out = tmp_path / "out" / "lt.json"
+    proc = _cli_loadtest(url, ["--key-file", str(key_file), "--users", "6", "--think", "0.2",
+                               "--duration", "3", "--report", str(out)], {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = {p.name: p.read_text() for p in out.parent.iterdir()}
+    assert set(written) == {"lt.json", "lt.md"}
+    for name, text in {**written, "stdout": proc.stdout, "stderr": proc.stderr}.items():
+        assert key not in text, name
+    report = json.loads(written["lt.json"])
+    assert report["target"]["key"] == f"from --key-file {key_file}"
+    step = report["steps"][0]
+    assert step["refused"] >= 1 and set(step["refusals"]) == {"http_429:too_many_requests"}
+    assert step["ok"] >= 1 and step["refusal_rate"] == pytest.approx(step["refused"] /
+                                                                     step["sent"], abs=1e-3)
+    # the percentiles and the CDF hold the searches only, every one of them
+    assert len(step["latencies_ms"]) == step["sent"] - step["refused"]
+    assert step["latency_ms"]["p50"] > step["refusal_latency_ms"]["max"]
+    assert "refused (429/503)" in written["lt.md"] and "refused (429/503)" in proc.stdout
+
+    # the old flag still works: warned, and the key is shown nowhere (the command line in
+    # the JSON on stdout says --key REDACTED)
+    proc = _cli_loadtest(url, ["--key", key, "--users", "1", "--duration", "1", "--json"], {},
+                         tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert key not in proc.stdout and key not in proc.stderr
+    assert "--key REDACTED --users" in json.loads(proc.stdout)["command"]
+    assert "warning: --key shows the key" in proc.stderr
 
 
 def test_cli_user_errors_are_one_line_exit_2(tmp_path):

@@ -35,8 +35,13 @@ def loadtest(
         url: Optional[str] = typer.Option(None, "--url", help="a running service "
                                           "(branchsearch serve), e.g. http://127.0.0.1:8000; "
                                           "default: the driver in this process"),
-        key: Optional[str] = typer.Option(None, "--key", envvar="BRANCHSEARCH_API_KEY",
-                                          help="the service's API key (Bearer)"),
+        key_file: Optional[Path] = typer.Option(None, "--key-file", help="a file holding the "
+                                                "service's API key (Bearer) on its first line; "
+                                                "default: $BRANCHSEARCH_API_KEY. Never written "
+                                                "to the report or the output"),
+        key: Optional[str] = typer.Option(None, "--key", hidden=True, help="the key itself: "
+                                          "visible to other users in the process list, so "
+                                          "prefer --key-file or BRANCHSEARCH_API_KEY"),
         queries: Optional[Path] = typer.Option(None, "--queries", help="JSONL of questions or a "
                                                "BEIR folder / queries.jsonl"),
         synth: Optional[int] = typer.Option(None, "--synth", help="N generated multi-hop "
@@ -87,20 +92,25 @@ def loadtest(
     """Load test the driver or a running service: open or closed loop, bounded in time; reports
     latency percentiles, achieved rate, the saturation knee, per-stage time, engine/GPU/Ray use."""
     from branchsearch.orchestrator.loadtest import report as rep
-    from branchsearch.orchestrator.loadtest.run import Options, loadtest as run
+    from branchsearch.orchestrator.loadtest.run import Options, loadtest as run, read_key
 
     if executor not in EXECUTORS:  # (was: anything but local ran on Ray)
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
                                  param_hint="'--executor'")
     settings = load_settings(config, {"home": home, "index": index, "branches": branches,
                                       "policy": policy, "ray_address": address})
-    options = Options(url=url, key=key or "", queries=queries, synth=synth, rate=rate,
-                      users=users, ramp=ramp, loop=loop, arrivals=arrivals, duration_s=duration,
-                      step_duration_s=step_duration, drain_s=drain, max_inflight=max_inflight,
-                      think_s=think, warmup=warmup, seed=seed, slo_p99_ms=slo_p99_ms,
-                      stop_at_knee=stop_at_knee, branches=branches, k=k, deadline_s=deadline_s,
-                      executor=executor, concurrency=concurrency, timeout_s=timeout_s,
-                      report=report, plots=plots)
+    secret, source = read_key(key_file, key)
+    if key is not None:
+        print("warning: --key shows the key in the process list and shell history; use "
+              "--key-file FILE or BRANCHSEARCH_API_KEY (the key is not written anywhere)",
+              file=sys.stderr)
+    options = Options(url=url, key=secret, key_source=source, queries=queries, synth=synth,
+                      rate=rate, users=users, ramp=ramp, loop=loop, arrivals=arrivals,
+                      duration_s=duration, step_duration_s=step_duration, drain_s=drain,
+                      max_inflight=max_inflight, think_s=think, warmup=warmup, seed=seed,
+                      slo_p99_ms=slo_p99_ms, stop_at_knee=stop_at_knee, branches=branches, k=k,
+                      deadline_s=deadline_s, executor=executor, concurrency=concurrency,
+                      timeout_s=timeout_s, report=report, plots=plots)
     out = run(options, settings, progress=None if as_json else _printer(),
               argv=["branchsearch", *sys.argv[1:]])
     if as_json:

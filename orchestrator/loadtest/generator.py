@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
-from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, slo_max, \
-    summarize
+from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
+    is_refusal, slo_max, summarize
 from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
 from branchsearch.orchestrator.loadtest.workload import Workload
 from branchsearch.orchestrator.metrics import percentile
@@ -88,15 +88,16 @@ class _Step:
             samples = list(self.samples)
             inflight = self.inflight
         done = [s for s in samples if s.done is not None]
-        lat = [s.done - s.scheduled for s in done]
+        lat = [s.done - s.scheduled for s in done if not is_refusal(s.outcome)]
         errors = sum(s.outcome != OK for s in done) + sum(s.outcome == DROPPED for s in samples)
+        refused = sum(is_refusal(s.outcome) for s in done)
         elapsed = max(time.monotonic() - self.started, 1e-9)
         load = f"{self.load:g}/s" if self.loop == "open" else f"{self.load:g} users"
         p = (f"p50 {percentile(lat, 50) * 1000:.0f} ms p99 {percentile(lat, 99) * 1000:.0f} ms"
              if lat else "p50 - p99 -")
         return (f"step {self.index + 1}/{n_steps} {load} {elapsed:4.0f}s | sent {len(samples)} "
                 f"done {len(done)} in flight {inflight} | {len(done) / elapsed:.2f}/s | {p} | "
-                f"errors {errors}")
+                f"errors {errors}" + (f" (refused {refused})" if refused else ""))
 
 
 class Generator:
@@ -182,8 +183,9 @@ class Generator:
                             duration_s=step.duration_s, cutoff=cutoff)
         summary["step"] = index
         summary["wall_s"] = round(cutoff - state.started, 3)
-        summary["latencies_ms"] = sorted(round(s.latency(cutoff) * 1000, 1)
-                                         for s in samples if s.outcome != DROPPED)
+        summary["latencies_ms"] = sorted(  # as the percentiles: no drops, no refusals
+            round(s.latency(cutoff) * 1000, 1) for s in samples
+            if s.outcome != DROPPED and not is_refusal(s.outcome))
         if probe:
             summary["probes"] = probe.result()
         return summary
@@ -239,5 +241,7 @@ def step_line(s: dict) -> str:
     lat = s["latency_ms"]
     p = (f"p50 {lat['p50']:.0f} p90 {lat['p90']:.0f} p99 {lat['p99']:.0f} max {lat['max']:.0f} ms"
          if lat["p50"] is not None else "no answers")
+    refused = (f", refused {s['refused']} ({s['refusal_rate']:.1%}, not in the percentiles)"
+               if s.get("refused") else "")
     return (f"step {s['step'] + 1}: {load}, achieved {s['achieved_rate']:.3g}/s, {p}, "
-            f"errors {s['error_rate']:.1%} {s['errors'] or ''}".rstrip())
+            f"errors {s['error_rate']:.1%} {s['errors'] or ''}".rstrip() + refused)

@@ -44,17 +44,23 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
     if report.get("notes"):
         lines.append("")
     lines += ["| " + " | ".join([load_label(report), "offered/s", "achieved/s", "sent", "p50 ms",
-                                 "p90 ms", "p99 ms", "max ms", "errors", "tokens read/s"]) + " |",
-              "|" + "---:|" * 10]
+                                 "p90 ms", "p99 ms", "max ms", "refused (429/503)", "other errors",
+                                 "tokens read/s"]) + " |",
+              "|" + "---:|" * 11]
     for s in steps:
         lat = s["latency_ms"]
-        errs = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0"
+        refusals = s.get("refusals", {})
+        errs = ", ".join(f"{k} {v}" for k, v in s["errors"].items() if k not in refusals) or "0"
+        refused = (f"{s['refused']} ({s['refusal_rate']:.1%}): "
+                   + ", ".join(f"{k} {v}" for k, v in refusals.items())) if refusals else "0"
         offered = f"{s['offered_rate']:.3g}" if s["offered_rate"] is not None else "-"
         bound = "≥" if s["latency_lower_bound"] else ""  # unfinished requests at their bound
         lines.append(f"| {_x(s):.3g} | {offered} | {s['achieved_rate']:.3g} | {s['sent']} "
                      f"| {_ms(lat['p50'])} "
                      f"| {_ms(lat['p90'])} | {_ms(lat['p99'])}{bound} "
-                     f"| {_ms(lat['max'])} | {errs} | {s['tokens_read_per_s']:.0f} |")
+                     f"| {_ms(lat['max'])} | {refused} | {errs} | {s['tokens_read_per_s']:.0f} |")
+    lines += ["", "Latency percentiles are over the requests the service took on; refusals "
+              "(HTTP 429/503) are counted apart and enter the error rate, not the percentiles."]
     knee = report["knee"]
     lines += ["", f"**Knee**: {knee['knee'] if knee['knee'] is not None else 'none'}"
               + (f" (saturated at {knee['saturated_at']:g}: {knee['reason']})"

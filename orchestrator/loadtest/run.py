@@ -18,10 +18,73 @@ from branchsearch.orchestrator.loadtest.probes import StepProbe
 from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget, RequestFailed
 
 
+KEY_ENV = "BRANCHSEARCH_API_KEY"
+REDACTED = "REDACTED"  # shell-safe: the command line stays copyable
+
+
+def read_key(key_file: Path | None = None, key: str | None = None,
+             env: dict | None = None) -> tuple[str, str]:
+    """The service key and where it came from: `--key-file` (its first line), else `--key`
+    (kept for old scripts), else BRANCHSEARCH_API_KEY, else none. The source is what a report
+    may say; the key itself is never written."""
+    env = os.environ if env is None else env
+    if key_file is not None and key is not None:
+        raise BranchsearchError("give the key once: --key-file or --key (or "
+                                f"{KEY_ENV} in the environment)")
+    if key_file is not None:
+        try:
+            text = Path(key_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or type(exc).__name__
+            raise BranchsearchError(f"--key-file {key_file}: cannot read it ({why})") from None
+        lines = text.strip().splitlines()
+        if not lines or not lines[0].strip():
+            raise BranchsearchError(f"--key-file {key_file} is empty: put the key on its "
+                                    "first line")
+        return lines[0].strip(), f"--key-file {key_file}"
+    if key:
+        return key.strip(), "--key"
+    if env.get(KEY_ENV, "").strip():
+        return env[KEY_ENV].strip(), KEY_ENV
+    return "", "none"
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line with the value of `--key` (`--key K`, `--key=K`) replaced."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append(REDACTED)
+            hide = False
+        elif arg == "--key":
+            out.append(arg)
+            hide = True
+        elif arg.startswith("--key="):
+            out.append("--key=" + REDACTED)
+        else:
+            out.append(arg)
+    return out
+
+
+def scrub(value, secret: str):
+    """`value` (a report: dicts, lists, strings) with every occurrence of `secret` in its
+    strings replaced: whatever text reaches the report (a server's error detail included)."""
+    if not secret:
+        return value
+    if isinstance(value, str):
+        return value.replace(secret, REDACTED)
+    if isinstance(value, dict):
+        return {k: scrub(v, secret) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v, secret) for v in value]
+    return value
+
+
 @dataclass
 class Options:
     url: str | None = None
-    key: str = ""
+    key: str = ""  # never written; the report says where it came from (key_source)
+    key_source: str = "none"
     queries: Path | None = None
     synth: int | None = None
     rate: float | None = None
@@ -129,10 +192,10 @@ def preflight(target: HttpTarget, question: str) -> None:
         target.search(question)
     except RequestFailed as exc:
         if exc.outcome.startswith(("http_401", "http_403", "http_404", "http_422", "error:")):
-            detail = f" ({exc})" if str(exc) != exc.outcome else ""
+            detail = f" ({scrub(str(exc), target.key)})" if str(exc) != exc.outcome else ""
             raise BranchsearchError(f"--url {target.url}: the first question got "
-                                    f"{exc.outcome}{detail}; check --url, --key and --index") \
-                from None
+                                    f"{exc.outcome}{detail}; check --url, the key (--key-file "
+                                    f"or {KEY_ENV}) and --index") from None
 
 
 def machine() -> dict:
@@ -155,6 +218,8 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     probe = lambda: StepProbe(settings if not o.url else None, metrics_text)  # noqa: E731
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     info = {"machine": machine(), "target": target.describe()}
+    if isinstance(target, HttpTarget):
+        info["target"]["key"] = f"from {o.key_source}" if o.key else "none"
     try:
         result = Generator(target, workload, spec, probe=probe, progress=progress).run()
     finally:
@@ -165,13 +230,15 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
                                    for s in result["steps"]):
         notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "
                      "bottleneck; latency still counts from the scheduled times")
-    report = {"command": shlex.join(argv or sys.argv), "started": started, **info,
+    report = {"command": shlex.join(redact_argv(argv or sys.argv)), "started": started,
+              **info,
               "workload": workload.describe(),
               "arrivals": {"loop": spec.loop, "process": spec.process,
                            "step_duration_s": spec.steps[0].duration_s, "drain_s": spec.drain_s,
                            "max_inflight": spec.max_inflight, "think_s": spec.think_s,
                            "seed": spec.seed, "warmup": spec.warmup},
               "notes": notes, **result}
+    report = scrub(report, o.key)  # the key appears nowhere: file, plots, stdout
     if o.plots:
         report["plots"] = rep.plots(report, o.plots)
     if o.report:

@@ -6,6 +6,12 @@ running when the step's drain ends is `unfinished`: it counts as an error and en
 percentiles at its lower bound (`latency_lower_bound` says so). A request the generator refused
 because `max_inflight` requests were already running is `dropped`: an error, with no latency.
 
+A request the service refused — HTTP 429 (a key over its concurrency limit) or 503 (overloaded,
+starting, unavailable: "not now, retry") — is `refused`: an error, counted apart (`refused`,
+`refusal_rate`, `refusals` by class) and kept out of the latency percentiles, which describe the
+requests the service took on. A fast refusal mixed into them would make an overloaded service
+look quick; their own timing is `refusal_latency_ms`.
+
 Achieved rate is ok answers per second over the span of completions (`completion_rate`): equal
 to the offered rate when the system keeps up and to its capacity when it does not, without the
 start/end bias of counting completions inside the send window (a bias of latency/duration, which
@@ -22,6 +28,12 @@ from branchsearch.orchestrator.metrics import percentile
 OK = "ok"
 DROPPED = "dropped"
 UNFINISHED = "unfinished"
+REFUSAL_STATUSES = ("http_429", "http_503")
+
+
+def is_refusal(outcome: str) -> bool:
+    """The service declined the request (429 or 503, with or without an error code)."""
+    return outcome.split(":", 1)[0] in REFUSAL_STATUSES
 
 
 @dataclass
@@ -72,6 +84,8 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     """One step's figures. `loop` is `open` (load = offered rate/s) or `closed` (load = users);
     `cutoff` is when the step's drain ended (the lower bound for unfinished requests)."""
     answered = [s for s in samples if s.outcome != DROPPED]
+    refused = [s for s in answered if is_refusal(s.outcome)]
+    served = [s for s in answered if not is_refusal(s.outcome)]  # the latency percentiles'
     done = [s for s in answered if s.done is not None]
     ok = [s for s in done if s.outcome == OK]
     gap = duration_s / len(samples) if loop == "open" and samples else None
@@ -98,9 +112,13 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
         "throughput_rate": round(throughput, 4), "achieved_rate": round(achieved, 4),
         "error_rate": round(sum(errors.values()) / len(samples), 4) if samples else 0.0,
         "errors": dict(sorted(errors.items())),
+        "refused": len(refused),
+        "refusal_rate": round(len(refused) / len(samples), 4) if samples else 0.0,
+        "refusals": dict(sorted(Counter(s.outcome for s in refused).items())),
         "branch_errors": dict(sorted(branch_errors.items())),
-        "latency_ms": _pcts([s.latency(cutoff) for s in answered]),
-        "latency_lower_bound": any(s.done is None for s in answered),
+        "latency_ms": _pcts([s.latency(cutoff) for s in served]),
+        "latency_lower_bound": any(s.done is None for s in served),
+        "refusal_latency_ms": _pcts([s.latency(cutoff) for s in refused]),
         "send_lag_ms": _pcts([s.sent - s.scheduled for s in answered if s.sent]),
         "stages_ms": stages,
         "tokens_read_per_s": round(sum(s.tokens_read for s in done) / span, 1) if span > 0
