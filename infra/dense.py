@@ -17,15 +17,16 @@ index (`IndexIncomplete`), not an empty one.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import BackendUnavailable, IndexBusy, IndexIncomplete
+from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy,
+                                      IndexIncomplete)
 from branchsearch.infra.hits import Hit
 from branchsearch.infra.backends import IndexedChunk, acl_terms
 
@@ -98,8 +99,51 @@ def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | 
                                  ) from None
 
 
-def _quote(values: Sequence[str]) -> str:
-    return json.dumps(list(values))  # JSON string literals are valid Milvus filter literals
+def milvus_literal(value: str, *, lite: bool) -> str:
+    r"""`value` as a string literal of a Milvus filter expression that Milvus reads back as
+    exactly `value`; `lite`: for Milvus Lite (an embedded file), else for a server.
+
+    Characters are written as themselves (é, і, 😀, control characters, U+2028 …), and `\` and
+    `"` after a backslash: the one form both parsers read alike. JSON's `\uXXXX` is not: Milvus
+    Lite's parser keeps only the character after a backslash (`\u00e9` reads `u00e9`), and a
+    server reads an emoji's surrogate pair as two U+FFFD. A literal may hold no raw line break,
+    and there the two differ: a server (Go's `strconv.Unquote`) reads `\n` and `\r`; Milvus Lite
+    reads a backslash before the line break itself (LF or CR LF) and has no form for a carriage
+    return without a line feed after it, so such a value is refused for Lite (`BadQuery`), as is
+    a string that is not valid Unicode (a lone surrogate) everywhere."""
+    if not isinstance(value, str):
+        raise TypeError(f"a Milvus filter literal needs a str, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadQuery(f"{value!r} is not valid Unicode (it holds a lone surrogate)") from None
+    text = value.replace("\\", "\\\\").replace('"', '\\"')
+    if not lite:
+        return '"' + text.replace("\n", "\\n").replace("\r", "\\r") + '"'
+    if _LONE_CR.search(text):
+        raise BadQuery(f"{value!r}: Milvus Lite cannot filter on a value holding a carriage "
+                       "return (CR) without a line feed after it")
+    return '"' + _LINE_BREAK.sub(lambda m: "\\" + m.group(0), text) + '"'
+
+
+_LONE_CR = re.compile(r"\r(?!\n)")
+_LINE_BREAK = re.compile(r"\r?\n")
+
+
+def milvus_list(values: Sequence[str], *, lite: bool) -> str:
+    """`values` as a Milvus filter list, `[…]`, of `milvus_literal`s."""
+    return "[" + ", ".join(milvus_literal(v, lite=lite) for v in values) + "]"
+
+
+# Milvus Lite keeps rows in SQLite and writes primary keys into its SQL between single quotes,
+# unescaped (its `CollectionData::Delete`): a key holding `'` or NUL fails every upsert and
+# delete of its row, and a crafted one is SQL. An owned store's keys are chunk ids,
+# "{doc_id}#p{n}", and a document id holds no '#', so on Lite those two characters are stored
+# as `#q` and `#0`, which no chunk id holds, and read back.
+_LITE_OUT = {"'": "#q", "\x00": "#0"}
+_LITE_IN = {v: k for k, v in _LITE_OUT.items()}
+_LITE_KEY = re.compile("['\x00]")
+_LITE_BACK = re.compile("#[q0]")
 
 
 def timeout_arg(seconds: float) -> int:
@@ -271,6 +315,17 @@ class MilvusStore:
         return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
                            lite=self._lite, **kwargs)
 
+    def _list(self, values: Sequence[str]) -> str:
+        return milvus_list(values, lite=not self.server)
+
+    def _key(self, chunk_id: str) -> str:
+        """The primary key a chunk is stored under: its id, on Milvus Lite with `'` and NUL
+        written as `#q` and `#0` (see `_LITE_OUT`)."""
+        return chunk_id if self.server else _LITE_KEY.sub(lambda m: _LITE_OUT[m[0]], chunk_id)
+
+    def _chunk_id(self, key: str) -> str:
+        return key if self.server else _LITE_BACK.sub(lambda m: _LITE_IN[m[0]], key)
+
     def _create(self) -> None:
         from pymilvus import DataType
 
@@ -300,7 +355,7 @@ class MilvusStore:
         """Delete every chunk of `delete_doc_ids`, then upsert `chunks` by chunk id (idempotent:
         writing the same batch twice leaves one row per chunk)."""
         self.delete_documents(delete_doc_ids)
-        rows = [{"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
+        rows = [{"chunk_id": self._key(c.chunk_id), "doc_id": c.doc_id, "acl": c.acl_terms,
                  "vector": v.tolist()} for c, v in zip(chunks, vectors)]
         for i in range(0, len(rows), 1000):
             self._request("upsert", self._client.upsert, self.collection, rows[i:i + 1000])
@@ -309,23 +364,24 @@ class MilvusStore:
         for i in range(0, len(doc_ids), 500):
             batch = list(doc_ids[i:i + 500])
             self._request("delete", self._client.delete, self.collection,
-                          filter=f"doc_id in {_quote(batch)}")
+                          filter=f"doc_id in {self._list(batch)}")
 
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
         filters = []
         groups = acl_terms(acl_groups)
         if groups is not None:
-            filters.append(f"array_contains_any(acl, {_quote(groups)})")
+            filters.append(f"array_contains_any(acl, {self._list(groups)})")
         if exclude_ids:
-            filters.append(f"chunk_id not in {_quote(exclude_ids)}")
+            filters.append(f"chunk_id not in {self._list([self._key(c) for c in exclude_ids])}")
         result = self._request(
             "search", self._client.search, self.collection, data=[vector.tolist()], limit=k,
             filter=" and ".join(filters), output_fields=["doc_id"],
             search_params={"metric_type": "IP",
                            "params": self.index.search_params(self.index_kind, k)},
             consistency_level=self.index.consistency if self.server else "Strong")
-        return [Hit(r["id"], r["entity"]["doc_id"], float(r["distance"]), rank, "dense")
+        return [Hit(self._chunk_id(r["id"]), r["entity"]["doc_id"], float(r["distance"]), rank,
+                    "dense")
                 for rank, r in enumerate(result[0], start=1)]
 
     def count(self) -> int:

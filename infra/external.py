@@ -27,13 +27,13 @@ filter is part of the backend query, as for owned indexes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.backends import ACL_ALL, check_pattern, query_words
-from branchsearch.infra.dense import (acquire_lite, lite_key, milvus_call, milvus_error,
-                                      quiet_pymilvus, release_lite, timeout_arg)
+from branchsearch.infra.dense import (acquire_lite, is_server, lite_key, milvus_call,
+                                      milvus_error, milvus_list, quiet_pymilvus, release_lite,
+                                      timeout_arg)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
 from branchsearch.infra.hits import Hit
 
@@ -315,7 +315,7 @@ class ExternalMilvus:
     def _filters(self, exclude_ids: Sequence[str], acl_groups) -> str:
         parts = []
         if not _sees_all(acl_groups) and self.f.acl in self._outputs:
-            groups = json.dumps(list(acl_groups or []))
+            groups = self._list(list(acl_groups or []))
             if self._acl_is_array:
                 public = f"array_length({self.f.acl}) == 0"
                 member = f"array_contains_any({self.f.acl}, {groups})"
@@ -323,7 +323,7 @@ class ExternalMilvus:
                 public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
             parts.append(f"({public} or {member})" if acl_groups else public)
         if exclude_ids:
-            parts.append(f"{self.f.id} not in {json.dumps([doc_id_of(c) for c in exclude_ids])}")
+            parts.append(f"{self.f.id} not in {self._list([doc_id_of(c) for c in exclude_ids])}")
         return " and ".join(parts)
 
     def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
@@ -347,7 +347,7 @@ class ExternalMilvus:
             return {}
         rows = self._request("query", self._client.query, self.collection,
                              output_fields=self._outputs,
-                             filter=f"{self.f.id} in {json.dumps(list(doc_ids))}")
+                             filter=f"{self.f.id} in {self._list(list(doc_ids))}")
         return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
 
     def write(self, *args, **kwargs):
@@ -360,6 +360,9 @@ class ExternalMilvus:
     def _request(self, what: str, call, *args, **kwargs):
         return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
                            lite=self._lite, **kwargs)
+
+    def _list(self, values: Sequence[str]) -> str:
+        return milvus_list(values, lite=not is_server(self.uri))
 
     def close(self) -> None:
         """Close the client; for a Milvus Lite file, also stop its server so another process
