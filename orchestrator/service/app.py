@@ -25,7 +25,11 @@ from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, 
 from branchsearch.orchestrator.service.errors import ApiError, api_error
 from branchsearch.orchestrator.service.events import sse
 from branchsearch.orchestrator.service.metrics import ServiceMetrics
-from branchsearch.orchestrator.service.protocol import parse_search
+from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NAME_SCHEMA,
+                                                        SSE_DESCRIPTION, Deleted, ErrorBody,
+                                                        Health, IndexList, KeyInfo, Ready,
+                                                        SearchResponse, Upserted, parse_search,
+                                                        search_body_schema)
 
 log = logging.getLogger("branchsearch.service")
 WEB = Path(__file__).parent / "web"
@@ -171,9 +175,10 @@ async def _unless_gone(request: Request, work):
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone.cancel()
         if not task.done():
             task.cancel()
-        gone.cancel()
+            await asyncio.wait({task})  # its slot is back when this returns
     if task.cancelled():
         return Response(status_code=CLIENT_CLOSED)
     return task.result()
@@ -182,14 +187,14 @@ async def _unless_gone(request: Request, work):
 # --- the FastAPI app ----------------------------------------------------------------------------
 
 def create_app(state: ServiceState):
-    from fastapi import FastAPI
+    from fastapi import Depends, FastAPI, Path as PathParam
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+    from fastapi.responses import (FileResponse, JSONResponse, PlainTextResponse, Response,
+                                   StreamingResponse)
+    from fastapi.security import HTTPBearer
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="branchsearch", version="1",
-                  description="Parallel-branch evidence search. Send `Authorization: Bearer KEY`"
-                              "; ACL groups come from the key.")
+    app = FastAPI(title="branchsearch", version="1", description=_DESCRIPTION)
     app.state.service = state
     metrics, limits, searcher = state.metrics, state.limits, state.searcher
 
@@ -222,6 +227,16 @@ def create_app(state: ServiceState):
             parts.append(part)
         return b"".join(parts)
 
+    # The key is checked by `state.principal` (its 401 is ours); this dependency only declares
+    # the scheme, so the schema and /docs ("Authorize") show how to send it.
+    keyed = [Depends(HTTPBearer(auto_error=False, scheme_name="bearer", description=(
+        "An API key (`branchsearch keys add`), sent as `Authorization: Bearer KEY`; the ACL "
+        "groups of every search come from it. A server started without a keys file (loopback "
+        "development mode) takes any request as an admin.")))]
+    index_param = PathParam(description=INDEX_NAME_SCHEMA["description"],
+                            json_schema_extra={k: v for k, v in INDEX_NAME_SCHEMA.items()
+                                               if k != "description"})
+
     # --- public ---------------------------------------------------------------------------
 
     @app.get("/", include_in_schema=False)
@@ -235,18 +250,18 @@ def create_app(state: ServiceState):
             raise ApiError(404, "not_found", f"no file {name!r}")
         return FileResponse(path)
 
-    @app.get("/healthz", tags=["health"])
+    @app.get("/healthz", tags=["health"], responses=_answers(Health))
     async def healthz():
         """The process is up (it answers)."""
         return {"status": "up"}
 
-    @app.get("/readyz", tags=["health"])
+    @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
     async def readyz():
         """Ready when the default index is open and every open index's backends answer; 503
         naming the index that is not (the reason is in the server log)."""
         return await searcher.call("ready")
 
-    @app.get("/metrics", tags=["health"])
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
     async def prometheus():
         """Prometheus text exposition (names prefixed `branchsearch_`)."""
         try:
@@ -257,18 +272,25 @@ def create_app(state: ServiceState):
 
     # --- with a key -----------------------------------------------------------------------
 
-    @app.get("/v1/whoami", tags=["keys"])
+    @app.get("/v1/whoami", tags=["keys"], dependencies=keyed,
+             responses=_answers(KeyInfo, 401, 503))
     async def whoami(request: Request):
         """The calling key: name, groups, indexes, admin."""
         return state.principal(request.headers.get("authorization")).public()
 
-    @app.get("/v1/indexes", tags=["indexes"])
+    @app.get("/v1/indexes", tags=["indexes"], dependencies=keyed,
+             responses=_answers(IndexList, 401, 503))
     async def indexes(request: Request):
         """The indexes this key may search (owned and declared external)."""
         key = state.principal(request.headers.get("authorization"))
         return {"indexes": [i for i in await searcher.call("indexes") if key.may_use(i)]}
 
-    @app.post("/v1/search", tags=["search"], openapi_extra=_SEARCH_OPENAPI)
+    @app.post("/v1/search", tags=["search"], dependencies=keyed,
+              responses=_answers(SearchResponse, 400, 401, 403, 404, 413, 422, 429, 503, 504,
+                                 alt={"text/event-stream": {"schema": {
+                                     "type": "string", "description": SSE_DESCRIPTION}}}),
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": search_body_schema(limits)}}}})
     async def search(request: Request):
         """Parallel-branch search. JSON result, or with `Accept: text/event-stream` the events
         plan, branch_started, search, prune, branch_done and result as they happen."""
@@ -292,18 +314,23 @@ def create_app(state: ServiceState):
             metrics.observe_result(result)
         return result
 
-    @app.put("/v1/indexes/{index}/documents", tags=["documents"],
-             openapi_extra=_DOCS_OPENAPI)
-    async def put_documents(index: str, request: Request):
+    @app.put("/v1/indexes/{index}/documents", tags=["documents"], dependencies=keyed,
+             responses=_answers(Upserted, 400, 401, 403, 404, 409, 413, 422, 503, 504),
+             openapi_extra={"requestBody": DOCUMENTS_BODY})
+    async def put_documents(request: Request, index: str = index_param):
         """Upsert documents by id (JSON array or JSONL of {id, title?, text, acl?}): admin
         keys, for documents of their groups; a search after the answer sees them."""
         key = state.principal(request.headers.get("authorization"))
         body = await read_body(request)
         return await searcher.call("upsert", index, body, key)
 
-    @app.delete("/v1/indexes/{index}/documents/{doc_id:path}", tags=["documents"])  # ids
-    # may hold '/' (a URL as the id), which a PUT accepts
-    async def delete_document(index: str, doc_id: str, request: Request):
+    @app.delete("/v1/indexes/{index}/documents/{doc_id:path}", tags=["documents"],  # ids
+                dependencies=keyed,  # may hold '/' (a URL as the id), which a PUT accepts
+                responses=_answers(Deleted, 400, 401, 403, 404, 409, 422, 503, 504))
+    async def delete_document(request: Request, index: str = index_param,
+                              doc_id: str = PathParam(description="the document's id (it may "
+                                                      "hold '/')",
+                                                      json_schema_extra={"minLength": 1})):
         """Delete a document and its chunks: admin keys, for documents of their groups."""
         key = state.principal(request.headers.get("authorization"))
         return await searcher.call("delete", index, doc_id, key)
@@ -328,11 +355,46 @@ async def _frames(first: dict, events, metrics: ServiceMetrics):
         await events.aclose()  # a client gone mid-stream ends the search's generator now
 
 
-_SEARCH_OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-    "type": "object", "required": ["question"], "properties": {
-        "question": {"type": "string"}, "index": {"type": "string"},
-        "branches": {"type": "integer", "minimum": 1}, "k": {"type": "integer", "minimum": 1},
-        "deadline_s": {"type": "number", "exclusiveMinimum": 0}}}}}}}
-_DOCS_OPENAPI = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {"type": "array", "items": {"type": "object"}}},
-    "application/x-ndjson": {"schema": {"type": "string"}}}}}
+_DESCRIPTION = (
+    "Parallel-branch evidence search. Send `Authorization: Bearer KEY` to the `/v1` routes; ACL "
+    "groups come from the key. Every answer that is not a 200 is JSON `{error, detail}` "
+    "(`Error`): 401 and 429/503 carry `WWW-Authenticate` and `Retry-After`, 405 carries `Allow`. "
+    "A client that disconnects before its answer frees its slot at once; the server counts the "
+    "request as 499 in `/metrics` (no client receives that status).")
+
+_ERRORS = {
+    400: "bad_request: the request cannot be served as given",
+    401: "unauthorized: a missing, unknown or revoked API key",
+    403: "forbidden: the key may not use this index, or may not write this document (document "
+         "writes need an admin key holding the document's groups)",
+    404: "index_not_found, or document_not_found (also for an id the key may not see)",
+    409: "index_busy (an ingest or another write holds the index; retry when it is done), or "
+         "read_only_index (a declared external index takes no writes)",
+    413: "body_too_large: the body is over the service's max_body_bytes",
+    422: "bad_request or question_too_long: a field is missing, malformed or outside its limits "
+         "(the detail names it)",
+    429: "too_many_requests: this key already has its limit of requests in flight",
+    503: "overloaded, index_starting, backend_unavailable, search_failed, index_incomplete, "
+         "write_failed, keys_unavailable or not_ready: the service cannot answer now",
+    504: "deadline_exceeded: no branch finished within the request's deadline",
+}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "`Bearer realm=\"branchsearch\"`",
+                               "schema": {"type": "string"}}},
+    429: {"Retry-After": {"description": "seconds to wait before retrying",
+                          "schema": {"type": "integer"}}},
+    503: {"Retry-After": {"description": "seconds to wait before retrying (when retrying can "
+                                         "help)", "schema": {"type": "integer"}}},
+}
+
+
+def _answers(ok, *errors: int, alt: dict | None = None) -> dict:
+    """The `responses` of a route: its 200 model (and other content types), and the error
+    statuses it can answer, each with the one error body. Declaring 422 here also replaces
+    FastAPI's default validation-error body, which this server never sends."""
+    out: dict = {200: {"model": ok, **({"content": alt} if alt else {})}}
+    for status in errors:
+        out[status] = {"model": ErrorBody, "description": _ERRORS[status]}
+        if status in _HEADERS:
+            out[status]["headers"] = _HEADERS[status]
+    return out
