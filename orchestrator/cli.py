@@ -12,7 +12,7 @@ import typer
 
 from branchsearch.infra.backends import MAX_K
 from branchsearch.infra.choices import EXECUTORS, MODES, POLICIES, SPLITS
-from branchsearch.infra.errors import BadQuery, BranchsearchError
+from branchsearch.infra.errors import BadQuery, BranchsearchError, redact
 from branchsearch.infra.settings import Settings, load_settings
 from branchsearch.infra.synth import MAX_DOCS
 from branchsearch.orchestrator.batch import STOP_AFTER
@@ -491,7 +491,7 @@ def main() -> None:
         if message is None:
             raise
         if message:
-            print(f"error: {message}", file=sys.stderr)
+            print(f"error: {redact(message)}", file=sys.stderr)  # no password, key or token
         else:  # no arguments: the help text is the answer
             exc.show()
         sys.exit(2)

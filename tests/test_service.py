@@ -251,6 +251,59 @@ def test_upsert_then_search_finds_delete_then_not(site):
                             json=[{"id": "x", "text": "y", "acl": "not a list" and 5}]), 422)
 
 
+def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
+    """An admin key with groups writes and deletes only documents whose acl is within them;
+    a DELETE of an id it may not see answers exactly as a missing id does (an admin could
+    overwrite or delete any group's documents and learn which ids exist)."""
+    client, keys, _ = site
+    scoped, admin = auth(keys["alpha-admin"]), auth(keys["admin"])
+    ok = client.put("/v1/indexes/acl/documents", headers=scoped, json=[
+        {"id": "alpha-note", "text": "An alpha harbor note.", "acl": ["alpha"]}])
+    assert ok.status_code == 200, ok.text
+    for doc in ({"id": "bravo-note", "text": "x", "acl": ["bravo"]},
+                {"id": "mixed-note", "text": "x", "acl": ["alpha", "bravo"]},
+                {"id": "public-note", "text": "x"},
+                {"id": "b-vault", "text": "overwritten", "acl": ["alpha"]}):  # bravo's id
+        assert_error(client.put("/v1/indexes/acl/documents", headers=scoped, json=[doc]), 403,
+                     "forbidden")
+    hidden = client.delete("/v1/indexes/acl/documents/b-vault", headers=scoped)
+    missing = client.delete("/v1/indexes/acl/documents/no-such-id", headers=scoped)
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json()["error"] == missing.json()["error"] == "document_not_found"
+    assert hidden.json()["detail"].replace("b-vault", "X") == \
+        missing.json()["detail"].replace("no-such-id", "X")
+    assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor", headers=scoped), 403)
+    assert client.delete("/v1/indexes/acl/documents/alpha-note", headers=scoped).json() == {
+        "index": "acl", "deleted": "alpha-note"}
+    bravo = client.post("/v1/search", headers=auth(keys["bravo"]), json={
+        "question": "Quokkavault zephyrledger", "branches": 1}).json()
+    assert "b-vault" in {d["doc_id"] for d in bravo["evidence"]}  # untouched
+    assert client.get("/v1/whoami", headers=admin).json()["groups"] == ["*"]
+
+
+def test_input_that_gave_500s_is_a_422(site):
+    """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
+    deep each answered 500; now a 422 naming the problem."""
+    client, keys, _ = site
+    alpha = auth(keys["alpha"])
+    long = "x" * 300
+    r = client.post("/v1/search", headers=alpha, json={"question": "harbor", "index": long})
+    assert "too long" in assert_error(r, 422, "bad_request")["detail"]
+    assert_error(client.put(f"/v1/indexes/{long}/documents", headers=auth(keys["admin"]),
+                            json=[{"id": "a", "text": "b"}]), 422, "bad_request")
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=b'{"question": "harbor \\ud800 festival"}')
+    assert "surrogate" in assert_error(r, 422, "bad_request")["detail"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=deep)
+    assert_error(r, 422 if len(deep) <= LIMITS.max_body_bytes else 413)
+    nested = b'{"question": "harbor", "k": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=nested)
+    assert_error(r, 422, "bad_request")
+
+
 def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
     """A service searching BM25 only still writes the dense store of a hybrid index: before,
     an upsert skipped it, and the next ingest stopped on 'stores disagree' and left the index
