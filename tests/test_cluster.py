@@ -58,3 +58,24 @@ def test_gpus_go_to_engines_first_and_branches_only_when_asked():
     assert asked.branch["num_gpus"] == pytest.approx(0.666) and fits(asked, resources)
     cpu_only = plan_actors(S.replace(branch_num_gpus=1.0), {"CPU": 8.0}, 3, engines=1)
     assert "num_gpus" not in cpu_only.branch and "num_gpus" not in cpu_only.engines[0]
+
+
+@pytest.mark.parametrize("free, indexes", [(1.85, 2), (1.85, 5), (0.5, 1), (15.8, 3), (2, 0)])
+def test_the_service_pool_fits_what_is_free_with_room_for_every_index(free, indexes):
+    """The service's one branch pool is planned from what is free after Serve's own actors,
+    leaving a retriever's share for each index and one more: nothing it starts can pend."""
+    from branchsearch.orchestrator.cluster import plan_service
+
+    plan = plan_service(S, {"CPU": free}, indexes, 6)
+    demand = plan.branch_actors * plan.branch["num_cpus"] + \
+        (indexes + 1) * plan.retriever["num_cpus"]
+    assert demand <= free + 1e-9
+    assert S.branches <= plan.branch_actors <= 6
+    assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS
+
+
+def test_a_service_without_room_for_one_question_says_so():
+    from branchsearch.orchestrator.cluster import plan_service
+
+    with pytest.raises(BranchsearchError, match="not enough CPUs for the service"):
+        plan_service(S, {"CPU": 0.1}, 2, 6)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import BranchReport, SearchResult, fuse_branches
 from branchsearch.workers.harness import EpisodeResult
@@ -86,6 +87,34 @@ def ray_driver(hotpot_settings, tmp_path_factory):
     yield driver, trace_file
     driver.close()
     ray.shutdown()
+
+
+@pytest.mark.ray
+def test_a_busy_branch_pool_answers_within_the_deadline(ray_driver, hotpot_settings):
+    """A question that finds every branch actor busy waits only until its deadline, then is
+    refused as overloaded (a 503 with Retry-After in the service), instead of waiting on an
+    actor that is never free."""
+    import time
+
+    from branchsearch.infra.errors import Overloaded
+    from branchsearch.orchestrator.executors import BranchPool
+    from branchsearch.orchestrator.service.errors import api_error
+
+    pool = BranchPool(1, {"num_cpus": 0.05}, hotpot_settings)
+    try:
+        [held] = pool.acquire(1, timeout=60)
+        began = time.perf_counter()
+        with pytest.raises(Overloaded) as caught:
+            pool.acquire(1, timeout=0.3)
+        assert 0.3 <= time.perf_counter() - began < 5
+        err = api_error(caught.value)
+        assert err.status == 503 and err.error == "overloaded" and "Retry-After" in err.headers
+        pool.release(held)
+        assert len(pool.acquire(1, timeout=0.3)) == 1
+        with pytest.raises(BranchsearchError, match="pool holds 1"):
+            pool.acquire(2, timeout=0.3)
+    finally:
+        pool.close()
 
 
 @pytest.mark.ray
