@@ -26,8 +26,12 @@ stores (Milvus Lite, tantivy) work unchanged and the result is the same index.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import re
+import shutil
+import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +40,7 @@ from pathlib import Path
 from branchsearch.infra.backends import IndexedChunk
 from branchsearch.infra.chunking import Chunk, chunk_text
 from branchsearch.infra.corpus import Document, read_corpus
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
 from branchsearch.infra.manifest import (IngestLock, Manifest, check_name, read_manifest,
                                          remove_manifest, write_manifest)
 from branchsearch.infra.settings import Settings
@@ -136,8 +140,6 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
     `progress(docs, chunks)` is called per committed batch; `embedder` replaces the configured
     one (benchmarks use a hashing embedder); `workers > 1` embeds on a Ray Data actor pool of
     that size (`embed_batch` texts per model call there)."""
-    from branchsearch.infra.retriever import open_stores
-
     override = embedder
     report = IngestReport(workers=workers)
     started = time.perf_counter()
@@ -145,11 +147,29 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
     docs = read_corpus(path)
     report.seconds["read"] = time.perf_counter() - t
     report.documents = len(docs)
+    complete = [False]  # whether the index has a manifest (is usable) at this moment
+    try:
+        return _ingest_locked(path, settings, docs, report, started, complete, dense=dense,
+                              batch_docs=batch_docs, progress=progress, embedder=embedder,
+                              override=override, workers=workers, embed_batch=embed_batch)
+    except Exception as exc:
+        line = _disk_full(exc, settings, complete[0])
+        if line is None:
+            raise
+        raise BranchsearchError(line) from exc
+
+
+def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
+                   started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
+                   override, workers, embed_batch) -> IngestReport:
+    from branchsearch.infra.retriever import open_stores
+
     root = settings.index_dir
     with IngestLock(root, settings.index, corpus=str(Path(path).resolve())) as lock:
         if lock.stale is not None:
             report.stale_lock = lock.stale.describe()
         previous = read_manifest(root)
+        complete[0] = previous is not None
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
@@ -158,6 +178,7 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
             settings, create=True, need_dense=dense, embedder=embedder)
         try:
             remove_manifest(root)
+            complete[0] = False
             embedding = f"{embedder_name(embedder)}/{dense_store.dim}" if dense_store else "-"
             prints = {d.id: fingerprint(d, settings, embedding) for d in docs}
             done = docstore.fingerprints(list(prints))
@@ -202,6 +223,76 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_do
         manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
         write_manifest(root, manifest)  # the last write: from here the index is complete
     return report
+
+
+_FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded|database or disk is full|"
+                        r"os error (?:28|122)\b", re.I)  # OSError, SQLite, tantivy (Rust)
+_LARGE_TEXT = re.compile(r"file too large|os error 27\b", re.I)
+_NEARLY_FULL = 16 << 20  # bytes free below which a store's unexplained write error is the disk
+
+
+def _disk_full(exc: BaseException, settings: Settings, complete: bool) -> str | None:
+    """The one line for an ingest stopped by a full disk or a file size limit; None for any
+    other error. The OS, SQLite and tantivy say which; Milvus Lite's server answers a bare
+    "Unexpected error in RPC handling" (or is killed by SIGXFSZ), and SQLite past a file size
+    limit says "disk I/O error", so such a store error counts when the disk holding the index
+    has under 16 MiB free, or when this process runs under a finite `ulimit -f`."""
+    kind = ""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen and not kind:
+        seen.add(id(error))
+        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+        if code == errno.EFBIG or _LARGE_TEXT.search(str(error)):
+            kind = "large"
+        elif code in (errno.ENOSPC, errno.EDQUOT) or _FULL_TEXT.search(str(error)) or (
+                isinstance(error, sqlite3.Error) and getattr(error, "sqlite_errorcode", 0) == 13):
+            kind = "full"  # 13: SQLITE_FULL
+        error = error.__cause__ or error.__context__
+    local = isinstance(exc, BackendUnavailable) and str(settings.index_dir) in str(exc)
+    unexplained = local or (  # a store in the index folder (Milvus Lite), or SQLITE_IOERR (10)
+        isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", 0) & 0xFF == 10)
+    if not kind and unexplained:
+        if _size_limit():
+            kind = "large"
+        elif _free_bytes(settings.index_dir) < _NEARLY_FULL:
+            kind = "full"
+    if not kind:
+        return None
+    root, limit = settings.index_dir, _size_limit()
+    if kind == "full":
+        what = f"the disk is full ({_free_bytes(root) // 1024:,} KiB free)"
+        fix = "Free space on that disk"
+    elif limit:
+        what = f"a file reached this process's file size limit (ulimit -f: {limit:,} bytes)"
+        fix = "Raise the limit"
+    else:
+        what = "a file grew past the largest file this file system holds"
+        fix = "Move the data home to another file system"
+    state = ("it is as it was, complete" if complete else "it is left incomplete (every "
+             "command refuses it until an ingest finishes)")
+    return (f"ingest: {what} while writing index {settings.index!r} ({root}); {state}. {fix} "
+            "and run the same command again: it resumes where it stopped")
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
+
+
+def _size_limit() -> int:
+    """This process's `ulimit -f` in bytes; 0 when unlimited."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError):
+        return 0
+    return 0 if soft == resource.RLIM_INFINITY else soft
 
 
 def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[str, str],

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,106 @@ def test_ingest_while_a_reader_holds_milvus_lite_is_one_line_and_changes_nothing
         assert len(reader.search("keyword1", "bm25", 3)) == 1
     finally:
         reader.close()
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+def _wide_corpus(path: Path, n: int) -> Path:
+    """`n` documents of about 180 words each (one or two chunks), from hotpot-mini's text."""
+    from conftest import HOTPOT
+
+    words = " ".join(json.loads(line)["text"] for line in
+                     (HOTPOT / "corpus.jsonl").read_text().splitlines()).split()
+    path.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Doc {i}", "text": f"marker{i} "
+                                        + " ".join(words[(i * 37) % len(words):][:180])}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+@contextmanager
+def _small_disk(where: Path, kib: int):
+    """A real file system of `kib` KiB (tmpfs) mounted at `where`: writes past it get ENOSPC."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:  # lazily: a Milvus Lite server still exiting may hold a file there
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _full_disk_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr[-2000:]  # nothing but the one line
+    line = _one_error_line(proc)
+    assert "left incomplete" in line and "run the same command again: it resumes" in line, line
+    return line
+
+
+def test_a_full_disk_during_ingest_is_one_line_and_a_rerun_resumes(tmp_path):
+    """ENOSPC while writing the embedding cache, Milvus Lite, tantivy or the docstore (which one
+    fills the disk first depends on how much is left: 300 KiB is Milvus Lite's upsert with this
+    corpus and these versions) was a traceback, or for Milvus Lite a bare "Unexpected error in
+    RPC handling"."""
+    corpus = _wide_corpus(tmp_path / "c.jsonl", 30)
+    with _small_disk(tmp_path / "disk", 4096) as disk:
+        filler = disk / "filler"
+        with filler.open("wb") as f:  # leave 300 KiB: the stores open, the writes do not fit
+            os.posix_fallocate(f.fileno(), 0, (4096 - 300) * 1024)
+        env = _env(disk / "h") | {"BRANCHSEARCH_BACKEND_TIMEOUT_S": "2"}  # Milvus' retries
+        proc = subprocess.run([*CLI, "ingest", str(corpus)], capture_output=True, text=True,
+                              env=env, timeout=600)
+        line = _full_disk_line(proc)
+        assert "the disk is full" in line and "Free space on that disk" in line, line
+        settings = _settings(disk / "h")
+        assert read_manifest(settings.index_dir) is None
+        with pytest.raises(IndexIncomplete):
+            require_complete(settings.index_dir, settings.index)
+        filler.unlink()
+        again = subprocess.run([*CLI, "ingest", str(corpus)], capture_output=True, text=True,
+                               env=env, timeout=600)
+        assert again.returncode == 0, again.stderr[-2000:]
+        manifest = read_manifest(settings.index_dir)
+        assert manifest.documents == 30
+        assert len(set(manifest.chunks.values())) == 1, manifest.chunks  # the stores agree
+
+
+def test_a_full_disk_during_a_bm25_ingest_keeps_the_committed_batches(tmp_path):
+    """The docstore and tantivy on a 1 MiB disk: the first batch of 256 documents commits,
+    the second fills the disk; after the disk grows, the same command resumes after the first."""
+    corpus = _wide_corpus(tmp_path / "c.jsonl", 600)
+    with _small_disk(tmp_path / "disk", 1024) as disk:
+        env = _env(disk / "h")
+        cmd = [*CLI, "ingest", str(corpus), "--no-dense"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert "the disk is full" in _full_disk_line(proc)
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "256 documents were already committed" in again.stdout, again.stdout
+        manifest = read_manifest(_settings(disk / "h").index_dir)
+        assert manifest.documents == 600 and len(set(manifest.chunks.values())) == 1
+
+
+def test_a_file_size_limit_during_ingest_is_one_line_and_a_rerun_resumes(tmp_path):
+    """RLIMIT_FSIZE (`ulimit -f`, no root needed): writes past it fail with EFBIG, which SQLite
+    reports as a bare "disk I/O error"."""
+    import resource
+
+    corpus = _wide_corpus(tmp_path / "c.jsonl", 600)
+    env = _env(tmp_path / "h")
+    cmd = [*CLI, "ingest", str(corpus), "--no-dense"]
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                          preexec_fn=limited)
+    line = _full_disk_line(proc)
+    assert "file size limit (ulimit -f: 400,000 bytes)" in line and "Raise the limit" in line
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    manifest = read_manifest(_settings(tmp_path / "h").index_dir)
+    assert manifest.documents == 600 and len(set(manifest.chunks.values())) == 1
