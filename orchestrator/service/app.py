@@ -358,7 +358,8 @@ async def _frames(first: dict, events, metrics: ServiceMetrics):
 _DESCRIPTION = (
     "Parallel-branch evidence search. Send `Authorization: Bearer KEY` to the `/v1` routes; ACL "
     "groups come from the key. Every answer that is not a 200 is JSON `{error, detail}` "
-    "(`Error`): 401 and 429/503 carry `WWW-Authenticate` and `Retry-After`, 405 carries `Allow`. "
+    "(`ErrorBody`): 401 carries `WWW-Authenticate`, 429 and most 503s `Retry-After`, 405 "
+    "`Allow`. "
     "A client that disconnects before its answer frees its slot at once; the server counts the "
     "request as 499 in `/metrics` (no client receives that status).")
 

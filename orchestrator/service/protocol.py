@@ -1,11 +1,15 @@
-"""What a caller sends: the search request, validated once (`parse_search`)."""
+"""What a caller sends: the search request, validated once (`parse_search`); and the shapes
+of what the service answers, as the OpenAPI schema documents them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from branchsearch.infra.settings import index_name_problem
+from pydantic import BaseModel, ConfigDict, Field
+
+from branchsearch.infra.settings import INDEX_NAME_CHARS, index_name_problem
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.workers.tools import has_words
@@ -79,3 +83,187 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# --- the OpenAPI description: what a caller sends and gets back -------------------------------
+# `parse_search` and the searcher validate; these only document what they accept and answer
+# (`app.create_app` builds the schema from the service's own Limits). The models are not used
+# to check or filter answers: the Schemathesis test (tests/test_service_schema.py) checks real
+# answers against them.
+
+# letters, digits, '-' and '_', at least one letter or digit (ASCII here: any script's letters
+# and digits are accepted too, which a JSON Schema pattern cannot say portably)
+INDEX_NAME_PATTERN = r"^[A-Za-z0-9_-]*[A-Za-z0-9][A-Za-z0-9_-]*$"
+INDEX_NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": INDEX_NAME_CHARS,
+                     "pattern": INDEX_NAME_PATTERN,
+                     "description": f"an index name: 1-{INDEX_NAME_CHARS} letters, digits, '-' "
+                                    "or '_' (letters and digits of any script; at most 200 bytes "
+                                    "in UTF-8)"}
+
+
+def search_body_schema(limits: Limits) -> dict:
+    """The /v1/search body as JSON Schema, with this service's limits."""
+    def optional(schema: dict) -> dict:  # absent and null mean "the server's default"
+        return {"anyOf": [schema, {"type": "null"}]}
+
+    return {
+        "type": "object", "required": ["question"], "additionalProperties": False,
+        "properties": {
+            "question": {"type": "string", "minLength": 1,
+                         "maxLength": limits.max_question_chars,
+                         "description": "what to find evidence for: text with at least one "
+                                        "word (not only spaces, punctuation or symbols)"},
+            "index": optional({**INDEX_NAME_SCHEMA, "description": "the index to search (the "
+                               "server's default index when absent)"}),
+            "branches": optional({"type": "integer", "minimum": 1,
+                                  "maximum": limits.max_branches,
+                                  "description": "at most this many branches (the planner may "
+                                                 "use fewer)"}),
+            "k": optional({"type": "integer", "minimum": 1, "maximum": limits.max_k,
+                           "description": "at most this many evidence chunks"}),
+            "deadline_s": optional({"type": "number", "exclusiveMinimum": 0,
+                                    "maximum": limits.max_deadline_s,
+                                    "description": "seconds the search may take (default "
+                                                   f"{limits.default_deadline_s:g})"}),
+        }}
+
+
+DOCUMENT_SCHEMA = {
+    "type": "object", "required": ["id", "text"],
+    "properties": {
+        "id": {"anyOf": [{"type": "string", "minLength": 1, "pattern": r"^[^\s#]+$"},
+                         {"type": "integer"}],
+               "description": "the document's id (or `_id`): no whitespace or '#'; a number is "
+                              "read as its text"},
+        "title": {"type": "string"},
+        "text": {"type": "string"},
+        "acl": {"type": "array", "items": {"type": "string", "minLength": 1},
+                "description": "the groups that may see it (none: everyone); group names hold "
+                               "no comma and are not '*' or the reserved public group"},
+    }}
+DOCUMENTS_BODY = {"required": True, "content": {
+    "application/json": {"schema": {"type": "array", "minItems": 1, "items": DOCUMENT_SCHEMA}},
+    "application/x-ndjson": {"schema": {"type": "string", "description": "one document (the "
+                                        "JSON object above) a line"}}}}
+
+
+class _Open(BaseModel):
+    """Fields beyond the ones listed may appear (results grow; clients should ignore them)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorBody(BaseModel):
+    """Every answer that is not a 200: a short code and one line for people."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: str = Field(description="a short code: unauthorized, forbidden, bad_request, "
+                                   "question_too_long, index_not_found, too_many_requests, "
+                                   "overloaded, deadline_exceeded, …")
+    detail: str = Field(description="what went wrong, in one line")
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["up"]
+
+
+class Ready(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["ready"]
+    indexes: list[str] = Field(description="the indexes open now")
+
+
+class KeyInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    groups: list[str]
+    indexes: list[str] = Field(description="the indexes the key may use (empty: all of them)")
+    all_indexes: bool
+    admin: bool
+    created: str
+    revoked: bool
+
+
+class IndexList(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    indexes: list[str]
+
+
+class Upserted(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: str
+    upserted: list[str] = Field(description="the ids written, in the body's order")
+    documents: int
+    chunks: int
+
+
+class Deleted(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: str
+    deleted: str
+
+
+class FoundBy(BaseModel):
+    """A branch that returned the document or chunk, at this rank."""
+
+    model_config = ConfigDict(extra="forbid")
+    branch: int
+    subquery: str
+    rank: int
+
+
+class EvidenceChunk(_Open):
+    chunk_id: str = Field(description='"{doc_id}#p{n}"')
+    rank: int
+    score: float
+    text: str
+    provenance: list[dict[str, Any]] = Field(description="for each time a branch fetched it: "
+                                             "turn, tool, query, rank, score, parents")
+    found_by: list[FoundBy]
+
+
+class EvidenceDocument(_Open):
+    doc_id: str
+    title: str
+    score: float = Field(description="the document's fused score")
+    found_by: list[FoundBy]
+    chunks: list[EvidenceChunk]
+
+
+class BranchSummary(_Open):
+    index: int
+    subquery: str
+    kind: str
+    weight: float
+    status: Literal["ok", "error", "timeout"]
+    error: str = Field(description="why the branch did not finish ok (empty when it did)")
+    termination: str
+    turns: int
+    tokens_read: int
+    latency_s: float
+
+
+class SearchResponse(_Open):
+    """The search's result (`branchsearch search --json`), the caller's ACL applied."""
+
+    question: str
+    index: str
+    status: Literal["ok", "partial"] = Field(description="partial: some branches failed or "
+                                             "timed out; the evidence is from the others (a "
+                                             "search whose every branch failed is a 503 or 504)")
+    notes: list[str] = Field(description="what was changed about the question")
+    evidence: list[EvidenceDocument] = Field(description="documents in fused order, each "
+                                             "with its chunks")
+    ranked_chunk_ids: list[str]
+    branches: list[BranchSummary]
+    metrics: dict[str, Any]
+    trace_id: str
+
+
+SSE_DESCRIPTION = (
+    "With `Accept: text/event-stream`: Server-Sent Events, each `event: TYPE` and one `data:` "
+    "line of JSON — `plan` (subqueries, budget_tokens), `branch_started`, `search` (tool, query, "
+    "new_ids), `prune` (ids, reason, tokens_before, tokens_after), `branch_done`, then `result` "
+    "(the JSON answer under `result`) or `error` ({status, error, detail}) when the search "
+    "fails after events were sent.")
