@@ -26,6 +26,7 @@ class IndexInfo:
 
 def owned_indexes(settings: Settings) -> list[IndexInfo]:
     from branchsearch.infra.manifest import read_manifest, running_ingest
+    from branchsearch.infra.profile import files_health
 
     root = Path(settings.home) / "indexes"
     out = []
@@ -43,29 +44,6 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
                 f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
-
-
-def files_health(folder: Path, manifest) -> str:
-    """"ok", or what a complete index's folder lacks (its store files deleted since): the same
-    files `infra.retriever` refuses to open without. Backends on servers are not asked here."""
-    from branchsearch.infra.manifest import ingested_as
-
-    old = ingested_as(folder, manifest)
-    if old is not None:
-        return f"copied or renamed from {old!r}: rename the folder back, or ingest it anew"
-    need = ["docs.sqlite"]
-    if manifest.backends.get("lexical") == "tantivy":
-        need.append("tantivy/meta.json")
-    if str(manifest.backends.get("dense", "")).startswith("milvus-lite "):
-        need.append("dense.db")
-    missing = [name for name in need if not (folder / name).exists()]
-    if missing:
-        return f"damaged: {', '.join(missing)} missing; remove the folder and ingest it again"
-    with open(folder / "docs.sqlite", "rb") as f:  # overwritten: not a database any more (as
-        head = f.read(16)  # SQLite says: an empty file is an empty database)
-        if head and head != b"SQLite format 3\x00":
-            return "damaged: docs.sqlite is not a database; remove the folder and ingest it again"
-    return "ok"
 
 
 def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:

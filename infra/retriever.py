@@ -299,18 +299,17 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
     root = settings.index_dir
     manifest = None
     if not create:  # readers: only a complete index that no ingest is writing
-        manifest = require_complete(root, settings.index, _home_flag(settings))
+        from branchsearch.infra.profile import index_profile
+
+        profile = index_profile(settings)
+        profile.require_searchable()
+        manifest = profile.manifest
         if manifest.embedding is None:
             need_dense = False  # a BM25-only index (ingest --no-dense): dense search says so
         elif embedder is None and manifest.embedding.get("model") != settings.embed_model:
             raise SettingsError(
                 f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
                 f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
-        lexical = str((manifest.backends or {}).get("lexical", ""))
-        if lexical.startswith("elasticsearch") and not settings.es_url:  # not "damaged"
-            raise SettingsError(f"index {settings.index!r} keeps its BM25 side in "
-                                f"{lexical}; set es_url (BRANCHSEARCH_ES_URL) to search it")
-        _check_files(root, settings)
     docstore = _open_docstore(root / "docs.sqlite", settings.index)
     lexical = lexical_store(settings)
     dense = None
@@ -353,16 +352,6 @@ def open_dense(settings: Settings, manifest=None, embedder=None):
         return dense_store(settings, manifest.embedding["dim"], create=False), embedder
     except IndexIncomplete as exc:  # a complete index whose collection is gone is damaged
         raise IndexIncomplete(f"index {settings.index!r} is damaged: {exc}; {again}") from None
-
-
-def _check_files(root: Path, settings: Settings) -> None:
-    """A complete index whose store files are gone is damaged, not empty: opening them would
-    create empty ones and every search would answer 'ok' with nothing."""
-    need = [root / "docs.sqlite"] + ([] if settings.es_url else [root / "tantivy" / "meta.json"])
-    missing = [str(p) for p in need if not p.exists()]
-    if missing:
-        raise IndexIncomplete(f"index {settings.index!r} is damaged: {', '.join(missing)} "
-                              "missing; re-ingest it")
 
 
 def _open_docstore(path: Path, index: str) -> DocStore:
@@ -456,14 +445,6 @@ def index_spec(settings: Settings):
                      ef=settings.milvus_search_ef, consistency=settings.milvus_consistency)
 
 
-def _home_flag(settings: Settings) -> str:
-    """`--home` for the hints in error messages, when it is not the default."""
-    import os
-
-    return "" if str(settings.home) == ".branchsearch" or os.environ.get(
-        "BRANCHSEARCH_HOME") == str(settings.home) else str(settings.home)
-
-
 def _dense_dim(root, embedder) -> int:
     marker = root / "dense.dim"
     if marker.exists():
@@ -501,9 +482,10 @@ def searched_mode(settings: Settings) -> str:
 
 
 def check_readable(settings: Settings) -> None:
-    """Raise the one-line error `open_retriever` would (incomplete index, running ingest),
-    without opening anything: callers that open the retriever elsewhere (a Ray actor) check
-    here first, so the user sees the line rather than an actor's death."""
-    if getattr(settings, "external", None) is not None:
-        return
-    require_complete(settings.index_dir, settings.index, _home_flag(settings))
+    """Raise the one-line error `open_retriever` would (incomplete, being ingested, damaged,
+    its backend not configured), without opening anything: callers that open the retriever
+    elsewhere (a Ray actor) check here first, so the user sees the line rather than an actor's
+    death."""
+    from branchsearch.infra.profile import index_profile
+
+    index_profile(settings).require_searchable()

@@ -4,7 +4,7 @@
   `Retriever` (no Ray; the baseline and the laptop path).
 * `RayExecutor` — `run_branch` inside `BranchActor`s from a pool, retrieval in
   `retriever_replicas` `RetrieverActor`s (one when the index is a Milvus Lite file: see
-  `replica_count`), each question sent to the least-loaded one (`ReplicaBalancer`), LLM engines
+  `IndexProfile.replicas`), each question sent to the least-loaded one (`ReplicaBalancer`), LLM engines
   in named engine actors; every actor counted by `orchestrator.cluster.plan_actors` before any
   starts, every start awaited with a timeout. The question's own branch is *hosted* by its
   retriever replica — run in that actor, beside the stores, with no round trip per turn —
@@ -71,46 +71,6 @@ def make_executor(settings: Settings, mode: ExecutorName, *,
         return RayExecutor(settings, pool_size or settings.branches
                            * max(settings.batch_concurrency, 1))
     raise BranchsearchError(f"unknown executor {mode!r}; use {one_of(EXECUTORS)}")
-
-
-def lite_file(settings: Settings) -> str:
-    """The Milvus Lite file a retriever for these settings opens, or "" when it opens none (a
-    Milvus server by URI, no dense search, or a BM25-only index)."""
-    from branchsearch.infra.dense import is_server
-
-    if settings.search_mode == "bm25":  # the retriever actor then opens no dense store
-        return ""
-    ext = settings.external
-    if ext is not None:
-        uri = (ext.milvus_uri or settings.milvus_uri) if ext.dense == "milvus" else ""
-        return "" if not uri or is_server(uri) else str(uri)
-    from branchsearch.infra.retriever import dense_uri
-
-    if is_server(dense_uri(settings)):
-        return ""
-    from branchsearch.infra.manifest import read_manifest
-
-    try:
-        manifest = read_manifest(settings.index_dir)
-    except Exception:  # noqa: BLE001 — unreadable: assume the Lite file (the safe answer)
-        manifest = None
-    if manifest is not None and manifest.embedding is None:
-        return ""  # BM25-only index (ingest --no-dense): no dense file is opened
-    return dense_uri(settings)
-
-
-def replica_count(settings: Settings) -> tuple[int, str]:
-    """(retriever actors to start, a note when fewer than asked). Milvus Lite allows one process
-    per file, so an index on a Lite file is served by one retriever actor whatever
-    `retriever_replicas` says; servers (Milvus by URI, Elasticsearch) and the read-only local
-    files (tantivy, the SQLite docstore) take any number."""
-    asked = settings.retriever_replicas
-    lite = lite_file(settings) if asked > 1 else ""
-    if lite:
-        return 1, (f"retriever_replicas = {asked}: using 1, because the dense index is a Milvus "
-                   f"Lite file ({lite}) and a Lite file has one owning process; replicas need "
-                   "a Milvus server (milvus_uri)")
-    return asked, ""
 
 
 class ReplicaBalancer:
@@ -335,7 +295,9 @@ class RayExecutor:
         self.resources = connect(settings)
         engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
                    and not settings.llm_url else 0)
-        replicas, note = replica_count(settings)
+        from branchsearch.infra.profile import index_profile
+
+        replicas, note = index_profile(settings).replicas(settings.retriever_replicas)
         if note:
             log.warning("%s", note)
         self.replica_note = note

@@ -1,4 +1,4 @@
-"""Retriever replicas without Ray: how many start (`replica_count`: a Milvus Lite file keeps
+"""Retriever replicas without Ray: how many start (`IndexProfile.replicas`: a Milvus Lite file keeps
 one owner), which one serves the next branch (`ReplicaBalancer`), and that the actor plan
 counts them (`plan_actors`)."""
 
@@ -12,7 +12,16 @@ from branchsearch.infra.errors import BranchsearchError, SettingsError
 from branchsearch.infra.external import parse_indexes
 from branchsearch.infra.settings import Settings, load_settings
 from branchsearch.orchestrator.cluster import plan_actors
-from branchsearch.orchestrator.executors import ReplicaBalancer, lite_file, replica_count
+from branchsearch.infra.profile import index_profile
+from branchsearch.orchestrator.executors import ReplicaBalancer
+
+
+def replica_count(s: Settings) -> tuple[int, str]:
+    return index_profile(s).replicas(s.retriever_replicas)
+
+
+def lite_file(s: Settings) -> str:
+    return index_profile(s).lite_file
 
 SERVER = "http://milvus.internal:19530"
 

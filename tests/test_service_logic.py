@@ -188,6 +188,7 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     for name in ("slow", "fast"):  # complete indexes as far as the searcher looks
         folder = settings.replace(index=name).index_dir
         folder.mkdir(parents=True)
+        (folder / "docs.sqlite").touch()
         write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
     release, attempts = threading.Event(), []
 
@@ -235,6 +236,7 @@ def test_a_request_waits_for_a_starting_driver_only_until_its_deadline(tmp_path)
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
     folder = settings.replace(index="late").index_dir
     folder.mkdir(parents=True)
+    (folder / "docs.sqlite").touch()
     write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
     release, starts = threading.Event(), []
 

@@ -153,23 +153,17 @@ class Searcher:
     def _open(self, index: str):
         """Check the index, then start its driver (`driver` runs one start per index)."""
         from branchsearch.infra.docstore import DocStore
-        from branchsearch.infra.manifest import require_complete
+        from branchsearch.infra.profile import index_profile
 
         settings = self.settings.replace(index=index)
-        docstore = None
-        if settings.external is None:
-            missing = IndexNotFound(f"index {index!r} not found (make it with `branchsearch "
-                                    f"ingest PATH --index {index}`)")
-            if not settings.index_dir.is_dir():  # before any actor starts for it
-                raise missing
-            # incomplete, being ingested, or a copied folder: its 503 now, not the death of a
-            # retriever actor whose constructor found it
-            try:
-                require_complete(settings.index_dir, index)
-            except IndexNotFound:  # a folder without a docstore (its message names the home)
-                raise missing from None
-            docs = settings.index_dir / "docs.sqlite"
-            docstore = DocStore(docs) if docs.exists() else None
+        profile = index_profile(settings)
+        # not found, incomplete, being ingested, damaged or a copied folder: its answer now,
+        # before any actor starts for it (not the death of a retriever actor that found it)
+        if isinstance(profile.problem, IndexNotFound):  # (its message names the home)
+            raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest "
+                                f"PATH --index {index}`)")
+        profile.require_searchable()
+        docstore = DocStore(profile.folder / "docs.sqlite") if profile.kind == "owned" else None
         driver = self.driver_factory(settings, self.executor)
         with self._lock:
             self._drivers[index] = driver
@@ -433,10 +427,10 @@ class Searcher:
         """A write to an index whose store files were deleted since its driver opened them
         would go to the open, deleted file and be lost: refused (503), as the CLI refuses to
         open such an index. Searches go on from what the stores hold open."""
-        from branchsearch.infra.catalog import files_health
         from branchsearch.infra.manifest import read_manifest
+        from branchsearch.infra.profile import files_health
 
-        folder = driver.settings.index_dir
+        folder = driver.settings.index_dir  # (the profile would see this write's own lock)
         manifest = read_manifest(folder)
         health = "no manifest" if manifest is None else files_health(folder, manifest)
         if health != "ok":
