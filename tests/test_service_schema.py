@@ -124,13 +124,27 @@ def test_405_answers_carry_allow(live):
             assert {m.strip() for m in r.headers["allow"].split(",")} == allowed, r.headers
 
 
+# 5xx answers a correct service gives: a deadline of microseconds (the schema allows any
+# positive number), an index still starting when it runs out, every branch slot busy
+EXPECTED_5XX = {(504, "deadline_exceeded"), (503, "index_starting"), (503, "overloaded")}
+
+
+def _error_code(response) -> str:
+    try:
+        return response.json().get("error", "")
+    except Exception:  # noqa: BLE001 — not JSON (a stream): no code
+        return ""
+
+
 def test_schemathesis_finds_no_server_error_or_schema_violation(live, capsys):
     """Schemathesis against the served schema: every operation, valid and invalid inputs, with
-    a global admin key. Document writes go to the throwaway index (its name pinned) as well as
-    to generated index names."""
+    a global admin key; searches as JSON and as an event stream (each event checked against
+    the schema's event schema); document writes on the throwaway index (its name pinned) as
+    well as on generated index names."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
 
+    from branchsearch.orchestrator.service.events import parse_sse
     from schemathesis import GenerationMode
     from schemathesis.checks import not_a_server_error
     from schemathesis.errors import FailureGroup
@@ -142,28 +156,35 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(live, capsys):
     # starting when it runs out); which ones are acceptable is checked below
     config = schemathesis.Config.from_dict({"checks": {"not_a_server_error": {
         "expected-statuses": ["2xx", "3xx", "4xx", "503", "504"]}}})
-    auth = {"Authorization": f"Bearer {keys['admin']}"}
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", config=config, timeout=30)
     checks = [not_a_server_error, status_code_conformance, response_schema_conformance]
-    runs = []  # (method, path, path parameters pinned)
+    # the key is fixed (a negative case would otherwise mostly drop it: one more 401); invalid
+    # keys are the auth tests' (tests/test_service.py)
+    auth = {"Authorization": f"Bearer {keys['admin']}"}
+    runs = []  # (method, path, pinned path parameters, headers)
     for path, ops in schema.raw_schema["paths"].items():
         for method in ops:
-            runs.append((method.upper(), path, None))
+            runs.append((method.upper(), path, None, auth))
             if "{index}" in path:
-                runs.append((method.upper(), path, {"index": SCRATCH}))
-    counts = {"operations": len({(m, p) for m, p, _ in runs}), "calls": 0, "failures": 0,
-              "server_errors": 0}
+                runs.append((method.upper(), path, {"index": SCRATCH}, auth))
+            if path == "/v1/search":
+                runs.append((method.upper(), path, None, {**auth,
+                                                          "Accept": "text/event-stream"}))
+    counts = {"operations": len({(m, p) for m, p, _, _ in runs}), "calls": 0, "failures": 0,
+              "server_errors": 0, "events": 0}
     statuses: dict[int, int] = {}
     failures: list[str] = []
     stop_at = time.monotonic() + TIME_LIMIT_S
 
-    for method, path, pinned in runs:
+    def server_error(status: int, code: str) -> bool:
+        return status >= 500 and (status, code) not in EXPECTED_5XX
+
+    for method, path, pinned, headers in runs:
         operation = schema[path][method]
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            # the key is fixed (a negative case would otherwise mostly drop it: one more 401);
-            # invalid keys are the auth tests' (tests/test_service.py)
+            where = f"{method} {path} [{mode.value}{', stream' if 'Accept' in headers else ''}]"
             strategy = operation.as_strategy(generation_mode=mode, path_parameters=pinned,
-                                             headers=auth)
+                                             headers=headers)
 
             @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
                       phases=[Phase.generate], derandomize=not RANDOM,
@@ -174,48 +195,45 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(live, capsys):
                     return
                 counts["calls"] += 1
                 try:
-                    response = case.call(headers=auth, timeout=60)
+                    response = case.call(headers=headers, timeout=60)
                 except Exception as exc:  # noqa: BLE001 — a dropped connection is a finding
-                    failures.append(f"{method} {path}: {type(exc).__name__}: {exc}")
+                    failures.append(f"{where}: {type(exc).__name__}: {exc}")
                     return
                 status = response.status_code
                 statuses[status] = statuses.get(status, 0) + 1
-                if status >= 500 and (status, _error_code(response)) not in EXPECTED_5XX:
+                if server_error(status, _error_code(response)):
                     counts["server_errors"] += 1
-                    failures.append(f"{method} {path} [{mode.value}] -> {status}: "
-                                    f"{response.text[:500]}")
+                    failures.append(f"{where} -> {status}: {response.text[:500]}")
+                if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+                    events = parse_sse(response.text)
+                    counts["events"] += len(events)
+                    last = events[-1] if events else {}
+                    if last.get("type") not in ("result", "error") or server_error(
+                            last.get("status", 0), last.get("error", "")):
+                        counts["server_errors"] += 1
+                        failures.append(f"{where} -> stream ended with {last}")
                 try:
-                    case.validate_response(response, checks=checks, headers=auth)
+                    case.validate_response(response, checks=checks, headers=headers)
                 except (FailureGroup, AssertionError) as exc:
                     counts["failures"] += 1
-                    failures.append(f"{method} {path} [{mode.value}] -> "
-                                    f"{response.status_code}: {str(exc)[:1500]}")
+                    failures.append(f"{where} -> {status}: {str(exc)[:1500]}")
 
             try:
                 fuzz()
             except Unsatisfiable:  # nothing to make invalid (no parameters, no body)
-                assert mode is GenerationMode.NEGATIVE, (method, path)
+                assert mode is GenerationMode.NEGATIVE, where
 
     with capsys.disabled():
-        print(f"\nSchemathesis: {counts['operations']} operations, {counts['calls']} calls "
-              f"({len(runs)} runs x positive/negative, <= {MAX_EXAMPLES} examples each), "
-              f"{counts['failures']} failing calls, {counts['server_errors']} server errors; "
-              f"statuses {dict(sorted(statuses.items()))}")
+        print(f"\nSchemathesis: {counts['operations']} operations, {len(runs)} runs x "
+              f"(positive, negative) of <= {MAX_EXAMPLES} examples: {counts['calls']} calls "
+              f"({counts['events']} stream events), {counts['failures']} failing calls, "
+              f"{counts['server_errors']} server errors; statuses "
+              f"{dict(sorted(statuses.items()))}")
         for failure in failures[:10]:
             print(failure)
     assert counts["calls"] >= counts["operations"] * 2
     assert failures == [] and counts["server_errors"] == 0
-    assert statuses.get(200, 0) > 0  # it got past validation, not only refusals
-
-
-EXPECTED_5XX = {(504, "deadline_exceeded"), (503, "index_starting"), (503, "overloaded")}
-
-
-def _error_code(response) -> str:
-    try:
-        return response.json().get("error", "")
-    except Exception:  # noqa: BLE001 — not JSON: no code
-        return ""
+    assert statuses.get(200, 0) > 0 and counts["events"] > 0  # past validation, not only 4xx
 
 
 def test_the_fuzzed_service_still_answers(live):

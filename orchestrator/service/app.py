@@ -26,7 +26,7 @@ from branchsearch.orchestrator.service.errors import ApiError, api_error
 from branchsearch.orchestrator.service.events import sse
 from branchsearch.orchestrator.service.metrics import ServiceMetrics
 from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NAME_SCHEMA,
-                                                        SSE_DESCRIPTION, Deleted, ErrorBody,
+                                                        SSE_EVENT_SCHEMA, Deleted, ErrorBody,
                                                         Health, IndexList, KeyInfo, Ready,
                                                         SearchResponse, Upserted, parse_search,
                                                         search_body_schema)
@@ -287,8 +287,7 @@ def create_app(state: ServiceState):
 
     @app.post("/v1/search", tags=["search"], dependencies=keyed,
               responses=_answers(SearchResponse, 400, 401, 403, 404, 413, 422, 429, 503, 504,
-                                 alt={"text/event-stream": {"schema": {
-                                     "type": "string", "description": SSE_DESCRIPTION}}}),
+                                 alt={"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}),
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": search_body_schema(limits)}}}})
     async def search(request: Request):

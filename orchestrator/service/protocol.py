@@ -111,8 +111,8 @@ def search_body_schema(limits: Limits) -> dict:
         "properties": {
             "question": {"type": "string", "minLength": 1,
                          "maxLength": limits.max_question_chars,
-                         "description": "what to find evidence for: text with at least one "
-                                        "word (not only spaces, punctuation or symbols)"},
+                         "description": "what to find evidence for: text holding at least "
+                                        "one letter or digit (any script)"},
             "index": optional({**INDEX_NAME_SCHEMA, "description": "the index to search (the "
                                "server's default index when absent)"}),
             "branches": optional({"type": "integer", "minimum": 1,
@@ -130,6 +130,7 @@ def search_body_schema(limits: Limits) -> dict:
 
 DOCUMENT_SCHEMA = {
     "type": "object", "required": ["id", "text"],
+    "description": "a document; ids are unique within a body",
     "properties": {
         "id": {"anyOf": [{"type": "string", "minLength": 1, "pattern": r"^[^\s#]+$"},
                          {"type": "integer"}],
@@ -261,9 +262,41 @@ class SearchResponse(_Open):
     trace_id: str
 
 
-SSE_DESCRIPTION = (
-    "With `Accept: text/event-stream`: Server-Sent Events, each `event: TYPE` and one `data:` "
-    "line of JSON — `plan` (subqueries, budget_tokens), `branch_started`, `search` (tool, query, "
-    "new_ids), `prune` (ids, reason, tokens_before, tokens_after), `branch_done`, then `result` "
-    "(the JSON answer under `result`) or `error` ({status, error, detail}) when the search "
-    "fails after events were sent.")
+def _event(kind: str, required: tuple[str, ...], **props) -> dict:
+    return {"type": "object", "required": ["type", *required],
+            "properties": {"type": {"const": kind}, **props}}
+
+
+_STR, _INT, _IDS = {"type": "string"}, {"type": "integer"}, {"type": "array",
+                                                             "items": {"type": "string"}}
+_INT_OR_NULL = {"type": ["integer", "null"]}
+# With `Accept: text/event-stream`: the schema of one event (as Open API 3.1 tools read an event
+# stream's schema; 3.2 calls it itemSchema): `event: TYPE` and one `data:` line of JSON.
+SSE_EVENT_SCHEMA = {
+    "type": "object", "required": ["event", "data"],
+    "description": "Server-Sent Events as the search runs: plan, then per branch "
+                   "branch_started, search and prune, branch_done; last `result` (the JSON "
+                   "answer under `result`), or `error` when the search fails after events were "
+                   "sent.",
+    "properties": {
+        "event": {"enum": ["plan", "branch_started", "search", "prune", "branch_done", "result",
+                           "error"]},
+        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+            "oneOf": [
+                _event("plan", ("subqueries",), subqueries={"type": "array", "items": _STR},
+                       budget_tokens=_INT),
+                _event("branch_started", ("branch", "subquery"), branch=_INT, subquery=_STR),
+                _event("search", ("branch", "tool", "new_ids"), branch=_INT, tool=_STR,
+                       query={"type": ["string", "null"]}, new_ids=_IDS),
+                _event("prune", ("branch", "ids"), branch=_INT, ids=_IDS, reason=_STR,
+                       tokens_before=_INT_OR_NULL, tokens_after=_INT_OR_NULL),
+                _event("branch_done", ("branch", "status"), branch=_INT,
+                       status={"enum": ["ok", "error", "timeout"]}, error=_STR,
+                       termination=_STR, turns=_INT, context_tokens_final=_INT,
+                       tokens_read=_INT, latency_s={"type": "number"}),
+                _event("result", ("result",),
+                       result={"$ref": "#/components/schemas/SearchResponse"}),
+                _event("error", ("status", "error", "detail"), status=_INT, error=_STR,
+                       detail=_STR),
+            ]}},
+    }}
