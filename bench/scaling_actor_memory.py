@@ -37,7 +37,7 @@ def main(home: str = "/tmp/scale/home") -> None:
         try:
             d.search(Q, max_branches=2)
             retriever = ray.get(d.executor.retriever.ping.remote())
-            branches = ray.get([a.ping.remote() for a in d.executor._idle])
+            branches = ray.get([a.ping.remote() for a in d.executor.pool._idle])
             out[name] = {"retriever_mb": rss_mb(retriever),
                          "branch_mb": [rss_mb(p) for p in branches]}
         finally:

@@ -42,7 +42,7 @@ def test_a_replica_lost_under_a_hosted_branch_runs_it_on_a_pool_actor(hotpot_set
         again = driver.search(Q)
         assert [b.status for b in again.branches] == ["ok", "ok", "ok"]
         executor = driver.executor
-        assert executor.balancer.hosting == [False] and len(executor._idle) == executor._created
+        assert executor.balancer.hosting == [False] and len(executor.pool._idle) == executor.pool._created
     finally:
         driver.close()
         ray.shutdown()
