@@ -111,8 +111,11 @@ class Searcher:
 
     def index_names(self) -> list[str]:
         """Owned indexes under the data home, and the external ones declared in the settings."""
+        from branchsearch.infra.manifest import manifest_path
+
         root = self.settings.home / "indexes"
-        owned = [p.name for p in root.iterdir() if (p / "docs.sqlite").exists()] \
+        owned = [p.name for p in root.iterdir()
+                 if (p / "docs.sqlite").exists() or manifest_path(p).exists()] \
             if root.is_dir() else []
         return sorted(set(owned) | {spec.name for spec in self.settings.indexes})
 
@@ -125,6 +128,12 @@ class Searcher:
         of callers waiting on it, so searches of other indexes go on meanwhile. `wait`: the
         most seconds to wait for it (a request's deadline); past it, a 503 index_starting
         while the start goes on. A failed start is tried again by the next caller."""
+        with self._lock:
+            if index in self._drivers:
+                return self._drivers[index]
+        if index not in self.index_names():  # nothing to start: the answer now, whatever the wait
+            raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest "
+                                f"PATH --index {index}`)")
         with self._lock:
             if index in self._drivers:
                 return self._drivers[index]
