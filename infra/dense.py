@@ -17,9 +17,11 @@ index (`IndexIncomplete`), not an empty one.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
+import unicodedata
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,12 +33,23 @@ from branchsearch.infra.hits import Hit
 from branchsearch.infra.backends import IndexedChunk, acl_terms
 
 COLLECTION = "chunks"
+_MILVUS_SAFE = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
 
 
 def collection_for(index: str) -> str:
-    """The collection of an owned index: `chunks_<index>`, '-' written '_' (Milvus allows no
-    '-' in a name), so 'a-b' and 'a_b' share one."""
-    return f"{COLLECTION}_{index}".replace("-", "_")
+    """The Milvus collection of an owned index (Lite file or server); the one place that names
+    it. Milvus allows only ASCII letters, digits and '_' in a collection name. An ASCII index
+    name keeps `chunks_<index>` with '-' written '_' (so 'a-b' and 'a_b' share one on a shared
+    server, as they always have). Any other name (an index may be named in any script) is
+    `uchunks_<the ASCII letters and digits of its NFKD form>_<12 hex of its SHA-256>`: no ASCII
+    name maps there (another prefix), and the hash keeps apart names that fold alike
+    ('café' and 'cafè' are `uchunks_cafe_…` with different hashes)."""
+    if _MILVUS_SAFE.fullmatch(index):
+        return f"{COLLECTION}_{index}".replace("-", "_")
+    digest = hashlib.sha256(index.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    folded = unicodedata.normalize("NFKD", index).encode("ascii", "ignore").decode()
+    slug = "_".join(re.findall(r"[A-Za-z0-9]+", folded))[:64]
+    return f"u{COLLECTION}_{slug}_{digest}" if slug else f"u{COLLECTION}_{digest}"
 
 
 def quiet_pymilvus() -> None:

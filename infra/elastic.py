@@ -9,6 +9,7 @@ major that matches the server) and against the `noida-db` emulator used in tests
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from branchsearch.infra.errors import BackendUnavailable, BadQuery
@@ -35,6 +36,25 @@ SETTINGS = {"analysis": {
     "analyzer": {"english_folded": {"tokenizer": "standard", "filter": [
         "english_possessive_stemmer", "lowercase", "asciifolding", "english_stop",
         "english_stemmer"]}}}}
+
+
+INDEX_PREFIX = "branchsearch-"
+_MAX_BYTES = 255  # Elasticsearch's limit on an index name, in UTF-8 bytes
+
+
+def es_index_for(index: str) -> str:
+    """The Elasticsearch index of an owned index; the one place that names it. Elasticsearch
+    wants a lowercase name (`\\ / * ? " < > | , # :` and space are refused too, but an index
+    name holds only letters, digits, '-' and '_'). A lowercase name, in any script, keeps
+    `branchsearch-<index>`. Any other (`Foo`, `Отдел-1`) is `branchsearch-<its lowercase>.<12
+    hex of its SHA-256>`, cut to 255 bytes: no lowercase name maps there (an index name holds no
+    '.'), and the hash keeps `Foo` apart from `foo` and from `FOO`."""
+    if index == index.lower():
+        return INDEX_PREFIX + index
+    digest = hashlib.sha256(index.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    room = _MAX_BYTES - len(INDEX_PREFIX) - 1 - len(digest)
+    lowered = index.lower().encode("utf-8", "surrogatepass")[:room].decode("utf-8", "ignore")
+    return f"{INDEX_PREFIX}{lowered}.{digest}"
 
 
 class ElasticStore:

@@ -371,7 +371,9 @@ def lexical_folds(settings: Settings) -> bool:
     if settings.external is not None:
         return True
     if settings.es_url:
-        return _elastic_folds(settings.es_url, f"branchsearch-{settings.index}",
+        from branchsearch.infra.elastic import es_index_for
+
+        return _elastic_folds(settings.es_url, es_index_for(settings.index),
                               settings.es_api_key or None, settings.backend_timeout_s)
     from branchsearch.infra.lexical import folds
 
@@ -402,9 +404,9 @@ def _elastic_folds(url: str, index: str, api_key: str | None, timeout_s: float) 
 def lexical_store(settings: Settings):
     """The owned index's lexical store: Elasticsearch at `es_url`, else tantivy in the index."""
     if settings.es_url:
-        from branchsearch.infra.elastic import ElasticStore
+        from branchsearch.infra.elastic import ElasticStore, es_index_for
 
-        return ElasticStore(settings.es_url, index=f"branchsearch-{settings.index}",
+        return ElasticStore(settings.es_url, index=es_index_for(settings.index),
                             api_key=settings.es_api_key or None,
                             max_pattern=settings.grep_max_pattern,
                             timeout_s=settings.backend_timeout_s)
