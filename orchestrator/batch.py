@@ -30,6 +30,7 @@ from itertools import islice
 from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
+from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
 
@@ -67,10 +68,9 @@ def read_questions(path: str | Path) -> BatchInput:
                 if qid is None or not isinstance(question, str):
                     raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
                 qid = question_id(qid)
-                if not question.strip():
-                    raise ValueError("the question is empty")
-                if not any(c.isalnum() for c in question):  # workers.tools.has_words
-                    raise ValueError("the question has no words to search for")
+                problem = question_problem(question)
+                if problem:
+                    raise ValueError(problem)
             except (json.JSONDecodeError, ValueError) as exc:
                 out.bad_lines.append(f"{path}:{lineno}: {exc}")
                 continue

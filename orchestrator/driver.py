@@ -18,7 +18,8 @@ from branchsearch.orchestrator.executors import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import SearchResult, fuse_branches
 from branchsearch.workers.branch import BranchTask
-from branchsearch.workers.tools import fit_query, has_words
+from branchsearch.workers.query import check_question
+from branchsearch.workers.tools import fit_query
 
 
 class Driver:
@@ -71,11 +72,7 @@ class Driver:
         Raises BranchsearchError for an empty question or one without a letter or digit; never for a failing branch — the
         result's `status` (ok | partial | failed) and its branches say what happened.
         """
-        if not isinstance(question, str) or not question.strip():
-            raise BranchsearchError("empty question: give the question to search evidence for")
-        if not has_words(question):
-            raise BranchsearchError("question has no words to search for (only punctuation or "
-                                    "symbols)")
+        check_question(question)
         started = time.perf_counter()
         deadline = time.time() + deadline_s if deadline_s is not None else None
         cap = self.settings.query_max_tokens

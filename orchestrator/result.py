@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from branchsearch.fusion.documents import fuse_documents
 from branchsearch.workers.branch import BranchReport
 from branchsearch.workers.rank import doc_of
 
-__all__ = ["BranchReport", "SearchResult", "fuse_branches"]
+__all__ = ["BranchReport", "SearchResult", "fuse_branches", "result_status"]
+
+
+def result_status(branch_statuses: Iterable[str]) -> str:
+    """The one rule: ok (every branch ok) | partial (some failed; evidence from the rest) |
+    failed (none ok, or no branch)."""
+    statuses = list(branch_statuses)
+    ok = sum(s == "ok" for s in statuses)
+    return "ok" if ok and ok == len(statuses) else "partial" if ok else "failed"
 
 
 @dataclass
@@ -23,9 +32,7 @@ class SearchResult:
 
     @property
     def status(self) -> str:
-        """ok (every branch ok) | partial (some failed; evidence from the rest) | failed."""
-        ok = sum(b.status == "ok" for b in self.branches)
-        return "ok" if ok and ok == len(self.branches) else "partial" if ok else "failed"
+        return result_status(b.status for b in self.branches)
 
     def to_dict(self, full: bool = False) -> dict:
         return {"question": self.question, "status": self.status, "notes": self.notes,

@@ -122,40 +122,24 @@ def test_errors_map_to_statuses_without_internals():
     assert (again.status, again.body(), again.headers) == (429, err.body(), err.headers)
 
 
-class _Result:
-    question = "q"
+def test_events_are_framed_and_the_result_keeps_its_status():
+    from branchsearch.orchestrator.result import SearchResult, result_status
 
-    def __init__(self, branches):
-        self.branches = branches
-
-    def to_dict(self):
-        return {"question": "q", "branches": [b.summary() for b in self.branches],
-                "evidence": [{"doc_id": "d", "title": "", "score": 1, "chunks": [
-                    {"chunk_id": "d#p0", "found_by": []}, {"chunk_id": "d#p1", "found_by": []}]}],
-                "ranked_chunk_ids": ["d#p0", "d#p1"], "metrics": {}, "trace_id": "t"}
-
-
-def test_replayed_events_are_ordered_and_framed():
-    trace = [{"kind": "start"},
-             {"kind": "call", "tool": "search_corpus", "args": {"query": "harbor"}, "ids": ["d#p0"]},
-             {"kind": "prune", "applied": ["d#p0"], "reason": "off topic", "tokens_before": 90,
-              "tokens_after": 10},
-             {"kind": "call", "tool": "finish", "args": {}, "ids": []}]
-    ok = BranchReport(0, "q", 1.0, "original", "ok",
-                      episode=EpisodeResult("q", "finish", trace=trace))
-    dead = BranchReport(1, "q2", 1.0, "entity", "error", error="BackendUnavailable: x")
-    events = stream.replay_events(_Result([ok, dead]))
-    assert [e["type"] for e in events] == ["plan", "branch_started", "branch_started", "search",
-                                          "prune", "branch_done", "branch_done"]
-    assert events[3]["new_ids"] == ["d#p0"] and events[4]["reason"] == "off topic"
-    assert events[6]["status"] == "error"
+    events = [{"type": "plan", "subqueries": ["q"]},
+              {"type": "search", "branch": 0, "tool": "search_corpus", "query": "harbor",
+               "new_ids": ["d#p0"]},
+              {"type": "prune", "branch": 0, "ids": ["d#p0"], "reason": "off topic"}]
     frames = "".join(stream.sse(e) for e in events)
-    assert frames.startswith("event: plan\ndata: ") and stream.parse_sse(frames) == json.loads(
-        json.dumps(events))
-    out = stream.result_dict(_Result([ok, dead]), k=1)
+    assert frames.startswith("event: plan\ndata: ") and stream.parse_sse(frames) == events
+    ok = BranchReport(0, "q", 1.0, "original", "ok", episode=EpisodeResult("q", "finish"))
+    dead = BranchReport(1, "q2", 1.0, "entity", "error", error="BackendUnavailable: x")
+    evidence = [{"doc_id": "d", "title": "", "score": 1, "chunks": [
+        {"chunk_id": "d#p0", "found_by": []}, {"chunk_id": "d#p1", "found_by": []}]}]
+    out = stream.result_dict(SearchResult("q", evidence, ["d#p0", "d#p1"], [ok, dead], {}, "t"),
+                             k=1)
     assert out["status"] == "partial" and out["ranked_chunk_ids"] == ["d#p0"]
     assert [c["chunk_id"] for d in out["evidence"] for c in d["chunks"]] == ["d#p0"]
-    assert stream.result_status([]) == "failed"
+    assert result_status([]) == "failed" and result_status(["ok", "timeout"]) == "partial"
 
 
 def test_acl_guard_drops_hidden_ids_everywhere():

@@ -246,12 +246,6 @@ def _validator(name: str):
     return jsonschema.Draft7Validator(TOOLS[name].parameters)
 
 
-def has_words(text: str) -> bool:
-    """Whether `text` has anything to search for: a letter or a digit (any script). "?!?" has
-    none: BM25 finds nothing in it and a dense search would answer with arbitrary neighbours."""
-    return any(c.isalnum() for c in text)
-
-
 def fit_query(text: str, counter, max_tokens: int, max_chars: int = QUERY_MAX_CHARS
               ) -> tuple[str, int]:
     """`text` cut to `max_tokens` tokens (and the search cap in characters, at a word);

@@ -32,13 +32,11 @@ class Target(Protocol):
 
 
 def result_status(result: dict) -> str:
-    """`status` of the result (ok | partial | failed); derived from the branches for drivers
-    that do not report it yet."""
-    if result.get("status"):
-        return str(result["status"])
-    statuses = [b.get("status") for b in result.get("branches", [])]
-    ok = sum(s == "ok" for s in statuses)
-    return "ok" if ok == len(statuses) and ok else ("partial" if ok else "failed")
+    """`status` of a result dict (ok | partial | failed): its own, else the one rule
+    (`orchestrator.result.result_status`) over its branches."""
+    from branchsearch.orchestrator.result import result_status as rule
+
+    return str(result.get("status") or rule(b.get("status") for b in result.get("branches", [])))
 
 
 def stage_times(result: dict) -> dict[str, float]:

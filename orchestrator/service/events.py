@@ -1,9 +1,7 @@
 """Search events for callers: Server-Sent Events framing, the result object, the ACL guard.
 
 The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`, `result`)
-through `on_event`. A driver without `on_event` gets them replayed from its result's branch
-traces, in the same order a live run produces them, so a caller sees one protocol either way.
-Everything here is a plain function over JSON-able dicts.
+through `on_event` as they happen. Everything here is a plain function over JSON-able dicts.
 """
 
 from __future__ import annotations
@@ -30,17 +28,9 @@ def parse_sse(text: str) -> list[dict]:
     return events
 
 
-def result_status(branches: list[dict]) -> str:
-    """ok (all branches ok) | partial (some) | failed (none) — as `SearchResult.status`."""
-    ok = sum(b.get("status") == "ok" for b in branches)
-    return "ok" if branches and ok == len(branches) else "partial" if ok else "failed"
-
-
 def result_dict(result, k: int | None = None) -> dict:
-    """`SearchResult.to_dict()` with `status` (computed when the driver does not set it yet)
-    and at most `k` evidence chunks."""
+    """`SearchResult.to_dict()` with at most `k` evidence chunks."""
     out = result.to_dict()
-    out.setdefault("status", getattr(result, "status", None) or result_status(out["branches"]))
     if k is not None:
         out["ranked_chunk_ids"] = out["ranked_chunk_ids"][:k]
         keep = set(out["ranked_chunk_ids"])
@@ -51,28 +41,6 @@ def result_dict(result, k: int | None = None) -> dict:
                 docs.append({**doc, "chunks": chunks})
         out["evidence"] = docs
     return out
-
-
-def replay_events(result) -> list[dict]:
-    """The events of a finished search, from its branches' traces (drivers without on_event).
-    The `result` event is not included: the caller adds it with the final result dict."""
-    events: list[dict] = [{"type": "plan", "subqueries": [b.subquery for b in result.branches]}]
-    for b in result.branches:
-        events.append({"type": "branch_started", "branch": b.index, "subquery": b.subquery})
-    for b in result.branches:
-        for rec in b.trace:
-            if rec.get("kind") == "call" and rec.get("tool") in SEARCH_TOOLS:
-                args = rec.get("args") or {}
-                events.append({"type": "search", "branch": b.index, "tool": rec["tool"],
-                               "query": args.get("query") or args.get("pattern")
-                               or args.get("doc_id"), "new_ids": rec.get("ids") or []})
-            elif rec.get("kind") == "prune":
-                events.append({"type": "prune", "branch": b.index,
-                               "ids": rec.get("applied") or [], "reason": rec.get("reason", ""),
-                               "tokens_before": rec.get("tokens_before"),
-                               "tokens_after": rec.get("tokens_after")})
-        events.append(branch_done(b))
-    return events
 
 
 def branch_done(b) -> dict:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from branchsearch.infra.settings import INDEX_NAME_CHARS, index_name_problem
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.errors import ApiError
-from branchsearch.workers.tools import has_words
+from branchsearch.workers.query import question_problem
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,12 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
                                                             for u in unknown) else ""
         raise ApiError(422, "bad_request", f"unknown field(s): {', '.join(unknown)}{hint}")
     question = body.get("question")
-    if not isinstance(question, str) or not question.strip():
-        raise ApiError(422, "bad_request", "'question' must be a non-empty string")
-    if not has_words(question):
-        raise ApiError(422, "bad_request", "'question' has no words to search for (only "
-                                           "punctuation or symbols)")
+    problem = question_problem(question)
+    if problem:
+        raise ApiError(422, "bad_request", problem)
     if len(question) > limits.max_question_chars:
         raise ApiError(422, "question_too_long", f"question has {len(question)} characters; "
                                                  f"the limit is {limits.max_question_chars}")
-    if not _utf8(question):
-        raise ApiError(422, "bad_request", "'question' is not valid Unicode text (a lone "
-                                           "surrogate escape such as \\ud800)")
     index = body.get("index")
     if index is not None:
         problem = index_name_problem(index) if isinstance(index, str) and _utf8(index) else \

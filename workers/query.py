@@ -1,0 +1,33 @@
+"""The one check of a question a user gives — the CLI, the driver, batch and the service ask it:
+something to search for (a letter or a digit, in any script) that can be written as UTF-8."""
+
+from __future__ import annotations
+
+from branchsearch.infra.errors import BadQuery
+
+
+def has_words(text: str) -> bool:
+    """Whether `text` has anything to search for: a letter or a digit (any script). "?!?" has
+    none: BM25 finds nothing in it and a dense search would answer with arbitrary neighbours."""
+    return any(c.isalnum() for c in text)
+
+
+def question_problem(text: object, what: str = "question") -> str:
+    """Why `text` cannot be searched ("" when it can)."""
+    if not isinstance(text, str) or not text.strip():
+        return f"empty {what}: give the words to search for"
+    if not has_words(text):
+        return f"{what} has no words to search for (only punctuation or symbols)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's "\ud800" gives a string no store can hold
+        return f"{what} is not valid Unicode text (it holds a lone surrogate such as \\ud800)"
+    return ""
+
+
+def check_question(text: object, what: str = "question") -> str:
+    """`text`, or BadQuery saying why it cannot be searched."""
+    problem = question_problem(text, what)
+    if problem:
+        raise BadQuery(problem)
+    return text  # type: ignore[return-value]
