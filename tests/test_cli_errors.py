@@ -17,7 +17,7 @@ import pytest
 
 from branchsearch.infra.backends import MAX_K, check_k, check_pattern
 from branchsearch.infra.errors import BadQuery
-from branchsearch.orchestrator.terminal import clean, one_line
+from branchsearch.orchestrator.cli.render import clean, one_line
 
 CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
 
@@ -277,28 +277,34 @@ def test_synth_bounds_in_the_library(tmp_path):
     assert not (tmp_path / "big").exists()
 
 
-def test_actor_died_of_a_user_error_is_one_line():
-    """Ray 2.60's ActorDiedError keeps only the text of the constructor's traceback; the CLI
-    still shows the user error it ends with (and nothing for an unrelated actor death)."""
+def test_actor_died_of_a_user_error_is_that_error():
+    """An actor that dies in its constructor of a user error: the execution room raises that
+    error itself (Ray's ActorDiedError carries the creation task's error, which holds it), so
+    the CLI shows one line; an unrelated actor death is not the user's and keeps its
+    traceback."""
     import traceback
 
     from ray.exceptions import ActorDiedError, RayTaskError
 
     from branchsearch.infra.errors import BackendUnavailable
     from branchsearch.orchestrator.cli import user_error
+    from branchsearch.orchestrator.execution.pool import start_error
 
     try:
         raise BackendUnavailable("elasticsearch at http://127.0.0.1:9 is not reachable")
     except BackendUnavailable as exc:
         died = ActorDiedError(RayTaskError("RetrieverService.__init__",
                                            "".join(traceback.format_exception(exc)), exc))
-    assert user_error(died) == "elasticsearch at http://127.0.0.1:9 is not reachable"
-    assert user_error(ActorDiedError()) is None  # a crash, not the user's: keeps its traceback
+    cause = start_error(died)
+    assert isinstance(cause, BackendUnavailable)
+    assert user_error(cause) == "elasticsearch at http://127.0.0.1:9 is not reachable"
+    assert start_error(ActorDiedError()) is None  # a crash, not the user's
+    assert user_error(ActorDiedError()) is None  # keeps its traceback
     try:
         raise KeyError("x")
     except KeyError as exc:
         bug = ActorDiedError(RayTaskError("f", "".join(traceback.format_exception(exc)), exc))
-    assert user_error(bug) is None
+    assert start_error(bug) is None and user_error(bug) is None
 
 
 @pytest.mark.ray

@@ -13,8 +13,8 @@ from branchsearch.infra.choices import (BASELINES, EXECUTORS, MILVUS_CONSISTENCI
                                         PLANNERS, POLICIES, SPLITS, TRACE_EXPORTERS, one_of)
 from branchsearch.infra.errors import BranchsearchError, SettingsError
 from branchsearch.infra.settings import load_settings
-from branchsearch.orchestrator.evaluate import EvalOptions, dataset_index, run_evaluation
-from branchsearch.orchestrator.executors import pick_executor
+from branchsearch.orchestrator.evaluation.run import EvalOptions, dataset_index, run_evaluation
+from branchsearch.orchestrator.execution import pick_executor
 
 
 def settings(**overrides):

@@ -4,7 +4,7 @@ import pytest
 
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.settings import Settings
-from branchsearch.orchestrator.cluster import MIN_BRANCH_CPUS, plan_actors
+from branchsearch.orchestrator.execution.actor_plan import MIN_BRANCH_CPUS, plan_actors
 
 S = Settings()  # 3 branches, branch_num_cpus 0.5
 
@@ -64,7 +64,7 @@ def test_gpus_go_to_engines_first_and_branches_only_when_asked():
 def test_the_service_pool_fits_what_is_free_with_room_for_every_index(free, indexes):
     """The service's one branch pool is planned from what is free after Serve's own actors,
     leaving a retriever's share for each index and one more: nothing it starts can pend."""
-    from branchsearch.orchestrator.cluster import plan_service
+    from branchsearch.orchestrator.execution.actor_plan import plan_service
 
     plan = plan_service(S, {"CPU": free}, indexes, 6)
     demand = plan.branch_actors * plan.branch["num_cpus"] + \
@@ -75,7 +75,7 @@ def test_the_service_pool_fits_what_is_free_with_room_for_every_index(free, inde
 
 
 def test_a_service_without_room_for_one_question_says_so():
-    from branchsearch.orchestrator.cluster import plan_service
+    from branchsearch.orchestrator.execution.actor_plan import plan_service
 
     with pytest.raises(BranchsearchError, match="not enough CPUs for the service"):
         plan_service(S, {"CPU": 0.1}, 2, 6)

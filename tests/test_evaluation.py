@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from branchsearch.infra.synth import synth
-from branchsearch.orchestrator.attribution import Trajectory, agent_measures, answer_in, attribute
-from branchsearch.orchestrator.evaluate import compare
+from branchsearch.orchestrator.evaluation.attribution import (Trajectory, agent_measures,
+                                                              answer_in, attribute)
+from branchsearch.orchestrator.evaluation.run import compare
 
 GOLD = {"a": 1, "b": 1}
 TITLES = {"a": "Alpha Works", "b": "Beta Holdings (company)"}

@@ -322,7 +322,7 @@ def test_ray_branches_share_one_replica_cache(hotpot_settings):
 
 
 def test_a_question_takes_one_replica_weighted_by_its_branches():
-    from branchsearch.orchestrator.executors import ReplicaBalancer
+    from branchsearch.orchestrator.execution.balancer import ReplicaBalancer
 
     b = ReplicaBalancer(2)
     first = b.take(3)  # a 3-branch question on one replica counts 3

@@ -26,7 +26,7 @@ from branchsearch.orchestrator.loadtest.stats import (DROPPED, UNFINISHED, Sampl
 from branchsearch.orchestrator.loadtest.targets import (HttpTarget, RequestFailed, classify,
                                                         stage_times)
 from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
-from branchsearch.orchestrator.metrics import percentile
+from branchsearch.orchestrator.evaluation.measures import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 import math
 
-from branchsearch.orchestrator.metrics import (all_recall_at, doc_ranking, ndcg_at, percentile, recall_at,
+from branchsearch.orchestrator.evaluation.measures import (all_recall_at, doc_ranking, ndcg_at, percentile, recall_at,
                                   single_shot_metrics)
 
 

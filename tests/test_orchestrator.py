@@ -97,7 +97,7 @@ def test_a_busy_branch_pool_answers_within_the_deadline(ray_driver, hotpot_setti
     import time
 
     from branchsearch.infra.errors import Overloaded
-    from branchsearch.orchestrator.executors import BranchPool
+    from branchsearch.orchestrator.execution.pool import BranchPool
     from branchsearch.orchestrator.service.errors import api_error
 
     pool = BranchPool(1, {"num_cpus": 0.05}, hotpot_settings)
@@ -191,7 +191,7 @@ def test_event_buffers_drain_and_forget_a_finished_branch():
 
 
 def test_a_replica_hosts_one_branch_at_a_time():
-    from branchsearch.orchestrator.executors import ReplicaBalancer
+    from branchsearch.orchestrator.execution.balancer import ReplicaBalancer
 
     b = ReplicaBalancer(2)
     assert b.host(0) and not b.host(0) and b.host(1)

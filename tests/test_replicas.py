@@ -11,9 +11,9 @@ import pytest
 from branchsearch.infra.errors import BranchsearchError, SettingsError
 from branchsearch.infra.external import parse_indexes
 from branchsearch.infra.settings import Settings, load_settings
-from branchsearch.orchestrator.cluster import plan_actors
+from branchsearch.orchestrator.execution.actor_plan import plan_actors
 from branchsearch.infra.profile import index_profile
-from branchsearch.orchestrator.executors import ReplicaBalancer
+from branchsearch.orchestrator.execution.balancer import ReplicaBalancer
 
 
 def replica_count(s: Settings) -> tuple[int, str]:

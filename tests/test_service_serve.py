@@ -25,7 +25,7 @@ def serve_app(tmp_path_factory):
     import ray
     from ray import serve
 
-    from branchsearch.orchestrator.cluster import connect
+    from branchsearch.infra.raycluster import connect
     from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
 
     home = tmp_path_factory.mktemp("serve-home")

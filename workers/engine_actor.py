@@ -59,7 +59,7 @@ class RemoteEngine:
 
 def start_engines(settings, resources: dict, plan: list[dict] | None = None) -> list:
     """Create (or reuse) `llm_engines` named engine actors sized to the cluster, or with the
-    resources of `plan` (one options dict per engine, from `orchestrator.cluster.plan_actors`)."""
+    resources of `plan` (one options dict per engine, from `orchestrator.execution.actor_plan`)."""
     from branchsearch.infra.models import resolve_llm_model
 
     model = resolve_llm_model(settings)

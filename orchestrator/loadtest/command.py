@@ -1,4 +1,4 @@
-"""The `branchsearch loadtest` command (registered by orchestrator/cli.py): parse, run, print."""
+"""The `branchsearch loadtest` command (registered by cli/jobs.py): parse, run, print."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def loadtest(
     from branchsearch.orchestrator.loadtest import report as rep
     from branchsearch.orchestrator.loadtest.run import Options, loadtest as run, read_key
 
-    if executor not in EXECUTORS:  # (was: anything but local ran on Ray)
+    if executor not in EXECUTORS:
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
                                  param_hint="'--executor'")
     settings = load_settings(config, {"home": home, "index": index, "branches": branches,

@@ -22,7 +22,7 @@ from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_k
     is_refusal, slo_max, summarize
 from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
 from branchsearch.orchestrator.loadtest.workload import Workload
-from branchsearch.orchestrator.metrics import percentile
+from branchsearch.orchestrator.evaluation.measures import percentile
 
 
 @dataclass(frozen=True)

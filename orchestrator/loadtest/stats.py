@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from branchsearch.orchestrator.metrics import percentile
+from branchsearch.orchestrator.evaluation.measures import percentile
 
 OK = "ok"
 DROPPED = "dropped"

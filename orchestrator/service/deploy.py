@@ -57,7 +57,7 @@ def local_state(settings, *, executor: str = "local", keys_path=None,
     from branchsearch.orchestrator.service.searcher import Searcher
 
     if executor == "ray":
-        from branchsearch.orchestrator.cluster import connect
+        from branchsearch.infra.raycluster import connect
 
         connect(settings)
     searcher = Searcher(settings, executor=executor, limits=limits, driver_factory=driver_factory)
@@ -152,7 +152,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     from this (the main) thread."""
     from ray import serve
 
-    from branchsearch.orchestrator.cluster import connect
+    from branchsearch.infra.raycluster import connect
 
     connect(settings)
     serve.start(http_options={"host": host, "port": port})

@@ -185,7 +185,7 @@ class Searcher:
 
         if executor != "ray":
             return Driver(settings, mode=executor)
-        from branchsearch.orchestrator.executors import RayExecutor
+        from branchsearch.orchestrator.execution.ray import RayExecutor
 
         pool = self._branch_pool()
         return Driver(settings, mode="ray", executor=RayExecutor(
@@ -199,8 +199,9 @@ class Searcher:
             if self.pool is None:
                 import ray
 
-                from branchsearch.orchestrator.cluster import connect, plan_service
-                from branchsearch.orchestrator.executors import BranchPool, wait_started
+                from branchsearch.infra.raycluster import connect
+                from branchsearch.orchestrator.execution.actor_plan import plan_service
+                from branchsearch.orchestrator.execution.pool import BranchPool, wait_started
 
                 resources = connect(self.settings)
                 plan = plan_service(self.settings, ray.available_resources(),
@@ -235,7 +236,7 @@ class Searcher:
     @staticmethod
     def _in_retriever(driver, local_fn, actor_fn, *args):
         """Run on the stores' owner: in this process (local) or in the retriever actor (Ray)."""
-        from branchsearch.orchestrator.executors import RayExecutor
+        from branchsearch.orchestrator.execution.ray import RayExecutor
 
         if not isinstance(driver.executor, RayExecutor):
             return local_fn(driver.executor.retriever, *args)

@@ -2,7 +2,7 @@
 
     python reports/recall/branch_eval.py run  DATASET INDEX OUT.json [--branches 3]
         [--ranker on|off] [--features] [--policy-arg search_k=10] [--rule RULE]
-        runs `orchestrator.evaluate.eval_agent` (the function behind `branchsearch eval
+        runs `orchestrator.evaluation.run.eval_agent` (the function behind `branchsearch eval
         --policy heuristic`) with the local executor and keeps every branch's ranking,
         retrieved/pruned/kept ids, tokens read and searches (settings from BRANCHSEARCH_* env,
         home from --home). `--rule candidates --branches 10`: every candidate sub-query of
@@ -45,8 +45,8 @@ from pathlib import Path
 
 from branchsearch.fusion.documents import fuse_documents
 from branchsearch.infra.choices import MODES
-from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
-from branchsearch.orchestrator.metrics import doc_ranking, single_shot_metrics
+from branchsearch.orchestrator.evaluation.attribution import Trajectory, agent_measures, attribute
+from branchsearch.orchestrator.evaluation.measures import doc_ranking, single_shot_metrics
 from branchsearch.workers.rank import doc_of
 
 
@@ -57,7 +57,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
     from branchsearch.infra.docstore import DocStore
     from branchsearch.infra.settings import load_settings
     from branchsearch.orchestrator.driver import Driver
-    from branchsearch.orchestrator.evaluate import eval_agent
+    from branchsearch.orchestrator.evaluation.run import eval_agent
     from branchsearch.orchestrator.plan import HeuristicPlanner
 
     settings = load_settings(None, {"home": home, "index": index, "branches": branches})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from branchsearch.orchestrator.metrics import mean, recall_at
+from branchsearch.orchestrator.evaluation.measures import mean, recall_at
 
 SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_recall@10",
                    "ndcg@10", "trajectory_recall", "precision", "f1", "prune_accuracy",

@@ -1,4 +1,4 @@
-"""Connecting to Ray and planning every actor a driver starts against what the cluster has.
+"""Planning every actor a driver (or the service) starts against what the cluster has.
 
 An actor that asks for more than the cluster has pends forever, so the plan counts every actor
 it starts — the LLM engine actors, the retriever actor and the branch pool — before any is
@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.raycluster import connect  # noqa: F401  (re-exported)
 from branchsearch.infra.settings import Settings
 
 MIN_BRANCH_CPUS = 0.05  # below this a branch actor is starved; shrink the pool instead

@@ -1,284 +1,35 @@
-"""Two executors behind one interface: `run(tasks, ...) -> [BranchReport]`, `close()`.
+"""`RayExecutor`: `run_branch` inside `BranchActor`s from a `BranchPool`, retrieval in
+`retriever_replicas` `RetrieverActor`s (one when the index is a Milvus Lite file: see
+`IndexProfile.replicas`), each question sent to the least-loaded one (`ReplicaBalancer`), LLM
+engines in named engine actors; every actor counted by `actor_plan.plan_actors` before any
+starts, every start awaited with a timeout (`pool.wait_started`).
 
-* `LocalExecutor` — `run_branch` in this process, one branch after another, over one
-  `Retriever` (no Ray; the baseline and the laptop path).
-* `RayExecutor` — `run_branch` inside `BranchActor`s from a pool, retrieval in
-  `retriever_replicas` `RetrieverActor`s (one when the index is a Milvus Lite file: see
-  `IndexProfile.replicas`), each question sent to the least-loaded one (`ReplicaBalancer`), LLM engines
-  in named engine actors; every actor counted by `orchestrator.cluster.plan_actors` before any
-  starts, every start awaited with a timeout. The question's own branch is *hosted* by its
-  retriever replica — run in that actor, beside the stores, with no round trip per turn —
-  when the replica hosts no other branch just then and the policy needs no model (the LLM
-  policy's branches stay in branch actors, which hold its keys and GPUs). It is the branch
-  every question has and the longest (it follows the most hops): on 2 cores hosting took
-  3-branch questions from 110 to 97 ms and 1-branch ones from 87 to 69 ms (session 13).
+The question's own branch is *hosted* by its retriever replica — run in that actor, beside the
+stores, with no round trip per turn — when the replica hosts no other branch just then and the
+policy needs no model (the LLM policy's branches stay in branch actors, which hold its keys and
+GPUs). It is the branch every question has and the longest (it follows the most hops).
 
-With `fetch_cache` (default), the branches of one question share a `QuestionCache`
-(`infra.fetch_cache`): locally one per `run`; on Ray it lives in the retriever replica that
-serves all the question's branches (the question's requests carry its id; `end_question` drops
-it). Same results, fewer backend requests. Off, each branch of a question may take its own
-replica, as before.
-
-`pick_executor` is the one place that decides between them (one branch runs in-process),
-`make_executor` the one place that builds them. A branch that raises or misses its
-deadline is reported in its `BranchReport.status`; the others still count.
+With `fetch_cache`, a question's branches share one replica, which holds the question's cache
+(the question's requests carry its id; `end_question` drops it). Off, each branch of a question
+may take its own replica.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import replace
 
 from branchsearch.infra import telemetry
-from branchsearch.infra.choices import EXECUTORS, Executor as ExecutorName, one_of
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, Overloaded
 from branchsearch.infra.settings import Settings
-from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
+from branchsearch.orchestrator.execution import Events, done_event, emit, shares_cache
+from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
+from branchsearch.orchestrator.execution.pool import BranchPool, wait_started
+from branchsearch.workers.branch import BranchReport, BranchTask
 
 log = logging.getLogger("branchsearch.executors")
-Events = Callable[[dict], None] | None
-
-
-class Executor(Protocol):
-    def run(self, tasks: list[BranchTask], *, settings: Settings,
-            policy_factory: Callable | None = None, on_event: Events = None
-            ) -> list[BranchReport]:
-        """Run every task; one report per task, in order, whatever happened to it."""
-
-    def close(self) -> None: ...
-
-
-def pick_executor(settings: Settings, requested: str = "ray") -> ExecutorName:
-    """The executor to use: the one requested, except that one branch needs no cluster, so
-    `ray` with `branches = 1` runs in-process, unless a cluster was named (`ray_address`)."""
-    if requested not in EXECUTORS:
-        raise BranchsearchError(f"unknown executor {requested!r}; use {one_of(EXECUTORS)}")
-    if requested == "ray" and settings.branches == 1 and not settings.ray_address:
-        return "local"
-    return requested
-
-
-def make_executor(settings: Settings, mode: ExecutorName, *,
-                  pool_size: int | None = None) -> Executor:
-    if mode == "local":
-        return LocalExecutor(settings)
-    if mode == "ray":
-        return RayExecutor(settings, pool_size or settings.branches
-                           * max(settings.batch_concurrency, 1))
-    raise BranchsearchError(f"unknown executor {mode!r}; use {one_of(EXECUTORS)}")
-
-
-class ReplicaBalancer:
-    """Which retriever replica serves the next branch (or question: `take(branches)`): the one
-    with the fewest branches in flight, ties broken round-robin (so a quiet pool still
-    spreads). A branch keeps its replica for all its tool calls; `done(i, branches)` when it
-    ends. Thread-safe (concurrent questions)."""
-
-    def __init__(self, replicas: int):
-        if replicas < 1:
-            raise ValueError("at least one replica")
-        self.load = [0] * replicas  # branches in flight per replica
-        self.served = [0] * replicas  # branches sent to each replica, ever
-        self.hosting = [False] * replicas  # whether the replica runs a hosted branch now
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def take(self, branches: int = 1) -> int:
-        with self._lock:
-            n = len(self.load)
-            order = [(self._next + j) % n for j in range(n)]
-            pick = min(order, key=lambda r: self.load[r])  # first least-loaded in rotation
-            self.load[pick] += branches
-            self.served[pick] += branches
-            self._next = (pick + 1) % n
-            return pick
-
-    def done(self, replica: int, branches: int = 1) -> None:
-        with self._lock:
-            self.load[replica] = max(self.load[replica] - branches, 0)
-
-    def host(self, replica: int) -> bool:
-        """Claim the replica's one hosted-branch slot; False when another branch holds it."""
-        with self._lock:
-            if self.hosting[replica]:
-                return False
-            self.hosting[replica] = True
-            return True
-
-    def unhost(self, replica: int) -> None:
-        with self._lock:
-            self.hosting[replica] = False
-
-
-def wait_started(refs: list, what: str, timeout: float, resources: dict, demand: dict) -> None:
-    """Wait for actors to answer, at most `timeout`: a plan the cluster cannot place fails here
-    with one line instead of hanging."""
-    import ray
-
-    try:
-        ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-        try:  # what other actors (another index's, another job's) left free
-            free = {k: round(v, 2) for k, v in ray.available_resources().items()
-                    if k in ("CPU", "GPU")}
-        except Exception:  # noqa: BLE001
-            free = "unknown"
-        raise BackendUnavailable(
-            f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
-            f"free now {free}, this plan asks {demand}: other actors hold the "
-            "rest; see `ray status`, or raise actor_start_timeout_s)") from None
-
-
-@dataclass
-class Placement:
-    """Where one branch runs: a pool actor, or hosted by retriever replica `replica` (`actor`
-    None; its events under `events`)."""
-
-    ref: object
-    replica: int
-    actor: object = None
-    events: str | None = None
-
-
-def emit(on_event: Events, event: dict) -> None:
-    """Pass an event to the watcher, if any; a watcher that fails never breaks the search."""
-    if on_event is not None:
-        try:
-            on_event(event)
-        except Exception:  # noqa: BLE001 — a watcher never breaks the search
-            pass
-
-
-def _done_event(report: BranchReport) -> dict:
-    return {"type": "branch_done", "branch": report.index, "status": report.status,
-            "error": report.error, "termination": report.termination, "turns": report.turns,
-            "context_tokens_final": report.context_tokens_final,
-            "tokens_read": report.tokens_read, "latency_s": round(report.latency_s, 4)}
-
-
-def shares_cache(settings: Settings, tasks: list[BranchTask]) -> bool:
-    """Whether a question's branches share a fetch cache: with `fetch_cache`, when there are
-    two or more (a lone branch has no one to share with and would only over-fetch)."""
-    return settings.fetch_cache and len(tasks) > 1
-
-
-class LocalExecutor:
-    def __init__(self, settings: Settings):
-        from branchsearch.infra.retriever import open_retriever
-
-        self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
-        self.last_cache_stats: dict = {}  # the last question's fetch cache counters
-
-    def run(self, tasks: list[BranchTask], *, settings: Settings,
-            policy_factory: Callable | None = None, on_event: Events = None
-            ) -> list[BranchReport]:
-        from branchsearch.infra.fetch_cache import QuestionCache
-        from branchsearch.infra.retriever import QuestionRetriever
-
-        cache = QuestionCache() if shares_cache(settings, tasks) else None
-        retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
-        try:
-            return self._run(tasks, retriever, settings, policy_factory, on_event)
-        finally:  # the cache dies with the question
-            self.last_cache_stats = dict(cache.stats) if cache is not None else {}
-
-    def _run(self, tasks: list[BranchTask], retriever, settings: Settings,
-             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
-        reports = []
-        for task in tasks:
-            if task.deadline is not None and time.time() >= task.deadline:
-                report = BranchReport(task.index, task.subquery, task.weight, task.kind,
-                                      "timeout", "not started before the deadline")
-            else:
-                emit(on_event, {"type": "branch_started", "branch": task.index,
-                                 "subquery": task.subquery})
-                report = run_branch(task, retriever, settings,
-                                    policy_factory=policy_factory, on_event=on_event)
-            emit(on_event, _done_event(report))
-            reports.append(report)
-        return reports
-
-    def close(self) -> None:
-        self.retriever.close()
-
-
-class BranchPool:
-    """Branch actors shared by every question (and, in the service, every index): a question
-    takes all its actors at once and gives them back when its branches end. Each run carries its
-    own settings and retriever, so one pool serves any index. With `grow`, actors start on
-    demand up to `size`; without, all start now (the service: every actor is placed before a
-    request waits on one). `acquire` waits at most `timeout` seconds, then raises `Overloaded`:
-    nothing waits on an actor that cannot be placed."""
-
-    def __init__(self, size: int, options: dict, settings: Settings, *, start: int | None = None):
-        from branchsearch.workers.actor import BranchActor
-
-        self.size = size
-        # secrets stay with the retrievers and engines; each run brings its own settings
-        branch_settings = settings.replace(es_api_key="", milvus_token="")
-        # no restarts: a branch actor that dies is replaced by a fresh one (see `replace`);
-        # a restartable actor holding a handle in its arguments also makes Ray's core print an
-        # error-level notice on the user's terminal (ray-project/ray#53727)
-        self._new = lambda: BranchActor.options(max_restarts=0, **options).remote(
-            branch_settings, None)
-        self._idle = [self._new() for _ in range(size if start is None else min(start, size))]
-        self._created = len(self._idle)
-        self._cond = threading.Condition()
-
-    def ping_all(self) -> list:
-        return [a.ping.remote() for a in self._idle]
-
-    def acquire(self, n: int, timeout: float | None = None) -> list:
-        """n actors at once (all or none, so concurrent questions cannot deadlock holding part
-        of the pool each); new ones start while the pool may still grow."""
-        if n > self.size:
-            raise BranchsearchError(f"{n} branches need as many branch actors; the pool holds "
-                                    f"{self.size} on this cluster")
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while len(self._idle) + self.size - self._created < n:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    raise Overloaded(f"no {n} branch actor(s) free within the deadline: the "
-                                     f"pool of {self.size} is busy with other searches")
-                self._cond.wait(left)
-            while len(self._idle) < n:
-                self._idle.append(self._new())
-                self._created += 1
-            taken, self._idle = self._idle[:n], self._idle[n:]
-            return taken
-
-    def release(self, actor) -> None:
-        with self._cond:
-            self._idle.append(actor)
-            self._cond.notify_all()
-
-    def replace(self, actor) -> None:
-        """`actor` is dead or busy with work nobody will collect: kill it, add a fresh one."""
-        import ray
-
-        try:
-            ray.kill(actor)
-        except Exception:  # noqa: BLE001 — already gone
-            pass
-        self.release(self._new())
-
-    def close(self) -> None:
-        import ray
-
-        with self._cond:
-            idle, self._idle = self._idle, []
-        for actor in idle:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 — already gone
-                pass
 
 
 class RayExecutor:
@@ -288,7 +39,8 @@ class RayExecutor:
                  retriever_cpus: float | None = None):
         """`pool`: a shared branch pool (the service's, for every index; not closed here);
         then only the retriever actors are planned, each with `retriever_cpus`."""
-        from branchsearch.orchestrator.cluster import connect, plan_actors
+        from branchsearch.infra.raycluster import connect
+        from branchsearch.orchestrator.execution.actor_plan import plan_actors
         from branchsearch.workers.actor import RetrieverActor
 
         self.settings = settings
@@ -442,7 +194,7 @@ class RayExecutor:
                     task.index, task.subquery, task.weight, task.kind, "error",
                     "its retriever actor died, and no time was left to run it elsewhere")
         for report in reports:
-            emit(on_event, _done_event(report))
+            emit(on_event, done_event(report))
         return reports
 
     def _report(self, task: BranchTask, place: Placement, done: set, timeout: float
@@ -528,7 +280,6 @@ class RayExecutor:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 — already gone
                 pass
-
 
 def _left(tasks: list[BranchTask]) -> float | None:
     """Seconds until the question's deadline (None: no deadline)."""

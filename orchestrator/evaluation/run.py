@@ -14,7 +14,8 @@ from branchsearch.infra.dataset import Query
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.retriever import Retriever
 from branchsearch.infra.settings import Settings
-from branchsearch.orchestrator.metrics import doc_ranking, mean, percentile, single_shot_metrics
+from branchsearch.orchestrator.evaluation.measures import (doc_ranking, mean, percentile,
+                                                           single_shot_metrics)
 
 # Chunks fetched per query so that at least 10 distinct documents survive collapsing.
 CHUNK_DEPTH = 50
@@ -45,10 +46,11 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
                progress: Callable[[], None] | None = None, docstore=None, k: int = 5,
                acl_groups: list[str] | None = None) -> dict:
     """Run the driver (one or more branch agents) per query, score the fused evidence and
-    attribute each failure from what the branches did (see `orchestrator.attribution`)."""
+    attribute each failure from what the branches did (see `evaluation.attribution`)."""
     from collections import Counter
 
-    from branchsearch.orchestrator.attribution import Trajectory, agent_measures, attribute
+    from branchsearch.orchestrator.evaluation.attribution import (Trajectory, agent_measures,
+                                                                  attribute)
 
     titles = docstore.titles() if docstore is not None else {}
     per_query, latencies, classes = [], [], Counter()
@@ -175,7 +177,7 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     """Ingest first if needed, run the evaluation and its baseline, compare them, write the
     report and plots; returns the report (`runs[0]` is the evaluated configuration)."""
     from branchsearch.infra.dataset import read_queries
-    from branchsearch.orchestrator import report as rep
+    from branchsearch.orchestrator.evaluation import report as rep
 
     queries = read_queries(options.dataset, options.split)[:options.limit]
     if options.ingest_first and not index_complete(settings):  # missing or stopped: resume
@@ -232,7 +234,7 @@ def _agent_run(settings: Settings, queries: list[Query], executor: Executor,
                acl_groups: list[str] | None, progress: Progress | None) -> dict:
     from branchsearch.infra.docstore import DocStore
     from branchsearch.orchestrator.driver import open_driver
-    from branchsearch.orchestrator.executors import pick_executor
+    from branchsearch.orchestrator.execution import pick_executor
 
     driver = open_driver(settings, pick_executor(settings, executor))
     # (an external index has no docstore: titles for attribution are not listed there)

@@ -1,4 +1,4 @@
-"""`branchsearch serve` and `branchsearch keys …` (registered in `orchestrator.cli`).
+"""`branchsearch serve` and `branchsearch keys …`.
 
 Only parsing and printing; the service is `orchestrator.service` (`deploy` runs it), keys are
 `orchestrator.service.auth`.
@@ -23,6 +23,11 @@ KeysHomeOpt = typer.Option(None, "--home", help="branchsearch home whose keys.js
 
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="API keys for `branchsearch serve` (bound to ACL groups).")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.add_typer(keys_app, name="keys")
 
 
 def _keys_path(path: Path | None, home: Path | None = None) -> Path:

@@ -1,0 +1,101 @@
+"""Indexes: `ingest` (chunk, embed, index a corpus), `indexes` (list them with their health) and
+`synth` (write a synthetic corpus)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.synth import MAX_DOCS
+from branchsearch.orchestrator.cli.options import (AddressOpt, ConfigOpt, HomeOpt, IndexOpt,
+                                                   progress_bar, settings_from)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(ingest)
+    app.command("indexes")(indexes)
+    app.command()(synth)
+
+
+def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or folder of .txt/.md"),
+           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
+           config: Optional[Path] = ConfigOpt,
+           dense: bool = typer.Option(True, help="embed and index vectors (--no-dense: BM25 only)"),
+           workers: int = typer.Option(1, min=1, max=256, help="embed on a Ray Data actor pool "
+                                       "of N workers (GPUs when the cluster has them)"),
+           embed_batch: Optional[int] = typer.Option(None, min=1, max=4096,
+                                                     help="texts per model call (--workers)"),
+           address: Optional[str] = AddressOpt,
+           as_json: bool = typer.Option(False, "--json")):
+    """Chunk, embed and index a corpus; re-running resumes a stopped ingest (re-ingesting a
+    changed document replaces its chunks)."""
+    from branchsearch.infra.ingest import ingest as run_ingest
+
+    settings = settings_from(home, index, config, ray_address=address)
+    bar = progress_bar(None, "doc", f"ingest {settings.index}")
+    chunks = 0
+
+    def tick(docs: int, new_chunks: int) -> None:
+        nonlocal chunks
+        chunks += new_chunks
+        bar.update(docs)
+        rate = chunks / max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix(chunks=chunks, chunks_per_s=f"{rate:.0f}")
+
+    report = run_ingest(path, settings, dense=dense, progress=tick, workers=workers,
+                        embed_batch=embed_batch)
+    bar.close()
+    if report.stale_lock:
+        print(f"resumed the ingest that stopped unfinished ({report.stale_lock})", file=sys.stderr)
+    if as_json:
+        print(json.dumps(report.to_dict()))
+    else:
+        s, rate = report.seconds, report.chunks_per_s
+        rate = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"  # a tiny corpus: not "0"
+        print(f"ingested {report.documents} documents, {report.chunks} chunks into "
+              f"{settings.index!r} ({settings.index_dir}); {report.resumed} documents were "
+              f"already committed; {rate} chunks/s with {workers} "
+              f"worker(s), embedding {s.get('embed', 0):.1f} s")
+
+
+def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
+            check: bool = typer.Option(True, "--check/--no-check",
+                                       help="ask external backends for counts (health)"),
+            as_json: bool = typer.Option(False, "--json")):
+    """List owned and external indexes with their backends, document counts and health."""
+    from branchsearch.infra.catalog import list_indexes
+    from branchsearch.orchestrator.cli.render import clean
+
+    infos = list_indexes(settings_from(home, None, config), check=check)
+    if as_json:
+        print(json.dumps([i.to_dict() for i in infos]))
+        return
+    if not infos:
+        print("no indexes (run `branchsearch ingest PATH --index NAME`, or declare "
+              "[indexes.NAME] in the settings file)")
+    for i in infos:
+        count = "-" if i.documents is None else f"{i.documents:,} docs"
+        print(clean(f"{i.name:<24} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
+
+
+def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format)"),
+          docs: int = typer.Option(2000, min=8, max=MAX_DOCS,
+                                   help=f"documents to write (8..{MAX_DOCS:,})"),
+          tasks: int = typer.Option(100, min=1),
+          seed: int = typer.Option(7)):
+    """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
+    from branchsearch.infra.synth import synth as make
+
+    try:
+        counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)
+    except ValueError as exc:
+        raise BranchsearchError(str(exc)) from None
+    except OSError as exc:  # a disk that filled up meanwhile, a folder removed under us
+        raise BranchsearchError(f"synth: cannot write {out_dir}: {exc.strerror or exc}") from None
+    print(f"wrote {counts['documents']} documents and {counts['tasks']} multi-hop questions "
+          f"to {out_dir}")

@@ -1,0 +1,172 @@
+"""Jobs over many questions: `batch` (resumable), `eval` (a BEIR folder), `loadtest` (its
+options, run and print live in `orchestrator/loadtest/command.py`) and `demo` (the main job on
+embedded defaults, explained)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from branchsearch.infra.choices import MODES, POLICIES, SPLITS
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.batch import STOP_AFTER
+from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
+                                                   ExecutorOpt, HomeOpt, IndexOpt, caller_acl,
+                                                   choice, progress_bar, settings_from,
+                                                   writable_file)
+from branchsearch.orchestrator.cli.render import (print_demo_branches, print_demo_evidence,
+                                                  print_evaluation)
+from branchsearch.orchestrator.loadtest.command import loadtest
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(batch)
+    app.command("eval")(evaluate)
+    app.command("loadtest")(loadtest)
+    app.command()(demo)
+
+
+def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
+          output: Path = typer.Option(..., "-o", "--output", help="results JSONL (one line per id; re-runs resume)"),
+          concurrency: Optional[int] = typer.Option(None, min=1),
+          branches: Optional[int] = typer.Option(None, min=1),
+          executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
+          acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
+          stop_after: int = typer.Option(
+              STOP_AFTER, "--stop-after", min=0,
+              help="stop starting questions after this many failed in a row (0: never)"),
+          home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
+          config: Optional[Path] = ConfigOpt):
+    """Many questions, resumable: re-running runs again every id whose latest line is not ok;
+    the output ends with one line per id."""
+    from branchsearch.orchestrator.batch import check_output, read_questions, run_batch
+    from branchsearch.orchestrator.driver import open_driver
+
+    writable_file(output, "batch output")
+    check_output(output, input)
+    settings = settings_from(home, index, config, batch_concurrency=concurrency, branches=branches,
+                         ray_address=address)
+    groups = caller_acl(settings, acl, acl_admin)
+    data = read_questions(input)
+    if not data.items and not data.bad_lines:
+        raise BranchsearchError(f"{input}: no questions (one JSON object a line, "
+                                '{"id": …, "question": …})')
+    for bad in data.bad_lines:
+        print(f"skipped {bad}", file=sys.stderr)
+    driver = open_driver(settings, executor)  # questions run at once: the executor as asked
+    bar = progress_bar(len(data.items), "q", "batch")
+    seen = {"partial": 0, "failed": 0}
+
+    def tick(status: str) -> None:
+        if status in seen:
+            seen[status] += 1
+        bar.update(1)
+        bar.set_postfix(seen)
+
+    try:
+        counts = run_batch(data.items, output,
+                           lambda q: driver.search(q, acl_groups=groups).to_dict(),
+                           concurrency=settings.batch_concurrency, on_done=tick,
+                           stop_after=stop_after)
+    finally:
+        bar.close()
+        driver.close()
+    print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
+          f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
+          "lines skipped")
+    if counts["failed_ids"]:
+        ids = counts["failed_ids"]
+        more = f" and {len(ids) - 10} more" if len(ids) > 10 else ""
+        print(f"failed: {', '.join(ids[:10])}{more} (each row's error is in {output}; run the "
+              "same command again to retry them)", file=sys.stderr)
+    if counts["stopped"]:
+        print(f"batch stopped: {counts['stopped']}; {counts['not_run']} questions not run. "
+              "Fix the cause and run the same command again: it resumes", file=sys.stderr)
+    if counts["failed"] or counts["not_run"] or data.bad_lines:  # nobody answered these
+        sys.exit(1)
+
+
+def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
+             mode: str = typer.Option("hybrid", help=f"{' | '.join(MODES)} (single-shot, when "
+                                                     "no --policy)"),
+             policy: Optional[str] = typer.Option(
+                 None, callback=choice(*POLICIES), help="evaluate the branch agent with this "
+                 f"policy ({' | '.join(POLICIES)})"),
+             baseline: Optional[str] = typer.Option(
+                 None, help=f"also run a baseline: {' | '.join(MODES)} (single-shot), no-prune "
+                            "(the same agent without pruning), heuristic (the heuristic policy)"),
+             compare: bool = typer.Option(False, "--compare", help="paired comparison of the "
+                                          "agent against the baseline (default hybrid)"),
+             prune: bool = typer.Option(True, "--prune/--no-prune", help="agent may prune"),
+             branches: int = typer.Option(1, min=1, help="branches per question (agent)"),
+             executor: str = ExecutorOpt,
+             limit: Optional[int] = typer.Option(None, min=1),
+             split: str = typer.Option("test", callback=choice(*SPLITS),
+                                       help=f"qrels split: qrels/{{{','.join(SPLITS)}}}.tsv"),
+             acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
+             report: Optional[Path] = typer.Option(None, help="JSON report (+ .md beside it)"),
+             plots: Optional[Path] = typer.Option(None, help="write PNG plots to this folder"),
+             home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
+             config: Optional[Path] = ConfigOpt, ingest_first: bool = typer.Option(
+                 True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
+             as_json: bool = typer.Option(False, "--json")):
+    """Evaluate single-shot retrieval or the branch agent on a BEIR folder."""
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, dataset_index, run_evaluation
+
+    options = EvalOptions(dataset, mode=mode, policy=policy, baseline=baseline, compare=compare,
+                          executor=executor, limit=limit, split=split, ingest_first=ingest_first,
+                          report=report, plots=plots)
+    settings = settings_from(home, index or dataset_index(dataset), config, prune=prune,
+                         policy=policy, branches=branches)
+    result = run_evaluation(settings, options, acl_groups=caller_acl(settings, acl, acl_admin),
+                            progress=progress_bar, say=lambda line: print(line, file=sys.stderr))
+    if as_json:
+        print(json.dumps(_eval_brief(result), default=str))
+    else:
+        print_evaluation(result)
+
+
+def _eval_brief(result: dict) -> dict:
+    """The report without its per-query rows (what `eval --json` prints)."""
+    brief = lambda d: {k: v for k, v in d.items() if k != "per_query"}  # noqa: E731
+    return ({k: v for k, v in result.items() if k not in ("runs", "comparisons")}
+            | {"runs": [brief(r) for r in result["runs"]],
+               "comparisons": [brief(c) for c in result.get("comparisons", [])]})
+
+
+def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
+         executor: str = ExecutorOpt):
+    """The main job on embedded defaults: build a small synthetic corpus, ingest it, run one
+    multi-hop question through parallel branches and explain what each branch did."""
+    from branchsearch.infra.dataset import read_queries
+    from branchsearch.infra.ingest import ingest as run_ingest
+    from branchsearch.infra.synth import synth as make
+    from branchsearch.orchestrator.driver import open_driver
+    from branchsearch.orchestrator.evaluation.run import index_complete
+    from branchsearch.orchestrator.execution import pick_executor
+
+    settings = settings_from(home, "demo", None, branches=branches)
+    corpus = Path(settings.home) / "demo-corpus"
+    if not index_complete(settings):  # missing, or a stopped ingest: (re)build and resume
+        make(corpus, docs=240, tasks=12, seed=11)
+        print(f"1. wrote a synthetic corpus to {corpus} (240 documents, 12 multi-hop tasks)")
+        bar = progress_bar(240, "doc", "2. ingest (chunk, embed, index)")
+        report = run_ingest(corpus, settings, progress=lambda d, c: bar.update(d))
+        bar.close()
+        print(f"2. ingested {report.chunks} chunks into Milvus Lite + tantivy under "
+              f"{settings.index_dir}")
+    else:
+        print(f"1-2. reusing the demo index under {settings.index_dir}")
+    task = read_queries(corpus)[1]  # a multi-hop question and its gold documents
+    print(f"3. question ({task.meta['hops']} hops): {task.text}")
+    driver = open_driver(settings, pick_executor(settings, executor))
+    try:
+        result = driver.search(task.text)
+    finally:
+        driver.close()
+    print_demo_branches(result)
+    print_demo_evidence(result, task)

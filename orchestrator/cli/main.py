@@ -1,0 +1,111 @@
+"""The `branchsearch` app: every command group registered from one list, and `main`, which turns
+every user-caused error into one `error:` line. Commands only parse, merge settings, build and
+run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from branchsearch.infra.errors import BranchsearchError, redact
+from branchsearch.orchestrator.cli import index, jobs, search, serve
+
+COMMAND_GROUPS = (index, search, jobs, serve)  # each has register(app)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Parallel-branch evidence search over Milvus + BM25 (see README).")
+for group in COMMAND_GROUPS:
+    group.register(app)
+
+
+def main() -> None:
+    """Run the app; every user-caused error ends as one `error:` line and exit status 2."""
+    try:
+        # not standalone, typer *returns* a command's `typer.Exit(code)` and Ctrl-C (130)
+        code = app(prog_name="branchsearch", standalone_mode=False)
+    except KeyboardInterrupt:
+        code = 130
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        if message:
+            print(f"error: {redact(message)}", file=sys.stderr)  # no password, key or token
+        else:  # no arguments: the help text is the answer
+            exc.show()
+        sys.exit(2)
+    if code == 130:
+        print("interrupted", file=sys.stderr)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+def user_error(exc: BaseException) -> str | None:
+    """The one line to show for a user-caused error ("" = show the exception's own text),
+    or None for a bug (which keeps its traceback)."""
+    cause = getattr(exc, "cause", None)  # a Ray task error: the original exception
+    if isinstance(cause, BranchsearchError):
+        return _one_line(str(cause))
+    if isinstance(exc, BranchsearchError):
+        return _one_line(str(exc))
+    if isinstance(exc, typer.TyperException) or _is_click_error(exc):  # usage errors
+        message = exc.format_message()
+        ctx = getattr(exc, "ctx", None)
+        if not message:
+            return ""
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        return _one_line(message) + where
+    cause = _user_cause(exc)
+    if cause is not None:
+        return _one_line(str(cause))
+    if isinstance(exc, OSError):
+        return _path_error(exc)
+    return None
+
+
+def _path_error(exc: OSError) -> str | None:
+    """A file the user named where a folder must be (`--home FILE` for `keys`), or a full disk,
+    when no command turned it into its own line. Other OS errors keep their traceback."""
+    import errno
+
+    name = exc.filename
+    if exc.errno == errno.ENOTDIR and name is not None:
+        path = Path(name)
+        while path != path.parent and not path.exists():
+            path = path.parent
+        if path.exists() and not path.is_dir():
+            return _one_line(f"{name}: {path} is a file, not a folder")
+        return _one_line(f"{name}: a part of this path is not a folder")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        where = f" writing {name}" if name is not None else ""
+        return _one_line(f"the disk is full{where} ({exc.strerror}): free space and run the "
+                         "command again")
+    return None
+
+
+def _is_click_error(exc: BaseException) -> bool:
+    click = sys.modules.get("click")  # a plain click, if anything imported one
+    return click is not None and isinstance(exc, click.ClickException)
+
+
+def _user_cause(exc: BaseException) -> BaseException | None:
+    """A BranchsearchError behind a wrapper (a Ray task that raised it, a chained error)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, BranchsearchError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+

@@ -1,0 +1,111 @@
+"""What the commands print: text made safe for a terminal, and the result, evaluation and demo
+views.
+
+What a document says may not drive the terminal. Titles and texts come from whatever was
+ingested; printed as they are, an ANSI/OSC escape in them can clear the screen, set the window
+title, write the clipboard or hide a line. `clean` removes escape sequences, other control
+characters and bidirectional overrides; `--json` output keeps the text as it is (JSON escapes
+control characters itself).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_ESCAPES = re.compile(
+    r"\x1b\][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC ... BEL/ST (title, clipboard, links)
+    r"|\x9d[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # 8-bit OSC
+    r"|\x1b[P^_X][^\x1b\x9c]*(?:\x1b\\|\x9c)?"  # DCS / PM / APC / SOS strings
+    r"|\x1b\[[0-?]*[ -/]*[@-~]?"  # CSI (colours, cursor moves, clear screen)
+    r"|\x9b[0-?]*[ -/]*[@-~]?"  # 8-bit CSI
+    r"|\x1b[ -/]*[0-~]?"  # other escapes (charset switches, RIS)
+)
+# C0 (but tab and newline), DEL, C1, and the bidi overrides/isolates that reorder what is shown
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def clean(text: object) -> str:
+    """`text` as a string safe to print on a terminal (tabs and newlines kept)."""
+    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+
+
+def one_line(text: object, width: int | None = None) -> str:
+    """`clean(text)` with whitespace runs collapsed to single spaces, cut to `width`."""
+    line = " ".join(clean(text).split())
+    return line if width is None else line[:width]
+
+
+def print_result(result) -> None:
+    """The result for a terminal: every text from the corpus or the caller goes through
+    `one_line` (no escape sequence reaches the terminal)."""
+    question = one_line(result.question)
+    print(f"question: {question[:300]}{' …' if len(question) > 300 else ''}\n"
+          f"status: {result.status}\ntrace_id: {result.trace_id}")
+    for note in getattr(result, "notes", None) or []:
+        print(f"note: {one_line(note)}")
+    for b in result.branches:
+        extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
+                 f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
+                 if b.status == "ok" else b.error)
+        print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}: {one_line(extra)}")
+    print("evidence (rank, fused score):")
+    for rank, doc in enumerate(result.evidence, start=1):
+        by = ", ".join(f"b{f['branch']}#{f['rank']}" for f in doc["found_by"])
+        print(f"  {rank:>2}. {doc['score']:.4f}  {one_line(doc['doc_id'])}  "
+              f"({one_line(doc['title'])})  [{by}]")
+        for c in doc["chunks"]:
+            found = ", ".join(f"b{f['branch']}#{f['rank']}" for f in c["found_by"])
+            print(f"      {one_line(c['chunk_id'])}  found by {found}: {one_line(c['text'], 110)}")
+
+
+def print_evaluation(result: dict) -> None:
+    """The report as a table: one column per run, then attribution and comparisons."""
+    from branchsearch.orchestrator.evaluation.report import SUMMARY_METRICS
+
+    runs = result["runs"]
+    print(f"{Path(result['dataset']).name} ({result['split']}): {runs[0]['queries']} queries")
+    names = [m for m in SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
+    print("  " + "metric".ljust(22) + "".join(r["config"][:22].rjust(24) for r in runs))
+    for m in names:
+        print("  " + m.ljust(22) + "".join(
+            (f"{r['metrics'][m]:.4g}" if m in r["metrics"] else "-").rjust(24) for r in runs))
+    if "attribution" in runs[0]:
+        print("  attribution: " + ", ".join(f"{k} {v}" for k, v in
+                                             runs[0]["attribution"].items()))
+    for c in result.get("comparisons", []):
+        print(f"  paired vs {c['baseline']} on {c['measure']}: {c['wins']} wins, "
+              f"{c['losses']} losses, {c['ties']} ties")
+
+
+def print_demo_branches(result) -> None:
+    print("4. what each branch did:")
+    for b in result.branches:
+        print(f"   branch {b.index} [{b.status}] {b.kind} w={b.weight:g}: {b.subquery!r}")
+        if b.status != "ok":
+            print(f"      {one_line(b.error)}")
+            continue
+        searched = [r["args"].get("query") or r["args"].get("doc_id") for r in b.trace
+                    if r["kind"] == "call" and r["tool"] in ("search_corpus", "read_document")]
+        print(f"      searched {len(searched)}x: " + "; ".join(map(one_line, searched[:6]))
+              + (" …" if len(searched) > 6 else ""))
+        for p in [r for r in b.trace if r["kind"] == "prune"][:2]:
+            print(f"      pruned {len(p['applied'])} at turn {p['turn']} "
+                  f"({p['tokens_before']}→{p['tokens_after']} tokens): "
+                  f"{one_line(p['reason'])}")
+        print(f"      kept {len(b.final_context_ids)} chunks ({b.context_tokens_final} tokens), "
+              f"stopped by {b.termination} after {b.turns} turn{'' if b.turns == 1 else 's'}")
+
+
+def print_demo_evidence(result, task) -> None:
+    gold = list(task.gold)
+    print("5. fused evidence (reciprocal rank fusion over branches):")
+    for rank, doc in enumerate(result.evidence[:6], start=1):
+        mark = "*" if doc["doc_id"] in gold else " "
+        found = [f["branch"] for f in doc["found_by"]]
+        print(f"   {mark} {rank}. {doc['score']:.4f} {one_line(doc['title'])}  "
+              f"[branches {found}]")
+        print(f"       {one_line(doc['chunks'][0]['text'], 120)}")
+    top = {d["doc_id"] for d in result.evidence[:len(gold) + 1]}
+    print(f"   (* = gold; {len(set(gold) & top)}/{len(gold)} gold documents in the top "
+          f"{len(gold) + 1}; answer: {task.answer!r}; trace id {result.trace_id})")

@@ -1,0 +1,85 @@
+"""What runs a question's branches: one interface, `run(tasks, ...) -> [BranchReport]` and
+`close()`, two executors behind it.
+
+    local       `LocalExecutor`: the branches in this process, one after another, over one
+                retriever (no Ray; the baseline and the laptop path)
+    ray         `RayExecutor`: branches in branch actors, retrieval in retriever actors, the
+                question's own branch hosted by its retriever replica
+    pool        `BranchPool`, the branch actors shared by every question, and `wait_started`:
+                every actor start awaited with a timeout, an actor that fails in its
+                constructor raised as the user error it died of
+    balancer    which retriever replica serves the next branch (`ReplicaBalancer`), and where a
+                branch runs (`Placement`)
+    actor_plan  every actor counted against what the cluster has before any starts (pure)
+
+`pick_executor` is the one place that decides between them (one branch runs in-process),
+`make_executor` the one place that builds them. A branch that raises or misses its deadline is
+reported in its `BranchReport.status`; the others still count.
+
+With `fetch_cache` (default), the branches of one question share a `QuestionCache`
+(`infra.fetch_cache`): locally one per `run`; on Ray it lives in the retriever replica that
+serves all the question's branches. Same results, fewer backend requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from branchsearch.infra.choices import EXECUTORS, Executor as ExecutorName, one_of
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.settings import Settings
+from branchsearch.workers.branch import BranchReport, BranchTask
+
+Events = Callable[[dict], None] | None
+
+
+class Executor(Protocol):
+    def run(self, tasks: list[BranchTask], *, settings: Settings,
+            policy_factory: Callable | None = None, on_event: Events = None
+            ) -> list[BranchReport]:
+        """Run every task; one report per task, in order, whatever happened to it."""
+
+    def close(self) -> None: ...
+
+
+def pick_executor(settings: Settings, requested: str = "ray") -> ExecutorName:
+    """The executor to use: the one requested, except that one branch needs no cluster, so
+    `ray` with `branches = 1` runs in-process, unless a cluster was named (`ray_address`)."""
+    if requested not in EXECUTORS:
+        raise BranchsearchError(f"unknown executor {requested!r}; use {one_of(EXECUTORS)}")
+    if requested == "ray" and settings.branches == 1 and not settings.ray_address:
+        return "local"
+    return requested
+
+def make_executor(settings: Settings, mode: ExecutorName, *,
+                  pool_size: int | None = None) -> Executor:
+    if mode == "local":
+        from branchsearch.orchestrator.execution.local import LocalExecutor
+
+        return LocalExecutor(settings)
+    if mode == "ray":
+        from branchsearch.orchestrator.execution.ray import RayExecutor
+
+        return RayExecutor(settings, pool_size or settings.branches
+                           * max(settings.batch_concurrency, 1))
+    raise BranchsearchError(f"unknown executor {mode!r}; use {one_of(EXECUTORS)}")
+
+def emit(on_event: Events, event: dict) -> None:
+    """Pass an event to the watcher, if any; a watcher that fails never breaks the search."""
+    if on_event is not None:
+        try:
+            on_event(event)
+        except Exception:  # noqa: BLE001 — a watcher never breaks the search
+            pass
+
+def done_event(report: BranchReport) -> dict:
+    return {"type": "branch_done", "branch": report.index, "status": report.status,
+            "error": report.error, "termination": report.termination, "turns": report.turns,
+            "context_tokens_final": report.context_tokens_final,
+            "tokens_read": report.tokens_read, "latency_s": round(report.latency_s, 4)}
+
+def shares_cache(settings: Settings, tasks: list[BranchTask]) -> bool:
+    """Whether a question's branches share a fetch cache: with `fetch_cache`, when there are
+    two or more (a lone branch has no one to share with and would only over-fetch)."""
+    return settings.fetch_cache and len(tasks) > 1

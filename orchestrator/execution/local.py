@@ -1,0 +1,52 @@
+"""`LocalExecutor`: `run_branch` in this process, one branch after another, over one
+`Retriever` (no Ray; the baseline and the laptop path). With `fetch_cache`, the branches of one
+question share one `QuestionCache`, which dies with the question."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from branchsearch.infra.settings import Settings
+from branchsearch.orchestrator.execution import Events, done_event, emit, shares_cache
+from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
+
+
+class LocalExecutor:
+    def __init__(self, settings: Settings):
+        from branchsearch.infra.retriever import open_retriever
+
+        self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
+        self.last_cache_stats: dict = {}  # the last question's fetch cache counters
+
+    def run(self, tasks: list[BranchTask], *, settings: Settings,
+            policy_factory: Callable | None = None, on_event: Events = None
+            ) -> list[BranchReport]:
+        from branchsearch.infra.fetch_cache import QuestionCache
+        from branchsearch.infra.retriever import QuestionRetriever
+
+        cache = QuestionCache() if shares_cache(settings, tasks) else None
+        retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
+        try:
+            return self._run(tasks, retriever, settings, policy_factory, on_event)
+        finally:  # the cache dies with the question
+            self.last_cache_stats = dict(cache.stats) if cache is not None else {}
+
+    def _run(self, tasks: list[BranchTask], retriever, settings: Settings,
+             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
+        reports = []
+        for task in tasks:
+            if task.deadline is not None and time.time() >= task.deadline:
+                report = BranchReport(task.index, task.subquery, task.weight, task.kind,
+                                      "timeout", "not started before the deadline")
+            else:
+                emit(on_event, {"type": "branch_started", "branch": task.index,
+                                 "subquery": task.subquery})
+                report = run_branch(task, retriever, settings,
+                                    policy_factory=policy_factory, on_event=on_event)
+            emit(on_event, done_event(report))
+            reports.append(report)
+        return reports
+
+    def close(self) -> None:
+        self.retriever.close()

@@ -1,0 +1,121 @@
+"""The branch actors every question shares (`BranchPool`), and waiting for actors to start
+(`wait_started`): a plan the cluster cannot place fails with one line, an actor that dies in its
+constructor of a user error raises that error here, never as a Ray traceback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, Overloaded
+from branchsearch.infra.settings import Settings
+
+
+class BranchPool:
+    """Branch actors shared by every question (and, in the service, every index): a question
+    takes all its actors at once and gives them back when its branches end. Each run carries its
+    own settings and retriever, so one pool serves any index. With `grow`, actors start on
+    demand up to `size`; without, all start now (the service: every actor is placed before a
+    request waits on one). `acquire` waits at most `timeout` seconds, then raises `Overloaded`:
+    nothing waits on an actor that cannot be placed."""
+
+    def __init__(self, size: int, options: dict, settings: Settings, *, start: int | None = None):
+        from branchsearch.workers.actor import BranchActor
+
+        self.size = size
+        # secrets stay with the retrievers and engines; each run brings its own settings
+        branch_settings = settings.replace(es_api_key="", milvus_token="")
+        # no restarts: a branch actor that dies is replaced by a fresh one (see `replace`);
+        # a restartable actor holding a handle in its arguments also makes Ray's core print an
+        # error-level notice on the user's terminal (ray-project/ray#53727)
+        self._new = lambda: BranchActor.options(max_restarts=0, **options).remote(
+            branch_settings, None)
+        self._idle = [self._new() for _ in range(size if start is None else min(start, size))]
+        self._created = len(self._idle)
+        self._cond = threading.Condition()
+
+    def ping_all(self) -> list:
+        return [a.ping.remote() for a in self._idle]
+
+    def acquire(self, n: int, timeout: float | None = None) -> list:
+        """n actors at once (all or none, so concurrent questions cannot deadlock holding part
+        of the pool each); new ones start while the pool may still grow."""
+        if n > self.size:
+            raise BranchsearchError(f"{n} branches need as many branch actors; the pool holds "
+                                    f"{self.size} on this cluster")
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._idle) + self.size - self._created < n:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise Overloaded(f"no {n} branch actor(s) free within the deadline: the "
+                                     f"pool of {self.size} is busy with other searches")
+                self._cond.wait(left)
+            while len(self._idle) < n:
+                self._idle.append(self._new())
+                self._created += 1
+            taken, self._idle = self._idle[:n], self._idle[n:]
+            return taken
+
+    def release(self, actor) -> None:
+        with self._cond:
+            self._idle.append(actor)
+            self._cond.notify_all()
+
+    def replace(self, actor) -> None:
+        """`actor` is dead or busy with work nobody will collect: kill it, add a fresh one."""
+        import ray
+
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 — already gone
+            pass
+        self.release(self._new())
+
+    def close(self) -> None:
+        import ray
+
+        with self._cond:
+            idle, self._idle = self._idle, []
+        for actor in idle:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 — already gone
+                pass
+
+def wait_started(refs: list, what: str, timeout: float, resources: dict, demand: dict) -> None:
+    """Wait for actors to answer, at most `timeout`: a plan the cluster cannot place fails here
+    with one line instead of hanging, and an actor that died in its constructor of a user error
+    (a backend down, an index missing) raises that error."""
+    import ray
+
+    try:
+        ray.get(refs, timeout=timeout)
+    except ray.exceptions.ActorDiedError as exc:
+        cause = start_error(exc)
+        if cause is None:
+            raise
+        raise cause from None
+    except ray.exceptions.GetTimeoutError:
+        have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+        try:  # what other actors (another index's, another job's) left free
+            free = {k: round(v, 2) for k, v in ray.available_resources().items()
+                    if k in ("CPU", "GPU")}
+        except Exception:  # noqa: BLE001
+            free = "unknown"
+        raise BackendUnavailable(
+            f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
+            f"free now {free}, this plan asks {demand}: other actors hold the "
+            "rest; see `ray status`, or raise actor_start_timeout_s)") from None
+
+def start_error(exc: BaseException) -> BranchsearchError | None:
+    """The user error an actor died of in its constructor, or None (a crash, not the user's).
+    Ray's `ActorDiedError` carries the creation task's `RayTaskError` as its argument, and that
+    holds the original exception as `cause`."""
+    if not getattr(exc, "actor_init_failed", False):
+        return None
+    for arg in getattr(exc, "args", ()):
+        cause = getattr(arg, "cause", None)
+        if isinstance(cause, BranchsearchError):
+            return cause
+    return None
