@@ -68,11 +68,11 @@ class Settings:
     max_tokens_read: int = 60000
     no_progress_turns: int = 3
     result_token_cap: int = 120
-    search_k: int = 8
+    search_k: int = 8  # a search call's k when it names none (the heuristic names its own)
     read_window_tokens: int = 400
     final_k: int = 10
     prune: bool = True
-    learned_rank: bool = True  # heuristic policy: finish by workers/ranker.py (False: its score)
+    learned_rank: bool = True  # heuristic: finish by workers/heuristic/ranker.py (else its score)
     per_title: int = 2  # heuristic policy: documents of one title before other pages get the
     # next places (workers.rank.crowd); 0: off, for corpora whose titles repeat by design
     policy: Policy = "heuristic"

@@ -181,7 +181,7 @@ def test_a_residual_search_asks_for_the_next_hop_and_credits_only_linked_hits():
     """An expanded chunk also searches what the question still needs (its uncovered words)
     with the entities it mentions; a hit of that search earns the residual credit only when it
     mentions one of those entities (it covers the leftover words by construction)."""
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
     from branchsearch.workers.policy import VisibleChunk
     from branchsearch.workers.text import terms
 
@@ -220,7 +220,7 @@ def test_a_residual_search_asks_for_the_next_hop_and_credits_only_linked_hits():
 def test_the_question_search_pages_on_until_it_covers_search_k_documents():
     """Long documents split into chunks: a first page of 4 hits from 2 documents asks the
     question once more (it excludes what it saw), and the new hits rank after the first page."""
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
 
     q = "Statins decrease blood cholesterol."
     p = HeuristicPolicy(search_k=4, learned_rank=False)
@@ -263,7 +263,7 @@ def test_the_question_tail_is_the_last_search_and_never_takes_the_head(bm25_hotp
     documents; then the episode finishes (nothing found by it is expanded), and its hits rank
     only after the first search_k documents."""
     from branchsearch.workers.harness import Episode
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
     from branchsearch.workers.rank import doc_of
 
     settings, retriever = bm25_hotpot
@@ -294,7 +294,7 @@ def test_the_question_tail_is_the_last_search_and_never_takes_the_head(bm25_hotp
 def test_a_one_word_title_is_named_by_the_question_only_as_a_name():
     """'hotel and casino' does not name the town 'Casino, New South Wales'; 'the Casino
     Richmond Valley' would. Longer titles are named by all their words, as before."""
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
     from branchsearch.workers.policy import VisibleChunk
     from branchsearch.workers.text import terms
 
@@ -316,7 +316,7 @@ def test_a_concept_page_is_named_only_as_its_title_writes_it():
     """'What body of water is near …' asks for a body of water; it does not name the page
     'Body of water' (a concept, in sentence case), which used to get a named page's support and
     crowd the evidence. A proper name is named by its words however the question writes them."""
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
     from branchsearch.workers.policy import VisibleChunk
     from branchsearch.workers.text import terms
 
@@ -343,7 +343,7 @@ def test_a_concept_page_is_named_only_as_its_title_writes_it():
 
 
 def test_a_residual_query_stays_within_the_search_cap():
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
     from branchsearch.workers.policy import VisibleChunk
     from branchsearch.workers.text import terms
     from branchsearch.workers.tools import QUERY_MAX_CHARS
@@ -363,7 +363,7 @@ def test_a_leading_year_is_a_qualifier_among_the_pages_of_a_series():
     apart by the year: the year the question gives agrees with one and not the other, however
     the season is written ('1992–93' in a title, '1992-93' in a question). A page with no
     sibling, or no year, gets nothing from it."""
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin, title_qualifier
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin, title_qualifier
     from branchsearch.workers.policy import VisibleChunk
     from branchsearch.workers.text import terms
 
@@ -395,7 +395,7 @@ def test_a_bridge_hit_that_mentions_a_pageless_entity_inherits_from_its_parent()
     the hit of his search that mentions him ('Betrayed', a film of his) is where the next hop
     is: it inherits from the parent. A hit that does not mention him, an entity that has a page
     of its own, and an entity that turns up all over the episode ('California') do not."""
-    from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+    from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
     from branchsearch.workers.policy import VisibleChunk
     from branchsearch.workers.text import terms
 
@@ -437,7 +437,7 @@ def test_a_bridge_hit_that_mentions_a_pageless_entity_inherits_from_its_parent()
 
 def test_a_title_stored_with_html_entities_is_named_as_the_text_writes_it():
     """HotpotQA stores 'Will &amp; Grace'; the pages that link to it write 'Will & Grace'."""
-    from branchsearch.workers.heuristic import _names
+    from branchsearch.workers.heuristic.titles import names as _names
     from branchsearch.workers.text import bare_title, norm_title
 
     assert norm_title("Will &amp; Grace") == "will & grace"
@@ -466,7 +466,8 @@ def test_an_entity_branch_searches_its_sub_query_once_as_the_question(bm25_hotpo
 def test_accents_fold_in_every_comparison_of_names_and_terms():
     """A question typed without accents ('Aschenbrodel', 'Tekeze River') names the page
     'Aschenbrödel'; a page's 'Johann Strauß' links to the page 'Johann Strauss II'."""
-    from branchsearch.workers.heuristic import _in_query, _named_in, _names, _names_page
+    from branchsearch.workers.heuristic.titles import in_query as _in_query, named_in as _named_in
+    from branchsearch.workers.heuristic.titles import names as _names, names_page as _names_page
     from branchsearch.workers.text import fold, folded, norm_title, terms
 
     assert fold("Aschenbrödel") == "Aschenbrodel" and fold("Øresund Æsir Strauß") == \

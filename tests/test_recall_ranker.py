@@ -1,19 +1,19 @@
-"""The learned final ranker (workers/ranker.py): the shipped weights load, the features are
-computed from a policy's state at the end of an episode, and the ranker reorders in the
-direction its weights say (it never adds or drops a chunk)."""
+"""The learned final ranker (workers/heuristic/ranker.py): the shipped weights load, the
+features are computed from a policy's state at the end of an episode, and the ranker reorders
+in the direction its weights say (it never adds or drops a chunk)."""
 
 import json
 
 import pytest
 
-from branchsearch.workers.heuristic import HeuristicPolicy, _Origin
+from branchsearch.workers.heuristic import HeuristicPolicy, Origin as _Origin
 from branchsearch.workers.policy import VisibleChunk
 from branchsearch.workers.rank import final_ranking
 from branchsearch.workers.text import terms
 from branchsearch.infra.settings import load_settings
 from branchsearch.workers.factory import make_policy
-from branchsearch.workers.ranker import (FEATURES, HYBRID_WEIGHTS_PATH, WEIGHTS_PATH,
-                                         LinearRanker, episode_features, load_ranker)
+from branchsearch.workers.heuristic.ranker import (FEATURES, HYBRID_WEIGHTS_PATH, WEIGHTS_PATH,
+                                                   LinearRanker, episode_features, load_ranker)
 
 
 @pytest.mark.parametrize("path", [WEIGHTS_PATH, HYBRID_WEIGHTS_PATH])

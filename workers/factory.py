@@ -10,26 +10,24 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
                 kind: str = "original"):
     """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
     searches the question tail: fused, an entity branch's tail changed no ranking and cost 4–8 %
-    of a 3-branch question's tokens (reports/recall/README.md, session 6). The planner's other
+    of a 3-branch question's tokens (reports/recall/README.md). The planner's other
     branches (comparison, clause, entity) follow one hop from what their own searches find
     (`max_hops` 2, the question's branch 3): each sub-query is narrower than the question,
     around a name or one clause, so it starts a hop nearer its evidence; the third hop changed
-    no fused ranking and cost 5–8 % of a 3-branch question's tokens (session 12). (Not 1: an
+    no fused ranking and cost 5–8 % of a 3-branch question's tokens. (Not 1: an
     entity branch then only repeats the question branch's search for that name.)"""
     name = name or settings.policy
     if name == "heuristic":
         from branchsearch.infra.retriever import searched_mode
-        from branchsearch.workers.heuristic import HeuristicPolicy
-        from branchsearch.workers.ranker import weights_for
+        from branchsearch.workers.heuristic import HeuristicConfig, HeuristicPolicy
+        from branchsearch.workers.heuristic.ranker import weights_for
 
         mode = searched_mode(settings)
-        return HeuristicPolicy(final_k=settings.final_k, prune=settings.prune,
-                               max_turns=settings.max_turns, learned_rank=settings.learned_rank,
-                               per_title=settings.per_title,
-                               ranker_path=str(weights_for(mode)),
-                               hop_mode=hop_mode(settings, mode),
-                               tail_page=kind == "original",
-                               max_hops=3 if kind == "original" else OTHER_MAX_HOPS)
+        return HeuristicPolicy(HeuristicConfig(
+            final_k=settings.final_k, prune=settings.prune, max_turns=settings.max_turns,
+            learned_rank=settings.learned_rank, per_title=settings.per_title,
+            ranker_path=str(weights_for(mode)), hop_mode=hop_mode(settings, mode),
+            tail_page=kind == "original", max_hops=3 if kind == "original" else OTHER_MAX_HOPS))
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
 

@@ -72,12 +72,13 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
         from dataclasses import replace
 
         from branchsearch.workers.factory import make_policy
+        from branchsearch.workers.heuristic import HeuristicPolicy
 
         # the planner keeps the question's own branch first: only it searches the question
         # tail (make_policy's kind="original")
         own_settings = settings.replace(learned_rank=ranker and not features)
-        policies[index] = replace(make_policy(own_settings, "heuristic", kind="original" if
-                                              index == 0 else "entity"), **own(index))
+        made = make_policy(own_settings, "heuristic", kind="original" if index == 0 else "entity")
+        policies[index] = HeuristicPolicy(replace(made.config, **own(index)))
         return policies[index]
 
     driver = Driver(settings, mode="local", planner=HeuristicPlanner(rule) if rule else None,
@@ -109,7 +110,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
                                                       "read_document")]}
                          for b in result.branches]})
         if features:  # every scored chunk's ranker features at the end of each branch
-            from branchsearch.workers.ranker import episode_features
+            from branchsearch.workers.heuristic.ranker import episode_features
 
             for b in rows[-1]["branches"]:
                 p = policies.get(b["index"])
@@ -395,10 +396,10 @@ def policy_arg(item: str) -> tuple[str, object]:
     An unknown field or a value of the wrong type is an error here, not a silent setting."""
     import dataclasses
 
-    from branchsearch.workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.heuristic import HeuristicConfig
 
     name, sep, text = item.partition("=")
-    fields = {f.name: f for f in dataclasses.fields(HeuristicPolicy)}
+    fields = {f.name: f for f in dataclasses.fields(HeuristicConfig)}
     field = fields.get(name.removeprefix("branch."))
     if not sep or field is None or field.default is dataclasses.MISSING:  # not state
         raise ValueError(f"--policy-arg {item!r}: NAME=VALUE with NAME a HeuristicPolicy field")

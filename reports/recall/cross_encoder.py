@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from branch_eval import docstore_text, load_dump  # noqa: E402
 
 from branchsearch.workers.rank import doc_of, final_ranking  # noqa: E402
-from branchsearch.workers.ranker import load_ranker, weights_for  # noqa: E402
+from branchsearch.workers.heuristic.ranker import load_ranker, weights_for  # noqa: E402
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0, None)  # None: the cross-encoder alone
 

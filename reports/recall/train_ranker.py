@@ -41,14 +41,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from branch_eval import docstore_text, fused, load_dump, plan_rule, score  # noqa: E402
 
-from branchsearch.workers.heuristic import HeuristicPolicy  # noqa: E402
+from branchsearch.workers.heuristic import HeuristicConfig  # noqa: E402
 from branchsearch.workers.rank import crowd, doc_of, final_ranking, hold_back  # noqa: E402
-from branchsearch.workers.ranker import FEATURES, LinearRanker, load_ranker  # noqa: E402
+from branchsearch.workers.heuristic.ranker import FEATURES, LinearRanker, load_ranker  # noqa: E402
 from branchsearch.workers.text import norm_title  # noqa: E402
 
 
-SEARCH_K = HeuristicPolicy.search_k  # the places a question tail's hits never take
-PER_TITLE = HeuristicPolicy.per_title
+SEARCH_K = HeuristicConfig.search_k  # the places a question tail's hits never take
+PER_TITLE = HeuristicConfig.per_title
 
 
 def load(paths: list[str]) -> dict[str, list[dict]]:

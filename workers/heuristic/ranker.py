@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from branchsearch.workers.heuristic.scoring import qualifier_agreement
+from branchsearch.workers.heuristic.titles import names
 from branchsearch.workers.rank import doc_of
 from branchsearch.workers.text import folded, norm_title, terms
 
@@ -57,7 +59,7 @@ FEATURES = (
     "pruned",           # pruned from the context and not recalled by the end
     "first_chunk",      # the document's first chunk (#p0)
     "doc_chunks",       # log of the number of its document's chunks the episode scored
-    # set-level, scale-free (ranks and shares within the episode; Session 3):
+    # set-level, scale-free (ranks and shares within the episode):
     "doc_rank_inv",     # 1 / its document's place in the heuristic's document order
     "chain_support",    # best score_rel of another document whose text names its title
     "chain_rank_inv",   # 1 / the heuristic document place of the best such document
@@ -71,47 +73,46 @@ def episode_features(policy, needed: frozenset[str] | None = None) -> dict[str, 
     """Feature vectors (in `FEATURES` order) of every chunk a `HeuristicPolicy` scored, read
     from its state at the end of an episode. `needed`: compute only these (the others are 0.0;
     the policy passes the ones its ranker weighs, a training dump needs them all)."""
-    scores = policy.scores
+    state, rank_decay = policy.state, policy.config.rank_decay
+    scores = state.scores
     if not scores:
         return {}
     want = (lambda name: True) if needed is None else needed.__contains__
     order = sorted(scores, key=lambda c: (-scores[c], c))
     place = {cid: i for i, cid in enumerate(order, start=1)}
     best = max(scores.values()) or 1.0
-    q, q_ents = policy.q_terms, [folded(e) for e in policy.q_entities]
-    bridge_ents = [e for e, (src, _) in policy.links.items() if src]
-    texts = {cid: folded(f"{c.title} {c.text}") for cid, c in policy.chunks.items()
+    q, q_ents = state.q_terms, [folded(e) for e in state.q_entities]
+    bridge_ents = [e for e, (src, _) in state.links.items() if src]
+    texts = {cid: folded(f"{c.title} {c.text}") for cid, c in state.chunks.items()
              if cid in scores}
-    children = Counter(o.parent for cid, o in policy.origins.items() if o.parent and cid in scores)
+    children = Counter(o.parent for cid, o in state.origins.items() if o.parent and cid in scores)
     per_doc = Counter(doc_of(cid) for cid in scores)
-    from branchsearch.workers.heuristic import _names  # the policy's own title matcher
-
     def row(cid: str) -> dict[str, float]:
-        chunk, origin = policy.chunks[cid], policy.origins[cid]
+        chunk, origin = state.chunks[cid], state.origins[cid]
         f = {"score": scores[cid], "score_rel": scores[cid] / best, "rank_inv": 1.0 / place[cid],
-             "question_support": 1.0 / (1.0 + policy.rank_decay * (origin.rank - 1))
+             "question_support": 1.0 / (1.0 + rank_decay * (origin.rank - 1))
              if origin.kind == "question" else 0.0,
              "from_entity": float(origin.kind == "entity"),
              "from_bridge": float(origin.kind == "bridge"),
              "origin_rank_inv": 1.0 / max(origin.rank, 1),
-             "depth": float(policy.depth.get(cid, 0)),
+             "depth": float(state.depth.get(cid, 0)),
              "children_inv": 1.0 - 1.0 / (1 + children[cid]),
              "parent_score": scores.get(origin.parent, 0.0) if origin.parent else 0.0,
-             "expanded": float(cid in policy.expanded), "pruned": float(cid in policy.pruned),
+             "expanded": float(cid in state.expanded), "pruned": float(cid in state.pruned),
              "first_chunk": float(cid.endswith("#p0")),
              "doc_chunks": math.log(per_doc[doc_of(cid)])}
         if want("coverage") or want("residual"):
             words = terms(f"{chunk.title} {chunk.text}")
             f["coverage"] = len(q & words) / max(len(q), 1)
-            f["residual"] = _residual(policy, cid, words) if want("residual") else 0.0
+            f["residual"] = _residual(state, cid, words) if want("residual") else 0.0
         if want("title_coverage") or want("title_in_query"):
             title_terms = terms(norm_title(chunk.title))
             f["title_coverage"] = len(title_terms & q) / max(len(title_terms), 1)
             f["title_in_query"] = float(bool(title_terms) and title_terms <= q)
         if want("names_q_entity"):
-            f["names_q_entity"] = max((_names(chunk.title, e) for e in q_ents), default=0.0)
+            f["names_q_entity"] = max((names(chunk.title, e) for e in q_ents), default=0.0)
         if want("names_bridge"):
-            f["names_bridge"] = max((_names(chunk.title, e) for e in bridge_ents), default=0.0)
+            f["names_bridge"] = max((names(chunk.title, e) for e in bridge_ents), default=0.0)
         if want("mentioned_by"):
             core = norm_title(chunk.title)
             f["mentioned_by"] = math.log1p(sum(
@@ -120,11 +121,11 @@ def episode_features(policy, needed: frozenset[str] | None = None) -> dict[str, 
         if want("mentions_q_ent"):
             f["mentions_q_ent"] = sum(e in texts[cid] for e in q_ents) / max(len(q_ents), 1)
         if want("qualifier"):
-            f["qualifier"] = policy._qualifier_agreement(cid)
+            f["qualifier"] = qualifier_agreement(state, cid)
         f.update(sets.get(cid, {}))
         return f
 
-    sets = _set_features(policy, order, texts, want)
+    sets = _set_features(state, order, texts, want)
 
     out = {}
     for cid in scores:
@@ -138,7 +139,7 @@ SET_FEATURES = ("doc_rank_inv", "chain_support", "chain_rank_inv", "restates", "
 HEAD = 5  # "above it" for novel_terms / novel_entity: the documents placed before it in the top 5
 
 
-def _set_features(policy, order: list[str], texts: dict[str, str], want
+def _set_features(state, order: list[str], texts: dict[str, str], want
                   ) -> dict[str, dict[str, float]]:
     """Features of a chunk relative to the other documents of the episode, all ranks or shares
     (no raw score), so they mean the same on every data set:
@@ -154,7 +155,7 @@ def _set_features(policy, order: list[str], texts: dict[str, str], want
       (`novel_entity`, 0/1)."""
     if not any(want(n) for n in SET_FEATURES):
         return {}
-    scores, chunks = policy.scores, policy.chunks
+    scores, chunks = state.scores, state.chunks
     best = max(scores.values()) or 1.0
     doc_first: dict[str, str] = {}
     for cid in order:
@@ -178,36 +179,36 @@ def _set_features(policy, order: list[str], texts: dict[str, str], want
                 if core[other] != name and needle in doc_words[other]:  # not a restatement
                     chain[d] = (scores[doc_first[other]] / best, place[other])
                     break
-    q_ents = [folded(e) for e in policy.q_entities]
+    q_ents = [folded(e) for e in state.q_entities]
     head = list(doc_first)[:HEAD]
     covered: list[set[str]] = [set()]  # covered[i]: sub-query terms of the first i head documents
     mentioned: list[set[str]] = [set()]
     for d in head:
         c = doc_first[d]
         words = terms(f"{chunks[c].title} {chunks[c].text}")
-        covered.append(covered[-1] | (policy.q_terms & words))
+        covered.append(covered[-1] | (state.q_terms & words))
         mentioned.append(mentioned[-1] | {e for e in q_ents if e in doc_text[d]})
     out: dict[str, dict[str, float]] = {}
     for cid in scores:
         d = chunks[cid].doc_id
         k = min(place[d] - 1, len(head))
         support, by = chain.get(d, (0.0, 0))
-        words = policy.q_terms & terms(f"{chunks[cid].title} {chunks[cid].text}")
+        words = state.q_terms & terms(f"{chunks[cid].title} {chunks[cid].text}")
         ents = {e for e in q_ents if e in texts[cid]}
         out[cid] = {"doc_rank_inv": 1.0 / place[d], "chain_support": support,
                     "chain_rank_inv": 1.0 / by if by else 0.0,
                     "restates": float(first[core[d]] < place[d]),
-                    "novel_terms": len(words - covered[k]) / max(len(policy.q_terms), 1),
+                    "novel_terms": len(words - covered[k]) / max(len(state.q_terms), 1),
                     "novel_entity": float(bool(ents - mentioned[k]))}
     return out
 
 
-def _residual(policy, cid: str, words: set[str]) -> float:
-    parent = policy.origins[cid].parent
-    if parent not in policy.chunks:
+def _residual(state, cid: str, words: set[str]) -> float:
+    parent = state.origins[cid].parent
+    if parent not in state.chunks:
         return 0.0
-    p = policy.chunks[parent]
-    left = policy.q_terms - terms(f"{p.title} {p.text}")
+    p = state.chunks[parent]
+    left = state.q_terms - terms(f"{p.title} {p.text}")
     return len(left & words) / max(len(left), 1)
 
 
@@ -254,7 +255,7 @@ def weights_for(search_mode: str) -> Path:
     searched that way and reported on musique and SciFact: the features describe the episode's
     search lists, and a hybrid question list puts other pages first than a BM25 one (BM25's
     weights cost hybrid SciFact 0.004 nDCG@10 against no ranker; hybrid's cost BM25 musique
-    0.07 AR@5: reports/recall/README.md, session 7). Dense-only search has no fit: BM25's.
+    0.07 AR@5: reports/recall/README.md). Dense-only search has no fit: BM25's.
     `search_mode` is the mode searched (`infra.retriever.searched_mode`): hybrid on an index
     with one backend is that backend's."""
     return HYBRID_WEIGHTS_PATH if search_mode == "hybrid" else WEIGHTS_PATH
