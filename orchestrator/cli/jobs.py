@@ -31,7 +31,8 @@ def register(app: typer.Typer) -> None:
 
 
 def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
-          output: Path = typer.Option(..., "-o", "--output", help="results JSONL (one line per id; re-runs resume)"),
+          output: Path = typer.Option(..., "-o", "--output",
+                                      help="results JSONL (one line per id; re-runs resume)"),
           concurrency: Optional[int] = typer.Option(None, min=1),
           branches: Optional[int] = typer.Option(None, min=1),
           executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,

@@ -52,6 +52,7 @@ def pick_executor(settings: Settings, requested: str = "ray") -> ExecutorName:
         return "local"
     return requested
 
+
 def make_executor(settings: Settings, mode: ExecutorName, *,
                   pool_size: int | None = None) -> Executor:
     if mode == "local":
@@ -65,6 +66,7 @@ def make_executor(settings: Settings, mode: ExecutorName, *,
                            * max(settings.batch_concurrency, 1))
     raise BranchsearchError(f"unknown executor {mode!r}; use {one_of(EXECUTORS)}")
 
+
 def emit(on_event: Events, event: dict) -> None:
     """Pass an event to the watcher, if any; a watcher that fails never breaks the search."""
     if on_event is not None:
@@ -73,11 +75,13 @@ def emit(on_event: Events, event: dict) -> None:
         except Exception:  # noqa: BLE001 — a watcher never breaks the search
             pass
 
+
 def done_event(report: BranchReport) -> dict:
     return {"type": "branch_done", "branch": report.index, "status": report.status,
             "error": report.error, "termination": report.termination, "turns": report.turns,
             "context_tokens_final": report.context_tokens_final,
             "tokens_read": report.tokens_read, "latency_s": round(report.latency_s, 4)}
+
 
 def shares_cache(settings: Settings, tasks: list[BranchTask]) -> bool:
     """Whether a question's branches share a fetch cache: with `fetch_cache`, when there are

@@ -83,6 +83,7 @@ class BranchPool:
             except Exception:  # noqa: BLE001 — already gone
                 pass
 
+
 def wait_started(refs: list, what: str, timeout: float, resources: dict, demand: dict) -> None:
     """Wait for actors to answer, at most `timeout`: a plan the cluster cannot place fails here
     with one line instead of hanging, and an actor that died in its constructor of a user error
@@ -107,6 +108,7 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
             f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
             f"free now {free}, this plan asks {demand}: other actors hold the "
             "rest; see `ray status`, or raise actor_start_timeout_s)") from None
+
 
 def start_error(exc: BaseException) -> BranchsearchError | None:
     """The user error an actor died of in its constructor, or None (a crash, not the user's).

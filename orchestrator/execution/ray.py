@@ -281,6 +281,7 @@ class RayExecutor:
             except Exception:  # noqa: BLE001 — already gone
                 pass
 
+
 def _left(tasks: list[BranchTask]) -> float | None:
     """Seconds until the question's deadline (None: no deadline)."""
     deadline = min([t.deadline for t in tasks if t.deadline is not None], default=None)
