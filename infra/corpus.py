@@ -42,12 +42,23 @@ def read_corpus(path: str | Path) -> list[Document]:
         docs = list(_read_jsonl(path))
     else:
         raise CorpusError(f"{path}: expected a BEIR folder, a .jsonl file or a folder of .txt/.md")
+    return _unique(docs, str(path))
+
+
+def parse_jsonl(text: str, name: str = "body") -> list[Document]:
+    """The documents of JSONL `text` held in memory (an upload), validated as a corpus file is;
+    CorpusError names `name:line`."""
+    docs = list(_documents(enumerate(text.split("\n"), 1), name, "body.jsonl"))
+    return _unique(docs, name)
+
+
+def _unique(docs: list[Document], name: str) -> list[Document]:
     if not docs:
-        raise CorpusError(f"{path}: no documents found")
+        raise CorpusError(f"{name}: no documents found")
     seen: set[str] = set()
     for doc in docs:
         if doc.id in seen:
-            raise CorpusError(f"{path}: duplicate document id {doc.id!r}")
+            raise CorpusError(f"{name}: duplicate document id {doc.id!r}")
         seen.add(doc.id)
     return docs
 
@@ -56,23 +67,30 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
     from branchsearch.infra.textfile import utf8_lines
 
     with path.open("rb") as f:  # bytes that are not UTF-8 stop with file, line and offset
-        for lineno, line in utf8_lines(f, path):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise CorpusError(f"{where}: expected a JSON object")
-            doc_id = row.get("_id", row.get("id"))
-            if doc_id is None or str(doc_id).strip() == "":
-                raise CorpusError(f"{where}: missing document id ('_id' or 'id')")
-            text = row.get("text")
-            if not isinstance(text, str):
-                raise CorpusError(f"{where}: missing or non-string 'text'")
-            yield _document(str(doc_id), row, where, source=str(row.get("source", path.name)))
+        yield from _documents(utf8_lines(f, path), str(path), None)
+
+
+def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
+    """Documents from (line number, line) pairs; `source`: the default source field (None:
+    the file's name)."""
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise CorpusError(f"{where}: expected a JSON object")
+        doc_id = row.get("_id", row.get("id"))
+        if doc_id is None or str(doc_id).strip() == "":
+            raise CorpusError(f"{where}: missing document id ('_id' or 'id')")
+        text = row.get("text")
+        if not isinstance(text, str):
+            raise CorpusError(f"{where}: missing or non-string 'text'")
+        yield _document(str(doc_id), row, where, source=str(row.get(
+            "source", source or Path(name).name)))
 
 
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:

@@ -15,9 +15,7 @@ find the stores disagree.
 from __future__ import annotations
 
 import json
-import tempfile
 from contextlib import contextmanager
-from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
 
@@ -25,8 +23,6 @@ from branchsearch.infra.errors import CorpusError
 def parse_documents(body: bytes) -> list:
     """Documents from a JSON array or JSONL body, validated as `read_corpus` validates a file
     (id, text, acl as a list of groups, no duplicate ids). CorpusError names the bad line."""
-    from branchsearch.infra.corpus import read_corpus
-
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -42,13 +38,9 @@ def parse_documents(body: bytes) -> list:
         _refuse_wrapper(stripped)
     if not text.strip():
         raise CorpusError("no documents in the body")
-    with tempfile.TemporaryDirectory(prefix="bs-put-") as tmp:
-        path = Path(tmp) / "body.jsonl"
-        path.write_text(text, encoding="utf-8")
-        try:
-            return read_corpus(path)
-        except CorpusError as exc:
-            raise CorpusError(str(exc).replace(str(path), "body")) from None
+    from branchsearch.infra.corpus import parse_jsonl
+
+    return parse_jsonl(text, "body")
 
 
 def _refuse_wrapper(text: str) -> None:
@@ -91,11 +83,8 @@ def delete(retriever, settings, doc_id: str) -> bool:
     """Remove a document from every store; False when the docstore did not have it."""
     store = retriever.docstore
     with every_store(retriever, settings) as dense:
-        # DocStore has no delete yet (infra is the ingest engineer's): one transaction on its
-        # connection, under its lock.
-        with store._lock, store._db:
-            found = store._db.execute("DELETE FROM docs WHERE doc_id = ?", (doc_id,)).rowcount
-            store._db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
+        found = store.get_document(doc_id) is not None
+        store.delete_documents([doc_id])  # what searches see goes first
         retriever.lexical.write([], [doc_id])
         if dense is not None:
             dense.write([], [], [doc_id])
