@@ -68,7 +68,77 @@ def writable_file(path: Path, what: str) -> None:
 
 
 def progress_bar(total: int | None, unit: str, desc: str):
+    """A tqdm bar on a terminal; elsewhere (a pipe, a log file, CI) one plain line every
+    few seconds, so long work is never silent. Both take update(n), set_postfix(...),
+    format_dict["elapsed"] and close()."""
+    if not sys.stderr.isatty():
+        return ProgressLines(total, unit, desc)
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True,
-                disable=None)
+    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+class ProgressLines:
+    """Progress as plain stderr lines: one every `every` seconds once the work has advanced
+    (from a timer thread, so a long step between two updates still shows the clock running)
+    and one at close. Nothing before the first update: a command that fails early still says
+    only its one `error:` line."""
+
+    def __init__(self, total: int | None, unit: str, desc: str, every: float = 5.0,
+                 stream=None):
+        import threading
+        import time
+        import weakref
+
+        self._clock = time.monotonic
+        self.total, self.unit, self.desc, self.every = total, unit, desc, every
+        self.stream = stream if stream is not None else sys.stderr
+        self.n = 0
+        self.postfix = ""
+        self._start = self._clock()
+        self._stop = threading.Event()
+        # the timer holds the bar weakly: a bar dropped unclosed (its command raised) goes quiet
+        self._timer = threading.Thread(target=_tick, args=(weakref.ref(self), self._stop,
+                                                            every),
+                                       name="progress-lines", daemon=True)
+        self._timer.start()
+
+    @property
+    def format_dict(self) -> dict:
+        return {"n": self.n, "total": self.total, "elapsed": self._clock() - self._start}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
+        items = {**(ordered_dict or {}), **kwargs}
+        self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._timer.join()
+            if self.n:
+                self._say(done=True)
+
+    def _say(self, done: bool = False) -> None:
+        elapsed = self._clock() - self._start
+        count = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        line = f"{self.desc}: {count} {self.unit}, {rate:.1f} {self.unit}/s, {elapsed:.0f} s"
+        if self.postfix:
+            line += f" ({self.postfix})"
+        print(line + (", done" if done else ""), file=self.stream, flush=True)
+
+
+def _tick(ref, stop, every: float) -> None:
+    while not stop.wait(every):
+        bar = ref()
+        if bar is None:
+            return
+        try:
+            if bar.n:
+                bar._say()
+        except (ValueError, OSError):  # the stream was closed under it
+            return
+        del bar
