@@ -117,7 +117,7 @@ function renderResult(r) {
                  doc.found_by.map((f) => `branch ${f.branch} #${f.rank}`).join(", ")));
     for (const c of doc.chunks) {
       const found = c.found_by.map((f) => `branch ${f.branch} #${f.rank}`).join(", ");
-      li.append(el("div", "chunk", `${c.rank}. ${c.text.slice(0, 300)}`),
+      li.append(el("div", "chunk", c.text.slice(0, 300)),
                 el("div", "found", `${c.chunk_id} — found by ${found}`));
     }
     list.appendChild(li);
