@@ -30,13 +30,22 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
         if address is None:
             kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
                        "object_store_memory": object_store_mb * 1024 * 1024}
-        try:
-            with _without_ray_notices():
-                ray.init(address=address, **kwargs)
-        except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a start timeout
-            where = f"connect to {address}" if address else "start a local cluster"
-            raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
-                                     f"{str(exc)[:300]})") from None
+        # a local start that times out (a slow raylet on a loaded machine) is tried once more
+        for attempt in (1, 2) if address is None else (2,):
+            try:
+                with _without_ray_notices():
+                    ray.init(address=address, **kwargs)
+                break
+            except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a timeout
+                try:
+                    ray.shutdown()  # what the failed start left behind
+                except Exception:  # noqa: BLE001
+                    pass
+                if attempt == 1:
+                    continue
+                where = f"connect to {address}" if address else "start a local cluster"
+                raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
+                                         f"{str(exc)[:300]})") from None
     return ray.cluster_resources()
 
 

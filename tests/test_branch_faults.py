@@ -176,7 +176,7 @@ def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_
     path.write_text(json.dumps({"id": "e", "question": " "}) + "\n"
                     + json.dumps({"question": "Who?"}) + "\n")
     assert read_questions(path).bad_lines == [  # each says what is wrong with it
-        f"{path}:1: the question is empty",
+        f"{path}:1: empty question: give the words to search for",
         f"{path}:2: needs 'id' (or '_id') and 'question' (or 'text')"]
     from branchsearch.infra.errors import CorpusError
 

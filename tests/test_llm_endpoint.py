@@ -93,7 +93,10 @@ class Server:
     def __init__(self, model: Path, log: Path):
         self.port = free_port()
         self.root = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_API_KEY": KEY}
+        # INFO: the chunked-prefill test reads the engine's config from the log (an in-process
+        # engine loaded earlier in the session sets VLLM_LOGGING_LEVEL=ERROR in os.environ)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_API_KEY": KEY,
+               "VLLM_LOGGING_LEVEL": "INFO"}
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
