@@ -142,3 +142,19 @@ def test_demo_reads_its_task_through_the_dataset_reader(tmp_path):
                                                       raw["metadata"]["hops"])
     assert task.answer == raw["metadata"]["answer"]
     assert list(task.gold) == [r.split("\t")[1] for r in qrels if r.startswith(task.id + "\t")]
+
+
+def test_unasked_the_executor_is_in_process_on_one_machine(monkeypatch):
+    """A fresh `search` of a question planned to 3 branches started a local Ray cluster and
+    loaded the embedder again in its actors (~10 s) for ~75 ms of work. Unasked, one machine
+    runs its branches in-process; a named cluster or a model in engine actors still gets Ray."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert pick_executor(settings(branches=3)) == "local"
+    assert pick_executor(settings(branches=3, ray_address="ray://head:10001")) == "ray"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert pick_executor(settings(branches=3)) == "ray"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert pick_executor(settings(branches=3, policy="llm")) == "ray"  # engine actors
+    assert pick_executor(settings(branches=3, policy="llm", llm_url="http://llm:8000/v1")
+                         ) == "local"  # a model behind an endpoint needs no cluster
+    assert pick_executor(settings(branches=3), "ray") == "ray"  # asked for: as asked

@@ -58,7 +58,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
                                 '{"id": …, "question": …})')
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
-    driver = open_driver(settings, executor)  # questions run at once: the executor as asked
+    from branchsearch.orchestrator.execution import pick_executor
+
+    driver = open_driver(settings, pick_executor(settings, executor))
     bar = progress_bar(len(data.items), "q", "batch")
     seen = {"partial": 0, "failed": 0}
 

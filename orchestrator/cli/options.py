@@ -26,9 +26,10 @@ def choice(*allowed: str):
     return check
 
 
-ExecutorOpt = typer.Option("ray", "--executor", callback=choice(*EXECUTORS),
-                           help="ray (actors) | local (in-process); one branch runs in-process "
-                                "unless a Ray address is set")
+ExecutorOpt = typer.Option(None, "--executor", callback=choice(*EXECUTORS),
+                           help="ray (branches as Ray actors) | local (in-process). Default: "
+                                "in-process on one machine; ray when a cluster is named "
+                                "(--address, RAY_ADDRESS) or the LLM runs in engine actors")
 PolicyOpt = typer.Option(None, "--policy", callback=choice(*POLICIES),
                          help=" | ".join(POLICIES))
 AclOpt = typer.Option(None, "--acl", help="a group the caller holds (repeat for several); "

@@ -139,7 +139,7 @@ class EvalOptions:
     policy: Policy | None = None
     baseline: Baseline | None = None
     compare: bool = False
-    executor: Executor = "ray"
+    executor: Executor | None = None  # None: `execution.pick_executor` chooses
     limit: int | None = None
     split: Split = "test"
     ingest_first: bool = True  # ingest (or resume) the dataset when its index is not complete
@@ -230,7 +230,7 @@ def _single_shot_run(settings: Settings, queries: list[Query], mode: Mode,
         retriever.close()
 
 
-def _agent_run(settings: Settings, queries: list[Query], executor: Executor,
+def _agent_run(settings: Settings, queries: list[Query], executor: Executor | None,
                acl_groups: list[str] | None, progress: Progress | None) -> dict:
     from branchsearch.infra.docstore import DocStore
     from branchsearch.orchestrator.driver import open_driver

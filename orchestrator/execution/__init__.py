@@ -43,9 +43,19 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def pick_executor(settings: Settings, requested: str = "ray") -> ExecutorName:
-    """The executor to use: the one requested, except that one branch needs no cluster, so
-    `ray` with `branches = 1` runs in-process, unless a cluster was named (`ray_address`)."""
+def pick_executor(settings: Settings, requested: str | None = None) -> ExecutorName:
+    """The executor to use. Not asked for (None): in-process on one machine — the branches of
+    the heuristic policy or of a model behind `llm_url` need no cluster, and starting one costs
+    seconds for milliseconds of work — and Ray when a cluster is named (`ray_address` or
+    RAY_ADDRESS) or the model runs in engine actors. Asked for: that one, except that one
+    branch needs no cluster, so `ray` with `branches = 1` runs in-process unless a cluster was
+    named."""
+    import os
+
+    cluster = bool(settings.ray_address or os.environ.get("RAY_ADDRESS"))
+    if requested is None:
+        engines = "llm" in (settings.policy, settings.planner) and not settings.llm_url
+        return "ray" if cluster or engines else "local"
     if requested not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {requested!r}; use {one_of(EXECUTORS)}")
     if requested == "ray" and settings.branches == 1 and not settings.ray_address:
