@@ -35,7 +35,7 @@ from branchsearch.infra.dense import (acquire_lite, is_server, lite_key, milvus_
                                       milvus_error, milvus_list, quiet_pymilvus, release_lite,
                                       timeout_arg)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
-from branchsearch.infra.hits import Hit
+from branchsearch.infra.hits import Hit, doc_of
 
 
 CHUNK_SUFFIX = "#p0"
@@ -123,10 +123,6 @@ def parse_indexes(value) -> tuple[ExternalIndex, ...]:
     return tuple(out)
 
 
-def doc_id_of(chunk_id: str) -> str:
-    return chunk_id[: -len(CHUNK_SUFFIX)] if chunk_id.endswith(CHUNK_SUFFIX) else chunk_id
-
-
 def _sees_all(acl_groups: Sequence[str] | None) -> bool:
     return acl_groups is not None and ACL_ALL in acl_groups
 
@@ -179,7 +175,7 @@ class ExternalElastic:
              source: str) -> list[Hit]:
         query: dict = {"bool": {"must": [must], "filter": self._acl_filter(acl_groups)}}
         if exclude_ids:
-            query["bool"]["must_not"] = [self._ids_query([doc_id_of(c) for c in exclude_ids])]
+            query["bool"]["must_not"] = [self._ids_query([doc_of(c) for c in exclude_ids])]
         try:
             result = self._es.search(index=self.index, query=query, size=k,
                                      source_includes=self._source_fields())
@@ -323,7 +319,7 @@ class ExternalMilvus:
                 public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
             parts.append(f"({public} or {member})" if acl_groups else public)
         if exclude_ids:
-            parts.append(f"{self.f.id} not in {self._list([doc_id_of(c) for c in exclude_ids])}")
+            parts.append(f"{self.f.id} not in {self._list([doc_of(c) for c in exclude_ids])}")
         return " and ".join(parts)
 
     def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
@@ -393,7 +389,7 @@ class ExternalDocs:
         self.source = source
 
     def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
-        docs = self.source.get([doc_id_of(c) for c in dict.fromkeys(chunk_ids)])
+        docs = self.source.get([doc_of(c) for c in dict.fromkeys(chunk_ids)])
         return {d["doc_id"] + CHUNK_SUFFIX: {"chunk_id": d["doc_id"] + CHUNK_SUFFIX, "n": 0, **d}
                 for d in docs.values()}
 

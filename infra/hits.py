@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def doc_of(chunk_id: str) -> str:
+    """Document id of a chunk id `"{doc_id}#p{n}"` (the id itself when it has no `#p`; a
+    document id never holds '#')."""
+    head, sep, _ = chunk_id.rpartition("#p")
+    return head if sep else chunk_id
+
+
 @dataclass
 class Hit:
     """A retrieved chunk. `rank` is 1-based within the list that produced it."""

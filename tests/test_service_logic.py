@@ -143,8 +143,10 @@ def test_events_are_framed_and_the_result_keeps_its_status():
 
 
 def test_acl_guard_drops_hidden_ids_everywhere():
-    assert stream.visible([], ["a"]) and stream.visible(["a"], ["a", "b"])
-    assert not stream.visible(["b"], ["a"]) and stream.visible(["b"], ["*"])
+    from branchsearch.infra.backends import acl_visible
+
+    assert acl_visible([], ["a"]) and acl_visible(["a"], ["a", "b"])
+    assert not acl_visible(["b"], ["a"]) and acl_visible(["b"], ["*"])
     hidden = lambda ids: {i for i in ids if i.startswith("secret")}  # noqa: E731
     event, dropped = stream.guard({"type": "search", "new_ids": ["ok#p0", "secret#p0"]}, hidden)
     assert event["new_ids"] == ["ok#p0"] and dropped == 1

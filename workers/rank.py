@@ -13,11 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-
-def doc_of(chunk_id: str) -> str:
-    """Document id of a chunk id `"{doc_id}#p{n}"` (the id itself when it has no `#p`)."""
-    head, sep, _ = chunk_id.rpartition("#p")
-    return head if sep else chunk_id
+from branchsearch.infra.hits import doc_of
 
 
 def final_ranking(scores: Mapping[str, float], limit: int,

@@ -7,7 +7,7 @@ through `on_event` as they happen. Everything here is a plain function over JSON
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "result", "error")
 SEARCH_TOOLS = ("search_corpus", "grep_corpus", "read_document")
@@ -51,12 +51,6 @@ def branch_done(b) -> dict:
 
 
 # --- the ACL guard ---------------------------------------------------------------------------
-
-def visible(acl: Iterable[str], groups: list[str], all_marker: str = "*") -> bool:
-    """May a caller holding `groups` see a document with this ACL (empty ACL: public)?"""
-    acl = list(acl or ())
-    return not acl or all_marker in groups or bool(set(acl) & set(groups))
-
 
 def chunk_ids_in(event: dict) -> list[str]:
     """Every chunk id an event or result mentions."""

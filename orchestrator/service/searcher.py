@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from branchsearch.infra.backends import ACL_ALL
+from branchsearch.infra.backends import ACL_ALL, acl_visible
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
                                        IndexNotFound, error_line, public_line)
 from branchsearch.infra.settings import Settings, index_name_problem
@@ -344,7 +344,7 @@ class Searcher:
                 return set()
             rows = store.get_chunks(ids)
             bad = {cid for cid, row in rows.items()
-                   if not events.visible(row["acl"], groups, ACL_ALL)}
+                   if not acl_visible(row["acl"], groups)}
             if bad:
                 self.acl_guard_dropped += len(bad)
                 log.error("ACL guard dropped %d chunk ids a branch returned to groups %s",
@@ -387,7 +387,7 @@ class Searcher:
         driver = self._writable(index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         old = self._docstores[index].get_document(doc_id)
-        if old is not None and not events.visible(old["acl"], self.groups(key), ACL_ALL):
+        if old is not None and not acl_visible(old["acl"], self.groups(key)):
             raise missing  # an id the key may not see answers as a missing one
         if old is not None and not self._owns(key, old["acl"]):
             raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
