@@ -43,6 +43,17 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+def bounded(task: BranchTask, settings: Settings) -> BranchTask:
+    """The task with its own deadline, `branch_timeout_s` from now (or the question's, if
+    sooner): a branch that runs where it cannot be killed (in this process, or hosted by a
+    retriever replica that serves other branches) ends itself at its next turn past it."""
+    import time
+    from dataclasses import replace
+
+    own = time.time() + settings.branch_timeout_s
+    return replace(task, deadline=own if task.deadline is None else min(task.deadline, own))
+
+
 def pick_executor(settings: Settings, requested: str | None = None) -> ExecutorName:
     """The executor to use. Not asked for (None): in-process on one machine — the branches of
     the heuristic policy or of a model behind `llm_url` need no cluster, and starting one costs

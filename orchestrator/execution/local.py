@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 
 from branchsearch.infra.settings import Settings
-from branchsearch.orchestrator.execution import Events, done_event, emit, shares_cache
+from branchsearch.orchestrator.execution import (Events, bounded, done_event, emit,
+                                                  shares_cache)
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
 
@@ -42,7 +43,7 @@ class LocalExecutor:
             else:
                 emit(on_event, {"type": "branch_started", "branch": task.index,
                                  "subquery": task.subquery})
-                report = run_branch(task, retriever, settings,
+                report = run_branch(bounded(task, settings), retriever, settings,
                                     policy_factory=policy_factory, on_event=on_event)
             emit(on_event, done_event(report))
             reports.append(report)

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.settings import Settings
-from branchsearch.orchestrator.execution import Events, done_event, emit, shares_cache
+from branchsearch.orchestrator.execution import Events, bounded, done_event, emit, shares_cache
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
@@ -126,7 +126,7 @@ class RayExecutor:
                 if hosted:  # the question's own branch, beside the stores
                     key = uuid.uuid4().hex if stream else None
                     ref = self.retrievers[replicas[0]].run.remote(
-                        self._bounded(tasks[0], settings), carrier, policy_factory, key,
+                        bounded(tasks[0], settings), carrier, policy_factory, key,
                         question)
                     places.append(Placement(ref, replicas[0], events=key))
                 for actor, task, r in zip(actors, tasks[hosted:], replicas[hosted:]):
@@ -153,13 +153,6 @@ class RayExecutor:
                 self.pool.replace(actor)
             else:
                 self.pool.release(actor)
-
-    @staticmethod
-    def _bounded(task: BranchTask, settings: Settings) -> BranchTask:
-        """A hosted branch ends itself by `branch_timeout_s` (a late one cannot be killed, as a
-        pool actor is: its replica serves the other branches)."""
-        own = time.time() + settings.branch_timeout_s
-        return replace(task, deadline=own if task.deadline is None else min(task.deadline, own))
 
     def _end_question(self, replica: int, question: str) -> None:
         """Drop the question's cache in its replica (not awaited: it answers only counters)."""
