@@ -12,13 +12,11 @@ branches are chosen by a *rule* from the candidate sub-queries `candidates(quest
 * relative: one per relative clause ("the state *where* X lived", "the person *under whom* ..."),
   its content terms (0.5).
 
-Rule "v2" (the default since session 13): comparison, else clause; a question that compares
-nothing and joins no clauses is searched by its own branch alone. Rule "v1" (sessions 1-12)
-adds, for the rest, an entity branch when the question names two or more entities: the
-question's branch already searches every entity the question names and follows their
-bridges, so on every set entity branches found no gold document it missed and left the fused
-AR@5/AR@10 as they were, for 1.2-1.3x the tokens read (reports/recall/README.md, session
-13). "kinds:a,b": the candidates of kind a, then of kind b (for offline comparisons).
+Rule "v2" (the default): comparison, else clause; a question that compares nothing and joins
+no clauses is searched by its own branch alone. Rule "v1" adds, for the rest, an entity branch
+when the question names two or more entities: the question's branch already searches every
+entity the question names and follows their bridges, so entity branches find nothing it misses
+(measured in reports/recall/README.md). "kinds:a,b": the candidates of kind a, then of kind b (for offline comparisons).
 "candidates": every candidate. Duplicates are dropped and the count is bounded by
 `max_branches` and by the question itself. `select` is the rule as a pure function of the
 candidates, so an offline dump of every candidate branch (reports/recall/branch_eval.py `run
