@@ -145,9 +145,8 @@ def test_demo_reads_its_task_through_the_dataset_reader(tmp_path):
 
 
 def test_unasked_the_executor_is_in_process_on_one_machine(monkeypatch):
-    """A fresh `search` of a question planned to 3 branches started a local Ray cluster and
-    loaded the embedder again in its actors (~10 s) for ~75 ms of work. Unasked, one machine
-    runs its branches in-process; a named cluster or a model in engine actors still gets Ray."""
+    """Unasked, one machine runs its branches in-process (a local cluster costs seconds to start
+    for milliseconds of work); a named cluster or a model in engine actors still gets Ray."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert pick_executor(settings(branches=3)) == "local"
     assert pick_executor(settings(branches=3, ray_address="ray://head:10001")) == "ray"

@@ -11,25 +11,29 @@ from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, Ove
 from branchsearch.infra.settings import Settings
 
 
+def branch_settings(settings: Settings) -> Settings:
+    """The settings a branch actor may hold: the backends' secrets stay with the retrievers."""
+    return settings.replace(es_api_key="", milvus_token="")
+
+
 class BranchPool:
     """Branch actors shared by every question (and, in the service, every index): a question
     takes all its actors at once and gives them back when its branches end. Each run carries its
-    own settings and retriever, so one pool serves any index. With `grow`, actors start on
-    demand up to `size`; without, all start now (the service: every actor is placed before a
-    request waits on one). `acquire` waits at most `timeout` seconds, then raises `Overloaded`:
+    own settings and retriever, so one pool serves any index. With `start`, that many actors
+    start now and the rest on demand up to `size`; without, all start now (the service: every
+    actor is placed before a request waits on one). `acquire` waits at most `timeout` seconds, then raises `Overloaded`:
     nothing waits on an actor that cannot be placed."""
 
     def __init__(self, size: int, options: dict, settings: Settings, *, start: int | None = None):
         from branchsearch.workers.actor import BranchActor
 
         self.size = size
-        # secrets stay with the retrievers and engines; each run brings its own settings
-        branch_settings = settings.replace(es_api_key="", milvus_token="")
+        warm = branch_settings(settings)  # each run brings its own index's settings
         # no restarts: a branch actor that dies is replaced by a fresh one (see `replace`);
         # a restartable actor holding a handle in its arguments also makes Ray's core print an
         # error-level notice on the user's terminal (ray-project/ray#53727)
         self._new = lambda: BranchActor.options(max_restarts=0, **options).remote(
-            branch_settings, None)
+            warm, None)
         self._idle = [self._new() for _ in range(size if start is None else min(start, size))]
         self._created = len(self._idle)
         self._cond = threading.Condition()

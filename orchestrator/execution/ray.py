@@ -26,7 +26,7 @@ from branchsearch.infra import telemetry
 from branchsearch.infra.settings import Settings
 from branchsearch.orchestrator.execution import Events, bounded, done_event, emit, shares_cache
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
-from branchsearch.orchestrator.execution.pool import BranchPool, wait_started
+from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
 
 log = logging.getLogger("branchsearch.executors")
@@ -74,7 +74,7 @@ class RayExecutor:
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
-        self.branch_settings = settings.replace(es_api_key="", milvus_token="")
+        self.branch_settings = branch_settings(settings)
         self.shared_pool = pool is not None
         # the pool grows on demand up to the plan's size; one question's worth starts now
         self.pool = pool or BranchPool(plan.branch_actors, plan.branch, settings,

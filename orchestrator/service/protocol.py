@@ -46,7 +46,8 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
                                                  f"the limit is {limits.max_question_chars}")
     index = body.get("index")
     if index is not None:
-        problem = index_name_problem(index) if isinstance(index, str) and _utf8(index) else \
+        # (the name rule refuses a lone surrogate too: it is no letter or digit)
+        problem = index_name_problem(index) if isinstance(index, str) else \
             "'index' must be a string naming an index"
         if problem:
             raise ApiError(422, "bad_request", problem)
@@ -69,15 +70,6 @@ def _int(body: dict, name: str, low: int, high: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ApiError(422, "bad_request", f"'{name}' must be an integer in [{low}, {high}]")
     return value
-
-
-def _utf8(text: str) -> bool:
-    """Whether `text` can be written as UTF-8 (JSON's `\\ud800` gives a string that cannot)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # --- the OpenAPI description: what a caller sends and gets back -------------------------------

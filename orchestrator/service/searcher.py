@@ -132,8 +132,7 @@ class Searcher:
             if index in self._drivers:
                 return self._drivers[index]
         if index not in self.index_names():  # nothing to start: the answer now, whatever the wait
-            raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest "
-                                f"PATH --index {index}`)")
+            raise _not_found(index)
         with self._lock:
             if index in self._drivers:
                 return self._drivers[index]
@@ -169,8 +168,7 @@ class Searcher:
         # not found, incomplete, being ingested, damaged or a copied folder: its answer now,
         # before any actor starts for it (not the death of a retriever actor that found it)
         if isinstance(profile.problem, IndexNotFound):  # (its message names the home)
-            raise IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest "
-                                f"PATH --index {index}`)")
+            raise _not_found(index)
         profile.require_searchable()
         docstore = DocStore(profile.folder / "docs.sqlite") if profile.kind == "owned" else None
         driver = self.driver_factory(settings, self.executor)
@@ -483,3 +481,9 @@ class Searcher:
                 raise ApiError(503, "not_ready", f"index {index!r} is not ready",
                                {"Retry-After": "5"}) from None
         return {"status": "ready", "indexes": sorted(self._drivers)}
+
+
+def _not_found(index: str) -> IndexNotFound:
+    """What a caller learns of an index that is not there (not where the server keeps them)."""
+    return IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest PATH "
+                         f"--index {index}`)")
