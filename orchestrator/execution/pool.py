@@ -27,7 +27,7 @@ class BranchPool:
     def __init__(self, size: int, options: dict, settings: Settings, *, start: int | None = None):
         from branchsearch.workers.actor import BranchActor
 
-        self.size = size
+        self.size, self.options = size, options
         warm = branch_settings(settings)  # each run brings its own index's settings
         # no restarts: a branch actor that dies is replaced by a fresh one (see `replace`);
         # a restartable actor holding a handle in its arguments also makes Ray's core print an

@@ -55,9 +55,10 @@ class RayExecutor:
         self.replica_note = note
         plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines,
                                        retrievers=replicas)
-        if pool is not None and retriever_cpus is not None:
+        if pool is not None and retriever_cpus is not None:  # the shared pool's plan, as is
             self.plan = plan = replace(plan, retriever={"num_cpus": retriever_cpus},
-                                       branch_actors=pool.size, shrunk_from=0)
+                                       branch=pool.options, branch_actors=pool.size,
+                                       shrunk_from=0)
         elif plan.shrunk_from:
             log.warning("branch pool: %d actors instead of %d, to fit the cluster (%s)",
                         plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
