@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError, redact
 from branchsearch.infra.settings import Settings
 
 
@@ -36,6 +36,7 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
         if manifest is not None:
             backends = " + ".join(f"{role}: {where}" for role, where in
                                   sorted(manifest.backends.items()))
+            backends = redact(backends)  # (a manifest an older version wrote may hold them)
             health = "ingesting" if running else files_health(folder, manifest)
             out.append(IndexInfo(folder.name, "owned", backends, manifest.documents,
                                  manifest.chunks.get("docstore"), health))

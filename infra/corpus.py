@@ -121,6 +121,11 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         raise CorpusError(f"{where}: 'acl' may not name {PUBLIC!r} (reserved: the group of the "
                           "documents without an ACL); leave 'acl' empty for a document everyone "
                           "may see")
+    for name, value in (("id", doc_id), ("title", row.get("title")), ("text", row["text"]),
+                        *(("acl", g) for g in acl)):
+        if isinstance(value, str) and not _utf8(value):  # JSON's "\ud800": no store holds it
+            raise CorpusError(f"{where}: {name!r} holds a lone surrogate (an escape such as "
+                              "\\ud800 that is no character); fix the text")
     known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
     return Document(
         id=doc_id,
@@ -148,3 +153,11 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
                 break
         doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])
         yield _document(doc_id, {"title": title, "text": text}, str(file), source=rel)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -40,7 +40,7 @@ from pathlib import Path
 from branchsearch.infra.backends import IndexedChunk
 from branchsearch.infra.chunking import Chunk, chunk_text
 from branchsearch.infra.corpus import Document, read_corpus
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
 from branchsearch.infra.manifest import (IngestLock, Manifest, check_name, read_manifest,
                                          remove_manifest, write_manifest)
 from branchsearch.infra.settings import Settings
@@ -342,10 +342,12 @@ def _check_counts(settings: Settings, docstore, lexical, dense_store) -> dict[st
 
 
 def _backends(settings: Settings, dense_store) -> dict[str, str]:
-    out = {"lexical": f"elasticsearch {settings.es_url}" if settings.es_url else "tantivy"}
+    # the manifest is readable by anyone who can list the index: no credentials in it
+    out = {"lexical": f"elasticsearch {redact(settings.es_url)}" if settings.es_url
+           else "tantivy"}
     if dense_store is not None:
         kind = "milvus" if dense_store.server else "milvus-lite"
-        out["dense"] = f"{kind} {dense_store.uri} ({dense_store.index_kind})"
+        out["dense"] = f"{kind} {redact(dense_store.uri)} ({dense_store.index_kind})"
     return out
 
 

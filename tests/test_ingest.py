@@ -377,3 +377,26 @@ def test_a_file_size_limit_during_ingest_is_one_line_and_a_rerun_resumes(tmp_pat
     assert again.returncode == 0, again.stderr[-2000:]
     manifest = read_manifest(_settings(tmp_path / "h").index_dir)
     assert manifest.documents == 600 and len(set(manifest.chunks.values())) == 1
+
+
+def test_a_lone_surrogate_in_a_document_is_one_line_naming_it(tmp_path):
+    """JSON's "\\ud800" in an id or text gave a traceback (and an index left incomplete)."""
+    from branchsearch.infra.corpus import read_corpus
+    from branchsearch.infra.errors import CorpusError
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"_id": "ok", "text": "fine"}\n{"_id": "\\ud800x", "text": "t"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: 'id' holds a lone surrogate"):
+        read_corpus(path)
+    path.write_text('{"_id": "a", "text": "x \\udfff y", "acl": ["g"]}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: 'text' holds a lone surrogate"):
+        read_corpus(path)
+
+
+def test_a_password_in_es_url_is_not_written_to_the_manifest(tmp_path):
+    from branchsearch.infra.ingest import _backends
+    from branchsearch.infra.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path, "es_url": "http://u:s3cretpw@es:9200"},
+                             read_env=False, read_file=False)
+    assert "s3cretpw" not in str(_backends(settings, None))

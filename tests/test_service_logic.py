@@ -349,3 +349,12 @@ def test_a_wrapped_upload_says_what_the_body_must_be():
     assert [d.id for d in parse_documents(b'[{"id": "a", "text": "x"}]')] == ["a"]
     with pytest.raises(CorpusError, match="body:1: missing document id"):
         parse_documents(b'{"text": "no id", "tags": ["t"]}')  # a list, but a document's
+
+
+def test_a_keys_file_that_is_a_folder_is_one_operator_error(tmp_path):
+    """A folder given as the keys file was a traceback in `keys` and a 500 in the service."""
+    folder = tmp_path / "keys.json"
+    folder.mkdir()
+    with pytest.raises(KeysFileError, match="cannot be read"):
+        KeyStore(folder).list()
+    assert api_error(KeysFileError("x")).status == 503

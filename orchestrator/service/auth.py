@@ -86,7 +86,7 @@ class KeyStore:
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         if stamp != self._stamp:
             try:
-                rows = json.loads(self.path.read_text() or "{}").get("keys", [])
+                rows = json.loads(self._read() or "{}").get("keys", [])
                 keys = {r["name"]: ApiKey(r["name"], tuple(r.get("groups", ())),
                                           tuple(r.get("indexes", ())), bool(r.get("admin")),
                                           r.get("created", ""), bool(r.get("revoked")),
@@ -97,6 +97,13 @@ class KeyStore:
                                         ) from None
             self._stamp, self._keys = stamp, keys
         return self._keys
+
+    def _read(self) -> str:
+        try:
+            return self.path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, not text
+            raise KeysFileError(f"keys file {self.path} cannot be read ({exc}); give the keys "
+                                "file (`branchsearch keys add` makes one)") from None
 
     def _save(self, keys: dict[str, ApiKey]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
