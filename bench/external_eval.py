@@ -28,7 +28,7 @@ def load_foreign(dataset: Path, es_url: str, milvus_uri: str, es_index: str, hom
     from elasticsearch import Elasticsearch, helpers
     from pymilvus import DataType, MilvusClient
 
-    from branchsearch.infra.embedder import Embedder
+    from branchsearch.infra.models.embedder import Embedder
 
     docs = [json.loads(line) for line in (dataset / "corpus.jsonl").open(encoding="utf-8")]
     es = Elasticsearch(es_url, request_timeout=120)

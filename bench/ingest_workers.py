@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from branchsearch.infra.corpus import read_corpus  # noqa: E402
-from branchsearch.infra.ingest import chunk_documents, indexed, ingest  # noqa: E402
-from branchsearch.infra.manifest import read_manifest  # noqa: E402
-from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.infra.ingest.corpus import read_corpus  # noqa: E402
+from branchsearch.infra.ingest.pipeline import chunk_documents, indexed, ingest  # noqa: E402
+from branchsearch.infra.index.manifest import read_manifest  # noqa: E402
+from branchsearch.infra.config.settings import load_settings  # noqa: E402
 
 
 def subset(data: Path, docs: int, out: Path) -> Path:
@@ -59,7 +59,7 @@ def run_ingest(corpus: Path, workers: int, embed_batch: int | None) -> dict:
 
 
 def batch_sizes(corpus: Path, sizes: list[int]) -> list[dict]:
-    from branchsearch.infra.embedder import Embedder
+    from branchsearch.infra.models.embedder import Embedder
 
     settings = load_settings(read_env=False, read_file=False)
     docs = read_corpus(corpus)

@@ -90,7 +90,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def requests_for(questions: list[str], retriever) -> list[tuple[list[dict], dict]]:
     """(messages, schema) per turn view: turn 1 without chunks, turn 2 with the top 5."""
-    from branchsearch.infra.tokenizer import TokenCounter
+    from branchsearch.infra.models.tokenizer import TokenCounter
     from branchsearch.workers.budget import Budget
     from branchsearch.workers.llm_policy import action_schema, render
     from branchsearch.workers.policy import AgentView, VisibleChunk
@@ -138,7 +138,7 @@ def per_turn(engine, requests) -> dict:
 
 def branches(settings, root: str, questions: list[str]) -> dict:
     """Run one episode per question concurrently (one client each); sample the batch."""
-    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.index.open import open_retriever
     from branchsearch.workers.factory import make_policy
     from branchsearch.workers.harness import Episode
 
@@ -191,11 +191,11 @@ def main() -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind  # the in-process engine reads it
 
     sys.path.insert(0, str(ROOT))
-    from branchsearch.infra.ingest import ingest
-    from branchsearch.infra.llm import OpenAIEngine, VLLMEngine
-    from branchsearch.infra.models import smollm2_dir
-    from branchsearch.infra.retriever import open_retriever
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.models.llm import OpenAIEngine, VLLMEngine
+    from branchsearch.infra.models.weights import smollm2_dir
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.config.settings import load_settings
 
     model = str(smollm2_dir(args.home))
     work = Path(tempfile.mkdtemp(prefix="bench-llm-endpoint-"))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.infra.config.settings import load_settings  # noqa: E402
 from branchsearch.workers.budget import Budget  # noqa: E402
 from branchsearch.workers.factory import local_engine  # noqa: E402
 from branchsearch.workers.llm_policy import action_schema, render  # noqa: E402

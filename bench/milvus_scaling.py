@@ -8,7 +8,7 @@ Vectors are synthetic, not a model's: unit vectors drawn around 2,000 random cen
 0.6 of the centroid norm), so that, like real sentence embeddings, they are clustered; queries
 are perturbed copies of stored vectors. Search cost depends on N, dim and the index, not on what
 the vectors mean; HNSW recall on these is indicative only (real embeddings: measure on your data).
-Each size goes into a fresh collection through `infra.dense.MilvusStore` (the code the retriever
+Each size goes into a fresh collection through `infra.stores.milvus.MilvusStore` (the code the retriever
 uses): insert time, index build (the server indexes sealed segments after a flush), then
 --queries searches with k=10 as the agent issues them (with an ACL filter and 20 excluded ids),
 one at a time; median and p90 latency, recall@10 against exact numpy search, and the resident
@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from branchsearch.infra.backends import ACL_ALL, IndexedChunk  # noqa: E402
-from branchsearch.infra.dense import IndexSpec, MilvusStore  # noqa: E402
+from branchsearch.infra.stores.acl import ACL_ALL; from branchsearch.infra.stores.protocols import IndexedChunk  # noqa: E402
+from branchsearch.infra.stores.milvus import IndexSpec, MilvusStore  # noqa: E402
 
 
 CONSISTENCY = "Bounded"

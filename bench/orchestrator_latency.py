@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from branchsearch.infra.dataset import read_queries  # noqa: E402
-from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.infra.datasets.beir import read_queries  # noqa: E402
+from branchsearch.infra.config.settings import load_settings  # noqa: E402
 from branchsearch.orchestrator.batch import run_batch  # noqa: E402
 from branchsearch.orchestrator.driver import Driver  # noqa: E402
 

@@ -29,9 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from branchsearch.infra.ingest import ingest  # noqa: E402
-from branchsearch.infra.retriever import open_retriever  # noqa: E402
-from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.infra.ingest.pipeline import ingest  # noqa: E402
+from branchsearch.infra.index.open import open_retriever  # noqa: E402
+from branchsearch.infra.config.settings import load_settings  # noqa: E402
 
 
 class HashEmbedder:
@@ -107,7 +107,7 @@ def main() -> None:
             retriever.search(q, mode=mode, k=10)
             times.append((time.perf_counter() - t) * 1000)
         rows.append((mode, *stats(times)))
-    from branchsearch.infra.embedder import Embedder
+    from branchsearch.infra.models.embedder import Embedder
 
     real = Embedder()
     real.embed(["warm up"])

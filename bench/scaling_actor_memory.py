@@ -18,7 +18,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from branchsearch.infra.settings import load_settings  # noqa: E402
+from branchsearch.infra.config.settings import load_settings  # noqa: E402
 from branchsearch.orchestrator.driver import Driver  # noqa: E402
 
 Q = "Were Scott Derrickson and Ed Wood of the same nationality?"

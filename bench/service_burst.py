@@ -96,8 +96,8 @@ def main() -> None:
     ap.add_argument("--modes", default="standalone-local,standalone-ray,serve")
     args = ap.parse_args()
 
-    from branchsearch.infra.ingest import ingest
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.service.auth import KeyStore
 
     home = Path(tempfile.mkdtemp(prefix="bs-burst-"))

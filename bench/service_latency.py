@@ -105,9 +105,9 @@ def main() -> None:
 
     import httpx
 
-    from branchsearch.infra.dataset import read_queries
-    from branchsearch.infra.ingest import ingest
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.service import deploy as service
     from service_fixtures import free_port, start_uvicorn
 

@@ -67,8 +67,8 @@ def main() -> None:
     telemetry = load_telemetry(args.telemetry)
     from otlp_receiver import HttpReceiver, closed_port
 
-    from branchsearch.infra.ingest import ingest
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.driver import Driver
 
     settings = load_settings(overrides={"home": args.home, "index": "hotpot",

@@ -10,7 +10,7 @@ import threading
 from contextlib import contextmanager
 
 from branchsearch.infra.errors import BackendUnavailable
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 
 
 def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:

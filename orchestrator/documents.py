@@ -2,7 +2,7 @@
 
 The writes run on the stores of an open `Retriever` (the process that owns them: the driver in
 local mode, the retriever actor in Ray mode; Milvus Lite allows one process per file). They keep
-the order `infra.ingest` uses: dense and lexical first, the docstore — what readers see — last for
+the order `infra.ingest.pipeline` uses: dense and lexical first, the docstore — what readers see — last for
 an upsert and first for a delete, so a search never returns a half-written document.
 
 A write reaches every store the index has, whatever the service searches: a service started
@@ -38,7 +38,7 @@ def parse_documents(body: bytes) -> list:
         _refuse_wrapper(stripped)
     if not text.strip():
         raise CorpusError("no documents in the body")
-    from branchsearch.infra.corpus import parse_jsonl
+    from branchsearch.infra.ingest.corpus import parse_jsonl
 
     return parse_jsonl(text, "body")
 
@@ -60,9 +60,9 @@ def _refuse_wrapper(text: str) -> None:
 
 def upsert(retriever, settings, docs: list) -> dict:
     """Replace (or add) `docs` and all their chunks. Returns {documents, chunks}."""
-    from branchsearch.infra.backends import IndexedChunk
-    from branchsearch.infra.chunking import chunk_text
-    from branchsearch.infra.tokenizer import TokenCounter
+    from branchsearch.infra.stores.protocols import IndexedChunk
+    from branchsearch.infra.ingest.chunking import chunk_text
+    from branchsearch.infra.models.tokenizer import TokenCounter
 
     counter = TokenCounter(settings.encoding)
     chunks = [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
@@ -96,8 +96,8 @@ def every_store(retriever, settings):
     """The dense store a write must reach: the retriever's, or, when it was opened without one
     (a BM25 search mode) and the owned index has one, that store opened for this write and
     closed after it (the embedder stays loaded on the retriever). None: the index has none."""
-    from branchsearch.infra.manifest import read_manifest
-    from branchsearch.infra.retriever import open_dense
+    from branchsearch.infra.index.manifest import read_manifest
+    from branchsearch.infra.index.open import open_dense
 
     if retriever.dense is not None or settings.external is not None:
         yield retriever.dense

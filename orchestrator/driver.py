@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.settings import Settings
-from branchsearch.infra.tokenizer import TokenCounter
+from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.orchestrator.execution import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import SearchResult, fuse_branches
@@ -33,7 +33,7 @@ class Driver:
         self.policy_factory = policy_factory  # (index, subquery) -> Policy; tests
         telemetry.configure_from(settings)
         if settings.llm_url and "llm" in (settings.policy, settings.planner):
-            from branchsearch.infra.llm import check_endpoint
+            from branchsearch.infra.models.llm import check_endpoint
 
             check_endpoint(settings)  # wrong URL or model: one clear error, before any branch
         self.executor = executor or make_executor(settings, mode, pool_size=pool_size)
@@ -46,7 +46,7 @@ class Driver:
         from branchsearch.orchestrator.plan import LLMPlanner
         from branchsearch.workers.factory import make_engine
 
-        return LLMPlanner(make_engine(self.settings))
+        return LLMPlanner(make_engine(self.settings, actors=self.executor.engine_actors))
 
     @property
     def retriever(self):
@@ -122,7 +122,7 @@ class Driver:
 def open_driver(settings: Settings, executor: str = "ray") -> Driver:
     """A driver on `executor` (see `executors.pick_executor` for the one-branch rule), made
     once the index is readable: an incomplete or busy index is one line, before any actor."""
-    from branchsearch.infra.retriever import check_readable
+    from branchsearch.infra.index.open import check_readable
 
     check_readable(settings)
     return Driver(settings, mode=executor)

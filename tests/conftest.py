@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from branchsearch.infra.ingest import ingest
-from branchsearch.infra.settings import load_settings
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.config.settings import load_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HOTPOT = FIXTURES / "hotpot-mini"
@@ -28,7 +28,7 @@ def hotpot_settings(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hotpot_retriever(hotpot_settings):
-    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.index.open import open_retriever
 
     retriever = open_retriever(hotpot_settings)
     yield retriever

@@ -3,7 +3,7 @@
 * `RetrieverActor` owns the embedder and the backend clients (one owner per embedded Milvus Lite
   file; a pool when backends are servers), so models load once per node. It runs
   `Retriever.call_many`: one round trip per turn. It also holds the fetch caches of the
-  questions it serves (`infra.fetch_cache.FetchCaches`, by question id): the executor sends all
+  questions it serves (`infra.retrieval.fetch_cache.FetchCaches`, by question id): the executor sends all
   the branches of a question to one replica, so they share what the backends answered.
   It can *host* a branch too (`run`): the question's own branch, beside the stores, calls them
   in-process — no round trip per turn (the executor hosts at most one at a time per replica).
@@ -23,8 +23,8 @@ import time
 
 import ray
 
-from branchsearch.infra.retriever import QuestionRetriever
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.retrieval.retriever import QuestionRetriever
+from branchsearch.infra.config.settings import Settings
 
 
 class Events:
@@ -59,7 +59,7 @@ def warm_up(settings: Settings) -> None:
     """Import the branch runner and load the token encoding now, while the driver waits for
     actors to start, not inside the first question's branch timeout."""
     from branchsearch.infra import telemetry
-    from branchsearch.infra.tokenizer import TokenCounter
+    from branchsearch.infra.models.tokenizer import TokenCounter
     from branchsearch.workers import branch  # noqa: F401
 
     telemetry.configure_from(settings)
@@ -74,6 +74,8 @@ def run_here(task, retriever, settings: Settings, carrier: dict | None, policy_f
 
     token = telemetry.attach_carrier(carrier)
     try:
+        if policy_factory is None and settings.policy == "llm" and not settings.llm_url:
+            policy_factory = _on_engine_actor(settings, task.kind)
         return run_branch(task, retriever, settings, policy_factory=policy_factory,
                           on_event=on_event)
     finally:
@@ -81,13 +83,26 @@ def run_here(task, retriever, settings: Settings, carrier: dict | None, policy_f
         telemetry.detach(token)
 
 
+def _on_engine_actor(settings: Settings, kind: str):
+    """An LLM policy factory on the executor's engine actor, where there is one (the Ray
+    executor starts them); else None, and the policy loads vLLM in this actor."""
+    from branchsearch.workers.engine_actor import RemoteEngine, engine_name
+    from branchsearch.workers.factory import make_policy
+
+    try:
+        engine = RemoteEngine(engine_name(0))
+    except ValueError:  # no engine actor by that name (a service without engine actors)
+        return None
+    return lambda index, subquery: make_policy(settings, engine=engine, kind=kind)
+
+
 class RetrieverService:
     """The retriever as an actor (thread-pooled: several branches search at once)."""
 
     def __init__(self, settings: Settings):
-        from branchsearch.infra.retriever import open_retriever
+        from branchsearch.infra.index.open import open_retriever
 
-        from branchsearch.infra.fetch_cache import FetchCaches
+        from branchsearch.infra.retrieval.fetch_cache import FetchCaches
 
         self.settings = settings
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.errors import error_line
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 from branchsearch.workers.harness import Episode, EpisodeResult
 
 _NO_EPISODE = EpisodeResult(subquery="", termination="")

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from branchsearch.infra.hits import Hit
+from branchsearch.infra.stores.hits import Hit
 from branchsearch.workers.policy import VisibleChunk
 
 

@@ -20,7 +20,7 @@ def engine_name(index: int) -> str:
 class EngineService:
     def __init__(self, model: str, max_model_len: int, tensor_parallel_size: int,
                  batch_window_s: float = 0.02):
-        from branchsearch.infra.llm import VLLMEngine
+        from branchsearch.infra.models.llm import VLLMEngine
 
         self.engine = VLLMEngine(model, max_model_len=max_model_len,
                                  tensor_parallel_size=tensor_parallel_size,
@@ -60,7 +60,7 @@ class RemoteEngine:
 def start_engines(settings, resources: dict, plan: list[dict] | None = None) -> list:
     """Create (or reuse) `llm_engines` named engine actors sized to the cluster, or with the
     resources of `plan` (one options dict per engine, from `orchestrator.execution.actor_plan`)."""
-    from branchsearch.infra.models import resolve_llm_model
+    from branchsearch.infra.models.weights import resolve_llm_model
 
     model = resolve_llm_model(settings)
     handles = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from branchsearch.infra.errors import SettingsError
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 
 
 def make_policy(settings: Settings, name: str | None = None, engine=None,
@@ -18,7 +18,7 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
     entity branch then only repeats the question branch's search for that name.)"""
     name = name or settings.policy
     if name == "heuristic":
-        from branchsearch.infra.retriever import searched_mode
+        from branchsearch.infra.retrieval.retriever import searched_mode
         from branchsearch.workers.heuristic import HeuristicConfig, HeuristicPolicy
         from branchsearch.workers.heuristic.ranker import weights_for
 
@@ -46,28 +46,24 @@ def hop_mode(settings: Settings, mode: str) -> str:
     index the hop searches (entities, bridge entities, residual words) are BM25 and the question
     searches hybrid, unless the index's BM25 does not fold accents (tantivy made before
     folding): there the dense side is what matched a name written without its accents."""
-    from branchsearch.infra.retriever import lexical_folds
+    from branchsearch.infra.index.open import lexical_folds
 
     return "bm25" if mode == "hybrid" and lexical_folds(settings) else ""
 
 
-def make_engine(settings: Settings, index: int = 0):
-    """The chat engine a policy or planner talks to: an endpoint by URL, a shared engine actor
-    when running inside a Ray cluster that has one, else vLLM in this process."""
+def make_engine(settings: Settings, *, actors: bool = False, index: int = 0):
+    """The chat engine a policy or planner talks to: an endpoint by URL; else, with `actors`
+    (the Ray executor started named engine actors), engine `index`; else vLLM in this process.
+    Only the caller knows where it runs, so it says so: nothing here asks Ray."""
     if settings.llm_url:
-        from branchsearch.infra.llm import OpenAIEngine
+        from branchsearch.infra.models.llm import OpenAIEngine
 
         return OpenAIEngine(settings.llm_url, settings.llm_model, settings.llm_api_key,
                             timeout_s=settings.llm_timeout_s, seed=settings.llm_seed)
-    try:
-        import ray
+    if actors:
+        from branchsearch.workers.engine_actor import RemoteEngine, engine_name
 
-        if ray.is_initialized():
-            from branchsearch.workers.engine_actor import RemoteEngine, engine_name
-
-            return RemoteEngine(engine_name(index % max(settings.llm_engines, 1)))
-    except (ImportError, ValueError):  # no Ray, or no engine actor by that name
-        pass
+        return RemoteEngine(engine_name(index % max(settings.llm_engines, 1)))
     return local_engine(settings)
 
 
@@ -76,8 +72,8 @@ _LOCAL: dict = {}
 
 def local_engine(settings: Settings):
     """One in-process vLLM engine per model, shared by every policy in this process."""
-    from branchsearch.infra.llm import VLLMEngine
-    from branchsearch.infra.models import resolve_llm_model
+    from branchsearch.infra.models.llm import VLLMEngine
+    from branchsearch.infra.models.weights import resolve_llm_model
 
     model = resolve_llm_model(settings)
     if model not in _LOCAL:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from branchsearch.infra.errors import BackendUnavailable, BadQuery
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.telemetry import tracer
-from branchsearch.infra.tokenizer import TokenCounter
+from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.workers.budget import Budget
 from branchsearch.workers.evidence import build_evidence
 from branchsearch.workers.policy import AgentView, InvalidAction, Policy, ToolCall, ToolResult

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from branchsearch.infra.hits import doc_of
+from branchsearch.infra.stores.hits import doc_of
 
 
 def final_ranking(scores: Mapping[str, float], limit: int,

@@ -15,8 +15,8 @@ from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any
 
-from branchsearch.infra.choices import MODES
-from branchsearch.infra.hits import Hit
+from branchsearch.infra.config.choices import MODES
+from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.telemetry import tracer
 from branchsearch.workers.context import ProvenanceRecord
 from branchsearch.workers.policy import ToolCall, ToolResult

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
 
-from branchsearch.infra.hits import Hit
-from branchsearch.infra.settings import Settings
-from branchsearch.infra.tokenizer import TokenCounter
+from branchsearch.infra.stores.hits import Hit
+from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.workers.budget import Budget
 from branchsearch.workers.context import (ActiveContext, EpisodeTrace, Provenance,
                                           ProvenanceRecord, RetrievalCache)

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.synth import MAX_DOCS
+from branchsearch.infra.datasets.synth import MAX_DOCS
 from branchsearch.orchestrator.cli.options import (AddressOpt, ConfigOpt, HomeOpt, IndexOpt,
                                                    progress_bar, settings_from)
 
@@ -34,7 +34,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
            as_json: bool = typer.Option(False, "--json")):
     """Chunk, embed and index a corpus; re-running resumes a stopped ingest (re-ingesting a
     changed document replaces its chunks)."""
-    from branchsearch.infra.ingest import ingest as run_ingest
+    from branchsearch.infra.ingest.pipeline import ingest as run_ingest
 
     settings = settings_from(home, index, config, ray_address=address)
     bar = progress_bar(None, "doc", f"ingest {settings.index}")
@@ -68,7 +68,7 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
                                        help="ask external backends for counts (health)"),
             as_json: bool = typer.Option(False, "--json")):
     """List owned and external indexes with their backends, document counts and health."""
-    from branchsearch.infra.catalog import list_indexes
+    from branchsearch.infra.index.catalog import list_indexes
     from branchsearch.orchestrator.cli.render import clean
 
     infos = list_indexes(settings_from(home, None, config), check=check)
@@ -89,7 +89,7 @@ def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format
           tasks: int = typer.Option(100, min=1),
           seed: int = typer.Option(7)):
     """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
-    from branchsearch.infra.synth import synth as make
+    from branchsearch.infra.datasets.synth import synth as make
 
     try:
         counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from branchsearch.infra.choices import MODES, POLICIES, SPLITS
+from branchsearch.infra.config.choices import MODES, POLICIES, SPLITS
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
@@ -145,9 +145,9 @@ def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
          executor: str = ExecutorOpt):
     """The main job on embedded defaults: build a small synthetic corpus, ingest it, run one
     multi-hop question through parallel branches and explain what each branch did."""
-    from branchsearch.infra.dataset import read_queries
-    from branchsearch.infra.ingest import ingest as run_ingest
-    from branchsearch.infra.synth import synth as make
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.ingest.pipeline import ingest as run_ingest
+    from branchsearch.infra.datasets.synth import synth as make
     from branchsearch.orchestrator.driver import open_driver
     from branchsearch.orchestrator.evaluation.run import index_complete
     from branchsearch.orchestrator.execution import pick_executor

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import typer
 
-from branchsearch.infra.backends import MAX_K
-from branchsearch.infra.choices import EXECUTORS, POLICIES
+from branchsearch.infra.stores.protocols import MAX_K
+from branchsearch.infra.config.choices import EXECUTORS, POLICIES
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.settings import Settings, load_settings
+from branchsearch.infra.config.settings import Settings, load_settings
 
 HomeOpt = typer.Option(None, "--home", help="data home (default ./.branchsearch)")
 IndexOpt = typer.Option(None, "--index", help="index name (default 'default')")
@@ -47,7 +47,7 @@ def settings_from(home, index, config, **flags) -> Settings:
 
 def caller_acl(settings: Settings, groups: list[str] | None, admin: bool) -> list[str] | None:
     """The caller's `acl_groups`: None (public only), its groups, or ACL_ALL for an admin."""
-    from branchsearch.infra.backends import caller_groups
+    from branchsearch.infra.stores.acl import caller_groups
 
     return caller_groups(groups, admin or settings.acl_admin)
 

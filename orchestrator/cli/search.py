@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from branchsearch.infra.choices import MODES
+from branchsearch.infra.config.choices import MODES
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, KOpt,
                                                    PolicyOpt, caller_acl, choice, settings_from)
@@ -29,7 +29,8 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
              as_json: bool = typer.Option(False, "--json")):
     """Single-shot retrieval (no agent)."""
-    from branchsearch.infra.retriever import one_side, open_retriever
+    from branchsearch.infra.retrieval.retriever import one_side
+    from branchsearch.infra.index.open import open_retriever
     from branchsearch.workers.query import check_question
 
     check_question(query, "query")

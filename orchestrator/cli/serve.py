@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from branchsearch.infra.choices import EXECUTORS, one_of
+from branchsearch.infra.config.choices import EXECUTORS, one_of
 from branchsearch.infra.errors import BranchsearchError
 
 DEFAULT_KEYS = Path(".branchsearch") / "keys.json"
@@ -116,7 +116,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
           config: Optional[Path] = typer.Option(None, "--config")):
     """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
     document upsert/delete, /metrics, a web page at /."""
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.service import deploy as service
 
     if executor not in EXECUTORS:

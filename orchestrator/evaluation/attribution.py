@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from branchsearch.infra.chunking import split_chunk_id
+from branchsearch.infra.ingest.chunking import split_chunk_id
 
 CLASSES = ("ok", "retrieval_miss", "premature_prune", "early_stop", "overload")
 

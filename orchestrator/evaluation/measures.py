@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from branchsearch.infra.chunking import split_chunk_id
+from branchsearch.infra.ingest.chunking import split_chunk_id
 
 
 def doc_ranking(chunk_ids: Sequence[str]) -> list[str]:

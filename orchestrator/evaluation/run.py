@@ -9,11 +9,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from branchsearch.infra.choices import BASELINES, MODES, Baseline, Executor, Mode, Policy, Split
-from branchsearch.infra.dataset import Query
+from branchsearch.infra.config.choices import BASELINES, MODES, Baseline, Executor, Mode, Policy, Split
+from branchsearch.infra.datasets.beir import Query
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.retriever import Retriever
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.retrieval.retriever import Retriever
+from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.evaluation.measures import (doc_ranking, mean, percentile,
                                                            single_shot_metrics)
 
@@ -166,7 +166,7 @@ def dataset_index(dataset: Path) -> str:
 
 def index_complete(settings: Settings) -> bool:
     """Whether the settings' index can be searched as it is (an external index always can)."""
-    from branchsearch.infra.manifest import is_complete
+    from branchsearch.infra.index.manifest import is_complete
 
     return getattr(settings, "external", None) is not None or is_complete(settings.index_dir)
 
@@ -176,12 +176,12 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
                    say: Callable[[str], None] = lambda line: None) -> dict:
     """Ingest first if needed, run the evaluation and its baseline, compare them, write the
     report and plots; returns the report (`runs[0]` is the evaluated configuration)."""
-    from branchsearch.infra.dataset import read_queries
+    from branchsearch.infra.datasets.beir import read_queries
     from branchsearch.orchestrator.evaluation import report as rep
 
     queries = read_queries(options.dataset, options.split)[:options.limit]
     if options.ingest_first and not index_complete(settings):  # missing or stopped: resume
-        from branchsearch.infra.ingest import ingest
+        from branchsearch.infra.ingest.pipeline import ingest
 
         say(f"index {settings.index!r} missing or incomplete: ingesting {options.dataset}")
         with _bar(progress, None, "doc", "ingest") as tick:
@@ -219,7 +219,7 @@ def _configurations(settings: Settings, options: EvalOptions
 
 def _single_shot_run(settings: Settings, queries: list[Query], mode: Mode,
                      acl_groups: list[str] | None, progress: Progress | None) -> dict:
-    from branchsearch.infra.retriever import open_retriever
+    from branchsearch.infra.index.open import open_retriever
 
     retriever = open_retriever(settings, need_dense=mode != "bm25")
     try:
@@ -232,7 +232,7 @@ def _single_shot_run(settings: Settings, queries: list[Query], mode: Mode,
 
 def _agent_run(settings: Settings, queries: list[Query], executor: Executor | None,
                acl_groups: list[str] | None, progress: Progress | None) -> dict:
-    from branchsearch.infra.docstore import DocStore
+    from branchsearch.infra.stores.docstore import DocStore
     from branchsearch.orchestrator.driver import open_driver
     from branchsearch.orchestrator.execution import pick_executor
 

@@ -17,7 +17,7 @@
 reported in its `BranchReport.status`; the others still count.
 
 With `fetch_cache` (default), the branches of one question share a `QuestionCache`
-(`infra.fetch_cache`): locally one per `run`; on Ray it lives in the retriever replica that
+(`infra.retrieval.fetch_cache`): locally one per `run`; on Ray it lives in the retriever replica that
 serves all the question's branches. Same results, fewer backend requests.
 """
 
@@ -26,15 +26,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from branchsearch.infra.choices import EXECUTORS, Executor as ExecutorName, one_of
+from branchsearch.infra.config.choices import EXECUTORS, Executor as ExecutorName, one_of
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 from branchsearch.workers.branch import BranchReport, BranchTask
 
 Events = Callable[[dict], None] | None
 
 
 class Executor(Protocol):
+    engine_actors: bool  # the LLM runs in named engine actors this executor started
+
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None
             ) -> list[BranchReport]:

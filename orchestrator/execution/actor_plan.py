@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from branchsearch.infra.errors import BranchsearchError
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 
 MIN_BRANCH_CPUS = 0.05  # below this a branch actor is starved; shrink the pool instead
 

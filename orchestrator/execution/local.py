@@ -7,15 +7,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.execution import (Events, bounded, done_event, emit,
                                                   shares_cache)
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
 
 class LocalExecutor:
+    engine_actors = False  # an LLM runs in this process (or behind llm_url)
+
     def __init__(self, settings: Settings):
-        from branchsearch.infra.retriever import open_retriever
+        from branchsearch.infra.index.open import open_retriever
 
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
         self.last_cache_stats: dict = {}  # the last question's fetch cache counters
@@ -23,8 +25,8 @@ class LocalExecutor:
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None
             ) -> list[BranchReport]:
-        from branchsearch.infra.fetch_cache import QuestionCache
-        from branchsearch.infra.retriever import QuestionRetriever
+        from branchsearch.infra.retrieval.fetch_cache import QuestionCache
+        from branchsearch.infra.retrieval.retriever import QuestionRetriever
 
         cache = QuestionCache() if shares_cache(settings, tasks) else None
         retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)

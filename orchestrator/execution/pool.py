@@ -8,7 +8,7 @@ import threading
 import time
 
 from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, Overloaded
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 
 
 def branch_settings(settings: Settings) -> Settings:

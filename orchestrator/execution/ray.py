@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from branchsearch.infra import telemetry
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.execution import Events, bounded, done_event, emit, shares_cache
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
@@ -47,7 +47,7 @@ class RayExecutor:
         self.resources = connect(settings)
         engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
                    and not settings.llm_url else 0)
-        from branchsearch.infra.profile import index_profile
+        from branchsearch.infra.index.profile import index_profile
 
         replicas, note = index_profile(settings).replicas(settings.retriever_replicas)
         if note:
@@ -98,6 +98,11 @@ class RayExecutor:
                      self.plan.demand())
 
     # --- running -------------------------------------------------------------------------------
+
+    @property
+    def engine_actors(self) -> bool:
+        """Whether this executor started named LLM engine actors (a planner uses them too)."""
+        return bool(self.engines)
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None

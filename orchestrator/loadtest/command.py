@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from branchsearch.infra.choices import EXECUTORS
-from branchsearch.infra.settings import load_settings
+from branchsearch.infra.config.choices import EXECUTORS
+from branchsearch.infra.config.settings import load_settings
 
 
 def _printer():

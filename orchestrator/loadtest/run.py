@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, IndexNotFound
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.loadtest import arrivals, report as rep, workload as wl
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
 from branchsearch.orchestrator.loadtest.probes import StepProbe
@@ -173,7 +173,7 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
         if o.synth is None:
             raise IndexNotFound(f"index {settings.index!r} not found under {settings.home}: "
                                 "ingest it first (branchsearch ingest … --index NAME)")
-        from branchsearch.infra.ingest import ingest
+        from branchsearch.infra.ingest.pipeline import ingest
 
         print(f"index {settings.index!r} missing: ingesting the synth corpus {workload.corpus}",
               file=sys.stderr)

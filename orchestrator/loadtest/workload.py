@@ -69,7 +69,7 @@ def from_file(path: str | Path, seed: int = 0) -> Workload:
 def synth_corpus(out_dir: str | Path, tasks: int, seed: int = 7) -> Path:
     """Write (once) the synthetic corpus whose multi-hop questions `from_synth` asks; the same
     folder as `branchsearch synth DIR --tasks N --docs 8N --seed S` would write."""
-    from branchsearch.infra.synth import synth
+    from branchsearch.infra.datasets.synth import synth
 
     out = Path(out_dir)
     if not (out / "corpus.jsonl").exists():

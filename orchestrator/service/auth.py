@@ -126,7 +126,7 @@ class KeyStore:
         if not _NAME.match(name):
             raise BranchsearchError(f"bad key name {name!r}: letters, digits, _ . - "
                                     "(≤ 64 characters)")
-        from branchsearch.infra.backends import ACL_ALL, caller_groups
+        from branchsearch.infra.stores.acl import ACL_ALL, caller_groups
 
         caller_groups(groups)  # '*' is reserved: a key with it would read every document
         if everything:

@@ -128,7 +128,7 @@ def build_application(opts: ServeOptions):
         def __serve_build_asgi_app__(self):
             return create_app(self.state)
 
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.config.settings import load_settings
 
     o = asdict(opts)
     settings = load_settings(opts.config, {"home": opts.home, "index": opts.index})

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from branchsearch.infra.settings import INDEX_NAME_CHARS, index_name_problem
+from branchsearch.infra.config.settings import INDEX_NAME_CHARS, index_name_problem
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.workers.query import question_problem
@@ -75,7 +75,7 @@ def _int(body: dict, name: str, low: int, high: int) -> int | None:
 # --- the OpenAPI description: what a caller sends and gets back -------------------------------
 # `parse_search` and the searcher validate; these only document what they accept and answer
 # (`app.create_app` builds the schema from the service's own Limits). The models are not used
-# to check or filter answers: the Schemathesis test (tests/test_service_schema.py) checks real
+# to check or filter answers: the Schemathesis test (tests/orchestrator/service/test_service_schema.py) checks real
 # answers against them.
 
 # letters, digits, '-' and '_', at least one letter or digit (ASCII here: any script's letters

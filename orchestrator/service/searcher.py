@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from branchsearch.infra.backends import ACL_ALL, acl_visible
+from branchsearch.infra.stores.acl import ACL_ALL, acl_visible
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
                                        IndexNotFound, error_line, public_line)
-from branchsearch.infra.settings import Settings, index_name_problem
+from branchsearch.infra.config.settings import Settings, index_name_problem
 from branchsearch.orchestrator import documents
 from branchsearch.orchestrator.service import events
 from branchsearch.orchestrator.service.admission import Concurrency, Limits
@@ -111,7 +111,7 @@ class Searcher:
 
     def index_names(self) -> list[str]:
         """Owned indexes under the data home, and the external ones declared in the settings."""
-        from branchsearch.infra.manifest import manifest_path
+        from branchsearch.infra.index.manifest import manifest_path
 
         root = self.settings.home / "indexes"
         owned = [p.name for p in root.iterdir()
@@ -160,8 +160,8 @@ class Searcher:
 
     def _open(self, index: str):
         """Check the index, then start its driver (`driver` runs one start per index)."""
-        from branchsearch.infra.docstore import DocStore
-        from branchsearch.infra.profile import index_profile
+        from branchsearch.infra.stores.docstore import DocStore
+        from branchsearch.infra.index.profile import index_profile
 
         settings = self.settings.replace(index=index)
         profile = index_profile(settings)
@@ -435,8 +435,8 @@ class Searcher:
         """A write to an index whose store files were deleted since its driver opened them
         would go to the open, deleted file and be lost: refused (503), as the CLI refuses to
         open such an index. Searches go on from what the stores hold open."""
-        from branchsearch.infra.manifest import read_manifest
-        from branchsearch.infra.profile import files_health
+        from branchsearch.infra.index.manifest import read_manifest
+        from branchsearch.infra.index.profile import files_health
 
         folder = driver.settings.index_dir  # (the profile would see this write's own lock)
         manifest = read_manifest(folder)
@@ -447,9 +447,9 @@ class Searcher:
 
     @staticmethod
     def _ingest_lock(driver):
-        """The index's ingest lock (`infra.manifest`): a CLI ingest and a service write never
+        """The index's ingest lock (`infra.index.manifest`): a CLI ingest and a service write never
         run at once; IndexBusy (409; the server log names the ingest that holds it)."""
-        from branchsearch.infra.manifest import IngestLock
+        from branchsearch.infra.index.manifest import IngestLock
 
         return IngestLock(driver.settings.index_dir, driver.settings.index, corpus="service write")
 

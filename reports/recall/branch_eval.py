@@ -1,7 +1,7 @@
 """Offline evaluation of branch fusion and branch planning from one run's per-branch dump.
 
     python reports/recall/branch_eval.py run  DATASET INDEX OUT.json [--branches 3]
-        [--ranker on|off] [--features] [--policy-arg search_k=10] [--rule RULE]
+        [--ranker on|off] [--features] [--policy-arg question_k=10] [--rule RULE]
         runs `orchestrator.evaluation.run.eval_agent` (the function behind `branchsearch eval
         --policy heuristic`) with the local executor and keeps every branch's ranking,
         retrieved/pruned/kept ids, tokens read and searches (settings from BRANCHSEARCH_* env,
@@ -44,7 +44,7 @@ from collections import Counter
 from pathlib import Path
 
 from branchsearch.fusion.documents import fuse_documents
-from branchsearch.infra.choices import MODES
+from branchsearch.infra.config.choices import MODES
 from branchsearch.orchestrator.evaluation.attribution import Trajectory, agent_measures, attribute
 from branchsearch.orchestrator.evaluation.measures import doc_ranking, single_shot_metrics
 from branchsearch.workers.rank import doc_of
@@ -53,9 +53,9 @@ from branchsearch.workers.rank import doc_of
 def run(dataset: str, index: str, out: str, branches: int, home: str,
         features: bool = False, ranker: bool = True, policy_args: dict | None = None,
         rule: str = "") -> None:
-    from branchsearch.infra.dataset import read_queries
-    from branchsearch.infra.docstore import DocStore
-    from branchsearch.infra.settings import load_settings
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.stores.docstore import DocStore
+    from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.driver import Driver
     from branchsearch.orchestrator.evaluation.run import eval_agent
     from branchsearch.orchestrator.plan import HeuristicPlanner
@@ -444,7 +444,7 @@ def main() -> None:
     ap.add_argument("--features", action="store_true",
                     help="run: keep every scored chunk's ranker features (learned_rank off)")
     ap.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
-                    help="run: a HeuristicPolicy field, e.g. search_k=10 (repeatable); "
+                    help="run: a HeuristicPolicy field, e.g. question_k=10 (repeatable); "
                          "branch.NAME=NUMBER: only in the branches other than the question's")
     ap.add_argument("--ranker", choices=("on", "off"), default="on",
                     help="run: the heuristic's learned final ranking (workers/ranker.py)")

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from branchsearch.infra.retriever import open_retriever
-from branchsearch.infra.settings import load_settings
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.config.settings import load_settings
 from branchsearch.workers.text import bare_title
 
 

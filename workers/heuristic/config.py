@@ -2,16 +2,15 @@
 
 The knobs that `Settings` also holds (`final_k`, `prune`, `max_turns`, `learned_rank`,
 `per_title`) take their default from it: `workers.factory.make_policy` passes the settings'
-values, so those are the ones in effect. `search_k` is not one of them: `Settings.search_k` is
-the search tool's k when a call names none (the LLM policy, grep); the heuristic names its own
-on every search.
+values, so those are the ones in effect. Its own `question_k` (the sub-query's search) is
+distinct from `Settings.search_k` (the search tool's k when a call names none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from branchsearch.infra.settings import Settings
+from branchsearch.infra.config.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -20,7 +19,7 @@ class HeuristicConfig:
     keep: int = 8  # chunks kept in context; the rest are pruned (half past the hard limit)
     expand_per_turn: int = 3
     entities_per_chunk: int = 4  # bridge entities searched per expanded chunk
-    search_k: int = 6  # hits of the sub-query's own search (a page of it)
+    question_k: int = 6  # hits of the sub-query's own search (a page of it)
     entity_k: int = 3  # hits of an entity's or a bridge entity's search
     residual_k: int = 3  # hits of one residual search per expanded chunk (0: none)
     residual_entities: int = 8  # the chunk's entities that join the residual words

@@ -37,7 +37,7 @@ STATE = frozenset(f.name for f in fields(EpisodeState)) | {"_pending", "_tail"}
 class HeuristicPolicy:
     """The policy of one episode: its knobs (`config`, frozen) and its state (`state`, new).
 
-    `HeuristicPolicy(search_k=4)` sets knobs by name; knobs and state also read (and are set)
+    `HeuristicPolicy(question_k=4)` sets knobs by name; knobs and state also read (and are set)
     as the policy's own attributes: `policy.final_k`, `policy.scores`.
     """
 
@@ -106,7 +106,7 @@ class HeuristicPolicy:
         s.q_terms = terms(view.subquery)
         s.q_entities = entities(view.subquery)[:4]
         s.links = {folded(e): ("", 1.0) for e in s.q_entities}
-        calls = [self._search(view.subquery, c.search_k, Origin(view.subquery, 0, "question"))]
+        calls = [self._search(view.subquery, c.question_k, Origin(view.subquery, 0, "question"))]
         for e in s.q_entities:
             if folded(e) != folded(view.subquery):  # an entity branch's sub-query is searched
                 calls.append(self._search(e, c.entity_k, Origin(e, 0, "entity", entity=e)))
@@ -125,10 +125,10 @@ class HeuristicPolicy:
         return searches, recalls
 
     def _question_page(self) -> list[ToolCall]:
-        """The sub-query's own search once more, when its hits came from fewer than `search_k`
+        """The sub-query's own search once more, when its hits came from fewer than `question_k`
         documents (long documents split into chunks): a document is the unit of evidence, so
-        the search should bring `search_k` of them. Its hits rank after the first page's."""
-        return self._more_of_the_question(self.config.search_k)[1]
+        the search should bring `question_k` of them. Its hits rank after the first page's."""
+        return self._more_of_the_question(self.config.question_k)[1]
 
     def _question_tail(self) -> list[ToolCall]:
         """The sub-query's own search down to `final_k` documents, once, when nothing is left
@@ -145,7 +145,7 @@ class HeuristicPolicy:
         hits = [cid for cid, o in s.origins.items() if o.kind == "question"]
         missing = documents - len({doc_of(cid) for cid in hits})
         origin = Origin(s.subquery, len(hits), "question")
-        if missing <= 0 or len(hits) < self.config.search_k:
+        if missing <= 0 or len(hits) < self.config.question_k:
             return origin, []
         return origin, [self._search(s.subquery, min(2 * missing, MAX_SEARCH_K), origin)]
 
@@ -242,7 +242,7 @@ class HeuristicPolicy:
         else:
             ranked = final_ranking(s.scores, len(s.scores))
         if c.rank_all:
-            ranked = hold_back(ranked, s.tail_ids, c.search_k)
+            ranked = hold_back(ranked, s.tail_ids, c.question_k)
         if c.per_title:
             ranked = crowd(ranked, s.title_key, c.per_title)
         ranked = ranked[: c.final_k]

@@ -256,7 +256,7 @@ def weights_for(search_mode: str) -> Path:
     search lists, and a hybrid question list puts other pages first than a BM25 one (BM25's
     weights cost hybrid SciFact 0.004 nDCG@10 against no ranker; hybrid's cost BM25 musique
     0.07 AR@5: reports/recall/README.md). Dense-only search has no fit: BM25's.
-    `search_mode` is the mode searched (`infra.retriever.searched_mode`): hybrid on an index
+    `search_mode` is the mode searched (`infra.retrieval.retriever.searched_mode`): hybrid on an index
     with one backend is that backend's."""
     return HYBRID_WEIGHTS_PATH if search_mode == "hybrid" else WEIGHTS_PATH
 

@@ -1,0 +1,1 @@
+"""Settings and the closed sets of names a user chooses from (`choices`)."""

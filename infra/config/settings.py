@@ -1,0 +1,404 @@
+"""One settings object, merged from a TOML file, `BRANCHSEARCH_*` environment and flags.
+
+Precedence (later wins): defaults < TOML file < environment < explicit overrides (CLI flags).
+The TOML file is `--config PATH`, else `BRANCHSEARCH_CONFIG`, else `<home>/branchsearch.toml`
+if it exists. Keys are the field names below (flat), e.g. `budget_tokens = 16384`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from branchsearch.infra.stores.protocols import MAX_K
+from branchsearch.infra.config.choices import (MILVUS_CONSISTENCIES, MILVUS_INDEXES, MODES,
+                                        OTLP_PROTOCOLS, PLANNERS, POLICIES, TRACE_EXPORTERS,
+                                        MilvusConsistency, Mode, OtlpProtocol, Planner,
+                                        Policy, TraceExporter, one_of)
+from branchsearch.infra.models.embed_export import BACKENDS as EMBED_BACKENDS
+from branchsearch.infra.models.embed_export import DEFAULT_BACKEND as EMBED_DEFAULT_BACKEND
+from branchsearch.infra.errors import SettingsError
+
+
+@dataclass(frozen=True)
+class Settings:
+    # where data lives
+    home: Path = Path(".branchsearch")
+    index: str = "default"
+    # chunking and token counting
+    encoding: str = "o200k_base"
+    chunk_tokens: int = 256
+    chunk_overlap: int = 32
+    # embeddings
+    embed_model: str = "all-MiniLM-L6-v2"  # or a sentence-transformers model path
+    embed_batch: int = 64
+    embed_device: str = "cpu"
+    # the CPU runtime: torch | onnx | onnx-int8 | openvino | openvino-int8 (reports/embedding.md);
+    # an exported one whose packages are missing falls back to torch with one line
+    embed_backend: str = EMBED_DEFAULT_BACKEND
+    # backends: empty means embedded (Milvus Lite file, tantivy index under home)
+    milvus_uri: str = ""
+    milvus_token: str = ""
+    milvus_index: str = "auto"  # auto (Lite: FLAT, server: HNSW) | FLAT | HNSW | IVF_FLAT
+    milvus_hnsw_m: int = 16
+    milvus_hnsw_ef_construction: int = 200
+    milvus_search_ef: int = 64  # HNSW search breadth (at least k)
+    milvus_consistency: MilvusConsistency = "Bounded"  # server searches (Strong: +~200 ms each)
+    es_url: str = ""
+    es_api_key: str = ""
+    # retrieval
+    search_mode: Mode = "hybrid"  # the agent's search_corpus default
+    rrf_k: int = 60  # hybrid BM25 + dense fusion (long candidate lists)
+    branch_rrf_k: int = 5  # fusing branch rankings (short, already ordered by the agents)
+    hybrid_candidates: int = 50  # from each of BM25 and dense (1..MAX_K)
+    grep_max_pattern: int = 200
+    # access control: a caller sees public documents and those of its groups (`--acl G`);
+    # acl_admin = true (or `--acl-admin`) sees every document (see infra/backends.ACL_ALL)
+    acl_admin: bool = False
+    # the branch agent
+    budget_tokens: int = 8192
+    soft_limit: float = 0.5
+    hard_limit: float = 0.92
+    max_turns: int = 12
+    max_tokens_read: int = 60000
+    no_progress_turns: int = 3
+    result_token_cap: int = 120
+    search_k: int = 8  # a search call's k when it names none (the heuristic names its own)
+    read_window_tokens: int = 400
+    final_k: int = 10
+    prune: bool = True
+    learned_rank: bool = True  # heuristic: finish by workers/heuristic/ranker.py (else its score)
+    per_title: int = 2  # heuristic policy: documents of one title before other pages get the
+    # next places (workers.rank.crowd); 0: off, for corpora whose titles repeat by design
+    policy: Policy = "heuristic"
+    planner: Planner = "heuristic"
+    # LLM engines (policy or planner = llm): an OpenAI-compatible endpoint by URL, else vLLM
+    llm_url: str = ""
+    llm_api_key: str = ""
+    llm_model: str = "smollm2"  # alias of the bundled SmolLM2-135M-Instruct, or a model path/name
+    llm_engines: int = 1  # vLLM engine actors shared by all branches
+    llm_tensor_parallel: int = 1  # GPUs per engine
+    llm_max_model_len: int = 4096
+    llm_max_tokens: int = 256
+    llm_detached: bool = False  # keep engines alive across driver runs (named, detached)
+    llm_timeout_s: float = 120.0  # one call to llm_url; timed out: retried (3 attempts in all)
+    # a `seed` sent with every request to llm_url, for reproducible sampling; None: none sent.
+    # A seeded request whose prompt the server prefills in chunks kills a vLLM CPU server
+    # ("CPU Generator does not use offset"), so set it only for a server that supports it
+    llm_seed: int | None = None
+    # orchestration
+    branches: int = 3
+    branch_timeout_s: float = 120.0
+    branch_retries: int = 1
+    branch_num_cpus: float = 0.5
+    branch_num_gpus: float = 0.0  # used only when the cluster has GPUs (LLM policies)
+    ray_address: str = ""
+    batch_concurrency: int = 2
+    # retriever actors the branches share, load-balanced (least-loaded). More than 1 only with
+    # server backends: a Milvus Lite file has one owning process, so Lite keeps 1 (README: Scaling)
+    retriever_replicas: int = 1
+    # the branches of one question share what the backends answered (infra/retrieval/fetch_cache.py):
+    # fewer backend searches, the same results; off: every branch asks the backends itself
+    fetch_cache: bool = True
+    backend_retries: int = 2  # a backend error in a tool is retried this often, then ends the branch
+    backend_backoff_s: float = 0.2  # first retry's wait; doubles each retry
+    # one request to Milvus or Elasticsearch; one not answered in time is a backend error
+    # (Milvus takes whole seconds: 0.5 is 1)
+    backend_timeout_s: float = 30.0
+    actor_start_timeout_s: float = 300.0  # waiting for actors (engines, retriever, pool) to start
+    query_max_tokens: int = 96  # a longer question is cut to this many tokens before searching
+    # telemetry: none | console | jsonl | otlp. The standard OTEL_TRACES_EXPORTER,
+    # OTEL_EXPORTER_OTLP_[TRACES_]{ENDPOINT,PROTOCOL,HEADERS} are read here, on the driver side,
+    # so they reach every actor inside this object (see `_otel_env`).
+    trace_exporter: TraceExporter = "none"
+    trace_file: str = ""
+    otlp_endpoint: str = ""  # a collector's base URL (http://host:4318) or the full .../v1/traces
+    otlp_protocol: OtlpProtocol = "http"  # http (OTLP/HTTP protobuf) | grpc
+    otlp_headers: str = ""  # k1=v1,k2=v2 (e.g. an API key header)
+    otlp_timeout_s: float = 2.0  # one export, retries included (in the background)
+    trace_flush_timeout_s: float = 0.5  # the most a query waits for its spans to leave
+
+    # indexes an enterprise already has: `[indexes.NAME]` tables (see infra/stores/external.py)
+    indexes: tuple = ()
+
+    @property
+    def external(self):
+        """The external index named by `index`, or None for an index of our own."""
+        return next((spec for spec in self.indexes if spec.name == self.index), None)
+
+    @property
+    def index_dir(self) -> Path:
+        return Path(self.home) / "indexes" / self.index
+
+    def replace(self, **changes: Any) -> "Settings":
+        return load_settings(base=self, overrides=changes, read_env=False, read_file=False)
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name == "indexes":
+        from branchsearch.infra.stores.external import parse_indexes
+
+        return parse_indexes(value)
+    if name == "llm_seed":  # the one optional number: "" or "none" (any case) is no seed
+        if value is None or isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise SettingsError(f"setting llm_seed: cannot read {value!r} as int (or none)")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"setting llm_seed: cannot read {value!r} as int (or none)") \
+                from None
+    kind = type(getattr(Settings, name)) if name != "home" else Path
+    try:
+        if kind is bool and isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind is int and (isinstance(value, bool) or isinstance(value, float)
+                            and not value.is_integer()):  # a TOML 1.5 or true, not rounded
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"setting {name}: cannot read {value!r} as {kind.__name__}") from None
+
+
+INDEX_NAME_CHARS = 100  # an index name is 1..100 characters
+INDEX_NAME_BYTES = 200  # and at most this many bytes in UTF-8 (a file name holds 255)
+INDEX_NAME_RULE = (f"index names are 1-{INDEX_NAME_CHARS} letters, digits, '-' or '_' (any "
+                   f"script; at most {INDEX_NAME_BYTES} bytes in UTF-8)")
+
+
+def index_name_problem(name: object) -> str:
+    """Why `name` cannot name an index ("" when it can). The one rule for every command and the
+    service: the name is a folder under `home/indexes`, a Milvus collection and an Elasticsearch
+    index, so it holds no path separator, dot or space and fits in one file name."""
+    if not isinstance(name, str) or not name:
+        return f"the index name is empty ({INDEX_NAME_RULE})"
+    shown = repr(name) if len(name) <= 40 else f"{name[:20]!r}… ({len(name)} characters)"
+    if not name.replace("-", "").replace("_", "").isalnum():
+        return f"index name {shown} is not allowed: {INDEX_NAME_RULE}"
+    if len(name) > INDEX_NAME_CHARS or len(name.encode("utf-8")) > INDEX_NAME_BYTES:
+        return f"index name {shown} is too long: {INDEX_NAME_RULE}"
+    return ""
+
+
+def _check_home(home: Path, index_dir: Path) -> None:
+    """The data home and the index folder must be folders where they exist: a file there (a
+    `--home` that names a file) would fail deep inside the first write."""
+    path = index_dir
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if path.is_dir() or not path.exists():
+        return
+    if path == home:
+        raise SettingsError(f"data home {home} is a file, not a folder; give --home a folder "
+                            "(it is created if missing)")
+    if home.is_relative_to(path):
+        raise SettingsError(f"data home {home}: {path} is a file, not a folder; give --home a "
+                            "folder (it is created if missing)")
+    raise SettingsError(f"{path} is a file where branchsearch keeps a folder of the data home "
+                        f"{home}; move it away")
+
+
+def _validate(s: Settings) -> None:
+    from branchsearch.infra.errors import register_secret
+
+    from urllib.parse import urlsplit
+
+    def password(url: str) -> str:
+        try:
+            return urlsplit(url).password or ""
+        except ValueError:
+            return ""
+
+    for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, password(s.es_url),
+                   password(s.milvus_uri), password(s.llm_url), password(s.otlp_endpoint), *[
+            v.split("=", 1)[-1] for v in s.otlp_headers.split(",")]):
+        register_secret(secret.strip())  # masked in every message that leaves the process
+    checks = [
+        (s.chunk_tokens >= 16, "chunk_tokens must be >= 16"),
+        (0 <= s.chunk_overlap < s.chunk_tokens, "chunk_overlap must be in [0, chunk_tokens)"),
+        (0 < s.soft_limit <= s.hard_limit <= 1, "need 0 < soft_limit <= hard_limit <= 1"),
+        (s.budget_tokens >= 256, "budget_tokens must be >= 256"),
+        (s.rrf_k > 0, "rrf_k must be > 0"),
+        (1 <= s.hybrid_candidates <= MAX_K, f"hybrid_candidates must be in 1..{MAX_K}"),
+        (s.max_turns >= 1, "max_turns must be >= 1"),
+        (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
+         f"search_k and final_k must be in 1..{MAX_K}"),
+        (s.branches >= 1, "branches must be >= 1"),
+        (s.per_title >= 0, "per_title must be >= 0 (0: off)"),
+        (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),
+        (s.embed_batch >= 1, "embed_batch must be >= 1"),
+        (s.retriever_replicas >= 1, "retriever_replicas must be >= 1"),
+        (s.backend_retries >= 0 and s.backend_backoff_s >= 0,
+         "backend_retries and backend_backoff_s must be >= 0"),
+        (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
+        (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
+        (s.llm_seed is None or 0 <= s.llm_seed < 2 ** 63, "llm_seed must be in [0, 2^63) or none"),
+        (0 < s.backend_timeout_s <= 3600, "backend_timeout_s must be in (0, 3600]"),
+        (s.query_max_tokens >= 8, "query_max_tokens must be >= 8"),
+        (s.trace_exporter in TRACE_EXPORTERS,
+         f"trace_exporter must be {one_of(TRACE_EXPORTERS)}"),
+        (s.otlp_protocol in OTLP_PROTOCOLS, f"otlp_protocol must be {one_of(OTLP_PROTOCOLS)}"),
+        (0 < s.otlp_timeout_s <= 60, "otlp_timeout_s must be in (0, 60]"),
+        (0 <= s.trace_flush_timeout_s <= 10, "trace_flush_timeout_s must be in [0, 10]"),
+        (s.search_mode in MODES, f"search_mode must be {one_of(MODES)}"),
+        (s.milvus_index.upper() in (i.upper() for i in MILVUS_INDEXES),
+         f"milvus_index must be {one_of(MILVUS_INDEXES)}"),
+        (s.milvus_consistency in MILVUS_CONSISTENCIES,
+         f"milvus_consistency must be {one_of(MILVUS_CONSISTENCIES)}"),
+        (s.policy in POLICIES, f"policy must be {one_of(POLICIES)}"),
+        (s.planner in PLANNERS, f"planner must be {one_of(PLANNERS)}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SettingsError(f"bad settings: {message}")
+    problem = index_name_problem(s.index)
+    if problem:
+        raise SettingsError(problem)
+    for spec in s.indexes:  # a declared name that `--index` could never select
+        problem = index_name_problem(spec.name)
+        if problem:
+            raise SettingsError(f"[indexes.NAME] in the settings file: {problem}")
+    _check_home(Path(s.home), s.index_dir)
+    if s.trace_exporter == "otlp":  # a bad collector URL or header list stops here, clearly
+        from branchsearch.infra.telemetry import otlp_headers, otlp_url
+
+        otlp_url(s.otlp_endpoint, s.otlp_protocol)
+        otlp_headers(s.otlp_headers)
+
+
+def _otel_env(env) -> dict[str, str]:
+    """The standard OpenTelemetry exporter variables as settings. They rank with the environment:
+    above the TOML file, below `BRANCHSEARCH_*` variables and flags."""
+    out: dict[str, str] = {}
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        if exporter not in ("otlp", "console", "none"):
+            raise SettingsError(f"OTEL_TRACES_EXPORTER={exporter!r}: branchsearch exports otlp, "
+                                "console or none")
+        out["trace_exporter"] = exporter
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip().lower()
+    if protocol:
+        if protocol not in ("grpc", "http/protobuf", "http"):
+            raise SettingsError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: branchsearch speaks "
+                                "grpc or http/protobuf")
+        out["otlp_protocol"] = "grpc" if protocol == "grpc" else "http"
+    endpoint = (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+                or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
+    if endpoint:  # a base URL gets /v1/traces when the exporter is built (telemetry.otlp_url)
+        out["otlp_endpoint"] = endpoint
+    headers = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS")
+    if headers and headers.strip():
+        out["otlp_headers"] = headers.strip()
+    return out
+
+
+# `BRANCHSEARCH_*` variables that are not settings: read by one command or tool each.
+OTHER_VARIABLES = frozenset({
+    "CONFIG", "KEYS", "API_KEY", "MODEL_CACHE", "CI", "SCREENSHOT", "CHROMIUM",
+    "LOADTEST_QUERIES", "LOADTEST_SEED", "LOADTEST_INDEX", "LOADTEST_BRANCHES",
+    "LOADTEST_DEADLINE_S", "LOADTEST_THINK"})
+
+
+def _refuse_misspelt(env) -> None:
+    """A `BRANCHSEARCH_*` variable that is no setting but nearly spells one is a typo: refused,
+    as an unknown key in the TOML file is, instead of silently running on the default. Other
+    unknown names pass (another tool's variable may share the prefix)."""
+    for key in env:
+        if not key.startswith("BRANCHSEARCH_"):
+            continue
+        name = key.removeprefix("BRANCHSEARCH_")
+        if name in OTHER_VARIABLES or (name.lower() in _FIELDS and name == name.upper()):
+            continue
+        near = difflib.get_close_matches(name.lower(), _FIELDS, n=1, cutoff=0.8)
+        if near:
+            raise SettingsError(f"environment variable {key} is not a setting; did you mean "
+                                f"BRANCHSEARCH_{near[0].upper()}?")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The settings file as a table; SettingsError in one line for every way it can be bad."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SettingsError(f"settings file not found: {path}") from None
+    except IsADirectoryError:
+        raise SettingsError(f"settings file {path} is a folder: give the TOML file") from None
+    except OSError as exc:
+        raise SettingsError(f"settings file {path}: cannot read it "
+                            f"({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise SettingsError(f"settings file {path}:{line}: not UTF-8 text (byte "
+                            f"{raw[exc.start:exc.start + 1]!r} at offset {exc.start}); a TOML "
+                            "file is UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"settings file {path}: not valid TOML ({exc})") from None
+
+
+def load_settings(
+    config: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    base: Settings | None = None,
+    read_env: bool = True,
+    read_file: bool = True,
+) -> Settings:
+    """Merge defaults, TOML, environment and `overrides` (None values are ignored)."""
+    values: dict[str, Any] = dataclasses.asdict(base or Settings())
+    given: dict[str, Any] = {}  # what a file, the environment or an override set
+    env = os.environ if read_env else {}
+    if "BRANCHSEARCH_HOME" in env:
+        values["home"] = env["BRANCHSEARCH_HOME"]
+    if overrides and overrides.get("home") is not None:
+        values["home"] = overrides["home"]
+
+    if read_file:
+        path = config or env.get("BRANCHSEARCH_CONFIG")
+        if path is None and (Path(values["home"]) / "branchsearch.toml").exists():
+            path = Path(values["home"]) / "branchsearch.toml"
+        if path is not None:
+            data = _read_toml(Path(path))
+            unknown = sorted(set(data) - set(_FIELDS))
+            if unknown:
+                raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")
+            values.update(data)
+            given.update(data)
+
+    otel = _otel_env(env)
+    values.update(otel)
+    given.update(otel)
+    _refuse_misspelt(env)
+    for name in _FIELDS:
+        key = f"BRANCHSEARCH_{name.upper()}"
+        if key in env:
+            values[name] = given[name] = env[key]
+    for name, value in (overrides or {}).items():
+        if name not in _FIELDS:
+            raise SettingsError(f"unknown setting {name!r}")
+        if value is not None:
+            values[name] = given[name] = value
+    if given.get("otlp_endpoint") and "trace_exporter" not in given and \
+            values["trace_exporter"] == "none":
+        values["trace_exporter"] = "otlp"  # a collector named and no exporter chosen: export there
+
+    settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
+    _validate(settings)
+    return settings

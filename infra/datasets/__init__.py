@@ -1,0 +1,1 @@
+"""Evaluation data: BEIR folders and the synthetic multi-hop corpus (`synth`)."""

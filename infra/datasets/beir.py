@@ -1,0 +1,63 @@
+"""BEIR-format evaluation sets: `queries.jsonl` and `qrels/{split}.tsv` beside `corpus.jsonl`
+(split: test, dev or train)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from branchsearch.infra.config.choices import SPLITS, Split
+from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.textfile import utf8_lines
+
+
+@dataclass
+class Query:
+    id: str
+    text: str
+    gold: dict[str, int] = field(default_factory=dict)  # doc id -> relevance grade
+    answer: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
+    """Queries that have at least one positive qrel in `qrels/{split}.tsv`, in file order."""
+    if split not in SPLITS:
+        raise CorpusError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    folder = Path(folder)
+    qfile, qrels_file = folder / "queries.jsonl", folder / "qrels" / f"{split}.tsv"
+    if not qfile.exists():
+        raise CorpusError(f"{folder}: not a BEIR folder (missing queries.jsonl)")
+    if not qrels_file.exists():
+        have = [s for s in SPLITS if (folder / "qrels" / f"{s}.tsv").exists()]
+        hint = (f"; it has {', '.join(have)}: use --split {have[0]}" if have
+                else " (not a BEIR folder?)")
+        raise CorpusError(f"{folder}: no qrels/{split}.tsv{hint}")
+    gold: dict[str, dict[str, int]] = {}
+    with qrels_file.open("rb") as f:
+        rows = csv.reader((line for _, line in utf8_lines(f, qrels_file)), delimiter="\t")
+        for lineno, row in enumerate(rows, start=1):
+            if lineno == 1 and row and not row[-1].lstrip("-").isdigit():
+                continue  # header
+            if len(row) < 3 or not row[2].lstrip("-").isdigit():
+                raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score")
+            if int(row[2]) > 0:
+                gold.setdefault(row[0], {})[row[1]] = int(row[2])
+    queries = []
+    with qfile.open("rb") as f:
+        for lineno, line in utf8_lines(f, qfile):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                qid, text = str(row.get("_id", row.get("id"))), row["text"]
+            except (json.JSONDecodeError, KeyError, AttributeError):
+                raise CorpusError(f"{qfile}:{lineno}: expected {{'_id', 'text'}}") from None
+            if qid in gold:
+                meta = row.get("metadata") or {}
+                queries.append(Query(qid, text, gold[qid], str(meta.get("answer") or ""), meta))
+    if not queries:
+        raise CorpusError(f"{folder}: no query has a positive qrel in {qrels_file.name}")
+    return queries

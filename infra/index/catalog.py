@@ -1,0 +1,83 @@
+"""What indexes a settings object can search: the ones our `ingest` built under the data home
+(complete, incomplete or being ingested, from their manifests) and the external ones declared in
+`[indexes.NAME]` (their backends asked for a document count, which is also the health check)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from branchsearch.infra.errors import BranchsearchError, redact
+from branchsearch.infra.config.settings import Settings
+
+
+@dataclass
+class IndexInfo:
+    name: str
+    kind: str  # owned | external
+    backends: str
+    documents: int | None
+    chunks: int | None
+    health: str  # ok | incomplete | ingesting | the error line
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def owned_indexes(settings: Settings) -> list[IndexInfo]:
+    from branchsearch.infra.index.manifest import read_manifest, running_ingest
+    from branchsearch.infra.index.profile import files_health
+
+    root = Path(settings.home) / "indexes"
+    out = []
+    for folder in sorted(p for p in root.glob("*") if p.is_dir()) if root.exists() else []:
+        manifest = read_manifest(folder)
+        running = running_ingest(folder)
+        if manifest is not None:
+            backends = " + ".join(f"{role}: {where}" for role, where in
+                                  sorted(manifest.backends.items()))
+            backends = redact(backends)  # (a manifest an older version wrote may hold them)
+            health = "ingesting" if running else files_health(folder, manifest)
+            out.append(IndexInfo(folder.name, "owned", backends, manifest.documents,
+                                 manifest.chunks.get("docstore"), health))
+        else:
+            health = f"ingesting ({running.describe()})" if running else \
+                f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
+            out.append(IndexInfo(folder.name, "owned", "", None, None, health))
+    return out
+
+
+def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
+    """Each declared external index; with `check`, its backends are opened and counted."""
+    from branchsearch.infra.stores.external import ExternalElastic, ExternalMilvus
+
+    out = []
+    for spec in settings.indexes:
+        info = IndexInfo(spec.name, "external", spec.describe(), None, None, "not checked")
+        if check:
+            try:
+                if spec.lexical == "elasticsearch":
+                    store = ExternalElastic(spec, spec.es_url or settings.es_url,
+                                            api_key=settings.es_api_key or None,
+                                            timeout_s=settings.backend_timeout_s)
+                else:
+                    from branchsearch.infra.models.embedder import Embedder
+
+                    dim = Embedder(settings.embed_model, settings.embed_batch,
+                                   settings.embed_device).dim
+                    store = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, dim,
+                                           token=settings.milvus_token,
+                                           timeout_s=settings.backend_timeout_s)
+                try:
+                    info.documents = info.chunks = store.count()
+                finally:
+                    store.close()
+                info.health = "ok"
+            except BranchsearchError as exc:
+                info.health = str(exc)
+        out.append(info)
+    return out
+
+
+def list_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
+    return owned_indexes(settings) + external_indexes(settings, check=check)

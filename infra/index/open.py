@@ -1,0 +1,204 @@
+"""Opening an index: its stores (docstore, lexical, dense) and the embedder, for a reader or a writer.
+
+`open_retriever` is the reader's door: it refuses an index that is incomplete, being ingested or
+damaged with the one line `index.profile` words (`check_readable` says it without opening anything).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from branchsearch.infra.stores.docstore import DocStore
+from branchsearch.infra.errors import BadQuery, IndexIncomplete, SettingsError
+from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.retrieval.retriever import Retriever, one_side
+
+
+_FOLDING: set[tuple[str, str]] = set()  # Elasticsearch indexes seen folding (they stay so)
+
+
+def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True,
+                embedder=None):
+    """(docstore, lexical, dense, embedder) for the settings' index; dense may be None.
+    `embedder` replaces the configured one (anything with `embed(texts)` and `dim`)."""
+    if settings.external is not None:  # an index the enterprise already has: read in place
+        from branchsearch.infra.stores.external import open_external
+
+        if create:
+            raise BadQuery(f"index {settings.index!r} is external ({settings.external.describe()}"
+                           "): branchsearch never writes to it; ingest into another index name")
+        return open_external(settings.external, settings, need_dense=need_dense,
+                             embedder=embedder)
+    root = settings.index_dir
+    manifest = None
+    if not create:  # readers: only a complete index that no ingest is writing
+        from branchsearch.infra.index.profile import index_profile
+
+        profile = index_profile(settings)
+        profile.require_searchable()
+        manifest = profile.manifest
+        if manifest.embedding is None:
+            need_dense = False  # a BM25-only index (ingest --no-dense): dense search says so
+        elif embedder is None and manifest.embedding.get("model") != settings.embed_model:
+            raise SettingsError(
+                f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
+                f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
+    docstore = _open_docstore(root / "docs.sqlite", settings.index)
+    lexical = lexical_store(settings)
+    dense = None
+    if not need_dense:
+        embedder = None
+    else:
+        try:
+            dense, embedder = open_dense(settings, manifest, embedder)
+        except BaseException:
+            for store in (lexical, docstore):
+                store.close()
+            raise
+    return docstore, lexical, dense, embedder
+
+
+def open_dense(settings: Settings, manifest=None, embedder=None):
+    """(dense store, embedder) of the owned index: the manifest's dimension, else the one an
+    ingest in progress recorded (`dense.dim`), else the embedder's."""
+    from branchsearch.infra.models.embedder import Embedder
+
+    embedder = embedder or Embedder(
+        settings.embed_model, settings.embed_batch, settings.embed_device,
+        cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
+        backend=settings.embed_backend)
+    from branchsearch.infra.stores.milvus import is_server
+
+    if manifest is None:  # a writer (ingest): the collection is created when missing
+        return dense_store(settings, _dense_dim(settings.index_dir, embedder)), embedder
+    uri = dense_uri(settings)
+    ingested_into = str(manifest.backends.get("dense", ""))
+    if not is_server(uri) and " " in ingested_into and is_server(ingested_into.split()[1]):
+        raise SettingsError(  # the vectors are on a server this process was not told about
+            f"index {settings.index!r} keeps its vectors in {ingested_into}; set milvus_uri "
+            "(BRANCHSEARCH_MILVUS_URI) to that server")
+    # an ingest skips documents it already holds, so it cannot refill a lost dense store
+    again = f"remove {settings.index_dir} and ingest it again"
+    if not is_server(uri) and not Path(uri).exists():  # Milvus Lite would create it empty
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {uri} missing; {again}")
+    try:
+        return dense_store(settings, manifest.embedding["dim"], create=False), embedder
+    except IndexIncomplete as exc:  # a complete index whose collection is gone is damaged
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {exc}; {again}") from None
+
+
+def _open_docstore(path: Path, index: str) -> DocStore:
+    import sqlite3
+
+    try:
+        return DocStore(path)
+    except sqlite3.DatabaseError as exc:
+        raise IndexIncomplete(f"index {index!r} is damaged: {path}: {exc}; re-ingest it"
+                              ) from None
+
+
+def lexical_folds(settings: Settings) -> bool:
+    """Whether the index's BM25 folds accents: an owned index made before folding does not
+    (tantivy: `infra.stores.tantivy.folds`; Elasticsearch: `ElasticStore.folds`, its mapping);
+    external stores, whose analyzers are their owners', are taken to."""
+    if settings.external is not None:
+        return True
+    if settings.es_url:
+        from branchsearch.infra.stores.elastic import es_index_for
+
+        return _elastic_folds(settings.es_url, es_index_for(settings.index),
+                              settings.es_api_key or None, settings.backend_timeout_s)
+    from branchsearch.infra.stores.tantivy import folds
+
+    return folds(settings.index_dir / "tantivy")
+
+
+def _elastic_folds(url: str, index: str, api_key: str | None, timeout_s: float) -> bool:
+    """Only a folding mapping is remembered: an index made before folding is asked again at
+    every policy, so one dropped and ingested anew (the README's fix) folds from the next
+    question on, in a service that keeps running."""
+    if (url, index) in _FOLDING:
+        return True
+    from branchsearch.infra.stores.elastic import ElasticStore
+
+    store = ElasticStore(url, index=index, api_key=api_key, timeout_s=timeout_s, create=False)
+    try:
+        folding = store.folds()
+    finally:
+        store.close()
+    if folding:
+        _FOLDING.add((url, index))
+    return folding is not False  # no index yet: the one an ingest creates folds
+
+
+def lexical_store(settings: Settings):
+    """The owned index's lexical store: Elasticsearch at `es_url`, else tantivy in the index."""
+    if settings.es_url:
+        from branchsearch.infra.stores.elastic import ElasticStore, es_index_for
+
+        return ElasticStore(settings.es_url, index=es_index_for(settings.index),
+                            api_key=settings.es_api_key or None,
+                            max_pattern=settings.grep_max_pattern,
+                            timeout_s=settings.backend_timeout_s)
+    from branchsearch.infra.stores.tantivy import TantivyStore
+
+    path = settings.index_dir / "tantivy"
+    try:
+        return TantivyStore(path, max_pattern=settings.grep_max_pattern)
+    except ValueError as exc:  # a segment file truncated or gone: tantivy cannot open the index
+        why = " ".join(str(exc).split())[:200]
+        raise IndexIncomplete(f"index {settings.index!r} is damaged: {path}: {why}; remove "
+                              f"{settings.index_dir} and ingest it again") from None
+
+
+def dense_uri(settings: Settings) -> str:
+    """Where the owned index's vectors live: Milvus at `milvus_uri`, else the index's Lite
+    file."""
+    return str(settings.milvus_uri or settings.index_dir / "dense.db")
+
+
+def dense_store(settings: Settings, dim: int, *, create: bool = True):
+    """The owned index's dense store (`dense_uri`). `create=False` (a reader): a missing
+    collection is `IndexIncomplete`."""
+    from branchsearch.infra.stores.milvus import MilvusStore, collection_for
+
+    return MilvusStore(dense_uri(settings), dim,
+                       token=settings.milvus_token,
+                       collection=collection_for(settings.index),
+                       index=index_spec(settings), create=create,
+                       timeout_s=settings.backend_timeout_s)
+
+
+def index_spec(settings: Settings):
+    from branchsearch.infra.stores.milvus import IndexSpec
+
+    return IndexSpec(settings.milvus_index, m=settings.milvus_hnsw_m,
+                     ef_construction=settings.milvus_hnsw_ef_construction,
+                     ef=settings.milvus_search_ef, consistency=settings.milvus_consistency)
+
+
+def _dense_dim(root, embedder) -> int:
+    marker = root / "dense.dim"
+    if marker.exists():
+        return int(marker.read_text())
+    dim = embedder.dim
+    root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(dim))
+    return dim
+
+
+def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -> Retriever:
+    docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense,
+                                                     embedder=embedder)
+    return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
+                     settings.hybrid_candidates, one_side(settings))
+
+
+def check_readable(settings: Settings) -> None:
+    """Raise the one-line error `open_retriever` would (incomplete, being ingested, damaged,
+    its backend not configured), without opening anything: callers that open the retriever
+    elsewhere (a Ray actor) check here first, so the user sees the line rather than an actor's
+    death."""
+    from branchsearch.infra.index.profile import index_profile
+
+    index_profile(settings).require_searchable()

@@ -1,0 +1,163 @@
+"""Reading a corpus: a BEIR folder, a JSONL file, or a folder of .txt/.md files.
+
+Every input is fully validated before anything is written, so a malformed line stops an ingest
+with its file and line number and the index stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC
+from branchsearch.infra.errors import CorpusError
+
+_ID_OK = re.compile(r"^[^\s#][^\s#]*$")
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    title: str
+    text: str
+    source: str = ""
+    date: str = ""
+    acl: tuple[str, ...] = ()  # empty: visible to everyone
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+def read_corpus(path: str | Path) -> list[Document]:
+    """All documents of `path`, validated; raises CorpusError naming the first bad input."""
+    path = Path(path)
+    if not path.exists():
+        raise CorpusError(f"corpus not found: {path}")
+    if path.is_dir() and (path / "corpus.jsonl").exists():
+        docs = list(_read_jsonl(path / "corpus.jsonl"))
+    elif path.is_dir():
+        docs = list(_read_text_folder(path))
+    elif path.suffix in (".jsonl", ".json"):
+        docs = list(_read_jsonl(path))
+    else:
+        raise CorpusError(f"{path}: expected a BEIR folder, a .jsonl file or a folder of .txt/.md")
+    return _unique(docs, str(path))
+
+
+def parse_jsonl(text: str, name: str = "body") -> list[Document]:
+    """The documents of JSONL `text` held in memory (an upload), validated as a corpus file is;
+    CorpusError names `name:line`."""
+    docs = list(_documents(enumerate(text.split("\n"), 1), name, "body.jsonl"))
+    return _unique(docs, name)
+
+
+def _unique(docs: list[Document], name: str) -> list[Document]:
+    if not docs:
+        raise CorpusError(f"{name}: no documents found")
+    seen: set[str] = set()
+    for doc in docs:
+        if doc.id in seen:
+            raise CorpusError(f"{name}: duplicate document id {doc.id!r}")
+        seen.add(doc.id)
+    return docs
+
+
+def _read_jsonl(path: Path) -> Iterator[Document]:
+    from branchsearch.infra.textfile import utf8_lines
+
+    with path.open("rb") as f:  # bytes that are not UTF-8 stop with file, line and offset
+        yield from _documents(utf8_lines(f, path), str(path), None)
+
+
+def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
+    """Documents from (line number, line) pairs; `source`: the default source field (None:
+    the file's name)."""
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise CorpusError(f"{where}: expected a JSON object")
+        doc_id = row.get("_id", row.get("id"))
+        if doc_id is None or str(doc_id).strip() == "":
+            raise CorpusError(f"{where}: missing document id ('_id' or 'id')")
+        text = row.get("text")
+        if not isinstance(text, str):
+            raise CorpusError(f"{where}: missing or non-string 'text'")
+        yield _document(str(doc_id), row, where, source=str(row.get(
+            "source", source or Path(name).name)))
+
+
+def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
+    if not _ID_OK.match(doc_id):
+        raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
+    acl = row.get("acl", row.get("acl_groups", ()))
+    if isinstance(acl, str):  # one group; "finance,hr" would be one group nobody can hold
+        if "," in acl:
+            fix = json.dumps([g.strip() for g in acl.split(",") if g.strip()], ensure_ascii=False)
+            raise CorpusError(f"{where}: 'acl' is the string {json.dumps(acl, ensure_ascii=False)}"
+                              f"; give the groups as a list: \"acl\": {fix}")
+        acl = (acl,)
+    if not isinstance(acl, (list, tuple)) or not all(isinstance(g, str) for g in acl):
+        raise CorpusError(f"{where}: 'acl' must be a list of group names")
+    if any(not g.strip() for g in acl):  # "" would match no caller's group: admins only
+        raise CorpusError(f"{where}: 'acl' group names may not be empty")
+    comma = next((g for g in acl if "," in g), None)
+    if comma is not None:  # a caller's `--acl` and a key's groups read "a,b" as two groups
+        fix = json.dumps([g.strip() for g in comma.split(",") if g.strip()], ensure_ascii=False)
+        raise CorpusError(f"{where}: 'acl' group {json.dumps(comma, ensure_ascii=False)} holds "
+                          f"a comma: give each group as its own list item, e.g. \"acl\": {fix}")
+    acl = tuple(g.strip() for g in acl)  # as a caller's groups are: " hr" is "hr"
+    if ACL_ALL in acl:  # it would read as "everyone" but mean "admins only"
+        raise CorpusError(f"{where}: 'acl' may not name {ACL_ALL!r} (reserved: {ACL_ALL!r} in a "
+                          "caller's groups sees every document); leave 'acl' empty for a "
+                          "document everyone may see")
+    if PUBLIC in acl:
+        raise CorpusError(f"{where}: 'acl' may not name {PUBLIC!r} (reserved: the group of the "
+                          "documents without an ACL); leave 'acl' empty for a document everyone "
+                          "may see")
+    for name, value in (("id", doc_id), ("title", row.get("title")), ("text", row["text"]),
+                        *(("acl", g) for g in acl)):
+        if isinstance(value, str) and not _utf8(value):  # JSON's "\ud800": no store holds it
+            raise CorpusError(f"{where}: {name!r} holds a lone surrogate (an escape such as "
+                              "\\ud800 that is no character); fix the text")
+    known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
+    return Document(
+        id=doc_id,
+        title=str(row.get("title") or ""),
+        text=row["text"],
+        source=source,
+        date=str(row.get("date") or ""),
+        acl=tuple(acl),
+        meta={k: v for k, v in row.items() if k not in known},
+    )
+
+
+def _read_text_folder(root: Path) -> Iterator[Document]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+    for file in files:
+        rel = file.relative_to(root).as_posix()
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CorpusError(f"{file}: not UTF-8 text") from None
+        title = file.stem
+        for line in text.splitlines():
+            if line.startswith("# "):
+                title = line[2:].strip()
+                break
+        doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])
+        yield _document(doc_id, {"title": title, "text": text}, str(file), source=rel)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

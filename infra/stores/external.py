@@ -1,0 +1,476 @@
+"""Indexes an enterprise already has, searched in place through a field mapping.
+
+An *external* index is declared in the settings file; nothing is ever written to it:
+
+    [indexes.corp]
+    lexical = "elasticsearch"          # or "none"
+    es_index = "corp-docs"
+    dense = "milvus"                   # or "none"
+    milvus_collection = "corp_vectors"
+    [indexes.corp.fields]
+    id = "doc_key"                     # document id (both backends)
+    title = "headline"
+    text = "body"
+    acl = "groups"                     # keyword / array field of group names
+    vector = "embedding"               # Milvus vector field
+
+Text comes from the backend (`_source` in Elasticsearch, output fields in Milvus): there is no
+local docstore. A document is one chunk, `"{id}#p0"`; `read_document` returns its text and the
+agent's read tool windows it. The stores here satisfy the same small protocols as the owned ones
+(`LexicalStore`, the dense `search(vector, …)`, the docstore's read methods), so the `Retriever`,
+the agent and fusion run unchanged on top of them.
+
+ACL: a document whose ACL field is missing or empty is public; otherwise a caller sees it only
+when it holds one of its groups; `ACL_ALL` (an explicit admin setting) sees everything. The
+filter is part of the backend query, as for owned indexes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from branchsearch.infra.stores.acl import ACL_ALL
+from branchsearch.infra.stores.protocols import check_pattern, query_words
+from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, milvus_call,
+                                      milvus_error, milvus_list, quiet_pymilvus, release_lite,
+                                      timeout_arg)
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
+from branchsearch.infra.stores.hits import Hit, doc_of
+
+
+CHUNK_SUFFIX = "#p0"
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """The backend's own field names for what branchsearch needs."""
+
+    id: str = "id"
+    title: str = "title"
+    text: str = "text"
+    acl: str = "acl"
+    vector: str = "vector"
+
+
+@dataclass(frozen=True)
+class ExternalIndex:
+    name: str
+    lexical: str = "none"  # elasticsearch | none
+    dense: str = "none"  # milvus | none
+    es_index: str = ""
+    es_url: str = ""  # default: the settings' es_url
+    milvus_collection: str = ""
+    milvus_uri: str = ""  # default: the settings' milvus_uri
+    fields: FieldMap = field(default_factory=FieldMap)
+
+    def describe(self) -> str:
+        parts = []
+        if self.lexical == "elasticsearch":
+            parts.append(f"elasticsearch:{self.es_index}")
+        if self.dense == "milvus":
+            parts.append(f"milvus:{self.milvus_collection}")
+        return " + ".join(parts)
+
+
+def parse_external(name: str, table: dict) -> ExternalIndex:
+    """One `[indexes.NAME]` table → ExternalIndex; every mistake is one SettingsError line."""
+    where = f"[indexes.{name}]"
+    if not isinstance(table, dict):
+        raise SettingsError(f"{where} must be a table")
+    known = {f.name for f in fields(ExternalIndex)} - {"name"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise SettingsError(f"{where}: unknown keys {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+    raw_fields = table.get("fields", {})
+    if not isinstance(raw_fields, dict):
+        raise SettingsError(f"{where}.fields must be a table")
+    field_names = {f.name for f in fields(FieldMap)}
+    bad = sorted(set(raw_fields) - field_names)
+    if bad:
+        raise SettingsError(f"[indexes.{name}.fields]: unknown keys {', '.join(bad)} "
+                            f"(known: {', '.join(sorted(field_names))})")
+    values = {k: str(v) for k, v in table.items() if k != "fields"}
+    spec = ExternalIndex(name=name, fields=FieldMap(**{k: str(v) for k, v in raw_fields.items()}),
+                         **values)
+    if spec.lexical not in ("elasticsearch", "none"):
+        raise SettingsError(f"{where}: lexical must be \"elasticsearch\" or \"none\"")
+    if spec.dense not in ("milvus", "none"):
+        raise SettingsError(f"{where}: dense must be \"milvus\" or \"none\"")
+    if spec.lexical == "none" and spec.dense == "none":
+        raise SettingsError(f"{where}: needs lexical = \"elasticsearch\" or dense = \"milvus\"")
+    if spec.lexical == "elasticsearch" and not spec.es_index:
+        raise SettingsError(f"{where}: lexical = \"elasticsearch\" needs es_index")
+    if spec.dense == "milvus" and not spec.milvus_collection:
+        raise SettingsError(f"{where}: dense = \"milvus\" needs milvus_collection")
+    return spec
+
+
+def parse_indexes(value) -> tuple[ExternalIndex, ...]:
+    """The settings' `indexes`: a TOML table of tables, or what `parse_indexes` returned (as
+    dataclasses or as the dicts `dataclasses.asdict` makes of them)."""
+    if isinstance(value, dict):
+        return tuple(parse_external(name, table) for name, table in value.items())
+    out = []
+    for item in value or ():
+        if isinstance(item, ExternalIndex):
+            out.append(item)
+        elif isinstance(item, dict) and "name" in item:
+            table = {k: v for k, v in item.items() if k != "name"}
+            out.append(parse_external(item["name"], table))
+        else:
+            raise SettingsError(f"indexes: cannot read {item!r}")
+    return tuple(out)
+
+
+def _sees_all(acl_groups: Sequence[str] | None) -> bool:
+    return acl_groups is not None and ACL_ALL in acl_groups
+
+
+def _read_only(name: str):
+    raise BadQuery(f"index {name!r} is external: branchsearch never writes to it")
+
+
+# --- Elasticsearch ----------------------------------------------------------------------------
+
+
+class ExternalElastic:
+    """BM25 (`multi_match` over the mapped title and text), term regexes and reads by id on an
+    existing Elasticsearch index; satisfies `LexicalStore` minus writing."""
+
+    def __init__(self, spec: ExternalIndex, url: str, *, api_key: str | None = None,
+                 max_pattern: int = 200, timeout_s: float = 30):
+        from elasticsearch import Elasticsearch
+
+        if not url:
+            raise SettingsError(f"index {spec.name!r}: lexical = \"elasticsearch\" needs es_url "
+                                f"(in [indexes.{spec.name}] or BRANCHSEARCH_ES_URL)")
+        self.spec, self.f, self.url, self.max_pattern = spec, spec.fields, url, max_pattern
+        self.index = spec.es_index
+        self._es = Elasticsearch(url, api_key=api_key, request_timeout=timeout_s)
+        try:
+            exists = self._es.indices.exists(index=self.index)
+        except Exception as exc:
+            raise _es_unavailable(url, exc) from None
+        if not exists:
+            raise SettingsError(f"index {spec.name!r}: Elasticsearch index {self.index!r} does "
+                                f"not exist at {url}")
+
+    # the id may be Elasticsearch's own `_id` or a field of the document
+    def _ids_query(self, doc_ids: Sequence[str]) -> dict:
+        if self.f.id == "_id":
+            return {"ids": {"values": list(doc_ids)}}
+        return {"terms": {self.f.id: list(doc_ids)}}
+
+    def _acl_filter(self, acl_groups) -> list[dict]:
+        if _sees_all(acl_groups):
+            return []
+        public = {"bool": {"must_not": [{"exists": {"field": self.f.acl}}]}}
+        if not acl_groups:
+            return [public]
+        return [{"bool": {"should": [public, {"terms": {self.f.acl: list(acl_groups)}}],
+                          "minimum_should_match": 1}}]
+
+    def _run(self, must: dict, k: int, exclude_ids: Sequence[str], acl_groups,
+             source: str) -> list[Hit]:
+        query: dict = {"bool": {"must": [must], "filter": self._acl_filter(acl_groups)}}
+        if exclude_ids:
+            query["bool"]["must_not"] = [self._ids_query([doc_of(c) for c in exclude_ids])]
+        try:
+            result = self._es.search(index=self.index, query=query, size=k,
+                                     source_includes=self._source_fields())
+        except Exception as exc:
+            if getattr(getattr(exc, "meta", None), "status", None) == 400:
+                raise BadQuery(f"elasticsearch rejected the {source} query: {exc}") from None
+            raise _es_unavailable(self.url, exc) from None
+        return [self._hit(h, rank, source) for rank, h in
+                enumerate(result["hits"]["hits"], start=1)]
+
+    def _source_fields(self) -> list[str]:
+        return [n for n in (self.f.id, self.f.title, self.f.text, self.f.acl) if n != "_id"]
+
+    def _doc_id(self, h: dict) -> str:
+        return str(h["_id"] if self.f.id == "_id" else h["_source"].get(self.f.id, h["_id"]))
+
+    def _hit(self, h: dict, rank: int, source: str) -> Hit:
+        doc_id = self._doc_id(h)
+        src = h["_source"]
+        return Hit(doc_id + CHUNK_SUFFIX, doc_id, float(h.get("_score") or 0.0), rank, source,
+                   text=str(src.get(self.f.text, "")), title=str(src.get(self.f.title, "")))
+
+    def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
+               acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        words = query_words(query)
+        if not words or k <= 0:
+            return []
+        must = {"multi_match": {"query": " ".join(words),
+                                "fields": [self.f.title, self.f.text]}}
+        return self._run(must, k, exclude_ids, acl_groups, "bm25")
+
+    def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
+             acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        pattern = check_pattern(pattern, self.max_pattern)
+        must = {"regexp": {self.f.text: {"value": pattern, "flags": "NONE",
+                                         "max_determinized_states": 10000}}}
+        return self._run(must, k, exclude_ids, acl_groups, "grep")
+
+    def get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
+        """doc id -> {doc_id, title, text, acl} for the ids that exist (no ACL filter: the
+        retriever checks each record's `acl` against the caller before showing it)."""
+        if not doc_ids:
+            return {}
+        try:
+            result = self._es.search(index=self.index, query=self._ids_query(doc_ids),
+                                     size=len(doc_ids), source_includes=self._source_fields())
+        except Exception as exc:
+            raise _es_unavailable(self.url, exc) from None
+        return {self._doc_id(h): _record(self._doc_id(h), h["_source"], self.f)
+                for h in result["hits"]["hits"]}
+
+    def write(self, *args, **kwargs):
+        _read_only(self.spec.name)
+
+    def count(self) -> int:
+        try:
+            return int(self._es.count(index=self.index)["count"])
+        except Exception as exc:
+            raise _es_unavailable(self.url, exc) from None
+
+    def close(self) -> None:
+        self._es.close()
+
+
+def _es_unavailable(url: str, exc: Exception) -> BackendUnavailable:
+    status = getattr(getattr(exc, "meta", None), "status", None)
+    if status:
+        return BackendUnavailable(f"elasticsearch at {url}: {status} {exc}")
+    return BackendUnavailable(f"elasticsearch at {url} is not reachable ({type(exc).__name__});"
+                              " start it or fix es_url")
+
+
+# --- Milvus -------------------------------------------------------------------------------------
+
+
+class ExternalMilvus:
+    """Vector search and reads by id on an existing Milvus collection, through the mapping.
+    The query embedder must make vectors of the collection's dimension (checked here)."""
+
+    def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int, *, token: str = "",
+                 timeout_s: float = 30.0):
+        from pymilvus import MilvusClient
+
+        self.timeout_s, self._lite = timeout_s, lite_key(uri) if uri else None
+        if not uri:
+            raise SettingsError(f"index {spec.name!r}: dense = \"milvus\" needs milvus_uri "
+                                f"(in [indexes.{spec.name}] or BRANCHSEARCH_MILVUS_URI)")
+        self.spec, self.f, self.uri = spec, spec.fields, uri
+        self.collection = spec.milvus_collection
+        quiet_pymilvus()
+        wait = timeout_arg(timeout_s)
+        try:
+            self._client = MilvusClient(uri=uri, token=token, timeout=wait)
+            acquire_lite(uri)
+            exists = self._client.has_collection(self.collection, timeout=wait)
+        except Exception as exc:
+            raise BackendUnavailable(f"milvus at {uri} is not reachable ({milvus_error(exc)})"
+                                     ) from None
+        try:
+            if not exists:
+                raise SettingsError(f"index {spec.name!r}: Milvus collection "
+                                    f"{self.collection!r} does not exist at {uri}")
+            described = self._request(f"describe {self.collection!r}",
+                                      self._client.describe_collection, self.collection)
+            schema = {f["name"]: f for f in described["fields"]}
+            self._check_fields(schema, embed_dim)
+            from pymilvus import DataType
+
+            self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
+            self._request(f"load {self.collection!r}", self._client.load_collection,
+                          self.collection)
+        except BaseException:
+            self.close()  # a refused open must not keep the Lite file from other processes
+            raise
+
+    def _check_fields(self, schema: dict, embed_dim: int) -> None:
+        name = self.spec.name
+        for role in ("id", "vector", "text"):
+            column = getattr(self.f, role)
+            if column not in schema:
+                raise SettingsError(
+                    f"index {name!r}: field {role} = {column!r} is not in Milvus collection "
+                    f"{self.collection!r} (it has {', '.join(sorted(schema))})")
+        dim = int(schema[self.f.vector].get("params", {}).get("dim", 0))
+        if dim != embed_dim:
+            raise SettingsError(
+                f"index {name!r}: collection {self.collection!r} holds {dim}-dim vectors in "
+                f"{self.f.vector!r} but the query embedder makes {embed_dim}-dim ones; set "
+                "embed_model to the model that embedded the collection")
+        self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
+                         if c in schema]
+
+    def _filters(self, exclude_ids: Sequence[str], acl_groups) -> str:
+        parts = []
+        if not _sees_all(acl_groups) and self.f.acl in self._outputs:
+            groups = self._list(list(acl_groups or []))
+            if self._acl_is_array:
+                public = f"array_length({self.f.acl}) == 0"
+                member = f"array_contains_any({self.f.acl}, {groups})"
+            else:
+                public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
+            parts.append(f"({public} or {member})" if acl_groups else public)
+        if exclude_ids:
+            parts.append(f"{self.f.id} not in {self._list([doc_of(c) for c in exclude_ids])}")
+        return " and ".join(parts)
+
+    def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
+        doc_id = str(entity[self.f.id])
+        return Hit(doc_id + CHUNK_SUFFIX, doc_id, score, rank, source,
+                   text=str(entity.get(self.f.text, "")), title=str(entity.get(self.f.title, "")))
+
+    def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
+               acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        result = self._request(
+            "search", self._client.search, self.collection, data=[list(map(float, vector))],
+            limit=k, anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
+            output_fields=self._outputs)
+        return [self._hit(r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])},
+                          float(r["distance"]), rank, "dense")
+                for rank, r in enumerate(result[0], start=1)]
+
+    def get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
+        """doc id -> {doc_id, title, text, acl} (no ACL filter; see ExternalElastic.get)."""
+        if not doc_ids:
+            return {}
+        rows = self._request("query", self._client.query, self.collection,
+                             output_fields=self._outputs,
+                             filter=f"{self.f.id} in {self._list(list(doc_ids))}")
+        return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
+
+    def write(self, *args, **kwargs):
+        _read_only(self.spec.name)
+
+    def count(self) -> int:
+        stats = self._request("count", self._client.get_collection_stats, self.collection)
+        return int(stats.get("row_count", 0))
+
+    def _request(self, what: str, call, *args, **kwargs):
+        return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
+                           lite=self._lite, **kwargs)
+
+    def _list(self, values: Sequence[str]) -> str:
+        return milvus_list(values, lite=not is_server(self.uri))
+
+    def close(self) -> None:
+        """Close the client; for a Milvus Lite file, also stop its server so another process
+        can open the file (one process per file). Closing twice releases once."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._client.close()
+        release_lite(self.uri)
+
+
+# --- reading: the docstore's read methods, answered by the backend --------------------------------
+
+
+def _record(doc_id: str, source: dict, f: FieldMap) -> dict:
+    acl = source.get(f.acl) or []
+    return {"doc_id": doc_id, "title": str(source.get(f.title, "")),
+            "text": str(source.get(f.text, "")), "acl": [acl] if isinstance(acl, str) else
+            list(acl)}
+
+
+class ExternalDocs:
+    """What the retriever asks a docstore, answered from the external backend (the lexical side
+    when there is one, else the dense side). Every document is one chunk; like the owned
+    docstore it returns records with their `acl`, and the retriever decides who sees them."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
+        docs = self.source.get([doc_of(c) for c in dict.fromkeys(chunk_ids)])
+        return {d["doc_id"] + CHUNK_SUFFIX: {"chunk_id": d["doc_id"] + CHUNK_SUFFIX, "n": 0, **d}
+                for d in docs.values()}
+
+    def get_document(self, doc_id: str) -> dict | None:
+        doc = self.source.get([doc_id]).get(doc_id)
+        if doc is None:
+            return None
+        return {"doc_id": doc_id, "title": doc["title"], "acl": doc["acl"], "n_chunks": 1,
+                "chunk_ids": [doc_id + CHUNK_SUFFIX]}
+
+    def document_chunks(self, doc_id: str) -> list[dict]:
+        doc = self.source.get([doc_id]).get(doc_id)
+        if doc is None:
+            return []
+        return [{"chunk_id": doc_id + CHUNK_SUFFIX, "n": 0, "text": doc["text"]}]
+
+    def doc_count(self) -> int:
+        return self.source.count()
+
+    def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),
+              groups: Sequence[str] | None = None) -> list[dict]:
+        """No title lookup on a foreign index (its title field has no exact-match contract):
+        a `named` search is then the plain search."""
+        return []
+
+    def replace_documents(self, *args, **kwargs):
+        _read_only(self.source.spec.name)
+
+    def close(self) -> None:
+        pass  # the backend client is closed by its store
+
+
+def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, embedder=None):
+    """(docs, lexical, dense, embedder) for an external index, in the shape `open_stores`
+    returns for an owned one. A side the index lacks is None; using it is one clear error."""
+    lexical = dense = None
+    if spec.lexical == "elasticsearch":
+        lexical = ExternalElastic(spec, spec.es_url or settings.es_url,
+                                  api_key=settings.es_api_key or None,
+                                  max_pattern=settings.grep_max_pattern,
+                                  timeout_s=settings.backend_timeout_s)
+    if spec.dense == "milvus" and (need_dense or lexical is None):
+        if embedder is None:  # also for reading only: the dimension check needs it
+            from pathlib import Path
+
+            from branchsearch.infra.models.embedder import Embedder
+
+            embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
+                                cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
+        dense = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, embedder.dim,
+                               token=settings.milvus_token, timeout_s=settings.backend_timeout_s)
+    else:
+        embedder = None
+    docs = ExternalDocs(lexical or dense)
+    if not need_dense:
+        dense, embedder = None, None
+    return docs, lexical or MissingLexical(spec), dense, embedder
+
+
+class MissingLexical:
+    """The lexical side of a dense-only external index: every call is one clear error."""
+
+    def __init__(self, spec: ExternalIndex):
+        self.spec = spec
+
+    def _missing(self, tool: str):
+        raise BadQuery(f"{tool} needs a lexical backend; index {self.spec.name!r} has none "
+                       "(use mode dense)")
+
+    def search(self, *args, **kwargs):
+        self._missing("bm25 search")
+
+    def grep(self, *args, **kwargs):
+        self._missing("grep")
+
+    def write(self, *args, **kwargs):
+        _read_only(self.spec.name)
+
+    def count(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,418 @@
+"""Dense store on Milvus through pymilvus: an embedded Milvus Lite file, or a server by URI.
+
+One collection per index: chunk id (primary key), doc id, ACL groups (array), vector. Exclusion
+of seen chunks and the ACL filter are pushed into Milvus's boolean filter, so `k` results come
+back even when many candidates are filtered out. Milvus Lite allows one process per file: the
+retriever actor that owns this store is its only user, and a second process gets one clear error
+naming the file. Milvus Lite indexes FLAT (exact); a server takes the index from settings (HNSW
+by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong consistency, so a
+search sees every write that returned before it (what an ingest followed by a search expects).
+
+Every request goes through `milvus_call`, with a timeout (the settings' `backend_timeout_s`): a
+Milvus that stops answering (a server gone) is a `BackendUnavailable` within it, and a Milvus
+Lite process that died one at once; either ends the branch with status `error`, never a search
+that hangs. A reader opens with `create=False`: a collection that is not there is a damaged
+index (`IndexIncomplete`), not an empty one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import unicodedata
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy,
+                                      IndexIncomplete)
+from branchsearch.infra.stores.hits import Hit
+from branchsearch.infra.stores.protocols import IndexedChunk
+from branchsearch.infra.stores.acl import acl_terms
+
+COLLECTION = "chunks"
+_MILVUS_SAFE = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
+
+
+def collection_for(index: str) -> str:
+    """The Milvus collection of an owned index (Lite file or server); the one place that names
+    it. Milvus allows only ASCII letters, digits and '_' in a collection name. An ASCII index
+    name keeps `chunks_<index>` with '-' written '_' (so 'a-b' and 'a_b' share one on a shared
+    server, as they always have). Any other name (an index may be named in any script) is
+    `uchunks_<the ASCII letters and digits of its NFKD form>_<12 hex of its SHA-256>`: no ASCII
+    name maps there (another prefix), and the hash keeps apart names that fold alike
+    ('café' and 'cafè' are `uchunks_cafe_…` with different hashes)."""
+    if _MILVUS_SAFE.fullmatch(index):
+        return f"{COLLECTION}_{index}".replace("-", "_")
+    digest = hashlib.sha256(index.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    folded = unicodedata.normalize("NFKD", index).encode("ascii", "ignore").decode()
+    slug = "_".join(re.findall(r"[A-Za-z0-9]+", folded))[:64]
+    return f"u{COLLECTION}_{slug}_{digest}" if slug else f"u{COLLECTION}_{digest}"
+
+
+def quiet_pymilvus() -> None:
+    """pymilvus logs every failed request at ERROR before raising it; our stores raise it as one
+    `BackendUnavailable` line, so those log lines would only say it twice (and break the CLI's
+    one `error:` line). Called after pymilvus is imported: its import resets its loggers."""
+    for name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def milvus_error(exc: BaseException) -> str:
+    """A pymilvus or gRPC error in one short line: the server's message (a `MilvusException`'s
+    `message`, a gRPC error's code and details), not the reprs of its bound methods."""
+    if hasattr(exc, "details") and callable(exc.details):
+        try:
+            code = exc.code()
+            why = f"{getattr(code, 'name', code)}: {exc.details()}"
+        except Exception:  # noqa: BLE001 — fall back to the text
+            why = str(exc)
+    else:
+        why = str(getattr(exc, "message", "") or exc)
+    return f"{type(exc).__name__}: {' '.join(why.split())[:300]}"
+
+
+def lite_key(uri: str | Path) -> str | None:
+    """The key Milvus Lite's server manager holds an embedded file's server under; None for a
+    server URI. (Resolving it touches the filesystem: a store works it out once.)"""
+    return None if is_server(uri) else _lite_key(uri)
+
+
+def lite_process_exited(key: str | None) -> int | None:
+    """The exit status of this process's Milvus Lite server for an embedded file (by
+    `lite_key`) when it has died (killed, crashed), else None (alive, not started, or a
+    server). A request to a dead one would be retried by pymilvus until its deadline; asked
+    first, it fails at once."""
+    if key is None:
+        return None
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return None
+    process = getattr(server_manager_instance._servers.get(key), "_p", None)
+    return None if process is None else process.poll()
+
+
+def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | None = None,
+                **kwargs):
+    """One request to Milvus at `uri` (`call(*args, **kwargs)` of a `MilvusClient`) with a
+    timeout; any failure is one `BackendUnavailable` line naming the place and the request.
+    `lite`: the file's `lite_key`, so that a dead Lite process fails at once."""
+    exited = lite_process_exited(lite)
+    if exited is not None:
+        raise BackendUnavailable(f"milvus lite: the server process for {uri} exited (status "
+                                 f"{exited}); {what} failed. Restart the search (the file is "
+                                 "intact)")
+    try:
+        return call(*args, timeout=timeout_arg(timeout_s), **kwargs)
+    except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
+        raise BackendUnavailable(f"milvus at {uri}: {what} failed ({milvus_error(exc)})"
+                                 ) from None
+
+
+def milvus_literal(value: str, *, lite: bool) -> str:
+    r"""`value` as a string literal of a Milvus filter expression that Milvus reads back as
+    exactly `value`; `lite`: for Milvus Lite (an embedded file), else for a server.
+
+    Characters are written as themselves (é, і, 😀, control characters, U+2028 …), and `\` and
+    `"` after a backslash: the one form both parsers read alike. JSON's `\uXXXX` is not: Milvus
+    Lite's parser keeps only the character after a backslash (`\u00e9` reads `u00e9`), and a
+    server reads an emoji's surrogate pair as two U+FFFD. A literal may hold no raw line break,
+    and there the two differ: a server (Go's `strconv.Unquote`) reads `\n` and `\r`; Milvus Lite
+    reads a backslash before the line break itself (LF or CR LF) and has no form for a carriage
+    return without a line feed after it, so such a value is refused for Lite (`BadQuery`), as is
+    a string that is not valid Unicode (a lone surrogate) everywhere."""
+    if not isinstance(value, str):
+        raise TypeError(f"a Milvus filter literal needs a str, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadQuery(f"{value!r} is not valid Unicode (it holds a lone surrogate)") from None
+    text = value.replace("\\", "\\\\").replace('"', '\\"')
+    if not lite:
+        return '"' + text.replace("\n", "\\n").replace("\r", "\\r") + '"'
+    if _LONE_CR.search(text):
+        raise BadQuery(f"{value!r}: Milvus Lite cannot filter on a value holding a carriage "
+                       "return (CR) without a line feed after it")
+    return '"' + _LINE_BREAK.sub(lambda m: "\\" + m.group(0), text) + '"'
+
+
+_LONE_CR = re.compile(r"\r(?!\n)")
+_LINE_BREAK = re.compile(r"\r?\n")
+
+
+def milvus_list(values: Sequence[str], *, lite: bool) -> str:
+    """`values` as a Milvus filter list, `[…]`, of `milvus_literal`s."""
+    return "[" + ", ".join(milvus_literal(v, lite=lite) for v in values) + "]"
+
+
+# Milvus Lite keeps rows in SQLite and writes primary keys into its SQL between single quotes,
+# unescaped (its `CollectionData::Delete`): a key holding `'` or NUL fails every upsert and
+# delete of its row, and a crafted one is SQL. An owned store's keys are chunk ids,
+# "{doc_id}#p{n}", and a document id holds no '#', so on Lite those two characters are stored
+# as `#q` and `#0`, which no chunk id holds, and read back.
+_LITE_OUT = {"'": "#q", "\x00": "#0"}
+_LITE_IN = {v: k for k, v in _LITE_OUT.items()}
+_LITE_KEY = re.compile("['\x00]")
+_LITE_BACK = re.compile("#[q0]")
+
+
+def timeout_arg(seconds: float) -> int:
+    """A request timeout as pymilvus needs it: whole seconds (at least 1). pymilvus 2.5 bounds
+    its retries by `timeout` only when it is an int; a float means 75 retries, minutes on a
+    server that is gone."""
+    return max(1, math.ceil(seconds))
+
+
+def is_server(uri: str | Path) -> bool:
+    return str(uri).startswith(("http://", "https://", "tcp://", "grpc://"))
+
+
+_lite_users: dict[str, int] = {}  # embedded file -> open stores of this process on it
+
+
+def _lite_key(uri: str | Path) -> str:
+    return str(Path(uri).absolute().resolve())
+
+
+def acquire_lite(uri: str | Path) -> None:
+    """Count one more open store of this process on an embedded file (see `release_lite`)."""
+    if not is_server(uri):
+        key = _lite_key(uri)
+        _lite_users[key] = _lite_users.get(key, 0) + 1
+
+
+def release_lite(uri: str | Path) -> None:
+    """One store of this process is done with an embedded file. The last one stops this
+    process's Milvus Lite server for it, so another process can open the file (Milvus Lite
+    allows one process per file); while other stores of this process still use the file, its
+    server stays up (stopping it would cut them off). A server URI needs nothing."""
+    if is_server(uri):
+        return
+    key = _lite_key(uri)
+    left = _lite_users.get(key, 0) - 1
+    if left > 0:
+        _lite_users[key] = left
+        return
+    _lite_users.pop(key, None)
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return
+    server_manager_instance.release_server(str(uri))
+
+
+def _held_elsewhere(db: Path) -> bool:
+    """Whether another process holds Milvus Lite's lock on `db` (its `.NAME.lock` lockf).
+
+    Asked before opening: a failed open makes milvus-lite 2.5.1 delete the holder's lock file
+    (its failed server object cleans up on garbage collection). Never probes a file this process
+    serves itself: closing the probe would drop our own POSIX lock and stop that server."""
+    import fcntl
+
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return False
+    if str(db.absolute().resolve()) in server_manager_instance._servers:
+        return False
+    lock = db.parent / f".{db.name}.lock"
+    if not lock.exists():
+        return False
+    with open(lock, "a") as f:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(f, fcntl.LOCK_UN)
+    return False
+
+
+def _lite_busy(uri: str) -> IndexBusy:
+    return IndexBusy(f"milvus lite: {uri} is open in another process (a running ingest, search "
+                     "or serve); Milvus Lite allows one process per file: wait for it to finish, "
+                     "or use a Milvus server (milvus_uri)")
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """The vector index of a collection and its search parameters.
+
+    `kind`: FLAT (exact), HNSW (graph; `m`, `ef_construction`; searched with `ef`) or IVF_FLAT
+    (`nlist`; searched with `nprobe`). Milvus Lite supports FLAT only, so `auto` means FLAT on a
+    file and HNSW on a server.
+    """
+
+    kind: str = "auto"
+    m: int = 16
+    ef_construction: int = 200
+    ef: int = 64
+    nlist: int = 1024
+    nprobe: int = 16
+    # searches on a server: Strong waits for the server's time tick (~200+ ms a search, measured
+    # in bench/milvus_scaling.py); Bounded sees writes older than the server's graceful time
+    # (5 s by default). Counts after an ingest always use Strong.
+    consistency: str = "Bounded"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def resolved(self, server: bool) -> str:
+        kind = self.kind.upper()
+        if kind == "AUTO":
+            return "HNSW" if server else "FLAT"
+        return kind if server else "FLAT"
+
+    def build_params(self, kind: str) -> dict:
+        if kind == "HNSW":
+            return {"M": self.m, "efConstruction": self.ef_construction}
+        if kind == "IVF_FLAT":
+            return {"nlist": self.nlist}
+        return {}
+
+    def search_params(self, kind: str, k: int) -> dict:
+        if kind == "HNSW":
+            return {"ef": max(self.ef, k)}
+        if kind == "IVF_FLAT":
+            return {"nprobe": self.nprobe}
+        return {}
+
+
+class MilvusStore:
+    def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
+                 index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0):
+        from pymilvus import MilvusClient
+
+        self.uri = str(uri)
+        self.timeout_s = timeout_s
+        self._lite = lite_key(self.uri)
+        self.dim = dim
+        self.collection = collection
+        self.server = is_server(self.uri)
+        self.index = index or IndexSpec()
+        if not self.server:
+            Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
+        if not self.server and _held_elsewhere(Path(self.uri)):
+            raise _lite_busy(self.uri)
+        quiet_pymilvus()
+        quiet = logging.getLogger("pymilvus.milvus_client._utils")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # it logs a line of its own before raising
+        try:
+            # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
+            # closing one store would cut every other store of this process on that server
+            self._client = MilvusClient(uri=self.uri, token=token,
+                                        alias=f"branchsearch-{uuid.uuid4().hex}")
+        except Exception as exc:
+            if not self.server and "opened by another program" in str(exc):
+                raise _lite_busy(self.uri) from None
+            hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
+                    else "check the index folder")
+            raise BackendUnavailable(
+                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}") from None
+        finally:
+            quiet.setLevel(level)
+        acquire_lite(self.uri)
+        try:
+            exists = self._request("open", self._client.has_collection, collection)
+            if not exists and not create:
+                raise IndexIncomplete(f"milvus: collection {collection!r} is not in {self.uri}")
+        except BaseException:
+            self.close()  # a refused open must not keep the Lite file from other processes
+            raise
+        if not exists:
+            self._create()
+        self.index_kind = self._index_kind()
+
+    def _request(self, what: str, call, *args, **kwargs):
+        return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
+                           lite=self._lite, **kwargs)
+
+    def _list(self, values: Sequence[str]) -> str:
+        return milvus_list(values, lite=not self.server)
+
+    def _key(self, chunk_id: str) -> str:
+        """The primary key a chunk is stored under: its id, on Milvus Lite with `'` and NUL
+        written as `#q` and `#0` (see `_LITE_OUT`)."""
+        return chunk_id if self.server else _LITE_KEY.sub(lambda m: _LITE_OUT[m[0]], chunk_id)
+
+    def _chunk_id(self, key: str) -> str:
+        return key if self.server else _LITE_BACK.sub(lambda m: _LITE_IN[m[0]], key)
+
+    def _create(self) -> None:
+        from pymilvus import DataType
+
+        schema = self._client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("chunk_id", DataType.VARCHAR, is_primary=True, max_length=1024)
+        schema.add_field("doc_id", DataType.VARCHAR, max_length=1024)
+        schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,
+                         max_length=256)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=self.dim)
+        kind = self.index.resolved(self.server)
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="vector", index_type=kind, metric_type="IP",
+                        params=self.index.build_params(kind))
+        self._request("create", self._client.create_collection, self.collection,
+                      schema=schema, index_params=index, consistency_level="Strong")
+
+    def _index_kind(self) -> str:
+        """The index the collection really has (it may predate the current settings)."""
+        try:
+            info = self._request("open", self._client.describe_index, self.collection,
+                                 "vector") or {}
+            return str(info.get("index_type") or "FLAT").upper()
+        except Exception:  # noqa: BLE001 — unknown: the settings' (a dead server fails next)
+            return self.index.resolved(self.server)
+
+    def write(self, chunks: Sequence[IndexedChunk], vectors, delete_doc_ids: Sequence[str]) -> None:
+        """Delete every chunk of `delete_doc_ids`, then upsert `chunks` by chunk id (idempotent:
+        writing the same batch twice leaves one row per chunk)."""
+        self.delete_documents(delete_doc_ids)
+        rows = [{"chunk_id": self._key(c.chunk_id), "doc_id": c.doc_id, "acl": c.acl_terms,
+                 "vector": v.tolist()} for c, v in zip(chunks, vectors)]
+        for i in range(0, len(rows), 1000):
+            self._request("upsert", self._client.upsert, self.collection, rows[i:i + 1000])
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        for i in range(0, len(doc_ids), 500):
+            batch = list(doc_ids[i:i + 500])
+            self._request("delete", self._client.delete, self.collection,
+                          filter=f"doc_id in {self._list(batch)}")
+
+    def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
+               acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        filters = []
+        groups = acl_terms(acl_groups)
+        if groups is not None:
+            filters.append(f"array_contains_any(acl, {self._list(groups)})")
+        if exclude_ids:
+            filters.append(f"chunk_id not in {self._list([self._key(c) for c in exclude_ids])}")
+        result = self._request(
+            "search", self._client.search, self.collection, data=[vector.tolist()], limit=k,
+            filter=" and ".join(filters), output_fields=["doc_id"],
+            search_params={"metric_type": "IP",
+                           "params": self.index.search_params(self.index_kind, k)},
+            consistency_level=self.index.consistency if self.server else "Strong")
+        return [Hit(self._chunk_id(r["id"]), r["entity"]["doc_id"], float(r["distance"]), rank,
+                    "dense")
+                for rank, r in enumerate(result[0], start=1)]
+
+    def count(self) -> int:
+        """Live rows (deletes subtracted; collection stats count deleted rows on a server)."""
+        rows = self._request("count", self._client.query, self.collection, filter="",
+                             output_fields=["count(*)"], consistency_level="Strong")
+        return int(rows[0]["count(*)"]) if rows else 0
+
+    def drop(self) -> None:
+        self._client.drop_collection(self.collection)
+
+    def close(self) -> None:
+        """Close the client and, for an embedded file, stop its Milvus Lite server so another
+        process can open the file (Milvus Lite allows one process per file) once no other store
+        of this process uses it. Closing twice releases once."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._client.close()
+        release_lite(self.uri)

@@ -1,0 +1,230 @@
+"""Stores and the retriever on real embedded backends; the Elasticsearch adapter on the
+noida-db emulator (or a real cluster when BRANCHSEARCH_ES_URL is set)."""
+
+import json
+import uuid
+
+import pytest
+
+from branchsearch.infra.errors import BadQuery, CorpusError
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.stores.tantivy import TantivyStore
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.stores.protocols import IndexedChunk
+
+from conftest import HOTPOT
+
+CHUNKS = [
+    IndexedChunk("apple#p0", "apple", "Apple", "Apples grow on trees; harvest 1999.", ()),
+    IndexedChunk("bank#p0", "bank", "River bank", "The bank of the river floods.", ("finance",)),
+    IndexedChunk("bank#p1", "bank", "River bank", "Herons nest by the river.", ("finance",)),
+    IndexedChunk("ballet#p0", "ballet", "Aschenbrödel", "A ballet by Johann Strauß by the Tekezé "
+                 "falls.", ()),
+]
+
+
+def lexical_contract(store):
+    store.write(CHUNKS, [])
+    assert store.count() == 4
+    assert [h.chunk_id for h in store.search("apple trees", 5)] == ["apple#p0"]
+    # accents fold: a question typed without them finds the page, and with them too
+    for query in ("Aschenbrodel", "aschenbrödel", "Tekeze", "Strauss"):
+        assert [h.chunk_id for h in store.search(query, 5)] == ["ballet#p0"], query
+    assert store.search("river", 5, acl_groups=["hr"]) == []
+    assert {h.chunk_id for h in store.search("river", 5, acl_groups=["finance"])} == \
+        {"bank#p0", "bank#p1"}
+    assert store.search("river", 5) == []  # no groups: public documents only
+    assert [h.chunk_id for h in store.search("river", 5, exclude_ids=["bank#p0"],
+                                             acl_groups=["finance"])] == ["bank#p1"]
+    assert [h.chunk_id for h in store.grep("19[0-9]{2}", 5)] == ["apple#p0"]
+    assert store.grep("her.n.*", 5) == []
+    assert [h.chunk_id for h in store.grep("her.n.*", 5, acl_groups=["*"])] == ["bank#p1"]
+    assert [h.chunk_id for h in store.grep("[^x]pples", 5)] == ["apple#p0"]  # not an anchor
+    assert store.grep("[^a]pples", 5) == []
+    with pytest.raises(BadQuery):
+        store.grep("(unclosed", 5)
+    with pytest.raises(BadQuery):
+        store.grep("a" * 500, 5)
+    # re-writing a document replaces all of its chunks
+    store.write([IndexedChunk("bank#p0", "bank", "Bank", "Savings accounts.", ())], ["bank"])
+    assert store.count() == 3
+    assert store.search("herons", 5, acl_groups=["*"]) == []
+    assert [h.chunk_id for h in store.search("savings", 5)] == ["bank#p0"]
+    assert store.search("!!! ::: ((", 5) == []  # query syntax is never interpreted
+
+
+def test_tantivy_store(tmp_path):
+    lexical_contract(TantivyStore(tmp_path / "t"))
+    reopened = TantivyStore(tmp_path / "t")  # the folding analyzer is registered on open
+    assert [h.chunk_id for h in reopened.search("Aschenbrodel", 5)] == ["ballet#p0"]
+
+
+def test_tantivy_index_written_before_folding_still_opens(tmp_path):
+    """An index made with the old schema (`en_stem`, no folding) is searched with its own
+    analyzer: opening it must not fail on the schema, and exact words still match; `folds`
+    tells it from a new one (which the policy's hop searches need: workers.factory)."""
+    import tantivy
+
+    from branchsearch.infra.stores.tantivy import folds
+
+    TantivyStore(tmp_path / "t")  # a new one, beside it
+
+    sb = tantivy.SchemaBuilder()
+    sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
+    sb.add_text_field("doc_id", stored=True, tokenizer_name="raw")
+    sb.add_text_field("body", stored=False, tokenizer_name="en_stem")
+    sb.add_text_field("terms", stored=False, tokenizer_name="default", index_option="basic")
+    sb.add_text_field("acl", stored=False, tokenizer_name="raw", index_option="basic")
+    (tmp_path / "old").mkdir()
+    tantivy.Index(sb.build(), path=str(tmp_path / "old"))
+    store = TantivyStore(tmp_path / "old")
+    store.write(CHUNKS, [])
+    assert not folds(tmp_path / "old") and folds(tmp_path / "t") and folds(tmp_path / "none")
+    assert [h.chunk_id for h in store.search("aschenbrödel", 5)] == ["ballet#p0"]
+    assert store.search("Aschenbrodel", 5) == []  # no folding until it is ingested again
+
+
+@pytest.mark.es
+def test_elasticsearch_store(es_url):
+    from branchsearch.infra.stores.elastic import ElasticStore
+
+    store = ElasticStore(es_url, index=f"bs-test-{uuid.uuid4().hex[:8]}")
+    try:
+        lexical_contract(store)
+        assert store.folds()
+    finally:
+        store.drop()
+        store.close()
+
+
+def test_elasticsearch_index_made_before_folding_is_told_apart(es_url):
+    """An index with the plain `english` analyzer (made before folding; ingesting again keeps
+    its mapping): `folds` says so, and the policy's hops then stay hybrid on it, as on an old
+    tantivy index. Asking never creates an index."""
+    from elasticsearch import Elasticsearch
+
+    from branchsearch.infra.stores.elastic import MAPPINGS, ElasticStore
+    from branchsearch.infra.config.settings import Settings
+    from branchsearch.workers.factory import hop_mode
+
+    name = f"bs-old-{uuid.uuid4().hex[:8]}"
+    es = Elasticsearch(es_url)
+    old = {"properties": MAPPINGS["properties"] | {"body": {"type": "text",
+                                                            "analyzer": "english"}}}
+    es.indices.create(index=f"branchsearch-{name}", mappings=old)
+    try:
+        store = ElasticStore(es_url, index=f"branchsearch-{name}", create=False)
+        assert not store.folds()
+        settings = Settings(es_url=es_url, index=name)
+        assert hop_mode(settings, "hybrid") == ""
+        assert hop_mode(settings.replace(index=f"{name}-new"), "hybrid") == "bm25"
+        assert not es.indices.exists(index=f"branchsearch-{name}-new")
+        store.close()
+        # the README's fix, in a process that keeps running: drop it, make it anew (folding)
+        es.indices.delete(index=f"branchsearch-{name}")
+        ElasticStore(es_url, index=f"branchsearch-{name}").close()
+        assert hop_mode(settings, "hybrid") == "bm25"
+    finally:
+        es.indices.delete(index=f"branchsearch-{name}", ignore_unavailable=True)
+        es.close()
+
+
+def test_elasticsearch_down_is_one_clear_error():
+    from branchsearch.infra.stores.elastic import ElasticStore
+    from branchsearch.infra.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="not reachable"):
+        ElasticStore("http://127.0.0.1:9", index="x", timeout_s=2)
+
+
+def test_retriever_modes(hotpot_retriever):
+    q = "Were Scott Derrickson and Ed Wood of the same nationality?"
+    for mode in ("bm25", "dense", "hybrid"):
+        hits = hotpot_retriever.search(q, mode=mode, k=5)
+        assert len(hits) == 5 and [h.rank for h in hits] == [1, 2, 3, 4, 5]
+        assert hits[0].text and hits[0].title
+        assert {"scott-derrickson", "ed-wood"} & {h.doc_id for h in hits}
+    hybrid = hotpot_retriever.search(q, mode="hybrid", k=5)
+    assert all(set(h.ranks) <= {"bm25", "dense"} and h.ranks for h in hybrid)
+    seen = [h.chunk_id for h in hybrid]
+    again = hotpot_retriever.search(q, mode="hybrid", k=5, exclude_ids=seen)
+    assert not set(seen) & {h.chunk_id for h in again}
+    with pytest.raises(BadQuery):
+        hotpot_retriever.search(q, mode="fuzzy")
+
+
+def test_read_document_and_get_chunks(hotpot_retriever):
+    doc = hotpot_retriever.read_document("ed-wood")
+    assert doc["title"] == "Ed Wood" and doc["chunks"][0]["chunk_id"] == "ed-wood#p0"
+    got = hotpot_retriever.get_chunks(["ed-wood#p0", "nope#p0"])
+    assert list(got) == ["ed-wood#p0"]
+    with pytest.raises(BadQuery):
+        hotpot_retriever.read_document("nope")
+
+
+def test_acl_filter_end_to_end(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "pub", "title": "Roadmap", "text": "The public roadmap for Falcon."},
+        {"id": "sec", "title": "Falcon budget", "text": "Falcon budget is secret.",
+         "acl": ["finance"]}]) + "\n")
+    settings = load_settings(overrides={"home": tmp_path / "h"}, read_env=False, read_file=False)
+    ingest(corpus, settings)
+    r = open_retriever(settings)
+    for mode in ("bm25", "dense", "hybrid"):
+        assert {h.doc_id for h in r.search("Falcon budget", mode, 5, acl_groups=[])} == {"pub"}
+        assert {h.doc_id for h in r.search("Falcon budget", mode, 5,
+                                           acl_groups=["finance"])} == {"pub", "sec"}
+    r.close()
+
+
+def test_reingest_replaces_and_bad_input_changes_nothing(tmp_path):
+    settings = load_settings(overrides={"home": tmp_path / "h", "chunk_tokens": 32,
+                                        "chunk_overlap": 4}, read_env=False, read_file=False)
+    corpus = tmp_path / "c.jsonl"
+    long_text = " ".join(f"alpha{i}" for i in range(120))
+    corpus.write_text(json.dumps({"id": "d", "title": "D", "text": long_text}) + "\n")
+    first = ingest(corpus, settings)
+    assert first.chunks > 3
+    corpus.write_text(json.dumps({"id": "d", "title": "D", "text": "short now"}) + "\n")
+    assert ingest(corpus, settings).chunks == 1
+    r = open_retriever(settings)
+    assert r.read_document("d")["n_chunks"] == 1
+    assert r.lexical.count() == 1 and r.dense.count() == 1
+    assert [h.chunk_id for h in r.search("alpha5", "bm25", 5)] == []
+    r.close()
+    corpus.write_text(json.dumps({"id": "e", "text": "new"}) + "\n{broken\n")
+    with pytest.raises(CorpusError, match=":2:"):
+        ingest(corpus, settings)
+    r = open_retriever(settings)
+    assert r.docstore.doc_count() == 1 and r.lexical.count() == 1
+    r.close()
+
+
+def test_unknown_index_is_a_clear_error(tmp_path):
+    from branchsearch.infra.errors import IndexNotFound
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "missing"}, read_env=False,
+                             read_file=False)
+    with pytest.raises(IndexNotFound, match="branchsearch ingest"):
+        open_retriever(settings)
+
+
+def test_hotpot_fixture_is_what_conftest_ingests(hotpot_settings):
+    assert (hotpot_settings.index_dir / "docs.sqlite").exists() and HOTPOT.exists()
+
+
+def test_embedding_cache_returns_the_same_vectors(tmp_path):
+    import numpy as np
+
+    from branchsearch.infra.models.embedder import Embedder
+
+    texts = ["Ed Wood was a filmmaker.", "Shirley Temple was an actress.", "x"]
+    plain = Embedder().embed(texts)
+    cached = Embedder(cache_path=tmp_path / "e.sqlite")
+    first = cached.embed(texts[:2])
+    assert len(cached._open_cache().get_many(texts)) == 2
+    mixed = cached.embed(texts)  # two from the cache, one fresh
+    assert np.allclose(mixed, plain, atol=1e-5) and np.allclose(first, plain[:2], atol=1e-5)
+    assert abs(float(np.linalg.norm(mixed[0])) - 1.0) < 1e-4

@@ -1,0 +1,266 @@
+"""External indexes: an Elasticsearch index and a Milvus collection under foreign field names,
+created here with the official clients (the noida-db emulator or BRANCHSEARCH_ES_URL; Milvus
+Lite), searched through the `[indexes.NAME]` mapping without re-ingesting anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from branchsearch.infra.errors import BadQuery, SettingsError
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.config.settings import load_settings
+
+from conftest import HOTPOT
+
+RESTRICTED = {"scott-derrickson": ["film-dept"]}  # one document only a group may see
+
+
+def _docs() -> list[dict]:
+    return [json.loads(line) for line in (HOTPOT / "corpus.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def foreign(es_url, tmp_path_factory):
+    """A foreign-schema ES index and Milvus Lite collection holding hotpot-mini; the TOML that
+    maps them; the home to run in."""
+    from elasticsearch import Elasticsearch
+    from pymilvus import DataType, MilvusClient
+
+    from branchsearch.infra.models.embedder import Embedder
+
+    home = tmp_path_factory.mktemp("ext-home")
+    docs = _docs()
+    es_index = f"corp-docs-{uuid.uuid4().hex[:8]}"
+    es = Elasticsearch(es_url)
+    es.indices.create(index=es_index, mappings={"properties": {
+        "doc_key": {"type": "keyword"}, "headline": {"type": "text"},
+        "body": {"type": "text"}, "groups": {"type": "keyword"}}})
+    for d in docs:
+        source = {"doc_key": d["_id"], "headline": d["title"], "body": d["text"]}
+        if d["_id"] in RESTRICTED:
+            source["groups"] = RESTRICTED[d["_id"]]
+        es.index(index=es_index, id=f"es-{d['_id']}", document=source)
+    es.indices.refresh(index=es_index)
+
+    embedder = Embedder("all-MiniLM-L6-v2", 64, "cpu")
+    vectors = embedder.embed([f"{d['title']}\n{d['text']}" for d in docs])
+    uri = str(home / "corp.db")
+    client = MilvusClient(uri=uri)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("doc_key", DataType.VARCHAR, is_primary=True, max_length=256)
+    schema.add_field("headline", DataType.VARCHAR, max_length=1024)
+    schema.add_field("body", DataType.VARCHAR, max_length=8192)
+    schema.add_field("groups", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=8,
+                     max_length=64)
+    schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=embedder.dim)
+    index = client.prepare_index_params()
+    index.add_index(field_name="embedding", index_type="FLAT", metric_type="IP")
+    client.create_collection("corp_vectors", schema=schema, index_params=index)
+    client.insert("corp_vectors", [
+        {"doc_key": d["_id"], "headline": d["title"], "body": d["text"],
+         "groups": RESTRICTED.get(d["_id"], []), "embedding": v.tolist()}
+        for d, v in zip(docs, vectors)])
+    small = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    small.add_field("doc_key", DataType.VARCHAR, is_primary=True, max_length=256)
+    small.add_field("body", DataType.VARCHAR, max_length=8192)
+    small.add_field("embedding", DataType.FLOAT_VECTOR, dim=8)
+    index8 = client.prepare_index_params()
+    index8.add_index(field_name="embedding", index_type="FLAT", metric_type="IP")
+    client.create_collection("tiny_vectors", schema=small, index_params=index8)
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)  # one process per Lite file: let go of it
+
+    fields = ('[indexes.{name}.fields]\nid = "doc_key"\ntitle = "headline"\ntext = "body"\n'
+              'acl = "groups"\nvector = "embedding"\n')
+    toml = home / "branchsearch.toml"
+    toml.write_text(
+        f'es_url = "{es_url}"\nmilvus_uri = "{uri}"\n'
+        f'[indexes.corp]\nlexical = "elasticsearch"\nes_index = "{es_index}"\n'
+        f'dense = "milvus"\nmilvus_collection = "corp_vectors"\n' + fields.format(name="corp")
+        + f'[indexes.corp_es]\nlexical = "elasticsearch"\nes_index = "{es_index}"\n'
+        + fields.format(name="corp_es")
+        + '[indexes.corp_vec]\ndense = "milvus"\nmilvus_collection = "corp_vectors"\n'
+        + fields.format(name="corp_vec")
+        + '[indexes.tiny]\ndense = "milvus"\nmilvus_collection = "tiny_vectors"\n'
+        + fields.format(name="tiny")
+        + '[indexes.broken]\ndense = "milvus"\nmilvus_collection = "corp_vectors"\n'
+        + '[indexes.broken.fields]\nid = "doc_key"\ntext = "content"\nvector = "embedding"\n')
+    yield {"home": home, "es_index": es_index, "count": len(docs), "es": es}
+    es.indices.delete(index=es_index, ignore_unavailable=True)
+    es.close()
+
+
+def _settings(foreign, index: str, **flags):
+    return load_settings(foreign["home"] / "branchsearch.toml",
+                         {"home": foreign["home"], "index": index, **flags}, read_env=False)
+
+
+@pytest.mark.es
+def test_every_mode_on_both_sides(foreign):
+    r = open_retriever(_settings(foreign, "corp"))
+    try:
+        for mode in ("bm25", "dense", "hybrid"):
+            hits = r.search("Ed Wood filmmaker director", mode=mode, k=5, acl_groups=["*"])
+            assert hits, mode
+            assert hits[0].doc_id in ("ed-wood", "ed-wood-film"), (mode, hits[0])
+            assert all(h.chunk_id == f"{h.doc_id}#p0" and h.text for h in hits)
+        grep = r.grep("filmmak.*", k=5, acl_groups=["*"])
+        assert "ed-wood#p0" in [h.chunk_id for h in grep]
+        seen = [h.chunk_id for h in r.search("Ed Wood", mode="hybrid", k=3, acl_groups=["*"])]
+        again = r.search("Ed Wood", mode="hybrid", k=3, exclude_ids=seen, acl_groups=["*"])
+        assert not set(seen) & {h.chunk_id for h in again}
+        doc = r.read_document("ed-wood")
+        assert doc["chunks"][0]["chunk_id"] == "ed-wood#p0"
+        assert "filmmaker" in doc["chunks"][0]["text"]
+        assert r.get_chunks(["ed-wood#p0"])["ed-wood#p0"]["title"] == "Ed Wood"
+    finally:
+        r.close()
+
+
+@pytest.mark.es
+def test_acl_through_the_mapped_field(foreign):
+    r = open_retriever(_settings(foreign, "corp"))
+    try:
+        for mode in ("bm25", "dense", "hybrid"):
+            public = r.search("Scott Derrickson director", mode=mode, k=10)
+            assert "scott-derrickson" not in {h.doc_id for h in public}, mode
+            other = r.search("Scott Derrickson director", mode=mode, k=10, acl_groups=["hr"])
+            assert "scott-derrickson" not in {h.doc_id for h in other}, mode
+            member = r.search("Scott Derrickson director", mode=mode, k=10,
+                              acl_groups=["film-dept"])
+            assert "scott-derrickson" in {h.doc_id for h in member}, mode
+        assert "scott-derrickson#p0" not in {h.chunk_id for h in r.grep("derrickson", k=5)}
+        with pytest.raises(BadQuery, match="unknown document"):  # reads check before fetching
+            r.read_document("scott-derrickson")
+        with pytest.raises(BadQuery, match="unknown document"):
+            r.read_document("scott-derrickson", acl_groups=["hr"])
+        assert r.read_document("scott-derrickson", acl_groups=["film-dept"])["chunks"]
+    finally:
+        r.close()
+
+
+@pytest.mark.es
+def test_one_sided_indexes(foreign):
+    lexical = open_retriever(_settings(foreign, "corp_es"), need_dense=False)
+    try:
+        assert lexical.search("Ed Wood", mode="hybrid", k=3)[0].source == "bm25"
+        with pytest.raises(BadQuery, match="dense"):
+            lexical.search("Ed Wood", mode="dense", k=3)
+    finally:
+        lexical.close()
+    dense = open_retriever(_settings(foreign, "corp_vec"))
+    try:
+        assert dense.search("Ed Wood", mode="hybrid", k=3)[0].source == "dense"
+        with pytest.raises(BadQuery, match="lexical backend"):
+            dense.grep("wood", k=3)
+        assert dense.read_document("ed-wood")["chunks"][0]["text"]
+    finally:
+        dense.close()
+    # the CLI says why a hybrid search is one side's, in the external index's own terms
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "retrieve", "Ed Wood",
+           "--home", str(foreign["home"]), "--index", "corp_es"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "Ed Wood" in run.stdout, run.stderr[-800:]
+    assert "its config maps no dense store" in run.stderr and "ingested" not in run.stderr
+
+
+@pytest.mark.es
+def test_mistakes_are_one_clear_error(foreign):
+    with pytest.raises(SettingsError, match="8-dim vectors"):
+        open_retriever(_settings(foreign, "tiny"))
+    with pytest.raises(SettingsError, match="'content' is not in Milvus collection"):
+        open_retriever(_settings(foreign, "broken"))
+    with pytest.raises(SettingsError, match="unknown keys colour"):
+        from branchsearch.infra.stores.external import parse_external
+
+        parse_external("x", {"lexical": "elasticsearch", "es_index": "a", "colour": "red"})
+
+
+@pytest.mark.es
+def test_agent_search_and_no_writes(foreign):
+    """The branch agent runs on the external index; ingest into it is refused; the foreign
+    index holds exactly what it held before."""
+    from branchsearch.orchestrator.driver import Driver
+
+    settings = _settings(foreign, "corp")
+    driver = Driver(settings, mode="local")
+    try:
+        result = driver.search("Were Scott Derrickson and Ed Wood of the same nationality?",
+                               acl_groups=["film-dept"])
+    finally:
+        driver.close()
+    found = {e["doc_id"] for e in result.evidence}
+    assert {"ed-wood", "scott-derrickson"} <= found
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "ingest", str(HOTPOT),
+           "--home", str(foreign["home"]), "--index", "corp"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert "external" in run.stderr and "Traceback" not in run.stderr
+    assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]
+
+
+@pytest.mark.es
+def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
+    """`branchsearch indexes`: counts and health of each external index, one line per problem."""
+    import shutil
+
+    owned = foreign["home"] / "indexes" / "hotpot"
+    if not owned.exists():  # an owned, complete index beside the external ones: its manifest
+        # (only that: reading the session index's Milvus Lite lock file, even to copy it, would
+        # drop this process's POSIX lock on it and stop the server other tests use)
+        owned.mkdir(parents=True)
+        shutil.copy(hotpot_settings.index_dir / "manifest.json", owned / "manifest.json")
+        # and its store files by name (`indexes` checks they are there, not what they hold)
+        for name in ("docs.sqlite", "tantivy/meta.json", "dense.db"):
+            (owned / name).parent.mkdir(exist_ok=True)
+            (owned / name).touch()
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes", "--home",
+           str(foreign["home"]), "--config", str(foreign["home"] / "branchsearch.toml"), "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    infos = {i["name"]: i for i in json.loads(run.stdout)}
+    assert infos["hotpot"]["kind"] == "owned" and infos["hotpot"]["health"] == "ok"
+    assert infos["corp"]["health"] == "ok" and infos["corp"]["documents"] == foreign["count"]
+    assert infos["corp_vec"]["documents"] == foreign["count"]
+    assert "8-dim" in infos["tiny"]["health"]
+    assert "'content'" in infos["broken"]["health"]
+
+
+@pytest.mark.es
+@pytest.mark.ray
+def test_three_branches_through_ray_and_batch(foreign, tmp_path):
+    """The Ray executor's retriever actor opens the external index from the settings it is
+    sent; `batch` writes one ok line per question; the foreign index is unchanged."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        json.dumps({"id": "q1", "question": "Were Scott Derrickson and Ed Wood of the same "
+                                            "nationality?"}) + "\n"
+        + json.dumps({"id": "q2", "question": "Who directed Ed Wood?"}) + "\n")
+    base = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+    where = ["--home", str(foreign["home"]), "--index", "corp"]
+    search = subprocess.run(
+        [*base, "search", "Were Scott Derrickson and Ed Wood of the same nationality?", *where,
+         "--branches", "3", "--executor", "ray", "--acl", "film-dept", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert search.returncode == 0, search.stderr[-2000:]
+    result = json.loads(search.stdout)
+    assert result["status"] == "ok"
+    assert {"ed-wood", "scott-derrickson"} <= {e["doc_id"] for e in result["evidence"]}
+    out = tmp_path / "out.jsonl"
+    batch = subprocess.run([*base, "batch", str(questions), "-o", str(out), *where,
+                            "--executor", "local", "--branches", "1"],
+                           capture_output=True, text=True, timeout=600)
+    assert batch.returncode == 0, batch.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == ["q1", "q2"]
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows)
+    # public only (no --acl): the restricted document never appears
+    assert all("scott-derrickson" not in {e["doc_id"] for e in r["evidence"]} for r in rows)
+    assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]

@@ -1,0 +1,203 @@
+"""An index may be named in any script (`index_name_problem`): `café`, `Отдел-1`, `Foo` and `foo`
+side by side ingest, search (bm25, dense, hybrid) and re-ingest a changed document on tantivy +
+Milvus Lite, on the Elasticsearch emulator + a Milvus server, and over HTTP.
+
+Milvus takes only `[A-Za-z_][A-Za-z0-9_]*` as a collection name and Elasticsearch only lowercase
+index names, so each backend's name comes from one function (`collection_for`,
+`es_index_for`): a name the backend already took keeps exactly the backend name it had, any
+other gets a safe form plus a hash of the name, and no two index names share a collection or an
+Elasticsearch index (except 'a-b' and 'a_b' in Milvus, which always shared one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import httpx
+import pytest
+from hypothesis import given, settings as hsettings
+from hypothesis import strategies as st
+
+from branchsearch.infra.stores.milvus import collection_for
+from branchsearch.infra.stores.elastic import es_index_for
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.config.settings import index_name_problem, load_settings
+
+MILVUS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}", re.ASCII)
+ES_REFUSED = set('\\/*?"<>|, #:')
+NAMES = ["café", "Отдел-1", "Foo", "foo"]
+MARKERS = dict(zip(NAMES, ["amberwing", "basaltfern", "cobaltmoss", "driftquill"]))
+
+
+def es_name_ok(name: str) -> bool:
+    """Elasticsearch's rule for an index name (the emulator's too)."""
+    return (name == name.lower() and not ES_REFUSED & set(name) and name[0] not in "-_+."
+            and len(name.encode("utf-8")) <= 255)
+
+
+# --- the names ----------------------------------------------------------------------------------
+
+
+def test_names_the_backends_took_before_are_kept_exactly():
+    for index, collection in [("hotpot", "chunks_hotpot"), ("a-b", "chunks_a_b"),
+                              ("my_index2", "chunks_my_index2"), ("Foo", "chunks_Foo"),
+                              ("foo", "chunks_foo"), ("x" * 100, "chunks_" + "x" * 100)]:
+        assert collection_for(index) == collection
+    for index in ["hotpot", "a-b", "my_index2", "foo", "café", "відділ", "отдел-1", "中文"]:
+        assert es_index_for(index) == f"branchsearch-{index}"
+
+
+def test_other_names_get_a_safe_name_with_a_hash():
+    assert re.fullmatch(r"uchunks_cafe_[0-9a-f]{12}", collection_for("café"))
+    assert re.fullmatch(r"uchunks_1_[0-9a-f]{12}", collection_for("Отдел-1"))
+    assert re.fullmatch(r"uchunks_[0-9a-f]{12}", collection_for("відділ"))
+    assert re.fullmatch(r"branchsearch-foo\.[0-9a-f]{12}", es_index_for("Foo"))
+    assert re.fullmatch(r"branchsearch-отдел-1\.[0-9a-f]{12}", es_index_for("Отдел-1"))
+    tricky = ["café", "cafè", "cafe", "Café", "Отдел-1", "отдел-1", "ОТДЕЛ-1", "Foo", "foo",
+              "FOO", "fOO", "İ", "i", "ß", "SS", "ss", "Σ", "σ", "ς"]
+    tricky = [n for n in tricky if not index_name_problem(n)]
+    for fn in (collection_for, es_index_for):
+        assert len({fn(n) for n in tricky}) == len(tricky), fn.__name__
+        assert all(fn(n) == fn(n) for n in tricky)  # deterministic
+
+
+NAME = st.text(st.characters(categories=("L", "N"), include_characters="-_"), min_size=1,
+               max_size=100).filter(lambda n: not index_name_problem(n))
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(st.lists(NAME, min_size=2, max_size=6, unique=True))
+def test_every_index_name_gets_valid_distinct_backend_names(names):
+    for name in names:
+        assert MILVUS_NAME.fullmatch(collection_for(name)), name
+        assert es_name_ok(es_index_for(name)), name
+    assert len({es_index_for(n) for n in names}) == len(names)
+    shared = {n.replace("-", "_") if n.isascii() else n for n in names}  # 'a-b' is 'a_b'
+    assert len({collection_for(n) for n in names}) == len(shared)
+
+
+# --- the same names on real backends ------------------------------------------------------------
+
+
+def _corpus(index: str, changed: bool) -> list[dict]:
+    mark = MARKERS[index.split("-x")[0]]
+    memo = f"now speaks of {mark} harbors" if changed else f"speaks of {mark} lanterns"
+    return [{"id": "note", "title": f"Note {mark}", "text": f"A quokka note on {mark} in {index}."},
+            {"id": "memo", "title": f"Memo {mark}", "text": f"The quokka memo {memo}."}]
+
+
+def _write(path, rows) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _search(settings, query: str) -> dict[str, list[str]]:
+    """Each mode's hit texts for `query` on the index of `settings`."""
+    from branchsearch.infra.index.open import open_retriever
+
+    r = open_retriever(settings)
+    try:
+        return {mode: [h.text for h in r.search(query, mode=mode, k=5)]
+                for mode in ("bm25", "dense", "hybrid")}
+    finally:
+        r.close()
+
+
+def _ingest_search_reingest(base, indexes: list[str], tmp_path) -> None:
+    """Every index ingested next to the others, searched in each mode (each sees only its own
+    documents), then one document changed and ingested again."""
+    marks = {i: MARKERS[i.split("-x")[0]] for i in indexes}
+    for index in indexes:
+        _write(tmp_path / f"{index}.jsonl", _corpus(index, changed=False))
+        report = ingest(tmp_path / f"{index}.jsonl", base.replace(index=index))
+        assert report.documents == 2 and len(set(report.counts.values())) == 1, report.counts
+    for index in indexes:
+        found = _search(base.replace(index=index), f"quokka {marks[index]} lanterns")
+        for mode, texts in found.items():
+            assert len(texts) == 2 and all(marks[index] in t for t in texts), (index, mode, texts)
+            assert not any(m in t for t in texts for i, m in marks.items() if i != index)
+    for index in indexes:
+        _write(tmp_path / f"{index}.jsonl", _corpus(index, changed=True))
+        report = ingest(tmp_path / f"{index}.jsonl", base.replace(index=index))
+        assert report.resumed == 1 and len(set(report.counts.values())) == 1, report.counts
+        assert report.counts["dense"] == 2, report.counts  # the old memo's chunk was deleted
+    for index in indexes:
+        found = _search(base.replace(index=index), f"quokka {marks[index]} memo harbors")
+        for mode, texts in found.items():
+            memo = [t for t in texts if "memo" in t]
+            assert len(memo) == 1 and "harbors" in memo[0], (index, mode, texts)
+            assert all(marks[index] in t for t in texts), (index, mode, texts)
+
+
+def test_any_script_index_names_on_tantivy_and_milvus_lite(tmp_path):
+    base = load_settings(overrides={"home": tmp_path / "home", "index": "default"},
+                         read_env=False, read_file=False)
+    _ingest_search_reingest(base, NAMES, tmp_path)
+
+
+@pytest.mark.es
+def test_any_script_index_names_on_elasticsearch_and_a_milvus_server(tmp_path, es_url,
+                                                                     milvus_uri):
+    """One Elasticsearch and one Milvus server for all four: `Foo` and `foo` would share an
+    Elasticsearch index if the names were only lowercased. A suffix keeps runs against a shared
+    server apart; it keeps each name's case and script."""
+    from elasticsearch import Elasticsearch
+    from pymilvus import MilvusClient
+
+    tag = f"-x{uuid.uuid4().hex[:6]}"
+    indexes = [n + tag for n in NAMES]
+    base = load_settings(overrides={"home": tmp_path / "home", "index": "default",
+                                    "es_url": es_url, "milvus_uri": milvus_uri,
+                                    "milvus_consistency": "Strong"},
+                         read_env=False, read_file=False)
+    es, milvus = Elasticsearch(es_url), MilvusClient(uri=milvus_uri)
+    try:
+        _ingest_search_reingest(base, indexes, tmp_path)
+        foo, Foo = "foo" + tag, "Foo" + tag
+        assert es.indices.exists(index=f"branchsearch-{foo}")  # the name it always had
+        assert milvus.has_collection(f"chunks_{foo}".replace("-", "_"))
+        assert milvus.has_collection(f"chunks_{Foo}".replace("-", "_"))
+        for index in indexes:
+            assert es.count(index=es_index_for(index))["count"] == 2, index
+            rows = milvus.query(collection_for(index), output_fields=["count(*)"],
+                                consistency_level="Strong")
+            assert rows[0]["count(*)"] == 2, index
+    finally:
+        for index in indexes:
+            es.indices.delete(index=es_index_for(index), ignore_unavailable=True)
+            milvus.drop_collection(collection_for(index))
+        es.close()
+        milvus.close()
+
+
+# --- over HTTP ----------------------------------------------------------------------------------
+
+
+def test_a_cafe_index_is_searched_over_http(tmp_path):
+    from branchsearch.orchestrator.service import deploy as service
+    from branchsearch.orchestrator.service.auth import KeyStore
+
+    from service_fixtures import start_uvicorn
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "café", "branches": 1},
+                             read_env=False, read_file=False)
+    _write(tmp_path / "café.jsonl", _corpus("café", changed=False))
+    ingest(tmp_path / "café.jsonl", settings)
+    key = KeyStore(tmp_path / "keys.json").add("reader", (), ("café",))
+    state = service.local_state(settings, executor="local", keys_path=tmp_path / "keys.json")
+    server = start_uvicorn(service.create_app(state), state)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            listed = client.get("/v1/indexes")
+            assert listed.status_code == 200 and "café" in listed.json()["indexes"], listed.text
+            r = client.post("/v1/search", json={"question": "amberwing quokka note",
+                                                "index": "café", "branches": 1})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["status"] == "ok", body
+            assert "note" in {d["doc_id"] for d in body["evidence"]}, body
+    finally:
+        server.stop()
+        state.searcher.target.close()

@@ -1,0 +1,209 @@
+"""Corpus reading, chunking, tokenizer, settings, docstore: plain functions, real files."""
+
+import json
+
+import pytest
+
+from branchsearch.infra.ingest.chunking import chunk_text, split_chunk_id
+from branchsearch.infra.ingest.corpus import read_corpus
+from branchsearch.infra.errors import CorpusError, SettingsError
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.models.tokenizer import TokenCounter, get_encoding
+
+
+def test_tokenizer_offline_matches_known_ids():
+    assert get_encoding("cl100k_base").encode("hello world") == [15339, 1917]
+    counter = TokenCounter("o200k_base")
+    assert counter.count("hello world") == 2
+    assert counter.truncate("one two three four five", 3).endswith("…")
+    assert get_encoding("o200k_harmony").n_vocab > get_encoding("o200k_base").n_vocab
+
+
+def test_chunks_have_stable_ids_and_cover_text():
+    counter = TokenCounter()
+    text = " ".join(f"word{i}" for i in range(600))
+    chunks = chunk_text("doc-1", text, counter, size=100, overlap=20)
+    assert [c.id for c in chunks] == [f"doc-1#p{i}" for i in range(len(chunks))]
+    assert chunks == chunk_text("doc-1", text, counter, size=100, overlap=20)
+    assert all(c.n_tokens <= 100 for c in chunks)
+    assert "word0" in chunks[0].text and "word599" in chunks[-1].text
+    assert all(not c.text.startswith(("ord", "rd")) for c in chunks)  # no mid-word starts
+    assert split_chunk_id("a#b#p12") == ("a#b", 12)
+
+
+def test_corpus_formats(tmp_path):
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"id": "a", "title": "A", "text": "x", "acl": ["g"], "date": "2024"}) + "\n\n"
+        + json.dumps({"_id": "b", "text": "y", "extra": 1}) + "\n")
+    docs = read_corpus(tmp_path / "c.jsonl")
+    assert [d.id for d in docs] == ["a", "b"] and docs[0].acl == ("g",)
+    assert docs[1].meta == {"extra": 1}
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "one.md").write_text("# Title One\nbody")
+    (folder / "two.txt").write_text("plain")
+    docs = read_corpus(folder)
+    assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two"}
+
+
+def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
+    """' hr' in a document's ACL used to be stored as is: no caller (whose groups are stripped)
+    could match it, so the document was silently admins-only."""
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"id": "a", "text": "x", "acl": [" hr", "board "]}\n')
+    assert read_corpus(path)[0].acl == ("hr", "board")
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"id": "a", "text": "x"}\n{not json\n', ":2: not valid JSON"),
+    ('{"text": "x"}\n', "missing document id"),
+    ('{"id": "a"}\n', "missing or non-string 'text'"),
+    ('{"id": "a b", "text": "x"}\n', "may not contain whitespace"),
+    ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate document id"),
+    ('', "no documents"),
+    ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),
+    ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n',
+     r"may not name '__public__' \(reserved: the group of the documents without an ACL\)"),
+    ('{"id": "a", "text": "x", "acl": [""]}\n', "group names may not be empty"),
+])
+def test_corpus_errors_name_the_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(CorpusError, match=message):
+        read_corpus(path)
+
+
+def test_settings_precedence(tmp_path, monkeypatch):
+    toml = tmp_path / "s.toml"
+    toml.write_text("budget_tokens = 2048\nrrf_k = 10\n")
+    monkeypatch.setenv("BRANCHSEARCH_RRF_K", "20")
+    s = load_settings(toml, {"budget_tokens": None, "max_turns": 3})
+    assert (s.budget_tokens, s.rrf_k, s.max_turns) == (2048, 20, 3)
+    assert load_settings(toml, {"rrf_k": 30}).rrf_k == 30
+    monkeypatch.setenv("BRANCHSEARCH_PRUNE", "no")
+    assert load_settings().prune is False
+    with pytest.raises(SettingsError, match="unknown keys"):
+        toml.write_text("nope = 1\n")
+        load_settings(toml)
+    with pytest.raises(SettingsError, match="soft_limit"):
+        load_settings(overrides={"soft_limit": 0.95, "hard_limit": 0.9})
+
+
+def test_a_toml_number_for_a_whole_number_setting_is_not_rounded(tmp_path):
+    """`per_title = 1.5` or `backend_retries = true` in a config file read as 1 and ran on
+    (hostile pass); the same value in an environment variable was refused."""
+    toml = tmp_path / "s.toml"
+    for line in ("per_title = 1.5", "backend_retries = true"):
+        toml.write_text(line + "\n")
+        with pytest.raises(SettingsError, match="cannot read .* as int"):
+            load_settings(toml, read_env=False)
+    toml.write_text("per_title = 3.0\nbackend_retries = 2\n")  # a whole number is one
+    s = load_settings(toml, read_env=False)
+    assert (s.per_title, s.backend_retries) == (3, 2)
+
+def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(monkeypatch):
+    monkeypatch.setenv("BRANCHSEARCH_SEARCH_MOD", "bm25")  # would silently run hybrid
+    with pytest.raises(SettingsError, match="BRANCHSEARCH_SEARCH_MOD is not a setting; did you "
+                                            "mean BRANCHSEARCH_SEARCH_MODE"):
+        load_settings(read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_SEARCH_MOD")
+    monkeypatch.setenv("BRANCHSEARCH_search_mode", "bm25")  # names are upper-case: read never
+    with pytest.raises(SettingsError, match="did you mean BRANCHSEARCH_SEARCH_MODE"):
+        load_settings(read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_search_mode")
+    monkeypatch.setenv("BRANCHSEARCH_API_KEY", "k")  # the load tester's: near es_api_key, allowed
+    monkeypatch.setenv("BRANCHSEARCH_LOADTEST_SEED", "3")
+    monkeypatch.setenv("BRANCHSEARCH_SOMETHING_ELSE", "1")  # nothing like a setting
+    monkeypatch.setenv("BRANCHSEARCH_SEARCH_MODE", "bm25")
+    assert load_settings(read_file=False).search_mode == "bm25"
+
+
+def test_the_docstore_finds_a_page_by_its_title_key(tmp_path):
+    """`named`: the title or the title with a qualifier, by `title_key` (case in any script,
+    accents and spacing aside); '%', '_' and '\\' are characters, not patterns; exact titles
+    first; the key index is there to answer it."""
+    from branchsearch.infra.ingest.chunking import Chunk
+    from branchsearch.infra.ingest.corpus import Document
+    from branchsearch.infra.stores.docstore import DocStore
+
+    store = DocStore(tmp_path / "docs.sqlite")
+    titles = {"a": "A_B", "b": "AxB (band)", "c": "50% Off (film)", "d": "50% Off",
+              "e": "505 Off", "f": "Kansas", "g": "Kansas City", "h": "  École  Normale ",
+              "i": "Aschenbrödel", "j": "C:\\path"}
+    docs = [Document(i, t, f"text of {t}") for i, t in titles.items()]
+    store.replace_documents(docs, [Chunk(f"{i}#p0", i, 0, "x", 0, 1) for i in titles])
+
+    def named(name, limit=5):
+        return [p["doc_id"] for p in store.named(name, limit)]
+
+    assert named("kansas") == ["f"]
+    assert named("A_B") == ["a"] and named("AxB") == ["b"]
+    assert named("50% Off") == ["d", "c"] and named("50% Off", 1) == ["d"]
+    assert named("50_ Off") == [] and named("%") == [] and named(" ") == []
+    assert named("école normale") == named("ECOLE NORMALE") == ["h"]
+    assert named("Aschenbrodel") == named("ASCHENBRÖDEL") == ["i"]
+    assert named("c:\\PATH") == ["j"] and named("c:") == []
+    assert store.named("Kansas")[0] == {"doc_id": "f", "title": "Kansas", "acl": [],
+                                        "chunk_id": "f#p0", "exact": True}
+    assert [p["exact"] for p in store.named("50% Off")] == [True, False]
+    assert store._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'docs_title_key'"
+                             ).fetchone()
+    store.close()
+
+
+def test_an_older_docstore_gets_its_title_keys_on_open_unless_it_cannot_wait(tmp_path,
+                                                                             monkeypatch):
+    """A docstore written before title keys gets them on open (its titles found by `named`);
+    when another connection holds the write lock the open does not wait for it: `named` finds
+    nothing there until a later open adds them."""
+    import sqlite3
+    import time
+
+    from branchsearch.infra.stores import docstore
+    from branchsearch.infra.stores.docstore import DocStore
+
+    def old_docstore(path):
+        db = sqlite3.connect(path)
+        db.executescript("""
+            CREATE TABLE docs (doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT,
+                               acl TEXT, meta TEXT, n_chunks INTEGER, fingerprint TEXT);
+            CREATE TABLE chunks (chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL,
+                                 n INTEGER NOT NULL, text TEXT NOT NULL, start_token INTEGER,
+                                 n_tokens INTEGER);
+            CREATE INDEX chunks_doc ON chunks(doc_id, n);
+            CREATE TABLE pending (doc_id TEXT PRIMARY KEY);
+            INSERT INTO docs VALUES ('k', 'Kansas', '', '', '[]', '{}', 1, 'f');
+            INSERT INTO chunks VALUES ('k#p0', 'k', 0, 'Kansas is a state.', 0, 4);""")
+        db.commit()
+        return db
+
+    old_docstore(tmp_path / "a.sqlite").close()
+    store = DocStore(tmp_path / "a.sqlite")
+    assert [p["doc_id"] for p in store.named("KANSAS")] == ["k"]
+    store.close()
+
+    writer = old_docstore(tmp_path / "b.sqlite")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("UPDATE docs SET source = 'x'")
+    started = time.perf_counter()
+    store = DocStore(tmp_path / "b.sqlite")
+    assert time.perf_counter() - started < 2 and store.named("Kansas") == []
+    assert store.get_document("k")["title"] == "Kansas"  # reads as before
+    writer.rollback()
+    assert store.named("Kansas") == []  # tried again only after KEYS_RETRY_S
+    monkeypatch.setattr(docstore, "KEYS_RETRY_S", 0.0)
+    assert [p["doc_id"] for p in store.named("Kansas")] == ["k"]  # this process, once free
+    writer.close()
+    store.close()
+
+    # a reader holding the file while the keys commit: all or nothing, not a column of NULLs
+    reader = old_docstore(tmp_path / "c.sqlite")
+    reader.execute("BEGIN")
+    reader.execute("SELECT * FROM docs").fetchall()
+    store = DocStore(tmp_path / "c.sqlite")  # its commit cannot wait for the reader
+    assert not store.has_title_keys
+    assert "title_key" not in {r[1] for r in reader.execute("PRAGMA table_info(docs)")}
+    reader.rollback()
+    reader.close()
+    assert [p["doc_id"] for p in store.named("Kansas")] == ["k"]
+    store.close()

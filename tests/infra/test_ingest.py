@@ -1,0 +1,402 @@
+"""Index completeness on real stores (docstore, tantivy, Milvus Lite) and real processes: a
+killed ingest is refused by readers and resumed by `eval`; the stores end with equal chunk counts
+(no orphan vectors); a second ingest, or a reader, during an ingest gets one line naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from branchsearch.infra.errors import IndexBusy, IndexIncomplete, IndexNotFound
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.index.manifest import (IngestLock, read_manifest, require_complete,
+                                         running_ingest)
+from branchsearch.infra.index.open import open_retriever, open_stores
+from branchsearch.infra.config.settings import load_settings
+
+CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+
+
+def _settings(home: Path, **extra):
+    return load_settings(overrides={"home": home, **extra}, read_env=False, read_file=False)
+
+
+def _corpus(path: Path, n: int, prefix: str = "d") -> Path:
+    path.write_text("".join(json.dumps({"id": f"{prefix}{i}", "title": f"Doc {i}",
+                                        "text": f"Document {i} is about topic{i % 7} and "
+                                                f"keyword{i}."}) + "\n" for i in range(n)))
+    return path
+
+
+def _store_counts(settings) -> dict[str, int]:
+    docstore, lexical, dense, _ = open_stores(settings, create=True)
+    try:
+        return {"docstore": docstore.chunk_count(), "lexical": lexical.count(),
+                "dense": dense.count(), "pending": len(docstore.pending())}
+    finally:
+        for store in (lexical, dense, docstore):
+            store.close()
+
+
+def _env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BRANCHSEARCH_")}
+    return env | {"BRANCHSEARCH_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
+def _one_error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    return errors[0]
+
+
+# ---- in process -------------------------------------------------------------------------------
+
+def test_manifest_written_last_with_counts(tmp_path):
+    settings = _settings(tmp_path / "h")
+    report = ingest(_corpus(tmp_path / "c.jsonl", 5), settings)
+    manifest = read_manifest(settings.index_dir)
+    assert manifest is not None and manifest.documents == 5
+    assert manifest.chunks == {"docstore": 5, "lexical": 5, "dense": 5} == report.counts
+    assert manifest.embedding == {"model": "all-MiniLM-L6-v2", "dim": 384}
+    assert manifest.encoding == "o200k_base" and manifest.finished_at
+    assert not (settings.index_dir / "ingest.lock").exists()
+    again = ingest(tmp_path / "c.jsonl", settings)  # nothing changed: nothing redone
+    assert again.resumed == 5 and again.chunks == 5 and again.seconds.get("embed", 0) == 0
+
+
+def test_index_without_manifest_is_refused(tmp_path):
+    settings = _settings(tmp_path / "h")
+    with pytest.raises(IndexNotFound):
+        open_retriever(settings)
+    ingest(_corpus(tmp_path / "c.jsonl", 3), settings)
+    (settings.index_dir / "manifest.json").unlink()  # as an index built before manifests
+    with pytest.raises(IndexIncomplete, match="no manifest.*branchsearch ingest PATH"):
+        open_retriever(settings)
+
+
+def test_stale_lock_is_taken_over_and_named(tmp_path):
+    settings = _settings(tmp_path / "h")
+    ingest(_corpus(tmp_path / "c.jsonl", 3), settings)
+    (settings.index_dir / "manifest.json").unlink()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (settings.index_dir / "ingest.lock").write_text(json.dumps(
+        {"pid": int(dead), "host": os.uname().nodename, "started": "then", "corpus": "/x.jsonl"}))
+    assert running_ingest(settings.index_dir) is None  # nobody holds its flock
+    with pytest.raises(IndexIncomplete, match=f"PID {dead}.*branchsearch ingest /x.jsonl"):
+        require_complete(settings.index_dir, settings.index)
+    report = ingest(tmp_path / "c.jsonl", settings)
+    assert f"PID {dead}" in report.stale_lock and report.resumed == 3
+    assert read_manifest(settings.index_dir) is not None
+
+
+def test_lock_held_by_a_live_process_stops_a_second_ingest(tmp_path):
+    settings = _settings(tmp_path / "h")
+    corpus = _corpus(tmp_path / "c.jsonl", 3)
+    with IngestLock(settings.index_dir, settings.index, corpus="/first.jsonl"):
+        with pytest.raises(IndexBusy, match=f"PID {os.getpid()}.*/first.jsonl"):
+            IngestLock(settings.index_dir, settings.index).acquire()
+        with pytest.raises(IndexBusy, match=f"being ingested.*PID {os.getpid()}"):
+            ingest(corpus, settings)
+    ingest(corpus, settings)  # released: the next one runs
+
+
+def test_a_reader_racing_an_ingest_that_starts_names_it_not_a_missing_manifest(tmp_path,
+                                                                              monkeypatch):
+    """The ingest takes its lock and removes the manifest between the reader's look for a
+    running ingest and its read of the manifest: the reader says 'being ingested', not 'has no
+    manifest'."""
+    from branchsearch.infra.index import manifest as manifest_mod
+
+    settings = _settings(tmp_path / "h")
+    ingest(_corpus(tmp_path / "c.jsonl", 3), settings)
+    read, held = manifest_mod.read_manifest, []
+
+    def ingest_starts_now(index_dir):
+        lock = IngestLock(settings.index_dir, settings.index, corpus="/racing.jsonl")
+        held.append(lock.acquire())
+        (settings.index_dir / "manifest.json").unlink()
+        return read(index_dir)
+
+    monkeypatch.setattr(manifest_mod, "read_manifest", ingest_starts_now)
+    try:
+        with pytest.raises(IndexBusy, match="being ingested.*/racing.jsonl"):
+            require_complete(settings.index_dir, settings.index)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+# ---- kill -9 at the worst moment: vectors written, docstore not yet ----------------------------
+
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from branchsearch.infra.stores import tantivy as lexical
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
+
+    calls = 0
+    write = lexical.TantivyStore.write
+    def dying_write(self, chunks, delete_doc_ids):
+        global calls
+        calls += 1
+        if calls == int(sys.argv[3]):  # dense store already holds this batch's vectors
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, chunks, delete_doc_ids)
+    lexical.TantivyStore.write = dying_write
+    settings = load_settings(overrides={"home": sys.argv[2]}, read_env=False, read_file=False)
+    ingest(sys.argv[1], settings, batch_docs=4)
+""")
+
+
+def _killed_ingest(corpus: Path, home: Path, at_write: int) -> None:
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(corpus), str(home), str(at_write)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+
+
+def test_kill_mid_batch_then_rerun_leaves_equal_counts(tmp_path):
+    home = tmp_path / "h"
+    settings = _settings(home)
+    corpus = _corpus(tmp_path / "c.jsonl", 10)
+    _killed_ingest(corpus, home, at_write=2)  # batch 1 (4 docs) committed, batch 2 half
+    with pytest.raises(IndexIncomplete, match="stopped before it finished"):
+        open_retriever(settings)
+    before = _store_counts(settings)
+    assert before["docstore"] == 4 and before["dense"] == 8 and before["pending"] == 4
+    report = ingest(corpus, settings)  # resume: batch 1 kept, the rest (re)written
+    assert report.resumed == 4 and "PID" in report.stale_lock
+    assert _store_counts(settings) == {"docstore": 10, "lexical": 10, "dense": 10, "pending": 0}
+    r = open_retriever(settings)
+    assert [h.doc_id for h in r.search("keyword7", "bm25", 3)][:1] == ["d7"]
+    r.close()
+
+
+def test_rerun_with_another_corpus_purges_what_the_killed_ingest_left(tmp_path):
+    home = tmp_path / "h"
+    settings = _settings(home)
+    _killed_ingest(_corpus(tmp_path / "c.jsonl", 10), home, at_write=2)
+    # the next ingest brings other documents: d4..d7's vectors must not stay behind
+    report = ingest(_corpus(tmp_path / "other.jsonl", 3, prefix="x"), settings)
+    assert report.purged == 4
+    assert _store_counts(settings) == {"docstore": 7, "lexical": 7, "dense": 7, "pending": 0}
+    assert read_manifest(settings.index_dir).chunks["dense"] == 7
+
+
+# ---- the CLI: kill -9 a real ingest, readers and a second ingest meanwhile, eval resumes --------
+
+def _synth(home: Path, docs: int) -> Path:
+    from branchsearch.infra.datasets.synth import synth
+
+    corpus = home.parent / "synth"
+    synth(corpus, docs=docs, tasks=8, seed=3)
+    return corpus
+
+
+def _docs_committed(index_dir: Path) -> int:
+    try:
+        db = sqlite3.connect(f"file:{index_dir / 'docs.sqlite'}?mode=ro", uri=True, timeout=1)
+        try:
+            return db.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return 0
+
+
+def test_cli_kill9_refuse_busy_then_eval_resumes(tmp_path):
+    home = tmp_path / "home"
+    corpus = _synth(home, docs=1200)
+    env = _env(home)
+    index = "synth"
+    index_dir = home / "indexes" / index
+    run = lambda *args: subprocess.run([*CLI, *args], capture_output=True, text=True,  # noqa
+                                       env=env, timeout=600)
+    first = subprocess.Popen([*CLI, "ingest", str(corpus), "--index", index], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while _docs_committed(index_dir) == 0:  # the first batch is committed
+            assert first.poll() is None, first.stderr.read()[-2000:]
+            assert time.time() < deadline, "the ingest committed nothing in 300 s"
+            time.sleep(0.05)
+        # while it runs: a second ingest, a retrieve and a Ray search each get one line naming it
+        for args in (["ingest", str(corpus), "--index", index],
+                     ["retrieve", "contract review", "--index", index],
+                     ["search", "contract review", "--index", index, "--branches", "2"]):
+            line = _one_error_line(run(*args))
+            assert f"PID {first.pid}" in line and "being ingested" in line, line
+        assert first.poll() is None, "the ingest finished before it could be killed"
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    line = _one_error_line(run("retrieve", "contract review", "--index", index))
+    assert "incomplete" in line and f"branchsearch ingest {corpus.resolve()} --index synth" in line
+    done = run("eval", str(corpus), "--index", index, "--mode", "bm25", "--limit", "2", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "missing or incomplete: ingesting" in done.stderr
+    manifest = read_manifest(index_dir)
+    assert manifest is not None and manifest.documents == 1200
+    counts = _store_counts(_settings(home, index=index))
+    assert counts == {"docstore": manifest.chunks["docstore"], "lexical": manifest.chunks["docstore"],
+                      "dense": manifest.chunks["docstore"], "pending": 0}
+    assert json.loads(done.stdout)["metrics"]
+
+
+def test_ingest_while_a_reader_holds_milvus_lite_is_one_line_and_changes_nothing(tmp_path):
+    home = tmp_path / "h"
+    settings = _settings(home)
+    corpus = _corpus(tmp_path / "c.jsonl", 3)
+    ingest(corpus, settings)
+    reader = open_retriever(settings)  # this process owns dense.db (as a running search does)
+    try:
+        _corpus(corpus, 4)
+        proc = subprocess.run([*CLI, "ingest", str(corpus)], capture_output=True, text=True,
+                              env=_env(home), timeout=600)
+        line = _one_error_line(proc)
+        assert "open in another process" in line and "milvus_uri" in line, line
+        assert read_manifest(settings.index_dir).documents == 3  # still complete, untouched
+        assert len(reader.search("keyword1", "bm25", 3)) == 1
+    finally:
+        reader.close()
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+def _wide_corpus(path: Path, n: int) -> Path:
+    """`n` documents of about 180 words each (one or two chunks), from hotpot-mini's text."""
+    from conftest import HOTPOT
+
+    words = " ".join(json.loads(line)["text"] for line in
+                     (HOTPOT / "corpus.jsonl").read_text().splitlines()).split()
+    path.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Doc {i}", "text": f"marker{i} "
+                                        + " ".join(words[(i * 37) % len(words):][:180])}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+@contextmanager
+def _small_disk(where: Path, kib: int):
+    """A real file system of `kib` KiB (tmpfs) mounted at `where`: writes past it get ENOSPC."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:  # lazily: a Milvus Lite server still exiting may hold a file there
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _full_disk_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr[-2000:]  # nothing but the one line
+    line = _one_error_line(proc)
+    assert "left incomplete" in line and "run the same command again: it resumes" in line, line
+    return line
+
+
+def test_a_full_disk_during_ingest_is_one_line_and_a_rerun_resumes(tmp_path):
+    """ENOSPC while writing the embedding cache, Milvus Lite, tantivy or the docstore (which one
+    fills the disk first depends on how much is left: 300 KiB is Milvus Lite's upsert with this
+    corpus and these versions) was a traceback, or for Milvus Lite a bare "Unexpected error in
+    RPC handling"."""
+    corpus = _wide_corpus(tmp_path / "c.jsonl", 30)
+    with _small_disk(tmp_path / "disk", 4096) as disk:
+        filler = disk / "filler"
+        with filler.open("wb") as f:  # leave 300 KiB: the stores open, the writes do not fit
+            os.posix_fallocate(f.fileno(), 0, (4096 - 300) * 1024)
+        env = _env(disk / "h") | {"BRANCHSEARCH_BACKEND_TIMEOUT_S": "2"}  # Milvus' retries
+        proc = subprocess.run([*CLI, "ingest", str(corpus)], capture_output=True, text=True,
+                              env=env, timeout=600)
+        line = _full_disk_line(proc)
+        assert "the disk is full" in line and "Free space on that disk" in line, line
+        settings = _settings(disk / "h")
+        assert read_manifest(settings.index_dir) is None
+        with pytest.raises(IndexIncomplete):
+            require_complete(settings.index_dir, settings.index)
+        filler.unlink()
+        again = subprocess.run([*CLI, "ingest", str(corpus)], capture_output=True, text=True,
+                               env=env, timeout=600)
+        assert again.returncode == 0, again.stderr[-2000:]
+        manifest = read_manifest(settings.index_dir)
+        assert manifest.documents == 30
+        assert len(set(manifest.chunks.values())) == 1, manifest.chunks  # the stores agree
+
+
+def test_a_full_disk_during_a_bm25_ingest_keeps_the_committed_batches(tmp_path):
+    """The docstore and tantivy on a 1 MiB disk: the first batch of 256 documents commits,
+    the second fills the disk; after the disk grows, the same command resumes after the first."""
+    corpus = _wide_corpus(tmp_path / "c.jsonl", 600)
+    with _small_disk(tmp_path / "disk", 1024) as disk:
+        env = _env(disk / "h")
+        cmd = [*CLI, "ingest", str(corpus), "--no-dense"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert "the disk is full" in _full_disk_line(proc)
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "256 documents were already committed" in again.stdout, again.stdout
+        manifest = read_manifest(_settings(disk / "h").index_dir)
+        assert manifest.documents == 600 and len(set(manifest.chunks.values())) == 1
+
+
+def test_a_file_size_limit_during_ingest_is_one_line_and_a_rerun_resumes(tmp_path):
+    """RLIMIT_FSIZE (`ulimit -f`, no root needed): writes past it fail with EFBIG, which SQLite
+    reports as a bare "disk I/O error"."""
+    import resource
+
+    corpus = _wide_corpus(tmp_path / "c.jsonl", 600)
+    env = _env(tmp_path / "h")
+    cmd = [*CLI, "ingest", str(corpus), "--no-dense"]
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                          preexec_fn=limited)
+    line = _full_disk_line(proc)
+    assert "file size limit (ulimit -f: 400,000 bytes)" in line and "Raise the limit" in line
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    manifest = read_manifest(_settings(tmp_path / "h").index_dir)
+    assert manifest.documents == 600 and len(set(manifest.chunks.values())) == 1
+
+
+def test_a_lone_surrogate_in_a_document_is_one_line_naming_it(tmp_path):
+    """JSON's "\\ud800" in an id or text gave a traceback (and an index left incomplete)."""
+    from branchsearch.infra.ingest.corpus import read_corpus
+    from branchsearch.infra.errors import CorpusError
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"_id": "ok", "text": "fine"}\n{"_id": "\\ud800x", "text": "t"}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: 'id' holds a lone surrogate"):
+        read_corpus(path)
+    path.write_text('{"_id": "a", "text": "x \\udfff y", "acl": ["g"]}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: 'text' holds a lone surrogate"):
+        read_corpus(path)
+
+
+def test_a_password_in_es_url_is_not_written_to_the_manifest(tmp_path):
+    from branchsearch.infra.ingest.pipeline import _backends
+    from branchsearch.infra.config.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path, "es_url": "http://u:s3cretpw@es:9200"},
+                             read_env=False, read_file=False)
+    assert "s3cretpw" not in str(_backends(settings, None))

@@ -1,0 +1,110 @@
+"""Distributed ingest (Ray Data actor pool embeds, one writer commits) builds the same index as a
+one-process ingest: same chunk ids and counts, same retrieval results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from branchsearch.infra.ingest.corpus import read_corpus
+from branchsearch.infra.ingest.pipeline import chunk_documents, ingest
+from branchsearch.infra.ingest.distributed import ChunkEmbedder, actor_resources
+from branchsearch.infra.index.manifest import read_manifest
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.config.settings import load_settings
+
+from conftest import HOTPOT
+
+
+def test_chunk_embedder_is_plain_python():
+    settings = load_settings(read_env=False, read_file=False)
+    docs = read_corpus(HOTPOT)[:5]
+    udf = ChunkEmbedder({"encoding": settings.encoding, "chunk_tokens": 32,
+                         "chunk_overlap": 4}, settings.embed_model, 16)
+    out = udf({"id": np.array([d.id for d in docs]), "title": np.array([d.title for d in docs]),
+               "text": np.array([d.text for d in docs])})
+    expected = chunk_documents(docs, settings.replace(chunk_tokens=32, chunk_overlap=4))
+    assert list(out["chunk_id"]) == [c.id for c in expected]
+    assert out["vector"].shape == (len(expected), 384)
+    assert set(out["doc_chunks"]) and all(n >= 1 for n in out["doc_chunks"])
+
+
+def test_actor_resources_fit_the_cluster():
+    assert actor_resources({"CPU": 2.0}, 2) == {"num_cpus": 1.0}
+    assert actor_resources({"CPU": 2.0}, 4) == {"num_cpus": 0.5}  # never pends
+    assert actor_resources({"CPU": 16.0, "GPU": 2.0}, 4)["num_gpus"] == 0.5
+
+
+@pytest.mark.ray
+def test_workers_build_the_same_index(tmp_path):
+    import ray
+
+    home = tmp_path / "h"
+    one = load_settings(overrides={"home": home, "index": "one", "chunk_tokens": 64,
+                                   "chunk_overlap": 8}, read_env=False, read_file=False)
+    two = one.replace(index="two")
+    a = ingest(HOTPOT, one)
+    try:
+        b = ingest(HOTPOT, two, workers=2, batch_docs=16)
+    finally:
+        ray.shutdown()
+    assert a.chunks == b.chunks and b.workers == 2
+    ma, mb = read_manifest(one.index_dir), read_manifest(two.index_dir)
+    assert ma.chunks == mb.chunks and ma.documents == mb.documents
+    assert ma.embedding == mb.embedding
+    ra, rb = open_retriever(one), open_retriever(two)
+    try:
+        ids = lambda r: sorted(c for d in r.titles() for c in r.read_document(d)["chunk_ids"])  # noqa
+        assert ids(ra) == ids(rb)
+        for q in ("Were Scott Derrickson and Ed Wood of the same nationality?",
+                  "Which magazine was started first?"):
+            for mode in ("bm25", "dense", "hybrid"):
+                ha, hb = ra.search(q, mode, 8), rb.search(q, mode, 8)
+                assert [h.chunk_id for h in ha] == [h.chunk_id for h in hb], (q, mode)
+                if mode != "hybrid":  # hybrid scores are RRF over deeper lists, where vectors
+                    # embedded in other batches (1e-7 apart) may swap near-ties
+                    assert np.allclose([h.score for h in ha], [h.score for h in hb],
+                                       atol=1e-4), (q, mode)
+    finally:
+        ra.close()
+        rb.close()
+
+
+@pytest.mark.ray
+@pytest.mark.es
+def test_workers_write_server_stores_themselves(tmp_path, milvus_uri, es_url):
+    """With a Milvus server and Elasticsearch, the pool's workers write vectors and text to them
+    (no vector comes back to the caller); the index equals a one-process ingest's."""
+    import uuid
+
+    import ray
+
+    from branchsearch.infra.ingest.distributed import direct_stores
+
+    tag = uuid.uuid4().hex[:6]
+    base = load_settings(overrides={"home": tmp_path / "h", "chunk_tokens": 64,
+                                    "chunk_overlap": 8, "milvus_uri": milvus_uri,
+                                    "es_url": es_url, "milvus_consistency": "Strong"},
+                         read_env=False, read_file=False)
+    one, two = base.replace(index=f"one{tag}"), base.replace(index=f"two{tag}")
+    assert direct_stores(two, embed=True) == {"dense", "lexical"}
+    assert direct_stores(two.replace(milvus_uri="", es_url=""), embed=True) == set()
+    a = ingest(HOTPOT, one)
+    try:
+        b = ingest(HOTPOT, two, workers=2, batch_docs=16)
+    finally:
+        ray.shutdown()
+    assert b.seconds.get("dense", 0) == 0 and b.seconds.get("lexical", 0) == 0  # not the caller
+    ma, mb = read_manifest(one.index_dir), read_manifest(two.index_dir)
+    assert ma.chunks == mb.chunks and mb.chunks["dense"] == mb.chunks["lexical"] == a.chunks
+    ra, rb = open_retriever(one), open_retriever(two)
+    try:
+        for q in ("Were Scott Derrickson and Ed Wood of the same nationality?",
+                  "Which magazine was started first?"):
+            for mode in ("bm25", "dense", "hybrid"):
+                ha, hb = ra.search(q, mode, 8), rb.search(q, mode, 8)
+                assert [h.chunk_id for h in ha] == [h.chunk_id for h in hb], (q, mode)
+    finally:
+        for r in (ra, rb):
+            r.dense.drop() if getattr(r, "dense", None) else None
+            r.close()

@@ -1,0 +1,124 @@
+"""The dense-store contract on Milvus Lite and on a real Milvus server (the `milvus` package's
+standalone server, started here; or any Milvus at BRANCHSEARCH_MILVUS_URI), and an ingest plus
+hybrid retrieval through `milvus_uri` with an HNSW index."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from branchsearch.infra.stores.acl import ACL_ALL
+from branchsearch.infra.stores.protocols import IndexedChunk
+from branchsearch.infra.stores.milvus import IndexSpec, MilvusStore
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.index.manifest import read_manifest
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.config.settings import load_settings
+
+from conftest import HOTPOT
+
+
+CHUNKS = [
+    IndexedChunk("apple#p0", "apple", "Apple", "a", ()),
+    IndexedChunk("bank#p0", "bank", "Bank", "b", ("finance",)),
+    IndexedChunk("bank#p1", "bank", "Bank", "c", ("finance",)),
+]
+VECTORS = np.eye(4, dtype=np.float32)[:3]
+
+
+def dense_contract(open_store) -> None:
+    store = open_store()
+    try:
+        store.write(CHUNKS, VECTORS, ["apple", "bank"])
+        store.write(CHUNKS, VECTORS, ["apple", "bank"])  # idempotent: one row per chunk id
+        assert store.count() == 3
+        hits = store.search(VECTORS[1], 3, acl_groups=[ACL_ALL])
+        assert [h.chunk_id for h in hits][:1] == ["bank#p0"] and hits[0].score == pytest.approx(1)
+        assert {h.chunk_id for h in hits} == {"apple#p0", "bank#p0", "bank#p1"}
+        assert "bank#p0" not in {h.chunk_id for h in store.search(
+            VECTORS[1], 3, exclude_ids=["bank#p0"], acl_groups=[ACL_ALL])}
+        assert [h.chunk_id for h in store.search(VECTORS[1], 3)] == ["apple#p0"]  # public only
+        assert {h.chunk_id for h in store.search(VECTORS[1], 3, acl_groups=["finance"])} == \
+            {"apple#p0", "bank#p0", "bank#p1"}
+        store.write([CHUNKS[1]], VECTORS[1:2], ["bank"])  # bank shrinks to one chunk
+        assert store.count() == 2
+        store.delete_documents(["apple"])
+        assert store.count() == 1
+    finally:
+        store.close()
+    again = open_store()  # reopen: the data is still there
+    try:
+        assert again.count() == 1
+        assert [h.chunk_id for h in again.search(VECTORS[1], 3, acl_groups=["finance"])] == \
+            ["bank#p0"]
+    finally:
+        again.drop()
+        again.close()
+
+
+def test_dense_contract_milvus_lite(tmp_path):
+    dense_contract(lambda: MilvusStore(tmp_path / "d.db", 4, collection="contract"))
+
+
+def test_dense_contract_milvus_server(milvus_uri):
+    name = f"contract_{uuid.uuid4().hex[:8]}"
+    strong = IndexSpec(consistency="Strong")  # the contract reads right after each write
+    dense_contract(lambda: MilvusStore(milvus_uri, 4, collection=name, index=strong))
+    store = MilvusStore(milvus_uri, 4, collection=name + "_kind", index=IndexSpec("auto"))
+    try:
+        assert store.server and store.index_kind == "HNSW"  # ANN on a server by default
+    finally:
+        store.drop()
+        store.close()
+
+
+def test_ingest_and_hybrid_retrieval_through_milvus_uri(milvus_uri, hotpot_settings):
+    index = f"srv{uuid.uuid4().hex[:6]}"
+    settings = hotpot_settings.replace(index=index, milvus_uri=milvus_uri,
+                                       milvus_consistency="Strong")  # search right after ingest
+    report = ingest(HOTPOT, settings)
+    manifest = read_manifest(settings.index_dir)
+    assert manifest.chunks["dense"] == manifest.chunks["docstore"] == report.chunks
+    assert "(HNSW)" in manifest.backends["dense"] and manifest.backends["dense"].startswith(
+        "milvus http")
+    local = hotpot_settings.replace(index=index + "lite")  # the same corpus on Milvus Lite
+    ingest(HOTPOT, local)
+    server, lite = open_retriever(settings), open_retriever(local)
+    try:
+        q = "Were Scott Derrickson and Ed Wood of the same nationality?"
+        for mode in ("dense", "hybrid"):
+            got = [h.chunk_id for h in server.search(q, mode, 5)]
+            assert got == [h.chunk_id for h in lite.search(q, mode, 5)], mode
+        assert {"scott-derrickson", "ed-wood"} & {h.doc_id for h in server.search(q, "hybrid", 5)}
+        again = ingest(HOTPOT, settings)  # a re-run changes nothing and duplicates nothing
+        assert again.resumed == again.documents and server.dense.count() == report.chunks
+    finally:
+        server.dense.drop()
+        server.close()
+        lite.close()
+
+
+def test_lite_file_stays_served_until_its_last_store_closes(tmp_path):
+    """Two stores of one process on one Lite file: closing the first leaves the second working
+    (one Lite server per file per process); closing the last frees the file for another
+    process, which then opens it."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "shared.db"
+    first = MilvusStore(db, 4, collection="shared")
+    first.write(CHUNKS, VECTORS, ["apple", "bank"])
+    second = MilvusStore(db, 4, collection="shared")
+    first.close()
+    first.close()  # a second close must not release the file under `second`
+    assert [h.chunk_id for h in second.search(VECTORS[0], 1)] == ["apple#p0"]
+    assert second.count() == 3
+    second.close()
+    probe = ("import sys; from branchsearch.infra.stores.milvus import MilvusStore; "
+             "s = MilvusStore(sys.argv[1], 4, collection='shared'); print(s.count()); s.close()")
+    out = subprocess.run([sys.executable, "-c", probe, str(db)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.split()[-1] == "3"

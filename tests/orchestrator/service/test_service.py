@@ -1,0 +1,509 @@
+"""The service against a live server on loopback, through a real HTTP client (httpx): the auth
+matrix, the ACL leak test, limits, streaming, upsert/delete, a backend going down. Real stores
+(tantivy, Milvus Lite, the Elasticsearch emulator), the in-process executor, uvicorn.
+The Ray Serve test (replicas) and the browser test live in test_service_serve.py and
+test_service_web.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.orchestrator.service import deploy as service
+from branchsearch.orchestrator.service.auth import KeyStore
+from branchsearch.orchestrator.service.admission import Limits
+from branchsearch.orchestrator.service.events import parse_sse
+
+from service_fixtures import CORPUS, LEAK_MARKER, start_uvicorn, write_corpus
+
+LIMITS = Limits(max_body_bytes=64 * 1024, max_question_chars=300, per_key_concurrency=2,
+                max_in_flight=8, default_deadline_s=60)
+BRAVO_DOCS = [d["_id"] for d in CORPUS if d.get("acl") == ["bravo"]]
+ALPHA_DOCS = [d["_id"] for d in CORPUS if d.get("acl") == ["alpha"]]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    home = tmp_path_factory.mktemp("svc-home")
+    settings = load_settings(overrides={"home": home, "index": "acl", "branches": 2},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings)
+    ingest(write_corpus(home / "other.jsonl", CORPUS[:2]), settings.replace(index="other"))
+    store = KeyStore(home / "keys.json")
+    keys = {"alpha": store.add("alpha", ("alpha",), ("acl",)),
+            "bravo": store.add("bravo", ("bravo",)),
+            "public": store.add("public", ()),
+            "admin": store.add("admin", (), admin=True, everything=True),
+            "alpha-admin": store.add("alpha-admin", ("alpha",), admin=True),
+            "gone": store.add("gone", ("bravo",))}
+    store.revoke("gone")
+    state = service.local_state(settings, executor="local", keys_path=home / "keys.json",
+                                limits=LIMITS)
+    state.searcher.target.driver("acl")
+    server = start_uvicorn(service.create_app(state), state)
+    client = httpx.Client(base_url=server.url, timeout=120)
+    yield client, keys, state
+    client.close()
+    server.stop()
+    state.searcher.target.close()
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_error(r: httpx.Response, status: int, error: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error", "detail"} and body["detail"], body
+    assert "Traceback" not in r.text
+    if error:
+        assert body["error"] == error, body
+    return body
+
+
+def test_auth_matrix(site):
+    client, keys, _ = site
+    q = {"question": "harbor lighthouse"}
+    doc = [{"id": "x1", "text": "x"}]
+    cases = [  # (method, path, key, json, status)
+        ("POST", "/v1/search", None, q, 401),
+        ("POST", "/v1/search", "bsk_not-a-key", q, 401),
+        ("POST", "/v1/search", keys["gone"], q, 401),
+        ("GET", "/v1/indexes", None, None, 401),
+        ("GET", "/v1/whoami", keys["gone"], None, 401),
+        ("PUT", "/v1/indexes/acl/documents", None, doc, 401),
+        ("DELETE", "/v1/indexes/acl/documents/pub-harbor", "bsk_x", None, 401),
+        ("POST", "/v1/search", keys["alpha"], {**q, "index": "other"}, 403),  # index not allowed
+        ("PUT", "/v1/indexes/acl/documents", keys["alpha"], doc, 403),  # not admin
+        ("DELETE", "/v1/indexes/acl/documents/pub-harbor", keys["bravo"], None, 403),
+        ("POST", "/v1/search", keys["alpha"], q, 200),
+        ("POST", "/v1/search", keys["bravo"], {**q, "index": "other"}, 200),
+        ("GET", "/v1/indexes", keys["public"], None, 200),
+        ("GET", "/healthz", None, None, 200),
+        ("GET", "/readyz", None, None, 200),
+        ("GET", "/metrics", None, None, 200),
+        ("GET", "/docs", None, None, 200),
+        ("GET", "/openapi.json", None, None, 200),
+        ("GET", "/", None, None, 200),
+    ]
+    for method, path, key, body, status in cases:
+        r = client.request(method, path, json=body, headers=auth(key) if key else {})
+        if status >= 400:
+            err = assert_error(r, status)
+            if status == 401:
+                assert r.headers["www-authenticate"].startswith("Bearer")
+                assert (key or "") not in err["detail"] or not key
+        else:
+            assert r.status_code == 200, (method, path, r.text)
+    assert client.get("/v1/indexes", headers=auth(keys["alpha"])).json() == {"indexes": ["acl"]}
+    assert client.get("/v1/indexes", headers=auth(keys["bravo"])).json() == {
+        "indexes": ["acl", "other"]}
+    alpha = client.get("/v1/whoami", headers=auth(keys["alpha"])).json()
+    assert alpha["groups"] == ["alpha"]
+    assert alpha["indexes"] == ["acl"] and alpha["all_indexes"] is False
+    bravo = client.get("/v1/whoami", headers=auth(keys["bravo"])).json()
+    assert bravo["indexes"] == [] and bravo["all_indexes"] is True  # [] alone read as "none"
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/search", "/v1/indexes/{index}/documents", "/readyz", "/metrics"} <= set(paths)
+    assert "question" in json.dumps(paths["/v1/search"])
+
+
+QUESTIONS = ["What is Quokkavault?", "zephyrledger obsidianpact", "Bravo secret harbor project",
+             "Zephyrledger Plan quokkavault archive", "Who are the obsidianpact members?",
+             "Which boats does the lighthouse record?", "b-vault b-ledger",
+             "Bravo Quokkavault and the Zephyrledger Plan"]
+
+
+_DOC_FIELDS = {"doc_id", "chunk_id", "new_ids", "ids", "ranked_chunk_ids", "pruned_ids",
+               "final_context_ids", "retrieved_ids", "text", "title"}
+
+
+def _doc_values(obj) -> list[str]:
+    """Every value of a response that carries documents (ids, text, titles) — not the echoes of
+    the question (question, subqueries, queries), which may name anything the caller typed."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in _DOC_FIELDS:
+                out += [json.dumps(v)]
+            else:
+                out += _doc_values(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            out += _doc_values(v)
+    return out
+
+
+def _leaks(text: str, docs: list[str], marker: str = "") -> list[str]:
+    """Ids of `docs` in the document-bearing fields of a response (JSON or SSE), and the marker
+    only their text holds anywhere in it (no question contains the marker)."""
+    if text.startswith("event:"):
+        body = parse_sse(text)
+    else:
+        try:
+            body = json.loads(text)
+        except ValueError:  # /metrics: plain text, no question in it: check all of it
+            return ([d for d in docs if d in text]
+                    + ([marker] if marker and marker in text.lower() else []))
+    values = " ".join(_doc_values(body))
+    return ([d for d in docs if f'"{d}' in values or f"{d}#" in values]
+            + ([marker] if marker and marker in text.lower() else []))
+
+
+def test_acl_leak(site, capsys):
+    """A group-A key never sees a group-B document: JSON search, the stream, indexes, whoami,
+    metrics. The bravo key finding them with the same questions shows the test can fail."""
+    client, keys, state = site
+    tried, leaks = 0, []
+    for question in QUESTIONS:
+        for key in ("alpha", "public"):
+            body = {"question": question}
+            for accept in ("application/json", "text/event-stream"):
+                r = client.post("/v1/search", json=body,
+                                headers={**auth(keys[key]), "Accept": accept})
+                assert r.status_code == 200, r.text
+                tried += 1
+                leaks += _leaks(r.text, BRAVO_DOCS, LEAK_MARKER)
+                if key == "public":
+                    leaks += _leaks(r.text, ALPHA_DOCS)
+    for path in ("/v1/indexes", "/v1/whoami", "/metrics", "/readyz"):
+        r = client.get(path, headers=auth(keys["alpha"]))
+        tried += 1
+        leaks += _leaks(r.text, BRAVO_DOCS, LEAK_MARKER)
+    found, marked = set(), 0
+    for question in QUESTIONS[:3]:  # positive control: the same questions as group B
+        r = client.post("/v1/search", json={"question": question}, headers=auth(keys["bravo"]))
+        found |= {d["doc_id"] for d in r.json()["evidence"]}
+        marked += LEAK_MARKER in r.text
+    with capsys.disabled():
+        print(f"\nACL leak test: {tried} requests as group-A/public keys, {len(leaks)} leaks; "
+              f"ACL guard dropped {state.searcher.target.acl_guard_dropped} ids")
+    assert leaks == []
+    assert set(BRAVO_DOCS) <= found and marked
+    assert state.searcher.target.acl_guard_dropped == 0  # the backends' filter held
+
+
+def test_stream_events_in_order(site):
+    client, keys, _ = site
+    r = client.post("/v1/search", json={"question": "Alpha roadmap harbor sensors", "branches": 2},
+                    headers={**auth(keys["alpha"]), "Accept": "text/event-stream"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(r.text)
+    types = [e["type"] for e in events]
+    assert types[0] == "plan" and types[-1] == "result" and types.count("result") == 1
+    assert "error" not in types and "search" in types
+    n = len(events[0]["subqueries"])
+    assert types.count("branch_started") == types.count("branch_done") == n
+    for i in range(n):  # per branch: started < its searches/prunes < done
+        mine = [k for k, e in enumerate(events) if e.get("branch") == i]
+        assert events[mine[0]]["type"] == "branch_started"
+        assert events[mine[-1]]["type"] == "branch_done"
+    result = events[-1]["result"]
+    assert result["status"] == "ok" and len(result["trace_id"]) == 32
+    assert {d["doc_id"] for d in result["evidence"]} & set(ALPHA_DOCS)
+    for doc in result["evidence"]:
+        for chunk in doc["chunks"]:
+            assert chunk["found_by"] and chunk["provenance"]
+
+
+def test_upsert_then_search_finds_delete_then_not(site):
+    client, keys, _ = site
+    admin, alpha = auth(keys["admin"]), auth(keys["alpha"])
+    q = {"question": "flamingo orbital station", "branches": 1}
+    ids = lambda: {d["doc_id"] for d in client.post("/v1/search", json=q,  # noqa: E731
+                                                   headers=alpha).json()["evidence"]}
+    assert "flamingo" not in ids()
+    body = "\n".join(json.dumps(d) for d in [
+        {"id": "flamingo", "title": "Flamingo Orbital", "text": "The flamingo orbital station "
+         "circles the harbor moon.", "acl": ["alpha"]},
+        {"id": "flamingo-b", "title": "Flamingo Bravo", "text": "Flamingo orbital station "
+         "bravo copy.", "acl": ["bravo"]}])
+    r = client.put("/v1/indexes/acl/documents", content=body, headers=admin)
+    assert r.status_code == 200 and r.json()["upserted"] == ["flamingo", "flamingo-b"]
+    found = ids()
+    assert "flamingo" in found and "flamingo-b" not in found  # the upsert kept its ACL
+    r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": "flamingo", "title": "Flamingo Orbital", "text": "Renamed: the heron orbital "
+         "station.", "acl": ["alpha"]}])
+    assert r.status_code == 200
+    heron = client.post("/v1/search", json={"question": "heron orbital", "branches": 1},
+                        headers=alpha).json()
+    assert any("heron" in c["text"] for d in heron["evidence"] for c in d["chunks"])
+    r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": "https://wiki/a/b", "text": "An id with slashes, as a URL.", "acl": ["alpha"]}])
+    assert r.status_code == 200, r.text
+    for doc_id in ("flamingo", "flamingo-b", "https://wiki/a/b"):  # a '/' id is deletable
+        assert client.delete(f"/v1/indexes/acl/documents/{doc_id}", headers=admin).json() == {
+            "index": "acl", "deleted": doc_id}
+    assert "flamingo" not in ids()
+    assert_error(client.delete("/v1/indexes/acl/documents/flamingo", headers=admin), 404)
+    bad = client.put("/v1/indexes/acl/documents", headers=admin,
+                     content=b'{"id": "ok", "text": "fine"}\n{"id": "bad"}\n')
+    assert "body:2" in assert_error(bad, 422)["detail"]
+    assert_error(client.put("/v1/indexes/acl/documents", headers=admin,
+                            json=[{"id": "x", "text": "y", "acl": "not a list" and 5}]), 422)
+
+
+def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
+    """An admin key with groups writes and deletes only documents whose acl is within them;
+    a DELETE of an id it may not see answers exactly as a missing id does (an admin could
+    overwrite or delete any group's documents and learn which ids exist)."""
+    client, keys, _ = site
+    scoped, admin = auth(keys["alpha-admin"]), auth(keys["admin"])
+    ok = client.put("/v1/indexes/acl/documents", headers=scoped, json=[
+        {"id": "alpha-note", "text": "An alpha harbor note.", "acl": ["alpha"]}])
+    assert ok.status_code == 200, ok.text
+    for doc in ({"id": "bravo-note", "text": "x", "acl": ["bravo"]},
+                {"id": "mixed-note", "text": "x", "acl": ["alpha", "bravo"]},
+                {"id": "public-note", "text": "x"},
+                {"id": "b-vault", "text": "overwritten", "acl": ["alpha"]}):  # bravo's id
+        assert_error(client.put("/v1/indexes/acl/documents", headers=scoped, json=[doc]), 403,
+                     "forbidden")
+    hidden = client.delete("/v1/indexes/acl/documents/b-vault", headers=scoped)
+    missing = client.delete("/v1/indexes/acl/documents/no-such-id", headers=scoped)
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json()["error"] == missing.json()["error"] == "document_not_found"
+    assert hidden.json()["detail"].replace("b-vault", "X") == \
+        missing.json()["detail"].replace("no-such-id", "X")
+    assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor", headers=scoped), 403)
+    assert client.delete("/v1/indexes/acl/documents/alpha-note", headers=scoped).json() == {
+        "index": "acl", "deleted": "alpha-note"}
+    bravo = client.post("/v1/search", headers=auth(keys["bravo"]), json={
+        "question": "Quokkavault zephyrledger", "branches": 1}).json()
+    assert "b-vault" in {d["doc_id"] for d in bravo["evidence"]}  # untouched
+    assert client.get("/v1/whoami", headers=admin).json()["groups"] == ["*"]
+
+
+def test_input_that_gave_500s_is_a_422(site):
+    """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
+    deep each answered 500; now a 422 naming the problem."""
+    client, keys, _ = site
+    alpha = auth(keys["alpha"])
+    long = "x" * 300
+    r = client.post("/v1/search", headers=alpha, json={"question": "harbor", "index": long})
+    assert "too long" in assert_error(r, 422, "bad_request")["detail"]
+    assert_error(client.put(f"/v1/indexes/{long}/documents", headers=auth(keys["admin"]),
+                            json=[{"id": "a", "text": "b"}]), 422, "bad_request")
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=b'{"question": "harbor \\ud800 festival"}')
+    assert "surrogate" in assert_error(r, 422, "bad_request")["detail"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=deep)
+    assert_error(r, 422 if len(deep) <= LIMITS.max_body_bytes else 413)
+    nested = b'{"question": "harbor", "k": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=nested)
+    assert_error(r, 422, "bad_request")
+
+
+def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
+    """A service searching BM25 only still writes the dense store of a hybrid index: before,
+    an upsert skipped it, and the next ingest stopped on 'stores disagree' and left the index
+    incomplete."""
+    from branchsearch.infra.index.open import open_retriever
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl"}, read_env=False,
+                             read_file=False)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    ingest(corpus, settings)
+    admin = KeyStore(tmp_path / "keys.json").add("admin", (), admin=True, everything=True)
+    state = service.local_state(settings.replace(search_mode="bm25"), executor="local",
+                                keys_path=tmp_path / "keys.json", limits=LIMITS)
+    server = start_uvicorn(service.create_app(state), state)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            r = client.put("/v1/indexes/acl/documents", headers=auth(admin), json=[
+                {"id": "osprey", "title": "Osprey Relay", "text": "The osprey relay beacon.",
+                 "acl": ["alpha"]}])
+            assert r.status_code == 200, r.text
+            r = client.delete("/v1/indexes/acl/documents/pub-harbor", headers=auth(admin))
+            assert r.status_code == 200, r.text
+        # the service holds no Milvus Lite file between writes: another process opens it
+        code = ("import sys; from branchsearch.infra.config.settings import load_settings; "
+                "from branchsearch.infra.retrieval.retriever import open_retriever; "
+                "r = open_retriever(load_settings(overrides={'home': sys.argv[1], 'index': "
+                "'acl'}, read_env=False, read_file=False)); "
+                "print([h.doc_id for h in r.search('osprey relay', mode='dense', k=1, "
+                "acl_groups=['alpha'])]); r.close()")
+        other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                               text=True, timeout=300)
+        assert other.returncode == 0 and "osprey" in other.stdout, other.stderr[-2000:]
+    finally:
+        server.stop()
+        state.searcher.target.close()
+    report = ingest(corpus, settings)  # puts pub-harbor back; keeps the upload
+    assert set(report.counts) == {"docstore", "lexical", "dense"}
+    assert len(set(report.counts.values())) == 1, report.counts
+    retriever = open_retriever(settings)
+    try:
+        dense = retriever.search("osprey relay beacon", mode="dense", k=3, acl_groups=["alpha"])
+        assert dense and dense[0].doc_id == "osprey"
+    finally:
+        retriever.close()
+
+
+def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path):
+    """The tantivy folder renamed under a running service (found by a hostile pass): a PUT was
+    a 500 internal_error. A store file gone (tantivy, or the dense.db a write would have put
+    into the deleted file and lost) is now a 503 before anything is written; the documents
+    that were there are still found once the file is back, and writes go on."""
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
+    state.searcher.target.driver("acl")
+    server = start_uvicorn(service.create_app(state), state)
+    folder = settings.index_dir / "tantivy"
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            put = lambda: client.put("/v1/indexes/acl/documents", json=[  # noqa: E731
+                {"id": "osprey", "text": "The osprey relay beacon."}])
+            dense = settings.index_dir / "dense.db"
+            for gone, away in ((folder, folder.with_name("tantivy-away")),
+                               (dense, dense.with_name("dense-away.db"))):
+                gone.rename(away)
+                err = assert_error(put(), 503, "index_incomplete")
+                assert str(tmp_path) not in err["detail"], err
+                assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor"), 503,
+                             "index_incomplete")
+                away.rename(gone)
+            r = client.post("/v1/search", json={"question": "Harbor Festival in June"})
+            assert r.status_code == 200 and r.json()["evidence"], r.text
+            assert put().status_code == 200
+            assert client.delete("/v1/indexes/acl/documents/pub-harbor").status_code == 200
+    finally:
+        server.stop()
+        state.searcher.target.close()
+
+
+def test_limits(site):
+    client, keys, state = site
+    alpha = auth(keys["alpha"])
+    assert_error(client.post("/v1/search", headers=alpha, content=b"x" * (LIMITS.max_body_bytes
+                                                                          + 1)), 413)
+    assert_error(client.post("/v1/search", headers=alpha, json={"question": "q" * 301}), 422,
+                 "question_too_long")
+    assert_error(client.post("/v1/search", headers=alpha, content=b"{not json"), 422)
+    assert_error(client.post("/v1/search", headers=alpha,
+                             json={"question": "q", "acl_groups": ["bravo"]}), 422)
+    conc = state.searcher.target.concurrency
+    with conc.slot("alpha"), conc.slot("alpha"):  # the key's two slots are busy
+        r = client.post("/v1/search", headers=alpha, json={"question": "harbor"})
+        assert_error(r, 429, "too_many_requests")
+        assert r.headers["retry-after"] == "1"
+        r = client.post("/v1/search", headers={**alpha, "Accept": "text/event-stream"},
+                        json={"question": "harbor"})
+        assert_error(r, 429)  # the stream too, before it starts
+        assert client.post("/v1/search", headers=auth(keys["bravo"]),
+                           json={"question": "harbor"}).status_code == 200  # other keys go on
+    # a deadline nothing can meet: 504 (or a partial result when the driver cuts branches)
+    r = client.post("/v1/search", headers=alpha, json={"question": "harbor festival lighthouse",
+                                                       "deadline_s": 0.001})
+    if r.status_code == 200:
+        assert r.json()["status"] == "partial"
+    else:
+        assert_error(r, 504, "deadline_exceeded")
+    assert_error(client.get("/nope"), 404)
+    assert_error(client.delete("/v1/search"), 405)
+    metrics = client.get("/metrics").text
+    for name in ("branchsearch_http_requests_total", "branchsearch_refusals_total",
+                 "branchsearch_branches_total", "branchsearch_tokens_read_total",
+                 "branchsearch_http_request_duration_seconds_bucket",
+                 "branchsearch_http_requests_in_flight", "branchsearch_backend_errors_total"):
+        assert name in metrics
+    assert 'branchsearch_refusals_total{reason="too_many_requests"} 2.0' in metrics
+    assert 'endpoint="/v1/search",method="POST",status="429"' in metrics
+
+
+def test_backend_down_readyz_and_search_503(tmp_path_factory):
+    """Lexical store on Elasticsearch (the emulator) at a URL with credentials; stop it:
+    /readyz and search answer 503, search with the reason; no answer holds the password or the
+    backend's address (they reached every caller before)."""
+    from es_emulator import start_es_emulator
+
+    home = tmp_path_factory.mktemp("svc-es")
+    es = start_es_emulator(home / "es")
+    try:
+        url = es.url.replace("://", "://elastic:hunter2@")
+        settings = load_settings(overrides={"home": home, "index": "es", "es_url": url,
+                                            "branches": 1}, read_env=False, read_file=False)
+        ingest(write_corpus(home / "c.jsonl", CORPUS[:3]), settings)
+        state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+        state.searcher.target.driver("es")
+        server = start_uvicorn(service.create_app(state), state)
+        client = httpx.Client(base_url=server.url, timeout=120)
+        try:
+            q = {"question": "Harbor Festival in June"}
+            r = client.post("/v1/search", json=q)
+            assert r.status_code == 200 and r.json()["evidence"]
+            assert client.get("/readyz").status_code == 200
+            es.stop()
+            ready = assert_error(client.get("/readyz"), 503, "not_ready")
+            assert ready["detail"] == "index 'es' is not ready"
+            down = assert_error(client.post("/v1/search", json=q), 503)
+            assert down["error"] in ("backend_unavailable", "search_failed"), down
+            stream = client.post("/v1/search", json=q, headers={"Accept": "text/event-stream"})
+            host = es.url.split("//")[1]
+            for answer in (ready, down, stream.text):
+                assert "hunter2" not in str(answer) and host not in str(answer), answer
+            if stream.status_code == 200:  # events came first: the stream ends with the error
+                last = parse_sse(stream.text)[-1]
+                assert last["type"] == "error" and last["status"] == 503
+            else:
+                assert_error(stream, 503)
+            assert client.get("/healthz").status_code == 200  # up, not ready
+            assert "branchsearch_backend_errors_total 3.0" in client.get("/metrics").text
+            put = assert_error(client.put("/v1/indexes/es/documents", json=[
+                {"id": "late", "text": "Written while the lexical store is down."}]), 503)
+            assert put["error"] in ("backend_unavailable", "write_failed"), put
+            assert "hunter2" not in str(put) and host not in str(put), put
+        finally:
+            client.close()
+            server.stop()
+            state.searcher.target.close()
+    finally:
+        es.stop()
+
+
+def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp_path):
+    """`branchsearch serve --standalone` (its own process, a real socket): one line naming the
+    address it serves, /healthz answers there; a port already taken is one error line, exit 2."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    home = tmp_path / "home"
+    settings = load_settings(overrides={"home": home, "index": "acl"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--standalone",
+           "--host", "127.0.0.1", "--port", "0", "--home", str(home), "--index", "acl",
+           "--executor", "local"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
+    try:
+        line, deadline = "", time.monotonic() + 180
+        while "serving on" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "serve exited before listening"
+        port = int(re.search(r"serving on http://127\.0\.0\.1:(\d+)", line).group(1))
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200
+        taken = subprocess.run([str(port) if a == "0" else a for a in cmd],
+                               capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 2, taken.stderr
+        errors = [ln for ln in taken.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], taken.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -1,0 +1,200 @@
+"""The service started the ways the README says — `serve --standalone` with each executor, and
+Ray Serve — as its own process, with an owned index and a declared external one whose backend
+URL holds credentials, many keys, a burst of 30 searches, callers that disconnect, and SIGTERM
+in the middle of a stream. Real processes, real HTTP; nothing mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.orchestrator.service.auth import KeyStore
+from branchsearch.orchestrator.service.events import parse_sse
+
+from conftest import HOTPOT
+from service_fixtures import free_port, write_corpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.es]
+RESTRICTED = {"scott-derrickson": ["film-dept"]}  # in the external index, one group only
+COMPARE = "Were Scott Derrickson and Ed Wood of the same nationality?"
+BURST = 30
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, es_url):
+    """A home with an owned index ('acl') and a declared external one ('corp': a foreign-schema
+    Elasticsearch index, reached through a URL with a user and password), and the keys."""
+    from elasticsearch import Elasticsearch
+
+    home = tmp_path_factory.mktemp("deploy-home")
+    settings = load_settings(overrides={"home": home, "index": "acl"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings)
+    es_index = f"corp-{uuid.uuid4().hex[:8]}"
+    es = Elasticsearch(es_url)
+    es.indices.create(index=es_index, mappings={"properties": {
+        "doc_key": {"type": "keyword"}, "headline": {"type": "text"}, "body": {"type": "text"},
+        "groups": {"type": "keyword"}}})
+    for line in (HOTPOT / "corpus.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        es.index(index=es_index, id=d["_id"], document={
+            "doc_key": d["_id"], "headline": d["title"], "body": d["text"],
+            **({"groups": RESTRICTED[d["_id"]]} if d["_id"] in RESTRICTED else {})})
+    es.indices.refresh(index=es_index)
+    url = es_url.replace("://", "://svc:hunter2@")  # credentials in the URL, never to a caller
+    config = home / "branchsearch.toml"
+    config.write_text(f'es_url = "{url}"\n[indexes.corp]\nlexical = "elasticsearch"\n'
+                      f'es_index = "{es_index}"\n[indexes.corp.fields]\nid = "doc_key"\n'
+                      'title = "headline"\ntext = "body"\nacl = "groups"\n')
+    store = KeyStore(home / "keys.json")
+    keys = {f"u{i}": store.add(f"u{i}", ("alpha",)) for i in range(BURST)}
+    keys["film"] = store.add("film", ("film-dept",))
+    keys["public"] = store.add("public", ())
+    yield {"home": home, "config": config, "keys": keys, "es_host": es_url.split("//")[1]}
+    es.indices.delete(index=es_index, ignore_unavailable=True)
+    es.close()
+
+
+def start(site, mode: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    args = {"standalone-local": ["--standalone", "--executor", "local"],
+            "standalone-ray": ["--standalone", "--executor", "ray"],
+            "serve": []}[mode]
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", *args,
+           "--home", str(site["home"]), "--config", str(site["config"]), "--index", "acl",
+           "--keys", str(site["home"] / "keys.json"), "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BRANCHSEARCH_", "RAY_"))}
+    log = open(site["home"] / f"{mode}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # its own group: a stray kill hits only it
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 420
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{mode} exited {proc.returncode}: {_log(site, mode)}")
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise AssertionError(f"{mode} not ready in time: {_log(site, mode)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+
+
+def _log(site, mode: str) -> str:
+    return (site["home"] / f"{mode}.log").read_text()[-3000:]
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def burst(url: str, keys: list[str]) -> list[tuple[int, float, dict]]:
+    """One 3-branch search per key at once, alternating the two indexes."""
+    async def one(client, i, key):
+        began = time.perf_counter()
+        r = await client.post("/v1/search", headers=bearer(key), json={
+            "question": COMPARE, "index": ("corp", "acl")[i % 2], "branches": 3,
+            "deadline_s": 120})
+        return r.status_code, time.perf_counter() - began, r.json()
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        return await asyncio.gather(*[one(client, i, k) for i, k in enumerate(keys)])
+
+
+async def walk_away(url: str, key: str, n: int) -> None:
+    """n searches whose client gives up after 0.3 s (the connection closes)."""
+    async with httpx.AsyncClient(base_url=url, timeout=0.3) as client:
+        for outcome in await asyncio.gather(*[client.post("/v1/search", headers=bearer(key),
+                                                          json={"question": COMPARE,
+                                                                "index": "corp"})
+                                              for _ in range(n)], return_exceptions=True):
+            assert isinstance(outcome, httpx.TimeoutException), outcome
+
+
+@pytest.mark.parametrize("mode", ["standalone-local", "standalone-ray", "serve"])
+def test_the_service_as_deployed(site, mode):
+    proc, url = start(site, mode)
+    keys = site["keys"]
+    try:
+        with httpx.Client(base_url=url, timeout=300) as client:
+            # both indexes listed and searched; ACL of the external index from the key
+            listed = client.get("/v1/indexes", headers=bearer(keys["u0"])).json()["indexes"]
+            assert listed == ["acl", "corp"], listed
+            q = {"question": "Scott Derrickson director", "index": "corp", "branches": 1}
+            film = client.post("/v1/search", headers=bearer(keys["film"]), json=q)
+            assert film.status_code == 200, film.text
+            assert "scott-derrickson" in {d["doc_id"] for d in film.json()["evidence"]}
+            public = client.post("/v1/search", headers=bearer(keys["public"]), json=q).json()
+            assert public["status"] == "ok" and public["evidence"]
+            assert "scott-derrickson" not in {d["doc_id"] for d in public["evidence"]}
+            sse = client.post("/v1/search", headers={**bearer(keys["film"]),
+                                                     "Accept": "text/event-stream"}, json=q)
+            final = parse_sse(sse.text)[-1]
+            assert final["type"] == "result" and final["result"]["index"] == "corp"
+            put = client.put("/v1/indexes/corp/documents", headers=bearer(keys["u0"]),
+                             json=[{"id": "x", "text": "y"}])
+            assert put.status_code in (403, 409) and put.json()["error"] in (
+                "forbidden", "read_only_index")
+
+            # a burst of 30 three-branch searches over both indexes: every one answers
+            answers = asyncio.run(burst(url, [keys[f"u{i}"] for i in range(BURST)]))
+            statuses = [(code, body.get("status") or body.get("error")) for code, _, body
+                        in answers]
+            assert statuses == [(200, "ok")] * BURST, statuses
+            latencies = sorted(s for _, s, _ in answers)
+            print(f"{mode}: burst of {BURST}: p50 {latencies[BURST // 2]:.2f} s, "
+                  f"max {latencies[-1]:.2f} s")
+
+            # callers that walk away give their slots back at once (the limit is 4 a key)
+            asyncio.run(walk_away(url, keys["u1"], 4))
+            time.sleep(0.5)
+            again = client.post("/v1/search", headers=bearer(keys["u1"]),
+                                json={"question": "Harbor Festival", "branches": 1})
+            assert again.status_code == 200, again.text
+            metrics = client.get("/metrics").text
+            if mode != "serve":  # under Serve the proxy answers the closed connection itself
+                assert 'status="499"' in metrics, metrics[-2000:]
+            assert 'status="500"' not in metrics, metrics
+
+            # nothing a caller saw holds the backend's password or address
+            for _, _, body in answers:
+                assert "hunter2" not in json.dumps(body) and site["es_host"] not in json.dumps(
+                    body)
+
+            # SIGTERM in the middle of a stream: the stream ends with its result, exit 0
+            with client.stream("POST", "/v1/search", headers={
+                    **bearer(keys["u2"]), "Accept": "text/event-stream"},
+                    json={"question": COMPARE, "index": "corp", "branches": 3}) as stream:
+                lines = stream.iter_lines()
+                first = next(lines)
+                assert first.startswith("event: plan"), first
+                os.kill(proc.pid, signal.SIGTERM)
+                rest = "\n".join([first, *lines])
+            events = parse_sse(rest + "\n\n")
+            assert events[-1]["type"] == "result", events[-1]
+        assert proc.wait(120) == 0, _log(site, mode)
+    finally:
+        stop(proc)

@@ -1,0 +1,360 @@
+"""The service's logic as plain functions: keys, limits, event framing and the ACL guard.
+No server, no Ray."""
+
+import json
+import threading
+
+import pytest
+
+from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy, IndexIncomplete,
+                                       IndexNotFound, KeysFileError)
+from branchsearch.orchestrator.service import events as stream
+from branchsearch.orchestrator.service.auth import AuthError, KeyStore, bearer, digest, parse_list
+from branchsearch.orchestrator.service.admission import Concurrency, Limits, check_body_size
+from branchsearch.orchestrator.service.errors import ApiError, api_error
+from branchsearch.orchestrator.service.protocol import parse_search
+from branchsearch.orchestrator.result import BranchReport
+from branchsearch.workers.harness import EpisodeResult
+
+
+def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
+    path = tmp_path / "keys.json"
+    store = KeyStore(path)
+    key = store.add("alice", ("alpha", "beta"), ("docs",))
+    assert key.startswith("bsk_") and len(key) > 40
+    text = path.read_text()
+    assert key not in text and digest(key) in text
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    other = KeyStore(path)  # a server reading the same file
+    grant = other.authenticate(key)
+    assert grant.groups == ("alpha", "beta") and grant.may_use("docs")
+    assert not grant.may_use("other") and not grant.admin
+    with pytest.raises(AuthError, match="unknown"):
+        other.authenticate(key + "x")
+    with pytest.raises(AuthError, match="missing"):
+        other.authenticate(None)
+    store.revoke("alice")
+    with pytest.raises(AuthError, match="revoked"):
+        other.authenticate(key)  # re-read on change, no restart
+    with pytest.raises(Exception, match="exists"):
+        store.add("bob", ()) and store.add("bob", ())
+    assert [k.name for k in store.list()] == ["alice", "bob"]
+    assert bearer("Bearer abc") == "abc" and bearer("Basic abc") is None and bearer(None) is None
+    assert parse_list("a, b,,a") == ("a", "b")
+
+
+def test_parse_search_bounds():
+    limits = Limits(max_question_chars=50, max_branches=4)
+    req = parse_search({"question": "  who?  ", "branches": 2, "k": 3, "deadline_s": 1.5}, limits)
+    assert (req.question, req.branches, req.k, req.deadline_s) == ("who?", 2, 3, 1.5)
+    bad = [None, [], {}, {"question": ""}, {"question": "?!?"}, {"question": "x" * 51}, {"question": "q", "branches": 0},
+           {"question": "q", "branches": 5}, {"question": "q", "k": True},
+           {"question": "q", "deadline_s": -1}, {"question": "q", "deadline_s": float("nan")},
+           {"question": "q", "index": "../etc"}, {"question": "q", "acl_groups": ["bravo"]}]
+    for body in bad:
+        with pytest.raises(ApiError) as err:
+            parse_search(body, limits)
+        assert err.value.status == 422, body
+    with pytest.raises(ApiError, match="come from the API key"):
+        parse_search({"question": "q", "acl": ["x"]}, limits)
+    with pytest.raises(ApiError) as err:
+        check_body_size(11, Limits(max_body_bytes=10))
+    assert err.value.status == 413
+
+
+def test_concurrency_per_key_then_total():
+    conc = Concurrency(Limits(per_key_concurrency=2, max_in_flight=3))
+    with conc.slot("a"), conc.slot("a"):
+        with pytest.raises(ApiError) as err:
+            with conc.slot("a"):
+                pass
+        assert err.value.status == 429 and err.value.headers["Retry-After"] == "1"
+        with conc.slot("b"):
+            with pytest.raises(ApiError) as err:
+                with conc.slot("c"):
+                    pass
+            assert err.value.status == 503
+    assert conc.total == 0 and not conc._per_key
+    with conc.slot("a"):  # released slots are reusable, also after an exception inside
+        pass
+    errors = []
+
+    def worker():
+        try:
+            with conc.slot("z"):
+                threading.Event().wait(0.05)
+        except ApiError as exc:
+            errors.append(exc.status)
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert conc.total == 0 and errors and set(errors) <= {429, 503}
+
+
+def test_errors_map_to_statuses_without_internals():
+    assert api_error(BackendUnavailable("es down")).status == 503
+    assert api_error(IndexNotFound("nope")).status == 404
+    assert api_error(BadQuery("bad")).status == 422
+    damaged = api_error(IndexIncomplete("index 'x' is damaged: /srv/bs/x/dense.db missing"))
+    assert damaged.status == 503 and "/srv" not in damaged.detail  # the server's; no paths
+    busy = api_error(IndexBusy("index 'x' is being ingested right now (PID 7, corpus /srv/c)"))
+    assert busy.status == 409 and "/srv" not in busy.detail and "PID" not in busy.detail
+    keys = api_error(KeysFileError("keys file /srv/bs/keys.json is not valid (Expecting …)"))
+    assert (keys.status, keys.body()["error"]) == (503, "keys_unavailable")  # not the caller's
+    assert "/srv" not in keys.detail
+    # raised in a Serve replica: its own status, not "the replica is restarting"
+    import ray.exceptions
+
+    from branchsearch.orchestrator.service.app import _unwrap
+
+    wrapped = ray.exceptions.RayTaskError("search", "tb", BackendUnavailable(
+        "ray: 2 branch actor(s) did not start within 300 s")).as_instanceof_cause()
+    assert type(wrapped).__name__ == "RayTaskError(BackendUnavailable)"
+    unwrapped = _unwrap(wrapped)
+    assert unwrapped.body() == {"error": "backend_unavailable", "detail": "ray: 2 branch "
+                                "actor(s) did not start within 300 s"}
+    crash = api_error(KeyError("/secret/path"))
+    assert crash.status == 500 and "secret" not in crash.detail
+    err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.status, again.body(), again.headers) == (429, err.body(), err.headers)
+
+
+def test_events_are_framed_and_the_result_keeps_its_status():
+    from branchsearch.orchestrator.result import SearchResult, result_status
+
+    events = [{"type": "plan", "subqueries": ["q"]},
+              {"type": "search", "branch": 0, "tool": "search_corpus", "query": "harbor",
+               "new_ids": ["d#p0"]},
+              {"type": "prune", "branch": 0, "ids": ["d#p0"], "reason": "off topic"}]
+    frames = "".join(stream.sse(e) for e in events)
+    assert frames.startswith("event: plan\ndata: ") and stream.parse_sse(frames) == events
+    ok = BranchReport(0, "q", 1.0, "original", "ok", episode=EpisodeResult("q", "finish"))
+    dead = BranchReport(1, "q2", 1.0, "entity", "error", error="BackendUnavailable: x")
+    evidence = [{"doc_id": "d", "title": "", "score": 1, "chunks": [
+        {"chunk_id": "d#p0", "found_by": []}, {"chunk_id": "d#p1", "found_by": []}]}]
+    out = stream.result_dict(SearchResult("q", evidence, ["d#p0", "d#p1"], [ok, dead], {}, "t"),
+                             k=1)
+    assert out["status"] == "partial" and out["ranked_chunk_ids"] == ["d#p0"]
+    assert [c["chunk_id"] for d in out["evidence"] for c in d["chunks"]] == ["d#p0"]
+    assert result_status([]) == "failed" and result_status(["ok", "timeout"]) == "partial"
+
+
+def test_acl_guard_drops_hidden_ids_everywhere():
+    from branchsearch.infra.stores.acl import acl_visible
+
+    assert acl_visible([], ["a"]) and acl_visible(["a"], ["a", "b"])
+    assert not acl_visible(["b"], ["a"]) and acl_visible(["b"], ["*"])
+    hidden = lambda ids: {i for i in ids if i.startswith("secret")}  # noqa: E731
+    event, dropped = stream.guard({"type": "search", "new_ids": ["ok#p0", "secret#p0"]}, hidden)
+    assert event["new_ids"] == ["ok#p0"] and dropped == 1
+    result = {"ranked_chunk_ids": ["secret#p0", "ok#p0"], "branches": [
+        {"ranked_chunk_ids": ["secret#p0"], "pruned_ids": [], "final_context_ids": ["secret#p0"]}],
+        "evidence": [{"doc_id": "secret", "chunks": [{"chunk_id": "secret#p0"}]},
+                     {"doc_id": "ok", "chunks": [{"chunk_id": "ok#p0"}]}]}
+    event, dropped = stream.guard({"type": "result", "result": result}, hidden)
+    assert "secret" not in json.dumps(event) and dropped == 1
+    assert event["result"]["evidence"][0]["doc_id"] == "ok"
+
+
+def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
+    """Starting one index's driver (actors that wait for room on the cluster) must not hold up
+    searches of other indexes or unknown-index answers; a failed start leaves nothing behind
+    and the next request tries again."""
+    import time
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    for name in ("slow", "fast"):  # complete indexes as far as the searcher looks
+        folder = settings.replace(index=name).index_dir
+        folder.mkdir(parents=True)
+        (folder / "docs.sqlite").touch()
+        write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    release, attempts = threading.Event(), []
+
+    def factory(s, executor):
+        attempts.append(s.index)
+        if s.index == "slow":
+            release.wait(30)
+            raise BackendUnavailable("ray: 1 retriever actor(s) did not start")
+        return f"driver-{s.index}"
+
+    searcher = Searcher(settings, executor="local", driver_factory=factory)
+    failed = []
+    slow = threading.Thread(target=lambda: failed.append(
+        pytest.raises(BackendUnavailable, searcher.driver, "slow")))
+    slow.start()
+    waited = time.perf_counter()
+    while "slow" not in attempts and time.perf_counter() - waited < 30:
+        time.sleep(0.01)
+    assert attempts == ["slow"], failed
+    started = time.perf_counter()
+    assert searcher.driver("fast") == "driver-fast"
+    with pytest.raises(IndexNotFound, match="branchsearch ingest"):
+        searcher.driver("nope")
+    assert time.perf_counter() - started < 5 and slow.is_alive()  # not behind "slow"
+    release.set()
+    slow.join(30)
+    assert failed and "slow" not in searcher._drivers
+    release.set()
+    with pytest.raises(BackendUnavailable):  # tried again, not a cached failure
+        searcher.driver("slow")
+    assert attempts.count("slow") == 2
+
+
+def test_a_request_waits_for_a_starting_driver_only_until_its_deadline(tmp_path):
+    """A driver whose actors wait for room on the cluster (another index's actors hold it):
+    the request answered after 313 s with a misleading 'replica restarting' (new-user pass).
+    Now it gets a 503 index_starting at its deadline; the start goes on, and a later request
+    gets the driver."""
+    import time
+
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="late").index_dir
+    folder.mkdir(parents=True)
+    (folder / "docs.sqlite").touch()
+    write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    release, starts = threading.Event(), []
+
+    def factory(s, executor):
+        starts.append(s.index)
+        release.wait(30)
+        return "driver-late"
+
+    searcher = Searcher(settings, executor="local", driver_factory=factory)
+    began = time.perf_counter()
+    with pytest.raises(ApiError) as caught:
+        searcher.driver("late", wait=0.3)
+    assert time.perf_counter() - began < 5
+    assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
+    assert caught.value.headers == {"Retry-After": "5"}
+    threads = threading.active_count()
+    for _ in range(20):  # requests meanwhile wait on the one start: no thread each
+        with pytest.raises(ApiError):
+            searcher.driver("late", wait=0.01)
+    assert threading.active_count() == threads
+    release.set()
+    assert searcher.driver("late", wait=10) == "driver-late" and starts == ["late"]
+    with pytest.raises(IndexNotFound):  # a start's own error reaches the request
+        searcher.driver("nope", wait=10)
+
+
+def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
+    """Under Ray the copied-folder error was raised in the retriever actor's constructor and
+    reached the caller as ActorDiedError: a 500. Now the searcher refuses it first (a 503 by
+    `api_error`), and starts nothing."""
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="copy").index_dir
+    folder.mkdir(parents=True)
+    (folder / "dense.db").write_bytes(b"")
+    fields = {f: None for f in Manifest.__dataclass_fields__}
+    write_manifest(folder, Manifest(**(fields | {"backends": {
+        "dense": f"milvus-lite {tmp_path}/indexes/orig/dense.db (FLAT)", "lexical": "tantivy"}})))
+    started = []
+    searcher = Searcher(settings, executor="ray",
+                        driver_factory=lambda s, executor: started.append(s.index))
+    with pytest.raises(IndexIncomplete, match="ingested as 'orig'") as caught:
+        searcher.driver("copy")
+    assert api_error(caught.value).status == 503 and started == []
+
+def test_an_incomplete_index_is_refused_before_its_driver_starts(tmp_path):
+    """The same for an index whose ingest never finished (a docstore, no manifest): its 503
+    from the searcher, not a dead retriever actor's 500."""
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="half").index_dir
+    folder.mkdir(parents=True)
+    (folder / "docs.sqlite").write_bytes(b"")
+    started = []
+    searcher = Searcher(settings, executor="ray",
+                        driver_factory=lambda s, executor: started.append(s.index))
+    with pytest.raises(IndexIncomplete, match="no manifest: its ingest never finished"
+                       ) as caught:
+        searcher.driver("half")
+    assert api_error(caught.value).status == 503 and started == []
+    settings.replace(index="bare").index_dir.mkdir()  # no docstore: unknown, no home path
+    with pytest.raises(IndexNotFound, match=r"^index 'bare' not found \(make it") as caught:
+        searcher.driver("bare")
+    assert str(tmp_path) not in str(caught.value) and started == []
+
+
+def test_a_key_cannot_hold_the_reserved_group(tmp_path):
+    """'*' means every document to the backends: a key with it would read every group's
+    documents without being an admin key (hostile pass). Refused, and nothing is written."""
+    store = KeyStore(tmp_path / "keys.json")
+    with pytest.raises(BadQuery, match="reserved"):
+        store.add("kstar", ("*",))
+    with pytest.raises(BadQuery, match="reserved"):
+        store.add("mixed", ("alpha", " * "))
+    path = tmp_path / "keys.json"
+    assert not path.exists() or "kstar" not in path.read_text()
+
+
+def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
+    """`keys` had no --home: a key made for `serve --home H` went to ./.branchsearch. Now the
+    file is --keys, else HOME/keys.json (--home, else BRANCHSEARCH_HOME)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "keys"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BRANCHSEARCH_HOME", "BRANCHSEARCH_KEYS")}
+
+    def run(*args, **extra):
+        return subprocess.run([*cli, *map(str, args)], capture_output=True, text=True,
+                              cwd=tmp_path, env={**env, **extra}, timeout=120)
+
+    home = tmp_path / "home"
+    made = run("add", "alice", "--groups", "hr", "--home", home)
+    assert made.returncode == 0, made.stderr
+    assert str(home / "keys.json") in made.stderr and made.stdout.strip()
+    assert not (tmp_path / ".branchsearch").exists()
+    listed = run("list", "--json", BRANCHSEARCH_HOME=str(home))
+    assert [k["name"] for k in json.loads(listed.stdout)] == ["alice"]
+    assert run("revoke", "alice", "--keys", home / "keys.json").returncode == 0
+    again = run("list", "--json", "--home", home)
+    assert json.loads(again.stdout)[0]["revoked"] is True
+    assert json.loads(run("list", "--json").stdout) == []  # ./.branchsearch: another file
+
+
+def test_a_wrapped_upload_says_what_the_body_must_be():
+    """`{"documents": [...]}` used to be read as one JSONL line: 'body:1: missing document id',
+    though each document had one (found by a hostile pass)."""
+    from branchsearch.infra.errors import CorpusError
+    from branchsearch.orchestrator.documents import parse_documents
+
+    with pytest.raises(CorpusError, match="one JSON object holding 'documents'.*JSON array"):
+        parse_documents(json.dumps({"documents": [{"_id": "a", "text": "x"}]}).encode())
+    assert [d.id for d in parse_documents(b'{"id": "a", "text": "x"}')] == ["a"]  # JSONL
+    assert [d.id for d in parse_documents(b'[{"id": "a", "text": "x"}]')] == ["a"]
+    with pytest.raises(CorpusError, match="body:1: missing document id"):
+        parse_documents(b'{"text": "no id", "tags": ["t"]}')  # a list, but a document's
+
+
+def test_a_keys_file_that_is_a_folder_is_one_operator_error(tmp_path):
+    """A folder given as the keys file was a traceback in `keys` and a 500 in the service."""
+    folder = tmp_path / "keys.json"
+    folder.mkdir()
+    with pytest.raises(KeysFileError, match="cannot be read"):
+        KeyStore(folder).list()
+    assert api_error(KeysFileError("x")).status == 503

@@ -1,0 +1,100 @@
+"""The web page at / in a real headless Chromium (Debian's `chromium`, driven by Playwright):
+paste a key, ask a question, watch the branches, see the evidence with provenance. Document text
+is shown as text, never as markup. Set BRANCHSEARCH_SCREENSHOT=path to keep the screenshot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.orchestrator.service import deploy as service
+from branchsearch.orchestrator.service.auth import KeyStore
+
+from service_fixtures import LEAK_MARKER, start_uvicorn, write_corpus
+
+CHROMIUM = os.environ.get("BRANCHSEARCH_CHROMIUM", "/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM) or
+                                __import__("importlib").util.find_spec("playwright") is None,
+                                reason="needs chromium (apt-get install chromium) and playwright")
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    home = tmp_path_factory.mktemp("web-home")
+    settings = load_settings(overrides={"home": home, "index": "acl", "branches": 3},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings)
+    store = KeyStore(home / "keys.json")
+    keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", ("alpha",),
+                                                                        admin=True)}
+    state = service.local_state(settings, executor="local", keys_path=home / "keys.json")
+    state.searcher.target.driver("acl")
+    server = start_uvicorn(service.create_app(state), state)
+    yield server.url, keys
+    server.stop()
+    state.searcher.target.close()
+
+
+def test_page_streams_branches_and_renders_evidence(web, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, keys = web
+    hostile = {"id": "a-markup", "title": "<b id=injected>Harbor</b> sensor <img src=x "
+               "onerror=window.pwned=1>", "text": "Harbor sensors report <script>window.pwned=2"
+               "</script> lighthouse relay status.", "acl": ["alpha"]}
+    r = httpx.put(f"{url}/v1/indexes/acl/documents", json=[hostile],
+                  headers={"Authorization": f"Bearer {keys['admin']}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    shot = Path(os.environ.get("BRANCHSEARCH_SCREENSHOT") or tmp_path / "service_web.png")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/")
+            page.fill("#key", keys["alpha"])
+            page.click("#savekey")
+            page.wait_for_function("document.getElementById('who').textContent"
+                                   ".includes('alpha')", timeout=30_000)
+            # the index list arrives by a request of its own, after or before the caller's name
+            # (read before it had in one CI run)
+            page.wait_for_function("document.querySelectorAll('#index option').length > 0",
+                                   timeout=30_000)
+            assert page.locator("#index option").all_inner_texts() == ["acl"]
+            # two clauses: the planner launches more than the question's own branch
+            page.fill("#question", "What does the Alpha Roadmap plan for harbor sensors and "
+                                   "what does the Alpha Budget plan for the lighthouse?")
+            page.click("#go")
+            page.wait_for_selector("#evidence-list li", timeout=120_000)
+            page.wait_for_function("!document.getElementById('go').disabled", timeout=30_000)
+            docs = page.locator("#evidence-list li").evaluate_all(
+                "els => els.map(e => e.dataset.docId)")
+            assert {"a-roadmap", "a-budget"} & set(docs)
+            assert not any(d.startswith("b-") for d in docs)
+            cards = page.locator(".branch")
+            assert cards.count() >= 2
+            assert page.locator(".branch .badge.ok").count() == cards.count()
+            assert page.locator(".branch .log li.search").count() >= cards.count()
+            assert "found by branch" in page.inner_text("#evidence")
+            assert page.inner_text("#trace").startswith("trace id ")
+            assert "done: ok" in page.inner_text("#status")
+            body = page.inner_text("body")
+            assert LEAK_MARKER not in body.lower()
+            # hostile markup in a document is shown as text, never run or rendered
+            assert page.locator("#injected").count() == 0
+            assert page.evaluate("window.pwned === undefined")
+            if "a-markup" in docs:
+                assert "<b id=injected>" in body
+            assert errors == []
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000

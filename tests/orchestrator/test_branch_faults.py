@@ -1,0 +1,399 @@
+"""Backend faults end branches honestly: a dead backend is an `error` branch and a `failed`
+result, never an empty `ok`; batch retries what is not ok and ends with one line per id.
+Real components: the Elasticsearch emulator as the lexical backend, stopped mid-batch."""
+
+import json
+
+import pytest
+
+from branchsearch.orchestrator.batch import check_output, compact, done_ids, run_batch
+
+from conftest import HOTPOT
+
+
+def _items():
+    rows = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    return [(r["_id"], r["text"]) for r in rows]
+
+
+def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(
+        json.dumps({"id": "a", "status": "ok", "evidence": [1]}) + "\n"
+        + json.dumps({"id": "b", "status": "partial"}) + "\n"
+        + json.dumps({"id": "c", "error": "BackendUnavailable: down"}) + "\n"
+        + json.dumps({"id": "d", "evidence": []}) + "\n"  # an old row without status
+        + '{"id": "e", "sta')  # torn by a crash
+    assert done_ids(out) == {"a"}
+    check_output(out, tmp_path / "in.jsonl")  # every line is one a batch wrote (or torn)
+    asked = []
+
+    def search(question):
+        asked.append(question)
+        if question == "qd":
+            raise RuntimeError("still broken")
+        return {"status": "ok", "evidence": [question]}
+
+    items = [(x, f"q{x}") for x in "abcde"]
+    counts = run_batch(items, out, search, concurrency=2)
+    assert sorted(asked) == ["qb", "qc", "qd", "qe"]
+    assert counts == {"skipped": 1, "ok": 3, "partial": 0, "failed": 1, "not_run": 0,
+                      "stopped": "", "failed_ids": ["d"]}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == list("abcde")  # one line each, input order
+    assert rows[3]["status"] == "failed" and "still broken" in rows[3]["error"]
+    # a crash after appending a newer attempt: the latest line wins when compacted
+    with out.open("a") as f:
+        f.write(json.dumps({"id": "d", "status": "ok", "evidence": ["late"]}) + "\n")
+    assert compact(out, list("abcde")) == 5 and done_ids(out) == set("abcde")
+    assert json.loads(out.read_text().splitlines()[3])["evidence"] == ["late"]
+
+
+@pytest.fixture
+def es_index(tmp_path):
+    """hotpot-mini with its lexical index in the emulator (BM25 only: no embedding needed)."""
+    from es_emulator import start_es_emulator
+
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
+
+    es = start_es_emulator(tmp_path / "es")
+    settings = load_settings(overrides={
+        "home": tmp_path / "home", "index": "hotpot-es", "es_url": es.url, "branches": 1,
+        "search_mode": "bm25", "backend_retries": 1, "backend_backoff_s": 0.05},
+        read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    state = {"es": es}
+    yield settings, state
+    state["es"].stop()
+
+
+def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
+    from es_emulator import start_es_emulator
+
+    from branchsearch.orchestrator.driver import Driver
+
+    settings, state = es_index
+    items, out = _items(), tmp_path / "out.jsonl"
+    driver = Driver(settings, mode="local")
+    asked = 0
+
+    def search(question):
+        nonlocal asked
+        asked += 1
+        if asked == 4:
+            state["es"].stop()  # the outage: the lexical backend is gone mid-batch
+        return driver.search(question).to_dict()
+
+    try:  # 3 failures in a row stop it: the outage does not mark every later question failed
+        counts = run_batch(items, out, search, concurrency=1, stop_after=3)
+    finally:
+        driver.close()
+    assert len(items) > 6 and counts["not_run"] == len(items) - 6
+    assert counts["stopped"].startswith("3 questions failed in a row (the last: ")
+    assert "BackendUnavailable" in counts["stopped"]
+    assert (counts["ok"], counts["failed"], counts["skipped"]) == (3, 3, 0)
+    assert counts["failed_ids"] == [qid for qid, _ in items[3:6]]  # named, in input order
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [qid for qid, _ in items[:6]]  # nothing for the rest
+    for row in rows[3:]:
+        assert row["status"] == "failed" and row["evidence"] == []
+        branch = row["branches"][0]
+        assert branch["status"] == "error" and branch["termination"] == "backend_error"
+        assert "BackendUnavailable" in branch["error"] and "after 1 retries" in branch["error"]
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows[:3])
+
+    state["es"] = start_es_emulator(tmp_path / "es", port=state["es"].port)  # same data
+    driver = Driver(settings, mode="local")
+    try:
+        again = run_batch(items, out, lambda q: driver.search(q).to_dict(), concurrency=2)
+    finally:
+        driver.close()
+    assert again == {"skipped": 3, "ok": len(items) - 3, "partial": 0, "failed": 0,
+                     "not_run": 0, "stopped": "", "failed_ids": []}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [qid for qid, _ in items]  # one line per id
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows)
+
+
+def test_an_index_whose_store_files_are_gone_or_garbage_is_damaged_not_empty(tmp_path):
+    """Deleting docs.sqlite or tantivy/ used to make every search 'ok' with no evidence (and a
+    fresh empty store file appear); a garbage docs.sqlite a traceback. Both are one error,
+    and nothing is created in the index."""
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.config.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "hm", "search_mode": "bm25"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    docs = settings.index_dir / "docs.sqlite"
+    saved = docs.read_bytes()
+    docs.unlink()
+    with pytest.raises(IndexIncomplete, match="damaged.*docs.sqlite missing"):
+        open_retriever(settings, need_dense=False)
+    assert not docs.exists()
+    docs.write_bytes(b"not a database" * 600)
+    with pytest.raises(IndexIncomplete, match="damaged.*not a database"):
+        open_retriever(settings, need_dense=False)
+    from branchsearch.infra.index.catalog import owned_indexes  # `indexes` says so too (said "ok")
+
+    assert [i.health for i in owned_indexes(settings)] == [
+        "damaged: docs.sqlite is not a database; remove the folder and ingest it again"]
+    docs.write_bytes(saved)
+    meta = settings.index_dir / "tantivy" / "meta.json"
+    meta.rename(meta.with_suffix(".bak"))
+    with pytest.raises(IndexIncomplete, match="tantivy"):
+        open_retriever(settings, need_dense=False)
+    meta.with_suffix(".bak").rename(meta)
+    terms = {p: p.read_bytes() for p in (settings.index_dir / "tantivy").glob("*.term")}
+    assert terms
+    for path in terms:  # a segment file emptied: tantivy refuses the index; before, a traceback
+        path.write_bytes(b"")
+    with pytest.raises(IndexIncomplete, match="damaged.*tantivy.*ingest it again"):
+        open_retriever(settings, need_dense=False)
+    with pytest.raises(IndexIncomplete, match="damaged"):
+        ingest(HOTPOT, settings, dense=False)
+    for path, data in terms.items():
+        path.write_bytes(data)
+    r = open_retriever(settings, need_dense=False)
+    try:
+        assert r.search("Ed Wood", "bm25", 3)
+    finally:
+        r.close()
+
+
+def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_path):
+    from branchsearch.orchestrator.batch import read_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "question": "..."}) + "\n" for i in range(3))
+                    + json.dumps({"id": "ok", "question": "Who is Ed Wood?"}) + "\n")
+    data = read_questions(path)
+    assert data.items == [("ok", "Who is Ed Wood?")]
+    assert len(data.bad_lines) == 3 and "no words" in data.bad_lines[0]
+    path.write_text(json.dumps({"id": "e", "question": " "}) + "\n"
+                    + json.dumps({"question": "Who?"}) + "\n")
+    assert read_questions(path).bad_lines == [  # each says what is wrong with it
+        f"{path}:1: empty question: give the words to search for",
+        f"{path}:2: needs 'id' (or '_id') and 'question' (or 'text')"]
+    from branchsearch.infra.errors import CorpusError
+
+    with pytest.raises(CorpusError, match="is a folder; give the questions file"):
+        read_questions(tmp_path)
+
+
+def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
+    from branchsearch.orchestrator.batch import read_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('[{"id": 1, "question": "Who is Ed Wood?"}]\n"Who?"\nnull\n7\n'
+                    '{"id": "ok", "question": "Who is Ed Wood?"}\n')
+    data = read_questions(path)
+    assert data.items == [("ok", "Who is Ed Wood?")]
+    assert data.bad_lines == [f"{path}:{n}: a line is one JSON object per question, not {kind}"
+                              for n, kind in ((1, "an array"), (2, "a string"), (3, "null"),
+                                              (4, "a number"))]
+
+
+def test_an_error_inside_a_ray_task_is_one_line_by_its_cause():
+    """A branch's error (and a batch's stop line) names what failed, not Ray's coloured
+    traceback: before, 'RayTaskError(ValueError): ray::RetrieverActor.call_many() (pid=…)'
+    and a traceback fragment with escape codes."""
+    import ray.exceptions
+
+    from branchsearch.infra.errors import error_line
+
+    cause = ValueError("tantivy: index directory\nis gone")
+    exc = ray.exceptions.RayTaskError(
+        "RetrieverActor.call_many", "Traceback (most recent call last):\n  \x1b[36mFile x\x1b[0m",
+        cause, proctitle="ray::RetrieverActor", pid=4242, ip="10.0.0.1")
+    assert error_line(exc) == "ValueError: tantivy: index directory is gone"
+    assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two"), 12) == "RuntimeError"[:12]
+    assert error_line(RuntimeError("\x1b[31mred\x1b[0m\nline two")) == "RuntimeError: red line two"
+    outer = ray.exceptions.RayTaskError("BranchActor.run", "Traceback …", exc, pid=1)
+    assert error_line(outer) == "ValueError: tantivy: index directory is gone"
+
+
+def test_a_dense_store_gone_from_a_complete_index_is_damaged_not_empty(hotpot_settings):
+    """A deleted dense.db used to be recreated empty by Milvus Lite: dense search answered `[]`
+    with rc 0 and a hybrid search 'ok' on BM25 alone. Now it is one error line, and nothing is
+    created; a collection dropped from the file likewise."""
+    import subprocess
+    import sys
+
+    from conftest import ingest_copy
+
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.index.open import dense_store, open_retriever
+
+    settings = ingest_copy(hotpot_settings, "dense-gone")
+    db = settings.index_dir / "dense.db"
+    db.rename(db.with_suffix(".bak"))
+    with pytest.raises(IndexIncomplete, match=r"damaged: .*dense\.db missing; remove .* again"):
+        open_retriever(settings)
+    done = subprocess.run(
+        [sys.executable, "-m", "branchsearch.orchestrator.cli", "retrieve", "Ed Wood", "--home",
+         str(settings.home), "--index", settings.index, "--mode", "dense", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[-300:])
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "damaged" in lines[0] and "dense.db missing" in lines[0], lines
+    assert not db.exists()  # nothing recreated
+    from branchsearch.infra.index.catalog import owned_indexes
+
+    health = {i.name: i.health for i in owned_indexes(settings)}
+    assert health[settings.index].startswith("damaged: dense.db missing"), health
+    assert health[hotpot_settings.index] == "ok"
+    bm25 = open_retriever(settings.replace(search_mode="bm25"), need_dense=False)
+    try:  # the lexical side is intact and still answers
+        assert bm25.search("Ed Wood", "bm25", 3)
+    finally:
+        bm25.close()
+
+    db.with_suffix(".bak").rename(db)
+    r = open_retriever(settings)
+    try:
+        assert r.search("Ed Wood", "dense", 3)  # the file back: dense search answers again
+    finally:
+        r.close()
+    store = dense_store(settings, 384)
+    store.drop()
+    store.close()
+    with pytest.raises(IndexIncomplete, match=r"damaged: .*collection 'chunks_dense_gone'"):
+        open_retriever(settings)
+    with pytest.raises(IndexIncomplete):  # the refused open released the file: still refused
+        open_retriever(settings)
+
+
+def test_a_dense_backend_that_stops_answering_ends_the_branch_not_the_batch(hotpot_settings):
+    """Killing Milvus Lite's process under a running search used to hang it for good (pymilvus
+    retried with no deadline). Every Milvus request now has `backend_timeout_s` (a stopped
+    process: the search raises BackendUnavailable when it passes), and a dead Lite process
+    fails at once: the branch ends `error`, the question `failed`."""
+    import os
+    import signal
+    import threading
+
+    from milvus_lite.server_manager import server_manager_instance
+
+    from conftest import ingest_copy
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.driver import Driver
+
+    import time
+
+    # a deadline a loaded CI machine meets on every live search, short enough to wait out
+    settings = ingest_copy(hotpot_settings, "dense-killed").replace(
+        backend_timeout_s=8.0, backend_retries=0, branches=1, search_mode="dense")
+    driver = Driver(settings, mode="local")
+    try:
+        assert driver.search("Who directed Ed Wood?").to_dict()["status"] == "ok"
+        server = server_manager_instance._servers[str(
+            (settings.index_dir / "dense.db").absolute().resolve())]
+        retriever = driver.executor.retriever
+        os.kill(server._p.pid, signal.SIGSTOP)  # alive but not answering: the deadline ends it
+        for _ in range(100):  # the stop takes effect asynchronously: a search sent before it
+            if open(f"/proc/{server._p.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
+                break  # is answered (seen: the test's one flaky failure)
+            time.sleep(0.05)
+        try:
+            with pytest.raises(BackendUnavailable, match="search failed .*DEADLINE_EXCEEDED"):
+                retriever.search("Ed Wood", "dense", 3)
+        finally:
+            os.kill(server._p.pid, signal.SIGCONT)
+        for attempt in range(10):  # answering again (a resumed server may first catch up)
+            try:
+                assert retriever.search("Ed Wood", "dense", 3)
+                break
+            except BackendUnavailable:
+                if attempt == 9:
+                    raise
+                time.sleep(1)
+        os.kill(server._p.pid, signal.SIGKILL)  # the Lite process dies under the retriever
+        server._p.wait()
+        outcome = {}
+
+        def question():
+            try:
+                outcome["result"] = driver.search("Who directed Ed Wood?").to_dict()
+            except Exception as exc:  # noqa: BLE001 — reported below
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=question, daemon=True)
+        worker.start()
+        worker.join(120)  # far above the 8 s timeout: only a hang reaches it
+        assert not worker.is_alive(), "a question on a dead Milvus Lite hangs"
+        result = outcome.get("result")
+        assert result is not None, outcome
+        assert result["status"] == "failed" and result["evidence"] == []
+        branch = result["branches"][0]
+        assert branch["status"] == "error" and branch["termination"] == "backend_error"
+        # a dead Lite process fails at once (pymilvus would retry it until the deadline)
+        assert "server process for" in branch["error"] and "exited" in branch["error"]
+        with pytest.raises(BackendUnavailable, match="exited .*search failed"):
+            retriever.search("Ed Wood", "dense", 3)
+    finally:
+        driver.close()
+
+
+def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(hotpot_settings):
+    """Its Milvus Lite collection is named for the index it was ingested as: under a new folder
+    name a search called it damaged ("remove it and ingest again") and an ingest filled a
+    second, empty collection, then failed and left the copy without a manifest. Now both say
+    what happened, before anything is touched; renamed back, it answers."""
+    import shutil
+    from pathlib import Path
+
+    from branchsearch.infra.index.catalog import owned_indexes
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.index.open import open_retriever
+
+    from conftest import ingest_copy
+
+    # an index of its own: copying a folder whose Lite file a process has open (the session's
+    # hotpot index) closes that process's lock handle, and Milvus Lite stops its server
+    source = ingest_copy(hotpot_settings, "copy-source")
+    copy = hotpot_settings.replace(index="hotpot-copy")
+    shutil.copytree(source.index_dir, copy.index_dir)
+    manifest = (copy.index_dir / "manifest.json").read_bytes()
+    said = r"ingested as 'copy-source' and its folder copied .*rename the folder back"
+    with pytest.raises(IndexIncomplete, match=said):
+        open_retriever(copy)
+    with pytest.raises(IndexIncomplete, match=said):
+        ingest(HOTPOT, copy)
+    assert (copy.index_dir / "manifest.json").read_bytes() == manifest  # untouched
+    health = {i.name: i.health for i in owned_indexes(copy)}
+    assert health["hotpot-copy"].startswith("copied or renamed from 'copy-source'"), health
+    assert health["copy-source"] == "ok"
+    # the same folder under its own name in another home (a moved home) is fine
+    moved = source.replace(home=Path(copy.home).parent / "moved-home")
+    shutil.copytree(copy.index_dir, moved.index_dir)
+    retriever = open_retriever(moved)
+    try:
+        assert retriever.search("Ed Wood", "hybrid", 3)
+    finally:
+        retriever.close()
+
+
+def test_ingested_as_reads_only_a_folder_s_own_lite_file(tmp_path):
+    from branchsearch.infra.index.manifest import Manifest, ingested_as
+
+    def manifest(dense: str) -> Manifest:
+        fields = {f: None for f in Manifest.__dataclass_fields__}
+        return Manifest(**(fields | {"backends": {"dense": dense, "lexical": "tantivy"}}))
+
+    folder = tmp_path / "indexes" / "new-name"
+    folder.mkdir(parents=True)
+    # no dense.db here: its vectors are in a file milvus_uri names (another index's): no guess
+    assert ingested_as(folder, manifest("milvus-lite /old/indexes/old/dense.db (FLAT)")) is None
+    (folder / "dense.db").write_bytes(b"")  # a copied folder carries its own Lite file
+    assert ingested_as(folder, manifest("milvus-lite /old/indexes/old/dense.db (FLAT)")) == "old"
+    assert ingested_as(folder, manifest("milvus-lite /h (1)/indexes/old/dense.db (HNSW)")) == "old"
+    assert ingested_as(folder, manifest("milvus-lite /h/indexes/new_name/dense.db (HNSW)")) is None
+    assert ingested_as(folder, manifest("milvus-lite /data/vectors.db (FLAT)")) is None
+    assert ingested_as(folder, manifest("milvus http://milvus:19530 (HNSW)")) is None
+    assert ingested_as(folder, manifest("")) is None

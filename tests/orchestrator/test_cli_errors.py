@@ -1,0 +1,351 @@
+"""Every user-caused error is one `error:` line on stderr and exit status 2, never a traceback.
+
+Each case runs the real CLI as a subprocess (`python -m branchsearch.orchestrator.cli …`); the
+cases start together, so the whole table costs about one CLI start per core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from branchsearch.infra.stores.protocols import MAX_K, check_k, check_pattern
+from branchsearch.infra.errors import BadQuery
+from branchsearch.orchestrator.cli.render import clean, one_line
+
+CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+
+
+def run(args, env=None, timeout=300):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_all(cases: dict) -> dict:
+    with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 2, 2)) as pool:
+        futures = {name: pool.submit(run, args) for name, args in cases.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def assert_one_error_line(done, expect: str, name: str = ""):
+    assert done.returncode == 2, (name, done.returncode, done.stderr[-800:])
+    assert "Traceback" not in done.stderr and "Traceback" not in done.stdout, name
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (name, done.stderr[-800:])
+    assert expect.lower() in lines[0].lower(), (name, lines[0])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-errors")
+    (root / "a-file").write_text("not a folder\n")
+    (root / "outdir").mkdir()
+    (root / "questions.jsonl").write_text(json.dumps({"id": "q", "question": "x"}) + "\n")
+    (root / "empty.jsonl").write_text("\n")
+    (root / "notes.jsonl").write_text('{"id": "zz", "note": "my notes"}\nplain text\n')
+    (root / "latin1-questions.jsonl").write_bytes(b'{"id": "q", "question": "caf\xe9"}\n')
+    (root / "latin1-corpus.jsonl").write_bytes(
+        b'{"_id": "d", "title": "T", "text": "ok"}\n{"_id": "e", "text": "caf\xe9"}\n')
+    beir = root / "dev-only"  # a BEIR folder whose qrels are only dev.tsv
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "queries.jsonl").write_text(json.dumps({"_id": "q1", "text": "what?"}) + "\n")
+    (beir / "corpus.jsonl").write_text(json.dumps({"_id": "d1", "text": "x"}) + "\n")
+    (beir / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    return root
+
+
+def test_usage_errors(inputs, tmp_path):
+    home = ["--home", tmp_path / "home"]
+    cases = {  # name: (args, what the error line must say)
+        "k 0": (["retrieve", "q", "--k", "0", *home], "--k"),
+        "k -1": (["retrieve", "q", "--k", "-1", *home], "--k"),
+        "k 100000 (Milvus)": (["retrieve", "q", "--k", "100000", *home], "less than or equal"),
+        "k 1e11 (tantivy)": (["retrieve", "q", "--k", "100000000000", *home], "--k"),
+        "unknown option": (["retrieve", "q", "--bogus"], "no such option: --bogus"),
+        "missing argument": (["retrieve"], "missing argument 'query'"),
+        "branches 0": (["search", "q", "--branches", "0", *home], "--branches"),
+        "limit 0": (["eval", inputs / "dev-only", "--limit", "0", *home], "--limit"),
+        "synth docs 3": (["synth", tmp_path / "s", "--docs", "3"], "--docs"),
+        "synth docs 10M": (["synth", tmp_path / "s", "--docs", "10000000"], "--docs"),
+        "unknown executor": (["search", "q", "--executor", "spark", *home], "--executor"),
+        "unknown mode": (["retrieve", "q", "--mode", "fuzzy", *home], "--mode"),
+        "unknown split": (["eval", inputs / "dev-only", "--split", "val", *home], "--split"),
+        "empty question": (["search", "  ", *home], "empty question"),
+        "empty query": (["retrieve", "", *home], "empty query"),
+        "punctuation question": (["search", "?! …", *home], "question has no words"),
+        "punctuation query": (["retrieve", "...", *home], "query has no words"),
+        "batch -o folder": (["batch", inputs / "questions.jsonl", "-o", inputs / "outdir",
+                             *home], "is a folder"),
+        "synth into a file": (["synth", inputs / "a-file"], "is a file"),
+        "synth under a file": (["synth", inputs / "a-file" / "sub"], "not a folder"),
+        "synth unwritable": (["synth", "/proc/branchsearch-synth"], "synth:"),
+        "non-UTF-8 batch input": (["batch", inputs / "latin1-questions.jsonl", "-o",
+                                   tmp_path / "out.jsonl", *home], "latin1-questions.jsonl:1: "
+                                  "not UTF-8 text (byte b'\\xe9' at offset 28)"),
+        "non-UTF-8 corpus": (["ingest", inputs / "latin1-corpus.jsonl", *home],
+                             "latin1-corpus.jsonl:2: not UTF-8"),
+        "split missing": (["eval", inputs / "dev-only", *home], "use --split dev"),
+        "acl * is reserved": (["retrieve", "q", "--acl", "*", *home], "reserved"),
+        "acl __public__ is reserved": (["retrieve", "q", "--acl", "__public__", *home],
+                                       "'__public__' is reserved"),
+        "acl empty": (["search", "q", "--acl", "", *home], "may not be empty"),
+        "empty batch input": (["batch", inputs / "empty.jsonl", "-o", tmp_path / "e.jsonl",
+                               *home], "no questions"),
+        "batch -o the input": (["batch", inputs / "questions.jsonl", "-o",
+                                inputs / "." / "questions.jsonl", *home], "is the input file"),
+        "batch -o a foreign file": (["batch", inputs / "questions.jsonl", "-o",
+                                     inputs / "notes.jsonl", *home],
+                                    "notes.jsonl:1 is not a batch result line"),
+        "settings k": (["search", "q", "--config", inputs / "k.toml", *home], "search_k"),
+    }
+    (inputs / "k.toml").write_text("search_k = 5000\n")
+    results = run_all({name: args for name, (args, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        assert_one_error_line(results[name], expect, name)
+    assert not (tmp_path / "s").exists()  # nothing written by the refused synth runs
+    assert not (tmp_path / "e.jsonl").exists()  # nor by the empty batch
+    assert (inputs / "questions.jsonl").read_text().count("\n") == 1  # input untouched
+    assert "plain text" in (inputs / "notes.jsonl").read_text()  # nor the foreign file
+
+
+def test_bad_home_index_name_and_settings_file(inputs, tmp_path):
+    """A `--home` that is a file, an index name no folder can have, a settings file that is not
+    UTF-8 or not TOML: one line, exit 2, nothing written (were tracebacks, exit 1)."""
+    a_file = inputs / "a-file"
+    long_name = "a" * 300
+    home = ["--home", tmp_path / "home"]
+    (tmp_path / "latin1.toml").write_bytes(b"budget_tokens = 4096 # caf\xe9\n")
+    (tmp_path / "broken.toml").write_text("budget_tokens = = 3\n")
+    (tmp_path / "latin1-home").mkdir()
+    (tmp_path / "latin1-home" / "branchsearch.toml").write_bytes(b"# caf\xe9\n")
+    questions = inputs / "questions.jsonl"
+    file_home = "is a file, not a folder"
+    cases = {
+        "ingest --home file": (["ingest", questions, "--home", a_file], file_home),
+        "retrieve --home file": (["retrieve", "q", "--home", a_file], file_home),
+        "search --home file": (["search", "q", "--executor", "local", "--home", a_file],
+                               file_home),
+        "batch --home file": (["batch", questions, "-o", tmp_path / "o.jsonl", "--executor",
+                               "local", "--home", a_file], file_home),
+        "indexes --home file": (["indexes", "--home", a_file], file_home),
+        "eval --home file": (["eval", inputs / "dev-only", "--split", "dev", "--home", a_file],
+                             file_home),
+        "--home under a file": (["retrieve", "q", "--home", a_file / "sub"],
+                                f"{a_file} is a file"),
+        "ingest long index": (["ingest", questions, "--index", long_name, *home], "too long"),
+        "retrieve long index": (["retrieve", "q", "--index", long_name, *home], "too long"),
+        "search long index": (["search", "q", "--index", long_name, *home], "too long"),
+        "batch long index": (["batch", questions, "-o", tmp_path / "o.jsonl", "--index",
+                              long_name, *home], "1-100 letters"),
+        "index 101 characters": (["retrieve", "q", "--index", "b" * 101, *home], "too long"),
+        "index with a slash": (["retrieve", "q", "--index", "../x", *home], "not allowed"),
+        "config not UTF-8": (["retrieve", "q", "--config", tmp_path / "latin1.toml", *home],
+                             "latin1.toml:1: not UTF-8"),
+        "home's config not UTF-8": (["retrieve", "q", "--home", tmp_path / "latin1-home"],
+                                    "branchsearch.toml:1: not UTF-8"),
+        "config not TOML": (["search", "q", "--config", tmp_path / "broken.toml", *home],
+                            "not valid TOML"),
+        "config a folder": (["ingest", questions, "--config", tmp_path, *home], "is a folder"),
+    }
+    results = run_all({name: args for name, (args, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        assert_one_error_line(results[name], expect, name)
+    assert a_file.read_text() == "not a folder\n"
+    assert not (tmp_path / "home").exists() and not (tmp_path / "o.jsonl").exists()
+    assert list((tmp_path / "latin1-home").iterdir()) == [tmp_path / "latin1-home" /
+                                                           "branchsearch.toml"]
+
+
+def test_index_names_any_script_up_to_100_characters(tmp_path):
+    """The rule (infra/config/settings.py, one place): 1-100 letters, digits, '-', '_' of any script,
+    at most 200 bytes in UTF-8, so the name is one folder on every file system."""
+    from branchsearch.infra.errors import SettingsError
+    from branchsearch.infra.config.settings import index_name_problem, load_settings
+
+    for good in ("default", "a" * 100, "é" * 100, "财务-2024_q1", "x"):
+        assert index_name_problem(good) == "", good
+    for bad in ("", "a" * 101, "😀" * 51, "../x", "a b", "a.b", "a/b", "-", "__", None, 5):
+        assert index_name_problem(bad), bad
+    with pytest.raises(SettingsError, match="too long"):
+        load_settings(overrides={"index": "a" * 300}, read_env=False, read_file=False)
+    with pytest.raises(SettingsError, match="too long"):  # from a settings file too
+        (tmp_path / "s.toml").write_text(f'index = "{"a" * 300}"\n')
+        load_settings(tmp_path / "s.toml", read_env=False)
+    name = "é" * 100  # 200 bytes: the longest name in the widest letters still ingests
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d1", "title": "T", "text": "Falcon plan"}) + "\n")
+    home = ["--home", tmp_path / "home", "--index", name]
+    done = run(["ingest", corpus, "--no-dense", *home])
+    assert done.returncode == 0, done.stderr[-800:]
+    shown = run(["retrieve", "Falcon", "--mode", "bm25", *home])
+    assert shown.returncode == 0 and "d1#p0" in shown.stdout, shown.stderr[-800:]
+
+
+def test_keys_with_a_home_that_is_a_file(inputs):
+    """`keys` reads `--home`/keys.json without settings: a file there is one line too."""
+    for args in (["keys", "list"], ["keys", "add", "bob", "--groups", "g"]):
+        done = run([*args, "--home", inputs / "a-file"])
+        assert_one_error_line(done, f"{inputs / 'a-file'} is a file, not a folder", args[1])
+    assert (inputs / "a-file").read_text() == "not a folder\n"
+
+
+def test_no_arguments_prints_help_and_exits_2():
+    done = run([])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "Usage: branchsearch" in done.stdout + done.stderr
+    assert run(["--help"]).returncode == 0
+
+
+def test_eval_split_reads_dev_qrels(inputs):
+    from branchsearch.infra.datasets.beir import read_queries
+
+    assert [q.id for q in read_queries(inputs / "dev-only", "dev")] == ["q1"]
+    with pytest.raises(Exception, match="use --split dev"):
+        read_queries(inputs / "dev-only")
+
+
+def test_bounds_and_patterns_below_the_cli():
+    assert check_k(MAX_K) == MAX_K and check_k(0) == 0
+    for bad in (MAX_K + 1, 100_000_000_000, -1, 2.5, True):
+        with pytest.raises(BadQuery):
+            check_k(bad)
+    assert check_pattern("[^a]pple") == "[^a]pple"  # a negated class, not an anchor
+    assert check_pattern("[a$]") == "[a$]" and check_pattern("a\\$") == "a\\$"
+    for bad, says in (("^acme", "anchors"), ("acme$", "anchors"), ("a\\d", "[0-9]"),
+                      ("(?i)a", "lookaround"), ("(a)\\1", "backreferences")):
+        with pytest.raises(BadQuery, match=says.replace("[", r"\[").replace("]", r"\]")):
+            check_pattern(bad)
+
+
+def test_terminal_text_strips_control_sequences():
+    hostile = ("T\x1b]0;pwned\x07i\x1b]52;c;aGk=\x1b\\t\x1b[2J\x1b[31ml\x1b[0me"
+               "\x9b31m\u202e\x00\x7f")
+    assert clean(hostile) == "Title"
+    assert one_line("a\n\tb \x1b[Kc", 4) == "a b "
+
+
+def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    title, text = "Falcon \x1b]0;pwned\x07 plan\x1b[2J", "Falcon \x1b[31mred\x1b[0m text"
+    corpus.write_text(json.dumps({"_id": "d1", "title": title, "text": text}) + "\n")
+    home = ["--home", tmp_path / "home"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    shown = run(["retrieve", "Falcon", "--mode", "bm25", *home])
+    assert shown.returncode == 0, shown.stderr[-800:]
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+    assert "Falcon plan" in shown.stdout and "Falcon red text" in shown.stdout
+    raw = run(["retrieve", "Falcon", "--mode", "bm25", "--json", *home])
+    assert json.loads(raw.stdout)[0]["title"] == title  # --json keeps the text as it is
+    assert "note:" not in shown.stderr  # asked for BM25, got BM25: nothing to say
+    hybrid = run(["retrieve", "Falcon", *home])  # the default mode on a BM25-only index
+    assert hybrid.returncode == 0 and "Falcon plan" in hybrid.stdout
+    assert "has only its bm25 side" in hybrid.stderr and "--no-dense" in hybrid.stderr
+
+
+@pytest.mark.ray
+def test_backend_down_on_the_ray_executor(tmp_path):
+    """A retriever actor that cannot reach its backend: the error it died of, as one line
+    (was: ActorDiedError, 115 lines of traceback)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d1", "title": "Falcon", "text": "Falcon plan"}) + "\n")
+    home = ["--home", tmp_path / "home"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    done = run(["search", "Falcon", "--branches", "2", *home],
+               env={"BRANCHSEARCH_ES_URL": "http://127.0.0.1:9", "RAY_ADDRESS": ""},
+               timeout=600)
+    assert done.returncode == 2, done.stderr[-1500:]
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if len(errors) == 1 and "cannot start a local cluster" in errors[0]:
+        pytest.skip(f"this machine could not start Ray (not the case under test): {errors[0]}")
+    assert len(errors) == 1 and "127.0.0.1:9" in errors[0], done.stderr[-1500:]
+
+
+def test_synth_bounds_in_the_library(tmp_path):
+    from branchsearch.infra.datasets.synth import MAX_DOCS, SynthError, synth
+
+    with pytest.raises(SynthError, match="at most"):
+        synth(tmp_path / "big", docs=MAX_DOCS + 1, tasks=1)
+    with pytest.raises(SynthError, match="free space"):  # /proc has none: checked before writing
+        synth(Path("/proc") / "x", docs=1000, tasks=10)
+    assert not (tmp_path / "big").exists()
+
+
+def test_actor_died_of_a_user_error_is_that_error():
+    """An actor that dies in its constructor of a user error: the execution room raises that
+    error itself (Ray's ActorDiedError carries the creation task's error, which holds it), so
+    the CLI shows one line; an unrelated actor death is not the user's and keeps its
+    traceback."""
+    import traceback
+
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.cli import user_error
+    from branchsearch.orchestrator.execution.pool import start_error
+
+    try:
+        raise BackendUnavailable("elasticsearch at http://127.0.0.1:9 is not reachable")
+    except BackendUnavailable as exc:
+        died = ActorDiedError(RayTaskError("RetrieverService.__init__",
+                                           "".join(traceback.format_exception(exc)), exc))
+    cause = start_error(died)
+    assert isinstance(cause, BackendUnavailable)
+    assert user_error(cause) == "elasticsearch at http://127.0.0.1:9 is not reachable"
+    assert start_error(ActorDiedError()) is None  # a crash, not the user's
+    assert user_error(ActorDiedError()) is None  # keeps its traceback
+    try:
+        raise KeyError("x")
+    except KeyError as exc:
+        bug = ActorDiedError(RayTaskError("f", "".join(traceback.format_exception(exc)), exc))
+    assert start_error(bug) is None and user_error(bug) is None
+
+
+@pytest.mark.ray
+def test_a_failed_search_exits_1(tmp_path):
+    """`status: failed` is exit status 1 (typer hands a command's exit code back to `main`,
+    which once dropped it: a failed search exited 0)."""
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    done = run(["search", "Were Scott Derrickson and Ed Wood of the same nationality?",
+                "--branches", "3", *home],
+               env={"BRANCHSEARCH_SEARCH_MODE": "bm25", "BRANCHSEARCH_BRANCH_TIMEOUT_S": "0.0001",
+                    "RAY_ADDRESS": ""}, timeout=600)
+    assert "status: failed" in done.stdout, (done.stdout[-800:], done.stderr[-800:])
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
+    import signal
+    import time
+
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    queries = [json.loads(line)["text"] for line in
+               (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
+                           + "\n" for i in range(2000)))
+    proc = subprocess.Popen([*CLI, "batch", inp, "-o", out, "--executor", "local",
+                             "--branches", "1", *home],
+                            env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # what ^C sends
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stderr[-800:])
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    lines = out.read_text().splitlines()
+    assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)

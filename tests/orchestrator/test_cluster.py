@@ -1,0 +1,81 @@
+"""Actor planning as a pure function on synthetic cluster resources."""
+
+import pytest
+
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.config.settings import Settings
+from branchsearch.orchestrator.execution.actor_plan import MIN_BRANCH_CPUS, plan_actors
+
+S = Settings()  # 3 branches, branch_num_cpus 0.5
+
+
+def fits(plan, resources):
+    demand = plan.demand()
+    return all(demand[r] <= resources.get(r, 0) + 1e-9 for r in ("CPU", "GPU"))
+
+
+def test_two_cores_with_an_llm_engine_fit_every_actor():
+    """The case that hung: 2 CPUs, one engine actor, 3 branches x concurrency 2."""
+    resources = {"CPU": 2.0}
+    plan = plan_actors(S, resources, 6, engines=1)
+    assert len(plan.engines) == 1 and plan.branch_actors == 6 and fits(plan, resources)
+    assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS and "num_gpus" not in plan.branch
+    # the old sizing ignored the engine: 0.5 + 0.5 + 6 x 0.25 = 2.5 > 2 CPUs
+    assert plan.demand()["CPU"] <= 2.0
+
+
+@pytest.mark.parametrize("cpus, pool, engines", [
+    (1, 3, 0), (2, 6, 1), (2, 64, 2), (4, 12, 1), (16, 6, 0), (0.6, 3, 1), (3, 7, 3)])
+def test_every_plan_fits_or_shrinks(cpus, pool, engines):
+    resources = {"CPU": float(cpus)}
+    plan = plan_actors(S, resources, pool, engines=engines)
+    assert fits(plan, resources)
+    assert S.branches <= plan.branch_actors <= pool
+    assert plan.shrunk_from == (pool if plan.branch_actors < pool else 0)
+    assert plan.branch["num_cpus"] <= S.branch_num_cpus
+
+
+def test_a_large_pool_shrinks_on_a_small_cluster():
+    plan = plan_actors(S, {"CPU": 1.0}, 100)
+    assert plan.branch_actors < 100 and plan.shrunk_from == 100
+    assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS
+
+
+def test_too_small_a_cluster_stops_with_one_line_naming_the_shortage():
+    with pytest.raises(BranchsearchError, match=r"not enough CPUs: the cluster has 0.2"):
+        plan_actors(S, {"CPU": 0.2}, 3, engines=1)
+    with pytest.raises(BranchsearchError, match="needs? 4 GPUs, the cluster has 2"):
+        plan_actors(S.replace(llm_engines=2, llm_tensor_parallel=2), {"CPU": 8, "GPU": 2}, 3,
+                    engines=2)
+
+
+def test_gpus_go_to_engines_first_and_branches_only_when_asked():
+    resources = {"CPU": 8.0, "GPU": 4.0}
+    plan = plan_actors(S, resources, 3, engines=2)
+    assert [e["num_gpus"] for e in plan.engines] == [1, 1]
+    assert "num_gpus" not in plan.branch  # branch_num_gpus is 0 by default
+    asked = plan_actors(S.replace(branch_num_gpus=1.0), resources, 3, engines=2)
+    assert asked.branch["num_gpus"] == pytest.approx(0.666) and fits(asked, resources)
+    cpu_only = plan_actors(S.replace(branch_num_gpus=1.0), {"CPU": 8.0}, 3, engines=1)
+    assert "num_gpus" not in cpu_only.branch and "num_gpus" not in cpu_only.engines[0]
+
+
+@pytest.mark.parametrize("free, indexes", [(1.85, 2), (1.85, 5), (0.5, 1), (15.8, 3), (2, 0)])
+def test_the_service_pool_fits_what_is_free_with_room_for_every_index(free, indexes):
+    """The service's one branch pool is planned from what is free after Serve's own actors,
+    leaving a retriever's share for each index and one more: nothing it starts can pend."""
+    from branchsearch.orchestrator.execution.actor_plan import plan_service
+
+    plan = plan_service(S, {"CPU": free}, indexes, 6)
+    demand = plan.branch_actors * plan.branch["num_cpus"] + \
+        (indexes + 1) * plan.retriever["num_cpus"]
+    assert demand <= free + 1e-9
+    assert S.branches <= plan.branch_actors <= 6
+    assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS
+
+
+def test_a_service_without_room_for_one_question_says_so():
+    from branchsearch.orchestrator.execution.actor_plan import plan_service
+
+    with pytest.raises(BranchsearchError, match="not enough CPUs for the service"):
+        plan_service(S, {"CPU": 0.1}, 2, 6)

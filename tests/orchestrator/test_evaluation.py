@@ -1,0 +1,132 @@
+"""Agent measures and failure attribution computed by hand on small trajectories; the synthetic
+corpus; the eval report end to end on the fixture."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from branchsearch.infra.datasets.synth import synth
+from branchsearch.orchestrator.evaluation.attribution import (Trajectory, agent_measures,
+                                                              answer_in, attribute)
+from branchsearch.orchestrator.evaluation.run import compare
+
+GOLD = {"a": 1, "b": 1}
+TITLES = {"a": "Alpha Works", "b": "Beta Holdings (company)"}
+
+
+def test_measures_by_hand():
+    t = Trajectory(final_ranking=["a#p0", "x#p0", "b#p1", "y#p0", "z#p0", "w#p0"],
+                   retrieved=["a#p0", "x#p0", "b#p1", "y#p0", "z#p0", "w#p0", "q#p0"],
+                   pruned=["q#p0", "x#p1", "a#p3"], final_context=["a#p0", "b#p1"],
+                   evidence_text="Alpha Works was founded in 1901 by Ada Chen.")
+    m = agent_measures(t, GOLD, k=5, answer="Ada Chen")
+    assert m["trajectory_recall"] == 1.0
+    assert m["precision"] == 2 / 5 and abs(m["f1"] - 2 * 0.4 * 1 / 1.4) < 1e-12
+    assert m["prune_accuracy"] == 2 / 3  # a#p3 belongs to gold document a
+    assert m["bridge_preserved"] == 1.0 and m["answer_found"] == 1.0
+    assert agent_measures(Trajectory(["x#p0"], ["x#p0"], [], ["x#p0"]), GOLD)[
+        "trajectory_recall"] == 0.0
+    assert "bridge_preserved" not in agent_measures(Trajectory(["a#p0"], ["a#p0"], [], []), GOLD)
+    assert answer_in("1901", "in 1901.") and not answer_in("190", "in 1901")
+
+
+@pytest.mark.parametrize("t, text, expected", [
+    (Trajectory(["a#p0", "b#p0"], ["a#p0", "b#p0"], [], ["a#p0", "b#p0"]), "", ("ok", [])),
+    (Trajectory(["a#p0", "x#p0"], ["a#p0", "x#p0"], [], ["a#p0"]), "nothing here",
+     ("retrieval_miss", ["b"])),
+    (Trajectory(["a#p0", "x#p0"], ["a#p0", "x#p0"], [], ["a#p0"]),
+     "Alpha Works bought Beta Holdings in 1990.", ("early_stop", ["b"])),
+    (Trajectory(["a#p0", "x#p0"], ["a#p0", "x#p0", "b#p0"], ["b#p0"], ["a#p0", "x#p0"]), "",
+     ("premature_prune", ["b"])),
+    (Trajectory(["a#p0", "x#p0", "y#p0"], ["a#p0", "x#p0", "y#p0", "b#p0"], [],
+                ["a#p0", "x#p0", "y#p0", "b#p0"]), "", ("overload", ["b"])),
+])
+def test_each_attribution_class(t, text, expected):
+    assert attribute(t, GOLD, TITLES, text, k=2) == expected
+
+
+def test_paired_comparison_by_hand():
+    agent = {"metrics": {"all_recall@5": 0.5, "turns": 3},
+             "per_query": [{"id": "1", "metrics": {"all_recall@5": 1.0}},
+                           {"id": "2", "metrics": {"all_recall@5": 0.0}}]}
+    base = {"metrics": {"all_recall@5": 0.25},
+            "per_query": [{"id": "1", "metrics": {"all_recall@5": 0.0}},
+                          {"id": "2", "metrics": {"all_recall@5": 0.0}}]}
+    c = compare(agent, base)
+    assert c["difference"] == {"all_recall@5": 0.25}
+    assert (c["wins"], c["losses"], c["ties"]) == (1, 0, 1)
+
+
+def test_synth_is_deterministic_and_well_formed(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert synth(a, docs=120, tasks=10, seed=3)["documents"] == 120
+    synth(b, docs=120, tasks=10, seed=3)
+    for name in ("corpus.jsonl", "queries.jsonl", "qrels/test.tsv"):
+        assert (a / name).read_text() == (b / name).read_text()
+    assert (a / "corpus.jsonl").read_text() != synth(tmp_path / "c", 120, 10, seed=4) and \
+        (tmp_path / "c" / "corpus.jsonl").read_text() != (a / "corpus.jsonl").read_text()
+    docs = {json.loads(line)["_id"]: json.loads(line) for line in open(a / "corpus.jsonl")}
+    queries = [json.loads(line) for line in open(a / "queries.jsonl")]
+    qrels = [line.split("\t") for line in (a / "qrels/test.tsv").read_text().splitlines()[1:]]
+    assert len(queries) == 10 and all(d in docs for _, d, _ in qrels)
+    # the chain: plan names the vendor, whose profile names the contract, which names the review
+    plan, vendor, contract = docs["t1-plan"], docs["t1-vendor"], docs["t1-contract"]
+    assert vendor["title"] in plan["text"] and contract["title"] in vendor["text"]
+    assert queries[1]["metadata"]["answer"] in docs["t1-review"]["text"]
+    # look-alikes share names with the gold chain
+    assert docs["t1-plan-old"]["title"].split(" (")[0] == plan["title"].split(" (")[0]
+    with pytest.raises(ValueError):
+        synth(tmp_path / "d", docs=10, tasks=5)
+
+
+def run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args],
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_path):
+    from conftest import HOTPOT
+
+    report = tmp_path / "r.json"
+    done = run_cli("eval", str(HOTPOT), "--policy", "heuristic", "--compare", "--report",
+                   str(report), "--plots", str(tmp_path / "plots"), "--limit", "6",
+                   "--home", str(hotpot_settings.home), "--index", "hotpot-eval")
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(report.read_text())
+    m = data["metrics"]
+    for name in ("recall@5", "all_recall@5", "ndcg@10", "trajectory_recall", "precision", "f1",
+                 "prune_accuracy", "context_tokens_final", "tokens_read", "turns",
+                 "tool_calls", "tool_calls_per_turn", "latency_s_p50", "answer_found"):
+        assert name in m, name
+    assert sum(data["attribution"].values()) == 6
+    assert data["comparisons"][0]["wins"] + data["comparisons"][0]["losses"] + \
+        data["comparisons"][0]["ties"] == 6
+    assert all(p["attribution"] in data["attribution"] for p in data["runs"][0]["per_query"])
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["attribution.png", "context_tokens_per_turn.png", "recall_at_k.png"]
+    assert "## Failure attribution" in report.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ingest", "/nonexistent/corpus"], "corpus not found"),
+    (["retrieve", "x", "--index", "nope"], "index 'nope' not found"),
+    (["eval", "/nonexistent", "--mode", "bm25"], "not a BEIR folder"),
+    (["eval", ".", "--mode", "fuzzy"], "unknown mode"),
+    (["synth", "out", "--docs", "10", "--tasks", "5"], "docs >= 8 * tasks"),
+])
+def test_cli_errors_are_one_line_and_nonzero(tmp_path, args, message):
+    done = run_cli(*args, "--home", str(tmp_path)) if args[0] != "synth" else \
+        run_cli(*[str(tmp_path / a) if a == "out" else a for a in args])
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], done.stderr[-1000:]
+
+
+def test_malformed_corpus_is_one_clear_line_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "text": "x"}\n{oops\n')
+    done = run_cli("ingest", str(bad), "--home", str(tmp_path))
+    assert done.returncode == 2 and "bad.jsonl:2: not valid JSON" in done.stderr
+    assert not (tmp_path / "indexes" / "default" / "docs.sqlite").exists()  # nothing written

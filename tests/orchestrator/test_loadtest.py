@@ -1,0 +1,532 @@
+"""Load testing: the arrival process, the statistics by hand, knee and SLO on synthetic curves,
+the generator's open-loop timing (no coordinated omission), and short real runs against the
+in-process driver, the live service (`branchsearch serve`'s app under uvicorn) and Locust against
+it. Every request goes to loopback."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.loadtest import arrivals
+from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
+from branchsearch.orchestrator.loadtest.stats import (DROPPED, UNFINISHED, Sample, find_knee,
+                                                      slo_max, summarize)
+from branchsearch.orchestrator.loadtest.targets import (HttpTarget, RequestFailed, classify,
+                                                        stage_times)
+from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
+from branchsearch.orchestrator.evaluation.measures import percentile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- arrivals -----------------------------------------------------------------------------------
+
+def test_poisson_rate_and_gaps_within_tolerance():
+    times = arrivals.poisson_schedule(20.0, 200.0, random.Random(3))
+    # 4000 expected; sd of a Poisson count is sqrt(4000) ~ 63: allow 4 sd
+    assert abs(len(times) - 4000) < 4 * 63
+    gaps = np.diff([0.0, *times])
+    assert abs(gaps.mean() - 0.05) < 0.003
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.06  # exponential: coefficient of variation 1
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 200
+    assert arrivals.poisson_schedule(20.0, 200.0, random.Random(3)) == times  # seeded
+
+
+def test_constant_schedule_is_evenly_spaced():
+    times = arrivals.constant_schedule(4.0, 2.0)
+    assert times == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
+    assert arrivals.schedule("constant", 3.0, 1.0) == pytest.approx([0, 1 / 3, 2 / 3])
+    with pytest.raises(BranchsearchError, match="poisson or constant"):
+        arrivals.schedule("bursty", 1.0, 1.0)
+
+
+def test_ramp_parsing_and_bounded_plan():
+    assert arrivals.parse_ramp("1:4:1") == [1, 2, 3, 4]
+    assert arrivals.parse_ramp("0.5:2:0.5") == [0.5, 1.0, 1.5, 2.0]
+    assert arrivals.parse_ramp("1:2.5:1") == [1, 2]
+    for bad in ("1:4", "a:b:c", "4:1:1", "0:4:1", "1:4:0"):
+        with pytest.raises(BranchsearchError, match="--ramp"):
+            arrivals.parse_ramp(bad)
+    steps, cut = arrivals.plan_steps([1, 2, 3, 4], 10, total_s=25, drain_s=2)
+    assert [s.load for s in steps] == [1, 2] and cut == 2  # 2 x (10 + 2) <= 25 < 3 x 12
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+def test_percentiles_match_numpy():
+    rng = np.random.default_rng(5)
+    values = list(rng.lognormal(0, 1, 997))
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+def test_summary_by_hand_counts_latency_from_the_scheduled_time():
+    # five requests scheduled at 0, 1, 2, 3, 4 s of a 5 s step; the third was sent 1.5 s late
+    # (the generator was busy) and its latency must include that wait
+    s = [Sample(0, 100.0, 100.0, 100.2, "ok", {"plan": 0.01}, tokens_read=100),
+         Sample(0, 101.0, 101.0, 101.4, "ok", {"plan": 0.03}, tokens_read=100),
+         Sample(0, 102.0, 103.5, 103.6, "ok", {"plan": 0.02}, tokens_read=100),
+         Sample(0, 103.0, 103.0, 103.3, "partial", {}, branch_status={"branch_timeout": 1}),
+         Sample(0, 104.0, 0.0, None, DROPPED)]
+    out = summarize(s, load=1.0, loop="open", duration_s=5.0, cutoff=110.0)
+    # latencies of the answered: 0.2, 0.4, 1.6, 0.3 s (dropped: no latency)
+    lat = [0.2, 0.4, 1.6, 0.3]
+    assert out["latency_ms"]["p50"] == pytest.approx(np.percentile(lat, 50) * 1000)
+    assert out["latency_ms"]["p99"] == pytest.approx(np.percentile(lat, 99) * 1000)
+    assert out["latency_ms"]["max"] == pytest.approx(1600)
+    assert out["offered_rate"] == 1.0 and out["sent"] == 5 and out["ok"] == 3
+    # completions at 100.2, 101.4, 103.3, 103.6: a span of 3.4 s, plus the mean arrival gap
+    # (5 s / 5 sent) for the n-th; 3 of the 4 answers ok
+    assert out["throughput_rate"] == pytest.approx(4 / 4.4, abs=1e-4)
+    assert out["achieved_rate"] == pytest.approx(3 / 4.4, abs=1e-4)
+    assert out["errors"] == {"dropped": 1, "partial": 1} and out["error_rate"] == 0.4
+    assert out["branch_errors"] == {"branch_timeout": 1}
+    assert out["send_lag_ms"]["max"] == pytest.approx(1500)
+    assert out["stages_ms"]["plan"]["p50"] == pytest.approx(20)
+    assert out["tokens_read_per_s"] == pytest.approx(300 / 3.6, abs=0.1)
+    assert not out["latency_lower_bound"]
+
+
+def test_refusals_stay_out_of_the_latency_percentiles_and_are_counted_apart():
+    # two searches of 2 and 3 s; three fast refusals (a key over its limit, an overloaded
+    # service): they are errors, but the percentiles describe the searches the service ran
+    s = [Sample(0, 0.0, 0.0, 2.0, "ok"), Sample(0, 0.1, 0.1, 3.1, "ok"),
+         Sample(0, 0.2, 0.2, 0.21, "http_429:too_many_requests"),
+         Sample(0, 0.3, 0.3, 0.32, "http_429:too_many_requests"),
+         Sample(0, 0.4, 0.4, 0.43, "http_503:overloaded"),
+         Sample(0, 0.5, 0.5, 5.5, "http_504:deadline_exceeded")]
+    out = summarize(s, load=6, loop="closed", duration_s=6.0, cutoff=9.0)
+    lat = [2.0, 3.0, 5.0]  # the two answers and the 504 (it ran to its deadline)
+    assert out["latency_ms"]["p50"] == pytest.approx(np.percentile(lat, 50) * 1000)
+    assert out["latency_ms"]["max"] == pytest.approx(5000)
+    assert out["refused"] == 3 and out["refusal_rate"] == 0.5
+    assert out["refusals"] == {"http_429:too_many_requests": 2, "http_503:overloaded": 1}
+    assert out["refusal_latency_ms"]["max"] == pytest.approx(30)
+    assert out["error_rate"] == pytest.approx(4 / 6, abs=1e-4)  # refusals are still errors
+    # the report's table: refusals in their own column, not among the other errors
+    from branchsearch.orchestrator.loadtest import report as rep
+
+    report = {"command": "c", "started": "s", "machine": {"cpus": 2, "platform": "p",
+                                                          "load_average": "0"},
+              "target": {"kind": "service"}, "workload": {"source": "w", "questions": 1,
+                                                          "seed": 0},
+              "arrivals": {"loop": "closed", "process": "poisson", "step_duration_s": 6,
+                           "drain_s": 5, "max_inflight": 256, "think_s": 0},
+              "steps": [out], "knee": find_knee([out]), "stopped": ""}
+    row = [line for line in rep.markdown(report).splitlines() if line.startswith("| 6 ")][0]
+    assert "| 3 (50.0%): http_429:too_many_requests 2, http_503:overloaded 1 " \
+           "| http_504:deadline_exceeded 1 |" in row
+    assert "| 6 | 3000 | 4600 | " in row  # sent 6; p50 and p90 of the three that ran
+
+
+def test_unfinished_requests_enter_latency_at_their_lower_bound():
+    s = [Sample(0, 0.0, 0.0, 0.1, "ok"), Sample(0, 1.0, 1.0, None, UNFINISHED)]
+    out = summarize(s, load=1, loop="open", duration_s=2.0, cutoff=9.0)
+    assert out["latency_ms"]["max"] == pytest.approx(8000) and out["latency_lower_bound"]
+    assert out["errors"] == {"unfinished": 1}
+    # still busy at the cutoff: one answer in the 9 s from the first send to the cutoff
+    assert out["achieved_rate"] == pytest.approx(1 / 9, abs=1e-4)
+
+
+def _step(load, achieved, p99, errors=0.0, loop="open", throughput=None):
+    return {"load": load, "loop": loop, "offered_rate": load if loop == "open" else None,
+            "users": load if loop == "closed" else None, "achieved_rate": achieved,
+            "throughput_rate": throughput if throughput is not None else achieved,
+            "error_rate": errors, "latency_ms": {"p50": p99 / 2, "p99": p99}}
+
+
+def test_knee_where_throughput_stops_following_the_offered_rate():
+    curve = [_step(1, 1.0, 300), _step(2, 1.98, 320), _step(3, 2.9, 400), _step(4, 3.1, 600),
+             _step(5, 3.1, 5000)]
+    knee = find_knee(curve)
+    assert knee["knee"] == 3 and knee["saturated_at"] == 4 and "achieved" in knee["reason"]
+
+
+def test_knee_where_latency_blows_up_or_errors_appear():
+    latency = [_step(1, 1, 200), _step(2, 2, 250), _step(3, 3, 700)]
+    assert find_knee(latency)["knee"] == 2 and "p99" in find_knee(latency)["reason"]
+    errors = [_step(1, 1, 200), _step(2, 2, 210, errors=0.05)]
+    assert find_knee(errors)["knee"] == 1 and "errors" in find_knee(errors)["reason"]
+    healthy = [_step(1, 1, 200), _step(2, 2, 210)]
+    assert find_knee(healthy)["knee"] is None and "not reached" in find_knee(healthy)["reason"]
+    first = [_step(4, 1.0, 200)]
+    assert find_knee(first)["knee"] is None and "first step" in find_knee(first)["reason"]
+
+
+def test_closed_loop_knee_is_where_throughput_stops_scaling_with_users():
+    curve = [_step(1, 1.0, 500, loop="closed"), _step(2, 1.9, 520, loop="closed"),
+             _step(4, 3.6, 600, loop="closed"), _step(8, 4.0, 1900, loop="closed")]
+    assert find_knee(curve)["knee"] == 4 and find_knee(curve)["saturated_at"] == 8
+
+
+def test_slo_holds_up_to_the_last_step_of_an_unbroken_run():
+    curve = [_step(1, 1, 300), _step(2, 2, 450), _step(3, 3, 900), _step(4, 4, 480)]
+    assert slo_max(curve, 500)["load"] == 2  # step 4 is under the SLO but step 3 broke it
+    assert slo_max(curve, 1000)["load"] == 4
+    assert slo_max(curve, 100) is None
+    assert slo_max([_step(1, 1, 300, errors=0.02)], 500) is None  # errors > 1 %
+    assert slo_max([_step(1, 0.5, 300)], 500) is None  # did not keep up with the offered rate
+
+
+# --- targets ------------------------------------------------------------------------------------
+
+def test_classify_derives_status_and_stages_from_the_result():
+    result = {"branches": [{"status": "ok", "latency_s": 0.5, "backend_s": 0.1, "policy_s": 0.2},
+                           {"status": "timeout", "latency_s": 2.0}],
+              "metrics": {"latency_s": 2.1, "branch_latency_s_max": 2.0, "tokens_read": 77,
+                          "plan_s": 0.05, "fusion_s": 0.001, "engine_wait_s": 0.3}}
+    out = classify(result)
+    assert out["outcome"] == "partial" and out["tokens_read"] == 77
+    assert out["branch_status"] == {"branch_timeout": 1}
+    assert out["stages"] == {"server": 2.1, "slowest_branch": 2.0, "backend": 0.1, "policy": 0.2,
+                             "plan": 0.05, "fusion": 0.001, "engine_wait": 0.3}
+    assert classify({**result, "status": "failed"})["outcome"] == "failed"  # reported wins
+    assert stage_times({"branches": [{"status": "ok", "latency_s": 0.4}]}) == \
+        {"slowest_branch": 0.4}
+    assert stage_times({"metrics": {"latency_s": 0.5, "branch_latency_s_max": 0.4}}) == \
+        pytest.approx({"server": 0.5, "slowest_branch": 0.4, "outside_branches": 0.1})
+    # branches one after another (sum 0.9 s within the 1.0 s total): 0.1 s outside them
+    sequential = {"latency_s": 1.0, "branch_latency_s_max": 0.5, "branch_latency_s_sum": 0.9}
+    assert stage_times({"metrics": sequential})["outside_branches"] == pytest.approx(0.1)
+
+
+def test_workload_reads_beir_and_plain_jsonl_and_is_seeded(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question": "a?"}\n\n{"_id": "2", "text": "b?"}\n{"query": "c?"}\n')
+    assert read_questions(f) == ["a?", "b?", "c?"]
+    w1, w2 = Workload(["a", "b", "c", "d"], seed=1), Workload(["a", "b", "c", "d"], seed=1)
+    assert [w1.question(i) for i in range(8)] == [w2.question(i) for i in range(8)]
+    assert sorted(w1.question(i) for i in range(4)) == ["a", "b", "c", "d"]
+    f.write_text('{"question": "a?"}\n{"id": 3}\n')
+    with pytest.raises(BranchsearchError, match=r"q.jsonl:2"):
+        read_questions(f)
+
+
+def test_synth_workload_writes_its_corpus_once_and_asks_its_questions(tmp_path):
+    from branchsearch.orchestrator.loadtest.workload import from_synth
+
+    w = from_synth(tmp_path / "s", 3, seed=1)
+    assert len(w.questions) == 3 and all("plan for Project" in q for q in w.questions)
+    corpus = (tmp_path / "s" / "corpus.jsonl").read_text()
+    assert len(corpus.splitlines()) == 24 and w.corpus == tmp_path / "s"
+    assert from_synth(tmp_path / "s", 3, seed=1).questions == w.questions
+
+
+def test_probe_arithmetic_engine_rates_and_service_counters():
+    from branchsearch.orchestrator.loadtest.probes import (engine_rates, metric_deltas,
+                                                           parse_prometheus, summarize_gpu)
+
+    before = {"e0": {"requests": 10, "completion_tokens": 1000, "seconds": 5.0, "batches": 10}}
+    after = {"e0": {"requests": 40, "completion_tokens": 4000, "seconds": 15.0, "batches": 20}}
+    assert engine_rates(before, after, 20.0) == {"e0": {
+        "requests": 30, "completion_tokens": 3000, "completion_tokens_per_s": 150.0,
+        "busy_share": 0.5, "mean_batch": 3.0}}
+    text = ("# HELP x\nbranchsearch_searches_total{status=\"ok\"} 12\n"
+            "branchsearch_http_requests_in_flight 3\nbranchsearch_search_duration_seconds_bucket"
+            "{le=\"1\"} 4\nvllm:num_requests_running 2\nother_metric 9\nbroken line\n")
+    parsed = parse_prometheus(text)
+    assert parsed["branchsearch_searches_total{status=\"ok\"}"] == 12 and len(parsed) == 5
+    deltas = metric_deltas({"branchsearch_searches_total{status=\"ok\"}": 2.0}, parsed, 5.0)
+    assert deltas == {"branchsearch_http_requests_in_flight": 3.0,
+                      "branchsearch_searches_total{status=\"ok\"} /s": 2.0,
+                      "vllm:num_requests_running": 2.0}
+    gpu = summarize_gpu([[{"index": 0, "name": "H200", "util_pct": 40.0, "mem_used_mib": 1000,
+                           "mem_total_mib": 143000}],
+                         [{"index": 0, "name": "H200", "util_pct": 80.0, "mem_used_mib": 3000,
+                           "mem_total_mib": 143000}]])
+    assert gpu == {"0": {"name": "H200", "util_pct_mean": 60.0, "util_pct_max": 80.0,
+                         "mem_used_mib_max": 3000, "mem_total_mib": 143000}}
+
+
+# --- the generator, against targets with known timing ------------------------------------------
+
+class SleepTarget:
+    """Answers after `seconds`; with `capacity`, at most that many at once (a queue)."""
+
+    def __init__(self, seconds: float, capacity: int | None = None):
+        self.seconds = seconds
+        self.slots = threading.Semaphore(capacity) if capacity else None
+
+    def search(self, question: str) -> dict:
+        if self.slots:
+            with self.slots:
+                time.sleep(self.seconds)
+        else:
+            time.sleep(self.seconds)
+        return {"branches": [{"status": "ok", "latency_s": self.seconds}],
+                "metrics": {"latency_s": self.seconds, "tokens_read": 10}}
+
+    def describe(self) -> dict:
+        return {"kind": "sleep"}
+
+    def close(self) -> None:
+        pass
+
+
+def _run(target, loop="open", loads=(5.0,), duration=2.0, **kw):
+    spec = LoadSpec(loop, tuple(arrivals.Step(x, duration) for x in loads), warmup=0, **kw)
+    started = time.monotonic()
+    out = Generator(target, Workload(["q1", "q2"]), spec).run()
+    return out, time.monotonic() - started
+
+
+def test_slow_answers_do_not_delay_open_loop_arrivals():
+    # 0.6 s answers at 10/s: a closed loop of one user could send under 2/s; the open loop must
+    # send on schedule (all 20) with ~10 in flight
+    out, wall = _run(SleepTarget(0.6), loads=(10.0,), process="constant", duration=2.0)
+    s = out["steps"][0]
+    assert s["sent"] == 20 and s["ok"] == 20
+    assert s["send_lag_ms"]["p99"] < 250  # coordinated omission would lag by seconds
+    assert 550 < s["latency_ms"]["p50"] < 900
+    assert s["achieved_rate"] == pytest.approx(10, rel=0.15)
+    assert wall < 2.0 + 0.6 + 1.0
+
+
+def test_queueing_shows_in_latency_measured_from_the_schedule():
+    # capacity 1 x 0.2 s = 5/s served; 10/s offered: each request waits behind the earlier ones,
+    # so latency grows through the step (a closed loop would report ~0.2 s throughout)
+    out, _ = _run(SleepTarget(0.2, capacity=1), loads=(10.0,), process="constant",
+                  duration=1.5, drain_s=5.0)
+    s = out["steps"][0]
+    assert s["ok"] == 15 and s["latency_ms"]["max"] > 1300  # the 15th waited for 14 others
+    assert s["achieved_rate"] == pytest.approx(5, rel=0.15)
+    assert find_knee(out["steps"])["knee"] is None  # one saturated step: no knee below it
+    closed, _ = _run(SleepTarget(0.2, capacity=1), loop="closed", loads=(1,), duration=1.0)
+    assert closed["steps"][0]["latency_ms"]["p99"] < 300
+
+
+def test_in_flight_cap_drops_and_drain_bounds_the_step():
+    out, wall = _run(SleepTarget(5.0), loads=(10.0,), process="constant", duration=0.5,
+                     max_inflight=2, drain_s=0.3)
+    s = out["steps"][0]
+    assert s["errors"] == {"dropped": 3, "unfinished": 2} and s["ok"] == 0
+    assert s["latency_lower_bound"]
+    assert wall < 0.5 + 0.3 + 0.5  # did not wait for the 5 s answers
+
+
+def test_closed_loop_users_and_a_ramp_stopping_after_the_knee():
+    out, wall = _run(SleepTarget(0.1, capacity=2), loop="closed", loads=(1, 2, 4, 8),
+                     duration=1.0)
+    tput = [s["throughput_rate"] for s in out["steps"]]
+    assert tput[0] == pytest.approx(10, rel=0.2) and tput[1] == pytest.approx(20, rel=0.2)
+    assert out["knee"]["knee"] == 2 and out["knee"]["saturated_at"] == 4
+    assert len(out["steps"]) == 3 and "stopped after step 3" in out["stopped"]
+    assert wall < 4 * 1.0
+
+
+# --- real runs: the in-process driver, a live loopback service, Locust -------------------------
+
+@pytest.fixture(scope="module")
+def local_driver(hotpot_settings):
+    from branchsearch.orchestrator.driver import Driver
+
+    driver = Driver(hotpot_settings.replace(branches=2), mode="local")
+    yield driver
+    driver.close()
+
+
+def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver, tmp_path):
+    from branchsearch.orchestrator.loadtest import report as rep
+    from branchsearch.orchestrator.loadtest.targets import DriverTarget
+
+    from conftest import HOTPOT
+
+    # 1/s for 3 s: three requests; the drain is generous (a shared 2-core machine is slow) but
+    # bounded, and whatever it cuts off must show as unfinished, not vanish
+    spec = LoadSpec("open", (arrivals.Step(1.0, 3.0),), process="constant", drain_s=20.0,
+                    warmup=1)
+    started = time.monotonic()
+    out = Generator(DriverTarget(local_driver), Workload(read_questions(HOTPOT)), spec).run()
+    step_wall = out["steps"][0]["wall_s"]
+    assert step_wall < 3 + 20 + 1  # the step, its drain, slack
+    assert time.monotonic() - started < step_wall + 60  # and the warm-up request
+    s = out["steps"][0]
+    assert s["sent"] == 3 and s["ok"] >= 1
+    assert set(s["errors"]) <= {"unfinished"}, s["errors"]
+    assert s["latency_ms"]["p50"] > 0 and s["tokens_read_per_s"] > 0
+    assert {"slowest_branch", "server", "backend", "policy"} <= set(s["stages_ms"])
+    report = {"command": "test", "started": "now", "machine": {"cpus": 2, "platform": "x",
+                                                                "load_average": "0"},
+              "target": {"kind": "driver"}, "workload": {"source": "hotpot-mini",
+                                                          "questions": 12, "seed": 0},
+              "arrivals": {"loop": "open", "process": "poisson", "step_duration_s": 3,
+                           "drain_s": 5, "max_inflight": 256, "think_s": 0}, **out}
+    report["plots"] = rep.plots(report, tmp_path)
+    assert [Path(p).name for p in report["plots"]] == ["latency.png", "throughput.png",
+                                                       "cdf.png"]
+    md = rep.write(report, tmp_path / "lt.json").read_text()
+    assert "| target rate (req/s) | offered/s |" in md and "**Knee**" in md
+    assert json.loads((tmp_path / "lt.json").read_text())["steps"][0]["sent"] == s["sent"]
+
+
+@pytest.fixture(scope="module")
+def live_service(hotpot_settings, tmp_path_factory):
+    """`branchsearch serve`'s app (uvicorn, in-process executor) on loopback, with two keys, over
+    its own copy of hotpot-mini (a Milvus Lite file has one owner)."""
+    from branchsearch.orchestrator.service import deploy as service
+    from branchsearch.orchestrator.service.auth import KeyStore
+
+    from conftest import ingest_copy
+    from service_fixtures import start_uvicorn
+
+    settings = ingest_copy(hotpot_settings, "lt-svc").replace(branches=2)
+    keys = tmp_path_factory.mktemp("lt-keys") / "keys.json"
+    key = KeyStore(keys).add("loadtest", ())
+    other = KeyStore(keys).add("loadtest-2", ())  # a second caller (Locust: a key per user)
+    state = service.local_state(settings, executor="local", keys_path=keys)
+    state.searcher.target.driver(settings.index)  # opened before any clock runs
+    server = start_uvicorn(service.create_app(state), state)
+    yield server.url, key, other
+    server.stop()
+    state.searcher.target.close()
+
+
+def test_short_real_run_against_a_live_service_stops_on_time(live_service):
+    from branchsearch.orchestrator.loadtest.probes import StepProbe
+
+    from conftest import HOTPOT
+
+    url, key, _ = live_service
+    target = HttpTarget(url, key, branches=1)
+    spec = LoadSpec("closed", (arrivals.Step(2, 2.0),), drain_s=20.0, warmup=0)
+    out = Generator(target, Workload(read_questions(HOTPOT)), spec,
+                    probe=lambda: StepProbe(None, lambda: target.get("/metrics"))).run()
+    s = out["steps"][0]
+    assert s["wall_s"] < 2 + 20 + 1
+    assert s["ok"] >= 1 and set(s["errors"]) <= {"unfinished"}, s["errors"]
+    # (Ray use is probed when this process is connected: an earlier test may have connected it)
+    assert s["probes"]["gpu"] and s["probes"]["ray"]
+    service_rates = s["probes"]["service_metrics"]
+    assert any(k.startswith("branchsearch_searches_total") and v > 0
+               for k, v in service_rates.items()), service_rates
+    with pytest.raises(RequestFailed) as bad_key:
+        HttpTarget(url, "wrong").search("q")
+    assert bad_key.value.outcome == "http_401:unauthorized"
+    from branchsearch.orchestrator.loadtest.run import preflight
+
+    with pytest.raises(BranchsearchError, match="http_401:unauthorized .*check --url, the key"):
+        preflight(HttpTarget(url, "wrong"), "q")  # the CLI stops here: one line, exit 2
+    with pytest.raises(RequestFailed) as refused:
+        HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
+    assert refused.value.outcome.startswith("error:")
+
+
+def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_path):
+    """The recipe for more users than one key admits (per_key_concurrency 4): a file of keys,
+    one per user in turn. 5 users on 2 keys (3 and 2 at once): every request admitted."""
+    # never import locust here: it monkey-patches threading (gevent) for the whole process
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust is not installed: pip install 'branchsearch[loadtest]'")
+    from conftest import HOTPOT
+
+    url, key, other = live_service
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{key}\n{other}\n")
+    # --stop-timeout: users finish the search they are in when the 3 s are up (searches take
+    # seconds here); the final stats come as JSON on stdout (the CSV is written before that)
+    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
+           "--headless", "-u", "5", "-r", "5", "-t", "3s", "--stop-timeout", "60",
+           "--host", url, "--json"]
+    env = {**os.environ, "BRANCHSEARCH_LOADTEST_KEYS": str(keys),
+           "BRANCHSEARCH_LOADTEST_QUERIES": str(HOTPOT), "BRANCHSEARCH_LOADTEST_BRANCHES": "1"}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert time.monotonic() - started < 3 + 60 + 40, "locust did not stop on time"
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads(proc.stdout)
+    assert {s["name"] for s in stats} == {"/v1/search"}, stats  # no "/v1/search refused" row
+    assert sum(s["num_requests"] for s in stats) >= 5, proc.stderr[-2000:]
+    assert sum(s["num_failures"] for s in stats) == 0, proc.stderr[-2000:]
+
+
+def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_path):
+    from branchsearch.orchestrator.loadtest.run import read_key, redact_argv, scrub
+
+    f = tmp_path / "k"
+    f.write_text("bs_secret-1\n")
+    assert read_key(f, None, {"BRANCHSEARCH_API_KEY": "other"}) == ("bs_secret-1",
+                                                                   f"--key-file {f}")
+    assert read_key(None, None, {"BRANCHSEARCH_API_KEY": " bs_env "}) == \
+        ("bs_env", "BRANCHSEARCH_API_KEY")
+    assert read_key(None, "bs_flag", {"BRANCHSEARCH_API_KEY": "x"}) == ("bs_flag", "--key")
+    assert read_key(None, None, {}) == ("", "none")
+    for bad, why in ((tmp_path / "missing", "cannot read"), (tmp_path, "cannot read")):
+        with pytest.raises(BranchsearchError, match=why):
+            read_key(bad, None, {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(BranchsearchError, match="is empty"):
+        read_key(tmp_path / "empty", None, {})
+    with pytest.raises(BranchsearchError, match="once"):
+        read_key(f, "k", {})
+    assert redact_argv(["bs", "loadtest", "--key", "s3", "--key=s3", "--url", "u"]) == \
+        ["bs", "loadtest", "--key", "REDACTED", "--key=REDACTED", "--url", "u"]
+    assert scrub({"a": ["x s3 y", 3, {"b": "s3"}], "c": None}, "s3") == \
+        {"a": ["x REDACTED y", 3, {"b": "REDACTED"}], "c": None}
+
+
+def _cli_loadtest(url: str, args: list[str], env: dict, home: Path) -> subprocess.CompletedProcess:
+    from conftest import HOTPOT
+
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"} | env
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url", url,
+           "--queries", str(HOTPOT), "--home", str(home), "--branches", "1", "--warmup", "0",
+           "--drain", "60", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live_service,
+                                                                           tmp_path):
+    """`branchsearch loadtest` against the real service with one key: 6 users over a per-key
+    limit of 4. The key (from --key-file, or the old --key) is in no report, line or output;
+    the 429s are counted apart and are not in the latency percentiles."""
+    url, key, _ = live_service
+    key_file = tmp_path / "lt.key"
+    key_file.write_text(key + "\n")
+    out = tmp_path / "out" / "lt.json"
+    proc = _cli_loadtest(url, ["--key-file", str(key_file), "--users", "6", "--think", "0.2",
+                               "--duration", "3", "--report", str(out)], {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = {p.name: p.read_text() for p in out.parent.iterdir()}
+    assert set(written) == {"lt.json", "lt.md"}
+    for name, text in {**written, "stdout": proc.stdout, "stderr": proc.stderr}.items():
+        assert key not in text, name
+    report = json.loads(written["lt.json"])
+    assert report["target"]["key"] == f"from --key-file {key_file}"
+    step = report["steps"][0]
+    assert step["refused"] >= 1 and set(step["refusals"]) == {"http_429:too_many_requests"}
+    assert step["ok"] >= 1 and step["refusal_rate"] == pytest.approx(step["refused"] /
+                                                                     step["sent"], abs=1e-3)
+    # the percentiles and the CDF hold the searches only, every one of them
+    assert len(step["latencies_ms"]) == step["sent"] - step["refused"]
+    assert step["latency_ms"]["p50"] > step["refusal_latency_ms"]["max"]
+    assert "refused (429/503)" in written["lt.md"] and "refused (429/503)" in proc.stdout
+
+    # the old flag still works: warned, and the key is shown nowhere (the command line in
+    # the JSON on stdout says --key REDACTED)
+    proc = _cli_loadtest(url, ["--key", key, "--users", "1", "--duration", "1", "--json"], {},
+                         tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert key not in proc.stdout and key not in proc.stderr
+    assert "--key REDACTED --users" in json.loads(proc.stdout)["command"]
+    assert "warning: --key shows the key" in proc.stderr
+
+
+def test_cli_user_errors_are_one_line_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest",
+                           "--queries", str(tmp_path / "none.jsonl"), "--ramp", "1:2",
+                           "--home", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--ramp" in proc.stderr

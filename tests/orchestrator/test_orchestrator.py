@@ -1,0 +1,369 @@
+"""The driver on a real local Ray cluster: fan-out, failures, one trace across processes, and a
+batch killed mid-run then resumed. Plus the planner and branch fusion as plain functions."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.plan import HeuristicPlanner
+from branchsearch.orchestrator.result import BranchReport, SearchResult, fuse_branches
+from branchsearch.workers.harness import EpisodeResult
+
+from conftest import HOTPOT, ingest_copy
+
+Q = "Were Scott Derrickson and Ed Wood of the same nationality?"
+
+
+def test_planner_bounds_and_kinds():
+    planner = HeuristicPlanner()
+    subs = planner.plan(Q, 3)
+    assert [s.kind for s in subs] == ["original", "comparison", "comparison"]
+    assert subs[0].text == Q and "Scott Derrickson" in subs[1].text and "Ed Wood" in subs[2].text
+    assert len(planner.plan(Q, 1)) == 1
+    clauses = planner.plan("Who founded the company that makes the iPhone and where was he born?", 5)
+    assert [s.kind for s in clauses] == ["original", "clause", "clause"]
+    assert len(planner.plan("hello", 5)) == 1  # bounded by the question too
+
+
+def test_fusion_of_branches_by_hand():
+    def branch(i, weight, status, ids):
+        evidence = [{"chunk_id": c, "doc_id": c.split("#")[0], "title": c[0].upper(),
+                     "text": f"text of {c}", "rank": r, "score": 1 / r, "provenance": []}
+                    for r, c in enumerate(ids, start=1)]
+        return BranchReport(i, f"q{i}", weight, "entity", status, episode=EpisodeResult(
+            f"q{i}", "finish", evidence=evidence, ranked_chunk_ids=ids))
+
+    a, b = branch(0, 1.0, "ok", ["x#p0", "y#p0"]), branch(1, 0.5, "ok", ["y#p0", "z#p0"])
+    dead = branch(2, 1.0, "error", ["w#p0"])
+    ranked, evidence = fuse_branches([a, b, dead], k=60)
+    # y: 1/62 + 0.5/61 ; x: 1/61 ; z: 0.5/62
+    assert ranked == ["y#p0", "x#p0", "z#p0"]
+    assert evidence[0]["chunks"][0]["found_by"] == [
+        {"branch": 0, "subquery": "q0", "rank": 2}, {"branch": 1, "subquery": "q1", "rank": 1}]
+    assert evidence[0]["title"] == "Y" and evidence[0]["chunks"][0]["text"] == "text of y#p0"
+    assert evidence[1]["doc_id"] == "x"
+    # two branches that return different chunks of one document agree on the document: 'r'
+    # (the question's 3rd, an entity branch's 1st, by another chunk) passes 'q' (only the
+    # question's 2nd); the question's chunk stands for it, the other follows the documents
+    # (k 5: p 1/6, r 1/8 + 0.2/6, q 1/7, s 0.2/7; by chunk ids r#p0 alone had 1/8, below q)
+    q, e = branch(0, 1.0, "ok", ["p#p0", "q#p0", "r#p0"]), branch(1, 1.0, "ok", ["r#p1", "s#p0"])
+    q.kind = "original"
+    ranked, evidence = fuse_branches([q, e], k=5)
+    assert ranked == ["p#p0", "r#p0", "q#p0", "s#p0", "r#p1"]
+    assert [d["doc_id"] for d in evidence] == ["p", "r", "q", "s"]
+    assert [c["chunk_id"] for c in evidence[1]["chunks"]] == ["r#p0", "r#p1"]
+    assert evidence[1]["chunks"][1]["found_by"] == [{"branch": 1, "subquery": "q1", "rank": 1}]
+    # the document's score comes from both branches, and says so (its place in each)
+    assert evidence[1]["found_by"] == [{"branch": 0, "subquery": "q0", "rank": 3},
+                                       {"branch": 1, "subquery": "q1", "rank": 1}]
+    twice = branch(0, 1.0, "ok", ["p#p0", "q#p0", "p#p0"])
+    assert fuse_branches([twice], k=5)[1][0]["chunks"][0]["found_by"] == [
+        {"branch": 0, "subquery": "q0", "rank": 1}]  # a repeated chunk: its first place
+    assert fuse_branches([q, e], k=5, limit=3)[0] == ["p#p0", "r#p0", "q#p0"]
+    # a report reads its episode's fields through; without an episode they are empty
+    assert a.turns == 0 and a.ranked_chunk_ids == ["x#p0", "y#p0"] and dead.status == "error"
+    late = BranchReport(3, "q3", 1.0, "entity", "timeout", "no result within 8 s")
+    assert late.ranked_chunk_ids == [] and late.summary()["termination"] == ""
+    assert SearchResult("q", [], [], [a, dead], {}, "t").status == "partial"
+    assert SearchResult("q", [], [], [late, dead], {}, "t").to_dict()["status"] == "failed"
+
+
+@pytest.fixture(scope="module")
+def ray_driver(hotpot_settings, tmp_path_factory):
+    import ray
+
+    from branchsearch.orchestrator.driver import Driver
+
+    trace_file = tmp_path_factory.mktemp("trace") / "spans.jsonl"
+    settings = ingest_copy(hotpot_settings, "hotpot-ray").replace(
+        trace_exporter="jsonl", trace_file=str(trace_file), branch_timeout_s=20, branches=3)
+    driver = Driver(settings, mode="ray", pool_size=3)
+    yield driver, trace_file
+    driver.close()
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_a_busy_branch_pool_answers_within_the_deadline(ray_driver, hotpot_settings):
+    """A question that finds every branch actor busy waits only until its deadline, then is
+    refused as overloaded (a 503 with Retry-After in the service), instead of waiting on an
+    actor that is never free."""
+    import time
+
+    from branchsearch.infra.errors import Overloaded
+    from branchsearch.orchestrator.execution.pool import BranchPool
+    from branchsearch.orchestrator.service.errors import api_error
+
+    pool = BranchPool(1, {"num_cpus": 0.05}, hotpot_settings)
+    try:
+        [held] = pool.acquire(1, timeout=60)
+        began = time.perf_counter()
+        with pytest.raises(Overloaded) as caught:
+            pool.acquire(1, timeout=0.3)
+        assert 0.3 <= time.perf_counter() - began < 5
+        err = api_error(caught.value)
+        assert err.status == 503 and err.error == "overloaded" and "Retry-After" in err.headers
+        pool.release(held)
+        assert len(pool.acquire(1, timeout=0.3)) == 1
+        with pytest.raises(BranchsearchError, match="pool holds 1"):
+            pool.acquire(2, timeout=0.3)
+    finally:
+        pool.close()
+
+
+@pytest.mark.ray
+def test_fan_out_fuses_branches_and_shares_one_trace(ray_driver):
+    driver, trace_file = ray_driver
+    result = driver.search(Q)
+    assert [b.status for b in result.branches] == ["ok", "ok", "ok"]
+    assert len({b.pid for b in result.branches}) == 3  # each branch in its own actor process
+    assert {"ed-wood", "scott-derrickson"} <= {d["doc_id"] for d in result.evidence[:5]}
+    multi = [c for d in result.evidence for c in d["chunks"] if len(c["found_by"]) > 1]
+    assert multi and all(c["provenance"] for d in result.evidence for c in d["chunks"])
+    time.sleep(0.5)
+    spans = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    mine = [s for s in spans if s["trace_id"] == result.trace_id]
+    assert {"query", "plan", "branch", "episode", "turn", "prune"} <= {s["name"] for s in mine}
+    pids = {s["resource"].get("process.pid") for s in mine}
+    assert os.getpid() in pids and len(pids) >= 2  # driver + actor processes, one trace id
+    by_id = {s["span_id"]: s for s in mine}
+    branch = next(s for s in mine if s["name"] == "branch")
+    assert by_id[branch["parent_id"]]["name"] == "query"  # parent crossed the process boundary
+
+
+@pytest.mark.ray
+def test_a_crashed_and_a_late_branch_are_reported(ray_driver):
+    from branchsearch.workers import scripted
+
+    driver, _ = ray_driver
+    driver.settings = driver.settings.replace(branch_timeout_s=8)
+    driver.policy_factory = scripted.faulty_factory
+    try:
+        result = driver.search(Q)
+    finally:
+        driver.policy_factory = None
+        driver.settings = driver.settings.replace(branch_timeout_s=20)
+    status = [b.status for b in result.branches]
+    assert status == ["ok", "error", "timeout"]
+    assert "no policy for branch 1" in result.branches[1].error
+    assert "within 8 s" in result.branches[2].error
+    assert result.evidence and all(f["branch"] == 0 for d in result.evidence
+                                   for c in d["chunks"] for f in c["found_by"])
+    # the pool recovered: the next question runs on three working actors
+    assert [b.status for b in driver.search(Q).branches] == ["ok", "ok", "ok"]
+
+
+@pytest.mark.ray
+def test_the_question_s_branch_runs_in_its_retriever_and_streams_its_events(ray_driver):
+    import ray
+
+    driver, _ = ray_driver
+    retriever_pid = ray.get(driver.executor.retrievers[0].ping.remote())
+    events = []
+    result = driver.search(Q, on_event=events.append)
+    own, *others = result.branches
+    assert [b.status for b in result.branches] == ["ok", "ok", "ok"]
+    assert own.pid == retriever_pid and own.rpc_s == 0 and own.backend_s > 0  # no round trips
+    assert all(b.pid != retriever_pid and b.rpc_s > 0 for b in others)  # pool actors
+    for b in result.branches:  # each branch's own events reached the driver, hosted or not
+        mine = [e["type"] for e in events if e.get("branch") == b.index]
+        assert mine[0] == "branch_started" and mine[-1] == "branch_done" and "search" in mine
+    assert driver.executor.balancer.hosting == [False]  # the slot is free again
+
+
+def test_event_buffers_drain_and_forget_a_finished_branch():
+    from branchsearch.workers.actor import Events
+
+    events = Events()
+    put = events.sink("q1")
+    put({"n": 1})
+    assert events.take("q1") == [{"n": 1}] and events.take("q1") == []
+    put({"n": 2})
+    assert events.take("q1", last=True) == [{"n": 2}]
+    put({"n": 3})  # a late branch's events after its last drain are not kept
+    assert events.take("q1") == [] and events._buffers == {}
+
+
+def test_a_replica_hosts_one_branch_at_a_time():
+    from branchsearch.orchestrator.execution.balancer import ReplicaBalancer
+
+    b = ReplicaBalancer(2)
+    assert b.host(0) and not b.host(0) and b.host(1)
+    b.unhost(0)
+    assert b.host(0) and b.hosting == [True, True]
+
+
+@pytest.mark.ray
+def test_a_late_hosted_branch_is_a_timeout_and_the_next_question_is_hosted_again(ray_driver):
+    from branchsearch.workers.heuristic import HeuristicPolicy
+    from branchsearch.workers.scripted import SlowPolicy
+
+    driver, _ = ray_driver
+    driver.settings = driver.settings.replace(branch_timeout_s=4)
+    driver.policy_factory = lambda i, q: SlowPolicy(6) if i == 0 else HeuristicPolicy()
+    try:
+        result = driver.search(Q)
+    finally:
+        driver.policy_factory = None
+        driver.settings = driver.settings.replace(branch_timeout_s=20)
+    assert [b.status for b in result.branches] == ["timeout", "ok", "ok"]
+    assert "within 4 s" in result.branches[0].error and result.evidence
+    again = driver.search(Q)  # the late branch still sleeps in a replica thread; this one is
+    assert [b.status for b in again.branches] == ["ok", "ok", "ok"]  # hosted beside it
+    assert again.branches[0].rpc_s == 0
+
+
+@pytest.mark.ray
+def test_a_branch_that_cannot_be_sent_gives_the_pool_its_actors_back(ray_driver):
+    import threading
+
+    from branchsearch.workers.heuristic import HeuristicPolicy
+
+    driver, _ = ray_driver
+    lock = threading.Lock()  # a factory that closes over a lock cannot be pickled
+    driver.policy_factory = lambda i, q, lock=lock: HeuristicPolicy()
+    try:
+        for _ in range(3):  # more than the pool holds, were actors lost
+            with pytest.raises(TypeError, match="serialize"):
+                driver.search(Q)
+    finally:
+        driver.policy_factory = None
+    assert [b.status for b in driver.search(Q).branches] == ["ok", "ok", "ok"]
+
+
+@pytest.mark.ray
+def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings, tmp_path):
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                           for q in queries) + "{not json\n" + '{"id": "x"}\n')
+    out = tmp_path / "out.jsonl"
+    settings = ingest_copy(hotpot_settings, "hotpot-batch")
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(inp), "-o", str(out),
+           "--home", str(settings.home), "--index", settings.index,
+           "--branches", "2", "--concurrency", "2"]
+    env = {**os.environ, "BRANCHSEARCH_BRANCH_TIMEOUT_S": "60"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = out.read_text().count("\n")
+    assert 3 <= first < len(queries), "the batch should be killed mid-run"
+    with out.open("a") as f:
+        f.write('{"id": "torn')  # a write cut short by the crash
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]  # two input lines were malformed
+    assert "Traceback" not in done.stderr
+    assert "in.jsonl:13" in done.stderr and "in.jsonl:14" in done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(q["_id"] for q in queries) and len(ids) == len(set(ids))
+    assert all(r["evidence"] and r["trace_id"] and r["branches"] for r in rows)
+    assert f"{len(queries) - first} ok, 0 partial, 0 failed" in done.stdout
+    assert all(r["status"] == "ok" for r in rows)
+
+
+def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
+    """Ids that are "", true, an array or an object were written as Python text ("['a']"):
+    now malformed lines, named with their line numbers. A number id is written back as text
+    ("7"), and a re-run finds it done."""
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ids"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    question = json.loads((HOTPOT / "queries.jsonl").read_text().splitlines()[0])["text"]
+    ids = ["", "  ", ["a"], {"a": 1}, True, None, "a", 7, 1.5, "7"]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "question": question}) + "\n" for i in ids))
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(inp), "-o",
+           str(out), "--home", str(settings.home), "--index", "ids", "--executor", "local",
+           "--branches", "1"]
+    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    rule = "'id' must be a non-empty string or a number, not"
+    for lineno, says in ((1, "'id' is empty"), (2, "'id' is empty"), (3, f"{rule} an array"),
+                         (4, f"{rule} an object"), (5, f"{rule} true or false"),
+                         (6, "needs 'id'"), (10, "duplicate id '7'")):
+        assert f"in.jsonl:{lineno}: {says}" in done.stderr, (lineno, done.stderr[-2000:])
+    assert "3 ok" in done.stdout and "7 malformed input lines skipped" in done.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "7", "1.5"]
+    assert all(r["status"] == "ok" for r in rows)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert "0 ok, 0 partial, 0 failed; 3 already ok" in again.stdout, again.stderr[-2000:]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "7", "1.5"]
+
+
+@pytest.fixture(scope="module")
+def local_driver(tmp_path_factory):
+    """hotpot-mini, BM25 only (no embedding), searched in-process."""
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.driver import Driver
+
+    settings = load_settings(overrides={"home": tmp_path_factory.mktemp("local"),
+                                        "search_mode": "bm25", "branches": 3},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    driver = Driver(settings, mode="local")
+    yield driver
+    driver.close()
+
+
+def test_local_search_streams_events_in_order(local_driver):
+    events = []
+    result = local_driver.search(Q, on_event=events.append)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "plan" and kinds[-1] == "result"
+    assert events[0]["subqueries"] == [b.subquery for b in result.branches]
+    for b in result.branches:  # started, its searches (and prunes), done — branch by branch
+        mine = [e["type"] for e in events if e.get("branch") == b.index]
+        assert mine[0] == "branch_started" and mine[-1] == "branch_done" and "search" in mine
+        done = next(e for e in events if e["type"] == "branch_done" and e["branch"] == b.index)
+        assert done["status"] == "ok" and done["turns"] == b.turns
+    searched = {i for e in events if e["type"] == "search" for i in e["new_ids"]}
+    assert set(result.ranked_chunk_ids) <= searched
+    prunes = [e for e in events if e["type"] == "prune"]
+    assert all(p["tokens_after"] <= p["tokens_before"] and p["reason"] for p in prunes)
+    assert events[-1]["result"]["status"] == "ok" == result.status
+    assert json.loads(json.dumps(events))  # plain JSON-able dicts
+
+
+def test_question_checks_empty_and_over_long(local_driver):
+    from branchsearch.infra.errors import BranchsearchError
+
+    for empty in ("", "   \n"):
+        with pytest.raises(BranchsearchError, match="empty question"):
+            local_driver.search(empty)
+    for wordless in ("?!?", " … -- ** "):  # nothing to search: no arbitrary neighbours
+        with pytest.raises(BranchsearchError, match="no words to search for"):
+            local_driver.search(wordless)
+    assert local_driver.search("Wer ist Corliss Archer? 1945", max_branches=1).status == "ok"
+    long = Q + " " + " ".join(f"padding{i}" for i in range(20000))  # ~100 KB
+    result = local_driver.search(long, max_branches=1)
+    cap = local_driver.settings.query_max_tokens
+    assert result.status == "ok" and result.evidence  # searched, not silently rejected
+    assert result.notes and f"to {cap} tokens" in result.notes[0]
+    assert result.to_dict()["notes"] == result.notes
+    sub = result.branches[0].subquery
+    assert local_driver.counter.count(sub) <= cap and sub.startswith(Q)
+    assert local_driver.search(Q, max_branches=1).notes == []
+
+
+def test_a_deadline_stops_local_branches(local_driver):
+    result = local_driver.search(Q, deadline_s=0)
+    assert result.status == "failed"
+    assert {b.status for b in result.branches} == {"timeout"}
+    assert result.evidence == []
