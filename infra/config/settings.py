@@ -93,6 +93,11 @@ class Settings:
     llm_seed: int | None = None
     # orchestration
     branches: int = 3
+    # forks (orchestrator/forks.py): after the first wave, at most `forks` branches a question
+    # pursue chunks a branch pruned within `fork_gap` (relative) of its keep line; 0: none.
+    # Never with one branch (`branches = 1` is the single-context baseline)
+    forks: int = 0
+    fork_gap: float = 0.15
     branch_timeout_s: float = 120.0
     branch_retries: int = 1
     branch_num_cpus: float = 0.5
@@ -237,6 +242,8 @@ def _validate(s: Settings) -> None:
         (1 <= s.search_k <= MAX_K and 1 <= s.final_k <= MAX_K,
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
+        (s.forks >= 0, "forks must be >= 0 (0: none)"),
+        (0 <= s.fork_gap <= 1, "fork_gap must be in [0, 1]"),
         (s.per_title >= 0, "per_title must be >= 0 (0: off)"),
         (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),
         (s.embed_batch >= 1, "embed_batch must be >= 1"),
