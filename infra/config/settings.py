@@ -2,7 +2,10 @@
 
 Precedence (later wins): defaults < TOML file < environment < explicit overrides (CLI flags).
 The TOML file is `--config PATH`, else `BRANCHSEARCH_CONFIG`, else `<home>/branchsearch.toml`
-if it exists. Keys are the field names below (flat), e.g. `budget_tokens = 16384`.
+if it exists. Keys are the field names below, at the top of the file (`budget_tokens = 16384`)
+or in their section's table (`[agent]` then `budget_tokens = 16384`): `SECTIONS` says which
+section holds each field, and `Settings.section(name)` reads one. Every knob has one default,
+here; the object stays flat because it travels whole to every actor.
 """
 
 from __future__ import annotations
@@ -140,11 +143,66 @@ class Settings:
     def index_dir(self) -> Path:
         return Path(self.home) / "indexes" / self.index
 
+    def section(self, name: str) -> dict[str, Any]:
+        """The fields of one section (`SECTIONS`), by name."""
+        if name not in SECTIONS:
+            raise SettingsError(f"no settings section {name!r} (sections: "
+                                f"{', '.join(SECTIONS)})")
+        return {field: getattr(self, field) for field in SECTIONS[name]}
+
     def replace(self, **changes: Any) -> "Settings":
         return load_settings(base=self, overrides=changes, read_env=False, read_file=False)
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
+
+# The rooms of the settings: which component reads which fields. A field is in exactly one.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "index": ("home", "index", "indexes"),
+    "ingest": ("encoding", "chunk_tokens", "chunk_overlap", "embed_model", "embed_batch",
+               "embed_device", "embed_backend"),
+    "stores": ("milvus_uri", "milvus_token", "milvus_index", "milvus_hnsw_m",
+               "milvus_hnsw_ef_construction", "milvus_search_ef", "milvus_consistency", "es_url",
+               "es_api_key", "backend_retries", "backend_backoff_s", "backend_timeout_s"),
+    "retrieval": ("search_mode", "rrf_k", "branch_rrf_k", "hybrid_candidates",
+                  "grep_max_pattern", "acl_admin", "fetch_cache"),
+    "agent": ("budget_tokens", "soft_limit", "hard_limit", "max_turns", "max_tokens_read",
+              "no_progress_turns", "result_token_cap", "search_k", "read_window_tokens",
+              "final_k", "prune", "learned_rank", "per_title", "policy", "planner",
+              "query_max_tokens", "forks", "fork_gap"),
+    "llm": ("llm_url", "llm_api_key", "llm_model", "llm_engines", "llm_tensor_parallel",
+            "llm_max_model_len", "llm_max_tokens", "llm_detached", "llm_timeout_s", "llm_seed"),
+    "execution": ("branches", "branch_timeout_s", "branch_retries", "branch_num_cpus",
+                  "branch_num_gpus", "ray_address", "batch_concurrency", "retriever_replicas",
+                  "actor_start_timeout_s"),
+    "tracing": ("trace_exporter", "trace_file", "otlp_endpoint", "otlp_protocol", "otlp_headers",
+                "otlp_timeout_s", "trace_flush_timeout_s"),
+}
+SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+
+
+def _flatten_sections(data: dict[str, Any], path) -> dict[str, Any]:
+    """A settings file's `[section]` tables as top-level keys, each checked to belong to its
+    section (`[indexes.NAME]` tables stay as they are: they declare external indexes)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):  # `index = "x"` is the field
+            for name, inner in value.items():
+                if SECTION_OF.get(name) != key:
+                    where = (f"; it belongs in [{SECTION_OF[name]}]" if name in SECTION_OF
+                             else "")
+                    raise SettingsError(f"settings file {path}: [{key}] has no setting "
+                                        f"{name!r}{where}")
+                if name in flat:
+                    raise SettingsError(f"settings file {path}: {name} is set twice (at the "
+                                        f"top and in [{key}])")
+                flat[name] = inner
+        else:
+            if key in flat:
+                raise SettingsError(f"settings file {path}: {key} is set twice (at the top and "
+                                    f"in [{SECTION_OF.get(key, '?')}])")
+            flat[key] = value
+    return flat
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -382,7 +440,7 @@ def load_settings(
         if path is None and (Path(values["home"]) / "branchsearch.toml").exists():
             path = Path(values["home"]) / "branchsearch.toml"
         if path is not None:
-            data = _read_toml(Path(path))
+            data = _flatten_sections(_read_toml(Path(path)), path)
             unknown = sorted(set(data) - set(_FIELDS))
             if unknown:
                 raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")

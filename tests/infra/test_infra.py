@@ -89,6 +89,33 @@ def test_settings_precedence(tmp_path, monkeypatch):
         load_settings(overrides={"soft_limit": 0.95, "hard_limit": 0.9})
 
 
+def test_every_setting_is_in_one_section_and_a_file_may_use_the_sections(tmp_path):
+    """`SECTIONS` places each field exactly once; a settings file may write a field at the top or
+    in its own `[section]` table, never in another's and never twice; external `[indexes.NAME]`
+    tables still declare indexes."""
+    from dataclasses import fields as dc_fields
+
+    from branchsearch.infra.config.settings import SECTIONS, Settings
+
+    placed = [name for names in SECTIONS.values() for name in names]
+    assert sorted(placed) == sorted(f.name for f in dc_fields(Settings))
+    toml = tmp_path / "s.toml"
+    toml.write_text("rrf_k = 10\n[agent]\nbudget_tokens = 2048\nmax_turns = 4\n"
+                    "[tracing]\ntrace_exporter = \"console\"\n")
+    s = load_settings(toml, read_env=False)
+    assert (s.rrf_k, s.budget_tokens, s.max_turns, s.trace_exporter) == (10, 2048, 4, "console")
+    assert s.section("agent")["budget_tokens"] == 2048 and "rrf_k" not in s.section("agent")
+    for text, message in [("[agent]\nrrf_k = 3\n", r"\[agent\] has no setting 'rrf_k'; it "
+                                                      r"belongs in \[retrieval\]"),
+                          ("[agent]\nnope = 3\n", r"\[agent\] has no setting 'nope'$"),
+                          ("max_turns = 2\n[agent]\nmax_turns = 3\n", "max_turns is set twice")]:
+        toml.write_text(text)
+        with pytest.raises(SettingsError, match=message):
+            load_settings(toml, read_env=False)
+    with pytest.raises(SettingsError, match="no settings section 'nope'"):
+        s.section("nope")
+
+
 def test_a_toml_number_for_a_whole_number_setting_is_not_rounded(tmp_path):
     """`per_title = 1.5` or `backend_retries = true` in a config file read as 1 and ran on
     (hostile pass); the same value in an environment variable was refused."""
