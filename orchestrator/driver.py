@@ -67,7 +67,9 @@ class Driver:
         only). Branches still running at `deadline_s` seconds (or `branch_timeout_s`) are
         reported as `timeout`; a branch whose backend stays down as `error`. The branches that
         finished are fused with RRF. `on_event`, when given, is called in this thread with
-        JSON-able dicts: plan, branch_started, search, prune, branch_done, result.
+        JSON-able dicts: plan, branch_started, search, prune, branch_done, fork, result.
+        With `settings.forks` and more than one branch, a second wave of forks follows the
+        first (`orchestrator.forks`); `max_branches` 1 never forks.
 
         Raises BranchsearchError for an empty question or one without a letter or digit; never for a failing branch — the
         result's `status` (ok | partial | failed) and its branches say what happened.
@@ -94,6 +96,8 @@ class Driver:
                                 groups, deadline) for i, s in enumerate(subs)]
             branches = self.executor.run(tasks, settings=self.settings,
                                          policy_factory=self.policy_factory, on_event=on_event)
+            if (max_branches or self.settings.branches) > 1 and self.settings.forks:
+                branches += self._forks(branches, groups, deadline, on_event)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -110,13 +114,40 @@ class Driver:
             "branch_latency_s_max": round(max((b.latency_s for b in branches), default=0), 4),
             "context_tokens_final_mean": round(
                 sum(b.context_tokens_final for b in ok) / max(len(ok), 1), 1),
+            "forks": sum(b.kind == "fork" for b in branches),
             "tokens_read": sum(b.tokens_read for b in ok),
             "turns": sum(b.turns for b in ok), "tool_calls": sum(b.tool_calls for b in ok),
         }
+        if metrics["forks"]:
+            forks = [b for b in branches if b.kind == "fork"]
+            metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
         result = SearchResult(question, evidence, ranked, branches, metrics,
                               trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes)
         emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
+
+
+    def _forks(self, first: list, groups, deadline, on_event) -> list:
+        """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the
+        first wave pruned near its keep line, each recorded as a `fork` span and event, run on
+        the executor in parallel; [] when no branch left a candidate."""
+        from branchsearch.orchestrator.forks import fork_tasks
+
+        tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups)
+        for task in tasks:
+            with telemetry.tracer().start_as_current_span("fork") as span:
+                span.set_attributes({"fork.branch": task.index, "fork.parent": task.parent,
+                                     "fork.reason": task.reason,
+                                     "fork.handed": list(task.seeds),
+                                     "fork.hop_room": task.hop_room,
+                                     "fork.subquery": task.subquery})
+            emit(on_event, {"type": "fork", "branch": task.index, "parent": task.parent,
+                            "reason": task.reason, "handed": list(task.seeds),
+                            "subquery": task.subquery})
+        if not tasks:
+            return []
+        return self.executor.run(tasks, settings=self.settings,
+                                 policy_factory=self.policy_factory, on_event=on_event)
 
 
 def open_driver(settings: Settings, executor: str = "ray") -> Driver:

@@ -28,6 +28,12 @@ class BranchTask:
     kind: str = "original"  # original | comparison | clause | entity | llm
     acl_groups: tuple[str, ...] | None = None  # the caller's, never from the model
     deadline: float | None = None  # wall clock (time.time()) by which the branch must end
+    # a fork (kind "fork"; orchestrator/forks.py): the branch it forks from, why, the chunks it
+    # is handed (it starts from them, in its own context) and the hops it may follow from them
+    parent: int | None = None
+    reason: str = ""
+    seeds: tuple[str, ...] = ()
+    hop_room: int = 1
 
 
 @dataclass
@@ -47,6 +53,9 @@ class BranchReport:
     backend_s: float = 0.0  # time inside the retriever
     rpc_s: float = 0.0  # round trips to a retriever actor, backend included
     episode: EpisodeResult | None = field(default=None, repr=False)
+    parent: int | None = None  # a fork's: the branch it forks from, why, what it was handed
+    reason: str = ""
+    seeds: list[str] = field(default_factory=list)
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name not in EpisodeResult.__dataclass_fields__:
@@ -76,14 +85,23 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
     from branchsearch.workers.factory import make_policy
 
     started = time.perf_counter()
-    report = BranchReport(task.index, task.subquery, task.weight, task.kind, pid=os.getpid())
+    report = BranchReport(task.index, task.subquery, task.weight, task.kind, pid=os.getpid(),
+                          parent=task.parent, reason=task.reason, seeds=list(task.seeds))
     emit = (lambda e: on_event({**e, "branch": task.index})) if on_event else None
     with telemetry.tracer().start_as_current_span("branch") as span:
         span.set_attributes({"branch.index": task.index, "branch.subquery": task.subquery,
-                             "process.pid": os.getpid()})
+                             "branch.kind": task.kind, "process.pid": os.getpid()})
+        if task.parent is not None:
+            span.set_attributes({"branch.parent": task.parent, "branch.seeds": list(task.seeds)})
         try:
             policy = (policy_factory(task.index, task.subquery) if policy_factory
                       else make_policy(settings, kind=task.kind))
+            if task.seeds:
+                start_from = getattr(policy, "start_from", None)
+                if start_from is None:
+                    raise ValueError(f"policy {type(policy).__name__} cannot fork (no "
+                                     "start_from)")
+                start_from(list(task.seeds), task.hop_room)
             groups = list(task.acl_groups) if task.acl_groups is not None else None
             report.episode = Episode(task.subquery, retriever, policy, settings,
                                      acl_groups=groups, on_event=emit,

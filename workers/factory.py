@@ -27,7 +27,8 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
             final_k=settings.final_k, prune=settings.prune, max_turns=settings.max_turns,
             learned_rank=settings.learned_rank, per_title=settings.per_title,
             ranker_path=str(weights_for(mode)), hop_mode=hop_mode(settings, mode),
-            tail_page=kind == "original", max_hops=3 if kind == "original" else OTHER_MAX_HOPS))
+            tail_page=kind == "original", max_hops=3 if kind == "original" else OTHER_MAX_HOPS,
+            fork_gap=settings.fork_gap if settings.forks else 0.0))
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
 

@@ -77,6 +77,8 @@ class EpisodeResult:
     final_context_ids: list[str] = field(default_factory=list)
     trace: list[dict] = field(repr=False, default_factory=list)
     trace_id: str = ""
+    fork_candidates: list[dict] = field(default_factory=list)  # pruned hypotheses it could not
+    # rule out (a policy's `fork_candidates()`; orchestrator/forks.py)
     policy_s: float = 0.0  # time the policy spent deciding
     fetch_s: float = 0.0  # wall time of the (concurrent) retrieval phases
 
@@ -314,4 +316,16 @@ class Episode:
             context_tokens_final=ws.used, context_tokens_per_turn=self.tokens_per_turn,
             tokens_read=ws.tokens_read, retrieved_ids=ws.cache.ids(),
             pruned_ids=list(ws.pruned), final_context_ids=ws.context.ids(),
-            trace=self.trace.records(), policy_s=self.policy_s, fetch_s=self.fetch_s)
+            trace=self.trace.records(), policy_s=self.policy_s, fetch_s=self.fetch_s,
+            fork_candidates=self._fork_candidates())
+
+    def _fork_candidates(self) -> list[dict]:
+        candidates = getattr(self.policy, "fork_candidates", None)
+        if candidates is None:
+            return []
+        try:
+            return [c for c in candidates() if c.get("chunk_id") in self.ws.cache]
+        except Exception as exc:  # noqa: BLE001 — a fork is optional; the evidence is not
+            self.trace.record("invalid_action", turn=self.ws.turn,
+                              message=f"fork candidates: {type(exc).__name__}: {exc}"[:300])
+            return []

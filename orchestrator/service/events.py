@@ -1,7 +1,8 @@
 """Search events for callers: Server-Sent Events framing, the result object, the ACL guard.
 
-The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`, `result`)
-through `on_event` as they happen. Everything here is a plain function over JSON-able dicts.
+The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`, `fork`,
+`result`) through `on_event` as they happen; a `fork` (the branch it starts, its parent, why,
+the chunks handed over) comes before that fork's own `branch_started`. Everything here is a plain function over JSON-able dicts.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "result", "error")
+EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "fork", "result",
+               "error")
 SEARCH_TOOLS = ("search_corpus", "grep_corpus", "read_document")
 
 

@@ -48,6 +48,8 @@ class HeuristicConfig:
     # entities, residual words); "": the tool's default. make_policy passes "bm25" on a hybrid
     # index: a name or a bag of leftover words is matched by its words (their embedding is a
     # weak signal); the question's own searches stay hybrid (reports/recall/README.md)
+    fork_gap: float = Settings.fork_gap  # a pruned chunk within this share of the keep line's
+    # score is a fork candidate (workers/heuristic/forks.py); 0: none recorded
     named_pages: bool = True  # the search for a name the sub-query holds puts the page titled
     # with it first (the search tool's `named`): a name's page often ranks below longer pages
     # that mention it. Not for bridge entities: their pages are mostly hubs (a state, a

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from branchsearch.workers.heuristic import expansion, scoring
+from branchsearch.workers.heuristic import expansion, forks, scoring
 from branchsearch.workers.heuristic.config import HeuristicConfig
 from branchsearch.workers.heuristic.ranker import episode_features, load_ranker
 from branchsearch.workers.heuristic.state import EpisodeState, Origin
@@ -91,6 +91,19 @@ class HeuristicPolicy:
         self._rescore(view)
         return self._finish({c.id for c in view.visible}).args["ids"]
 
+    def start_from(self, seeds: list[str], hop_room: int = 1) -> None:
+        """Make this episode a fork: its first turn reads the handed-over chunks `seeds` (a
+        parent's pruned alternative), scored as the sub-query's first hits, instead of
+        searching the sub-query; it follows `hop_room` hops from them (at least one) and
+        never searches the question's tail (its parent did)."""
+        self.state.seeds = tuple(seeds)
+        self.config = replace(self.config, max_hops=max(hop_room, 1) + 1, tail_page=False,
+                              fork_gap=0.0)  # depth 1: a fork never forks
+
+    def fork_candidates(self) -> list[dict]:
+        """The pruned hypotheses this episode could not rule out (`forks.candidates`)."""
+        return forks.candidates(self.state)
+
     def query_state(self) -> dict:
         s = self.state
         top = sorted(s.scores, key=s.scores.get, reverse=True)[:5]
@@ -106,11 +119,18 @@ class HeuristicPolicy:
         s.q_terms = terms(view.subquery)
         s.q_entities = entities(view.subquery)[:4]
         s.links = {folded(e): ("", 1.0) for e in s.q_entities}
+        if s.seeds:  # a fork: the handed-over chunks are where it starts
+            return [self._read_seed(cid, rank) for rank, cid in enumerate(s.seeds, start=1)]
         calls = [self._search(view.subquery, c.question_k, Origin(view.subquery, 0, "question"))]
         for e in s.q_entities:
             if folded(e) != folded(view.subquery):  # an entity branch's sub-query is searched
                 calls.append(self._search(e, c.entity_k, Origin(e, 0, "entity", entity=e)))
         return calls
+
+    def _read_seed(self, cid: str, rank: int) -> ToolCall:
+        doc, n = cid.rsplit("#p", 1)
+        self.state.origins[cid] = Origin(self.state.subquery, rank, "question")
+        return ToolCall("read_document", {"doc_id": doc, "start": int(n), "count": 1})
 
     def _next_searches(self, view: AgentView) -> tuple[list[ToolCall], list[str]]:
         """(searches, chunk ids to recall) of a turn; none once the question's tail is
@@ -218,6 +238,8 @@ class HeuristicPolicy:
                 if force or cid not in s.recalled or cid in s.expanded]
         if not drop:
             return []
+        if not force:
+            forks.note(s, self.config, ranked, keep, drop)
         s.pruned |= set(drop)
         return [ToolCall("prune_chunks", {
             "ids": drop,

@@ -45,6 +45,8 @@ class EpisodeState:
     pending: dict[tuple, Origin] = field(default_factory=dict)  # (query, parent) -> its origin
     tail_ids: set[str] = field(default_factory=set)  # found by the question tail (none kept)
     tail: Origin | None = None  # the question tail's search, once it is asked
+    fork_candidates: dict[str, dict] = field(default_factory=dict)  # forks.note: chunk -> why
+    seeds: tuple[str, ...] = ()  # a fork's handed-over chunks, read on its first turn
     # caches
     mentions: dict[str, tuple] = field(default_factory=dict)  # (text size, links checked, found)
     mention_count: dict[str, int] = field(default_factory=dict)

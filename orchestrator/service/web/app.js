@@ -79,6 +79,12 @@ function onEvent(ev) {
       ev.subqueries.forEach((s, i) => branchCard(i, s));
       break;
     case "branch_started": branchCard(ev.branch, ev.subquery).sub.textContent = ev.subquery; break;
+    case "fork": {
+      const b = branchCard(ev.branch, ev.subquery);
+      b.log.appendChild(el("li", "fork",
+        `fork of branch ${ev.parent}: ${ev.reason}; handed ${(ev.handed || []).join(", ")}`));
+      break;
+    }
     case "search": {
       const b = branchCard(ev.branch);
       b.log.appendChild(el("li", "search", `${ev.tool}: ${ev.query} → ${(ev.new_ids || []).length} new`));
