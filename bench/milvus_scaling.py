@@ -8,12 +8,18 @@ Vectors are synthetic, not a model's: unit vectors drawn around 2,000 random cen
 0.6 of the centroid norm), so that, like real sentence embeddings, they are clustered; queries
 are perturbed copies of stored vectors. Search cost depends on N, dim and the index, not on what
 the vectors mean; HNSW recall on these is indicative only (real embeddings: measure on your data).
-Each size goes into a fresh collection through `infra.stores.milvus.MilvusStore` (the code the retriever
-uses): insert time, index build (the server indexes sealed segments after a flush), then
---queries searches with k=10 as the agent issues them (with an ACL filter and 20 excluded ids),
-one at a time; median and p90 latency, recall@10 against exact numpy search, and the resident
-memory of the server process. One run per size; the machine may be shared (load printed).
-Projections to larger N are printed separately and marked as such.
+Each size goes into a fresh collection through `infra.stores.milvus.MilvusStore` (the code the
+retriever uses): insert time, index build (the server indexes sealed segments after a flush),
+then --queries searches with k=10 as the agent issues them, one at a time, for each caller
+(public: no groups, the agent's default; one group; two groups; admin) with 20 excluded ids
+(10 of the caller's exact top 30, 10 random), in two filter forms on the same collection:
+`before` = the per-row filters (`array_contains_any(acl, [...]) and chunk_id not in [...]`),
+`after` = what the store does now (`acl_key` filter, exclusions dropped from a deeper search).
+Rows: 80 % public, 10 % group g1, 5 % g2, 5 % g1+g2. Per caller and form: median and p95
+latency, CPU ms of the Milvus process per search, recall@10 against exact numpy search, and
+for `after` the share of queries whose top 10 equals `before`'s. One run per size; the machine
+may be shared (load printed). Projections to larger N are printed separately and marked as
+such.
 
 Large sizes do not fit one 10-minute run on 2 cores, so a run can stop inserting after
 --insert-budget-s and a later run with the same --workdir resumes (the collection and the
@@ -39,11 +45,34 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from branchsearch.infra.stores.acl import ACL_ALL; from branchsearch.infra.stores.protocols import IndexedChunk  # noqa: E402
+from branchsearch.infra.stores.acl import ACL_ALL  # noqa: E402
+from branchsearch.infra.stores.protocols import IndexedChunk  # noqa: E402
 from branchsearch.infra.stores.milvus import IndexSpec, MilvusStore  # noqa: E402
 
 
 CONSISTENCY = "Bounded"
+CALLERS = {"public": None, "g1": ["g1"], "g1+g2": ["g1", "g2"], "admin": [ACL_ALL]}
+
+
+def acl_of(i: int) -> tuple[str, ...]:
+    """Row i's groups: 80 % public, 10 % g1, 5 % g2, 5 % g1 and g2."""
+    return (("g1",), ("g2",), ("g1", "g2"), ())[0 if i % 10 == 0 else 1 if i % 20 == 1
+                                                else 2 if i % 20 == 11 else 3]
+
+
+def visible(n: int, groups) -> np.ndarray:
+    """Which of rows 0..n-1 a caller with `groups` sees (the ACL rule, by numpy)."""
+    if groups == [ACL_ALL]:
+        return np.ones(n, bool)
+    i = np.arange(n)
+    g1, g2 = i % 10 == 0, (i % 20 == 1)
+    both = i % 20 == 11
+    seen = ~(g1 | g2 | both)
+    if groups and "g1" in groups:
+        seen |= g1 | both
+    if groups and "g2" in groups:
+        seen |= g2 | both
+    return seen
 
 
 def vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -105,7 +134,7 @@ def _state(workdir: Path, kind: str, n: int) -> tuple[Path, dict]:
 
 def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
         workdir: Path, budget_s: float = 0, keep: bool = False, ef: int = 64,
-        insert_only: bool = False, unfiltered: bool = False) -> dict | None:
+        insert_only: bool = False) -> dict | None:
     """One size: insert (resuming), build, search. None when the insert budget ran out first."""
     state_path, state = _state(workdir, kind, n)
     spec = IndexSpec("FLAT" if kind == "lite" else "HNSW", consistency=CONSISTENCY, ef=ef)
@@ -117,11 +146,9 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
         step = 1000
         state["runs"] += 1
         for s in range(state["inserted"], n, step):
-            chunks = [IndexedChunk(f"d{i}#p0", f"d{i}", "", "", ("g",) if i % 10 == 0 else ())
+            chunks = [IndexedChunk(f"d{i}#p0", f"d{i}", "", "", acl_of(i))
                       for i in range(s, min(s + step, n))]
-            store._client.insert(store.collection, [
-                {"chunk_id": c.chunk_id, "doc_id": c.doc_id, "acl": c.acl_terms,
-                 "vector": v.tolist()} for c, v in zip(chunks, data[s:s + step])])
+            store._client.insert(store.collection, store.rows(chunks, data[s:s + step]))
             state["inserted"] = min(s + step, n)
             if budget_s and time.perf_counter() - t > budget_s and state["inserted"] < n:
                 break
@@ -149,55 +176,57 @@ def run(kind: str, uri: str, n: int, dim: int, queries: int, pid: int | None, *,
         qv /= np.linalg.norm(qv, axis=1, keepdims=True)
         store.search(qv[0], 10)  # warm (load)
         load_s = time.perf_counter() - t
-        lat, recall = [], []
         exact = data @ qv.T  # (n, queries)
-        public = np.arange(n) % 10 != 0
         owner = pid or lite_pid(uri)
-        cpu0, client0 = cpu_s(owner), time.process_time()
-        for j in range(queries):
-            excluded = rng.integers(0, n, 20)
-            exclude = [f"d{i}#p0" for i in excluded]
-            t = time.perf_counter()
-            hits = store.search(qv[j], 10, exclude_ids=exclude)
-            lat.append((time.perf_counter() - t) * 1000)
-            scores = np.where(public, exact[:, j], -np.inf)
-            scores[excluded] = -np.inf
-            truth = {f"d{i}#p0" for i in np.argpartition(-scores, 10)[:10]}
-            recall.append(len(truth & {h.chunk_id for h in hits}) / 10)
-        cpu1, client1 = cpu_s(owner), time.process_time()
-        lat.sort()
-        plain = {}
-        if unfiltered:  # the same queries without the ACL filter and exclusions: filter cost
-            plain_lat, c0 = [], cpu_s(owner)
+        out = {"backend": kind, "index": store.index_kind, "n": n, "dim": dim,
+               "ef": ef if store.index_kind == "HNSW" else None,
+               "consistency": CONSISTENCY if store.server else "-",
+               "insert_s": round(state["insert_s"], 1), "insert_runs": state["runs"],
+               "insert_rows_s": round(n / state["insert_s"], 0),
+               "index_build_s": round(state["index_build_s"], 1),
+               "load_s": round(round(load_s, 1), 1), "queries": queries,
+               "keyed": store.keyed, "server_rss_mb": rss_mb(owner),
+               "vectors_mb": round(n * dim * 4 / 2**20, 0), "callers": {}}
+        for name, groups in CALLERS.items():
+            seen = visible(n, groups)
+            excludes, truths = [], []
             for j in range(queries):
-                t = time.perf_counter()
-                store.search(qv[j], 10, acl_groups=[ACL_ALL])
-                plain_lat.append((time.perf_counter() - t) * 1000)
-            c1 = cpu_s(owner)
-            plain_lat.sort()
-            plain = {"unfiltered_ms_median": round(statistics.median(plain_lat), 2),
-                     "unfiltered_ms_p95": round(plain_lat[int(0.95 * queries)], 2),
-                     "unfiltered_server_cpu_ms": (round(1000 * (c1 - c0) / queries, 2)
-                                                  if c0 is not None and c1 is not None else None)}
+                scores = np.where(seen, exact[:, j], -np.inf)
+                top30 = np.argpartition(-scores, 30)[:30]
+                top30 = top30[np.argsort(-scores[top30])]
+                ex = np.concatenate([top30[::3], rng.integers(0, n, 10)])
+                excludes.append([f"d{i}#p0" for i in ex])
+                scores[ex] = -np.inf
+                truths.append({f"d{i}#p0" for i in np.argpartition(-scores, 10)[:10]})
+            row, tops = {}, {}
+            for form in ("before", "after"):
+                lat, recall, tops[form] = [], [], []
+                cpu0 = cpu_s(owner)
+                for j in range(queries):
+                    t = time.perf_counter()
+                    hits = store.search(qv[j], 10, exclude_ids=excludes[j], acl_groups=groups,
+                                        per_row=form == "before")
+                    lat.append((time.perf_counter() - t) * 1000)
+                    ids = [h.chunk_id for h in hits]
+                    tops[form].append(ids)
+                    recall.append(len(truths[j] & set(ids)) / 10)
+                cpu1 = cpu_s(owner)
+                lat.sort()
+                row[form] = {
+                    "ms_median": round(statistics.median(lat), 2),
+                    "ms_p95": round(lat[int(0.95 * len(lat))], 2),
+                    # CPU seconds the Milvus process (Lite server / milvus binary) per search
+                    "server_cpu_ms": (round(1000 * (cpu1 - cpu0) / queries, 2)
+                                      if cpu0 is not None and cpu1 is not None else None),
+                    "recall_at_10": round(float(np.mean(recall)), 4)}
+            row["after"]["same_top10_as_before"] = round(float(np.mean(
+                [a == b for a, b in zip(tops["after"], tops["before"])])), 4)
+            row["after"]["same_set_as_before"] = round(float(np.mean(
+                [set(a) == set(b) for a, b in zip(tops["after"], tops["before"])])), 4)
+            out["callers"][name] = row
+            print(f"  {kind} {n:,} {name}: {json.dumps(row)}", flush=True)
         done = True
-        return {"backend": kind, "index": store.index_kind, "n": n, "dim": dim,
-                "ef": ef if store.index_kind == "HNSW" else None,
-                "consistency": CONSISTENCY if store.server else "-",
-                "insert_s": round(state["insert_s"], 1), "insert_runs": state["runs"],
-                "insert_rows_s": round(n / state["insert_s"], 0),
-                "index_build_s": round(state["index_build_s"], 1),
-                "load_s": round(load_s, 1),
-                "search_ms_median": round(statistics.median(lat), 2),
-                "search_ms_p90": round(lat[int(0.9 * len(lat))], 2),
-                "search_ms_p95": round(lat[int(0.95 * len(lat))], 2),
-                "recall_at_10": round(float(np.mean(recall)), 4), "queries": queries,
-                # CPU seconds the Milvus process (Lite server / milvus binary) spent per search
-                "server_cpu_ms_per_search": (round(1000 * (cpu1 - cpu0) / queries, 2)
-                                             if cpu0 is not None and cpu1 is not None else None),
-                # this client, incl. the recall bookkeeping (an upper bound of the client's cost)
-                "client_cpu_ms_per_search": round(1000 * (client1 - client0) / queries, 2),
-                "server_rss_mb": rss_mb(pid or lite_pid(uri)),
-                "vectors_mb": round(n * dim * 4 / 2**20, 0)} | plain
+        return out
     finally:
         if done and not keep:
             store.drop()
@@ -231,8 +260,6 @@ def main() -> None:
                     help="stop inserting after this long; a later run resumes (0: no limit)")
     ap.add_argument("--keep", action="store_true", help="keep the collections after searching")
     ap.add_argument("--ef", type=int, default=64, help="HNSW search breadth")
-    ap.add_argument("--unfiltered", action="store_true",
-                    help="also search without the ACL filter and exclusions (their cost)")
     ap.add_argument("--insert-only", action="store_true",
                     help="insert (resuming), then stop; a later run builds and searches")
     ap.add_argument("--json", type=Path, default=None, help="append each row here (JSON lines)")
@@ -245,7 +272,7 @@ def main() -> None:
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="bench-milvus-"))
     tmp.mkdir(parents=True, exist_ok=True)
     opts = {"workdir": tmp, "budget_s": args.insert_budget_s, "keep": args.keep, "ef": args.ef,
-            "insert_only": args.insert_only, "unfiltered": args.unfiltered}
+            "insert_only": args.insert_only}
 
     def record(row):
         if row is None:
@@ -278,22 +305,27 @@ def main() -> None:
         finally:
             if not args.uri:
                 ctx.__exit__(None, None, None)
-    print("\n| backend | index | N | insert s | index build s | search ms median | p95 | "
-          "recall@10 | RSS MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| backend | index | N | caller | before ms median / p95 | before CPU ms | "
+          "after ms median / p95 | after CPU ms | recall@10 before / after | same top 10 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['index']} | {r['n']:,} | {r['insert_s']} | "
-              f"{r['index_build_s']} | {r['search_ms_median']} | {r['search_ms_p95']} | "
-              f"{r['recall_at_10']} | {r['server_rss_mb']} |")
+        for name, c in r["callers"].items():
+            b, a = c["before"], c["after"]
+            print(f"| {r['backend']} | {r['index']} | {r['n']:,} | {name} | {b['ms_median']} / "
+                  f"{b['ms_p95']} | {b['server_cpu_ms']} | {a['ms_median']} / {a['ms_p95']} | "
+                  f"{a['server_cpu_ms']} | {b['recall_at_10']} / {a['recall_at_10']} | "
+                  f"{a['same_top10_as_before']} |")
     _project(rows)
 
 
 def _project(rows: list[dict]) -> None:
     """PROJECTED figures: FLAT grows linearly in N (fit through the measured sizes); HNSW grows
     about logarithmically (fit a + b·log N). Marked as projections."""
-    print("\nPROJECTED (not measured): search ms median at larger N, fitted on the sizes above")
+    print("\nPROJECTED (not measured): public caller's search ms median (after) at larger N, "
+          "fitted on the sizes above")
     for backend in ("lite", "server"):
-        pts = [(r["n"], r["search_ms_median"]) for r in rows if r["backend"] == backend]
+        pts = [(r["n"], r["callers"]["public"]["after"]["ms_median"]) for r in rows
+               if r["backend"] == backend]
         if len(pts) < 2:
             continue
         n, ms = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
