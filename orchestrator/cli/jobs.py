@@ -59,8 +59,15 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     from branchsearch.orchestrator.execution import pick_executor
+    from branchsearch.orchestrator.execution.processes import QuestionProcesses, worker_count
 
-    driver = open_driver(settings, pick_executor(settings, executor))
+    picked = pick_executor(settings, executor)
+    if picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
+        driver = QuestionProcesses(settings, worker_count(settings.batch_concurrency), groups)
+        search = driver.search
+    else:
+        driver = open_driver(settings, picked)
+        search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
     bar = progress_bar(len(data.items), "q", "batch")
     seen = {"partial": 0, "failed": 0}
 
@@ -71,9 +78,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
         bar.set_postfix(seen)
 
     try:
-        counts = run_batch(data.items, output,
-                           lambda q: driver.search(q, acl_groups=groups).to_dict(),
-                           concurrency=settings.batch_concurrency, on_done=tick,
+        counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency, on_done=tick,
                            stop_after=stop_after)
     finally:
         bar.close()

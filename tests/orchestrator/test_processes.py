@@ -1,0 +1,44 @@
+"""A batch on one machine runs its questions in worker processes (`execution.processes`): the
+default hybrid index on Milvus Lite, whose file one process owns, is searched by every worker
+through the owner's server; results equal the one-process batch, question by question."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import HOTPOT, ingest_copy
+
+
+def _batch(settings, inp, out, *extra):
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(inp), "-o",
+           str(out), "--home", str(settings.home), "--index", settings.index, *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+
+
+def test_worker_processes_give_the_one_process_results_on_a_lite_index(hotpot_settings,
+                                                                        tmp_path):
+    settings = ingest_copy(hotpot_settings, "hotpot-processes")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                           for q in queries))
+    one = _batch(settings, inp, tmp_path / "one.jsonl", "--concurrency", "1")
+    many = _batch(settings, inp, tmp_path / "many.jsonl", "--concurrency", "3")
+    assert sorted(one) == sorted(many) == sorted(q["_id"] for q in queries)
+    for qid, row in one.items():
+        assert row["status"] == many[qid]["status"] == "ok"
+        assert row["ranked_chunk_ids"] == many[qid]["ranked_chunk_ids"], qid
+    # the questions ran in worker processes, not in the batch's own (one process's pid)
+    own = {b["pid"] for row in one.values() for b in row["branches"]}
+    workers = {b["pid"] for row in many.values() for b in row["branches"]}
+    assert len(own) == 1 and workers and own.isdisjoint(workers)
+    # the owner released the file: a later one-process run opens it again
+    again = _batch(settings, inp, tmp_path / "again.jsonl", "--concurrency", "1")
+    assert {k: r["ranked_chunk_ids"] for k, r in again.items()} == \
+        {k: r["ranked_chunk_ids"] for k, r in one.items()}
