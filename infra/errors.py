@@ -80,7 +80,9 @@ _SECRETS: set[str] = set()  # secret values from the settings, masked wherever t
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
 _CREDENTIAL = re.compile(
     r"(?i)(?P<name>\b(?:authorization|bearer|basic|api[_-]?key|apikey|token|password|passwd|"
-    r"secret)\b[\"']?(?:\s*[:=]\s*|\s+)(?:(?:bearer|basic|apikey)\s+)?[\"']?)[^\s\"',;)}\]]+")
+    r"secret)\b[\"']?(?:\s*[:=]\s*|\s+)"
+    r"(?!(?:(?:bearer|basic|apikey)\s+)?[\"']?KEY\b)"  # the placeholder of "Bearer KEY"
+    r"(?:(?:bearer|basic|apikey)\s+)?[\"']?)[^\s\"',;)}\]]+")
 _PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
 _ADDRESS = re.compile(

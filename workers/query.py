@@ -14,6 +14,10 @@ def has_words(text: str) -> bool:
 
 def question_problem(text: object, what: str = "question") -> str:
     """Why `text` cannot be searched ("" when it can)."""
+    if text is not None and not isinstance(text, str):  # 123 or a list from a JSON body
+        kind = {bool: "true or false", int: "a number", float: "a number", list: "an array",
+                dict: "an object"}.get(type(text), type(text).__name__)
+        return f"{what} must be text, not {kind}"
     if not isinstance(text, str) or not text.strip():
         return f"empty {what}: give the words to search for"
     if not has_words(text):

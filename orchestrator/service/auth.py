@@ -129,6 +129,12 @@ class KeyStore:
         from branchsearch.infra.stores.acl import ACL_ALL, caller_groups
 
         caller_groups(groups)  # '*' is reserved: a key with it would read every document
+        from branchsearch.infra.config.settings import index_name_problem
+
+        for index in indexes:  # a name no index can have would allow nothing, silently
+            problem = index_name_problem(index)
+            if problem:
+                raise BranchsearchError(f"--indexes: {problem}")
         if everything:
             if not admin:
                 raise BranchsearchError("only an admin key can see every document (--admin "

@@ -41,6 +41,22 @@ def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
     assert [k.name for k in store.list()] == ["alice", "bob"]
     assert bearer("Bearer abc") == "abc" and bearer("Basic abc") is None and bearer(None) is None
     assert parse_list("a, b,,a") == ("a", "b")
+    with pytest.raises(Exception, match="--indexes: index name '../x' is not allowed"):
+        store.add("carol", (), ("../x",))  # a name no index can have: refused, not inert
+
+
+def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
+    """The 401 hint said "Bearer ***" (the placeholder KEY taken for a secret); a question
+    that is a number was "empty"."""
+    from branchsearch.infra.errors import public_line
+    from branchsearch.workers.query import question_problem
+
+    assert public_line("missing API key: send 'Authorization: Bearer KEY'").endswith(
+        "'Authorization: Bearer KEY'")
+    assert "s3cr3t" not in public_line("Authorization: Bearer s3cr3t")
+    assert question_problem(123) == "question must be text, not a number"
+    assert question_problem(["a"]) == "question must be text, not an array"
+    assert question_problem(None).startswith("empty question")
 
 
 def test_parse_search_bounds():
