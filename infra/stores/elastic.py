@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from branchsearch.infra.errors import BackendUnavailable, BadQuery
 from branchsearch.infra.stores.hits import Hit
-from branchsearch.infra.stores.protocols import IndexedChunk, check_pattern, query_words
+from branchsearch.infra.stores.protocols import (IndexedChunk, check_pattern, query_words,
+                                                 settled)
 from branchsearch.infra.stores.acl import acl_terms
 
 MAPPINGS = {
@@ -131,6 +132,7 @@ class ElasticStore:
         return [Hit(h["_id"], h["_source"]["doc_id"], float(h["_score"] or 0.0), rank, source)
                 for rank, h in enumerate(result["hits"]["hits"], start=1)]
 
+    @settled
     def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
         words = query_words(query)
@@ -139,6 +141,7 @@ class ElasticStore:
         return self._run(self._query({"match": {"body": " ".join(words)}}, exclude_ids,
                                      acl_groups), k, "bm25")
 
+    @settled
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:
         pattern = check_pattern(pattern, self.max_pattern)

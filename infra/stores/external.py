@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.stores.acl import ACL_ALL
-from branchsearch.infra.stores.protocols import check_pattern, query_words
+from branchsearch.infra.stores.protocols import check_pattern, query_words, settled
 from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, milvus_call,
                                       milvus_error, milvus_list, quiet_pymilvus, release_lite,
                                       timeout_arg)
@@ -199,6 +199,7 @@ class ExternalElastic:
         return Hit(doc_id + CHUNK_SUFFIX, doc_id, float(h.get("_score") or 0.0), rank, source,
                    text=str(src.get(self.f.text, "")), title=str(src.get(self.f.title, "")))
 
+    @settled
     def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
         words = query_words(query)
@@ -208,6 +209,7 @@ class ExternalElastic:
                                 "fields": [self.f.title, self.f.text]}}
         return self._run(must, k, exclude_ids, acl_groups, "bm25")
 
+    @settled
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:
         pattern = check_pattern(pattern, self.max_pattern)
@@ -328,6 +330,7 @@ class ExternalMilvus:
         return Hit(doc_id + CHUNK_SUFFIX, doc_id, score, rank, source,
                    text=str(entity.get(self.f.text, "")), title=str(entity.get(self.f.title, "")))
 
+    @settled
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
         result = self._request(

@@ -2,12 +2,18 @@
 
 Both lexical backends (tantivy embedded, Elasticsearch by URL) satisfy `LexicalStore`; both dense
 backends (Milvus Lite file, Milvus server) are one class, `infra.stores.milvus.MilvusStore`.
+
+Every store returns its lists in one order (`settled`): by score compared at `SCORE_DIGITS`
+significant digits, then by chunk id. The engines break ties by where a chunk sits in the index
+(tantivy and Elasticsearch by document address, Milvus by segment and insertion order), which
+changes with ingest order, `--workers` and re-ingest; the chunk id does not.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,6 +74,69 @@ def check_k(k: int) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K:
         raise BadQuery(f"k must be an integer in 1..{MAX_K}, got {k!r}")
     return k
+
+
+SCORE_DIGITS = 5  # significant digits at which two scores of one list are a tie
+
+
+def tie_score(score: float) -> float:
+    """`score` rounded to `SCORE_DIGITS` significant digits: what a list is ordered by before the
+    chunk id. Equal texts score equal, but not always bit for bit: a vector embedded in another
+    batch (ingest order, `--workers`) differs by float noise (up to 1.8e-7 in cosine, measured
+    in reports/determinism.md), so exact float comparison would let that noise order them. A
+    grid cannot absorb every such pair (two values a hair either side of a rounding boundary
+    still differ), but at 5 digits a pair 1e-7 apart straddles one about once in a hundred."""
+    if score != score:  # NaN: after everything
+        return float("-inf")
+    return float(f"{score:.{SCORE_DIGITS}g}")
+
+
+def ordered(hits: Sequence[Hit]) -> list[Hit]:
+    """`hits` by `tie_score` (highest first), then chunk id; ranks renumbered 1..n."""
+    out = sorted(hits, key=lambda h: (-tie_score(h.score), h.chunk_id))
+    for rank, hit in enumerate(out, start=1):
+        hit.rank = rank
+    return out
+
+
+def tie_margin(k: int) -> int:
+    """How many hits beyond `k` a store asks for, so that a tie across the k-th place is seen
+    whole in one request (see `settle`)."""
+    return max(5, k // 5)
+
+
+def settle(fetch: Callable[[int], list[Hit]], k: int, cap: int = MAX_K) -> list[Hit]:
+    """The top `k` of a backend's list in `ordered` order, the same set whatever order the
+    backend breaks ties in. `fetch(depth)` is the backend's own top `depth`.
+
+    Asks for `k + tie_margin(k)`; when the k-th place ties (`tie_score`) with the last hit
+    fetched, chunks the backend left out may belong to that tie, so it asks again deeper
+    (twice as deep; straight to `cap` when the whole list is one tie, as a grep's constant
+    scores are) until the tie ends inside the list, the backend has no more, or `cap` is
+    reached (past `cap` hits in one tie, which of them are kept is the backend's choice). On an
+    approximate index (HNSW, IVF) the backend's own list is already one of many possible."""
+    depth = k + tie_margin(k)
+    cap = max(cap, depth)
+    while True:
+        hits = fetch(depth)
+        if len(hits) < depth or depth >= cap:
+            break
+        keys = sorted((tie_score(h.score) for h in hits), reverse=True)
+        if keys[k - 1] > keys[-1]:
+            break
+        depth = cap if keys[0] == keys[-1] else min(cap, 2 * depth)
+    return ordered(hits)[:k]
+
+
+def settled(search):
+    """A store's `search` / `grep(self, query, k, ...)` made to return `settle`'s list: the
+    method is called with the depths `settle` asks for."""
+    @functools.wraps(search)
+    def wrapper(self, query, k: int, *args, **kwargs) -> list[Hit]:
+        if not isinstance(k, int) or k <= 0:
+            return search(self, query, k, *args, **kwargs)
+        return settle(lambda depth: search(self, query, depth, *args, **kwargs), k)
+    return wrapper
 
 
 def check_pattern(pattern: str, max_len: int = 200) -> str:

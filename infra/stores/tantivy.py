@@ -13,7 +13,8 @@ from pathlib import Path
 
 from branchsearch.infra.errors import BadQuery
 from branchsearch.infra.stores.hits import Hit
-from branchsearch.infra.stores.protocols import IndexedChunk, check_pattern, query_words
+from branchsearch.infra.stores.protocols import (IndexedChunk, check_pattern, query_words,
+                                                 settled)
 from branchsearch.infra.stores.acl import acl_terms
 
 
@@ -109,6 +110,7 @@ class TantivyStore:
             hits.append(Hit(doc["chunk_id"][0], doc["doc_id"][0], float(score), rank, source))
         return hits
 
+    @settled
     def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
         words = query_words(query)
@@ -117,6 +119,7 @@ class TantivyStore:
         parsed, _errors = self._index.parse_query_lenient(" ".join(words), ["body"])
         return self._run(self._filtered(parsed, exclude_ids, acl_groups), k, "bm25")
 
+    @settled
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:
         pattern = check_pattern(pattern, self.max_pattern)
