@@ -1,8 +1,22 @@
 """Dense store on Milvus through pymilvus: an embedded Milvus Lite file, or a server by URI.
 
-One collection per index: chunk id (primary key), doc id, ACL groups (array), vector. Exclusion
-of seen chunks and the ACL filter are pushed into Milvus's boolean filter, so `k` results come
-back even when many candidates are filtered out. Milvus Lite allows one process per file: the
+One collection per index: chunk id (primary key), doc id, ACL groups (array), `acl_key` (the
+document's group set as one key, see `acl_key`), vector. A search's cost must not grow with the
+rows a filter looks at, so neither filter is evaluated row by row on the array:
+
+* ACL: the caller's groups become `acl_key in [the keys of the group sets it may see]` (public
+  callers: `acl_key == "public"`; an admin: no filter). On a server `acl_key` is the partition
+  key, so Milvus searches only the partitions those keys hash to. The group sets an index holds
+  are kept in a small side collection (`acl_sets_collection`), written before the rows that use
+  them; this process reads it once, when a caller with groups first searches, and again when
+  it is older than `ACL_SETS_REFRESH_S` (a set written by another process in the meantime is
+  not yet searched: a new restricted document can show late, never to the wrong caller). A
+  collection made before `acl_key` existed keeps the per-row array filter (re-ingest it into a
+  fresh collection for the flat cost).
+* Exclusions (chunks the agent has seen): not a filter. The search asks for `k + len(exclude)`
+  and drops them here, which leaves the same top `k` (exact indexes; see `search`).
+
+Milvus Lite allows one process per file: the
 retriever actor that owns this store is its only user, and a second process gets one clear error
 naming the file. Milvus Lite indexes FLAT (exact); a server takes the index from settings (HNSW
 by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong consistency, so a
@@ -21,6 +35,8 @@ import hashlib
 import logging
 import math
 import re
+import threading
+import time
 import unicodedata
 import uuid
 from collections.abc import Sequence
@@ -30,10 +46,13 @@ from pathlib import Path
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy,
                                       IndexIncomplete)
 from branchsearch.infra.stores.hits import Hit
-from branchsearch.infra.stores.protocols import IndexedChunk, settled
-from branchsearch.infra.stores.acl import acl_terms
+from branchsearch.infra.stores.protocols import MAX_K, IndexedChunk, settled
+from branchsearch.infra.stores.acl import PUBLIC, acl_terms
 
 COLLECTION = "chunks"
+ACL_KEY_PUBLIC = "public"  # the `acl_key` of every document any caller sees
+ACL_KEY_LIST_MAX = 1000  # more visible group sets than this: the per-row array filter instead
+ACL_SETS_REFRESH_S = 2.0  # how old this process's copy of an index's group sets may get
 _MILVUS_SAFE = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
 
 
@@ -51,6 +70,24 @@ def collection_for(index: str) -> str:
     folded = unicodedata.normalize("NFKD", index).encode("ascii", "ignore").decode()
     slug = "_".join(re.findall(r"[A-Za-z0-9]+", folded))[:64]
     return f"u{COLLECTION}_{slug}_{digest}" if slug else f"u{COLLECTION}_{digest}"
+
+
+def acl_sets_collection(collection: str) -> str:
+    """The side collection holding the group sets (`acl_key` -> groups) of `collection`. No
+    `collection_for` name starts with `aclsets_`, so it is never an index's own collection."""
+    return f"aclsets_{collection}"
+
+
+def acl_key(terms: Sequence[str]) -> str:
+    """The `acl_key` of a document whose ACL index terms (`IndexedChunk.acl_terms`) are `terms`:
+    `ACL_KEY_PUBLIC` when every caller sees it (no ACL, or `PUBLIC` among its groups), else
+    `g` + 32 hex of the SHA-256 of its sorted, distinct groups. ASCII whatever the group names
+    (no literal to escape), one key per set however the ACL listed it."""
+    groups = sorted(set(terms))
+    if not groups or PUBLIC in groups:
+        return ACL_KEY_PUBLIC
+    canon = "\x1f".join(groups).encode("utf-8", "surrogatepass")
+    return "g" + hashlib.sha256(canon).hexdigest()[:32]
 
 
 def quiet_pymilvus() -> None:
@@ -172,6 +209,11 @@ def is_server(uri: str | Path) -> bool:
 
 
 _lite_users: dict[str, int] = {}  # embedded file -> open stores of this process on it
+# (uri, collection) -> the group sets this process knows it holds, {acl_key: groups}, and when
+# they were last read; shared by this process's stores on it, so a write is seen at once
+_acl_sets: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {}
+_acl_sets_read: dict[tuple[str, str], float] = {}
+_acl_sets_lock = threading.Lock()
 
 
 def _lite_key(uri: str | Path) -> str:
@@ -203,6 +245,27 @@ def release_lite(uri: str | Path) -> None:
     except ImportError:
         return
     server_manager_instance.release_server(str(uri))
+
+
+_served: dict[str, str] = {}  # Lite file -> socket of the server another process runs for it
+
+
+def serve_lite(db: str | Path) -> str:
+    """The socket URI (`unix:…`) of this process's Milvus Lite server for `db`, started if it is
+    not running. Milvus Lite lets one process own a file; other processes of the same job (a
+    batch's worker processes) reach that owner's server through this socket (`use_served_lite`)
+    instead of opening the file. The owner keeps a store open on `db` while they do."""
+    from milvus_lite.server_manager import server_manager_instance
+
+    uri = server_manager_instance.start_and_get_uri(str(db))
+    if not uri:
+        raise BackendUnavailable(f"milvus lite: cannot serve {db}")
+    return uri
+
+
+def use_served_lite(db: str | Path, socket_uri: str) -> None:
+    """In this process, open `db` through `socket_uri` (another process's `serve_lite`)."""
+    _served[_lite_key(db)] = socket_uri
 
 
 def _held_elsewhere(db: Path) -> bool:
@@ -293,7 +356,9 @@ class MilvusStore:
         self.index = index or IndexSpec()
         if not self.server:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
-        if not self.server and _held_elsewhere(Path(self.uri)):
+        served = None if self.server else _served.get(_lite_key(self.uri))
+        self._served = served is not None  # through the owning process's server (serve_lite)
+        if not self.server and not served and _held_elsewhere(Path(self.uri)):
             raise _lite_busy(self.uri)
         quiet_pymilvus()
         quiet = logging.getLogger("pymilvus.milvus_client._utils")
@@ -302,7 +367,7 @@ class MilvusStore:
         try:
             # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
             # closing one store would cut every other store of this process on that server
-            self._client = MilvusClient(uri=self.uri, token=token,
+            self._client = MilvusClient(uri=served or self.uri, token=token,
                                         alias=f"branchsearch-{uuid.uuid4().hex}")
         except Exception as exc:
             if not self.server and "opened by another program" in str(exc):
@@ -313,7 +378,8 @@ class MilvusStore:
                 f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}") from None
         finally:
             quiet.setLevel(level)
-        acquire_lite(self.uri)
+        if not self._served:
+            acquire_lite(self.uri)
         try:
             exists = self._request("open", self._client.has_collection, collection)
             if not exists and not create:
@@ -324,6 +390,18 @@ class MilvusStore:
         if not exists:
             self._create()
         self.index_kind = self._index_kind()
+        self.sets_collection = acl_sets_collection(collection)
+        self._sets_id = (self._lite or self.uri, collection)
+        # rows carry `acl_key` when the collection has the field (one made before it has not);
+        # searches filter on it when the side collection of group sets is there too (made with
+        # it; without it the sets are unknown: the array filter)
+        key = self._field("acl_key")
+        self.has_key = key is not None
+        # Milvus 2.3.5 upserts every row of a partition-key collection into the wrong partition
+        # (measured: a filter on the key then finds 3 of 240 rows); insert hashes it right
+        self.partitioned = bool(key and key.get("is_partition_key"))
+        self.keyed = self.has_key and self._request("open", self._client.has_collection,
+                                                    self.sets_collection)
 
     def _request(self, what: str, call, *args, **kwargs):
         return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
@@ -348,13 +426,40 @@ class MilvusStore:
         schema.add_field("doc_id", DataType.VARCHAR, max_length=1024)
         schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,
                          max_length=256)
+        # the partition key on a server (Milvus Lite 2.5.1 takes `is_partition_key` but then
+        # refuses every filter on the field: "Invalid expr"), a plain field on Lite
+        schema.add_field("acl_key", DataType.VARCHAR, max_length=64,
+                         is_partition_key=self.server)
         schema.add_field("vector", DataType.FLOAT_VECTOR, dim=self.dim)
         kind = self.index.resolved(self.server)
         index = self._client.prepare_index_params()
         index.add_index(field_name="vector", index_type=kind, metric_type="IP",
                         params=self.index.build_params(kind))
+        self._create_sets()  # before the rows: a group set is listed before it is used
         self._request("create", self._client.create_collection, self.collection,
                       schema=schema, index_params=index, consistency_level="Strong")
+
+    def _create_sets(self) -> None:
+        """The side collection of group sets (Milvus needs a vector in every collection: a
+        2-d zero one)."""
+        from pymilvus import DataType
+
+        name = acl_sets_collection(self.collection)
+        if self._request("create", self._client.has_collection, name):
+            return  # left by a collection dropped elsewhere: its sets only lengthen a filter
+        schema = self._client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("acl_key", DataType.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,
+                         max_length=256)
+        schema.add_field("v", DataType.FLOAT_VECTOR, dim=2)
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="v", index_type="FLAT", metric_type="L2")
+        self._request("create", self._client.create_collection, name, schema=schema,
+                      index_params=index, consistency_level="Strong")
+
+    def _field(self, name: str) -> dict | None:
+        info = self._request("open", self._client.describe_collection, self.collection) or {}
+        return next((f for f in info.get("fields", ()) if f.get("name") == name), None)
 
     def _index_kind(self) -> str:
         """The index the collection really has (it may predate the current settings)."""
@@ -367,12 +472,73 @@ class MilvusStore:
 
     def write(self, chunks: Sequence[IndexedChunk], vectors, delete_doc_ids: Sequence[str]) -> None:
         """Delete every chunk of `delete_doc_ids`, then upsert `chunks` by chunk id (idempotent:
-        writing the same batch twice leaves one row per chunk)."""
+        writing the same batch twice leaves one row per chunk). On a partition-key collection
+        the upsert is a delete by chunk id and an insert (see `partitioned`)."""
         self.delete_documents(delete_doc_ids)
+        rows = self.rows(chunks, vectors)
+        for i in range(0, len(rows), 1000):
+            batch = rows[i:i + 1000]
+            if self.partitioned:
+                self._request("delete", self._client.delete, self.collection,
+                              filter=f"chunk_id in {self._list([r['chunk_id'] for r in batch])}")
+                self._request("insert", self._client.insert, self.collection, batch)
+            else:
+                self._request("upsert", self._client.upsert, self.collection, batch)
+
+    def rows(self, chunks: Sequence[IndexedChunk], vectors) -> list[dict]:
+        """The rows of `chunks` as this collection stores them; lists their group sets in the
+        side collection first (so a caller who may see a row's set is never without it)."""
         rows = [{"chunk_id": self._key(c.chunk_id), "doc_id": c.doc_id, "acl": c.acl_terms,
                  "vector": v.tolist()} for c, v in zip(chunks, vectors)]
-        for i in range(0, len(rows), 1000):
-            self._request("upsert", self._client.upsert, self.collection, rows[i:i + 1000])
+        if self.has_key:
+            sets = {}
+            for row in rows:
+                row["acl_key"] = key = acl_key(row["acl"])
+                sets.setdefault(key, row["acl"])
+            if self.keyed:
+                self._add_sets(sets)
+        return rows
+
+    def _add_sets(self, sets: dict[str, list[str]]) -> None:
+        with _acl_sets_lock:
+            known = _acl_sets.get(self._sets_id, {})
+            new = {k: v for k, v in sets.items() if k not in known}
+        if not new:
+            return
+        self._request("upsert", self._client.upsert, self.sets_collection,
+                      [{"acl_key": k, "acl": list(v), "v": [0.0, 0.0]} for k, v in new.items()])
+        with _acl_sets_lock:
+            _acl_sets.setdefault(self._sets_id, {}).update(
+                {k: tuple(v) for k, v in new.items()})
+
+    def _visible_keys(self, terms: list[str]) -> list[str] | None:
+        """The `acl_key`s of the group sets a caller with ACL `terms` may see (None: too many
+        for one filter, or the sets cannot be read: filter the array)."""
+        groups = set(terms) - {PUBLIC}
+        if not groups:
+            return [ACL_KEY_PUBLIC]
+        with _acl_sets_lock:
+            read = _acl_sets_read.get(self._sets_id)
+        if read is None or time.monotonic() - read > ACL_SETS_REFRESH_S:
+            self._read_sets(strong=read is None)
+        with _acl_sets_lock:
+            known = dict(_acl_sets.get(self._sets_id, {}))
+        keys = [ACL_KEY_PUBLIC, *sorted(k for k, v in known.items()
+                                        if k != ACL_KEY_PUBLIC and groups.intersection(v))]
+        return keys if len(keys) <= ACL_KEY_LIST_MAX else None
+
+    def _read_sets(self, strong: bool) -> None:
+        """This process's copy of the group sets, from the side collection: the first read
+        waits for every write that returned before it (Strong), later ones are as fresh as the
+        searches (the index's consistency)."""
+        level = "Strong" if strong or not self.server else self.index.consistency
+        rows = self._request("search", self._client.query, self.sets_collection,
+                             filter='acl_key != ""', output_fields=["acl_key", "acl"],
+                             limit=16384, consistency_level=level)
+        with _acl_sets_lock:
+            _acl_sets.setdefault(self._sets_id, {}).update(
+                {r["acl_key"]: tuple(r["acl"]) for r in rows})
+            _acl_sets_read[self._sets_id] = time.monotonic()
 
     def delete_documents(self, doc_ids: Sequence[str]) -> None:
         for i in range(0, len(doc_ids), 500):
@@ -380,24 +546,46 @@ class MilvusStore:
             self._request("delete", self._client.delete, self.collection,
                           filter=f"doc_id in {self._list(batch)}")
 
+    def acl_filter(self, acl_groups: Sequence[str] | None, *, per_row: bool = False) -> str:
+        """The filter that keeps what a caller with `acl_groups` may see: on `acl_key` (see the
+        module's docstring); `per_row`, or a collection without `acl_key`: the array filter."""
+        terms = acl_terms(acl_groups)
+        if terms is None:
+            return ""
+        keys = None if per_row or not self.keyed else self._visible_keys(terms)
+        if keys is None:
+            return f"array_contains_any(acl, {self._list(terms)})"
+        if len(keys) == 1:
+            return f"acl_key == {milvus_literal(keys[0], lite=not self.server)}"
+        return f"acl_key in {self._list(keys)}"
+
     @settled
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
-               acl_groups: Sequence[str] | None = None) -> list[Hit]:
-        filters = []
-        groups = acl_terms(acl_groups)
-        if groups is not None:
-            filters.append(f"array_contains_any(acl, {self._list(groups)})")
-        if exclude_ids:
-            filters.append(f"chunk_id not in {self._list([self._key(c) for c in exclude_ids])}")
+               acl_groups: Sequence[str] | None = None, *, per_row: bool = False) -> list[Hit]:
+        """The top `k` a caller with `acl_groups` may see, without `exclude_ids`.
+
+        The exclusions are dropped here from the top `k + len(exclude_ids)`: at most that many
+        of those are excluded, so the rest begins with the top `k` of what is left — what a
+        `not in` filter gives on an exact index (FLAT: Milvus Lite, and a server's segments too
+        small to index). On HNSW, `ef` grows to the deeper limit, so the graph is searched at
+        least as widely as before. Past `MAX_K` the exclusions go into the filter as before.
+        `per_row`: today's filters (the ACL array, `not in`), for benchmarks."""
+        exclude = {self._key(c) for c in exclude_ids}
+        filters = [f] if (f := self.acl_filter(acl_groups, per_row=per_row)) else []
+        limit = k + len(exclude)
+        if exclude and (per_row or limit > MAX_K):
+            filters.append(f"chunk_id not in {self._list(sorted(exclude))}")
+            limit, exclude = k, set()
         result = self._request(
-            "search", self._client.search, self.collection, data=[vector.tolist()], limit=k,
-            filter=" and ".join(filters), output_fields=["doc_id"],
+            "search", self._client.search, self.collection, data=[vector.tolist()],
+            limit=limit, filter=" and ".join(filters), output_fields=["doc_id"],
             search_params={"metric_type": "IP",
-                           "params": self.index.search_params(self.index_kind, k)},
+                           "params": self.index.search_params(self.index_kind, limit)},
             consistency_level=self.index.consistency if self.server else "Strong")
+        kept = [r for r in result[0] if r["id"] not in exclude][:k]
         return [Hit(self._chunk_id(r["id"]), r["entity"]["doc_id"], float(r["distance"]), rank,
                     "dense")
-                for rank, r in enumerate(result[0], start=1)]
+                for rank, r in enumerate(kept, start=1)]
 
     def count(self) -> int:
         """Live rows (deletes subtracted; collection stats count deleted rows on a server)."""
@@ -407,6 +595,11 @@ class MilvusStore:
 
     def drop(self) -> None:
         self._client.drop_collection(self.collection)
+        if self._client.has_collection(self.sets_collection):
+            self._client.drop_collection(self.sets_collection)
+        with _acl_sets_lock:
+            _acl_sets.pop(self._sets_id, None)
+            _acl_sets_read.pop(self._sets_id, None)
 
     def close(self) -> None:
         """Close the client and, for an embedded file, stop its Milvus Lite server so another
@@ -416,4 +609,5 @@ class MilvusStore:
             return
         self._closed = True
         self._client.close()
-        release_lite(self.uri)
+        if not self._served:
+            release_lite(self.uri)
