@@ -12,6 +12,10 @@
         1 branch (the question's branch alone = a `--branches 1` run), the planner's branches
         without forks, and with forks: AR@5 / AR@10 / R@5, forks a question, tokens read,
         attribution.
+    python reports/forks/fork_eval.py latency DATASET INDEX --home HOME [--n 60]
+        [--executor ray|local] [--forks 2 --gap 0.15]
+        per-question latency of 1 branch, 3 branches, and 3 branches with forks (one driver
+        each, 3 warm-up questions), the median over all and over the forked questions.
     python reports/forks/fork_eval.py cv OUT.json [...] [--folds 5]
         k-fold inside each dump (choose (forks, gap, weight) on k-1 folds by AR@5, then AR@10,
         then fewer tokens; report the held-out fold) and leave-one-dump-out (choose on the
@@ -91,10 +95,17 @@ def chosen(row: dict, forks: int, gap: float, planner: bool = True) -> list[dict
     return first + fk[:forks]
 
 
+VOTE_SEEDS = True  # False (`--found-only`): a fork's list is fused without its seeds
+
+
 def fused(branches: list[dict], weight: float) -> list[str]:
     reports = []
     for b in branches:
-        ep = EpisodeResult(b["subquery"], b["termination"], ranked_chunk_ids=b["ranked"],
+        ranked = b["ranked"]
+        if b["kind"] == "fork" and not VOTE_SEEDS:
+            seeds = {s.rsplit("#p", 1)[0] for s in b["seeds"]}
+            ranked = [c for c in ranked if b["docs"].get(c, c.rsplit("#p", 1)[0]) not in seeds]
+        ep = EpisodeResult(b["subquery"], b["termination"], ranked_chunk_ids=ranked,
                            evidence=[{"chunk_id": c, "doc_id": d} for c, d in b["docs"].items()])
         w = b["weight"] if b["kind"] != "fork" else round(weight * 2 * b["weight"], 4)
         # (a dump's fork weight is 0.5 x its parent's: 2 x it is the parent's weight)
@@ -163,7 +174,7 @@ def table(paths, forks, gap, weight) -> None:
 
 def cv(paths, folds: int) -> None:
     loaded = _load(paths)
-    grid = list(itertools.product(*GRID.values()))
+    grid = [(0, 0.0, 0.0)] + list(itertools.product(*GRID.values()))  # (0, ..): no forks
     scores = {}  # (path, point) -> per-question
     for path, dump, titles, texts in loaded:
         rows = dump["rows"]
@@ -222,9 +233,52 @@ def cv(paths, folds: int) -> None:
                   f"{mean(path, point, ids, 'ar10'):.3f} ({mean(path, point, ids, 'forks'):.2f} a q)")
 
 
+def latency(dataset: str, index: str, home: str, n: int, executor: str, forks: int,
+            gap: float) -> None:
+    """Per-question latency of 1 branch, the planner's 3 branches, and 3 branches with forks,
+    on `executor` (one driver each, the first 3 questions as warm-up); the ratio on the
+    questions the forks run reports the forks' cost."""
+    import statistics
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.orchestrator.driver import Driver
+
+    questions = [q.text for q in read_queries(dataset)][:n]
+    base = load_settings(None, {"home": home, "index": index})
+    configs = {"1 branch": base.replace(branches=1, forks=0),
+               "3 branches": base.replace(branches=3, forks=0),
+               "3 branches + forks": base.replace(branches=3, forks=forks, fork_gap=gap)}
+    times, forked = {}, set()
+    for name, settings in configs.items():
+        driver = Driver(settings, mode=executor)
+        try:
+            for q in questions[:3]:
+                driver.search(q)
+            times[name] = []
+            for i, q in enumerate(questions):
+                result = driver.search(q)
+                times[name].append(result.metrics["latency_s"])
+                if result.metrics.get("forks"):
+                    forked.add(i)
+        finally:
+            driver.close()
+    one = times["1 branch"]
+    print(f"{executor}, {len(questions)} questions of {index}, forks={forks} gap={gap}; "
+          f"forked: {len(forked)}")
+    for name, ts in times.items():
+        on = [ts[i] for i in sorted(forked)]
+        print(f"  {name:20} p50 all {statistics.median(ts) * 1000:.0f} ms "
+              f"({statistics.median(ts) / statistics.median(one):.2f}x); forked questions "
+              f"{statistics.median(on) * 1000 if on else 0:.0f} ms "
+              f"({statistics.median(on) / statistics.median([one[i] for i in sorted(forked)]) if on else 0:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=("run", "table", "cv"))
+    ap.add_argument("cmd", choices=("run", "table", "cv", "latency"))
+    ap.add_argument("--n", type=int, default=60)
+    ap.add_argument("--executor", default="ray")
     ap.add_argument("args", nargs="+")
     ap.add_argument("--home", default=".branchsearch")
     ap.add_argument("--forks", type=int, default=None)
@@ -232,9 +286,16 @@ def main() -> None:
     ap.add_argument("--weight", type=float, default=PRE_REGISTERED[2])
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--found-only", action="store_true",
+                    help="fuse a fork's list without the chunks it was handed (variant B)")
     a = ap.parse_args()
+    global VOTE_SEEDS
+    VOTE_SEEDS = not a.found_only
     if a.cmd == "run":
         run(*a.args, home=a.home, forks=a.forks or 4, gap=a.gap or 0.3, branches=a.branches)
+    elif a.cmd == "latency":
+        latency(*a.args, home=a.home, n=a.n, executor=a.executor,
+                forks=a.forks or PRE_REGISTERED[0], gap=a.gap or PRE_REGISTERED[1])
     elif a.cmd == "table":
         table(a.args, a.forks or PRE_REGISTERED[0], a.gap or PRE_REGISTERED[1], a.weight)
     else:

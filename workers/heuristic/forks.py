@@ -34,14 +34,14 @@ def note(state: EpisodeState, config: HeuristicConfig, ranked: list[str], keep: 
     kept = [cid for cid in ranked[:keep] if cid not in drop]
     for cid in drop:
         score = state.scores.get(cid, 0.0)
-        gap = (line - score) / line
+        gap = round((line - score) / line, 4)  # as reported: the driver compares this one
         if (gap > config.fork_gap or cid in state.expanded or cid in state.recalled
                 or state.depth.get(cid, 0) >= config.max_hops - 1):
             continue
         old = state.fork_candidates.get(cid)
         if old is None or gap < old["gap"]:
             state.fork_candidates[cid] = {
-                "chunk_id": cid, "gap": round(gap, 4), "score": round(score, 4),
+                "chunk_id": cid, "gap": gap, "score": round(score, 4),
                 "keep_line": round(line, 4), "reason": _reason(state, cid, kept),
                 "hop_room": config.max_hops - 1 - state.depth.get(cid, 0)}
 
