@@ -236,42 +236,44 @@ def cv(paths, folds: int) -> None:
 def latency(dataset: str, index: str, home: str, n: int, executor: str, forks: int,
             gap: float) -> None:
     """Per-question latency of 1 branch, the planner's 3 branches, and 3 branches with forks,
-    on `executor` (one driver each, the first 3 questions as warm-up); the ratio on the
-    questions the forks run reports the forks' cost."""
+    on `executor`: one driver, the three interleaved question by question (their order
+    rotating), so that a loaded machine weighs on each alike; the first 3 questions warm up.
+    The medians over the questions the forks run report the forks' cost."""
     import statistics
 
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.datasets.beir import read_queries
     from branchsearch.orchestrator.driver import Driver
 
-    questions = [q.text for q in read_queries(dataset)][:n]
-    base = load_settings(None, {"home": home, "index": index})
-    configs = {"1 branch": base.replace(branches=1, forks=0),
-               "3 branches": base.replace(branches=3, forks=0),
-               "3 branches + forks": base.replace(branches=3, forks=forks, fork_gap=gap)}
-    times, forked = {}, set()
-    for name, settings in configs.items():
-        driver = Driver(settings, mode=executor)
-        try:
-            for q in questions[:3]:
-                driver.search(q)
-            times[name] = []
-            for i, q in enumerate(questions):
-                result = driver.search(q)
-                times[name].append(result.metrics["latency_s"])
-                if result.metrics.get("forks"):
-                    forked.add(i)
-        finally:
-            driver.close()
+    questions = [q.text for q in read_queries(dataset)][:n + 3]
+    with_forks = load_settings(None, {"home": home, "index": index, "branches": 3,
+                                      "forks": forks, "fork_gap": gap})
+    configs = {"1 branch": (with_forks, 1), "3 branches": (with_forks.replace(forks=0), 3),
+               "3 branches + forks": (with_forks, 3)}
+    names = list(configs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    forked = []
+    driver = Driver(with_forks, mode=executor)
+    try:
+        for i, q in enumerate(questions):
+            for name in names[i % 3:] + names[:i % 3]:
+                driver.settings, branches = configs[name]
+                result = driver.search(q, max_branches=branches)
+                if i >= 3:
+                    times[name].append(result.metrics["latency_s"])
+                    if name == "3 branches + forks" and result.metrics.get("forks"):
+                        forked.append(i - 3)
+    finally:
+        driver.close()
     one = times["1 branch"]
-    print(f"{executor}, {len(questions)} questions of {index}, forks={forks} gap={gap}; "
+    print(f"{executor}, {len(questions) - 3} questions of {index}, forks={forks} gap={gap}; "
           f"forked: {len(forked)}")
     for name, ts in times.items():
-        on = [ts[i] for i in sorted(forked)]
+        on = [ts[i] for i in forked]
         print(f"  {name:20} p50 all {statistics.median(ts) * 1000:.0f} ms "
-              f"({statistics.median(ts) / statistics.median(one):.2f}x); forked questions "
-              f"{statistics.median(on) * 1000 if on else 0:.0f} ms "
-              f"({statistics.median(on) / statistics.median([one[i] for i in sorted(forked)]) if on else 0:.2f}x)")
+              f"({statistics.median(ts) / statistics.median(one):.2f}x one branch); forked "
+              f"questions {statistics.median(on) * 1000 if on else 0:.0f} ms "
+              f"({statistics.median(on) / statistics.median([one[i] for i in forked]) if on else 0:.2f}x)")
 
 
 def main() -> None:
