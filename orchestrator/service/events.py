@@ -60,8 +60,12 @@ def chunk_ids_in(event: dict) -> list[str]:
         r = event["result"]
         return list(r.get("ranked_chunk_ids", [])) + [
             cid for b in r.get("branches", []) for name in
-            ("ranked_chunk_ids", "pruned_ids", "final_context_ids") for cid in b.get(name, [])]
-    return list(event.get("new_ids", [])) + list(event.get("ids", []))
+            ("ranked_chunk_ids", "pruned_ids", "final_context_ids", "seeds")
+            for cid in b.get(name) or []] + [
+            c.get("chunk_id", "") for b in r.get("branches", [])
+            for c in b.get("fork_candidates") or []]
+    return (list(event.get("new_ids", [])) + list(event.get("ids", []))
+            + list(event.get("handed", [])))
 
 
 def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, int]:
@@ -74,14 +78,18 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
     keep = lambda xs: [x for x in xs if x not in bad]  # noqa: E731
     if event.get("type") != "result":
         out = dict(event)
-        for name in ("new_ids", "ids"):
+        for name in ("new_ids", "ids", "handed"):
             if name in out:
                 out[name] = keep(out[name])
         return out, len(bad)
     r = dict(event["result"])
     r["ranked_chunk_ids"] = keep(r.get("ranked_chunk_ids", []))
     r["branches"] = [{**b, **{n: keep(b[n]) for n in ("ranked_chunk_ids", "pruned_ids",
-                                                       "final_context_ids") if n in b}}
+                                                       "final_context_ids", "seeds")
+                              if b.get(n) is not None},
+                      **({"fork_candidates": [c for c in b["fork_candidates"]
+                                              if c.get("chunk_id") not in bad]}
+                         if b.get("fork_candidates") else {})}
                      for b in r.get("branches", [])]
     docs = []
     for doc in r.get("evidence", []):

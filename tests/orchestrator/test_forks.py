@@ -141,3 +141,22 @@ def test_choose_keeps_the_budget_the_order_and_one_fork_a_document(runs):
         if picked:
             assert picked[0].gap == pool[0]
     assert choose(runs[0][0].branches, 0) == []
+
+
+def test_the_acl_guard_covers_what_forks_carry():
+    from branchsearch.orchestrator.service.events import guard
+
+    hidden = lambda ids: {i for i in ids if i.startswith("secret")}  # noqa: E731
+    event, dropped = guard({"type": "fork", "branch": 3, "parent": 0, "reason": "r",
+                            "handed": ["secret#p0", "ok#p1"]}, hidden)
+    assert event["handed"] == ["ok#p1"] and dropped == 1
+    result = {"ranked_chunk_ids": ["ok#p0"], "evidence": [], "branches": [
+        {"ranked_chunk_ids": ["ok#p0"], "pruned_ids": ["secret#p1"], "final_context_ids": [],
+         "seeds": [], "fork_candidates": [{"chunk_id": "secret#p1", "title": "Secret"},
+                                          {"chunk_id": "ok#p2", "title": "Ok"}]},
+        {"ranked_chunk_ids": [], "pruned_ids": [], "final_context_ids": [], "kind": "fork",
+         "seeds": ["secret#p1"], "fork_candidates": []}]}
+    event, dropped = guard({"type": "result", "result": result}, hidden)
+    assert "secret" not in json.dumps(event).lower() and dropped == 1
+    assert event["result"]["branches"][0]["fork_candidates"] == [
+        {"chunk_id": "ok#p2", "title": "Ok"}]
