@@ -76,7 +76,8 @@ class Driver:
         """
         check_question(question)
         started = time.perf_counter()
-        deadline = time.time() + deadline_s if deadline_s is not None else None
+        started_wall = time.time()
+        deadline = started_wall + deadline_s if deadline_s is not None else None
         cap = self.settings.query_max_tokens
         text, tokens = fit_query(question, self.counter, cap)
         notes = [f"question cut from {tokens:,} to {cap} tokens (the search cap) before "
@@ -97,7 +98,12 @@ class Driver:
             branches = self.executor.run(tasks, settings=self.settings,
                                          policy_factory=self.policy_factory, on_event=on_event)
             if (max_branches or self.settings.branches) > 1 and self.settings.forks:
-                branches += self._forks(branches, groups, deadline, on_event)
+                # the forks end by the question's deadline, and never past one branch timeout
+                # from the question's start: a second wave does not double the wait
+                own = started_wall + self.settings.branch_timeout_s
+                branches += self._forks(branches, groups,
+                                        own if deadline is None else min(deadline, own),
+                                        on_event)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -130,9 +136,12 @@ class Driver:
     def _forks(self, first: list, groups, deadline, on_event) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the
         first wave pruned near its keep line, each recorded as a `fork` span and event, run on
-        the executor in parallel; [] when no branch left a candidate."""
+        the executor in parallel, ending by `deadline`; [] when no branch left a candidate or
+        no time is left."""
         from branchsearch.orchestrator.forks import fork_tasks
 
+        if time.time() >= deadline:  # no time left: no forks (not forks reported as timeouts)
+            return []
         tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups)
         for task in tasks:
             with telemetry.tracer().start_as_current_span("fork") as span:

@@ -160,3 +160,21 @@ def test_the_acl_guard_covers_what_forks_carry():
     assert "secret" not in json.dumps(event).lower() and dropped == 1
     assert event["result"]["branches"][0]["fork_candidates"] == [
         {"chunk_id": "ok#p2", "title": "Ok"}]
+
+
+def test_no_fork_starts_past_the_questions_deadline(forking):
+    # the first wave ends in time; the watcher then holds the driver past the deadline: no fork
+    # starts (none reported as a timeout, which would make the result partial)
+    import time
+
+    deadline_s = 8.0
+    started = time.time()
+
+    def slow_watcher(event):
+        if event["type"] == "branch_done" and event["branch"] == 0:
+            time.sleep(max(started + deadline_s - time.time(), 0) + 0.1)
+
+    result = forking.search(QUESTIONS[1], deadline_s=deadline_s, on_event=slow_watcher)
+    assert [b.kind for b in result.branches] == ["original"]  # planned alone, finished ok
+    assert result.status == "ok" and result.branches[0].fork_candidates  # it could have forked
+    assert result.metrics["forks"] == 0
