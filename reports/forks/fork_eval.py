@@ -98,7 +98,23 @@ def chosen(row: dict, forks: int, gap: float, planner: bool = True) -> list[dict
 VOTE_SEEDS = True  # False (`--found-only`): a fork's list is fused without its seeds
 
 
+HEAD_KEPT = 0  # `--keep-head 5` (variant C): the first wave's fused top 5 stay as they are
+
+
 def fused(branches: list[dict], weight: float) -> list[str]:
+    ranked = _fused(branches, weight)
+    first = [b for b in branches if b["kind"] != "fork"]
+    if not HEAD_KEPT or len(first) == len(branches):
+        return ranked
+    doc = lambda c: c.rsplit("#p", 1)[0]  # noqa: E731
+    head = list(dict.fromkeys(doc(c) for c in _fused(first, weight)))[:HEAD_KEPT]
+    rest = [c for c in ranked if doc(c) not in head]
+    return [f"{d}#p0" for d in head] + rest
+
+
+def _fused(branches: list[dict], weight: float) -> list[str]:
+    if len(branches) == 1:
+        return branches[0]["ranked"]
     reports = []
     for b in branches:
         ranked = b["ranked"]
@@ -290,9 +306,11 @@ def main() -> None:
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--found-only", action="store_true",
                     help="fuse a fork's list without the chunks it was handed (variant B)")
+    ap.add_argument("--keep-head", type=int, default=0,
+                    help="the first wave's fused top N stay; forks fill the places after (C)")
     a = ap.parse_args()
-    global VOTE_SEEDS
-    VOTE_SEEDS = not a.found_only
+    global VOTE_SEEDS, HEAD_KEPT
+    VOTE_SEEDS, HEAD_KEPT = not a.found_only, a.keep_head
     if a.cmd == "run":
         run(*a.args, home=a.home, forks=a.forks or 4, gap=a.gap or 0.3, branches=a.branches)
     elif a.cmd == "latency":
