@@ -8,7 +8,6 @@ generator calls `search` from many threads at once.
 
 from __future__ import annotations
 
-import inspect
 import json
 import socket
 import urllib.error
@@ -88,15 +87,11 @@ class DriverTarget:
 
     def __init__(self, driver, *, branches: int | None = None, deadline_s: float | None = None):
         self.driver, self.branches, self.deadline_s = driver, branches, deadline_s
-        params = inspect.signature(driver.search).parameters
-        self.deadline_supported = "deadline_s" in params
 
     def search(self, question: str) -> dict:
-        kwargs = {"max_branches": self.branches}
-        if self.deadline_s is not None and self.deadline_supported:
-            kwargs["deadline_s"] = self.deadline_s
         try:
-            return self.driver.search(question, **kwargs).to_dict()
+            return self.driver.search(question, max_branches=self.branches,
+                                      deadline_s=self.deadline_s).to_dict()
         except Exception as exc:  # the driver raised: the whole request failed
             raise RequestFailed(f"error:{type(exc).__name__}", str(exc)[:300]) from None
 
@@ -104,8 +99,6 @@ class DriverTarget:
         out = {"kind": "driver", "executor": self.driver.mode, "index": self.driver.settings.index,
                "policy": self.driver.settings.policy, "planner": self.driver.settings.planner,
                "branches": self.branches or self.driver.settings.branches}
-        if self.deadline_s is not None and not self.deadline_supported:
-            out["note"] = "this driver takes no deadline_s: --deadline-s ignored"
         return out
 
     def close(self) -> None:

@@ -510,7 +510,8 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
                                                                      step["sent"], abs=1e-3)
     # the percentiles and the CDF hold the searches only, every one of them
     assert len(step["latencies_ms"]) == step["sent"] - step["refused"]
-    assert step["latency_ms"]["p50"] > step["refusal_latency_ms"]["max"]
+    assert step["refusal_latency_ms"]["max"] > 0  # timed apart (no order asserted: a loaded
+    # machine can answer a 429 slower than a search)
     assert "refused (429/503)" in written["lt.md"] and "refused (429/503)" in proc.stdout
 
     # the old flag still works: warned, and the key is shown nowhere (the command line in
