@@ -76,18 +76,22 @@ def check_k(k: int) -> int:
     return k
 
 
-SCORE_DIGITS = 5  # significant digits at which two scores of one list are a tie
+SCORE_DIGITS = 5  # digits at which two scores of one list are a tie (see `tie_score`)
 
 
 def tie_score(score: float) -> float:
-    """`score` rounded to `SCORE_DIGITS` significant digits: what a list is ordered by before the
-    chunk id. Equal texts score equal, but not always bit for bit: a vector embedded in another
-    batch (ingest order, `--workers`) differs by float noise (up to 1.8e-7 in cosine, measured
-    in reports/determinism.md), so exact float comparison would let that noise order them. A
-    grid cannot absorb every such pair (two values a hair either side of a rounding boundary
-    still differ), but at 5 digits a pair 1e-7 apart straddles one about once in a hundred."""
+    """`score` as a list's order reads it before the chunk id: to `SCORE_DIGITS` significant
+    digits, and to `SCORE_DIGITS` decimals below 1 (a cosine near 0 carries the same absolute
+    noise as one near 1). Equal texts score equal, but not always bit for bit: a vector
+    embedded in another batch (ingest order, `--workers`) differs by float noise (up to 1.8e-7
+    in cosine, measured in reports/determinism.md), and exact comparison would let that noise
+    order them. A grid cannot absorb every such pair (two values a hair either side of a
+    rounding boundary still differ); at 1e-5 a pair 1e-7 apart straddles one about once in a
+    hundred."""
     if score != score:  # NaN: after everything
         return float("-inf")
+    if abs(score) < 1:
+        return float(f"{score:.{SCORE_DIGITS}f}")
     return float(f"{score:.{SCORE_DIGITS}g}")
 
 
