@@ -3,7 +3,10 @@
 An actor that asks for more than the cluster has pends forever, so the plan counts every actor
 it starts — the LLM engine actors, the retriever actor and the branch pool — before any is
 started. When the pool does not fit it shrinks; when even the smallest plan does not fit it
-stops at once with one line naming the shortage. `plan_actors` is a pure function.
+stops at once with one line naming the shortage. On a cluster of several nodes the retriever
+replicas and the branch actors are spread over the nodes (Ray's default packs actors onto the
+driver's node while it is less than half busy, which put every replica on the head node and left
+the other nodes' CPUs to the branch actors alone). `plan_actors` is a pure function.
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ class ActorPlan:
                 for r in ("CPU", "GPU")}
 
 
+def node_count(resources: dict) -> int:
+    """How many nodes `ray.cluster_resources()` describes (each node has a `node:<ip>`
+    resource; the head also has `node:__internal_head__`)."""
+    return max(sum(1 for k in resources if k.startswith("node:")
+                   and k != "node:__internal_head__"), 1)
+
+
 def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
                 engines: int = 0, retrievers: int = 1) -> ActorPlan:
     """Fit `engines` LLM engine actors, `retrievers` retriever actors and a pool of up to
     `pool_size` branch actors (at least `settings.branches`, one question's worth) into
     `resources` (`ray.cluster_resources()`). GPUs are used only when the cluster has them.
-    The retrievers share at most a quarter of the CPUs (1 each on a large cluster)."""
+    The retrievers share at most a quarter of the CPUs (1 each on a large cluster). On several
+    nodes the retrievers and the branch actors are spread over them (`SPREAD`)."""
     cpus, gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
     need = max(min(settings.branches, pool_size), 1)
     engine_opts: list[dict] = []
@@ -70,6 +81,8 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
     gpus_left = gpus - sum(e.get("num_gpus", 0) for e in engine_opts)
     if gpus_left > 0 and settings.branch_num_gpus > 0:
         branch["num_gpus"] = _down(min(settings.branch_num_gpus, gpus_left / pool))
+    if node_count(resources) > 1:  # one replica a node, and the pool over every node
+        retriever["scheduling_strategy"] = branch["scheduling_strategy"] = "SPREAD"
     return ActorPlan(tuple(engine_opts), retriever, branch, pool,
                      pool_size if pool < pool_size else 0, retrievers)
 

@@ -79,3 +79,19 @@ def test_a_service_without_room_for_one_question_says_so():
 
     with pytest.raises(BranchsearchError, match="not enough CPUs for the service"):
         plan_service(S, {"CPU": 0.1}, 2, 6)
+
+
+def test_on_several_nodes_replicas_and_branch_actors_are_spread():
+    """Ray packs actors onto the driver's node while it is under half busy: on 2 one-CPU nodes
+    both replicas landed on the head. Spread them (and the pool) when there are 2+ nodes."""
+    one = {"CPU": 1.0, "node:10.77.0.1": 1.0, "node:__internal_head__": 1.0}
+    two = {**one, "CPU": 2.0, "node:10.77.0.2": 1.0}
+    single = plan_actors(S, one, 12, retrievers=1)
+    assert "scheduling_strategy" not in single.retriever
+    assert "scheduling_strategy" not in single.branch
+    spread = plan_actors(S, two, 12, retrievers=2)
+    assert spread.retriever["scheduling_strategy"] == "SPREAD"
+    assert spread.branch["scheduling_strategy"] == "SPREAD"
+    assert spread.retrievers == 2 and fits(spread, two)
+    # what cluster_resources() without node entries (synthetic resources) means: one node
+    assert "scheduling_strategy" not in plan_actors(S, {"CPU": 8.0}, 6).retriever
