@@ -39,10 +39,6 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
         manifest = profile.manifest
         if manifest.embedding is None:
             need_dense = False  # a BM25-only index (ingest --no-dense): dense search says so
-        elif embedder is None and manifest.embedding.get("model") != settings.embed_model:
-            raise SettingsError(
-                f"index {settings.index!r} was embedded with {manifest.embedding.get('model')!r}"
-                f" but embed_model is {settings.embed_model!r}; use that model or re-ingest")
     docstore = _open_docstore(root / "docs.sqlite", settings.index)
     lexical = lexical_store(settings)
     dense = None
@@ -58,10 +54,35 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
     return docstore, lexical, dense, embedder
 
 
+def query_model(settings: Settings, model, embedder=None) -> Settings:
+    """The settings a reader embeds queries with: the index's own model. A bundled model
+    (MiniLM, static-minilm) is always at hand, so the index's choice wins over embed_model;
+    another model (a local folder) must be the one configured, and an embedder handed in
+    must be the one the index was embedded with: a query is never embedded by another model."""
+    from branchsearch.infra.ingest.pipeline import embedder_name
+    from branchsearch.infra.models.embedder import BUNDLED_MODELS
+
+    if embedder is not None:
+        if embedder_name(embedder) != model:
+            raise SettingsError(f"index {settings.index!r} was embedded with {model!r}, not "
+                                f"{embedder_name(embedder)!r}; queries must use the same model")
+        return settings
+    if model == settings.embed_model:
+        return settings
+    if model in BUNDLED_MODELS:
+        return settings.replace(embed_model=model)
+    raise SettingsError(f"index {settings.index!r} was embedded with {model!r} but embed_model "
+                        f"is {settings.embed_model!r}; use that model or re-ingest")
+
+
 def open_dense(settings: Settings, manifest=None, embedder=None):
     """(dense store, embedder) of the owned index: the manifest's dimension, else the one an
-    ingest in progress recorded (`dense.dim`), else the embedder's."""
+    ingest in progress recorded (`dense.dim`), else the embedder's. A reader's embedder is the
+    index's own model (`query_model`)."""
     from branchsearch.infra.models.embedder import Embedder
+
+    if manifest is not None and manifest.embedding is not None:
+        settings = query_model(settings, manifest.embedding.get("model"), embedder)
 
     embedder = embedder or Embedder(
         settings.embed_model, settings.embed_batch, settings.embed_device,

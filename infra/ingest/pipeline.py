@@ -21,7 +21,15 @@ Failure behaviour, in order:
 
 Embedding runs here (one process) or on a Ray Data actor pool (`workers > 1`, see
 `infra.ingest.distributed`); in both cases this process is the one writer, so the embedded single-writer
-stores (Milvus Lite, tantivy) work unchanged and the result is the same index.
+stores (Milvus Lite, tantivy) work unchanged and the result is the same index. In one process,
+chunking and embedding run on a producer thread one or two batches ahead of the writes
+(`overlapped`): the model, the tokenizer and the stores' own servers release the GIL, so the
+writes of batch n cost no wall time beside the embedding of batch n+1. The batches, their
+order and their vectors are the same as without the thread.
+
+An index keeps the embedding model it was made with (`embed_model`, recorded in the
+manifest): re-ingesting it with another model is refused, and its readers embed queries with
+its model (`infra.index.open.query_model`).
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ import errno
 import hashlib
 import json
 import re
+import queue
 import shutil
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +54,7 @@ from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, red
 from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
                                          remove_manifest, write_manifest)
 from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.models.static import STATIC_BACKEND
 from branchsearch.infra.models.tokenizer import TokenCounter
 
 
@@ -60,7 +71,8 @@ class IngestReport:
 
     @property
     def chunks_per_s_without_embedding(self) -> float:
-        busy = sum(v for k, v in self.seconds.items() if k not in ("embed", "total"))
+        busy = sum(v for k, v in self.seconds.items()
+                   if k not in ("embed", "total", "wait", "open", "close"))
         return (self.chunks - self._resumed_chunks) / busy if busy else 0.0
 
     _resumed_chunks: int = 0
@@ -132,14 +144,69 @@ def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_
         yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
 
 
-def ingest(path: str | Path, settings: Settings, *, dense: bool = True, batch_docs: int = 256,
+_DONE = object()
+
+
+def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[EmbeddedBatch]:
+    """The same batches in the same order, produced on a thread up to `ahead` batches before
+    the caller asks for them. An error in the producer is raised here; a caller that stops
+    early (an error while writing) stops the producer at its next batch."""
+    out: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        out.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            item = _DONE
+        except BaseException as exc:  # handed to the consumer, raised there
+            item = exc
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    thread = threading.Thread(target=produce, name="ingest-embed", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = out.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # the producer stops at its next batch; a batch being embedded is not waited
+        thread.join(timeout=1.0)  # for beyond a second (an interrupted ingest exits promptly)
+
+
+BATCH_DOCS = 256  # documents per committed batch (a unit of resume)
+# with the static embedder a batch of 256 takes well under a second and the stores' per-batch
+# commit (a tantivy writer, a segment) dominates: 1024 cut its CPU per chunk by ~25 %
+# (bench/ingest_throughput.py --batch-docs, reports/embedding.md)
+STATIC_BATCH_DOCS = 1024
+
+
+def ingest(path: str | Path, settings: Settings, *, dense: bool = True,
+           batch_docs: int | None = None,
            progress: Callable[[int, int], None] | None = None, embedder=None,
            workers: int = 1, embed_batch: int | None = None) -> IngestReport:
     """Ingest a corpus into `settings.index` (resuming a stopped ingest of it).
 
     `progress(docs, chunks)` is called per committed batch; `embedder` replaces the configured
     one (benchmarks use a hashing embedder); `workers > 1` embeds on a Ray Data actor pool of
-    that size (`embed_batch` texts per model call there)."""
+    that size (`embed_batch` texts per model call there). `batch_docs` documents are committed
+    at a time (default `BATCH_DOCS`, `STATIC_BATCH_DOCS` with the static embedder)."""
     override = embedder
     report = IngestReport(workers=workers)
     started = time.perf_counter()
@@ -174,9 +241,16 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             check_name(root, settings.index, previous)
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
+        t = time.perf_counter()
         docstore, lexical, dense_store, embedder = open_stores(
             settings, create=True, need_dense=dense, embedder=embedder)
         try:
+            _same_model(settings, previous, embedder if dense_store else None)
+            report.seconds["open"] = time.perf_counter() - t
+            if batch_docs is None:
+                fast = dense_store is not None and \
+                    getattr(embedder, "backend", "") == STATIC_BACKEND
+                batch_docs = STATIC_BATCH_DOCS if fast else BATCH_DOCS
             remove_manifest(root)
             complete[0] = False
             embedding = f"{embedder_name(embedder)}/{dense_store.dim}" if dense_store else "-"
@@ -198,15 +272,19 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                     embed=dense_store is not None, embed_batch=embed_batch, embedder=override,
                     dim=dense_store.dim if dense_store else 0)
             else:
-                batches = local_batches(todo, settings, embedder if dense_store else None,
-                                        batch_docs)
+                batches = overlapped(local_batches(
+                    todo, settings, embedder if dense_store else None, batch_docs))
+            t = time.perf_counter()
             for batch in batches:
+                _add(report, "wait", t)  # the writer idle, waiting for chunks and vectors
                 _spent(report, "chunk", batch.chunk_s)
                 _spent(report, "embed", batch.embed_s)
                 _commit(batch, docstore, lexical, dense_store, prints, report)
                 report.chunks += len(batch.chunks)
                 if progress:
                     progress(len(batch.docs), len(batch.chunks))
+                t = time.perf_counter()
+            t = time.perf_counter()
             report.counts = _check_counts(settings, docstore, lexical, dense_store)
             manifest = Manifest(
                 documents=docstore.doc_count(), chunks=report.counts,
@@ -219,6 +297,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             for store in (lexical, dense_store, docstore):
                 if store is not None:
                     store.close()
+        _add(report, "close", t)  # counts checked, stores flushed and closed
         report.seconds["total"] = time.perf_counter() - started
         manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
         write_manifest(root, manifest)  # the last write: from here the index is complete
@@ -313,6 +392,18 @@ def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[s
     t = time.perf_counter()
     docstore.replace_documents(batch.docs, batch.chunks, {i: prints[i] for i in ids})
     _add(report, "docstore", t)
+
+
+def _same_model(settings: Settings, previous: Manifest | None, embedder) -> None:
+    """Refuse to add vectors of one model to an index embedded with another."""
+    if previous is None or previous.embedding is None or embedder is None:
+        return
+    before, now = previous.embedding.get("model"), embedder_name(embedder)
+    if before != now:
+        raise BranchsearchError(
+            f"ingest: index {settings.index!r} was embedded with {before!r}, not {now!r}; its "
+            f"vectors cannot be mixed: ingest into another index name, or remove "
+            f"{settings.index_dir} first (the index is unchanged)")
 
 
 def _purge(docstore, lexical, dense_store, redo: set[str], report: IngestReport) -> None:

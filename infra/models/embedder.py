@@ -8,6 +8,11 @@ is downloaded; any other value is a local sentence-transformers model folder.
 `openvino-int8` (see infra/models/embed_export.py; measured in reports/embedding.md). An exported
 backend whose packages are missing (`pip install branchsearch[embed-fast]`), or that cannot
 export the model, falls back to torch with one line on stderr.
+
+`static-minilm` is a static embedding distilled once, offline, from the bundled MiniLM
+(infra/models/static.py): no transformer at embedding time, so ingest and query embedding
+cost a tokenizer pass; `backend` does not apply to it, and it skips the embedding cache
+(looking a vector up costs more than computing it).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from pathlib import Path
 from branchsearch.infra.models.embed_export import BACKENDS, DEFAULT_BACKEND, ExportedEncoder, \
     default_export_root, missing_packages
 from branchsearch.infra.errors import BranchsearchError, SettingsError
+from branchsearch.infra.models.static import STATIC_BACKEND, STATIC_MODEL, StaticEncoder, \
+    ensure_static
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
+BUNDLED_MODELS = (DEFAULT_MODEL, STATIC_MODEL)  # embed_model names that need no folder
 TORCH = "torch"
 _WARNED: set[str] = set()  # fallback lines already printed by this process
 
@@ -59,6 +67,8 @@ class Embedder:
         self.device = device
         # exported runtimes are CPU ones: on a GPU, torch is the fast path
         self.backend = backend if device == "cpu" else TORCH
+        if model == STATIC_MODEL:
+            self.backend = STATIC_BACKEND
         # exports: the given root, else $BRANCHSEARCH_MODEL_CACHE, else
         # ~/.cache/branchsearch/models: one per machine, shared by every home and process
         self.export_root = Path(export_root) if export_root else default_export_root()
@@ -74,6 +84,10 @@ class Embedder:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             quiet_transformers()
+            if self.backend == STATIC_BACKEND:
+                self._model = StaticEncoder(ensure_static(self.export_root,
+                                                          resolve_model_path(DEFAULT_MODEL)))
+                return self._model
             path = resolve_model_path(self.model_name)
             if self.backend != TORCH:
                 self._model = self._load_exported(path)
@@ -101,7 +115,7 @@ class Embedder:
     @property
     def dim(self) -> int:
         model = self._load()
-        if isinstance(model, ExportedEncoder):
+        if isinstance(model, (ExportedEncoder, StaticEncoder)):
             return model.dim
         get = getattr(model, "get_embedding_dimension", None) or \
             model.get_sentence_embedding_dimension
@@ -129,7 +143,7 @@ class Embedder:
         if missing:
             todo = [texts[i] for i in missing]
             model = self._load()
-            if isinstance(model, ExportedEncoder):
+            if isinstance(model, (ExportedEncoder, StaticEncoder)):
                 fresh = model.encode(todo, self.batch_size)
             else:
                 fresh = model.encode(todo, batch_size=self.batch_size, normalize_embeddings=True,
@@ -148,7 +162,7 @@ class Embedder:
         return out
 
     def _open_cache(self):
-        if self.cache_path is None:
+        if self.cache_path is None or self.backend == STATIC_BACKEND:
             return None
         if self._cache is None:
             from branchsearch.infra.models.embed_cache import EmbeddingCache

@@ -30,13 +30,17 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
                                        "of N workers (GPUs when the cluster has them)"),
            embed_batch: Optional[int] = typer.Option(None, min=1, max=4096,
                                                      help="texts per model call (--workers)"),
+           embed_model: Optional[str] = typer.Option(
+               None, "--embed-model", help="all-MiniLM-L6-v2 (default), static-minilm (a static "
+               "embedding distilled from it: fast, less recall) or a local model folder; "
+               "recorded in the index, whose searches embed with it"),
            address: Optional[str] = AddressOpt,
            as_json: bool = typer.Option(False, "--json")):
     """Chunk, embed and index a corpus; re-running resumes a stopped ingest (re-ingesting a
     changed document replaces its chunks)."""
     from branchsearch.infra.ingest.pipeline import ingest as run_ingest
 
-    settings = settings_from(home, index, config, ray_address=address)
+    settings = settings_from(home, index, config, ray_address=address, embed_model=embed_model)
     bar = progress_bar(None, "doc", f"ingest {settings.index}")
     chunks = 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from branchsearch.infra.models.weights import embedder as embedder_module
+from branchsearch.infra.models import embedder as embedder_module
 from branchsearch.infra.models.embed_export import BACKENDS, BATCH_INDEPENDENT, missing_packages
 from branchsearch.infra.models.embedder import DEFAULT_BACKEND, Embedder
 from branchsearch.infra.errors import SettingsError

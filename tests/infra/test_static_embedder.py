@@ -1,0 +1,159 @@
+"""The static embedder (`embed_model = "static-minilm"`, infra/models/static.py): distilled from
+the bundled MiniLM with the network unreachable, deterministic, recorded in the index it made,
+and the model that index's queries are embedded with.
+
+Real distillation (model2vec on the local model, about a CPU-minute, once per module into a
+temporary model cache), real stores, the hotpot-mini fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.errors import BranchsearchError, SettingsError
+from branchsearch.infra.index.manifest import read_manifest
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.models.embedder import DEFAULT_MODEL, Embedder, resolve_model_path
+from branchsearch.infra.models.static import PCA_DIMS, STATIC_MODEL, ensure_static, static_dir
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+HOTPOT = FIXTURES / "hotpot-mini"
+CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    """A model cache holding static-minilm, distilled here with every connection refused."""
+    root = tmp_path_factory.mktemp("models")
+    connect = socket.socket.connect
+
+    def refuse(self, address):
+        raise AssertionError(f"distillation tried to connect to {address}")
+
+    socket.socket.connect = refuse
+    try:
+        folder = ensure_static(root, resolve_model_path(DEFAULT_MODEL), quiet=True)
+    finally:
+        socket.socket.connect = connect
+    return root, folder
+
+
+@pytest.fixture
+def cached(model_cache, monkeypatch):
+    """Point every embedder made from settings at the module's model cache."""
+    monkeypatch.setenv("BRANCHSEARCH_MODEL_CACHE", str(model_cache[0]))
+    return model_cache[0]
+
+
+def _settings(home: Path, **extra):
+    return load_settings(overrides={"home": home, **extra}, read_env=False, read_file=False)
+
+
+def _texts() -> list[str]:
+    rows = [json.loads(line) for line in (HOTPOT / "corpus.jsonl").read_text().splitlines()
+            if line.strip()]
+    return [f"{r.get('title', '')}\n{r['text']}" for r in rows]
+
+
+def test_distilled_offline_from_the_bundled_model_once(model_cache):
+    root, folder = model_cache
+    assert folder == static_dir(root, resolve_model_path(DEFAULT_MODEL))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_dim"] == PCA_DIMS and config["normalize"] is True
+    # the vocabulary is MiniLM's own word pieces (nothing fetched from elsewhere)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    minilm = (resolve_model_path(DEFAULT_MODEL) / "vocab.txt").read_text().split("\n")
+    assert set(vocab) <= set(minilm) and len(vocab) > 20_000
+    weights = folder / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert ensure_static(root, resolve_model_path(DEFAULT_MODEL)) == folder  # not distilled again
+    assert weights.stat().st_mtime_ns == stamp
+
+
+def test_missing_package_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "model2vec", None)  # as if not installed
+    with pytest.raises(BranchsearchError, match="static-minilm.*needs model2vec"):
+        ensure_static(tmp_path, resolve_model_path(DEFAULT_MODEL))
+    assert not any(tmp_path.iterdir())
+
+
+def test_vectors_are_deterministic_normalised_and_independent_of_the_batch(model_cache):
+    texts = _texts()
+    one = Embedder(STATIC_MODEL, export_root=model_cache[0], batch_size=64)
+    other = Embedder(STATIC_MODEL, export_root=model_cache[0], batch_size=1)
+    together = one.embed(texts)
+    assert together.shape == (len(texts), PCA_DIMS) and together.dtype == np.float32
+    assert np.allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+    alone = np.stack([other.embed([t])[0] for t in texts[:12]])
+    assert np.array_equal(together[:12], alone)  # a query embedded alone = the same text ingested
+    assert np.array_equal(one.embed(texts), together)
+    assert one.backend == "static" and one.dim == PCA_DIMS
+    # not a constant or random map: a text is nearer itself with words dropped than to others
+    probe = one.embed([" ".join(t.split()[:-3]) for t in texts[:12]])
+    assert all(int(np.argmax(together @ probe[i])) == i for i in range(12))
+
+
+def test_index_records_the_static_model_and_its_queries_use_it(tmp_path, cached):
+    home = tmp_path / "home"
+    report = ingest(HOTPOT, _settings(home, index="mini", embed_model=STATIC_MODEL))
+    assert report.counts["dense"] == report.chunks > 0
+    manifest = read_manifest(_settings(home, index="mini").index_dir)
+    assert manifest.embedding == {"model": STATIC_MODEL, "dim": PCA_DIMS}
+    # a reader configured with the default model still embeds queries with the index's
+    retriever = open_retriever(_settings(home, index="mini"))
+    try:
+        assert retriever.embedder.model_name == STATIC_MODEL
+        queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text()
+                   .splitlines() if line.strip()]
+        gold: dict[str, set[str]] = {}
+        for line in (HOTPOT / "qrels" / "test.tsv").read_text().splitlines()[1:]:
+            qid, doc, *_ = line.split("\t")
+            gold.setdefault(qid, set()).add(doc)
+        found = 0
+        for q in queries:
+            hits = retriever.search(q["text"], mode="dense", k=10)
+            assert hits and all(h.source for h in hits)
+            found += bool(gold.get(q["_id"], set()) & {h.doc_id for h in hits})
+        assert found >= len(queries) // 2, found  # dense search with the static model works
+    finally:
+        retriever.close()
+
+
+def test_another_model_never_embeds_its_queries_nor_adds_to_it(tmp_path, cached):
+    home = tmp_path / "home"
+    ingest(HOTPOT, _settings(home, index="mini", embed_model=STATIC_MODEL))
+    minilm = Embedder(DEFAULT_MODEL)
+    with pytest.raises(SettingsError, match="embedded with 'static-minilm', not "
+                                            "'all-MiniLM-L6-v2'"):
+        open_retriever(_settings(home, index="mini"), embedder=minilm)
+    settings = _settings(home, index="mini")
+    before = (settings.index_dir / "manifest.json").read_text()
+    with pytest.raises(BranchsearchError, match="was embedded with 'static-minilm', not "
+                                                "'all-MiniLM-L6-v2'.*unchanged"):
+        ingest(HOTPOT, settings)  # the default model: refused before anything is touched
+    assert (settings.index_dir / "manifest.json").read_text() == before
+
+
+def test_cli_ingest_with_embed_model_then_dense_eval(tmp_path, cached):
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k.startswith("BRANCHSEARCH_MODEL_CACHE")
+           or not k.startswith("BRANCHSEARCH_")}
+    run = subprocess.run(CLI + ["ingest", str(HOTPOT), "--home", str(home), "--index", "mini",
+                                "--embed-model", STATIC_MODEL, "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.splitlines()[-1])["counts"]["dense"] > 0
+    run = subprocess.run(CLI + ["eval", str(HOTPOT), "--home", str(home), "--index", "mini",
+                                "--no-ingest", "--mode", "dense", "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["metrics"]["recall@10"] > 0.5
