@@ -107,6 +107,7 @@ def test_filters_match_brute_force_milvus_server(milvus_uri):
         info = store._client.describe_collection(name)
         key = next(f for f in info["fields"] if f["name"] == "acl_key")
         assert key.get("is_partition_key") is True  # the filter prunes partitions
+        assert "acl_key" in store._client.list_indexes(name)  # and reads a scalar index
     finally:
         store.drop()
         store.close()
