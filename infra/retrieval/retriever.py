@@ -139,11 +139,11 @@ class Retriever:
     def _prefix_exact(self, kind: str) -> bool:
         """Whether the backend's top k without some ids is always its top (k + more) with those
         ids dropped: one total order whatever the depth, exclusion a pure filter. tantivy
-        (score, then document address). Not Milvus, not even FLAT: equal scores (duplicate
-        chunks) come back in an order that depends on the limit and the filter (measured:
-        k=1 and k=4 put the same tied chunk first and fourth); nor an approximate index, nor a
-        backend not checked (Elasticsearch, external indexes). Those are cached by their whole
-        request instead."""
+        (score, then chunk id, ties at the cut fetched whole: `infra.stores.protocols.settle`).
+        Not Milvus: before that tie-break equal scores (duplicate chunks) came back in an order
+        that depended on the limit and the filter (k=1 and k=4 put the same tied chunk first
+        and fourth), and an approximate index's list still does; nor a backend not checked
+        (Elasticsearch, external indexes). Those are cached by their whole request instead."""
         if kind in ("bm25", "grep"):
             from branchsearch.infra.stores.tantivy import TantivyStore
 
