@@ -11,9 +11,8 @@ Results must be exactly those of an uncached search, and a branch excludes what 
 drops the excluded ones here and keeps `k`. That equals the backend's own excluded top k when
 the backend's ranking is one total order whatever the depth and exclusion only removes
 entries from it (tantivy); `Retriever._prefix_exact` says which backends qualify — the others
-are cached by their whole request (`once`), exclusion included. Milvus does not qualify, not
-even FLAT: chunks with equal scores (duplicates) come back in an order that depends on the
-limit and the filter.
+are cached by their whole request (`once`), exclusion included. Milvus does not qualify (see
+`_prefix_exact`: an approximate index's list depends on the limit and the filter).
 When the cached depth is too shallow for a caller's exclusion, the list is fetched again,
 deeper. Exclusion is applied per backend list, before any fusion (hybrid fuses the two lists
 afterwards, in the retriever, as before).
