@@ -48,7 +48,10 @@ def print_result(result) -> None:
         extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
                  f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
                  if b.status == "ok" else b.error)
-        print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}: {one_line(extra)}")
+        fork = (" " + one_line(f"fork of b{b.parent} ({b.reason}; handed {', '.join(b.seeds)})")
+                if getattr(b, "kind", "") == "fork" else "")
+        print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}{fork}: "
+              f"{one_line(extra)}")
     print("evidence (rank, fused score):")
     for rank, doc in enumerate(result.evidence, start=1):
         by = ", ".join(f"b{f['branch']}#{f['rank']}" for f in doc["found_by"])
