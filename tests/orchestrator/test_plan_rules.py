@@ -103,11 +103,11 @@ def test_novel_tail_keeps_the_anchor_head_and_adds_only_what_it_lacks():
 
 def test_policy_args_are_read_as_their_field_type():
     be = _branch_eval()
-    assert be.policy_arg("search_k=8") == ("search_k", 8)
+    assert be.policy_arg("question_k=8") == ("question_k", 8)
     assert be.policy_arg("prune=false") == ("prune", False)  # was the truthy string 'false'
     assert be.policy_arg("branch.expand_floor=1") == ("branch.expand_floor", 1.0)
     assert be.policy_arg("hop_mode=hybrid") == ("hop_mode", "hybrid")
-    for bad in ("prune=0", "search_k=1O", "hop_mode=bm52", "q_terms=x", "nope=1", "search_k"):
+    for bad in ("prune=0", "question_k=1O", "hop_mode=bm52", "q_terms=x", "nope=1", "question_k"):
         with pytest.raises(ValueError, match="--policy-arg"):
             be.policy_arg(bad)
 
