@@ -185,7 +185,7 @@ def vectors_for(chunks, noise: float) -> np.ndarray:
     return out + np.float32(noise) * rng.standard_normal(out.shape).astype(np.float32)
 
 
-def same_dense_lists(a, b) -> None:
+def same_dense_lists(a, b, engine_differs: bool) -> None:
     raw_differs = False
     queries = vectors_for(corpus(), 0.0)[::8][:6]
     for k in (1, 3, 8, 10, 30):
@@ -194,7 +194,8 @@ def same_dense_lists(a, b) -> None:
             assert ids(la) == ids(lb), k
             raw_differs |= ids(type(a).search.__wrapped__(a, q, k)) != ids(
                 type(b).search.__wrapped__(b, q, k))
-    assert raw_differs
+    # Milvus Lite returns ties in insertion order; a server's own order agrees now and then
+    assert raw_differs or not engine_differs
 
 
 @pytest.mark.parametrize("where", ["lite", "server"])
@@ -212,7 +213,7 @@ def test_milvus_lists_do_not_depend_on_write_order(tmp_path, where, request):
         # the same texts embedded in other batches differ by float noise, not in their order
         write_in(a, chunks, "forward", vectors_for(chunks, 0.0))
         write_in(b, chunks, "shuffled", vectors_for(chunks, 3e-8))
-        same_dense_lists(a, b)
+        same_dense_lists(a, b, engine_differs=where == "lite")
     finally:
         for store in (a, b):
             if where == "server":
