@@ -86,24 +86,42 @@ class Driver:
         with telemetry.tracer().start_as_current_span("query") as span:
             span.set_attribute("question", text)
             with telemetry.tracer().start_as_current_span("plan") as plan_span:
-                subs = self.planner.plan(text, max_branches or self.settings.branches)
+                budget = max_branches or self.settings.branches
+                subs = self.planner.plan(text, budget)
+                chain = self._chain(text, subs, budget)
+                if chain is not None:  # the inner hop runs in the first wave
+                    from branchsearch.orchestrator.chains import HOP_WEIGHT
+                    from branchsearch.orchestrator.plan import SubQuery
+
+                    subs = subs + [SubQuery(chain.inner, HOP_WEIGHT, "hop")]
+                    plan_span.set_attributes({"plan.hops.outer": chain.outer,
+                                              "plan.hops.slot": chain.slot,
+                                              "plan.hops.inner": chain.inner})
                 plan_span.set_attribute("subqueries", [s.text for s in subs])
                 fallback = getattr(self.planner, "last_fallback", "")
                 if fallback:
                     plan_span.set_attribute("planner.fallback", fallback)
-            emit(on_event, {"type": "plan", "subqueries": [s.text for s in subs]})
+            emit(on_event, {"type": "plan", "subqueries": [s.text for s in subs]}
+                 | ({"hops": chain.to_dict()} if chain is not None else {}))
             groups = tuple(acl_groups) if acl_groups is not None else None
+            forking = (max_branches or self.settings.branches) > 1 and self.settings.forks > 0
             tasks = [BranchTask(i, fit_query(s.text, self.counter, cap)[0], s.weight, s.kind,
-                                groups, deadline) for i, s in enumerate(subs)]
+                                groups, deadline, may_fork=forking)
+                     for i, s in enumerate(subs)]
             branches = self.executor.run(tasks, settings=self.settings,
                                          policy_factory=self.policy_factory, on_event=on_event)
-            if (max_branches or self.settings.branches) > 1 and self.settings.forks:
+            if forking:
                 # the forks end by the question's deadline, and never past one branch timeout
                 # from the question's start: a second wave does not double the wait
                 own = started_wall + self.settings.branch_timeout_s
                 branches += self._forks(branches, groups,
                                         own if deadline is None else min(deadline, own),
                                         on_event)
+            if chain is not None:
+                own = started_wall + self.settings.branch_timeout_s
+                branches += self._chains(branches, chain, groups,
+                                         own if deadline is None else min(deadline, own),
+                                         on_event)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -121,6 +139,7 @@ class Driver:
             "context_tokens_final_mean": round(
                 sum(b.context_tokens_final for b in ok) / max(len(ok), 1), 1),
             "forks": sum(b.kind == "fork" for b in branches),
+            "chains": sum(b.kind == "chain" for b in branches),
             "tokens_read": sum(b.tokens_read for b in ok),
             "turns": sum(b.turns for b in ok), "tool_calls": sum(b.tool_calls for b in ok),
         }
@@ -153,6 +172,42 @@ class Driver:
             emit(on_event, {"type": "fork", "branch": task.index, "parent": task.parent,
                             "reason": task.reason, "handed": list(task.seeds),
                             "subquery": task.subquery})
+        if not tasks:
+            return []
+        return self.executor.run(tasks, settings=self.settings,
+                                 policy_factory=self.policy_factory, on_event=on_event)
+
+
+    def _chain(self, text: str, subs: list, budget: int):
+        """The question's hops (`orchestrator.chains.hops`) when chains are on, the question
+        runs with more than one branch and the plan left room for the inner hop's branch;
+        else None."""
+        if not self.settings.chains or budget <= 1 or len(subs) >= budget:
+            return None
+        from branchsearch.orchestrator.chains import hops
+
+        chain = hops(text)
+        if chain is None or any(s.text.lower() == chain.inner.lower() for s in subs):
+            return None
+        return chain
+
+    def _chains(self, first: list, chain, groups, deadline, on_event) -> list:
+        """The second wave of a chain: one branch per candidate answer of the inner hop, each
+        recorded as a `chain` span and event, run on the executor in parallel, ending by
+        `deadline`; [] when the inner branch failed, found nothing or no time is left."""
+        from branchsearch.orchestrator.chains import chain_tasks
+
+        if time.time() >= deadline:
+            return []
+        tasks = chain_tasks(first, chain, self.settings.chains, deadline=deadline,
+                            acl_groups=groups)
+        for task in tasks:
+            with telemetry.tracer().start_as_current_span("chain") as span:
+                span.set_attributes({"chain.branch": task.index, "chain.parent": task.parent,
+                                     "chain.answer": task.reason,
+                                     "chain.subquery": task.subquery})
+            emit(on_event, {"type": "chain", "branch": task.index, "parent": task.parent,
+                            "reason": task.reason, "subquery": task.subquery})
         if not tasks:
             return []
         return self.executor.run(tasks, settings=self.settings,

@@ -101,6 +101,9 @@ class Settings:
     # Never with one branch (`branches = 1` is the single-context baseline)
     forks: int = 0
     fork_gap: float = 0.15
+    # chains (orchestrator/chains.py): for a compositional question, its inner hop runs as a
+    # branch and its top `chains` answers each seed a branch for the outer hop; 0: none
+    chains: int = 0
     branch_timeout_s: float = 120.0
     branch_retries: int = 1
     branch_num_cpus: float = 0.5
@@ -169,7 +172,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "agent": ("budget_tokens", "soft_limit", "hard_limit", "max_turns", "max_tokens_read",
               "no_progress_turns", "result_token_cap", "search_k", "read_window_tokens",
               "final_k", "prune", "learned_rank", "per_title", "policy", "planner",
-              "query_max_tokens", "forks", "fork_gap"),
+              "query_max_tokens", "forks", "fork_gap", "chains"),
     "llm": ("llm_url", "llm_api_key", "llm_model", "llm_engines", "llm_tensor_parallel",
             "llm_max_model_len", "llm_max_tokens", "llm_detached", "llm_timeout_s", "llm_seed"),
     "execution": ("branches", "branch_timeout_s", "branch_retries", "branch_num_cpus",
@@ -301,6 +304,7 @@ def _validate(s: Settings) -> None:
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
         (s.forks >= 0, "forks must be >= 0 (0: none)"),
+        (s.chains >= 0, "chains must be >= 0 (0: none)"),
         (0 <= s.fork_gap <= 1, "fork_gap must be in [0, 1]"),
         (s.per_title >= 0, "per_title must be >= 0 (0: off)"),
         (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),

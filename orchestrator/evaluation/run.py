@@ -74,7 +74,8 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
             "tokens_read": sum(b.tokens_read for b in ok), "turns": turns,
             "tool_calls": calls, "tool_calls_per_turn": calls / turns if turns else 0.0,
             "branches": len(result.branches), "branches_failed": len(result.branches) - len(ok),
-            "forks": sum(b.kind == "fork" for b in result.branches)}
+            "forks": sum(b.kind == "fork" for b in result.branches),
+            "chains": sum(b.kind == "chain" for b in result.branches)}
         text = ""
         if docstore is not None:
             text = " ".join(c["text"] for c in docstore.get_chunks(trajectory.retrieved).values())

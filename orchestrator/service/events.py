@@ -2,7 +2,8 @@
 
 The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`, `fork`,
 `result`) through `on_event` as they happen; a `fork` (the branch it starts, its parent, why,
-the chunks handed over) comes before that fork's own `branch_started`. Everything here is a plain function over JSON-able dicts.
+the chunks handed over) comes before that fork's own `branch_started`; so does a `chain` (a
+second-hop branch of a compositional question: its parent hop branch, the answer it follows). Everything here is a plain function over JSON-able dicts.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "fork", "result",
-               "error")
+EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "fork", "chain",
+               "result", "error")
 SEARCH_TOOLS = ("search_corpus", "grep_corpus", "read_document")
 
 

@@ -267,11 +267,11 @@ SSE_EVENT_SCHEMA = {
                    "sent.",
     "properties": {
         "event": {"enum": ["plan", "branch_started", "search", "prune", "branch_done", "fork",
-                           "result", "error"]},
+                           "chain", "result", "error"]},
         "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
             "oneOf": [
                 _event("plan", ("subqueries",), subqueries={"type": "array", "items": _STR},
-                       budget_tokens=_INT),
+                       budget_tokens=_INT, hops={"type": "object"}),
                 _event("branch_started", ("branch", "subquery"), branch=_INT, subquery=_STR),
                 _event("search", ("branch", "tool", "new_ids"), branch=_INT, tool=_STR,
                        query={"type": ["string", "null"]}, new_ids=_IDS),
@@ -283,6 +283,8 @@ SSE_EVENT_SCHEMA = {
                        tokens_read=_INT, latency_s={"type": "number"}),
                 _event("fork", ("branch", "parent", "reason", "handed"), branch=_INT,
                        parent=_INT, reason=_STR, handed=_IDS, subquery=_STR),
+                _event("chain", ("branch", "parent", "reason", "subquery"), branch=_INT,
+                       parent=_INT, reason=_STR, subquery=_STR),
                 _event("result", ("result",),
                        result={"$ref": "#/components/schemas/SearchResponse"}),
                 _event("error", ("status", "error", "detail"), status=_INT, error=_STR,

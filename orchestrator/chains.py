@@ -1,0 +1,105 @@
+"""Chains: plan the hops of a compositional question and take competing answers of a hop in
+parallel (issue 34).
+
+A compositional question nests one question inside another: "What is the name of the waterfall
+in *the country* where the Bubye River is found?" asks about the country that the inner clause
+("the Bubye River is found") picks out. `hops` splits it (pure): the **inner hop** is the last
+relative clause with two or more content words (from its marker to the question's end), the
+**outer hop** the text before that marker, and its **slot** the outer's last noun phrase ("the
+country"). With `settings.chains = N > 0` and more than one branch the driver
+
+1. adds the inner hop as a branch of the first wave (kind "hop", weight `HOP_WEIGHT`) when the
+   planner left room under the question's branch budget;
+2. once the first wave has ended, takes the inner branch's top N distinct document titles that
+   the inner clause does not itself name (`answers`) — the hop's competing answers — and runs
+   one branch each in a second wave (kind "chain", weight `CHAIN_WEIGHT`), its sub-query the
+   outer hop with the slot replaced by that answer (`substitute`: "What is the name of the
+   waterfall in Zimbabwe");
+3. fuses every list by the same anchored RRF (the question's branch anchors).
+
+Where one context has to guess which answer of the inner hop is right, the chain branches
+follow each guess in their own context. `--branches 1` runs no chain. Bounds: N chain branches
+and one hop branch a question, depth 1 (a chain branch does not chain again).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from branchsearch.orchestrator.plan import _RELATIVE, _residual
+from branchsearch.workers.branch import BranchReport, BranchTask
+
+HOP_WEIGHT = 0.5  # the inner hop's branch in fusion
+CHAIN_WEIGHT = 0.5  # each second-hop branch in fusion
+_SLOT = re.compile(r"\b(?:the|a|an)\s+(?:[\w'-]+\s+){0,2}[\w'-]+\s*$", re.I)
+
+
+@dataclass(frozen=True)
+class Hops:
+    outer: str  # the question before the inner hop's marker ("What is ... in the country")
+    slot: str  # the outer's last noun phrase, which the inner hop answers ("the country")
+    inner: str  # the inner hop's content terms ("Bubye River found")
+
+    def to_dict(self) -> dict:
+        return {"outer": self.outer, "slot": self.slot, "inner": self.inner}
+
+
+def hops(question: str) -> Hops | None:
+    """The question's innermost hop and the outer hop around it; None when the question has no
+    relative clause of two or more content words, or nothing before it to substitute into."""
+    q = " ".join(question.split()).strip(" ?")
+    marks = list(_RELATIVE.finditer(q))
+    for i in range(len(marks) - 1, -1, -1):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(q)
+        if len(_residual(q[marks[i].end():end], []).split()) < 2:
+            continue
+        outer = q[:marks[i].start()].rstrip(" ,")
+        slot = _SLOT.search(outer)
+        if slot is None or not _residual(outer[:slot.start()], []):
+            return None
+        return Hops(outer, slot.group(0).strip(), _residual(q[marks[i].end():], []))
+    return None
+
+
+def substitute(chain: Hops, answer: str) -> str:
+    """The outer hop with its slot replaced by a candidate answer of the inner hop."""
+    answer = " ".join(answer.split())
+    if not answer:
+        raise ValueError("substitute: empty answer")
+    return chain.outer[:len(chain.outer) - len(chain.slot)] + answer
+
+
+def _core(title: str) -> str:
+    return " ".join(re.sub(r"\([^)]*\)", " ", title).lower().split())
+
+
+def answers(report: BranchReport, chain: Hops, n: int) -> list[str]:
+    """The inner branch's candidate answers: the titles of its ranked documents in order
+    (the document id when it has no title), distinct, leaving out those the inner clause
+    names; at most `n`."""
+    titles = {c["chunk_id"]: c.get("title") or c.get("doc_id") or "" for c in report.evidence}
+    named = chain.inner.lower()
+    out: list[str] = []
+    for cid in report.ranked_chunk_ids:
+        title = titles.get(cid) or cid.rsplit("#p", 1)[0]
+        core = _core(title)
+        if core and core not in named and core not in (_core(t) for t in out):
+            out.append(title)
+        if len(out) >= n:
+            break
+    return out
+
+
+def chain_tasks(reports: list[BranchReport], chain: Hops, n: int, *,
+                deadline: float | None = None,
+                acl_groups: tuple[str, ...] | None = None) -> list[BranchTask]:
+    """The second wave: one branch per candidate answer of the inner hop's branch (kind
+    "hop", finished ok), numbered after the first wave's branches; [] when there is none."""
+    inner = next((r for r in reports if r.kind == "hop" and r.status == "ok"), None)
+    if inner is None or n <= 0:
+        return []
+    first = max(r.index for r in reports) + 1
+    return [BranchTask(first + i, substitute(chain, a), CHAIN_WEIGHT, "chain", acl_groups,
+                       deadline, parent=inner.index, reason=f"{chain.slot} = {a}")
+            for i, a in enumerate(answers(inner, chain, n))]

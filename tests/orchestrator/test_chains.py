@@ -1,0 +1,133 @@
+"""Chains (orchestrator/chains.py): the hop split and the substitution as plain functions, and
+the second wave through the real driver, the in-process executor and the heuristic policy over
+the hotpot-mini fixture (tantivy + Milvus Lite + docstore)."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from branchsearch.infra import telemetry
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.errors import SettingsError
+from branchsearch.orchestrator.chains import CHAIN_WEIGHT, Hops, answers, hops, substitute
+from branchsearch.orchestrator.driver import Driver
+from branchsearch.workers.branch import BranchReport
+from branchsearch.workers.harness import EpisodeResult
+
+CHAINED = ("What government position was held by the woman who portrayed Corliss Archer in the "
+           "film Kiss and Tell?")
+
+
+def test_hops_split_the_innermost_relative_clause_from_the_outer_hop():
+    h = hops("What is the name of the waterfall in the country where the Bubye River is found?")
+    assert h == Hops("What is the name of the waterfall in the country", "the country",
+                     "Bubye River found")
+    # the last clause with two content words is the inner hop ("when he died" has one)
+    h = hops("How many Publix stores are in the state that borders the east of the state where "
+             "Hello Love's performer lived in when he died?")
+    assert h.slot == "the state" and h.inner.startswith("Hello Love's performer lived")
+    assert h.outer.endswith("borders the east of the state")
+    # a preposition before the relative pronoun stays out of both hops
+    h = hops("What county shares a border with the county in which Johnnycake, West Virginia "
+             "is located?")
+    assert h.outer == "What county shares a border with the county" and h.inner == "Johnnycake West Virginia"
+
+
+@pytest.mark.parametrize("question", [
+    "Were Scott Derrickson and Ed Wood of the same nationality?",  # no relative clause
+    "What country was the author of Brand a citizen of?",  # a possessive chain, no clause
+    "The arena where the Lewiston Maineiacs played their home games can seat how many people?",
+    "Who is the man that died?",  # the clause has one content word
+])
+def test_a_question_without_a_nested_hop_has_no_chain(question):
+    assert hops(question) is None
+
+
+def test_substitute_puts_the_answer_in_the_slot():
+    h = hops("Who was in charge of the country where the composer of Aschenbrodel was a "
+             "citizen?")
+    assert substitute(h, "Austria") == "Who was in charge of Austria"
+    assert substitute(h, "  Carl   Ziehrer ") == "Who was in charge of Carl Ziehrer"
+    with pytest.raises(ValueError, match="empty answer"):
+        substitute(h, " ")
+
+
+def _report(titles: list[str]) -> BranchReport:
+    ids = [f"d{i}#p0" for i in range(len(titles))]
+    ev = [{"chunk_id": c, "doc_id": c[:-3], "title": t} for c, t in zip(ids, titles)]
+    return BranchReport(1, "inner", 0.5, "hop",
+                        episode=EpisodeResult(subquery="inner", termination="finish",
+                                              evidence=ev, ranked_chunk_ids=ids))
+
+
+def test_answers_are_distinct_titles_the_inner_clause_does_not_name():
+    h = hops("What is the name of the waterfall in the country where the Bubye River is found?")
+    report = _report(["Bubye River", "Zimbabwe", "Zimbabwe (country)", "Limpopo River",
+                      "Botswana"])
+    assert answers(report, h, 2) == ["Zimbabwe", "Limpopo River"]
+    assert answers(report, h, 9) == ["Zimbabwe", "Limpopo River", "Botswana"]
+    assert answers(report, h, 0) == []
+
+
+def test_chains_must_not_be_negative(tmp_path):
+    with pytest.raises(SettingsError, match="chains must be >= 0"):
+        load_settings(None, {"home": str(tmp_path), "chains": -1})
+
+
+@pytest.fixture(scope="module")
+def spans():
+    exporter = InMemorySpanExporter()
+    telemetry.configure(span_exporter=exporter)
+    return exporter
+
+
+@pytest.fixture(scope="module")
+def chaining(hotpot_settings):
+    driver = Driver(hotpot_settings.replace(chains=2, branches=3), mode="local")
+    yield driver
+    driver.close()
+
+
+def test_a_compositional_question_runs_its_hops_in_two_waves(chaining, spans):
+    spans.clear()
+    events = []
+    result = chaining.search(CHAINED, on_event=events.append)
+    kinds = [b.kind for b in result.branches]
+    assert kinds[0] == "original" and kinds.count("hop") == 1
+    hop = next(b for b in result.branches if b.kind == "hop")
+    assert hop.subquery == "portrayed Corliss Archer film Kiss Tell"
+    chains = [b for b in result.branches if b.kind == "chain"]
+    assert 1 <= len(chains) <= 2 and result.metrics["chains"] == len(chains)
+    for b in chains:  # the second wave: after the first, from the hop branch's answers
+        assert b.index > hop.index and b.parent == hop.index and b.weight == CHAIN_WEIGHT
+        assert b.subquery.startswith("What government position was held by ")
+        assert "the woman" not in b.subquery and b.status == "ok"
+    assert [b.subquery for b in chains] == [
+        substitute(hops(CHAINED), a) for a in answers(hop, hops(CHAINED), 2)]
+    plan = next(s for s in spans.get_finished_spans() if s.name == "plan")
+    assert plan.attributes["plan.hops.slot"] == "the woman"
+    assert plan.attributes["plan.hops.inner"] == hop.subquery
+    chain_spans = [s for s in spans.get_finished_spans() if s.name == "chain"]
+    assert [s.attributes["chain.subquery"] for s in chain_spans] == [b.subquery for b in chains]
+    assert events[0]["hops"]["slot"] == "the woman"
+    typed = [e["type"] for e in events]
+    for b in chains:  # each chain event precedes its branch's start
+        at = next(i for i, e in enumerate(events) if e["type"] == "chain"
+                  and e["branch"] == b.index)
+        assert typed[at + 1:].count("branch_started") and at < next(
+            i for i, e in enumerate(events) if e["type"] == "branch_started"
+            and e["branch"] == b.index)
+    assert result.ranked_chunk_ids
+
+
+def test_one_branch_and_chains_off_run_no_chain(chaining, hotpot_settings):
+    one = chaining.search(CHAINED, max_branches=1)
+    assert [b.kind for b in one.branches] == ["original"] and one.metrics["chains"] == 0
+    off = Driver(hotpot_settings.replace(chains=0, branches=3), mode="local")
+    try:
+        plain = off.search(CHAINED)
+    finally:
+        off.close()
+    assert [b.kind for b in plain.branches] == ["original"]
+    assert plain.ranked_chunk_ids == one.ranked_chunk_ids  # the planner's own plan is 1 branch
