@@ -30,10 +30,6 @@ def timed(call) -> tuple[float, object]:
 
 def engine(store, method: str, query, k: int):
     """The engine's own list: the store's method without the tie-break."""
-    if method == "grep":  # tantivy's grep orders by chunk id itself where it can
-        query = store._filtered(store._t.Query.regex_query(store._schema, "terms", query), (),
-                                None)
-        return store._run(query, k, "grep")
     return getattr(type(store), method).__wrapped__(store, query, k)
 
 
@@ -41,8 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", type=Path, help="BEIR folder (its queries.jsonl)")
     parser.add_argument("--index-dir", type=Path, required=True)
-    parser.add_argument("--tantivy", type=Path, help="another index's tantivy folder (made "
-                        "with the chunk id fast field: a grep ordered by tantivy)")
+    parser.add_argument("--tantivy", type=Path, help="another tantivy folder to use")
     parser.add_argument("--k", type=int, nargs="+", default=[10, 50])
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--patterns", nargs="+",
@@ -75,9 +70,7 @@ def main() -> None:
             return fetch(depth)
         return settle(counted, k, cap)
 
-    from branchsearch.infra.stores import tantivy
-
-    protocols.settle = tantivy.settle = counting  # both look `settle` up when they run
+    protocols.settle = counting  # the decorator looks `settle` up when it runs
     jobs = [("tantivy bm25", lexical, "search", queries),
             ("tantivy grep", lexical, "grep", args.patterns),
             ("milvus-lite dense", dense, "search", list(vectors))]
@@ -97,8 +90,7 @@ def main() -> None:
                         raw_ms.append(ms)
                         changed += {h.chunk_id for h in mine} != {h.chunk_id for h in raw}
                 print(json.dumps({
-                    "store": name + (" (chunk id fast field)" if method == "grep" and getattr(
-                        store, "ids_fast", False) else ""), "k": k, "calls": len(inputs),
+                    "store": name, "k": k, "calls": len(inputs),
                     "engine_ms_p50": round(statistics.median(raw_ms), 3),
                     "settled_ms_p50": round(statistics.median(settled_ms), 3),
                     "ratio_p50": round(statistics.median(settled_ms) / statistics.median(raw_ms),
@@ -109,7 +101,7 @@ def main() -> None:
                     "requests_max": max(requests),
                     "lists_whose_set_changed": changed}), flush=True)
     finally:
-        protocols.settle = tantivy.settle = settle
+        protocols.settle = settle
         dense.close()
         shutil.rmtree(work, ignore_errors=True)
 

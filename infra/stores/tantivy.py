@@ -3,12 +3,7 @@
 BM25 terms are lower-cased, accent-folded and English-stemmed (`en_stem_fold`): 'Aschenbrodel'
 finds 'Aschenbrödel'. An index written before folding keeps its own analyzer (`en_stem`, no
 folding), also when documents are ingested into it again: only a new index (remove the index
-folder, ingest again) folds. `folds` tells them apart.
-
-Lists break score ties by chunk id (`infra.stores.protocols.settle`). A grep's hits all score
-alike, so its list is the first k chunk ids it matches: an index made with `chunk_id` as a fast
-field (every index made now) has tantivy order them (exact, with no cap and no stored document
-read); an older one reads up to `MAX_K` hits and orders them here."""
+folder, ingest again) folds. `folds` tells them apart."""
 
 from __future__ import annotations
 
@@ -17,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from branchsearch.infra.errors import BadQuery
-from branchsearch.infra.stores.hits import Hit, doc_of
+from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.stores.protocols import (IndexedChunk, check_pattern, query_words,
-                                                 settle, settled)
+                                                 settled)
 from branchsearch.infra.stores.acl import acl_terms
 
 
@@ -38,15 +33,6 @@ def folds(path: str | Path) -> bool:
         return False  # unreadable: the store's own open reports it
     return any(f.get("name") == "body" and f.get("options", {}).get("indexing", {}).get(
         "tokenizer") == FOLDING for f in fields)
-
-
-def _fast(path: Path, name: str) -> bool:
-    """Whether field `name` of the tantivy index at `path` is a fast field."""
-    try:
-        fields = json.loads((Path(path) / "meta.json").read_text())["schema"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return any(f.get("name") == name and f.get("options", {}).get("fast") for f in fields)
 
 
 def _folding_analyzer(tantivy):
@@ -70,7 +56,7 @@ class TantivyStore:
             self._index = tantivy.Index.open(str(self.path))
         else:
             sb = tantivy.SchemaBuilder()
-            sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw", fast=True)
+            sb.add_text_field("chunk_id", stored=True, tokenizer_name="raw")
             sb.add_text_field("doc_id", stored=True, tokenizer_name="raw")
             sb.add_text_field("body", stored=False, tokenizer_name=FOLDING)
             sb.add_text_field("terms", stored=False, tokenizer_name="default",
@@ -80,7 +66,6 @@ class TantivyStore:
         self._index.register_tokenizer(FOLDING, _folding_analyzer(tantivy))
         self._schema = self._index.schema
         self._writer = None
-        self.ids_fast = _fast(self.path, "chunk_id")  # a grep can be ordered by chunk id
 
     def write(self, chunks: Sequence[IndexedChunk], delete_doc_ids: Sequence[str]) -> None:
         if self._writer is None:
@@ -134,6 +119,7 @@ class TantivyStore:
         parsed, _errors = self._index.parse_query_lenient(" ".join(words), ["body"])
         return self._run(self._filtered(parsed, exclude_ids, acl_groups), k, "bm25")
 
+    @settled
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:
         pattern = check_pattern(pattern, self.max_pattern)
@@ -141,15 +127,7 @@ class TantivyStore:
             query = self._t.Query.regex_query(self._schema, "terms", pattern)
         except ValueError as exc:
             raise BadQuery(f"grep: pattern {pattern!r} rejected by the index: {exc}") from None
-        query = self._filtered(query, exclude_ids, acl_groups)
-        if k <= 0:
-            return []
-        if not self.ids_fast:
-            return settle(lambda depth: self._run(query, depth, "grep"), k)
-        found = self._index.searcher().search(query, k, count=False, order_by_field="chunk_id",
-                                              order=self._t.Order.Asc).hits
-        return [Hit(chunk_id, doc_of(chunk_id), 1.0, rank, "grep")
-                for rank, (chunk_id, _address) in enumerate(found, start=1)]
+        return self._run(self._filtered(query, exclude_ids, acl_groups), k, "grep")
 
     def count(self) -> int:
         return self._index.searcher().num_docs

@@ -143,14 +143,8 @@ def test_tantivy_lists_do_not_depend_on_write_order(tmp_path):
     write_in(a, corpus(), "forward")
     write_in(b, corpus(), "shuffled")
     same_lexical_lists(a, b)
-    # a grep's hits all score alike: the first k chunk ids of all it matches, which tantivy
-    # orders itself by the chunk id fast field; an index made before that field is ordered here
-    assert a.ids_fast and b.ids_fast
+    # a grep's hits all score alike: the first k chunk ids of all it matches
     assert ids(a.grep("harbour", 3)) == sorted(ids(a.grep("harbour", 100)))[:3]
-    expected = {(p, k): ids(a.grep(p, k)) for p in PATTERNS for k in (1, 3, 10, 30)}
-    a.ids_fast = b.ids_fast = False
-    for (p, k), first in expected.items():
-        assert ids(a.grep(p, k)) == ids(b.grep(p, k)) == first, (p, k)
     assert ids(a.grep("harbour", 5, ["d0-a#p0"], acl_groups=["x"])) == [
         "d0-b#p0", "d0-c#p0", "d0-d#p0", "d0-e#p0", "d0-f#p0"]
 
