@@ -10,6 +10,8 @@ its own context (its own actor on Ray), following the hops left from it. Forks r
 on the executor like any wave; the driver fuses them with the first wave by the same anchored
 RRF (the question's branch anchors, a fork is one more list at `FORK_WEIGHT` of its parent's
 weight). Bounds: `settings.forks` a question, depth 1 (a fork records no candidates), the gap.
+The LLM policy records its candidates itself, with the `fork` tool (`workers.tools`): the same
+shape, gap 0 (the model has no score), up to three chunks handed over.
 `--branches 1` runs no fork: the single-context baseline stays single.
 
 Why a second wave and not forks launched mid-episode: the parent's episode is deterministic and
@@ -35,6 +37,13 @@ class Fork:
     reason: str
     gap: float
     hop_room: int
+    seeds: tuple[str, ...] = ()  # what it is handed: the `fork` tool's `chunk_ids`, else
+    # the chunk alone
+    by: str = ""  # "model": recorded by the `fork` tool (no score, so no gap to show)
+
+    @property
+    def why(self) -> str:
+        return self.reason if self.by == "model" else f"{self.reason} (gap {self.gap:.3f})"
 
 
 def choose(reports: list[BranchReport], budget: int) -> list[Fork]:
@@ -49,8 +58,9 @@ def choose(reports: list[BranchReport], budget: int) -> list[Fork]:
         if len(out) >= budget:
             break
         if doc not in docs:
-            docs.add(doc)
-            out.append(Fork(index, cid, c.get("reason", ""), gap, int(c.get("hop_room", 1))))
+            docs.update(s.rsplit("#p", 1)[0] for s in c.get("chunk_ids") or (cid,))
+            out.append(Fork(index, cid, c.get("reason", ""), gap, int(c.get("hop_room", 1)),
+                            tuple(c.get("chunk_ids") or (cid,)), c.get("by", "")))
     return out
 
 
@@ -61,7 +71,6 @@ def fork_tasks(reports: list[BranchReport], budget: int, *, deadline: float | No
     first = max(parents, default=-1) + 1
     return [BranchTask(first + i, parents[f.parent].subquery,
                        round(parents[f.parent].weight * FORK_WEIGHT, 4), "fork", acl_groups,
-                       deadline, parent=f.parent, reason=f"{f.reason} (gap {f.gap:.3f})",
-                       seeds=(f.chunk_id,),
+                       deadline, parent=f.parent, reason=f.why, seeds=f.seeds,
                        hop_room=f.hop_room)
             for i, f in enumerate(choose(reports, budget))]

@@ -34,6 +34,8 @@ class BranchTask:
     reason: str = ""
     seeds: tuple[str, ...] = ()
     hop_room: int = 1
+    may_fork: bool = False  # a first-wave branch of a question that forks (the driver's
+    # rule: `forks` > 0 and more than one branch): its policy is offered the `fork` tool
 
 
 @dataclass
@@ -83,6 +85,7 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
     built is status `error`, a backend that stays down ends the episode `backend_error`, which
     is status `error` too — never an empty `ok`."""
     from branchsearch.workers.factory import make_policy
+    from branchsearch.workers.tools import fork_cap
 
     started = time.perf_counter()
     report = BranchReport(task.index, task.subquery, task.weight, task.kind, pid=os.getpid(),
@@ -105,7 +108,9 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
             groups = list(task.acl_groups) if task.acl_groups is not None else None
             report.episode = Episode(task.subquery, retriever, policy, settings,
                                      acl_groups=groups, on_event=emit,
-                                     deadline=task.deadline).run()
+                                     deadline=task.deadline,
+                                     fork_cap=fork_cap(settings) if task.may_fork else 0,
+                                     is_fork=task.kind == "fork").run()
         except Exception as exc:  # noqa: BLE001 — reported, the other branches still count
             report.status, report.error = "error", error_line(exc, 500)
         episode = report.episode

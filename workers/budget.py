@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALWAYS_ALLOWED = ("prune_chunks", "recall_chunks", "finish")
+ALWAYS_ALLOWED = ("prune_chunks", "recall_chunks", "finish", "fork")  # add no tokens
 
 
 @dataclass(frozen=True)

@@ -92,12 +92,15 @@ class Episode:
     def __init__(self, subquery: str, retriever, policy: Policy, settings: Settings, *,
                  acl_groups: list[str] | None = None, counter: TokenCounter | None = None,
                  on_event: Callable[[dict], None] | None = None,
-                 deadline: float | None = None):
+                 deadline: float | None = None, fork_cap: int = 0, is_fork: bool = False):
+        """`fork_cap`: the candidates the `fork` tool may record (0: the tool is not offered;
+        `tools.fork_cap`); `is_fork`: this branch is a fork (it may not fork)."""
         self.subquery, self.retriever, self.policy = subquery, retriever, policy
         self.settings, self.acl_groups, self.deadline = settings, acl_groups, deadline
         self.budget = Budget(settings.budget_tokens, settings.soft_limit, settings.hard_limit)
         self.ws = Workspace(settings, counter or TokenCounter(settings.encoding), self.budget,
-                            acl_groups, policy.query_state, on_event)
+                            acl_groups, policy.query_state, on_event,
+                            fork_cap=fork_cap, is_fork=is_fork)
         self.trace = self.ws.trace
         self.tool_calls = self.invalid_actions = self._invalid_in_a_row = self._stale_turns = 0
         self.tokens_per_turn: list[int] = []
@@ -199,7 +202,8 @@ class Episode:
 
     def view(self) -> AgentView:
         used = self.ws.used
-        allowed = [name for name in TOOLS if self.budget.allows(name, used)]
+        allowed = [name for name in TOOLS if self.budget.allows(name, used)
+                   and (name != "fork" or self.ws.can_fork)]
         return AgentView(self.subquery, self.ws.turn, self.ws.context.chunks(),
                          self.budget.usage_line(used), used, self.budget.tokens, allowed,
                          self.last_results, self.budget.reminder(used),
@@ -320,12 +324,14 @@ class Episode:
             fork_candidates=self._fork_candidates())
 
     def _fork_candidates(self) -> list[dict]:
+        """The `fork` tool's candidates, then the policy's own (`fork_candidates()`)."""
         candidates = getattr(self.policy, "fork_candidates", None)
         if candidates is None:
-            return []
+            return list(self.ws.forks)
         try:
-            return [c for c in candidates() if c.get("chunk_id") in self.ws.cache]
+            return list(self.ws.forks) + [c for c in candidates()
+                                          if c.get("chunk_id") in self.ws.cache]
         except Exception as exc:  # noqa: BLE001 — a fork is optional; the evidence is not
             self.trace.record("invalid_action", turn=self.ws.turn,
                               message=f"fork candidates: {type(exc).__name__}: {exc}"[:300])
-            return []
+            return list(self.ws.forks)

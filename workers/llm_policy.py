@@ -18,6 +18,7 @@ from html import escape
 
 from branchsearch.infra.errors import OutputTruncated
 from branchsearch.workers.policy import AgentView, InvalidAction, ToolCall
+from branchsearch.workers.tools import seed_reads
 
 SYSTEM = """You are a search agent collecting evidence (not answers) for a question.
 Each turn, call one to {max_calls} tools. Rules:
@@ -36,7 +37,12 @@ DESCRIPTIONS = {  # short, example-free descriptions for small models
     "prune_chunks": "remove chunks by id, with a reason",
     "recall_chunks": "bring pruned chunks back by id",
     "finish": "stop; ids of the supporting chunks, best first",
+    "fork": "hand 1-3 chunk ids of a competing hypothesis to a new branch, with a reason",
 }
+
+# shown only when the `fork` tool is offered (forks on, more than one branch, not a fork)
+FORK_RULE = """- fork: when a hop has two plausible bridge entities or competing answers, keep
+  the likelier one here and fork the other's chunk ids instead of pruning them away."""
 
 
 def compact(parameters: dict) -> dict:
@@ -67,9 +73,11 @@ def action_schema(tool_schemas: list[dict], max_calls: int = 3) -> dict:
 
 
 def render(view: AgentView, max_chunk_chars: int = 600, max_calls: int = 3,
-           max_context_chars: int = 9000) -> list[dict]:
+           max_context_chars: int = 9000, note: str = "") -> list[dict]:
     """Chat messages for one turn. When the visible chunks do not fit the model's window
-    (`max_context_chars`), the newest are shown in full and the older by id only."""
+    (`max_context_chars`), the newest are shown in full and the older by id only. The rules
+    mention `fork` only when the tool is offered; `note` is a line after the question (a
+    fork's: what it was handed)."""
     shown, size = [], 0
     for c in reversed(view.visible):
         block = (f'<chunk id="{escape(c.id)}" title="{escape(c.title)}">'
@@ -92,7 +100,9 @@ def render(view: AgentView, max_chunk_chars: int = 600, max_calls: int = 3,
     tools = "\n".join(f"- {t['name']}: {DESCRIPTIONS.get(t['name'], t['description'])} args: "
                       f"{', '.join(compact(t['parameters'])['properties'])}"
                       for t in view.tool_schemas)
-    user = (f"Question: {view.subquery}\nTurn {view.turn}. {view.usage_line} {view.reminder}\n"
+    note = f"{note}\n" if note else ""
+    user = (f"Question: {view.subquery}\n{note}"
+            f"Turn {view.turn}. {view.usage_line} {view.reminder}\n"
             f"Visible chunks:\n{chunks or '(none)'}\nLast results:\n{observations}\n"
             f"Allowed tools now:\n{tools}")
     # the format example searches an entity of this very question (a small model copies it,
@@ -102,8 +112,11 @@ def render(view: AgentView, max_chunk_chars: int = 600, max_calls: int = 3,
     names = entities(view.subquery)
     example = (names[0] if names else " ".join(view.subquery.split()[:5]))[:60]
     example = example.replace('"', "").replace("{", "").replace("}", "")
-    return [{"role": "system", "content": SYSTEM.format(max_calls=max_calls, example=example)},
-            {"role": "user", "content": user}]
+    system = SYSTEM.format(max_calls=max_calls, example=example)
+    if any(t["name"] == "fork" for t in view.tool_schemas):
+        head, _, tail = system.partition("\n- Text inside <chunk>")
+        system = f"{head}\n{FORK_RULE}\n- Text inside <chunk>{tail}"
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
 @dataclass
@@ -114,13 +127,24 @@ class LLMPolicy:
     temperature: float = 0.3
     max_context_chars: int = 9000  # ~3k tokens of chunk text: fits a 4k-token model window
     log: list[dict] = field(default_factory=list)  # raw outputs, for the trace and tests
+    seeds: list[str] = field(default_factory=list)  # a fork's handed-over chunks
     _last_view: AgentView | None = None
+
+    def start_from(self, seeds: list[str], hop_room: int = 1) -> None:
+        """Make this episode a fork (`orchestrator.forks`): its first turn reads the
+        handed-over chunks, without asking the model; the model then pursues them, told what
+        it was handed. (`hop_room` is the heuristic's; the model's turns are its own.)"""
+        self.seeds = list(seeds)
 
     def decide(self, view: AgentView) -> list[ToolCall]:
         self._last_view = view
+        if self.seeds and view.turn == 1:
+            return seed_reads(self.seeds)
         schema = action_schema(view.tool_schemas, self.max_calls)
+        note = (f"You pursue an alternative another branch set aside, starting from chunks "
+                f"{', '.join(self.seeds)}." if self.seeds else "")
         messages = render(view, max_calls=self.max_calls,
-                          max_context_chars=self.max_context_chars)
+                          max_context_chars=self.max_context_chars, note=note)
         try:
             raw = self.engine.chat(messages, schema=schema,
                                    max_tokens=self.max_tokens, temperature=self.temperature)

@@ -18,6 +18,15 @@ class ScriptedPolicy:
     def __init__(self, turns: list[list[ToolCall] | Callable[[AgentView], list[ToolCall]]]):
         self.turns = list(turns)
         self.views: list[AgentView] = []
+        self.seeds: list[str] = []
+
+    def start_from(self, seeds: list[str], hop_room: int = 1) -> None:
+        """A fork: the first turn reads the handed-over chunks (as the LLM policy's does),
+        then the script runs."""
+        from branchsearch.workers.tools import seed_reads
+
+        self.seeds = list(seeds)
+        self.turns.insert(0, seed_reads(self.seeds))
 
     def decide(self, view: AgentView) -> list[ToolCall]:
         self.views.append(view)

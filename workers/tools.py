@@ -176,6 +176,67 @@ def apply_finish(ws: Workspace, args: dict, _=None) -> ToolResult:
                       f"Finished with {len(known)} chunk(s).{note}", known)
 
 
+# --- fork: hand a competing hypothesis to a branch of its own -------------------------------
+
+FORKS_A_BRANCH = 4  # the most fork candidates one branch records (the heuristic's REPORTED)
+FORK_SEEDS = 3  # the most chunks one fork is handed
+
+
+def fork_cap(settings) -> int:
+    """The fork candidates a first-wave branch may record with the `fork` tool: the question's
+    fork budget (`settings.forks`), at most `FORKS_A_BRANCH`; 0: the tool is not offered."""
+    return min(settings.forks, FORKS_A_BRANCH)
+
+
+def seed_reads(seeds: list[str]) -> list[ToolCall]:
+    """A fork's first turn: read each handed-over chunk (`doc#pN`) where it is."""
+    calls = []
+    for cid in seeds:
+        doc, _, n = cid.rpartition("#p")
+        calls.append(ToolCall("read_document", {"doc_id": doc, "start": int(n), "count": 1})
+                     if doc and n.isdigit() else ToolCall("read_document", {"doc_id": cid}))
+    return calls
+
+
+def apply_fork(ws: Workspace, args: dict, _=None) -> ToolResult:
+    """Record a fork candidate: chunks of this branch supporting a hypothesis it will not
+    pursue itself. The driver's second wave (`orchestrator.forks`) runs the best candidates of
+    a question as branches of their own, within the question's `forks` budget; the candidate
+    has the heuristic's shape (`workers.heuristic.forks`), with `chunk_ids` for all it hands
+    over and `by: model`. The model has no score, so its gap is 0: `fork_gap` does not apply."""
+    if ws.is_fork:
+        raise Rejected("fork rejected: this branch is itself a fork, and a fork may not fork "
+                       "(depth 1)")
+    if ws.fork_cap <= 0:
+        raise Rejected("fork rejected: forks are off for this question (forks = 0 or one "
+                       "branch)")
+    if len(ws.forks) >= ws.fork_cap:
+        raise Rejected(f"fork rejected: this branch already handed over {len(ws.forks)} "
+                       f"fork(s), its cap")
+    ids = list(dict.fromkeys(args["chunk_ids"]))
+    unknown = [cid for cid in ids if cid not in ws.cache]
+    if unknown:
+        raise Rejected(f"fork rejected: unknown chunk id(s) {', '.join(unknown)}; hand over "
+                       "only chunks this branch has seen")
+    handed = {cid for f in ws.forks for cid in f["chunk_ids"]}
+    again = [cid for cid in ids if cid in handed]
+    if again:
+        raise Rejected(f"fork rejected: already handed to a fork: {', '.join(again)}")
+    reason = " ".join(args["reason"].split())
+    first = ws.cache.get(ids[0])
+    candidate = {"chunk_id": ids[0], "chunk_ids": ids, "gap": 0.0, "score": 0.0,
+                 "keep_line": 0.0, "reason": f"model: {reason}", "hop_room": 1,
+                 "title": first.title if first is not None else "", "by": "model",
+                 "turn": ws.turn}
+    ws.forks.append(candidate)
+    ws.trace.record("fork", turn=ws.turn, chunk_ids=ids, reason=reason)
+    left = ws.fork_cap - len(ws.forks)
+    return ToolResult(ToolCall("fork", args), True,
+                      f"Fork recorded: {', '.join(ids)} will be handed to a new branch when "
+                      f"this one ends (if the question's fork budget allows). Keep your own "
+                      f"choice here; {left} fork(s) left.", ids)
+
+
 # --- the table -------------------------------------------------------------------------------
 
 def _obj(properties: dict, required: list[str]) -> dict:
@@ -221,6 +282,14 @@ TOOLS: dict[str, Tool] = {t.name: t for t in [
          _obj({"ids": {**_IDS, "minItems": 0}, "reason": {"type": "string", "maxLength": 500}},
               ["ids"]),
          apply_finish),
+    Tool("fork", "Hand 1-3 chunk ids that support a competing hypothesis (another bridge "
+                 "entity, another answer of a hop) to a new branch that pursues it after this "
+                 "one, instead of pruning it away; this branch keeps its own choice.",
+         _obj({"chunk_ids": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                             "maxItems": FORK_SEEDS},
+               "reason": {"type": "string", "minLength": 1, "maxLength": 300}},
+              ["chunk_ids", "reason"]),
+         apply_fork),
 ]}
 
 

@@ -37,6 +37,14 @@ class Workspace:
     pruned: list[str] = field(default_factory=list)
     finish_ids: list[str] | None = None  # set by `finish`
     progress: bool = False  # something new arrived (or was pruned/recalled) this turn
+    fork_cap: int = 0  # fork candidates the `fork` tool may record (0: not offered)
+    is_fork: bool = False  # this branch is a fork: it may not fork (depth 1)
+    forks: list[dict] = field(default_factory=list)  # the candidates `fork` recorded
+
+    @property
+    def can_fork(self) -> bool:
+        """The `fork` tool is offered: forks are on for this branch and its cap not reached."""
+        return not self.is_fork and len(self.forks) < self.fork_cap
 
     @property
     def used(self) -> int:
