@@ -47,7 +47,7 @@ from pathlib import Path
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy,
                                       IndexIncomplete)
 from branchsearch.infra.stores.hits import Hit
-from branchsearch.infra.stores.protocols import MAX_K, IndexedChunk
+from branchsearch.infra.stores.protocols import MAX_K, IndexedChunk, settled
 from branchsearch.infra.stores.acl import PUBLIC, acl_terms
 
 COLLECTION = "chunks"
@@ -248,6 +248,27 @@ def release_lite(uri: str | Path) -> None:
     server_manager_instance.release_server(str(uri))
 
 
+_served: dict[str, str] = {}  # Lite file -> socket of the server another process runs for it
+
+
+def serve_lite(db: str | Path) -> str:
+    """The socket URI (`unix:…`) of this process's Milvus Lite server for `db`, started if it is
+    not running. Milvus Lite lets one process own a file; other processes of the same job (a
+    batch's worker processes) reach that owner's server through this socket (`use_served_lite`)
+    instead of opening the file. The owner keeps a store open on `db` while they do."""
+    from milvus_lite.server_manager import server_manager_instance
+
+    uri = server_manager_instance.start_and_get_uri(str(db))
+    if not uri:
+        raise BackendUnavailable(f"milvus lite: cannot serve {db}")
+    return uri
+
+
+def use_served_lite(db: str | Path, socket_uri: str) -> None:
+    """In this process, open `db` through `socket_uri` (another process's `serve_lite`)."""
+    _served[_lite_key(db)] = socket_uri
+
+
 def _held_elsewhere(db: Path) -> bool:
     """Whether another process holds Milvus Lite's lock on `db` (its `.NAME.lock` lockf).
 
@@ -336,7 +357,9 @@ class MilvusStore:
         self.index = index or IndexSpec()
         if not self.server:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
-        if not self.server and _held_elsewhere(Path(self.uri)):
+        served = None if self.server else _served.get(_lite_key(self.uri))
+        self._served = served is not None  # through the owning process's server (serve_lite)
+        if not self.server and not served and _held_elsewhere(Path(self.uri)):
             raise _lite_busy(self.uri)
         quiet_pymilvus()
         quiet = logging.getLogger("pymilvus.milvus_client._utils")
@@ -345,7 +368,7 @@ class MilvusStore:
         try:
             # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
             # closing one store would cut every other store of this process on that server
-            self._client = MilvusClient(uri=self.uri, token=token,
+            self._client = MilvusClient(uri=served or self.uri, token=token,
                                         alias=f"branchsearch-{uuid.uuid4().hex}")
         except Exception as exc:
             if not self.server and "opened by another program" in str(exc):
@@ -356,7 +379,8 @@ class MilvusStore:
                 f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}") from None
         finally:
             quiet.setLevel(level)
-        acquire_lite(self.uri)
+        if not self._served:
+            acquire_lite(self.uri)
         try:
             exists = self._request("open", self._client.has_collection, collection)
             if not exists and not create:
@@ -538,6 +562,7 @@ class MilvusStore:
             return f"acl_key == {milvus_literal(keys[0], lite=not self.server)}"
         return f"acl_key in {self._list(keys)}"
 
+    @settled
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None, *, per_row: bool = False) -> list[Hit]:
         """The top `k` a caller with `acl_groups` may see, without `exclude_ids`.
@@ -587,4 +612,5 @@ class MilvusStore:
             return
         self._closed = True
         self._client.close()
-        release_lite(self.uri)
+        if not self._served:
+            release_lite(self.uri)
