@@ -208,3 +208,108 @@ def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7
             n += 1
     tmp.replace(out / "corpus.jsonl")
     return {"documents": written, "tasks": tasks, "folder": str(out)}
+
+
+# --- the hard mode: MuSiQue-like composed questions over ambiguous bridges -------------------
+
+CITY1 = ("Ash Bel Cor Dun Elm Fen Gal Har Ives Kel Lor Mar Nor Ost Pel Quen Ros Sel Tor Ul "
+         "Vel Wyn").split()
+CITY2 = "ford haven mouth port stead wick bury dale field ton mere brook".split()
+LAND1 = "Al Bor Cal Dor Es Fal Gor Hal Is Jor Kal Lum Mor Nal Or Par Ru Sar Tal Ver".split()
+LAND2 = "ania avia esia ovia una istan ara ica eland mark".split()
+SUFFIX = ("Collective", "Revival", "Project", "Ensemble")
+PLACE = ("", "North ", "East ", "Upper ", "Port ")
+MAX_HARD_TASKS = 200  # the name pools hold about 1,300 cities and 600 countries
+
+
+def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: int = 7) -> dict:
+    """The hard mode of `synth`: 3-4 hop chains  album -> band -> city (-> country), asked as
+    one composed question that names only the album ("What is the capital of the country
+    containing the city where the band that recorded Cobalt Heron was formed?"). Every bridge
+    is ambiguous: a decoy band whose name extends the gold band's ("Raven Lark" / "Raven Lark
+    Collective"), a decoy album whose title extends the gold album's, recorded by the decoy
+    band, formed in a decoy city of a decoy country. Queries carry `metadata.chain` (the gold
+    document ids in hop order), `answer` and `hops`; qrels list the gold chain. Deterministic
+    by seed; written like `synth`."""
+    if tasks < 1 or docs < tasks * 8:
+        raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    if tasks > MAX_HARD_TASKS:
+        raise SynthError(f"synth --hard: at most {MAX_HARD_TASKS} tasks (got {tasks})")
+    if docs > MAX_DOCS:
+        raise SynthError(f"synth: at most {MAX_DOCS:,} documents (got {docs:,})")
+    out = Path(out_dir)
+    _check_folder(out, docs * BYTES_PER_DOC + tasks * 800)
+    rng = random.Random(seed)
+    try:
+        (out / "qrels").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SynthError(f"synth: cannot create {out}: {exc.strerror}") from None
+    seen: set = set()
+    person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731
+    name2 = lambda: f"{rng.choice(ADJ)} {rng.choice(NOUN)}"  # noqa: E731
+    city = lambda: f"{rng.choice(PLACE)}{rng.choice(CITY1)}{rng.choice(CITY2)}"  # noqa: E731
+    land = lambda: f"{rng.choice(('', 'New ', 'Greater '))}{rng.choice(LAND1)}{rng.choice(LAND2)}"  # noqa: E731,E501
+    written = 0
+    tmp = out / "corpus.jsonl.tmp"
+    with tmp.open("w") as corpus, (out / "queries.jsonl").open("w") as queries, \
+            (out / "qrels" / "test.tsv").open("w") as qrels:
+        qrels.write("query-id\tcorpus-id\tscore\n")
+
+        def emit(doc_id: str, title: str, text: str) -> str:
+            nonlocal written
+            corpus.write(json.dumps({"_id": doc_id, "title": title, "text": text}) + "\n")
+            written += 1
+            return doc_id
+
+        for t in range(tasks):
+            album, band = _unique(rng, name2, seen), _unique(rng, name2, seen)
+            decoy_band = f"{band} {rng.choice(SUFFIX)}"
+            decoy_album = f"{album} {rng.choice(('Live', 'Sessions', 'Redux'))}"
+            town, decoy_town = _unique(rng, city, seen), _unique(rng, city, seen)
+            country, decoy_country = _unique(rng, land, seen), _unique(rng, land, seen)
+            capital, decoy_capital = _unique(rng, city, seen), _unique(rng, city, seen)
+            mayor, decoy_mayor = person(), person()
+            year = rng.randrange(1968, 2015)
+            chain = [
+                emit(f"h{t}-album", f"{album} (album)",
+                     f"{album} is the debut studio album by the band {band}, released in "
+                     f"{year}."),
+                emit(f"h{t}-band", band,
+                     f"{band} is a rock band formed in {town} in {year - 2}. The band "
+                     f"signed with {rng.choice(V1)} Records."),
+                emit(f"h{t}-city", town,
+                     f"{town} is a city in {country}. Its mayor is {mayor}."),
+                emit(f"h{t}-country", country,
+                     f"{country} is a country whose capital is {capital}."),
+            ]
+            # the decoy bridge: a look-alike album and band, another city and country
+            emit(f"h{t}-decoy-album", f"{decoy_album} (album)",
+                 f"{decoy_album} is a live album by the band {decoy_band}, released in "
+                 f"{year + 3}.")
+            emit(f"h{t}-decoy-band", decoy_band,
+                 f"{decoy_band} is a rock band formed in {decoy_town} in {year + 1}, named "
+                 f"after {band}.")
+            emit(f"h{t}-decoy-city", decoy_town,
+                 f"{decoy_town} is a city in {decoy_country}. Its mayor is {decoy_mayor}.")
+            emit(f"h{t}-decoy-country", decoy_country,
+                 f"{decoy_country} is a country whose capital is {decoy_capital}.")
+            hops = 4 if t % 2 else 3
+            if hops == 4:
+                question = (f"What is the capital of the country containing the city where "
+                            f"the band that recorded {album} was formed?")
+                answer = capital
+            else:
+                question = (f"Who is the mayor of the city where the band that recorded "
+                            f"{album} was formed?")
+                answer, chain = mayor, chain[:3]
+            queries.write(json.dumps({"_id": f"hard-{t}", "text": question, "metadata": {
+                "answer": answer, "hops": hops, "chain": chain}}) + "\n")
+            qrels.writelines(f"hard-{t}\t{g}\t1\n" for g in chain)
+        n = 0
+        while written < docs:
+            emit(f"filler-{n}", f"Tour diary {n}",
+                 f"{person()} and {person()} toured {rng.choice(CITY1)}{rng.choice(CITY2)} "
+                 f"with {rng.choice(ADJ)} {rng.choice(NOUN)} in {rng.randrange(1970, 2020)}.")
+            n += 1
+    tmp.replace(out / "corpus.jsonl")
+    return {"documents": written, "tasks": tasks, "folder": str(out)}

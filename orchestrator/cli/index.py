@@ -91,9 +91,13 @@ def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format
           docs: int = typer.Option(2000, min=8, max=MAX_DOCS,
                                    help=f"documents to write (8..{MAX_DOCS:,})"),
           tasks: int = typer.Option(100, min=1),
-          seed: int = typer.Option(7)):
+          seed: int = typer.Option(7),
+          hard: bool = typer.Option(False, "--hard", help="3-4 hop composed questions over "
+                                    "ambiguous bridges (look-alike bands, decoy albums)")):
     """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
-    from branchsearch.infra.datasets.synth import synth as make
+    from branchsearch.infra.datasets.synth import synth, synth_hard
+
+    make = synth_hard if hard else synth
 
     try:
         counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)
