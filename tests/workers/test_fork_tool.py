@@ -149,3 +149,80 @@ def test_the_fork_rule_is_shown_only_with_the_tool(hotpot_retriever, hotpot_sett
     option = next(o for o in action_schema(view.tool_schemas)["properties"]["calls"]["items"]
                   ["anyOf"] if o["properties"]["tool"]["const"] == "fork")
     assert option["properties"]["args"]["properties"]["chunk_ids"]["maxItems"] == 3
+
+
+class Replay:
+    """A chat engine that answers with fixed outputs (a string, or a function of the messages)
+    and keeps what it was shown: the LLM policy's own rendering and parsing run, the model's
+    judgement does not (SmolLM2 is too slow to drive these turns here)."""
+
+    def __init__(self, answers):
+        self.answers, self.shown, self.schemas = list(answers), [], []
+
+    def chat(self, messages, schema=None, max_tokens=256, temperature=0.0):
+        self.shown.append(messages)
+        self.schemas.append(schema)
+        answer = self.answers.pop(0)
+        return answer(messages) if callable(answer) else answer
+
+
+def shown_ids(messages) -> list[str]:
+    import re
+
+    return re.findall(r'<chunk id="([^"]+)"', messages[1]["content"])
+
+
+SEARCH = '{"calls": [{"tool": "search_corpus", "args": {"query": "Corliss Archer"}}]}'
+FINISH = '{"calls": [{"tool": "finish", "args": {"ids": []}}]}'
+
+
+def fork_answer(messages) -> str:
+    import json
+
+    return json.dumps({"calls": [{"tool": "fork", "args": {
+        "chunk_ids": shown_ids(messages)[1:3], "reason": "another Archer page"}}]})
+
+
+def test_the_llm_policy_forks_through_the_tool(hotpot_retriever, hotpot_settings):
+    from branchsearch.workers.llm_policy import LLMPolicy
+
+    settings = hotpot_settings.replace(forks=2)
+    engine = Replay([SEARCH, fork_answer, FINISH])
+    result = Episode(Q, hotpot_retriever, LLMPolicy(engine), settings,
+                     fork_cap=fork_cap(settings)).run()
+    assert result.termination == "finish" and result.invalid_actions == 0
+    assert FORK_RULE in engine.shown[0][0]["content"]
+    (candidate,) = result.fork_candidates
+    assert candidate["chunk_ids"] == shown_ids(engine.shown[1])[1:3]
+    assert candidate["reason"] == "model: another Archer page"
+
+
+def test_the_llm_policy_without_forks_cannot_fork(hotpot_retriever, hotpot_settings):
+    from branchsearch.workers.llm_policy import LLMPolicy
+
+    fork = '{"calls": [{"tool": "fork", "args": {"chunk_ids": ["ed-wood#p0"], "reason": "x"}}]}'
+    engine = Replay([SEARCH, fork, FINISH])
+    result = Episode(Q, hotpot_retriever, LLMPolicy(engine), hotpot_settings).run()
+    assert all(FORK_RULE not in m[0]["content"] for m in engine.shown)
+    assert all("fork" not in str(s) for s in engine.schemas)
+    # a model that calls it anyway: an invalid action, shown to it next turn
+    assert result.invalid_actions == 1 and result.fork_candidates == []
+    assert ("your last answer was not a valid action: tool 'fork' is not allowed now"
+            in engine.shown[2][1]["content"])
+
+
+def test_an_llm_fork_starts_from_its_seeds(hotpot_retriever, hotpot_settings):
+    from branchsearch.workers.llm_policy import LLMPolicy
+
+    engine = Replay([FINISH])
+    policy = LLMPolicy(engine)
+    policy.start_from(["janet-waldo#p0", "meet-corliss-archer#p0"])
+    result = Episode(Q, hotpot_retriever, policy, hotpot_settings.replace(forks=2),
+                     fork_cap=0, is_fork=True).run()
+    assert len(engine.shown) == 1  # the first turn read the seeds without asking the model
+    assert {"janet-waldo#p0", "meet-corliss-archer#p0"} <= set(result.retrieved_ids)
+    user = engine.shown[0][1]["content"]
+    assert ("You pursue an alternative another branch set aside, starting from chunks "
+            "janet-waldo#p0, meet-corliss-archer#p0.") in user
+    assert set(shown_ids(engine.shown[0])) >= {"janet-waldo#p0", "meet-corliss-archer#p0"}
+    assert "fork" not in str(engine.schemas[0])
