@@ -18,6 +18,10 @@ from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.config.settings import Settings
 
 MIN_BRANCH_CPUS = 0.05  # below this a branch actor is starved; shrink the pool instead
+# A heuristic branch is CPU work (its policy, and the searches of its replica): past this many
+# branch actors a CPU, more only queue for it, and each costs a process start (about a
+# CPU-second) and its memory. The LLM policy's branches wait on a model: not capped.
+BRANCH_ACTORS_PER_CPU = 2
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
                 engines: int = 0, retrievers: int = 1) -> ActorPlan:
     """Fit `engines` LLM engine actors, `retrievers` retriever actors and a pool of up to
     `pool_size` branch actors (at least `settings.branches`, one question's worth) into
-    `resources` (`ray.cluster_resources()`). GPUs are used only when the cluster has them.
+    `resources` (`ray.cluster_resources()`), at most BRANCH_ACTORS_PER_CPU a CPU for a policy
+    that is CPU work. GPUs are used only when the cluster has them.
     The retrievers share at most a quarter of the CPUs (1 each on a large cluster). On several
     nodes the retrievers and the branch actors are spread over them (`SPREAD`)."""
     cpus, gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
@@ -77,6 +82,8 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
             f"actor(s) of at least {MIN_BRANCH_CPUS:g} CPU (add CPUs, or lower branches or "
             "llm_engines)")
     pool = min(pool_size, fits)
+    if settings.policy != "llm":
+        pool = min(pool, max(need, math.ceil(round(BRANCH_ACTORS_PER_CPU * cpus, 6))))
     branch = {"num_cpus": _down(min(settings.branch_num_cpus, left / pool))}
     gpus_left = gpus - sum(e.get("num_gpus", 0) for e in engine_opts)
     if gpus_left > 0 and settings.branch_num_gpus > 0:

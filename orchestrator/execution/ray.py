@@ -59,9 +59,9 @@ class RayExecutor:
             self.plan = plan = replace(plan, retriever={"num_cpus": retriever_cpus},
                                        branch=pool.options, branch_actors=pool.size,
                                        shrunk_from=0)
-        elif plan.shrunk_from:
-            log.warning("branch pool: %d actors instead of %d, to fit the cluster (%s)",
-                        plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
+        elif plan.shrunk_from:  # sized to the cluster's CPUs: not the user's concern
+            log.info("branch pool: %d actors instead of %d, for the cluster's %s CPUs",
+                     plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
         self.engines: list = []
         if engines:
             from branchsearch.workers.engine_actor import start_engines

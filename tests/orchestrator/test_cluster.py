@@ -4,7 +4,8 @@ import pytest
 
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.config.settings import Settings
-from branchsearch.orchestrator.execution.actor_plan import MIN_BRANCH_CPUS, plan_actors
+from branchsearch.orchestrator.execution.actor_plan import (BRANCH_ACTORS_PER_CPU,
+                                                            MIN_BRANCH_CPUS, plan_actors)
 
 S = Settings()  # 3 branches, branch_num_cpus 0.5
 
@@ -17,7 +18,7 @@ def fits(plan, resources):
 def test_two_cores_with_an_llm_engine_fit_every_actor():
     """The case that hung: 2 CPUs, one engine actor, 3 branches x concurrency 2."""
     resources = {"CPU": 2.0}
-    plan = plan_actors(S, resources, 6, engines=1)
+    plan = plan_actors(S.replace(policy="llm"), resources, 6, engines=1)
     assert len(plan.engines) == 1 and plan.branch_actors == 6 and fits(plan, resources)
     assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS and "num_gpus" not in plan.branch
     # the old sizing ignored the engine: 0.5 + 0.5 + 6 x 0.25 = 2.5 > 2 CPUs
@@ -95,3 +96,16 @@ def test_on_several_nodes_replicas_and_branch_actors_are_spread():
     assert spread.retrievers == 2 and fits(spread, two)
     # what cluster_resources() without node entries (synthetic resources) means: one node
     assert "scheduling_strategy" not in plan_actors(S, {"CPU": 8.0}, 6).retriever
+
+
+@pytest.mark.parametrize("cpus, pool, expected", [(1, 12, 3), (2, 12, 4), (4, 6, 6), (8, 40, 16)])
+def test_a_cpu_bound_pool_holds_at_most_two_branch_actors_a_cpu(cpus, pool, expected):
+    """On a 1-CPU node, batch --concurrency 4 x 3 branches grew the pool to 11 actors, each a
+    process that cost about a CPU-second to start and then mostly waited: more start-up than
+    the batch's own work. A heuristic pool stops at 2 a CPU (never below one question's
+    branches); the LLM policy's, whose branches wait on a model, keeps its size."""
+    assert BRANCH_ACTORS_PER_CPU == 2
+    resources = {"CPU": float(cpus)}
+    plan = plan_actors(S, resources, pool)
+    assert plan.branch_actors == expected and fits(plan, resources)
+    assert plan_actors(S.replace(policy="llm"), {"CPU": 1.0}, 12).branch_actors == 12
