@@ -63,8 +63,8 @@ def chunk_ids_in(event: dict) -> list[str]:
             cid for b in r.get("branches", []) for name in
             ("ranked_chunk_ids", "pruned_ids", "final_context_ids", "seeds")
             for cid in b.get(name) or []] + [
-            c.get("chunk_id", "") for b in r.get("branches", [])
-            for c in b.get("fork_candidates") or []]
+            cid for b in r.get("branches", []) for c in b.get("fork_candidates") or []
+            for cid in [c.get("chunk_id", ""), *(c.get("chunk_ids") or [])]]
     return (list(event.get("new_ids", [])) + list(event.get("ids", []))
             + list(event.get("handed", [])))
 
@@ -88,8 +88,9 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
     r["branches"] = [{**b, **{n: keep(b[n]) for n in ("ranked_chunk_ids", "pruned_ids",
                                                        "final_context_ids", "seeds")
                               if b.get(n) is not None},
-                      **({"fork_candidates": [c for c in b["fork_candidates"]
-                                              if c.get("chunk_id") not in bad]}
+                      **({"fork_candidates": [
+                          c for c in b["fork_candidates"] if c.get("chunk_id") not in bad
+                          and not bad & set(c.get("chunk_ids") or [])]}
                          if b.get("fork_candidates") else {})}
                      for b in r.get("branches", [])]
     docs = []

@@ -96,3 +96,16 @@ def test_no_fork_tool_without_forks(hotpot_settings, settings_change, kwargs):
         "Error: fork rejected: forks are off for this question (forks = 0 or one branch)")
     assert result.ranked_chunk_ids == next(b for b in result.branches
                                            if b.index == 0).ranked_chunk_ids
+
+
+def test_the_acl_guard_covers_every_chunk_a_model_fork_hands_over():
+    from branchsearch.orchestrator.service.events import guard
+
+    hidden = lambda ids: {i for i in ids if i.startswith("secret")}  # noqa: E731
+    mixed = {"chunk_id": "ok#p0", "chunk_ids": ["ok#p0", "secret#p2"], "by": "model"}
+    clean = {"chunk_id": "ok#p1", "chunk_ids": ["ok#p1"], "by": "model"}
+    result = {"ranked_chunk_ids": ["ok#p0"], "evidence": [], "branches": [
+        {"index": 0, "ranked_chunk_ids": ["ok#p0"], "pruned_ids": [], "final_context_ids": [],
+         "seeds": [], "fork_candidates": [mixed, clean]}]}
+    event, dropped = guard({"type": "result", "result": result}, hidden)
+    assert dropped == 1 and event["result"]["branches"][0]["fork_candidates"] == [clean]
