@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, fields
 from branchsearch.infra.stores.acl import ACL_ALL
 from branchsearch.infra.stores.protocols import check_pattern, query_words, settled
 from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, milvus_call,
-                                      milvus_error, milvus_list, quiet_pymilvus, release_lite,
-                                      timeout_arg)
+                                              milvus_error, milvus_list, quiet_pymilvus,
+                                              release_lite, served_uri, timeout_arg)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
 from branchsearch.infra.stores.hits import Hit, doc_of
 
@@ -271,8 +271,10 @@ class ExternalMilvus:
         quiet_pymilvus()
         wait = timeout_arg(timeout_s)
         try:
-            self._client = MilvusClient(uri=uri, token=token, timeout=wait)
-            acquire_lite(uri)
+            served = served_uri(uri)  # another process owns the Lite file (a batch's)
+            self._client = MilvusClient(uri=served or uri, token=token, timeout=wait)
+            if not served:
+                acquire_lite(uri)
             exists = self._client.has_collection(self.collection, timeout=wait)
         except Exception as exc:
             raise BackendUnavailable(f"milvus at {uri} is not reachable ({milvus_error(exc)})"
@@ -371,7 +373,8 @@ class ExternalMilvus:
             return
         self._closed = True
         self._client.close()
-        release_lite(self.uri)
+        if not served_uri(self.uri):
+            release_lite(self.uri)
 
 
 # --- reading: the docstore's read methods, answered by the backend --------------------------------

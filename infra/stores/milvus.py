@@ -269,6 +269,11 @@ def use_served_lite(db: str | Path, socket_uri: str) -> None:
     _served[_lite_key(db)] = socket_uri
 
 
+def served_uri(uri: str | Path) -> str | None:
+    """The socket to reach the Lite file `uri` through (`use_served_lite`); None: open it."""
+    return None if is_server(uri) or not _served else _served.get(_lite_key(uri))
+
+
 def _held_elsewhere(db: Path) -> bool:
     """Whether another process holds Milvus Lite's lock on `db` (its `.NAME.lock` lockf).
 
@@ -357,7 +362,7 @@ class MilvusStore:
         self.index = index or IndexSpec()
         if not self.server:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
-        served = None if self.server else _served.get(_lite_key(self.uri))
+        served = served_uri(self.uri)
         self._served = served is not None  # through the owning process's server (serve_lite)
         if not self.server and not served and _held_elsewhere(Path(self.uri)):
             raise _lite_busy(self.uri)

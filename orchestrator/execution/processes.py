@@ -79,10 +79,14 @@ class QuestionProcesses:
         served: dict[str, str] = {}
         profile = index_profile(settings)
         if profile.lite_file:  # this process owns the file; the workers use its server
-            from branchsearch.infra.index.open import dense_store
+            from branchsearch.infra.index.open import dense_store, open_retriever
             from branchsearch.infra.stores.milvus import serve_lite
 
-            self._owner = dense_store(settings, profile.manifest.embedding["dim"], create=False)
+            if profile.manifest is not None:  # an owned index: its dense store alone
+                self._owner = dense_store(settings, profile.manifest.embedding["dim"],
+                                          create=False)
+            else:  # an external index on a Lite file: opened as a reader does
+                self._owner = open_retriever(settings)
             served[profile.lite_file] = serve_lite(profile.lite_file)
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
