@@ -103,19 +103,25 @@ def _unique(rng: random.Random, make, seen: set) -> str:
             return value
 
 
-def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7) -> dict:
-    """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
-    if tasks < 1 or docs < tasks * 8:
-        raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+def _prepare(out_dir: str | Path, docs: int, extra_bytes: int) -> Path:
+    """The output folder, checked (size, room) and with its qrels/ made."""
     if docs > MAX_DOCS:
         raise SynthError(f"synth: at most {MAX_DOCS:,} documents (got {docs:,})")
     out = Path(out_dir)
-    _check_folder(out, docs * BYTES_PER_DOC + tasks * 600)
-    rng = random.Random(seed)
+    _check_folder(out, docs * BYTES_PER_DOC + extra_bytes)
     try:
         (out / "qrels").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SynthError(f"synth: cannot create {out}: {exc.strerror}") from None
+    return out
+
+
+def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7) -> dict:
+    """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
+    if tasks < 1 or docs < tasks * 8:
+        raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    out = _prepare(out_dir, docs, tasks * 600)
+    rng = random.Random(seed)
     seen: set = set()
     person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731
     project = lambda: f"Project {rng.choice(ADJ)} {rng.choice(NOUN)}"  # noqa: E731
@@ -235,15 +241,8 @@ def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: in
         raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
     if tasks > MAX_HARD_TASKS:
         raise SynthError(f"synth --hard: at most {MAX_HARD_TASKS} tasks (got {tasks})")
-    if docs > MAX_DOCS:
-        raise SynthError(f"synth: at most {MAX_DOCS:,} documents (got {docs:,})")
-    out = Path(out_dir)
-    _check_folder(out, docs * BYTES_PER_DOC + tasks * 800)
+    out = _prepare(out_dir, docs, tasks * 800)
     rng = random.Random(seed)
-    try:
-        (out / "qrels").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SynthError(f"synth: cannot create {out}: {exc.strerror}") from None
     seen: set = set()
     person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731
     name2 = lambda: f"{rng.choice(ADJ)} {rng.choice(NOUN)}"  # noqa: E731
