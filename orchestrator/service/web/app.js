@@ -85,6 +85,11 @@ function onEvent(ev) {
         `fork of branch ${ev.parent}: ${ev.reason}; handed ${(ev.handed || []).join(", ")}`));
       break;
     }
+    case "chain": {
+      const b = branchCard(ev.branch, ev.subquery);
+      b.log.appendChild(el("li", "fork", `next hop of branch ${ev.parent}, answer: ${ev.reason}`));
+      break;
+    }
     case "search": {
       const b = branchCard(ev.branch);
       b.log.appendChild(el("li", "search", `${ev.tool}: ${ev.query} → ${(ev.new_ids || []).length} new`));
