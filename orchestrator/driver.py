@@ -67,12 +67,14 @@ class Driver:
         only). Branches still running at `deadline_s` seconds (or `branch_timeout_s`) are
         reported as `timeout`; a branch whose backend stays down as `error`. The branches that
         finished are fused with RRF. `on_event`, when given, is called in this thread with
-        JSON-able dicts: plan, branch_started, search, prune, branch_done, fork, result.
-        With `settings.forks` and more than one branch, a second wave of forks follows the
-        first (`orchestrator.forks`); `max_branches` 1 never forks.
+        JSON-able dicts: plan, branch_started, search, prune, branch_done, fork, chain, result.
+        With `settings.forks` or `settings.chains` and more than one branch, a second wave of
+        forks (`orchestrator.forks`) or chain hops (`orchestrator.chains`) follows the first;
+        `max_branches` 1 never has one.
 
-        Raises BranchsearchError for an empty question or one without a letter or digit; never for a failing branch — the
-        result's `status` (ok | partial | failed) and its branches say what happened.
+        Raises BranchsearchError for an empty question or one without a letter or digit;
+        never for a failing branch — the result's `status` (ok | partial | failed) and its
+        branches say what happened.
         """
         check_question(question)
         started = time.perf_counter()
@@ -151,7 +153,6 @@ class Driver:
         emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
 
-
     def _forks(self, first: list, groups, deadline, on_event) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the
         first wave pruned near its keep line, each recorded as a `fork` span and event, run on
@@ -176,7 +177,6 @@ class Driver:
             return []
         return self.executor.run(tasks, settings=self.settings,
                                  policy_factory=self.policy_factory, on_event=on_event)
-
 
     def _chain(self, text: str, subs: list, budget: int):
         """The question's hops (`orchestrator.chains.hops`) when chains are on, the question
