@@ -11,8 +11,11 @@ For each run in `--runs` (e.g. `1,2,1,2`) a fresh cluster is built, the batch ru
 cluster is torn down. Throughput is the steady state: the batch output is polled, each row's
 arrival time kept, and questions/s counted between row `--skip` and row n - concurrency (the
 start-up — Ray workers, actors, the index opening — and the drain are left out). Printed per
-run: `uptime`, wall, steady questions/s, which actors ran in which namespace, CPU seconds spent
-in each namespace; then medians per node count and the 2-node / 1-node ratio.
+run: `uptime`, wall, steady questions/s, which actor processes ran in which namespace, and CPU
+milliseconds per question in the steady window per namespace, for the driver and per kind of
+process; then medians per node count and the 2-node / 1-node ratio. The branch pool grows on
+demand (a new actor process costs about a CPU-second to start), so the window starts 2 s after
+the last new actor process was seen, if that is later than `--skip`.
 
 Needs root (`ip netns`). Cleans up everything it started — the namespaces, the veth pair, every
 process in the namespaces (by PID), the Ray temp folder — on success, failure or a signal; it
@@ -178,35 +181,8 @@ def ray_env() -> dict:
     return env
 
 
-def actors_by_namespace() -> dict[str, dict[str, int]]:
-    """How many processes of each Ray actor class live in each namespace now."""
-    out: dict[str, dict[str, int]] = {}
-    for ns, *_ in NODES:
-        counts: dict[str, int] = {}
-        for pid in Cluster.namespace_pids(ns):
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-            except OSError:
-                continue
-            if title.startswith("ray::") and not title.startswith(("ray::IDLE", "ray::Dash",
-                                                                   "ray::Runtime")):
-                name = title.removeprefix("ray::").split(".")[0].split()[0]
-                counts[name] = counts.get(name, 0) + 1
-        if counts:
-            out[ns] = counts
-    return out
-
-
-def cpu_seconds(ns: str) -> float:
-    """CPU seconds used so far by the live processes of a namespace."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
-    for pid in Cluster.namespace_pids(ns):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
+def namespace_procs() -> dict[str, list[int]]:
+    return {ns: Cluster.namespace_pids(ns) for ns, *_ in NODES}
 
 
 def proc_cpu(pid: int) -> float:
@@ -217,26 +193,61 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_kind(pid: int) -> str:
+    """`RetrieverService`, `BranchService`, `raylet`, `gcs_server`, `log_monitor.py`, …"""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    name = argv[0].decode(errors="replace")
+    if name.startswith("ray::"):
+        return name.removeprefix("ray::").split(".")[0].split()[0]
+    script = next((a.decode(errors="replace") for a in argv[1:4] if a.endswith(b".py")
+                   or a in (b"ray.util.client.server",)), "")
+    return Path(script).name if script else Path(name).name.split()[0]
+
+
 def cpu_sample(driver: int) -> dict[str, float]:
-    """CPU seconds so far: each namespace's processes, the driver's alone (it is in A), and
-    each namespace's by kind of process (`A:raylet`, `B:RetrieverService`, …)."""
-    out = {**{ns: cpu_seconds(ns) for ns, *_ in NODES}, "driver": proc_cpu(driver)}
-    for ns, *_ in NODES:
-        for pid in Cluster.namespace_pids(ns):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            name = argv[0].decode(errors="replace")
-            if name.startswith("ray::"):
-                name = name.removeprefix("ray::").split(".")[0].split()[0]
-            else:
-                name = next((Path(a.decode(errors="replace")).name for a in argv[1:3]
-                             if a.endswith(b".py") or b"branchsearch" in a or b"ray" in a),
-                            Path(name).name)
-            key = f"{ns[-1]}:{name}"
-            out[key] = out.get(key, 0.0) + proc_cpu(pid)
+    """CPU seconds so far of the live processes: per namespace, the driver's alone (it is in
+    A), and per namespace and kind of process (`A:raylet`, `B:RetrieverService`, …)."""
+    out = {"driver": proc_cpu(driver)}
+    for ns, pids in namespace_procs().items():
+        out[ns] = 0.0
+        for pid in pids:
+            cpu = proc_cpu(pid)
+            out[ns] += cpu
+            key = f"{ns[-1]}:{proc_kind(pid)}"
+            out[key] = out.get(key, 0.0) + cpu
     return out
+
+
+def actor_pids() -> dict[int, str]:
+    """The actor processes (branch and retriever actors) in our namespaces, by PID."""
+    return {pid: f"{ns}:{kind}" for ns, pids in namespace_procs().items() for pid in pids
+            if (kind := proc_kind(pid)) in ("BranchService", "RetrieverService")}
+
+
+class Rows:
+    """Counts the complete lines of a growing file, reading only what was appended."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.n = path, 0, 0
+
+    def count(self) -> int:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        last = data.rfind(b"\n")
+        if last >= 0:
+            self.n += data.count(b"\n", 0, last + 1)
+            self.offset += last + 1
+        return self.n
+
+
+STEP = 5  # CPU is sampled at every STEP-th row
 
 
 def run_batch(address: str, nodes: int, args, questions: Path, work: Path) -> dict:
@@ -247,8 +258,9 @@ def run_batch(address: str, nodes: int, args, questions: Path, work: Path) -> di
                   "--branches", str(args.branches), "--home", str(args.home), "--index",
                   args.index)
     arrivals: list[float] = []
-    placement: dict = {}
-    lo, hi = args.skip, args.n - 1 - args.concurrency  # the steady window's rows
+    actors: dict[int, str] = {}  # every actor process seen
+    last_actor = 0.0  # when the last new one was seen (the pool grows on demand)
+    hi = args.n - 1 - args.concurrency  # the steady window ends before the drain
     cpu: dict[int, dict] = {}
     started = time.monotonic()
     say(f"batch of {args.n} on {nodes} node(s)")
@@ -257,17 +269,23 @@ def run_batch(address: str, nodes: int, args, questions: Path, work: Path) -> di
     errors: list[str] = []
     drain = threading.Thread(target=lambda: errors.append(proc.stderr.read()), daemon=True)
     drain.start()
+    rows_seen, next_scan = Rows(out), 0.0
     try:
         while proc.poll() is None:
-            n = count_lines(out)
+            n = rows_seen.count()
             while len(arrivals) < n:
                 arrivals.append(time.monotonic())
-            for row in (lo, hi):
-                if row not in cpu and n > row:
+                row = len(arrivals) - 1
+                if row % STEP == 0 or row == hi:
                     cpu[row] = cpu_sample(proc.pid)
-            if not placement and n >= max(args.n // 2, 1):
-                placement = actors_by_namespace()
-            time.sleep(0.02)
+            now = time.monotonic()
+            if now >= next_scan and len(arrivals) < hi:
+                found = actor_pids()
+                if set(found) - set(actors):
+                    last_actor = now
+                actors.update(found)
+                next_scan = now + 0.5
+            time.sleep(0.05)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -278,25 +296,46 @@ def run_batch(address: str, nodes: int, args, questions: Path, work: Path) -> di
         raise RuntimeError(f"batch failed (rc {proc.returncode}, {len(arrivals)} rows): "
                            f"{stdout[-500:]} {''.join(errors)[-1500:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # the window starts at --skip, or past the last actor start (+2 s), whichever is later
+    lo = -(-args.skip // STEP) * STEP
+    while lo + STEP < hi - 10 and arrivals[lo] < last_actor + 2.0:
+        lo += STEP
+    late = arrivals[lo] < last_actor + 2.0
     steady = (hi - lo) / (arrivals[hi] - arrivals[lo])
     per_q = {k: round((cpu[hi][k] - cpu[lo].get(k, 0.0)) / (hi - lo) * 1000, 1)
              for k in cpu.get(hi, {}) if lo in cpu}
     per_q = {k: v for k, v in per_q.items() if ":" not in k or v >= 1.0}
-    return {"nodes": nodes, "wall_s": round(wall, 2), "first_row_s": round(arrivals[0] - started, 2),
-            "steady_qps": round(steady, 3), "steady_rows": hi - lo,
+    placement: dict[str, dict[str, int]] = {}
+    for where in actors.values():
+        ns, kind = where.split(":")
+        placement.setdefault(ns, {}).setdefault(kind, 0)
+        placement[ns][kind] += 1
+    return {"nodes": nodes, "concurrency": args.concurrency, "wall_s": round(wall, 2),
+            "first_row_s": round(arrivals[0] - started, 2),
+            "steady_qps": round(steady, 3), "steady_rows": f"{lo}..{hi}",
+            "pool_grew_in_window": late,
             "ok": sum(r.get("status") == "ok" for r in rows),
             "branches_mean": round(statistics.mean(r.get("metrics", {}).get("branches", 0)
                                                    for r in rows), 2),
-            "placement_midway": placement,
-            "steady_cpu_ms_per_q": per_q}
+            "actor_processes": placement, "steady_cpu_ms_per_q": per_q,
+            "median_ms": latencies(rows)}
 
 
-def count_lines(path: Path) -> int:
-    try:
-        with path.open("rb") as f:
-            return sum(1 for line in f if line.endswith(b"\n"))
-    except FileNotFoundError:
-        return 0
+def latencies(rows: list[dict]) -> dict[str, float]:
+    """Medians over the rows: a question's latency, its longest branch, a branch's time in
+    round trips to a retriever actor beyond the backend's own time (0 when hosted)."""
+    def med(xs):
+        return round(statistics.median(xs) * 1000, 1) if xs else None
+
+    branches = [b for r in rows for b in r.get("branches", [])]
+    took = [r["metrics"]["latency_s"] for r in rows if "metrics" in r]
+    return {"question": med(took),
+            "question_mean": round(statistics.mean(took) * 1000, 1) if took else None,
+            "branch_max": med([r["metrics"]["branch_latency_s_max"] for r in rows
+                               if "metrics" in r]),
+            "branch": med([b.get("latency_s", 0) for b in branches]),
+            "branch_rpc_overhead": med([b.get("rpc_s", 0) - b.get("backend_s", 0)
+                                        for b in branches])}
 
 
 def questions_file(source: Path, n: int, work: Path) -> Path:
@@ -320,6 +359,8 @@ def main() -> None:
     ap.add_argument("--index", required=True, help="a BM25-only or Milvus-server index")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--per-node", action="store_true",
+                    help="--concurrency questions in flight per node (else in all)")
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--skip", type=int, default=20, help="rows of start-up left out")
     ap.add_argument("--runs", default="1,2,1,2", help="node counts, one run each, in order")
@@ -349,7 +390,9 @@ def main() -> None:
                 cluster.build_network()
                 try:
                     address = cluster.start(nodes)
-                    result = run_batch(address, nodes, args, questions, work)
+                    run_args = argparse.Namespace(**{**vars(args), "concurrency": (
+                        args.concurrency * nodes if args.per_node else args.concurrency)})
+                    result = run_batch(address, nodes, run_args, questions, work)
                     break
                 except StartFailed as exc:
                     say(f"cluster start failed ({exc})" + ("; again" if attempt == 1 else ""))
@@ -369,6 +412,7 @@ def main() -> None:
     if by[1] and by[2]:
         summary["ratio_2_over_1"] = round(statistics.median(by[2]) / statistics.median(by[1]), 3)
     print(json.dumps({"summary": summary, "n": args.n, "concurrency": args.concurrency,
+                      "per_node": args.per_node,
                       "branches": args.branches, "index": args.index}), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
