@@ -14,7 +14,7 @@ embedder, the tokenizer) is paid once per worker, in parallel, and before the fi
 
 from __future__ import annotations
 
-import multiprocessing
+import multiprocessing.forkserver
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -74,6 +74,9 @@ class QuestionProcesses:
         from branchsearch.infra.index.profile import index_profile
 
         check_readable(settings)  # one line here rather than one per question
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        multiprocessing.forkserver.ensure_running()  # imports while the Lite server starts
         self.acl_groups = acl_groups
         self._owner = None
         served: dict[str, str] = {}
@@ -88,8 +91,6 @@ class QuestionProcesses:
             else:  # an external index on a Lite file: opened as a reader does
                 self._owner = open_retriever(settings)
             served[profile.lite_file] = serve_lite(profile.lite_file)
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
         self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                                         initargs=(settings, served))
         try:  # every worker started, or the reason one could not
