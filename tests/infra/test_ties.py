@@ -194,14 +194,17 @@ def same_dense_lists(a, b, engine_differs: bool) -> None:
 
 @pytest.mark.parametrize("where", ["lite", "server"])
 def test_milvus_lists_do_not_depend_on_write_order(tmp_path, where, request):
-    from branchsearch.infra.stores.milvus import MilvusStore
+    from branchsearch.infra.stores.milvus import IndexSpec, MilvusStore
 
     chunks = corpus()
     if where == "lite":
         make = lambda name: MilvusStore(tmp_path / f"{name}.db", 16)  # noqa: E731
     else:
         uri, tag = request.getfixturevalue("milvus_uri"), uuid.uuid4().hex[:8]
-        make = lambda name: MilvusStore(uri, 16, collection=f"ties_{name}_{tag}")  # noqa: E731
+        # exact (an HNSW graph's candidates depend on insertion order, which ties cannot
+        # fix) and reading right after the write (Bounded may not see the last batch yet)
+        make = lambda name: MilvusStore(uri, 16, collection=f"ties_{name}_{tag}",  # noqa: E731
+                                        index=IndexSpec("FLAT", consistency="Strong"))
     a, b = make("a"), make("b")
     try:
         # the same texts embedded in other batches differ by float noise, not in their order

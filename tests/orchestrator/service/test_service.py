@@ -328,7 +328,7 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
             assert r.status_code == 200, r.text
         # the service holds no Milvus Lite file between writes: another process opens it
         code = ("import sys; from branchsearch.infra.config.settings import load_settings; "
-                "from branchsearch.infra.retrieval.retriever import open_retriever; "
+                "from branchsearch.infra.index.open import open_retriever; "
                 "r = open_retriever(load_settings(overrides={'home': sys.argv[1], 'index': "
                 "'acl'}, read_env=False, read_file=False)); "
                 "print([h.doc_id for h in r.search('osprey relay', mode='dense', k=1, "
