@@ -33,8 +33,26 @@ def worker_count(concurrency: int) -> int:
     return max(1, min(concurrency, os.cpu_count() or 1))
 
 
-def _start(settings: Settings, served: dict[str, str]) -> None:
+def _watch(owner: int) -> None:
+    """End this worker once the batch process is gone (killed, it closes nothing: its workers
+    would wait for questions forever)."""
+    import time
+
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # alive, another user's: not ours to judge
+            pass
+
+
+def _start(settings: Settings, served: dict[str, str], owner: int) -> None:
     global _driver, _failed
+    import threading
+
+    threading.Thread(target=_watch, args=(owner,), name="watch-batch", daemon=True).start()
     try:
         import signal
 
@@ -92,7 +110,7 @@ class QuestionProcesses:
                 self._owner = open_retriever(settings)
             served[profile.lite_file] = serve_lite(profile.lite_file)
         self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
-                                        initargs=(settings, served))
+                                        initargs=(settings, served, os.getpid()))
         try:  # every worker started, or the reason one could not
             for future in [self.pool.submit(_ready) for _ in range(workers)]:
                 future.result()

@@ -42,3 +42,35 @@ def test_worker_processes_give_the_one_process_results_on_a_lite_index(hotpot_se
     again = _batch(settings, inp, tmp_path / "again.jsonl", "--concurrency", "1")
     assert {k: r["ranked_chunk_ids"] for k, r in again.items()} == \
         {k: r["ranked_chunk_ids"] for k, r in one.items()}
+
+
+def test_killed_batch_leaves_no_worker_behind(hotpot_settings, tmp_path):
+    """SIGKILL runs no clean-up: the workers notice their batch is gone and end, and with them
+    the fork server."""
+    import signal
+    import time
+
+    import psutil
+
+    settings = ingest_copy(hotpot_settings, "hotpot-killed")
+    queries = [json.loads(line)["text"] for line in
+               (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
+                           + "\n" for i in range(3000)))
+    proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                             str(inp), "-o", str(out), "--home", str(settings.home), "--index",
+                             settings.index, "--concurrency", "2"],
+                            env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.1)
+    helpers = psutil.Process(proc.pid).children(recursive=True)
+    assert helpers, "the batch should run worker processes"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(helpers, timeout=20)
+    for p in alive:  # do not leave them to the next test
+        p.kill()
+    assert not alive, [p.pid for p in alive]
