@@ -59,11 +59,11 @@ def warm_up(settings: Settings) -> None:
     """Import the branch runner and load the token encoding now, while the driver waits for
     actors to start, not inside the first question's branch timeout."""
     from branchsearch.infra import telemetry
-    from branchsearch.infra.models.tokenizer import TokenCounter
+    from branchsearch.infra.models.tokenizer import agent_counter
     from branchsearch.workers import branch  # noqa: F401
 
     telemetry.configure_from(settings)
-    TokenCounter(settings.encoding).count("warm up")
+    agent_counter(settings.encoding).count("warm up")
 
 
 def run_here(task, retriever, settings: Settings, carrier: dict | None, policy_factory,

@@ -18,7 +18,7 @@ from opentelemetry import trace
 from branchsearch.infra.errors import BackendUnavailable, BadQuery
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.telemetry import tracer
-from branchsearch.infra.models.tokenizer import TokenCounter
+from branchsearch.infra.models.tokenizer import TokenCounter, agent_counter
 from branchsearch.workers.budget import Budget
 from branchsearch.workers.evidence import build_evidence
 from branchsearch.workers.policy import AgentView, InvalidAction, Policy, ToolCall, ToolResult
@@ -98,7 +98,7 @@ class Episode:
         self.subquery, self.retriever, self.policy = subquery, retriever, policy
         self.settings, self.acl_groups, self.deadline = settings, acl_groups, deadline
         self.budget = Budget(settings.budget_tokens, settings.soft_limit, settings.hard_limit)
-        self.ws = Workspace(settings, counter or TokenCounter(settings.encoding), self.budget,
+        self.ws = Workspace(settings, counter or agent_counter(settings.encoding), self.budget,
                             acl_groups, policy.query_state, on_event,
                             fork_cap=fork_cap, is_fork=is_fork)
         self.trace = self.ws.trace

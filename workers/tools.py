@@ -300,10 +300,50 @@ def validate_args(call: ToolCall) -> None:
         raise Rejected(f"unknown tool {call.name!r}; tools: {', '.join(TOOLS)}")
     if not isinstance(call.args, dict):
         raise Rejected(f"{call.name}: arguments must be a JSON object")
+    if _surely_fits(TOOLS[call.name].parameters, call.args):
+        return  # the common case, without jsonschema's cost (which exceeded a search's)
     errors = sorted(_validator(call.name).iter_errors(call.args), key=lambda e: list(e.path))
     if errors:
         where = "/".join(str(p) for p in errors[0].path) or "arguments"
         raise Rejected(f"{call.name}: invalid {where}: {errors[0].message}")
+
+
+_TYPES = {"string": str, "integer": int, "boolean": bool, "array": list, "object": dict}
+_KNOWN = {"type", "properties", "required", "additionalProperties", "items", "minItems",
+          "maxItems", "minLength", "maxLength", "minimum", "maximum", "enum", "description"}
+
+
+def _surely_fits(schema: dict, value) -> bool:
+    """True only when `value` certainly fits `schema` (the subset of JSON Schema the tool table
+    uses). False means "ask jsonschema", which also words the error: a keyword this does not
+    know, or a value it does not take exactly (a bool as integer, 3.0), is left to it."""
+    if not _KNOWN.issuperset(schema):
+        return False
+    kind = _TYPES.get(schema.get("type", ""))
+    if "type" in schema and (kind is None or type(value) is not kind):
+        return False  # `type(...) is`: True is no integer, 3.0 is left to jsonschema
+    if "enum" in schema and not any(type(value) is type(e) and value == e
+                                    for e in schema["enum"]):
+        return False
+    if isinstance(value, str) and not (schema.get("minLength", 0) <= len(value)
+                                       <= schema.get("maxLength", len(value))):
+        return False  # len() counts code points, as JSON Schema does
+    if type(value) is int and not (schema.get("minimum", value) <= value
+                                   <= schema.get("maximum", value)):
+        return False
+    if isinstance(value, list):
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+            return False
+        items = schema.get("items", {})
+        return all(_surely_fits(items, v) for v in value)
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        if any(k not in value for k in schema.get("required", ())):
+            return False
+        if schema.get("additionalProperties", True) is not True and set(value) - set(props):
+            return False
+        return all(_surely_fits(props[k], v) for k, v in value.items() if k in props)
+    return True
 
 
 @lru_cache(maxsize=None)

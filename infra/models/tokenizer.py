@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import os
 import tempfile
+from array import array
 from importlib import resources
 
 _SHIPPED_URLS = {
@@ -65,17 +66,25 @@ def get_encoding(name: str = "o200k_base"):
 
 
 class TokenCounter:
-    """Counts and cuts text in tokens of one encoding. Cheap to pass around; the encoding is cached."""
+    """Counts and cuts text in tokens of one encoding. Cheap to pass around; the encoding is
+    cached. With `cache_size`, the last texts' tokens are kept (an agent sees the same chunk and
+    title again across searches, branches and questions: 40-55 % of its counts repeat on
+    hotpot); ingest counts each text once and keeps none."""
 
-    def __init__(self, encoding: str = "o200k_base"):
+    def __init__(self, encoding: str = "o200k_base", cache_size: int = 0):
         self.encoding_name = encoding
         self._enc = get_encoding(encoding)
+        if cache_size:  # arrays of 4-byte ids: ~0.5 kB a chunk, a few MB in all
+            self._tokens = functools.lru_cache(maxsize=cache_size)(self._tokens)
+
+    def _tokens(self, text: str) -> array:
+        return array("I", self._enc.encode_ordinary(text))
 
     def count(self, text: str) -> int:
-        return len(self._enc.encode_ordinary(text))
+        return len(self._tokens(text))
 
     def encode(self, text: str) -> list[int]:
-        return self._enc.encode_ordinary(text)
+        return self._tokens(text).tolist()
 
     def decode(self, tokens: list[int]) -> str:
         return self._enc.decode(tokens)
@@ -83,18 +92,24 @@ class TokenCounter:
     def cut(self, text: str, max_tokens: int) -> tuple[str, int, int]:
         """(text cut to `max_tokens` with an ellipsis when cut, its token count, the full
         text's token count) — one encoding pass."""
-        tokens = self._enc.encode_ordinary(text)
+        tokens = self._tokens(text)
         if len(tokens) <= max_tokens:
             return text, len(tokens), len(tokens)
         keep = max(max_tokens - 1, 0)
-        return (self._enc.decode(tokens[:keep]) + "…" if max_tokens > 0 else ""), \
+        return (self._enc.decode(tokens[:keep].tolist()) + "…" if max_tokens > 0 else ""), \
             min(keep + 1, max_tokens), len(tokens)
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """`text` cut to at most `max_tokens` tokens, with an ellipsis when cut."""
         if max_tokens <= 0:
             return ""
-        tokens = self._enc.encode_ordinary(text)
+        tokens = self._tokens(text)
         if len(tokens) <= max_tokens:
             return text
-        return self._enc.decode(tokens[: max(max_tokens - 1, 0)]) + "…"
+        return self._enc.decode(tokens[: max(max_tokens - 1, 0)].tolist()) + "…"
+
+
+@functools.cache
+def agent_counter(encoding: str = "o200k_base") -> TokenCounter:
+    """The process's counter for agent contexts, with a cache of the last 8,192 texts."""
+    return TokenCounter(encoding, cache_size=8192)
