@@ -264,9 +264,13 @@ def serve_lite(db: str | Path) -> str:
     return uri
 
 
-def use_served_lite(db: str | Path, socket_uri: str) -> None:
-    """In this process, open `db` through `socket_uri` (another process's `serve_lite`)."""
-    _served[_lite_key(db)] = socket_uri
+def use_served_lite(db: str | Path, socket_uri: str | None) -> None:
+    """In this process, open `db` through `socket_uri` (a `serve_lite`'s, maybe another
+    process's); None: open the file itself again."""
+    if socket_uri is None:
+        _served.pop(_lite_key(db), None)
+    else:
+        _served[_lite_key(db)] = socket_uri
 
 
 def served_uri(uri: str | Path) -> str | None:

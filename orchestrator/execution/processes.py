@@ -2,14 +2,15 @@
 
 A question's branches run in-process (`local`): its policy, harness and token counting are
 Python, so one process answers one question at a time at most one core's worth, and threads add
-nothing past the first. A batch with `concurrency` > 1 therefore runs its questions in worker
-processes, as many as the machine has cores (at most `concurrency`); each opens the index itself
-with its own in-process driver. The docstore and tantivy read concurrently from any number of
-processes. A Milvus Lite file has one owning process: this one owns it, and the workers reach
-its Lite server through that server's socket (`infra.stores.milvus.serve_lite`).
+nothing past the first. A batch with `concurrency` > 1 therefore answers in as many processes
+as the machine has cores (at most `concurrency`): this one and worker processes, each with its
+own in-process driver. The docstore and tantivy read concurrently from any number of processes.
+A Milvus Lite file has one owning process: this one owns it, and the workers reach its Lite
+server through that server's socket (`infra.stores.milvus.serve_lite`).
 
-Workers come from a fork server that imported the heavy modules once, so start-up (the
-embedder, the tokenizer) is paid once per worker, in parallel, and before the first question.
+Workers come from a fork server that imports the heavy modules (torch, the embedder) afresh —
+seconds on a small machine. This process answers questions from the start, so the batch is
+never slower than one process while they start, and they join as each is ready.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ _failed: BaseException | None = None  # or why it could not start
 
 
 def worker_count(concurrency: int) -> int:
-    """Worker processes for `concurrency` questions in flight: one a core, at most that."""
-    return max(1, min(concurrency, os.cpu_count() or 1))
+    """Worker processes beside this one for `concurrency` questions in flight: one process a
+    core in all, at most `concurrency`."""
+    return max(0, min(concurrency, os.cpu_count() or 1) - 1)
 
 
 def _watch(owner: int) -> None:
@@ -85,45 +87,109 @@ def _ready() -> bool:
 
 
 class QuestionProcesses:
-    """`search(question) -> result dict` on `workers` processes; `close()` stops them."""
+    """`search(question) -> result dict` in this process and `workers` worker processes;
+    `close()` stops them. A question goes to this process when it is free, else to a worker
+    once they have started (until then, it waits for this process)."""
 
     def __init__(self, settings: Settings, workers: int, acl_groups=None):
+        import threading
+
         from branchsearch.infra.index.open import check_readable
         from branchsearch.infra.index.profile import index_profile
+        from branchsearch.orchestrator.driver import open_driver
 
         check_readable(settings)  # one line here rather than one per question
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
-        multiprocessing.forkserver.ensure_running()  # imports while the Lite server starts
         self.acl_groups = acl_groups
-        self._owner = None
+        self._owner = self._local = self.pool = self._lite = self._starter = None
+        self._free = threading.Lock()  # held while this process answers a question
+        self._broken = ""  # why the workers could not start: then this process answers alone
         served: dict[str, str] = {}
         profile = index_profile(settings)
-        if profile.lite_file:  # this process owns the file; the workers use its server
-            from branchsearch.infra.index.open import dense_store, open_retriever
-            from branchsearch.infra.stores.milvus import serve_lite
+        try:
+            if workers:  # the fork server imports on its own core while this process opens
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload(_PRELOAD)
+                multiprocessing.forkserver.ensure_running()
+            if profile.lite_file and workers:  # this process owns the file; all use its server
+                from branchsearch.infra.index.open import dense_store, open_retriever
+                from branchsearch.infra.stores.milvus import serve_lite, use_served_lite
 
-            if profile.manifest is not None:  # an owned index: its dense store alone
-                self._owner = dense_store(settings, profile.manifest.embedding["dim"],
-                                          create=False)
-            else:  # an external index on a Lite file: opened as a reader does
-                self._owner = open_retriever(settings)
-            served[profile.lite_file] = serve_lite(profile.lite_file)
-        self.pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
-                                        initargs=(settings, served, os.getpid()))
-        try:  # every worker started, or the reason one could not
-            for future in [self.pool.submit(_ready) for _ in range(workers)]:
-                future.result()
+                if profile.manifest is not None:  # an owned index: its dense store alone
+                    self._owner = dense_store(settings, profile.manifest.embedding["dim"],
+                                              create=False)
+                else:  # an external index on a Lite file: opened as a reader does
+                    self._owner = open_retriever(settings)
+                served[profile.lite_file] = serve_lite(profile.lite_file)
+                self._lite = profile.lite_file  # this process's driver goes through it too:
+                use_served_lite(self._lite, served[self._lite])  # closing it stops nothing
+            self._local = open_driver(settings, "local")
+            if workers:  # starting a worker blocks until the fork server has imported
+                self._starter = threading.Thread(
+                    target=self._start_workers, name="batch-workers", daemon=True,
+                    args=(context, workers, (settings, served, os.getpid())))
+                self._starter.start()
         except BaseException:
             self.close()
             raise
 
+    def _start_workers(self, context, workers: int, initargs: tuple) -> None:
+        """Start the workers; they take questions once every one has started. One that fails
+        leaves the questions to this process, with one line saying why."""
+        from concurrent.futures import wait
+
+        pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
+                                   initargs=initargs)
+        try:
+            started = [pool.submit(_ready) for _ in range(workers)]
+            wait(started)
+            for future in started:
+                future.result()
+        except Exception as exc:  # noqa: BLE001 — said once; the batch goes on here
+            import sys
+
+            from branchsearch.infra.errors import error_line
+
+            self._broken = error_line(exc, 300)
+            pool.shutdown(wait=False, cancel_futures=True)
+            print(f"batch: worker processes could not start ({self._broken}); answering in "
+                  "this process alone", file=sys.stderr)
+            return
+        self.pool = pool
+
+    def wait_started(self) -> str:
+        """Wait until the workers have started; "" or why they could not."""
+        if self._starter is not None:
+            self._starter.join()
+        return self._broken
+
     def search(self, question: str) -> dict:
-        return self.pool.submit(_search, question, self.acl_groups).result()
+        pool = self.pool  # None until every worker has started
+        if pool is not None and not self._free.acquire(blocking=False):
+            return pool.submit(_search, question, self.acl_groups).result()
+        if pool is None:
+            self._free.acquire()
+        try:
+            return self._answer(question)
+        finally:
+            self._free.release()
+
+    def _answer(self, question: str) -> dict:
+        return self._local.search(question, acl_groups=self.acl_groups).to_dict()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._starter is not None:  # a worker mid-start is stopped once it has started
+            self._starter.join()
+            self._starter = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        if self._lite is not None:
+            from branchsearch.infra.stores.milvus import use_served_lite
+
+            use_served_lite(self._lite, None)
+            self._lite = None
         if self._owner is not None:
             self._owner.close()
             self._owner = None
-

@@ -1,6 +1,7 @@
-"""A batch on one machine runs its questions in worker processes (`execution.processes`): the
-default hybrid index on Milvus Lite, whose file one process owns, is searched by every worker
-through the owner's server; results equal the one-process batch, question by question."""
+"""A batch on one machine answers in the batch process and worker processes
+(`execution.processes`): the default hybrid index on Milvus Lite, whose file the batch process
+owns, is searched by every worker through the owner's server; results equal the one-process
+batch, question by question, whichever process answered."""
 
 from __future__ import annotations
 
@@ -34,14 +35,37 @@ def test_worker_processes_give_the_one_process_results_on_a_lite_index(hotpot_se
     for qid, row in one.items():
         assert row["status"] == many[qid]["status"] == "ok"
         assert row["ranked_chunk_ids"] == many[qid]["ranked_chunk_ids"], qid
-    # the questions ran in worker processes, not in the batch's own (one process's pid)
-    own = {b["pid"] for row in one.values() for b in row["branches"]}
-    workers = {b["pid"] for row in many.values() for b in row["branches"]}
-    assert len(own) == 1 and workers and own.isdisjoint(workers)
     # the owner released the file: a later one-process run opens it again
     again = _batch(settings, inp, tmp_path / "again.jsonl", "--concurrency", "1")
     assert {k: r["ranked_chunk_ids"] for k, r in again.items()} == \
         {k: r["ranked_chunk_ids"] for k, r in one.items()}
+
+
+def test_a_busy_batch_process_hands_questions_to_a_worker(hotpot_settings):
+    from branchsearch.orchestrator.driver import open_driver
+    from branchsearch.orchestrator.execution.processes import QuestionProcesses
+
+    settings = ingest_copy(hotpot_settings, "hotpot-handover")
+    questions = [json.loads(line)["text"] for line in
+                 (HOTPOT / "queries.jsonl").read_text().splitlines()][:4]
+    processes = QuestionProcesses(settings, workers=1)
+    try:
+        assert processes.wait_started() == ""
+        here = [processes.search(q) for q in questions]  # free: this process answers
+        with processes._free:  # busy (as with another question): a worker answers
+            there = [processes.search(q) for q in questions]
+    finally:
+        processes.close()
+    assert {b["pid"] for r in here for b in r["branches"]} == {os.getpid()}
+    assert os.getpid() not in {b["pid"] for r in there for b in r["branches"]}
+    assert [r["ranked_chunk_ids"] for r in here] == [r["ranked_chunk_ids"] for r in there]
+    # closed, the file is this process's to open again: a plain driver gives the same
+    driver = open_driver(settings, "local")
+    try:
+        assert [driver.search(q).to_dict()["ranked_chunk_ids"] for q in questions] == \
+            [r["ranked_chunk_ids"] for r in here]
+    finally:
+        driver.close()
 
 
 def test_killed_batch_leaves_no_worker_behind(hotpot_settings, tmp_path):
