@@ -111,8 +111,9 @@ class ServicePlan:
 def plan_service(settings: Settings, free: dict, indexes: int, pool_size: int) -> ServicePlan:
     """Fit a branch pool of up to `pool_size` actors into what is `free` now
     (`ray.available_resources()` once Serve's replicas, proxy and controller are placed),
-    leaving room for the retriever actors of `indexes` indexes plus one made later.
-    Raises one line when not even one question's branches fit."""
+    leaving room for the retriever actors of `indexes` indexes plus one made later; capped
+    and spread over several nodes as `plan_actors` does. Raises one line when not even one
+    question's branches fit."""
     cpus = float(free.get("CPU", 0))
     slots = (max(indexes, 0) + 1) * max(settings.retriever_replicas, 1)
     retriever = {"num_cpus": _down(min(1.0, cpus / (4 * slots)))}
@@ -125,5 +126,9 @@ def plan_service(settings: Settings, free: dict, indexes: int, pool_size: int) -
             f"{slots * retriever['num_cpus']:g}, leaving {max(left, 0):g} for {need} branch "
             f"actor(s) of at least {MIN_BRANCH_CPUS:g} CPU (add CPUs, or lower branches)")
     pool = max(min(pool_size, fits), need)
-    return ServicePlan(retriever, {"num_cpus": _down(min(settings.branch_num_cpus, left / pool))},
-                       pool)
+    if settings.policy != "llm":  # as for a driver: more only queue for the CPUs
+        pool = min(pool, max(need, math.ceil(round(BRANCH_ACTORS_PER_CPU * cpus, 6))))
+    branch = {"num_cpus": _down(min(settings.branch_num_cpus, left / pool))}
+    if node_count(free) > 1:  # one replica a node, and the pool over every node
+        retriever["scheduling_strategy"] = branch["scheduling_strategy"] = "SPREAD"
+    return ServicePlan(retriever, branch, pool)

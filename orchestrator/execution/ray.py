@@ -36,9 +36,9 @@ class RayExecutor:
     POLL_S = 0.2  # how often branch events are collected while branches run
 
     def __init__(self, settings: Settings, pool_size: int, *, pool: BranchPool | None = None,
-                 retriever_cpus: float | None = None):
+                 retriever_options: dict | None = None):
         """`pool`: a shared branch pool (the service's, for every index; not closed here);
-        then only the retriever actors are planned, each with `retriever_cpus`."""
+        then only the retriever actors are planned, each with `retriever_options`."""
         from branchsearch.infra.raycluster import connect
         from branchsearch.orchestrator.execution.actor_plan import plan_actors
         from branchsearch.workers.actor import RetrieverActor
@@ -55,8 +55,8 @@ class RayExecutor:
         self.replica_note = note
         plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines,
                                        retrievers=replicas)
-        if pool is not None and retriever_cpus is not None:  # the shared pool's plan, as is
-            self.plan = plan = replace(plan, retriever={"num_cpus": retriever_cpus},
+        if pool is not None and retriever_options is not None:  # the shared pool's plan
+            self.plan = plan = replace(plan, retriever=dict(retriever_options),
                                        branch=pool.options, branch_actors=pool.size,
                                        shrunk_from=0)
         elif plan.shrunk_from:  # sized to the cluster's CPUs: not the user's concern

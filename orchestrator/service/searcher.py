@@ -187,7 +187,7 @@ class Searcher:
 
         pool = self._branch_pool()
         return Driver(settings, mode="ray", executor=RayExecutor(
-            settings, pool.size, pool=pool, retriever_cpus=self._retriever_options["num_cpus"]))
+            settings, pool.size, pool=pool, retriever_options=self._retriever_options))
 
     def _branch_pool(self):
         """The one branch pool of the service, planned against what the cluster has free now

@@ -75,6 +75,25 @@ def test_the_service_pool_fits_what_is_free_with_room_for_every_index(free, inde
     assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS
 
 
+def test_the_service_pool_is_capped_and_spread_over_several_nodes():
+    """The service plans as a driver does: a heuristic pool of at most 2 actors a free CPU,
+    and on 2+ nodes its retrievers and branch actors spread (`ray.available_resources()`
+    names each node, as `cluster_resources()` does)."""
+    from branchsearch.orchestrator.execution.actor_plan import plan_service
+
+    one = {"CPU": 1.5, "node:10.77.0.1": 1.0, "node:__internal_head__": 1.0}
+    two = {**one, "CPU": 3.0, "node:10.77.0.2": 1.0}
+    single = plan_service(S, one, 1, 40)
+    assert single.branch_actors == 3  # ceil(2 x 1.5), not 40
+    assert "scheduling_strategy" not in single.branch | single.retriever
+    spread = plan_service(S, two, 1, 40)
+    assert spread.branch_actors == 6
+    assert spread.branch["scheduling_strategy"] == spread.retriever["scheduling_strategy"] \
+        == "SPREAD"
+    llm = plan_service(S.replace(policy="llm"), one, 1, 12)
+    assert llm.branch_actors == 12  # an LLM branch waits on a model: not capped
+
+
 def test_a_service_without_room_for_one_question_says_so():
     from branchsearch.orchestrator.execution.actor_plan import plan_service
 
