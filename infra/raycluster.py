@@ -32,8 +32,9 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
                        "object_store_memory": object_store_mb * 1024 * 1024}
         # a local start that times out (a slow raylet on a loaded machine) is tried once more
         for attempt in (1, 2) if address is None else (2,):
+            said: list[str] = []  # what Ray's core printed meanwhile
             try:
-                with _without_ray_notices():
+                with _without_ray_notices(said):
                     ray.init(address=address, **kwargs)
                 break
             except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a timeout
@@ -44,19 +45,29 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
                 if attempt == 1:
                     continue
                 where = f"connect to {address}" if address else "start a local cluster"
+                if any(_AUTH_REFUSED in line for line in said):
+                    raise BackendUnavailable(
+                        f"ray: cannot {where}: the cluster uses token authentication and "
+                        "refused this process's token (missing or another cluster's); set "
+                        "RAY_AUTH_MODE=token and give the cluster's token in RAY_AUTH_TOKEN, "
+                        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token") from None
                 raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
                                          f"{str(exc)[:300]})") from None
     return ray.cluster_resources()
 
 
-# What Ray's C++ core prints on stderr at every start, which is not ours to show a user.
-_RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
+# What Ray's C++ core prints on stderr, which is not ours to show a user: a notice at every
+# start, and a line a second while a token-authenticated cluster refuses ours (said in one line
+# by `connect` instead).
+_AUTH_REFUSED = "InvalidAuthToken"
+_RAY_NOTICES = ("Token authentication is enabled for this Ray cluster", _AUTH_REFUSED)
 
 
 @contextmanager
-def _without_ray_notices():
+def _without_ray_notices(said: list[str] | None = None):
     """Hold fd 2 in a temporary file while Ray starts, then replay it without Ray's notices
-    (they come from C++, past Python's logging). Processes Ray starts meanwhile keep the file."""
+    (they come from C++, past Python's logging); every line held goes to `said`. Processes
+    Ray starts meanwhile keep the file."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -68,6 +79,8 @@ def _without_ray_notices():
             os.close(saved)
             held.seek(0)
             for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if said is not None:
+                    said.append(line)
                 if not any(notice in line for notice in _RAY_NOTICES):
                     sys.stderr.write(line)
             sys.stderr.flush()
