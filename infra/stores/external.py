@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.stores.acl import ACL_ALL
-from branchsearch.infra.stores.protocols import check_pattern, query_words, settled
+from branchsearch.infra.stores.protocols import MAX_K, check_pattern, query_words, settled
 from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, milvus_call,
                                               milvus_error, milvus_list, quiet_pymilvus,
                                               release_lite, served_uri, timeout_arg)
@@ -313,7 +313,7 @@ class ExternalMilvus:
         self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
                          if c in schema]
 
-    def _filters(self, exclude_ids: Sequence[str], acl_groups) -> str:
+    def _filters(self, exclude: Sequence[str], acl_groups) -> str:
         parts = []
         if not _sees_all(acl_groups) and self.f.acl in self._outputs:
             groups = self._list(list(acl_groups or []))
@@ -323,8 +323,8 @@ class ExternalMilvus:
             else:
                 public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
             parts.append(f"({public} or {member})" if acl_groups else public)
-        if exclude_ids:
-            parts.append(f"{self.f.id} not in {self._list([doc_of(c) for c in exclude_ids])}")
+        if exclude:
+            parts.append(f"{self.f.id} not in {self._list(list(exclude))}")
         return " and ".join(parts)
 
     def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
@@ -335,13 +335,25 @@ class ExternalMilvus:
     @settled
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        """As `MilvusStore.search`: exclusions are dropped here from the top
+        `k + len(exclude_ids)` (a `not in` filter is evaluated row by row), past `MAX_K` in
+        the filter. The ACL filter is the collection's own field: give an array field an
+        INVERTED index so that Milvus need not read it row by row."""
+        exclude = {doc_of(c) for c in exclude_ids}
+        limit = k + len(exclude)
+        filtered = sorted(exclude) if exclude and limit > MAX_K else ()
+        if filtered:
+            limit, exclude = k, set()
         result = self._request(
             "search", self._client.search, self.collection, data=[list(map(float, vector))],
-            limit=k, anns_field=self.f.vector, filter=self._filters(exclude_ids, acl_groups),
+            limit=limit, anns_field=self.f.vector, filter=self._filters(filtered, acl_groups),
             output_fields=self._outputs)
-        return [self._hit(r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])},
-                          float(r["distance"]), rank, "dense")
-                for rank, r in enumerate(result[0], start=1)]
+        rows = [r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])}
+                for r in result[0]]
+        kept = [(row, float(r["distance"])) for row, r in zip(rows, result[0])
+                if str(row[self.f.id]) not in exclude][:k]
+        return [self._hit(row, distance, rank, "dense")
+                for rank, (row, distance) in enumerate(kept, start=1)]
 
     def get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
         """doc id -> {doc_id, title, text, acl} (no ACL filter; see ExternalElastic.get)."""

@@ -125,6 +125,25 @@ def test_every_mode_on_both_sides(foreign):
 
 
 @pytest.mark.es
+def test_dense_exclusions_equal_the_full_ranking_without_them(foreign):
+    """External Milvus drops excluded ids from a deeper search (no `not in` row filter): on an
+    exact index the result is the full ranking less the exclusions, for every caller."""
+    r = open_retriever(_settings(foreign, "corp_vec"))
+    try:
+        for groups in (None, ["film-dept"], ["*"]):
+            for query in ("Ed Wood filmmaker director", "Scott Derrickson horror films"):
+                full = [h.chunk_id for h in r.search(query, mode="dense", k=foreign["count"],
+                                                     acl_groups=groups)]
+                exclude = full[:2] + full[4:5]
+                again = [h.chunk_id for h in r.search(query, mode="dense", k=4,
+                                                      exclude_ids=exclude, acl_groups=groups)]
+                assert again == [c for c in full if c not in exclude][:4], (groups, query)
+                assert ("scott-derrickson#p0" in full) == (groups is not None)
+    finally:
+        r.close()
+
+
+@pytest.mark.es
 def test_acl_through_the_mapped_field(foreign):
     r = open_retriever(_settings(foreign, "corp"))
     try:
