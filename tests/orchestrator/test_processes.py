@@ -68,6 +68,36 @@ def test_a_busy_batch_process_hands_questions_to_a_worker(hotpot_settings):
         driver.close()
 
 
+def test_workers_that_cannot_start_leave_the_batch_to_this_process(hotpot_settings, capsys):
+    """A worker that fails to start (here: its settings name an index that is not there) is
+    one line on stderr; the questions are answered here, none waits for a worker."""
+    import multiprocessing
+
+    from branchsearch.orchestrator.execution.processes import QuestionProcesses
+
+    settings = ingest_copy(hotpot_settings, "hotpot-broken-workers")
+    question = json.loads((HOTPOT / "queries.jsonl").read_text().splitlines()[0])["text"]
+    processes = QuestionProcesses(settings, workers=0)
+    try:
+        processes._start_workers(multiprocessing.get_context("forkserver"), 1,
+                                 (settings.replace(index="no-such-index"), {}, os.getpid()))
+        assert processes.pool is None and "no-such-index" in processes._broken
+        assert "worker processes could not start" in capsys.readouterr().err
+        with processes._free:  # busy: still nobody else to ask; answered once free
+            import threading
+
+            answer = []
+            asking = threading.Thread(target=lambda: answer.append(processes.search(question)))
+            asking.start()
+            asking.join(0.5)
+            assert not answer  # it waits for this process, not for a worker
+        asking.join(120)
+        assert answer[0]["status"] == "ok"
+        assert {b["pid"] for b in answer[0]["branches"]} == {os.getpid()}
+    finally:
+        processes.close()
+
+
 def test_killed_batch_leaves_no_worker_behind(hotpot_settings, tmp_path):
     """SIGKILL runs no clean-up: the workers notice their batch is gone and end, and with them
     the fork server."""
