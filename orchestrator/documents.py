@@ -72,6 +72,7 @@ def upsert(retriever, settings, docs: list) -> dict:
                for c in chunks]
     ids = [d.id for d in docs]
     with every_store(retriever, settings) as dense:
+        _reachable(retriever.lexical, dense)
         if dense is not None:
             dense.write(indexed, retriever.embedder.embed([c.body for c in indexed]), ids)
         retriever.lexical.write(indexed, ids)
@@ -83,12 +84,23 @@ def delete(retriever, settings, doc_id: str) -> bool:
     """Remove a document from every store; False when the docstore did not have it."""
     store = retriever.docstore
     with every_store(retriever, settings) as dense:
+        _reachable(retriever.lexical, dense)
         found = store.get_document(doc_id) is not None
         store.delete_documents([doc_id])  # what searches see goes first
         retriever.lexical.write([], [doc_id])
         if dense is not None:
             dense.write([], [], [doc_id])
     return bool(found)
+
+
+def _reachable(*stores) -> None:
+    """Ask each server store for its count before a write touches any: a backend already down
+    (BackendUnavailable) fails the write with nothing changed, rather than half-way (a delete
+    that removed the document from the docstore, so its repeat answered 404, and left its
+    chunks in the store that was down)."""
+    for store in stores:
+        if store is not None:
+            store.count()
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC
+from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name
 from branchsearch.infra.errors import CorpusError
 
 _ID_OK = re.compile(r"^[^\s#][^\s#]*$")
@@ -112,7 +112,7 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         fix = json.dumps([g.strip() for g in comma.split(",") if g.strip()], ensure_ascii=False)
         raise CorpusError(f"{where}: 'acl' group {json.dumps(comma, ensure_ascii=False)} holds "
                           f"a comma: give each group as its own list item, e.g. \"acl\": {fix}")
-    acl = tuple(g.strip() for g in acl)  # as a caller's groups are: " hr" is "hr"
+    acl = tuple(group_name(g) for g in acl)  # as a caller's: " hr" is "hr", NFD café is NFC
     if ACL_ALL in acl:  # it would read as "everyone" but mean "admins only"
         raise CorpusError(f"{where}: 'acl' may not name {ACL_ALL!r} (reserved: {ACL_ALL!r} in a "
                           "caller's groups sees every document); leave 'acl' empty for a "

@@ -6,6 +6,7 @@ they share a group; `ACL_ALL` in a caller's groups (the explicit admin setting) 
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 
 from branchsearch.infra.errors import BadQuery
@@ -13,6 +14,21 @@ from branchsearch.infra.errors import BadQuery
 
 PUBLIC = "__public__"  # the ACL group of documents without an ACL
 ACL_ALL = "*"  # in a caller's groups: sees every document (the explicit admin setting)
+
+
+def group_name(name: str) -> str:
+    """A group name as it is stored and compared: stripped and in Unicode NFC, so `café` typed
+    on macOS (NFD: `e` + a combining accent) is the group `café` typed elsewhere. Look-alikes
+    in other scripts (a Cyrillic `с`) stay other groups."""
+    return unicodedata.normalize("NFC", name.strip())
+
+
+def group_forms(groups: Sequence[str]) -> list[str]:
+    """Each group's NFC name and its NFD form, for filters on stored group names: an index or
+    an existing index written before names were normalised may hold either."""
+    names = (group_name(g) for g in groups)
+    return list(dict.fromkeys(f for n in names if n
+                              for f in (n, unicodedata.normalize("NFD", n))))
 
 
 def acl_terms(groups: Sequence[str] | None) -> list[str] | None:
@@ -25,14 +41,14 @@ def acl_terms(groups: Sequence[str] | None) -> list[str] | None:
     groups = [] if groups is None else [groups] if isinstance(groups, str) else list(groups)
     if ACL_ALL in groups:
         return None
-    return [PUBLIC, *dict.fromkeys(g for g in groups if g and g != PUBLIC)]
+    return [PUBLIC, *group_forms([g for g in groups if g and g != PUBLIC])]
 
 
 def acl_visible(doc_acl: Sequence[str], groups: Sequence[str] | None) -> bool:
     """Whether a document with ACL `doc_acl` (empty: public) is visible to a caller with `groups`
     (same rule as `acl_terms`, for reads by id)."""
     terms = acl_terms(groups)
-    return terms is None or not doc_acl or bool(set(doc_acl) & set(terms))
+    return terms is None or not doc_acl or bool({group_name(g) for g in doc_acl} & set(terms))
 
 
 def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str] | None:
@@ -41,7 +57,7 @@ def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str
     groups = list(groups or ())
     if any(not g.strip() for g in groups):  # `--acl "$GROUP"` with GROUP unset, most likely
         raise BadQuery("ACL group names may not be empty")
-    groups = [g.strip() for g in groups]
+    groups = [group_name(g) for g in groups]
     comma = next((g for g in groups if "," in g), None)
     if comma is not None:  # as in a key's groups, where "a,b" is two
         raise BadQuery(f"ACL group {comma!r} holds a comma: name each group on its own "

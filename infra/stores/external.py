@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from branchsearch.infra.stores.acl import ACL_ALL
+from branchsearch.infra.stores.acl import ACL_ALL, group_forms
 from branchsearch.infra.stores.protocols import MAX_K, check_pattern, query_words, settled
 from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, milvus_call,
                                               milvus_error, milvus_list, quiet_pymilvus,
@@ -169,7 +169,7 @@ class ExternalElastic:
         public = {"bool": {"must_not": [{"exists": {"field": self.f.acl}}]}}
         if not acl_groups:
             return [public]
-        return [{"bool": {"should": [public, {"terms": {self.f.acl: list(acl_groups)}}],
+        return [{"bool": {"should": [public, {"terms": {self.f.acl: group_forms(acl_groups)}}],
                           "minimum_should_match": 1}}]
 
     def _run(self, must: dict, k: int, exclude_ids: Sequence[str], acl_groups,
@@ -316,7 +316,7 @@ class ExternalMilvus:
     def _filters(self, exclude: Sequence[str], acl_groups) -> str:
         parts = []
         if not _sees_all(acl_groups) and self.f.acl in self._outputs:
-            groups = self._list(list(acl_groups or []))
+            groups = self._list(group_forms(acl_groups or []))
             if self._acl_is_array:
                 public = f"array_length({self.f.acl}) == 0"
                 member = f"array_contains_any({self.f.acl}, {groups})"

@@ -87,7 +87,7 @@ class KeyStore:
         if stamp != self._stamp:
             try:
                 rows = json.loads(self._read() or "{}").get("keys", [])
-                keys = {r["name"]: ApiKey(r["name"], tuple(r.get("groups", ())),
+                keys = {r["name"]: ApiKey(r["name"], _groups(r.get("groups", ())),
                                           tuple(r.get("indexes", ())), bool(r.get("admin")),
                                           r.get("created", ""), bool(r.get("revoked")),
                                           r["digest"]) for r in rows}
@@ -128,7 +128,7 @@ class KeyStore:
                                     "(≤ 64 characters)")
         from branchsearch.infra.stores.acl import ACL_ALL, caller_groups
 
-        caller_groups(groups)  # '*' is reserved: a key with it would read every document
+        groups = tuple(caller_groups(groups) or ())  # '*' is reserved; names stripped, NFC
         from branchsearch.infra.config.settings import index_name_problem
 
         for index in indexes:  # a name no index can have would allow nothing, silently
@@ -187,3 +187,11 @@ def bearer(header: str | None) -> str | None:
         return None
     scheme, _, value = header.strip().partition(" ")
     return value.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _groups(names) -> tuple[str, ...]:
+    """A key's groups as searches and writes compare them (stripped, NFC: a keys file written
+    before names were normalised may hold an NFD `café`); `*` stays as it is."""
+    from branchsearch.infra.stores.acl import ACL_ALL, group_name
+
+    return tuple(g if g == ACL_ALL else group_name(g) for g in names)

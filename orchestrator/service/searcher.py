@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from branchsearch.infra.stores.acl import ACL_ALL, acl_visible
+from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
                                        IndexNotFound, error_line, public_line)
 from branchsearch.infra.config.settings import Settings, index_name_problem
@@ -409,7 +409,8 @@ class Searcher:
     def _owns(key: ApiKey, acl) -> bool:
         """A global admin writes any document; a scoped one only documents whose groups are
         all its own (a public document, seen by everyone, is a global admin's)."""
-        return ACL_ALL in key.groups or (bool(acl) and set(acl) <= set(key.groups))
+        return ACL_ALL in key.groups or (bool(acl) and {group_name(g) for g in acl}
+                                         <= set(key.groups))
 
     def _write(self, index: str, driver, local_fn, actor_fn, *args):
         """A document write on the stores' owner. A store that fails under it (a file gone, a

@@ -65,6 +65,36 @@ def test_acl_rules():
         caller_groups(["hr,board"])
 
 
+def test_group_names_are_one_group_in_nfc_and_nfd(tmp_path):
+    """`café` typed on macOS is NFD (e + a combining accent), elsewhere NFC: one group for a
+    document's acl, a caller's --acl and a key (hostile pass: each saw only its own form). A
+    Cyrillic look-alike stays another group."""
+    import unicodedata
+
+    nfc, nfd = unicodedata.normalize("NFC", "café"), unicodedata.normalize("NFD", "café")
+    assert nfc != nfd and caller_groups([f" {nfd}"]) == [nfc]
+    assert acl_visible([nfd], [nfc]) and acl_visible([nfc], [nfd])
+    assert not acl_visible(["сafé"], [nfc])  # Cyrillic 'с'
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in [
+        {"id": "a", "title": "Rota A", "text": "The espresso rota of the cafe.", "acl": [nfc]},
+        {"id": "b", "title": "Rota B", "text": "The espresso rota of the cafe.", "acl": [nfd]},
+        {"id": "c", "title": "Rota C", "text": "The espresso rota of the cafe.", "acl": ["сafé"]},
+    ]))
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "cafe"},
+                             read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    r = open_retriever(settings, need_dense=False)
+    try:
+        for caller in (nfc, nfd):
+            seen = {h.doc_id for h in r.search("espresso rota", mode="bm25", k=10,
+                                               acl_groups=caller_groups([caller]))}
+            assert seen == {"a", "b"}, (ascii(caller), seen)
+        assert r.docstore.get_document("b")["acl"] == [nfc]  # stored as NFC
+    finally:
+        r.close()
+
+
 def _seen(retriever, mode, groups):
     return {h.doc_id for h in retriever.search("Falcon quokka launch budget salaries", mode=mode,
                                                k=10, acl_groups=groups)}

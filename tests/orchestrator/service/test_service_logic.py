@@ -324,6 +324,54 @@ def test_a_key_cannot_hold_the_reserved_group(tmp_path):
     assert not path.exists() or "kstar" not in path.read_text()
 
 
+def test_a_keys_groups_are_nfc(tmp_path):
+    """A key made with (or a keys file holding) an NFD `café` holds the group `café` as
+    documents and callers name it (NFC)."""
+    import unicodedata
+
+    nfc, nfd = unicodedata.normalize("NFC", "café"), unicodedata.normalize("NFD", "café")
+    path = tmp_path / "keys.json"
+    store = KeyStore(path)
+    key = store.add("mac", (f" {nfd}",))
+    assert store.authenticate(key).groups == (nfc,)
+    data = json.loads(path.read_text())
+    data["keys"][0]["groups"] = [nfd]  # written by an older version
+    path.write_text(json.dumps(data))
+    assert KeyStore(path).authenticate(key).groups == (nfc,)
+
+
+def test_a_delete_with_a_store_down_changes_nothing(tmp_path):
+    """A DELETE while a backend is down was half applied: the docstore (what searches see) went
+    first, the store that was down kept the chunks, and the repeat answered 404. Now every
+    store is asked first, and a store down fails the write with nothing changed."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator import documents
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "memo", "title": "Memo", "text": "quokka memo"}) + "\n")
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "w"},
+                             read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    r = open_retriever(settings, need_dense=False)
+    try:
+        def down(*args, **kwargs):
+            raise BackendUnavailable("elasticsearch at http://es:9200 is not reachable")
+
+        lexical = r.lexical
+        lexical.count = lexical.write = down
+        with pytest.raises(BackendUnavailable):
+            documents.delete(r, settings, "memo")
+        assert r.docstore.get_document("memo") is not None  # was: gone
+        del lexical.count, lexical.write  # back up: the repeat deletes it everywhere
+        assert documents.delete(r, settings, "memo") is True
+        assert r.docstore.get_document("memo") is None
+        assert r.search("quokka memo", mode="bm25", k=5) == []
+    finally:
+        r.close()
+
+
 def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
     """`keys` had no --home: a key made for `serve --home H` went to ./.branchsearch. Now the
     file is --keys, else HOME/keys.json (--home, else BRANCHSEARCH_HOME)."""
