@@ -24,7 +24,9 @@ class IndexInfo:
         return asdict(self)
 
 
-def owned_indexes(settings: Settings) -> list[IndexInfo]:
+def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
+    """Each index under the data home; with `check`, the servers a complete one lives on
+    (Elasticsearch, a Milvus server) are asked for a count, as for an external index."""
     from branchsearch.infra.index.manifest import read_manifest, running_ingest
     from branchsearch.infra.index.profile import files_health
 
@@ -38,6 +40,8 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
                                   sorted(manifest.backends.items()))
             backends = redact(backends)  # (a manifest an older version wrote may hold them)
             health = "ingesting" if running else files_health(folder, manifest)
+            if health == "ok":
+                health = _servers_health(settings.replace(index=folder.name), check)
             out.append(IndexInfo(folder.name, "owned", backends, manifest.documents,
                                  manifest.chunks.get("docstore"), health))
         else:
@@ -45,6 +49,40 @@ def owned_indexes(settings: Settings) -> list[IndexInfo]:
                 f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
+
+
+def _servers_health(settings: Settings, check: bool) -> str:
+    """"ok", or why a complete owned index cannot be searched with these settings: a backend
+    they do not name (es_url unset for an index in Elasticsearch) or, with `check`, a server
+    that does not answer or lost the index (its Elasticsearch index or collection gone)."""
+    from branchsearch.infra.index.profile import index_profile
+
+    profile = index_profile(settings)
+    if profile.problem is not None:
+        return redact(str(profile.problem))
+    if not check:  # as an external index says
+        return "not checked" if "elasticsearch" == profile.lexical or \
+            "milvus" == profile.dense else "ok"
+    stores = []
+    try:
+        if profile.lexical == "elasticsearch":
+            from branchsearch.infra.stores.elastic import ElasticStore, es_index_for
+
+            stores.append(ElasticStore(settings.es_url, es_index_for(settings.index),
+                                       api_key=settings.es_api_key or None,
+                                       timeout_s=settings.backend_timeout_s, create=False))
+        if profile.dense == "milvus":
+            from branchsearch.infra.index.open import dense_store
+
+            stores.append(dense_store(settings, profile.manifest.embedding["dim"], create=False))
+        for store in stores:
+            store.count()
+    except BranchsearchError as exc:
+        return redact(str(exc))
+    finally:
+        for store in stores:
+            store.close()
+    return "ok"
 
 
 def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
@@ -74,10 +112,10 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
                     store.close()
                 info.health = "ok"
             except BranchsearchError as exc:
-                info.health = str(exc)
+                info.health = redact(str(exc))
         out.append(info)
     return out
 
 
 def list_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
-    return owned_indexes(settings) + external_indexes(settings, check=check)
+    return owned_indexes(settings, check=check) + external_indexes(settings, check=check)

@@ -124,7 +124,7 @@ def lexical_folds(settings: Settings) -> bool:
     external stores, whose analyzers are their owners', are taken to."""
     if settings.external is not None:
         return True
-    if settings.es_url:
+    if settings.es_url and on_elastic(settings):
         from branchsearch.infra.stores.elastic import es_index_for
 
         return _elastic_folds(settings.es_url, es_index_for(settings.index),
@@ -154,7 +154,7 @@ def _elastic_folds(url: str, index: str, api_key: str | None, timeout_s: float) 
 
 def lexical_store(settings: Settings):
     """The owned index's lexical store: Elasticsearch at `es_url`, else tantivy in the index."""
-    if settings.es_url:
+    if settings.es_url and on_elastic(settings):
         from branchsearch.infra.stores.elastic import ElasticStore, es_index_for
 
         return ElasticStore(settings.es_url, index=es_index_for(settings.index),
@@ -174,8 +174,46 @@ def lexical_store(settings: Settings):
 
 def dense_uri(settings: Settings) -> str:
     """Where the owned index's vectors live: Milvus at `milvus_uri`, else the index's Lite
-    file."""
-    return str(settings.milvus_uri or settings.index_dir / "dense.db")
+    file. A complete index ingested into its Lite file stays there when `milvus_uri` is set
+    (for another index, or in the environment): its manifest says where its vectors are."""
+    recorded = str(recorded_backends(settings).get("dense", ""))
+    if settings.milvus_uri and not recorded.startswith("milvus-lite "):
+        return str(settings.milvus_uri)
+    return str(settings.index_dir / "dense.db")
+
+
+def recorded_backends(settings: Settings) -> dict:
+    """The backends a complete owned index's ingest recorded in its manifest ({} for an
+    external index, or one with no manifest: being ingested, or not there)."""
+    if settings.external is not None:
+        return {}
+    from branchsearch.infra.index.manifest import read_manifest
+
+    manifest = read_manifest(settings.index_dir)
+    return dict(manifest.backends or {}) if manifest is not None else {}
+
+
+def as_recorded(settings: Settings, manifest) -> Settings:
+    """`settings` for writing an owned index where its last complete ingest put it (`manifest`;
+    None: as the settings say): no `es_url` when its BM25 side is tantivy, no `milvus_uri` when
+    its vectors are in its Lite file. An ingest takes these before it removes the manifest, so
+    every store it opens, its workers and the manifest it writes agree with the readers."""
+    backends = (manifest.backends or {}) if manifest is not None else {}
+    changes = {}
+    if settings.es_url and str(backends.get("lexical", "")) == "tantivy":
+        changes["es_url"] = ""
+    if settings.milvus_uri and str(backends.get("dense", "")).startswith("milvus-lite "):
+        changes["milvus_uri"] = ""
+    return settings.replace(**changes) if changes else settings
+
+
+def on_elastic(settings: Settings) -> bool:
+    """Whether the owned index's BM25 side is in Elasticsearch: where its ingest put it once it
+    is complete (an index ingested into tantivy is searched there when `es_url` is set for
+    another index; searching Elasticsearch instead would find nothing and create an empty
+    index there), else whether `es_url` is set."""
+    recorded = str(recorded_backends(settings).get("lexical", ""))
+    return recorded.startswith("elasticsearch") if recorded else bool(settings.es_url)
 
 
 def dense_store(settings: Settings, dim: int, *, create: bool = True):

@@ -229,13 +229,14 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True,
 def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
                    started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
                    override, workers, embed_batch) -> IngestReport:
-    from branchsearch.infra.index.open import open_stores
+    from branchsearch.infra.index.open import as_recorded, open_stores
 
     root = settings.index_dir
     with IngestLock(root, settings.index, corpus=str(Path(path).resolve())) as lock:
         if lock.stale is not None:
             report.stale_lock = lock.stale.describe()
         previous = read_manifest(root)
+        settings = as_recorded(settings, previous)  # its stores stay where they are
         complete[0] = previous is not None
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from branchsearch.infra.errors import BackendUnavailable, BadQuery
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, redact
 from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.stores.protocols import (IndexedChunk, check_pattern, query_words,
                                                  settled)
@@ -151,7 +151,10 @@ class ElasticStore:
         return self._run(self._query(must, exclude_ids, acl_groups), k, "grep")
 
     def count(self) -> int:
-        return int(self._es.count(index=self.index)["count"])
+        try:
+            return int(self._es.count(index=self.index)["count"])
+        except Exception as exc:
+            raise _unavailable(self.url, exc) from None
 
     def drop(self) -> None:
         self._es.indices.delete(index=self.index, ignore_unavailable=True)
@@ -163,6 +166,7 @@ class ElasticStore:
 def _unavailable(url: str, exc: Exception) -> BackendUnavailable:
     from elasticsearch import ApiError
 
+    url = redact(url)  # an error line is shown and logged: no credentials in it
     if isinstance(exc, ApiError):
         return BackendUnavailable(f"elasticsearch at {url}: {exc.meta.status} {exc.message}")
     return BackendUnavailable(

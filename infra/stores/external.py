@@ -32,10 +32,11 @@ from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.stores.acl import ACL_ALL, group_forms
 from branchsearch.infra.stores.protocols import MAX_K, check_pattern, query_words, settled
-from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, milvus_call,
-                                              milvus_error, milvus_list, quiet_pymilvus,
-                                              release_lite, served_uri, timeout_arg)
-from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
+from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, lite_spawn,
+                                              milvus_call, milvus_error, milvus_list,
+                                              quiet_pymilvus, release_lite, served_uri,
+                                              timeout_arg)
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError, redact
 from branchsearch.infra.stores.hits import Hit, doc_of
 
 
@@ -155,7 +156,7 @@ class ExternalElastic:
             raise _es_unavailable(url, exc) from None
         if not exists:
             raise SettingsError(f"index {spec.name!r}: Elasticsearch index {self.index!r} does "
-                                f"not exist at {url}")
+                                f"not exist at {redact(url)}")
 
     # the id may be Elasticsearch's own `_id` or a field of the document
     def _ids_query(self, doc_ids: Sequence[str]) -> dict:
@@ -244,6 +245,7 @@ class ExternalElastic:
 
 
 def _es_unavailable(url: str, exc: Exception) -> BackendUnavailable:
+    url = redact(url)  # an error line is shown and logged: no credentials in it
     status = getattr(getattr(exc, "meta", None), "status", None)
     if status:
         return BackendUnavailable(f"elasticsearch at {url}: {status} {exc}")
@@ -272,17 +274,18 @@ class ExternalMilvus:
         wait = timeout_arg(timeout_s)
         try:
             served = served_uri(uri)  # another process owns the Lite file (a batch's)
-            self._client = MilvusClient(uri=served or uri, token=token, timeout=wait)
+            with lite_spawn():  # a Lite file's server: ^C is its owner's to handle
+                self._client = MilvusClient(uri=served or uri, token=token, timeout=wait)
             if not served:
                 acquire_lite(uri)
             exists = self._client.has_collection(self.collection, timeout=wait)
         except Exception as exc:
-            raise BackendUnavailable(f"milvus at {uri} is not reachable ({milvus_error(exc)})"
-                                     ) from None
+            raise BackendUnavailable(f"milvus at {redact(uri)} is not reachable "
+                                     f"({milvus_error(exc)})") from None
         try:
             if not exists:
                 raise SettingsError(f"index {spec.name!r}: Milvus collection "
-                                    f"{self.collection!r} does not exist at {uri}")
+                                    f"{self.collection!r} does not exist at {redact(uri)}")
             described = self._request(f"describe {self.collection!r}",
                                       self._client.describe_collection, self.collection)
             schema = {f["name"]: f for f in described["fields"]}

@@ -41,11 +41,12 @@ import time
 import unicodedata
 import uuid
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexBusy,
-                                      IndexIncomplete)
+                                      IndexIncomplete, redact)
 from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.stores.protocols import MAX_K, IndexedChunk, settled
 from branchsearch.infra.stores.acl import PUBLIC, acl_terms
@@ -95,7 +96,9 @@ def quiet_pymilvus() -> None:
     """pymilvus logs every failed request at ERROR before raising it; our stores raise it as one
     `BackendUnavailable` line, so those log lines would only say it twice (and break the CLI's
     one `error:` line). Called after pymilvus is imported: its import resets its loggers."""
-    for name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client"):
+    # _utils logs the URI of a failed connection, password and all
+    for name in ("pymilvus.decorators", "pymilvus.milvus_client.milvus_client",
+                 "pymilvus.milvus_client._utils"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -147,7 +150,7 @@ def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | 
     try:
         return call(*args, timeout=timeout_arg(timeout_s), **kwargs)
     except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
-        raise BackendUnavailable(f"milvus at {uri}: {what} failed ({milvus_error(exc)})"
+        raise BackendUnavailable(f"milvus at {redact(uri)}: {what} failed ({milvus_error(exc)})"
                                  ) from None
 
 
@@ -251,6 +254,23 @@ def release_lite(uri: str | Path) -> None:
 _served: dict[str, str] = {}  # Lite file -> socket of the server another process runs for it
 
 
+@contextmanager
+def lite_spawn():
+    """Around anything that may start a Milvus Lite server process: SIGINT is blocked in this
+    thread meanwhile, so the process starts with it blocked (a signal mask survives fork and
+    exec) and a ^C, which the terminal sends to the whole process group, does not kill it under
+    a batch that finishes its questions on ^C (each waited out backend_timeout_s and failed:
+    ≈95 s to stop). The server still ends with its owner: it exits when the owner's lock on the
+    file goes. A ^C meanwhile reaches this process once the mask is restored."""
+    import signal
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def serve_lite(db: str | Path) -> str:
     """The socket URI (`unix:…`) of this process's Milvus Lite server for `db`, started if it is
     not running. Milvus Lite lets one process own a file; other processes of the same job (a
@@ -258,7 +278,8 @@ def serve_lite(db: str | Path) -> str:
     instead of opening the file. The owner keeps a store open on `db` while they do."""
     from milvus_lite.server_manager import server_manager_instance
 
-    uri = server_manager_instance.start_and_get_uri(str(db))
+    with lite_spawn():
+        uri = server_manager_instance.start_and_get_uri(str(db))
     if not uri:
         raise BackendUnavailable(f"milvus lite: cannot serve {db}")
     return uri
@@ -377,15 +398,16 @@ class MilvusStore:
         try:
             # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
             # closing one store would cut every other store of this process on that server
-            self._client = MilvusClient(uri=served or self.uri, token=token,
-                                        alias=f"branchsearch-{uuid.uuid4().hex}")
+            with lite_spawn():
+                self._client = MilvusClient(uri=served or self.uri, token=token,
+                                            alias=f"branchsearch-{uuid.uuid4().hex}")
         except Exception as exc:
             if not self.server and "opened by another program" in str(exc):
                 raise _lite_busy(self.uri) from None
             hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
                     else "check the index folder")
-            raise BackendUnavailable(
-                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}") from None
+            raise BackendUnavailable(redact(  # no credentials in a line shown and logged
+                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}")) from None
         finally:
             quiet.setLevel(level)
         if not self._served:
@@ -393,7 +415,8 @@ class MilvusStore:
         try:
             exists = self._request("open", self._client.has_collection, collection)
             if not exists and not create:
-                raise IndexIncomplete(f"milvus: collection {collection!r} is not in {self.uri}")
+                raise IndexIncomplete(f"milvus: collection {collection!r} is not in "
+                                      f"{redact(self.uri)}")
         except BaseException:
             self.close()  # a refused open must not keep the Lite file from other processes
             raise
