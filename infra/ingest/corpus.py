@@ -126,6 +126,10 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         if isinstance(value, str) and not _utf8(value):  # JSON's "\ud800": no store holds it
             raise CorpusError(f"{where}: {name!r} holds a lone surrogate (an escape such as "
                               "\\ud800 that is no character); fix the text")
+    if not str(row.get("title") or "").strip() and not row["text"].strip():
+        # nothing a search could match: an empty chunk, whose vector is noise in dense results
+        raise CorpusError(f"{where}: document {doc_id!r} has no text and no title; give it a "
+                          "text or leave it out")
     known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
     return Document(
         id=doc_id,

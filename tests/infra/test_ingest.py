@@ -393,6 +393,22 @@ def test_a_lone_surrogate_in_a_document_is_one_line_naming_it(tmp_path):
         read_corpus(path)
 
 
+def test_a_document_with_no_text_and_no_title_is_one_line_naming_it(tmp_path):
+    """It was indexed as an empty chunk (hostile pass): found by no BM25 search, noise for a
+    dense one. A title-only document stays (its title is searched)."""
+    from branchsearch.infra.ingest.corpus import read_corpus
+    from branchsearch.infra.errors import CorpusError
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"_id": "t", "title": "Title only", "text": ""}\n'
+                    '{"_id": "blank", "title": " ", "text": " \\n\\t "}\n')
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: document 'blank' has no text and no "
+                                          r"title"):
+        read_corpus(path)
+    path.write_text('{"_id": "t", "title": "Title only", "text": ""}\n')
+    assert [d.id for d in read_corpus(path)] == ["t"]
+
+
 def test_a_password_in_es_url_is_not_written_to_the_manifest(tmp_path):
     from branchsearch.infra.ingest.pipeline import _backends
     from branchsearch.infra.config.settings import load_settings
