@@ -94,10 +94,18 @@ def distill_into(model_path: Path, out: Path) -> None:
     from branchsearch.infra.models.embedder import quiet_transformers
 
     quiet_transformers()
-    from model2vec.distill import distill
+    import functools
 
-    model = distill(str(model_path), pca_dims=PCA_DIMS, sif_coefficient=SIF_COEFFICIENT,
-                    quantize_to="float32")
+    from model2vec.distill import distill, inference
+
+    bar = inference.tqdm
+    if not sys.stderr.isatty():  # a pipe or a log got ~120 carriage-returned bar updates
+        inference.tqdm = functools.partial(bar, disable=True)  # (the line above says what runs)
+    try:
+        model = distill(str(model_path), pca_dims=PCA_DIMS, sif_coefficient=SIF_COEFFICIENT,
+                        quantize_to="float32")
+    finally:
+        inference.tqdm = bar
     model.save_pretrained(str(out))
     for path in out.iterdir():
         path.chmod(0o644)

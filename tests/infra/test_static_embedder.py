@@ -86,6 +86,27 @@ def test_missing_package_is_one_line_naming_it(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir())
 
 
+def test_distilling_on_a_pipe_prints_no_progress_bar(tmp_path, monkeypatch, capfd):
+    """model2vec's 'Encoding tokens' tqdm bar went to a pipe or a log as ~120 carriage-returned
+    updates (hostile pass: `ingest --embed-model static-minilm 2>log`); a terminal keeps it."""
+    import model2vec.distill
+    from model2vec.distill import inference
+
+    from branchsearch.infra.models.static import distill_into
+
+    def distill(path, **kwargs):  # model2vec's, as far as its bar
+        for _ in inference.tqdm(range(3), desc="Encoding tokens"):
+            pass
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(model2vec.distill, "distill", distill)
+    bar = inference.tqdm
+    with pytest.raises(RuntimeError, match="stop here"):
+        distill_into(resolve_model_path(DEFAULT_MODEL), tmp_path)
+    assert "Encoding tokens" not in capfd.readouterr().err
+    assert inference.tqdm is bar  # put back
+
+
 def test_vectors_are_deterministic_normalised_and_independent_of_the_batch(model_cache):
     texts = _texts()
     one = Embedder(STATIC_MODEL, export_root=model_cache[0], batch_size=64)
