@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import unicodedata
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -245,6 +246,12 @@ INDEX_NAME_RULE = (f"index names are 1-{INDEX_NAME_CHARS} letters, digits, '-' o
                    f"script; at most {INDEX_NAME_BYTES} bytes in UTF-8)")
 
 
+def index_name(name: object) -> object:
+    """An index name as stored: NFC, so that `café` typed decomposed (macOS input, NFD) names
+    the index `café` typed composed; anything else as given, for `index_name_problem`."""
+    return unicodedata.normalize("NFC", name) if isinstance(name, str) else name
+
+
 def index_name_problem(name: object) -> str:
     """Why `name` cannot name an index ("" when it can). The one rule for every command and the
     service: the name is a folder under `home/indexes`, a Milvus collection and an Elasticsearch
@@ -468,6 +475,7 @@ def load_settings(
             values["trace_exporter"] == "none":
         values["trace_exporter"] = "otlp"  # a collector named and no exporter chosen: export there
 
+    values["index"] = index_name(values["index"])
     settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
     _validate(settings)
     return settings

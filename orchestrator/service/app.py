@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
+from branchsearch.infra.config.settings import index_name
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.service.admission import Limits, check_body_size
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
@@ -321,7 +322,7 @@ def create_app(state: ServiceState):
         keys, for documents of their groups; a search after the answer sees them."""
         key = state.principal(request.headers.get("authorization"))
         body = await read_body(request)
-        return await searcher.call("upsert", index, body, key)
+        return await searcher.call("upsert", index_name(index), body, key)
 
     @app.delete("/v1/indexes/{index}/documents/{doc_id:path}", tags=["documents"],  # ids
                 dependencies=keyed,  # may hold '/' (a URL as the id), which a PUT accepts
@@ -332,7 +333,7 @@ def create_app(state: ServiceState):
                                                       json_schema_extra={"minLength": 1})):
         """Delete a document and its chunks: admin keys, for documents of their groups."""
         key = state.principal(request.headers.get("authorization"))
-        return await searcher.call("delete", index, doc_id, key)
+        return await searcher.call("delete", index_name(index), doc_id, key)
 
     app.add_middleware(Observe, state=state)
     return app

@@ -129,8 +129,9 @@ class KeyStore:
         from branchsearch.infra.stores.acl import ACL_ALL, caller_groups
 
         groups = tuple(caller_groups(groups) or ())  # '*' is reserved; names stripped, NFC
-        from branchsearch.infra.config.settings import index_name_problem
+        from branchsearch.infra.config.settings import index_name, index_name_problem
 
+        indexes = [index_name(i) for i in indexes]
         for index in indexes:  # a name no index can have would allow nothing, silently
             problem = index_name_problem(index)
             if problem:

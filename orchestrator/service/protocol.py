@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from branchsearch.infra.config.settings import INDEX_NAME_CHARS, index_name_problem
+from branchsearch.infra.config.settings import (INDEX_NAME_CHARS, index_name,
+                                                index_name_problem)
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.workers.query import question_problem
@@ -44,7 +45,7 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
     if len(question) > limits.max_question_chars:
         raise ApiError(422, "question_too_long", f"question has {len(question)} characters; "
                                                  f"the limit is {limits.max_question_chars}")
-    index = body.get("index")
+    index = index_name(body.get("index"))
     if index is not None:
         # (the name rule refuses a lone surrogate too: it is no letter or digit)
         problem = index_name_problem(index) if isinstance(index, str) else \

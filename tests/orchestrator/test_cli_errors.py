@@ -349,3 +349,23 @@ def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
     assert "interrupted" in stderr and "Traceback" not in stderr
     lines = out.read_text().splitlines()
     assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)
+
+
+def test_an_index_name_typed_decomposed_is_the_composed_one(tmp_path):
+    """`café` typed on macOS arrives decomposed (NFD: 'e' + U+0301, no letter on its own): it
+    names the index `café`, in the CLI and the service's requests alike."""
+    import unicodedata
+
+    from branchsearch.orchestrator.service.protocol import Limits, parse_search
+
+    nfc, nfd = "café", unicodedata.normalize("NFD", "café")
+    assert nfc != nfd
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d1", "title": "T", "text": "Falcon plan"}) + "\n")
+    done = run(["ingest", corpus, "--no-dense", "--home", tmp_path / "home", "--index", nfd])
+    assert done.returncode == 0, done.stderr[-800:]
+    assert [p.name for p in (tmp_path / "home" / "indexes").iterdir()] == [nfc]
+    for name in (nfc, nfd):
+        found = run(["retrieve", "Falcon", "--home", tmp_path / "home", "--index", name])
+        assert found.returncode == 0 and "d1" in found.stdout, found.stderr[-800:]
+    assert parse_search({"question": "Falcon?", "index": nfd}, Limits()).index == nfc
