@@ -71,27 +71,35 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
             check: bool = typer.Option(True, "--check/--no-check",
                                        help="ask external backends for counts (health)"),
             as_json: bool = typer.Option(False, "--json")):
-    """List owned and external indexes with their backends, document counts and health."""
+    """List owned and external indexes with their backends, document counts and health; exit
+    1 when any cannot be searched now (a backend down, an index incomplete)."""
     from branchsearch.infra.index.catalog import list_indexes
     from branchsearch.orchestrator.cli.render import clean
 
     infos = list_indexes(settings_from(home, None, config), check=check)
     if as_json:
         print(json.dumps([i.to_dict() for i in infos]))
-        return
-    if not infos:
+    elif not infos:
         print("no indexes (run `branchsearch ingest PATH --index NAME`, or declare "
               "[indexes.NAME] in the settings file)")
-    for i in infos:
-        count = "-" if i.documents is None else f"{i.documents:,} docs"
-        print(clean(f"{i.name:<24} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
+    else:
+        for i in infos:
+            count = "-" if i.documents is None else f"{i.documents:,} docs"
+            print(clean(f"{i.name:<24} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
+    broken = [i.name for i in infos if i.health not in ("ok", "not checked")
+              and not i.health.startswith("ingesting")]
+    if broken:  # for scripts and health checks: listed, and not all searchable
+        print(clean(f"indexes: {len(broken)} not searchable now: {', '.join(broken)}"),
+              file=sys.stderr)
+        sys.exit(1)
 
 
 def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format)"),
           docs: int = typer.Option(2000, min=8, max=MAX_DOCS,
                                    help=f"documents to write (8..{MAX_DOCS:,})"),
-          tasks: int = typer.Option(100, min=1),
-          seed: int = typer.Option(7),
+          tasks: int = typer.Option(100, min=1, help="multi-hop questions with gold labels "
+                                    "(--docs must be at least 8 x this)"),
+          seed: int = typer.Option(7, help="the same seed writes the same corpus"),
           hard: bool = typer.Option(False, "--hard", help="3-4 hop composed questions over "
                                     "ambiguous bridges (look-alike bands, decoy albums)")):
     """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""

@@ -33,8 +33,12 @@ def register(app: typer.Typer) -> None:
 def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           output: Path = typer.Option(..., "-o", "--output",
                                       help="results JSONL (one line per id; re-runs resume)"),
-          concurrency: Optional[int] = typer.Option(None, min=1),
-          branches: Optional[int] = typer.Option(None, min=1),
+          concurrency: Optional[int] = typer.Option(
+              None, min=1, help="questions in flight (setting batch_concurrency); on one "
+              "machine one process a core answers them, up to this many"),
+          branches: Optional[int] = typer.Option(
+              None, min=1, help="most branches a question may be planned into (setting "
+              "branches; 1: the single-context search)"),
           executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
           acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
           stop_after: int = typer.Option(

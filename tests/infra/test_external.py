@@ -243,7 +243,9 @@ def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
     cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes", "--home",
            str(foreign["home"]), "--config", str(foreign["home"] / "branchsearch.toml"), "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    # listed whole, and exit 1 for the two that cannot be searched (for health checks)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip() == "indexes: 2 not searchable now: tiny, broken", run.stderr
     infos = {i["name"]: i for i in json.loads(run.stdout)}
     assert infos["hotpot"]["kind"] == "owned" and infos["hotpot"]["health"] == "ok"
     assert infos["corp"]["health"] == "ok" and infos["corp"]["documents"] == foreign["count"]

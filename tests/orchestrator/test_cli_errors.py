@@ -249,14 +249,18 @@ def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
 
 
 @pytest.mark.ray
-def test_backend_down_on_the_ray_executor(tmp_path):
-    """A retriever actor that cannot reach its backend: the error it died of, as one line
-    (was: ActorDiedError, 115 lines of traceback)."""
+@pytest.mark.es
+@pytest.mark.ray
+def test_backend_down_on_the_ray_executor(tmp_path, es_url):
+    """A retriever actor that cannot reach its backend (the Elasticsearch its index was
+    ingested into, now named at a dead port): the error it died of, as one line (was:
+    ActorDiedError, 115 lines of traceback)."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"_id": "d1", "title": "Falcon", "text": "Falcon plan"}) + "\n")
-    home = ["--home", tmp_path / "home"]
-    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
-    done = run(["search", "Falcon", "--branches", "2", *home],
+    home = ["--home", tmp_path / "home", "--index", f"down-{os.getpid()}"]
+    ingested = run(["ingest", corpus, "--no-dense", *home], env={"BRANCHSEARCH_ES_URL": es_url})
+    assert ingested.returncode == 0, ingested.stderr[-1500:]
+    done = run(["search", "Falcon", "--branches", "2", "--executor", "ray", *home],
                env={"BRANCHSEARCH_ES_URL": "http://127.0.0.1:9", "RAY_ADDRESS": ""},
                timeout=600)
     assert done.returncode == 2, done.stderr[-1500:]
