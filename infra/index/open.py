@@ -17,6 +17,13 @@ from branchsearch.infra.retrieval.retriever import Retriever, one_side
 _FOLDING: set[tuple[str, str]] = set()  # Elasticsearch indexes seen folding (they stay so)
 
 
+def refuse_external(settings: Settings) -> None:
+    """One line, before anything is written (a folder included), when the index is external."""
+    if settings.external is not None:
+        raise BadQuery(f"index {settings.index!r} is external ({settings.external.describe()}"
+                       "): branchsearch never writes to it; ingest into another index name")
+
+
 def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True,
                 embedder=None):
     """(docstore, lexical, dense, embedder) for the settings' index; dense may be None.
@@ -25,8 +32,7 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
         from branchsearch.infra.stores.external import open_external
 
         if create:
-            raise BadQuery(f"index {settings.index!r} is external ({settings.external.describe()}"
-                           "): branchsearch never writes to it; ingest into another index name")
+            refuse_external(settings)
         return open_external(settings.external, settings, need_dense=need_dense,
                              embedder=embedder)
     root = settings.index_dir

@@ -229,8 +229,9 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool = True,
 def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
                    started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
                    override, workers, embed_batch) -> IngestReport:
-    from branchsearch.infra.index.open import as_recorded, open_stores
+    from branchsearch.infra.index.open import as_recorded, open_stores, refuse_external
 
+    refuse_external(settings)  # before the lock makes the index's folder
     root = settings.index_dir
     with IngestLock(root, settings.index, corpus=str(Path(path).resolve())) as lock:
         if lock.stale is not None:

@@ -24,11 +24,12 @@ def group_name(name: str) -> str:
 
 
 def group_forms(groups: Sequence[str]) -> list[str]:
-    """Each group's NFC name and its NFD form, for filters on stored group names: an index or
-    an existing index written before names were normalised may hold either."""
-    names = (group_name(g) for g in groups)
-    return list(dict.fromkeys(f for n in names if n
-                              for f in (n, unicodedata.normalize("NFD", n))))
+    """Each group's name as given, its stored name (`group_name`) and that name's NFD form, for
+    filters on stored group names: an index written before names were normalised, or a store
+    written directly, may hold any of them."""
+    return list(dict.fromkeys(
+        f for g in groups
+        for f in (g, group_name(g), unicodedata.normalize("NFD", group_name(g))) if f.strip()))
 
 
 def acl_terms(groups: Sequence[str] | None) -> list[str] | None:
@@ -48,7 +49,8 @@ def acl_visible(doc_acl: Sequence[str], groups: Sequence[str] | None) -> bool:
     """Whether a document with ACL `doc_acl` (empty: public) is visible to a caller with `groups`
     (same rule as `acl_terms`, for reads by id)."""
     terms = acl_terms(groups)
-    return terms is None or not doc_acl or bool({group_name(g) for g in doc_acl} & set(terms))
+    return terms is None or not doc_acl or bool(
+        {f for g in doc_acl for f in (g, group_name(g))} & set(terms))
 
 
 def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str] | None:

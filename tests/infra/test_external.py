@@ -223,6 +223,7 @@ def test_agent_search_and_no_writes(foreign):
     assert run.returncode == 2, run.stderr
     assert "external" in run.stderr and "Traceback" not in run.stderr
     assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]
+    assert not (foreign["home"] / "indexes" / "corp").exists()  # not even a folder
 
 
 @pytest.mark.es
@@ -245,8 +246,8 @@ def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     # listed whole, and exit 1 for the two that cannot be searched (for health checks)
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip() == "indexes: 2 not searchable now: tiny, broken", run.stderr
     infos = {i["name"]: i for i in json.loads(run.stdout)}
+    assert run.stderr.strip() == "indexes: 2 not searchable now: tiny, broken", run.stderr
     assert infos["hotpot"]["kind"] == "owned" and infos["hotpot"]["health"] == "ok"
     assert infos["corp"]["health"] == "ok" and infos["corp"]["documents"] == foreign["count"]
     assert infos["corp_vec"]["documents"] == foreign["count"]
