@@ -125,13 +125,18 @@ async def burst(url: str, keys: list[str]) -> list[tuple[int, float, dict]]:
 
 
 async def walk_away(url: str, key: str, n: int) -> None:
-    """n searches whose client gives up after 0.3 s (the connection closes)."""
-    async with httpx.AsyncClient(base_url=url, timeout=0.3) as client:
-        for outcome in await asyncio.gather(*[client.post("/v1/search", headers=bearer(key),
-                                                          json={"question": COMPARE,
-                                                                "index": "corp"})
-                                              for _ in range(n)], return_exceptions=True):
-            assert isinstance(outcome, httpx.TimeoutException), outcome
+    """n searches at once whose client gives up after 0.1 s (the connection closes). A warm
+    service may answer one before that (a 200): that one gave its slot back by finishing; at
+    least one must have been walked away from."""
+    async with httpx.AsyncClient(base_url=url, timeout=0.1) as client:
+        outcomes = await asyncio.gather(*[client.post("/v1/search", headers=bearer(key),
+                                                      json={"question": COMPARE,
+                                                            "index": "corp"})
+                                          for _ in range(n)], return_exceptions=True)
+    for outcome in outcomes:
+        assert isinstance(outcome, httpx.TimeoutException) or (
+            isinstance(outcome, httpx.Response) and outcome.status_code == 200), outcome
+    assert any(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
 
 
 @pytest.mark.parametrize("mode", ["standalone-local", "standalone-ray", "serve"])
