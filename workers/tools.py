@@ -301,7 +301,7 @@ def validate_args(call: ToolCall) -> None:
     if not isinstance(call.args, dict):
         raise Rejected(f"{call.name}: arguments must be a JSON object")
     if _surely_fits(TOOLS[call.name].parameters, call.args):
-        return  # the common case, without jsonschema's cost (which exceeded a search's)
+        return  # the common case, without jsonschema's cost (per call, more than a search)
     errors = sorted(_validator(call.name).iter_errors(call.args), key=lambda e: list(e.path))
     if errors:
         where = "/".join(str(p) for p in errors[0].path) or "arguments"

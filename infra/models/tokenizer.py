@@ -68,8 +68,8 @@ def get_encoding(name: str = "o200k_base"):
 class TokenCounter:
     """Counts and cuts text in tokens of one encoding. Cheap to pass around; the encoding is
     cached. With `cache_size`, the last texts' tokens are kept (an agent sees the same chunk and
-    title again across searches, branches and questions: 40-55 % of its counts repeat on
-    hotpot); ingest counts each text once and keeps none."""
+    title again across searches, branches and questions); ingest counts each text once and
+    keeps none."""
 
     def __init__(self, encoding: str = "o200k_base", cache_size: int = 0):
         self.encoding_name = encoding

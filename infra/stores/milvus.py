@@ -259,8 +259,8 @@ def lite_spawn():
     """Around anything that may start a Milvus Lite server process: SIGINT is blocked in this
     thread meanwhile, so the process starts with it blocked (a signal mask survives fork and
     exec) and a ^C, which the terminal sends to the whole process group, does not kill it under
-    a batch that finishes its questions on ^C (each waited out backend_timeout_s and failed:
-    ≈95 s to stop). The server still ends with its owner: it exits when the owner's lock on the
+    a batch that finishes its questions on ^C (each would wait out backend_timeout_s and
+    fail). The server still ends with its owner: it exits when the owner's lock on the
     file goes. A ^C meanwhile reaches this process once the mask is restored."""
     import signal
 

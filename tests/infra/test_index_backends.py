@@ -33,7 +33,7 @@ def test_a_tantivy_index_is_searched_in_tantivy_when_es_url_is_set(tmp_path):
     settings = _settings(tmp_path / "home", "wiki")
     ingest(HOTPOT, settings, dense=False)
     other = settings.replace(es_url=DOWN_ES, backend_timeout_s=2)  # set for another index
-    retriever = open_retriever(other, need_dense=False)  # was: elasticsearch not reachable
+    retriever = open_retriever(other, need_dense=False)  # not the Elasticsearch es_url names
     try:
         hits = retriever.search("Who directed Ed Wood?", k=3, mode="bm25")
         assert "ed-wood" in {h.doc_id for h in hits}  # (an ES index would have been empty)
@@ -46,7 +46,7 @@ def test_a_tantivy_index_is_searched_in_tantivy_when_es_url_is_set(tmp_path):
 
 def test_a_lite_index_is_searched_in_its_file_when_milvus_uri_is_set(hotpot_settings):
     other = hotpot_settings.replace(milvus_uri=DOWN_MILVUS, backend_timeout_s=2)
-    retriever = open_retriever(other)  # was: the server, not reachable
+    retriever = open_retriever(other)  # not the server milvus_uri names
     try:
         hits = retriever.search("Who directed Ed Wood?", k=3, mode="dense")
         assert "ed-wood" in {h.doc_id for h in hits}
@@ -105,7 +105,7 @@ def test_a_lite_server_outlives_a_sigint_to_its_process_group(tmp_path):
         process = server_manager_instance._servers[lite_key(store.uri)]._p
         os.kill(process.pid, signal.SIGINT)
         time.sleep(1.0)
-        assert process.poll() is None  # was: -2
+        assert process.poll() is None  # alive after the ^C
         assert store.count() == 0
     finally:
         store.close()

@@ -253,8 +253,8 @@ def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
 @pytest.mark.ray
 def test_backend_down_on_the_ray_executor(tmp_path, es_url):
     """A retriever actor that cannot reach its backend (the Elasticsearch its index was
-    ingested into, now named at a dead port): the error it died of, as one line (was:
-    ActorDiedError, 115 lines of traceback)."""
+    ingested into, now named at a dead port): the error it died of, as one line, not Ray's
+    ActorDiedError with its traceback."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"_id": "d1", "title": "Falcon", "text": "Falcon plan"}) + "\n")
     home = ["--home", tmp_path / "home", "--index", f"down-{os.getpid()}"]

@@ -363,7 +363,7 @@ def test_a_delete_with_a_store_down_changes_nothing(tmp_path):
         lexical.count = lexical.write = down
         with pytest.raises(BackendUnavailable):
             documents.delete(r, settings, "memo")
-        assert r.docstore.get_document("memo") is not None  # was: gone
+        assert r.docstore.get_document("memo") is not None  # nothing changed
         del lexical.count, lexical.write  # back up: the repeat deletes it everywhere
         assert documents.delete(r, settings, "memo") is True
         assert r.docstore.get_document("memo") is None
