@@ -86,6 +86,23 @@ def _ready() -> bool:
     return True
 
 
+def _start_fork_server() -> None:
+    """Start the fork server ignoring ^C (an ignored signal stays ignored across fork and
+    exec): a ^C to the process group while it imports would print its traceback and end it;
+    the batch handles ^C itself."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        multiprocessing.forkserver.ensure_running()  # signal handlers are the main thread's
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class QuestionProcesses:
     """`search(question) -> result dict` in this process and `workers` worker processes;
     `close()` stops them. A question goes to this process when it is free, else to a worker
@@ -109,7 +126,7 @@ class QuestionProcesses:
             if workers:  # the fork server imports on its own core while this process opens
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(_PRELOAD)
-                multiprocessing.forkserver.ensure_running()
+                _start_fork_server()
             if profile.lite_file and workers:  # this process owns the file; all use its server
                 from branchsearch.infra.index.open import dense_store, open_retriever
                 from branchsearch.infra.stores.milvus import serve_lite, use_served_lite
