@@ -33,6 +33,7 @@ from branchsearch.infra.datasets.beir import read_queries  # noqa: E402
 from branchsearch.infra.config.settings import load_settings  # noqa: E402
 from branchsearch.orchestrator.batch import run_batch  # noqa: E402
 from branchsearch.orchestrator.driver import Driver  # noqa: E402
+from branchsearch.infra.models.tokenizer import agent_counter  # noqa: E402
 
 
 def busy_cpu_s() -> float:
@@ -47,6 +48,15 @@ def busy_cpu_s() -> float:
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
 
 
+def forget_token_counts() -> None:
+    """Empty this process's agent token caches, so a configuration measured after another on
+    the same questions does not find their chunks already counted (new questions would not).
+    (The Ray actors' caches are not reached: the second Ray configuration finds them warm.)"""
+    counter = agent_counter(load_settings().encoding)
+    for cached in (counter._tokens, counter.cut):
+        cached.cache_clear()
+
+
 def idle_rate(seconds: float = 3.0) -> float:
     """The machine's busy CPU per second while this process sleeps: what others (and an idle
     Ray cluster's daemons) use, subtracted from every measurement."""
@@ -57,6 +67,7 @@ def idle_rate(seconds: float = 3.0) -> float:
 
 def measure(driver: Driver, questions: list[str], branches: int) -> dict:
     driver.search(questions[0], max_branches=branches)  # warm-up
+    forget_token_counts()  # every configuration counts its chunks' tokens afresh
     idle = idle_rate()
     walls, shares, multi = [], [], []  # multi: the questions planned to 2+ branches
     cpu0, started = busy_cpu_s(), time.perf_counter()

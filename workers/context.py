@@ -20,15 +20,25 @@ from branchsearch.workers.policy import VisibleChunk
 
 
 class ActiveContext:
+    """Keeps its token total as chunks come and go: the budget asks for it at every hit."""
+
     def __init__(self) -> None:
         self._chunks: dict[str, VisibleChunk] = {}
+        self._tokens = 0
 
     def add(self, chunk: VisibleChunk) -> None:
+        before = self._chunks.get(chunk.id)
+        self._tokens += chunk.tokens - (before.tokens if before is not None else 0)
         self._chunks[chunk.id] = chunk
 
     def remove(self, ids: list[str]) -> None:
         for cid in ids:
-            self._chunks.pop(cid, None)
+            gone = self._chunks.pop(cid, None)
+            if gone is not None:
+                self._tokens -= gone.tokens
+
+    def get(self, cid: str) -> VisibleChunk | None:
+        return self._chunks.get(cid)
 
     def __contains__(self, cid: str) -> bool:
         return cid in self._chunks
@@ -44,7 +54,7 @@ class ActiveContext:
 
     @property
     def tokens(self) -> int:
-        return sum(c.tokens for c in self._chunks.values())
+        return self._tokens
 
 
 class RetrievalCache:

@@ -235,11 +235,12 @@ class Episode:
         for i, call in enumerate(calls):
             with trace.use_span(spans[i], end_on_exit=True):
                 result = self.apply(call, checked[i], fetched.get(i))
-                spans[i].set_attributes({"tool": call.name, "ok": result.ok,
-                                         "args": json.dumps(call.args, default=str)[:2000],
-                                         "ids": result.ids[:100]})
-                if not result.ok:
-                    spans[i].set_attribute("error", result.content)
+                if spans[i].is_recording():  # no exporter: nothing to build
+                    spans[i].set_attributes({"tool": call.name, "ok": result.ok,
+                                             "args": json.dumps(call.args, default=str)[:2000],
+                                             "ids": result.ids[:100]})
+                    if not result.ok:
+                        spans[i].set_attribute("error", result.content)
             results.append(result)
         return results
 

@@ -6,7 +6,7 @@ touches the stores itself. Retrieved text is data: `render` delimits and escapes
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
@@ -50,6 +50,12 @@ class Workspace:
     def used(self) -> int:
         return self.context.tokens
 
+    @property
+    def _counts_agree(self) -> bool:
+        """A hit's `text_tokens` (the retriever's, in `settings.encoding`) count for this
+        counter."""
+        return self.counter.encoding_name == self.settings.encoding
+
     def known(self, ids: list[str]) -> tuple[str, ...]:
         """The ids among `ids` that this episode has seen (provenance parents)."""
         return tuple(cid for cid in ids if cid in self.cache)
@@ -61,19 +67,19 @@ class Workspace:
         replaced by the longer text."""
         added: list[str] = []
         cap = cap or self.settings.result_token_cap
-        visible = {c.id: c for c in self.context.chunks()}
         for hit in hits:
             if hit.chunk_id in self.cache and not allow_cached:
                 continue
-            before = visible.get(hit.chunk_id)
+            before = self.context.get(hit.chunk_id)
             if before is not None and (before.text == hit.text
                                        or self.counter.count(before.text) >= cap):
                 continue
             room = self.budget.room(self.used - (before.tokens if before else 0))
             if room < 16:
                 break  # over budget: unseen hits stay findable by later searches
-            shown, shown_tokens, full_tokens = self.counter.cut(hit.text, min(cap, room - 8))
-            if self.cache.add(dataclasses.replace(hit)):
+            shown, shown_tokens, full_tokens = self.counter.cut(
+                hit.text, min(cap, room - 8), hit.text_tokens if self._counts_agree else None)
+            if self.cache.add(copy.copy(hit)):
                 self.tokens_read += full_tokens
             self.provenance.add(ProvenanceRecord(hit.chunk_id, self.turn, tool, query, hit.rank,
                                                  round(hit.score, 6), parents))
@@ -88,10 +94,9 @@ class Workspace:
 
     def render(self, ids: list[str]) -> str:
         """Retrieved text is data: delimited, escaped, never interpreted."""
-        by_id = {c.id: c for c in self.context.chunks()}
-        return "\n".join(
-            f'<chunk id="{escape(cid)}" title="{escape(by_id[cid].title)}">'
-            f"{escape(by_id[cid].text, quote=False)}</chunk>" for cid in ids if cid in by_id)
+        shown = [c for c in map(self.context.get, ids) if c is not None]
+        return "\n".join(f'<chunk id="{escape(c.id)}" title="{escape(c.title)}">'
+                         f"{escape(c.text, quote=False)}</chunk>" for c in shown)
 
     def emit(self, event: dict) -> None:
         """An event for whoever watches (the driver's `on_event`); a watcher that fails never

@@ -255,8 +255,12 @@ def _dense_dim(root, embedder) -> int:
 def open_retriever(settings: Settings, need_dense: bool = True, embedder=None) -> Retriever:
     docstore, lexical, dense, embedder = open_stores(settings, need_dense=need_dense,
                                                      embedder=embedder)
+    from branchsearch.infra.index.manifest import read_manifest
+
+    recorded = read_manifest(settings.index_dir)  # the counts in the docstore are in its encoding
     return Retriever(docstore, lexical, dense, embedder, settings.rrf_k,
-                     settings.hybrid_candidates, one_side(settings))
+                     settings.hybrid_candidates, one_side(settings),
+                     counts_tokens=recorded is not None and recorded.encoding == settings.encoding)
 
 
 def check_readable(settings: Settings) -> None:

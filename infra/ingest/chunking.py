@@ -19,7 +19,9 @@ class Chunk:
     n: int
     text: str
     start_token: int
-    n_tokens: int
+    n_tokens: int  # the window's tokens in the document
+    text_tokens: int | None = None  # `text`'s own tokens (a decoded, stripped window may count
+    # otherwise than the window); None: not counted, the docstore keeps NULL
 
 
 def chunk_id(doc_id: str, n: int) -> str:
@@ -37,14 +39,14 @@ def chunk_text(doc_id: str, text: str, counter: TokenCounter, size: int = 256,
                overlap: int = 32) -> list[Chunk]:
     tokens = counter.encode(text)
     if len(tokens) <= size:
-        return [Chunk(chunk_id(doc_id, 0), doc_id, 0, text, 0, len(tokens))]
+        return [Chunk(chunk_id(doc_id, 0), doc_id, 0, text, 0, len(tokens), len(tokens))]
     chunks: list[Chunk] = []
     start = 0
     while start < len(tokens):
         end = min(start + size, len(tokens))
         piece = counter.decode(tokens[start:end]).strip()
         chunks.append(Chunk(chunk_id(doc_id, len(chunks)), doc_id, len(chunks), piece, start,
-                            end - start))
+                            end - start, counter.count(piece)))
         if end == len(tokens):
             break
         start = _word_start(tokens, end - overlap, end, counter)

@@ -59,13 +59,14 @@ class ChunkEmbedder:
         from branchsearch.infra.ingest.chunking import chunk_text
 
         cols: dict[str, list] = {k: [] for k in ("chunk_id", "doc_id", "n", "text",
-                                                  "start_token", "n_tokens", "doc_chunks")}
+                                                  "start_token", "n_tokens", "text_tokens",
+                                                  "doc_chunks")}
         bodies: list[str] = []
         size, overlap = self.chunking["chunk_tokens"], self.chunking["chunk_overlap"]
         for doc_id, title, text in zip(batch["id"], batch["title"], batch["text"]):
             chunks = chunk_text(str(doc_id), str(text), self.counter, size, overlap)
             for c in chunks:
-                for key in ("doc_id", "n", "text", "start_token", "n_tokens"):
+                for key in ("doc_id", "n", "text", "start_token", "n_tokens", "text_tokens"):
                     cols[key].append(getattr(c, key))
                 cols["chunk_id"].append(c.id)
                 cols["doc_chunks"].append(len(chunks))
@@ -180,7 +181,8 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
         for i in range(len(out["chunk_id"])):
             doc_id = str(out["doc_id"][i])
             chunk = Chunk(str(out["chunk_id"][i]), doc_id, int(out["n"][i]), str(out["text"][i]),
-                          int(out["start_token"][i]), int(out["n_tokens"][i]))
+                          int(out["start_token"][i]), int(out["n_tokens"][i]),
+                          int(out["text_tokens"][i]))
             parts = waiting.setdefault(doc_id, [])
             parts.append((chunk, None if vectors is None else vectors[i]))
             if len(parts) == int(out["doc_chunks"][i]):

@@ -76,6 +76,7 @@ class TokenCounter:
         self._enc = get_encoding(encoding)
         if cache_size:  # arrays of 4-byte ids: ~0.5 kB a chunk, a few MB in all
             self._tokens = functools.lru_cache(maxsize=cache_size)(self._tokens)
+            self.cut = functools.lru_cache(maxsize=cache_size)(self.cut)  # the same cut again
 
     def _tokens(self, text: str) -> array:
         return array("I", self._enc.encode_ordinary(text))
@@ -89,9 +90,12 @@ class TokenCounter:
     def decode(self, tokens: list[int]) -> str:
         return self._enc.decode(tokens)
 
-    def cut(self, text: str, max_tokens: int) -> tuple[str, int, int]:
+    def cut(self, text: str, max_tokens: int, known: int | None = None) -> tuple[str, int, int]:
         """(text cut to `max_tokens` with an ellipsis when cut, its token count, the full
-        text's token count) — one encoding pass."""
+        text's token count) — one encoding pass, none when `known` (the text's count, from the
+        index) says it fits."""
+        if known is not None and known <= max_tokens:
+            return text, known, known
         tokens = self._tokens(text)
         if len(tokens) <= max_tokens:
             return text, len(tokens), len(tokens)

@@ -56,6 +56,7 @@ class Retriever:
     rrf_k: int = 60
     hybrid_candidates: int = 50
     one_sided: str = ""  # "bm25" | "dense": an index with only that backend (hybrid = that side)
+    counts_tokens: bool = False  # the docstore's token counts are in the agent's encoding
     backend_requests: Counter = field(default_factory=Counter, init=False, repr=False)
     _count_lock: threading.Lock = field(default_factory=threading.Lock, init=False,
                                         repr=False)
@@ -178,6 +179,7 @@ class Retriever:
                 out.append(h)
             elif row is not None:
                 h.text, h.title = row["text"], row["title"]
+                h.text_tokens = row["text_tokens"] if self.counts_tokens else None
                 out.append(h)
         for rank, h in enumerate(out, start=1):
             h.rank = rank
@@ -219,6 +221,8 @@ class Retriever:
         end = len(chunks) if end is None else max(start, min(end, len(chunks)))
         if cache is not None:  # the caller's own copy (the cached rows stay as read)
             doc, chunks = copy.deepcopy(doc), [dict(c) for c in chunks]
+        if not self.counts_tokens:
+            chunks = [c | {"text_tokens": None} for c in chunks]
         doc["chunks"] = chunks[max(start, 0):end]
         return doc
 

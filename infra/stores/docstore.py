@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS docs (
     n_chunks INTEGER, fingerprint TEXT, title_key TEXT);
 CREATE TABLE IF NOT EXISTS chunks (
     chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL, text TEXT NOT NULL,
-    start_token INTEGER, n_tokens INTEGER);
+    start_token INTEGER, n_tokens INTEGER, text_tokens INTEGER);
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
 CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
 """
@@ -61,6 +61,9 @@ class DocStore:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
         if "fingerprint" not in columns:  # a docstore written before fingerprints
             self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
+        # `text`'s token count, in the index's encoding; NULL in rows written before it was kept
+        self._text_tokens = "text_tokens" in {
+            r[1] for r in self._db.execute("PRAGMA table_info(chunks)")}
         self._lock = threading.RLock()  # one connection, many retriever threads
         self._keys_tried = 0.0
         self.has_title_keys = self._title_keys(columns)
@@ -120,6 +123,9 @@ class DocStore:
         """Replace `docs` and all their chunks in one transaction; they stop being pending."""
         fingerprints = fingerprints or {}
         with self._db:
+            if not self._text_tokens:  # a docstore written before: its old rows stay NULL
+                self._db.execute("ALTER TABLE chunks ADD COLUMN text_tokens INTEGER")
+                self._text_tokens = True
             ids = [(d.id,) for d in docs]
             self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
             self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
@@ -127,8 +133,10 @@ class DocStore:
             rows = []
             for c in chunks:
                 by_doc[c.doc_id] = by_doc.get(c.doc_id, 0) + 1
-                rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens))
-            self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?,?,?)", rows)
+                rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens,
+                             c.text_tokens))
+            self._db.executemany("INSERT INTO chunks (chunk_id, doc_id, n, text, start_token, "
+                                 "n_tokens, text_tokens) VALUES (?,?,?,?,?,?,?)", rows)
             self._db.executemany(
                 "INSERT INTO docs (doc_id, title, source, date, acl, meta, n_chunks, "
                 "fingerprint, title_key) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -202,11 +210,12 @@ class DocStore:
             marks = ",".join("?" * len(batch))
             for row in self._db.execute(
                 f"SELECT c.chunk_id, c.doc_id, c.n, c.text, c.n_tokens, d.title, d.source, "
-                f"d.date, d.acl FROM chunks c JOIN docs d USING (doc_id) "
-                f"WHERE c.chunk_id IN ({marks})", batch):
+                f"d.date, d.acl, {self._text_tokens_column('c.')} FROM chunks c "
+                f"JOIN docs d USING (doc_id) WHERE c.chunk_id IN ({marks})", batch):
                 found[row[0]] = {"chunk_id": row[0], "doc_id": row[1], "n": row[2],
                                  "text": row[3], "n_tokens": row[4], "title": row[5],
-                                 "source": row[6], "date": row[7], "acl": json.loads(row[8])}
+                                 "source": row[6], "date": row[7], "acl": json.loads(row[8]),
+                                 "text_tokens": row[9]}
         return found
 
     @_locked
@@ -224,10 +233,13 @@ class DocStore:
 
     @_locked
     def document_chunks(self, doc_id: str) -> list[dict]:
-        return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3]}
-                for r in self._db.execute(
-                    "SELECT chunk_id, n, text, n_tokens FROM chunks WHERE doc_id = ? ORDER BY n",
-                    (doc_id,))]
+        return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3],
+                 "text_tokens": r[4]} for r in self._db.execute(
+                    f"SELECT chunk_id, n, text, n_tokens, {self._text_tokens_column()} "
+                    "FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
+
+    def _text_tokens_column(self, table: str = "") -> str:
+        return f"{table}text_tokens" if self._text_tokens else "NULL"
 
     @_locked
     def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),

@@ -24,6 +24,8 @@ class Hit:
     text: str = ""
     title: str = ""
     ranks: dict[str, int] = field(default_factory=dict)  # per-source rank for fused hits
+    text_tokens: int | None = None  # `text`'s tokens in the agent's encoding, when the index
+    # knows them (an owned index ingested with counts in that encoding); None: count them
 
     def to_dict(self) -> dict:
         return {"chunk_id": self.chunk_id, "doc_id": self.doc_id, "score": round(self.score, 6),

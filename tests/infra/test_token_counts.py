@@ -1,0 +1,130 @@
+"""Each chunk's own token count, kept by ingest and carried on its hits: the agent's context
+shows a chunk that fits without encoding it again, and nothing it shows or counts changes.
+Real stores (docstore, tantivy, Milvus Lite) and the real heuristic episode."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.ingest.chunking import Chunk
+from branchsearch.infra.ingest.corpus import Document
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.infra.index.open import open_retriever
+from branchsearch.infra.models.tokenizer import TokenCounter
+from branchsearch.infra.stores.docstore import DocStore
+from branchsearch.workers.factory import make_policy
+from branchsearch.workers.harness import Episode
+
+from conftest import HOTPOT
+
+# long enough for several overlapping windows; accents, CJK and runs of spaces that a decoded,
+# stripped window re-encodes differently from the window itself
+LONG = " ".join(f"Zürich café №{i}   naïve 東京 façade —  line{i}\n" for i in range(120))
+
+
+def _settings(home, **extra):
+    return load_settings(overrides={"home": home, "search_mode": "bm25", **extra},
+                         read_env=False, read_file=False)
+
+
+def _corpus(path):
+    rows = [{"id": "long-é", "title": "Long", "text": LONG},
+            {"id": "short", "title": "Short", "text": "  A short page, with spaces around.  "}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+def test_every_chunk_keeps_its_own_texts_token_count(tmp_path):
+    settings = _settings(tmp_path / "h")
+    ingest(_corpus(tmp_path / "c.jsonl"), settings, dense=False)
+    counter = TokenCounter(settings.encoding)
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        assert retriever.counts_tokens
+        ids = [r["chunk_id"] for r in retriever.docstore.document_chunks("long-é")]
+        assert len(ids) > 2  # several windows
+        rows = retriever.get_chunks(ids + ["short#p0"])
+        assert {cid: r["text_tokens"] for cid, r in rows.items()} == {
+            cid: counter.count(r["text"]) for cid, r in rows.items()}
+        hits = retriever.search("Zürich café naïve", k=5, mode="bm25")
+        assert hits and all(h.text_tokens == counter.count(h.text) for h in hits)
+        doc = retriever.read_document("long-é", 0, 3)
+        assert [c["text_tokens"] for c in doc["chunks"]] == [
+            counter.count(c["text"]) for c in doc["chunks"]]
+    finally:
+        retriever.close()
+
+
+def test_counts_in_another_encoding_are_not_handed_on(tmp_path):
+    home = tmp_path / "h"
+    ingest(_corpus(tmp_path / "c.jsonl"), _settings(home, encoding="cl100k_base"), dense=False)
+    retriever = open_retriever(_settings(home), need_dense=False)  # the agent counts o200k
+    try:
+        assert not retriever.counts_tokens
+        hits = retriever.search("Zürich café", k=3, mode="bm25")
+        assert hits and all(h.text_tokens is None for h in hits)
+        assert all(c["text_tokens"] is None
+                   for c in retriever.read_document("long-é", 0, 2)["chunks"])
+    finally:
+        retriever.close()
+
+
+def test_a_docstore_written_before_counts_reads_none_and_gains_them_for_new_rows(tmp_path):
+    path = tmp_path / "docs.sqlite"
+    db = sqlite3.connect(path)  # the schema before `text_tokens`
+    db.executescript("""
+        CREATE TABLE docs (doc_id TEXT PRIMARY KEY, title TEXT, source TEXT, date TEXT, acl TEXT,
+            meta TEXT, n_chunks INTEGER, fingerprint TEXT, title_key TEXT);
+        CREATE TABLE chunks (chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL,
+            text TEXT NOT NULL, start_token INTEGER, n_tokens INTEGER);
+        INSERT INTO docs VALUES ('old', 'Old', '', '', '[]', '{}', 1, 'x', 'old');
+        INSERT INTO chunks VALUES ('old#p0', 'old', 0, 'An old page.', 0, 99);""")
+    db.commit()
+    db.close()
+    store = DocStore(path)
+    try:
+        assert store.get_chunks(["old#p0"])["old#p0"]["text_tokens"] is None
+        store.replace_documents([Document("new", "New", "A new page.")],
+                                [Chunk("new#p0", "new", 0, "A new page.", 0, 4, 4)])
+        rows = store.get_chunks(["old#p0", "new#p0"])
+        assert rows["old#p0"]["text_tokens"] is None  # never guessed from the window's count
+        assert rows["new#p0"]["text_tokens"] == 4
+        assert [c["text_tokens"] for c in store.document_chunks("new")] == [4]
+    finally:
+        store.close()
+
+
+class CountingCounter(TokenCounter):
+    """A counter with no cache that counts how often it encodes."""
+
+    encodes = 0
+
+    def _tokens(self, text):
+        self.encodes += 1
+        return super()._tokens(text)
+
+
+def test_an_episode_shows_and_counts_the_same_with_the_indexs_counts(hotpot_settings,
+                                                                     hotpot_retriever):
+    questions = [json.loads(line)["text"] for line in
+                 (HOTPOT / "queries.jsonl").read_text().splitlines()][:6]
+    assert hotpot_retriever.counts_tokens
+
+    def run(counts: bool):
+        hotpot_retriever.counts_tokens = counts
+        counter = CountingCounter(hotpot_settings.encoding)
+        try:
+            results = [Episode(q, hotpot_retriever, make_policy(hotpot_settings),
+                               hotpot_settings, counter=counter).run() for q in questions]
+        finally:
+            hotpot_retriever.counts_tokens = True
+        return counter.encodes, [
+            (r.ranked_chunk_ids, r.context_tokens_per_turn, r.tokens_read, r.final_context_ids,
+             r.termination) for r in results]
+
+    encodes_with, with_counts = run(True)
+    encodes_without, without = run(False)
+    assert with_counts == without
+    assert encodes_with < encodes_without
