@@ -96,12 +96,34 @@ class TokenCounter:
         index) says it fits."""
         if known is not None and known <= max_tokens:
             return text, known, known
+        if known is not None and max_tokens > 0:  # it does not fit: only its head is needed
+            head = self._head(text, max_tokens - 1)
+            if head is not None:
+                return self._enc.decode(head) + "…", max_tokens, known
         tokens = self._tokens(text)
         if len(tokens) <= max_tokens:
             return text, len(tokens), len(tokens)
         keep = max(max_tokens - 1, 0)
         return (self._enc.decode(tokens[:keep].tolist()) + "…" if max_tokens > 0 else ""), \
             min(keep + 1, max_tokens), len(tokens)
+
+    def _head(self, text: str, n: int) -> list[int] | None:
+        """The first `n` tokens of `text`, from encoding a prefix of it: one that ends just
+        before a space following a non-space encodes to a prefix of the whole text's tokens
+        (no piece of the encoding's pre-tokenizer crosses such a space: a space before a
+        letter, digit or mark begins the next piece). None when no such prefix holds `n`."""
+        at = 5 * n + 16  # ~4.5 characters a token in English prose; retried longer if short
+        while at < len(text):
+            cut = text.find(" ", at)
+            while cut > 0 and text[cut - 1].isspace():
+                cut = text.find(" ", cut + 1)
+            if cut <= 0:
+                return None
+            tokens = self._enc.encode_ordinary(text[:cut])
+            if len(tokens) >= n:
+                return tokens[:n]
+            at = 2 * cut
+        return None
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """`text` cut to at most `max_tokens` tokens, with an ellipsis when cut."""

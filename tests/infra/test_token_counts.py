@@ -128,3 +128,29 @@ def test_an_episode_shows_and_counts_the_same_with_the_indexs_counts(hotpot_sett
     encodes_without, without = run(False)
     assert with_counts == without
     assert encodes_with < encodes_without
+
+
+def test_a_cut_from_the_texts_head_equals_the_cut_from_all_of_it():
+    """With the count known, a text that does not fit is cut from an encoded prefix; over
+    real pages and generated text (spaces, tabs, newlines, contractions, digits, CJK,
+    combining marks) in both shipped encodings, that cut is the one the whole text gives."""
+    import random
+
+    rng = random.Random(7)
+    pieces = list("aZé東 \n\t'.,-/0123456789sS") + ["'s", "  ", "\r\n", "—", "ß", "ǅ", "١",
+                                                    "e\u0301", "'RE"]
+    texts = [json.loads(line)["text"] for line in
+             (HOTPOT / "corpus.jsonl").read_text().splitlines()] + [LONG]
+    texts += ["".join(rng.choice(pieces) for _ in range(rng.randint(20, 600)))
+              for _ in range(300)]
+    cases = 0
+    for encoding in ("o200k_base", "cl100k_base"):
+        counter = TokenCounter(encoding)
+        for text in texts:
+            full = counter.count(text)
+            for max_tokens in (1, 2, 7, 40, 119):
+                if full > max_tokens:
+                    cases += 1
+                    assert counter.cut(text, max_tokens, full) == counter.cut(text, max_tokens), \
+                        (encoding, max_tokens, text[:200])
+    assert cases > 1000
