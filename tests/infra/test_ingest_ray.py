@@ -56,6 +56,11 @@ def test_workers_build_the_same_index(tmp_path):
     try:
         ids = lambda r: sorted(c for d in r.titles() for c in r.read_document(d)["chunk_ids"])  # noqa
         assert ids(ra) == ids(rb)
+        every = ids(ra)  # the same chunk texts, and each its own token count, from either way
+        rows_a, rows_b = ra.get_chunks(every), rb.get_chunks(every)
+        assert {c: (r["text"], r["text_tokens"]) for c, r in rows_a.items()} == \
+            {c: (r["text"], r["text_tokens"]) for c, r in rows_b.items()}
+        assert all(isinstance(r["text_tokens"], int) for r in rows_b.values())
         for q in ("Were Scott Derrickson and Ed Wood of the same nationality?",
                   "Which magazine was started first?"):
             for mode in ("bm25", "dense", "hybrid"):
