@@ -14,7 +14,7 @@
 #    $MSEG/rows.jsonl; the collection is dropped after its searches);
 # 3. stops the server by PID (the holder stops the binary; the binary's PID is checked after).
 #
-# Overrides: MSEG_SET="key=value ..." adds/overrides milvus.yaml keys; QUERIES (100);
+# Overrides: MSEG_SET="key=value ..." adds/overrides milvus.yaml keys; QUERIES (100); EF (64);
 # MSEG_COMPACT=auto|always|never (auto). Everything is logged to $MSEG/run.log
 # (MSEG: /tmp/milvus-segments unless set).
 set -euo pipefail
@@ -25,6 +25,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 PY=$REPO/.venv/bin/python
 SIZES=("${@:-10000}")
 QUERIES=${QUERIES:-100}
+EF=${EF:-64}  # HNSW search breadth of the searches
 COMPACT=${MSEG_COMPACT:-auto}
 SRV=$MSEG/srv
 WORK=$MSEG/work
@@ -98,7 +99,7 @@ for n in "${SIZES[@]}"; do
     --compact "$COMPACT" --json "$MSEG/segments.jsonl" --timeout-s 3600
   echo "--- $n: search ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
   "$PY" bench/milvus_scaling.py --backends server --sizes "$n" --queries "$QUERIES" \
-    --uri "$URI" --pid "$PID" --workdir "$WORK" --json "$MSEG/rows.jsonl"
+    --uri "$URI" --pid "$PID" --workdir "$WORK" --ef "$EF" --json "$MSEG/rows.jsonl"
   echo "--- $n: done ($(date +%T))"
 done
 echo "server RSS before stop: $(ps -o rss= -p "$PID" 2>/dev/null | awk '{printf "%.0f MB", $1/1024}')"
