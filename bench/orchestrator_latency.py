@@ -52,9 +52,7 @@ def forget_token_counts() -> None:
     """Empty this process's agent token caches, so a configuration measured after another on
     the same questions does not find their chunks already counted (new questions would not).
     (The Ray actors' caches are not reached: the second Ray configuration finds them warm.)"""
-    counter = agent_counter(load_settings().encoding)
-    for cached in (counter._tokens, counter.cut):
-        cached.cache_clear()
+    agent_counter(load_settings().encoding).forget()
 
 
 def idle_rate(seconds: float = 3.0) -> float:

@@ -124,8 +124,7 @@ class DocStore:
         fingerprints = fingerprints or {}
         with self._db:
             if not self._text_tokens:  # a docstore written before: its old rows stay NULL
-                self._db.execute("ALTER TABLE chunks ADD COLUMN text_tokens INTEGER")
-                self._text_tokens = True
+                self._add_text_tokens()
             ids = [(d.id,) for d in docs]
             self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
             self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
@@ -237,6 +236,12 @@ class DocStore:
                  "text_tokens": r[4]} for r in self._db.execute(
                     f"SELECT chunk_id, n, text, n_tokens, {self._text_tokens_column()} "
                     "FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
+
+    def _add_text_tokens(self) -> None:
+        """Give `chunks` its `text_tokens` column, unless another connection already did."""
+        if "text_tokens" not in {r[1] for r in self._db.execute("PRAGMA table_info(chunks)")}:
+            self._db.execute("ALTER TABLE chunks ADD COLUMN text_tokens INTEGER")
+        self._text_tokens = True
 
     def _text_tokens_column(self, table: str = "") -> str:
         return f"{table}text_tokens" if self._text_tokens else "NULL"

@@ -154,3 +154,24 @@ def test_a_cut_from_the_texts_head_equals_the_cut_from_all_of_it():
                     assert counter.cut(text, max_tokens, full) == counter.cut(text, max_tokens), \
                         (encoding, max_tokens, text[:200])
     assert cases > 1000
+
+
+def test_a_writer_opened_before_another_added_the_column_still_writes(tmp_path):
+    path = tmp_path / "docs.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE chunks (chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL,
+            text TEXT NOT NULL, start_token INTEGER, n_tokens INTEGER);""")
+    db.commit()
+    db.close()
+    early, late = DocStore(path), DocStore(path)  # both see the schema without the column
+    try:
+        late.replace_documents([Document("a", "A", "First.")],
+                               [Chunk("a#p0", "a", 0, "First.", 0, 2, 2)])
+        early.replace_documents([Document("b", "B", "Second.")],
+                                [Chunk("b#p0", "b", 0, "Second.", 0, 2, 2)])
+        assert {c: r["text_tokens"] for c, r in early.get_chunks(["a#p0", "b#p0"]).items()} \
+            == {"a#p0": 2, "b#p0": 2}
+    finally:
+        early.close()
+        late.close()
