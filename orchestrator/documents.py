@@ -59,14 +59,18 @@ def _refuse_wrapper(text: str) -> None:
 
 
 def upsert(retriever, settings, docs: list) -> dict:
-    """Replace (or add) `docs` and all their chunks. Returns {documents, chunks}."""
+    """Replace (or add) `docs` and all their chunks, chunked as the index's ingest chunked
+    (its manifest's encoding and windows, whatever this process's settings say: the docstore's
+    token counts are read in that encoding). Returns {documents, chunks}."""
+    from branchsearch.infra.index.manifest import read_manifest
     from branchsearch.infra.stores.protocols import IndexedChunk
     from branchsearch.infra.ingest.chunking import chunk_text
     from branchsearch.infra.models.tokenizer import TokenCounter
 
-    counter = TokenCounter(settings.encoding)
-    chunks = [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
-                                                    settings.chunk_overlap)]
+    recorded = read_manifest(settings.index_dir) or settings
+    counter = TokenCounter(recorded.encoding)
+    chunks = [c for d in docs for c in chunk_text(d.id, d.text, counter, recorded.chunk_tokens,
+                                                    recorded.chunk_overlap)]
     by_id = {d.id: d for d in docs}
     indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
                for c in chunks]

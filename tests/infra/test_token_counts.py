@@ -175,3 +175,24 @@ def test_a_writer_opened_before_another_added_the_column_still_writes(tmp_path):
     finally:
         early.close()
         late.close()
+
+
+def test_a_document_upserted_by_a_process_of_another_encoding_is_chunked_as_the_index(tmp_path):
+    from branchsearch.orchestrator.documents import upsert
+
+    home = tmp_path / "h"
+    recorded = _settings(home, encoding="cl100k_base", chunk_tokens=64, chunk_overlap=8)
+    ingest(_corpus(tmp_path / "c.jsonl"), recorded, dense=False)
+    service = _settings(home)  # o200k_base and the default windows
+    retriever = open_retriever(service, need_dense=False)
+    try:
+        upsert(retriever, service, [Document("up-1", "Up", LONG)])
+        stored = retriever.docstore.document_chunks("up-1")
+    finally:
+        retriever.close()
+    from branchsearch.infra.ingest.chunking import chunk_text
+
+    cl100k = TokenCounter("cl100k_base")
+    expected = chunk_text("up-1", LONG, cl100k, 64, 8)
+    assert [(c["text"], c["text_tokens"]) for c in stored] == [
+        (c.text, cl100k.count(c.text)) for c in expected]
