@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from branchsearch.infra.models.tokenizer import encoding_problem
 from branchsearch.infra.stores.protocols import MAX_K
 from branchsearch.infra.config.choices import (MILVUS_CONSISTENCIES, MILVUS_INDEXES, MODES,
                                         OTLP_PROTOCOLS, PLANNERS, POLICIES, TRACE_EXPORTERS,
@@ -266,6 +267,25 @@ def index_name_problem(name: object) -> str:
     return ""
 
 
+def es_url_problem(url: str) -> str | None:
+    """What the Elasticsearch client would refuse in `url` (None when it is usable or unset).
+    The message never repeats the URL: it may hold a password that did not parse as one."""
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "not a URL (its port is not a number); write http://HOST:PORT"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "needs a scheme and a host, as in http://HOST:9200 or https://HOST"
+    if port is None and parts.scheme == "http":
+        return "an http:// URL needs its port, as in http://HOST:9200"
+    return None
+
+
 def _check_home(home: Path, index_dir: Path) -> None:
     """The data home and the index folder must be folders where they exist: a file there (a
     `--home` that names a file) would fail deep inside the first write."""
@@ -340,6 +360,9 @@ def _validate(s: Settings) -> None:
     for ok, message in checks:
         if not ok:
             raise SettingsError(f"bad settings: {message}")
+    problem = encoding_problem(s.encoding)
+    if problem:
+        raise SettingsError(problem)
     problem = index_name_problem(s.index)
     if problem:
         raise SettingsError(problem)
@@ -347,6 +370,11 @@ def _validate(s: Settings) -> None:
         problem = index_name_problem(spec.name)
         if problem:
             raise SettingsError(f"[indexes.NAME] in the settings file: {problem}")
+    for where, url in [("es_url", s.es_url)] + [
+            (f"[indexes.{spec.name}] es_url", spec.es_url) for spec in s.indexes]:
+        problem = es_url_problem(url)
+        if problem:
+            raise SettingsError(f"setting {where}: {problem}")
     _check_home(Path(s.home), s.index_dir)
     if s.trace_exporter == "otlp":  # a bad collector URL or header list stops here, clearly
         from branchsearch.infra.telemetry import otlp_headers, otlp_url

@@ -17,6 +17,8 @@ import tempfile
 from array import array
 from importlib import resources
 
+from branchsearch.infra.errors import SettingsError
+
 _SHIPPED_URLS = {
     "cl100k_base": "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
     "o200k_base": "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
@@ -49,20 +51,31 @@ def seed_tiktoken_cache() -> None:
         os.replace(tmp, target)
 
 
+OFFLINE_ENCODINGS = (*_SHIPPED_URLS, "o200k_harmony")  # built on the shipped files
+
+
+def encoding_problem(name: str) -> str | None:
+    """Why `name` cannot count tokens here (None when it can), without loading anything."""
+    if name in OFFLINE_ENCODINGS:
+        return None
+    return (f"setting encoding: {name!r} is not a tiktoken encoding branchsearch can load "
+            f"offline; use {', '.join(OFFLINE_ENCODINGS)}")
+
+
 @functools.cache
 def get_encoding(name: str = "o200k_base"):
     """A `tiktoken.Encoding` by name, loaded without network for the shipped encodings."""
     import tiktoken
 
+    problem = encoding_problem(name)
+    if problem:
+        raise SettingsError(problem)
     seed_tiktoken_cache()
     try:
         return tiktoken.get_encoding(name)
-    except ValueError:
-        raise ValueError(f"unknown tiktoken encoding {name!r}") from None
     except Exception as exc:
-        raise RuntimeError(
-            f"cannot load tiktoken encoding {name!r} offline ({type(exc).__name__}); "
-            f"shipped: {', '.join(_SHIPPED_URLS)}, o200k_harmony") from None
+        raise SettingsError(f"cannot load tiktoken encoding {name!r} offline "
+                            f"({type(exc).__name__})") from None
 
 
 class TokenCounter:

@@ -32,8 +32,10 @@ def parse_sse(text: str) -> list[dict]:
 
 
 def result_dict(result, k: int | None = None) -> dict:
-    """`SearchResult.to_dict()` with at most `k` evidence chunks."""
+    """`SearchResult.to_dict()` with at most `k` evidence chunks, and no process ids (a
+    caller learns nothing of the machines behind the service)."""
     out = result.to_dict()
+    out["branches"] = [{key: v for key, v in b.items() if key != "pid"} for b in out["branches"]]
     if k is not None:
         out["ranked_chunk_ids"] = out["ranked_chunk_ids"][:k]
         keep = set(out["ranked_chunk_ids"])

@@ -162,6 +162,33 @@ def test_bad_home_index_name_and_settings_file(inputs, tmp_path):
                                                            "branchsearch.toml"]
 
 
+def test_an_encoding_or_elasticsearch_url_we_cannot_use_is_one_line(inputs, tmp_path):
+    """An encoding not shipped (tiktoken would download it) and an es_url the Elasticsearch
+    client refuses: one line before anything is written (were 100+ line tracebacks). A URL's
+    password never appears, even where it did not parse as one."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d", "title": "T", "text": "some text"}) + "\n")
+    cases = {}
+    for name, line, expect in [
+            ("encoding p50k", 'encoding = "p50k_base"', "'p50k_base' is not a tiktoken"),
+            ("encoding bogus", 'encoding = "bogus"', "use cl100k_base, o200k_base"),
+            ("es_url no scheme", 'es_url = "127.0.0.1:9200"', "needs a scheme and a host"),
+            ("es_url password, no scheme", 'es_url = "elastic:hunter2@es:9200"', "scheme"),
+            ("es_url no port", 'es_url = "http://localhost"', "needs its port"),
+            ("es_url bad port", 'es_url = "http://u:hunter2@es:x"', "port is not a number")]:
+        config = tmp_path / f"{name.replace(' ', '-').replace(',', '')}.toml"
+        config.write_text(line + "\n")
+        home = tmp_path / f"home-{config.stem}"
+        cases[f"ingest {name}"] = (["ingest", corpus, "--home", home, "--config", config],
+                                   expect)
+        cases[f"search {name}"] = (["search", "q", "--home", home, "--config", config], expect)
+    results = run_all({name: args for name, (args, _) in cases.items()})
+    for name, (_, expect) in cases.items():
+        assert_one_error_line(results[name], expect, name)
+        assert "hunter2" not in results[name].stderr + results[name].stdout, name
+    assert not list(tmp_path.glob("home-*"))
+
+
 def test_index_names_any_script_up_to_100_characters(tmp_path):
     """The rule (infra/config/settings.py, one place): 1-100 letters, digits, '-', '_' of any script,
     at most 200 bytes in UTF-8, so the name is one folder on every file system."""

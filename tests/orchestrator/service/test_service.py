@@ -207,6 +207,7 @@ def test_stream_events_in_order(site):
         assert events[mine[-1]]["type"] == "branch_done"
     result = events[-1]["result"]
     assert result["status"] == "ok" and len(result["trace_id"]) == 32
+    assert result["branches"] and not any("pid" in b for b in result["branches"])  # internal
     assert {d["doc_id"] for d in result["evidence"]} & set(ALPHA_DOCS)
     for doc in result["evidence"]:
         for chunk in doc["chunks"]:
