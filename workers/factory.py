@@ -18,15 +18,14 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
     entity branch then only repeats the question branch's search for that name.)"""
     name = name or settings.policy
     if name == "heuristic":
-        from branchsearch.infra.retrieval.retriever import searched_mode
         from branchsearch.workers.heuristic import HeuristicConfig, HeuristicPolicy
         from branchsearch.workers.heuristic.ranker import weights_for
 
-        mode = searched_mode(settings)
+        mode, hops = index_modes(settings)
         return HeuristicPolicy(HeuristicConfig(
             final_k=settings.final_k, prune=settings.prune, max_turns=settings.max_turns,
             learned_rank=settings.learned_rank, per_title=settings.per_title,
-            ranker_path=str(weights_for(mode)), hop_mode=hop_mode(settings, mode),
+            ranker_path=str(weights_for(mode)), hop_mode=hops,
             tail_page=kind == "original", max_hops=3 if kind == "original" else OTHER_MAX_HOPS,
             fork_gap=settings.fork_gap if settings.forks else 0.0))
     if name == "llm":
@@ -40,6 +39,39 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
 
 
 OTHER_MAX_HOPS = 2  # the hops of a branch other than the question's own
+
+
+_MODES: dict[tuple, tuple[str, str]] = {}  # index_modes, by what they were read from
+
+
+def index_modes(settings: Settings) -> tuple[str, str]:
+    """(`searched_mode`, `hop_mode`) for a policy on `settings`' index. On an owned tantivy
+    index both read its files (the manifest, tantivy's meta.json): kept while those are
+    unchanged (same inode, size and mtime), so a branch does not parse them again (a fifth of a
+    millisecond a branch), and a re-ingest or a service's upsert is seen by the next branch.
+    Elsewhere (Elasticsearch, external indexes) they are asked every time, as before."""
+    from branchsearch.infra.index.manifest import manifest_path
+    from branchsearch.infra.retrieval.retriever import searched_mode
+
+    def signature(path) -> tuple | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    if settings.external is not None or settings.es_url:
+        mode = searched_mode(settings)
+        return mode, hop_mode(settings, mode)
+    key = (settings.index_dir, settings.search_mode, signature(manifest_path(settings.index_dir)),
+           signature(settings.index_dir / "tantivy" / "meta.json"))
+    modes = _MODES.get(key)
+    if modes is None:
+        mode = searched_mode(settings)
+        modes = _MODES[key] = (mode, hop_mode(settings, mode))
+        if len(_MODES) > 256:  # indexes re-ingested many times in one process
+            _MODES.pop(next(iter(_MODES)), None)
+    return modes
 
 
 def hop_mode(settings: Settings, mode: str) -> str:

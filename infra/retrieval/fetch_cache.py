@@ -10,9 +10,9 @@ Results must be exactly those of an uncached search, and a branch excludes what 
 *without* the exclusion: `ranked` asks the backend for `k + |exclude|` (+ a margin) hits, then
 drops the excluded ones here and keeps `k`. That equals the backend's own excluded top k when
 the backend's ranking is one total order whatever the depth and exclusion only removes
-entries from it (tantivy); `Retriever._prefix_exact` says which backends qualify — the others
-are cached by their whole request (`once`), exclusion included. Milvus does not qualify (see
-`_prefix_exact`: an approximate index's list depends on the limit and the filter).
+entries from it (tantivy, exact Milvus); `Retriever._prefix_exact` says which backends qualify — the others
+are cached by their whole request (`once`), exclusion included (Milvus on an approximate
+index, HNSW or IVF: its list depends on the limit).
 When the cached depth is too shallow for a caller's exclusion, the list is fetched again,
 deeper. Exclusion is applied per backend list, before any fusion (hybrid fuses the two lists
 afterwards, in the retriever, as before).

@@ -139,17 +139,18 @@ class Retriever:
 
     def _prefix_exact(self, kind: str) -> bool:
         """Whether the backend's top k without some ids is always its top (k + more) with those
-        ids dropped: one total order whatever the depth, exclusion a pure filter. tantivy
-        (score, then chunk id, ties at the cut fetched whole: `infra.stores.protocols.settle`).
-        Not Milvus: before that tie-break equal scores (duplicate chunks) came back in an order
-        that depended on the limit and the filter (k=1 and k=4 put the same tied chunk first
-        and fourth), and an approximate index's list still does; nor a backend not checked
-        (Elasticsearch, external indexes). Those are cached by their whole request instead."""
+        ids dropped: one total order whatever the depth, exclusion a pure filter. tantivy and
+        Milvus on a FLAT index (Milvus Lite's; exact search, exclusion dropped locally, ties at
+        the cut settled by chunk id: `infra.stores.protocols.settle`). Not an approximate index
+        (HNSW, IVF: the list depends on the limit), nor a backend not checked (Elasticsearch,
+        external indexes): those are cached by their whole request instead."""
         if kind in ("bm25", "grep"):
             from branchsearch.infra.stores.tantivy import TantivyStore
 
             return type(self.lexical) is TantivyStore
-        return False
+        from branchsearch.infra.stores.milvus import MilvusStore
+
+        return type(self.dense) is MilvusStore and self.dense.index_kind == "FLAT"
 
     def _count(self, kind: str) -> None:
         with self._count_lock:

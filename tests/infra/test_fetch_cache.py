@@ -50,11 +50,44 @@ def universe(hotpot_retriever):
     return sorted(ids)
 
 
-def test_only_tantivy_is_cached_by_prefix(hotpot_retriever):
+def test_tantivy_and_exact_milvus_are_cached_by_prefix(hotpot_retriever, monkeypatch):
     assert hotpot_retriever._prefix_exact("bm25") and hotpot_retriever._prefix_exact("grep")
-    # Milvus, even FLAT: chunks with equal scores come back in an order that depends on the
-    # limit and the filter, so a deeper list filtered here could differ from the backend's own
+    assert hotpot_retriever.dense.index_kind == "FLAT"  # Milvus Lite: exact search
+    assert hotpot_retriever._prefix_exact("dense")
+    # an approximate index's list depends on the limit: cached by the whole request
+    monkeypatch.setattr(hotpot_retriever.dense, "index_kind", "HNSW")
     assert not hotpot_retriever._prefix_exact("dense")
+
+
+def test_tied_dense_scores_cached_equal_uncached(tmp_path):
+    """Duplicate chunks score alike on Milvus Lite; a list cached unexcluded and filtered here
+    equals the backend's own excluded top k for every k and exclusion (settled ties: score,
+    then chunk id)."""
+    import itertools
+    import json
+
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.config.settings import load_settings
+
+    docs = [{"_id": f"dup-{i}", "title": "Acme", "text": "The Acme merger plan."}
+            for i in range(7)] + [{"_id": "other", "title": "Other", "text": "A river."}]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    settings = load_settings(overrides={"home": str(tmp_path / "home"), "index": "ties"},
+                             read_env=False, read_file=False)
+    ingest(tmp_path / "corpus.jsonl", settings)
+    r = open_retriever(settings)
+    try:
+        ids = [f"dup-{i}#p0" for i in range(7)]
+        for k, n in itertools.product((1, 2, 3, 5), (0, 1, 3, 6)):
+            for exclude in (ids[:n], ids[-n:] if n else [], ids[1:1 + n]):
+                cache = QuestionCache(margin=0.0)
+                search(r, "Acme merger", "dense", 2, [], cache)  # a shallow list first
+                got = search(r, "Acme merger", "dense", k, exclude, cache)
+                assert rows(got) == rows(search(r, "Acme merger", "dense", k, exclude)), \
+                    (k, exclude)
+    finally:
+        r.close()
 
 
 def test_groups_written_two_ways_are_one_key_and_different_groups_are_not(tmp_path):
@@ -126,9 +159,9 @@ def test_two_branches_searching_one_entity_make_one_backend_request(hotpot_retri
     first = search(hotpot_retriever, "Scott Derrickson", "hybrid", 8, [], cache)
     seen = [h.chunk_id for h in first[:3]]  # the second branch has already seen some of them
     second = search(hotpot_retriever, "Scott Derrickson", "hybrid", 8, seen, cache)
-    # BM25 asked once for both; dense (not prefix-exact) once per distinct request
-    assert delta(hotpot_retriever, before) == {"bm25": 1, "dense": 2}
-    assert cache.stats["hits"] == 1 and cache.stats["misses"] == 3
+    # each backend asked once for both (their lists cached unexcluded)
+    assert delta(hotpot_retriever, before) == {"bm25": 1, "dense": 1}
+    assert cache.stats["hits"] == 2 and cache.stats["misses"] == 2
     before = dict(hotpot_retriever.backend_requests)
     assert rows(second) == rows(search(hotpot_retriever, "Scott Derrickson", "hybrid", 8, seen))
     assert delta(hotpot_retriever, before) == {"bm25": 1, "dense": 1}  # uncached: asks again

@@ -62,6 +62,27 @@ def test_a_hybrid_search_of_a_bm25_only_index_finishes_with_bm25_weights(tmp_pat
     assert searched_mode(settings.replace(index="never-ingested")) == "hybrid"
 
 
+def test_a_policy_sees_the_index_change_under_a_running_process(tmp_path):
+    """`make_policy` keeps what it read of an index's files while they are unchanged: a manifest
+    rewritten (a re-ingest with a dense side, here as its manifest) is seen by the next policy."""
+    from dataclasses import replace
+
+    from conftest import HOTPOT
+
+    from branchsearch.infra.index.manifest import read_manifest, write_manifest
+    from branchsearch.infra.ingest.pipeline import ingest
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "changes"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    assert make_policy(settings).ranker_path == str(WEIGHTS_PATH)
+    assert make_policy(settings).ranker_path == str(WEIGHTS_PATH)  # kept: the same answer
+    manifest = read_manifest(settings.index_dir)
+    write_manifest(settings.index_dir, replace(manifest, embedding={"model": "m", "dim": 8}))
+    policy = make_policy(settings)
+    assert policy.ranker_path == str(HYBRID_WEIGHTS_PATH) and policy.hop_mode == "bm25"
+
+
 def test_weights_for_other_features_are_refused(tmp_path):
     data = json.loads(WEIGHTS_PATH.read_text())
     data["features"] = data["features"][:-1]
