@@ -249,6 +249,32 @@ def test_the_chain_credits_a_page_named_by_a_stronger_page(publix_episode):
     assert f[top]["novel_terms"] == pytest.approx(f[top]["coverage"])  # nothing above it
 
 
+def test_every_chain_credit_is_the_first_other_page_holding_the_title(publix_episode):
+    """The chain features of every page against their definition, written out plainly: the
+    first page in document order, with another title core, whose words hold the page's title
+    core as a phrase (the ranker finds it through word sets, then the phrase)."""
+    import re
+
+    from branchsearch.workers.text import folded, norm_title
+
+    p = publix_episode
+    first, place, f = _by_doc(p, episode_features(p))
+    best = max(p.scores.values())
+    words = {d: " " + " ".join(re.findall(r"\w+", " ".join(
+        folded(f"{c.title} {c.text}") for cid, c in p.chunks.items()
+        if cid in p.scores and c.doc_id == d))) + " " for d in first}
+    core = {d: norm_title(p.chunks[first[d]].title) for d in first}
+    credited = 0
+    for d in first:
+        needle = " " + " ".join(re.findall(r"\w+", core[d])) + " "
+        namer = next((o for o in first if core[o] != core[d] and needle in words[o]), None) \
+            if len(needle) > 5 else None
+        want = (p.scores[first[namer]] / best, 1 / place[namer]) if namer else (0.0, 0.0)
+        assert (f[d]["chain_support"], f[d]["chain_rank_inv"]) == pytest.approx(want), d
+        credited += namer is not None
+    assert credited >= 2  # the episode has chains to find
+
+
 def test_a_second_page_with_the_same_title_restates_and_is_no_chain_link(publix_episode):
     p = publix_episode
     first, place, f = _by_doc(p, episode_features(p))

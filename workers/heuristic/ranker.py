@@ -162,21 +162,29 @@ def _set_features(state, order: list[str], texts: dict[str, str], want
         doc_first.setdefault(chunks[cid].doc_id, cid)
     place = {d: i for i, d in enumerate(doc_first, start=1)}
     doc_text: dict[str, str] = {}
+    doc_texts: dict[str, list[str]] = {}
     for cid, text in texts.items():
         doc_text[chunks[cid].doc_id] = doc_text.get(chunks[cid].doc_id, "") + " " + text
-    doc_words = {d: " " + " ".join(_WORDS.findall(t)) + " " for d, t in doc_text.items()}
+        doc_texts.setdefault(chunks[cid].doc_id, []).append(text)
     core = {d: norm_title(chunks[c].title) for d, c in doc_first.items()}
     first: dict[str, int] = {}  # title core -> the first document place holding it
     for d, name in core.items():
         first.setdefault(name, place[d])
     chain: dict[str, tuple[float, int]] = {}
     if want("chain_support") or want("chain_rank_inv"):
+        # a document's words, and their set: a phrase it holds has all its words in the set
+        doc_words = {d: " " + " ".join(w for t in ts if (w := _words(t)[0])) + " "
+                     for d, ts in doc_texts.items()}
+        vocab = {d: frozenset().union(*(_words(t)[1] for t in ts))
+                 for d, ts in doc_texts.items()}
         for d, name in core.items():
-            needle = " " + " ".join(_WORDS.findall(name)) + " "
+            name_words, needed = _words(name)
+            needle = " " + name_words + " "
             if len(needle) <= 5:
                 continue
             for other in doc_first:  # in document order: the first that names it is the best
-                if core[other] != name and needle in doc_words[other]:  # not a restatement
+                if core[other] != name and needed <= vocab[other] \
+                        and needle in doc_words[other]:  # not a restatement
                     chain[d] = (scores[doc_first[other]] / best, place[other])
                     break
     q_ents = [folded(e) for e in state.q_entities]
@@ -201,6 +209,14 @@ def _set_features(state, order: list[str], texts: dict[str, str], want
                     "novel_terms": len(words - covered[k]) / max(len(state.q_terms), 1),
                     "novel_entity": float(bool(ents - mentioned[k]))}
     return out
+
+
+@lru_cache(maxsize=16384)
+def _words(text: str) -> tuple[str, frozenset[str]]:
+    """`text`'s words joined by single spaces, and their set (cached: a question's branches,
+    and the next questions, score many of the same chunks)."""
+    words = _WORDS.findall(text)
+    return " ".join(words), frozenset(words)
 
 
 def _residual(state, cid: str, words: set[str]) -> float:
