@@ -268,21 +268,33 @@ def index_name_problem(name: object) -> str:
 
 
 def es_url_problem(url: str) -> str | None:
-    """What the Elasticsearch client would refuse in `url` (None when it is usable or unset).
-    The message never repeats the URL: it may hold a password that did not parse as one."""
+    """What the Elasticsearch client would refuse in `url` (None when it is usable or unset):
+    checked here, and then by the client's own parser. The message never repeats the URL: it
+    may hold a password that did not parse as one."""
     if not url:
         return None
     from urllib.parse import urlsplit
 
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "has a space or a control character; write http://HOST:PORT"
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
-        return "not a URL (its port is not a number); write http://HOST:PORT"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "its port is not a number from 0 to 65535 (one URL: http://HOST:PORT)"
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "needs a scheme and a host, as in http://HOST:9200 or https://HOST"
-    if port is None and parts.scheme == "http":
+    if port is None and parts.scheme.lower() == "http":
         return "an http:// URL needs its port, as in http://HOST:9200"
+    try:
+        from elastic_transport import Urllib3HttpNode
+        from elastic_transport.client_utils import url_to_node_config
+    except ImportError:  # no client installed: nothing will read it
+        return None
+    try:  # the node the client would make (no connection yet)
+        Urllib3HttpNode(url_to_node_config(url)).close()
+    except Exception:  # noqa: BLE001 — its message would repeat the URL
+        return "the Elasticsearch client cannot read it; write http://HOST:PORT"
     return None
 
 

@@ -175,7 +175,14 @@ def test_an_encoding_or_elasticsearch_url_we_cannot_use_is_one_line(inputs, tmp_
             ("es_url no scheme", 'es_url = "127.0.0.1:9200"', "needs a scheme and a host"),
             ("es_url password, no scheme", 'es_url = "elastic:hunter2@es:9200"', "scheme"),
             ("es_url no port", 'es_url = "http://localhost"', "needs its port"),
-            ("es_url bad port", 'es_url = "http://u:hunter2@es:x"', "port is not a number")]:
+            ("es_url bad port", 'es_url = "http://u:hunter2@es:x"', "port is not a number"),
+            ("es_url port out of range", 'es_url = "http://es:99999"', "from 0 to 65535"),
+            ("es_url leading space", 'es_url = " http://elastic:hunter2@es:9200"', "a space"),
+            ("es_url space in host", 'es_url = "http://e s:9200"', "a space"),
+            ("es_url ipv6 zone", 'es_url = "http://[fe80::1%eth0]:9200"', "cannot read it"),
+            ("external index es_url", '[indexes.corp]\nlexical = "elasticsearch"\n'
+             'es_index = "corp-docs"\nes_url = " http://elastic:hunter2@127.0.0.1:9"',
+             "[indexes.corp] es_url: has a space")]:
         config = tmp_path / f"{name.replace(' ', '-').replace(',', '')}.toml"
         config.write_text(line + "\n")
         home = tmp_path / f"home-{config.stem}"
