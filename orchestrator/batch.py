@@ -201,11 +201,13 @@ STOP_AFTER = 20  # failed questions in a row that stop a batch (0: never stop)
 def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               search: Callable[[str], dict], *, concurrency: int = 2,
               on_done: Callable[[str], None] | None = None,
-              stop_after: int = STOP_AFTER) -> dict:
+              stop_after: int = STOP_AFTER, stop: threading.Event | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok. Returns counts: ok, partial, failed (this run), skipped (already ok), not_run
     (left when `stop_after` failures in a row stopped the run), `stopped` (why, or "") and
-    `failed_ids` (this run's failed question ids, in input order)."""
+    `failed_ids` (this run's failed question ids, in input order). `stop`, once set (a ^C):
+    no question is started after it, the ones running finish and their rows are written, then
+    KeyboardInterrupt is raised here."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     finished = done_ids(out_path)
@@ -232,12 +234,16 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
             os.fsync(f.fileno())
         return row_status(row)
 
+    def interrupted() -> bool:
+        return stop is not None and stop.is_set()
+
     try:
         with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
             queue = iter(todo)
             pending = {pool.submit(one, *item) for item in islice(queue, max(concurrency, 1))}
             while pending:
-                finished_now, pending = wait(pending, return_when=FIRST_COMPLETED)
+                finished_now, pending = wait(pending, timeout=None if stop is None else 0.2,
+                                             return_when=FIRST_COMPLETED)
                 for future in finished_now:
                     status = future.result()
                     counts[status] += 1
@@ -247,9 +253,11 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
                     if stop_after and in_a_row >= stop_after and not counts["stopped"]:
                         counts["stopped"] = (f"{in_a_row} questions failed in a row (the "
                                              f"last: {last_error[0][:300]})")
-                    nxt = None if counts["stopped"] else next(queue, None)
+                    nxt = None if counts["stopped"] or interrupted() else next(queue, None)
                     if nxt is not None:
                         pending.add(pool.submit(one, *nxt))
+            if interrupted():
+                raise KeyboardInterrupt
             counts["not_run"] = sum(1 for _ in queue)
     finally:
         if out_path.exists():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -81,9 +83,11 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
         bar.update(1)
         bar.set_postfix(seen)
 
+    stop = threading.Event()
     try:
-        counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency, on_done=tick,
-                           stop_after=stop_after)
+        with first_ctrl_c_sets(stop):
+            counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
+                               on_done=tick, stop_after=stop_after, stop=stop)
     finally:
         bar.close()
         driver.close()
@@ -100,6 +104,31 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
               "Fix the cause and run the same command again: it resumes", file=sys.stderr)
     if counts["failed"] or counts["not_run"] or data.bad_lines:  # nobody answered these
         sys.exit(1)
+
+
+@contextmanager
+def first_ctrl_c_sets(stop: threading.Event):
+    """Meanwhile, a ^C sets `stop` (the batch starts nothing more, writes the rows of the
+    questions running, then stops with KeyboardInterrupt); a second ^C interrupts at once.
+    A flag, not an exception raised wherever the main thread happens to be: one raised inside
+    a finalizer is printed and dropped, and the batch ran on to its end (seen twice in CI).
+    A ^C the parent made this process ignore (a background job) stays ignored."""
+    import signal
+
+    def handle(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    old = signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
 
 
 def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),

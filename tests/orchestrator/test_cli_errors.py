@@ -374,19 +374,48 @@ def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
                            + "\n" for i in range(2000)))
+    def as_a_terminal_starts_it():  # ^C handled by default, not ignored nor blocked
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    parent = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
     proc = subprocess.Popen([*CLI, "batch", inp, "-o", out, "--executor", "local",
                              "--branches", "1", *home],
                             env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_a_terminal_starts_it)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)  # what ^C sends
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (proc.returncode, stderr[-800:])
+    assert proc.returncode == 130, (proc.returncode, parent, stderr[:1500])
     assert "interrupted" in stderr and "Traceback" not in stderr
     lines = out.read_text().splitlines()
     assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)
+
+
+def test_a_stopped_batch_starts_nothing_more_and_writes_what_ran(tmp_path):
+    """`run_batch(stop=…)`, what the CLI's ^C sets: the questions running finish and their rows
+    are written whole, nothing more starts, and it ends with KeyboardInterrupt."""
+    import threading
+
+    from branchsearch.orchestrator.batch import run_batch
+
+    stop, seen = threading.Event(), []
+
+    def search(question: str) -> dict:
+        seen.append(question)
+        if len(seen) == 3:
+            stop.set()
+        return {"status": "ok", "answer": question}
+
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        run_batch([(f"q{i}", f"question {i}") for i in range(100)], out, search,
+                  concurrency=2, stop=stop)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 3 <= len(rows) == len(seen) <= 4 and all(r["status"] == "ok" for r in rows)
 
 
 def test_an_index_name_typed_decomposed_is_the_composed_one(tmp_path):
