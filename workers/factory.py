@@ -47,8 +47,8 @@ _MODES: dict[tuple, tuple[str, str]] = {}  # index_modes, by what they were read
 def index_modes(settings: Settings) -> tuple[str, str]:
     """(`searched_mode`, `hop_mode`) for a policy on `settings`' index. On an owned tantivy
     index both read its files (the manifest, tantivy's meta.json): kept while those are
-    unchanged (same inode, size and mtime), so a branch does not parse them again (a fifth of a
-    millisecond a branch), and a re-ingest or a service's upsert is seen by the next branch.
+    unchanged (same inode, size and mtime), so a branch does not parse them again, and a
+    re-ingest or a service's upsert is seen by the next branch.
     Elsewhere (Elasticsearch, external indexes) they are asked every time, as before."""
     from branchsearch.infra.index.manifest import manifest_path
     from branchsearch.infra.retrieval.retriever import searched_mode

@@ -111,7 +111,7 @@ def first_ctrl_c_sets(stop: threading.Event):
     """Meanwhile, a ^C sets `stop` (the batch starts nothing more, writes the rows of the
     questions running, then stops with KeyboardInterrupt); a second ^C interrupts at once.
     A flag, not an exception raised wherever the main thread happens to be: one raised inside
-    a finalizer is printed and dropped, and the batch ran on to its end (seen twice in CI).
+    a finalizer is printed and dropped, and the batch would run on to its end.
     A ^C the parent made this process ignore (a background job) stays ignored."""
     import signal
 

@@ -161,11 +161,10 @@ def _set_features(state, order: list[str], texts: dict[str, str], want
     for cid in order:
         doc_first.setdefault(chunks[cid].doc_id, cid)
     place = {d: i for i, d in enumerate(doc_first, start=1)}
-    doc_text: dict[str, str] = {}
     doc_texts: dict[str, list[str]] = {}
     for cid, text in texts.items():
-        doc_text[chunks[cid].doc_id] = doc_text.get(chunks[cid].doc_id, "") + " " + text
         doc_texts.setdefault(chunks[cid].doc_id, []).append(text)
+    doc_text = {d: "".join(" " + t for t in ts) for d, ts in doc_texts.items()}
     core = {d: norm_title(chunks[c].title) for d, c in doc_first.items()}
     first: dict[str, int] = {}  # title core -> the first document place holding it
     for d, name in core.items():
