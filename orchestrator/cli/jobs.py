@@ -83,13 +83,13 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
         bar.update(1)
         bar.set_postfix(seen)
 
-    stop = threading.Event()
+    stop, counts = threading.Event(), None
     try:
         with first_ctrl_c_sets(stop):
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                on_done=tick, stop_after=stop_after, stop=stop)
     finally:
-        bar.close()
+        bar.close(done=counts is not None)
         driver.close()
     print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
           f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "

@@ -115,12 +115,13 @@ class ProgressLines:
         items = {**(ordered_dict or {}), **kwargs}
         self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
 
-    def close(self) -> None:
+    def close(self, done: bool = True) -> None:
+        """Stop the timer and say the last count (`done`: the work ended, not interrupted)."""
         if not self._stop.is_set():
             self._stop.set()
             self._timer.join()
             if self.n:
-                self._say(done=True)
+                self._say(done=done)
 
     def _say(self, done: bool = False) -> None:
         elapsed = self._clock() - self._start

@@ -391,6 +391,7 @@ def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, (proc.returncode, parent, stderr[:1500])
     assert "interrupted" in stderr and "Traceback" not in stderr
+    assert ", done" not in stderr  # the last progress line does not say it finished
     lines = out.read_text().splitlines()
     assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)
 
