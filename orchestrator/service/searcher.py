@@ -19,6 +19,8 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
+from pathlib import Path
 
 from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
@@ -46,7 +48,11 @@ class Searcher:
         self.concurrency = Concurrency(limits)
         self._drivers: dict[str, object] = {}
         self._docstores: dict[str, object] = {}
+        self._opened_as: dict[str, tuple] = {}  # index -> (folder, its manifest's stat)
+        self._users: dict[object, int] = {}  # driver -> the requests using it now
+        self._retiring: dict[str, tuple] = {}  # index -> (driver, docstore) to close when idle
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a driver's last request ended
         self._background: dict[str, dict] = {}  # index -> its one start, while it runs
         self._write_locks: dict[str, threading.Lock] = {}
         self._pool_lock = threading.Lock()
@@ -129,13 +135,17 @@ class Searcher:
         most seconds to wait for it (a request's deadline); past it, a 503 index_starting
         while the start goes on. A failed start is tried again by the next caller."""
         with self._lock:
-            if index in self._drivers:
+            if index in self._drivers and not self._reingested(index):
                 return self._drivers[index]
         if index not in self.index_names():  # nothing to start: the answer now, whatever the wait
             raise _not_found(index)
         with self._lock:
             if index in self._drivers:
-                return self._drivers[index]
+                if not self._reingested(index):
+                    return self._drivers[index]
+                log.info("index %r was ingested again: reopening it once the %d request(s) "
+                         "using it end", index, self._users.get(self._drivers[index], 0))
+                self._retiring[index] = (self._drivers.pop(index), self._docstores.pop(index))
             start = self._background.get(index)
             if start is None:
                 start = self._background[index] = {"done": threading.Event()}
@@ -150,6 +160,13 @@ class Searcher:
 
     def _start(self, index: str, start: dict) -> None:
         try:
+            with self._idle:
+                old = self._retiring.get(index)
+                while old is not None and self._users.get(old[0]):
+                    self._idle.wait()
+                self._retiring.pop(index, None)
+            if old is not None:  # its stores closed before the new ones open (one Lite file)
+                _close(*old)
             start["driver"] = self._open(index)
         except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
             start["error"] = exc
@@ -164,6 +181,7 @@ class Searcher:
         from branchsearch.infra.index.profile import index_profile
 
         settings = self.settings.replace(index=index)
+        opened_as = _opened_as(settings)  # before the stores open: a later ingest shows
         profile = index_profile(settings)
         # not found, incomplete, being ingested, damaged or a copied folder: its answer now,
         # before any actor starts for it (not the death of a retriever actor that found it)
@@ -175,8 +193,45 @@ class Searcher:
         with self._lock:
             self._drivers[index] = driver
             self._docstores[index] = docstore
-            self._write_locks[index] = threading.Lock()
+            self._write_locks.setdefault(index, threading.Lock())
+            if opened_as is not None:
+                self._opened_as[index] = opened_as
         return driver
+
+    def _reingested(self, index: str) -> bool:
+        """Whether an ingest (another process: the CLI) finished on the index since its driver
+        opened it. The open stores do not all see it (tantivy's reader keeps its segments), and
+        one that changed the layout (`--no-dense`, another embedder or encoding) leaves them at
+        odds with a policy that reads the new manifest: rankings that match neither index. One
+        stat a request. (The service's own writes leave the manifest alone.) Holding the lock."""
+        from branchsearch.infra.index.manifest import read_manifest
+
+        seen = self._opened_as.get(index)
+        if seen is None:  # an external index: nothing of ours to watch
+            return False
+        folder, stat = seen
+        now = _stat(folder)  # None: an ingest under way took it away; searches go on meanwhile
+        return now is not None and now != stat and read_manifest(folder) is not None
+
+    @contextmanager
+    def _using(self, index: str, wait: float | None = None):
+        """(driver, docstore) of the index for one request; a driver retired meanwhile (its
+        index ingested again) is closed only once its last request leaves here."""
+        while True:
+            driver = self.driver(index, wait)
+            with self._lock:
+                if self._drivers.get(index) is driver:
+                    self._users[driver] = self._users.get(driver, 0) + 1
+                    store = self._docstores[index]
+                    break
+        try:
+            yield driver, store
+        finally:
+            with self._idle:
+                self._users[driver] -= 1
+                if not self._users[driver]:
+                    del self._users[driver]
+                    self._idle.notify_all()
 
     def _make_driver(self, settings: Settings, executor: str):
         from branchsearch.orchestrator.driver import Driver
@@ -220,13 +275,13 @@ class Searcher:
 
     def close(self) -> None:
         with self._lock:
-            for d in self._drivers.values():
-                d.close()
-            for s in self._docstores.values():
-                if s is not None:
-                    s.close()
+            for index, driver in self._drivers.items():
+                _close(driver, self._docstores[index])
+            for old in self._retiring.values():
+                _close(*old)
             self._drivers.clear()
             self._docstores.clear()
+            self._retiring.clear()
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -267,15 +322,16 @@ class Searcher:
         index = self._index(req)
         deadline = req.deadline_s or self.limits.default_deadline_s
         started = time.monotonic()
-        driver = self.driver(index, wait=deadline)
         groups = self.groups(key)
-        emit = self._guarded(index, groups, on_event)
-        left = max(deadline - (time.monotonic() - started), 0.001)
-        result = self._run(driver, req, groups, left, emit)
-        out = events.result_dict(result, req.k)
-        out["index"] = index
-        self._check_failure(driver, out)
-        event, _ = events.guard({"type": "result", "result": out}, self._hidden(index, groups))
+        with self._using(index, wait=deadline) as (driver, store):
+            hidden = self._hidden(store, groups)
+            emit = self._guarded(hidden, on_event)
+            left = max(deadline - (time.monotonic() - started), 0.001)
+            result = self._run(driver, req, groups, left, emit)
+            out = events.result_dict(result, req.k)
+            out["index"] = index
+            self._check_failure(driver, out)
+        event, _ = events.guard({"type": "result", "result": out}, hidden)
         event = events.public(event)
         if on_event:
             on_event(event)
@@ -334,9 +390,7 @@ class Searcher:
 
     # --- the ACL guard ---------------------------------------------------------------------------
 
-    def _hidden(self, index: str, groups: list[str]) -> Callable[[list[str]], set[str]]:
-        store = self._docstores[index]
-
+    def _hidden(self, store, groups: list[str]) -> Callable[[list[str]], set[str]]:
         def hidden(ids: list[str]) -> set[str]:
             if store is None:  # an external index: the backends' filter is all
                 return set()
@@ -350,9 +404,7 @@ class Searcher:
             return bad
         return hidden
 
-    def _guarded(self, index: str, groups: list[str], on_event):
-        hidden = self._hidden(index, groups)
-
+    def _guarded(self, hidden: Callable[[list[str]], set[str]], on_event):
         def emit(event: dict) -> None:
             if event.get("type") == "plan":  # the web page draws token bars against it
                 event = {**event, "budget_tokens": self.settings.budget_tokens}
@@ -365,45 +417,45 @@ class Searcher:
     def _upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
         self._admin(key, index)
         docs = documents.parse_documents(body)
-        driver = self._writable(index)
-        store = self._docstores[index]
-        for doc in docs:  # a scoped admin writes its groups' documents, and only those
-            old = store.get_document(doc.id)
-            if not self._owns(key, doc.acl) or (old is not None and not self._owns(
-                    key, old["acl"])):
-                raise ApiError(403, "forbidden", f"key {key.name!r} may write only documents "
-                               f"whose acl is within its groups ({', '.join(key.groups)}); "
-                               f"document {doc.id!r} is not")
-        with self._write_locks[index], self._ingest_lock(driver):
-            self._check_files(driver)
-            counts = self._write(index, driver, documents.upsert, documents.upsert_in_actor,
-                                 driver.settings, docs)
+        with self._writable(index) as (driver, store):
+            for doc in docs:  # a scoped admin writes its groups' documents, and only those
+                old = store.get_document(doc.id)
+                if not self._owns(key, doc.acl) or (old is not None and not self._owns(
+                        key, old["acl"])):
+                    raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
+                                   f"documents whose acl is within its groups "
+                                   f"({', '.join(key.groups)}); document {doc.id!r} is not")
+            with self._write_locks[index], self._ingest_lock(driver):
+                self._check_files(driver)
+                counts = self._write(index, driver, documents.upsert,
+                                     documents.upsert_in_actor, driver.settings, docs)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
 
     def _delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
         self._admin(key, index)
-        driver = self._writable(index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
-        old = self._docstores[index].get_document(doc_id)
-        if old is not None and not acl_visible(old["acl"], self.groups(key)):
-            raise missing  # an id the key may not see answers as a missing one
-        if old is not None and not self._owns(key, old["acl"]):
-            raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
-                           f"whose acl is within its groups; document {doc_id!r} is not")
-        with self._write_locks[index], self._ingest_lock(driver):
-            self._check_files(driver)
-            found = self._write(index, driver, documents.delete, documents.delete_in_actor,
-                                driver.settings, doc_id)
+        with self._writable(index) as (driver, store):
+            old = store.get_document(doc_id)
+            if old is not None and not acl_visible(old["acl"], self.groups(key)):
+                raise missing  # an id the key may not see answers as a missing one
+            if old is not None and not self._owns(key, old["acl"]):
+                raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
+                               f"whose acl is within its groups; document {doc_id!r} is not")
+            with self._write_locks[index], self._ingest_lock(driver):
+                self._check_files(driver)
+                found = self._write(index, driver, documents.delete, documents.delete_in_actor,
+                                    driver.settings, doc_id)
         if not found:
             raise missing
         return {"index": index, "deleted": doc_id}
 
     def _writable(self, index: str):
+        """`_using` for a document write, which an external index refuses."""
         if self.settings.replace(index=index).external is not None:
             raise ApiError(409, "read_only_index", f"index {index!r} is an external index "
                            "(declared in the settings): branchsearch searches it in place and "
                            "never writes to it")
-        return self.driver(index)
+        return self._using(index)
 
     @staticmethod
     def _owns(key: ApiKey, acl) -> bool:
@@ -482,6 +534,31 @@ class Searcher:
                 raise ApiError(503, "not_ready", f"index {index!r} is not ready",
                                {"Retry-After": "5"}) from None
         return {"status": "ready", "indexes": sorted(self._drivers)}
+
+
+def _stat(folder: Path) -> tuple | None:
+    """The index manifest's (inode, size, mtime): an ingest that finishes replaces it."""
+    from branchsearch.infra.index.manifest import manifest_path
+
+    try:
+        st = manifest_path(folder).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _opened_as(settings: Settings) -> tuple | None:
+    """(folder, manifest stat) of an owned index as its driver opens it (taken before its stores
+    open: an ingest that finishes meanwhile shows as a change); None for an external one."""
+    if settings.external is not None:
+        return None
+    return settings.index_dir, _stat(settings.index_dir)
+
+
+def _close(driver, docstore) -> None:
+    driver.close()
+    if docstore is not None:
+        docstore.close()
 
 
 def _not_found(index: str) -> IndexNotFound:

@@ -6,6 +6,7 @@ test_service_web.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -383,6 +384,73 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
     finally:
         server.stop()
         state.searcher.target.close()
+
+
+@pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_an_ingest_under_a_running_service_is_what_it_searches_next(tmp_path, executor):
+    """Ingests run as a user would (the CLI, its own process) while a service with either
+    executor serves two indexes: documents added to one are found by the next search, and
+    `--no-dense` over the hybrid one then a hybrid ingest again leave the service ranking as a
+    service started afresh does. Before, it kept the stores it had opened: it missed the added
+    documents, ranked the relaid index with its old stores under a policy that read the new
+    manifest (rankings that matched neither), and held the Milvus Lite file (in its retriever
+    actor, with Ray) that the hybrid ingest needs."""
+    from branchsearch.orchestrator.service.auth import ApiKey
+    from branchsearch.orchestrator.service.protocol import SearchRequest
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1},
+                             read_env=False, read_file=False)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    ingest(corpus, settings)
+    ingest(corpus, settings.replace(index="bm"), dense=False)
+    museum = "When was the museum of maritime history opened?"
+    questions = [museum, "Which sensors does the harbor budget fund?", "lighthouse relay"]
+    state = service.local_state(settings, executor=executor, limits=LIMITS)  # dev mode: admin
+    server = start_uvicorn(service.create_app(state), state)
+
+    def ranked(search, index: str = "acl") -> list[list[str]]:
+        return [[e["doc_id"] for e in search(q, index)["evidence"]] for q in questions]
+
+    def over_http(q: str, index: str) -> dict:
+        r = client.post("/v1/search", json={"question": q, "index": index})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def cli_ingest(path, index: str, *flags: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "ingest",
+                               str(path), "--home", str(tmp_path), "--index", index, *flags],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            hybrid, bm25 = ranked(over_http), ranked(over_http, "bm")
+            assert "pub-museum" not in bm25[0]
+            more = write_corpus(tmp_path / "more.jsonl", CORPUS + [
+                {"_id": "pub-museum", "title": "Seafaring Exhibit Hall",
+                 "text": "The maritime history museum opened its doors in 1999 by the quay."}])
+            cli_ingest(more, "bm", "--no-dense")
+            assert over_http(museum, "bm")["evidence"][0]["doc_id"] == "pub-museum"
+            assert ranked(over_http) == hybrid  # the other index, untouched
+            cli_ingest(corpus, "acl", "--no-dense")
+            relaid = ranked(over_http)
+            fresh = Searcher(settings, executor="local")
+            try:
+                key = ApiKey("dev", ("*",), admin=True)
+                assert relaid == ranked(lambda q, index: asyncio.run(fresh.search(
+                    SearchRequest(question=q, index=index), key))), "not what a fresh one ranks"
+            finally:
+                fresh.close()
+            cli_ingest(corpus, "acl")  # hybrid again: needs the Milvus Lite file
+            assert ranked(over_http) == hybrid
+    finally:
+        server.stop()
+        state.searcher.target.close()
+        if executor == "ray":
+            import ray
+
+            ray.shutdown()
 
 
 def test_limits(site):
