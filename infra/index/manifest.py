@@ -50,6 +50,13 @@ class Manifest:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def layout(self) -> tuple:
+        """What a reader opens the index by: its stores, its embedder and how it was chunked.
+        An ingest that changes it (`--no-dense`, another encoding) changes the index under
+        whoever has it open; one that only adds or replaces documents does not."""
+        return (json.dumps(self.embedding, sort_keys=True), self.encoding, self.chunk_tokens,
+                self.chunk_overlap, json.dumps(self.backends, sort_keys=True))
+
 
 def manifest_path(index_dir: Path) -> Path:
     return Path(index_dir) / MANIFEST

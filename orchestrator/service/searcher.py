@@ -48,7 +48,7 @@ class Searcher:
         self.concurrency = Concurrency(limits)
         self._drivers: dict[str, object] = {}
         self._docstores: dict[str, object] = {}
-        self._opened_as: dict[str, tuple] = {}  # index -> (folder, its manifest's stat)
+        self._opened_as: dict[str, tuple] = {}  # index -> (folder, manifest stat, layout)
         self._users: dict[object, int] = {}  # driver -> the requests using it now
         self._retiring: dict[str, tuple] = {}  # index -> (driver, docstore) to close when idle
         self._lock = threading.Lock()
@@ -135,16 +135,17 @@ class Searcher:
         most seconds to wait for it (a request's deadline); past it, a 503 index_starting
         while the start goes on. A failed start is tried again by the next caller."""
         with self._lock:
-            if index in self._drivers and not self._reingested(index):
+            if index in self._drivers and not self._relaid(index):
                 return self._drivers[index]
         if index not in self.index_names():  # nothing to start: the answer now, whatever the wait
             raise _not_found(index)
         with self._lock:
             if index in self._drivers:
-                if not self._reingested(index):
+                if not self._relaid(index):
                     return self._drivers[index]
-                log.info("index %r was ingested again: reopening it once the %d request(s) "
-                         "using it end", index, self._users.get(self._drivers[index], 0))
+                log.info("index %r was ingested again with another layout: reopening it once "
+                         "the %d request(s) using it end", index,
+                         self._users.get(self._drivers[index], 0))
                 self._retiring[index] = (self._drivers.pop(index), self._docstores.pop(index))
             start = self._background.get(index)
             if start is None:
@@ -198,25 +199,35 @@ class Searcher:
                 self._opened_as[index] = opened_as
         return driver
 
-    def _reingested(self, index: str) -> bool:
-        """Whether an ingest (another process: the CLI) finished on the index since its driver
-        opened it. The open stores do not all see it (tantivy's reader keeps its segments), and
-        one that changed the layout (`--no-dense`, another embedder or encoding) leaves them at
-        odds with a policy that reads the new manifest: rankings that match neither index. One
-        stat a request. (The service's own writes leave the manifest alone.) Holding the lock."""
+    def _relaid(self, index: str) -> bool:
+        """Whether an ingest (another process: the CLI) changed the index's layout
+        (`Manifest.layout`: its stores, embedder or chunking) since its driver opened it. Its
+        open stores and a policy that reads the new manifest would disagree: rankings that
+        match neither index. (Documents an ingest only adds or replaces reach the open stores:
+        tantivy's reader reloads itself, SQLite and the servers are shared; Milvus Lite's file
+        is the service's while it is open.) One stat a request; the manifest is read only when
+        that changed. Holding the lock."""
         from branchsearch.infra.index.manifest import read_manifest
 
         seen = self._opened_as.get(index)
         if seen is None:  # an external index: nothing of ours to watch
             return False
-        folder, stat = seen
+        folder, stat, layout = seen
         now = _stat(folder)  # None: an ingest under way took it away; searches go on meanwhile
-        return now is not None and now != stat and read_manifest(folder) is not None
+        if now is None or now == stat:
+            return False
+        manifest = read_manifest(folder)
+        if manifest is None:
+            return False
+        if manifest.layout() == layout:
+            self._opened_as[index] = (folder, now, layout)
+            return False
+        return True
 
     @contextmanager
     def _using(self, index: str, wait: float | None = None):
         """(driver, docstore) of the index for one request; a driver retired meanwhile (its
-        index ingested again) is closed only once its last request leaves here."""
+        index relaid) is closed only once its last request leaves here."""
         while True:
             driver = self.driver(index, wait)
             with self._lock:
@@ -548,11 +559,16 @@ def _stat(folder: Path) -> tuple | None:
 
 
 def _opened_as(settings: Settings) -> tuple | None:
-    """(folder, manifest stat) of an owned index as its driver opens it (taken before its stores
-    open: an ingest that finishes meanwhile shows as a change); None for an external one."""
+    """(folder, manifest stat, layout) of an owned index as its driver opens it, taken before
+    its stores open (an ingest that finishes meanwhile shows as a change); None for an external
+    index, or one without a readable manifest (its profile refuses it)."""
+    from branchsearch.infra.index.manifest import read_manifest
+
     if settings.external is not None:
         return None
-    return settings.index_dir, _stat(settings.index_dir)
+    folder = settings.index_dir
+    stat, manifest = _stat(folder), read_manifest(folder)
+    return None if manifest is None else (folder, stat, manifest.layout())
 
 
 def _close(driver, docstore) -> None:

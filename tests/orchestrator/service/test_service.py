@@ -389,12 +389,14 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
 @pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_an_ingest_under_a_running_service_is_what_it_searches_next(tmp_path, executor):
     """Ingests run as a user would (the CLI, its own process) while a service with either
-    executor serves two indexes: documents added to one are found by the next search, and
+    executor serves two indexes: documents added to one are found (without reopening it), and
     `--no-dense` over the hybrid one then a hybrid ingest again leave the service ranking as a
-    service started afresh does. Before, it kept the stores it had opened: it missed the added
-    documents, ranked the relaid index with its old stores under a policy that read the new
-    manifest (rankings that matched neither), and held the Milvus Lite file (in its retriever
-    actor, with Ray) that the hybrid ingest needs."""
+    service started afresh does. Before, it kept the stores it had opened: it ranked the relaid
+    index with its old stores under a policy that read the new manifest (rankings that matched
+    neither), and held the Milvus Lite file (in its retriever actor, with Ray) that the hybrid
+    ingest needs."""
+    import time
+
     from branchsearch.orchestrator.service.auth import ApiKey
     from branchsearch.orchestrator.service.protocol import SearchRequest
     from branchsearch.orchestrator.service.searcher import Searcher
@@ -427,14 +429,21 @@ def test_an_ingest_under_a_running_service_is_what_it_searches_next(tmp_path, ex
         with httpx.Client(base_url=server.url, timeout=120) as client:
             hybrid, bm25 = ranked(over_http), ranked(over_http, "bm")
             assert "pub-museum" not in bm25[0]
+            searcher = state.searcher.target
+            opened = dict(searcher._drivers)
             more = write_corpus(tmp_path / "more.jsonl", CORPUS + [
                 {"_id": "pub-museum", "title": "Seafaring Exhibit Hall",
                  "text": "The maritime history museum opened its doors in 1999 by the quay."}])
             cli_ingest(more, "bm", "--no-dense")
-            assert over_http(museum, "bm")["evidence"][0]["doc_id"] == "pub-museum"
+            waited = time.monotonic()  # tantivy's reader reloads itself within a second
+            while over_http(museum, "bm")["evidence"][0]["doc_id"] != "pub-museum":
+                assert time.monotonic() - waited < 30, "the added document was not found"
+                time.sleep(0.2)
+            assert searcher._drivers == opened  # the same stores, nothing reopened
             assert ranked(over_http) == hybrid  # the other index, untouched
             cli_ingest(corpus, "acl", "--no-dense")
             relaid = ranked(over_http)
+            assert searcher._drivers["acl"] is not opened["acl"]
             fresh = Searcher(settings, executor="local")
             try:
                 key = ApiKey("dev", ("*",), admin=True)

@@ -424,13 +424,12 @@ def test_a_keys_file_that_is_a_folder_is_one_operator_error(tmp_path):
     assert api_error(KeysFileError("x")).status == 503
 
 
-def test_an_index_ingested_again_is_reopened_once_its_requests_end(tmp_path):
-    """A running service kept the stores it opened: after an ingest in another process it did
-    not see added documents (tantivy's reader keeps its segments), and after one that changed
-    the layout (`--no-dense` over a hybrid index) it ranked with the old stores under a policy
-    that read the new manifest. Now the next request after an ingest finishes reopens the
-    index: requests using the old driver finish on it, its stores are closed, then the new ones
-    open. An ingest under way (no manifest yet) changes nothing."""
+def test_an_index_relaid_by_an_ingest_is_reopened_once_its_requests_end(tmp_path):
+    """A running service kept the stores it opened: after an ingest in another process that
+    changed the index's layout (`--no-dense` over a hybrid index) it ranked with the old stores
+    under a policy that read the new manifest. Now the next request reopens the index: requests
+    using the old driver finish on it, its stores are closed, then the new ones open. An ingest
+    under way (no manifest yet), or one that only added documents, keeps the driver."""
     import time
 
     from branchsearch.infra.config.settings import load_settings
@@ -441,9 +440,10 @@ def test_an_index_ingested_again_is_reopened_once_its_requests_end(tmp_path):
     folder = settings.replace(index="x").index_dir
     folder.mkdir(parents=True)
     (folder / "docs.sqlite").touch()
-    fields = dict(documents=2, chunks={}, embedding=None, encoding="o200k_base",
-                  chunk_tokens=256, chunk_overlap=32, backends={})  # (no store files to check)
-    write_manifest(folder, Manifest(**fields))
+    hybrid = dict(documents=2, chunks={}, embedding={"model": "m", "dim": 4},
+                  encoding="o200k_base", chunk_tokens=256, chunk_overlap=32,
+                  backends={})  # (no store files to check)
+    write_manifest(folder, Manifest(**hybrid))
     log: list[str] = []
 
     class FakeDriver:
@@ -457,13 +457,15 @@ def test_an_index_ingested_again_is_reopened_once_its_requests_end(tmp_path):
     searcher = Searcher(settings, executor="local",
                         driver_factory=lambda s, executor: FakeDriver(len(log)))
     first = searcher.driver("x")
-    assert searcher.driver("x") is first  # nothing changed: the same driver
     with searcher._using("x") as (driver, _):  # a request in flight on the old driver
         assert driver is first
-        remove_manifest(folder)  # an ingest starts
+        remove_manifest(folder)  # an ingest starts ...
         assert searcher.driver("x") is first
-        time.sleep(0.01)  # a new mtime, whatever the clock's grain
-        write_manifest(folder, Manifest(**{**fields, "documents": 3}))  # ... and finishes
+        time.sleep(0.01)  # (a new mtime, whatever the clock's grain)
+        write_manifest(folder, Manifest(**{**hybrid, "documents": 3}))  # ... adds a document
+        assert searcher.driver("x") is first
+        time.sleep(0.01)
+        write_manifest(folder, Manifest(**{**hybrid, "embedding": None}))  # --no-dense
         with pytest.raises(ApiError) as caught:  # the reopen waits for the request
             searcher.driver("x", wait=0.2)
         assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
