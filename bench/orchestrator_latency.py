@@ -15,6 +15,10 @@ the backend's share counts (backend time measured inside the retriever actor / r
 Summed over branches when they run one after another in-process, the busiest branch when they
 run in parallel. Everything else (harness bookkeeping, token counting, Ray dispatch and RPC,
 fusion) is overhead.
+
+Each configuration meets the questions as new ones: its agent token caches emptied and its
+query vectors embedded afresh (an empty embedding cache of its own; `--warm-embeddings` keeps
+the data home's, where every question asked before is a lookup).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +60,24 @@ def forget_token_counts() -> None:
     agent_counter(load_settings().encoding).forget()
 
 
+def fresh_embeddings(driver: Driver) -> None:
+    """Point the retrievers' query-embedding caches at an empty file of their own: this
+    configuration embeds its questions' queries as new ones."""
+    path = Path(tempfile.mkdtemp(prefix="bench-embed-")) / "embeddings.sqlite"
+    if driver.mode == "local":
+        _cache_at(driver.executor, path)
+        return
+    import ray
+
+    ray.get([r.__ray_call__.remote(_cache_at, path) for r in driver.executor.retrievers])
+
+
+def _cache_at(owner, path: Path) -> None:  # owner: LocalExecutor or the retriever actor
+    embedder = owner.retriever.embedder
+    if embedder is not None:
+        embedder.cache_at(path)
+
+
 def idle_rate(seconds: float = 3.0) -> float:
     """The machine's busy CPU per second while this process sleeps: what others (and an idle
     Ray cluster's daemons) use, subtracted from every measurement."""
@@ -63,9 +86,11 @@ def idle_rate(seconds: float = 3.0) -> float:
     return (busy_cpu_s() - before) / seconds
 
 
-def measure(driver: Driver, questions: list[str], branches: int) -> dict:
+def measure(driver: Driver, questions: list[str], branches: int, warm_embeddings: bool) -> dict:
     driver.search(questions[0], max_branches=branches)  # warm-up
     forget_token_counts()  # every configuration counts its chunks' tokens afresh
+    if not warm_embeddings:
+        fresh_embeddings(driver)  # ... and embeds its queries afresh
     idle = idle_rate()
     walls, shares, multi = [], [], []  # multi: the questions planned to 2+ branches
     cpu0, started = busy_cpu_s(), time.perf_counter()
@@ -93,21 +118,24 @@ def main() -> None:
     ap.add_argument("--queries", type=Path, required=True)
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--batch-n", type=int, default=40)
+    ap.add_argument("--warm-embeddings", action="store_true",
+                    help="keep the data home's query-embedding cache (questions asked before)")
     args = ap.parse_args()
     settings = load_settings(overrides={"home": args.home, "index": args.index})
     questions = [q.text for q in read_queries(args.queries)]
     sample = questions[: args.n]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.queries.name}, "
-          f"{len(sample)} questions, heuristic policy")
+          f"{len(sample)} questions, heuristic policy; query embeddings "
+          f"{'from the home cache' if args.warm_embeddings else 'afresh'}")
 
     rows = []
     local = Driver(settings, mode="local")
-    rows.append(("1 branch, in-process", measure(local, sample, 1)))
-    rows.append(("3 branches, in-process (one after another)", measure(local, sample, 3)))
+    rows.append(("1 branch, in-process", measure(local, sample, 1, args.warm_embeddings)))
+    rows.append(("3 branches, in-process (one after another)", measure(local, sample, 3, args.warm_embeddings)))
     local.close()
     ray_driver = Driver(settings, mode="ray", pool_size=3)
-    rows.append(("1 branch, Ray actors", measure(ray_driver, sample, 1)))
-    rows.append(("3 branches, Ray actors", measure(ray_driver, sample, 3)))
+    rows.append(("1 branch, Ray actors", measure(ray_driver, sample, 1, args.warm_embeddings)))
+    rows.append(("3 branches, Ray actors", measure(ray_driver, sample, 3, args.warm_embeddings)))
     ray_driver.close()
     base = rows[0][1]["p50_ms"]
     one = rows[0][1]["walls"]  # 1 branch in-process, question by question

@@ -85,6 +85,8 @@ _CREDENTIAL = re.compile(
     r"(?:(?:bearer|basic|apikey)\s+)?[\"']?)[^\s\"',;)}\]]+")
 _PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
+# an absolute file path of two or more parts (a data home, a store file), not an API route
+_PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
 _ADDRESS = re.compile(
     r"(?<![\w.-])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:]+\]|localhost|"
     r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|(?<![\w.-])[A-Za-z0-9-]+:\d{2,5}\b")
@@ -107,10 +109,11 @@ def redact(text: str) -> str:
 
 def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
     """One line for a caller of the service: `redact`ed, URLs and host[:port] addresses replaced
-    by `<server>`."""
+    by `<server>`, absolute file paths by `<path>`."""
     text = error_line(exc_or_text, 10_000) if isinstance(exc_or_text, BaseException) \
         else " ".join(redact(exc_or_text).split())
     text = _URL.sub("<server>", text)
+    text = _PATH.sub("<path>", text)
     text = _PORT.sub(r"\g<1><server>", text)
     text = _ADDRESS.sub(lambda m: m.group(0) if _not_address(m.group(0)) else "<server>", text)
     return text[:width]

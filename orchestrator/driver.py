@@ -53,6 +53,11 @@ class Driver:
         """The stores' owner: a `Retriever` (local) or the retriever actor's handle (ray)."""
         return self.executor.retriever
 
+    def warm(self) -> None:
+        """Load the models the first question would load: a service, before it takes traffic
+        (the CLI loads them only when its questions need them)."""
+        self.executor.warm(self.settings)
+
     def close(self) -> None:
         self.executor.close()
 

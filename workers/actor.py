@@ -25,6 +25,7 @@ import ray
 
 from branchsearch.infra.retrieval.retriever import QuestionRetriever
 from branchsearch.infra.config.settings import Settings
+from branchsearch.workers.branch import warm_up
 
 
 class Events:
@@ -53,17 +54,6 @@ class Events:
             if not last:
                 self._buffers[key] = []
             return out
-
-
-def warm_up(settings: Settings) -> None:
-    """Import the branch runner and load the token encoding now, while the driver waits for
-    actors to start, not inside the first question's branch timeout."""
-    from branchsearch.infra import telemetry
-    from branchsearch.infra.models.tokenizer import agent_counter
-    from branchsearch.workers import branch  # noqa: F401
-
-    telemetry.configure_from(settings)
-    agent_counter(settings.encoding).count("warm up")
 
 
 def run_here(task, retriever, settings: Settings, carrier: dict | None, policy_factory,
@@ -109,8 +99,7 @@ class RetrieverService:
         self.caches = FetchCaches()
         self.calls = 0
         self.events = Events()
-        if self.retriever.embedder is not None:  # load the model now, not in the first query
-            _ = self.retriever.embedder.dim
+        self.retriever.load_models()
         warm_up(settings)
 
     def call_many(self, requests: list[tuple], question: str | None = None):

@@ -125,3 +125,12 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
     elif episode is not None:  # in-process, the retrieval phases' wall time is backend time
         report.backend_s = episode.fetch_s
     return report
+
+
+def warm_up(settings: Settings) -> None:
+    """Load the token encoding (and with it this module's imports) now, while a driver or an
+    actor starts, not inside the first question's branch timeout."""
+    from branchsearch.infra.models.tokenizer import agent_counter
+
+    telemetry.configure_from(settings)
+    agent_counter(settings.encoding).count("warm up")

@@ -197,11 +197,14 @@ BATCH_DOCS = 256  # documents per committed batch (a unit of resume)
 STATIC_BATCH_DOCS = 1024
 
 
-def ingest(path: str | Path, settings: Settings, *, dense: bool = True,
+def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
            batch_docs: int | None = None,
            progress: Callable[[int, int], None] | None = None, embedder=None,
            workers: int = 1, embed_batch: int | None = None) -> IngestReport:
     """Ingest a corpus into `settings.index` (resuming a stopped ingest of it).
+
+    `dense`: embed and index vectors; None: as the index was made (vectors for a new one). An
+    index keeps what it was made with: asking a complete one for the other is refused.
 
     `progress(docs, chunks)` is called per committed batch; `embedder` replaces the configured
     one (benchmarks use a hashing embedder); `workers > 1` embeds on a Ray Data actor pool of
@@ -241,6 +244,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         complete[0] = previous is not None
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)
+        dense = _dense_as_made(settings, previous, dense)  # before a store is made for it
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
         t = time.perf_counter()
@@ -394,6 +398,29 @@ def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[s
     t = time.perf_counter()
     docstore.replace_documents(batch.docs, batch.chunks, {i: prints[i] for i in ids})
     _add(report, "docstore", t)
+
+
+def _dense_as_made(settings: Settings, previous: Manifest | None, dense: bool | None) -> bool:
+    """Whether this ingest embeds: as asked, else as the index was made (vectors for a new one).
+    A complete index keeps it. With vectors for some documents and none for others (those this
+    ingest adds, or those a service writes to it afterwards), its dense side would be a
+    different corpus from its BM25 side, and a later ingest would stop on "stores disagree"."""
+    made = None if previous is None else previous.embedding is not None
+    if dense is None:
+        return True if made is None else made
+    if made is None or dense == made:
+        return dense
+    if made:
+        raise BranchsearchError(
+            f"ingest: index {settings.index!r} has vectors ({previous.embedding.get('model')}); "
+            f"--no-dense would add documents without them: ingest it with vectors (no "
+            f"--no-dense), or into another index name, or remove {settings.index_dir} first "
+            f"(the index is unchanged)")
+    raise BranchsearchError(
+        f"ingest: index {settings.index!r} was made without vectors (--no-dense); vectors for "
+        f"this corpus alone would leave its other documents without: ingest it with "
+        f"--no-dense, or into another index name, or remove {settings.index_dir} first (the "
+        f"index is unchanged)")
 
 
 def _same_model(settings: Settings, previous: Manifest | None, embedder) -> None:

@@ -161,6 +161,11 @@ class Embedder:
             out[missing] = fresh
         return out
 
+    def cache_at(self, path: str | Path | None) -> None:
+        """Keep vectors in `path` from now on (None: none): a benchmark that embeds its
+        questions as new ones would be."""
+        self.cache_path, self._cache = path, None
+
     def _open_cache(self):
         if self.cache_path is None or self.backend == STATIC_BACKEND:
             return None

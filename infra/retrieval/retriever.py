@@ -230,6 +230,11 @@ class Retriever:
     def titles(self) -> dict[str, str]:
         return self.docstore.titles()
 
+    def load_models(self) -> None:
+        """Load the query embedder now, not inside the first question's search."""
+        if self.embedder is not None:
+            _ = self.embedder.dim
+
     CALLABLE = ("search", "grep", "get_chunks", "read_document")
     CACHED = ("search", "grep", "read_document")
 

@@ -25,7 +25,9 @@ def register(app: typer.Typer) -> None:
 def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or folder of .txt/.md"),
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
            config: Optional[Path] = ConfigOpt,
-           dense: bool = typer.Option(True, help="embed and index vectors (--no-dense: BM25 only)"),
+           dense: Optional[bool] = typer.Option(
+               None, "--dense/--no-dense", help="embed and index vectors (--no-dense: BM25 "
+               "only); default: as the index was made, vectors for a new one"),
            workers: int = typer.Option(1, min=1, max=256, help="embed on a Ray Data actor pool "
                                        "of N workers (GPUs when the cluster has them)"),
            embed_batch: Optional[int] = typer.Option(None, min=1, max=4096,

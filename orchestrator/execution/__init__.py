@@ -42,6 +42,9 @@ class Executor(Protocol):
             ) -> list[BranchReport]:
         """Run every task; one report per task, in order, whatever happened to it."""
 
+    def warm(self, settings: Settings) -> None:
+        """Load the models the first question would load (a service, before traffic)."""
+
     def close(self) -> None: ...
 
 

@@ -51,5 +51,12 @@ class LocalExecutor:
             reports.append(report)
         return reports
 
+    def warm(self, settings: Settings) -> None:
+        """Load the models and the encoding now (a service, before it takes traffic)."""
+        from branchsearch.workers.branch import warm_up
+
+        self.retriever.load_models()
+        warm_up(settings)
+
     def close(self) -> None:
         self.retriever.close()

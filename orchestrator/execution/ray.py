@@ -259,6 +259,9 @@ class RayExecutor:
                 self.pool.release(place.actor)
         return BranchReport(task.index, task.subquery, task.weight, task.kind, "error", error)
 
+    def warm(self, settings: Settings) -> None:
+        """Nothing to do: every actor loaded its models as it started."""
+
     def close(self) -> None:
         import ray
 

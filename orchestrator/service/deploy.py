@@ -70,7 +70,7 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
     import uvicorn
 
     state = local_state(settings, executor=executor, keys_path=keys)
-    state.searcher.target.driver(settings.index)  # load models before taking traffic
+    state.searcher.target.open_default()  # load models before taking traffic
     print(f"serving on http://{sock.getsockname()[0]}:{sock.getsockname()[1]} (docs at /docs; "
           "one process)", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning",

@@ -48,9 +48,9 @@ class Searcher:
         self.concurrency = Concurrency(limits)
         self._drivers: dict[str, object] = {}
         self._docstores: dict[str, object] = {}
-        self._opened_as: dict[str, tuple] = {}  # index -> (folder, manifest stat, layout)
+        self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
         self._users: dict[object, int] = {}  # driver -> the requests using it now
-        self._retiring: dict[str, tuple] = {}  # index -> (driver, docstore) to close when idle
+        self._retiring: dict[str, tuple] = {}  # index -> (driver, docstore) closing when idle
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a driver's last request ended
         self._background: dict[str, dict] = {}  # index -> its one start, while it runs
@@ -60,7 +60,7 @@ class Searcher:
         self._retriever_options: dict = {}
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
         if warm:
-            self.driver(settings.index)
+            self.open_default()
 
     # --- the interface (standalone calls it, Serve deploys it) ----------------------------------
 
@@ -125,6 +125,18 @@ class Searcher:
             if root.is_dir() else []
         return sorted(set(owned) | {spec.name for spec in self.settings.indexes})
 
+    def open_default(self):
+        """The default index's driver, opened before the service takes traffic (its models
+        loaded); a default index that is not there names the ones that are."""
+        try:
+            return self.driver(self.settings.index)
+        except IndexNotFound as exc:
+            names = self.index_names()
+            if not names:
+                raise
+            raise IndexNotFound(f"{exc}; this data home has {', '.join(map(repr, names))}: "
+                                "serve one with --index NAME") from None
+
     def _index(self, req: SearchRequest) -> str:
         return req.index or self.settings.index
 
@@ -135,18 +147,15 @@ class Searcher:
         most seconds to wait for it (a request's deadline); past it, a 503 index_starting
         while the start goes on. A failed start is tried again by the next caller."""
         with self._lock:
-            if index in self._drivers and not self._relaid(index):
-                return self._drivers[index]
+            if index in self._drivers:
+                if not self._stale(index):
+                    return self._drivers[index]
+                self._retire(index)
         if index not in self.index_names():  # nothing to start: the answer now, whatever the wait
             raise _not_found(index)
         with self._lock:
-            if index in self._drivers:
-                if not self._relaid(index):
-                    return self._drivers[index]
-                log.info("index %r was ingested again with another layout: reopening it once "
-                         "the %d request(s) using it end", index,
-                         self._users.get(self._drivers[index], 0))
-                self._retiring[index] = (self._drivers.pop(index), self._docstores.pop(index))
+            if index in self._drivers:  # another caller's start finished meanwhile
+                return self._drivers[index]
             start = self._background.get(index)
             if start is None:
                 start = self._background[index] = {"done": threading.Event()}
@@ -161,13 +170,9 @@ class Searcher:
 
     def _start(self, index: str, start: dict) -> None:
         try:
-            with self._idle:
-                old = self._retiring.get(index)
-                while old is not None and self._users.get(old[0]):
+            with self._idle:  # a retired driver's stores close before new ones open (Lite)
+                while index in self._retiring:
                     self._idle.wait()
-                self._retiring.pop(index, None)
-            if old is not None:  # its stores closed before the new ones open (one Lite file)
-                _close(*old)
             start["driver"] = self._open(index)
         except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
             start["error"] = exc
@@ -199,35 +204,62 @@ class Searcher:
                 self._opened_as[index] = opened_as
         return driver
 
-    def _relaid(self, index: str) -> bool:
-        """Whether an ingest (another process: the CLI) changed the index's layout
-        (`Manifest.layout`: its stores, embedder or chunking) since its driver opened it. Its
-        open stores and a policy that reads the new manifest would disagree: rankings that
-        match neither index. (Documents an ingest only adds or replaces reach the open stores:
-        tantivy's reader reloads itself, SQLite and the servers are shared; Milvus Lite's file
-        is the service's while it is open.) One stat a request; the manifest is read only when
-        that changed. Holding the lock."""
-        from branchsearch.infra.index.manifest import read_manifest
+    def _stale(self, index: str) -> bool:
+        """Whether the index on disk is no longer the one its driver opened: an ingest (another
+        process: the CLI) changed its layout (`Manifest.layout`: stores, embedder, chunking),
+        its folder was removed and made anew, or it was left incomplete (no manifest, and no
+        ingest under way: a failed or stopped one, or a removed folder). The driver's open
+        stores would rank a different index from the one a fresh service would search, or
+        from its policy's reading of the new manifest. (Documents an ingest only adds or
+        replaces reach the open stores: tantivy's reader reloads itself, SQLite and the servers
+        are shared; Milvus Lite's file is the service's while it is open.) One stat a request;
+        more only when the manifest changed or is gone. Holding the lock."""
+        from branchsearch.infra.index.manifest import read_manifest, running_ingest
 
         seen = self._opened_as.get(index)
         if seen is None:  # an external index: nothing of ours to watch
             return False
-        folder, stat, layout = seen
-        now = _stat(folder)  # None: an ingest under way took it away; searches go on meanwhile
-        if now is None or now == stat:
+        folder, stat, layout, docstore = seen
+        now = _stat(folder)
+        if now == stat:
             return False
-        manifest = read_manifest(folder)
-        if manifest is None:
-            return False
-        if manifest.layout() == layout:
-            self._opened_as[index] = (folder, now, layout)
+        manifest = None if now is None else read_manifest(folder)
+        if manifest is None:  # an ingest under way: searches go on over what was there
+            return running_ingest(folder) is None
+        if manifest.layout() == layout and _file_id(folder / "docs.sqlite") == docstore:
+            self._opened_as[index] = (folder, now, layout, docstore)
             return False
         return True
+
+    def _retire(self, index: str) -> None:
+        """Take the index's driver out of service; it is closed once the requests using it end
+        (`_using`). Holding the lock."""
+        old = self._drivers.pop(index), self._docstores.pop(index)
+        log.info("index %r changed on disk (another layout, removed, made anew or left "
+                 "incomplete): its stores close once the %d request(s) using them end", index,
+                 self._users.get(old[0], 0))
+        self._retiring[index] = old
+        threading.Thread(target=self._close_when_idle, args=(index, old), daemon=True,
+                         name=f"retire-{index}").start()
+
+    def _close_when_idle(self, index: str, old: tuple) -> None:
+        try:
+            with self._idle:
+                while self._users.get(old[0]):
+                    self._idle.wait()
+            _close(*old)
+        except Exception as exc:  # noqa: BLE001 — a store that fails to close: logged
+            log.warning("closing the old stores of index %r: %s", index, error_line(exc, 500))
+        finally:
+            with self._idle:
+                if self._retiring.get(index) is old:
+                    del self._retiring[index]
+                self._idle.notify_all()
 
     @contextmanager
     def _using(self, index: str, wait: float | None = None):
         """(driver, docstore) of the index for one request; a driver retired meanwhile (its
-        index relaid) is closed only once its last request leaves here."""
+        index changed on disk) is closed only once its last request leaves here."""
         while True:
             driver = self.driver(index, wait)
             with self._lock:
@@ -248,12 +280,19 @@ class Searcher:
         from branchsearch.orchestrator.driver import Driver
 
         if executor != "ray":
-            return Driver(settings, mode=executor)
-        from branchsearch.orchestrator.execution.ray import RayExecutor
+            driver = Driver(settings, mode=executor)
+        else:
+            from branchsearch.orchestrator.execution.ray import RayExecutor
 
-        pool = self._branch_pool()
-        return Driver(settings, mode="ray", executor=RayExecutor(
-            settings, pool.size, pool=pool, retriever_options=self._retriever_options))
+            pool = self._branch_pool()
+            driver = Driver(settings, mode="ray", executor=RayExecutor(
+                settings, pool.size, pool=pool, retriever_options=self._retriever_options))
+        try:
+            driver.warm()  # the first request after a start or a reopen waits for no model
+        except BaseException:
+            driver.close()
+            raise
+        return driver
 
     def _branch_pool(self):
         """The one branch pool of the service, planned against what the cluster has free now
@@ -285,14 +324,12 @@ class Searcher:
             return self.pool
 
     def close(self) -> None:
-        with self._lock:
+        with self._idle:
             for index, driver in self._drivers.items():
                 _close(driver, self._docstores[index])
-            for old in self._retiring.values():
-                _close(*old)
             self._drivers.clear()
             self._docstores.clear()
-            self._retiring.clear()
+            self._idle.wait_for(lambda: not self._retiring, timeout=30)  # their own threads
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -558,17 +595,29 @@ def _stat(folder: Path) -> tuple | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def _file_id(path: Path) -> tuple | None:
+    """(device, inode): another file at the same path differs, while the driver's docstore
+    holds the old one open (so its inode is not reused)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _opened_as(settings: Settings) -> tuple | None:
-    """(folder, manifest stat, layout) of an owned index as its driver opens it, taken before
-    its stores open (an ingest that finishes meanwhile shows as a change); None for an external
-    index, or one without a readable manifest (its profile refuses it)."""
+    """(folder, manifest stat, layout, docstore file) of an owned index as its driver opens it,
+    taken before its stores open (an ingest that finishes meanwhile shows as a change); None
+    for an external index, or one without a readable manifest (its profile refuses it)."""
     from branchsearch.infra.index.manifest import read_manifest
 
     if settings.external is not None:
         return None
     folder = settings.index_dir
     stat, manifest = _stat(folder), read_manifest(folder)
-    return None if manifest is None else (folder, stat, manifest.layout())
+    if manifest is None:
+        return None
+    return folder, stat, manifest.layout(), _file_id(folder / "docs.sqlite")
 
 
 def _close(driver, docstore) -> None:

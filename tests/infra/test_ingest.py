@@ -77,6 +77,34 @@ def test_manifest_written_last_with_counts(tmp_path):
     assert again.resumed == 5 and again.chunks == 5 and again.seconds.get("embed", 0) == 0
 
 
+def test_an_index_keeps_its_vectors_or_their_absence(tmp_path):
+    """`--no-dense` over a hybrid index wrote documents without vectors beside a dense side
+    left as it was; the next hybrid ingest stopped on "stores disagree" and left the index
+    incomplete, or passed with the dense side a different corpus (a hostile pass). Now an
+    ingest without the flag does as the index was made, and asking the other is refused with
+    nothing touched; the CLI says it in one line."""
+    from branchsearch.infra.errors import BranchsearchError
+
+    corpus, more = _corpus(tmp_path / "c.jsonl", 3), _corpus(tmp_path / "m.jsonl", 4)
+    for dense, other in ((True, False), (False, True)):
+        settings = _settings(tmp_path / "h", index=f"made-{dense}")
+        ingest(corpus, settings, dense=dense)
+        before = (settings.index_dir / "manifest.json").read_text()
+        with pytest.raises(BranchsearchError, match="(has vectors|made without vectors).*"
+                                                    "another index name.*unchanged"):
+            ingest(more, settings, dense=other)
+        assert (settings.index_dir / "manifest.json").read_text() == before
+        assert (settings.index_dir / "dense.db").exists() == dense  # none made for it
+        report = ingest(more, settings)  # as it was made
+        assert (read_manifest(settings.index_dir).embedding is not None) == dense
+        assert set(report.counts) == ({"docstore", "lexical", "dense"} if dense
+                                      else {"docstore", "lexical"})
+        assert set(report.counts.values()) == {4}
+    proc = subprocess.run(CLI + ["ingest", str(more), "--index", "made-True", "--no-dense"],
+                          capture_output=True, text=True, env=_env(tmp_path / "h"), timeout=300)
+    assert "has vectors (all-MiniLM-L6-v2); --no-dense would add" in _one_error_line(proc)
+
+
 def test_index_without_manifest_is_refused(tmp_path):
     settings = _settings(tmp_path / "h")
     with pytest.raises(IndexNotFound):

@@ -191,6 +191,15 @@ def test_acl_leak(site, capsys):
     assert state.searcher.target.acl_guard_dropped == 0  # the backends' filter held
 
 
+def test_an_opened_index_has_loaded_its_model(site):
+    """With the in-process executor a service opened its indexes without the query embedder:
+    the first request after a start (or a reopen) loaded it inside its deadline, 5-7 s here
+    (a hostile pass saw a 504). Opening an index now loads it."""
+    client, keys, state = site
+    driver = state.searcher.target.driver("acl")
+    assert driver.executor.retriever.embedder._model is not None
+
+
 def test_stream_events_in_order(site):
     client, keys, _ = site
     r = client.post("/v1/search", json={"question": "Alpha roadmap harbor sensors", "branches": 2},
@@ -387,14 +396,16 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
 
 
 @pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.ray)])
-def test_an_ingest_under_a_running_service_is_what_it_searches_next(tmp_path, executor):
+def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, executor):
     """Ingests run as a user would (the CLI, its own process) while a service with either
-    executor serves two indexes: documents added to one are found (without reopening it), and
-    `--no-dense` over the hybrid one then a hybrid ingest again leave the service ranking as a
-    service started afresh does. Before, it kept the stores it had opened: it ranked the relaid
-    index with its old stores under a policy that read the new manifest (rankings that matched
-    neither), and held the Milvus Lite file (in its retriever actor, with Ray) that the hybrid
-    ingest needs."""
+    executor serves two indexes. Documents added to one are found (and nothing is reopened);
+    `--no-dense` over the hybrid one is refused, the index unchanged; the hybrid index removed
+    and ingested anew BM25-only, then hybrid again, is searched as a service started afresh
+    searches it. Before: the service kept the stores it had opened, so it ranked a relaid index
+    with its old stores under a policy reading the new manifest (rankings that matched neither)
+    or searched a removed folder's files, and `--no-dense` over a hybrid index left a dense
+    side that a later ingest found disagreeing (found by hostile passes)."""
+    import shutil
     import time
 
     from branchsearch.orchestrator.service.auth import ApiKey
@@ -410,6 +421,7 @@ def test_an_ingest_under_a_running_service_is_what_it_searches_next(tmp_path, ex
     questions = [museum, "Which sensors does the harbor budget fund?", "lighthouse relay"]
     state = service.local_state(settings, executor=executor, limits=LIMITS)  # dev mode: admin
     server = start_uvicorn(service.create_app(state), state)
+    searcher = state.searcher.target
 
     def ranked(search, index: str = "acl") -> list[list[str]]:
         return [[e["doc_id"] for e in search(q, index)["evidence"]] for q in questions]
@@ -419,43 +431,50 @@ def test_an_ingest_under_a_running_service_is_what_it_searches_next(tmp_path, ex
         assert r.status_code == 200, r.text
         return r.json()
 
-    def cli_ingest(path, index: str, *flags: str) -> None:
+    def cli_ingest(path, index: str, *flags: str, rc: int = 0) -> str:
         done = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "ingest",
                                str(path), "--home", str(tmp_path), "--index", index, *flags],
                               capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert done.returncode == rc, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stderr
+
+    def as_fresh() -> list[list[str]]:
+        fresh = Searcher(settings, executor="local")
+        try:
+            key = ApiKey("dev", ("*",), admin=True)
+            return ranked(lambda q, index: asyncio.run(fresh.search(
+                SearchRequest(question=q, index=index), key)))
+        finally:
+            fresh.close()
 
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             hybrid, bm25 = ranked(over_http), ranked(over_http, "bm")
             assert "pub-museum" not in bm25[0]
-            searcher = state.searcher.target
             opened = dict(searcher._drivers)
             more = write_corpus(tmp_path / "more.jsonl", CORPUS + [
                 {"_id": "pub-museum", "title": "Seafaring Exhibit Hall",
                  "text": "The maritime history museum opened its doors in 1999 by the quay."}])
-            cli_ingest(more, "bm", "--no-dense")
+            cli_ingest(more, "bm")  # no flag: as the index was made, BM25 only
             waited = time.monotonic()  # tantivy's reader reloads itself within a second
             while over_http(museum, "bm")["evidence"][0]["doc_id"] != "pub-museum":
                 assert time.monotonic() - waited < 30, "the added document was not found"
                 time.sleep(0.2)
             assert searcher._drivers == opened  # the same stores, nothing reopened
-            assert ranked(over_http) == hybrid  # the other index, untouched
+            refused = cli_ingest(corpus, "acl", "--no-dense", rc=2)
+            assert refused.count("\n") == 1 and "has vectors" in refused, refused
+            assert ranked(over_http) == hybrid and searcher._drivers == opened
+            shutil.rmtree(settings.index_dir)  # made anew, BM25 only
             cli_ingest(corpus, "acl", "--no-dense")
             relaid = ranked(over_http)
             assert searcher._drivers["acl"] is not opened["acl"]
-            fresh = Searcher(settings, executor="local")
-            try:
-                key = ApiKey("dev", ("*",), admin=True)
-                assert relaid == ranked(lambda q, index: asyncio.run(fresh.search(
-                    SearchRequest(question=q, index=index), key))), "not what a fresh one ranks"
-            finally:
-                fresh.close()
-            cli_ingest(corpus, "acl")  # hybrid again: needs the Milvus Lite file
+            assert relaid == as_fresh(), "not what a fresh service ranks"
+            shutil.rmtree(settings.index_dir)  # and hybrid again: the Lite file is free
+            cli_ingest(corpus, "acl")
             assert ranked(over_http) == hybrid
     finally:
         server.stop()
-        state.searcher.target.close()
+        searcher.close()
         if executor == "ray":
             import ray
 
@@ -585,3 +604,9 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    # no --index, and no index named 'default' in this home: one line naming the ones there are
+    bare = subprocess.run([a for a in cmd if a not in ("--index", "acl")], capture_output=True,
+                          text=True, timeout=120)
+    errors = [ln for ln in bare.stderr.splitlines() if ln.startswith("error:")]
+    assert bare.returncode == 2 and len(errors) == 1, bare.stderr
+    assert "'default' not found" in errors[0] and "has 'acl'" in errors[0], errors

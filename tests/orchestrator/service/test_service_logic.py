@@ -54,6 +54,11 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
     assert public_line("missing API key: send 'Authorization: Bearer KEY'").endswith(
         "'Authorization: Bearer KEY'")
     assert "s3cr3t" not in public_line("Authorization: Bearer s3cr3t")
+    # a store's error naming its file (a hostile pass got it in a 503 body): no server path
+    assert public_line("milvus at /srv/bs/indexes/uni/dense.db: upsert failed (internal)") == \
+        "milvus at <path>: upsert failed (internal)"
+    assert public_line("PUT /v1/indexes/uni/documents: 1/2 done") == \
+        "PUT /v1/indexes/uni/documents: 1/2 done"  # API routes and ratios stay
     assert question_problem(123) == "question must be text, not a number"
     assert question_problem(["a"]) == "question must be text, not an array"
     assert question_problem(None).startswith("empty question")
@@ -424,16 +429,21 @@ def test_a_keys_file_that_is_a_folder_is_one_operator_error(tmp_path):
     assert api_error(KeysFileError("x")).status == 503
 
 
-def test_an_index_relaid_by_an_ingest_is_reopened_once_its_requests_end(tmp_path):
+def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_path):
     """A running service kept the stores it opened: after an ingest in another process that
-    changed the index's layout (`--no-dense` over a hybrid index) it ranked with the old stores
-    under a policy that read the new manifest. Now the next request reopens the index: requests
-    using the old driver finish on it, its stores are closed, then the new ones open. An ingest
-    under way (no manifest yet), or one that only added documents, keeps the driver."""
+    changed the index's layout it ranked with the old stores under a policy that read the new
+    manifest; after the folder was removed and ingested anew it searched the deleted files; an
+    index left incomplete by a failed ingest it went on searching (found by hostile passes).
+    Now the next request reopens the index: requests using the old driver finish on it, its
+    stores are closed, then the new ones open (or the index's problem is the answer). An ingest
+    under way, or one that only added documents, keeps the driver."""
+    import shutil
     import time
 
     from branchsearch.infra.config.settings import load_settings
-    from branchsearch.infra.index.manifest import Manifest, remove_manifest, write_manifest
+    from branchsearch.infra.errors import IndexIncomplete
+    from branchsearch.infra.index.manifest import (IngestLock, Manifest, remove_manifest,
+                                                   write_manifest)
     from branchsearch.orchestrator.service.searcher import Searcher
 
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
@@ -454,18 +464,21 @@ def test_an_index_relaid_by_an_ingest_is_reopened_once_its_requests_end(tmp_path
         def close(self):
             log.append(f"close {self.n}")
 
+    def then(manifest: dict) -> None:
+        time.sleep(0.01)  # a new mtime, whatever the clock's grain
+        write_manifest(folder, Manifest(**manifest))
+
     searcher = Searcher(settings, executor="local",
                         driver_factory=lambda s, executor: FakeDriver(len(log)))
     first = searcher.driver("x")
     with searcher._using("x") as (driver, _):  # a request in flight on the old driver
         assert driver is first
-        remove_manifest(folder)  # an ingest starts ...
+        with IngestLock(folder, "x"):  # an ingest under way ...
+            remove_manifest(folder)
+            assert searcher.driver("x") is first
+            then({**hybrid, "documents": 3})  # ... that adds a document
         assert searcher.driver("x") is first
-        time.sleep(0.01)  # (a new mtime, whatever the clock's grain)
-        write_manifest(folder, Manifest(**{**hybrid, "documents": 3}))  # ... adds a document
-        assert searcher.driver("x") is first
-        time.sleep(0.01)
-        write_manifest(folder, Manifest(**{**hybrid, "embedding": None}))  # --no-dense
+        then({**hybrid, "embedding": None})  # another layout
         with pytest.raises(ApiError) as caught:  # the reopen waits for the request
             searcher.driver("x", wait=0.2)
         assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
@@ -473,5 +486,29 @@ def test_an_index_relaid_by_an_ingest_is_reopened_once_its_requests_end(tmp_path
     second = searcher.driver("x", wait=10)
     assert second is not first and log == ["open 0", "close 0", "open 2"]
     assert searcher.driver("x") is second
+
+    store = folder / "docs.sqlite"
+    with open(store) as held:  # (as the searcher's docstore holds it: no inode reuse)
+        shutil.rmtree(folder)  # removed, and ingested anew with the same layout
+        folder.mkdir(parents=True)
+        store.touch()
+        then({**hybrid, "embedding": None})
+        third = searcher.driver("x", wait=10)
+    assert third is not second and log[-2:] == ["close 2", "open 4"]
+
+    shutil.rmtree(folder)  # removed: not found, and its stores closed
+    with pytest.raises(IndexNotFound):
+        searcher.driver("x", wait=10)
+    waited = time.monotonic()
+    while log[-1] != "close 4":
+        assert time.monotonic() - waited < 10, log
+        time.sleep(0.01)
+    folder.mkdir(parents=True)
+    store.touch()
+    then(hybrid)
+    assert searcher.driver("x", wait=10) and log[-1] == "open 6"
+    remove_manifest(folder)  # an ingest that failed: no manifest, no ingest under way
+    with pytest.raises(IndexIncomplete):
+        searcher.driver("x", wait=10)
+    assert log[-1] == "close 6" and "x" not in searcher._drivers
     searcher.close()
-    assert log[-1] == "close 2"
