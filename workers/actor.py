@@ -122,6 +122,13 @@ class RetrieverService:
         """A hosted branch's events since the last call; `last`: and forget the key."""
         return self.events.take(key, last)
 
+    def expect(self, question: str, queries: list[str]) -> None:
+        """The question's branch queries (`QuestionCache.expect`): embedded together at its
+        first request here, or its next one if this arrives later."""
+        cache = self.caches.get(question)
+        if cache is not None:
+            cache.expect(queries)
+
     def end_question(self, question: str) -> dict:
         """Drop the question's fetch cache; its counters."""
         return self.caches.end(question)

@@ -58,9 +58,11 @@ class QuestionCache:
     """One question's fetches. Thread-safe; every value handed out is the caller's own copy
     (or, for `once`, a value the caller must not change)."""
 
-    def __init__(self, max_items: int = MAX_ITEMS, margin: float = 1.0):
+    def __init__(self, max_items: int = MAX_ITEMS, margin: float = 1.0,
+                 queries: Sequence[str] = ()):
         self.max_items = max_items
         self.margin = margin  # over-fetch this many times k beyond k + |exclude|
+        self._queries = list(queries)  # the branches' queries, not yet embedded (`take_queries`)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
@@ -68,6 +70,17 @@ class QuestionCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def expect(self, queries: Sequence[str]) -> None:
+        """The question's branch queries, to embed together before the first is searched."""
+        with self._lock:
+            self._queries.extend(queries)
+
+    def take_queries(self) -> list[str]:
+        """The queries expected and not yet taken (each handed out once)."""
+        with self._lock:
+            queries, self._queries = self._queries, []
+        return queries
 
     # --- ranked lists: prefix-exact backends -----------------------------------------------
 

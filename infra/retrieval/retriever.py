@@ -242,7 +242,13 @@ class Retriever:
         """Run requests `(method, args, kwargs)` concurrently (threads); each result is the
         value or the exception it raised. A branch agent sends one turn's requests together —
         to a retriever actor, in one round trip. `cache`: the question's, shared by its
-        branches (same results, fewer backend requests)."""
+        branches (same results, fewer backend requests); its branches' queries, when it
+        expects them, are embedded together first (one model call, not one a branch)."""
+        if cache is not None and self.embedder is not None:
+            queries = cache.take_queries()
+            if len(queries) > 1:
+                self.embedder.embed_ahead(queries)
+
         def one(request):
             method, args, kwargs = request
             try:

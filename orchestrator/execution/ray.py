@@ -113,6 +113,7 @@ class RayExecutor:
         question = uuid.uuid4().hex if shares_cache(settings, tasks) else None
         if question is not None:
             replicas = [self.balancer.take(len(tasks))] * len(tasks)
+            self.retrievers[replicas[0]].expect.remote(question, [t.subquery for t in tasks])
         else:
             replicas = [self.balancer.take() for _ in tasks]
         hosted = self.hosts and self.balancer.host(replicas[0])
