@@ -244,7 +244,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         complete[0] = previous is not None
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)
-        dense = _dense_as_made(settings, previous, dense)  # before a store is made for it
+        dense = _dense_as_made(settings, root, previous, dense)  # before a store is made
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
         t = time.perf_counter()
@@ -400,19 +400,28 @@ def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[s
     _add(report, "docstore", t)
 
 
-def _dense_as_made(settings: Settings, previous: Manifest | None, dense: bool | None) -> bool:
+def _dense_as_made(settings: Settings, root: Path, previous: Manifest | None,
+                   dense: bool | None) -> bool:
     """Whether this ingest embeds: as asked, else as the index was made (vectors for a new one).
-    A complete index keeps it. With vectors for some documents and none for others (those this
-    ingest adds, or those a service writes to it afterwards), its dense side would be a
+    An index keeps it, complete or left incomplete by a stopped ingest (no manifest then: the
+    `dense.dim` a dense ingest writes as it opens its store says it had vectors, a docstore
+    without it that it had none). With vectors for some documents and none for others (those
+    this ingest adds, or those a service writes to it afterwards), its dense side would be a
     different corpus from its BM25 side, and a later ingest would stop on "stores disagree"."""
-    made = None if previous is None else previous.embedding is not None
+    if previous is not None:
+        made = previous.embedding is not None
+    elif (root / "dense.dim").exists():
+        made = True
+    else:
+        made = False if (root / "docs.sqlite").exists() else None
     if dense is None:
         return True if made is None else made
     if made is None or dense == made:
         return dense
     if made:
+        model = previous.embedding.get("model") if previous is not None else "its first ingest's"
         raise BranchsearchError(
-            f"ingest: index {settings.index!r} has vectors ({previous.embedding.get('model')}); "
+            f"ingest: index {settings.index!r} has vectors ({model}); "
             f"--no-dense would add documents without them: ingest it with vectors (no "
             f"--no-dense), or into another index name, or remove {settings.index_dir} first "
             f"(the index is unchanged)")

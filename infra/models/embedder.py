@@ -50,8 +50,13 @@ def resolve_model_path(name: str) -> Path:
     return path
 
 
+_MODELS: dict[tuple, tuple] = {}  # (model, backend, device, exports) -> (model, backend)
+_MODELS_LOCK = threading.Lock()
+
+
 class Embedder:
-    """Batched, normalised embeddings; the model loads on first use."""
+    """Batched, normalised embeddings; the model loads on first use, once per process: every
+    embedder of the same model shares it (a service's indexes, an index reopened)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu",
                  cache_path: str | Path | None = None, backend: str | None = None,
@@ -81,21 +86,31 @@ class Embedder:
 
     def _load_locked(self):
         if self._model is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-            quiet_transformers()
-            if self.backend == STATIC_BACKEND:
-                self._model = StaticEncoder(ensure_static(self.export_root,
-                                                          resolve_model_path(DEFAULT_MODEL)))
-                return self._model
-            path = resolve_model_path(self.model_name)
-            if self.backend != TORCH:
-                self._model = self._load_exported(path)
-            if self._model is None:
-                from sentence_transformers import SentenceTransformer
-
-                self._model = SentenceTransformer(str(path), device=self.device)
+            key = (self.model_name, self.backend, self.device, str(self.export_root))
+            with _MODELS_LOCK:
+                if key not in _MODELS:
+                    _MODELS[key] = self._load_model(), self.backend
+                self._model, backend = _MODELS[key]
+            if backend != self.backend:  # the exported runtime fell back to torch
+                self.backend, self._cache = backend, None
         return self._model
+
+    def _load_model(self):
+        """Load the model (`_load` shares it); `backend` falls back to torch when an export
+        cannot be made."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        quiet_transformers()
+        if self.backend == STATIC_BACKEND:
+            return StaticEncoder(ensure_static(self.export_root, resolve_model_path(DEFAULT_MODEL)))
+        path = resolve_model_path(self.model_name)
+        if self.backend != TORCH:
+            model = self._load_exported(path)
+            if model is not None:
+                return model
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer(str(path), device=self.device)
 
     def _load_exported(self, path: Path):
         """The exported runtime, or None (after one stderr line) to fall back to torch."""

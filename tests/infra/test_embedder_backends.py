@@ -88,6 +88,7 @@ def test_exported_backend_agrees_with_torch(backend, texts, torch_vectors, expor
 def test_missing_packages_fall_back_to_torch_with_one_line(texts, torch_vectors, export_root,
                                                            monkeypatch, capsys):
     monkeypatch.setattr(embedder_module, "_WARNED", set())
+    monkeypatch.setattr(embedder_module, "_MODELS", {})  # a process that loaded none yet
     for name in ("onnxruntime", "openvino"):  # as if not installed: importing them fails
         monkeypatch.setitem(sys.modules, name, None)
     embedder = Embedder(backend="onnx-int8", export_root=export_root)
@@ -125,3 +126,10 @@ def test_unknown_backend_is_refused(monkeypatch):
         load_settings(read_file=False)
     monkeypatch.setenv("BRANCHSEARCH_EMBED_BACKEND", "onnx")
     assert load_settings(read_file=False).embed_backend == "onnx"
+
+
+def test_embedders_of_one_model_share_it():
+    """A service loaded the model once per index it opened (and again on every reopen): every
+    embedder of one model in a process now shares the one loaded."""
+    assert Embedder()._load() is Embedder(batch_size=8)._load()
+    assert Embedder()._load() is not Embedder(backend="torch", device="meta")._model

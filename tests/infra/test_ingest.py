@@ -95,6 +95,10 @@ def test_an_index_keeps_its_vectors_or_their_absence(tmp_path):
             ingest(more, settings, dense=other)
         assert (settings.index_dir / "manifest.json").read_text() == before
         assert (settings.index_dir / "dense.db").exists() == dense  # none made for it
+        (settings.index_dir / "manifest.json").unlink()  # as a killed ingest leaves it
+        with pytest.raises(BranchsearchError, match="has vectors|made without vectors"):
+            ingest(more, settings, dense=other)  # (a hostile pass: the run after a kill)
+        assert (settings.index_dir / "dense.db").exists() == dense
         report = ingest(more, settings)  # as it was made
         assert (read_manifest(settings.index_dir).embedding is not None) == dense
         assert set(report.counts) == ({"docstore", "lexical", "dense"} if dense
