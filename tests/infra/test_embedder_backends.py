@@ -132,4 +132,3 @@ def test_embedders_of_one_model_share_it():
     """A service loaded the model once per index it opened (and again on every reopen): every
     embedder of one model in a process now shares the one loaded."""
     assert Embedder()._load() is Embedder(batch_size=8)._load()
-    assert Embedder()._load() is not Embedder(backend="torch", device="meta")._model
