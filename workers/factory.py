@@ -50,15 +50,8 @@ def index_modes(settings: Settings) -> tuple[str, str]:
     unchanged (same inode, size and mtime), so a branch does not parse them again, and a
     re-ingest or a service's upsert is seen by the next branch.
     Elsewhere (Elasticsearch, external indexes) they are asked every time, as before."""
-    from branchsearch.infra.index.manifest import manifest_path
+    from branchsearch.infra.index.manifest import file_signature as signature, manifest_path
     from branchsearch.infra.retrieval.retriever import searched_mode
-
-    def signature(path) -> tuple | None:
-        try:
-            st = path.stat()
-        except OSError:
-            return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
 
     if settings.external is not None or settings.es_url:
         mode = searched_mode(settings)

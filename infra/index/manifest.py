@@ -62,6 +62,16 @@ def manifest_path(index_dir: Path) -> Path:
     return Path(index_dir) / MANIFEST
 
 
+def file_signature(path: Path) -> tuple | None:
+    """(inode, size, mtime) of an index file, None when it is not there: a file rewritten
+    (an ingest's manifest, tantivy's meta.json) signs differently."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def read_manifest(index_dir: Path) -> Manifest | None:
     path = manifest_path(index_dir)
     try:

@@ -204,7 +204,7 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
     """Ingest a corpus into `settings.index` (resuming a stopped ingest of it).
 
     `dense`: embed and index vectors; None: as the index was made (vectors for a new one). An
-    index keeps what it was made with: asking a complete one for the other is refused.
+    index keeps what it was made with: asking it for the other is refused.
 
     `progress(docs, chunks)` is called per committed batch; `embedder` replaces the configured
     one (benchmarks use a hashing embedder); `workers > 1` embeds on a Ray Data actor pool of

@@ -178,8 +178,8 @@ class Embedder:
 
     def embed_ahead(self, texts: Sequence[str]) -> None:
         """Embed into the cache, in one model call, texts that will be asked for one at a
-        time (a question's branch queries): one call costs about half of three here. Nothing
-        without a cache (the static model needs none)."""
+        time (a question's branch queries): one call for several costs less than one each.
+        Nothing without a cache (the static model needs none)."""
         if self._open_cache() is not None:
             self.embed(list(dict.fromkeys(texts)))
 

@@ -58,11 +58,10 @@ class QuestionCache:
     """One question's fetches. Thread-safe; every value handed out is the caller's own copy
     (or, for `once`, a value the caller must not change)."""
 
-    def __init__(self, max_items: int = MAX_ITEMS, margin: float = 1.0,
-                 queries: Sequence[str] = ()):
+    def __init__(self, max_items: int = MAX_ITEMS, margin: float = 1.0):
         self.max_items = max_items
         self.margin = margin  # over-fetch this many times k beyond k + |exclude|
-        self._queries = list(queries)  # the branches' queries, not yet embedded (`take_queries`)
+        self._queries: list[str] = []  # the branches' queries, not yet embedded (`expect`)
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()

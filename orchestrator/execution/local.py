@@ -28,8 +28,9 @@ class LocalExecutor:
         from branchsearch.infra.retrieval.fetch_cache import QuestionCache
         from branchsearch.infra.retrieval.retriever import QuestionRetriever
 
-        cache = QuestionCache(queries=[t.subquery for t in tasks]) \
-            if shares_cache(settings, tasks) else None
+        cache = QuestionCache() if shares_cache(settings, tasks) else None
+        if cache is not None:
+            cache.expect([t.subquery for t in tasks])
         retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
         try:
             return self._run(tasks, retriever, settings, policy_factory, on_event)

@@ -585,14 +585,10 @@ class Searcher:
 
 
 def _stat(folder: Path) -> tuple | None:
-    """The index manifest's (inode, size, mtime): an ingest that finishes replaces it."""
-    from branchsearch.infra.index.manifest import manifest_path
+    """The index manifest's signature: an ingest that finishes replaces it."""
+    from branchsearch.infra.index.manifest import file_signature, manifest_path
 
-    try:
-        st = manifest_path(folder).stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return file_signature(manifest_path(folder))
 
 
 def _file_id(path: Path) -> tuple | None:

@@ -400,8 +400,7 @@ def test_hybrid_on_an_index_ingested_without_vectors_is_its_bm25_side(tmp_path):
 
 def test_a_questions_branch_queries_are_embedded_in_one_model_call(hotpot_settings, tmp_path,
                                                                     monkeypatch):
-    """Each branch embedded its own query, one model call each (12-30 ms apiece here, a third
-    of a new comparison question's time); one call for the three costs about half. The
+    """A question's branches embed their queries in one model call, not one call each; the
     rankings equal those of branches embedding one by one (no fetch cache)."""
     from branchsearch.orchestrator.driver import Driver
 

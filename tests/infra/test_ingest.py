@@ -80,7 +80,7 @@ def test_manifest_written_last_with_counts(tmp_path):
 def test_an_index_keeps_its_vectors_or_their_absence(tmp_path):
     """`--no-dense` over a hybrid index wrote documents without vectors beside a dense side
     left as it was; the next hybrid ingest stopped on "stores disagree" and left the index
-    incomplete, or passed with the dense side a different corpus (a hostile pass). Now an
+    incomplete, or passed with the dense side a different corpus. Now an
     ingest without the flag does as the index was made, and asking the other is refused with
     nothing touched; the CLI says it in one line."""
     from branchsearch.infra.errors import BranchsearchError
@@ -97,7 +97,7 @@ def test_an_index_keeps_its_vectors_or_their_absence(tmp_path):
         assert (settings.index_dir / "dense.db").exists() == dense  # none made for it
         (settings.index_dir / "manifest.json").unlink()  # as a killed ingest leaves it
         with pytest.raises(BranchsearchError, match="has vectors|made without vectors"):
-            ingest(more, settings, dense=other)  # (a hostile pass: the run after a kill)
+            ingest(more, settings, dense=other)  # the run after a kill
         assert (settings.index_dir / "dense.db").exists() == dense
         report = ingest(more, settings)  # as it was made
         assert (read_manifest(settings.index_dir).embedding is not None) == dense

@@ -193,8 +193,8 @@ def test_acl_leak(site, capsys):
 
 def test_an_opened_index_has_loaded_its_model(site):
     """With the in-process executor a service opened its indexes without the query embedder:
-    the first request after a start (or a reopen) loaded it inside its deadline, 5-7 s here
-    (a hostile pass saw a 504). Opening an index now loads it."""
+    the first request after a start (or a reopen) loaded it inside its deadline. Opening an
+    index now loads it."""
     client, keys, state = site
     driver = state.searcher.target.driver("acl")
     assert driver.executor.retriever.embedder._model is not None
@@ -404,7 +404,7 @@ def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, exe
     searches it. Before: the service kept the stores it had opened, so it ranked a relaid index
     with its old stores under a policy reading the new manifest (rankings that matched neither)
     or searched a removed folder's files, and `--no-dense` over a hybrid index left a dense
-    side that a later ingest found disagreeing (found by hostile passes)."""
+    side that a later ingest found disagreeing."""
     import shutil
     import time
 

@@ -54,7 +54,7 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
     assert public_line("missing API key: send 'Authorization: Bearer KEY'").endswith(
         "'Authorization: Bearer KEY'")
     assert "s3cr3t" not in public_line("Authorization: Bearer s3cr3t")
-    # a store's error naming its file (a hostile pass got it in a 503 body): no server path
+    # a store's error naming its file, in a 503 body: no server path
     assert public_line("milvus at /srv/bs/indexes/uni/dense.db: upsert failed (internal)") == \
         "milvus at <path>: upsert failed (internal)"
     assert public_line("PUT /v1/indexes/uni/documents: 1/2 done") == \
@@ -433,7 +433,7 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
     """A running service kept the stores it opened: after an ingest in another process that
     changed the index's layout it ranked with the old stores under a policy that read the new
     manifest; after the folder was removed and ingested anew it searched the deleted files; an
-    index left incomplete by a failed ingest it went on searching (found by hostile passes).
+    index left incomplete by a failed ingest it went on searching.
     Now the next request reopens the index: requests using the old driver finish on it, its
     stores are closed, then the new ones open (or the index's problem is the answer). An ingest
     under way, or one that only added documents, keeps the driver."""
