@@ -64,13 +64,14 @@ def upsert(retriever, settings, docs: list) -> dict:
     token counts are read in that encoding). Returns {documents, chunks}."""
     from branchsearch.infra.index.manifest import read_manifest
     from branchsearch.infra.stores.protocols import IndexedChunk
-    from branchsearch.infra.ingest.chunking import chunk_text
+    from branchsearch.infra.ingest.chunking import chunk_text, head_tokens
     from branchsearch.infra.models.tokenizer import TokenCounter
 
     recorded = read_manifest(settings.index_dir) or settings
     counter = TokenCounter(recorded.encoding)
-    chunks = [c for d in docs for c in chunk_text(d.id, d.text, counter, recorded.chunk_tokens,
-                                                    recorded.chunk_overlap)]
+    chunks = [c for d in docs for c in chunk_text(
+        d.id, d.text, counter, recorded.chunk_tokens, recorded.chunk_overlap, title=d.title,
+        head_tokens=head_tokens(settings))]
     by_id = {d.id: d for d in docs}
     indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
                for c in chunks]

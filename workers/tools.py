@@ -91,7 +91,8 @@ def apply_read(ws: Workspace, args: dict, doc) -> ToolResult:
     if isinstance(doc, Exception):  # unknown, or not visible to the caller: the same message
         raise Rejected(str(doc))
     hits = [Hit(c["chunk_id"], doc["doc_id"], 0.0, i + 1, "read", c["text"], doc["title"],
-                text_tokens=c.get("text_tokens")) for i, c in enumerate(doc["chunks"])]
+                text_tokens=c.get("text_tokens"), label_tokens=c.get("label_tokens"),
+                head=c.get("head")) for i, c in enumerate(doc["chunks"])]
     return _shown(ws, ToolCall("read_document", args), hits, args["doc_id"],
                   "No new chunks in that window.", cap=ws.settings.read_window_tokens,
                   allow_cached=True)

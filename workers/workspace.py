@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
 
-from branchsearch.infra.stores.hits import Hit
+from branchsearch.infra.stores.hits import Hit, label
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.workers.budget import Budget
@@ -78,7 +78,8 @@ class Workspace:
             if room < 16:
                 break  # over budget: unseen hits stay findable by later searches
             shown, shown_tokens, full_tokens = self.counter.cut(
-                hit.text, min(cap, room - 8), hit.text_tokens if self._counts_agree else None)
+                hit.text, min(cap, room - 8), *((hit.text_tokens, hit.head)
+                                                if self._counts_agree else ()))
             if self.cache.add(copy.copy(hit)):
                 self.tokens_read += full_tokens
             self.provenance.add(ProvenanceRecord(hit.chunk_id, self.turn, tool, query, hit.rank,
@@ -89,7 +90,10 @@ class Workspace:
         return added
 
     def visible_chunk(self, hit: Hit, shown: str, shown_tokens: int) -> VisibleChunk:
-        tokens = shown_tokens + self.counter.count(f"{hit.chunk_id} {hit.title} ")
+        header = hit.label_tokens if self._counts_agree else None
+        if header is None:
+            header = self.counter.count(label(hit.chunk_id, hit.title))
+        tokens = shown_tokens + header
         return VisibleChunk(hit.chunk_id, hit.doc_id, hit.title, shown, tokens)
 
     def render(self, ids: list[str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from branchsearch.infra.models.tokenizer import TokenCounter
+from branchsearch.infra.stores.hits import label
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,11 @@ class Chunk:
     text: str
     start_token: int
     n_tokens: int  # the window's tokens in the document
+    # Counts kept for the agent (None: not counted, the docstore keeps NULL; see `Hit`):
     text_tokens: int | None = None  # `text`'s own tokens (a decoded, stripped window may count
-    # otherwise than the window); None: not counted, the docstore keeps NULL
+    # otherwise than the window)
+    label_tokens: int | None = None  # `label(id, title)`'s tokens
+    head: tuple[int, int] | None = None  # (n, chars): `text[:chars]` is its first n tokens
 
 
 def chunk_id(doc_id: str, n: int) -> str:
@@ -35,22 +39,45 @@ def split_chunk_id(cid: str) -> tuple[str, int]:
     return doc_id, int(n)
 
 
+def head_tokens(settings) -> int:
+    """How much of a long chunk an agent shows (`result_token_cap`, less the ellipsis): where
+    that ends is kept at ingest, so a search cuts it without encoding."""
+    return max(settings.result_token_cap - 1, 0)
+
+
 def chunk_text(doc_id: str, text: str, counter: TokenCounter, size: int = 256,
-               overlap: int = 32) -> list[Chunk]:
+               overlap: int = 32, *, title: str = "", head_tokens: int = 0) -> list[Chunk]:
+    """The document's chunks, each with its token counts: its text's, its label's (with
+    `title`), and, when its text is longer than `head_tokens`, the characters of its first
+    `head_tokens` tokens (the agent's cut of a long result; 0: none)."""
     tokens = counter.encode(text)
     if len(tokens) <= size:
-        return [Chunk(chunk_id(doc_id, 0), doc_id, 0, text, 0, len(tokens), len(tokens))]
+        return [_counted(counter, chunk_id(doc_id, 0), doc_id, 0, text, 0, len(tokens), title,
+                         head_tokens, tokens)]
     chunks: list[Chunk] = []
     start = 0
     while start < len(tokens):
         end = min(start + size, len(tokens))
         piece = counter.decode(tokens[start:end]).strip()
-        chunks.append(Chunk(chunk_id(doc_id, len(chunks)), doc_id, len(chunks), piece, start,
-                            end - start, counter.count(piece)))
+        chunks.append(_counted(counter, chunk_id(doc_id, len(chunks)), doc_id, len(chunks),
+                               piece, start, end - start, title, head_tokens))
         if end == len(tokens):
             break
         start = _word_start(tokens, end - overlap, end, counter)
     return chunks
+
+
+def _counted(counter: TokenCounter, cid: str, doc_id: str, n: int, text: str, start: int,
+             n_tokens: int, title: str, head_tokens: int, tokens: list[int] | None = None
+             ) -> Chunk:
+    tokens = counter.encode(text) if tokens is None else tokens
+    head = None
+    if 0 < head_tokens < len(tokens):
+        shown = counter.decode(tokens[:head_tokens])
+        if text.startswith(shown):  # not when the cut falls inside a character
+            head = (head_tokens, len(shown))
+    return Chunk(cid, doc_id, n, text, start, n_tokens, len(tokens),
+                 counter.count(label(cid, title)), head)
 
 
 def _word_start(tokens: list[int], lo: int, hi: int, counter: TokenCounter) -> int:

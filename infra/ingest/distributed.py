@@ -23,7 +23,7 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 
-from branchsearch.infra.ingest.chunking import Chunk
+from branchsearch.infra.ingest.chunking import Chunk, head_tokens
 from branchsearch.infra.ingest.corpus import Document
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.config.settings import Settings
@@ -41,7 +41,7 @@ class ChunkEmbedder:
         from branchsearch.infra.models.embedder import Embedder
         from branchsearch.infra.models.tokenizer import TokenCounter
 
-        self.chunking = chunking  # encoding, chunk_tokens, chunk_overlap
+        self.chunking = chunking  # encoding, chunk_tokens, chunk_overlap, head_tokens
         self.counter = TokenCounter(chunking["encoding"])
         backend = getattr(settings, "embed_backend", None)  # the driver's, not the worker's env
         self.embedder = embedder or (Embedder(embed_model, embed_batch, device, backend=backend)
@@ -60,14 +60,20 @@ class ChunkEmbedder:
 
         cols: dict[str, list] = {k: [] for k in ("chunk_id", "doc_id", "n", "text",
                                                   "start_token", "n_tokens", "text_tokens",
+                                                  "label_tokens", "head_tokens", "head_chars",
                                                   "doc_chunks")}
         bodies: list[str] = []
         size, overlap = self.chunking["chunk_tokens"], self.chunking["chunk_overlap"]
         for doc_id, title, text in zip(batch["id"], batch["title"], batch["text"]):
-            chunks = chunk_text(str(doc_id), str(text), self.counter, size, overlap)
+            chunks = chunk_text(str(doc_id), str(text), self.counter, size, overlap,
+                                title=str(title), head_tokens=self.chunking["head_tokens"])
             for c in chunks:
-                for key in ("doc_id", "n", "text", "start_token", "n_tokens", "text_tokens"):
+                for key in ("doc_id", "n", "text", "start_token", "n_tokens", "text_tokens",
+                            "label_tokens"):
                     cols[key].append(getattr(c, key))
+                head = c.head or (-1, -1)  # -1: no head (a numpy column holds no None)
+                cols["head_tokens"].append(head[0])
+                cols["head_chars"].append(head[1])
                 cols["chunk_id"].append(c.id)
                 cols["doc_chunks"].append(len(chunks))
                 bodies.append(f"{title}\n{c.text}" if title else c.text)
@@ -166,7 +172,8 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
         warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
         ds = _embed_pool(ray, ActorPoolStrategy, rows, blocks, per_block, workers, request, {
             "chunking": {"encoding": settings.encoding, "chunk_tokens": settings.chunk_tokens,
-                         "chunk_overlap": settings.chunk_overlap},
+                         "chunk_overlap": settings.chunk_overlap,
+                         "head_tokens": head_tokens(settings)},
             "embed_model": settings.embed_model if embed else None,
             "embed_batch": embed_batch or settings.embed_batch, "device": device,
             "embedder": embedder if embed else None, "settings": settings,
@@ -182,7 +189,9 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
             doc_id = str(out["doc_id"][i])
             chunk = Chunk(str(out["chunk_id"][i]), doc_id, int(out["n"][i]), str(out["text"][i]),
                           int(out["start_token"][i]), int(out["n_tokens"][i]),
-                          int(out["text_tokens"][i]))
+                          int(out["text_tokens"][i]), int(out["label_tokens"][i]),
+                          None if out["head_tokens"][i] < 0
+                          else (int(out["head_tokens"][i]), int(out["head_chars"][i])))
             parts = waiting.setdefault(doc_id, [])
             parts.append((chunk, None if vectors is None else vectors[i]))
             if len(parts) == int(out["doc_chunks"][i]):

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.stores.protocols import IndexedChunk
-from branchsearch.infra.ingest.chunking import Chunk, chunk_text
+from branchsearch.infra.ingest.chunking import Chunk, chunk_text, head_tokens
 from branchsearch.infra.ingest.corpus import Document, read_corpus
 from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
 from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
@@ -106,7 +106,8 @@ def chunk_documents(docs: Sequence[Document], settings: Settings,
                     counter: TokenCounter | None = None) -> list[Chunk]:
     counter = counter or TokenCounter(settings.encoding)
     return [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
-                                                settings.chunk_overlap)]
+                                                settings.chunk_overlap, title=d.title,
+                                                head_tokens=head_tokens(settings))]
 
 
 def indexed(docs: Sequence[Document], chunks: Sequence[Chunk]) -> list[IndexedChunk]:

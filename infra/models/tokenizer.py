@@ -109,12 +109,16 @@ class TokenCounter:
     def decode(self, tokens: list[int]) -> str:
         return self._enc.decode(tokens)
 
-    def cut(self, text: str, max_tokens: int, known: int | None = None) -> tuple[str, int, int]:
+    def cut(self, text: str, max_tokens: int, known: int | None = None,
+            head: tuple[int, int] | None = None) -> tuple[str, int, int]:
         """(text cut to `max_tokens` with an ellipsis when cut, its token count, the full
-        text's token count) — one encoding pass, none when `known` (the text's count, from the
-        index) says it fits."""
+        text's token count) — one encoding pass, none when the index's counts say it fits
+        (`known`, the text's count) or where to cut it (`head`: `text[:chars]` is its first n
+        tokens)."""
         if known is not None and known <= max_tokens:
             return text, known, known
+        if known is not None and head is not None and head[0] == max_tokens - 1 > 0:
+            return text[:head[1]] + "…", max_tokens, known
         if known is not None and max_tokens > 0:  # it does not fit: only its head is needed
             head = self._head(text, max_tokens - 1)
             if head is not None:

@@ -180,7 +180,9 @@ class Retriever:
                 out.append(h)
             elif row is not None:
                 h.text, h.title = row["text"], row["title"]
-                h.text_tokens = row["text_tokens"] if self.counts_tokens else None
+                if self.counts_tokens:
+                    h.text_tokens, h.label_tokens, h.head = (
+                        row["text_tokens"], row["label_tokens"], row["head"])
                 out.append(h)
         for rank, h in enumerate(out, start=1):
             h.rank = rank
@@ -223,7 +225,8 @@ class Retriever:
         if cache is not None:  # the caller's own copy (the cached rows stay as read)
             doc, chunks = copy.deepcopy(doc), [dict(c) for c in chunks]
         if not self.counts_tokens:
-            chunks = [c | {"text_tokens": None} for c in chunks]
+            chunks = [c | {"text_tokens": None, "label_tokens": None, "head": None}
+                      for c in chunks]
         doc["chunks"] = chunks[max(start, 0):end]
         return doc
 

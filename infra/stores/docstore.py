@@ -28,11 +28,15 @@ CREATE TABLE IF NOT EXISTS docs (
     n_chunks INTEGER, fingerprint TEXT, title_key TEXT);
 CREATE TABLE IF NOT EXISTS chunks (
     chunk_id TEXT PRIMARY KEY, doc_id TEXT NOT NULL, n INTEGER NOT NULL, text TEXT NOT NULL,
-    start_token INTEGER, n_tokens INTEGER, text_tokens INTEGER);
+    start_token INTEGER, n_tokens INTEGER, text_tokens INTEGER, label_tokens INTEGER,
+    head_tokens INTEGER, head_chars INTEGER);
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, n);
 CREATE TABLE IF NOT EXISTS pending (doc_id TEXT PRIMARY KEY);
 """
 _TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title_key ON docs(title_key)"
+# A chunk's token counts for the agent (`Chunk`, `Hit`), in the index's encoding; NULL in rows
+# written before a column was kept, and counted at search time then
+_COUNTS = ("text_tokens", "label_tokens", "head_tokens", "head_chars")
 KEYS_RETRY_S = 10.0  # a docstore that could not get its title keys on open tries again then
 
 
@@ -61,9 +65,7 @@ class DocStore:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(docs)")}
         if "fingerprint" not in columns:  # a docstore written before fingerprints
             self._db.execute("ALTER TABLE docs ADD COLUMN fingerprint TEXT")
-        # `text`'s token count, in the index's encoding; NULL in rows written before it was kept
-        self._text_tokens = "text_tokens" in {
-            r[1] for r in self._db.execute("PRAGMA table_info(chunks)")}
+        self._counted = self._count_columns()  # those of `_COUNTS` this file has
         self._lock = threading.RLock()  # one connection, many retriever threads
         self._keys_tried = 0.0
         self.has_title_keys = self._title_keys(columns)
@@ -123,8 +125,8 @@ class DocStore:
         """Replace `docs` and all their chunks in one transaction; they stop being pending."""
         fingerprints = fingerprints or {}
         with self._db:
-            if not self._text_tokens:  # a docstore written before: its old rows stay NULL
-                self._add_text_tokens()
+            if len(self._counted) < len(_COUNTS):  # written before: its old rows stay NULL
+                self._add_count_columns()
             ids = [(d.id,) for d in docs]
             self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
             self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
@@ -132,10 +134,12 @@ class DocStore:
             rows = []
             for c in chunks:
                 by_doc[c.doc_id] = by_doc.get(c.doc_id, 0) + 1
+                head = c.head or (None, None)
                 rows.append((c.id, c.doc_id, c.n, c.text, c.start_token, c.n_tokens,
-                             c.text_tokens))
+                             c.text_tokens, c.label_tokens, head[0], head[1]))
             self._db.executemany("INSERT INTO chunks (chunk_id, doc_id, n, text, start_token, "
-                                 "n_tokens, text_tokens) VALUES (?,?,?,?,?,?,?)", rows)
+                                 f"n_tokens, {', '.join(_COUNTS)}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                                 rows)
             self._db.executemany(
                 "INSERT INTO docs (doc_id, title, source, date, acl, meta, n_chunks, "
                 "fingerprint, title_key) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -209,12 +213,12 @@ class DocStore:
             marks = ",".join("?" * len(batch))
             for row in self._db.execute(
                 f"SELECT c.chunk_id, c.doc_id, c.n, c.text, c.n_tokens, d.title, d.source, "
-                f"d.date, d.acl, {self._text_tokens_column('c.')} FROM chunks c "
+                f"d.date, d.acl, {self._count_columns_sql('c.')} FROM chunks c "
                 f"JOIN docs d USING (doc_id) WHERE c.chunk_id IN ({marks})", batch):
                 found[row[0]] = {"chunk_id": row[0], "doc_id": row[1], "n": row[2],
                                  "text": row[3], "n_tokens": row[4], "title": row[5],
                                  "source": row[6], "date": row[7], "acl": json.loads(row[8]),
-                                 "text_tokens": row[9]}
+                                 **_counts(row[9:])}
         return found
 
     @_locked
@@ -232,19 +236,22 @@ class DocStore:
 
     @_locked
     def document_chunks(self, doc_id: str) -> list[dict]:
-        return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3],
-                 "text_tokens": r[4]} for r in self._db.execute(
-                    f"SELECT chunk_id, n, text, n_tokens, {self._text_tokens_column()} "
+        return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3], **_counts(r[4:])}
+                for r in self._db.execute(
+                    f"SELECT chunk_id, n, text, n_tokens, {self._count_columns_sql()} "
                     "FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
 
-    def _add_text_tokens(self) -> None:
-        """Give `chunks` its `text_tokens` column, unless another connection already did."""
-        if "text_tokens" not in {r[1] for r in self._db.execute("PRAGMA table_info(chunks)")}:
-            self._db.execute("ALTER TABLE chunks ADD COLUMN text_tokens INTEGER")
-        self._text_tokens = True
+    def _count_columns(self) -> set[str]:
+        return set(_COUNTS) & {r[1] for r in self._db.execute("PRAGMA table_info(chunks)")}
 
-    def _text_tokens_column(self, table: str = "") -> str:
-        return f"{table}text_tokens" if self._text_tokens else "NULL"
+    def _add_count_columns(self) -> None:
+        """Give `chunks` the count columns it lacks (another connection may have added some)."""
+        for column in [c for c in _COUNTS if c not in self._count_columns()]:
+            self._db.execute(f"ALTER TABLE chunks ADD COLUMN {column} INTEGER")
+        self._counted = set(_COUNTS)
+
+    def _count_columns_sql(self, table: str = "") -> str:
+        return ", ".join(f"{table}{c}" if c in self._counted else "NULL" for c in _COUNTS)
 
     @_locked
     def named(self, name: str, limit: int = 20, exclude: Sequence[str] = (),
@@ -284,6 +291,14 @@ class DocStore:
     def titles(self) -> dict[str, str]:
         """doc id -> title, for every document (used for entity links between documents)."""
         return dict(self._db.execute("SELECT doc_id, title FROM docs"))
+
+
+def _counts(row: Sequence) -> dict:
+    """A chunk's `_COUNTS` columns as its row dict holds them (`Hit`'s fields)."""
+    text_tokens, label_tokens, head_tokens, head_chars = row
+    return {"text_tokens": text_tokens, "label_tokens": label_tokens,
+            "head": None if head_tokens is None or head_chars is None
+            else (head_tokens, head_chars)}
 
 
 def _batches(items: Sequence, size: int):

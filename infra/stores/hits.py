@@ -12,6 +12,11 @@ def doc_of(chunk_id: str) -> str:
     return head if sep else chunk_id
 
 
+def label(chunk_id: str, title: str) -> str:
+    """What heads a chunk in an agent's context besides its text (counted against the budget)."""
+    return f"{chunk_id} {title} "
+
+
 @dataclass
 class Hit:
     """A retrieved chunk. `rank` is 1-based within the list that produced it."""
@@ -24,8 +29,10 @@ class Hit:
     text: str = ""
     title: str = ""
     ranks: dict[str, int] = field(default_factory=dict)  # per-source rank for fused hits
-    text_tokens: int | None = None  # `text`'s tokens in the agent's encoding, when the index
-    # knows them (an owned index ingested with counts in that encoding); None: count them
+    # Token counts the index kept at ingest, in the agent's encoding (None: count them here):
+    text_tokens: int | None = None  # `text`'s tokens
+    label_tokens: int | None = None  # `label(chunk_id, title)`'s tokens
+    head: tuple[int, int] | None = None  # (n, chars): `text[:chars]` is its first n tokens
 
     def to_dict(self) -> dict:
         return {"chunk_id": self.chunk_id, "doc_id": self.doc_id, "score": round(self.score, 6),

@@ -20,11 +20,16 @@ def test_chunk_embedder_is_plain_python():
     settings = load_settings(read_env=False, read_file=False)
     docs = read_corpus(HOTPOT)[:5]
     udf = ChunkEmbedder({"encoding": settings.encoding, "chunk_tokens": 32,
-                         "chunk_overlap": 4}, settings.embed_model, 16)
+                         "chunk_overlap": 4, "head_tokens": 20}, settings.embed_model, 16)
     out = udf({"id": np.array([d.id for d in docs]), "title": np.array([d.title for d in docs]),
                "text": np.array([d.text for d in docs])})
-    expected = chunk_documents(docs, settings.replace(chunk_tokens=32, chunk_overlap=4))
+    expected = chunk_documents(docs, settings.replace(chunk_tokens=32, chunk_overlap=4,
+                                                      result_token_cap=21))
     assert list(out["chunk_id"]) == [c.id for c in expected]
+    assert list(out["label_tokens"]) == [c.label_tokens for c in expected]
+    assert [(h, c) if h >= 0 else None for h, c in zip(out["head_tokens"], out["head_chars"])] \
+        == [c.head for c in expected]
+    assert any(c.head for c in expected)
     assert out["vector"].shape == (len(expected), 384)
     assert set(out["doc_chunks"]) and all(n >= 1 for n in out["doc_chunks"])
 
@@ -41,7 +46,8 @@ def test_workers_build_the_same_index(tmp_path):
 
     home = tmp_path / "h"
     one = load_settings(overrides={"home": home, "index": "one", "chunk_tokens": 64,
-                                   "chunk_overlap": 8}, read_env=False, read_file=False)
+                                   "chunk_overlap": 8, "result_token_cap": 40},
+                        read_env=False, read_file=False)  # cap < window: long chunks have heads
     two = one.replace(index="two")
     a = ingest(HOTPOT, one)
     try:
@@ -58,9 +64,12 @@ def test_workers_build_the_same_index(tmp_path):
         assert ids(ra) == ids(rb)
         every = ids(ra)  # the same chunk texts, and each its own token count, from either way
         rows_a, rows_b = ra.get_chunks(every), rb.get_chunks(every)
-        assert {c: (r["text"], r["text_tokens"]) for c, r in rows_a.items()} == \
-            {c: (r["text"], r["text_tokens"]) for c, r in rows_b.items()}
-        assert all(isinstance(r["text_tokens"], int) for r in rows_b.values())
+        kept = ("text", "text_tokens", "label_tokens", "head")
+        assert {c: [r[k] for k in kept] for c, r in rows_a.items()} == \
+            {c: [r[k] for k in kept] for c, r in rows_b.items()}
+        assert all(isinstance(r["text_tokens"], int) and isinstance(r["label_tokens"], int)
+                   for r in rows_b.values())
+        assert any(r["head"] for r in rows_b.values())
         for q in ("Were Scott Derrickson and Ed Wood of the same nationality?",
                   "Which magazine was started first?"):
             for mode in ("bm25", "dense", "hybrid"):

@@ -8,12 +8,13 @@ import json
 import sqlite3
 
 from branchsearch.infra.config.settings import load_settings
-from branchsearch.infra.ingest.chunking import Chunk
+from branchsearch.infra.ingest.chunking import Chunk, chunk_text
 from branchsearch.infra.ingest.corpus import Document
 from branchsearch.infra.ingest.pipeline import ingest
 from branchsearch.infra.index.open import open_retriever
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.stores.docstore import DocStore
+from branchsearch.infra.stores.hits import label
 from branchsearch.workers.factory import make_policy
 from branchsearch.workers.harness import Episode
 
@@ -48,11 +49,25 @@ def test_every_chunk_keeps_its_own_texts_token_count(tmp_path):
         rows = retriever.get_chunks(ids + ["short#p0"])
         assert {cid: r["text_tokens"] for cid, r in rows.items()} == {
             cid: counter.count(r["text"]) for cid, r in rows.items()}
+        titles = {cid: r["title"] for cid, r in rows.items()}
+        assert {cid: r["label_tokens"] for cid, r in rows.items()} == {
+            cid: counter.count(label(cid, titles[cid])) for cid in rows}
+        n = settings.result_token_cap - 1  # where the agent cuts a long result
+        assert rows["short#p0"]["head"] is None  # it fits: never cut
+        longer = [cid for cid in ids if rows[cid]["text_tokens"] > n]
+        assert len(longer) > 2
+        for cid in longer:  # each cut where its first n tokens end
+            text, (head_tokens, chars) = rows[cid]["text"], rows[cid]["head"]
+            assert head_tokens == n
+            assert text[:chars] == counter.decode(counter.encode(text)[:n])
         hits = retriever.search("Zürich café naïve", k=5, mode="bm25")
         assert hits and all(h.text_tokens == counter.count(h.text) for h in hits)
+        assert all((h.label_tokens, h.head) == (rows[h.chunk_id]["label_tokens"],
+                                                rows[h.chunk_id]["head"]) for h in hits)
         doc = retriever.read_document("long-é", 0, 3)
-        assert [c["text_tokens"] for c in doc["chunks"]] == [
-            counter.count(c["text"]) for c in doc["chunks"]]
+        assert [(c["text_tokens"], c["label_tokens"], c["head"]) for c in doc["chunks"]] == [
+            (counter.count(c["text"]), rows[c["chunk_id"]]["label_tokens"],
+             rows[c["chunk_id"]]["head"]) for c in doc["chunks"]]
     finally:
         retriever.close()
 
@@ -64,8 +79,9 @@ def test_counts_in_another_encoding_are_not_handed_on(tmp_path):
     try:
         assert not retriever.counts_tokens
         hits = retriever.search("Zürich café", k=3, mode="bm25")
-        assert hits and all(h.text_tokens is None for h in hits)
-        assert all(c["text_tokens"] is None
+        assert hits and all((h.text_tokens, h.label_tokens, h.head) == (None, None, None)
+                            for h in hits)
+        assert all((c["text_tokens"], c["label_tokens"], c["head"]) == (None, None, None)
                    for c in retriever.read_document("long-é", 0, 2)["chunks"])
     finally:
         retriever.close()
@@ -85,13 +101,15 @@ def test_a_docstore_written_before_counts_reads_none_and_gains_them_for_new_rows
     db.close()
     store = DocStore(path)
     try:
-        assert store.get_chunks(["old#p0"])["old#p0"]["text_tokens"] is None
+        counts = ("text_tokens", "label_tokens", "head")
+        assert [store.get_chunks(["old#p0"])["old#p0"][k] for k in counts] == [None] * 3
         store.replace_documents([Document("new", "New", "A new page.")],
-                                [Chunk("new#p0", "new", 0, "A new page.", 0, 4, 4)])
+                                [Chunk("new#p0", "new", 0, "A new page.", 0, 4, 4, 5, (2, 5))])
         rows = store.get_chunks(["old#p0", "new#p0"])
-        assert rows["old#p0"]["text_tokens"] is None  # never guessed from the window's count
-        assert rows["new#p0"]["text_tokens"] == 4
-        assert [c["text_tokens"] for c in store.document_chunks("new")] == [4]
+        # never guessed from the window's count
+        assert [rows["old#p0"][k] for k in counts] == [None] * 3
+        assert [rows["new#p0"][k] for k in counts] == [4, 5, (2, 5)]
+        assert [[c[k] for k in counts] for c in store.document_chunks("new")] == [[4, 5, (2, 5)]]
     finally:
         store.close()
 
@@ -143,7 +161,7 @@ def test_a_cut_from_the_texts_head_equals_the_cut_from_all_of_it():
              (HOTPOT / "corpus.jsonl").read_text().splitlines()] + [LONG]
     texts += ["".join(rng.choice(pieces) for _ in range(rng.randint(20, 600)))
               for _ in range(300)]
-    cases = 0
+    cases = heads = 0
     for encoding in ("o200k_base", "cl100k_base"):
         counter = TokenCounter(encoding)
         for text in texts:
@@ -151,9 +169,27 @@ def test_a_cut_from_the_texts_head_equals_the_cut_from_all_of_it():
             for max_tokens in (1, 2, 7, 40, 119):
                 if full > max_tokens:
                     cases += 1
-                    assert counter.cut(text, max_tokens, full) == counter.cut(text, max_tokens), \
+                    whole = counter.cut(text, max_tokens)
+                    assert counter.cut(text, max_tokens, full) == whole, \
                         (encoding, max_tokens, text[:200])
-    assert cases > 1000
+                    # and from where ingest says the head ends, when the text's chunk has one
+                    chunk, = chunk_text("d", text, counter, size=full, head_tokens=max_tokens - 1)
+                    if chunk.head:
+                        heads += 1
+                        assert counter.cut(text, max_tokens, full, chunk.head) == whole, \
+                            (encoding, max_tokens, text[:200])
+    assert cases > 1000 and heads > 900
+
+
+def test_a_head_that_ends_inside_a_character_is_not_kept():
+    counter = TokenCounter("o200k_base")
+    text = "🧑‍🔬" * 40  # each a run of byte-level tokens
+    tokens = counter.encode(text)
+    inside = next(n for n in range(1, len(tokens))
+                  if not text.startswith(counter.decode(tokens[:n])))
+    chunk, = chunk_text("d", text, counter, size=len(tokens), head_tokens=inside)
+    assert chunk.head is None
+    assert counter.cut(text, inside + 1, len(tokens)) == counter.cut(text, inside + 1)
 
 
 def test_a_writer_opened_before_another_added_the_column_still_writes(tmp_path):
@@ -190,8 +226,6 @@ def test_a_document_upserted_by_a_process_of_another_encoding_is_chunked_as_the_
         stored = retriever.docstore.document_chunks("up-1")
     finally:
         retriever.close()
-    from branchsearch.infra.ingest.chunking import chunk_text
-
     cl100k = TokenCounter("cl100k_base")
     expected = chunk_text("up-1", LONG, cl100k, 64, 8)
     assert [(c["text"], c["text_tokens"]) for c in stored] == [
