@@ -70,14 +70,21 @@ def chunk_text(doc_id: str, text: str, counter: TokenCounter, size: int = 256,
 def _counted(counter: TokenCounter, cid: str, doc_id: str, n: int, text: str, start: int,
              n_tokens: int, title: str, head_tokens: int, tokens: list[int] | None = None
              ) -> Chunk:
+    return Chunk(cid, doc_id, n, text, start, n_tokens,
+                 *token_counts(counter, cid, text, title, head_tokens, tokens))
+
+
+def token_counts(counter: TokenCounter, cid: str, text: str, title: str, head_tokens: int,
+                 tokens: list[int] | None = None) -> tuple[int, int, tuple[int, int] | None]:
+    """A chunk's counts for the agent: (text_tokens, label_tokens, head), as `Chunk` keeps
+    them; `tokens`: the text's, when already encoded."""
     tokens = counter.encode(text) if tokens is None else tokens
     head = None
     if 0 < head_tokens < len(tokens):
         shown = counter.decode(tokens[:head_tokens])
         if text.startswith(shown):  # not when the cut falls inside a character
             head = (head_tokens, len(shown))
-    return Chunk(cid, doc_id, n, text, start, n_tokens, len(tokens),
-                 counter.count(label(cid, title)), head)
+    return len(tokens), counter.count(label(cid, title)), head
 
 
 def _word_start(tokens: list[int], lo: int, hi: int, counter: TokenCounter) -> int:

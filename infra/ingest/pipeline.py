@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.stores.protocols import IndexedChunk
-from branchsearch.infra.ingest.chunking import Chunk, chunk_text, head_tokens
+from branchsearch.infra.ingest.chunking import Chunk, chunk_text, head_tokens, token_counts
 from branchsearch.infra.ingest.corpus import Document, read_corpus
 from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
 from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
@@ -64,6 +64,7 @@ class IngestReport:
     chunks: int = 0  # chunks of those documents
     resumed: int = 0  # documents already committed with the same content (kept, not redone)
     purged: int = 0  # documents a stopped ingest left pending and this corpus no longer has
+    recounted: int = 0  # chunks committed before their token counts were kept, counted now
     stale_lock: str = ""  # the stopped ingest this one took over, if any
     workers: int = 1
     counts: dict[str, int] = field(default_factory=dict)  # store -> chunks in the whole index
@@ -72,7 +73,7 @@ class IngestReport:
     @property
     def chunks_per_s_without_embedding(self) -> float:
         busy = sum(v for k, v in self.seconds.items()
-                   if k not in ("embed", "total", "wait", "open", "close"))
+                   if k not in ("embed", "total", "wait", "open", "close", "count"))
         return (self.chunks - self._resumed_chunks) / busy if busy else 0.0
 
     _resumed_chunks: int = 0
@@ -84,7 +85,8 @@ class IngestReport:
 
     def to_dict(self) -> dict:
         return {"documents": self.documents, "chunks": self.chunks, "resumed": self.resumed,
-                "purged": self.purged, "workers": self.workers, "counts": self.counts,
+                "purged": self.purged, "recounted": self.recounted, "workers": self.workers,
+                "counts": self.counts,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                 "chunks_per_s": round(self.chunks_per_s, 1),
                 "chunks_per_s_without_embedding": round(self.chunks_per_s_without_embedding, 1)}
@@ -292,6 +294,9 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                     progress(len(batch.docs), len(batch.chunks))
                 t = time.perf_counter()
             t = time.perf_counter()
+            report.recounted = _count_earlier_chunks(docstore, settings)
+            _add(report, "count", t)
+            t = time.perf_counter()
             report.counts = _check_counts(settings, docstore, lexical, dense_store)
             manifest = Manifest(
                 documents=docstore.doc_count(), chunks=report.counts,
@@ -309,6 +314,19 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
         write_manifest(root, manifest)  # the last write: from here the index is complete
     return report
+
+
+def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> int:
+    """Give the chunks an earlier version committed without them their token counts (the
+    index's encoding is this ingest's: another would have re-chunked every document), so
+    searches stop encoding them. Returns how many."""
+    counter = TokenCounter(settings.encoding)
+    done = 0
+    while rows := docstore.uncounted(batch):
+        docstore.set_counts({cid: token_counts(counter, cid, text, title, head_tokens(settings))
+                             for cid, text, title in rows})
+        done += len(rows)
+    return done
 
 
 _FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded|database or disk is full|"

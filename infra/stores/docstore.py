@@ -241,6 +241,27 @@ class DocStore:
                     f"SELECT chunk_id, n, text, n_tokens, {self._count_columns_sql()} "
                     "FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
 
+    @_locked
+    def uncounted(self, limit: int) -> list[tuple[str, str, str]]:
+        """(chunk id, text, title) of up to `limit` chunks written before their token counts
+        were kept."""
+        if len(self._counted) < len(_COUNTS):
+            with self._db:
+                self._add_count_columns()
+        return self._db.execute(
+            "SELECT c.chunk_id, c.text, COALESCE(d.title, '') FROM chunks c JOIN docs d "
+            "USING (doc_id) WHERE c.label_tokens IS NULL LIMIT ?", (limit,)).fetchall()
+
+    @_locked
+    def set_counts(self, counts: dict[str, tuple]) -> None:
+        """chunk id -> (text_tokens, label_tokens, head), in one transaction."""
+        with self._db:
+            self._db.executemany(
+                "UPDATE chunks SET text_tokens = ?, label_tokens = ?, head_tokens = ?, "
+                "head_chars = ? WHERE chunk_id = ?",
+                [(t, lt, *(head or (None, None)), cid)
+                 for cid, (t, lt, head) in counts.items()])
+
     def _count_columns(self) -> set[str]:
         return set(_COUNTS) & {r[1] for r in self._db.execute("PRAGMA table_info(chunks)")}
 

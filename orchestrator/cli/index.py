@@ -67,6 +67,9 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
               f"{settings.index!r} ({settings.index_dir}); {report.resumed} documents were "
               f"already committed; {rate} chunks/s with {workers} "
               f"worker(s), embedding {s.get('embed', 0):.1f} s")
+        if report.recounted:
+            print(f"counted the tokens of {report.recounted} chunks committed before they were "
+                  f"kept ({s.get('count', 0):.1f} s): searches no longer encode them")
 
 
 def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,

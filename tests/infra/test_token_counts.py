@@ -230,3 +230,33 @@ def test_a_document_upserted_by_a_process_of_another_encoding_is_chunked_as_the_
     expected = chunk_text("up-1", LONG, cl100k, 64, 8)
     assert [(c["text"], c["text_tokens"]) for c in stored] == [
         (c.text, cl100k.count(c.text)) for c in expected]
+
+
+def test_a_re_ingest_counts_the_chunks_an_earlier_version_committed_without_counts(tmp_path):
+    """An index ingested before the counts were kept (columns missing, `text_tokens` NULL) gains
+    them on its next ingest, even when no document changed, equal to a fresh ingest's."""
+    corpus = _corpus(tmp_path / "c.jsonl")
+    fresh = _settings(tmp_path / "fresh")
+    ingest(corpus, fresh, dense=False)
+    old = _settings(tmp_path / "old")
+    ingest(corpus, old, dense=False)
+    db = sqlite3.connect(old.index_dir / "docs.sqlite")
+    for column in ("label_tokens", "head_tokens", "head_chars"):
+        db.execute(f"ALTER TABLE chunks DROP COLUMN {column}")
+    db.execute("UPDATE chunks SET text_tokens = NULL")
+    db.commit()
+    db.close()
+    report = ingest(corpus, old, dense=False)
+    assert report.resumed == 2 and report.recounted == report.chunks > 2
+    assert ingest(corpus, old, dense=False).recounted == 0  # once
+
+    def rows(settings):
+        store = DocStore(settings.index_dir / "docs.sqlite")
+        try:
+            ids = [cid for d in ("long-é", "short") for cid in store.existing_chunk_ids([d])]
+            return {cid: {k: r[k] for k in ("text_tokens", "label_tokens", "head")}
+                    for cid, r in store.get_chunks(ids).items()}
+        finally:
+            store.close()
+    assert rows(old) == rows(fresh)
+    assert any(r["head"] for r in rows(old).values())
