@@ -19,6 +19,7 @@ order or on the order of floating-point additions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -41,6 +42,14 @@ def exact(number: float | int | Fraction) -> Fraction:
     if isinstance(number, (int, Fraction)):
         return Fraction(number)
     return Fraction(repr(float(number)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _exact_sum(k: float, terms: tuple[tuple[float, int], ...]) -> Fraction:
+    """sum of weight / (k + rank) over `terms` (weight, rank), exactly. (Cached: fused lists
+    meet the same few ranks and weights again and again.)"""
+    k_exact = exact(k)
+    return sum((exact(w) / (k_exact + r) for w, r in terms), Fraction(0))
 
 
 def rrf(
@@ -76,10 +85,8 @@ def rrf(
 
     # Floats order every pair whose scores differ by more than their rounding error; items within
     # NEAR of each other are ordered by their exact scores (equal ones by the tie-break).
-    k_exact, w_exact = exact(k), [exact(w) for w in weights]
-
     def exact_score(item: Hashable) -> Fraction:
-        return sum((w_exact[li] / (k_exact + r) for li, r in ranks[item].items()), Fraction(0))
+        return _exact_sum(k, tuple(sorted((weights[li], r) for li, r in ranks[item].items())))
 
     def tie_break(item: Hashable) -> tuple:
         best_rank = min(ranks[item].values())
@@ -89,7 +96,7 @@ def rrf(
     approx = sorted(scores, key=lambda item: -scores[item])
     fused: list[FusedItem] = []
     i = 0
-    while i < len(approx):
+    while i < len(approx) and (limit is None or len(fused) < limit):  # past it: lower scores
         j = i + 1
         while j < len(approx) and scores[approx[j - 1]] - scores[approx[j]] <= NEAR * scores[
                 approx[j - 1]]:

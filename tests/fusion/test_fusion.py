@@ -119,6 +119,8 @@ def test_order_matches_exact_reference(lists, data):
     for a, b in zip(fused, fused[1:]):  # exactly equal scores are reported as equal floats
         assert (a.score == b.score) == (scores[a.id] == scores[b.id])
     assert all(a.score >= b.score for a, b in zip(fused, fused[1:]))
+    limit = data.draw(st.integers(min_value=0, max_value=len(fused) + 1))
+    assert rrf(lists, weights=weights, k=k, limit=limit) == fused[:limit]  # stops early, same
 
 
 def test_every_two_rank_tie_uses_the_tie_break():
