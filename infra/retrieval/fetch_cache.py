@@ -17,6 +17,9 @@ When the cached depth is too shallow for a caller's exclusion, the list is fetch
 deeper. Exclusion is applied per backend list, before any fusion (hybrid fuses the two lists
 afterwards, in the retriever, as before).
 
+The chunk rows that hydrate hits (text, title, counts) are read from the docstore once per
+question too (`rows`).
+
 Concurrent misses: the first caller of a key fetches; the others wait on its future (a failure
 reaches every waiter, who retries through the harness as for any backend error). Memory is
 bounded (`max_items` hits/values per question, least recently used evicted first; at most
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from branchsearch.infra.stores.hits import Hit
 
-MAX_ITEMS = 20_000  # cached hits (and values) per question
+MAX_ITEMS = 20_000  # cached hits (and values, chunk rows) per question
 MAX_QUESTIONS = 64  # live question caches per retriever process
 
 
@@ -65,7 +68,8 @@ class QuestionCache:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
-        self.stats = Counter()  # hits, misses (backend fetches), waits, deeper, evicted
+        self.stats = Counter()  # hits, misses (backend fetches), waits, deeper, evicted,
+        # rows_cached, rows_read (chunk rows: from the cache, from the docstore)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -175,6 +179,30 @@ class QuestionCache:
                 self._keep(key, entry)
             future.set_result(None)
             return value
+
+    # --- chunk rows ---------------------------------------------------------------------------
+
+    def rows(self, ids: Sequence[str], fetch: Callable[[list[str]], dict[str, dict]]
+             ) -> dict[str, dict]:
+        """chunk id -> its docstore row, for the `ids` that have one; `fetch(ids)` reads the
+        ones this question has not read yet, in one request. Rows are shared: not to change."""
+        key = ("rows",)
+        with self._lock:
+            entry = self._entries.get(key)
+            known = entry.value if entry is not None else {}
+            missing = [i for i in dict.fromkeys(ids) if i not in known]
+        found = fetch(missing) if missing else {}
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:  # (new, or evicted meanwhile)
+                entry = self._entries[key] = _Entry(value={}, done=True)
+            entry.value.update(found)
+            self.stats["rows_cached"] += len(ids) - len(missing)
+            self.stats["rows_read"] += len(missing)
+            self._resize(entry, len(entry.value))
+            self._keep(key, entry)
+            known = entry.value
+            return {i: known[i] for i in ids if i in known}
 
     # --- the bound --------------------------------------------------------------------------
 

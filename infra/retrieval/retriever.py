@@ -83,11 +83,11 @@ class Retriever:
             lists = [self._list("bm25", query, n, exclude, acl_groups, cache),
                      self._list("dense", query, n, exclude, acl_groups, cache)]
             hits = self._fuse(lists, k)
-        hits = self._hydrate(hits)
-        return self._named_first(query, hits, k, exclude, acl_groups) if named else hits
+        hits = self._hydrate(hits, cache)
+        return self._named_first(query, hits, k, exclude, acl_groups, cache) if named else hits
 
     def _named_first(self, query: str, hits: list[Hit], k: int, exclude: list[str],
-                     acl_groups) -> list[Hit]:
+                     acl_groups, cache: QuestionCache | None = None) -> list[Hit]:
         """`hits` with the pages titled `query` first (exact titles, then qualified ones, each
         in the search's own order), at most `NAMED_FIRST`, still k in all. The pages are
         filtered like the search (`exclude`, the caller's groups)."""
@@ -102,7 +102,7 @@ class Retriever:
         found = {h.chunk_id: h for h in hits}
         found |= {h.chunk_id: h for h in self._hydrate([  # the pages the search did not bring
             Hit(p["chunk_id"], p["doc_id"], 0.0, 0, "title")
-            for p in pages[:NAMED_FIRST] if p["chunk_id"] not in found])}
+            for p in pages[:NAMED_FIRST] if p["chunk_id"] not in found], cache)}
         front = [found[p["chunk_id"]] for p in pages[:NAMED_FIRST] if p["chunk_id"] in found]
         ids = {h.chunk_id for h in front}
         out = (front + [h for h in hits if h.chunk_id not in ids])[:k]
@@ -170,9 +170,11 @@ class Retriever:
                     ranks={names[li]: r for li, r in f.ranks.items()})
                 for rank, f in enumerate(fused, start=1)]
 
-    def _hydrate(self, hits: list[Hit]) -> list[Hit]:
+    def _hydrate(self, hits: list[Hit], cache: QuestionCache | None = None) -> list[Hit]:
         # (hits of an external index arrive with their text: there is no docstore to ask)
-        rows = self.docstore.get_chunks([h.chunk_id for h in hits if not h.text])
+        ids = [h.chunk_id for h in hits if not h.text]
+        rows = self.docstore.get_chunks(ids) if cache is None else \
+            cache.rows(ids, self.docstore.get_chunks)
         out = []
         for h in hits:
             row = rows.get(h.chunk_id)
@@ -193,7 +195,7 @@ class Retriever:
              cache: QuestionCache | None = None) -> list[Hit]:
         check_k(k)
         return self._hydrate(self._list("grep", pattern, k, list(exclude_ids), acl_groups,
-                                        cache))
+                                        cache), cache)
 
     def get_chunks(self, ids: Sequence[str]) -> dict[str, dict]:
         return self.docstore.get_chunks(ids)

@@ -171,6 +171,32 @@ def test_two_branches_searching_one_entity_make_one_backend_request(hotpot_retri
     assert delta(hotpot_retriever, before) == {}  # the same request again: all from the cache
 
 
+def test_a_questions_chunk_rows_are_read_once(hotpot_retriever):
+    cache = QuestionCache()
+    asked: list[str] = []
+    read = hotpot_retriever.docstore.get_chunks
+
+    def counting(ids):
+        asked.extend(ids)
+        return read(ids)
+    hotpot_retriever.docstore.get_chunks = counting
+    try:
+        first = search(hotpot_retriever, "Scott Derrickson", "hybrid", 8, [], cache)
+        again = search(hotpot_retriever, "Scott Derrickson", "hybrid", 8,
+                       [h.chunk_id for h in first[:3]], cache)
+        other = search(hotpot_retriever, "Ed Wood", "bm25", 8, [], cache)
+    finally:
+        hotpot_retriever.docstore.get_chunks = read
+    assert len(asked) == len(set(asked))  # no row read twice
+    assert set(asked) == {h.chunk_id for h in first + again + other}
+    assert cache.stats["rows_cached"] > 0 and cache.stats["rows_read"] == len(asked)
+    for hits, args in ((again, ("Scott Derrickson", "hybrid", 8, [h.chunk_id for h in first[:3]])),
+                       (other, ("Ed Wood", "bm25", 8, []))):  # as uncached
+        assert [(h.chunk_id, h.text, h.title, h.text_tokens, h.label_tokens, h.head)
+                for h in hits] == [(h.chunk_id, h.text, h.title, h.text_tokens, h.label_tokens,
+                                    h.head) for h in search(hotpot_retriever, *args)]
+
+
 def test_a_deeper_exclusion_fetches_again_deeper_and_stays_exact(hotpot_retriever):
     cache = QuestionCache(margin=0.0)
     top = search(hotpot_retriever, "Ed Wood director film", "bm25", 30, [])
