@@ -65,6 +65,7 @@ class IngestReport:
     resumed: int = 0  # documents already committed with the same content (kept, not redone)
     purged: int = 0  # documents a stopped ingest left pending and this corpus no longer has
     recounted: int = 0  # chunks committed before their token counts were kept, counted now
+    uncounted: str = ""  # why some such chunks were not (searches count them as before)
     stale_lock: str = ""  # the stopped ingest this one took over, if any
     workers: int = 1
     counts: dict[str, int] = field(default_factory=dict)  # store -> chunks in the whole index
@@ -85,7 +86,8 @@ class IngestReport:
 
     def to_dict(self) -> dict:
         return {"documents": self.documents, "chunks": self.chunks, "resumed": self.resumed,
-                "purged": self.purged, "recounted": self.recounted, "workers": self.workers,
+                "purged": self.purged, "recounted": self.recounted,
+                "uncounted": self.uncounted, "workers": self.workers,
                 "counts": self.counts,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                 "chunks_per_s": round(self.chunks_per_s, 1),
@@ -248,6 +250,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)
         dense = _dense_as_made(settings, root, previous, dense)  # before a store is made
+        _same_encoding(settings, previous)
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
         t = time.perf_counter()
@@ -294,7 +297,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                     progress(len(batch.docs), len(batch.chunks))
                 t = time.perf_counter()
             t = time.perf_counter()
-            report.recounted = _count_earlier_chunks(docstore, settings)
+            report.recounted, report.uncounted = _count_earlier_chunks(docstore, settings)
             _add(report, "count", t)
             t = time.perf_counter()
             report.counts = _check_counts(settings, docstore, lexical, dense_store)
@@ -316,17 +319,24 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
     return report
 
 
-def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> int:
-    """Give the chunks an earlier version committed without them their token counts (the
-    index's encoding is this ingest's: another would have re-chunked every document), so
-    searches stop encoding them. Returns how many."""
+def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> tuple[int, str]:
+    """Give the chunks committed without token counts (by an earlier version), or with the
+    head of another `result_token_cap`, their counts, so searches stop encoding them (the
+    index's encoding is this ingest's: `_same_encoding`). Returns (how many, why not all: a
+    docstore this process may not write, where searches count them as before; "" when all)."""
     counter = TokenCounter(settings.encoding)
+    n = head_tokens(settings)
     done = 0
-    while rows := docstore.uncounted(batch):
-        docstore.set_counts({cid: token_counts(counter, cid, text, title, head_tokens(settings))
-                             for cid, text, title in rows})
-        done += len(rows)
-    return done
+    try:
+        while rows := docstore.uncounted(batch, n):
+            docstore.set_counts({cid: token_counts(counter, cid, text, title, n)
+                                 for cid, text, title in rows})
+            done += len(rows)
+    except sqlite3.OperationalError as exc:
+        if "readonly" not in str(exc) and "read-only" not in str(exc):
+            raise
+        return done, "the docstore is read-only"
+    return done, ""
 
 
 _FULL_TEXT = re.compile(r"no space left on device|disk quota exceeded|database or disk is full|"
@@ -449,6 +459,18 @@ def _dense_as_made(settings: Settings, root: Path, previous: Manifest | None,
         f"this corpus alone would leave its other documents without: ingest it with "
         f"--no-dense, or into another index name, or remove {settings.index_dir} first (the "
         f"index is unchanged)")
+
+
+def _same_encoding(settings: Settings, previous: Manifest | None) -> None:
+    """Refuse to chunk documents in another encoding than the index's: the documents this
+    corpus does not hold would keep the old chunks, whose token counts the index then reads in
+    the new encoding."""
+    if previous is not None and previous.encoding != settings.encoding:
+        raise BranchsearchError(
+            f"ingest: index {settings.index!r} was chunked in encoding {previous.encoding!r}, "
+            f"not {settings.encoding!r}; its chunks cannot be mixed: set encoding = "
+            f"{previous.encoding!r}, ingest into another index name, or remove "
+            f"{settings.index_dir} first (the index is unchanged)")
 
 
 def _same_model(settings: Settings, previous: Manifest | None, embedder) -> None:

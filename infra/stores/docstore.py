@@ -242,15 +242,18 @@ class DocStore:
                     "FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
 
     @_locked
-    def uncounted(self, limit: int) -> list[tuple[str, str, str]]:
+    def uncounted(self, limit: int, head_tokens: int) -> list[tuple[str, str, str]]:
         """(chunk id, text, title) of up to `limit` chunks written before their token counts
-        were kept."""
+        were kept, or with a head of other than `head_tokens` tokens."""
         if len(self._counted) < len(_COUNTS):
+            if not self._db.execute("SELECT 1 FROM chunks LIMIT 1").fetchone():
+                return []
             with self._db:
                 self._add_count_columns()
         return self._db.execute(
             "SELECT c.chunk_id, c.text, COALESCE(d.title, '') FROM chunks c JOIN docs d "
-            "USING (doc_id) WHERE c.label_tokens IS NULL LIMIT ?", (limit,)).fetchall()
+            "USING (doc_id) WHERE c.label_tokens IS NULL OR c.head_tokens != ? LIMIT ?",
+            (head_tokens, limit)).fetchall()
 
     @_locked
     def set_counts(self, counts: dict[str, tuple]) -> None:

@@ -68,8 +68,11 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
               f"already committed; {rate} chunks/s with {workers} "
               f"worker(s), embedding {s.get('embed', 0):.1f} s")
         if report.recounted:
-            print(f"counted the tokens of {report.recounted} chunks committed before they were "
-                  f"kept ({s.get('count', 0):.1f} s): searches no longer encode them")
+            print(f"counted the tokens of {report.recounted} chunks committed without them "
+                  f"({s.get('count', 0):.1f} s): searches no longer encode them")
+        if report.uncounted:
+            print(f"note: chunks committed without token counts keep none ({report.uncounted}): "
+                  "searches count them as they show them", file=sys.stderr)
 
 
 def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,

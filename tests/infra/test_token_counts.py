@@ -260,3 +260,36 @@ def test_a_re_ingest_counts_the_chunks_an_earlier_version_committed_without_coun
             store.close()
     assert rows(old) == rows(fresh)
     assert any(r["head"] for r in rows(old).values())
+
+
+def test_another_encoding_or_cap_and_a_read_only_docstore(tmp_path):
+    """A re-ingest in another encoding is refused (the documents it does not hold would keep
+    chunks counted in the old one); one with another `result_token_cap` re-counts the heads; a
+    docstore that cannot be written keeps its chunks uncounted and the ingest finishes."""
+    from branchsearch.infra.errors import BranchsearchError
+    from branchsearch.infra.ingest.pipeline import _count_earlier_chunks
+    import pytest
+
+    corpus = _corpus(tmp_path / "c.jsonl")
+    settings = _settings(tmp_path / "h", encoding="cl100k_base")
+    ingest(corpus, settings, dense=False)
+    path = settings.index_dir / "docs.sqlite"
+    before = path.read_bytes()
+    with pytest.raises(BranchsearchError, match="chunked in encoding 'cl100k_base', not "
+                                                "'o200k_base'.*the index is unchanged"):
+        ingest(corpus, settings.replace(encoding="o200k_base"), dense=False)
+    assert path.read_bytes() == before and (settings.index_dir / "manifest.json").exists()
+
+    report = ingest(corpus, settings.replace(result_token_cap=40), dense=False)
+    assert report.resumed == 2 and report.recounted > 2  # the long chunks' heads
+    store = DocStore(path)
+    try:
+        heads = [r["head"] for r in store.get_chunks(
+            store.existing_chunk_ids(["long-é"])).values()]
+        assert heads and all(h is None or h[0] == 39 for h in heads) and any(heads)
+        store._db.execute("UPDATE chunks SET label_tokens = NULL")
+        store._db.commit()
+        store._db.execute("PRAGMA query_only = ON")  # writes fail: "readonly database"
+        assert _count_earlier_chunks(store, settings) == (0, "the docstore is read-only")
+    finally:
+        store.close()
