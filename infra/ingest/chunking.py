@@ -52,26 +52,21 @@ def chunk_text(doc_id: str, text: str, counter: TokenCounter, size: int = 256,
     `head_tokens` tokens (the agent's cut of a long result; 0: none)."""
     tokens = counter.encode(text)
     if len(tokens) <= size:
-        return [_counted(counter, chunk_id(doc_id, 0), doc_id, 0, text, 0, len(tokens), title,
-                         head_tokens, tokens)]
+        cid = chunk_id(doc_id, 0)
+        return [Chunk(cid, doc_id, 0, text, 0, len(tokens),
+                      *token_counts(counter, cid, text, title, head_tokens, tokens))]
     chunks: list[Chunk] = []
     start = 0
     while start < len(tokens):
         end = min(start + size, len(tokens))
         piece = counter.decode(tokens[start:end]).strip()
-        chunks.append(_counted(counter, chunk_id(doc_id, len(chunks)), doc_id, len(chunks),
-                               piece, start, end - start, title, head_tokens))
+        cid = chunk_id(doc_id, len(chunks))
+        chunks.append(Chunk(cid, doc_id, len(chunks), piece, start, end - start,
+                            *token_counts(counter, cid, piece, title, head_tokens)))
         if end == len(tokens):
             break
         start = _word_start(tokens, end - overlap, end, counter)
     return chunks
-
-
-def _counted(counter: TokenCounter, cid: str, doc_id: str, n: int, text: str, start: int,
-             n_tokens: int, title: str, head_tokens: int, tokens: list[int] | None = None
-             ) -> Chunk:
-    return Chunk(cid, doc_id, n, text, start, n_tokens,
-                 *token_counts(counter, cid, text, title, head_tokens, tokens))
 
 
 def token_counts(counter: TokenCounter, cid: str, text: str, title: str, head_tokens: int,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from branchsearch.fusion import rrf
-from branchsearch.infra.stores.docstore import DocStore
+from branchsearch.infra.stores.docstore import NO_COUNTS, DocStore
 from branchsearch.infra.stores.protocols import MAX_K, check_k
 from branchsearch.infra.stores.acl import acl_terms, acl_visible
 from branchsearch.infra.config.choices import MODES, Mode
@@ -227,8 +227,7 @@ class Retriever:
         if cache is not None:  # the caller's own copy (the cached rows stay as read)
             doc, chunks = copy.deepcopy(doc), [dict(c) for c in chunks]
         if not self.counts_tokens:
-            chunks = [c | {"text_tokens": None, "label_tokens": None, "head": None}
-                      for c in chunks]
+            chunks = [c | NO_COUNTS for c in chunks]
         doc["chunks"] = chunks[max(start, 0):end]
         return doc
 

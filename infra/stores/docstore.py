@@ -37,6 +37,7 @@ _TITLE_INDEX = "CREATE INDEX IF NOT EXISTS docs_title_key ON docs(title_key)"
 # A chunk's token counts for the agent (`Chunk`, `Hit`), in the index's encoding; NULL in rows
 # written before a column was kept, and counted at search time then
 _COUNTS = ("text_tokens", "label_tokens", "head_tokens", "head_chars")
+NO_COUNTS = {"text_tokens": None, "label_tokens": None, "head": None}  # in a row dict: unknown
 KEYS_RETRY_S = 10.0  # a docstore that could not get its title keys on open tries again then
 
 
