@@ -39,6 +39,11 @@ class IndexBusy(BranchsearchError):
     """An index that a running ingest holds (another ingest, or a reader of an embedded index)."""
 
 
+class IndexNotWritable(BranchsearchError):
+    """An index folder this process may not write (permissions, a read-only filesystem), asked
+    to take an ingest or a write."""
+
+
 class KeysFileError(BranchsearchError):
     """The service's API keys file cannot be read: the operator's to fix, not the caller's."""
 

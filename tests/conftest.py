@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
+import subprocess
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,24 @@ def hotpot_retriever(hotpot_settings):
     retriever = open_retriever(hotpot_settings)
     yield retriever
     retriever.close()
+
+
+@contextmanager
+def read_only_folder(folder: Path):
+    """`folder` made unwritable for this process: immutable (`chattr +i`) for root, whom
+    permissions do not stop, else mode 0555."""
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+        if made.returncode:
+            pytest.skip(f"chattr +i: {made.stderr.decode().strip()}")
+        undo = ["chattr", "-i", str(folder)]
+    else:
+        folder.chmod(0o555)
+        undo = ["chmod", "755", str(folder)]
+    try:
+        yield
+    finally:
+        subprocess.run(undo, check=True)
 
 
 def ingest_copy(settings, index: str):

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import IndexBusy, IndexIncomplete, IndexNotFound
+from branchsearch.infra.errors import IndexBusy, IndexIncomplete, IndexNotFound, IndexNotWritable
 
 MANIFEST = "manifest.json"
 LOCK = "ingest.lock"
@@ -183,9 +183,8 @@ class IngestLock:
         self._fd: int | None = None
 
     def acquire(self) -> "IngestLock":
-        self.index_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -210,6 +209,15 @@ class IngestLock:
         os.fsync(fd)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        try:
+            self.index_dir.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise IndexNotWritable(
+                f"index {self.index!r}: cannot write its folder {self.index_dir} "
+                f"({exc.strerror or exc}); an ingest needs write access to it") from None
 
     def release(self) -> None:
         """Remove the lock file, then drop the flock (in that order: see `acquire`'s retry)."""

@@ -24,9 +24,9 @@ by default, or IVF_FLAT, or FLAT) — see `IndexSpec`. Collections use Strong co
 search sees every write that returned before it (what an ingest followed by a search expects).
 
 Every request goes through `milvus_call`, with a timeout (the settings' `backend_timeout_s`): a
-Milvus that stops answering (a server gone) is a `BackendUnavailable` within it, and a Milvus
-Lite process that died one at once; either ends the branch with status `error`, never a search
-that hangs. A reader opens with `create=False`: a collection that is not there is a damaged
+Milvus that stops answering (a server gone) is a `BackendUnavailable` within it, which ends the
+branch with status `error`, never a search that hangs. A Milvus Lite process of this one that
+died (killed, crashed) is started again on the same file by the next request (`revive_lite`). A reader opens with `create=False`: a collection that is not there is a damaged
 index (`IndexIncomplete`), not an empty one.
 """
 
@@ -135,6 +135,32 @@ def lite_process_exited(key: str | None) -> int | None:
         return None
     process = getattr(server_manager_instance._servers.get(key), "_p", None)
     return None if process is None else process.poll()
+
+
+_lite_generation: dict[str, int] = {}  # embedded file -> times this process restarted its server
+_revive_lock = threading.Lock()
+
+
+def revive_lite(key: str) -> int:
+    """Start this process's Milvus Lite server for an embedded file (by `lite_key`) again if it
+    has died; returns its generation (how many times it was started again), which the stores
+    on the file compare with theirs to know their client reaches a dead server. The file is
+    what the dead process left: every write that had returned (Lite persists each one)."""
+    with _revive_lock:
+        exited = lite_process_exited(key)
+        if exited is not None:
+            from milvus_lite.server_manager import server_manager_instance
+
+            server_manager_instance.release_server(key)  # our lock on the file, its socket
+            with lite_spawn():
+                if not server_manager_instance.start_and_get_uri(key):
+                    raise BackendUnavailable(f"milvus lite: the server process for {key} "
+                                             f"exited (status {exited}) and cannot start again")
+            _lite_generation[key] = _lite_generation.get(key, 0) + 1
+            logging.getLogger(__name__).warning(
+                "milvus lite: the server process for %s exited (status %s); started another on "
+                "the same file", key, exited)
+        return _lite_generation.get(key, 0)
 
 
 def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | None = None,
@@ -376,8 +402,6 @@ class IndexSpec:
 class MilvusStore:
     def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
                  index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0):
-        from pymilvus import MilvusClient
-
         self.uri = str(uri)
         self.timeout_s = timeout_s
         self._lite = lite_key(self.uri)
@@ -391,29 +415,15 @@ class MilvusStore:
         self._served = served is not None  # through the owning process's server (serve_lite)
         if not self.server and not served and _held_elsewhere(Path(self.uri)):
             raise _lite_busy(self.uri)
-        quiet_pymilvus()
-        quiet = logging.getLogger("pymilvus.milvus_client._utils")
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)  # it logs a line of its own before raising
-        try:
-            # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
-            # closing one store would cut every other store of this process on that server
-            with lite_spawn():
-                self._client = MilvusClient(uri=served or self.uri, token=token,
-                                            alias=f"branchsearch-{uuid.uuid4().hex}")
-        except Exception as exc:
-            if not self.server and "opened by another program" in str(exc):
-                raise _lite_busy(self.uri) from None
-            hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
-                    else "check the index folder")
-            raise BackendUnavailable(redact(  # no credentials in a line shown and logged
-                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}")) from None
-        finally:
-            quiet.setLevel(level)
+        self._token = token
+        self._owns_lite = self._lite is not None and not self._served  # its server is ours
+        self._generation = _lite_generation.get(self._lite, 0)  # of the Lite server it reaches
+        self._reconnect_lock = threading.Lock()
+        self._client = self._connect(served or self.uri)
         if not self._served:
             acquire_lite(self.uri)
         try:
-            exists = self._request("open", self._client.has_collection, collection)
+            exists = self._request("open", "has_collection", collection)
             if not exists and not create:
                 raise IndexIncomplete(f"milvus: collection {collection!r} is not in "
                                       f"{redact(self.uri)}")
@@ -433,12 +443,55 @@ class MilvusStore:
         # Milvus 2.3.5 upserts every row of a partition-key collection into the wrong partition
         # (measured: a filter on the key then finds 3 of 240 rows); insert hashes it right
         self.partitioned = bool(key and key.get("is_partition_key"))
-        self.keyed = self.has_key and self._request("open", self._client.has_collection,
+        self.keyed = self.has_key and self._request("open", "has_collection",
                                                     self.sets_collection)
 
-    def _request(self, what: str, call, *args, **kwargs):
-        return milvus_call(self.uri, what, call, *args, timeout_s=self.timeout_s,
-                           lite=self._lite, **kwargs)
+    def _connect(self, uri: str):
+        from pymilvus import MilvusClient
+
+        quiet_pymilvus()
+        quiet = logging.getLogger("pymilvus.milvus_client._utils")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # it logs a line of its own before raising
+        try:
+            # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
+            # closing one store would cut every other store of this process on that server
+            with lite_spawn():
+                return MilvusClient(uri=uri, token=self._token,
+                                    alias=f"branchsearch-{uuid.uuid4().hex}")
+        except Exception as exc:
+            if not self.server and "opened by another program" in str(exc):
+                raise _lite_busy(self.uri) from None
+            hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
+                    else "check the index folder")
+            raise BackendUnavailable(redact(  # no credentials in a line shown and logged
+                f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}")) from None
+        finally:
+            quiet.setLevel(level)
+
+    def _request(self, what: str, method: str, *args, **kwargs):
+        """`self._client.<method>(*args, **kwargs)` as one `milvus_call`. A Milvus Lite process
+        of ours that died since the last request (killed, crashed) is started again on the same
+        file first (`revive_lite`), and the client reconnected: a long-running service recovers
+        on its next request instead of failing every one until it is restarted."""
+        if self._owns_lite and (lite_process_exited(self._lite) is not None
+                                or self._generation != _lite_generation.get(self._lite, 0)):
+            self._reconnect()
+        return milvus_call(self.uri, what, getattr(self._client, method), *args,
+                           timeout_s=self.timeout_s, lite=self._lite, **kwargs)
+
+    def _reconnect(self) -> None:
+        with self._reconnect_lock:
+            if (lite_process_exited(self._lite) is None
+                    and self._generation == _lite_generation.get(self._lite, 0)):
+                return  # another thread of this store did it meanwhile
+            generation = revive_lite(self._lite)
+            old, self._client = self._client, self._connect(self.uri)
+            self._generation = generation
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 — its server is gone; nothing to close cleanly
+            pass
 
     def _list(self, values: Sequence[str]) -> str:
         return milvus_list(values, lite=not self.server)
@@ -471,7 +524,7 @@ class MilvusStore:
         if self.server:  # the ACL filter read from a scalar index, not compared row by row
             index.add_index(field_name="acl_key", index_type="")  # (the server's default kind)
         self._create_sets()  # before the rows: a group set is listed before it is used
-        self._request("create", self._client.create_collection, self.collection,
+        self._request("create", "create_collection", self.collection,
                       schema=schema, index_params=index, consistency_level="Strong")
 
     def _create_sets(self) -> None:
@@ -480,7 +533,7 @@ class MilvusStore:
         from pymilvus import DataType
 
         name = acl_sets_collection(self.collection)
-        if self._request("create", self._client.has_collection, name):
+        if self._request("create", "has_collection", name):
             return  # left by a collection dropped elsewhere: its sets only lengthen a filter
         schema = self._client.create_schema(auto_id=False, enable_dynamic_field=False)
         schema.add_field("acl_key", DataType.VARCHAR, is_primary=True, max_length=64)
@@ -489,17 +542,17 @@ class MilvusStore:
         schema.add_field("v", DataType.FLOAT_VECTOR, dim=2)
         index = self._client.prepare_index_params()
         index.add_index(field_name="v", index_type="FLAT", metric_type="L2")
-        self._request("create", self._client.create_collection, name, schema=schema,
+        self._request("create", "create_collection", name, schema=schema,
                       index_params=index, consistency_level="Strong")
 
     def _field(self, name: str) -> dict | None:
-        info = self._request("open", self._client.describe_collection, self.collection) or {}
+        info = self._request("open", "describe_collection", self.collection) or {}
         return next((f for f in info.get("fields", ()) if f.get("name") == name), None)
 
     def _index_kind(self) -> str:
         """The index the collection really has (it may predate the current settings)."""
         try:
-            info = self._request("open", self._client.describe_index, self.collection,
+            info = self._request("open", "describe_index", self.collection,
                                  "vector") or {}
             return str(info.get("index_type") or "FLAT").upper()
         except Exception:  # noqa: BLE001 — unknown: the settings' (a dead server fails next)
@@ -514,11 +567,11 @@ class MilvusStore:
         for i in range(0, len(rows), 1000):
             batch = rows[i:i + 1000]
             if self.partitioned:
-                self._request("delete", self._client.delete, self.collection,
+                self._request("delete", "delete", self.collection,
                               filter=f"chunk_id in {self._list([r['chunk_id'] for r in batch])}")
-                self._request("insert", self._client.insert, self.collection, batch)
+                self._request("insert", "insert", self.collection, batch)
             else:
-                self._request("upsert", self._client.upsert, self.collection, batch)
+                self._request("upsert", "upsert", self.collection, batch)
 
     def rows(self, chunks: Sequence[IndexedChunk], vectors) -> list[dict]:
         """The rows of `chunks` as this collection stores them; lists their group sets in the
@@ -540,7 +593,7 @@ class MilvusStore:
             new = {k: v for k, v in sets.items() if k not in known}
         if not new:
             return
-        self._request("upsert", self._client.upsert, self.sets_collection,
+        self._request("upsert", "upsert", self.sets_collection,
                       [{"acl_key": k, "acl": list(v), "v": [0.0, 0.0]} for k, v in new.items()])
         with _acl_sets_lock:
             _acl_sets.setdefault(self._sets_id, {}).update(
@@ -567,7 +620,7 @@ class MilvusStore:
         waits for every write that returned before it (Strong), later ones are as fresh as the
         searches (the index's consistency)."""
         level = "Strong" if strong or not self.server else self.index.consistency
-        rows = self._request("search", self._client.query, self.sets_collection,
+        rows = self._request("search", "query", self.sets_collection,
                              filter='acl_key != ""', output_fields=["acl_key", "acl"],
                              limit=16384, consistency_level=level)
         with _acl_sets_lock:
@@ -578,7 +631,7 @@ class MilvusStore:
     def delete_documents(self, doc_ids: Sequence[str]) -> None:
         for i in range(0, len(doc_ids), 500):
             batch = list(doc_ids[i:i + 500])
-            self._request("delete", self._client.delete, self.collection,
+            self._request("delete", "delete", self.collection,
                           filter=f"doc_id in {self._list(batch)}")
 
     def acl_filter(self, acl_groups: Sequence[str] | None, *, per_row: bool = False) -> str:
@@ -612,7 +665,7 @@ class MilvusStore:
             filters.append(f"chunk_id not in {self._list(sorted(exclude))}")
             limit, exclude = k, set()
         result = self._request(
-            "search", self._client.search, self.collection, data=[vector.tolist()],
+            "search", "search", self.collection, data=[vector.tolist()],
             limit=limit, filter=" and ".join(filters), output_fields=["doc_id"],
             search_params={"metric_type": "IP",
                            "params": self.index.search_params(self.index_kind, limit)},
@@ -624,7 +677,7 @@ class MilvusStore:
 
     def count(self) -> int:
         """Live rows (deletes subtracted; collection stats count deleted rows on a server)."""
-        rows = self._request("count", self._client.query, self.collection, filter="",
+        rows = self._request("count", "query", self.collection, filter="",
                              output_fields=["count(*)"], consistency_level="Strong")
         return int(rows[0]["count(*)"]) if rows else 0
 

@@ -7,7 +7,7 @@ import logging
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
                                        CorpusError, IndexBusy, IndexIncomplete, IndexNotFound,
-                                       KeysFileError, Overloaded, error_line, public_line)
+                                       IndexNotWritable, KeysFileError, Overloaded, error_line, public_line)
 
 log = logging.getLogger("branchsearch.service")
 
@@ -45,6 +45,10 @@ def api_error(exc: BaseException) -> ApiError:
         log.warning("index unavailable: %s", exc)  # the operator's fix names server paths
         return ApiError(503, "index_incomplete", "the index is incomplete or damaged on the "
                         "server; its operator must finish or repair it (the server log says how)")
+    if isinstance(exc, IndexNotWritable):  # names the server's folder: logged, not sent
+        log.error("%s", exc)
+        return ApiError(503, "index_not_writable", "the server cannot write this index's files; "
+                        "its operator must fix that (the server log says which)")
     if isinstance(exc, KeysFileError):  # names the server's file: logged, not sent
         log.error("%s", exc)
         return ApiError(503, "keys_unavailable", "the server cannot read its API keys file; "

@@ -24,6 +24,8 @@ from branchsearch.infra.index.manifest import (IngestLock, read_manifest, requir
 from branchsearch.infra.index.open import open_retriever, open_stores
 from branchsearch.infra.config.settings import load_settings
 
+from conftest import read_only_folder
+
 CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
 
 
@@ -144,6 +146,29 @@ def test_lock_held_by_a_live_process_stops_a_second_ingest(tmp_path):
         with pytest.raises(IndexBusy, match=f"being ingested.*PID {os.getpid()}"):
             ingest(corpus, settings)
     ingest(corpus, settings)  # released: the next one runs
+
+
+def test_an_index_folder_that_cannot_be_written_is_one_line_and_stays_searchable(tmp_path):
+    """A re-run into a read-only index folder stopped with a PermissionError traceback from the
+    ingest lock; now one line names the folder, nothing changes, searches go on."""
+    settings = _settings(tmp_path / "h")
+    corpus = _corpus(tmp_path / "c.jsonl", 3)
+    ingest(corpus, settings)
+    before = sorted(os.listdir(settings.index_dir))
+    with read_only_folder(settings.index_dir):
+        run = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "ingest",
+                              str(corpus), "--home", str(settings.home)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+        assert lines[0].startswith("error: index 'default': cannot write its folder "), lines
+    assert sorted(os.listdir(settings.index_dir)) == before
+    retriever = open_retriever(settings)
+    try:
+        assert [h.doc_id for h in retriever.search("keyword2", "bm25", 1)] == ["d2"]
+    finally:
+        retriever.close()
 
 
 def test_a_reader_racing_an_ingest_that_starts_names_it_not_a_missing_manifest(tmp_path,

@@ -21,6 +21,7 @@ from branchsearch.orchestrator.service.auth import KeyStore
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.events import parse_sse
 
+from conftest import read_only_folder
 from service_fixtures import CORPUS, LEAK_MARKER, start_uvicorn, write_corpus
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_question_chars=300, per_key_concurrency=2,
@@ -386,6 +387,9 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
                 assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor"), 503,
                              "index_incomplete")
                 away.rename(gone)
+            with read_only_folder(settings.index_dir):  # the operator's to fix: a 503
+                err = assert_error(put(), 503, "index_not_writable")
+                assert str(tmp_path) not in err["detail"], err
             r = client.post("/v1/search", json={"question": "Harbor Festival in June"})
             assert r.status_code == 200 and r.json()["evidence"], r.text
             assert put().status_code == 200

@@ -1,7 +1,7 @@
 """The service started the ways the README says — `serve --standalone` with each executor, and
 Ray Serve — as its own process, with an owned index and a declared external one whose backend
-URL holds credentials, many keys, a burst of 30 searches, callers that disconnect, and SIGTERM
-in the middle of a stream. Real processes, real HTTP; nothing mocked."""
+URL holds credentials, many keys, a burst of 30 searches, callers that disconnect, the owned
+index's Milvus Lite process killed, and SIGTERM in the middle of a stream. Real processes, real HTTP; nothing mocked."""
 
 from __future__ import annotations
 
@@ -94,6 +94,25 @@ def start(site, mode: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"{mode} not ready in time: {_log(site, mode)}")
 
 
+def kill_lite(db: Path) -> None:
+    """SIGKILL the Milvus Lite process serving `db` (this test's own file, found by its
+    command line), and wait until it is dead."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"])
+             if str(db.resolve()) in (p.info["cmdline"] or []) and p.info["cmdline"][0].endswith("milvus")]
+    assert len(procs) == 1, procs
+    procs[0].kill()
+    for _ in range(300):  # dead: a zombie until the service's next request reaps it
+        try:
+            if procs[0].status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the Milvus Lite process outlived SIGKILL")
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
@@ -183,6 +202,16 @@ def test_the_service_as_deployed(site, mode):
             if mode != "serve":  # under Serve the proxy answers the closed connection itself
                 assert 'status="499"' in metrics, metrics[-2000:]
             assert 'status="500"' not in metrics, metrics
+
+            # the owned index's Milvus Lite process dies (standalone: the service's child;
+            # Ray: the retriever actor's): the next search starts it again, same answer
+            lite = {"question": "Harbor Festival", "branches": 1}
+            before = client.post("/v1/search", headers=bearer(keys["u3"]), json=lite).json()
+            kill_lite(site["home"] / "indexes" / "acl" / "dense.db")
+            after = client.post("/v1/search", headers=bearer(keys["u3"]), json=lite)
+            assert after.status_code == 200, after.text
+            assert after.json()["status"] == "ok", after.json()["branches"]
+            assert after.json()["evidence"] == before["evidence"]
 
             # nothing a caller saw holds the backend's password or address
             for _, _, body in answers:

@@ -1,0 +1,67 @@
+"""A Milvus Lite process that dies under its stores (killed, crashed) is started again on the
+same file by the next request, and every store of this process on the file reconnects to the
+new one: the rows written before the kill are all there, searches rank as before it, and
+writes go on. (A service used to answer 503 on every request until it was restarted.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+from branchsearch.infra.stores.milvus import MilvusStore, lite_key
+from branchsearch.infra.stores.protocols import IndexedChunk
+
+DIM = 8
+
+
+def _rows(start: int, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    chunks = [IndexedChunk(f"dóc{i}#p0", f"dóc{i}", "", "", ("é-team",) if i % 3 else ())
+              for i in range(start, start + n)]
+    vectors = rng.standard_normal((n, DIM)).astype(np.float32)
+    return chunks, vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def _top(store: MilvusStore, query, groups) -> list[str]:
+    return [h.chunk_id for h in store.search(query, 10, ["dóc5#p0"], groups)]
+
+
+def _kill(store: MilvusStore):
+    from milvus_lite.server_manager import server_manager_instance
+
+    server = server_manager_instance._servers[lite_key(store.uri)]
+    os.kill(server._p.pid, signal.SIGKILL)
+    server._p.wait()
+    return server
+
+
+def test_a_killed_lite_process_is_started_again_with_every_write(tmp_path):
+    from milvus_lite.server_manager import server_manager_instance
+
+    db = tmp_path / "dense.db"
+    writer, reader = MilvusStore(db, DIM), MilvusStore(db, DIM, create=False)  # one server
+    try:
+        chunks, vectors = _rows(0, 300, seed=1)
+        writer.write(chunks, vectors, [])
+        query = vectors[5]
+        callers = (None, ["é-team"])
+        before = [_top(reader, query, groups) for groups in callers]
+        dead = _kill(writer)
+
+        assert reader.count() == 300  # the first request after the kill: started again
+        revived = server_manager_instance._servers[lite_key(db)]
+        assert revived is not dead and revived._p.poll() is None
+        assert [_top(reader, query, groups) for groups in callers] == before
+        more, more_vectors = _rows(300, 50, seed=2)
+        writer.write(more, more_vectors, ["dóc0"])  # the other store reconnected too
+        assert reader.count() == 349 and writer.count() == 349
+
+        _kill(reader)  # and again: each death is one restart
+        assert writer.count() == 349
+        assert [h.chunk_id for h in writer.search(more_vectors[0], 1)] == ["dóc300#p0"]
+    finally:
+        writer.close()
+        reader.close()
+    assert lite_key(db) not in server_manager_instance._servers  # the last close stops it
