@@ -26,8 +26,10 @@ search sees every write that returned before it (what an ingest followed by a se
 Every request goes through `milvus_call`, with a timeout (the settings' `backend_timeout_s`): a
 Milvus that stops answering (a server gone) is a `BackendUnavailable` within it, which ends the
 branch with status `error`, never a search that hangs. A Milvus Lite process of this one that
-died (killed, crashed) is started again on the same file by the next request (`revive_lite`). A reader opens with `create=False`: a collection that is not there is a damaged
-index (`IndexIncomplete`), not an empty one.
+died (killed, crashed) is started again on the same file by the next request (`revive_lite`),
+or by the watchdog of a process that serves it to others (`serve_lite`). A reader opens with
+`create=False`: a collection that is not there is a damaged index (`IndexIncomplete`), not an
+empty one.
 """
 
 from __future__ import annotations
@@ -151,12 +153,14 @@ def revive_lite(key: str) -> int:
         if exited is not None:
             from milvus_lite.server_manager import server_manager_instance
 
+            # first: a store that looks meanwhile (the server not listed while it restarts)
+            # sees its client is stale, and waits here rather than send to the dead one
+            _lite_generation[key] = _lite_generation.get(key, 0) + 1
             server_manager_instance.release_server(key)  # our lock on the file, its socket
             with lite_spawn():
                 if not server_manager_instance.start_and_get_uri(key):
                     raise BackendUnavailable(f"milvus lite: the server process for {key} "
                                              f"exited (status {exited}) and cannot start again")
-            _lite_generation[key] = _lite_generation.get(key, 0) + 1
             logging.getLogger(__name__).warning(
                 "milvus lite: the server process for %s exited (status %s); started another on "
                 "the same file", key, exited)
@@ -297,18 +301,82 @@ def lite_spawn():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+LITE_WATCH_S = 0.5  # how often a process that serves a Lite file checks its server is alive
+_serving: dict[str, tuple[Path, threading.Event, threading.Thread]] = {}  # served files (by
+# `lite_key`) -> the link the other processes connect through, and its watchdog
+
+
 def serve_lite(db: str | Path) -> str:
-    """The socket URI (`unix:…`) of this process's Milvus Lite server for `db`, started if it is
-    not running. Milvus Lite lets one process own a file; other processes of the same job (a
-    batch's worker processes) reach that owner's server through this socket (`use_served_lite`)
-    instead of opening the file. The owner keeps a store open on `db` while they do."""
+    """The socket URI (`unix:…`) through which other processes reach this process's Milvus
+    Lite server for `db`, started if it is not running. Milvus Lite lets one process own a
+    file; other processes of the same job (a batch's worker processes) reach that owner's
+    server through this socket (`use_served_lite`) instead of opening the file. The owner
+    keeps a store open on `db` while they do, and ends with `stop_serving_lite`.
+
+    The URI is a link to the server's socket, kept by a watchdog thread: a server that dies
+    is started again on the same file (`revive_lite`) and the link pointed at the new one, so
+    the clients of every process reconnect by themselves (gRPC connects again, through the
+    link; pymilvus retries a failed request meanwhile)."""
+    import tempfile
+
     from milvus_lite.server_manager import server_manager_instance
 
+    key = _lite_key(db)
+    if key in _serving:
+        return f"unix:{_serving[key][0]}"
     with lite_spawn():
         uri = server_manager_instance.start_and_get_uri(str(db))
     if not uri:
         raise BackendUnavailable(f"milvus lite: cannot serve {db}")
-    return uri
+    link = Path(tempfile.mkdtemp(prefix="branchsearch-lite-")) / "milvus.sock"
+    _point(link, uri)
+    stop = threading.Event()
+    watchdog = threading.Thread(target=_keep_serving, args=(key, link, stop), daemon=True,
+                                name="lite-watchdog")
+    _serving[key] = (link, stop, watchdog)
+    watchdog.start()
+    return f"unix:{link}"
+
+
+def stop_serving_lite(db: str | Path) -> None:
+    """This process no longer serves `db` to others: the watchdog ends (before the owner's
+    store closes the server: it must not start it again) and the link goes."""
+    import shutil
+
+    entry = _serving.pop(_lite_key(db), None)
+    if entry is not None:
+        link, stop, watchdog = entry
+        stop.set()
+        watchdog.join()
+        shutil.rmtree(link.parent, ignore_errors=True)
+
+
+def _keep_serving(key: str, link: Path, stop: threading.Event) -> None:
+    from milvus_lite.server_manager import server_manager_instance
+
+    seen = _lite_generation.get(key, 0)
+    while not stop.wait(LITE_WATCH_S):
+        try:
+            if lite_process_exited(key) is not None:
+                revive_lite(key)
+            with _revive_lock:  # (a store of this process may have revived it)
+                now = _lite_generation.get(key, 0)
+                server = server_manager_instance._servers.get(key)
+            if now != seen and server is not None:
+                _point(link, server.uds_path)
+                seen = now
+        except Exception as exc:  # noqa: BLE001 — tried again at the next look
+            logging.getLogger(__name__).warning("milvus lite: %s", exc)
+
+
+def _point(link: Path, uri: str) -> None:
+    """`link` to the socket of `uri` (`unix:PATH`), replaced in one step."""
+    import os
+
+    fresh = link.with_name(link.name + ".new")
+    fresh.unlink(missing_ok=True)
+    os.symlink(uri.removeprefix("unix:"), fresh)
+    os.replace(fresh, link)
 
 
 def use_served_lite(db: str | Path, socket_uri: str | None) -> None:
@@ -478,7 +546,8 @@ class MilvusStore:
                                 or self._generation != _lite_generation.get(self._lite, 0)):
             self._reconnect()
         return milvus_call(self.uri, what, getattr(self._client, method), *args,
-                           timeout_s=self.timeout_s, lite=self._lite, **kwargs)
+                           timeout_s=self.timeout_s, lite=self._lite if self._owns_lite else None,
+                           **kwargs)
 
     def _reconnect(self) -> None:
         with self._reconnect_lock:

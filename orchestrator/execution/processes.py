@@ -6,7 +6,8 @@ nothing past the first. A batch with `concurrency` > 1 therefore answers in as m
 as the machine has cores (at most `concurrency`): this one and worker processes, each with its
 own in-process driver. The docstore and tantivy read concurrently from any number of processes.
 A Milvus Lite file has one owning process: this one owns it, and the workers reach its Lite
-server through that server's socket (`infra.stores.milvus.serve_lite`).
+server through that server's socket (`infra.stores.milvus.serve_lite`), which this process
+keeps alive: a Lite server that dies under the batch is started again within a second.
 
 Workers come from a fork server that imports the heavy modules (torch, the embedder) afresh —
 seconds on a small machine. This process answers questions from the start, so the batch is
@@ -203,9 +204,10 @@ class QuestionProcesses:
             self._local.close()
             self._local = None
         if self._lite is not None:
-            from branchsearch.infra.stores.milvus import use_served_lite
+            from branchsearch.infra.stores.milvus import stop_serving_lite, use_served_lite
 
             use_served_lite(self._lite, None)
+            stop_serving_lite(self._lite)
             self._lite = None
         if self._owner is not None:
             self._owner.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -57,8 +58,14 @@ def test_a_killed_lite_process_is_started_again_with_every_write(tmp_path):
         more, more_vectors = _rows(300, 50, seed=2)
         writer.write(more, more_vectors, ["dóc0"])  # the other store reconnected too
         assert reader.count() == 349 and writer.count() == 349
+        before = [_top(reader, query, groups) for groups in callers]  # (dóc0 deleted)
 
-        _kill(reader)  # and again: each death is one restart
+        _kill(reader)  # and again, with 16 searches at once from two stores: every one is
+        # answered by the new server (one used to reach the old client while it restarted)
+        with ThreadPoolExecutor(16) as pool:
+            tops = list(pool.map(lambda i: _top((reader, writer)[i % 2], query, callers[i % 2]),
+                                 range(16)))
+        assert tops == [before[i % 2] for i in range(16)]
         assert writer.count() == 349
         assert [h.chunk_id for h in writer.search(more_vectors[0], 1)] == ["dóc300#p0"]
     finally:

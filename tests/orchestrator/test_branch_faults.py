@@ -331,7 +331,7 @@ def test_a_dense_backend_that_stops_answering_ends_the_branch_and_a_dead_one_com
         assert not worker.is_alive(), "a question on a dead Milvus Lite hangs"
         result = outcome.get("result")
         assert result is not None, outcome
-        assert result["status"] == "ok", result["branches"]
+        assert result["status"] == "ok", [b.get("error") for b in result["branches"]]
         assert result["evidence"] == before["evidence"]
         revived = server_manager_instance._servers[key]
         assert revived is not server and revived._p.poll() is None

@@ -68,6 +68,47 @@ def test_a_busy_batch_process_hands_questions_to_a_worker(hotpot_settings):
         driver.close()
 
 
+def test_a_lite_server_that_dies_under_a_batch_is_started_again_for_every_process(
+        hotpot_settings):
+    """The batch process owns the Lite file and its workers reach its server through a socket:
+    a server killed mid-batch left every later question failing (the workers had no way to
+    start it). The batch process's watchdog starts it again and points the socket at it; the
+    worker's and this process's next questions are answered as before the kill."""
+    import signal
+
+    from milvus_lite.server_manager import server_manager_instance
+
+    from branchsearch.orchestrator.execution.processes import QuestionProcesses
+
+    # a deadline well above the watchdog's restart, short enough that without it the
+    # questions fail rather than wait for minutes
+    settings = ingest_copy(hotpot_settings, "hotpot-lite-dies").replace(
+        backend_timeout_s=15.0, backend_retries=0)
+    questions = [json.loads(line)["text"] for line in
+                 (HOTPOT / "queries.jsonl").read_text().splitlines()][:3]
+    key = str((settings.index_dir / "dense.db").resolve())
+    processes = QuestionProcesses(settings, workers=1)
+    try:
+        assert processes.wait_started() == ""
+        with processes._free:  # a worker answers
+            before = [processes.search(q) for q in questions]
+        for kill in range(2):
+            dead = server_manager_instance._servers[key]
+            os.kill(dead._p.pid, signal.SIGKILL)
+            dead._p.wait()
+            with processes._free:
+                there = [processes.search(q) for q in questions]
+            here = [processes.search(q) for q in questions]  # this process, through the socket
+            for answers in (there, here):
+                assert [r["status"] for r in answers] == ["ok"] * len(questions), answers
+                assert [r["ranked_chunk_ids"] for r in answers] == \
+                    [r["ranked_chunk_ids"] for r in before]
+            assert server_manager_instance._servers[key] is not dead
+    finally:
+        processes.close()
+    assert key not in server_manager_instance._servers  # closed: the watchdog started nothing
+
+
 def test_workers_that_cannot_start_leave_the_batch_to_this_process(hotpot_settings, capsys):
     """A worker that fails to start (here: its settings name an index that is not there) is
     one line on stderr; the questions are answered here, none waits for a worker."""
