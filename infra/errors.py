@@ -90,6 +90,7 @@ _CREDENTIAL = re.compile(
     r"(?:(?:bearer|basic|apikey)\s+)?[\"']?)[^\s\"',;)}\]]+")
 _PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
+_SOCKET = re.compile(r"\bunix:[^\s\"'<>),;:]+")  # a Unix socket address (gRPC's unix:PATH)
 # an absolute file path of two or more parts (a data home, a store file), not an API route
 _PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
 _ADDRESS = re.compile(
@@ -113,11 +114,12 @@ def redact(text: str) -> str:
 
 
 def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
-    """One line for a caller of the service: `redact`ed, URLs and host[:port] addresses replaced
-    by `<server>`, absolute file paths by `<path>`."""
+    """One line for a caller of the service: `redact`ed, URLs, Unix sockets and host[:port]
+    addresses replaced by `<server>`, absolute file paths by `<path>`."""
     text = error_line(exc_or_text, 10_000) if isinstance(exc_or_text, BaseException) \
         else " ".join(redact(exc_or_text).split())
     text = _URL.sub("<server>", text)
+    text = _SOCKET.sub("<server>", text)
     text = _PATH.sub("<path>", text)
     text = _PORT.sub(r"\g<1><server>", text)
     text = _ADDRESS.sub(lambda m: m.group(0) if _not_address(m.group(0)) else "<server>", text)

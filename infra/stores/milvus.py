@@ -124,19 +124,24 @@ def lite_key(uri: str | Path) -> str | None:
     return None if is_server(uri) else _lite_key(uri)
 
 
-def lite_process_exited(key: str | None) -> int | None:
-    """The exit status of this process's Milvus Lite server for an embedded file (by
-    `lite_key`) when it has died (killed, crashed), else None (alive, not started, or a
-    server). A request to a dead one would be retried by pymilvus until its deadline; asked
-    first, it fails at once."""
+def lite_down(key: str | None) -> str | None:
+    """Why this process's Milvus Lite server for an embedded file (by `lite_key`) cannot
+    answer: "exited (status N)" when its process died (killed, crashed), "is not running" when
+    this process has stores open on the file but no server for it (a restart that failed);
+    None when it is alive, or the URI is a server, or the file is not this process's. A request
+    to a dead one would be retried by pymilvus until its deadline; asked first, it fails at
+    once, or starts it again (`revive_lite`)."""
     if key is None:
         return None
     try:
         from milvus_lite.server_manager import server_manager_instance
     except ImportError:
         return None
-    process = getattr(server_manager_instance._servers.get(key), "_p", None)
-    return None if process is None else process.poll()
+    server = server_manager_instance._servers.get(key)
+    if server is None:
+        return "is not running" if _lite_users.get(key) else None
+    status = None if server._p is None else server._p.poll()
+    return None if status is None else f"exited (status {status})"
 
 
 _lite_generation: dict[str, int] = {}  # embedded file -> times this process restarted its server
@@ -145,26 +150,56 @@ _revive_lock = threading.Lock()
 
 def revive_lite(key: str) -> int:
     """Start this process's Milvus Lite server for an embedded file (by `lite_key`) again if it
-    has died; returns its generation (how many times it was started again), which the stores
-    on the file compare with theirs to know their client reaches a dead server. The file is
-    what the dead process left: every write that had returned (Lite persists each one)."""
+    is down (`lite_down`); returns its generation (how many times it was started again), which
+    the stores on the file compare with theirs to know their client reaches a dead server. The
+    file is what the dead process left: every write that had returned (Lite persists each one).
+    A start that fails is one `BackendUnavailable`, and the next call tries again."""
     with _revive_lock:
-        exited = lite_process_exited(key)
-        if exited is not None:
+        down = lite_down(key)
+        if down is not None:
             from milvus_lite.server_manager import server_manager_instance
 
             # first: a store that looks meanwhile (the server not listed while it restarts)
             # sees its client is stale, and waits here rather than send to the dead one
             _lite_generation[key] = _lite_generation.get(key, 0) + 1
-            server_manager_instance.release_server(key)  # our lock on the file, its socket
-            with lite_spawn():
-                if not server_manager_instance.start_and_get_uri(key):
-                    raise BackendUnavailable(f"milvus lite: the server process for {key} "
-                                             f"exited (status {exited}) and cannot start again")
+            _forget_lite(key)
+            try:
+                with lite_spawn():
+                    started = server_manager_instance.start_and_get_uri(key)
+            except Exception as exc:  # noqa: BLE001 — a folder made read-only, a full disk
+                started, why = None, f" ({type(exc).__name__}: {exc})"
+            else:
+                why = ""
+            if not started:
+                raise BackendUnavailable(f"milvus lite: the server process for {key} {down} "
+                                         f"and could not be started again{why}; the next "
+                                         "request tries again")
             logging.getLogger(__name__).warning(
-                "milvus lite: the server process for %s exited (status %s); started another on "
-                "the same file", key, exited)
+                "milvus lite: the server process for %s %s; started another on the same file",
+                key, down)
         return _lite_generation.get(key, 0)
+
+
+def drop_lite(key: str) -> None:
+    """Stop this process's Milvus Lite server for an embedded file, whatever state it is in (one
+    that started but does not answer), so that the next request starts another."""
+    with _revive_lock:
+        _lite_generation[key] = _lite_generation.get(key, 0) + 1
+        _forget_lite(key)
+
+
+def _forget_lite(key: str) -> None:
+    """Under `_revive_lock`: out of milvus_lite's server manager, its process stopped and our
+    lock on the file dropped; a cleanup that fails (the lock file in a folder made read-only)
+    does not keep it listed."""
+    from milvus_lite.server_manager import server_manager_instance
+
+    server = server_manager_instance._servers.pop(key, None)
+    if server is not None:
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 — see above
+            pass
 
 
 def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | None = None,
@@ -172,11 +207,10 @@ def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | 
     """One request to Milvus at `uri` (`call(*args, **kwargs)` of a `MilvusClient`) with a
     timeout; any failure is one `BackendUnavailable` line naming the place and the request.
     `lite`: the file's `lite_key`, so that a dead Lite process fails at once."""
-    exited = lite_process_exited(lite)
-    if exited is not None:
-        raise BackendUnavailable(f"milvus lite: the server process for {uri} exited (status "
-                                 f"{exited}); {what} failed. Restart the search (the file is "
-                                 "intact)")
+    down = lite_down(lite)
+    if down is not None:
+        raise BackendUnavailable(f"milvus lite: the server process for {uri} {down}; {what} "
+                                 "failed")
     try:
         return call(*args, timeout=timeout_arg(timeout_s), **kwargs)
     except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
@@ -357,7 +391,7 @@ def _keep_serving(key: str, link: Path, stop: threading.Event) -> None:
     seen = _lite_generation.get(key, 0)
     while not stop.wait(LITE_WATCH_S):
         try:
-            if lite_process_exited(key) is not None:
+            if lite_down(key) is not None:
                 revive_lite(key)
             with _revive_lock:  # (a store of this process may have revived it)
                 now = _lite_generation.get(key, 0)
@@ -542,7 +576,7 @@ class MilvusStore:
         of ours that died since the last request (killed, crashed) is started again on the same
         file first (`revive_lite`), and the client reconnected: a long-running service recovers
         on its next request instead of failing every one until it is restarted."""
-        if self._owns_lite and (lite_process_exited(self._lite) is not None
+        if self._owns_lite and (lite_down(self._lite) is not None
                                 or self._generation != _lite_generation.get(self._lite, 0)):
             self._reconnect()
         return milvus_call(self.uri, what, getattr(self._client, method), *args,
@@ -551,12 +585,16 @@ class MilvusStore:
 
     def _reconnect(self) -> None:
         with self._reconnect_lock:
-            if (lite_process_exited(self._lite) is None
+            if (lite_down(self._lite) is None
                     and self._generation == _lite_generation.get(self._lite, 0)):
                 return  # another thread of this store did it meanwhile
             generation = revive_lite(self._lite)
-            old, self._client = self._client, self._connect(self.uri)
-            self._generation = generation
+            try:
+                client = self._connect(self.uri)
+            except BaseException:
+                drop_lite(self._lite)  # started but not answering: the next request retries
+                raise
+            old, self._client, self._generation = self._client, client, generation
         try:
             old.close()
         except Exception:  # noqa: BLE001 — its server is gone; nothing to close cleanly

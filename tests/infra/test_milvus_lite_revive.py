@@ -72,3 +72,34 @@ def test_a_killed_lite_process_is_started_again_with_every_write(tmp_path):
         writer.close()
         reader.close()
     assert lite_key(db) not in server_manager_instance._servers  # the last close stops it
+
+
+def test_a_restart_that_fails_is_an_error_at_once_and_tried_again(tmp_path, monkeypatch):
+    """A Lite process that cannot be started again (here: milvus-lite pointed at a folder
+    without its binary, `BIN_PATH`; seen for real with the index folder made read-only) left
+    the store without a server, and nothing tried again: every later request waited out its
+    deadline, and an error of the restart itself (a PermissionError) passed for a rejected
+    tool call, a BM25-only result reported `ok`. Now each request is one BackendUnavailable at
+    once, and the first one after the cause is gone starts the server, every row there."""
+    import time
+
+    import pytest
+
+    from branchsearch.infra.errors import BackendUnavailable
+
+    store = MilvusStore(tmp_path / "dense.db", DIM, timeout_s=60.0)
+    try:
+        chunks, vectors = _rows(0, 40, seed=3)
+        store.write(chunks, vectors, [])
+        monkeypatch.setenv("BIN_PATH", str(tmp_path / "no-binary-here"))
+        _kill(store)
+        for _ in range(2):
+            began = time.monotonic()
+            with pytest.raises(BackendUnavailable, match="could not be started again"):
+                store.count()
+            assert time.monotonic() - began < 5  # not the 60 s request deadline
+        monkeypatch.delenv("BIN_PATH")
+        assert store.count() == 40
+        assert [h.chunk_id for h in store.search(vectors[6], 1)] == ["dóc6#p0"]
+    finally:
+        store.close()

@@ -57,6 +57,8 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
     # a store's error naming its file, in a 503 body: no server path
     assert public_line("milvus at /srv/bs/indexes/uni/dense.db: upsert failed (internal)") == \
         "milvus at <path>: upsert failed (internal)"
+    assert public_line("count failed (connect failed: unix:/tmp/tmpljj8tpcj_dense.db.sock: "
+                       "No such file)") == "count failed (connect failed: <server>: No such file)"
     assert public_line("PUT /v1/indexes/uni/documents: 1/2 done") == \
         "PUT /v1/indexes/uni/documents: 1/2 done"  # API routes and ratios stay
     assert question_problem(123) == "question must be text, not a number"
