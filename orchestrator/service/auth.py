@@ -106,14 +106,24 @@ class KeyStore:
                                 "file (`branchsearch keys add` makes one)") from None
 
     def _save(self, keys: dict[str, ApiKey]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the keys whole (a temporary file renamed over the old), or raise KeysFileError
+        with the file as it was."""
         tmp = self.path.with_name(self.path.name + ".tmp")
         data = {"keys": [asdict(k) | {"groups": list(k.groups), "indexes": list(k.indexes)}
                          for k in keys.values()]}
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a read-only home, a full disk
+            try:
+                tmp.unlink(missing_ok=True)  # (a half-written one, if it got that far)
+            except OSError:
+                pass
+            raise KeysFileError(f"keys file {self.path} cannot be written ({exc.strerror or exc}"
+                                "); nothing was changed") from None
         self._stamp = None
 
     # --- commands -----------------------------------------------------------------------------

@@ -229,6 +229,21 @@ def test_keys_with_a_home_that_is_a_file(inputs):
     assert (inputs / "a-file").read_text() == "not a folder\n"
 
 
+def test_keys_in_a_home_that_cannot_be_written(tmp_path):
+    """`keys add` / `keys revoke` with a read-only home were a Rich traceback; now one line,
+    the keys file unchanged."""
+    from conftest import read_only_folder
+
+    home = tmp_path / "home"
+    assert run(["keys", "add", "alice", "--groups", "g", "--home", home]).returncode == 0
+    before = (home / "keys.json").read_text()
+    with read_only_folder(home):
+        for args in (["keys", "add", "bob", "--groups", "g"], ["keys", "revoke", "alice"]):
+            done = run([*args, "--home", home])
+            assert_one_error_line(done, "keys.json cannot be written", args[1])
+    assert (home / "keys.json").read_text() == before
+
+
 def test_no_arguments_prints_help_and_exits_2():
     done = run([])
     assert done.returncode == 2 and "Traceback" not in done.stderr
