@@ -42,13 +42,35 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
             health = "ingesting" if running else files_health(folder, manifest)
             if health == "ok":
                 health = _servers_health(settings.replace(index=folder.name), check)
-            out.append(IndexInfo(folder.name, "owned", backends, manifest.documents,
-                                 manifest.chunks.get("docstore"), health))
+            documents, chunks = _stored_counts(folder) or (manifest.documents,
+                                                           manifest.chunks.get("docstore"))
+            out.append(IndexInfo(folder.name, "owned", backends, documents, chunks, health))
         else:
             health = f"ingesting ({running.describe()})" if running else \
                 f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
+
+
+def _stored_counts(folder: Path) -> tuple[int, int] | None:
+    """(documents, chunks) the index's docstore holds now, read-only: the manifest's are the
+    last ingest's, before the service's writes added or removed documents. None when it
+    cannot be read."""
+    import sqlite3
+    from urllib.parse import quote
+
+    path = folder / "docs.sqlite"
+    if not path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=5)
+        try:
+            return (db.execute("SELECT COUNT(*) FROM docs").fetchone()[0],
+                    db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
 
 
 def _servers_health(settings: Settings, check: bool) -> str:

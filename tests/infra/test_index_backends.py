@@ -69,6 +69,27 @@ def test_indexes_asks_the_elasticsearch_an_owned_index_lives_on(tmp_path, es_url
     assert "set es_url" in info.health
 
 
+def test_indexes_counts_the_documents_a_service_wrote_since_the_ingest(tmp_path):
+    """`branchsearch indexes` showed the last ingest's counts (the manifest's): documents
+    PUT or deleted through a service since were not in them."""
+    from branchsearch.infra.ingest.corpus import Document
+    from branchsearch.orchestrator.documents import delete, upsert
+
+    settings = _settings(tmp_path / "h", "ça-va")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "title": f"T{i}", "text": "alpha"})
+                              + "\n" for i in range(3)))
+    ingest(corpus, settings, dense=False)
+    assert [(i.documents, i.chunks) for i in owned_indexes(settings)] == [(3, 3)]
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        upsert(retriever, settings, [Document("ü-1", "Ü", "beta"), Document("ü-2", "Ü", "b")])
+        delete(retriever, settings, "d0")
+    finally:
+        retriever.close()
+    assert [(i.documents, i.chunks) for i in owned_indexes(settings)] == [(4, 4)]
+
+
 def test_backend_errors_carry_no_password(tmp_path):
     from branchsearch.infra.stores.elastic import ElasticStore
 
