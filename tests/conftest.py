@@ -38,8 +38,8 @@ def hotpot_retriever(hotpot_settings):
 
 @contextmanager
 def read_only_folder(folder: Path):
-    """`folder` made unwritable for this process: immutable (`chattr +i`) for root, whom
-    permissions do not stop, else mode 0555."""
+    """`folder` (or a file) made unwritable for this process: immutable (`chattr +i`) for root,
+    whom permissions do not stop, else mode 0555."""
     if os.geteuid() == 0:
         made = subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
         if made.returncode:

@@ -163,13 +163,13 @@ def revive_lite(key: str) -> int:
             # sees its client is stale, and waits here rather than send to the dead one
             _lite_generation[key] = _lite_generation.get(key, 0) + 1
             _forget_lite(key)
+            started, why = None, _lock_file_opens(key)
             try:
-                with lite_spawn():
-                    started = server_manager_instance.start_and_get_uri(key)
+                if not why:
+                    with lite_spawn():
+                        started = server_manager_instance.start_and_get_uri(key)
             except Exception as exc:  # noqa: BLE001 — a folder made read-only, a full disk
-                started, why = None, f" ({type(exc).__name__}: {exc})"
-            else:
-                why = ""
+                why = f" ({type(exc).__name__}: {exc})"
             if not started:
                 raise BackendUnavailable(f"milvus lite: the server process for {key} {down} "
                                          f"and could not be started again{why}; the next "
@@ -188,6 +188,10 @@ def drop_lite(key: str) -> None:
         _forget_lite(key)
 
 
+_unstopped: list = []  # Lite servers whose cleanup failed: kept, so that milvus_lite's own
+# cleanup on garbage collection does not fail again (a traceback on stderr at each)
+
+
 def _forget_lite(key: str) -> None:
     """Under `_revive_lock`: out of milvus_lite's server manager, its process stopped and our
     lock on the file dropped; a cleanup that fails (the lock file in a folder made read-only)
@@ -199,7 +203,19 @@ def _forget_lite(key: str) -> None:
         try:
             server.stop()
         except Exception:  # noqa: BLE001 — see above
-            pass
+            _unstopped.append(server)
+
+
+def _lock_file_opens(key: str) -> str:
+    """"" when this process can open the Lite file's lock file (a server start needs it), else
+    why not. Asked before a restart: milvus_lite's server object for a start that fails on it
+    raises again in its cleanup on garbage collection, a traceback on stderr each time."""
+    db = Path(key)
+    try:
+        with open(db.parent / f".{db.name}.lock", "a"):
+            return ""
+    except OSError as exc:
+        return f" ({type(exc).__name__}: {exc.strerror or exc})"
 
 
 def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | None = None,
@@ -400,7 +416,7 @@ def _keep_serving(key: str, link: Path, stop: threading.Event) -> None:
                 _point(link, server.uds_path)
                 seen = now
         except Exception as exc:  # noqa: BLE001 — tried again at the next look
-            logging.getLogger(__name__).warning("milvus lite: %s", exc)
+            logging.getLogger(__name__).warning("%s", exc)
 
 
 def _point(link: Path, uri: str) -> None:

@@ -81,9 +81,13 @@ def test_a_restart_that_fails_is_an_error_at_once_and_tried_again(tmp_path, monk
     deadline, and an error of the restart itself (a PermissionError) passed for a rejected
     tool call, a BM25-only result reported `ok`. Now each request is one BackendUnavailable at
     once, and the first one after the cause is gone starts the server, every row there."""
+    import gc
+    import sys
     import time
 
     import pytest
+
+    from conftest import read_only_folder
 
     from branchsearch.infra.errors import BackendUnavailable
 
@@ -101,5 +105,19 @@ def test_a_restart_that_fails_is_an_error_at_once_and_tried_again(tmp_path, monk
         monkeypatch.delenv("BIN_PATH")
         assert store.count() == 40
         assert [h.chunk_id for h in store.search(vectors[6], 1)] == ["dóc6#p0"]
+
+        # the lock file cannot be opened (made immutable): the same, and no traceback from
+        # milvus_lite's cleanup of a failed start (a batch's watchdog printed two a second)
+        lock = tmp_path / ".dense.db.lock"
+        unraisable = []
+        monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+        with read_only_folder(lock):
+            _kill(store)
+            for _ in range(3):
+                with pytest.raises(BackendUnavailable, match="could not be started again"):
+                    store.count()
+            gc.collect()
+        assert not unraisable, [u.exc_value for u in unraisable]
+        assert store.count() == 40
     finally:
         store.close()
