@@ -159,9 +159,6 @@ def revive_lite(key: str) -> int:
         if down is not None:
             from milvus_lite.server_manager import server_manager_instance
 
-            # first: a store that looks meanwhile (the server not listed while it restarts)
-            # sees its client is stale, and waits here rather than send to the dead one
-            _lite_generation[key] = _lite_generation.get(key, 0) + 1
             _forget_lite(key)
             started, why = None, _lock_file_opens(key)
             try:
@@ -184,7 +181,6 @@ def drop_lite(key: str) -> None:
     """Stop this process's Milvus Lite server for an embedded file, whatever state it is in (one
     that started but does not answer), so that the next request starts another."""
     with _revive_lock:
-        _lite_generation[key] = _lite_generation.get(key, 0) + 1
         _forget_lite(key)
 
 
@@ -195,9 +191,12 @@ _unstopped: list = []  # Lite servers whose cleanup failed: kept, so that milvus
 def _forget_lite(key: str) -> None:
     """Under `_revive_lock`: out of milvus_lite's server manager, its process stopped and our
     lock on the file dropped; a cleanup that fails (the lock file in a folder made read-only)
-    does not keep it listed."""
+    does not keep it listed. First, the generation moves on: a store that looks meanwhile (the
+    server not listed while it restarts) sees its client is stale, and waits for the lock
+    rather than send to the dead server."""
     from milvus_lite.server_manager import server_manager_instance
 
+    _lite_generation[key] = _lite_generation.get(key, 0) + 1
     server = server_manager_instance._servers.pop(key, None)
     if server is not None:
         try:
