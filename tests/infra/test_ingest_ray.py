@@ -41,12 +41,16 @@ def test_actor_resources_fit_the_cluster():
 
 
 @pytest.mark.ray
-def test_workers_build_the_same_index(tmp_path):
+@pytest.mark.parametrize("model", ["all-MiniLM-L6-v2", "static-minilm"])
+def test_workers_build_the_same_index(tmp_path, model):
+    """static-minilm: each ingest fits its own model to the corpus (the same one), and the
+    workers embed with the fitted model, not the distilled one."""
     import ray
 
     home = tmp_path / "h"
     one = load_settings(overrides={"home": home, "index": "one", "chunk_tokens": 64,
-                                   "chunk_overlap": 8, "result_token_cap": 40},
+                                   "chunk_overlap": 8, "result_token_cap": 40,
+                                   "embed_model": model},
                         read_env=False, read_file=False)  # cap < window: long chunks have heads
     two = one.replace(index="two")
     a = ingest(HOTPOT, one)
@@ -58,6 +62,10 @@ def test_workers_build_the_same_index(tmp_path):
     ma, mb = read_manifest(one.index_dir), read_manifest(two.index_dir)
     assert ma.chunks == mb.chunks and ma.documents == mb.documents
     assert ma.embedding == mb.embedding
+    if model == "static-minilm":
+        assert ma.embedding["fitted"] and a.fitted and b.fitted
+        fitted = [s.index_dir / ma.embedding["fitted"] / "model.safetensors" for s in (one, two)]
+        assert fitted[0].read_bytes() == fitted[1].read_bytes()
     ra, rb = open_retriever(one), open_retriever(two)
     try:
         ids = lambda r: sorted(c for d in r.titles() for c in r.read_document(d)["chunk_ids"])  # noqa

@@ -25,6 +25,7 @@ from branchsearch.infra.index.open import open_retriever
 from branchsearch.infra.ingest.pipeline import ingest
 from branchsearch.infra.models.embedder import DEFAULT_MODEL, Embedder, resolve_model_path
 from branchsearch.infra.models.static import PCA_DIMS, STATIC_MODEL, ensure_static, static_dir
+from branchsearch.infra.models.static_tune import TUNED_DIR, tuned_folder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOTPOT = FIXTURES / "hotpot-mini"
@@ -128,7 +129,8 @@ def test_index_records_the_static_model_and_its_queries_use_it(tmp_path, cached)
     report = ingest(HOTPOT, _settings(home, index="mini", embed_model=STATIC_MODEL))
     assert report.counts["dense"] == report.chunks > 0
     manifest = read_manifest(_settings(home, index="mini").index_dir)
-    assert manifest.embedding == {"model": STATIC_MODEL, "dim": PCA_DIMS}
+    assert manifest.embedding == {"model": STATIC_MODEL, "dim": PCA_DIMS,
+                                  "fitted": TUNED_DIR}
     # a reader configured with the default model still embeds queries with the index's
     retriever = open_retriever(_settings(home, index="mini"))
     try:
@@ -178,3 +180,77 @@ def test_cli_ingest_with_embed_model_then_dense_eval(tmp_path, cached):
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["metrics"]["recall@10"] > 0.5
+
+
+def _neighbours(vectors, k: int = 5) -> list[set[int]]:
+    sims = vectors @ vectors.T
+    np.fill_diagonal(sims, -np.inf)
+    return [set(np.argsort(-row)[:k].tolist()) for row in sims]
+
+
+def test_a_new_index_fits_the_static_model_to_its_corpus(tmp_path, cached):
+    """The first ingest fits static-minilm to the corpus with MiniLM as teacher; the index
+    keeps that model for its later chunks and its queries, and it ranks the corpus more like
+    MiniLM than the distilled model does."""
+    home = tmp_path / "home"
+    settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
+    report = ingest(HOTPOT, settings)
+    folder = tuned_folder(settings.index_dir)
+    assert folder is not None and report.fitted["texts"] > report.chunks
+    assert report.fitted["held_out_cosine"][1] > report.fitted["held_out_cosine"][0]
+    retriever = open_retriever(_settings(home, index="mini"))  # a reader with the defaults
+    try:
+        assert retriever.embedder.static_folder == folder
+    finally:
+        retriever.close()
+    texts = _texts()
+    teacher = _neighbours(Embedder(DEFAULT_MODEL).embed(texts))
+    agree = {}
+    for name, embedder in (("distilled", Embedder(STATIC_MODEL, export_root=cached)),
+                           ("fitted", Embedder(STATIC_MODEL, static_folder=folder))):
+        mine = _neighbours(embedder.embed(texts))
+        agree[name] = np.mean([len(a & b) / 5 for a, b in zip(mine, teacher)])
+    assert agree["fitted"] > agree["distilled"] + 0.05, agree
+
+    # a later ingest of the index embeds with the same model and does not fit again
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    rows = (HOTPOT / "corpus.jsonl").read_text().splitlines()
+    (changed / "corpus.jsonl").write_text("\n".join(rows[:40]) + "\n")
+    again = ingest(changed, _settings(home, index="mini", embed_model=STATIC_MODEL))
+    assert again.fitted == {} and "fit" not in again.seconds
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_the_fit_is_deterministic_and_the_ingest_workers_embed_with_it(tmp_path, cached):
+    from branchsearch.infra.ingest.distributed import ChunkEmbedder, _packed
+
+    folders = []
+    for name in ("a", "b"):
+        settings = _settings(tmp_path / name, index="mini", embed_model=STATIC_MODEL)
+        ingest(HOTPOT, settings)
+        folders.append(tuned_folder(settings.index_dir))
+    one, two = (f / "model.safetensors" for f in folders)
+    assert one.read_bytes() == two.read_bytes()  # the same corpus, the same model
+    # a Ray Data worker (`ingest --workers N`), maybe on another node, gets the model's files
+    worker = ChunkEmbedder({"encoding": "o200k_base", "chunk_tokens": 256, "chunk_overlap": 32,
+                            "head_tokens": 0}, STATIC_MODEL, static_model=_packed(folders[0]))
+    assert worker.embedder.static_folder != folders[0]
+    text = _texts()[0]
+    title, body = text.split("\n", 1)
+    out = worker({"id": ["d"], "title": [title], "text": [body]})
+    expected = Embedder(STATIC_MODEL, static_folder=folders[0]).embed([text])
+    assert np.array_equal(out["vector"][:1], expected)
+
+
+def test_static_tune_chunks_0_keeps_the_distilled_model_for_good(tmp_path, cached):
+    home = tmp_path / "home"
+    ingest(HOTPOT, _settings(home, index="mini", embed_model=STATIC_MODEL, static_tune_chunks=0))
+    settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
+    assert tuned_folder(settings.index_dir) is None
+    # an index with chunks embedded by the distilled model is never fitted afterwards
+    report = ingest(HOTPOT, settings)
+    assert report.fitted == {} and tuned_folder(settings.index_dir) is None
+    assert read_manifest(settings.index_dir).embedding == {"model": STATIC_MODEL,
+                                                           "dim": PCA_DIMS}
