@@ -238,7 +238,8 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
 def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
                    started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
                    override, workers, embed_batch) -> IngestReport:
-    from branchsearch.infra.index.open import as_recorded, open_stores, refuse_external
+    from branchsearch.infra.index.open import (as_recorded, open_stores, refuse_external,
+                                               require_fitted)
 
     refuse_external(settings)  # before the lock makes the index's folder
     root = settings.index_dir
@@ -259,6 +260,8 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             settings, create=True, need_dense=dense, embedder=embedder)
         try:
             _same_model(settings, previous, embedder if dense_store else None)
+            if dense_store is not None and previous is not None and previous.embedding:
+                require_fitted(settings, previous.embedding)
             report.seconds["open"] = time.perf_counter() - t
             if dense_store is not None and override is None and previous is None:
                 embedder = _fit_static(settings, root, docs, embedder, docstore, report)

@@ -122,7 +122,12 @@ class StaticEncoder:
         from model2vec import StaticModel
 
         self.folder = Path(folder)
-        self.model = StaticModel.from_pretrained(str(folder), normalize=True)
+        try:
+            self.model = StaticModel.from_pretrained(str(folder), normalize=True)
+        except Exception as exc:  # a truncated or foreign file: one line, not a traceback
+            where = f"{self.folder.parent.name}/{self.folder.name}"  # no full path for a caller
+            raise BranchsearchError(f"embedder: cannot read the static model {where} "
+                                    f"({type(exc).__name__}); re-ingest its index") from None
         self.dim = int(self.model.dim)
 
     def encode(self, texts: Sequence[str], batch_size: int = 64):

@@ -254,3 +254,33 @@ def test_static_tune_chunks_0_keeps_the_distilled_model_for_good(tmp_path, cache
     assert report.fitted == {} and tuned_folder(settings.index_dir) is None
     assert read_manifest(settings.index_dir).embedding == {"model": STATIC_MODEL,
                                                            "dim": PCA_DIMS}
+
+
+def test_an_index_whose_fitted_model_is_lost_or_broken_says_so(tmp_path, cached):
+    """Never the distilled model in place of the fitted one: its vectors would rank wrongly
+    and look fine."""
+    from branchsearch.infra.errors import IndexIncomplete
+
+    home = tmp_path / "home"
+    settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
+    ingest(HOTPOT, settings)
+    weights = tuned_folder(settings.index_dir) / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:1000])  # truncated
+    from branchsearch.infra.models import embedder as loaded
+
+    loaded._MODELS.clear()  # as a new process would: the ingest's copy is in memory
+    retriever = open_retriever(_settings(home, index="mini"))
+    try:
+        with pytest.raises(BranchsearchError, match="cannot read the static model "
+                                                    "mini/static-embedder"):
+            retriever.search("Scott Derrickson", mode="dense", k=5)
+    finally:
+        retriever.close()
+    weights.unlink()
+    with pytest.raises(IndexIncomplete, match="'mini' is damaged: its fitted static model"):
+        open_retriever(_settings(home, index="mini"))
+    before = (settings.index_dir / "manifest.json").read_text()
+    with pytest.raises(IndexIncomplete, match="fitted static model"):
+        ingest(HOTPOT, settings)
+    assert (settings.index_dir / "manifest.json").read_text() == before
