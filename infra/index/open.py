@@ -96,25 +96,12 @@ def index_embedder(settings: Settings, static_folder: Path | None = None):
                     backend=settings.embed_backend, static_folder=static_folder)
 
 
-def require_fitted(settings: Settings, embedding: dict) -> None:
-    """An index whose vectors come from a static model fitted to it cannot be read, nor added
-    to, without that model: another one's vectors would look fine and rank wrongly."""
-    from branchsearch.infra.models.static_tune import tuned_folder
-
-    if embedding.get("fitted") and tuned_folder(settings.index_dir) is None:
-        raise IndexIncomplete(
-            f"index {settings.index!r} is damaged: its fitted static model "
-            f"({embedding['fitted']}/ in the index folder) is missing; remove "
-            f"{settings.index_dir} and ingest it again")
-
-
 def open_dense(settings: Settings, manifest=None, embedder=None):
     """(dense store, embedder) of the owned index: the manifest's dimension, else the one an
     ingest in progress recorded (`dense.dim`), else the embedder's. A reader's embedder is the
     index's own model (`query_model`)."""
     if manifest is not None and manifest.embedding is not None:
         settings = query_model(settings, manifest.embedding.get("model"), embedder)
-        require_fitted(settings, manifest.embedding)
 
     embedder = embedder or index_embedder(settings)
     from branchsearch.infra.stores.milvus import is_server

@@ -109,6 +109,9 @@ def files_health(folder: Path, manifest, *, dense: bool = True) -> str:
         need.append("tantivy/meta.json")
     if dense and str(backends.get("dense", "")).startswith("milvus-lite "):
         need.append("dense.db")
+    fitted = (manifest.embedding or {}).get("fitted")
+    if dense and fitted:  # the static model fitted to the index embeds its queries
+        need.append(f"{fitted}/model.safetensors")
     missing = [name for name in need if not (folder / name).exists()]
     if missing:
         return f"damaged: {', '.join(missing)} missing; remove the folder and ingest it again"

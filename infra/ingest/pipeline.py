@@ -50,7 +50,8 @@ from pathlib import Path
 from branchsearch.infra.stores.protocols import IndexedChunk
 from branchsearch.infra.ingest.chunking import Chunk, chunk_text, head_tokens, token_counts
 from branchsearch.infra.ingest.corpus import Document, read_corpus
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, IndexIncomplete, \
+    redact
 from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
                                          remove_manifest, write_manifest)
 from branchsearch.infra.config.settings import Settings
@@ -238,8 +239,7 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
 def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
                    started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
                    override, workers, embed_batch) -> IngestReport:
-    from branchsearch.infra.index.open import (as_recorded, open_stores, refuse_external,
-                                               require_fitted)
+    from branchsearch.infra.index.open import as_recorded, open_stores, refuse_external
 
     refuse_external(settings)  # before the lock makes the index's folder
     root = settings.index_dir
@@ -260,8 +260,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             settings, create=True, need_dense=dense, embedder=embedder)
         try:
             _same_model(settings, previous, embedder if dense_store else None)
-            if dense_store is not None and previous is not None and previous.embedding:
-                require_fitted(settings, previous.embedding)
+            _same_fitted(settings, previous, embedder if dense_store else None)
             report.seconds["open"] = time.perf_counter() - t
             if dense_store is not None and override is None and previous is None:
                 embedder = _fit_static(settings, root, docs, embedder, docstore, report)
@@ -531,6 +530,17 @@ def _same_model(settings: Settings, previous: Manifest | None, embedder) -> None
             f"ingest: index {settings.index!r} was embedded with {before!r}, not {now!r}; its "
             f"vectors cannot be mixed: ingest into another index name, or remove "
             f"{settings.index_dir} first (the index is unchanged)")
+
+
+def _same_fitted(settings: Settings, previous: Manifest | None, embedder) -> None:
+    """Refuse to add to an index fitted a static model (`static_tune`) without that model:
+    the distilled model's vectors would sit beside the fitted one's, and rank wrongly."""
+    fitted = (previous.embedding or {}).get("fitted") if previous is not None else None
+    if embedder is not None and fitted and getattr(embedder, "static_folder", None) is None:
+        raise IndexIncomplete(
+            f"index {settings.index!r} is damaged: its fitted static model ({fitted}/ in the "
+            f"index folder) is missing; remove {settings.index_dir} and ingest it again (the "
+            f"index is unchanged)")
 
 
 def _purge(docstore, lexical, dense_store, redo: set[str], report: IngestReport) -> None:

@@ -278,8 +278,13 @@ def test_an_index_whose_fitted_model_is_lost_or_broken_says_so(tmp_path, cached)
     finally:
         retriever.close()
     weights.unlink()
-    with pytest.raises(IndexIncomplete, match="'mini' is damaged: its fitted static model"):
+    with pytest.raises(IndexIncomplete, match="'mini' is damaged: "
+                                              "static-embedder/model.safetensors missing"):
         open_retriever(_settings(home, index="mini"))
+    from branchsearch.infra.index.catalog import list_indexes
+
+    [info] = list_indexes(_settings(home))
+    assert info.health.startswith("damaged: static-embedder/model.safetensors missing")
     before = (settings.index_dir / "manifest.json").read_text()
     with pytest.raises(IndexIncomplete, match="fitted static model"):
         ingest(HOTPOT, settings)
