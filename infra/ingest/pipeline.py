@@ -355,13 +355,15 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
         return embedder
     texts = sample + static_tune.spans(sample)
     static_tune.say(f"ingest: fitting {STATIC_MODEL} to index {settings.index!r}: MiniLM reads "
-                    f"{len(sample):,} of its chunks and {len(texts) - len(sample):,} spans of "
-                    f"them once (static_tune_chunks)")
+                    f"{len(sample):,} of its chunks and {len(texts) - len(sample):,} word windows "
+                    f"of them once (static_tune_chunks)")
     t = time.perf_counter()
     teacher = index_embedder(settings.replace(embed_model=DEFAULT_MODEL))
     base = ensure_static(getattr(embedder, "export_root", None) or default_export_root(),
                          resolve_model_path(DEFAULT_MODEL))
-    report.fitted = static_tune.fit(base, texts, teacher.embed, root / static_tune.TUNED_DIR)
+    report.fitted = static_tune.fit(
+        base, texts, teacher.embed, root / static_tune.TUNED_DIR,
+        note=lambda line: static_tune.say(f"ingest: fitting {STATIC_MODEL}: {line}"))
     report.seconds["fit"] = time.perf_counter() - t
     return index_embedder(settings, root / static_tune.TUNED_DIR)
 

@@ -68,9 +68,10 @@ def spans(texts: Sequence[str], per: int = SPANS, seed: int = SEED) -> list[str]
     return [s for s in out if s]
 
 
-def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path) -> dict:
+def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) -> dict:
     """Train the static model in `base_folder` towards `teacher(texts)` (a float32 array of
-    L2-normalised vectors) and write it to `out` atomically. Returns what was done."""
+    L2-normalised vectors) and write it to `out` atomically. Returns what was done; `note(line)`
+    hears how the teacher's pass goes (a quarter at a time) and when training starts."""
     import numpy as np
     import torch
     from model2vec import StaticModel
@@ -82,7 +83,9 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path) -> dict:
     ids, texts = [ids[i] for i in keep], [texts[i] for i in keep]
     base = np.asarray(model.embedding, dtype=np.float32)
     dim = base.shape[1]
-    target = _reduced(np.asarray(teacher(texts), dtype=np.float32), dim)
+    target = _reduced(_taught(teacher, texts, note), dim)
+    if note:
+        note(f"training on {len(texts):,} texts")
     order = np.random.default_rng(SEED).permutation(len(ids))
     held, train = order[:max(len(ids) // HELD_OUT, 1)].tolist(), order[len(ids) // HELD_OUT:]
     # onto the teacher's axes: the orthogonal map that best carries the training texts' mean
@@ -134,6 +137,23 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path) -> dict:
             "held_out_cosine": [round(1 - before, 4), round(1 - best, 4)]}
 
 
+def _taught(teacher, texts: list[str], note=None):
+    """The teacher's vectors of `texts`, a quarter at a time when someone listens."""
+    import time
+
+    import numpy as np
+
+    if not note:
+        return np.asarray(teacher(texts), dtype=np.float32)
+    parts, started, step = [], time.perf_counter(), -(-len(texts) // 4)
+    for start in range(0, len(texts), step):
+        parts.append(np.asarray(teacher(texts[start:start + step]), dtype=np.float32))
+        done = min(start + step, len(texts))
+        note(f"MiniLM read {done:,} of {len(texts):,} texts "
+             f"({time.perf_counter() - started:.0f} s)")
+    return np.concatenate(parts)
+
+
 def _reduced(vectors, dim: int):
     """The teacher's vectors on their first `dim` principal axes, L2-normalised."""
     import numpy as np
@@ -148,5 +168,8 @@ def _reduced(vectors, dim: int):
 
 
 def say(line: str) -> None:
-    sys.stderr.write(line + "\n")
+    """A line on stderr that a progress bar drawn there (the CLI's) does not run into."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
     sys.stderr.flush()

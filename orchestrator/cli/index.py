@@ -67,6 +67,11 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
               f"{settings.index!r} ({settings.index_dir}); {report.resumed} documents were "
               f"already committed; {rate} chunks/s with {workers} "
               f"worker(s), embedding {s.get('embed', 0):.1f} s")
+        if report.fitted:
+            before, after = report.fitted["held_out_cosine"]
+            print(f"fitted static-minilm to the corpus in {s.get('fit', 0):.0f} s (held-out "
+                  f"texts' cosine to MiniLM {before:.2f} -> {after:.2f}); it embeds this "
+                  "index's chunks and queries")
         if report.recounted:
             print(f"counted the tokens of {report.recounted} chunks committed without them "
                   f"({s.get('count', 0):.1f} s): searches no longer encode them")
