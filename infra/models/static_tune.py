@@ -125,6 +125,8 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
                         tokenizer=model.tokenizer, config=model.config, normalize=True,
                         base_model_name=model.base_model_name, language=model.language)
     out = Path(out)
+    for stale in out.parent.glob(f".{out.name}-*"):  # a fit killed while writing (the ingest
+        shutil.rmtree(stale, ignore_errors=True)  # lock: no other fit is writing here)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         tuned.save_pretrained(str(tmp))

@@ -229,7 +229,11 @@ def test_the_fit_is_deterministic_and_the_ingest_workers_embed_with_it(tmp_path,
     folders = []
     for name in ("a", "b"):
         settings = _settings(tmp_path / name, index="mini", embed_model=STATIC_MODEL)
+        killed = settings.index_dir / f".{TUNED_DIR}-x1"  # a fit killed while writing it
+        killed.mkdir(parents=True)
+        (killed / "model.safetensors").write_bytes(b"half")
         ingest(HOTPOT, settings)
+        assert not killed.exists()
         folders.append(tuned_folder(settings.index_dir))
     one, two = (f / "model.safetensors" for f in folders)
     assert one.read_bytes() == two.read_bytes()  # the same corpus, the same model
