@@ -87,10 +87,10 @@ def index_embedder(settings: Settings, static_folder: Path | None = None):
     own, else the distilled one)."""
     from branchsearch.infra.models.embedder import Embedder
     from branchsearch.infra.models.static import STATIC_MODEL
-    from branchsearch.infra.models.static_tune import tuned_folder
+    from branchsearch.infra.models.static_tune import fitted_folder
 
     if settings.embed_model == STATIC_MODEL and static_folder is None:
-        static_folder = tuned_folder(settings.index_dir)
+        static_folder = fitted_folder(settings.index_dir)
     return Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
                     cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
                     backend=settings.embed_backend, static_folder=static_folder)

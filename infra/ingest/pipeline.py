@@ -353,7 +353,7 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
     sample = sample[:wanted]
     if len(sample) < static_tune.MIN_CHUNKS:
         return embedder
-    texts = sample + static_tune.spans(sample)
+    texts = sample + static_tune.windows(sample)
     static_tune.say(f"ingest: fitting {STATIC_MODEL} to index {settings.index!r}: MiniLM reads "
                     f"{len(sample):,} of its chunks and {len(texts) - len(sample):,} word windows "
                     f"of them once (static_tune_chunks)")
@@ -362,10 +362,10 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
     base = ensure_static(getattr(embedder, "export_root", None) or default_export_root(),
                          resolve_model_path(DEFAULT_MODEL))
     report.fitted = static_tune.fit(
-        base, texts, teacher.embed, root / static_tune.TUNED_DIR,
+        base, texts, teacher.embed, root / static_tune.FITTED_DIR,
         note=lambda line: static_tune.say(f"ingest: fitting {STATIC_MODEL}: {line}"))
     report.seconds["fit"] = time.perf_counter() - t
-    return index_embedder(settings, root / static_tune.TUNED_DIR)
+    return index_embedder(settings, root / static_tune.FITTED_DIR)
 
 
 def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> tuple[int, str]:

@@ -6,7 +6,7 @@ it trains those vectors against MiniLM on a sample of the corpus (model2vec's "t
 idea, done here in a few lines of torch):
 
 * the sample: documents in an order fixed by a hash of their ids, chunked as the ingest chunks
-  them, until `static_tune_chunks` chunks; plus `SPANS` short word windows of each (6-20 words:
+  them, until `static_tune_chunks` chunks; plus `WINDOWS` short word windows of each (6-20 words:
   queries are short, chunks are not);
 * the teacher: MiniLM's vector of each text, reduced by PCA to the static model's dimension;
 * the student: the static matrix, first rotated onto the teacher's axes (orthogonal Procrustes),
@@ -30,9 +30,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-TUNED_DIR = "static-embedder"  # in the index folder
-SPANS = 2  # short windows per sampled chunk
-SPAN_WORDS = (6, 20)
+FITTED_DIR = "static-embedder"  # in the index folder
+WINDOWS = 2  # short windows per sampled chunk
+WINDOW_WORDS = (6, 20)
 LEARNING_RATE = 0.05  # relative to the mean absolute weight of the rotated matrix
 BATCH = 128
 MAX_EPOCHS = 8
@@ -42,9 +42,9 @@ SEED = 0
 MIN_CHUNKS = 32  # a smaller corpus keeps the distilled model
 
 
-def tuned_folder(index_dir: Path) -> Path | None:
+def fitted_folder(index_dir: Path) -> Path | None:
     """The index's fitted static model, or None (never fitted: the distilled one embeds it)."""
-    folder = Path(index_dir) / TUNED_DIR
+    folder = Path(index_dir) / FITTED_DIR
     return folder if (folder / "model.safetensors").is_file() else None
 
 
@@ -55,14 +55,14 @@ def sample_order(doc_ids: Sequence[str]) -> list[int]:
                   key=lambda i: hashlib.sha1(doc_ids[i].encode()).hexdigest())
 
 
-def spans(texts: Sequence[str], per: int = SPANS, seed: int = SEED) -> list[str]:
+def windows(texts: Sequence[str], per: int = WINDOWS, seed: int = SEED) -> list[str]:
     """`per` random word windows of each text (the whole text when it is shorter)."""
     rng = random.Random(seed)
     out = []
     for text in texts:
         words = text.split()
         for _ in range(per):
-            n = rng.randint(*SPAN_WORDS)
+            n = rng.randint(*WINDOW_WORDS)
             start = rng.randint(0, max(len(words) - n, 0))
             out.append(" ".join(words[start:start + n]))
     return [s for s in out if s]
@@ -121,7 +121,7 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
         if now >= best:
             break
         best, best_weights, epochs = now, weights.detach().clone(), epoch + 1
-    tuned = StaticModel(vectors=best_weights.numpy().astype(np.float32),
+    fitted = StaticModel(vectors=best_weights.numpy().astype(np.float32),
                         tokenizer=model.tokenizer, config=model.config, normalize=True,
                         base_model_name=model.base_model_name, language=model.language)
     out = Path(out)
@@ -129,7 +129,7 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
         shutil.rmtree(stale, ignore_errors=True)  # lock: no other fit is writing here)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        tuned.save_pretrained(str(tmp))
+        fitted.save_pretrained(str(tmp))
         tmp.chmod(0o755)
         tmp.replace(out)
     except BaseException:

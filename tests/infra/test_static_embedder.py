@@ -25,7 +25,7 @@ from branchsearch.infra.index.open import open_retriever
 from branchsearch.infra.ingest.pipeline import ingest
 from branchsearch.infra.models.embedder import DEFAULT_MODEL, Embedder, resolve_model_path
 from branchsearch.infra.models.static import PCA_DIMS, STATIC_MODEL, ensure_static, static_dir
-from branchsearch.infra.models.static_tune import TUNED_DIR, tuned_folder
+from branchsearch.infra.models.static_tune import FITTED_DIR, fitted_folder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOTPOT = FIXTURES / "hotpot-mini"
@@ -130,7 +130,7 @@ def test_index_records_the_static_model_and_its_queries_use_it(tmp_path, cached)
     assert report.counts["dense"] == report.chunks > 0
     manifest = read_manifest(_settings(home, index="mini").index_dir)
     assert manifest.embedding == {"model": STATIC_MODEL, "dim": PCA_DIMS,
-                                  "fitted": TUNED_DIR}
+                                  "fitted": FITTED_DIR}
     # a reader configured with the default model still embeds queries with the index's
     retriever = open_retriever(_settings(home, index="mini"))
     try:
@@ -195,7 +195,7 @@ def test_a_new_index_fits_the_static_model_to_its_corpus(tmp_path, cached):
     home = tmp_path / "home"
     settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
     report = ingest(HOTPOT, settings)
-    folder = tuned_folder(settings.index_dir)
+    folder = fitted_folder(settings.index_dir)
     assert folder is not None and report.fitted["texts"] > report.chunks
     assert report.fitted["held_out_cosine"][1] > report.fitted["held_out_cosine"][0]
     retriever = open_retriever(_settings(home, index="mini"))  # a reader with the defaults
@@ -229,12 +229,12 @@ def test_the_fit_is_deterministic_and_the_ingest_workers_embed_with_it(tmp_path,
     folders = []
     for name in ("a", "b"):
         settings = _settings(tmp_path / name, index="mini", embed_model=STATIC_MODEL)
-        killed = settings.index_dir / f".{TUNED_DIR}-x1"  # a fit killed while writing it
+        killed = settings.index_dir / f".{FITTED_DIR}-x1"  # a fit killed while writing it
         killed.mkdir(parents=True)
         (killed / "model.safetensors").write_bytes(b"half")
         ingest(HOTPOT, settings)
         assert not killed.exists()
-        folders.append(tuned_folder(settings.index_dir))
+        folders.append(fitted_folder(settings.index_dir))
     one, two = (f / "model.safetensors" for f in folders)
     assert one.read_bytes() == two.read_bytes()  # the same corpus, the same model
     # a Ray Data worker (`ingest --workers N`), maybe on another node, gets the model's files
@@ -252,10 +252,10 @@ def test_static_tune_chunks_0_keeps_the_distilled_model_for_good(tmp_path, cache
     home = tmp_path / "home"
     ingest(HOTPOT, _settings(home, index="mini", embed_model=STATIC_MODEL, static_tune_chunks=0))
     settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
-    assert tuned_folder(settings.index_dir) is None
+    assert fitted_folder(settings.index_dir) is None
     # an index with chunks embedded by the distilled model is never fitted afterwards
     report = ingest(HOTPOT, settings)
-    assert report.fitted == {} and tuned_folder(settings.index_dir) is None
+    assert report.fitted == {} and fitted_folder(settings.index_dir) is None
     assert read_manifest(settings.index_dir).embedding == {"model": STATIC_MODEL,
                                                            "dim": PCA_DIMS}
 
@@ -268,7 +268,7 @@ def test_an_index_whose_fitted_model_is_lost_or_broken_says_so(tmp_path, cached)
     home = tmp_path / "home"
     settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
     ingest(HOTPOT, settings)
-    weights = tuned_folder(settings.index_dir) / "model.safetensors"
+    weights = fitted_folder(settings.index_dir) / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:1000])  # truncated
     from branchsearch.infra.models import embedder as loaded
