@@ -253,11 +253,17 @@ def index_spec(settings: Settings):
 
 
 def _dense_dim(root, embedder) -> int:
+    """The dimension a writer creates the collection with, recorded (with the model's name, in
+    `dense.model`) before the first vector is written: an ingest stopped before its manifest
+    is resumed with the same model (`pipeline._same_unfinished_model`)."""
+    from branchsearch.infra.ingest.pipeline import embedder_name
+
     marker = root / "dense.dim"
     if marker.exists():
         return int(marker.read_text())
     dim = embedder.dim
     root.mkdir(parents=True, exist_ok=True)
+    (root / "dense.model").write_text(embedder_name(embedder))
     marker.write_text(str(dim))
     return dim
 

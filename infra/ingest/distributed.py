@@ -20,6 +20,7 @@ one-process ingest, and every write is by document id / chunk id, so the index i
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 import warnings
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,11 @@ class ChunkEmbedder:
         self.embedder = embedder or (Embedder(embed_model, embed_batch, device, backend=backend,
                                               static_folder=folder)
                                      if embed_model else None)
+        if folder is not None:  # loaded now, then the private copy goes
+            try:
+                self.embedder.dim
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         self.dense = self.lexical = None  # the server stores this worker writes itself
         if direct:
             from branchsearch.infra.index.open import dense_store, lexical_store
@@ -114,22 +120,12 @@ def _packed(folder: Path) -> dict[str, bytes]:
 
 
 def _unpacked(files: dict[str, bytes]) -> Path:
-    """The packed model as a folder of this machine (one per content, kept for the process)."""
-    import hashlib
+    """The packed model as a private folder of this machine (the caller loads and removes it)."""
     import tempfile
 
-    digest = hashlib.sha1(b"".join(files[k] for k in sorted(files))).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / f"branchsearch-static-{digest}"
-    if not (folder / "model.safetensors").is_file():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        try:
-            tmp.replace(folder)
-        except OSError:  # another worker of this machine put it there first
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix="branchsearch-static-"))
+    for name, data in files.items():
+        (folder / Path(name).name).write_bytes(data)
     return folder
 
 

@@ -252,6 +252,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)
         dense = _dense_as_made(settings, root, previous, dense)  # before a store is made
+        unfinished = _unfinished_embedding(root) if previous is None else None
         _same_encoding(settings, previous)
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
@@ -261,6 +262,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         try:
             _same_model(settings, previous, embedder if dense_store else None)
             _same_fitted(settings, previous, embedder if dense_store else None)
+            _same_unfinished_model(settings, unfinished, embedder if dense_store else None)
             report.seconds["open"] = time.perf_counter() - t
             if dense_store is not None and override is None and previous is None:
                 embedder = _fit_static(settings, root, docs, embedder, docstore, report)
@@ -352,6 +354,9 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
             break
     sample = sample[:wanted]
     if len(sample) < static_tune.MIN_CHUNKS:
+        static_tune.say(f"ingest: {settings.index!r} has {len(sample)} chunks, fewer than "
+                        f"{static_tune.MIN_CHUNKS}: {STATIC_MODEL} is not fitted to it (the "
+                        "distilled model embeds it, and its later chunks)")
         return embedder
     texts = sample + static_tune.windows(sample)
     static_tune.say(f"ingest: fitting {STATIC_MODEL} to index {settings.index!r}: MiniLM reads "
@@ -359,6 +364,7 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
                     f"of them once (static_tune_chunks)")
     t = time.perf_counter()
     teacher = index_embedder(settings.replace(embed_model=DEFAULT_MODEL))
+    teacher.cache_at(None)  # computed afresh, in the same batches: the same corpus, the same model
     base = ensure_static(getattr(embedder, "export_root", None) or default_export_root(),
                          resolve_model_path(DEFAULT_MODEL))
     report.fitted = static_tune.fit(
@@ -531,6 +537,33 @@ def _same_model(settings: Settings, previous: Manifest | None, embedder) -> None
         raise BranchsearchError(
             f"ingest: index {settings.index!r} was embedded with {before!r}, not {now!r}; its "
             f"vectors cannot be mixed: ingest into another index name, or remove "
+            f"{settings.index_dir} first (the index is unchanged)")
+
+
+def _unfinished_embedding(root: Path) -> tuple[int, str | None] | None:
+    """(dimension, model) an ingest that stopped before its manifest had begun embedding this
+    index with (`open._dense_dim`); the model is None for an ingest of an older version."""
+    try:
+        dim = int((root / "dense.dim").read_text())
+    except (OSError, ValueError):
+        return None
+    model = root / "dense.model"
+    return dim, model.read_text().strip() if model.exists() else None
+
+
+def _same_unfinished_model(settings: Settings, unfinished, embedder) -> None:
+    """Refuse to resume a stopped ingest with another model than the one it began with: its
+    vectors would be mixed, or not fit its collection at all."""
+    if unfinished is None or embedder is None:
+        return
+    dim, model = unfinished
+    now = embedder_name(embedder)
+    if (model is not None and model != now) or embedder.dim != dim:
+        began = f"{model!r} ({dim} dimensions)" if model else f"a {dim}-dimension model"
+        flag = f" (--embed-model {model})" if model else ""
+        raise BranchsearchError(
+            f"ingest: index {settings.index!r} stopped unfinished while embedding with "
+            f"{began}, not {now!r}: run it again with that model{flag}, or remove "
             f"{settings.index_dir} first (the index is unchanged)")
 
 

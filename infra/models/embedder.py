@@ -89,7 +89,7 @@ class Embedder:
     def _load_locked(self):
         if self._model is None:
             key = (self.model_name, self.backend, self.device, str(self.export_root),
-                   str(self.static_folder))
+                   _identity(self.static_folder))
             with _MODELS_LOCK:
                 if key not in _MODELS:
                     _MODELS[key] = self._load_model(), self.backend
@@ -200,6 +200,18 @@ class Embedder:
 
             self._cache = EmbeddingCache(self.cache_path, self.cache_key)
         return self._cache
+
+
+def _identity(folder: Path | None) -> tuple | None:
+    """A fitted static model as a loaded-model key: its file, not its path (an index removed
+    and ingested anew has a new model in the same folder)."""
+    if folder is None:
+        return None
+    try:
+        st = (folder / "model.safetensors").stat()
+    except OSError:
+        return (str(folder),)  # loading it says what is wrong
+    return str(folder), st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def fallback_line(line: str) -> None:

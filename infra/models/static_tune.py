@@ -77,7 +77,7 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
     from model2vec import StaticModel
 
     model = StaticModel.from_pretrained(str(base_folder), normalize=True)
-    texts = list(texts)
+    texts = list(dict.fromkeys(texts))  # a short chunk is its own window: once is enough
     ids = [row[:MAX_TOKENS] for row in model.tokenize(texts)]
     keep = [i for i, row in enumerate(ids) if row]
     ids, texts = [ids[i] for i in keep], [texts[i] for i in keep]
@@ -130,7 +130,11 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         fitted.save_pretrained(str(tmp))
+        for path in tmp.iterdir():  # readable by a service run as another user, as the index
+            path.chmod(0o644)
         tmp.chmod(0o755)
+        if out.exists():  # a folder without its model (not `fitted_folder`): nothing to keep
+            shutil.rmtree(out)
         tmp.replace(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -293,3 +293,69 @@ def test_an_index_whose_fitted_model_is_lost_or_broken_says_so(tmp_path, cached)
     with pytest.raises(IndexIncomplete, match="fitted static model"):
         ingest(HOTPOT, settings)
     assert (settings.index_dir / "manifest.json").read_text() == before
+
+
+def test_an_index_removed_and_ingested_anew_is_searched_with_its_new_model(tmp_path, cached):
+    """A running process (a service) that reopens a rebuilt index embeds with the new model,
+    not the one it loaded from the same folder before."""
+    from branchsearch.infra.models.static import StaticEncoder
+
+    home = tmp_path / "home"
+    settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
+    ingest(HOTPOT, settings)
+    query = "Which magazine was started first?"
+    first = open_retriever(_settings(home, index="mini"))
+    try:
+        before = first.embedder.embed([query])
+    finally:
+        first.close()
+    import shutil
+
+    shutil.rmtree(settings.index_dir)
+    other = tmp_path / "other"
+    other.mkdir()
+    rows = (HOTPOT / "corpus.jsonl").read_text().splitlines()
+    (other / "corpus.jsonl").write_text("\n".join(rows[20:]) + "\n")  # another corpus
+    ingest(other, settings)
+    again = open_retriever(_settings(home, index="mini"))
+    try:
+        now = again.embedder.embed([query])
+    finally:
+        again.close()
+    expected = StaticEncoder(fitted_folder(settings.index_dir)).encode([query])
+    assert np.array_equal(now, expected) and not np.allclose(now, before)
+
+
+def test_a_stopped_ingest_resumes_only_with_the_model_it_began_with(tmp_path, cached):
+    from branchsearch.infra.index.manifest import remove_manifest
+
+    home = tmp_path / "home"
+    settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
+    ingest(HOTPOT, settings)
+    remove_manifest(settings.index_dir)  # what an ingest stopped before its end leaves
+    with pytest.raises(BranchsearchError, match="'mini' stopped unfinished while embedding with "
+                                                "'static-minilm' \\(256 dimensions\\), not "
+                                                "'all-MiniLM-L6-v2'.*--embed-model static-minilm"):
+        ingest(HOTPOT, _settings(home, index="mini"))  # the default model
+    report = ingest(HOTPOT, settings)  # the same command again: resumed, not fitted again
+    assert report.resumed == report.documents and report.fitted == {}
+    assert read_manifest(settings.index_dir).embedding["fitted"] == FITTED_DIR
+
+
+def test_small_corpora_and_small_samples(tmp_path, cached, capfd):
+    small = tmp_path / "small"
+    small.mkdir()
+    rows = (HOTPOT / "corpus.jsonl").read_text().splitlines()
+    (small / "corpus.jsonl").write_text("\n".join(rows[:20]) + "\n")
+    settings = _settings(tmp_path / "home", index="mini", embed_model=STATIC_MODEL)
+    report = ingest(small, settings)
+    assert report.fitted == {} and fitted_folder(settings.index_dir) is None
+    assert "fewer than 32: static-minilm is not fitted to it" in capfd.readouterr().err
+    with pytest.raises(SettingsError, match="static_tune_chunks must be 0 .* or at least 32"):
+        _settings(tmp_path / "home", static_tune_chunks=7)
+    # a folder left without its model (a fit stopped, the file removed) is fitted anew
+    again = _settings(tmp_path / "again", index="mini", embed_model=STATIC_MODEL)
+    (again.index_dir / FITTED_DIR).mkdir(parents=True)
+    ingest(HOTPOT, again)
+    assert fitted_folder(again.index_dir) is not None
+    assert oct((fitted_folder(again.index_dir) / "model.safetensors").stat().st_mode)[-3:] == "644"
