@@ -81,16 +81,15 @@ def query_model(settings: Settings, model, embedder=None) -> Settings:
                         f"is {settings.embed_model!r}; use that model or re-ingest")
 
 
-def index_embedder(settings: Settings, static_folder: Path | None = None):
+def index_embedder(settings: Settings):
     """The embedder of the owned index `settings.index` names, as `settings` configure it: with
-    static-minilm, the model fitted to the index (`static_folder`, else the index folder's
-    own, else the distilled one)."""
+    static-minilm, the model fitted to the index when it has one, else the distilled one."""
     from branchsearch.infra.models.embedder import Embedder
     from branchsearch.infra.models.static import STATIC_MODEL
     from branchsearch.infra.models.static_tune import fitted_folder
 
-    if settings.embed_model == STATIC_MODEL and static_folder is None:
-        static_folder = fitted_folder(settings.index_dir)
+    static_folder = fitted_folder(settings.index_dir) if settings.embed_model == STATIC_MODEL \
+        else None
     return Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
                     cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
                     backend=settings.embed_backend, static_folder=static_folder)

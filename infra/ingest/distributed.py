@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 import shutil
-from pathlib import Path
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from branchsearch.infra.ingest.chunking import Chunk, head_tokens
 from branchsearch.infra.ingest.corpus import Document

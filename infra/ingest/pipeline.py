@@ -337,7 +337,6 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
     with that; an index that holds chunks already keeps the model they were embedded with."""
     from branchsearch.infra.index.open import index_embedder
     from branchsearch.infra.models import static_tune
-    from branchsearch.infra.models.embed_export import default_export_root
     from branchsearch.infra.models.embedder import DEFAULT_MODEL, resolve_model_path
     from branchsearch.infra.models.static import STATIC_MODEL, ensure_static
 
@@ -365,13 +364,12 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
     t = time.perf_counter()
     teacher = index_embedder(settings.replace(embed_model=DEFAULT_MODEL))
     teacher.cache_at(None)  # computed afresh, in the same batches: the same corpus, the same model
-    base = ensure_static(getattr(embedder, "export_root", None) or default_export_root(),
-                         resolve_model_path(DEFAULT_MODEL))
+    base = ensure_static(embedder.export_root, resolve_model_path(DEFAULT_MODEL))
     report.fitted = static_tune.fit(
         base, texts, teacher.embed, root / static_tune.FITTED_DIR,
         note=lambda line: static_tune.say(f"ingest: fitting {STATIC_MODEL}: {line}"))
     report.seconds["fit"] = time.perf_counter() - t
-    return index_embedder(settings, root / static_tune.FITTED_DIR)
+    return index_embedder(settings)  # now the fitted one
 
 
 def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> tuple[int, str]:

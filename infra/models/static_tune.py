@@ -14,9 +14,9 @@ idea, done here in a few lines of torch):
   loss, Adam), stopping when a held-out twentieth of the texts stops improving.
 
 No query or judgment is read: only the corpus being indexed, which every vector of the index
-comes from anyway. Its cost is MiniLM on the sample (about 3 minutes on 2 cores for 4,096
-chunks, paid once per index); the result (a 30 MB model folder) lives in the index folder and
-embeds every later chunk and query of that index. Everything is seeded: the same corpus gives
+comes from anyway. Its cost is MiniLM on the sample, once per index (reports/embedding.md);
+the result (a 30 MB model folder) lives in the index folder and embeds every later chunk and
+query of that index. Everything is seeded: the same corpus gives
 the same model, whatever the ingest's worker count.
 """
 
