@@ -103,7 +103,7 @@ def measure(driver: Driver, questions: list[str], branches: int, warm_embeddings
                 for b in r.branches]
         busy = sum(work) if driver.mode == "local" else max(work)
         walls.append(r.metrics["latency_s"])
-        if len(r.branches) > 1:
+        if len(r.branches) + r.metrics.get("covered", 0) > 1:  # planned so, covered or not
             multi.append(len(walls) - 1)
         shares.append(max(0.0, 1 - busy / r.metrics["latency_s"]))
     busy = busy_cpu_s() - cpu0 - idle * (time.perf_counter() - started)

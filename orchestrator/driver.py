@@ -72,7 +72,10 @@ class Driver:
         only). Branches still running at `deadline_s` seconds (or `branch_timeout_s`) are
         reported as `timeout`; a branch whose backend stays down as `error`. The branches that
         finished are fused with RRF. `on_event`, when given, is called in this thread with
-        JSON-able dicts: plan, branch_started, search, prune, branch_done, fork, chain, result.
+        JSON-able dicts: plan, branch_started, search, prune, branch_done, covered, fork, chain,
+        result. A planned branch that the question's own branch covers (`orchestrator.cover`,
+        `settings.skip_covered`) is not fused (in-process, not run): a `covered` event says
+        which titles cover it, and `metrics.covered` counts them.
         With `settings.forks` or `settings.chains` and more than one branch, a second wave of
         forks (`orchestrator.forks`) or chain hops (`orchestrator.chains`) follows the first;
         `max_branches` 1 never has one.
@@ -115,8 +118,11 @@ class Driver:
             tasks = [BranchTask(i, fit_query(s.text, self.counter, cap)[0], s.weight, s.kind,
                                 groups, deadline, may_fork=forking)
                      for i, s in enumerate(subs)]
+            cover = self._cover(subs)
             branches = self.executor.run(tasks, settings=self.settings,
-                                         policy_factory=self.policy_factory, on_event=on_event)
+                                         policy_factory=self.policy_factory, on_event=on_event,
+                                         cover=cover)
+            covered = self._covered(tasks, branches, cover, on_event)
             if forking:
                 # the forks end by the question's deadline, and never past one branch timeout
                 # from the question's start: a second wave does not double the wait
@@ -140,7 +146,7 @@ class Driver:
             "latency_s": round(time.perf_counter() - started, 4),
             "planner": type(self.planner).__name__,
             "planner_fallback": getattr(self.planner, "last_fallback", ""),
-            "branches": len(branches), "branches_ok": len(ok),
+            "branches": len(branches), "branches_ok": len(ok), "covered": covered,
             "branch_latency_s_sum": round(sum(b.latency_s for b in branches), 4),
             "branch_latency_s_max": round(max((b.latency_s for b in branches), default=0), 4),
             "context_tokens_final_mean": round(
@@ -157,6 +163,32 @@ class Driver:
                               trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes)
         emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
+
+    def _cover(self, subs: list):
+        """The rule that leaves out a planned branch the question's own branch covers
+        (`orchestrator.cover`), or None: off, or nothing to cover."""
+        if not self.settings.skip_covered or len(subs) < 2 or subs[0].kind != "original":
+            return None
+        from branchsearch.orchestrator.cover import covered_by
+
+        names = [s.names for s in subs]
+        return lambda anchor, task: (covered_by(anchor, names[task.index])
+                                     if 0 < task.index < len(names) else None)
+
+    def _covered(self, tasks: list, branches: list, cover, on_event) -> int:
+        """Record each task the executor left out as covered: a `covered` span and event
+        (the branch, its sub-query, the titles of the question's branch that cover it).
+        Returns how many."""
+        ran = {b.index for b in branches}
+        left = [t for t in tasks if t.index not in ran]
+        for task in left:
+            by = cover(branches[0], task)
+            with telemetry.tracer().start_as_current_span("covered") as span:
+                span.set_attributes({"covered.branch": task.index,
+                                     "covered.subquery": task.subquery, "covered.by": by})
+            emit(on_event, {"type": "covered", "branch": task.index,
+                            "subquery": task.subquery, "by": by})
+        return len(left)
 
     def _forks(self, first: list, groups, deadline, on_event) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the

@@ -37,9 +37,11 @@ class SubQuery:
     weight: float = 1.0
     kind: str = "original"  # original | comparison | clause | entity | entity_last | residual
     #                         | relative | llm
+    names: tuple[str, ...] = ()  # the entities it is about (`orchestrator.cover`)
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "weight": self.weight, "kind": self.kind}
+        return {"text": self.text, "weight": self.weight, "kind": self.kind,
+                "names": list(self.names)}
 
 
 _COMPARE = re.compile(r"\b(same|both|older|younger|first|earlier|later|larger|smaller|longer|"
@@ -72,14 +74,15 @@ def comparison(question: str) -> list[SubQuery]:
     if len(names) < 2 or not (_COMPARE.search(question) or " or " in question):
         return []
     rest = _residual(question, names)
-    return [SubQuery(f"{name} {rest}".strip(), 0.8, "comparison") for name in names[:4]]
+    return [SubQuery(f"{name} {rest}".strip(), 0.8, "comparison", (name,))
+            for name in names[:4]]
 
 
 def clauses(question: str) -> list[SubQuery]:
     parts = [p.strip(" ?") for p in _CLAUSE.split(question) if len(p.split()) >= 4]
     if len(parts) < 2:
         return []
-    return [SubQuery(p, 0.7, "clause") for p in parts]
+    return [SubQuery(p, 0.7, "clause", tuple(_names(p))) for p in parts]
 
 
 def entity_branches(question: str) -> list[SubQuery]:
@@ -90,8 +93,8 @@ def entity_branches(question: str) -> list[SubQuery]:
     if len(names) < 2:
         return []
     rest = _residual(question, names)
-    return [SubQuery(f"{names[0]} {rest}".strip(), 0.5, "entity"),
-            SubQuery(f"{names[-1]} {rest}".strip(), 0.5, "entity_last")]
+    return [SubQuery(f"{names[0]} {rest}".strip(), 0.5, "entity", (names[0],)),
+            SubQuery(f"{names[-1]} {rest}".strip(), 0.5, "entity_last", (names[-1],))]
 
 
 def residual(question: str) -> list[SubQuery]:
@@ -194,8 +197,8 @@ class LLMPlanner:
                 n=max_branches - 1, question=question)}], schema=schema, max_tokens=200)
             items = json.loads(raw)["subqueries"]
             subs = [SubQuery(question, 1.0, "original")] + [
-                SubQuery(" ".join(str(i["text"]).split()), float(i["weight"]), "llm")
-                for i in items if str(i.get("text", "")).strip()]
+                SubQuery(text, float(i["weight"]), "llm", tuple(_names(text)))
+                for i in items for text in [" ".join(str(i["text"]).split())] if str(i.get("text", "")).strip()]
         except Exception as exc:  # the model, the endpoint or the JSON failed
             self.last_fallback = f"{type(exc).__name__}: {exc}"[:300]
             return self.fallback.plan(question, max_branches)

@@ -109,6 +109,9 @@ class Settings:
     # chains (orchestrator/chains.py): for a compositional question, its inner hop runs as a
     # branch and its top `chains` answers each seed a branch for the outer hop; 0: none
     chains: int = 0
+    # covered branches (orchestrator/cover.py): a planned branch whose entities the question's
+    # own branch already ranks among its first documents is not fused, and in-process not run
+    skip_covered: bool = True
     branch_timeout_s: float = 120.0
     branch_retries: int = 1
     branch_num_cpus: float = 0.5
@@ -177,7 +180,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "agent": ("budget_tokens", "soft_limit", "hard_limit", "max_turns", "max_tokens_read",
               "no_progress_turns", "result_token_cap", "search_k", "read_window_tokens",
               "final_k", "prune", "learned_rank", "per_title", "policy", "planner",
-              "query_max_tokens", "forks", "fork_gap", "chains"),
+              "query_max_tokens", "forks", "fork_gap", "chains", "skip_covered"),
     "llm": ("llm_url", "llm_api_key", "llm_model", "llm_engines", "llm_tensor_parallel",
             "llm_max_model_len", "llm_max_tokens", "llm_detached", "llm_timeout_s", "llm_seed"),
     "execution": ("branches", "branch_timeout_s", "branch_retries", "branch_num_cpus",

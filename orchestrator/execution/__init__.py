@@ -32,15 +32,20 @@ from branchsearch.infra.config.settings import Settings
 from branchsearch.workers.branch import BranchReport, BranchTask
 
 Events = Callable[[dict], None] | None
+# (the question's own branch's report, another task) -> what covers that task, or None
+Cover = Callable[[BranchReport, BranchTask], object] | None
 
 
 class Executor(Protocol):
     engine_actors: bool  # the LLM runs in named engine actors this executor started
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
-            policy_factory: Callable | None = None, on_event: Events = None
-            ) -> list[BranchReport]:
-        """Run every task; one report per task, in order, whatever happened to it."""
+            policy_factory: Callable | None = None, on_event: Events = None,
+            cover: Cover = None) -> list[BranchReport]:
+        """Run every task; one report per task, in order, whatever happened to it — except
+        the tasks that `cover` says the first task's report covers (`orchestrator.cover`):
+        those have no report (an executor that runs branches one after another does not run
+        them; one that runs them at once drops their reports)."""
 
     def warm(self, settings: Settings) -> None:
         """Load the models the first question would load (a service, before traffic)."""

@@ -1,6 +1,7 @@
 """`LocalExecutor`: `run_branch` in this process, one branch after another, over one
 `Retriever` (no Ray; the baseline and the laptop path). With `fetch_cache`, the branches of one
-question share one `QuestionCache`, which dies with the question."""
+question share one `QuestionCache`, which dies with the question. The question's own branch
+runs first, so a branch it covers (`cover`) is never run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from branchsearch.infra.config.settings import Settings
-from branchsearch.orchestrator.execution import (Events, bounded, done_event, emit,
+from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
                                                   shares_cache)
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
@@ -23,8 +24,8 @@ class LocalExecutor:
         self.last_cache_stats: dict = {}  # the last question's fetch cache counters
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
-            policy_factory: Callable | None = None, on_event: Events = None
-            ) -> list[BranchReport]:
+            policy_factory: Callable | None = None, on_event: Events = None,
+            cover: Cover = None) -> list[BranchReport]:
         from branchsearch.infra.retrieval.fetch_cache import QuestionCache
         from branchsearch.infra.retrieval.retriever import QuestionRetriever
 
@@ -33,14 +34,17 @@ class LocalExecutor:
             cache.expect([t.subquery for t in tasks])
         retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
         try:
-            return self._run(tasks, retriever, settings, policy_factory, on_event)
+            return self._run(tasks, retriever, settings, policy_factory, on_event, cover)
         finally:  # the cache dies with the question
             self.last_cache_stats = dict(cache.stats) if cache is not None else {}
 
     def _run(self, tasks: list[BranchTask], retriever, settings: Settings,
-             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
-        reports = []
+             policy_factory: Callable | None, on_event: Events, cover: Cover
+             ) -> list[BranchReport]:
+        reports: list[BranchReport] = []
         for task in tasks:
+            if cover is not None and reports and cover(reports[0], task):
+                continue
             if task.deadline is not None and time.time() >= task.deadline:
                 report = BranchReport(task.index, task.subquery, task.weight, task.kind,
                                       "timeout", "not started before the deadline")

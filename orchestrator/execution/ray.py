@@ -24,7 +24,8 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
-from branchsearch.orchestrator.execution import Events, bounded, done_event, emit, shares_cache
+from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
+                                                  shares_cache)
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
@@ -105,8 +106,18 @@ class RayExecutor:
         return bool(self.engines)
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
-            policy_factory: Callable | None = None, on_event: Events = None
-            ) -> list[BranchReport]:
+            policy_factory: Callable | None = None, on_event: Events = None,
+            cover: Cover = None) -> list[BranchReport]:
+        """Every branch at once (the covered ones too: waiting for the question's branch
+        before starting the others would cost latency; their reports are dropped)."""
+        reports = self._run(tasks, settings, policy_factory, on_event)
+        if cover is None or not reports:
+            return reports
+        return reports[:1] + [r for r, t in zip(reports[1:], tasks[1:])
+                              if not cover(reports[0], t)]
+
+    def _run(self, tasks: list[BranchTask], settings: Settings,
+             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
         carrier = telemetry.current_carrier()
         stream = on_event is not None
         # a question sharing a fetch cache runs on one replica, which holds the cache

@@ -1,7 +1,8 @@
 """Search events for callers: Server-Sent Events framing, the result object, the ACL guard.
 
-The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`, `fork`,
-`result`) through `on_event` as they happen; a `fork` (the branch it starts, its parent, why,
+The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`,
+`covered`, `fork`, `result`) through `on_event` as they happen; a `covered` event names a
+planned branch that the question's own branch covers (`orchestrator.cover`: not fused); a `fork` (the branch it starts, its parent, why,
 the chunks handed over) comes before that fork's own `branch_started`; so does a `chain` (a
 second-hop branch of a compositional question: its parent hop branch, the answer it follows). Everything here is a plain function over JSON-able dicts.
 """
@@ -11,8 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "fork", "chain",
-               "result", "error")
+EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "covered", "fork",
+               "chain", "result", "error")
 SEARCH_TOOLS = ("search_corpus", "grep_corpus", "read_document")
 
 

@@ -263,12 +263,14 @@ _INT_OR_NULL = {"type": ["integer", "null"]}
 SSE_EVENT_SCHEMA = {
     "type": "object", "required": ["event", "data"],
     "description": "Server-Sent Events as the search runs: plan, then per branch "
-                   "branch_started, search and prune, branch_done (a fork, when one runs, first); last `result` (the JSON "
+                   "branch_started, search and prune, branch_done (a fork, when one runs, first); "
+                   "`covered` for a planned branch the question's own branch covers (not "
+                   "fused); last `result` (the JSON "
                    "answer under `result`), or `error` when the search fails after events were "
                    "sent.",
     "properties": {
-        "event": {"enum": ["plan", "branch_started", "search", "prune", "branch_done", "fork",
-                           "chain", "result", "error"]},
+        "event": {"enum": ["plan", "branch_started", "search", "prune", "branch_done",
+                           "covered", "fork", "chain", "result", "error"]},
         "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
             "oneOf": [
                 _event("plan", ("subqueries",), subqueries={"type": "array", "items": _STR},
@@ -282,6 +284,8 @@ SSE_EVENT_SCHEMA = {
                        status={"enum": ["ok", "error", "timeout"]}, error=_STR,
                        termination=_STR, turns=_INT, context_tokens_final=_INT,
                        tokens_read=_INT, latency_s={"type": "number"}),
+                _event("covered", ("branch", "subquery", "by"), branch=_INT, subquery=_STR,
+                       by=_IDS),
                 _event("fork", ("branch", "parent", "reason", "handed"), branch=_INT,
                        parent=_INT, reason=_STR, handed=_IDS, subquery=_STR),
                 _event("chain", ("branch", "parent", "reason", "subquery"), branch=_INT,

@@ -327,7 +327,8 @@ def test_local_driver_same_result_fewer_backend_requests(hotpot_settings):
 
     out = {}
     for on in (False, True):
-        driver = Driver(hotpot_settings.replace(fetch_cache=on, branches=3), mode="local")
+        driver = Driver(hotpot_settings.replace(fetch_cache=on, branches=3, skip_covered=False),
+                        mode="local")
         try:
             r = driver.search(Q3)
             out[on] = (r, dict(driver.executor.retriever.backend_requests),
@@ -352,7 +353,7 @@ def test_ray_branches_share_one_replica_cache(hotpot_settings):
     from branchsearch.orchestrator.driver import Driver
 
     settings = ingest_copy(hotpot_settings, "hotpot-fetchcache").replace(
-        branches=3, branch_timeout_s=120, search_mode="bm25")
+        branches=3, branch_timeout_s=120, search_mode="bm25", skip_covered=False)
     got = {}
     try:
         for on in (False, True):
@@ -445,10 +446,11 @@ def test_a_questions_branch_queries_are_embedded_in_one_model_call(hotpot_settin
             monkeypatch.undo()
             driver.close()
 
-    calls, together = search(hotpot_settings, "together.sqlite")
+    every = hotpot_settings.replace(skip_covered=False)  # all three branches run
+    calls, together = search(every, "together.sqlite")
     subqueries = [b["subquery"] for b in together["branches"]]
     assert len(subqueries) == 3 and calls[0] == subqueries, calls
     assert not [c for c in calls[1:] if set(c) & set(subqueries)], calls  # none asked again
-    calls, alone = search(hotpot_settings.replace(fetch_cache=False), "alone.sqlite")
+    calls, alone = search(every.replace(fetch_cache=False), "alone.sqlite")
     assert [c for c in calls if set(c) & set(subqueries)] == [[q] for q in subqueries], calls
     assert together["ranked_chunk_ids"] == alone["ranked_chunk_ids"]

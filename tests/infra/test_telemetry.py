@@ -302,7 +302,7 @@ def test_a_silent_collector_costs_one_flush_timeout(capfd):
 def local_driver(hotpot_settings):
     from branchsearch.orchestrator.driver import Driver
 
-    driver = Driver(hotpot_settings.replace(branches=2), mode="local")
+    driver = Driver(hotpot_settings.replace(branches=2, skip_covered=False), mode="local")
     driver.search(Q)  # warm: models and indexes loaded
     yield driver
     driver.close()
@@ -364,7 +364,7 @@ def test_otel_variables_reach_ray_actors_through_settings(hotpot_settings, recei
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.base_url)
     settings = load_settings(overrides={"home": hotpot_settings.home}, read_file=False)
     settings = ingest_copy(settings.replace(index="hotpot"), "hotpot-trace-ray").replace(
-        branches=2, branch_timeout_s=60)
+        branches=2, branch_timeout_s=60, skip_covered=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     driver = Driver(settings, mode="ray", pool_size=2)  # actors inherit the dead variable
     try:

@@ -21,7 +21,7 @@ def test_a_replica_lost_under_a_hosted_branch_runs_it_on_a_pool_actor(hotpot_set
     from branchsearch.workers.scripted import SlowPolicy
 
     settings = ingest_copy(hotpot_settings, "hotpot-rescue").replace(
-        branches=3, branch_timeout_s=40, search_mode="bm25")
+        branches=3, branch_timeout_s=40, search_mode="bm25", skip_covered=False)
     driver = Driver(settings, mode="ray", pool_size=3)
     try:
         replica = driver.executor.retrievers[0]
@@ -63,7 +63,7 @@ def test_hosted_and_pool_branches_rank_as_the_in_process_run(hotpot_settings):
     questions = [json.loads(line)["text"]
                  for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     settings = ingest_copy(hotpot_settings, "hotpot-same").replace(
-        branches=3, branch_timeout_s=60, search_mode="bm25")
+        branches=3, branch_timeout_s=60, search_mode="bm25", skip_covered=False)
     got = {}
     for mode in ("local", "ray"):
         driver = Driver(settings, mode=mode, pool_size=3)

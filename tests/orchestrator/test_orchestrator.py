@@ -82,7 +82,8 @@ def ray_driver(hotpot_settings, tmp_path_factory):
 
     trace_file = tmp_path_factory.mktemp("trace") / "spans.jsonl"
     settings = ingest_copy(hotpot_settings, "hotpot-ray").replace(
-        trace_exporter="jsonl", trace_file=str(trace_file), branch_timeout_s=20, branches=3)
+        trace_exporter="jsonl", trace_file=str(trace_file), branch_timeout_s=20, branches=3,
+        skip_covered=False)  # every planned branch runs: these tests are about fan-out
     driver = Driver(settings, mode="ray", pool_size=3)
     yield driver, trace_file
     driver.close()
@@ -135,6 +136,26 @@ def test_fan_out_fuses_branches_and_shares_one_trace(ray_driver):
     by_id = {s["span_id"]: s for s in mine}
     branch = next(s for s in mine if s["name"] == "branch")
     assert by_id[branch["parent_id"]]["name"] == "query"  # parent crossed the process boundary
+
+
+@pytest.mark.ray
+def test_on_ray_covered_branches_run_at_once_and_are_dropped_as_in_process(ray_driver):
+    """With covering on (the default), Ray starts every planned branch at once (no wait for
+    the question's branch), then fuses only the uncovered ones: the result is the question's
+    branch alone, as in-process where the covered ones never run."""
+    driver, _ = ray_driver
+    driver.settings = driver.settings.replace(skip_covered=True)
+    try:
+        events = []
+        result = driver.search(Q, on_event=events.append)
+        alone = driver.search(Q, max_branches=1)
+    finally:
+        driver.settings = driver.settings.replace(skip_covered=False)
+    assert [b.index for b in result.branches] == [0] and result.metrics["covered"] == 2
+    assert sorted(e["branch"] for e in events if e["type"] == "branch_done") == [0, 1, 2]
+    kinds = [(e["type"], e.get("branch")) for e in events]
+    assert kinds.index(("covered", 1)) > kinds.index(("branch_done", 1))
+    assert result.ranked_chunk_ids == alone.ranked_chunk_ids
 
 
 @pytest.mark.ray
@@ -314,7 +335,8 @@ def local_driver(tmp_path_factory):
     from branchsearch.orchestrator.driver import Driver
 
     settings = load_settings(overrides={"home": tmp_path_factory.mktemp("local"),
-                                        "search_mode": "bm25", "branches": 3},
+                                        "search_mode": "bm25", "branches": 3,
+                                        "skip_covered": False},  # every branch runs
                              read_env=False, read_file=False)
     ingest(HOTPOT, settings, dense=False)
     driver = Driver(settings, mode="local")

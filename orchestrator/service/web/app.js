@@ -79,6 +79,13 @@ function onEvent(ev) {
       ev.subqueries.forEach((s, i) => branchCard(i, s));
       break;
     case "branch_started": branchCard(ev.branch, ev.subquery).sub.textContent = ev.subquery; break;
+    case "covered": {
+      const b = branchCard(ev.branch, ev.subquery);
+      b.badge.textContent = "covered"; b.badge.className = "badge covered";
+      b.log.appendChild(el("li", null,
+        `not needed: the question's branch already ranks ${(ev.by || []).join(", ")}`));
+      break;
+    }
     case "fork": {
       const b = branchCard(ev.branch, ev.subquery);
       b.log.appendChild(el("li", "fork",
