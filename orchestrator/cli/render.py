@@ -52,6 +52,10 @@ def print_result(result) -> None:
                 if getattr(b, "kind", "") == "fork" else "")
         print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}{fork}: "
               f"{one_line(extra)}")
+    covered = result.metrics.get("covered", 0)
+    if covered:
+        print(f"  {covered} more planned branch{'es' if covered > 1 else ''} covered: the "
+              "question's branch already ranks the pages they are about (skip_covered)")
     print("evidence (rank, fused score):")
     for rank, doc in enumerate(result.evidence, start=1):
         by = ", ".join(f"b{f['branch']}#{f['rank']}" for f in doc["found_by"])

@@ -75,7 +75,8 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
             "tool_calls": calls, "tool_calls_per_turn": calls / turns if turns else 0.0,
             "branches": len(result.branches), "branches_failed": len(result.branches) - len(ok),
             "forks": sum(b.kind == "fork" for b in result.branches),
-            "chains": sum(b.kind == "chain" for b in result.branches)}
+            "chains": sum(b.kind == "chain" for b in result.branches),
+            "covered": result.metrics.get("covered", 0)}
         text = ""
         if docstore is not None:
             text = " ".join(c["text"] for c in docstore.get_chunks(trajectory.retrieved).values())
