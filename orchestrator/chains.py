@@ -93,13 +93,15 @@ def answers(report: BranchReport, chain: Hops, n: int) -> list[str]:
 
 def chain_tasks(reports: list[BranchReport], chain: Hops, n: int, *,
                 deadline: float | None = None,
-                acl_groups: tuple[str, ...] | None = None) -> list[BranchTask]:
+                acl_groups: tuple[str, ...] | None = None,
+                first: int | None = None) -> list[BranchTask]:
     """The second wave: one branch per candidate answer of the inner hop's branch (kind
-    "hop", finished ok), numbered after the first wave's branches; [] when there is none."""
+    "hop", finished ok), numbered from `first` (default: after the reports' branches); []
+    when there is none."""
     inner = next((r for r in reports if r.kind == "hop" and r.status == "ok"), None)
     if inner is None or n <= 0:
         return []
-    first = max(r.index for r in reports) + 1
+    first = max(r.index for r in reports) + 1 if first is None else first
     return [BranchTask(first + i, substitute(chain, a), CHAIN_WEIGHT, "chain", acl_groups,
                        deadline, parent=inner.index, reason=f"{chain.slot} = {a}")
             for i, a in enumerate(answers(inner, chain, n))]

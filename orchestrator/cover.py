@@ -11,9 +11,11 @@ driver does not fuse it — and, where branches run one after another, does not 
     covered(names, anchor) = names is not empty, and each name is the title core of one of the
                              anchor's first `head` documents
 
-A title's core is its words before a parenthesised qualifier, casefolded, a leading article
-dropped ("Kiss and Tell (1945 film)" -> kiss and tell; "the Laleli Mosque" -> laleli mosque);
-a name matches a core with exactly its words. A sub-query that names
+A title's core is its words before a parenthesised qualifier, casefolded, accents and a leading
+article dropped ("Kiss and Tell (1945 film)" -> kiss and tell; "the Laleli Mosque" -> laleli
+mosque; "İstanbul" -> istanbul); a name matches a core with exactly its words. A qualified
+title covers the bare name ("Ed Wood (film)" covers Ed Wood): on the sets measured that never
+cost recall, since the anchor's head holds the person's page too when the question needs it. A sub-query that names
 nothing (a clause of common words) is never covered: the rule decides only what it can see.
 Pure: the driver and the offline evaluation (reports/cover/) call the same function.
 """
@@ -21,6 +23,7 @@ Pure: the driver and the offline evaluation (reports/cover/) call the same funct
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 from branchsearch.fusion.anchored import DEFAULT_HEAD
@@ -30,9 +33,12 @@ _ARTICLES = ("the", "a", "an")
 
 
 def core(title: str) -> tuple[str, ...]:
-    """The words of a title before its parenthesised qualifier, casefolded, without a leading
-    article."""
-    words = tuple(_WORD.findall(title.split(" (", 1)[0].casefold()))
+    """The words of a title before its parenthesised qualifier, casefolded and without accents
+    (however the text was composed: "Café", "Cafe\u0301" and "CAFE" are one word), without a
+    leading article."""
+    bare = "".join(ch for ch in unicodedata.normalize("NFKD", title.split(" (", 1)[0])
+                   if not unicodedata.combining(ch))
+    words = tuple(_WORD.findall(bare.casefold()))
     return words[1:] if len(words) > 1 and words[0] in _ARTICLES else words
 
 
@@ -47,13 +53,19 @@ def head_titles(ranked: Iterable[tuple[str, str]], head: int = DEFAULT_HEAD) -> 
     return list(seen.values())
 
 
-def covered_by(anchor, names: Sequence[str], head: int = DEFAULT_HEAD) -> list[str] | None:
-    """The titles of the question's branch (`anchor`, a `BranchReport`) that cover `names`;
-    None when they are not covered or the anchor is not the question's branch or failed."""
+def covered_by(anchor, names: Sequence[str], head: int = DEFAULT_HEAD
+               ) -> list[tuple[str, str]] | None:
+    """The documents of the question's branch (`anchor`, a `BranchReport`) that cover `names`,
+    each as (title, the chunk id it ranked first); None when they are not covered or the
+    anchor is not the question's branch or failed."""
     if anchor.kind != "original" or anchor.status != "ok":
         return None
-    return covering(names, head_titles(((c["doc_id"], c["title"]) for c in anchor.evidence),
-                                       head))
+    first: dict[str, str] = {}  # title -> the first chunk the anchor ranked of that title
+    for c in anchor.evidence:
+        first.setdefault(c["title"], c["chunk_id"])
+    titles = covering(names, head_titles(((c["doc_id"], c["title"]) for c in anchor.evidence),
+                                         head))
+    return None if titles is None else [(t, first[t]) for t in titles]
 
 
 def covering(names: Sequence[str], titles: Sequence[str]) -> list[str] | None:

@@ -129,12 +129,13 @@ class Driver:
                 own = started_wall + self.settings.branch_timeout_s
                 branches += self._forks(branches, groups,
                                         own if deadline is None else min(deadline, own),
-                                        on_event)
+                                        on_event, len(tasks))
             if chain is not None:
                 own = started_wall + self.settings.branch_timeout_s
                 branches += self._chains(branches, chain, groups,
                                          own if deadline is None else min(deadline, own),
-                                         on_event)
+                                         on_event, max([len(tasks) - 1] + [b.index for b in
+                                                                           branches]) + 1)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -177,29 +178,34 @@ class Driver:
 
     def _covered(self, tasks: list, branches: list, cover, on_event) -> int:
         """Record each task the executor left out as covered: a `covered` span and event
-        (the branch, its sub-query, the titles of the question's branch that cover it).
+        (the branch, its sub-query, the titles of the question's branch that cover it and
+        the chunk ids it ranked first of each, which the service's ACL guard checks).
         Returns how many."""
         ran = {b.index for b in branches}
         left = [t for t in tasks if t.index not in ran]
         for task in left:
-            by = cover(branches[0], task)
+            by = cover(branches[0], task) or []
+            titles, ids = [t for t, _ in by], [c for _, c in by]
             with telemetry.tracer().start_as_current_span("covered") as span:
                 span.set_attributes({"covered.branch": task.index,
-                                     "covered.subquery": task.subquery, "covered.by": by})
+                                     "covered.subquery": task.subquery, "covered.by": titles,
+                                     "covered.ids": ids})
             emit(on_event, {"type": "covered", "branch": task.index,
-                            "subquery": task.subquery, "by": by})
+                            "subquery": task.subquery, "by": titles, "ids": ids})
         return len(left)
 
-    def _forks(self, first: list, groups, deadline, on_event) -> list:
+    def _forks(self, first: list, groups, deadline, on_event, number: int) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the
         first wave pruned near its keep line, each recorded as a `fork` span and event, run on
-        the executor in parallel, ending by `deadline`; [] when no branch left a candidate or
-        no time is left."""
+        the executor in parallel, ending by `deadline`, numbered from `number` (after every
+        planned branch, covered ones included); [] when no branch left a candidate or no time
+        is left."""
         from branchsearch.orchestrator.forks import fork_tasks
 
         if time.time() >= deadline:  # no time left: no forks (not forks reported as timeouts)
             return []
-        tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups)
+        tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups,
+                           first=number)
         for task in tasks:
             with telemetry.tracer().start_as_current_span("fork") as span:
                 span.set_attributes({"fork.branch": task.index, "fork.parent": task.parent,
@@ -228,7 +234,7 @@ class Driver:
             return None
         return chain
 
-    def _chains(self, first: list, chain, groups, deadline, on_event) -> list:
+    def _chains(self, first: list, chain, groups, deadline, on_event, number: int) -> list:
         """The second wave of a chain: one branch per candidate answer of the inner hop, each
         recorded as a `chain` span and event, run on the executor in parallel, ending by
         `deadline`; [] when the inner branch failed, found nothing or no time is left."""
@@ -237,7 +243,7 @@ class Driver:
         if time.time() >= deadline:
             return []
         tasks = chain_tasks(first, chain, self.settings.chains, deadline=deadline,
-                            acl_groups=groups)
+                            acl_groups=groups, first=number)
         for task in tasks:
             with telemetry.tracer().start_as_current_span("chain") as span:
                 span.set_attributes({"chain.branch": task.index, "chain.parent": task.parent,

@@ -65,10 +65,12 @@ def choose(reports: list[BranchReport], budget: int) -> list[Fork]:
 
 
 def fork_tasks(reports: list[BranchReport], budget: int, *, deadline: float | None = None,
-               acl_groups: tuple[str, ...] | None = None) -> list[BranchTask]:
-    """The forks' tasks, numbered after the first wave's branches."""
+               acl_groups: tuple[str, ...] | None = None,
+               first: int | None = None) -> list[BranchTask]:
+    """The forks' tasks, numbered from `first` (default: after the reports' branches; the
+    driver passes the first wave's planned count, since a covered branch has no report)."""
     parents = {r.index: r for r in reports}
-    first = max(parents, default=-1) + 1
+    first = max(parents, default=-1) + 1 if first is None else first
     return [BranchTask(first + i, parents[f.parent].subquery,
                        round(parents[f.parent].weight * FORK_WEIGHT, 4), "fork", acl_groups,
                        deadline, parent=f.parent, reason=f.why, seeds=f.seeds,

@@ -196,9 +196,10 @@ class LLMPlanner:
             raw = self.engine.chat([{"role": "user", "content": PLAN_PROMPT.format(
                 n=max_branches - 1, question=question)}], schema=schema, max_tokens=200)
             items = json.loads(raw)["subqueries"]
+            texts = [(" ".join(str(i.get("text", "")).split()), i) for i in items]
             subs = [SubQuery(question, 1.0, "original")] + [
                 SubQuery(text, float(i["weight"]), "llm", tuple(_names(text)))
-                for i in items for text in [" ".join(str(i["text"]).split())] if str(i.get("text", "")).strip()]
+                for text, i in texts if text]
         except Exception as exc:  # the model, the endpoint or the JSON failed
             self.last_fallback = f"{type(exc).__name__}: {exc}"[:300]
             return self.fallback.plan(question, max_branches)

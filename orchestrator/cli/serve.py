@@ -118,6 +118,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     document upsert/delete, /metrics, a web page at /."""
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.service import deploy as service
+    from branchsearch.orchestrator.service.searcher import check_default
 
     if executor not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
@@ -130,6 +131,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
                                 f"add NAME --groups G --keys {keys}`)")
     settings = load_settings(config, {"home": home, "index": index, "ray_address": address})
+    check_default(settings)  # one line before anything starts, not a replica's traceback
     if standalone:
         sock = _listen(host, port)  # first: a taken port is said before any index is opened
         if not keys:

@@ -1,10 +1,12 @@
 """Search events for callers: Server-Sent Events framing, the result object, the ACL guard.
 
 The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`,
-`covered`, `fork`, `result`) through `on_event` as they happen; a `covered` event names a
-planned branch that the question's own branch covers (`orchestrator.cover`: not fused); a `fork` (the branch it starts, its parent, why,
-the chunks handed over) comes before that fork's own `branch_started`; so does a `chain` (a
-second-hop branch of a compositional question: its parent hop branch, the answer it follows). Everything here is a plain function over JSON-able dicts.
+`covered`, `fork`, `result`) through `on_event` as they happen. A `covered` event names a
+planned branch that the question's own branch covers (`orchestrator.cover`: not fused). A
+`fork` (the branch it starts, its parent, why, the chunks handed over) comes before that fork's
+own `branch_started`; so does a `chain` (a second-hop branch of a compositional question: its
+parent hop branch, the answer it follows). Everything here is a plain function over JSON-able
+dicts.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
     keep = lambda xs: [x for x in xs if x not in bad]  # noqa: E731
     if event.get("type") != "result":
         out = dict(event)
+        if out.get("type") == "covered":  # a hidden document's title goes with its id
+            pairs = [(t, c) for t, c in zip(out.get("by", []), out.get("ids", []))
+                     if c not in bad]
+            out["by"], out["ids"] = [t for t, _ in pairs], [c for _, c in pairs]
+            return out, len(bad)
         for name in ("new_ids", "ids", "handed"):
             if name in out:
                 out[name] = keep(out[name])

@@ -116,14 +116,7 @@ class Searcher:
     # --- indexes and drivers ------------------------------------------------------------------
 
     def index_names(self) -> list[str]:
-        """Owned indexes under the data home, and the external ones declared in the settings."""
-        from branchsearch.infra.index.manifest import manifest_path
-
-        root = self.settings.home / "indexes"
-        owned = [p.name for p in root.iterdir()
-                 if (p / "docs.sqlite").exists() or manifest_path(p).exists()] \
-            if root.is_dir() else []
-        return sorted(set(owned) | {spec.name for spec in self.settings.indexes})
+        return index_names(self.settings)
 
     def open_default(self):
         """The default index's driver, opened before the service takes traffic (its models
@@ -131,11 +124,7 @@ class Searcher:
         try:
             return self.driver(self.settings.index)
         except IndexNotFound as exc:
-            names = self.index_names()
-            if not names:
-                raise
-            raise IndexNotFound(f"{exc}; this data home has {', '.join(map(repr, names))}: "
-                                "serve one with --index NAME") from None
+            raise not_found(exc, self.settings) from None
 
     def _index(self, req: SearchRequest) -> str:
         return req.index or self.settings.index
@@ -626,3 +615,34 @@ def _not_found(index: str) -> IndexNotFound:
     """What a caller learns of an index that is not there (not where the server keeps them)."""
     return IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest PATH "
                          f"--index {index}`)")
+
+
+def index_names(settings) -> list[str]:
+    """Owned indexes under the data home, and the external ones declared in the settings."""
+    from branchsearch.infra.index.manifest import manifest_path
+
+    root = settings.home / "indexes"
+    owned = [p.name for p in root.iterdir()
+             if (p / "docs.sqlite").exists() or manifest_path(p).exists()] \
+        if root.is_dir() else []
+    return sorted(set(owned) | {spec.name for spec in settings.indexes})
+
+
+def not_found(exc: IndexNotFound, settings) -> IndexNotFound:
+    """The default index's not-found error, naming the indexes the data home has."""
+    names = index_names(settings)
+    if not names:
+        return exc
+    return IndexNotFound(f"{exc}; this data home has {', '.join(map(repr, names))}: serve one "
+                         "with --index NAME")
+
+
+def check_default(settings) -> None:
+    """The default index's one-line error, if it cannot be served, without opening it: `serve`
+    says it here rather than as the traceback of a replica that failed to start."""
+    from branchsearch.infra.index.open import check_readable
+
+    try:
+        check_readable(settings)
+    except IndexNotFound as exc:
+        raise not_found(exc, settings) from None

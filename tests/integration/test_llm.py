@@ -115,7 +115,8 @@ def test_one_engine_actor_serves_several_branch_actors(llm_settings):
 
     # a generous branch timeout: two CPU branches share one engine on a possibly busy machine
     settings = ingest_copy(llm_settings, "hotpot-llm").replace(max_turns=2, branches=2,
-                                                               branch_timeout_s=900)
+                                                               branch_timeout_s=900,
+                                                               skip_covered=False)
     driver = Driver(settings, mode="ray", pool_size=2)
     try:
         result = driver.search("Were Scott Derrickson and Ed Wood of the same nationality?")

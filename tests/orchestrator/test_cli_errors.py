@@ -452,3 +452,20 @@ def test_an_index_name_typed_decomposed_is_the_composed_one(tmp_path):
         found = run(["retrieve", "Falcon", "--home", tmp_path / "home", "--index", name])
         assert found.returncode == 0 and "d1" in found.stdout, found.stderr[-800:]
     assert parse_search({"question": "Falcon?", "index": nfd}, Limits()).index == nfc
+
+
+def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(hotpot_settings,
+                                                                                  tmp_path):
+    """`serve` (Ray Serve, the default) checks the default index in the command's process: a
+    renamed or missing index is the one line `serve --standalone` gives, not the traceback of
+    a Searcher replica that failed to start."""
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "renamed")
+    renamed = run(["serve", "--home", home, "--index", "renamed", "--port", 0], timeout=120)
+    assert_one_error_line(renamed, "")
+    assert "was ingested as 'hotpot'" in renamed.stderr and "ray" not in renamed.stderr.lower()
+    missing = run(["serve", "--home", home, "--index", "nosuch", "--port", 0], timeout=120)
+    assert_one_error_line(missing, "")
+    assert "this data home has 'renamed'" in missing.stderr

@@ -17,7 +17,11 @@ Q = "Were Scott Derrickson and Ed Wood of the same nationality?"
 def test_a_title_core_drops_its_qualifier_case_and_punctuation():
     assert core("Kiss and Tell (1945 film)") == ("kiss", "and", "tell")
     assert core("Ed Wood") == core("ED  wood") == core("Ed Wood (film)") == ("ed", "wood")
-    assert core("Zürich–Ost") == ("zürich", "ost")
+    assert core("Zürich–Ost") == ("zurich", "ost")
+    # accents aside, however composed (a decomposed "é", a dotted capital I)
+    assert core("Cafe\u0301 de Flore") == core("Café de Flore") == ("cafe", "de", "flore")
+    assert core("İstanbul Modern") == core("Istanbul Modern") == ("istanbul", "modern")
+    assert core("東京タワー") == ("東京タワー",)
     assert core("the Laleli Mosque") == core("Laleli Mosque") == ("laleli", "mosque")
     assert core("The") == ("the",)  # an article alone is a title, not nothing
     assert core("") == ()
@@ -48,7 +52,7 @@ def _report(kind="original", status="ok", titles=("Ed Wood", "Scott Derrickson")
 
 
 def test_only_the_question_s_own_branch_that_finished_covers():
-    assert covered_by(_report(), ("Ed Wood",)) == ["Ed Wood"]
+    assert covered_by(_report(), ("Ed Wood",)) == [("Ed Wood", "Ed Wood#p0")]
     assert covered_by(_report(status="timeout"), ("Ed Wood",)) is None
     assert covered_by(_report(kind="comparison"), ("Ed Wood",)) is None
     far = ("A", "B", "C", "D", "E", "Ed Wood")  # sixth: below the head
@@ -93,6 +97,7 @@ def test_in_process_a_covered_branch_never_runs_and_the_result_is_the_question_s
     assert [(e["branch"], e["subquery"]) for e in covered] == [
         (1, "Scott Derrickson nationality"), (2, "Ed Wood nationality")]
     assert covered[0]["by"] == ["Scott Derrickson"] and covered[1]["by"][0].startswith("Ed Wood")
+    assert covered[0]["ids"][0].startswith("scott-derrickson#")  # the guard checks these
     assert [e["type"] for e in events][-1] == "result"
     alone = bm25_driver.search(Q, max_branches=1)
     assert result.ranked_chunk_ids == alone.ranked_chunk_ids  # what was fused: one branch
@@ -116,3 +121,16 @@ def test_covering_off_runs_every_planned_branch(bm25_driver):
     covered = bm25_driver.search(Q)
     # the covered branches added nothing to the head of the fused list
     assert result.ranked_chunk_ids[:5] == covered.ranked_chunk_ids[:5]
+
+
+def test_forks_are_numbered_after_every_planned_branch_covered_or_not(bm25_driver):
+    bm25_driver.settings = bm25_driver.settings.replace(forks=3, fork_gap=1.0)
+    try:
+        events = []
+        result = bm25_driver.search(Q, on_event=events.append)
+    finally:
+        bm25_driver.settings = bm25_driver.settings.replace(forks=0, fork_gap=0.15)
+    covered = {e["branch"] for e in events if e["type"] == "covered"}
+    forks = [b.index for b in result.branches if b.kind == "fork"]
+    assert covered == {1, 2} and forks and min(forks) == 3  # no number used twice
+    assert len({b.index for b in result.branches} | covered) == len(result.branches) + 2

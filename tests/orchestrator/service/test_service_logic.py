@@ -173,6 +173,10 @@ def test_acl_guard_drops_hidden_ids_everywhere():
     hidden = lambda ids: {i for i in ids if i.startswith("secret")}  # noqa: E731
     event, dropped = stream.guard({"type": "search", "new_ids": ["ok#p0", "secret#p0"]}, hidden)
     assert event["new_ids"] == ["ok#p0"] and dropped == 1
+    covered = {"type": "covered", "branch": 1, "subquery": "Secret Plan", "by": [
+        "Open Page", "Secret Plan"], "ids": ["ok#p0", "secret#p0"]}
+    event, dropped = stream.guard(covered, hidden)  # a hidden page's title goes with its id
+    assert (event["by"], event["ids"], dropped) == (["Open Page"], ["ok#p0"], 1)
     result = {"ranked_chunk_ids": ["secret#p0", "ok#p0"], "branches": [
         {"ranked_chunk_ids": ["secret#p0"], "pruned_ids": [], "final_context_ids": ["secret#p0"]}],
         "evidence": [{"doc_id": "secret", "chunks": [{"chunk_id": "secret#p0"}]},
