@@ -119,7 +119,28 @@ def files_health(folder: Path, manifest, *, dense: bool = True) -> str:
         head = f.read(16)  # SQLite says: an empty file is an empty database)
         if head and head != b"SQLite format 3\x00":
             return "damaged: docs.sqlite is not a database; remove the folder and ingest it again"
+    if dense and fitted and not whole_safetensors(folder / fitted / "model.safetensors"):
+        return (f"damaged: {fitted}/model.safetensors is cut short; remove the folder and "
+                "ingest it again")
     return "ok"
+
+
+def whole_safetensors(path: Path) -> bool:
+    """Whether a safetensors file is as long as its header says (8 bytes of header length,
+    the JSON header, then the tensors up to the last `data_offsets` end): a file cut short by a
+    full disk or a partial copy fails here, before any model load."""
+    import json
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+        return path.stat().st_size >= 8 + length + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
 
 
 def home_flag(settings: Settings) -> str:

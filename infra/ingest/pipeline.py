@@ -568,11 +568,18 @@ def _same_unfinished_model(settings: Settings, unfinished, embedder) -> None:
 def _same_fitted(settings: Settings, previous: Manifest | None, embedder) -> None:
     """Refuse to add to an index fitted a static model (`static_tune`) without that model:
     the distilled model's vectors would sit beside the fitted one's, and rank wrongly."""
+    from branchsearch.infra.index.profile import whole_safetensors
+
     fitted = (previous.embedding or {}).get("fitted") if previous is not None else None
-    if embedder is not None and fitted and getattr(embedder, "static_folder", None) is None:
+    if embedder is None or not fitted:
+        return
+    folder = getattr(embedder, "static_folder", None)
+    state = ("missing" if folder is None else "cut short"
+             if not whole_safetensors(Path(folder) / "model.safetensors") else "")
+    if state:
         raise IndexIncomplete(
             f"index {settings.index!r} is damaged: its fitted static model ({fitted}/ in the "
-            f"index folder) is missing; remove {settings.index_dir} and ingest it again (the "
+            f"index folder) is {state}; remove {settings.index_dir} and ingest it again (the "
             f"index is unchanged)")
 
 

@@ -272,21 +272,25 @@ def test_an_index_whose_fitted_model_is_lost_or_broken_says_so(tmp_path, cached)
     data = weights.read_bytes()
     weights.write_bytes(data[:1000])  # truncated
     from branchsearch.infra.models import embedder as loaded
+    from branchsearch.infra.index.catalog import list_indexes
 
     loaded._MODELS.clear()  # as a new process would: the ingest's copy is in memory
-    retriever = open_retriever(_settings(home, index="mini"))
-    try:
-        with pytest.raises(BranchsearchError, match="cannot read the static model "
-                                                    "mini/static-embedder"):
-            retriever.search("Scott Derrickson", mode="dense", k=5)
-    finally:
-        retriever.close()
+    with pytest.raises(IndexIncomplete, match="'mini' is damaged: "
+                                              "static-embedder/model.safetensors is cut short"):
+        open_retriever(_settings(home, index="mini"))
+    [info] = list_indexes(_settings(home))
+    assert info.health.startswith("damaged: static-embedder/model.safetensors is cut short")
+    with pytest.raises(BranchsearchError, match="cannot read the static model "
+                                                "mini/static-embedder"):  # loaded anyway
+        Embedder(STATIC_MODEL, static_folder=weights.parent).embed(["Scott Derrickson"])
+    before = (settings.index_dir / "manifest.json").read_text()
+    with pytest.raises(IndexIncomplete, match="fitted static model.*is cut short"):
+        ingest(HOTPOT, settings)  # every document committed: it would only rewrite the manifest
+    assert (settings.index_dir / "manifest.json").read_text() == before
     weights.unlink()
     with pytest.raises(IndexIncomplete, match="'mini' is damaged: "
                                               "static-embedder/model.safetensors missing"):
         open_retriever(_settings(home, index="mini"))
-    from branchsearch.infra.index.catalog import list_indexes
-
     [info] = list_indexes(_settings(home))
     assert info.health.startswith("damaged: static-embedder/model.safetensors missing")
     before = (settings.index_dir / "manifest.json").read_text()
