@@ -534,6 +534,8 @@ class MilvusStore:
             raise _lite_busy(self.uri)
         self._token = token
         self._owns_lite = self._lite is not None and not self._served  # its server is ours
+        if self._owns_lite and lite_down(self._lite) is not None:
+            revive_lite(self._lite)  # its server died while another store of ours held it
         self._generation = _lite_generation.get(self._lite, 0)  # of the Lite server it reaches
         self._reconnect_lock = threading.Lock()
         self._client = self._connect(served or self.uri)

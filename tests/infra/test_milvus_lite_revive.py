@@ -121,3 +121,26 @@ def test_a_restart_that_fails_is_an_error_at_once_and_tried_again(tmp_path, monk
         assert store.count() == 40
     finally:
         store.close()
+
+
+def test_a_store_opened_after_the_server_died_starts_it_again(tmp_path):
+    """A process whose Lite server died while it held a store on the file, and which opens
+    another store there before any request (a new question's retriever), starts it again
+    rather than fail to connect to the dead one's socket."""
+    from milvus_lite.server_manager import server_manager_instance
+
+    db = tmp_path / "dense.db"
+    first = MilvusStore(db, DIM)
+    try:
+        chunks, vectors = _rows(0, 40, seed=3)
+        first.write(chunks, vectors, [])
+        dead = _kill(first)
+        second = MilvusStore(db, DIM, create=False)
+        try:
+            assert second.count() == 40
+            assert server_manager_instance._servers[lite_key(db)] is not dead
+        finally:
+            second.close()
+        assert first.count() == 40  # the first store reaches the new server too
+    finally:
+        first.close()
