@@ -75,7 +75,7 @@ class Driver:
         JSON-able dicts: plan, branch_started, search, prune, branch_done, covered, fork, chain,
         result. A planned branch that the question's own branch covers (`orchestrator.cover`,
         `settings.skip_covered`) is not fused (in-process, not run): a `covered` event says
-        which titles cover it, and `metrics.covered` counts them.
+        which titles cover it, and the result's `covered` lists the same.
         With `settings.forks` or `settings.chains` and more than one branch, a second wave of
         forks (`orchestrator.forks`) or chain hops (`orchestrator.chains`) follows the first;
         `max_branches` 1 never has one.
@@ -147,7 +147,7 @@ class Driver:
             "latency_s": round(time.perf_counter() - started, 4),
             "planner": type(self.planner).__name__,
             "planner_fallback": getattr(self.planner, "last_fallback", ""),
-            "branches": len(branches), "branches_ok": len(ok), "covered": covered,
+            "branches": len(branches), "branches_ok": len(ok), "covered": len(covered),
             "branch_latency_s_sum": round(sum(b.latency_s for b in branches), 4),
             "branch_latency_s_max": round(max((b.latency_s for b in branches), default=0), 4),
             "context_tokens_final_mean": round(
@@ -161,7 +161,8 @@ class Driver:
             forks = [b for b in branches if b.kind == "fork"]
             metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
         result = SearchResult(question, evidence, ranked, branches, metrics,
-                              trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes)
+                              trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes,
+                              covered)
         emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
 
@@ -176,13 +177,13 @@ class Driver:
         return lambda anchor, task: (covered_by(anchor, names[task.index])
                                      if 0 < task.index < len(names) else None)
 
-    def _covered(self, tasks: list, branches: list, cover, on_event) -> int:
+    def _covered(self, tasks: list, branches: list, cover, on_event) -> list[dict]:
         """Record each task the executor left out as covered: a `covered` span and event
         (the branch, its sub-query, the titles of the question's branch that cover it and
         the chunk ids it ranked first of each, which the service's ACL guard checks).
-        Returns how many."""
+        Returns the events, without their type (the result's `covered`)."""
         ran = {b.index for b in branches}
-        left = [t for t in tasks if t.index not in ran]
+        left, out = [t for t in tasks if t.index not in ran], []
         for task in left:
             by = cover(branches[0], task) or []
             titles, ids = [t for t, _ in by], [c for _, c in by]
@@ -190,9 +191,10 @@ class Driver:
                 span.set_attributes({"covered.branch": task.index,
                                      "covered.subquery": task.subquery, "covered.by": titles,
                                      "covered.ids": ids})
-            emit(on_event, {"type": "covered", "branch": task.index,
-                            "subquery": task.subquery, "by": titles, "ids": ids})
-        return len(left)
+            out.append({"branch": task.index, "subquery": task.subquery, "by": titles,
+                        "ids": ids})
+            emit(on_event, {"type": "covered", **out[-1]})
+        return out
 
     def _forks(self, first: list, groups, deadline, on_event, number: int) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the

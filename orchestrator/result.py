@@ -29,6 +29,9 @@ class SearchResult:
     metrics: dict
     trace_id: str
     notes: list[str] = field(default_factory=list)  # what was changed about the question
+    # planned branches left out because the question's branch covers them (`orchestrator.cover`):
+    # each {branch, subquery, by: the covering titles, ids: their chunks}, as its `covered` event
+    covered: list[dict] = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -38,7 +41,7 @@ class SearchResult:
         return {"question": self.question, "status": self.status, "notes": self.notes,
                 "evidence": self.evidence, "ranked_chunk_ids": self.ranked_chunk_ids,
                 "branches": [b.to_dict(full) for b in self.branches],
-                "metrics": self.metrics, "trace_id": self.trace_id}
+                "covered": self.covered, "metrics": self.metrics, "trace_id": self.trace_id}
 
 
 def fuse_branches(branches: list[BranchReport], k: int = 60,

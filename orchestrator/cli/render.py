@@ -52,10 +52,10 @@ def print_result(result) -> None:
                 if getattr(b, "kind", "") == "fork" else "")
         print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}{fork}: "
               f"{one_line(extra)}")
-    covered = result.metrics.get("covered", 0)
-    if covered:
-        print(f"  {covered} more planned branch{'es' if covered > 1 else ''} covered: the "
-              "question's branch already ranks the pages they are about (skip_covered)")
+    for c in getattr(result, "covered", None) or []:
+        by = one_line(", ".join(c["by"]))
+        print(f"  branch {c['branch']} [covered] {one_line(c['subquery'])!r}: not run, the "
+              f"question's branch already ranks {by} (skip_covered)")
     print("evidence (rank, fused score):")
     for rank, doc in enumerate(result.evidence, start=1):
         by = ", ".join(f"b{f['branch']}#{f['rank']}" for f in doc["found_by"])

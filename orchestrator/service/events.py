@@ -69,7 +69,8 @@ def chunk_ids_in(event: dict) -> list[str]:
             ("ranked_chunk_ids", "pruned_ids", "final_context_ids", "seeds")
             for cid in b.get(name) or []] + [
             cid for b in r.get("branches", []) for c in b.get("fork_candidates") or []
-            for cid in [c.get("chunk_id", ""), *(c.get("chunk_ids") or [])]]
+            for cid in [c.get("chunk_id", ""), *(c.get("chunk_ids") or [])]] + [
+            cid for c in r.get("covered") or [] for cid in c.get("ids") or []]
     return (list(event.get("new_ids", [])) + list(event.get("ids", []))
             + list(event.get("handed", [])))
 
@@ -84,11 +85,8 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
     keep = lambda xs: [x for x in xs if x not in bad]  # noqa: E731
     if event.get("type") != "result":
         out = dict(event)
-        if out.get("type") == "covered":  # a hidden document's title goes with its id
-            pairs = [(t, c) for t, c in zip(out.get("by", []), out.get("ids", []))
-                     if c not in bad]
-            out["by"], out["ids"] = [t for t, _ in pairs], [c for _, c in pairs]
-            return out, len(bad)
+        if out.get("type") == "covered":
+            return _uncovered(out, bad), len(bad)
         for name in ("new_ids", "ids", "handed"):
             if name in out:
                 out[name] = keep(out[name])
@@ -109,7 +107,16 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
         if chunks:
             docs.append({**doc, "chunks": chunks})
     r["evidence"] = docs
+    if r.get("covered"):
+        r["covered"] = [_uncovered(c, bad) for c in r["covered"]]
     return {**event, "result": r}, len(bad)
+
+
+def _uncovered(covered: dict, bad: set[str]) -> dict:
+    """A `covered` entry without the hidden ids: a hidden document's title goes with its id."""
+    pairs = [(t, c) for t, c in zip(covered.get("by", []), covered.get("ids", []))
+             if c not in bad]
+    return {**covered, "by": [t for t, _ in pairs], "ids": [c for _, c in pairs]}
 
 
 def public(event: dict) -> dict:

@@ -233,6 +233,17 @@ class BranchSummary(_Open):
     latency_s: float
 
 
+class CoveredBranch(BaseModel):
+    """A planned branch that did not run: the question's own branch already ranks the pages it
+    is about (`skip_covered`). Its `covered` event says the same."""
+
+    model_config = ConfigDict(extra="forbid")
+    branch: int
+    subquery: str
+    by: list[str] = Field(description="the covering titles, in the question's branch's order")
+    ids: list[str] = Field(description="the first chunk of each covering title")
+
+
 class SearchResponse(_Open):
     """The search's result (`branchsearch search --json`), the caller's ACL applied."""
 
@@ -246,6 +257,8 @@ class SearchResponse(_Open):
                                              "with its chunks")
     ranked_chunk_ids: list[str]
     branches: list[BranchSummary]
+    covered: list[CoveredBranch] = Field(default_factory=list, description="planned branches "
+                                         "left out: the question's branch covers them")
     metrics: dict[str, Any]
     trace_id: str
 

@@ -98,9 +98,23 @@ def test_in_process_a_covered_branch_never_runs_and_the_result_is_the_question_s
         (1, "Scott Derrickson nationality"), (2, "Ed Wood nationality")]
     assert covered[0]["by"] == ["Scott Derrickson"] and covered[1]["by"][0].startswith("Ed Wood")
     assert covered[0]["ids"][0].startswith("scott-derrickson#")  # the guard checks these
+    # the result (and `search --json`, a batch's lines) lists them as their events say
+    assert [{"type": "covered", **c} for c in result.to_dict()["covered"]] == covered
     assert [e["type"] for e in events][-1] == "result"
     alone = bm25_driver.search(Q, max_branches=1)
     assert result.ranked_chunk_ids == alone.ranked_chunk_ids  # what was fused: one branch
+
+
+def test_the_terminal_says_which_branches_were_covered_and_by_what(bm25_driver, capsys):
+    from branchsearch.orchestrator.cli.render import print_result
+
+    print_result(bm25_driver.search(Q))
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    covered = [line for line in lines if "[covered]" in line]
+    assert len(covered) == 2 and covered[0].startswith(
+        "branch 1 [covered] 'Scott Derrickson nationality': not run, the question's branch "
+        "already ranks Scott Derrickson")
+    assert covered[1].startswith("branch 2 [covered] 'Ed Wood nationality'")
 
 
 def test_a_branch_about_what_the_question_s_branch_missed_still_runs(bm25_driver):

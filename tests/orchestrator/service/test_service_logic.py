@@ -184,6 +184,14 @@ def test_acl_guard_drops_hidden_ids_everywhere():
     event, dropped = stream.guard({"type": "result", "result": result}, hidden)
     assert "secret" not in json.dumps(event) and dropped == 1
     assert event["result"]["evidence"][0]["doc_id"] == "ok"
+    # the result lists its covered branches as their events do: the same rule applies there,
+    # also when a hidden page is named nowhere else in the result
+    only = {"ranked_chunk_ids": ["ok#p0"], "branches": [], "evidence": [],
+            "covered": [{k: v for k, v in covered.items() if k != "type"}]}
+    event, dropped = stream.guard({"type": "result", "result": only}, hidden)
+    assert event["result"]["covered"] == [{"branch": 1, "subquery": "Secret Plan",
+                                           "by": ["Open Page"], "ids": ["ok#p0"]}]
+    assert "secret" not in json.dumps(event["result"]["covered"]) and dropped == 1
 
 
 def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
