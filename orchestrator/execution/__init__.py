@@ -44,8 +44,8 @@ class Executor(Protocol):
             cover: Cover = None) -> list[BranchReport]:
         """Run every task; one report per task, in order, whatever happened to it — except
         the tasks that `cover` says the first task's report covers (`orchestrator.cover`):
-        those have no report (an executor that runs branches one after another does not run
-        them; one that runs them at once drops their reports)."""
+        those have no report (run after the first task, they do not run; run beside it,
+        their reports are dropped)."""
 
     def warm(self, settings: Settings) -> None:
         """Load the models the first question would load (a service, before traffic)."""

@@ -9,6 +9,10 @@ stores, with no round trip per turn — when the replica hosts no other branch j
 policy needs no model (the LLM policy's branches stay in branch actors, which hold its keys and
 GPUs). It is the branch every question has and the longest (it follows the most hops).
 
+A question's branches start together when the cluster has a CPU for each (`at_once`); where
+they would share CPUs, the question's branch runs first and the branches it covers
+(`orchestrator.cover`) never start, as in-process.
+
 With `fetch_cache`, a question's branches share one replica, which holds the question's cache
 (the question's requests carry its id; `end_question` drops it). Off, each branch of a question
 may take its own replica.
@@ -76,6 +80,7 @@ class RayExecutor:
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
+        self.cpus = self.resources.get("CPU", 0)  # the cluster's, for `at_once`
         self.branch_settings = branch_settings(settings)
         self.shared_pool = pool is not None
         # the pool grows on demand up to the plan's size; one question's worth starts now
@@ -108,13 +113,31 @@ class RayExecutor:
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None,
             cover: Cover = None) -> list[BranchReport]:
-        """Every branch at once (the covered ones too: waiting for the question's branch
-        before starting the others would cost latency; their reports are dropped)."""
-        reports = self._run(tasks, settings, policy_factory, on_event)
-        if cover is None or not reports:
-            return reports
-        return reports[:1] + [r for r, t in zip(reports[1:], tasks[1:])
-                              if not cover(reports[0], t)]
+        """Every branch at once where each has a CPU of its own (`at_once`): the covered ones
+        run too, and their reports are dropped (waiting for the question's branch would only
+        add its latency). Where they would share CPUs, the question's branch runs first and
+        only the branches it does not cover follow, as in-process: a covered branch would
+        slow the others down for nothing. The second wave ends by one branch timeout from
+        the question's start, as the first would have."""
+        if cover is None or len(tasks) < 2 or self.at_once(len(tasks)):
+            reports = self._run(tasks, settings, policy_factory, on_event)
+            if cover is None or not reports:
+                return reports
+            return reports[:1] + [r for r, t in zip(reports[1:], tasks[1:])
+                                  if not cover(reports[0], t)]
+        own = time.time() + settings.branch_timeout_s
+        first = self._run(tasks[:1], settings, policy_factory, on_event)
+        rest = [replace(t, deadline=own if t.deadline is None else min(t.deadline, own))
+                for t in tasks[1:] if not cover(first[0], t)]
+        return first + (self._run(rest, settings, policy_factory, on_event) if rest else [])
+
+    def at_once(self, branches: int) -> bool:
+        """Whether a question's `branches` start together: always for the LLM policy (its
+        branches wait on engines that batch their calls), else when the cluster has a CPU for
+        each of them beside the branches already in flight."""
+        if not self.hosts:
+            return True
+        return sum(self.balancer.load) + branches <= self.cpus
 
     def _run(self, tasks: list[BranchTask], settings: Settings,
              policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:

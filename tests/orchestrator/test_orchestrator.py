@@ -139,23 +139,56 @@ def test_fan_out_fuses_branches_and_shares_one_trace(ray_driver):
 
 
 @pytest.mark.ray
-def test_on_ray_covered_branches_run_at_once_and_are_dropped_as_in_process(ray_driver):
-    """With covering on (the default), Ray starts every planned branch at once (no wait for
-    the question's branch), then fuses only the uncovered ones: the result is the question's
-    branch alone, as in-process where the covered ones never run."""
+@pytest.mark.parametrize("cpus", [64, 0], ids=["a-cpu-each", "sharing-cpus"])
+def test_on_ray_covered_branches_are_left_out_as_in_process(ray_driver, cpus):
+    """With covering on (the default): where each branch has a CPU of its own, Ray starts
+    every planned branch at once (no wait for the question's branch) and drops the covered
+    ones' reports; where they would share CPUs, the question's branch runs first and the
+    covered ones never start. Either way the result is the question's branch alone, as
+    in-process."""
     driver, _ = ray_driver
+    executor = driver.executor
+    have = executor.cpus
     driver.settings = driver.settings.replace(skip_covered=True)
+    executor.cpus = cpus  # as on a cluster of that many CPUs
     try:
+        assert executor.at_once(3) == (cpus == 64)
         events = []
         result = driver.search(Q, on_event=events.append)
         alone = driver.search(Q, max_branches=1)
     finally:
         driver.settings = driver.settings.replace(skip_covered=False)
+        executor.cpus = have
     assert [b.index for b in result.branches] == [0] and result.metrics["covered"] == 2
-    assert sorted(e["branch"] for e in events if e["type"] == "branch_done") == [0, 1, 2]
+    started = sorted(e["branch"] for e in events if e["type"] == "branch_started")
+    assert started == ([0, 1, 2] if cpus else [0])
     kinds = [(e["type"], e.get("branch")) for e in events]
-    assert kinds.index(("covered", 1)) > kinds.index(("branch_done", 1))
+    if cpus:
+        assert kinds.index(("covered", 1)) > kinds.index(("branch_done", 1))
+    assert [c["branch"] for c in result.covered] == [1, 2]
     assert result.ranked_chunk_ids == alone.ranked_chunk_ids
+
+
+@pytest.mark.ray
+def test_on_ray_sharing_cpus_a_branch_the_question_s_branch_misses_still_runs(ray_driver):
+    driver, _ = ray_driver
+    executor, have = driver.executor, driver.executor.cpus
+    driver.settings = driver.settings.replace(skip_covered=True)
+    executor.cpus = 0
+    question = "Were Scott Derrickson and Tim Burton of the same nationality?"
+    try:
+        events = []
+        result = driver.search(question, on_event=events.append)
+    finally:
+        driver.settings = driver.settings.replace(skip_covered=False)
+        executor.cpus = have
+    assert result.branches[0].subquery == question
+    assert "Tim Burton nationality" in [b.subquery for b in result.branches[1:]]
+    assert {b.status for b in result.branches} == {"ok"}
+    assert len(result.branches) + result.metrics["covered"] == 3
+    order = [(e["type"], e.get("branch")) for e in events]
+    later = [i for i, (kind, b) in enumerate(order) if kind == "branch_started" and b != 0]
+    assert later and order.index(("branch_done", 0)) < min(later)  # the second wave
 
 
 @pytest.mark.ray
