@@ -11,7 +11,6 @@ import uuid
 from collections.abc import Callable
 
 from branchsearch.infra import telemetry
-from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.orchestrator.execution import emit, make_executor

@@ -179,7 +179,7 @@ _ESCAPE_HINTS = {
 def _unsupported(pattern: str) -> str | None:
     """The first construct the engines do not share, read as the regex parser reads it: an escape
     covers the next character, and inside a bracket `^` and `$` are not anchors."""
-    i, in_class = 0, False
+    i, in_class, class_start = 0, False, False
     while i < len(pattern):
         ch = pattern[i]
         if ch == "\\" and i + 1 < len(pattern):

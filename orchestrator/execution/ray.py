@@ -235,8 +235,6 @@ class RayExecutor:
                 ) -> BranchReport | None:
         """The branch's report: its own, or a timeout; None for a hosted branch whose replica
         died (it can run again elsewhere)."""
-        import ray
-
         if place.ref in done:
             return self._collect(task, place)
         if place.actor is not None:

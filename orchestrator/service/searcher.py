@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
-from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexIncomplete,
+from branchsearch.infra.errors import (BranchsearchError, IndexIncomplete,
                                        IndexNotFound, error_line, public_line)
 from branchsearch.infra.config.settings import Settings, index_name_problem
 from branchsearch.orchestrator import documents

@@ -15,7 +15,6 @@ from branchsearch.infra.stores.milvus import IndexSpec, MilvusStore
 from branchsearch.infra.ingest.pipeline import ingest
 from branchsearch.infra.index.manifest import read_manifest
 from branchsearch.infra.index.open import open_retriever
-from branchsearch.infra.config.settings import load_settings
 
 from conftest import HOTPOT
 
