@@ -54,7 +54,7 @@ def print_result(result) -> None:
               f"{one_line(extra)}")
     for c in getattr(result, "covered", None) or []:
         by = one_line(", ".join(c["by"]))
-        print(f"  branch {c['branch']} [covered] {one_line(c['subquery'])!r}: not run, the "
+        print(f"  branch {c['branch']} [covered] {one_line(c['subquery'])!r}: left out, the "
               f"question's branch already ranks {by} (skip_covered)")
     print("evidence (rank, fused score):")
     for rank, doc in enumerate(result.evidence, start=1):

@@ -38,6 +38,12 @@ class BranchPool:
         self._created = len(self._idle)
         self._cond = threading.Condition()
 
+    @property
+    def busy(self) -> int:
+        """Actors running a branch now (taken and not given back)."""
+        with self._cond:
+            return self._created - len(self._idle)
+
     def ping_all(self) -> list:
         return [a.ping.remote() for a in self._idle]
 

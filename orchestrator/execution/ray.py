@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.errors import Overloaded
 from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
                                                   shares_cache)
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
@@ -125,27 +126,64 @@ class RayExecutor:
                 return reports
             return reports[:1] + [r for r, t in zip(reports[1:], tasks[1:])
                                   if not cover(reports[0], t)]
+        return self._in_turn(tasks, settings, policy_factory, on_event, cover)
+
+    def _in_turn(self, tasks: list[BranchTask], settings: Settings,
+                 policy_factory: Callable | None, on_event: Events, cover: Cover
+                 ) -> list[BranchReport]:
+        """The question's branch, then the branches it does not cover, on one replica that
+        holds the question's fetch cache for both waves (with `fetch_cache`). A second wave
+        with no time left, or no branch actor free before the deadline, is reported as timed
+        out: the question's branch's evidence stands."""
         own = time.time() + settings.branch_timeout_s
-        first = self._run(tasks[:1], settings, policy_factory, on_event)
-        rest = [replace(t, deadline=own if t.deadline is None else min(t.deadline, own))
-                for t in tasks[1:] if not cover(first[0], t)]
-        return first + (self._run(rest, settings, policy_factory, on_event) if rest else [])
+        share = None
+        if shares_cache(settings, tasks):
+            share = (uuid.uuid4().hex, self.balancer.take(len(tasks)))
+            self.retrievers[share[1]].expect.remote(share[0], [t.subquery for t in tasks])
+        try:
+            first = self._run(tasks[:1], settings, policy_factory, on_event, share)
+            rest = [replace(t, deadline=own if t.deadline is None else min(t.deadline, own))
+                    for t in tasks[1:] if not cover(first[0], t)]
+            if not rest:
+                return first
+            if time.time() < own:
+                try:
+                    return first + self._run(rest, settings, policy_factory, on_event, share)
+                except Overloaded:
+                    pass
+            late = [BranchReport(t.index, t.subquery, t.weight, t.kind, "timeout",
+                                 "not started before the deadline") for t in rest]
+            for report in late:
+                emit(on_event, done_event(report))
+            return first + late
+        finally:
+            if share is not None:
+                self.balancer.done(share[1], len(tasks))
+                self._end_question(share[1], share[0])
 
     def at_once(self, branches: int) -> bool:
         """Whether a question's `branches` start together: always for the LLM policy (its
         branches wait on engines that batch their calls), else when the cluster has a CPU for
-        each of them beside the branches already in flight."""
+        each of them beside the branches already in flight (this executor's, or the shared
+        pool's busy actors, whichever is more: the service's indexes share one pool)."""
         if not self.hosts:
             return True
-        return sum(self.balancer.load) + branches <= self.cpus
+        return max(sum(self.balancer.load), self.pool.busy) + branches <= self.cpus
 
     def _run(self, tasks: list[BranchTask], settings: Settings,
-             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
+             policy_factory: Callable | None, on_event: Events,
+             share: tuple[str, int] | None = None) -> list[BranchReport]:
+        """`tasks` at once. `share`: (question, replica) when the caller holds the question's
+        cache on that replica (and releases it); else chosen here."""
         carrier = telemetry.current_carrier()
         stream = on_event is not None
         # a question sharing a fetch cache runs on one replica, which holds the cache
-        question = uuid.uuid4().hex if shares_cache(settings, tasks) else None
-        if question is not None:
+        owned = share is None
+        question = (uuid.uuid4().hex if shares_cache(settings, tasks) else None) if owned \
+            else share[0]
+        if not owned:
+            replicas = [share[1]] * len(tasks)
+        elif question is not None:
             replicas = [self.balancer.take(len(tasks))] * len(tasks)
             self.retrievers[replicas[0]].expect.remote(question, [t.subquery for t in tasks])
         else:
@@ -179,7 +217,9 @@ class RayExecutor:
         finally:
             if hosted:
                 self.balancer.unhost(replicas[0])
-            if question is not None:
+            if not owned:
+                pass  # the caller's question: it releases the replica and the cache
+            elif question is not None:
                 self.balancer.done(replicas[0], len(tasks))
                 self._end_question(replicas[0], question)
             else:

@@ -233,11 +233,11 @@ class BranchSummary(_Open):
     latency_s: float
 
 
-class CoveredBranch(BaseModel):
-    """A planned branch that did not run: the question's own branch already ranks the pages it
-    is about (`skip_covered`). Its `covered` event says the same."""
+class CoveredBranch(_Open):
+    """A planned branch left out (not run, or run beside the question's branch and not fused):
+    the question's own branch already ranks the pages it is about (`skip_covered`). Its
+    `covered` event says the same."""
 
-    model_config = ConfigDict(extra="forbid")
     branch: int
     subquery: str
     by: list[str] = Field(description="the covering titles, in the question's branch's order")

@@ -112,7 +112,7 @@ def test_the_terminal_says_which_branches_were_covered_and_by_what(bm25_driver, 
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
     covered = [line for line in lines if "[covered]" in line]
     assert len(covered) == 2 and covered[0].startswith(
-        "branch 1 [covered] 'Scott Derrickson nationality': not run, the question's branch "
+        "branch 1 [covered] 'Scott Derrickson nationality': left out, the question's branch "
         "already ranks Scott Derrickson")
     assert covered[1].startswith("branch 2 [covered] 'Ed Wood nationality'")
 

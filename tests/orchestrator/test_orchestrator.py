@@ -192,6 +192,26 @@ def test_on_ray_sharing_cpus_a_branch_the_question_s_branch_misses_still_runs(ra
 
 
 @pytest.mark.ray
+def test_on_ray_a_second_wave_with_no_time_left_is_reported_not_sent(ray_driver):
+    """Sharing CPUs, the branches after the question's have what is left of one branch
+    timeout: when nothing is, they are timed out without taking a branch actor."""
+    driver, _ = ray_driver
+    executor, have = driver.executor, driver.executor.cpus
+    driver.settings = driver.settings.replace(skip_covered=True, branch_timeout_s=0.001)
+    executor.cpus = 0
+    busy = executor.pool.busy
+    try:
+        result = driver.search(Q)
+    finally:
+        driver.settings = driver.settings.replace(skip_covered=False, branch_timeout_s=20)
+        executor.cpus = have
+    assert [b.status for b in result.branches] == ["timeout"] * 3  # nothing covers: all planned
+    assert [b.error for b in result.branches[1:]] == ["not started before the deadline"] * 2
+    assert executor.pool.busy == busy  # no actor was taken for them
+    assert driver.search(Q).status == "ok"  # the pool is whole
+
+
+@pytest.mark.ray
 def test_a_crashed_and_a_late_branch_are_reported(ray_driver):
     from branchsearch.workers import scripted
 
