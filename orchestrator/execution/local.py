@@ -1,7 +1,7 @@
 """`LocalExecutor`: `run_branch` in this process, one branch after another, over one
 `Retriever` (no Ray; the baseline and the laptop path). With `fetch_cache`, the branches of one
 question share one `QuestionCache`, which dies with the question. The question's own branch
-runs first, so a branch it covers (`cover`) is never run, nor its query embedded."""
+runs first, so a branch it covers (`cover`) is never run."""
 
 from __future__ import annotations
 
@@ -30,24 +30,21 @@ class LocalExecutor:
         from branchsearch.infra.retrieval.retriever import QuestionRetriever
 
         cache = QuestionCache() if shares_cache(settings, tasks) else None
+        if cache is not None:
+            cache.expect([t.subquery for t in tasks])
         retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
         try:
-            if cover is None or len(tasks) < 2:  # every branch runs: queries embedded together
-                return self._run(tasks, retriever, cache, settings, policy_factory, on_event)
-            first = self._run(tasks[:1], retriever, cache, settings, policy_factory, on_event)
-            rest = [t for t in tasks[1:] if not cover(first[0], t)]
-            return first + self._run(rest, retriever, cache, settings, policy_factory,
-                                     on_event)
+            return self._run(tasks, retriever, settings, policy_factory, on_event, cover)
         finally:  # the cache dies with the question
             self.last_cache_stats = dict(cache.stats) if cache is not None else {}
 
-    def _run(self, tasks: list[BranchTask], retriever, cache, settings: Settings,
-             policy_factory: Callable | None, on_event: Events) -> list[BranchReport]:
-        """`tasks` one after another; with a `cache`, their queries embedded together first."""
-        if cache is not None and len(tasks) > 1:
-            cache.expect([t.subquery for t in tasks])
+    def _run(self, tasks: list[BranchTask], retriever, settings: Settings,
+             policy_factory: Callable | None, on_event: Events, cover: Cover
+             ) -> list[BranchReport]:
         reports: list[BranchReport] = []
         for task in tasks:
+            if cover is not None and reports and cover(reports[0], task):
+                continue
             if task.deadline is not None and time.time() >= task.deadline:
                 report = BranchReport(task.index, task.subquery, task.weight, task.kind,
                                       "timeout", "not started before the deadline")

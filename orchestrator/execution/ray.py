@@ -137,16 +137,15 @@ class RayExecutor:
         out: the question's branch's evidence stands."""
         own = time.time() + settings.branch_timeout_s
         share = None
-        if shares_cache(settings, tasks):  # the second wave's queries are embedded with it
+        if shares_cache(settings, tasks):
             share = (uuid.uuid4().hex, self.balancer.take(len(tasks)))
+            self.retrievers[share[1]].expect.remote(share[0], [t.subquery for t in tasks])
         try:
             first = self._run(tasks[:1], settings, policy_factory, on_event, share)
             rest = [replace(t, deadline=own if t.deadline is None else min(t.deadline, own))
                     for t in tasks[1:] if not cover(first[0], t)]
             if not rest:
                 return first
-            if share is not None and len(rest) > 1:
-                self.retrievers[share[1]].expect.remote(share[0], [t.subquery for t in rest])
             if time.time() < own:
                 try:
                     return first + self._run(rest, settings, policy_factory, on_event, share)

@@ -454,31 +454,3 @@ def test_a_questions_branch_queries_are_embedded_in_one_model_call(hotpot_settin
     calls, alone = search(every.replace(fetch_cache=False), "alone.sqlite")
     assert [c for c in calls if set(c) & set(subqueries)] == [[q] for q in subqueries], calls
     assert together["ranked_chunk_ids"] == alone["ranked_chunk_ids"]
-
-
-def test_a_covered_branch_s_query_is_never_embedded(hotpot_settings, tmp_path, monkeypatch):
-    """With covering (the default) the question's branch runs alone first: the model embeds
-    the queries of the branches that run, never those of the branches it covers."""
-    from branchsearch.orchestrator.driver import Driver
-
-    driver = Driver(hotpot_settings, mode="local")
-    try:
-        embedder = driver.executor.retriever.embedder
-        embedder.cache_at(tmp_path / "covered.sqlite")  # the queries are new to it
-        model = embedder._load()
-        embedded: list[str] = []
-        encode = model.encode
-        monkeypatch.setattr(model, "encode", lambda texts, *a, **k: (
-            embedded.extend(texts), encode(texts, *a, **k))[1])
-        result = driver.search(Q3, max_branches=3)
-        other = driver.search("Were Scott Derrickson and Tim Burton of the same nationality?",
-                              max_branches=3)
-    finally:
-        monkeypatch.undo()
-        driver.close()
-    assert result.metrics["covered"] == 2 and [b.index for b in result.branches] == [0]
-    assert Q3 in embedded
-    assert not {"Scott Derrickson nationality", "Ed Wood nationality"} & set(embedded)
-    ran = [b.subquery for b in other.branches]
-    assert "Tim Burton nationality" in ran and set(ran) <= set(embedded)
-    assert "Scott Derrickson nationality" not in embedded  # covered there too
