@@ -93,6 +93,9 @@ _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
 _SOCKET = re.compile(r"\bunix:[^\s\"'<>),;:]+")  # a Unix socket address (gRPC's unix:PATH)
 # an absolute file path of two or more parts (a data home, a store file), not an API route
 _PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
+# a process's or Ray's identifiers (a Ray error names the dead actor's pid, id, namespace)
+_PROCESS = re.compile(r"(?i)\b(pid|actor_id|namespace|node_id|job_id|worker_id|task_id)"
+                      r"(\s*[:=]\s*)[\w-]+")
 _ADDRESS = re.compile(
     r"(?<![\w.-])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:]+\]|localhost|"
     r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|(?<![\w.-])[A-Za-z0-9-]+:\d{2,5}\b")
@@ -115,12 +118,14 @@ def redact(text: str) -> str:
 
 def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
     """One line for a caller of the service: `redact`ed, URLs, Unix sockets and host[:port]
-    addresses replaced by `<server>`, absolute file paths by `<path>`."""
+    addresses replaced by `<server>`, absolute file paths by `<path>`, process and Ray ids
+    (pid, actor_id, namespace, ...) by `<hidden>`."""
     text = error_line(exc_or_text, 10_000) if isinstance(exc_or_text, BaseException) \
         else " ".join(redact(exc_or_text).split())
     text = _URL.sub("<server>", text)
     text = _SOCKET.sub("<server>", text)
     text = _PATH.sub("<path>", text)
+    text = _PROCESS.sub(r"\g<1>\g<2><hidden>", text)
     text = _PORT.sub(r"\g<1><server>", text)
     text = _ADDRESS.sub(lambda m: m.group(0) if _not_address(m.group(0)) else "<server>", text)
     return text[:width]

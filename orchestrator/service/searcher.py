@@ -220,16 +220,25 @@ class Searcher:
             return False
         return True
 
-    def _retire(self, index: str) -> None:
+    def _retire(self, index: str, why: str = "changed on disk (another layout, removed, made "
+                "anew or left incomplete)") -> None:
         """Take the index's driver out of service; it is closed once the requests using it end
         (`_using`). Holding the lock."""
         old = self._drivers.pop(index), self._docstores.pop(index)
-        log.info("index %r changed on disk (another layout, removed, made anew or left "
-                 "incomplete): its stores close once the %d request(s) using them end", index,
-                 self._users.get(old[0], 0))
+        log.info("index %r %s: its stores close once the %d request(s) using them end", index,
+                 why, self._users.get(old[0], 0))
         self._retiring[index] = old
         threading.Thread(target=self._close_when_idle, args=(index, old), daemon=True,
                          name=f"retire-{index}").start()
+
+    def _retire_dead(self, index: str, driver, exc: BaseException) -> None:
+        """Retire the index's `driver`, whose retriever actor is dead for good (once: the
+        first request to find it; a driver already replaced stays replaced)."""
+        with self._lock:
+            if self._drivers.get(index) is driver:
+                log.error("index %r: its retriever actor died for good (%s)", index,
+                          error_line(exc, 300))
+                self._retire(index, "lost its retriever actor")
 
     def _close_when_idle(self, index: str, old: tuple) -> None:
         try:
@@ -323,18 +332,25 @@ class Searcher:
             self.pool.close()
             self.pool = None
 
-    @staticmethod
-    def _in_retriever(driver, local_fn, actor_fn, *args):
-        """Run on the stores' owner: in this process (local) or in the retriever actor (Ray)."""
+    def _in_retriever(self, index: str, driver, local_fn, actor_fn, *args):
+        """Run on the stores' owner: in this process (local) or in the retriever actor (Ray).
+        A retriever actor dead for good (killed past its restarts, its node gone) takes its
+        driver out of service, so the next request starts the index afresh: a 503 to retry."""
         from branchsearch.orchestrator.execution.ray import RayExecutor
 
         if not isinstance(driver.executor, RayExecutor):
             return local_fn(driver.executor.retriever, *args)
         import ray
 
-        # __ray_call__ runs a function on the actor, with the actor's instance as first argument
-        return ray.get(driver.executor.retriever.__ray_call__.remote(actor_fn, *args),
-                       timeout=120)
+        try:
+            # __ray_call__ runs a function on the actor, its instance as first argument
+            return ray.get(driver.executor.retriever.__ray_call__.remote(actor_fn, *args),
+                           timeout=120)
+        except ray.exceptions.ActorDiedError as exc:
+            self._retire_dead(index, driver, exc)
+            raise ApiError(503, "backend_unavailable", f"the retriever process of index "
+                           f"{index!r} died; the next request starts it again: retry",
+                           {"Retry-After": "5"}) from None
 
     # --- search ---------------------------------------------------------------------------------
 
@@ -406,17 +422,17 @@ class Searcher:
             if all(b["status"] == "timeout" for b in out["branches"]):
                 raise ApiError(504, "deadline_exceeded", "no branch finished within the "
                                "deadline")
-            self._probe(driver)
+            self._probe(out["index"], driver)
             log.error("every branch failed: %s",
                       "; ".join(sorted({b.get("error", "") for b in out["branches"]})))
             raise ApiError(503, "search_failed", "every branch failed (the server log says "
                            "why); retry later", {"Retry-After": "5"})
         if not out["evidence"]:
-            self._probe(driver)
+            self._probe(out["index"], driver)
 
-    def _probe(self, driver) -> dict:
+    def _probe(self, index: str, driver) -> dict:
         try:
-            return self._in_retriever(driver, documents.probe, documents.probe_in_actor)
+            return self._in_retriever(index, driver, documents.probe, documents.probe_in_actor)
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001 — any backend failure is a 503 with its reason
@@ -506,7 +522,7 @@ class Searcher:
         server down) is a 503 saying what searches see now, not a 500. Domain errors and
         timeouts keep their status (api_error); a bug stays a 500."""
         try:
-            return self._in_retriever(driver, local_fn, actor_fn, *args)
+            return self._in_retriever(index, driver, local_fn, actor_fn, *args)
         except Exception as exc:  # noqa: BLE001
             cause = getattr(exc, "cause", None) or exc
             if isinstance(cause, (BranchsearchError, ApiError, TimeoutError, TypeError,
@@ -565,7 +581,7 @@ class Searcher:
                            {"Retry-After": "5"}) from None
         for index, driver in list(self._drivers.items()):
             try:
-                self._probe(driver)
+                self._probe(index, driver)
             except ApiError as exc:
                 log.warning("not ready: index %r: %s", index, exc.detail)
                 raise ApiError(503, "not_ready", f"index {index!r} is not ready",

@@ -485,6 +485,52 @@ def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, exe
             ray.shutdown()
 
 
+@pytest.mark.ray
+def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path):
+    """The Ray executor serving two indexes; one index's retriever actor is killed past its
+    restarts (hostile pass: a second kill -9). Before, that index answered 503 to every search,
+    stream and write until the service was restarted, and each body named the dead actor's
+    pid, id and namespace. Now the request that finds it dead gets one 503 to retry, naming
+    no process, the next starts the index afresh, and the other index never noticed."""
+    import ray
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1},
+                             read_env=False, read_file=False)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    ingest(corpus, settings)
+    ingest(corpus, settings.replace(index="bm"), dense=False)
+    state = service.local_state(settings, executor="ray", limits=LIMITS)  # dev mode: admin
+    server = start_uvicorn(service.create_app(state), state)
+    searcher = state.searcher.target
+    question = {"question": "Which sensors does the harbor budget fund?"}
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            def search(index: str) -> httpx.Response:
+                return client.post("/v1/search", json={**question, "index": index})
+
+            first = search("acl")
+            assert first.status_code == 200 and search("bm").status_code == 200
+            dead = searcher._drivers["acl"]
+            pid = ray.get(dead.executor.retriever.ping.remote())
+            ray.kill(dead.executor.retriever, no_restart=True)
+            refused = search("acl")
+            assert refused.status_code == 503, refused.text
+            body = refused.json()
+            assert body["error"] == "backend_unavailable" and "retry" in body["detail"]
+            assert str(pid) not in refused.text and "actor_id" not in refused.text
+            assert search("bm").status_code == 200  # the other index never noticed
+            again = search("acl")
+            assert again.status_code == 200, again.text
+            assert searcher._drivers["acl"] is not dead
+            assert ([e["doc_id"] for e in again.json()["evidence"]]
+                    == [e["doc_id"] for e in first.json()["evidence"]])
+            assert client.get("/readyz").status_code == 200
+    finally:
+        server.stop()
+        searcher.close()
+        ray.shutdown()
+
+
 def test_limits(site):
     client, keys, state = site
     alpha = auth(keys["alpha"])

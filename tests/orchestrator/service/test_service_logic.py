@@ -136,6 +136,13 @@ def test_errors_map_to_statuses_without_internals():
     unwrapped = _unwrap(wrapped)
     assert unwrapped.body() == {"error": "backend_unavailable", "detail": "ray: 2 branch "
                                 "actor(s) did not start within 300 s"}
+    died = api_error(BackendUnavailable(  # a dead actor's Ray error names its process
+        "retriever actor: ActorDiedError: The actor died unexpectedly. class_name: "
+        "RetrieverService actor_id: f2390abc pid: 3976 namespace: 3dd960c6-1a2b (pid=20962, "
+        "ip=192.0.2.2, actor_id=6dc6fb83)"))
+    assert died.status == 503 and "actor died unexpectedly" in died.detail
+    assert not [n for n in ("3976", "20962", "f2390abc", "3dd960c6", "6dc6fb83", "192.0.2.2")
+                if n in died.detail], died.detail
     crash = api_error(KeyError("/secret/path"))
     assert crash.status == 500 and "secret" not in crash.detail
     err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
