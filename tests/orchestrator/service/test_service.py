@@ -488,10 +488,9 @@ def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, exe
 @pytest.mark.ray
 def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path):
     """The Ray executor serving two indexes; one index's retriever actor is killed past its
-    restarts (hostile pass: a second kill -9). Before, that index answered 503 to every search,
-    stream and write until the service was restarted, and each body named the dead actor's
-    pid, id and namespace. Now the request that finds it dead gets one 503 to retry, naming
-    no process, the next starts the index afresh, and the other index never noticed."""
+    restarts. The request that finds it dead gets one 503 to retry, naming no process (no pid,
+    actor id or namespace), the next starts the index afresh, and the other index never
+    notices."""
     import ray
 
     settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1},
