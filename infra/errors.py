@@ -94,8 +94,9 @@ _SOCKET = re.compile(r"\bunix:[^\s\"'<>),;:]+")  # a Unix socket address (gRPC's
 # an absolute file path of two or more parts (a data home, a store file), not an API route
 _PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
 # a process's or Ray's identifiers (a Ray error names the dead actor's pid, id, namespace)
-_PROCESS = re.compile(r"(?i)\b(pid|actor_id|namespace|node_id|job_id|worker_id|task_id)"
-                      r"(\s*[:=]\s*)[\w-]+")
+_PROCESS = re.compile(r"(?i)\b(pid|actor[_ ]id|namespace|node[_ ]id|job[_ ]id|worker[_ ]id|"
+                      r"task[_ ]id)(\s*[:=]\s*|\s+(?=\d))(['\"]?)[\w-]+\3")
+_RAY_ID = re.compile(r"\b(ActorID\(|actor )[0-9a-f]{16,}")  # Ray's "The actor <hex> is ..."
 _ADDRESS = re.compile(
     r"(?<![\w.-])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:]+\]|localhost|"
     r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|(?<![\w.-])[A-Za-z0-9-]+:\d{2,5}\b")
@@ -126,6 +127,7 @@ def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
     text = _SOCKET.sub("<server>", text)
     text = _PATH.sub("<path>", text)
     text = _PROCESS.sub(r"\g<1>\g<2><hidden>", text)
+    text = _RAY_ID.sub(r"\g<1><hidden>", text)
     text = _PORT.sub(r"\g<1><server>", text)
     text = _ADDRESS.sub(lambda m: m.group(0) if _not_address(m.group(0)) else "<server>", text)
     return text[:width]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, Overloaded
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, Overloaded,
+                                       error_line)
 from branchsearch.infra.config.settings import Settings
 
 
@@ -96,17 +97,22 @@ class BranchPool:
 
 def wait_started(refs: list, what: str, timeout: float, resources: dict, demand: dict) -> None:
     """Wait for actors to answer, at most `timeout`: a plan the cluster cannot place fails here
-    with one line instead of hanging, and an actor that died in its constructor of a user error
-    (a backend down, an index missing) raises that error."""
+    with one line instead of hanging, an actor that died in its constructor of a user error
+    (a backend down, an index missing) raises that error, and one killed while starting is
+    BackendUnavailable."""
     import ray
 
     try:
         ray.get(refs, timeout=timeout)
     except ray.exceptions.ActorDiedError as exc:
         cause = start_error(exc)
-        if cause is None:
-            raise
-        raise cause from None
+        if cause is not None:
+            raise cause from None
+        if getattr(exc, "actor_init_failed", False):
+            raise  # a bug in a constructor: its traceback
+        # killed while starting (its process, its node): what a caller may retry
+        raise BackendUnavailable(f"ray: {what} died while starting ({error_line(exc)}); "
+                                 "retry") from None
     except ray.exceptions.GetTimeoutError:
         have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
         try:  # what other actors (another index's, another job's) left free

@@ -361,6 +361,48 @@ def test_actor_died_of_a_user_error_is_that_error():
 
 
 @pytest.mark.ray
+def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path):
+    """An actor whose process is killed before it answers (a retriever started again by the
+    service, killed once more): BackendUnavailable, a 503 to retry, not Ray's ActorDiedError
+    (a 500 in the service)."""
+    import signal
+    import time
+
+    import ray
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.execution.pool import wait_started
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    pidfile = tmp_path / "pid"
+
+    @ray.remote(max_restarts=0, num_cpus=0)
+    class Slow:
+        def __init__(self, path):
+            open(path, "w").write(str(os.getpid()))
+            time.sleep(60)
+
+        def ping(self):
+            return os.getpid()
+
+    try:
+        ref = Slow.remote(str(pidfile)).ping.remote()
+        waited = time.monotonic()
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert time.monotonic() - waited < 60, "the actor never started"
+            time.sleep(0.1)
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        with pytest.raises(BackendUnavailable, match=r"1 retriever actor\(s\) died while "
+                           r"starting .*; retry$"):
+            wait_started([ref], "1 retriever actor(s)", 60, {"CPU": 1}, {})
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@pytest.mark.ray
 def test_a_failed_search_exits_1(tmp_path):
     """`status: failed` is exit status 1 (typer hands a command's exit code back to `main`,
     which once dropped it: a failed search exited 0)."""

@@ -143,6 +143,10 @@ def test_errors_map_to_statuses_without_internals():
     assert died.status == 503 and "actor died unexpectedly" in died.detail
     assert not [n for n in ("3976", "20962", "f2390abc", "3dd960c6", "6dc6fb83", "192.0.2.2")
                 if n in died.detail], died.detail
+    gone = api_error(BackendUnavailable("The actor 5f3a9c0e1d2b3a4f5e6d7c8b01000000 is "
+                                        "unavailable; PID 4567, Worker ID: ab12, namespace: "
+                                        "'serve'"))
+    assert not [n for n in ("5f3a9c0e", "4567", "ab12", "serve") if n in gone.detail], gone.detail
     crash = api_error(KeyError("/secret/path"))
     assert crash.status == 500 and "secret" not in crash.detail
     err = ApiError(429, "too_many_requests", "slow down", {"Retry-After": "1"})
