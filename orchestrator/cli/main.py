@@ -4,6 +4,7 @@ run."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -18,6 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Parallel-branch evidence search over Milvus + BM25 (see README).")
 for group in COMMAND_GROUPS:
     group.register(app)
+for _command in app.registered_commands:  # the command list shows each first paragraph whole,
+    _doc = inspect.getdoc(_command.callback) or ""  # not cut where the docstring's lines end
+    _command.short_help = _command.short_help or " ".join(_doc.split("\n\n")[0].split())
 
 
 def main() -> None:

@@ -251,6 +251,20 @@ def test_no_arguments_prints_help_and_exits_2():
     assert run(["--help"]).returncode == 0
 
 
+def test_the_command_list_says_each_command_in_one_line():
+    """`branchsearch --help` on a wide terminal: each command's summary whole on its own line,
+    not broken where its docstring's lines end."""
+    from branchsearch.orchestrator.cli.main import app
+
+    done = run(["--help"], env={"COLUMNS": "400"})
+    rows = [line.strip("│ ").split(None, 1) for line in done.stdout.splitlines()
+            if line.startswith("│ ") and not line.startswith("│ --")]
+    assert {row[0] for row in rows} == {c.name or c.callback.__name__
+                                        for c in app.registered_commands} | {"keys"}
+    for name, summary in rows:
+        assert len(summary.split()) >= 3 and summary.rstrip().endswith((".", ")")), (name, summary)
+
+
 def test_eval_split_reads_dev_qrels(inputs):
     from branchsearch.infra.datasets.beir import read_queries
 
