@@ -151,7 +151,9 @@ class Observe:
 
 async def _send_error(send, err: ApiError, metrics: ServiceMetrics) -> None:
     metrics.observe_error(err.status, err.error)
-    body = json.dumps(err.body()).encode()
+    from fastapi.responses import JSONResponse
+
+    body = JSONResponse(err.body()).body  # the same bytes as the app's own error answers
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -216,7 +218,10 @@ def create_app(state: ServiceState):
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(ApiError(exc.status_code, code, str(exc.detail),
+        detail = str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":  # no route: say which path
+            detail = f"no such path: {request.method} {request.url.path} (see /docs)"
+        return error_response(ApiError(exc.status_code, code, detail,
                                        dict(exc.headers or {})))  # 405 keeps its Allow
 
     async def read_body(request: Request) -> bytes:

@@ -79,9 +79,13 @@ def _int(body: dict, name: str, low: int, high: int) -> int | None:
 # to check or filter answers: the Schemathesis test (tests/orchestrator/service/test_service_schema.py) checks real
 # answers against them.
 
-# letters, digits, '-' and '_', at least one letter or digit (ASCII here: any script's letters
-# and digits are accepted too, which a JSON Schema pattern cannot say portably)
-INDEX_NAME_PATTERN = r"^[A-Za-z0-9_-]*[A-Za-z0-9][A-Za-z0-9_-]*$"
+# letters, digits, '-' and '_', at least one letter or digit. "A letter of any script" has no
+# portable JSON Schema form (ECMA-262's \p{L} needs the u flag, Python's re lacks it), so the
+# pattern refuses what `index_name_problem` refuses in ASCII and whitespace, and lets every
+# other character through: a client checking it never refuses a name the service takes.
+_NAME_CHAR = r"[^\x00-\x2c\x2e\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7f\s]"  # and '-', '_'
+_ALNUM_CHAR = r"[^\x00-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f\s]"
+INDEX_NAME_PATTERN = f"^{_NAME_CHAR}*{_ALNUM_CHAR}{_NAME_CHAR}*$"
 INDEX_NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": INDEX_NAME_CHARS,
                      "pattern": INDEX_NAME_PATTERN,
                      "description": f"an index name: 1-{INDEX_NAME_CHARS} letters, digits, '-' "

@@ -65,6 +65,8 @@ def assert_error(r: httpx.Response, status: int, error: str | None = None) -> di
     body = r.json()
     assert set(body) == {"error", "detail"} and body["detail"], body
     assert "Traceback" not in r.text
+    # every error is written alike: compact JSON, UTF-8 as is (not \u-escaped)
+    assert r.content == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     if error:
         assert body["error"] == error, body
     return body
@@ -558,6 +560,7 @@ def test_limits(site):
     else:
         assert_error(r, 504, "deadline_exceeded")
     assert_error(client.get("/nope"), 404)
+    assert "/v1/índice" in assert_error(client.get("/v1/índice"), 404)["detail"]
     assert_error(client.delete("/v1/search"), 405)
     metrics = client.get("/metrics").text
     for name in ("branchsearch_http_requests_total", "branchsearch_refusals_total",

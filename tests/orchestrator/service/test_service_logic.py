@@ -537,3 +537,23 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
         searcher.driver("x", wait=10)
     assert log[-1] == "close 6" and "x" not in searcher._drivers
     searcher.close()
+
+
+def test_the_schemas_index_name_pattern_takes_every_name_the_service_takes():
+    """A client that checks names against /openapi.json never refuses a name the service
+    accepts (any script's letters and digits), and refuses what the service refuses in ASCII
+    and whitespace."""
+    import re
+
+    from branchsearch.infra.config.settings import index_name_problem
+    from branchsearch.orchestrator.service.protocol import INDEX_NAME_PATTERN
+
+    taken = ["hotpot", "a_b-1", "índice-ü", "日本語", "Ωmega", "_-x_", "٣", "x" * 100]
+    refused = ["a b", "a.b", "-_", "a/b", "a\\b", "a#b", "a%b", "a?b", "a\tb", "é\u00a0b",
+               "\u2003", "a:b", "a\x00b"]
+    for name in taken:
+        assert not index_name_problem(name), name
+        assert re.search(INDEX_NAME_PATTERN, name), name
+    for name in refused:
+        assert index_name_problem(name), name
+        assert not re.search(INDEX_NAME_PATTERN, name), name
