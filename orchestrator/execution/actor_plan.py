@@ -106,6 +106,7 @@ class ServicePlan:
     retriever: dict
     branch: dict
     branch_actors: int
+    retriever_room: int = 1  # indexes whose retrievers the plan left CPU for
 
 
 def plan_service(settings: Settings, free: dict, indexes: int, pool_size: int) -> ServicePlan:
@@ -131,4 +132,4 @@ def plan_service(settings: Settings, free: dict, indexes: int, pool_size: int) -
     branch = {"num_cpus": _down(min(settings.branch_num_cpus, left / pool))}
     if node_count(free) > 1:  # one replica a node, and the pool over every node
         retriever["scheduling_strategy"] = branch["scheduling_strategy"] = "SPREAD"
-    return ServicePlan(retriever, branch, pool)
+    return ServicePlan(retriever, branch, pool, max(indexes, 0) + 1)

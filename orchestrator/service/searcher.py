@@ -58,6 +58,10 @@ class Searcher:
         self._pool_lock = threading.Lock()
         self.pool = None  # the branch pool every index shares (Ray executor), made once
         self._retriever_options: dict = {}
+        # CPU reserved for retrievers: the pool was planned with room for this many indexes'
+        # retrievers (those found at its start, and one more); `_cpu_holders` hold it now
+        self._retriever_room = 0
+        self._cpu_holders: set = set()
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
         if warm:
             self.open_default()
@@ -245,7 +249,7 @@ class Searcher:
             with self._idle:
                 while self._users.get(old[0]):
                     self._idle.wait()
-            _close(*old)
+            self._close(*old)
         except Exception as exc:  # noqa: BLE001 — a store that fails to close: logged
             log.warning("closing the old stores of index %r: %s", index, error_line(exc, 500))
         finally:
@@ -283,14 +287,59 @@ class Searcher:
             from branchsearch.orchestrator.execution.ray import RayExecutor
 
             pool = self._branch_pool()
-            driver = Driver(settings, mode="ray", executor=RayExecutor(
-                settings, pool.size, pool=pool, retriever_options=self._retriever_options))
+            options = self._retriever_share(settings.index)
+            try:
+                driver = Driver(settings, mode="ray", executor=RayExecutor(
+                    settings, pool.size, pool=pool, retriever_options=options))
+            except BaseException:
+                self._release(None, options)
+                raise
+            self._release(driver, options, hold=True)
         try:
             driver.warm()  # the first request after a start or a reopen waits for no model
         except BaseException:
-            driver.close()
+            self._close(driver, None)
             raise
         return driver
+
+    def _retriever_share(self, index: str) -> dict:
+        """The Ray options of an index's retriever actors: the planned CPU share while the
+        pool left room for it; past that (indexes made after the service started), none. An
+        actor asking for CPUs the pool holds would wait for them until its start timed out,
+        and the index would answer 503 until the service restarted; one that reserves none is
+        placed at once and shares the CPUs with the rest, as every process on a machine does."""
+        options = dict(self._retriever_options)
+        with self._pool_lock:
+            if self._retriever_room > 0 and options.get("num_cpus"):
+                self._retriever_room -= 1
+                return options
+        if options.get("num_cpus"):
+            log.warning("index %r: the branch pool left CPU room for the retrievers of the "
+                        "indexes there were when it started, and one more; this one reserves "
+                        "none and shares the CPUs (restart the service to plan for every index)",
+                        index)
+        return {**options, "num_cpus": 0}
+
+    def _release(self, driver, options: dict, hold: bool = False) -> None:
+        """A retriever start that reserved CPU (`options`) failed (`driver` None), or its
+        `driver` now holds the reservation (`hold`) until `_close`."""
+        if not options.get("num_cpus"):
+            return
+        with self._pool_lock:
+            if hold:
+                self._cpu_holders.add(driver)
+            else:
+                self._retriever_room += 1
+
+    def _close(self, driver, docstore) -> None:
+        """Close a driver (and its docstore); the CPU its retrievers reserved is free again."""
+        try:
+            _close(driver, docstore)
+        finally:
+            with self._pool_lock:
+                if driver in self._cpu_holders:
+                    self._cpu_holders.discard(driver)
+                    self._retriever_room += 1
 
     def _branch_pool(self):
         """The one branch pool of the service, planned against what the cluster has free now
@@ -319,12 +368,13 @@ class Searcher:
                 log.info("branch pool: %d actors of %g CPU; retrievers %g CPU each",
                          plan.branch_actors, plan.branch["num_cpus"], plan.retriever["num_cpus"])
                 self.pool, self._retriever_options = pool, plan.retriever
+                self._retriever_room = plan.retriever_room
             return self.pool
 
     def close(self) -> None:
         with self._idle:
             for index, driver in self._drivers.items():
-                _close(driver, self._docstores[index])
+                self._close(driver, self._docstores[index])
             self._drivers.clear()
             self._docstores.clear()
             self._idle.wait_for(lambda: not self._retiring, timeout=30)  # their own threads

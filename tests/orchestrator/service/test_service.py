@@ -532,6 +532,44 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
         ray.shutdown()
 
 
+def test_indexes_made_while_the_ray_service_runs_are_served(tmp_path):
+    """The Ray executor's branch pool is planned at the first request, with CPU room for the
+    retrievers of the indexes there are then, and one more. Indexes ingested after that are
+    served too: past the room, their retriever actors reserve no CPU and share the CPUs (they
+    used to wait for CPUs the pool holds until their start timed out: 503 until the service
+    restarted). Closing the service gives the room back."""
+    import ray
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "first",  # 3 branches:
+                                        "actor_start_timeout_s": 30},  # the pool takes the rest
+                             read_env=False, read_file=False)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    ingest(corpus, settings, dense=False)
+    state = service.local_state(settings, executor="ray", limits=LIMITS)  # dev mode: admin
+    server = start_uvicorn(service.create_app(state), state)
+    searcher = state.searcher.target
+    question = {"question": "Which sensors does the harbor budget fund?"}
+    later = ["later", "später-ü", "third"]
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            first = client.post("/v1/search", json={**question, "index": "first"})
+            assert first.status_code == 200, first.text
+            for name in later:  # the CLI would do this, beside the running service
+                ingest(corpus, settings.replace(index=name), dense=False)
+            for name in later:
+                r = client.post("/v1/search", json={**question, "index": name})
+                assert r.status_code == 200, (name, r.text)
+                assert ([e["doc_id"] for e in r.json()["evidence"]]
+                        == [e["doc_id"] for e in first.json()["evidence"]])
+            assert searcher._retriever_room == 0 and len(searcher._cpu_holders) == 2
+            assert client.get("/readyz").status_code == 200
+    finally:
+        server.stop()
+        searcher.close()
+        ray.shutdown()
+    assert searcher._retriever_room == 2 and not searcher._cpu_holders
+
+
 def test_limits(site):
     client, keys, state = site
     alpha = auth(keys["alpha"])
