@@ -354,8 +354,11 @@ class Searcher:
                 from branchsearch.orchestrator.execution.pool import BranchPool, wait_started
 
                 resources = connect(self.settings)
-                plan = plan_service(self.settings, ray.available_resources(),
-                                    len(self.index_names()),
+                free, replicas = ray.available_resources(), _serve_replicas()
+                if replicas > 1:  # each searcher replica plans its own pool: its share of it
+                    free = {k: v / replicas if k in ("CPU", "GPU") else v
+                            for k, v in free.items()}
+                plan = plan_service(self.settings, free, len(self.index_names()),
                                     self.settings.branches * max(self.settings.batch_concurrency, 1))
                 pool = BranchPool(plan.branch_actors, plan.branch, self.settings)
                 try:
@@ -365,8 +368,10 @@ class Searcher:
                 except BaseException:
                     pool.close()
                     raise
-                log.info("branch pool: %d actors of %g CPU; retrievers %g CPU each",
-                         plan.branch_actors, plan.branch["num_cpus"], plan.retriever["num_cpus"])
+                log.info("branch pool: %d actors of %g CPU; retrievers %g CPU each%s",
+                         plan.branch_actors, plan.branch["num_cpus"], plan.retriever["num_cpus"],
+                         f" (1/{replicas} of the free CPUs: one of {replicas} searcher "
+                         "replicas)" if replicas > 1 else "")
                 self.pool, self._retriever_options = pool, plan.retriever
                 self._retriever_room = plan.retriever_room
             return self.pool
@@ -669,6 +674,18 @@ def _opened_as(settings: Settings) -> tuple | None:
     if manifest is None:
         return None
     return folder, stat, manifest.layout(), _file_id(folder / "docs.sqlite")
+
+
+def _serve_replicas() -> int:
+    """How many replicas of this searcher's Serve deployment share the cluster (1 outside
+    Serve). They plan their branch pools at once, each from what is free: each plans for its
+    share, or the first would take every CPU and the others' actors wait for them."""
+    try:
+        from ray import serve
+
+        return max(int(serve.get_replica_context().world_size or 1), 1)
+    except Exception:  # noqa: BLE001 — not a Serve replica (standalone), or an older Ray
+        return 1
 
 
 def _close(driver, docstore) -> None:

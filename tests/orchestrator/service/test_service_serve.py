@@ -126,3 +126,42 @@ def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
     for r in answers:
         if r.status_code == 503:
             assert r.json()["error"] == "overloaded" and r.headers.get("retry-after") == "1"
+
+
+def test_searcher_replicas_on_the_ray_executor_share_the_cluster(serve_app, tmp_path):
+    """Two searcher replicas (as the Serve config offers with server backends), branches as
+    Ray actors: each plans its branch pool for its share of the free CPUs. Each used to plan
+    for all of them, so the second replica's actors waited for CPUs the first held, until its
+    start timed out and Serve started it again. Here no replica dies, and both search."""
+    import ray
+    from ray import serve
+    from ray._private import state
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    home = tmp_path / "two"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    config = tmp_path / "settings.toml"
+    config.write_text("[execution]\nactor_start_timeout_s = 30\n")
+    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="ray",
+                        searcher_replicas=2)
+
+    def searchers(status: str) -> list[str]:
+        return [a["ActorID"] for a in state.actors().values()
+                if a.get("ActorClassName", "").endswith(":two:Searcher")
+                and a.get("State") == status]
+
+    serve.run(build_application(opts), name="two", route_prefix="/two")
+    try:
+        assert len(searchers("ALIVE")) == 2
+        for i in range(6):  # the proxy spreads them over both replicas
+            r = client.post("/two/v1/search", json={"question": f"harbor budget sensors {i}"})
+            assert r.status_code == 200, r.text
+            assert r.json()["evidence"]
+        assert searchers("DEAD") == [], "a searcher replica failed to start and was replaced"
+    finally:
+        serve.delete("two")  # the module's own app goes on
