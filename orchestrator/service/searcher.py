@@ -308,16 +308,20 @@ class Searcher:
         actor asking for CPUs the pool holds would wait for them until its start timed out,
         and the index would answer 503 until the service restarted; one that reserves none is
         placed at once and shares the CPUs with the rest, as every process on a machine does."""
+        import ray
+
         options = dict(self._retriever_options)
-        with self._pool_lock:
-            if self._retriever_room > 0 and options.get("num_cpus"):
+        need = options.get("num_cpus", 0) * max(self.settings.retriever_replicas, 1)
+        with self._pool_lock:  # the room planned, and still free (not taken by others since)
+            if (self._retriever_room > 0 and need
+                    and ray.available_resources().get("CPU", 0) >= need):
                 self._retriever_room -= 1
                 return options
         if options.get("num_cpus"):
-            log.warning("index %r: the branch pool left CPU room for the retrievers of the "
-                        "indexes there were when it started, and one more; this one reserves "
-                        "none and shares the CPUs (restart the service to plan for every index)",
-                        index)
+            log.warning("index %r: no CPU room is left for its retriever actors (the branch "
+                        "pool left room for the indexes there were when it started, and one "
+                        "more); they reserve none and share the CPUs (restarting the service "
+                        "plans for every index)", index)
         return {**options, "num_cpus": 0}
 
     def _release(self, driver, options: dict, hold: bool = False) -> None:
