@@ -83,14 +83,24 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
         bar.update(1)
         bar.set_postfix(seen)
 
-    stop, counts = threading.Event(), None
+    stop, counts, first = threading.Event(), None, {}
     try:
-        with first_ctrl_c_sets(stop):
+        with first_stop_signal_sets(stop, first):
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                on_done=tick, stop_after=stop_after, stop=stop)
+    except KeyboardInterrupt:
+        if first.get("signal") != "SIGTERM":
+            raise  # ^C: `main` says "interrupted", exit status 130
+        terminated = True
+    else:
+        terminated = False
     finally:
         bar.close(done=counts is not None)
         driver.close()
+    if terminated:  # a scheduler's stop (or `kill PID`), as ^C: 128 + SIGTERM's number
+        print("terminated: the lines written so far stay; the same command resumes",
+              file=sys.stderr)
+        sys.exit(143)
     print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
           f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
           "lines skipped")
@@ -107,28 +117,33 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
 
 
 @contextmanager
-def first_ctrl_c_sets(stop: threading.Event):
-    """Meanwhile, a ^C sets `stop` (the batch starts nothing more, writes the rows of the
-    questions running, then stops with KeyboardInterrupt); a second ^C interrupts at once.
-    A flag, not an exception raised wherever the main thread happens to be: one raised inside
-    a finalizer is printed and dropped, and the batch would run on to its end.
-    A ^C the parent made this process ignore (a background job) stays ignored."""
+def first_stop_signal_sets(stop: threading.Event, first: dict):
+    """Meanwhile, a ^C (SIGINT) or a SIGTERM (a job scheduler's stop, `kill PID`) sets `stop`
+    (the batch starts nothing more, writes the rows of the questions running, then stops with
+    KeyboardInterrupt), and `first["signal"]` says which came first; a second one interrupts
+    at once. A flag, not an exception raised wherever the main thread happens to be: one
+    raised inside a finalizer is printed and dropped, and the batch would run on to its end.
+    A signal the parent made this process ignore (^C for a background job) stays ignored."""
     import signal
 
     def handle(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt
+        first.setdefault("signal", signal.Signals(signum).name)
         stop.set()
 
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, handle)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
+           if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in old:
+        signal.signal(sig, handle)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+        for sig, was in old.items():
+            signal.signal(sig, was if was is not None else signal.SIG_DFL)
 
 
 def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),

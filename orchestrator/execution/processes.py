@@ -61,8 +61,10 @@ def _start(settings: Settings, served: dict[str, str], owner: int) -> None:
 
         import torch
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the batch's to handle: it stops
-        # starting questions and waits for these, whose rows are then written whole
+        for sig in (signal.SIGINT, signal.SIGTERM):  # ^C and a scheduler's stop, sent to
+            signal.signal(sig, signal.SIG_IGN)  # the whole group, are the batch's to handle:
+        # it stops starting questions and waits for these, whose rows are then written whole
+        # (`close` ends the workers; `_watch` ends them if the batch dies)
 
         torch.set_num_threads(1)  # a query's embedding is small; the cores go to the workers
         from branchsearch.infra.stores.milvus import use_served_lite
@@ -88,20 +90,21 @@ def _ready() -> bool:
 
 
 def _start_fork_server() -> None:
-    """Start the fork server ignoring ^C (an ignored signal stays ignored across fork and
-    exec): a ^C to the process group while it imports would print its traceback and end it;
-    the batch handles ^C itself."""
+    """Start the fork server ignoring ^C and SIGTERM (an ignored signal stays ignored across
+    fork and exec): one sent to the process group while it imports would print its traceback
+    and end it; the batch handles them itself."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         multiprocessing.forkserver.ensure_running()  # signal handlers are the main thread's
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, was in old.items():
+            signal.signal(sig, was)
 
 
 class QuestionProcesses:

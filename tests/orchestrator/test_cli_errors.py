@@ -432,7 +432,12 @@ def test_a_failed_search_exits_1(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
 
 
-def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
+@pytest.mark.parametrize("name, status, said", [("SIGINT", 130, "interrupted"),
+                                                 ("SIGTERM", 143, "terminated")])
+def test_ctrl_c_or_sigterm_on_a_batch_says_so_and_writes_what_ran(tmp_path, name, status, said):
+    """^C, or a scheduler's SIGTERM sent to the batch's whole process group (its worker
+    processes too): the questions running finish and their rows are written, nothing more
+    starts, one line says so, and the exit status is 128 + the signal's number."""
     import signal
     import time
 
@@ -451,17 +456,17 @@ def test_ctrl_c_on_a_batch_says_so_and_exits_130(tmp_path):
 
     parent = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
     proc = subprocess.Popen([*CLI, "batch", inp, "-o", out, "--executor", "local",
-                             "--branches", "1", *home],
+                             "--branches", "1", "--concurrency", "2", *home],
                             env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=as_a_terminal_starts_it)
+                            preexec_fn=as_a_terminal_starts_it, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)  # what ^C sends
+    os.killpg(proc.pid, getattr(signal, name))  # what ^C (or a scheduler) sends: the group
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (proc.returncode, parent, stderr[:1500])
-    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert proc.returncode == status, (proc.returncode, parent, stderr[:1500])
+    assert said in stderr and "Traceback" not in stderr and "Warning" not in stderr, stderr
     assert ", done" not in stderr  # the last progress line does not say it finished
     lines = out.read_text().splitlines()
     assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)
