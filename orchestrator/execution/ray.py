@@ -16,11 +16,15 @@ they would share CPUs, the question's branch runs first and the branches it cove
 With `fetch_cache`, a question's branches share one replica, which holds the question's cache
 (the question's requests carry its id; `end_question` drops it). Off, each branch of a question
 may take its own replica.
+
+Ray restarts a retriever replica that dies (`branch_retries` times); one dead for good is
+started afresh by the question that meets it (`revive`), which then runs once more.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -47,7 +51,6 @@ class RayExecutor:
         then only the retriever actors are planned, each with `retriever_options`."""
         from branchsearch.infra.raycluster import connect
         from branchsearch.orchestrator.execution.actor_plan import plan_actors
-        from branchsearch.workers.actor import RetrieverActor
 
         self.settings = settings
         self.resources = connect(settings)
@@ -73,12 +76,10 @@ class RayExecutor:
             from branchsearch.workers.engine_actor import start_engines
 
             self.engines = start_engines(settings, self.resources, list(plan.engines))
-        # each actor gets the secrets it needs, no others
-        retriever_settings = settings.replace(llm_api_key="")
-        self.retrievers = [RetrieverActor.options(
-            max_concurrency=16, max_restarts=settings.branch_retries,
-            **plan.retriever).remote(retriever_settings) for _ in range(replicas)]
+        self.retrievers = [self._start_retriever() for _ in range(replicas)]
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
+        self._reviving = threading.Lock()
+        self.revived = 0  # replicas started again after they died for good (`revive`)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
         self.cpus = self.resources.get("CPU", 0)  # the cluster's, for `at_once`
@@ -100,6 +101,41 @@ class RayExecutor:
             self._kill_all()  # a failed start must not hold CPUs or the index's files
             raise
 
+    def _start_retriever(self):
+        """A retriever actor (each actor gets the secrets it needs, no others)."""
+        from branchsearch.workers.actor import RetrieverActor
+
+        return RetrieverActor.options(
+            max_concurrency=16, max_restarts=self.settings.branch_retries,
+            **self.plan.retriever).remote(self.settings.replace(llm_api_key=""))
+
+    def revive(self) -> bool:
+        """Start afresh every retriever replica dead for good (killed past its restarts, its
+        node gone), so that the questions after it are answered; whether any was. A replica
+        Ray is restarting, or one busy past the ping's timeout, is left to Ray."""
+        import ray
+
+        with self._reviving:  # concurrent questions that met the same death: one start
+            dead = []
+            for i, replica in enumerate(self.retrievers):
+                try:
+                    ray.get(replica.ping.remote(), timeout=30)
+                except ray.exceptions.ActorDiedError:
+                    dead.append(i)
+                except Exception:  # noqa: BLE001 — restarting, or busy: not dead for good
+                    pass
+            if not dead:
+                return False
+            log.warning("%d retriever actor(s) died for good; starting them again", len(dead))
+            fresh = [self._start_retriever() for _ in dead]
+            self._wait_started([f.ping.remote() for f in fresh],
+                               f"{len(dead)} retriever actor(s)")
+            for i, actor in zip(dead, fresh):
+                self.retrievers[i] = actor
+            self.retriever = self.retrievers[0]
+            self.revived += len(dead)
+            return True
+
     def _wait_started(self, refs: list, what: str) -> None:
         wait_started(refs, what, self.settings.actor_start_timeout_s, self.resources,
                      self.plan.demand())
@@ -114,6 +150,20 @@ class RayExecutor:
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None,
             cover: Cover = None) -> list[BranchReport]:
+        """The question's branches (`_run_question`). A branch that failed may have met a
+        retriever replica dead for good: such replicas are started again (`revive`), and the
+        question, unless streamed (its events are out already), runs once more on them."""
+        revived = self.revived
+        reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
+        if any(r.status == "error" for r in reports):
+            self.revive()  # (or another question met the death first and did)
+            if self.revived != revived and on_event is None:
+                reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
+        return reports
+
+    def _run_question(self, tasks: list[BranchTask], settings: Settings,
+                      policy_factory: Callable | None, on_event: Events, cover: Cover
+                      ) -> list[BranchReport]:
         """Every branch at once where each has a CPU of its own (`at_once`): the covered ones
         run too, and their reports are dropped (waiting for the question's branch would only
         add its latency). Where they would share CPUs, the question's branch runs first and

@@ -437,7 +437,7 @@ class Searcher:
         groups = self.groups(key)
         with self._using(index, wait=deadline) as (driver, store):
             hidden = self._hidden(store, groups)
-            emit = self._guarded(hidden, on_event)
+            emit = self._guarded(hidden, on_event) if on_event is not None else None
             left = max(deadline - (time.monotonic() - started), 0.001)
             result = self._run(driver, req, groups, left, emit)
             out = events.result_dict(result, req.k)
@@ -459,8 +459,9 @@ class Searcher:
             try:
                 box["result"] = driver.search(
                     req.question, max_branches=req.branches, acl_groups=groups,
-                    deadline_s=deadline,
-                    on_event=lambda e: emit(e) if e.get("type") != "result" else None)
+                    deadline_s=deadline,  # no watcher (JSON): no events to make
+                    on_event=None if emit is None else
+                    (lambda e: emit(e) if e.get("type") != "result" else None))
             except BaseException as exc:  # noqa: BLE001 — carried to the caller's thread
                 box["error"] = exc
 
@@ -520,8 +521,7 @@ class Searcher:
         def emit(event: dict) -> None:
             if event.get("type") == "plan":  # the web page draws token bars against it
                 event = {**event, "budget_tokens": self.settings.budget_tokens}
-            if on_event is not None:
-                on_event(events.public(events.guard(event, hidden)[0]))
+            on_event(events.public(events.guard(event, hidden)[0]))
         return emit
 
     # --- documents -------------------------------------------------------------------------------

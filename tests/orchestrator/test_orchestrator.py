@@ -442,3 +442,33 @@ def test_a_deadline_stops_local_branches(local_driver):
     assert result.status == "failed"
     assert {b.status for b in result.branches} == {"timeout"}
     assert result.evidence == []
+
+
+@pytest.mark.ray
+def test_a_batch_loses_no_question_to_a_retriever_that_died_for_good(ray_driver, tmp_path):
+    """A batch through the Ray executor, two questions at once, whose retriever actor is
+    killed past its restarts twice: each time the executor starts it again, and the
+    questions that met the death run once more on it. Every row is ok."""
+    import threading
+
+    import ray
+
+    from branchsearch.orchestrator.batch import run_batch
+
+    driver, _ = ray_driver
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    items = [(f"{q['_id']}-{n}", q["text"]) for n in range(2) for q in queries]
+    asked, lock, before = [0], threading.Lock(), driver.executor.revived
+
+    def search(question: str) -> dict:
+        with lock:
+            asked[0] += 1
+            if asked[0] in (4, 11):  # while the other question is running
+                ray.kill(driver.executor.retriever, no_restart=True)
+        return driver.search(question).to_dict()
+
+    counts = run_batch(items, tmp_path / "out.jsonl", search, concurrency=2)
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert counts["ok"] == len(items) == len(rows), counts
+    assert all(r["status"] == "ok" and r["evidence"] for r in rows)
+    assert driver.executor.revived - before == 2

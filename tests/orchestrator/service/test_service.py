@@ -490,9 +490,10 @@ def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, exe
 @pytest.mark.ray
 def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path):
     """The Ray executor serving two indexes; one index's retriever actor is killed past its
-    restarts. The request that finds it dead gets one 503 to retry, naming no process (no pid,
-    actor id or namespace), the next starts the index afresh, and the other index never
-    notices."""
+    restarts. A search that meets the death is answered: the executor starts the retriever
+    again and runs the question once more. A document write that meets it gets one 503 to
+    retry, naming no process (no pid, actor id or namespace), and the next request starts the
+    index afresh. The other index never notices."""
     import ray
 
     settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1},
@@ -509,22 +510,33 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
             def search(index: str) -> httpx.Response:
                 return client.post("/v1/search", json={**question, "index": index})
 
+            def evidence(r: httpx.Response) -> list[str]:
+                return [e["doc_id"] for e in r.json()["evidence"]]
+
             first = search("acl")
             assert first.status_code == 200 and search("bm").status_code == 200
-            dead = searcher._drivers["acl"]
-            pid = ray.get(dead.executor.retriever.ping.remote())
-            ray.kill(dead.executor.retriever, no_restart=True)
-            refused = search("acl")
+            driver = searcher._drivers["acl"]
+            killed = driver.executor.retriever
+            ray.kill(killed, no_restart=True)
+            again = search("acl")  # met the death: started again, asked again
+            assert again.status_code == 200, again.text
+            assert evidence(again) == evidence(first)
+            assert searcher._drivers["acl"] is driver and driver.executor.retriever is not killed
+            assert driver.executor.revived == 1
+            # a write that meets a death is not repeated for the caller: one 503 to retry
+            pid = ray.get(driver.executor.retriever.ping.remote())
+            ray.kill(driver.executor.retriever, no_restart=True)
+            refused = client.put("/v1/indexes/acl/documents", json=[
+                {"id": "late", "text": "A harbor note written as the retriever died."}])
             assert refused.status_code == 503, refused.text
             body = refused.json()
             assert body["error"] == "backend_unavailable" and "retry" in body["detail"]
             assert str(pid) not in refused.text and "actor_id" not in refused.text
             assert search("bm").status_code == 200  # the other index never noticed
-            again = search("acl")
-            assert again.status_code == 200, again.text
-            assert searcher._drivers["acl"] is not dead
-            assert ([e["doc_id"] for e in again.json()["evidence"]]
-                    == [e["doc_id"] for e in first.json()["evidence"]])
+            after = search("acl")
+            assert after.status_code == 200, after.text
+            assert searcher._drivers["acl"] is not driver  # started afresh
+            assert evidence(after) == evidence(first)
             assert client.get("/readyz").status_code == 200
     finally:
         server.stop()
