@@ -1,11 +1,25 @@
-"""Reading the user's text files line by line, with a clear error for bytes that are not UTF-8."""
+"""The user's text files: read line by line, with a clear error for bytes that are not UTF-8;
+written (results, reports) where the path the user named leads."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.errors import BranchsearchError, CorpusError
+
+
+def output_path(path: str | Path) -> Path:
+    """The file to write for a path the user named as an output, which is replaced atomically
+    (a temporary file renamed over it): through a symlink, its target (the link stays a link);
+    never something that is not a regular file. A rename over `/dev/null` would put a plain
+    file in its place for every program on the machine."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        kind = "a folder" if target.is_dir() else "not a regular file (a device or a pipe)"
+        raise BranchsearchError(f"output {path} is {kind}: give the path of a file")
+    return target
 
 
 def utf8_lines(raw_lines: Iterable[bytes], name: str | Path) -> Iterator[tuple[int, str]]:

@@ -176,7 +176,9 @@ def done_ids(path: str | Path) -> set[str]:
 def compact(path: str | Path, order: list[str] | None = None) -> int:
     """Rewrite `path` atomically to one line per id (the latest), ids of `order` first in that
     order; returns the number of lines. The old file stays intact until the rename."""
-    path = Path(path)
+    from branchsearch.infra.textfile import output_path
+
+    path = output_path(path)
     rows = latest_rows(path)
     ids = [qid for qid in (order or []) if qid in rows]
     ids += [qid for qid in rows if qid not in set(ids)]

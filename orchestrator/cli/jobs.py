@@ -53,6 +53,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     from branchsearch.orchestrator.batch import check_output, read_questions, run_batch
     from branchsearch.orchestrator.driver import open_driver
 
+    from branchsearch.infra.textfile import output_path
+
+    output = output_path(output)  # through a link, its target; never a device (/dev/null)
     writable_file(output, "batch output")
     check_output(output, input)
     settings = settings_from(home, index, config, batch_concurrency=concurrency, branches=branches,
@@ -171,8 +174,11 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
              as_json: bool = typer.Option(False, "--json")):
     """Evaluate single-shot retrieval or the branch agent on a BEIR folder."""
+    from branchsearch.infra.textfile import output_path
     from branchsearch.orchestrator.evaluation.run import EvalOptions, dataset_index, run_evaluation
 
+    if report is not None:  # before the run: a report that cannot be written is said first
+        writable_file(output_path(report), "report")
     options = EvalOptions(dataset, mode=mode, policy=policy, baseline=baseline, compare=compare,
                           executor=executor, limit=limit, split=split, ingest_first=ingest_first,
                           report=report, plots=plots)

@@ -16,7 +16,10 @@ SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_rec
 
 def write_json(path: Path, data) -> None:
     """Atomic: a crash never leaves a half-written report."""
+    from branchsearch.infra.textfile import output_path
+
     path.parent.mkdir(parents=True, exist_ok=True)
+    path = output_path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(path)

@@ -107,6 +107,9 @@ def _start_fork_server() -> None:
             signal.signal(sig, was)
 
 
+MAX_RESTARTS = 3  # worker pools started again after one of their processes died
+
+
 class QuestionProcesses:
     """`search(question) -> result dict` in this process and `workers` worker processes;
     `close()` stops them. A question goes to this process when it is free, else to a worker
@@ -123,6 +126,7 @@ class QuestionProcesses:
         self.acl_groups = acl_groups
         self._owner = self._local = self.pool = self._lite = self._starter = None
         self._free = threading.Lock()  # held while this process answers a question
+        self._free_pool = threading.Lock()  # one question retires a broken pool
         self._broken = ""  # why the workers could not start: then this process answers alone
         served: dict[str, str] = {}
         profile = index_profile(settings)
@@ -145,9 +149,11 @@ class QuestionProcesses:
                 use_served_lite(self._lite, served[self._lite])  # closing it stops nothing
             self._local = open_driver(settings, "local")
             if workers:  # starting a worker blocks until the fork server has imported
+                self._start = (context, workers, (settings, served, os.getpid()))
+                self._restarts = 0
                 self._starter = threading.Thread(
                     target=self._start_workers, name="batch-workers", daemon=True,
-                    args=(context, workers, (settings, served, os.getpid())))
+                    args=self._start)
                 self._starter.start()
         except BaseException:
             self.close()
@@ -184,15 +190,45 @@ class QuestionProcesses:
         return self._broken
 
     def search(self, question: str) -> dict:
+        from concurrent.futures.process import BrokenProcessPool
+
         pool = self.pool  # None until every worker has started
         if pool is not None and not self._free.acquire(blocking=False):
-            return pool.submit(_search, question, self.acl_groups).result()
-        if pool is None:
+            try:
+                return pool.submit(_search, question, self.acl_groups).result()
+            except BrokenProcessPool as exc:  # a worker died (killed, out of memory)
+                self._lost_workers(pool, exc)
+            self._free.acquire()  # then this question is answered here
+        elif pool is None:
             self._free.acquire()
         try:
             return self._answer(question)
         finally:
             self._free.release()
+
+    def _lost_workers(self, pool, exc: BaseException) -> None:
+        """A worker process died, which breaks the whole pool: this process answers alone
+        while a new pool starts (at most MAX_RESTARTS times a batch; then alone to the end).
+        The questions the dead pool held are answered again, here."""
+        import sys
+        import threading
+
+        from branchsearch.infra.errors import error_line
+
+        with self._free_pool:
+            if self.pool is not pool:  # another question saw it first
+                return
+            self.pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            again = self._restarts < MAX_RESTARTS
+            print(f"batch: a worker process died ({error_line(exc, 200)}); "
+                  + ("answering in this process while new workers start" if again
+                     else "answering in this process alone"), file=sys.stderr)
+            if again:
+                self._restarts += 1
+                self._starter = threading.Thread(target=self._start_workers, args=self._start,
+                                                 name="batch-workers", daemon=True)
+                self._starter.start()
 
     def _answer(self, question: str) -> dict:
         return self._local.search(question, acl_groups=self.acl_groups).to_dict()

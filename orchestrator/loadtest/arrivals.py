@@ -7,6 +7,8 @@ Closed loop: `users` clients each send, wait for the answer, then send again.
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass
 
@@ -58,6 +60,9 @@ def parse_ramp(spec: str) -> list[float]:
     except ValueError:
         raise BranchsearchError(f"--ramp {spec!r}: expected START:STOP:STEP, e.g. 0.5:8:0.5") \
             from None
+    if not all(math.isfinite(x) for x in (start, stop, step)):
+        raise BranchsearchError(f"--ramp {spec!r}: START, STOP and STEP must be numbers "
+                                "(not nan or inf)")
     if start <= 0 or step <= 0 or stop < start:
         raise BranchsearchError(f"--ramp {spec!r}: need 0 < START <= STOP and STEP > 0")
     n = int((stop - start) / step + 1e-9) + 1

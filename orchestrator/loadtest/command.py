@@ -117,9 +117,13 @@ def loadtest(
         print(json.dumps(out | {"steps": [
             {k_: v for k_, v in s.items() if k_ != "latencies_ms"} for s in out["steps"]]},
             default=str))
+        if out["interrupted"]:
+            raise typer.Exit(130)
         return
     print(rep.markdown(out).split("\n## Server-side")[0].rstrip())
     if report:
         print(f"report: {report} and {report.with_suffix('.md')}")
     if plots:
         print(f"plots: {', '.join(out.get('plots', []))}")
+    if out["interrupted"]:  # the report holds what was measured; the status says it stopped
+        raise typer.Exit(130)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
 from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
-    is_refusal, slo_max, summarize
+    is_refusal, is_unserved, slo_max, summarize
+
+BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
 from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
 from branchsearch.orchestrator.loadtest.workload import Workload
 from branchsearch.orchestrator.evaluation.measures import percentile
@@ -88,7 +90,7 @@ class _Step:
             samples = list(self.samples)
             inflight = self.inflight
         done = [s for s in samples if s.done is not None]
-        lat = [s.done - s.scheduled for s in done if not is_refusal(s.outcome)]
+        lat = [s.done - s.scheduled for s in done if not is_unserved(s.outcome)]
         errors = sum(s.outcome != OK for s in done) + sum(s.outcome == DROPPED for s in samples)
         refused = sum(is_refusal(s.outcome) for s in done)
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -157,8 +159,9 @@ class Generator:
                     step.inflight += 1
                 fields = ask(self.target, self._next_question())
                 step.finish(sample, _outside(fields, sample.sent), time.monotonic())
-                if self.spec.think_s and self._stop.wait(self.spec.think_s):
-                    return
+                pause = BACKOFF_S if is_unserved(fields["outcome"]) else self.spec.think_s
+                if pause and self._stop.wait(pause):  # a refused user retries later, as
+                    return  # clients do: not thousands of requests a second at a dead service
 
         for _ in range(users):
             threading.Thread(target=user, daemon=True, name="loadtest-user").start()
@@ -183,11 +186,25 @@ class Generator:
                             duration_s=step.duration_s, cutoff=cutoff)
         summary["step"] = index
         summary["wall_s"] = round(cutoff - state.started, 3)
-        summary["latencies_ms"] = sorted(  # as the percentiles: no drops, no refusals
+        summary["latencies_ms"] = sorted(  # as the percentiles: no drops, nothing unserved
             round(s.latency(cutoff) * 1000, 1) for s in samples
-            if s.outcome != DROPPED and not is_refusal(s.outcome))
+            if s.outcome != DROPPED and not is_unserved(s.outcome))
         if probe:
             summary["probes"] = probe.result()
+        return summary
+
+    def _partial(self, state: _Step) -> dict:
+        """The step under way at a ^C, as far as it got: its requests answered by now, its
+        running ones unfinished, its rate over the time it ran."""
+        self._stop.set()
+        samples, cutoff = state.drain(0)
+        ran = max(cutoff - state.started, 1e-3)
+        summary = summarize(samples, load=state.load, loop=self.spec.loop, duration_s=ran,
+                            cutoff=cutoff)
+        summary.update(step=state.index, wall_s=round(ran, 3), partial=True,
+                       latencies_ms=sorted(round(s.latency(cutoff) * 1000, 1) for s in samples
+                                           if s.outcome != DROPPED
+                                           and not is_unserved(s.outcome)))
         return summary
 
     # --- the whole run ------------------------------------------------------------------------
@@ -220,8 +237,11 @@ class Generator:
                     stopped = (f"stopped after step {i + 1}: past the knee"
                                + (" and the SLO" if self.spec.slo_p99_ms else ""))
                     break
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # what the step under way measured so far is kept
             interrupted = True
+            current = self._current
+            if current is not None and len(steps) <= current.index:
+                steps.append(self._partial(current))
         finally:
             self._stop.set()
             if ticker:

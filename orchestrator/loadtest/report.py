@@ -55,12 +55,14 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
                    + ", ".join(f"{k} {v}" for k, v in refusals.items())) if refusals else "0"
         offered = f"{s['offered_rate']:.3g}" if s["offered_rate"] is not None else "-"
         bound = "≥" if s["latency_lower_bound"] else ""  # unfinished requests at their bound
-        lines.append(f"| {_x(s):.3g} | {offered} | {s['achieved_rate']:.3g} | {s['sent']} "
+        part = " (partial)" if s.get("partial") else ""  # a step cut by ^C
+        lines.append(f"| {_x(s):.3g}{part} | {offered} | {s['achieved_rate']:.3g} | {s['sent']} "
                      f"| {_ms(lat['p50'])} "
                      f"| {_ms(lat['p90'])} | {_ms(lat['p99'])}{bound} "
                      f"| {_ms(lat['max'])} | {refused} | {errs} | {s['tokens_read_per_s']:.0f} |")
     lines += ["", "Latency percentiles are over the requests the service took on; refusals "
-              "(HTTP 429/503) are counted apart and enter the error rate, not the percentiles."]
+              "(HTTP 429/503) and requests that reached no service (connection refused or "
+              "broken) are counted apart and enter the error rate, not the percentiles."]
     knee = report["knee"]
     lines += ["", f"**Knee**: {knee['knee'] if knee['knee'] is not None else 'none'}"
               + (f" (saturated at {knee['saturated_at']:g}: {knee['reason']})"

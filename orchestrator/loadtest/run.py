@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shlex
@@ -114,6 +115,11 @@ class Options:
 def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
     """The steps to run, and notes about what was cut to keep the run bounded."""
     notes = []
+    for flag, value in (("--rate", o.rate), ("--users", o.users), ("--duration", o.duration_s),
+                        ("--step-duration", o.step_duration_s), ("--drain", o.drain_s),
+                        ("--think", o.think_s), ("--timeout-s", o.timeout_s)):
+        if value is not None and not math.isfinite(value):  # nan and inf: no bounded run
+            raise BranchsearchError(f"{flag} {value}: give a number (not nan or inf)")
     loop = o.loop or ("closed" if o.users is not None and o.rate is None else "open")
     if loop not in ("open", "closed"):
         raise BranchsearchError(f"--loop {loop!r}: use open or closed")
@@ -225,7 +231,8 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     finally:
         target.close()
     if result["interrupted"]:
-        notes.append("interrupted (Ctrl-C): the steps finished so far")
+        notes.append("interrupted (Ctrl-C): the steps finished so far, and the one under way "
+                     "as far as it got (marked partial)")
     if spec.loop == "open" and any(s["send_lag_ms"]["p99"] and s["send_lag_ms"]["p99"] > 20
                                    for s in result["steps"]):
         notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "

@@ -10,7 +10,8 @@ A request the service refused — HTTP 429 (a key over its concurrency limit) or
 starting, unavailable: "not now, retry") — is `refused`: an error, counted apart (`refused`,
 `refusal_rate`, `refusals` by class) and kept out of the latency percentiles, which describe the
 requests the service took on. A fast refusal mixed into them would make an overloaded service
-look quick; their own timing is `refusal_latency_ms`.
+look quick; their own timing is `refusal_latency_ms`. So is a request that never reached a
+service (connection refused or broken: `unreached`): a dead service answers nothing, fast.
 
 Achieved rate is ok answers per second over the span of completions (`completion_rate`): equal
 to the offered rate when the system keeps up and to its capacity when it does not, without the
@@ -29,11 +30,22 @@ OK = "ok"
 DROPPED = "dropped"
 UNFINISHED = "unfinished"
 REFUSAL_STATUSES = ("http_429", "http_503")
+# the request never reached a service: nothing answered, or the connection broke under it
+UNREACHED = {f"error:{name}" for name in (
+    "ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError",
+    "RemoteDisconnected", "BrokenPipeError", "gaierror")}
 
 
 def is_refusal(outcome: str) -> bool:
     """The service declined the request (429 or 503, with or without an error code)."""
     return outcome.split(":", 1)[0] in REFUSAL_STATUSES
+
+
+def is_unserved(outcome: str) -> bool:
+    """No service took the request on: refused (429/503), or never reached (a connection
+    refused or broken: the service is down). Errors, kept out of the latency percentiles:
+    milliseconds of "connection refused" would make a dead service look fast."""
+    return is_refusal(outcome) or outcome in UNREACHED
 
 
 @dataclass
@@ -85,7 +97,8 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     `cutoff` is when the step's drain ended (the lower bound for unfinished requests)."""
     answered = [s for s in samples if s.outcome != DROPPED]
     refused = [s for s in answered if is_refusal(s.outcome)]
-    served = [s for s in answered if not is_refusal(s.outcome)]  # the latency percentiles'
+    served = [s for s in answered if not is_unserved(s.outcome)]  # the latency percentiles'
+    unreached = [s for s in answered if s.outcome in UNREACHED]
     done = [s for s in answered if s.done is not None]
     ok = [s for s in done if s.outcome == OK]
     gap = duration_s / len(samples) if loop == "open" and samples else None
@@ -115,6 +128,7 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
         "refused": len(refused),
         "refusal_rate": round(len(refused) / len(samples), 4) if samples else 0.0,
         "refusals": dict(sorted(Counter(s.outcome for s in refused).items())),
+        "unreached": len(unreached),
         "branch_errors": dict(sorted(branch_errors.items())),
         "latency_ms": _pcts([s.latency(cutoff) for s in served]),
         "latency_lower_bound": any(s.done is None for s in served),

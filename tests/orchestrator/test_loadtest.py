@@ -531,3 +531,81 @@ def test_cli_user_errors_are_one_line_exit_2(tmp_path):
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--ramp" in proc.stderr
+
+
+@pytest.mark.parametrize("options", [
+    {"rate": float("nan")}, {"rate": float("inf")}, {"users": float("inf")},
+    {"ramp": "nan:1:1"}, {"ramp": "1:inf:1"}, {"rate": 1.0, "duration_s": float("nan")},
+    {"ramp": "1:2:1", "step_duration_s": float("nan")}, {"rate": 1.0, "drain_s": float("inf")}])
+def test_nan_and_inf_are_refused_before_anything_runs(options):
+    """A run is bounded in time only with numbers: `--rate inf` used to hang, `--ramp nan:1:1`
+    to end in a traceback, `--rate nan` to report `offered nan/s`."""
+    from branchsearch.orchestrator.loadtest.run import Options, load_spec
+
+    with pytest.raises(BranchsearchError, match="nan or inf"):
+        load_spec(Options(**options))
+
+
+def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
+    """Against a port nothing listens on (the service died): each request is an error that
+    reached no service, kept out of the latency percentiles (milliseconds of "connection
+    refused" made a dead service look fast), and closed-loop users back off instead of
+    sending thousands of requests a second."""
+    import socket
+
+    from branchsearch.orchestrator.loadtest.generator import BACKOFF_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    gone = HttpTarget(f"http://127.0.0.1:{port}", timeout_s=5)
+    out, _ = _run(gone, loop="closed", loads=(2.0,), duration=2.0)
+    step = out["steps"][0]
+    assert step["ok"] == 0 and step["unreached"] == step["sent"] >= 2
+    assert step["latency_ms"]["p50"] is None and step["latencies_ms"] == []
+    assert step["sent"] <= 2 * (2.0 / BACKOFF_S + 1)
+    out, _ = _run(gone, loads=(10.0,), process="constant", duration=1.0)
+    step = out["steps"][0]
+    assert step["unreached"] == step["sent"] == 10 and step["latency_ms"]["p50"] is None
+    assert step["error_rate"] == 1.0
+
+
+def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path):
+    """^C during a step: the report holds what it measured so far (the step marked partial),
+    and the exit status says the run was interrupted."""
+    import signal
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+
+    from conftest import HOTPOT
+
+    home = tmp_path / "home"
+    ingest(HOTPOT, load_settings(overrides={"home": home, "index": "wiki"}, read_env=False,
+                                 read_file=False), dense=False)
+
+    def as_a_terminal_starts_it():  # ^C handled by default, not ignored nor blocked
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    out = tmp_path / "lt.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home", str(home),
+         "--index", "wiki", "--queries", str(HOTPOT), "--executor", "local", "--rate", "5",
+         "--duration", "60", "--warmup", "0", "--report", str(out)],
+        env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, preexec_fn=as_a_terminal_starts_it)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(" done " in line and "done 0 " not in line
+                                             for line in lines):
+        time.sleep(0.2)  # a progress line with answers in it
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=120)
+    reader.join(timeout=10)
+    assert proc.returncode == 130, (proc.returncode, "".join(lines)[-2000:])
+    step, = json.loads(out.read_text())["steps"]
+    assert step["partial"] and step["ok"] >= 1 and step["wall_s"] < 60
+    assert "(partial)" in stdout and "Traceback" not in "".join(lines)

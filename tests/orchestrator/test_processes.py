@@ -169,3 +169,47 @@ def test_killed_batch_leaves_no_worker_behind(hotpot_settings, tmp_path):
     for p in alive:  # do not leave them to the next test
         p.kill()
     assert not alive, [p.pid for p in alive]
+
+
+def test_a_worker_that_dies_loses_no_question_and_the_workers_start_again(hotpot_settings,
+                                                                           capsys):
+    """A worker process killed (as the OOM killer would) breaks the whole process pool: the
+    question sent to it is answered in this process, one line says so, and a new pool starts.
+    It used to fail every later question in milliseconds until the batch stopped."""
+    import signal
+    import threading
+    import time
+
+    from branchsearch.orchestrator.execution.processes import QuestionProcesses
+
+    settings = ingest_copy(hotpot_settings, "hotpot-worker-dies")
+    questions = [json.loads(line)["text"] for line in
+                 (HOTPOT / "queries.jsonl").read_text().splitlines()][:3]
+    processes = QuestionProcesses(settings, workers=1)
+    answered: list[dict] = []
+    try:
+        assert processes.wait_started() == ""
+        old = processes.pool
+        with processes._free:  # this process busy (another question): the worker answers
+            first = [processes.search(q) for q in questions]
+            os.kill(next(iter(old._processes)), signal.SIGKILL)
+            time.sleep(0.5)
+            asking = threading.Thread(target=lambda: answered.append(
+                processes.search(questions[0])))
+            asking.start()  # sent to the dead pool; then waits for this process
+            deadline = time.time() + 60
+            while processes.pool is old and time.time() < deadline:
+                time.sleep(0.05)
+        asking.join(timeout=120)
+        assert processes.wait_started() == ""
+        assert processes.pool is not None and processes.pool is not old  # started again
+        with processes._free:
+            again = [processes.search(q) for q in questions]
+    finally:
+        processes.close()
+    ranked = [r["ranked_chunk_ids"] for r in first]
+    assert answered[0]["ranked_chunk_ids"] == ranked[0]
+    assert {b["pid"] for b in answered[0]["branches"]} == {os.getpid()}
+    assert [r["ranked_chunk_ids"] for r in again] == ranked
+    assert os.getpid() not in {b["pid"] for r in again for b in r["branches"]}
+    assert "a worker process died" in capsys.readouterr().err
