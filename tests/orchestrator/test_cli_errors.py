@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -103,8 +104,14 @@ def test_usage_errors(inputs, tmp_path):
                                      inputs / "notes.jsonl", *home],
                                     "notes.jsonl:1 is not a batch result line"),
         "settings k": (["search", "q", "--config", inputs / "k.toml", *home], "search_k"),
+        "batch -o a pipe": (["batch", inputs / "questions.jsonl", "-o", inputs / "fifo",
+                             *home], "is not a regular file"),
+        "eval --report a pipe": (["eval", inputs / "dev-only", "--split", "dev", "--report",
+                                  inputs / "fifo", *home], "is not a regular file"),
     }
     (inputs / "k.toml").write_text("search_k = 5000\n")
+    if not (inputs / "fifo").exists():  # a device such as /dev/null is not ours to replace
+        os.mkfifo(inputs / "fifo")
     results = run_all({name: args for name, (args, _) in cases.items()})
     for name, (_, expect) in cases.items():
         assert_one_error_line(results[name], expect, name)
@@ -112,6 +119,7 @@ def test_usage_errors(inputs, tmp_path):
     assert not (tmp_path / "e.jsonl").exists()  # nor by the empty batch
     assert (inputs / "questions.jsonl").read_text().count("\n") == 1  # input untouched
     assert "plain text" in (inputs / "notes.jsonl").read_text()  # nor the foreign file
+    assert stat.S_ISFIFO((inputs / "fifo").stat().st_mode)  # still a pipe, not a file
 
 
 def test_bad_home_index_name_and_settings_file(inputs, tmp_path):
@@ -530,3 +538,25 @@ def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(
     missing = run(["serve", "--home", home, "--index", "nosuch", "--port", 0], timeout=120)
     assert_one_error_line(missing, "")
     assert "this data home has 'renamed'" in missing.stderr
+
+
+def test_a_batch_output_through_a_symlink_writes_its_target(tmp_path):
+    """`-o link.jsonl` pointing at real/res.jsonl: the run (which rewrites its output
+    atomically) updates the target and leaves the link a link (it used to replace the link
+    with a plain file and leave the target stale)."""
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(Path("real") / "res.jsonl")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    for n in (2, 4):
+        inp = tmp_path / f"q{n}.jsonl"
+        inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                               for q in queries[:n]))
+        done = run(["batch", inp, "-o", link, "--branches", "1", *home])
+        assert done.returncode == 0, done.stderr[-800:]
+        assert link.is_symlink()
+        assert (tmp_path / "real" / "res.jsonl").read_text().count("\n") == n
