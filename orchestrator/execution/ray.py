@@ -18,7 +18,8 @@ With `fetch_cache`, a question's branches share one replica, which holds the que
 may take its own replica.
 
 Ray restarts a retriever replica that dies (`branch_retries` times); one dead for good is
-started afresh by the question that meets it (`revive`), which then runs once more.
+started afresh by the question that meets it (`revive`). Either way the question that met the
+death runs once more.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class RayExecutor:
                  retriever_options: dict | None = None):
         """`pool`: a shared branch pool (the service's, for every index; not closed here);
         then only the retriever actors are planned, each with `retriever_options`."""
+        import ray
+
         from branchsearch.infra.raycluster import connect
         from branchsearch.orchestrator.execution.actor_plan import plan_actors
 
@@ -79,7 +82,7 @@ class RayExecutor:
         self.retrievers = [self._start_retriever() for _ in range(replicas)]
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
         self._reviving = threading.Lock()
-        self.revived = 0  # replicas started again after they died for good (`revive`)
+        self.revived = 0  # replicas back after a death: restarted by Ray or here (`revive`)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
         self.cpus = self.resources.get("CPU", 0)  # the cluster's, for `at_once`
@@ -95,6 +98,7 @@ class RayExecutor:
                                    f"{engines} LLM engine actor(s)")
             self._wait_started([r.ping.remote() for r in self.retrievers],
                                f"{replicas} retriever actor(s)")
+            self._pids = ray.get([r.ping.remote() for r in self.retrievers])  # (`revive`)
             if not self.shared_pool:
                 self._wait_started(self.pool.ping_all(), f"{settings.branches} branch actor(s)")
         except BaseException:
@@ -110,31 +114,33 @@ class RayExecutor:
             **self.plan.retriever).remote(self.settings.replace(llm_api_key=""))
 
     def revive(self) -> bool:
-        """Start afresh every retriever replica dead for good (killed past its restarts, its
-        node gone), so that the questions after it are answered; whether any was. A replica
-        Ray is restarting, or one busy past the ping's timeout, is left to Ray."""
+        """After a branch failed: wait for each retriever replica to answer, and start afresh
+        every one dead for good (killed past its restarts, its node gone). Whether any had
+        died since it was last seen (restarted by Ray: another process now; or started here),
+        so that the question that met the death can run again. One busy past the ping's
+        timeout is left as it is."""
         import ray
 
         with self._reviving:  # concurrent questions that met the same death: one start
-            dead = []
+            dead, back = [], 0
             for i, replica in enumerate(self.retrievers):
-                try:
-                    ray.get(replica.ping.remote(), timeout=30)
-                except ray.exceptions.ActorDiedError:
+                pid = _answer(replica)
+                if pid is _DEAD:
                     dead.append(i)
-                except Exception:  # noqa: BLE001 — restarting, or busy: not dead for good
-                    pass
-            if not dead:
-                return False
-            log.warning("%d retriever actor(s) died for good; starting them again", len(dead))
-            fresh = [self._start_retriever() for _ in dead]
-            self._wait_started([f.ping.remote() for f in fresh],
-                               f"{len(dead)} retriever actor(s)")
-            for i, actor in zip(dead, fresh):
-                self.retrievers[i] = actor
-            self.retriever = self.retrievers[0]
-            self.revived += len(dead)
-            return True
+                elif pid is not None and pid != self._pids[i]:
+                    self._pids[i], back = pid, back + 1
+            if dead:
+                log.warning("%d retriever actor(s) died for good; starting them again",
+                            len(dead))
+                fresh = [self._start_retriever() for _ in dead]
+                self._wait_started([f.ping.remote() for f in fresh],
+                                   f"{len(dead)} retriever actor(s)")
+                pids = ray.get([f.ping.remote() for f in fresh])
+                for i, actor, pid in zip(dead, fresh, pids):
+                    self.retrievers[i], self._pids[i] = actor, pid
+                self.retriever = self.retrievers[0]
+            self.revived += len(dead) + back
+            return bool(dead or back)
 
     def _wait_started(self, refs: list, what: str) -> None:
         wait_started(refs, what, self.settings.actor_start_timeout_s, self.resources,
@@ -151,8 +157,9 @@ class RayExecutor:
             policy_factory: Callable | None = None, on_event: Events = None,
             cover: Cover = None) -> list[BranchReport]:
         """The question's branches (`_run_question`). A branch that failed may have met a
-        retriever replica dead for good: such replicas are started again (`revive`), and the
-        question, unless streamed (its events are out already), runs once more on them."""
+        retriever replica's death: Ray restarts it (`branch_retries` times), one dead for good
+        is started again (`revive`), and the question, unless streamed (its events are out
+        already), runs once more."""
         revived = self.revived
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
         if any(r.status == "error" for r in reports):
@@ -405,6 +412,28 @@ class RayExecutor:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 — already gone
                 pass
+
+
+_DEAD = object()
+
+
+def _answer(replica, wait_s: float = 60.0):
+    """The replica's pid once it answers: waiting while Ray restarts it (its calls fail fast
+    meanwhile); `_DEAD` when it is dead for good; None when it does not answer in time."""
+    import ray
+
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            return ray.get(replica.ping.remote(), timeout=max(end - time.monotonic(), 0.1))
+        except ray.exceptions.ActorDiedError:
+            return _DEAD
+        except ray.exceptions.ActorUnavailableError:  # restarting: ask again shortly
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.2)
+        except Exception:  # noqa: BLE001 — busy past the wait, or another failure
+            return None
 
 
 def _left(tasks: list[BranchTask]) -> float | None:
