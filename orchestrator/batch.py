@@ -71,7 +71,11 @@ def read_questions(path: str | Path) -> BatchInput:
                 problem = question_problem(question)
                 if problem:
                     raise ValueError(problem)
-            except (json.JSONDecodeError, ValueError) as exc:
+            except json.JSONDecodeError as exc:  # its position on this line, not in its parse
+                out.bad_lines.append(f"{path}:{lineno}: not JSON ({exc.msg} at character "
+                                     f"{exc.pos + 1} of the line)")
+                continue
+            except ValueError as exc:
                 out.bad_lines.append(f"{path}:{lineno}: {exc}")
                 continue
             if qid in seen:

@@ -77,7 +77,10 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     else:
         driver = open_driver(settings, picked)
         search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
-    bar = progress_bar(len(data.items), "q", "batch")
+    from branchsearch.orchestrator.batch import done_ids
+
+    finished = done_ids(output) if output.is_file() else set()  # a re-run: what is left
+    bar = progress_bar(sum(qid not in finished for qid, _ in data.items), "q", "batch")
     seen = {"partial": 0, "failed": 0}
 
     def tick(status: str) -> None:

@@ -155,6 +155,9 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     from branchsearch.infra.raycluster import connect
 
     connect(settings)
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our line says where it serves
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(opts), name="branchsearch", route_prefix="/")
     print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app 'branchsearch')",
