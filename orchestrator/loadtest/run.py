@@ -233,6 +233,11 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     if result["interrupted"]:
         notes.append("interrupted (Ctrl-C): the steps finished so far, and the one under way "
                      "as far as it got (marked partial)")
+    if any("http_429:too_many_requests" in s.get("refusals", {}) for s in result["steps"]):
+        notes.append("the key's own concurrency limit refused requests (429 "
+                     "too_many_requests), and refusals count as errors: past that limit this "
+                     "measures the key, not the service; load with several keys or raise the "
+                     "service's per_key_concurrency")
     if spec.loop == "open" and any(s["send_lag_ms"]["p99"] and s["send_lag_ms"]["p99"] > 20
                                    for s in result["steps"]):
         notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "

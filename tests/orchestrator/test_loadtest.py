@@ -513,6 +513,7 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
     assert step["refusal_latency_ms"]["max"] > 0  # timed apart (no order asserted: a loaded
     # machine can answer a 429 slower than a search)
     assert "refused (429/503)" in written["lt.md"] and "refused (429/503)" in proc.stdout
+    assert "the key's own concurrency limit refused requests" in written["lt.md"]
 
     # the old flag still works: warned, and the key is shown nowhere (the command line in
     # the JSON on stdout says --key REDACTED)
