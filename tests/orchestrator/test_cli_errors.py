@@ -542,8 +542,7 @@ def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(
 
 def test_a_batch_output_through_a_symlink_writes_its_target(tmp_path):
     """`-o link.jsonl` pointing at real/res.jsonl: the run (which rewrites its output
-    atomically) updates the target and leaves the link a link (it used to replace the link
-    with a plain file and leave the target stale)."""
+    atomically) updates the target and leaves the link a link."""
     from conftest import HOTPOT
 
     home = ["--home", tmp_path / "home", "--index", "wiki"]

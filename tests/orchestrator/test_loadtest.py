@@ -539,8 +539,8 @@ def test_cli_user_errors_are_one_line_exit_2(tmp_path):
     {"ramp": "nan:1:1"}, {"ramp": "1:inf:1"}, {"rate": 1.0, "duration_s": float("nan")},
     {"ramp": "1:2:1", "step_duration_s": float("nan")}, {"rate": 1.0, "drain_s": float("inf")}])
 def test_nan_and_inf_are_refused_before_anything_runs(options):
-    """A run is bounded in time only with numbers: `--rate inf` used to hang, `--ramp nan:1:1`
-    to end in a traceback, `--rate nan` to report `offered nan/s`."""
+    """A run is bounded in time only with numbers: nan and inf are one error line before
+    anything runs (no hang, no traceback, no `offered nan/s`)."""
     from branchsearch.orchestrator.loadtest.run import Options, load_spec
 
     with pytest.raises(BranchsearchError, match="nan or inf"):

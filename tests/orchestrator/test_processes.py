@@ -174,8 +174,8 @@ def test_killed_batch_leaves_no_worker_behind(hotpot_settings, tmp_path):
 def test_a_worker_that_dies_loses_no_question_and_the_workers_start_again(hotpot_settings,
                                                                            capsys):
     """A worker process killed (as the OOM killer would) breaks the whole process pool: the
-    question sent to it is answered in this process, one line says so, and a new pool starts.
-    It used to fail every later question in milliseconds until the batch stopped."""
+    question sent to it is answered in this process, one line says so, and a new pool
+    starts."""
     import signal
     import threading
     import time

@@ -547,9 +547,8 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
 def test_indexes_made_while_the_ray_service_runs_are_served(tmp_path):
     """The Ray executor's branch pool is planned at the first request, with CPU room for the
     retrievers of the indexes there are then, and one more. Indexes ingested after that are
-    served too: past the room, their retriever actors reserve no CPU and share the CPUs (they
-    used to wait for CPUs the pool holds until their start timed out: 503 until the service
-    restarted). Closing the service gives the room back."""
+    served too: past the room, their retriever actors reserve no CPU and share the CPUs
+    rather than wait for CPUs the pool holds. Closing the service gives the room back."""
     import ray
 
     settings = load_settings(overrides={"home": tmp_path, "index": "first",  # 3 branches:

@@ -130,9 +130,8 @@ def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
 
 def test_searcher_replicas_on_the_ray_executor_share_the_cluster(serve_app, tmp_path):
     """Two searcher replicas (as the Serve config offers with server backends), branches as
-    Ray actors: each plans its branch pool for its share of the free CPUs. Each used to plan
-    for all of them, so the second replica's actors waited for CPUs the first held, until its
-    start timed out and Serve started it again. Here no replica dies, and both search."""
+    Ray actors: each plans its branch pool for its share of the free CPUs, so no replica's
+    actors wait for CPUs another holds. No replica dies, and both search."""
     import ray
     from ray import serve
     from ray._private import state
