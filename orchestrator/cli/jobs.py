@@ -50,10 +50,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
           config: Optional[Path] = ConfigOpt):
     """Many questions, resumable: re-running runs again every id whose latest line is not ok;
     the output ends with one line per id."""
-    from branchsearch.orchestrator.batch import check_output, read_questions, run_batch
-    from branchsearch.orchestrator.driver import open_driver
-
     from branchsearch.infra.textfile import output_path
+    from branchsearch.orchestrator.batch import check_output, done_ids, read_questions, run_batch
+    from branchsearch.orchestrator.driver import open_driver
 
     output = output_path(output)  # through a link, its target; never a device (/dev/null)
     writable_file(output, "batch output")
@@ -77,8 +76,6 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     else:
         driver = open_driver(settings, picked)
         search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
-    from branchsearch.orchestrator.batch import done_ids
-
     finished = done_ids(output) if output.is_file() else set()  # a re-run: what is left
     bar = progress_bar(sum(qid not in finished for qid, _ in data.items), "q", "batch")
     seen = {"partial": 0, "failed": 0}

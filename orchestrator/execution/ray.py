@@ -96,9 +96,9 @@ class RayExecutor:
             if self.engines:
                 self._wait_started([e.stats.remote() for e in self.engines],
                                    f"{engines} LLM engine actor(s)")
-            self._wait_started([r.ping.remote() for r in self.retrievers],
-                               f"{replicas} retriever actor(s)")
-            self._pids = ray.get([r.ping.remote() for r in self.retrievers])  # (`revive`)
+            pings = [r.ping.remote() for r in self.retrievers]
+            self._wait_started(pings, f"{replicas} retriever actor(s)")
+            self._pids = ray.get(pings)  # each replica's process (`revive`)
             if not self.shared_pool:
                 self._wait_started(self.pool.ping_all(), f"{settings.branches} branch actor(s)")
         except BaseException:
@@ -133,10 +133,9 @@ class RayExecutor:
                 log.warning("%d retriever actor(s) died for good; starting them again",
                             len(dead))
                 fresh = [self._start_retriever() for _ in dead]
-                self._wait_started([f.ping.remote() for f in fresh],
-                                   f"{len(dead)} retriever actor(s)")
-                pids = ray.get([f.ping.remote() for f in fresh])
-                for i, actor, pid in zip(dead, fresh, pids):
+                pings = [f.ping.remote() for f in fresh]
+                self._wait_started(pings, f"{len(dead)} retriever actor(s)")
+                for i, actor, pid in zip(dead, fresh, ray.get(pings)):
                     self.retrievers[i], self._pids[i] = actor, pid
                 self.retriever = self.retrievers[0]
             self.revived += len(dead) + back

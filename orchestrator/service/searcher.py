@@ -292,9 +292,12 @@ class Searcher:
                 driver = Driver(settings, mode="ray", executor=RayExecutor(
                     settings, pool.size, pool=pool, retriever_options=options))
             except BaseException:
-                self._release(None, options)
+                if options.get("num_cpus"):
+                    self._room_back()
                 raise
-            self._release(driver, options, hold=True)
+            if options.get("num_cpus"):  # until `_close`
+                with self._pool_lock:
+                    self._cpu_holders.add(driver)
         try:
             driver.warm()  # the first request after a start or a reopen waits for no model
         except BaseException:
@@ -324,15 +327,12 @@ class Searcher:
                         "plans for every index)", index)
         return {**options, "num_cpus": 0}
 
-    def _release(self, driver, options: dict, hold: bool = False) -> None:
-        """A retriever start that reserved CPU (`options`) failed (`driver` None), or its
-        `driver` now holds the reservation (`hold`) until `_close`."""
-        if not options.get("num_cpus"):
-            return
+    def _room_back(self, driver=None) -> None:
+        """The CPU room a retriever start took is free again: the start failed (no `driver`),
+        or `driver`, which held it, is closed."""
         with self._pool_lock:
-            if hold:
-                self._cpu_holders.add(driver)
-            else:
+            if driver is None or driver in self._cpu_holders:
+                self._cpu_holders.discard(driver)
                 self._retriever_room += 1
 
     def _close(self, driver, docstore) -> None:
@@ -340,10 +340,7 @@ class Searcher:
         try:
             _close(driver, docstore)
         finally:
-            with self._pool_lock:
-                if driver in self._cpu_holders:
-                    self._cpu_holders.discard(driver)
-                    self._retriever_room += 1
+            self._room_back(driver)
 
     def _branch_pool(self):
         """The one branch pool of the service, planned against what the cluster has free now
