@@ -77,10 +77,15 @@ class KeyStore:
 
     # --- file ---------------------------------------------------------------------------------
 
-    def _load(self) -> dict[str, ApiKey]:
+    def _load(self, missing_ok: bool = True) -> dict[str, ApiKey]:
+        """The keys; a missing file holds none (`keys add` makes it), unless not `missing_ok`
+        (a server: its keys file gone is KeysFileError, a 503, not 401s for every key)."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
+            if not missing_ok:
+                raise KeysFileError(f"keys file {self.path} is gone; put it back, or make one "
+                                    "with `branchsearch keys add`") from None
             self._stamp, self._keys = None, {}
             return self._keys
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -183,7 +188,7 @@ class KeyStore:
             raise AuthError("missing API key: send 'Authorization: Bearer KEY'")
         wanted = digest(key)
         with self._lock:
-            keys = self._load()
+            keys = self._load(missing_ok=False)
         for k in keys.values():
             if hmac.compare_digest(k.digest, wanted):
                 if k.revoked:

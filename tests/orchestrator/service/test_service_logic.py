@@ -454,6 +454,21 @@ def test_a_keys_file_that_is_a_folder_is_one_operator_error(tmp_path):
     assert api_error(KeysFileError("x")).status == 503
 
 
+def test_a_keys_file_gone_under_a_server_is_an_operator_error_not_unknown_keys(tmp_path):
+    """A server's keys file moved away: every key, valid or not, is refused as the server's
+    fault (503 keys_unavailable), never told its key is unknown; `keys add` still makes a
+    new file where there is none."""
+    store = KeyStore(tmp_path / "keys.json")
+    key = store.add("alice", ("g",))
+    assert store.authenticate(key).name == "alice"
+    (tmp_path / "keys.json").rename(tmp_path / "keys.moved")
+    with pytest.raises(KeysFileError, match="is gone"):
+        store.authenticate(key)
+    with pytest.raises(AuthError, match="missing API key"):
+        store.authenticate(None)  # no key at all is still the caller's 401
+    assert KeyStore(tmp_path / "new.json").add("bob", ("g",))
+
+
 def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_path):
     """A running service kept the stores it opened: after an ingest in another process that
     changed the index's layout it ranked with the old stores under a policy that read the new
