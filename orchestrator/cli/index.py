@@ -87,7 +87,7 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
     """List owned and external indexes with their backends, document counts and health; exit
     1 when any cannot be searched now (a backend down, an index incomplete)."""
     from branchsearch.infra.index.catalog import list_indexes
-    from branchsearch.orchestrator.cli.render import clean
+    from branchsearch.orchestrator.cli.render import clean, pad
 
     infos = list_indexes(settings_from(home, None, config), check=check)
     if as_json:
@@ -98,7 +98,7 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
     else:
         for i in infos:
             count = "-" if i.documents is None else f"{i.documents:,} docs"
-            print(clean(f"{i.name:<24} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
+            print(clean(f"{pad(i.name, 24)} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
     broken = [i.name for i in infos if i.health not in ("ok", "not checked")
               and not i.health.startswith("ingesting")]
     if broken:  # for scripts and health checks: listed, and not all searchable

@@ -11,6 +11,7 @@ control characters itself).
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 
 _ESCAPES = re.compile(
@@ -28,6 +29,20 @@ _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]"
 def clean(text: object) -> str:
     """`text` as a string safe to print on a terminal (tabs and newlines kept)."""
     return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+
+
+def cell_width(text: str) -> int:
+    """Terminal columns `text` takes: East Asian wide and full-width characters take two,
+    combining marks none."""
+    return sum(0 if unicodedata.combining(c) else
+               2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def pad(text: object, width: int) -> str:
+    """`clean(text)` padded with spaces to `width` terminal columns (a column stays a column
+    when a name is Chinese or Japanese, which str.ljust would count one column a character)."""
+    line = clean(text)
+    return line + " " * max(0, width - cell_width(line))
 
 
 def one_line(text: object, width: int | None = None) -> str:

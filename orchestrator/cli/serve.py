@@ -74,6 +74,7 @@ def keys_list(keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt
     """Keys in the file (names and grants; never the keys)."""
     import json
 
+    from branchsearch.orchestrator.cli.render import pad
     from branchsearch.orchestrator.service.auth import KeyStore
 
     rows = [k.public() for k in KeyStore(_keys_path(keys, home)).list()]
@@ -81,7 +82,7 @@ def keys_list(keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['name']:<20} {'revoked' if r['revoked'] else 'active':<8} "
+        print(f"{pad(r['name'], 20)} {'revoked' if r['revoked'] else 'active':<8} "
               f"{'admin' if r['admin'] else '':<6} groups={','.join(r['groups']) or '-'} "
               f"indexes={','.join(r['indexes']) or '*'} created={r['created']}")
 

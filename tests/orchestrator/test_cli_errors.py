@@ -523,6 +523,25 @@ def test_an_index_name_typed_decomposed_is_the_composed_one(tmp_path):
     assert parse_search({"question": "Falcon?", "index": nfd}, Limits()).index == nfc
 
 
+def test_indexes_keeps_its_columns_for_wide_names(tmp_path):
+    """`indexes` with a Chinese and an accented name beside an ASCII one: each row's kind
+    column starts at the same terminal column (a wide character takes two)."""
+    from branchsearch.orchestrator.cli.render import cell_width
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d1", "title": "T", "text": "Falcon plan"}) + "\n")
+    names = ["plain", "检索索引", "café-ü"]
+    for name in names:
+        done = run(["ingest", corpus, "--no-dense", "--home", tmp_path / "home", "--index", name])
+        assert done.returncode == 0, done.stderr[-800:]
+    listed = run(["indexes", "--home", tmp_path / "home"])
+    assert listed.returncode == 0, listed.stderr[-800:]
+    rows = [line for line in listed.stdout.splitlines() if line.split()[0] in names]
+    assert len(rows) == 3, listed.stdout
+    starts = {cell_width(row[:row.index(" owned")]) for row in rows}
+    assert starts == {24}, listed.stdout
+
+
 def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(hotpot_settings,
                                                                                   tmp_path):
     """`serve` (Ray Serve, the default) checks the default index in the command's process: a
