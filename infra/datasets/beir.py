@@ -20,6 +20,7 @@ class Query:
     gold: dict[str, int] = field(default_factory=dict)  # doc id -> relevance grade
     answer: str = ""
     meta: dict = field(default_factory=dict)
+    line: int = 0  # its line in queries.jsonl (for error messages)
 
 
 def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
@@ -37,27 +38,41 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
         raise CorpusError(f"{folder}: no qrels/{split}.tsv{hint}")
     gold: dict[str, dict[str, int]] = {}
     with qrels_file.open("rb") as f:
-        rows = csv.reader((line for _, line in utf8_lines(f, qrels_file)), delimiter="\t")
-        for lineno, row in enumerate(rows, start=1):
-            if lineno == 1 and row and not row[-1].lstrip("-").isdigit():
+        lines = [(n, line) for n, line in utf8_lines(f, qrels_file) if line.strip()]
+        rows = csv.reader((line for _, line in lines), delimiter="\t")
+        for (lineno, _), row in zip(lines, rows):
+            if lineno == lines[0][0] and row and not row[-1].lstrip("-").isdigit():
                 continue  # header
             if len(row) < 3 or not row[2].lstrip("-").isdigit():
                 raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score")
             if int(row[2]) > 0:
                 gold.setdefault(row[0], {})[row[1]] = int(row[2])
-    queries = []
+    queries, seen = [], set()
     with qfile.open("rb") as f:
         for lineno, line in utf8_lines(f, qfile):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                qid, text = str(row.get("_id", row.get("id"))), row["text"]
-            except (json.JSONDecodeError, KeyError, AttributeError):
+                qid, text = row.get("_id", row.get("id")), row["text"]
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
                 raise CorpusError(f"{qfile}:{lineno}: expected {{'_id', 'text'}}") from None
+            if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():
+                raise CorpusError(f"{qfile}:{lineno}: '_id' must be a non-empty string or a "
+                                  f"whole number, not {json.dumps(qid)}")
+            if not isinstance(text, str):
+                raise CorpusError(f"{qfile}:{lineno}: 'text' must be a string, not "
+                                  f"{json.dumps(text)[:40]}")
+            qid = str(qid)
+            if qid in seen:  # scored twice, it would weigh twice in every mean
+                raise CorpusError(f"{qfile}:{lineno}: duplicate query id {qid!r}")
+            seen.add(qid)
             if qid in gold:
                 meta = row.get("metadata") or {}
-                queries.append(Query(qid, text, gold[qid], str(meta.get("answer") or ""), meta))
+                if not isinstance(meta, dict):
+                    raise CorpusError(f"{qfile}:{lineno}: 'metadata' must be an object")
+                queries.append(Query(qid, text, gold[qid], str(meta.get("answer") or ""), meta,
+                                     lineno))
     if not queries:
         raise CorpusError(f"{folder}: no query has a positive qrel in {qrels_file.name}")
     return queries

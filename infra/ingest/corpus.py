@@ -15,7 +15,8 @@ from pathlib import Path
 from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name
 from branchsearch.infra.errors import CorpusError
 
-_ID_OK = re.compile(r"^[^\s#][^\s#]*$")
+_ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
+TEXT_SUFFIXES = (".txt", ".md", ".markdown")  # of a folder's files, in any case (".TXT")
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,12 @@ def parse_jsonl(text: str, name: str = "body") -> list[Document]:
 def _unique(docs: list[Document], name: str) -> list[Document]:
     if not docs:
         raise CorpusError(f"{name}: no documents found")
-    seen: set[str] = set()
+    seen: dict[str, Document] = {}
     for doc in docs:
-        if doc.id in seen:
-            raise CorpusError(f"{name}: duplicate document id {doc.id!r}")
-        seen.add(doc.id)
+        first = seen.setdefault(doc.id, doc)
+        if first is not doc:  # two files of a folder can make one id ("a b.txt", "a_b.txt")
+            both = f" ({first.source} and {doc.source})" if first.source != doc.source else ""
+            raise CorpusError(f"{name}: duplicate document id {doc.id!r}{both}")
     return docs
 
 
@@ -86,17 +88,24 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
         doc_id = row.get("_id", row.get("id"))
         if doc_id is None or str(doc_id).strip() == "":
             raise CorpusError(f"{where}: missing document id ('_id' or 'id')")
-        text = row.get("text")
-        if not isinstance(text, str):
-            raise CorpusError(f"{where}: missing or non-string 'text'")
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+            # true would be "True", 1.0 "1.0", NaN "nan": not the id a qrels line names
+            raise CorpusError(f"{where}: document id must be a string or a whole number, not "
+                              f"{json.dumps(doc_id)[:40]}")
+        if row.get("text") is None:  # a title alone is a document (its text empty)
+            row = {**row, "text": ""}
+        for field_name in ("text", "title", "date", "source"):
+            if row.get(field_name) is not None and not isinstance(row[field_name], str):
+                raise CorpusError(f"{where}: {field_name!r} must be a string, not "
+                                  f"{json.dumps(row[field_name], default=str)[:40]}")
         yield _document(str(doc_id), row, where, source=str(row.get(
-            "source", source or Path(name).name)))
+            "source") or source or Path(name).name))
 
 
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
-    if not _ID_OK.match(doc_id):
+    if not _ID_OK.fullmatch(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
-    acl = row.get("acl", row.get("acl_groups", ()))
+    acl = row.get("acl", row.get("acl_groups")) or ()  # null: no ACL, as when absent
     if isinstance(acl, str):  # one group; "finance,hr" would be one group nobody can hold
         if "," in acl:
             fix = json.dumps([g.strip() for g in acl.split(",") if g.strip()], ensure_ascii=False)
@@ -143,11 +152,16 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
 
 
 def _read_text_folder(root: Path) -> Iterator[Document]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+    """Each .txt / .md file under `root` a document, hidden files and folders (".git",
+    ".notes.txt") left out; the id is the path without its suffix, the title the first "# "
+    heading or the file's name."""
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and p.suffix.lower() in TEXT_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
     for file in files:
         rel = file.relative_to(root).as_posix()
         try:
-            text = file.read_text(encoding="utf-8")
+            text = file.read_text(encoding="utf-8-sig")  # a BOM is no part of the text
         except UnicodeDecodeError:
             raise CorpusError(f"{file}: not UTF-8 text") from None
         title = file.stem

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from branchsearch.infra.config.choices import BASELINES, MODES, Baseline, Executor, Mode, Policy, Split
 from branchsearch.infra.datasets.beir import Query
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError, CorpusError
 from branchsearch.infra.retrieval.retriever import Retriever
 from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.evaluation.measures import (doc_ranking, mean, percentile,
@@ -183,12 +183,17 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     from branchsearch.orchestrator.evaluation import report as rep
 
     queries = read_queries(options.dataset, options.split)[:options.limit]
+    check_questions(queries, options.dataset)
     if options.ingest_first and not index_complete(settings):  # missing or stopped: resume
         from branchsearch.infra.ingest.pipeline import ingest
 
         say(f"index {settings.index!r} missing or incomplete: ingesting {options.dataset}")
         with _bar(progress, None, "doc", "ingest") as tick:
             ingest(options.dataset, settings, progress=lambda docs, chunks: tick(docs))
+    missing = missing_gold(settings, queries)
+    if missing:
+        say(f"warning: {missing} of the gold documents are not in index {settings.index!r}; "
+            "they count as misses")
     runs = [_agent_run(s, queries, options.executor, acl_groups, progress) if mode is None
             else _single_shot_run(s, queries, mode, acl_groups, progress)
             for s, mode in _configurations(settings, options)]
@@ -205,6 +210,43 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
         rep.write_json(options.report, result)
         options.report.with_suffix(".md").write_text(rep.markdown(result))
     return result
+
+
+def check_questions(queries: list[Query], dataset: Path) -> None:
+    """Every question can be searched, whatever the mode: one that cannot (no words, only
+    "???") is the dataset's error, named by its line, not a 0 in the means or a stop midway."""
+    from branchsearch.workers.query import question_problem
+
+    for q in queries:
+        problem = question_problem(q.text, "the question")
+        if problem:
+            raise CorpusError(f"{Path(dataset) / 'queries.jsonl'}:{q.line}: query {q.id!r}: "
+                              f"{problem}")
+
+
+def missing_gold(settings: Settings, queries: list[Query]) -> str:
+    """"3 of 250" when gold documents of `queries` are not in the owned index (a qrels line
+    naming a document the corpus lacks, or another corpus's index): they can only be misses.
+    None of them there is an error: the figures would be zeros that look like results. ""
+    when all are there, or for an external index (no docstore to ask)."""
+    from branchsearch.infra.stores.docstore import DocStore
+
+    path = settings.index_dir / "docs.sqlite"
+    if getattr(settings, "external", None) is not None or not path.exists():
+        return ""
+    gold = sorted({doc for q in queries for doc in q.gold})
+    docstore = DocStore(path)
+    try:
+        found = docstore.fingerprints(gold)
+    finally:
+        docstore.close()
+    if not gold or len(found) == len(gold):
+        return ""
+    if not found:
+        raise CorpusError(f"none of the {len(gold):,} gold documents is in index "
+                          f"{settings.index!r}: it holds another corpus (name the dataset's "
+                          "index with --index, or a new name to ingest it)")
+    return f"{len(gold) - len(found):,} of {len(gold):,}"
 
 
 def _configurations(settings: Settings, options: EvalOptions

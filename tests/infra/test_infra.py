@@ -42,8 +42,22 @@ def test_corpus_formats(tmp_path):
     (folder / "sub").mkdir(parents=True)
     (folder / "sub" / "one.md").write_text("# Title One\nbody")
     (folder / "two.txt").write_text("plain")
+    (folder / "BOM.MD").write_bytes("\ufeff# BOM Heading\r\nabout armadillos\r\n".encode())
+    (folder / "long.markdown").write_text("words")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "notes.txt").write_text("hidden")
+    (folder / ".draft.txt").write_text("hidden")
     docs = read_corpus(folder)
-    assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two"}
+    assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two",
+                                             "BOM": "BOM Heading", "long": "long"}
+    assert next(d for d in docs if d.id == "BOM").text.startswith("# BOM Heading")
+    (folder / "tw o.txt").write_text("")
+    (folder / "tw_o.txt").write_text("x")
+    with pytest.raises(CorpusError, match=r"duplicate document id 'tw_o' \(tw o.txt and tw_o.txt\)"):
+        read_corpus(folder)
+    (tmp_path / "t.jsonl").write_text('{"id": 7, "title": "Only a title", "acl": null}\n')
+    only = read_corpus(tmp_path / "t.jsonl")[0]  # a title alone is a document; null ACL: none
+    assert (only.id, only.title, only.text, only.acl) == ("7", "Only a title", "", ())
 
 
 def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
@@ -57,8 +71,15 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ('{"id": "a", "text": "x"}\n{not json\n', ":2: not valid JSON"),
     ('{"text": "x"}\n', "missing document id"),
-    ('{"id": "a"}\n', "missing or non-string 'text'"),
+    ('{"id": "a"}\n', "has no text and no title"),
+    ('{"id": "a", "text": 5}\n', ":1: 'text' must be a string, not 5"),
+    ('{"id": "a", "text": "x", "title": ["x", "y"]}\n', "'title' must be a string"),
+    ('{"id": "a", "text": "x", "date": {"y": 1}}\n', "'date' must be a string"),
     ('{"id": "a b", "text": "x"}\n', "may not contain whitespace"),
+    ('{"id": "trail\\n", "text": "x"}\n', "may not contain whitespace"),
+    ('{"id": true, "text": "x"}\n', "must be a string or a whole number, not true"),
+    ('{"id": 1.0, "text": "x"}\n', "must be a string or a whole number, not 1.0"),
+    ('{"id": NaN, "text": "x"}\n', "must be a string or a whole number, not NaN"),
     ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate document id"),
     ('', "no documents"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),

@@ -281,6 +281,42 @@ def test_eval_split_reads_dev_qrels(inputs):
         read_queries(inputs / "dev-only")
 
 
+def test_eval_refuses_questions_it_cannot_score_and_says_when_gold_is_missing(tmp_path):
+    """A question that is a number, null, or has no words is the dataset's line, named, in
+    every mode (it was a traceback, a silent 0, or a stop midway); a blank line closing
+    qrels is skipped; gold documents the index lacks are said to count as misses, and an
+    index holding none of them (another corpus's) is refused instead of scored 0."""
+    from conftest import HOTPOT
+
+    data = tmp_path / "set"
+    (data / "qrels").mkdir(parents=True)
+    (data / "corpus.jsonl").write_text(
+        '{"_id": "keep", "title": "Keep", "text": "stable doc about beavers"}\n'
+        '{"_id": "ocelot", "title": "Ocelot", "text": "a page about ocelots"}\n')
+    (data / "qrels" / "test.tsv").write_text("q1\tkeep\t1\nq2\tocelot\t1\n\n")
+    home = ["--home", tmp_path / "home", "--index", "set"]
+    for text, says in (("5", "'text' must be a string, not 5"),
+                       ("null", "'text' must be a string, not null"),
+                       ('"???"', "queries.jsonl:1: query 'q1': the question has no words")):
+        (data / "queries.jsonl").write_text(
+            f'{{"_id": "q1", "text": {text}}}\n{{"_id": "q2", "text": "ocelots?"}}\n')
+        for mode in (["--mode", "bm25"], ["--policy", "heuristic"]):
+            assert_one_error_line(run(["eval", data, *home, *mode]), says, f"{text} {mode}")
+    (data / "queries.jsonl").write_text('{"_id": "q1", "text": "beavers"}\n'
+                                        '{"_id": "q2", "text": "ocelots?"}\n'
+                                        '{"_id": "q1", "text": "again"}\n')
+    assert_one_error_line(run(["eval", data, *home, "--mode", "bm25"]),
+                          "queries.jsonl:3: duplicate query id 'q1'")
+    (data / "queries.jsonl").write_text('{"_id": "q1", "text": "beavers"}\n'
+                                        '{"_id": "q2", "text": "ocelots?"}\n')
+    (data / "qrels" / "test.tsv").write_text("q1\tkeep\t1\nq2\tocelot\t1\nq2\tgone\t1\n\n")
+    done = run(["eval", data, *home, "--mode", "bm25"])
+    assert done.returncode == 0, done.stderr[-800:]
+    assert "warning: 1 of 3 of the gold documents are not in index 'set'" in done.stderr
+    other = run(["eval", HOTPOT, *home, "--mode", "bm25"])
+    assert_one_error_line(other, "none of the 24 gold documents is in index 'set'")
+
+
 def test_bounds_and_patterns_below_the_cli():
     assert check_k(MAX_K) == MAX_K and check_k(0) == 0
     for bad in (MAX_K + 1, 100_000_000_000, -1, 2.5, True):
