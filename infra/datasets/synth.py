@@ -68,12 +68,22 @@ class Chain:
     area: str
 
 
+MARKER = "synth.json"  # what a folder synth wrote holds: it may write there again
+
+
 def _check_folder(out: Path, need_bytes: int) -> None:
-    """Stop before writing when `out` is a file, cannot be written, or its disk lacks room."""
+    """Stop before writing when `out` is a file, holds files synth did not write (a user's
+    BEIR folder would be replaced), cannot be written, or its disk lacks room."""
     import os
 
     if out.exists() and not out.is_dir():
         raise SynthError(f"synth: {out} is a file, not a folder: give a folder to write into")
+    if out.is_dir() and not (out / MARKER).exists():
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
+            raise SynthError(f"synth: {out} already holds files synth did not write ({shown}); "
+                             "give a new or empty folder")
     base = out
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -111,6 +121,7 @@ def _prepare(out_dir: str | Path, docs: int, extra_bytes: int) -> Path:
     _check_folder(out, docs * BYTES_PER_DOC + extra_bytes)
     try:
         (out / "qrels").mkdir(parents=True, exist_ok=True)
+        (out / MARKER).write_text(json.dumps({"docs": docs}) + "\n")
     except OSError as exc:
         raise SynthError(f"synth: cannot create {out}: {exc.strerror}") from None
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -386,6 +387,23 @@ def test_synth_bounds_in_the_library(tmp_path):
     with pytest.raises(SynthError, match="free space"):  # /proc has none: checked before writing
         synth(Path("/proc") / "x", docs=1000, tasks=10)
     assert not (tmp_path / "big").exists()
+
+
+def test_synth_writes_over_its_own_folder_only(tmp_path):
+    """A folder synth wrote can be written again (the same seed, the same files); a user's
+    BEIR folder is refused with one line, and left as it was."""
+    from conftest import HOTPOT
+
+    ours = tmp_path / "ours"
+    for _ in range(2):
+        done = run(["synth", ours, "--docs", "16", "--tasks", "2"])
+        assert done.returncode == 0, done.stderr[-800:]
+    theirs = tmp_path / "theirs"
+    shutil.copytree(HOTPOT, theirs)
+    before = {p: p.read_bytes() for p in theirs.rglob("*") if p.is_file()}
+    done = run(["synth", theirs, "--docs", "16", "--tasks", "2"])
+    assert_one_error_line(done, "already holds files synth did not write (corpus.jsonl")
+    assert {p: p.read_bytes() for p in theirs.rglob("*") if p.is_file()} == before
 
 
 def test_actor_died_of_a_user_error_is_that_error():
