@@ -65,10 +65,10 @@ def read_questions(path: str | Path) -> BatchInput:
                                      f"{_JSON_KIND.get(type(row), 'a number')}")
                 qid = row.get("id", row.get("_id"))
                 question = row.get("question", row.get("text"))
-                if qid is None or not isinstance(question, str):
+                if qid is None or question is None:
                     raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
                 qid = question_id(qid)
-                problem = question_problem(question)
+                problem = question_problem(question)  # 5 or a list: "must be text, not …"
                 if problem:
                     raise ValueError(problem)
             except json.JSONDecodeError as exc:  # its position on this line, not in its parse

@@ -33,6 +33,10 @@ def main() -> None:
         code = 130
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
+    except SystemExit as exc:
+        if exc.code == 1 and _reader_went_away():
+            sys.exit(141)  # `search | head`: as a tool SIGPIPE stops, not 1 ("failed")
+        raise
     except typer.Abort:
         print("aborted", file=sys.stderr)
         sys.exit(1)
@@ -49,6 +53,12 @@ def main() -> None:
         print("interrupted", file=sys.stderr)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _reader_went_away() -> bool:
+    """Whether stdout's reader closed the pipe: click (typer's copy of it) then wraps stdout
+    in its PacifyFlushWrapper and exits 1."""
+    return type(sys.stdout).__name__ == "PacifyFlushWrapper"
 
 
 def user_error(exc: BaseException) -> str | None:

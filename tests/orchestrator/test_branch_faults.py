@@ -174,10 +174,14 @@ def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_
     assert data.items == [("ok", "Who is Ed Wood?")]
     assert len(data.bad_lines) == 3 and "no words" in data.bad_lines[0]
     path.write_text(json.dumps({"id": "e", "question": " "}) + "\n"
-                    + json.dumps({"question": "Who?"}) + "\n")
+                    + json.dumps({"question": "Who?"}) + "\n"
+                    + json.dumps({"id": "n", "question": 5}) + "\n"
+                    + json.dumps({"id": "l", "text": ["a"]}) + "\n")
     assert read_questions(path).bad_lines == [  # each says what is wrong with it
         f"{path}:1: empty question: give the words to search for",
-        f"{path}:2: needs 'id' (or '_id') and 'question' (or 'text')"]
+        f"{path}:2: needs 'id' (or '_id') and 'question' (or 'text')",
+        f"{path}:3: question must be text, not a number",
+        f"{path}:4: question must be text, not an array"]
     from branchsearch.infra.errors import CorpusError
 
     with pytest.raises(CorpusError, match="is a folder; give the questions file"):

@@ -389,6 +389,24 @@ def test_synth_bounds_in_the_library(tmp_path):
     assert not (tmp_path / "big").exists()
 
 
+def test_output_cut_by_its_reader_exits_141_not_failed(tmp_path):
+    """`retrieve … | head -1`: the reader closing the pipe ends the command as SIGPIPE ends
+    a Unix tool (141, no traceback), not with 1, which says a search failed."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Falcon {i}",
+                                          "text": "Falcon plan " * 40}) + "\n"
+                              for i in range(50)))
+    home = ["--home", tmp_path / "home", "--index", "ix"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    proc = subprocess.Popen([*CLI, "retrieve", "Falcon plan", "--k", "50", *map(str, home)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away with 49 hits unread
+    assert proc.wait(timeout=120) == 141
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err, err
+
+
 def test_synth_writes_over_its_own_folder_only(tmp_path):
     """A folder synth wrote can be written again (the same seed, the same files); a user's
     BEIR folder is refused with one line, and left as it was."""
