@@ -8,13 +8,17 @@ re-reads it when it changes, so `keys revoke` takes effect without a restart.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import json
 import os
 import re
 import secrets
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -110,21 +114,46 @@ class KeyStore:
             raise KeysFileError(f"keys file {self.path} cannot be read ({exc}); give the keys "
                                 "file (`branchsearch keys add` makes one)") from None
 
+    @contextmanager
+    def _changing(self) -> Iterator[dict[str, ApiKey]]:
+        """The keys as the file holds them now, to change in place and write back, with every
+        other writer held off: a thread of this process (the lock) and another `keys` command
+        (an exclusive flock on KEYS.lock). Without it, a `keys add` running beside a `keys
+        revoke` could write back the key the revoke had just revoked, still active."""
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        with self._lock:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:
+                raise KeysFileError(f"keys file {self.path} cannot be written "
+                                    f"({exc.strerror or exc}); nothing was changed") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._stamp = None  # read what the last writer wrote, whatever the mtime says
+                keys = dict(self._load())
+                yield keys
+                self._save(keys)
+            finally:
+                os.close(fd)  # (closing releases the flock)
+
     def _save(self, keys: dict[str, ApiKey]) -> None:
-        """Write the keys whole (a temporary file renamed over the old), or raise KeysFileError
-        with the file as it was."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        """Write the keys whole (a temporary file of its own renamed over the old), or raise
+        KeysFileError with the file as it was."""
         data = {"keys": [asdict(k) | {"groups": list(k.groups), "indexes": list(k.indexes)}
                          for k in keys.values()]}
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp",
+                                       dir=self.path.parent)  # mode 0600
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1)
             os.replace(tmp, self.path)
         except OSError as exc:  # a read-only home, a full disk
             try:
-                tmp.unlink(missing_ok=True)  # (a half-written one, if it got that far)
+                if tmp is not None:
+                    os.unlink(tmp)  # (a half-written one, if it got that far)
             except OSError:
                 pass
             raise KeysFileError(f"keys file {self.path} cannot be written ({exc.strerror or exc}"
@@ -158,8 +187,7 @@ class KeyStore:
             groups = (ACL_ALL,)
         from datetime import datetime, timezone
 
-        with self._lock:
-            keys = dict(self._load())
+        with self._changing() as keys:
             if name in keys and not keys[name].revoked:
                 raise BranchsearchError(f"key {name!r} exists; revoke it first or pick "
                                         "another name")
@@ -167,16 +195,13 @@ class KeyStore:
             keys[name] = ApiKey(name, tuple(groups), tuple(indexes), admin,
                                 datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                 False, digest(key))
-            self._save(keys)
         return key
 
     def revoke(self, name: str) -> None:
-        with self._lock:
-            keys = dict(self._load())
+        with self._changing() as keys:
             if name not in keys:
                 raise BranchsearchError(f"no key named {name!r} in {self.path}")
             keys[name] = ApiKey(**{**asdict(keys[name]), "revoked": True})
-            self._save(keys)
 
     def list(self) -> list[ApiKey]:
         with self._lock:

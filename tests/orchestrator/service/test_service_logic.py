@@ -572,3 +572,30 @@ def test_the_schemas_index_name_pattern_takes_every_name_the_service_takes():
     for name in refused:
         assert index_name_problem(name), name
         assert not re.search(INDEX_NAME_PATTERN, name), name
+
+
+def test_keys_commands_run_at_once_lose_nothing_and_a_revoke_sticks(tmp_path):
+    """Eight `keys add` and one `keys revoke` started together, as separate processes: every
+    added key is in the file and the revoked one stays revoked. Each command rewrites the whole
+    file; without a lock between processes, one could write back what it read before another's
+    change (a revoked key active again, an added key gone) or share the other's temp file."""
+    import subprocess
+    import sys
+
+    keys = tmp_path / "keys.json"
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "keys"]
+    assert subprocess.run([*cli, "add", "victim", "--keys", keys],
+                          capture_output=True).returncode == 0
+    for round_ in range(2):
+        procs = [subprocess.Popen([*cli, "add", f"k{round_}-{i}", "--keys", keys],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for i in range(8)]
+        if round_ == 0:
+            procs.append(subprocess.Popen([*cli, "revoke", "victim", "--keys", keys],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode()[-500:]
+    listed = {k.name: k.revoked for k in KeyStore(keys).list()}
+    assert listed == {"victim": True, **{f"k{r}-{i}": False for r in range(2) for i in range(8)}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
