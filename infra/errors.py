@@ -82,10 +82,14 @@ def error_line(exc: BaseException, width: int = 300) -> str:
 # `public_line` as well: no internal address either (those stay in the server log).
 
 _SECRETS: set[str] = set()  # secret values from the settings, masked wherever they appear
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+# userinfo ends at the *last* '@' before the host, as URL parsers read it: a password with a
+# raw '@' ("user:Es@Pass@host") is masked whole
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
+# a credential's value: after "name:" / "name=" for every credential word, after a space only
+# for the auth schemes ("Bearer X"): "GET /passwd (see /docs)" names a path, not a password
 _CREDENTIAL = re.compile(
-    r"(?i)(?P<name>\b(?:authorization|bearer|basic|api[_-]?key|apikey|token|password|passwd|"
-    r"secret)\b[\"']?(?:\s*[:=]\s*|\s+)"
+    r"(?i)(?P<name>(?:\b(?:authorization|bearer|basic|api[_-]?key|apikey|token|password|passwd|"
+    r"secret)\b[\"']?\s*[:=]\s*|\b(?:authorization|bearer|basic|apikey)\s+)"
     r"(?!(?:(?:bearer|basic|apikey)\s+)?[\"']?KEY\b)"  # the placeholder of "Bearer KEY"
     r"(?:(?:bearer|basic|apikey)\s+)?[\"']?)[^\s\"',;)}\]]+")
 _PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")

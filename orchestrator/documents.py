@@ -29,10 +29,12 @@ def parse_documents(body: bytes) -> list:
         raise CorpusError("body is not UTF-8") from None
     stripped = text.lstrip()
     if stripped.startswith("["):
+        from branchsearch.infra.ingest.corpus import json_problem
+
         try:
             rows = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"body is not a valid JSON array ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:
+            raise CorpusError(f"body is not a valid JSON array ({json_problem(exc)})") from None
         text = "".join(json.dumps(r) + "\n" for r in rows)
     elif stripped.startswith("{"):
         _refuse_wrapper(stripped)
@@ -48,7 +50,7 @@ def _refuse_wrapper(text: str) -> None:
     would otherwise read as one document without an id: say what the body must be."""
     try:
         whole = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return  # JSONL (or a bad line, which read_corpus names)
     if isinstance(whole, dict) and not ({"id", "_id"} & whole.keys()):
         field = next((k for k, v in whole.items() if isinstance(v, list) and v

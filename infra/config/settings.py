@@ -335,7 +335,8 @@ def _validate(s: Settings) -> None:
 
     for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, password(s.es_url),
                    password(s.milvus_uri), password(s.llm_url), password(s.otlp_endpoint), *[
-            v.split("=", 1)[-1] for v in s.otlp_headers.split(",")]):
+            v.split("=", 1)[-1] for v in s.otlp_headers.split(",")], *[
+            password(url) for spec in s.indexes for url in (spec.es_url, spec.milvus_uri)]):
         register_secret(secret.strip())  # masked in every message that leaves the process
     checks = [
         (s.chunk_tokens >= 16, "chunk_tokens must be >= 16"),

@@ -55,7 +55,7 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
             try:
                 row = json.loads(line)
                 qid, text = row.get("_id", row.get("id")), row["text"]
-            except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            except (ValueError, RecursionError, KeyError, AttributeError, TypeError):
                 raise CorpusError(f"{qfile}:{lineno}: expected {{'_id', 'text'}}") from None
             if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():
                 raise CorpusError(f"{qfile}:{lineno}: '_id' must be a non-empty string or a "

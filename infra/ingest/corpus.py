@@ -16,6 +16,8 @@ from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name
 from branchsearch.infra.errors import CorpusError
 
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
+# fields a writer may mean as the ACL ("ACL", "groups"): refused, not kept as metadata
+_ACL_LIKE = {"groups", "allowed_groups", "access_groups", "readers", "permissions"}
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")  # of a folder's files, in any case (".TXT")
 
 
@@ -81,8 +83,8 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
         where = f"{name}:{lineno}"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:  # a 5,000-digit number is a ValueError
+            raise CorpusError(f"{where}: not valid JSON ({json_problem(exc)})") from None
         if not isinstance(row, dict):
             raise CorpusError(f"{where}: expected a JSON object")
         doc_id = row.get("_id", row.get("id"))
@@ -105,6 +107,13 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     if not _ID_OK.fullmatch(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
+    _one_of(row, ("_id", "id"), where)
+    _one_of(row, ("acl", "acl_groups"), where)
+    lookalike = next((k for k in row if k not in ("acl", "acl_groups")
+                      and (k.casefold().startswith("acl") or k.casefold() in _ACL_LIKE)), None)
+    if lookalike is not None:  # kept as metadata, it would publish a document meant for a group
+        raise CorpusError(f"{where}: unknown field {lookalike!r}: a document's groups are "
+                          "given as \"acl\": [\"group\", ...]")
     acl = row.get("acl", row.get("acl_groups")) or ()  # null: no ACL, as when absent
     if isinstance(acl, str):  # one group; "finance,hr" would be one group nobody can hold
         if "," in acl:
@@ -151,6 +160,15 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     )
 
 
+def _one_of(row: dict, names: tuple[str, str], where: str) -> None:
+    """Two spellings of one field given with different values: which one counts would be a
+    silent choice (an ACL dropped, another document's id)."""
+    given = [n for n in names if row.get(n) is not None]
+    if len(given) == 2 and row[names[0]] != row[names[1]]:
+        raise CorpusError(f"{where}: both {names[0]!r} and {names[1]!r} are given, with "
+                          "different values; give one")
+
+
 def _read_text_folder(root: Path) -> Iterator[Document]:
     """Each .txt / .md file under `root` a document, hidden files and folders (".git",
     ".notes.txt") left out; the id is the path without its suffix, the title the first "# "
@@ -171,6 +189,15 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
                 break
         doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])
         yield _document(doc_id, {"title": title, "text": text}, str(file), source=rel)
+
+
+def json_problem(exc: BaseException) -> str:
+    """What `json.loads` found wrong, in a few words."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, json.JSONDecodeError):
+        return exc.msg
+    return " ".join(str(exc).split())[:120]  # "Exceeds the limit (4300 digits) for integer ..."
 
 
 def _utf8(text: str) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
 from branchsearch.infra.config.settings import index_name
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError, redact
 from branchsearch.orchestrator.service.admission import Limits, check_body_size
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.service.errors import ApiError, api_error
@@ -218,11 +218,12 @@ def create_app(state: ServiceState):
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        detail = str(exc.detail)
-        if exc.status_code == 404 and detail == "Not Found":  # no route: say which path
-            detail = f"no such path: {request.method} {request.url.path} (see /docs)"
-        return error_response(ApiError(exc.status_code, code, detail,
-                                       dict(exc.headers or {})))  # 405 keeps its Allow
+        error = ApiError(exc.status_code, code, str(exc.detail),
+                         dict(exc.headers or {}))  # 405 keeps its Allow
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route: say which path,
+            path = " ".join(redact(request.url.path).split())  # the caller's own, as sent
+            error.detail = f"no such path: {request.method} {path[:200]} (see /docs)"
+        return error_response(error)
 
     async def read_body(request: Request) -> bytes:
         """The body, refused with 413 as soon as it passes the limit (chunked bodies too)."""
@@ -303,7 +304,8 @@ def create_app(state: ServiceState):
         body = await read_body(request)
         try:
             data = json.loads(body or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError,
+            # a 5,000-digit number: all ValueErrors)
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise ApiError(422, "bad_request", f"body is not JSON ({reason})") from None
         req = parse_search(data, limits)

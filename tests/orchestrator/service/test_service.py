@@ -316,6 +316,21 @@ def test_input_that_gave_500s_is_a_422(site):
     r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
                     content=nested)
     assert_error(r, 422, "bad_request")
+    huge = b"1" * 5000  # past Python's 4,300-digit int limit: a ValueError, not a JSON error
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=b'{"question": "harbor", "k": ' + huge + b"}")
+    assert_error(r, 422, "bad_request")
+    admin = {**auth(keys["admin"]), "Content-Type": "application/json"}
+    for body in (b"[" + b'{"id": ' + huge + b', "text": "x"}]', b'{"id": ' + huge + b"}\n"):
+        assert_error(client.put("/v1/indexes/acl/documents", headers=admin, content=body), 422)
+    # a document whose groups are spelt as no ACL field would have been public
+    for doc, says in (({"id": "o12", "text": "w", "acl": [], "acl_groups": ["hr"]},
+                       "both 'acl' and 'acl_groups'"),
+                      ({"id": "o15", "text": "k", "groups": ["hr"]}, "unknown field 'groups'"),
+                      ({"id": "o16", "text": "k", "ACL": ["hr"]}, "unknown field 'ACL'"),
+                      ({"id": True, "text": "k"}, "must be a string or a whole number")):
+        r = client.put("/v1/indexes/acl/documents", headers=auth(keys["admin"]), json=[doc])
+        assert says in assert_error(r, 422, "bad_request")["detail"]
 
 
 def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
@@ -610,6 +625,9 @@ def test_limits(site):
         assert_error(r, 504, "deadline_exceeded")
     assert_error(client.get("/nope"), 404)
     assert "/v1/índice" in assert_error(client.get("/v1/índice"), 404)["detail"]
+    for path in ("/v2/foo/bar", "/passwd", "/etc/token"):  # the caller's path, not "<path>"
+        assert assert_error(client.get(path), 404)["detail"] == \
+            f"no such path: GET {path} (see /docs)"
     assert_error(client.delete("/v1/search"), 405)
     metrics = client.get("/metrics").text
     for name in ("branchsearch_http_requests_total", "branchsearch_refusals_total",
