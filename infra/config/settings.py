@@ -325,7 +325,7 @@ def _check_home(home: Path, index_dir: Path) -> None:
 def _validate(s: Settings) -> None:
     from branchsearch.infra.errors import register_secret
 
-    from urllib.parse import urlsplit
+    from urllib.parse import unquote, urlsplit
 
     def password(url: str) -> str:
         try:
@@ -333,11 +333,13 @@ def _validate(s: Settings) -> None:
         except ValueError:
             return ""
 
-    for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, password(s.es_url),
-                   password(s.milvus_uri), password(s.llm_url), password(s.otlp_endpoint), *[
+    urls = [s.es_url, s.milvus_uri, s.llm_url, s.otlp_endpoint,
+            *[url for spec in s.indexes for url in (spec.es_url, spec.milvus_uri)]]
+    for secret in (s.milvus_token, s.es_api_key, s.llm_api_key, *[
             v.split("=", 1)[-1] for v in s.otlp_headers.split(",")], *[
-            password(url) for spec in s.indexes for url in (spec.es_url, spec.milvus_uri)]):
+            form for url in urls for form in (password(url), unquote(password(url)))]):
         register_secret(secret.strip())  # masked in every message that leaves the process
+        # (a URL's password as written, "%40", and as a client sends it, "@")
     checks = [
         (s.chunk_tokens >= 16, "chunk_tokens must be >= 16"),
         (0 <= s.chunk_overlap < s.chunk_tokens, "chunk_overlap must be in [0, chunk_tokens)"),

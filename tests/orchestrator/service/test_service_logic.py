@@ -599,3 +599,22 @@ def test_keys_commands_run_at_once_lose_nothing_and_a_revoke_sticks(tmp_path):
     listed = {k.name: k.revoked for k in KeyStore(keys).list()}
     assert listed == {"victim": True, **{f"k{r}-{i}": False for r in range(2) for i in range(8)}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.json", "keys.json.lock"]
+
+
+def test_a_password_with_a_raw_at_sign_is_masked_whole(tmp_path):
+    """`http://user:Es@Pass@9931@host` is read by URL clients as password `Es@Pass@9931`;
+    masking up to the first '@' left `Pass@9931` in CLI errors, logs and `indexes`. A
+    per-index URL's password is a registered secret too, masked wherever it appears alone."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.errors import public_line, redact
+
+    line = "elasticsearch at http://esuser:Es@Pass@9931@127.0.0.1:1 is not reachable"
+    assert redact(line) == "elasticsearch at http://***@127.0.0.1:1 is not reachable"
+    assert "Pass" not in public_line(line)
+    config = tmp_path / "s.toml"
+    config.write_text('[indexes.extes]\nlexical = "elasticsearch"\nes_index = "corp"\n'
+                      'es_url = "http://esuser:Zq7%40Word-x1@127.0.0.1:1"\n'
+                      '[indexes.extmv]\ndense = "milvus"\nmilvus_collection = "c"\n'
+                      'milvus_uri = "http://mv:Mv-Secret-77@127.0.0.1:2"\n')
+    load_settings(config, {"index": "extes"}, read_env=False)
+    assert redact("auth failed for Zq7@Word-x1 and Mv-Secret-77") == "auth failed for *** and ***"
