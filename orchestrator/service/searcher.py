@@ -388,10 +388,12 @@ class Searcher:
             self.pool.close()
             self.pool = None
 
-    def _in_retriever(self, index: str, driver, local_fn, actor_fn, *args):
-        """Run on the stores' owner: in this process (local) or in the retriever actor (Ray).
-        A retriever actor dead for good (killed past its restarts, its node gone) takes its
-        driver out of service, so the next request starts the index afresh: a 503 to retry."""
+    def _in_retriever(self, index: str, driver, local_fn, actor_fn, *args,
+                      timeout: float | None = 120):
+        """Run on the stores' owner: in this process (local) or in the retriever actor (Ray),
+        waiting at most `timeout` s for the actor (None: until it is done). A retriever actor
+        dead for good (killed past its restarts, its node gone) takes its driver out of
+        service, so the next request starts the index afresh: a 503 to retry."""
         from branchsearch.orchestrator.execution.ray import RayExecutor
 
         if not isinstance(driver.executor, RayExecutor):
@@ -401,7 +403,7 @@ class Searcher:
         try:
             # __ray_call__ runs a function on the actor, its instance as first argument
             return ray.get(driver.executor.retriever.__ray_call__.remote(actor_fn, *args),
-                           timeout=120)
+                           timeout=timeout)
         except ray.exceptions.ActorDiedError as exc:
             self._retire_dead(index, driver, exc)
             raise ApiError(503, "backend_unavailable", f"the retriever process of index "
@@ -577,8 +579,9 @@ class Searcher:
         """A document write on the stores' owner. A store that fails under it (a file gone, a
         server down) is a 503 saying what searches see now, not a 500. Domain errors and
         timeouts keep their status (api_error); a bug stays a 500."""
-        try:
-            return self._in_retriever(index, driver, local_fn, actor_fn, *args)
+        try:  # waited for whole, as in this process: a write cut off by a timeout would go
+            # on in the actor after its answer (a 504) and after the index's write lock
+            return self._in_retriever(index, driver, local_fn, actor_fn, *args, timeout=None)
         except Exception as exc:  # noqa: BLE001
             cause = getattr(exc, "cause", None) or exc
             if isinstance(cause, (BranchsearchError, ApiError, TimeoutError, TypeError,
