@@ -246,7 +246,7 @@ def create_app(state: ServiceState):
 
     # --- public ---------------------------------------------------------------------------
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index_page():
         return FileResponse(WEB / "index.html", media_type="text/html")
 
@@ -257,12 +257,14 @@ def create_app(state: ServiceState):
             raise ApiError(404, "not_found", f"no file {name!r}")
         return FileResponse(path)
 
-    @app.get("/healthz", tags=["health"], responses=_answers(Health))
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["health"],
+                   responses=_answers(Health))  # HEAD: load balancers' health checks
     async def healthz():
         """The process is up (it answers)."""
         return {"status": "up"}
 
-    @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
+    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["health"],
+                   responses=_answers(Ready, 503))
     async def readyz():
         """Ready when the default index is open and every open index's backends answer; 503
         naming the index that is not (the reason is in the server log)."""

@@ -164,7 +164,8 @@ class Health(BaseModel):
 class Ready(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["ready"]
-    indexes: list[str] = Field(description="the indexes open now")
+    indexes: int = Field(description="how many indexes are open now (their names are for "
+                         "keys that may use them: GET /v1/indexes)")
 
 
 class KeyInfo(BaseModel):

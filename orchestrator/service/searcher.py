@@ -631,21 +631,25 @@ class Searcher:
 
     def _ready(self) -> dict:
         """Ready when the default index is open and every open index's backends answer;
-        ApiError 503 naming the index otherwise (the reason goes to the server log only)."""
+        ApiError 503 otherwise. Anyone may ask (a load balancer has no key), so the answer
+        names no index: which one, and why, go to the server log only."""
         try:
             self.driver(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
             log.warning("not ready: index %r: %s", self.settings.index, error_line(exc, 1000))
-            raise ApiError(503, "not_ready", f"index {self.settings.index!r} is not ready",
-                           {"Retry-After": "5"}) from None
-        for index, driver in list(self._drivers.items()):
+            raise ApiError(503, "not_ready", "the default index is not ready (the server log "
+                           "says why)", {"Retry-After": "5"}) from None
+        opened = list(self._drivers.items())
+        for index, driver in opened:
             try:
                 self._probe(index, driver)
             except ApiError as exc:
                 log.warning("not ready: index %r: %s", index, exc.detail)
-                raise ApiError(503, "not_ready", f"index {index!r} is not ready",
-                               {"Retry-After": "5"}) from None
-        return {"status": "ready", "indexes": sorted(self._drivers)}
+                which = ("the default index is" if index == self.settings.index
+                         else f"one of the {len(opened)} open indexes is")
+                raise ApiError(503, "not_ready", f"{which} not ready (the server log says "
+                               "why)", {"Retry-After": "5"}) from None
+        return {"status": "ready", "indexes": len(opened)}
 
 
 def _stat(folder: Path) -> tuple | None:

@@ -96,6 +96,9 @@ def test_auth_matrix(site):
         ("GET", "/docs", None, None, 200),
         ("GET", "/openapi.json", None, None, 200),
         ("GET", "/", None, None, 200),
+        ("HEAD", "/healthz", None, None, 200),  # load balancers check with HEAD
+        ("HEAD", "/readyz", None, None, 200),
+        ("HEAD", "/", None, None, 200),
     ]
     for method, path, key, body, status in cases:
         r = client.request(method, path, json=body, headers=auth(key) if key else {})
@@ -181,6 +184,9 @@ def test_acl_leak(site, capsys):
         r = client.get(path, headers=auth(keys["alpha"]))
         tried += 1
         leaks += _leaks(r.text, BRAVO_DOCS, LEAK_MARKER)
+    ready = client.get("/readyz").json()  # asked with no key: how many, not which indexes
+    assert ready == {"status": "ready", "indexes": ready["indexes"]} and \
+        isinstance(ready["indexes"], int) and ready["indexes"] >= 1
     found, marked = set(), 0
     for question in QUESTIONS[:3]:  # positive control: the same questions as group B
         r = client.post("/v1/search", json={"question": question}, headers=auth(keys["bravo"]))
@@ -663,7 +669,7 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             assert client.get("/readyz").status_code == 200
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
-            assert ready["detail"] == "index 'es' is not ready"
+            assert ready["detail"] == "the default index is not ready (the server log says why)"
             down = assert_error(client.post("/v1/search", json=q), 503)
             assert down["error"] in ("backend_unavailable", "search_failed"), down
             stream = client.post("/v1/search", json=q, headers={"Accept": "text/event-stream"})
