@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name
+from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name, group_problem
 from branchsearch.infra.errors import CorpusError
 
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
@@ -131,6 +131,9 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         raise CorpusError(f"{where}: 'acl' group {json.dumps(comma, ensure_ascii=False)} holds "
                           f"a comma: give each group as its own list item, e.g. \"acl\": {fix}")
     acl = tuple(group_name(g) for g in acl)  # as a caller's: " hr" is "hr", NFD café is NFC
+    problem = next((group_problem(g) for g in acl if group_problem(g)), "")
+    if problem:
+        raise CorpusError(f"{where}: {problem}")
     if ACL_ALL in acl:  # it would read as "everyone" but mean "admins only"
         raise CorpusError(f"{where}: 'acl' may not name {ACL_ALL!r} (reserved: {ACL_ALL!r} in a "
                           "caller's groups sees every document); leave 'acl' empty for a "

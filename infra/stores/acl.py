@@ -53,6 +53,19 @@ def acl_visible(doc_acl: Sequence[str], groups: Sequence[str] | None) -> bool:
         {f for g in doc_acl for f in (g, group_name(g))} & set(terms))
 
 
+MAX_GROUP_CHARS = 128  # as a key's groups (`keys add --groups`)
+
+
+def group_problem(name: str) -> str:
+    """Why `name` (stripped) cannot be a group a key holds ("" when it can): a document's
+    group no key can hold would be seen by global admins only, silently."""
+    if any(c.isspace() for c in name):
+        return f"ACL group {name!r} holds a space: API keys' groups cannot, use '-' or '_'"
+    if len(name) > MAX_GROUP_CHARS:
+        return f"ACL group {name[:40]!r}… is longer than {MAX_GROUP_CHARS} characters"
+    return ""
+
+
 def caller_groups(groups: Sequence[str] | None, admin: bool = False) -> list[str] | None:
     """The `acl_groups` to pass for a caller: `[ACL_ALL]` for an admin, else its groups (None:
     public only)."""

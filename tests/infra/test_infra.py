@@ -92,6 +92,8 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
     ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n',
      r"may not name '__public__' \(reserved: the group of the documents without an ACL\)"),
     ('{"id": "a", "text": "x", "acl": [""]}\n', "group names may not be empty"),
+    ('{"id": "a", "text": "x", "acl": ["human resources"]}\n', "holds a space"),
+    ('{"id": "a", "text": "x", "acl": ["' + "g" * 129 + '"]}\n', "longer than 128"),
 ])
 def test_corpus_errors_name_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
