@@ -116,7 +116,7 @@ def test_405_answers_carry_allow(live):
     url, keys, _ = live
     with httpx.Client(base_url=url, timeout=30) as client:
         for method, path, allowed in (("DELETE", "/v1/search", {"POST"}),
-                                      ("POST", "/healthz", {"GET"}),
+                                      ("POST", "/healthz", {"GET", "HEAD"}),
                                       ("GET", f"/v1/indexes/{SEARCHED}/documents", {"PUT"})):
             r = client.request(method, path, headers={"Authorization": f"Bearer {keys['admin']}"})
             assert r.status_code == 405, (method, path, r.text)
