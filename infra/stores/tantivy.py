@@ -3,11 +3,17 @@
 BM25 terms are lower-cased, accent-folded and English-stemmed (`en_stem_fold`): 'Aschenbrodel'
 finds 'Aschenbrödel'. An index written before folding keeps its own analyzer (`en_stem`, no
 folding), also when documents are ingested into it again: only a new index (remove the index
-folder, ingest again) folds. `folds` tells them apart."""
+folder, ingest again) folds. `folds` tells them apart.
+
+Chinese and Japanese write no spaces between words: tantivy's tokenizer would make a sentence
+one token, and drop it as too long. Text and queries alike pass `cjk_terms` first, which adds
+each run of Han / kana characters' overlapping bigrams (the CJK analyzers of Lucene and
+Elasticsearch do the same), so '東京' and '333メートル' find the sentence that holds them."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +25,21 @@ from branchsearch.infra.stores.acl import acl_terms
 
 
 FOLDING = "en_stem_fold"
+# Han (with extensions and compatibility ideographs), hiragana, katakana (and half-width)
+_CJK_RUN = re.compile("[\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+                      "\uff66-\uff9f]{2,}")
+
+
+def cjk_terms(text: str) -> str:
+    """`text` with each run of two or more Han / kana characters followed by its overlapping
+    bigrams ("東京タワー" -> "東京タワー 東京 京タ タワ ワー"); the run itself stays (a short run
+    is still a term of its own, as it was in an index written before bigrams). Other text is
+    left as it is."""
+    def spaced(match: re.Match) -> str:
+        run = match.group(0)
+        return f"{run} {' '.join(run[i:i + 2] for i in range(len(run) - 1))} "
+
+    return _CJK_RUN.sub(spaced, text)
 
 
 def folds(path: str | Path) -> bool:
@@ -78,7 +99,7 @@ class TantivyStore:
                 doc = self._t.Document()
                 doc.add_text("chunk_id", c.chunk_id)
                 doc.add_text("doc_id", c.doc_id)
-                doc.add_text("body", c.body)
+                doc.add_text("body", cjk_terms(c.body))
                 doc.add_text("terms", c.body)
                 for g in c.acl_terms:
                     doc.add_text("acl", g)
@@ -116,7 +137,8 @@ class TantivyStore:
         words = query_words(query)
         if not words or k <= 0:
             return []
-        parsed, _errors = self._index.parse_query_lenient(" ".join(words), ["body"])
+        parsed, _errors = self._index.parse_query_lenient(cjk_terms(" ".join(words)),
+                                                          ["body"])
         return self._run(self._filtered(parsed, exclude_ids, acl_groups), k, "bm25")
 
     @settled

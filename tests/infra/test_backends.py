@@ -52,6 +52,15 @@ def lexical_contract(store):
     assert store.search("herons", 5, acl_groups=["*"]) == []
     assert [h.chunk_id for h in store.search("savings", 5)] == ["bank#p0"]
     assert store.search("!!! ::: ((", 5) == []  # query syntax is never interpreted
+    # Chinese and Japanese, written without spaces, are found by their words
+    store.write([IndexedChunk("tower#p0", "tower", "東京タワー", "東京タワーは東京都港区芝公園にある"
+                              "総合電波塔である。高さは333メートル。", ()),
+                 IndexedChunk("beijing#p0", "beijing", "北京", "北京是中华人民共和国的首都。", ()),
+                 IndexedChunk("kyoto#p0", "kyoto", "京都", "京都は日本の古都であり、寺院が多い。", ())],
+                [])
+    for query, found in (("東京", "tower#p0"), ("333メートル", "tower#p0"), ("電波塔", "tower#p0"),
+                         ("首都", "beijing#p0"), ("中华人民共和国", "beijing#p0"), ("寺院", "kyoto#p0")):
+        assert [h.chunk_id for h in store.search(query, 1)] == [found], query
 
 
 def test_tantivy_store(tmp_path):
