@@ -157,13 +157,15 @@ class RayExecutor:
             cover: Cover = None) -> list[BranchReport]:
         """The question's branches (`_run_question`). A branch that failed may have met a
         retriever replica's death: Ray restarts it (`branch_retries` times), one dead for good
-        is started again (`revive`), and the question, unless streamed (its events are out
-        already), runs once more."""
+        is started again (`revive`), and the question runs once more. A streamed question
+        first gets a `rerun` event: the branch events after it replace those before."""
         revived = self.revived
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
         if any(r.status == "error" for r in reports):
             self.revive()  # (or another question met the death first and did)
-            if self.revived != revived and on_event is None:
+            if self.revived != revived:
+                emit(on_event, {"type": "rerun", "reason": "a retriever process died and was "
+                                "started again; the branches run again from the start"})
                 reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
         return reports
 

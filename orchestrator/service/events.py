@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 
 EVENT_TYPES = ("plan", "branch_started", "search", "prune", "branch_done", "covered", "fork",
-               "chain", "result", "error")
+               "chain", "rerun", "result", "error")
 SEARCH_TOOLS = ("search_corpus", "grep_corpus", "read_document")
 
 

@@ -283,12 +283,14 @@ SSE_EVENT_SCHEMA = {
     "description": "Server-Sent Events as the search runs: plan, then per branch "
                    "branch_started, search and prune, branch_done (a fork, when one runs, first); "
                    "`covered` for a planned branch the question's own branch covers (not "
-                   "fused); last `result` (the JSON "
+                   "fused); `rerun` when a backend process died under the branches and they "
+                   "start again (the branch events after it replace those before); last "
+                   "`result` (the JSON "
                    "answer under `result`), or `error` when the search fails after events were "
                    "sent.",
     "properties": {
         "event": {"enum": ["plan", "branch_started", "search", "prune", "branch_done",
-                           "covered", "fork", "chain", "result", "error"]},
+                           "covered", "fork", "chain", "rerun", "result", "error"]},
         "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
             "oneOf": [
                 _event("plan", ("subqueries",), subqueries={"type": "array", "items": _STR},
@@ -308,6 +310,7 @@ SSE_EVENT_SCHEMA = {
                        parent=_INT, reason=_STR, handed=_IDS, subquery=_STR),
                 _event("chain", ("branch", "parent", "reason", "subquery"), branch=_INT,
                        parent=_INT, reason=_STR, subquery=_STR),
+                _event("rerun", ("reason",), reason=_STR),
                 _event("result", ("result",),
                        result={"$ref": "#/components/schemas/SearchResponse"}),
                 _event("error", ("status", "error", "detail"), status=_INT, error=_STR,

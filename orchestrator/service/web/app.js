@@ -118,6 +118,10 @@ function onEvent(ev) {
         : `failed: ${ev.error}`));
       break;
     }
+    case "rerun":  // a backend process died: the branches start again, on fresh cards
+      branches.clear(); $("branches").replaceChildren();
+      status(ev.reason);
+      break;
     case "result": renderResult(ev.result); break;
     case "error": status(`${ev.status} ${ev.error}: ${ev.detail}`, true); break;
   }

@@ -544,6 +544,16 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
             assert evidence(again) == evidence(first)
             assert searcher._drivers["acl"] is driver and driver.executor.retriever is not killed
             assert driver.executor.revived == 1
+            # streamed: a `rerun` event, then the branches again, and the same result
+            ray.kill(driver.executor.retriever, no_restart=True)
+            streamed = client.post("/v1/search", json={**question, "index": "acl"},
+                                   headers={"Accept": "text/event-stream"})
+            events = parse_sse(streamed.text)
+            kinds = [e["type"] for e in events]
+            assert streamed.status_code == 200 and kinds[-1] == "result", kinds
+            assert kinds.count("rerun") == 1 and "branch_started" in kinds[kinds.index("rerun"):]
+            assert [d["doc_id"] for d in events[-1]["result"]["evidence"]] == evidence(first)
+            assert driver.executor.revived == 2
             # a write that meets a death is not repeated for the caller: one 503 to retry
             pid = ray.get(driver.executor.retriever.ping.remote())
             ray.kill(driver.executor.retriever, no_restart=True)
