@@ -27,6 +27,7 @@ def parse_documents(body: bytes) -> list:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise CorpusError("body is not UTF-8") from None
+    text = text.removeprefix("\ufeff")  # a BOM, as a corpus file may start with
     stripped = text.lstrip()
     if stripped.startswith("["):
         from branchsearch.infra.ingest.corpus import json_problem

@@ -478,6 +478,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"settings file {path}: not valid TOML ({exc})") from None
+    except ValueError:  # CPython's int limit: a number of more than 4,300 digits
+        raise SettingsError(f"settings file {path}: a number has more than 4,300 digits"
+                            ) from None
 
 
 def load_settings(

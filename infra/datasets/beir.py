@@ -43,8 +43,11 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
         for (lineno, _), row in zip(lines, rows):
             if lineno == lines[0][0] and row and not row[-1].lstrip("-").isdigit():
                 continue  # header
+            if len(row) == 4:  # TREC's "query-id 0 corpus-id score" (its 0 unused)
+                row = [row[0], row[2], row[3]]
             if len(row) < 3 or not row[2].lstrip("-").isdigit():
-                raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score")
+                raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score "
+                                  "(or TREC's query-id, 0, corpus-id, score)")
             if int(row[2]) > 0:
                 gold.setdefault(row[0], {})[row[1]] = int(row[2])
     queries, seen = [], set()

@@ -71,19 +71,20 @@ class Chain:
 MARKER = "synth.json"  # what a folder synth wrote holds: it may write there again
 
 
-def _check_folder(out: Path, need_bytes: int) -> None:
+def _check_folder(out: Path, need_bytes: int, force: bool = False) -> None:
     """Stop before writing when `out` is a file, holds files synth did not write (a user's
     BEIR folder would be replaced), cannot be written, or its disk lacks room."""
     import os
 
     if out.exists() and not out.is_dir():
         raise SynthError(f"synth: {out} is a file, not a folder: give a folder to write into")
-    if out.is_dir() and not (out / MARKER).exists():
-        held = sorted(p.name for p in out.iterdir())
+    if out.is_dir() and not force and not (out / MARKER).exists():
+        held = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
         if held:
             shown = ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
             raise SynthError(f"synth: {out} already holds files synth did not write ({shown}); "
-                             "give a new or empty folder")
+                             "give a new or empty folder, or --force to write its corpus.jsonl, "
+                             "queries.jsonl and qrels/test.tsv over them")
     base = out
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -113,12 +114,12 @@ def _unique(rng: random.Random, make, seen: set) -> str:
             return value
 
 
-def _prepare(out_dir: str | Path, docs: int, extra_bytes: int) -> Path:
+def _prepare(out_dir: str | Path, docs: int, extra_bytes: int, force: bool = False) -> Path:
     """The output folder, checked (size, room) and with its qrels/ made."""
     if docs > MAX_DOCS:
         raise SynthError(f"synth: at most {MAX_DOCS:,} documents (got {docs:,})")
     out = Path(out_dir)
-    _check_folder(out, docs * BYTES_PER_DOC + extra_bytes)
+    _check_folder(out, docs * BYTES_PER_DOC + extra_bytes, force)
     try:
         (out / "qrels").mkdir(parents=True, exist_ok=True)
         (out / MARKER).write_text(json.dumps({"docs": docs}) + "\n")
@@ -127,11 +128,12 @@ def _prepare(out_dir: str | Path, docs: int, extra_bytes: int) -> Path:
     return out
 
 
-def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7) -> dict:
+def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7,
+          force: bool = False) -> dict:
     """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
     if tasks < 1 or docs < tasks * 8:
         raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
-    out = _prepare(out_dir, docs, tasks * 600)
+    out = _prepare(out_dir, docs, tasks * 600, force)
     rng = random.Random(seed)
     seen: set = set()
     person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731
@@ -239,7 +241,8 @@ PLACE = ("", "North ", "East ", "Upper ", "Port ")
 MAX_HARD_TASKS = 200  # the name pools hold about 1,300 cities and 600 countries
 
 
-def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: int = 7) -> dict:
+def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: int = 7,
+               force: bool = False) -> dict:
     """The hard mode of `synth`: 3-4 hop chains  album -> band -> city (-> country), asked as
     one composed question that names only the album ("What is the capital of the country
     containing the city where the band that recorded Cobalt Heron was formed?"). Every bridge
@@ -252,7 +255,7 @@ def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: in
         raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
     if tasks > MAX_HARD_TASKS:
         raise SynthError(f"synth --hard: at most {MAX_HARD_TASKS} tasks (got {tasks})")
-    out = _prepare(out_dir, docs, tasks * 800)
+    out = _prepare(out_dir, docs, tasks * 800, force)
     rng = random.Random(seed)
     seen: set = set()
     person = lambda: f"{rng.choice(FIRST)} {rng.choice(LAST)}"  # noqa: E731

@@ -16,8 +16,10 @@ from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name, group_pro
 from branchsearch.infra.errors import CorpusError
 
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
-# fields a writer may mean as the ACL ("ACL", "groups"): refused, not kept as metadata
-_ACL_LIKE = {"groups", "allowed_groups", "access_groups", "readers", "permissions"}
+# other spellings of the ACL field ("ACL", "acl-groups"): refused when they hold group names,
+# not kept as metadata. Other fields ("groups", "acl_id" of the ACL Anthology) are metadata.
+_ACL_SPELLINGS = {"acl", "acls", "acl_groups", "acl-groups", "aclgroups", "acl_group",
+                  "acl-group"}
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")  # of a folder's files, in any case (".TXT")
 
 
@@ -87,7 +89,7 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
             raise CorpusError(f"{where}: not valid JSON ({json_problem(exc)})") from None
         if not isinstance(row, dict):
             raise CorpusError(f"{where}: expected a JSON object")
-        doc_id = row.get("_id", row.get("id"))
+        doc_id = _first(row, "_id", "id")
         if doc_id is None or str(doc_id).strip() == "":
             raise CorpusError(f"{where}: missing document id ('_id' or 'id')")
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
@@ -96,6 +98,8 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
                               f"{json.dumps(doc_id)[:40]}")
         if row.get("text") is None:  # a title alone is a document (its text empty)
             row = {**row, "text": ""}
+        if isinstance(row.get("date"), int) and not isinstance(row["date"], bool):
+            row = {**row, "date": str(row["date"])}  # a year, as exports write it
         for field_name in ("text", "title", "date", "source"):
             if row.get(field_name) is not None and not isinstance(row[field_name], str):
                 raise CorpusError(f"{where}: {field_name!r} must be a string, not "
@@ -109,12 +113,12 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
     _one_of(row, ("_id", "id"), where)
     _one_of(row, ("acl", "acl_groups"), where)
-    lookalike = next((k for k in row if k not in ("acl", "acl_groups")
-                      and (k.casefold().startswith("acl") or k.casefold() in _ACL_LIKE)), None)
+    lookalike = next((k for k, v in row.items() if k not in ("acl", "acl_groups")
+                      and k.casefold() in _ACL_SPELLINGS and _names(v)), None)
     if lookalike is not None:  # kept as metadata, it would publish a document meant for a group
-        raise CorpusError(f"{where}: unknown field {lookalike!r}: a document's groups are "
-                          "given as \"acl\": [\"group\", ...]")
-    acl = row.get("acl", row.get("acl_groups")) or ()  # null: no ACL, as when absent
+        raise CorpusError(f"{where}: field {lookalike!r} is not read as the document's groups; "
+                          "write \"acl\": [\"group\", ...]")
+    acl = _first(row, "acl", "acl_groups") or ()  # null: as when absent
     if isinstance(acl, str):  # one group; "finance,hr" would be one group nobody can hold
         if "," in acl:
             fix = json.dumps([g.strip() for g in acl.split(",") if g.strip()], ensure_ascii=False)
@@ -163,11 +167,29 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     )
 
 
+def _first(row: dict, *names: str):
+    """The first of `names` that `row` gives a value (null is no value)."""
+    return next((row[n] for n in names if row.get(n) is not None), None)
+
+
+def _names(value) -> bool:
+    """Whether `value` reads as group names: a string, or a non-empty list of strings."""
+    return isinstance(value, str) or (isinstance(value, list) and bool(value)
+                                      and all(isinstance(v, str) for v in value))
+
+
+def _same(a, b) -> bool:
+    """Equal as a document's id or groups: 7 and "7", "hr" and ["hr"]."""
+    def norm(v):
+        return [str(x) for x in v] if isinstance(v, list) else [str(v)]
+    return norm(a) == norm(b)
+
+
 def _one_of(row: dict, names: tuple[str, str], where: str) -> None:
     """Two spellings of one field given with different values: which one counts would be a
     silent choice (an ACL dropped, another document's id)."""
     given = [n for n in names if row.get(n) is not None]
-    if len(given) == 2 and row[names[0]] != row[names[1]]:
+    if len(given) == 2 and not _same(row[names[0]], row[names[1]]):
         raise CorpusError(f"{where}: both {names[0]!r} and {names[1]!r} are given, with "
                           "different values; give one")
 
@@ -200,7 +222,9 @@ def json_problem(exc: BaseException) -> str:
         return "nested too deeply"
     if isinstance(exc, json.JSONDecodeError):
         return exc.msg
-    return " ".join(str(exc).split())[:120]  # "Exceeds the limit (4300 digits) for integer ..."
+    if "int" in str(exc) and "digits" in str(exc):  # CPython's int limit, and its hint
+        return "a number has more than 4,300 digits"
+    return " ".join(str(exc).split())[:120]
 
 
 def _utf8(text: str) -> bool:

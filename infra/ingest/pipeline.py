@@ -123,10 +123,16 @@ def indexed(docs: Sequence[Document], chunks: Sequence[Chunk]) -> list[IndexedCh
 
 
 def fingerprint(doc: Document, settings: Settings, embedding: str) -> str:
-    """Content + everything that shapes its chunks and vectors: equal means nothing to redo."""
-    key = json.dumps([doc.id, doc.title, doc.text, doc.source, doc.date, list(doc.acl), doc.meta,
-                      settings.encoding, settings.chunk_tokens, settings.chunk_overlap, embedding],
-                     sort_keys=True, default=str)
+    """Content + everything that shapes its chunks, vectors and terms: equal means nothing to
+    redo. A document with Chinese or Japanese text also carries the lexical store's way of
+    splitting it (`cjk_terms`): one ingested before it gets its bigrams at the next ingest."""
+    from branchsearch.infra.stores.tantivy import has_cjk
+
+    parts = [doc.id, doc.title, doc.text, doc.source, doc.date, list(doc.acl), doc.meta,
+             settings.encoding, settings.chunk_tokens, settings.chunk_overlap, embedding]
+    if has_cjk(doc.title) or has_cjk(doc.text):
+        parts.append("cjk-bigrams")
+    key = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha1(key.encode()).hexdigest()
 
 

@@ -198,6 +198,16 @@ class DocStore:
         return self._db.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
 
     @_locked
+    def present(self, doc_ids: Sequence[str]) -> set[str]:
+        """The documents among `doc_ids` that searches can find (ingested or uploaded)."""
+        out: set[str] = set()
+        for batch in _batches(doc_ids, 500):
+            marks = ",".join("?" * len(batch))
+            out.update(r[0] for r in self._db.execute(
+                f"SELECT doc_id FROM docs WHERE doc_id IN ({marks})", batch))
+        return out
+
+    @_locked
     def existing_chunk_ids(self, doc_ids: Sequence[str]) -> list[str]:
         out: list[str] = []
         for batch in _batches(doc_ids, 500):

@@ -27,19 +27,24 @@ from branchsearch.infra.stores.acl import acl_terms
 FOLDING = "en_stem_fold"
 # Han (with extensions and compatibility ideographs), hiragana, katakana (and half-width)
 _CJK_RUN = re.compile("[\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-                      "\uff66-\uff9f]{2,}")
+                      "\uff66-\uff9f]+")
 
 
 def cjk_terms(text: str) -> str:
-    """`text` with each run of two or more Han / kana characters followed by its overlapping
-    bigrams ("東京タワー" -> "東京タワー 東京 京タ タワ ワー"); the run itself stays (a short run
-    is still a term of its own, as it was in an index written before bigrams). Other text is
-    left as it is."""
+    """`text` with each run of Han / kana characters set apart and followed by its overlapping
+    bigrams ("iPhone用のケース" -> "iPhone 用のケース 用の のケ ケー ース "; "2024年3月" -> "2024
+    年 3 月 "); the run itself stays (a short run is still a term of its own, as it was in an
+    index written before bigrams). Other text is left as it is."""
     def spaced(match: re.Match) -> str:
         run = match.group(0)
-        return f"{run} {' '.join(run[i:i + 2] for i in range(len(run) - 1))} "
+        return f" {run} {' '.join(run[i:i + 2] for i in range(len(run) - 1))} "
 
     return _CJK_RUN.sub(spaced, text)
+
+
+def has_cjk(text: str) -> bool:
+    """Whether `text` holds a run `cjk_terms` changes."""
+    return _CJK_RUN.search(text) is not None
 
 
 def folds(path: str | Path) -> bool:

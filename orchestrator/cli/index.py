@@ -114,14 +114,17 @@ def synth(out_dir: Path = typer.Argument(..., help="folder to write (BEIR format
                                     "(--docs must be at least 8 x this)"),
           seed: int = typer.Option(7, help="the same seed writes the same corpus"),
           hard: bool = typer.Option(False, "--hard", help="3-4 hop composed questions over "
-                                    "ambiguous bridges (look-alike bands, decoy albums)")):
+                                    "ambiguous bridges (look-alike bands, decoy albums)"),
+          force: bool = typer.Option(False, "--force", help="write into a folder that holds "
+                                     "files synth did not write (its corpus.jsonl, "
+                                     "queries.jsonl and qrels/test.tsv are replaced)")):
     """Write a synthetic enterprise corpus with multi-hop clue chains and gold labels."""
     from branchsearch.infra.datasets.synth import synth, synth_hard
 
     make = synth_hard if hard else synth
 
     try:
-        counts = make(out_dir, docs=docs, tasks=tasks, seed=seed)
+        counts = make(out_dir, docs=docs, tasks=tasks, seed=seed, force=force)
     except ValueError as exc:
         raise BranchsearchError(str(exc)) from None
     except OSError as exc:  # a disk that filled up meanwhile, a folder removed under us

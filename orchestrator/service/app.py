@@ -308,8 +308,10 @@ def create_app(state: ServiceState):
             data = json.loads(body or b"null")
         except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError,
             # a 5,000-digit number: all ValueErrors)
-            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise ApiError(422, "bad_request", f"body is not JSON ({reason})") from None
+            from branchsearch.infra.ingest.corpus import json_problem
+
+            raise ApiError(422, "bad_request", f"body is not JSON ({json_problem(exc)})") \
+                from None
         req = parse_search(data, limits)
         if "text/event-stream" in request.headers.get("accept", ""):
             events = searcher.stream(req, key)

@@ -114,16 +114,22 @@ class KeyStore:
             raise KeysFileError(f"keys file {self.path} cannot be read ({exc}); give the keys "
                                 "file (`branchsearch keys add` makes one)") from None
 
+    def _target(self) -> Path:
+        """The file a write replaces: a symlinked keys file's target (the link stays a link,
+        and commands naming the link or the file lock the same lock file)."""
+        return Path(os.path.realpath(self.path))
+
     @contextmanager
     def _changing(self) -> Iterator[dict[str, ApiKey]]:
         """The keys as the file holds them now, to change in place and write back, with every
         other writer held off: a thread of this process (the lock) and another `keys` command
         (an exclusive flock on KEYS.lock). Without it, a `keys add` running beside a `keys
         revoke` could write back the key the revoke had just revoked, still active."""
-        lock_path = self.path.with_name(self.path.name + ".lock")
+        target = self._target()
+        lock_path = target.with_name(target.name + ".lock")
         with self._lock:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                target.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
             except OSError as exc:
                 raise KeysFileError(f"keys file {self.path} cannot be written "
@@ -142,14 +148,14 @@ class KeyStore:
         KeysFileError with the file as it was."""
         data = {"keys": [asdict(k) | {"groups": list(k.groups), "indexes": list(k.indexes)}
                          for k in keys.values()]}
-        tmp = None
+        target, tmp = self._target(), None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp",
-                                       dir=self.path.parent)  # mode 0600
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp",
+                                       dir=target.parent)  # mode 0600
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
         except OSError as exc:  # a read-only home, a full disk
             try:
                 if tmp is not None:

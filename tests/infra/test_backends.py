@@ -56,11 +56,45 @@ def lexical_contract(store):
     store.write([IndexedChunk("tower#p0", "tower", "東京タワー", "東京タワーは東京都港区芝公園にある"
                               "総合電波塔である。高さは333メートル。", ()),
                  IndexedChunk("beijing#p0", "beijing", "北京", "北京是中华人民共和国的首都。", ()),
-                 IndexedChunk("kyoto#p0", "kyoto", "京都", "京都は日本の古都であり、寺院が多い。", ())],
+                 IndexedChunk("kyoto#p0", "kyoto", "京都", "京都は日本の古都であり、寺院が多い。", ()),
+                 IndexedChunk("case#p0", "case", "ケース", "iPhone用のケースを2024年3月に発売した。"
+                              "Pythonで書かれたツール。", ())],
                 [])
     for query, found in (("東京", "tower#p0"), ("333メートル", "tower#p0"), ("電波塔", "tower#p0"),
-                         ("首都", "beijing#p0"), ("中华人民共和国", "beijing#p0"), ("寺院", "kyoto#p0")):
+                         ("首都", "beijing#p0"), ("中华人民共和国", "beijing#p0"), ("寺院", "kyoto#p0"),
+                         ("iPhone", "case#p0"), ("Python", "case#p0"), ("2024年", "case#p0")):
         assert [h.chunk_id for h in store.search(query, 1)] == [found], query
+
+
+def test_cjk_documents_ingested_before_bigrams_get_them_at_the_next_ingest(tmp_path,
+                                                                            monkeypatch):
+    """An index written before Chinese and Japanese were split into bigrams: ingesting the same
+    corpus again redoes the documents holding such text (and only those), so they are found."""
+    import branchsearch.infra.stores.tantivy as tantivy_store
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "tower", "title": "東京タワー",
+                                  "text": "東京タワーは東京都港区芝公園にある総合電波塔である。"},
+                                 ensure_ascii=False) + "\n"
+                      + json.dumps({"_id": "apple", "title": "Apple", "text": "Apples."}) + "\n")
+    settings = load_settings(overrides={"home": tmp_path, "index": "ja"}, read_env=False,
+                             read_file=False)
+    monkeypatch.setattr(tantivy_store, "cjk_terms", lambda text: text)  # as before bigrams
+    monkeypatch.setattr(tantivy_store, "has_cjk", lambda text: False)
+    ingest(corpus, settings, dense=False)
+    monkeypatch.undo()
+
+    def found(query: str) -> list[str]:
+        retriever = open_retriever(settings, need_dense=False)
+        try:
+            return [h.doc_id for h in retriever.search(query, "bm25", 3)]
+        finally:
+            retriever.close()
+
+    assert found("電波塔") == []  # the sentence was one token, too long to keep
+    report = ingest(corpus, settings, dense=False)
+    assert report.resumed == 1  # the English document is not redone
+    assert found("電波塔") == ["tower"] and found("東京") == ["tower"]
 
 
 def test_tantivy_store(tmp_path):

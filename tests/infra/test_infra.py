@@ -58,6 +58,17 @@ def test_corpus_formats(tmp_path):
     (tmp_path / "t.jsonl").write_text('{"id": 7, "title": "Only a title", "acl": null}\n')
     only = read_corpus(tmp_path / "t.jsonl")[0]  # a title alone is a document; null ACL: none
     assert (only.id, only.title, only.text, only.acl) == ("7", "Only a title", "", ())
+    # the same value spelt twice is one; null is no value; metadata that only looks like an
+    # ACL field stays metadata (the ACL Anthology's acl_id, a chemistry "groups" list)
+    (tmp_path / "s.jsonl").write_text(json.dumps(
+        {"_id": 7, "id": "7", "text": "x", "acl": "hr", "acl_groups": ["hr"], "date": 2020,
+         "acl_id": "P19-1001", "groups": ["methyl", "ethyl"], "ACLs": 3}) + "\n"
+        + json.dumps({"_id": None, "id": "b", "text": "y", "acl": None,
+                      "acl_groups": ["hr"]}) + "\n")
+    same, hidden = read_corpus(tmp_path / "s.jsonl")
+    assert (same.id, same.acl, same.date) == ("7", ("hr",), "2020")
+    assert same.meta == {"acl_id": "P19-1001", "groups": ["methyl", "ethyl"], "ACLs": 3}
+    assert (hidden.id, hidden.acl) == ("b", ("hr",))  # acl null: the groups are acl_groups
 
 
 def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
@@ -83,9 +94,10 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
     ('{"id": "a", "text": "x", "acl": [], "acl_groups": ["hr"]}\n',
      "both 'acl' and 'acl_groups' are given"),
     ('{"id": "a", "_id": "b", "text": "x"}\n', "both '_id' and 'id' are given"),
-    ('{"id": "a", "text": "x", "groups": ["hr"]}\n', "unknown field 'groups'"),
-    ('{"id": "a", "text": "x", "ACL": ["hr"]}\n', "unknown field 'ACL'"),
-    ('{"id": 1' + "1" * 5000 + ', "text": "x"}\n', ":1: not valid JSON \\(Exceeds the limit"),
+    ('{"id": "a", "text": "x", "acl": null, "acl_groups": ["hr"], "Acl_Groups": "hr"}\n',
+     "field 'Acl_Groups' is not read as the document's groups"),
+    ('{"id": "a", "text": "x", "ACL": ["hr"]}\n', "field 'ACL' is not read"),
+    ('{"id": 1' + "1" * 5000 + ', "text": "x"}\n', ":1: not valid JSON \\(a number has more than 4,300 digits\\)"),
     ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "duplicate document id"),
     ('', "no documents"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),

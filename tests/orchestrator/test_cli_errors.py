@@ -422,6 +422,11 @@ def test_synth_writes_over_its_own_folder_only(tmp_path):
     done = run(["synth", theirs, "--docs", "16", "--tasks", "2"])
     assert_one_error_line(done, "already holds files synth did not write (corpus.jsonl")
     assert {p: p.read_bytes() for p in theirs.rglob("*") if p.is_file()} == before
+    forced = run(["synth", theirs, "--docs", "16", "--tasks", "2", "--force"])
+    assert forced.returncode == 0 and (theirs / "synth.json").exists(), forced.stderr[-800:]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / ".gitkeep").write_text("")  # hidden files are no one's data
+    assert run(["synth", tmp_path / "kept", "--docs", "16", "--tasks", "2"]).returncode == 0
 
 
 def test_actor_died_of_a_user_error_is_that_error():

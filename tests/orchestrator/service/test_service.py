@@ -332,8 +332,9 @@ def test_input_that_gave_500s_is_a_422(site):
     # a document whose groups are spelt as no ACL field would have been public
     for doc, says in (({"id": "o12", "text": "w", "acl": [], "acl_groups": ["hr"]},
                        "both 'acl' and 'acl_groups'"),
-                      ({"id": "o15", "text": "k", "groups": ["hr"]}, "unknown field 'groups'"),
-                      ({"id": "o16", "text": "k", "ACL": ["hr"]}, "unknown field 'ACL'"),
+                      ({"id": "o15", "text": "k", "acl": None, "acl_groups": ["hr"],
+                        "acl-groups": ["hr"]}, "field 'acl-groups' is not read"),
+                      ({"id": "o16", "text": "k", "ACL": ["hr"]}, "field 'ACL' is not read"),
                       ({"id": True, "text": "k"}, "must be a string or a whole number")):
         r = client.put("/v1/indexes/acl/documents", headers=auth(keys["admin"]), json=[doc])
         assert says in assert_error(r, 422, "bad_request")["detail"]

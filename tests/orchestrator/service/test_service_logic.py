@@ -618,3 +618,19 @@ def test_a_password_with_a_raw_at_sign_is_masked_whole(tmp_path):
                       'milvus_uri = "http://mv:Mv-Secret-77@127.0.0.1:2"\n')
     load_settings(config, {"index": "extes"}, read_env=False)
     assert redact("auth failed for Zq7@Word-x1 and Mv-Secret-77") == "auth failed for *** and ***"
+
+
+def test_keys_written_through_a_symlink_change_its_target(tmp_path):
+    """A keys file that is a symlink (a secrets mount, a shared config): `keys add` and
+    `keys revoke` change the file it points to and leave the link a link."""
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "keys.json"
+    link.symlink_to(tmp_path / "real" / "keys.json")
+    KeyStore(link).add("alice", ("g",))
+    KeyStore(tmp_path / "real" / "keys.json").add("bob", ("g",))
+    KeyStore(link).revoke("alice")
+    assert link.is_symlink()
+    assert {k.name: k.revoked for k in KeyStore(tmp_path / "real" / "keys.json").list()} == {
+        "alice": True, "bob": False}
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["keys.json",
+                                                                     "keys.json.lock"]
