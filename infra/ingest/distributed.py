@@ -208,7 +208,10 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
             "direct": direct, "dim": dim,
             "static_model": _packed(static_folder) if static_folder else None})
 
+    from branchsearch.infra.ingest.pipeline import BATCH_CHARS
+
     waiting: dict[str, list] = {}  # doc id -> [(chunk, vector)] until all its chunks arrived
+    ready_chars = 0  # the ready chunks' text: a batch closes past BATCH_CHARS, as doc_batches
     ready_docs: list[Document] = []
     ready: list[tuple[Chunk, object]] = []
     started = time.perf_counter()
@@ -225,10 +228,12 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
             parts.append((chunk, None if vectors is None else vectors[i]))
             if len(parts) == int(out["doc_chunks"][i]):
                 ready_docs.append(by_id[doc_id])
-                ready += sorted(waiting.pop(doc_id), key=lambda p: p[0].n)
-        if len(ready_docs) >= batch_docs:
+                parts = sorted(waiting.pop(doc_id), key=lambda p: p[0].n)
+                ready += parts
+                ready_chars += sum(len(c.text) for c, _ in parts)
+        if len(ready_docs) >= batch_docs or ready_chars >= BATCH_CHARS:
             yield _batch(EmbeddedBatch, np, ready_docs, ready, embed, started, direct)
-            ready_docs, ready = [], []
+            ready_docs, ready, ready_chars = [], [], 0
             started = time.perf_counter()
     if waiting:
         raise BranchsearchError(f"ingest: the worker pool lost chunks of {len(waiting)} "

@@ -140,12 +140,30 @@ def embedder_name(embedder) -> str:
     return str(getattr(embedder, "model_name", None) or type(embedder).__name__)
 
 
+def doc_batches(docs: Sequence[Document], batch_docs: int,
+                batch_chars: int | None = None) -> Iterator[list[Document]]:
+    """`docs` in order, `batch_docs` at a time, a batch closing early once its text passes
+    `batch_chars` (default BATCH_CHARS): a corpus of books commits (and shows progress, and
+    can resume) every few thousand chunks, and holds no more than that in memory, instead of
+    256 books at once. A document is never split."""
+    limit = BATCH_CHARS if batch_chars is None else batch_chars
+    batch: list[Document] = []
+    chars = 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc.text) + len(doc.title)
+        if len(batch) >= batch_docs or chars >= limit:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
 def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_docs: int
                   ) -> Iterator[EmbeddedBatch]:
-    """Chunk and embed in this process, one batch at a time."""
+    """Chunk and embed in this process, one batch (`doc_batches`) at a time."""
     counter = TokenCounter(settings.encoding)
-    for start in range(0, len(docs), batch_docs):
-        batch = list(docs[start:start + batch_docs])
+    for batch in doc_batches(docs, batch_docs):
         t = time.perf_counter()
         chunks = chunk_documents(batch, settings, counter)
         chunk_s = time.perf_counter() - t
@@ -204,6 +222,7 @@ def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[Emb
 
 
 BATCH_DOCS = 256  # documents per committed batch (a unit of resume)
+BATCH_CHARS = 2_000_000  # text per committed batch, at most (past one document): ~2,000 chunks
 # with the static embedder a batch of 256 takes well under a second and the stores' per-batch
 # commit (a tantivy writer, a segment) dominates: 1024 cut its CPU per chunk by ~25 %
 # (bench/ingest_throughput.py --batch-docs, reports/embedding.md)

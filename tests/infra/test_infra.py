@@ -275,3 +275,18 @@ def test_an_older_docstore_gets_its_title_keys_on_open_unless_it_cannot_wait(tmp
     reader.close()
     assert [p["doc_id"] for p in store.named("Kansas")] == ["k"]
     store.close()
+
+
+def test_a_corpus_of_long_documents_commits_in_bounded_batches():
+    """Batches close at `batch_docs` documents or once their text passes the bound: 256 books
+    are not one batch held in memory and committed at the end. Order kept, nothing split."""
+    from branchsearch.infra.ingest.corpus import Document
+    from branchsearch.infra.ingest.pipeline import doc_batches
+
+    docs = [Document(f"d{i}", "", "x" * (900 if i % 5 else 5_000)) for i in range(40)]
+    batches = list(doc_batches(docs, batch_docs=16, batch_chars=10_000))
+    assert [d.id for b in batches for d in b] == [d.id for d in docs]
+    assert all(len(b) <= 16 for b in batches)
+    assert all(sum(len(d.text) for d in b[:-1]) < 10_000 for b in batches)
+    assert len(batches) > 40 // 16 + 1  # the text bound closed some early
+    assert [len(b) for b in doc_batches(docs, batch_docs=16, batch_chars=10**9)] == [16, 16, 8]
