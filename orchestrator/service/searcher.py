@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 import time
+import unicodedata
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -547,6 +548,10 @@ class Searcher:
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         with self._writable(index) as (driver, store):
             old = store.get_document(doc_id)
+            composed = unicodedata.normalize("NFC", doc_id)
+            if old is None and composed != doc_id:  # `pub-ü` typed on macOS arrives NFD
+                old = store.get_document(composed)
+                doc_id = composed if old is not None else doc_id
             if old is not None and not acl_visible(old["acl"], self.groups(key)):
                 raise missing  # an id the key may not see answers as a missing one
             if old is not None and not self._owns(key, old["acl"]):

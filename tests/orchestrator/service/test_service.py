@@ -264,6 +264,14 @@ def test_upsert_then_search_finds_delete_then_not(site):
             "index": "acl", "deleted": doc_id}
     assert "flamingo" not in ids()
     assert_error(client.delete("/v1/indexes/acl/documents/flamingo", headers=admin), 404)
+    import unicodedata  # an id typed decomposed (macOS) deletes the composed one stored
+
+    r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": "pub-ü-2", "text": "A composed id.", "acl": ["alpha"]}])
+    assert r.status_code == 200, r.text
+    nfd = unicodedata.normalize("NFD", "pub-ü-2")
+    assert client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin).json() == {
+        "index": "acl", "deleted": "pub-ü-2"}
     bad = client.put("/v1/indexes/acl/documents", headers=admin,
                      content=b'{"id": "ok", "text": "fine"}\n{"id": "bad"}\n')
     assert "body:2" in assert_error(bad, 422)["detail"]
