@@ -128,6 +128,7 @@ class KeyStore:
         target = self._target()
         lock_path = target.with_name(target.name + ".lock")
         with self._lock:
+            self._load()  # a path through a file raises ENOTDIR here: the CLI's one line
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
