@@ -40,7 +40,7 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, IndexBusy):  # an ingest holds the index (infra.manifest); which one
         log.warning("index busy: %s", exc)  # (its PID and corpus path) is the server's
         return ApiError(409, "index_busy", "an ingest or another write is updating the index "
-                        "right now; retry when it has finished")
+                        "right now; retry when it has finished", {"Retry-After": "5"})
     if isinstance(exc, IndexIncomplete):  # an ingest to finish, or store files gone: the server's
         log.warning("index unavailable: %s", exc)  # the operator's fix names server paths
         return ApiError(503, "index_incomplete", "the index is incomplete or damaged on the "

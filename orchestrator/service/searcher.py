@@ -15,11 +15,14 @@ concurrency slot back at once.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import threading
 import time
 import unicodedata
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,6 +50,11 @@ class Searcher:
         self.settings, self.executor, self.limits = settings, executor, limits
         self.driver_factory = driver_factory or self._make_driver
         self.concurrency = Concurrency(limits)
+        # a thread for every request the server admits (and a few for readiness and writes):
+        # asyncio's default pool has min(32, CPUs + 4) threads, 6 on 2 cores, and requests
+        # past them waited there, their deadlines running out unseen
+        self._threads = ThreadPoolExecutor(max_workers=limits.max_in_flight + 8,
+                                           thread_name_prefix="searcher")
         self._drivers: dict[str, object] = {}
         self._docstores: dict[str, object] = {}
         self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
@@ -72,9 +80,10 @@ class Searcher:
     async def search(self, req: SearchRequest, key: ApiKey) -> dict:
         """The result dict (`search --json` shape plus `status`, `index`). ApiError for every
         refusal."""
+        arrived = time.monotonic()  # the deadline counts from here
         self._may_use(self._index(req), key)
         with self.concurrency.slot(key.name):  # freed at once if the caller goes away
-            return await asyncio.to_thread(self._search, req, key, None)
+            return await self._in_thread(self._search, req, key, None, arrived)
 
     async def stream(self, req: SearchRequest, key: ApiKey) -> AsyncIterator[dict]:
         """Events as they happen, ending with `result` (or `error`). A refusal before the search
@@ -84,7 +93,8 @@ class Searcher:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             put = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)  # noqa: E731
-            work = asyncio.ensure_future(asyncio.to_thread(self._search, req, key, put))
+            work = asyncio.ensure_future(self._in_thread(self._search, req, key, put,
+                                                         time.monotonic()))
             work.add_done_callback(lambda _: queue.put_nowait(_DONE))
             first = True
             try:
@@ -101,19 +111,25 @@ class Searcher:
                     work.cancel()
 
     async def upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
-        return await asyncio.to_thread(self._upsert, index, body, key)
+        return await self._in_thread(self._upsert, index, body, key)
 
     async def delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
-        return await asyncio.to_thread(self._delete, index, doc_id, key)
+        return await self._in_thread(self._delete, index, doc_id, key)
 
     async def ready(self) -> dict:
-        return await asyncio.to_thread(self._ready)
+        return await self._in_thread(self._ready)
 
     async def indexes(self) -> list[str]:
         return self.index_names()
 
     async def guard_dropped(self) -> int:
         return self.acl_guard_dropped
+
+    async def _in_thread(self, fn: Callable, *args):
+        """`fn(*args)` on the searcher's threads, in the caller's context (its trace span), as
+        `asyncio.to_thread` would run it on asyncio's smaller default pool."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def check_health(self) -> None:  # Serve restarts a replica whose check raises
         pass
@@ -379,6 +395,7 @@ class Searcher:
             return self.pool
 
     def close(self) -> None:
+        self._threads.shutdown(wait=False)
         with self._idle:
             for index, driver in self._drivers.items():
                 self._close(driver, self._docstores[index])
@@ -428,14 +445,15 @@ class Searcher:
             raise ApiError(403, "forbidden", f"key {key.name!r} may not use index {index!r}")
 
     def _search(self, req: SearchRequest, key: ApiKey,
-                on_event: Callable[[dict], None] | None) -> dict:
+                on_event: Callable[[dict], None] | None, arrived: float) -> dict:
         """The search itself (a worker thread): events go to `on_event`, ending with
-        `result`."""
+        `result`. The deadline counts from `arrived`, the request's arrival."""
         index = self._index(req)
         deadline = req.deadline_s or self.limits.default_deadline_s
-        started = time.monotonic()
+        started = arrived
         groups = self.groups(key)
-        with self._using(index, wait=deadline) as (driver, store):
+        with self._using(index, wait=max(deadline - (time.monotonic() - started), 0.001)
+                         ) as (driver, store):
             hidden = self._hidden(store, groups)
             emit = self._guarded(hidden, on_event) if on_event is not None else None
             left = max(deadline - (time.monotonic() - started), 0.001)

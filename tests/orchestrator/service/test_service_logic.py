@@ -122,6 +122,7 @@ def test_errors_map_to_statuses_without_internals():
     assert damaged.status == 503 and "/srv" not in damaged.detail  # the server's; no paths
     busy = api_error(IndexBusy("index 'x' is being ingested right now (PID 7, corpus /srv/c)"))
     assert busy.status == 409 and "/srv" not in busy.detail and "PID" not in busy.detail
+    assert busy.headers == {"Retry-After": "5"}  # a client retries it: the ingest ends
     keys = api_error(KeysFileError("keys file /srv/bs/keys.json is not valid (Expecting …)"))
     assert (keys.status, keys.body()["error"]) == (503, "keys_unavailable")  # not the caller's
     assert "/srv" not in keys.detail
@@ -634,3 +635,53 @@ def test_keys_written_through_a_symlink_change_its_target(tmp_path):
         "alice": True, "bob": False}
     assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["keys.json",
                                                                      "keys.json.lock"]
+
+
+def test_a_burst_at_a_starting_index_is_answered_by_each_deadline(tmp_path):
+    """40 searches at once, deadline 1 s, at an index whose start takes longer: each answers
+    503 index_starting about 1 s after it arrived. They ran on asyncio's default pool (6
+    threads on 2 cores), the others waiting there with their deadline unseen: the answers came
+    in waves of 6, 1 s apart, the last after 7 s (a hostile pass measured 2, 4, 6, 8 s at
+    deadline 2)."""
+    import asyncio
+    import time
+
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.service.auth import ApiKey
+    from branchsearch.orchestrator.service.admission import Limits
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="late").index_dir
+    folder.mkdir(parents=True)
+    (folder / "docs.sqlite").touch()
+    write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    release = threading.Event()
+
+    def factory(s, executor):
+        release.wait(30)
+        raise IndexNotFound("gone")
+
+    searcher = Searcher(settings, executor="local", driver_factory=factory,
+                        limits=Limits(per_key_concurrency=64))
+    key = ApiKey("k", ("*",), (), True, "", False, "d")
+
+    async def one(i: int) -> float:
+        began = time.perf_counter()
+        req = parse_search({"question": f"harbor {i}", "index": "late", "deadline_s": 1},
+                           Limits())
+        with pytest.raises(ApiError) as caught:
+            await searcher.search(req, key)
+        assert caught.value.body()["error"] == "index_starting"
+        return time.perf_counter() - began
+
+    async def burst() -> list[float]:
+        return await asyncio.gather(*(one(i) for i in range(40)))
+
+    try:
+        waited = asyncio.run(burst())
+    finally:
+        release.set()
+        searcher.close()
+    assert max(waited) < 3, sorted(waited)
