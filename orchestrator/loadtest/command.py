@@ -119,6 +119,7 @@ def loadtest(
             default=str))
         if out["interrupted"]:
             raise typer.Exit(130)
+        _exit_if_unreachable(out)
         return
     print(rep.markdown(out).split("\n## Server-side")[0].rstrip())
     if report:
@@ -127,3 +128,15 @@ def loadtest(
         print(f"plots: {', '.join(out.get('plots', []))}")
     if out["interrupted"]:  # the report holds what was measured; the status says it stopped
         raise typer.Exit(130)
+    _exit_if_unreachable(out)
+
+
+def _exit_if_unreachable(out: dict) -> None:
+    """Exit 1 when the service went away during the run: the report is kept, but what it
+    measured is not the service's capacity, and a script must not read it as such."""
+    from branchsearch.orchestrator.loadtest.stats import unreachable
+
+    if any(unreachable(step) for step in out["steps"]):
+        print(f"loadtest: {out['knee']['reason']}; the report keeps what was measured",
+              file=sys.stderr)
+        raise typer.Exit(1)

@@ -165,10 +165,22 @@ def saturated(step: dict, previous: dict | None, baseline: dict, *, tolerance: f
     return ""
 
 
+def unreachable(step: dict) -> bool:
+    """Whether most of a step's requests reached no service (refused connections, resets): the
+    service went away, which says nothing of where it saturates."""
+    return step.get("unreached", 0) * 2 > max(step.get("sent", 0), 1)
+
+
 def find_knee(steps: list[dict], **criteria) -> dict:
     """The last step before the first saturated one. Returns {knee, saturated_at, reason}: knee
-    is None when the first step already saturates or no step does (then `reason` says which)."""
+    is None when the first step already saturates or no step does (then `reason` says which),
+    and when the service became unreachable before either (`unreachable`)."""
     for i, step in enumerate(steps):
+        if unreachable(step):
+            return {"knee": None, "saturated_at": None,
+                    "reason": f"the service became unreachable at step {i + 1} "
+                              f"({step['unreached']} of {step['sent']} requests reached no "
+                              "service): no knee drawn"}
         why = saturated(step, steps[i - 1] if i else None, steps[0], **criteria)
         if why:
             return {"knee": steps[i - 1]["load"] if i else None, "saturated_at": step["load"],
