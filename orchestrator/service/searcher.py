@@ -50,9 +50,9 @@ class Searcher:
         self.settings, self.executor, self.limits = settings, executor, limits
         self.driver_factory = driver_factory or self._make_driver
         self.concurrency = Concurrency(limits)
-        # a thread for every request the server admits (and a few for readiness and writes):
-        # asyncio's default pool has min(32, CPUs + 4) threads, 6 on 2 cores, and requests
-        # past them waited there, their deadlines running out unseen
+        # a thread for every request the server admits (and a few for readiness and writes), so
+        # no admitted request waits for a thread while its deadline runs (asyncio's default
+        # pool has min(32, CPUs + 4))
         self._threads = ThreadPoolExecutor(max_workers=limits.max_in_flight + 8,
                                            thread_name_prefix="searcher")
         self._drivers: dict[str, object] = {}

@@ -284,9 +284,9 @@ def test_eval_split_reads_dev_qrels(inputs):
 
 def test_eval_refuses_questions_it_cannot_score_and_says_when_gold_is_missing(tmp_path):
     """A question that is a number, null, or has no words is the dataset's line, named, in
-    every mode (it was a traceback, a silent 0, or a stop midway); a blank line closing
-    qrels is skipped; gold documents the index lacks are said to count as misses, and an
-    index holding none of them (another corpus's) is refused instead of scored 0."""
+    every mode; a blank line closing qrels is skipped; gold documents the index lacks are said
+    to count as misses, and an index holding none of them (another corpus's) is refused
+    rather than scored 0."""
     from conftest import HOTPOT
 
     data = tmp_path / "set"

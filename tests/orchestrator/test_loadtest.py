@@ -570,7 +570,6 @@ def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
     assert step["unreached"] == step["sent"] == 10 and step["latency_ms"]["p50"] is None
     assert step["error_rate"] == 1.0
     # a ramp at a service that is gone: no knee drawn from it, and the ramp stops there
-    # (a killed service read as "knee 4.0, saturated at 8: errors 69.6 %")
     out, _ = _run(gone, loads=(4.0, 8.0, 12.0), process="constant", duration=0.5,
                   stop_at_knee=False)
     assert len(out["steps"]) == 1 and "unreachable at step 1" in out["knee"]["reason"]

@@ -577,9 +577,8 @@ def test_the_schemas_index_name_pattern_takes_every_name_the_service_takes():
 
 def test_keys_commands_run_at_once_lose_nothing_and_a_revoke_sticks(tmp_path):
     """Eight `keys add` and one `keys revoke` started together, as separate processes: every
-    added key is in the file and the revoked one stays revoked. Each command rewrites the whole
-    file; without a lock between processes, one could write back what it read before another's
-    change (a revoked key active again, an added key gone) or share the other's temp file."""
+    added key is in the file and the revoked one stays revoked: each command reads, changes and
+    writes the whole file under a lock between processes, with a temp file of its own."""
     import subprocess
     import sys
 
@@ -603,9 +602,9 @@ def test_keys_commands_run_at_once_lose_nothing_and_a_revoke_sticks(tmp_path):
 
 
 def test_a_password_with_a_raw_at_sign_is_masked_whole(tmp_path):
-    """`http://user:Es@Pass@9931@host` is read by URL clients as password `Es@Pass@9931`;
-    masking up to the first '@' left `Pass@9931` in CLI errors, logs and `indexes`. A
-    per-index URL's password is a registered secret too, masked wherever it appears alone."""
+    """`http://user:Es@Pass@9931@host` is read by URL clients as password `Es@Pass@9931`: the
+    whole userinfo, to the last '@', is masked. A per-index URL's password is a registered
+    secret too, masked wherever it appears alone."""
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.errors import public_line, redact
 
@@ -639,10 +638,8 @@ def test_keys_written_through_a_symlink_change_its_target(tmp_path):
 
 def test_a_burst_at_a_starting_index_is_answered_by_each_deadline(tmp_path):
     """40 searches at once, deadline 1 s, at an index whose start takes longer: each answers
-    503 index_starting about 1 s after it arrived. They ran on asyncio's default pool (6
-    threads on 2 cores), the others waiting there with their deadline unseen: the answers came
-    in waves of 6, 1 s apart, the last after 7 s (a hostile pass measured 2, 4, 6, 8 s at
-    deadline 2)."""
+    503 index_starting about 1 s after it arrived, however few threads asyncio's default pool
+    has (the deadline counts from arrival, and every admitted request has a thread)."""
     import asyncio
     import time
 
