@@ -135,7 +135,7 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         raise CorpusError(f"{where}: 'acl' group {json.dumps(comma, ensure_ascii=False)} holds "
                           f"a comma: give each group as its own list item, e.g. \"acl\": {fix}")
     acl = tuple(group_name(g) for g in acl)  # as a caller's: " hr" is "hr", NFD café is NFC
-    problem = next((group_problem(g) for g in acl if group_problem(g)), "")
+    problem = next(filter(None, map(group_problem, acl)), "")
     if problem:
         raise CorpusError(f"{where}: {problem}")
     if ACL_ALL in acl:  # it would read as "everyone" but mean "admins only"

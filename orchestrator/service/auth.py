@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, KeysFileError
+from branchsearch.infra.stores.acl import MAX_GROUP_CHARS
 
 PREFIX = "bsk_"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_GROUP = re.compile(r"^[^\s,]{1,128}$")
+_GROUP = re.compile(rf"^[^\s,]{{1,{MAX_GROUP_CHARS}}}$")  # a group a document may hold too
 
 
 @dataclass(frozen=True)
