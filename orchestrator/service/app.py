@@ -266,8 +266,9 @@ def create_app(state: ServiceState):
     @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["health"],
                    responses=_answers(Ready, 503))
     async def readyz():
-        """Ready when the default index is open and every open index's backends answer; 503
-        naming the index that is not (the reason is in the server log)."""
+        """Ready when the default index is open and every open index's backends answer
+        (`indexes`: how many are open); else 503. Which index, and why, are in the server log
+        only: anyone may ask."""
         return await searcher.call("ready")
 
     @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
