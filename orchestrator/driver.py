@@ -159,6 +159,8 @@ class Driver:
         if metrics["forks"]:
             forks = [b for b in branches if b.kind == "fork"]
             metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
+        if not evidence and any(b.status == "ok" for b in branches):  # empty, but not failed
+            notes = notes + ["no evidence: no document this search may see matched the question"]
         result = SearchResult(question, evidence, ranked, branches, metrics,
                               trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes,
                               covered)

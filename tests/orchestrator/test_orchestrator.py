@@ -435,6 +435,11 @@ def test_question_checks_empty_and_over_long(local_driver):
     sub = result.branches[0].subquery
     assert local_driver.counter.count(sub) <= cap and sub.startswith(Q)
     assert local_driver.search(Q, max_branches=1).notes == []
+    # nothing matched: an empty answer says so, not a bare "ok" that looks like a result
+    nothing = local_driver.search("zxqvbnm plorkwundle", max_branches=1)
+    assert nothing.status == "ok" and nothing.evidence == []
+    assert nothing.notes == ["no evidence: no document this search may see matched the "
+                             "question"]
 
 
 def test_a_deadline_stops_local_branches(local_driver):
