@@ -143,10 +143,21 @@ class Observe:
             await _send_error(sending, err, metrics)
         finally:
             metrics.in_flight.dec()
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            metrics.observe_request(endpoint, scope.get("method", ""), box.get("status", 500),
-                                    time.perf_counter() - started)
+            metrics.observe_request(_endpoint(scope), scope.get("method", ""),
+                                    box.get("status", 500), time.perf_counter() - started)
+
+
+def _endpoint(scope) -> str:
+    """The route's path template (bounded labels), also for a request refused before routing
+    (the body limit): the route it was sent to. "unmatched" when no route takes the path."""
+    from starlette.routing import Match
+
+    route = scope.get("route")
+    if route is None:
+        router = getattr(scope.get("app"), "router", None)
+        route = next((r for r in getattr(router, "routes", ())
+                      if r.matches(scope)[0] == Match.FULL), None)
+    return getattr(route, "path", None) or "unmatched"
 
 
 async def _send_error(send, err: ApiError, metrics: ServiceMetrics) -> None:

@@ -662,6 +662,9 @@ def test_limits(site):
         assert name in metrics
     assert 'branchsearch_refusals_total{reason="too_many_requests"} 2.0' in metrics
     assert 'endpoint="/v1/search",method="POST",status="429"' in metrics
+    # refused from its Content-Length before routing: still counted under its endpoint
+    assert 'endpoint="/v1/search",method="POST",status="413"' in metrics
+    assert 'endpoint="unmatched",method="GET",status="404"' in metrics  # /nope, /passwd, …
 
 
 def test_backend_down_readyz_and_search_503(tmp_path_factory):
