@@ -287,6 +287,12 @@ def es_url_problem(url: str) -> str | None:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
+        _, sep, rest = url.partition("://")
+        if sep and "@" in rest and any(c in rest.rpartition("@")[0] for c in "/?#"):
+            # the parser ended the host at a '/', '?' or '#' of the password: its tail read
+            # as the port
+            return ("its user or password holds a raw '/', '?' or '#'; percent-encode them "
+                    "(%2F, %3F, %23) as in http://USER:PA%2FSS@HOST:PORT")
         return "its port is not a number from 0 to 65535 (one URL: http://HOST:PORT)"
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "needs a scheme and a host, as in http://HOST:9200 or https://HOST"
