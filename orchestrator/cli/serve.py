@@ -111,8 +111,10 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
                                          "the searcher before 503 (Serve queue limit)"),
           max_searches: int = typer.Option(16, "--max-searches", min=1, help="searches at "
                                            "once per searcher replica"),
-          standalone: bool = typer.Option(False, "--standalone", help="one process (uvicorn), "
-                                          "no Ray Serve: development and tests"),
+          standalone: bool = typer.Option(False, "--standalone", help="uvicorn in this process, "
+                                          "no Ray Serve (the ray executor still starts or "
+                                          "joins a Ray cluster for the branches; --executor "
+                                          "local runs them here too)"),
           home: Optional[Path] = typer.Option(None, "--home"),
           config: Optional[Path] = typer.Option(None, "--config")):
     """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
