@@ -26,6 +26,7 @@ for _command in app.registered_commands:  # the command list shows each first pa
 
 def main() -> None:
     """Run the app; every user-caused error ends as one `error:` line and exit status 2."""
+    quiet_already = _stdout_is_null()
     try:
         # not standalone, typer *returns* a command's `typer.Exit(code)` and Ctrl-C (130)
         code = app(prog_name="branchsearch", standalone_mode=False)
@@ -34,7 +35,7 @@ def main() -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except SystemExit as exc:
-        if exc.code == 1 and _reader_went_away():
+        if exc.code == 1 and (_reader_went_away() or (_stdout_is_null() and not quiet_already)):
             sys.exit(141)  # `search | head`: as a tool SIGPIPE stops, not 1 ("failed")
         raise
     except typer.Abort:
@@ -59,6 +60,18 @@ def _reader_went_away() -> bool:
     """Whether stdout's reader closed the pipe: click (typer's copy of it) then wraps stdout
     in its PacifyFlushWrapper and exits 1."""
     return type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def _stdout_is_null() -> bool:
+    """Whether file descriptor 1 is /dev/null: rich (typer's help) answers a closed pipe by
+    pointing it there and exiting 1 (`--help | head`)."""
+    import os
+
+    try:
+        out, null = os.fstat(1), os.stat(os.devnull)
+    except OSError:
+        return False
+    return (out.st_rdev, out.st_ino) == (null.st_rdev, null.st_ino)
 
 
 def user_error(exc: BaseException) -> str | None:

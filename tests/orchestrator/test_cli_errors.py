@@ -409,6 +409,16 @@ def test_output_cut_by_its_reader_exits_141_not_failed(tmp_path):
     assert proc.wait(timeout=120) == 141
     err = proc.stderr.read().decode()
     assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err, err
+    # the help text too (rich, not click, writes it), and a reader that is /dev/null from
+    # the start is not a reader gone: a usage error there still exits 2
+    for args in (["--help"], ["search", "--help"]):
+        proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()
+        assert proc.wait(timeout=120) == 141, args
+        assert "Traceback" not in proc.stderr.read().decode()
+    assert subprocess.run([*CLI, "--help"], stdout=subprocess.DEVNULL).returncode == 0
+    assert subprocess.run([*CLI, "search"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 2
 
 
 def test_synth_writes_over_its_own_folder_only(tmp_path):
