@@ -21,6 +21,9 @@ class Limits:
     per_key_concurrency: int = 4
     max_in_flight: int = 64  # whole server (uvicorn mode; Serve uses max_queued_requests)
     retry_after_s: int = 1
+    # an index other than the default unused this long is closed (its retriever process and
+    # models freed) and opened again by its next request; 0: kept open until the server stops
+    index_idle_close_s: float = 900.0
 
 
 def check_body_size(length: int | None, limits: Limits) -> None:

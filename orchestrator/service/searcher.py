@@ -72,6 +72,10 @@ class Searcher:
         self._retriever_room = 0
         self._cpu_holders: set = set()
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
+        self._last_used: dict[str, float] = {}  # index -> when its last request ended
+        self._closing = threading.Event()  # set by close(): the idle reaper stops
+        if limits.index_idle_close_s > 0:
+            threading.Thread(target=self._reap_idle, daemon=True, name="idle-indexes").start()
         if warm:
             self.open_default()
 
@@ -209,6 +213,7 @@ class Searcher:
         with self._lock:
             self._drivers[index] = driver
             self._docstores[index] = docstore
+            self._last_used[index] = time.monotonic()
             self._write_locks.setdefault(index, threading.Lock())
             if opened_as is not None:
                 self._opened_as[index] = opened_as
@@ -281,19 +286,46 @@ class Searcher:
         index changed on disk) is closed only once its last request leaves here."""
         while True:
             driver = self.driver(index, wait)
-            with self._lock:
-                if self._drivers.get(index) is driver:
-                    self._users[driver] = self._users.get(driver, 0) + 1
-                    store = self._docstores[index]
-                    break
+            if (held := self._hold(index, driver)) is not None:
+                break
         try:
-            yield driver, store
+            yield driver, held[0]
         finally:
-            with self._idle:
-                self._users[driver] -= 1
-                if not self._users[driver]:
-                    del self._users[driver]
-                    self._idle.notify_all()
+            self._let_go(driver, index)
+
+    def _hold(self, index: str, driver) -> tuple | None:
+        """Count one more user of `driver` if it still serves `index` (not retired meanwhile):
+        a driver in use is neither closed nor reaped. Returns (its docstore,), or None."""
+        with self._lock:
+            if self._drivers.get(index) is not driver:
+                return None
+            self._users[driver] = self._users.get(driver, 0) + 1
+            return (self._docstores[index],)
+
+    def _let_go(self, driver, index: str | None) -> None:
+        """One user of `driver` less; `index`: a request used it (readiness probes do not
+        count as use)."""
+        with self._idle:
+            self._users[driver] -= 1
+            if index is not None:
+                self._last_used[index] = time.monotonic()
+            if not self._users[driver]:
+                del self._users[driver]
+                self._idle.notify_all()
+
+    def _reap_idle(self) -> None:
+        """Close the indexes (other than the default) no request used for
+        `index_idle_close_s`: each holds a retriever process and its models (hundreds of MB
+        a hybrid index) that a service in front of many indexes would otherwise keep for
+        every index ever asked once. The next request opens it again, as on first use."""
+        idle_s = self.limits.index_idle_close_s
+        while not self._closing.wait(min(max(idle_s / 4, 0.05), 60.0)):
+            now = time.monotonic()
+            with self._lock:
+                for index in [i for i, d in self._drivers.items()
+                              if i != self.settings.index and not self._users.get(d)
+                              and now - self._last_used.get(i, now) >= idle_s]:
+                    self._retire(index, f"was not used for {idle_s:g} s")
 
     def _make_driver(self, settings: Settings, executor: str):
         from branchsearch.orchestrator.driver import Driver
@@ -395,6 +427,7 @@ class Searcher:
             return self.pool
 
     def close(self) -> None:
+        self._closing.set()
         self._threads.shutdown(wait=False)
         with self._idle:
             for index, driver in self._drivers.items():
@@ -664,6 +697,8 @@ class Searcher:
                            "says why)", {"Retry-After": "5"}) from None
         opened = list(self._drivers.items())
         for index, driver in opened:
+            if self._hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
+                continue
             try:
                 self._probe(index, driver)
             except ApiError as exc:
@@ -672,6 +707,8 @@ class Searcher:
                          else f"one of the {len(opened)} open indexes is")
                 raise ApiError(503, "not_ready", f"{which} not ready (the server log says "
                                "why)", {"Retry-After": "5"}) from None
+            finally:
+                self._let_go(driver, None)
         return {"status": "ready", "indexes": len(opened)}
 
 

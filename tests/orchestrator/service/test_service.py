@@ -10,6 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -544,7 +545,9 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
                 return [e["doc_id"] for e in r.json()["evidence"]]
 
             first = search("acl")
-            assert first.status_code == 200 and search("bm").status_code == 200
+            assert first.status_code == 200, first.text
+            bm = search("bm")
+            assert bm.status_code == 200, bm.text
             driver = searcher._drivers["acl"]
             killed = driver.executor.retriever
             ray.kill(killed, no_restart=True)
@@ -619,6 +622,50 @@ def test_indexes_made_while_the_ray_service_runs_are_served(tmp_path):
         searcher.close()
         ray.shutdown()
     assert searcher._retriever_room == 2 and not searcher._cpu_holders
+
+
+def test_an_index_left_unused_is_closed_and_opens_again(tmp_path):
+    """A service in front of many indexes does not keep a retriever process for every index
+    ever asked once: one unused for `index_idle_close_s` is closed (its retriever actor gone,
+    its CPU room back), the default index never; its next request opens it again and gets
+    the same answer."""
+    import ray
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "first",
+                                        "actor_start_timeout_s": 30},
+                             read_env=False, read_file=False)
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    for name in ("first", "zweite-ü"):
+        ingest(corpus, settings.replace(index=name), dense=False)
+    limits = Limits(**{**LIMITS.__dict__, "index_idle_close_s": 1.0})
+    state = service.local_state(settings, executor="ray", limits=limits)  # dev mode: admin
+    server = start_uvicorn(service.create_app(state), state)
+    searcher = state.searcher.target
+    question = {"question": "Which sensors does the harbor budget fund?"}
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            first = client.post("/v1/search", json=question)
+            other = client.post("/v1/search", json={**question, "index": "zweite-ü"})
+            assert first.status_code == other.status_code == 200, (first.text, other.text)
+            actor = searcher._drivers["zweite-ü"].executor.retriever
+            assert ray.get(actor.ping.remote(), timeout=30) is not None
+            deadline = time.monotonic() + 30
+            while "zweite-ü" in searcher._drivers or searcher._retiring:
+                assert time.monotonic() < deadline, "the unused index was not closed"
+                time.sleep(0.2)
+            assert list(searcher._drivers) == ["first"]  # the default index stays open
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.ping.remote(), timeout=30)  # its retriever process is gone
+            again = client.post("/v1/search", json={**question, "index": "zweite-ü"})
+            assert again.status_code == 200, again.text
+            assert ([e["doc_id"] for e in again.json()["evidence"]]
+                    == [e["doc_id"] for e in other.json()["evidence"]])
+            assert client.get("/readyz").json()["indexes"] == 2
+    finally:
+        server.stop()
+        searcher.close()
+        ray.shutdown()
+    assert not searcher._cpu_holders
 
 
 def test_limits(site):
