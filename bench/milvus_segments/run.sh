@@ -14,8 +14,12 @@
 #    $MSEG/rows.jsonl; the collection is dropped after its searches);
 # 3. stops the server by PID (the holder stops the binary; the binary's PID is checked after).
 #
+# 4. with PAIRED=1 (two sizes), the collections are kept after their own searches and then
+#    searched in turn, query by query, by paired.py (beside this script): the same machine
+#    for both sizes, the ratio per round -> $MSEG/paired.jsonl.
+#
 # Overrides: MSEG_SET="key=value ..." adds/overrides milvus.yaml keys; QUERIES (100); EF (64);
-# MSEG_COMPACT=auto|always|never (auto). Everything is logged to $MSEG/run.log
+# MSEG_COMPACT=auto|always|never (auto); PAIRED (0); PAIRED_EF (EF; e.g. "64 128"). Everything is logged to $MSEG/run.log
 # (MSEG: /tmp/milvus-segments unless set).
 set -euo pipefail
 
@@ -26,6 +30,9 @@ PY=$REPO/.venv/bin/python
 SIZES=("${@:-10000}")
 QUERIES=${QUERIES:-100}
 EF=${EF:-64}  # HNSW search breadth of the searches
+PAIRED=${PAIRED:-0}
+KEEP=()
+[ "$PAIRED" = 1 ] && KEEP=(--keep)
 COMPACT=${MSEG_COMPACT:-auto}
 SRV=$MSEG/srv
 WORK=$MSEG/work
@@ -99,8 +106,14 @@ for n in "${SIZES[@]}"; do
     --compact "$COMPACT" --json "$MSEG/segments.jsonl" --timeout-s 3600
   echo "--- $n: search ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
   "$PY" bench/milvus_scaling.py --backends server --sizes "$n" --queries "$QUERIES" \
-    --uri "$URI" --pid "$PID" --workdir "$WORK" --ef "$EF" --json "$MSEG/rows.jsonl"
+    --uri "$URI" --pid "$PID" --workdir "$WORK" --ef "$EF" --json "$MSEG/rows.jsonl" \
+    ${KEEP[@]+"${KEEP[@]}"}
   echo "--- $n: done ($(date +%T))"
 done
+if [ "$PAIRED" = 1 ]; then
+  echo "--- paired: ${SIZES[*]} in turn ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
+  "$PY" "$HERE/paired.py" --uri "$URI" --sizes "${SIZES[@]}" --queries "$QUERIES" \
+    --ef ${PAIRED_EF:-$EF} --json "$MSEG/paired.jsonl"
+fi
 echo "server RSS before stop: $(ps -o rss= -p "$PID" 2>/dev/null | awk '{printf "%.0f MB", $1/1024}')"
 echo "=== $(date -Is) done"
