@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,8 @@ class Observe:
         async def sending(message):
             if message["type"] == "http.response.start":
                 box["status"], box["started"] = message["status"], True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                box["complete"] = True
             await send(message)
 
         metrics.in_flight.inc()
@@ -139,12 +142,24 @@ class Observe:
                 log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"),
                           exc_info=exc)
             if "started" in box:  # a stream already under way: nothing more can be said
+                box["failed"] = not _client_gone(exc)
                 raise
             await _send_error(sending, err, metrics)
         finally:
             metrics.in_flight.dec()
-            metrics.observe_request(_endpoint(scope), scope.get("method", ""),
-                                    box.get("status", 500), time.perf_counter() - started)
+            status = box.get("status", 500)
+            if "started" in box and not box.get("complete"):  # a stream cut short: the server
+                # failed under it, or the client left (Starlette ends it quietly)
+                status = 500 if box.get("failed") else CLIENT_CLOSED
+            metrics.observe_request(_endpoint(scope), scope.get("method", ""), status,
+                                    time.perf_counter() - started)
+
+
+def _client_gone(exc: BaseException) -> bool:
+    """Whether `exc` says the client went away (not that the server failed)."""
+    from starlette.requests import ClientDisconnect
+
+    return isinstance(exc, (ClientDisconnect, OSError))
 
 
 def _endpoint(scope) -> str:
@@ -157,7 +172,8 @@ def _endpoint(scope) -> str:
         router = getattr(scope.get("app"), "router", None)
         route = next((r for r in getattr(router, "routes", ())
                       if r.matches(scope)[0] == Match.FULL), None)
-    return getattr(route, "path", None) or "unmatched"
+    path = getattr(route, "path", None)  # {doc_id:path} -> {doc_id}: no routing syntax
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", path) if path else "unmatched"
 
 
 async def _send_error(send, err: ApiError, metrics: ServiceMetrics) -> None:
@@ -207,6 +223,7 @@ def create_app(state: ServiceState):
                                    StreamingResponse)
     from fastapi.security import HTTPBearer
     from starlette.exceptions import HTTPException
+    from starlette.routing import Match
 
     app = FastAPI(title="branchsearch", version="1", description=_DESCRIPTION)
     app.state.service = state
@@ -231,6 +248,10 @@ def create_app(state: ServiceState):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         error = ApiError(exc.status_code, code, str(exc.detail),
                          dict(exc.headers or {}))  # 405 keeps its Allow
+        if exc.status_code == 405:  # every method the path takes (GET and HEAD are two routes)
+            error.headers["Allow"] = ", ".join(sorted({
+                m for r in request.app.router.routes if getattr(r, "methods", None)
+                and r.matches(request.scope)[0] != Match.NONE for m in r.methods}))
         if exc.status_code == 404 and exc.detail == "Not Found":  # no route: say which path,
             path = " ".join(redact(request.url.path).split())  # the caller's own, as sent
             error.detail = f"no such path: {request.method} {path[:200]} (see /docs)"
@@ -268,14 +289,16 @@ def create_app(state: ServiceState):
             raise ApiError(404, "not_found", f"no file {name!r}")
         return FileResponse(path)
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["health"],
-                   responses=_answers(Health))  # HEAD: load balancers' health checks
+    # HEAD (load balancers' health checks) answers as GET, outside the schema: one operation
+    # a path, so the operationIds clients generate code from stay unique
+    @app.head("/healthz", include_in_schema=False)
+    @app.get("/healthz", tags=["health"], responses=_answers(Health))
     async def healthz():
         """The process is up (it answers)."""
         return {"status": "up"}
 
-    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["health"],
-                   responses=_answers(Ready, 503))
+    @app.head("/readyz", include_in_schema=False)
+    @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
     async def readyz():
         """Ready when the default index is open and every open index's backends answer
         (`indexes`: how many are open); else 503. Which index, and why, are in the server log

@@ -127,6 +127,13 @@ function onEvent(ev) {
   }
 }
 
+function streamCut() {  // the stream ended with neither a result nor an error
+  for (const b of branches.values()) {
+    if (b.badge.textContent === "running") { b.badge.textContent = "cut"; b.badge.className = "badge error"; }
+  }
+  status("the stream ended before the result (the connection was cut); search again", true);
+}
+
 function renderResult(r) {
   const sec = $("evidence");
   sec.replaceChildren(el("h2", null, `Evidence (${r.status})`));
@@ -166,7 +173,7 @@ async function search(ev) {
     });
     const reader = r.body.getReader();
     const decoder = new TextDecoder();
-    let buf = "";
+    let buf = "", ended = false;
     for (;;) {
       const { value, done } = await reader.read();
       if (done) break;
@@ -175,9 +182,13 @@ async function search(ev) {
       while ((cut = buf.indexOf("\n\n")) >= 0) {
         const frame = buf.slice(0, cut); buf = buf.slice(cut + 2);
         const data = frame.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join("\n");
-        if (data) onEvent(JSON.parse(data));
+        if (!data) continue;
+        const ev = JSON.parse(data);
+        ended = ended || ev.type === "result" || ev.type === "error";
+        onEvent(ev);
       }
     }
+    if (!ended) streamCut();
   } catch (e) {
     status(String(e.message), true);
   } finally {

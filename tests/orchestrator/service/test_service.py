@@ -265,6 +265,9 @@ def test_upsert_then_search_finds_delete_then_not(site):
             "index": "acl", "deleted": doc_id}
     assert "flamingo" not in ids()
     assert_error(client.delete("/v1/indexes/acl/documents/flamingo", headers=admin), 404)
+    metrics = client.get("/metrics").text  # the route's template, without routing syntax
+    assert 'endpoint="/v1/indexes/{index}/documents/{doc_id}",method="DELETE"' in metrics
+    assert ":path}" not in metrics
     import unicodedata  # an id typed decomposed (macOS) deletes the composed one stored
 
     r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
@@ -666,6 +669,31 @@ def test_an_index_left_unused_is_closed_and_opens_again(tmp_path):
         searcher.close()
         ray.shutdown()
     assert not searcher._cpu_holders
+
+
+def test_a_stream_its_client_leaves_is_counted_as_499(site):
+    """A streamed search the client abandons is counted under status 499, as a JSON one is,
+    not as a 200 (Starlette ends a stream whose client left without an error)."""
+    client, keys, _ = site
+
+    def counted(status: str) -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if (line.startswith("branchsearch_http_requests_total{")
+                    and 'endpoint="/v1/search"' in line and f'status="{status}"' in line):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = counted("499"), counted("200")
+    with client.stream("POST", "/v1/search", headers={**auth(keys["alpha"]),
+                                                      "Accept": "text/event-stream"},
+                       json={"question": "harbor festival lighthouse", "branches": 2}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first event, then the client goes
+    deadline = time.monotonic() + 30
+    while counted("499") == before[0]:
+        assert time.monotonic() < deadline, "the abandoned stream was not counted as 499"
+        time.sleep(0.2)
+    assert counted("499") == before[0] + 1 and counted("200") == before[1]
 
 
 def test_limits(site):

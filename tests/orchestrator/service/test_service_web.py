@@ -103,3 +103,41 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
+
+
+def test_a_stream_cut_before_its_result_says_so(web):
+    """The connection drops after the first events (a proxy, a network): the page says the
+    result never came, in red, and no card is left "running" as if it were still working."""
+    from playwright.sync_api import sync_playwright
+
+    url, keys = web
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+
+            def cut(route):  # the real stream, ended after its first three events
+                answer = route.fetch()
+                frames = answer.text().split("\n\n")
+                assert any('"type": "result"' in f or '"type":"result"' in f for f in frames)
+                route.fulfill(response=answer, body="\n\n".join(frames[:3]) + "\n\n")
+
+            page.route("**/v1/search", cut)
+            page.goto(url + "/")
+            page.fill("#key", keys["alpha"])
+            page.click("#savekey")
+            page.wait_for_function("document.querySelectorAll('#index option').length > 0",
+                                   timeout=30_000)
+            page.fill("#question", "What does the Alpha Roadmap plan for harbor sensors?")
+            page.click("#go")
+            page.wait_for_function("document.getElementById('status').className === 'error'",
+                                   timeout=120_000)
+            assert "ended before the result" in page.inner_text("#status")
+            assert page.locator(".branch .badge", has_text="running").count() == 0
+            assert page.locator("#evidence-list").count() == 0
+            assert errors == []
+        finally:
+            browser.close()
