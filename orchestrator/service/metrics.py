@@ -3,7 +3,8 @@
 One registry per app instance (so tests and replicas do not share module state). Labels are
 bounded sets — route templates, status codes, branch statuses — never questions, keys' groups or
 document ids, so `/metrics` cannot leak what a caller searched or found. Under Serve each ingress
-replica counts its own requests; Prometheus sums over replicas.
+replica counts its own requests, and a scrape through the Serve proxy reaches one replica:
+with more than one ingress replica, `/metrics` shows that replica's counters only.
 """
 
 from __future__ import annotations
