@@ -92,6 +92,7 @@ class ServiceState:
     keys: KeyStore | None  # None: development mode
     limits: Limits = field(default_factory=Limits)
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
+    peers: object | None = None  # Serve: the other ingress replicas' metrics (SharedMetrics)
 
     def principal(self, authorization: str | None) -> ApiKey:
         if self.keys is None:
@@ -312,7 +313,8 @@ def create_app(state: ServiceState):
             metrics.acl_guard_dropped.set(await searcher.call("guard_dropped"))
         except Exception:  # noqa: BLE001 — metrics must answer even when the searcher cannot
             pass
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        others = await state.peers.others() if state.peers is not None else None
+        return Response(metrics.render(others), media_type="text/plain; version=0.0.4")
 
     # --- with a key -----------------------------------------------------------------------
 

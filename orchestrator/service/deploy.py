@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,6 +89,64 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
 
 # --- Ray Serve ----------------------------------------------------------------------------------
 
+class MetricsBoard:
+    """The application's metrics board (a Ray actor): each ingress replica's latest snapshot,
+    so a scrape that reaches any one replica answers for all. A replica gone keeps its last
+    counts (counters never go down)."""
+
+    def __init__(self):
+        self.snapshots: dict[str, list] = {}
+
+    def share(self, replica: str, snapshot: list) -> list:
+        """Keep `replica`'s snapshot; the others' back."""
+        self.snapshots[replica] = snapshot
+        return [s for r, s in self.snapshots.items() if r != replica]
+
+
+class SharedMetrics:
+    """An ingress replica's side of the board: its snapshot shared every `PUSH_S` seconds (a
+    daemon thread) and at each scrape, which gets the other replicas' back. The board is a
+    named actor of the application, made by the first replica that asks (again when it died
+    with its owner)."""
+
+    PUSH_S = 2.0
+
+    def __init__(self, metrics, name: str, replica: str):
+        self.metrics, self.name, self.replica = metrics, name, replica
+        self._handle = None
+        threading.Thread(target=self._push, daemon=True, name="metrics-board").start()
+
+    def _board(self):
+        if self._handle is None:
+            import ray
+
+            self._handle = ray.remote(MetricsBoard).options(
+                name=self.name, get_if_exists=True, num_cpus=0).remote()
+        return self._handle
+
+    def _push(self) -> None:
+        import ray
+
+        while True:
+            time.sleep(self.PUSH_S)
+            try:
+                ray.get(self._board().share.remote(self.replica, self.metrics.snapshot()),
+                        timeout=30)
+            except Exception as exc:  # noqa: BLE001 — the board died with its owner: anew
+                log.debug("metrics board: %s", exc)
+                self._handle = None
+
+    async def others(self) -> list:
+        """The other replicas' snapshots ([] when the board cannot be reached: this replica's
+        own counts still answer)."""
+        try:
+            return await self._board().share.remote(self.replica, self.metrics.snapshot())
+        except Exception as exc:  # noqa: BLE001
+            log.warning("metrics board unreachable: %s", exc)
+            self._handle = None
+            return []
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What `branchsearch serve` and `app_builder` pass to the deployments."""
@@ -121,9 +180,12 @@ def build_application(opts: ServeOptions):
     @serve.ingress()
     class Ingress:
         def __init__(self, searcher, o: dict):
+            context = serve.get_replica_context()
             self.state = ServiceState(SearcherClient(searcher),
                                       KeyStore(o["keys"]) if o["keys"] else None,
                                       Limits(**o["limits"]))
+            self.state.peers = SharedMetrics(self.state.metrics, f"{context.app_name}-metrics",
+                                             context.replica_tag)
 
         def __serve_build_asgi_app__(self):
             return create_app(self.state)

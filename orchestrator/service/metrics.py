@@ -3,8 +3,10 @@
 One registry per app instance (so tests and replicas do not share module state). Labels are
 bounded sets — route templates, status codes, branch statuses — never questions, keys' groups or
 document ids, so `/metrics` cannot leak what a caller searched or found. Under Serve each ingress
-replica counts its own requests, and a scrape through the Serve proxy reaches one replica:
-with more than one ingress replica, `/metrics` shows that replica's counters only.
+replica counts its own requests and shares them (`snapshot`, a few seconds old at most) on the
+application's board (`service.deploy`), so whichever replica the proxy sends a scrape to
+answers for all of them (`render(others)`): counters and histograms summed, in-flight requests
+summed, values every replica reads from one place (the ACL guard's count) taken once.
 """
 
 from __future__ import annotations
@@ -65,5 +67,49 @@ class ServiceMetrics:
         if "latency_s" in result.get("metrics", {}):
             self.search_latency.observe(result["metrics"]["latency_s"])
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def snapshot(self) -> list:
+        """This replica's samples, plain data: [(family, type, help, [(sample, labels, value)])]."""
+        return [(m.name, m.type, m.documentation, [(x.name, dict(x.labels), x.value)
+                                                   for x in m.samples])
+                for m in self.registry.collect()]
+
+    def render(self, others: list | None = None) -> bytes:
+        """The Prometheus text of this replica, with `others` (the other replicas'
+        snapshots) merged in."""
+        if not others:
+            return generate_latest(self.registry)
+        return generate_latest(_Merged([self.snapshot(), *others]))
+
+
+SHARED_GAUGES = {"branchsearch_acl_guard_dropped_ids"}  # every replica reads the same value
+
+
+class _Merged:
+    """A collector of several replicas' snapshots: a sample's values summed across replicas,
+    but `_created` timestamps (the earliest) and shared gauges (the largest)."""
+
+    def __init__(self, snapshots: list):
+        self.snapshots = snapshots
+
+    def collect(self):
+        from prometheus_client.core import Metric
+
+        families: dict[str, tuple] = {}
+        for snapshot in self.snapshots:
+            for name, kind, doc, samples in snapshot:
+                _, _, values = families.setdefault(name, (kind, doc, {}))
+                for sample, labels, value in samples:
+                    key = (sample, tuple(sorted(labels.items())))
+                    if key not in values:
+                        values[key] = value
+                    elif sample.endswith("_created"):
+                        values[key] = min(values[key], value)
+                    elif name in SHARED_GAUGES:
+                        values[key] = max(values[key], value)
+                    else:
+                        values[key] += value
+        for name, (kind, doc, values) in families.items():
+            family = Metric(name, doc, kind)
+            for (sample, labels), value in values.items():
+                family.add_sample(sample, dict(labels), value)
+            yield family

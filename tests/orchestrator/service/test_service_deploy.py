@@ -71,7 +71,7 @@ def start(site, mode: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     args = {"standalone-local": ["--standalone", "--executor", "local"],
             "standalone-ray": ["--standalone", "--executor", "ray"],
-            "serve": []}[mode]
+            "serve": [], "serve-2": ["--replicas", "2", "--executor", "local"]}[mode]
     cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", *args,
            "--home", str(site["home"]), "--config", str(site["config"]), "--index", "acl",
            "--keys", str(site["home"] / "keys.json"), "--port", str(port)]
@@ -230,5 +230,40 @@ def test_the_service_as_deployed(site, mode):
             events = parse_sse(rest + "\n\n")
             assert events[-1]["type"] == "result", events[-1]
         assert proc.wait(120) == 0, _log(site, mode)
+    finally:
+        stop(proc)
+
+
+def test_two_ingress_replicas_answer_metrics_for_both(site):
+    """Ray Serve with two ingress replicas: the proxy sends each request, and each scrape, to
+    either. Every scrape counts every request (each replica shares its counts on the
+    application's board), not one replica's share at random; the text passes promtool."""
+    import shutil
+
+    proc, url = start(site, "serve-2")
+    keys = site["keys"]
+    try:
+        with httpx.Client(base_url=url, timeout=300) as client:
+            for i in range(12):
+                r = client.post("/v1/search", headers=bearer(keys[f"u{i}"]),
+                                json={"question": "Harbor Festival", "branches": 1})
+                assert r.status_code == 200, r.text
+            for _ in range(4):
+                assert client.post("/v1/search", headers=bearer("nope"),
+                                   json={"question": "q"}).status_code == 401
+            time.sleep(3 * 2.0)  # a few of the replicas' pushes (SharedMetrics.PUSH_S)
+
+            def counted(text: str, status: str) -> float:
+                return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("branchsearch_http_requests_total{")
+                           and 'endpoint="/v1/search"' in line and f'status="{status}"' in line)
+
+            scrapes = [client.get("/metrics").text for _ in range(8)]
+            assert [(counted(t, "200"), counted(t, "401")) for t in scrapes] == [(12, 4)] * 8
+            assert all("branchsearch_searches_total{status=\"ok\"} 12.0" in t for t in scrapes)
+            if shutil.which("promtool"):
+                check = subprocess.run(["promtool", "check", "metrics"], input=scrapes[-1],
+                                       capture_output=True, text=True)
+                assert check.returncode == 0, check.stdout + check.stderr
     finally:
         stop(proc)

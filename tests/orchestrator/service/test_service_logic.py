@@ -682,3 +682,34 @@ def test_a_burst_at_a_starting_index_is_answered_by_each_deadline(tmp_path):
         release.set()
         searcher.close()
     assert max(waited) < 3, sorted(waited)
+
+
+def test_metrics_of_several_replicas_merge():
+    """What a scrape of one ingress replica shows with the others' snapshots: counters,
+    histograms and in-flight requests summed; the ACL guard's count (every replica reads the
+    searcher's) once; a counter's creation time the earliest."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from branchsearch.orchestrator.service.metrics import ServiceMetrics
+
+    a, b = ServiceMetrics(), ServiceMetrics()
+    for m, statuses in ((a, [200, 200]), (b, [200, 429])):
+        for status in statuses:
+            m.observe_request("/v1/search", "POST", status, 0.5)
+        m.in_flight.inc()
+        m.acl_guard_dropped.set(3)
+    merged = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(a.render([b.snapshot()]).decode())
+              for s in f.samples}
+    search = (("endpoint", "/v1/search"), ("method", "POST"))
+    assert merged[("branchsearch_http_requests_total", search + (("status", "200"),))] == 3
+    assert merged[("branchsearch_http_requests_total", search + (("status", "429"),))] == 1
+    assert merged[("branchsearch_http_request_duration_seconds_sum",
+                   search + (("status", "200"),))] == 1.5
+    assert merged[("branchsearch_http_requests_in_flight", ())] == 2
+    assert merged[("branchsearch_acl_guard_dropped_ids", ())] == 3
+    created = ("branchsearch_http_requests_created", search + (("status", "200"),))
+    own = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(a.render().decode()) for s in f.samples}
+    assert merged[created] == min(own[created], merged[created])
+    assert a.render([]) == a.render()  # alone: its own text
