@@ -58,7 +58,7 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
                                                                   help="at most N branches"),
            policy: Optional[str] = PolicyOpt,
            trace: Optional[Path] = typer.Option(
-               None, help="append spans (JSONL) here; episode traces go to *.episodes.jsonl"),
+               None, help="append spans (JSONL) here; episode traces are appended to *.episodes.jsonl"),
            executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
            acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
@@ -79,10 +79,12 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
         result = driver.search(question, acl_groups=groups)
     finally:
         driver.close()
-    if trace:  # the branches' episode traces (the fourth store) beside the spans
-        episodes = trace.with_name(trace.stem + ".episodes.jsonl")
-        episodes.write_text("".join(json.dumps({"branch": b.index, **r}, default=str) + "\n"
-                                    for b in result.branches for r in b.trace))
+    if trace:  # the branches' episode traces (the fourth store) beside the spans, appended
+        episodes = trace.with_name(trace.stem + ".episodes.jsonl")  # as they are, each line
+        with episodes.open("a") as out:  # with the trace id that joins it to its spans
+            out.write("".join(json.dumps({"trace_id": result.trace_id, "branch": b.index, **r},
+                                         default=str) + "\n"
+                              for b in result.branches for r in b.trace))
         print(f"spans: {trace}; episode traces: {episodes}", file=sys.stderr)
     if as_json:
         print(json.dumps(result.to_dict(), default=str))

@@ -669,3 +669,27 @@ def test_a_batch_output_through_a_symlink_writes_its_target(tmp_path):
         assert done.returncode == 0, done.stderr[-800:]
         assert link.is_symlink()
         assert (tmp_path / "real" / "res.jsonl").read_text().count("\n") == n
+
+
+def test_search_trace_appends_spans_and_episodes_joined_by_trace_id(tmp_path):
+    """`search --trace t.jsonl`, twice: both searches' spans and both searches' episode lines
+    are kept (the episodes were overwritten), and each episode line names the trace id of
+    its search's spans."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Falcon {i}",
+                                          "text": f"Falcon plan {i} harbor " * 20}) + "\n"
+                              for i in range(20)))
+    home = ["--home", tmp_path / "home", "--index", "ix"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    trace = tmp_path / "t.jsonl"
+    ids = []
+    for question in ("Falcon plan harbor", "Falcon 7"):
+        done = run(["search", question, "--json", "--trace", trace, *home])
+        assert done.returncode == 0, done.stderr
+        ids.append(json.loads(done.stdout)["trace_id"])
+    spans = [json.loads(line) for line in trace.read_text().splitlines()]
+    episodes = [json.loads(line) for line in
+                (tmp_path / "t.episodes.jsonl").read_text().splitlines()]
+    assert {s["trace_id"] for s in spans} == set(ids) and len(set(ids)) == 2
+    assert {e["trace_id"] for e in episodes} == set(ids)
+    assert all("branch" in e and "kind" in e for e in episodes)
