@@ -95,6 +95,9 @@ _CREDENTIAL = re.compile(
 _PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
 _SOCKET = re.compile(r"\bunix:[^\s\"'<>),;:]+")  # a Unix socket address (gRPC's unix:PATH)
+# gRPC's peer addresses: "ipv4:10.0.0.5:19530", "ipv6:[::1]:19530", "dns:///host:443"
+_GRPC_PEER = re.compile(r"\b(?:ipv4|ipv6|dns|unix-abstract|vsock):[^\s\"'<>),;]+")
+_INTERNAL_ID = re.compile(r"(?i)\b(collection(?:[_ ]?id)?\s*[=:]\s*)\d{6,}")  # Milvus's ids
 # an absolute file path of two or more parts (a data home, a store file), not an API route
 _PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
 # a process's or Ray's identifiers (a Ray error names the dead actor's pid, id, namespace)
@@ -129,6 +132,8 @@ def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
         else " ".join(redact(exc_or_text).split())
     text = _URL.sub("<server>", text)
     text = _SOCKET.sub("<server>", text)
+    text = _GRPC_PEER.sub("<server>", text)
+    text = _INTERNAL_ID.sub(r"\g<1><hidden>", text)
     text = _PATH.sub("<path>", text)
     text = _PROCESS.sub(r"\g<1>\g<2><hidden>", text)
     text = _RAY_ID.sub(r"\g<1><hidden>", text)

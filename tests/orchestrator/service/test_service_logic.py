@@ -61,6 +61,13 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
                        "No such file)") == "count failed (connect failed: <server>: No such file)"
     assert public_line("PUT /v1/indexes/uni/documents: 1/2 done") == \
         "PUT /v1/indexes/uni/documents: 1/2 done"  # API routes and ratios stay
+    # gRPC's peer addresses (a Milvus server down, as a 503 body showed it: "<server>.93.0.1:…")
+    for peer in ("ipv4:10.93.0.1:19530", "ipv6:[fe80::1]:19530", "dns:///milvus.corp:19530"):
+        line = public_line(f"count failed (last error: UNKNOWN: {peer}: Failed to connect)")
+        assert line == "count failed (last error: UNKNOWN: <server> Failed to connect)", line
+    assert public_line("collection not loaded[collection=470918235429536255]") == \
+        "collection not loaded[collection=<hidden>]"  # Milvus's internal id
+    assert public_line("collection=docs_ix not loaded") == "collection=docs_ix not loaded"
     assert question_problem(123) == "question must be text, not a number"
     assert question_problem(["a"]) == "question must be text, not an array"
     assert question_problem(None).startswith("empty question")
