@@ -507,7 +507,7 @@ def load_settings(
         values["home"] = overrides["home"]
 
     if read_file:
-        path = config or env.get("BRANCHSEARCH_CONFIG")
+        path = config or env.get("BRANCHSEARCH_CONFIG") or None  # set but empty: unset
         if path is None and (Path(values["home"]) / "branchsearch.toml").exists():
             path = Path(values["home"]) / "branchsearch.toml"
         if path is not None:

@@ -26,7 +26,7 @@ from branchsearch.infra.errors import BranchsearchError, KeysFileError
 from branchsearch.infra.stores.acl import MAX_GROUP_CHARS
 
 PREFIX = "bsk_"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"^[^\W_][\w.-]{0,63}$")  # letters and digits of any script, as groups
 _GROUP = re.compile(rf"^[^\s,]{{1,{MAX_GROUP_CHARS}}}$")  # a group a document may hold too
 
 
@@ -176,8 +176,8 @@ class KeyStore:
         documents of its own groups; `everything` (admins only) makes it global: it sees and
         writes every document, whatever its groups."""
         if not _NAME.match(name):
-            raise BranchsearchError(f"bad key name {name!r}: letters, digits, _ . - "
-                                    "(≤ 64 characters)")
+            raise BranchsearchError(f"bad key name {name!r}: a letter or digit (any script), "
+                                    "then letters, digits, _ . - (≤ 64 characters)")
         from branchsearch.infra.stores.acl import ACL_ALL, caller_groups
 
         groups = tuple(caller_groups(groups) or ())  # '*' is reserved; names stripped, NFC

@@ -671,6 +671,16 @@ def test_a_batch_output_through_a_symlink_writes_its_target(tmp_path):
         assert (tmp_path / "real" / "res.jsonl").read_text().count("\n") == n
 
 
+def test_an_empty_config_variable_is_no_config(tmp_path):
+    """BRANCHSEARCH_CONFIG set but empty (a shell's `export BRANCHSEARCH_CONFIG=`) is unset,
+    not the current folder read as a settings file ("settings file . is a folder")."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d", "title": "T", "text": "Falcon plan"}) + "\n")
+    done = run(["ingest", corpus, "--no-dense", "--home", tmp_path / "home"],
+               env={"BRANCHSEARCH_CONFIG": ""})
+    assert done.returncode == 0, done.stderr
+
+
 def test_search_trace_appends_spans_and_episodes_joined_by_trace_id(tmp_path):
     """`search --trace t.jsonl`, twice: both searches' spans and both searches' episode lines
     are kept (the episodes were overwritten), and each episode line names the trace id of

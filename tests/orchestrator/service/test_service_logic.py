@@ -43,6 +43,11 @@ def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
     assert parse_list("a, b,,a") == ("a", "b")
     with pytest.raises(Exception, match="--indexes: index name '../x' is not allowed"):
         store.add("carol", (), ("../x",))  # a name no index can have: refused, not inert
+    # a key name of any script, as index and group names (was ASCII only)
+    assert store.authenticate(store.add("фин-1", ("финансы",))).name == "фин-1"
+    for bad in ("", "-x", "a b", "a/b", "x" * 65):
+        with pytest.raises(Exception, match="bad key name"):
+            store.add(bad, ())
 
 
 def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
