@@ -208,6 +208,17 @@ def build_application(opts: ServeOptions):
     return Ingress.options(**ingress_cfg).bind(searcher, o)
 
 
+def proxy_location(host: str) -> str:
+    """Where Serve runs its HTTP proxies: on every node when they listen on every address (or
+    on loopback, which every node has); on the head only for one address, which no other node
+    has (their proxies would fail to bind it, and be restarted over and over)."""
+    try:
+        everywhere = host in ("0.0.0.0", "::", "") or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: one machine's, but for localhost
+        everywhere = host == "localhost"
+    return "EveryNode" if everywhere else "HeadOnly"
+
+
 def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool = True):
     """Start Serve's HTTP proxy on host:port and deploy the application (blocks until SIGTERM
     or ^C unless `block` is False). Uses the settings' Ray cluster, else a local one, connected
@@ -220,7 +231,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our line says where it serves
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location(host))
     serve.run(build_application(opts), name="branchsearch", route_prefix="/")
     print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app 'branchsearch')",
           file=sys.stderr)

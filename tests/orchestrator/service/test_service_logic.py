@@ -725,3 +725,15 @@ def test_metrics_of_several_replicas_merge():
            for f in text_string_to_metric_families(a.render().decode()) for s in f.samples}
     assert merged[created] == min(own[created], merged[created])
     assert a.render([]) == a.render()  # alone: its own text
+
+
+def test_serve_proxies_go_where_their_address_is():
+    """On a cluster Serve starts an HTTP proxy per node; a proxy told to listen on one node's
+    own address cannot bind it elsewhere (it was restarted 75 times in 3 minutes on a worker
+    node), so one address means the head only."""
+    from branchsearch.orchestrator.service.deploy import proxy_location
+
+    for host in ("0.0.0.0", "::", "127.0.0.1", "::1", "localhost"):
+        assert proxy_location(host) == "EveryNode", host
+    for host in ("10.93.0.1", "192.168.1.20", "fe80::1", "search.corp.example"):
+        assert proxy_location(host) == "HeadOnly", host
