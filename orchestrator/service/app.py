@@ -399,6 +399,10 @@ async def _frames(first: dict, events, metrics: ServiceMetrics):
             event = await events.__anext__()
     except StopAsyncIteration:
         return
+    except Exception as exc:  # noqa: BLE001 — the searcher failed under a stream under way (its
+        err = exc if isinstance(exc, ApiError) else api_error(exc)  # replica's node died):
+        metrics.observe_error(err.status, err.error)  # the stream's last event says so
+        yield sse({"type": "error", "status": err.status, **err.body()})
     finally:
         await events.aclose()  # a client gone mid-stream ends the search's generator now
 

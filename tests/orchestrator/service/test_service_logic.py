@@ -737,3 +737,32 @@ def test_serve_proxies_go_where_their_address_is():
         assert proxy_location(host) == "EveryNode", host
     for host in ("10.93.0.1", "192.168.1.20", "fe80::1", "search.corp.example"):
         assert proxy_location(host) == "HeadOnly", host
+
+
+def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
+    """A streamed search whose searcher replica is lost mid-way (its node died: the ingress
+    gets an ActorDied-like error after the 200 went out) ends with an `error` event naming
+    503 searcher_unavailable, counted as such, instead of a cut connection."""
+    import asyncio
+
+    from branchsearch.orchestrator.service.app import _frames, _unwrap
+    from branchsearch.orchestrator.service.events import parse_sse
+    from branchsearch.orchestrator.service.metrics import ServiceMetrics
+
+    class ActorDiedError(Exception):  # the name Ray's error carries
+        pass
+
+    async def events():
+        yield {"type": "branch_started", "branch": 0}
+        raise _unwrap(ActorDiedError("the actor died unexpectedly"))
+
+    async def read() -> str:
+        source = events()
+        first = await source.__anext__()
+        return "".join([frame async for frame in _frames(first, source, metrics)])
+
+    metrics = ServiceMetrics()
+    frames = parse_sse(asyncio.run(read()))
+    assert [f["type"] for f in frames] == ["branch_started", "error"]
+    assert frames[-1]["status"] == 503 and frames[-1]["error"] == "searcher_unavailable"
+    assert b'branchsearch_refusals_total{reason="searcher_unavailable"} 1.0' in metrics.render()
