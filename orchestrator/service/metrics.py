@@ -44,7 +44,7 @@ class ServiceMetrics:
         self.refusals = Counter("branchsearch_refusals_total", "requests refused by a limit",
                                 ["reason"], registry=r)
         self.acl_guard_dropped = Gauge("branchsearch_acl_guard_dropped_ids",
-                                       "ids the service's ACL guard removed (should stay 0)",
+                                       "ids the service's ACL guard removed (0 unless documents' groups change during searches)",
                                        registry=r)
 
     def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
