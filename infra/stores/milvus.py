@@ -226,11 +226,42 @@ def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | 
     if down is not None:
         raise BackendUnavailable(f"milvus lite: the server process for {uri} {down}; {what} "
                                  "failed")
+    server = is_server(uri)
+    if server and (failed := _unreachable_since(uri)):
+        raise BackendUnavailable(f"{failed} (not asked again for {UNREACHABLE_S:g} s)")
     try:
-        return call(*args, timeout=timeout_arg(timeout_s), **kwargs)
+        out = call(*args, timeout=timeout_arg(timeout_s), **kwargs)
     except Exception as exc:  # noqa: BLE001 — pymilvus and grpc errors alike
-        raise BackendUnavailable(f"milvus at {redact(uri)}: {what} failed ({milvus_error(exc)})"
-                                 ) from None
+        line = f"milvus at {redact(uri)}: {what} failed ({milvus_error(exc)})"
+        if server and _UNREACHABLE.search(line):
+            with _unreachable_lock:
+                _unreachable[uri] = (time.monotonic(), line)
+        raise BackendUnavailable(line) from None
+    if server and uri in _unreachable:
+        with _unreachable_lock:
+            _unreachable.pop(uri, None)
+    return out
+
+
+# A Milvus server that cannot be reached makes each request wait out its timeout (pymilvus
+# retries until then: seconds, with the branch pool and the caller waiting). Once one request
+# found it unreachable, the others of this process fail at once for UNREACHABLE_S, then one asks
+# again. (A bad filter or a missing collection is an answer, not an outage: not counted.)
+UNREACHABLE_S = 5.0
+_UNREACHABLE = re.compile(r"(?i)fail(?:ed)? (?:connecting|to connect)|connection refused|"
+                          r"\bunavailable\b|deadline.?exceeded|timed? ?out|"
+                          r"connect(?:ion)? (?:reset|closed)")
+_unreachable: dict[str, tuple[float, str]] = {}  # server URI -> (when, the error line)
+_unreachable_lock = threading.Lock()
+
+
+def _unreachable_since(uri: str) -> str:
+    """The error line of the server's last failed request when it was under UNREACHABLE_S
+    ago; "" otherwise."""
+    failed = _unreachable.get(uri)
+    if failed is None or time.monotonic() - failed[0] >= UNREACHABLE_S:
+        return ""
+    return failed[1]
 
 
 def milvus_literal(value: str, *, lite: bool) -> str:

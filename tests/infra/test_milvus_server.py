@@ -121,3 +121,39 @@ def test_lite_file_stays_served_until_its_last_store_closes(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.split()[-1] == "3"
+
+
+def test_an_unreachable_server_is_not_waited_for_again_at_once():
+    """A Milvus server nobody answers at (a closed port, as a server killed): the first request
+    waits out its timeout and says so; the next ones of this process fail at once for
+    UNREACHABLE_S (a search of a shared branch pool was waiting out the timeout for every
+    call: 60 s 504s and a pool busy for other indexes), then one asks again."""
+    import socket
+    import time
+
+    from pymilvus import MilvusClient
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.infra.stores import milvus
+
+    with socket.socket() as probe:  # a port with no server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    uri = f"http://root:hunter2@127.0.0.1:{port}"
+
+    def connect(timeout):
+        return MilvusClient(uri=uri, timeout=timeout)
+
+    with pytest.raises(BackendUnavailable) as first:
+        milvus.milvus_call(uri, "connect", connect, timeout_s=2)
+    assert "hunter2" not in str(first.value)
+    started = time.monotonic()
+    for _ in range(5):
+        with pytest.raises(BackendUnavailable, match="not asked again"):
+            milvus.milvus_call(uri, "search", connect, timeout_s=2)
+    assert time.monotonic() - started < 0.5  # no timeout waited out
+    milvus._unreachable[uri] = (time.monotonic() - milvus.UNREACHABLE_S, "old")
+    with pytest.raises(BackendUnavailable) as again:  # the window over: asked again
+        milvus.milvus_call(uri, "search", connect, timeout_s=2)
+    assert "not asked again" not in str(again.value)
+    milvus._unreachable.pop(uri, None)
