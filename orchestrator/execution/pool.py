@@ -4,12 +4,15 @@ constructor of a user error raises that error here, never as a Ray traceback."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, Overloaded,
                                        error_line)
 from branchsearch.infra.config.settings import Settings
+
+log = logging.getLogger("branchsearch.executors")
 
 
 def branch_settings(settings: Settings) -> Settings:
@@ -103,7 +106,12 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
     import ray
 
     try:
-        ray.get(refs, timeout=timeout)
+        first = min(WAIT_NOTE_S, timeout)
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=first)
+        if pending:  # still not placed: say so once, rather than minutes of silence
+            log.warning("ray: waiting for %s to start (up to %g s; this plan asks %s, the "
+                        "cluster has %s free now)", what, timeout, demand, _free())
+        ray.get(refs, timeout=max(timeout - first, 0.001) if pending else None)
     except ray.exceptions.ActorDiedError as exc:
         cause = start_error(exc)
         if cause is not None:
@@ -115,15 +123,24 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
                                  "retry") from None
     except ray.exceptions.GetTimeoutError:
         have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-        try:  # what other actors (another index's, another job's) left free
-            free = {k: round(v, 2) for k, v in ray.available_resources().items()
-                    if k in ("CPU", "GPU")}
-        except Exception:  # noqa: BLE001
-            free = "unknown"
+        free = _free()  # what other actors (another index's, another job's) left free
         raise BackendUnavailable(
             f"ray: {what} did not start within {timeout:g} s (the cluster has {have}, "
             f"free now {free}, this plan asks {demand}: other actors hold the "
             "rest; see `ray status`, or raise actor_start_timeout_s)") from None
+
+
+WAIT_NOTE_S = 10.0  # actors not started by then: one line says what the start waits for
+
+
+def _free():
+    import ray
+
+    try:
+        return {k: round(v, 2) for k, v in ray.available_resources().items()
+                if k in ("CPU", "GPU")}
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 def start_error(exc: BaseException) -> BranchsearchError | None:

@@ -516,6 +516,42 @@ def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path):
 
 
 @pytest.mark.ray
+def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog):
+    """A start that waits for CPUs other actors hold (a batch beside a running service) says
+    so after WAIT_NOTE_S, once, with what it asks and what is free, instead of minutes of
+    silence; then fails with one line at its timeout."""
+    import logging
+
+    import ray
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.execution import pool
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_cpus=64)
+    class Big:
+        def ping(self):
+            return 1
+
+    actor = Big.remote()
+    try:
+        with caplog.at_level(logging.WARNING, logger="branchsearch.executors"), \
+                pytest.raises(BackendUnavailable, match="did not start within 11 s"):
+            pool.wait_started([actor.ping.remote()], "1 retriever actor(s)", 11,
+                              {"CPU": 1}, {"CPU": 64})
+        waits = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+        assert len(waits) == 1 and "1 retriever actor(s)" in waits[0], waits
+        assert "{'CPU': 64}" in waits[0]
+    finally:
+        ray.kill(actor)
+        if started:
+            ray.shutdown()
+
+
+@pytest.mark.ray
 def test_a_failed_search_exits_1(tmp_path):
     """`status: failed` is exit status 1 (typer hands a command's exit code back to `main`,
     which once dropped it: a failed search exited 0)."""
