@@ -18,8 +18,8 @@ With `fetch_cache`, a question's branches share one replica, which holds the que
 may take its own replica.
 
 Ray restarts a retriever replica that dies (`branch_retries` times); one dead for good is
-started afresh by the question that meets it (`revive`). Either way the question that met the
-death runs once more.
+started afresh by the question that meets it (`revive`). A branch actor of the pool that dies
+(its node gone) is replaced. Either way the question that met the death runs once more.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings
 from branchsearch.workers.branch import BranchReport, BranchTask
 
 log = logging.getLogger("branchsearch.executors")
+ACTOR_DIED = "actor died: "  # a branch report's error when its pool actor was lost
 
 
 class RayExecutor:
@@ -163,8 +164,11 @@ class RayExecutor:
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
         if any(r.status == "error" for r in reports):
             self.revive()  # (or another question met the death first and did)
-            if self.revived != revived:
-                emit(on_event, {"type": "rerun", "reason": "a retriever process died and was "
+            replaced = any(r.status == "error" and r.error.startswith(ACTOR_DIED)
+                           for r in reports)  # a branch actor lost (its node): replaced
+            if self.revived != revived or replaced:
+                what = "a retriever" if self.revived != revived else "a branch"
+                emit(on_event, {"type": "rerun", "reason": f"{what} process died and was "
                                 "started again; the branches run again from the start"})
                 reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
         return reports
@@ -382,7 +386,7 @@ class RayExecutor:
         except ray.exceptions.RayActorError as exc:  # ActorUnavailableError too (restarting)
             if place.actor is None:
                 return None
-            error = f"actor died: {error_line(exc, 480)}"
+            error = f"{ACTOR_DIED}{error_line(exc, 480)}"
             self.pool.replace(place.actor)
         except ray.exceptions.RayTaskError as exc:
             error = error_line(exc, 500)

@@ -97,3 +97,32 @@ def test_a_lite_index_keeps_one_retriever(hotpot_settings, ray_session, caplog):
         assert driver.search(QUESTIONS[0]).status == "ok"
     finally:
         driver.close()
+
+
+@pytest.mark.ray
+def test_a_branch_actor_lost_is_replaced_and_the_question_runs_again(hotpot_settings,
+                                                                       ray_session):
+    """A pool actor dies (its node gone, killed): the branch placed on it fails, the pool
+    replaces it, and the question runs once more (a `rerun` event first), as after a retriever's
+    death; before, a batch row failed with 'actor died'."""
+    import ray
+
+    from branchsearch.orchestrator.driver import Driver
+
+    settings = ingest_copy(hotpot_settings, "hotpot-branch-death").replace(
+        branches=3, branch_timeout_s=60, skip_covered=False)  # the planned branches run
+    driver = Driver(settings, mode="ray", pool_size=2)
+    try:
+        before = driver.search(QUESTIONS[0])  # a comparison: branches beside the hosted one
+        assert before.status == "ok" and len(before.branches) >= 2
+        pool = driver.executor.pool
+        for actor in list(pool._idle):
+            ray.kill(actor, no_restart=True)
+        events = []
+        after = driver.search(QUESTIONS[0], on_event=events.append)
+        assert after.status == "ok", [b.error for b in after.branches]
+        assert [e["type"] for e in events].count("rerun") == 1
+        assert "a branch process died" in next(e for e in events if e["type"] == "rerun")["reason"]
+        assert after.evidence == before.evidence
+    finally:
+        driver.close()
