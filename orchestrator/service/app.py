@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
@@ -339,6 +339,7 @@ def create_app(state: ServiceState):
     async def search(request: Request):
         """Parallel-branch search. JSON result, or with `Accept: text/event-stream` the events
         plan, branch_started, search, prune, branch_done and result as they happen."""
+        received = time.time()  # the deadline counts from here (SearchRequest.received_at)
         key = state.principal(request.headers.get("authorization"))
         body = await read_body(request)
         try:
@@ -349,7 +350,7 @@ def create_app(state: ServiceState):
 
             raise ApiError(422, "bad_request", f"body is not JSON ({json_problem(exc)})") \
                 from None
-        req = parse_search(data, limits)
+        req = replace(parse_search(data, limits), received_at=received)
         if "text/event-stream" in request.headers.get("accept", ""):
             events = searcher.stream(req, key)
             first = await events.__anext__()  # a refusal still gets its HTTP status

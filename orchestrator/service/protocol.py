@@ -23,6 +23,9 @@ class SearchRequest:
     branches: int | None = None
     k: int | None = None
     deadline_s: float | None = None
+    # when the service received it (wall clock, set by the app, never by a body): the deadline
+    # counts from here, queues between the ingress and the searcher included
+    received_at: float | None = None
 
 
 _FIELDS = {"question", "index", "branches", "k", "deadline_s"}

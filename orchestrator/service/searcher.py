@@ -84,7 +84,7 @@ class Searcher:
     async def search(self, req: SearchRequest, key: ApiKey) -> dict:
         """The result dict (`search --json` shape plus `status`, `index`). ApiError for every
         refusal."""
-        arrived = time.monotonic()  # the deadline counts from here
+        arrived = self._arrived(req)  # the deadline counts from here
         self._may_use(self._index(req), key)
         with self.concurrency.slot(key.name):  # freed at once if the caller goes away
             return await self._in_thread(self._search, req, key, None, arrived)
@@ -92,13 +92,13 @@ class Searcher:
     async def stream(self, req: SearchRequest, key: ApiKey) -> AsyncIterator[dict]:
         """Events as they happen, ending with `result` (or `error`). A refusal before the search
         starts (403, 429, 404) is raised, so the HTTP status can still say so."""
+        arrived = self._arrived(req)
         self._may_use(self._index(req), key)
         with self.concurrency.slot(key.name):
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             put = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)  # noqa: E731
-            work = asyncio.ensure_future(self._in_thread(self._search, req, key, put,
-                                                         time.monotonic()))
+            work = asyncio.ensure_future(self._in_thread(self._search, req, key, put, arrived))
             work.add_done_callback(lambda _: queue.put_nowait(_DONE))
             first = True
             try:
@@ -113,6 +113,21 @@ class Searcher:
             finally:
                 if not work.done():
                     work.cancel()
+
+    def _arrived(self, req: SearchRequest) -> float:
+        """When (monotonic) the request reached the service: its HTTP arrival at the ingress
+        (`received_at`, wall clock: Serve's queue to this replica counts), else now. A request
+        whose deadline passed while it waited is answered 504 at once, not searched, nor
+        refused for a reason (429) that no longer holds."""
+        now = time.monotonic()
+        if req.received_at is None:
+            return now
+        waited = min(max(time.time() - req.received_at, 0.0), self.limits.max_deadline_s)
+        deadline = req.deadline_s or self.limits.default_deadline_s
+        if waited >= deadline:
+            raise ApiError(504, "deadline_exceeded", f"the request waited {waited:.1f} s in "
+                           f"the service's queues, past its deadline of {deadline:g} s")
+        return now - waited
 
     async def upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
         return await self._in_thread(self._upsert, index, body, key)

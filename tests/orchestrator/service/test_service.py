@@ -20,6 +20,7 @@ from branchsearch.infra.config.settings import load_settings
 from branchsearch.orchestrator.service import deploy as service
 from branchsearch.orchestrator.service.auth import KeyStore
 from branchsearch.orchestrator.service.admission import Limits
+from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.orchestrator.service.events import parse_sse
 
 from conftest import read_only_folder
@@ -669,6 +670,24 @@ def test_an_index_left_unused_is_closed_and_opens_again(tmp_path):
         searcher.close()
         ray.shutdown()
     assert not searcher._cpu_holders
+
+
+def test_the_deadline_counts_from_the_requests_arrival_at_the_service(site):
+    """The deadline counts from the HTTP arrival (`received_at`, set by the app), so time in
+    Serve's queue to the searcher counts: a request that waited past its deadline is a 504 at
+    once (it was searched, or refused 429, a minute later)."""
+    from branchsearch.orchestrator.service.auth import ApiKey
+    from branchsearch.orchestrator.service.protocol import SearchRequest
+
+    _, _, state = site
+    searcher, key = state.searcher.target, ApiKey("alpha", ("alpha",))
+    late = SearchRequest("harbor festival", deadline_s=5, received_at=time.time() - 6)
+    started = time.monotonic()
+    with pytest.raises(ApiError, match="waited 6.0 s in the service's queues") as refused:
+        asyncio.run(searcher.search(late, key))
+    assert refused.value.status == 504 and time.monotonic() - started < 1
+    fresh = SearchRequest("harbor festival", deadline_s=60, received_at=time.time() - 1)
+    assert asyncio.run(searcher.search(fresh, key))["status"] in ("ok", "partial")
 
 
 def test_a_stream_its_client_leaves_is_counted_as_499(site):
