@@ -53,6 +53,9 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
         errs = ", ".join(f"{k} {v}" for k, v in s["errors"].items() if k not in refusals) or "0"
         refused = (f"{s['refused']} ({s['refusal_rate']:.1%}): "
                    + ", ".join(f"{k} {v}" for k, v in refusals.items())) if refusals else "0"
+        slow = s.get("refusal_latency_ms") or {}
+        if refusals and slow.get("max") is not None:  # a 503 after a long hold: an outage
+            refused += f"; answered in p99 {_ms(slow['p99'])} / max {_ms(slow['max'])} ms"
         offered = f"{s['offered_rate']:.3g}" if s["offered_rate"] is not None else "-"
         bound = "≥" if s["latency_lower_bound"] else ""  # unfinished requests at their bound
         part = " (partial)" if s.get("partial") else ""  # a step cut by ^C
@@ -62,7 +65,9 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
                      f"| {_ms(lat['max'])} | {refused} | {errs} | {s['tokens_read_per_s']:.0f} |")
     lines += ["", "Latency percentiles are over the requests the service took on; refusals "
               "(HTTP 429/503) and requests that reached no service (connection refused or "
-              "broken) are counted apart and enter the error rate, not the percentiles."]
+              "broken) are counted apart and enter the error rate, not the percentiles; how long "
+              "the refusals took is beside their count (a 503 after a long hold is an outage, "
+              "not a quick 'retry later')."]
     knee = report["knee"]
     lines += ["", f"**Knee**: {knee['knee'] if knee['knee'] is not None else 'none'}"
               + (f" (saturated at {knee['saturated_at']:g}: {knee['reason']})"
