@@ -96,7 +96,7 @@ _PORT = re.compile(r"(\b(?:host|port)=)'?[^\s,)']+'?")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>),;]+")
 _SOCKET = re.compile(r"\bunix:[^\s\"'<>),;:]+")  # a Unix socket address (gRPC's unix:PATH)
 # gRPC's peer addresses: "ipv4:10.0.0.5:19530", "ipv6:[::1]:19530", "dns:///host:443"
-_GRPC_PEER = re.compile(r"\b(?:ipv4|ipv6|dns|unix-abstract|vsock):[^\s\"'<>),;]+")
+_GRPC_PEER = re.compile(r"(?i)\b(?:ipv4|ipv6|dns|unix-abstract|vsock):[^\s\"'<>),;]+")
 _INTERNAL_ID = re.compile(r"(?i)\b(collection(?:[_ ]?id)?\s*[=:]\s*)\d{6,}")  # Milvus's ids
 # an absolute file path of two or more parts (a data home, a store file), not an API route
 _PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
@@ -106,7 +106,8 @@ _PROCESS = re.compile(r"(?i)\b(pid|actor[_ ]id|namespace|node[_ ]id|job[_ ]id|wo
 _RAY_ID = re.compile(r"\b(ActorID\(|actor )[0-9a-f]{16,}")  # Ray's "The actor <hex> is ..."
 _ADDRESS = re.compile(
     r"(?<![\w.-])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:]+\]|localhost|"
-    r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|(?<![\w.-])[A-Za-z0-9-]+:\d{2,5}\b")
+    r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|"
+    r"(?<![\w.-])[A-Za-z0-9-]+:\d{2,5}\b(?![.\d])")  # (not "addr:10" of "addr:10.0.0.5")
 
 
 def register_secret(value: str | None) -> None:

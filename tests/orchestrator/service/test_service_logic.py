@@ -70,6 +70,10 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
     for peer in ("ipv4:10.93.0.1:19530", "ipv6:[fe80::1]:19530", "dns:///milvus.corp:19530"):
         line = public_line(f"count failed (last error: UNKNOWN: {peer}: Failed to connect)")
         assert line == "count failed (last error: UNKNOWN: <server> Failed to connect)", line
+    for text in ("addr:10.0.0.5:19530", "milvus:10.93.0.1:19530", "endpoint:10.93.0.1",
+                 "IPV4:10.0.0.1:1"):  # any word before an address (the review's cases)
+        line = public_line(f"failed ({text}: refused)")
+        assert "10." not in line and ".0." not in line and "<server>" in line, line
     assert public_line("collection not loaded[collection=470918235429536255]") == \
         "collection not loaded[collection=<hidden>]"  # Milvus's internal id
     assert public_line("collection=docs_ix not loaded") == "collection=docs_ix not loaded"
