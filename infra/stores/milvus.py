@@ -245,12 +245,12 @@ def milvus_call(uri: str, what: str, call, *args, timeout_s: float, lite: str | 
 
 # A Milvus server that cannot be reached makes each request wait out its timeout (pymilvus
 # retries until then: seconds, with the branch pool and the caller waiting). Once one request
-# found it unreachable, the others of this process fail at once for UNREACHABLE_S, then one asks
-# again. (A bad filter or a missing collection is an answer, not an outage: not counted.)
+# found it unreachable, the others of this process fail at once for UNREACHABLE_S; after that
+# requests go to it again. Only a failed connection counts: a slow answer (a timeout under
+# load, a large upsert), a bad filter or a missing collection is not an outage.
 UNREACHABLE_S = 5.0
 _UNREACHABLE = re.compile(r"(?i)fail(?:ed)? (?:connecting|to connect)|connection refused|"
-                          r"\bunavailable\b|deadline.?exceeded|timed? ?out|"
-                          r"connect(?:ion)? (?:reset|closed)")
+                          r"\bunavailable\b|connect(?:ion)? (?:reset|closed)")
 _unreachable: dict[str, tuple[float, str]] = {}  # server URI -> (when, the error line)
 _unreachable_lock = threading.Lock()
 
