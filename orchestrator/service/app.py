@@ -148,9 +148,9 @@ class Observe:
             await _send_error(sending, err, metrics)
         finally:
             metrics.in_flight.dec()
-            status = box.get("status", 500)
-            if "started" in box and not box.get("complete"):  # a stream cut short: the server
-                # failed under it, or the client left (Starlette ends it quietly)
+            status = scope.get(STREAM_STATUS) or box.get("status", 500)  # (a stream: how it
+            if "started" in box and not box.get("complete"):  # ended) a stream cut short: the
+                # server failed under it, or the client left (Starlette ends it quietly)
                 status = 500 if box.get("failed") else CLIENT_CLOSED
             metrics.observe_request(_endpoint(scope), scope.get("method", ""), status,
                                     time.perf_counter() - started)
@@ -160,7 +160,7 @@ def _client_gone(exc: BaseException) -> bool:
     """Whether `exc` says the client went away (not that the server failed)."""
     from starlette.requests import ClientDisconnect
 
-    return isinstance(exc, (ClientDisconnect, OSError))
+    return isinstance(exc, (ClientDisconnect, BrokenPipeError, ConnectionResetError))
 
 
 def _endpoint(scope) -> str:
@@ -354,7 +354,7 @@ def create_app(state: ServiceState):
         if "text/event-stream" in request.headers.get("accept", ""):
             events = searcher.stream(req, key)
             first = await events.__anext__()  # a refusal still gets its HTTP status
-            return StreamingResponse(_frames(first, events, metrics),
+            return StreamingResponse(_frames(first, events, metrics, request.scope),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
@@ -388,7 +388,9 @@ def create_app(state: ServiceState):
     return app
 
 
-async def _frames(first: dict, events, metrics: ServiceMetrics):
+async def _frames(first: dict, events, metrics: ServiceMetrics, scope: dict | None = None):
+    """The SSE frames of a search. A stream that ends with an `error` event (the search
+    failed after the 200 went out) is counted under that event's status (`Observe`)."""
     event = first
     try:
         while True:
@@ -396,6 +398,8 @@ async def _frames(first: dict, events, metrics: ServiceMetrics):
                 metrics.observe_result(event["result"])
             elif event.get("type") == "error":
                 metrics.observe_error(event.get("status", 500), event.get("error", ""))
+                if scope is not None:
+                    scope[STREAM_STATUS] = event.get("status", 500)
             yield sse(event)
             event = await events.__anext__()
     except StopAsyncIteration:
@@ -403,9 +407,14 @@ async def _frames(first: dict, events, metrics: ServiceMetrics):
     except Exception as exc:  # noqa: BLE001 — the searcher failed under a stream under way (its
         err = exc if isinstance(exc, ApiError) else api_error(exc)  # replica's node died):
         metrics.observe_error(err.status, err.error)  # the stream's last event says so
+        if scope is not None:
+            scope[STREAM_STATUS] = err.status
         yield sse({"type": "error", "status": err.status, **err.body()})
     finally:
         await events.aclose()  # a client gone mid-stream ends the search's generator now
+
+
+STREAM_STATUS = "branchsearch.stream_status"  # in the ASGI scope: how a stream ended
 
 
 _DESCRIPTION = (

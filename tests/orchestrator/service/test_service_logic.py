@@ -749,7 +749,7 @@ def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
     503 searcher_unavailable, counted as such, instead of a cut connection."""
     import asyncio
 
-    from branchsearch.orchestrator.service.app import _frames, _unwrap
+    from branchsearch.orchestrator.service.app import STREAM_STATUS, _frames, _unwrap
     from branchsearch.orchestrator.service.events import parse_sse
     from branchsearch.orchestrator.service.metrics import ServiceMetrics
 
@@ -763,10 +763,11 @@ def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
     async def read() -> str:
         source = events()
         first = await source.__anext__()
-        return "".join([frame async for frame in _frames(first, source, metrics)])
+        return "".join([frame async for frame in _frames(first, source, metrics, scope)])
 
-    metrics = ServiceMetrics()
+    metrics, scope = ServiceMetrics(), {}
     frames = parse_sse(asyncio.run(read()))
     assert [f["type"] for f in frames] == ["branch_started", "error"]
     assert frames[-1]["status"] == 503 and frames[-1]["error"] == "searcher_unavailable"
+    assert scope[STREAM_STATUS] == 503  # the request is counted under 503, not 200
     assert b'branchsearch_refusals_total{reason="searcher_unavailable"} 1.0' in metrics.render()
