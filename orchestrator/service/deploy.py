@@ -92,15 +92,17 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
 class MetricsBoard:
     """The application's metrics board (a Ray actor): each ingress replica's latest snapshot,
     so a scrape that reaches any one replica answers for all. A replica gone keeps its last
-    counts (counters never go down)."""
+    counts while the board lives (counters do not go down); the board is owned by the replica
+    that made it, and made anew, empty, if that one goes."""
 
     def __init__(self):
-        self.snapshots: dict[str, list] = {}
+        self.snapshots: dict[str, tuple[float, list]] = {}
 
-    def share(self, replica: str, snapshot: list) -> list:
-        """Keep `replica`'s snapshot; the others' back."""
-        self.snapshots[replica] = snapshot
-        return [s for r, s in self.snapshots.items() if r != replica]
+    def share(self, replica: str, snapshot: list) -> list[tuple[float, list]]:
+        """Keep `replica`'s snapshot; the others' back, each with its age in seconds."""
+        now = time.monotonic()
+        self.snapshots[replica] = (now, snapshot)
+        return [(now - t, s) for r, (t, s) in self.snapshots.items() if r != replica]
 
 
 class SharedMetrics:
@@ -110,6 +112,7 @@ class SharedMetrics:
     with its owner)."""
 
     PUSH_S = 2.0
+    STALE_S = 30.0
 
     def __init__(self, metrics, name: str, replica: str):
         self.metrics, self.name, self.replica = metrics, name, replica
@@ -137,14 +140,21 @@ class SharedMetrics:
                 self._handle = None
 
     async def others(self) -> list:
-        """The other replicas' snapshots ([] when the board cannot be reached: this replica's
-        own counts still answer)."""
+        """The other replicas' snapshots; a replica silent for `STALE_S` (gone) adds its
+        counts but no gauges (its requests in flight ended with it). [] when the board does
+        not answer within 2 s: this replica's own counts still answer the scrape."""
+        import asyncio
+
         try:
-            return await self._board().share.remote(self.replica, self.metrics.snapshot())
-        except Exception as exc:  # noqa: BLE001
+            shared = await asyncio.wait_for(
+                self._board().share.remote(self.replica, self.metrics.snapshot()), 2.0)
+        except Exception as exc:  # noqa: BLE001 — a board on a node that died, say
             log.warning("metrics board unreachable: %s", exc)
             self._handle = None
             return []
+        return [snapshot if age < self.STALE_S else
+                [family for family in snapshot if family[1] != "gauge"]
+                for age, snapshot in shared]
 
 
 @dataclass(frozen=True)
