@@ -298,6 +298,11 @@ def es_url_problem(url: str) -> str | None:
         return "its port is not a number from 0 to 65535 (one URL: http://HOST:PORT)"
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "needs a scheme and a host, as in http://HOST:9200 or https://HOST"
+    if parts.username is None and "@" in parts.path + parts.query + parts.fragment:
+        # "http://elastic:12/ab@es:9200" parses as host elastic, port 12: a password with a
+        # raw '/', '?' or '#' after digits (the client would go to the wrong host)
+        return ("its user or password holds a raw '/', '?' or '#'; percent-encode them "
+                "(%2F, %3F, %23) as in http://USER:PA%2FSS@HOST:PORT")
     if port is None and parts.scheme.lower() == "http":
         return "an http:// URL needs its port, as in http://HOST:9200"
     try:

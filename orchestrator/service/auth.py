@@ -17,6 +17,7 @@ import re
 import secrets
 import tempfile
 import threading
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -175,7 +176,8 @@ class KeyStore:
         """Make a key; returns it (the only time it exists in clear). An admin key writes the
         documents of its own groups; `everything` (admins only) makes it global: it sees and
         writes every document, whatever its groups."""
-        if not _NAME.match(name):
+        name = unicodedata.normalize("NFC", name)  # one name however it was typed
+        if not _NAME.fullmatch(name):
             raise BranchsearchError(f"bad key name {name!r}: a letter or digit (any script), "
                                     "then letters, digits, _ . - (≤ 64 characters)")
         from branchsearch.infra.stores.acl import ACL_ALL, caller_groups
@@ -206,6 +208,7 @@ class KeyStore:
         return key
 
     def revoke(self, name: str) -> None:
+        name = unicodedata.normalize("NFC", name)  # as `add` stored it
         with self._changing() as keys:
             if name not in keys:
                 raise BranchsearchError(f"no key named {name!r} in {self.path}")

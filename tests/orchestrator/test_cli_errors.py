@@ -190,6 +190,8 @@ def test_an_encoding_or_elasticsearch_url_we_cannot_use_is_one_line(inputs, tmp_
              "percent-encode them"),
             ("es_url raw ? in password", 'es_url = "http://u:hunter2?x@es:9200"',
              "percent-encode them"),
+            ("es_url digits then raw slash", 'es_url = "http://u:12/hunter2@es:9200"',
+             "percent-encode them"),  # parses as host u, port 12: the wrong host
             ("es_url leading space", 'es_url = " http://elastic:hunter2@es:9200"', "a space"),
             ("es_url space in host", 'es_url = "http://e s:9200"', "a space"),
             ("es_url ipv6 zone", 'es_url = "http://[fe80::1%eth0]:9200"', "cannot read it"),

@@ -127,10 +127,14 @@ function onEvent(ev) {
   }
 }
 
-function streamCut() {  // the stream ended with neither a result nor an error
+function markCut() {  // cards still "running" when the stream ends: they will not finish
   for (const b of branches.values()) {
     if (b.badge.textContent === "running") { b.badge.textContent = "cut"; b.badge.className = "badge error"; }
   }
+}
+
+function streamCut() {  // the stream ended with neither a result nor an error
+  markCut();
   status("the stream ended before the result (the connection was cut); search again", true);
 }
 
@@ -190,6 +194,7 @@ async function search(ev) {
     }
     if (!ended) streamCut();
   } catch (e) {
+    markCut();
     status(String(e.message), true);
   } finally {
     $("go").disabled = false;

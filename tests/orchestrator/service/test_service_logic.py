@@ -45,7 +45,12 @@ def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
         store.add("carol", (), ("../x",))  # a name no index can have: refused, not inert
     # a key name of any script, as index and group names (was ASCII only)
     assert store.authenticate(store.add("фин-1", ("финансы",))).name == "фин-1"
-    for bad in ("", "-x", "a b", "a/b", "x" * 65):
+    import unicodedata
+
+    decomposed = unicodedata.normalize("NFD", "café-2")  # typed on macOS: the same key
+    assert store.authenticate(store.add(decomposed, ())).name == "café-2"
+    store.revoke(decomposed)
+    for bad in ("", "-x", "a b", "a/b", "x" * 65, "alice\n"):
         with pytest.raises(Exception, match="bad key name"):
             store.add(bad, ())
 
