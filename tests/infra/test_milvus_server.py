@@ -126,8 +126,8 @@ def test_lite_file_stays_served_until_its_last_store_closes(tmp_path):
 def test_an_unreachable_server_is_not_waited_for_again_at_once():
     """A Milvus server nobody answers at (a closed port, as a server killed): the first request
     waits out its timeout and says so; the next ones of this process fail at once for
-    UNREACHABLE_S (a search of a shared branch pool was waiting out the timeout for every
-    call: 60 s 504s and a pool busy for other indexes), then one asks again."""
+    UNREACHABLE_S (no branch of a shared pool waits out the timeout for every call), then
+    they ask again."""
     import socket
     import time
 

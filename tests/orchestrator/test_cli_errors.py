@@ -721,7 +721,7 @@ def test_an_empty_config_variable_is_no_config(tmp_path):
 
 def test_search_trace_appends_spans_and_episodes_joined_by_trace_id(tmp_path):
     """`search --trace t.jsonl`, twice: both searches' spans and both searches' episode lines
-    are kept (the episodes were overwritten), and each episode line names the trace id of
+    are kept, and each episode line names the trace id of
     its search's spans."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Falcon {i}",

@@ -104,7 +104,7 @@ def test_a_branch_actor_lost_is_replaced_and_the_question_runs_again(hotpot_sett
                                                                        ray_session):
     """A pool actor dies (its node gone, killed): the branch placed on it fails, the pool
     replaces it, and the question runs once more (a `rerun` event first), as after a retriever's
-    death; before, a batch row failed with 'actor died'."""
+    death, instead of a partial result with 'actor died'."""
     import ray
 
     from branchsearch.orchestrator.driver import Driver

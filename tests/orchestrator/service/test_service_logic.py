@@ -43,7 +43,7 @@ def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
     assert parse_list("a, b,,a") == ("a", "b")
     with pytest.raises(Exception, match="--indexes: index name '../x' is not allowed"):
         store.add("carol", (), ("../x",))  # a name no index can have: refused, not inert
-    # a key name of any script, as index and group names (was ASCII only)
+    # a key name of any script, as index and group names
     assert store.authenticate(store.add("фин-1", ("финансы",))).name == "фин-1"
     import unicodedata
 
@@ -738,8 +738,8 @@ def test_metrics_of_several_replicas_merge():
 
 def test_serve_proxies_go_where_their_address_is():
     """On a cluster Serve starts an HTTP proxy per node; a proxy told to listen on one node's
-    own address cannot bind it elsewhere (it was restarted 75 times in 3 minutes on a worker
-    node), so one address means the head only."""
+    own address cannot bind it elsewhere (Serve would restart that proxy over and over), so
+    one address means the head only."""
     from branchsearch.orchestrator.service.deploy import proxy_location
 
     for host in ("0.0.0.0", "::", "127.0.0.1", "::1", "localhost"):
