@@ -275,6 +275,10 @@ def index_name_problem(name: object) -> str:
     return ""
 
 
+_RAW_IN_USERINFO = ("its user or password holds a raw '/', '?' or '#'; percent-encode them "
+                    "(%2F, %3F, %23) as in http://USER:PA%2FSS@HOST:PORT")
+
+
 def es_url_problem(url: str) -> str | None:
     """What the Elasticsearch client would refuse in `url` (None when it is usable or unset):
     checked here, and then by the client's own parser. The message never repeats the URL: it
@@ -293,16 +297,14 @@ def es_url_problem(url: str) -> str | None:
         if sep and "@" in rest and any(c in rest.rpartition("@")[0] for c in "/?#"):
             # the parser ended the host at a '/', '?' or '#' of the password: its tail read
             # as the port
-            return ("its user or password holds a raw '/', '?' or '#'; percent-encode them "
-                    "(%2F, %3F, %23) as in http://USER:PA%2FSS@HOST:PORT")
+            return _RAW_IN_USERINFO
         return "its port is not a number from 0 to 65535 (one URL: http://HOST:PORT)"
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "needs a scheme and a host, as in http://HOST:9200 or https://HOST"
     if parts.username is None and "@" in parts.path + parts.query + parts.fragment:
         # "http://elastic:12/ab@es:9200" parses as host elastic, port 12: a password with a
         # raw '/', '?' or '#' after digits (the client would go to the wrong host)
-        return ("its user or password holds a raw '/', '?' or '#'; percent-encode them "
-                "(%2F, %3F, %23) as in http://USER:PA%2FSS@HOST:PORT")
+        return _RAW_IN_USERINFO
     if port is None and parts.scheme.lower() == "http":
         return "an http:// URL needs its port, as in http://HOST:9200"
     try:
