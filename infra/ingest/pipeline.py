@@ -250,15 +250,24 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
     report.seconds["read"] = time.perf_counter() - t
     report.documents = len(docs)
     complete = [False]  # whether the index has a manifest (is usable) at this moment
+    new = not settings.index_dir.exists()
     try:
         return _ingest_locked(path, settings, docs, report, started, complete, dense=dense,
                               batch_docs=batch_docs, progress=progress, embedder=embedder,
                               override=override, workers=workers, embed_batch=embed_batch)
+    except StoresNotOpened:
+        if new:  # a backend down before anything was written: no half-made index is left
+            shutil.rmtree(settings.index_dir, ignore_errors=True)
+        raise
     except Exception as exc:
         line = _disk_full(exc, settings, complete[0])
         if line is None:
             raise
         raise BranchsearchError(line) from exc
+
+
+class StoresNotOpened(BackendUnavailable):
+    """A store of the index could not be opened (a server down): nothing was written."""
 
 
 def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
@@ -282,8 +291,11 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
         t = time.perf_counter()
-        docstore, lexical, dense_store, embedder = open_stores(
-            settings, create=True, need_dense=dense, embedder=embedder)
+        try:
+            docstore, lexical, dense_store, embedder = open_stores(
+                settings, create=True, need_dense=dense, embedder=embedder)
+        except BackendUnavailable as exc:
+            raise StoresNotOpened(str(exc)) from exc
         try:
             _same_model(settings, previous, embedder if dense_store else None)
             _same_fitted(settings, previous, embedder if dense_store else None)

@@ -741,3 +741,16 @@ def test_search_trace_appends_spans_and_episodes_joined_by_trace_id(tmp_path):
     assert {s["trace_id"] for s in spans} == set(ids) and len(set(ids)) == 2
     assert {e["trace_id"] for e in episodes} == set(ids)
     assert all("branch" in e and "kind" in e for e in episodes)
+
+
+def test_an_ingest_whose_backend_is_down_leaves_no_half_made_index(tmp_path):
+    """A new index whose Elasticsearch (a URL with a password) cannot be reached: one line, no
+    password, and no folder left behind that `indexes` would then call incomplete."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d", "title": "T", "text": "Falcon plan"}) + "\n")
+    home = tmp_path / "home"
+    done = run(["ingest", corpus, "--no-dense", "--home", home, "--index", "esx"],
+               env={"BRANCHSEARCH_ES_URL": "http://u:pa%2Fss@127.0.0.1:1"})
+    assert_one_error_line(done, "not reachable")
+    assert "pa%2Fss" not in done.stderr and "pa/ss" not in done.stderr
+    assert not (home / "indexes" / "esx").exists()
