@@ -45,6 +45,8 @@ class HashEmbedder:
             out[i] = v / np.linalg.norm(v)
         return out
 
+    embed_queries = embed
+
 
 def build_corpus(data: Path, target_docs: int, out: Path) -> tuple[int, list[str]]:
     base, queries = [], []

@@ -17,6 +17,8 @@ TraceExporter = Literal["none", "console", "jsonl", "otlp"]
 OtlpProtocol = Literal["http", "grpc"]
 MilvusIndex = Literal["auto", "FLAT", "HNSW", "IVF_FLAT"]  # compared upper-cased
 MilvusConsistency = Literal["Bounded", "Strong", "Session", "Eventually"]  # server searches
+# who embeds the queries of an index whose static model was fitted: MiniLM onto its axes, or it
+StaticQueries = Literal["minilm", "static"]
 Split = Literal["test", "dev", "train"]  # a BEIR folder's qrels/{split}.tsv
 # what `eval --baseline` runs beside the agent: a single-shot mode, the same agent without
 # pruning, or the heuristic policy
@@ -30,6 +32,7 @@ TRACE_EXPORTERS: tuple[TraceExporter, ...] = get_args(TraceExporter)
 OTLP_PROTOCOLS: tuple[OtlpProtocol, ...] = get_args(OtlpProtocol)
 MILVUS_INDEXES: tuple[MilvusIndex, ...] = get_args(MilvusIndex)
 MILVUS_CONSISTENCIES: tuple[MilvusConsistency, ...] = get_args(MilvusConsistency)
+STATIC_QUERIES: tuple[StaticQueries, ...] = get_args(StaticQueries)
 SPLITS: tuple[Split, ...] = get_args(Split)
 BASELINES: tuple[Baseline, ...] = get_args(Baseline)
 

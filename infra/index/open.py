@@ -27,7 +27,8 @@ def refuse_external(settings: Settings) -> None:
 def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = True,
                 embedder=None):
     """(docstore, lexical, dense, embedder) for the settings' index; dense may be None.
-    `embedder` replaces the configured one (anything with `embed(texts)` and `dim`)."""
+    `embedder` replaces the configured one (anything with `embed(texts)`, `embed_queries(texts)`
+    and `dim`)."""
     if settings.external is not None:  # an index the enterprise already has: read in place
         from branchsearch.infra.stores.external import open_external
 
@@ -83,7 +84,8 @@ def query_model(settings: Settings, model, embedder=None) -> Settings:
 
 def index_embedder(settings: Settings):
     """The embedder of the owned index `settings.index` names, as `settings` configure it: with
-    static-minilm, the model fitted to the index when it has one, else the distilled one."""
+    static-minilm, the model fitted to the index when it has one, else the distilled one; a
+    fitted one's queries by MiniLM unless `static_queries` is "static"."""
     from branchsearch.infra.models.embedder import Embedder
     from branchsearch.infra.models.static import STATIC_MODEL
     from branchsearch.infra.models.static_tune import fitted_folder
@@ -92,7 +94,8 @@ def index_embedder(settings: Settings):
         else None
     return Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
                     cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
-                    backend=settings.embed_backend, static_folder=static_folder)
+                    backend=settings.embed_backend, static_folder=static_folder,
+                    teacher_queries=settings.static_queries == "minilm")
 
 
 def open_dense(settings: Settings, manifest=None, embedder=None):

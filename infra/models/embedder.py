@@ -12,7 +12,11 @@ export the model, falls back to torch with one line on stderr.
 `static-minilm` is a static embedding distilled once, offline, from the bundled MiniLM
 (infra/models/static.py): no transformer at embedding time, so ingest and query embedding
 cost a tokenizer pass; `backend` does not apply to it, and it skips the embedding cache
-(looking a vector up costs more than computing it).
+(looking a vector up costs more than computing it). An index's *fitted* static model can have
+its queries embedded by MiniLM itself (`teacher_queries`, setting `static_queries`): the fit
+taught the static rows to land where MiniLM's vectors land on its axes, so a query can go there
+directly: documents keep the static model's ingest speed, queries get MiniLM's understanding
+(at MiniLM's cost, ~8 ms a query; reports/embedding.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from branchsearch.infra.models.embed_export import BACKENDS, DEFAULT_BACKEND, Ex
 from branchsearch.infra.errors import BranchsearchError, SettingsError
 from branchsearch.infra.models.static import STATIC_BACKEND, STATIC_MODEL, StaticEncoder, \
     ensure_static
+from branchsearch.infra.models.static_tune import PROJECTION
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 BUNDLED_MODELS = (DEFAULT_MODEL, STATIC_MODEL)  # embed_model names that need no folder
@@ -60,7 +65,8 @@ class Embedder:
 
     def __init__(self, model: str = DEFAULT_MODEL, batch_size: int = 64, device: str = "cpu",
                  cache_path: str | Path | None = None, backend: str | None = None,
-                 export_root: str | Path | None = None, static_folder: str | Path | None = None):
+                 export_root: str | Path | None = None, static_folder: str | Path | None = None,
+                 teacher_queries: bool = False):
         backend = backend or os.environ.get("BRANCHSEARCH_EMBED_BACKEND") or DEFAULT_BACKEND
         if backend not in BACKENDS:
             raise SettingsError(f"embed_backend must be one of {', '.join(BACKENDS)}, "
@@ -81,6 +87,14 @@ class Embedder:
         self.export_root = Path(export_root) if export_root else default_export_root()
         self._model = None
         self._lock = threading.Lock()
+        # queries by MiniLM onto the fitted model's axes: only a fit that kept its projection
+        # (an index fitted before it was kept embeds queries with its static model)
+        self._teacher = None
+        if teacher_queries and model == STATIC_MODEL and self.static_folder is not None \
+                and (self.static_folder / PROJECTION).is_file():
+            self._teacher = Embedder(DEFAULT_MODEL, batch_size, device, cache_path, backend,
+                                     export_root)
+            self._projection = None
 
     def _load(self):
         with self._lock:
@@ -180,17 +194,42 @@ class Embedder:
             out[missing] = fresh
         return out
 
+    @property
+    def queries_by(self) -> str:
+        """The model that embeds this embedder's queries."""
+        return f"{DEFAULT_MODEL} (onto the fitted axes)" if self._teacher else self.model_name
+
+    def embed_queries(self, texts: Sequence[str]):
+        """Vectors of search queries, in the documents' space: `embed`, except with
+        `teacher_queries`, where MiniLM embeds them and the fit's projection puts them on the
+        fitted model's axes."""
+        if self._teacher is None:
+            return self.embed(texts)
+        import numpy as np
+
+        if self._projection is None:
+            with np.load(self.static_folder / PROJECTION) as saved:
+                self._projection = saved["mean"], saved["axes"]
+        mean, axes = self._projection
+        vectors = (self._teacher.embed(texts) - mean) @ axes.T
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True) + 1e-12
+        return vectors.astype(np.float32, copy=False)
+
     def embed_ahead(self, texts: Sequence[str]) -> None:
-        """Embed into the cache, in one model call, texts that will be asked for one at a
+        """Embed into the cache, in one model call, queries that will be asked for one at a
         time (a question's branch queries): one call for several costs less than one each.
         Nothing without a cache (the static model needs none)."""
-        if self._open_cache() is not None:
+        if self._teacher is not None:
+            self._teacher.embed_ahead(texts)
+        elif self._open_cache() is not None:
             self.embed(list(dict.fromkeys(texts)))
 
     def cache_at(self, path: str | Path | None) -> None:
         """Keep vectors in `path` from now on (None: none): a benchmark that embeds its
         questions as new ones would be."""
         self.cache_path, self._cache = path, None
+        if self._teacher is not None:
+            self._teacher.cache_at(path)
 
     def _open_cache(self):
         if self.cache_path is None or self.backend == STATIC_BACKEND:

@@ -15,8 +15,9 @@ idea, done here in a few lines of torch):
 
 No query or judgment is read: only the corpus being indexed, which every vector of the index
 comes from anyway. Its cost is MiniLM on the sample, once per index (reports/embedding.md);
-the result (a 30 MB model folder) lives in the index folder and embeds every later chunk and
-query of that index. Everything is seeded: the same corpus gives
+the result (a 30 MB model folder) lives in the index folder and embeds every later chunk of
+that index. The folder keeps the PCA too (`PROJECTION`), so that MiniLM can embed the index's
+queries onto the same axes (`Embedder.embed_queries`, setting `static_queries`). Everything is seeded: the same corpus gives
 the same model, whatever the ingest's worker count.
 """
 
@@ -40,6 +41,7 @@ HELD_OUT = 20  # one text in this many judges when to stop
 MAX_TOKENS = 512  # model2vec's own truncation
 SEED = 0
 MIN_CHUNKS = 32  # a smaller corpus keeps the distilled model
+PROJECTION = "teacher_projection.npz"  # MiniLM's vectors onto the fitted model's axes
 
 
 def fitted_folder(index_dir: Path) -> Path | None:
@@ -83,7 +85,7 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
     ids, texts = [ids[i] for i in keep], [texts[i] for i in keep]
     base = np.asarray(model.embedding, dtype=np.float32)
     dim = base.shape[1]
-    target = _reduced(_taught(teacher, texts, note), dim)
+    target, projection = _reduced(_taught(teacher, texts, note), dim)
     if note:
         note(f"training on {len(texts):,} texts")
     order = np.random.default_rng(SEED).permutation(len(ids))
@@ -130,6 +132,7 @@ def fit(base_folder: Path, texts: Sequence[str], teacher, out: Path, note=None) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         fitted.save_pretrained(str(tmp))
+        np.savez(tmp / PROJECTION, **projection)
         for path in tmp.iterdir():  # readable by a service run as another user, as the index
             path.chmod(0o644)
         tmp.chmod(0o755)
@@ -161,16 +164,20 @@ def _taught(teacher, texts: list[str], note=None):
 
 
 def _reduced(vectors, dim: int):
-    """The teacher's vectors on their first `dim` principal axes, L2-normalised."""
+    """The teacher's vectors on their first `dim` principal axes, L2-normalised, and the map
+    that put them there (`mean`, `axes`: any MiniLM vector `v` lands at `(v - mean) @ axes.T`)."""
     import numpy as np
 
+    mean = np.zeros(vectors.shape[1], dtype=np.float32)
+    axes = np.eye(dim, vectors.shape[1], dtype=np.float32)
     if vectors.shape[1] > dim:
-        centred = vectors - vectors.mean(axis=0)
-        _, _, axes = np.linalg.svd(centred, full_matrices=False)
-        vectors = centred @ axes[:dim].T  # fewer texts than `dim`: fewer axes, zeros after
-        vectors = np.pad(vectors, ((0, 0), (0, dim - vectors.shape[1])))
-    return (vectors / (np.linalg.norm(vectors, axis=1, keepdims=True) + 1e-12)).astype(
-        np.float32)
+        mean = vectors.mean(axis=0)
+        _, _, axes = np.linalg.svd(vectors - mean, full_matrices=False)
+        axes = np.pad(axes[:dim], ((0, dim - min(dim, len(axes))), (0, 0)))  # fewer texts
+        vectors = (vectors - mean) @ axes.T  # than `dim`: fewer axes, zeros after
+    vectors = vectors / (np.linalg.norm(vectors, axis=1, keepdims=True) + 1e-12)
+    return vectors.astype(np.float32), {"mean": mean.astype(np.float32),
+                                        "axes": axes.astype(np.float32)}
 
 
 def say(line: str) -> None:

@@ -159,7 +159,7 @@ class Retriever:
     def _dense(self, query: str, k: int, exclude: list[str], acl_groups) -> list[Hit]:
         if self.dense is None or self.embedder is None:
             raise BadQuery("dense search needs the dense store and embedder (ingest with them)")
-        vector = self.embedder.embed([query])[0]
+        vector = self.embedder.embed_queries([query])[0]
         return self.dense.search(vector, k, exclude, acl_groups)
 
     def _fuse(self, lists: list[list[Hit]], k: int) -> list[Hit]:
@@ -237,7 +237,7 @@ class Retriever:
     def load_models(self) -> None:
         """Load the query embedder now, not inside the first question's search."""
         if self.embedder is not None:
-            _ = self.embedder.dim
+            self.embedder.embed_queries(["warm"])
 
     CALLABLE = ("search", "grep", "get_chunks", "read_document")
     CACHED = ("search", "grep", "read_document")

@@ -104,7 +104,17 @@ def evaluate(args):
     corpus = model.encode([b for _, b in chunks], show_progress_bar=False)
     gold = gold_of(args.data)
     queries = [q for q in map(json.loads, open(f"{args.data}/queries.jsonl")) if q["_id"] in gold]
-    sims = model.encode([q["text"] for q in queries], show_progress_bar=False) @ corpus.T
+    texts = [q["text"] for q in queries]
+    if args.query == "minilm":  # MiniLM's query vectors, on the fitted model's axes
+        from branchsearch.infra.models.embedder import Embedder
+        from branchsearch.infra.models.static_tune import PROJECTION
+
+        p = np.load(Path(args.model) / PROJECTION)
+        asked = (np.asarray(Embedder().embed(texts)) - p["mean"]) @ p["axes"].T
+        asked /= np.linalg.norm(asked, axis=1, keepdims=True)
+    else:
+        asked = model.encode(texts, show_progress_bar=False)
+    sims = asked @ corpus.T
     ar5 = ar10 = r5 = 0.0
     for i, q in enumerate(queries):
         ranked: list[str] = []
@@ -117,6 +127,7 @@ def evaluate(args):
         r5 += len(g & set(ranked[:5])) / len(g)
     n = len(queries)
     print(json.dumps({"data": args.data, "model": str(args.model or "distilled"),
+                      "query": args.query,
                       "AR@5": round(ar5 / n, 3), "AR@10": round(ar10 / n, 3),
                       "R@5": round(r5 / n, 3)}))
 
@@ -132,6 +143,8 @@ def main():
     p.add_argument("inp"), p.add_argument("out")
     p = sub.add_parser("eval")
     p.add_argument("data"), p.add_argument("model", nargs="?")
+    p.add_argument("--query", choices=["static", "minilm"], default="static",
+                   help="minilm: queries by MiniLM, projected onto the fitted model's axes")
     args = parser.parse_args()
     {"feat": feat, "drop-gold": drop_gold, "fit": fit, "eval": evaluate}[args.cmd](args)
 

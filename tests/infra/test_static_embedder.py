@@ -25,7 +25,7 @@ from branchsearch.infra.index.open import open_retriever
 from branchsearch.infra.ingest.pipeline import ingest
 from branchsearch.infra.models.embedder import DEFAULT_MODEL, Embedder, resolve_model_path
 from branchsearch.infra.models.static import PCA_DIMS, STATIC_MODEL, ensure_static, static_dir
-from branchsearch.infra.models.static_tune import FITTED_DIR, fitted_folder
+from branchsearch.infra.models.static_tune import FITTED_DIR, PROJECTION, fitted_folder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOTPOT = FIXTURES / "hotpot-mini"
@@ -223,6 +223,55 @@ def test_a_new_index_fits_the_static_model_to_its_corpus(tmp_path, cached):
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, cached):
+    """By default (`static_queries = "minilm"`) a fitted index's queries are MiniLM's vectors
+    put on the fitted model's axes by the fit's own projection, while its documents stay the
+    static model's; such queries rank the corpus more like MiniLM does. "static" embeds queries
+    with the fitted model, and so does an index whose fit kept no projection."""
+    home = tmp_path / "home"
+    ingest(HOTPOT, _settings(home, index="mini", embed_model=STATIC_MODEL))
+    folder = fitted_folder(_settings(home, index="mini").index_dir)
+    with np.load(folder / PROJECTION) as saved:
+        mean, axes = saved["mean"], saved["axes"]
+    assert mean.shape == (384,) and axes.shape == (PCA_DIMS, 384)
+    questions = [json.loads(line)["text"] for line in
+                 (HOTPOT / "queries.jsonl").read_text().splitlines() if line.strip()]
+    texts = _texts()
+    minilm = Embedder(DEFAULT_MODEL)
+    expected = (minilm.embed(questions) - mean) @ axes.T
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    fitted = Embedder(STATIC_MODEL, static_folder=folder)
+
+    retriever = open_retriever(_settings(home, index="mini"))  # a reader with the defaults
+    try:
+        embedder = retriever.embedder
+        assert embedder.queries_by.startswith(DEFAULT_MODEL)
+        assert np.allclose(embedder.embed_queries(questions), expected, atol=1e-5)
+        assert np.array_equal(embedder.embed(texts[:8]), fitted.embed(texts[:8]))
+        assert retriever.search(questions[0], mode="dense", k=5)
+    finally:
+        retriever.close()
+
+    def agreement(query_vectors) -> float:  # top-5 chunks shared with MiniLM's, per question
+        teacher = np.argsort(-(minilm.embed(questions) @ minilm.embed(texts).T), axis=1)[:, :5]
+        mine = np.argsort(-(query_vectors @ fitted.embed(texts).T), axis=1)[:, :5]
+        return float(np.mean([len(set(a) & set(b)) / 5 for a, b in zip(mine, teacher)]))
+
+    assert agreement(expected) > agreement(fitted.embed(questions))
+
+    for settings in (_settings(home, index="mini", static_queries="static"), None):
+        if settings is None:  # an index fitted before the projection was kept
+            (folder / PROJECTION).unlink()
+            settings = _settings(home, index="mini")
+        retriever = open_retriever(settings)
+        try:
+            assert retriever.embedder.queries_by == STATIC_MODEL
+            assert np.array_equal(retriever.embedder.embed_queries(questions),
+                                  fitted.embed(questions))
+        finally:
+            retriever.close()
+
+
 def test_the_fit_is_deterministic_and_the_ingest_workers_embed_with_it(tmp_path, cached):
     from branchsearch.infra.ingest.distributed import ChunkEmbedder, _packed
 
@@ -357,6 +406,8 @@ def test_small_corpora_and_small_samples(tmp_path, cached, capfd):
     assert "fewer than 32: static-minilm is not fitted to it" in capfd.readouterr().err
     with pytest.raises(SettingsError, match="static_tune_chunks must be 0 .* or at least 32"):
         _settings(tmp_path / "home", static_tune_chunks=7)
+    with pytest.raises(SettingsError, match="static_queries must be minilm or static"):
+        _settings(tmp_path / "home", static_queries="MiniLM")
     # a folder left without its model (a fit stopped, the file removed) is fitted anew
     again = _settings(tmp_path / "again", index="mini", embed_model=STATIC_MODEL)
     (again.index_dir / FITTED_DIR).mkdir(parents=True)
