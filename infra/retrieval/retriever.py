@@ -237,7 +237,7 @@ class Retriever:
     def load_models(self) -> None:
         """Load the query embedder now, not inside the first question's search."""
         if self.embedder is not None:
-            self.embedder.embed_queries(["warm"])
+            self.embedder.embed_queries([])  # loads every model a query needs, embeds nothing
 
     CALLABLE = ("search", "grep", "get_chunks", "read_document")
     CACHED = ("search", "grep", "read_document")
