@@ -34,8 +34,9 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
                                                      help="texts per model call (--workers)"),
            embed_model: Optional[str] = typer.Option(
                None, "--embed-model", help="all-MiniLM-L6-v2 (default), static-minilm (a static "
-               "embedding distilled from it and fitted to the corpus: fast, less recall) or a "
-               "local model folder; recorded in the index, whose searches embed with it"),
+               "embedding distilled from it and fitted to the corpus: fast ingest, a little less "
+               "recall; MiniLM embeds its queries) or a local model folder; recorded in the "
+               "index, whose searches embed with it"),
            address: Optional[str] = AddressOpt,
            as_json: bool = typer.Option(False, "--json")):
     """Chunk, embed and index a corpus; re-running resumes a stopped ingest (re-ingesting a
