@@ -78,7 +78,7 @@ def _cache_at(owner, path: Path) -> None:  # owner: LocalExecutor or the retriev
         embedder.cache_at(path)
         # torch builds its kernels per input shape on first use: a running process has met
         # every query length before; without this the first configuration pays for them
-        embedder.embed([" ".join(["lighthouse"] * n) for n in range(1, 97)])
+        embedder.embed_queries([" ".join(["lighthouse"] * n) for n in range(1, 97)])
 
 
 def idle_rate(seconds: float = 3.0) -> float:

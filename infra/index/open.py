@@ -82,10 +82,11 @@ def query_model(settings: Settings, model, embedder=None) -> Settings:
                         f"is {settings.embed_model!r}; use that model or re-ingest")
 
 
-def index_embedder(settings: Settings):
+def index_embedder(settings: Settings, reader: bool = True):
     """The embedder of the owned index `settings.index` names, as `settings` configure it: with
-    static-minilm, the model fitted to the index when it has one, else the distilled one; a
-    fitted one's queries by MiniLM unless `static_queries` is "static"."""
+    static-minilm, the model fitted to the index when it has one, else the distilled one; for
+    a `reader`, a fitted one's queries by MiniLM unless `static_queries` is "static" (a writer
+    embeds no query)."""
     from branchsearch.infra.models.embedder import Embedder
     from branchsearch.infra.models.static import STATIC_MODEL
     from branchsearch.infra.models.static_tune import fitted_folder
@@ -95,7 +96,7 @@ def index_embedder(settings: Settings):
     return Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
                     cache_path=Path(settings.home) / "cache" / "embeddings.sqlite",
                     backend=settings.embed_backend, static_folder=static_folder,
-                    teacher_queries=settings.static_queries == "minilm")
+                    teacher_queries=reader and settings.static_queries == "minilm")
 
 
 def open_dense(settings: Settings, manifest=None, embedder=None):
@@ -105,7 +106,7 @@ def open_dense(settings: Settings, manifest=None, embedder=None):
     if manifest is not None and manifest.embedding is not None:
         settings = query_model(settings, manifest.embedding.get("model"), embedder)
 
-    embedder = embedder or index_embedder(settings)
+    embedder = embedder or index_embedder(settings, reader=manifest is not None)
     from branchsearch.infra.stores.milvus import is_server
 
     if manifest is None:  # a writer (ingest): the collection is created when missing

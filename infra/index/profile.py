@@ -11,11 +11,13 @@ disagree about an index.
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, IndexIncomplete, SettingsError
 from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.models.static_tune import PROJECTION
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def files_health(folder: Path, manifest, *, dense: bool = True) -> str:
     if dense and str(backends.get("dense", "")).startswith("milvus-lite "):
         need.append("dense.db")
     fitted = (manifest.embedding or {}).get("fitted")
-    if dense and fitted:  # the static model fitted to the index embeds its queries
+    if dense and fitted:  # the static model fitted to the index embeds its chunks
         need.append(f"{fitted}/model.safetensors")
     missing = [name for name in need if not (folder / name).exists()]
     if missing:
@@ -122,6 +124,10 @@ def files_health(folder: Path, manifest, *, dense: bool = True) -> str:
     if dense and fitted and not whole_safetensors(folder / fitted / "model.safetensors"):
         return (f"damaged: {fitted}/model.safetensors is cut short; remove the folder and "
                 "ingest it again")
+    projection = folder / fitted / PROJECTION if dense and fitted else None
+    if projection is not None and projection.exists() and not zipfile.is_zipfile(projection):
+        return (f"damaged: {fitted}/{PROJECTION} is not whole; remove the folder and ingest "
+                "it again")
     return "ok"
 
 

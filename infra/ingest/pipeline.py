@@ -399,14 +399,14 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
                     f"{len(sample):,} of its chunks and {len(texts) - len(sample):,} word windows "
                     f"of them once (static_tune_chunks)")
     t = time.perf_counter()
-    teacher = index_embedder(settings.replace(embed_model=DEFAULT_MODEL))
+    teacher = index_embedder(settings.replace(embed_model=DEFAULT_MODEL), reader=False)
     teacher.cache_at(None)  # computed afresh, in the same batches: the same corpus, the same model
     base = ensure_static(embedder.export_root, resolve_model_path(DEFAULT_MODEL))
     report.fitted = static_tune.fit(
         base, texts, teacher.embed, root / static_tune.FITTED_DIR,
         note=lambda line: static_tune.say(f"ingest: fitting {STATIC_MODEL}: {line}"))
     report.seconds["fit"] = time.perf_counter() - t
-    return index_embedder(settings)  # now the fitted one
+    return index_embedder(settings, reader=False)  # now the fitted one
 
 
 def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> tuple[int, str]:

@@ -16,7 +16,7 @@ cost a tokenizer pass; `backend` does not apply to it, and it skips the embeddin
 its queries embedded by MiniLM itself (`teacher_queries`, setting `static_queries`): the fit
 taught the static rows to land where MiniLM's vectors land on its axes, so a query can go there
 directly: documents keep the static model's ingest speed, queries get MiniLM's understanding
-(at MiniLM's cost, ~8 ms a query; reports/embedding.md).
+(at MiniLM's cost, ~14 ms a query here; reports/embedding.md).
 """
 
 from __future__ import annotations
@@ -90,11 +90,15 @@ class Embedder:
         # queries by MiniLM onto the fitted model's axes: only a fit that kept its projection
         # (an index fitted before it was kept embeds queries with its static model)
         self._teacher = None
-        if teacher_queries and model == STATIC_MODEL and self.static_folder is not None \
-                and (self.static_folder / PROJECTION).is_file():
-            self._teacher = Embedder(DEFAULT_MODEL, batch_size, device, cache_path, backend,
-                                     export_root)
-            self._projection = None
+        if teacher_queries and model == STATIC_MODEL and self.static_folder is not None:
+            if (self.static_folder / PROJECTION).is_file():
+                self._teacher = Embedder(DEFAULT_MODEL, batch_size, device, cache_path,
+                                         backend, export_root)
+                self._projection = None
+            else:
+                fallback_line(f"embedder: {self.static_folder.parent.name!r} was fitted by a "
+                              "version that kept no projection: the fitted model embeds its "
+                              "queries (less recall than MiniLM's; a new index gets MiniLM's)")
 
     def _load(self):
         with self._lock:

@@ -70,10 +70,11 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
               f"worker(s), embedding {s.get('embed', 0):.1f} s")
         if report.fitted:
             before, after = report.fitted["held_out_cosine"]
+            queries = "MiniLM its queries onto the fitted axes" \
+                if settings.static_queries == "minilm" else "it its queries (static_queries)"
             print(f"fitted static-minilm to the corpus in {s.get('fit', 0):.0f} s (held-out "
                   f"texts' cosine to MiniLM {before:.2f} -> {after:.2f}); it embeds this "
-                  "index's chunks, and MiniLM its queries onto the fitted axes "
-                  "(static_queries = \"static\": the fitted model)")
+                  f"index's chunks, and {queries}")
         if report.recounted:
             print(f"counted the tokens of {report.recounted} chunks committed without them "
                   f"({s.get('count', 0):.1f} s): searches no longer encode them")

@@ -190,7 +190,7 @@ def _neighbours(vectors, k: int = 5) -> list[set[int]]:
 
 def test_a_new_index_fits_the_static_model_to_its_corpus(tmp_path, cached):
     """The first ingest fits static-minilm to the corpus with MiniLM as teacher; the index
-    keeps that model for its later chunks and its queries, and it ranks the corpus more like
+    keeps that model for its later chunks, and it ranks the corpus more like
     MiniLM than the distilled model does."""
     home = tmp_path / "home"
     settings = _settings(home, index="mini", embed_model=STATIC_MODEL)
@@ -223,7 +223,7 @@ def test_a_new_index_fits_the_static_model_to_its_corpus(tmp_path, cached):
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, cached):
+def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, cached, capfd):
     """By default (`static_queries = "minilm"`) a fitted index's queries are MiniLM's vectors
     put on the fitted model's axes by the fit's own projection, while its documents stay the
     static model's; such queries rank the corpus more like MiniLM does. "static" embeds queries
@@ -259,6 +259,16 @@ def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, c
 
     assert agreement(expected) > agreement(fitted.embed(questions))
 
+    from branchsearch.infra.errors import IndexIncomplete
+
+    whole = (folder / PROJECTION).read_bytes()
+    (folder / PROJECTION).write_bytes(whole[:1000])  # cut short: the index is damaged
+    with pytest.raises(IndexIncomplete, match=f"'mini' is damaged: static-embedder/"
+                                              f"{PROJECTION} is not whole"):
+        open_retriever(_settings(home, index="mini"))
+    (folder / PROJECTION).write_bytes(whole)
+
+    capfd.readouterr()
     for settings in (_settings(home, index="mini", static_queries="static"), None):
         if settings is None:  # an index fitted before the projection was kept
             (folder / PROJECTION).unlink()
@@ -270,6 +280,8 @@ def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, c
                                   fitted.embed(questions))
         finally:
             retriever.close()
+    err = capfd.readouterr().err  # only the older index is told about, once
+    assert err.count("'mini' was fitted by a version that kept no projection") == 1, err
 
 
 def test_the_fit_is_deterministic_and_the_ingest_workers_embed_with_it(tmp_path, cached):
