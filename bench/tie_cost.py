@@ -46,6 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from branchsearch.infra.models.embedder import Embedder
+    from branchsearch.infra.models.static_tune import fitted_folder
     from branchsearch.infra.stores import protocols
     from branchsearch.infra.stores.milvus import MilvusStore, collection_for
     from branchsearch.infra.stores.tantivy import TantivyStore
@@ -59,7 +60,8 @@ def main() -> None:
     lexical = TantivyStore(work / "tantivy")
     dense = MilvusStore(work / "dense.db", manifest["embedding"]["dim"], create=False,
                         collection=collection_for(args.index_dir.name))
-    vectors = Embedder(manifest["embedding"]["model"]).embed(queries)
+    vectors = Embedder(manifest["embedding"]["model"], teacher_queries=True,  # as a search
+                       static_folder=fitted_folder(args.index_dir)).embed_queries(queries)
 
     depths: list[int] = []
     settle = protocols.settle
