@@ -463,17 +463,22 @@ def test_a_batch_loses_no_question_to_a_retriever_that_died_for_good(ray_driver,
     driver, _ = ray_driver
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     items = [(f"{q['_id']}-{n}", q["text"]) for n in range(2) for q in queries]
-    asked, lock, before = [0], threading.Lock(), driver.executor.revived
+    asked, lock, before, killed = [0], threading.Lock(), driver.executor.revived, []
 
     def search(question: str) -> dict:
         with lock:
             asked[0] += 1
             if asked[0] in (4, 11):  # while the other question is running
-                ray.kill(driver.executor.retriever, no_restart=asked[0] == 11)
+                killed.append(driver.executor.retriever)
+                ray.kill(killed[-1], no_restart=asked[0] == 11)
         return driver.search(question).to_dict()
 
     counts = run_batch(items, tmp_path / "out.jsonl", search, concurrency=2)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert counts["ok"] == len(items) == len(rows), counts
     assert all(r["status"] == "ok" and r["evidence"] for r in rows)
-    assert driver.executor.revived - before == 2
+    # the one dead for good was started again (Ray's restart after the first kill is counted
+    # only when a question met it: on a busy machine none may have been running on it)
+    assert driver.executor.retriever is not killed[-1]
+    assert ray.get(driver.executor.retriever.ping.remote(), timeout=60)
+    assert 1 <= driver.executor.revived - before <= 2
