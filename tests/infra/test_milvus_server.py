@@ -33,6 +33,8 @@ def dense_contract(open_store) -> None:
         store.write(CHUNKS, VECTORS, ["apple", "bank"])
         store.write(CHUNKS, VECTORS, ["apple", "bank"])  # idempotent: one row per chunk id
         assert store.count() == 3
+        store.write(CHUNKS, VECTORS, ["apple"])  # bank's rows not deleted first: upserted
+        assert store.count() == 3
         hits = store.search(VECTORS[1], 3, acl_groups=[ACL_ALL])
         assert [h.chunk_id for h in hits][:1] == ["bank#p0"] and hits[0].score == pytest.approx(1)
         assert {h.chunk_id for h in hits} == {"apple#p0", "bank#p0", "bank#p1"}
