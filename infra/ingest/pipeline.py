@@ -11,7 +11,7 @@ Failure behaviour, in order:
 * Documents already committed with the same content and settings (same fingerprint) are kept:
   re-running a killed ingest resumes where it stopped.
 * Each batch is committed docstore-first-and-last: its documents are removed from the docstore
-  and marked pending, then the dense store (delete by doc id, upsert by chunk id), the lexical
+  and marked pending, then the dense store (delete by doc id, insert), the lexical
   store (delete by doc id, add), then the docstore inserts them with their fingerprints. A kill
   anywhere leaves pending documents whose vectors and terms are rewritten by the next run, or
   purged if the next run's corpus no longer has them: no orphans.
