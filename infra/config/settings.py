@@ -48,7 +48,8 @@ class Settings:
     # chunks (MiniLM teaches it; infra/models/static_tune.py); 0: the distilled model as is
     static_tune_chunks: int = 4096
     # who embeds the queries of an index fitted that way: "minilm" (MiniLM onto the fitted
-    # model's axes: recall nearer MiniLM's, ~14 ms a query) | "static" (the fitted model, 0.1 ms)
+    # model's axes: recall nearer MiniLM's, at a MiniLM query's cost) | "static" (the fitted
+    # model: a tokenizer pass; figures in reports/embedding.md)
     static_queries: StaticQueries = "minilm"
     # the CPU runtime: torch | onnx | onnx-int8 | openvino | openvino-int8 (reports/embedding.md);
     # an exported one whose packages are missing falls back to torch with one line

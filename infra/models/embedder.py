@@ -16,7 +16,7 @@ cost a tokenizer pass; `backend` does not apply to it, and it skips the embeddin
 its queries embedded by MiniLM itself (`teacher_queries`, setting `static_queries`): the fit
 taught the static rows to land where MiniLM's vectors land on its axes, so a query can go there
 directly: documents keep the static model's ingest speed, queries get MiniLM's understanding
-(at MiniLM's cost, ~14 ms a query here; reports/embedding.md).
+(at a MiniLM query's cost; figures in reports/embedding.md).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Embedder:
         self._model = None
         self._lock = threading.Lock()
         # queries by MiniLM onto the fitted model's axes: only a fit that kept its projection
-        # (an index fitted before it was kept embeds queries with its static model)
+        # (an index whose fit kept none embeds queries with its static model)
         self._teacher = None
         if teacher_queries and model == STATIC_MODEL and self.static_folder is not None:
             if (self.static_folder / PROJECTION).is_file():

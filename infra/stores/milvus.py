@@ -716,8 +716,8 @@ class MilvusStore:
     def write(self, chunks: Sequence[IndexedChunk], vectors, delete_doc_ids: Sequence[str]) -> None:
         """Delete every chunk of `delete_doc_ids`, then write `chunks` (idempotent: writing the
         same batch twice leaves one row per chunk). A chunk id names its document
-        (`doc#pN`), so once its document's rows are deleted a chunk is inserted: an upsert
-        (a delete by key and an insert) costs 4-6x an insert on a 1M-row Milvus Lite collection
+        (`doc#pN`), so once its document's rows are deleted a chunk is inserted: an upsert is
+        a delete by key and an insert, several times an insert's cost on a large collection
         (reports/embedding.md). A chunk of a document not deleted here is upserted; on a
         partition-key collection it is deleted by chunk id and inserted (see `partitioned`)."""
         self.delete_documents(delete_doc_ids)

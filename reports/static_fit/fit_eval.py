@@ -107,11 +107,10 @@ def evaluate(args):
     texts = [q["text"] for q in queries]
     if args.query == "minilm":  # MiniLM's query vectors, on the fitted model's axes
         from branchsearch.infra.models.embedder import Embedder
-        from branchsearch.infra.models.static_tune import PROJECTION
+        from branchsearch.infra.models.static import STATIC_MODEL
 
-        p = np.load(Path(args.model) / PROJECTION)
-        asked = (np.asarray(Embedder().embed(texts)) - p["mean"]) @ p["axes"].T
-        asked /= np.linalg.norm(asked, axis=1, keepdims=True)
+        asked = Embedder(STATIC_MODEL, static_folder=args.model,
+                         teacher_queries=True).embed_queries(texts)
     else:
         asked = model.encode(texts, show_progress_bar=False)
     sims = asked @ corpus.T
