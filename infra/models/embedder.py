@@ -212,12 +212,27 @@ class Embedder:
         import numpy as np
 
         if self._projection is None:
-            with np.load(self.static_folder / PROJECTION) as saved:
-                self._projection = saved["mean"], saved["axes"]
+            self._projection = self._read_projection()
         mean, axes = self._projection
         vectors = (self._teacher.embed(texts) - mean) @ axes.T
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True) + 1e-12
         return vectors.astype(np.float32, copy=False)
+
+    def _read_projection(self):
+        """(mean, axes) of the fit's projection, checked against both models' dimensions: a
+        damaged file is one line naming it, not a library's error at the first search."""
+        import numpy as np
+
+        try:
+            with np.load(self.static_folder / PROJECTION) as saved:
+                mean, axes = saved["mean"], saved["axes"]
+            if mean.shape != (self._teacher.dim,) or axes.shape != (self.dim, mean.shape[0]):
+                raise ValueError(f"shapes {mean.shape}, {axes.shape}")
+        except Exception as exc:  # cut short, bytes changed, another model's: not usable
+            where = f"{self.static_folder.parent.name}/{self.static_folder.name}/{PROJECTION}"
+            raise BranchsearchError(f"embedder: cannot read {where} ({type(exc).__name__}); "
+                                    "re-ingest its index") from None
+        return mean, axes
 
     def embed_ahead(self, texts: Sequence[str]) -> None:
         """Embed into the cache, in one model call, queries that will be asked for one at a

@@ -266,6 +266,16 @@ def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, c
     with pytest.raises(IndexIncomplete, match=f"'mini' is damaged: static-embedder/"
                                               f"{PROJECTION} is not whole"):
         open_retriever(_settings(home, index="mini"))
+    for bad in (whole[:-100] + bytes(b ^ 0xFF for b in whole[-100:]),  # same size, bytes changed
+                None):  # a whole file of the wrong shapes
+        if bad is None:
+            np.savez(folder / PROJECTION, mean=mean, axes=axes[:, :10])
+        else:
+            (folder / PROJECTION).write_bytes(bad)
+        with pytest.raises(BranchsearchError, match=f"cannot read mini/static-embedder/"
+                                                    f"{PROJECTION} .*re-ingest its index"):
+            Embedder(STATIC_MODEL, static_folder=folder, teacher_queries=True).embed_queries(
+                ["Scott Derrickson"])
     (folder / PROJECTION).write_bytes(whole)
 
     capfd.readouterr()
