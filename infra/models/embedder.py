@@ -96,9 +96,10 @@ class Embedder:
                                          backend, export_root)
                 self._projection = None
             else:
-                fallback_line(f"embedder: {self.static_folder.parent.name!r} was fitted by a "
-                              "version that kept no projection: the fitted model embeds its "
-                              "queries (less recall than MiniLM's; a new index gets MiniLM's)")
+                fallback_line(f"embedder: {self.static_folder.parent.name!r} has no {PROJECTION} "
+                              "(fitted by an older version, or removed): the fitted model "
+                              "embeds its queries (less recall than MiniLM's; re-ingest it into "
+                              "a new index for MiniLM's)")
 
     def _load(self):
         with self._lock:

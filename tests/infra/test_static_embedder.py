@@ -291,7 +291,7 @@ def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, c
         finally:
             retriever.close()
     err = capfd.readouterr().err  # only the older index is told about, once
-    assert err.count("'mini' was fitted by a version that kept no projection") == 1, err
+    assert err.count(f"'mini' has no {PROJECTION}") == 1, err
 
 
 def test_the_fit_is_deterministic_and_the_ingest_workers_embed_with_it(tmp_path, cached):
