@@ -15,7 +15,8 @@ from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.orchestrator.execution import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
-from branchsearch.orchestrator.result import SearchResult, fuse_branches
+from branchsearch.orchestrator.result import (MEANING_ONLY, SearchResult, evidence_texts,
+                                             fuse_branches, meaning_only)
 from branchsearch.workers.branch import BranchTask
 from branchsearch.workers.query import check_question
 from branchsearch.workers.tools import fit_query
@@ -161,6 +162,8 @@ class Driver:
             metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
         if not evidence and any(b.status == "ok" for b in branches):  # empty, but not failed
             notes = notes + ["no evidence: no document this search may see matched the question"]
+        elif meaning_only(question, evidence_texts(evidence)):
+            notes = notes + [MEANING_ONLY]
         result = SearchResult(question, evidence, ranked, branches, metrics,
                               trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes,
                               covered)

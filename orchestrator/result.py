@@ -9,7 +9,11 @@ from branchsearch.fusion.documents import fuse_documents
 from branchsearch.workers.branch import BranchReport
 from branchsearch.workers.rank import doc_of
 
-__all__ = ["BranchReport", "SearchResult", "fuse_branches", "result_status"]
+__all__ = ["BranchReport", "SearchResult", "fuse_branches", "evidence_texts", "meaning_only",
+           "result_status"]
+
+MEANING_ONLY = ("matched by meaning only: no document returned shares a word with the question "
+                "(dense nearest neighbours; weak evidence unless the question is a paraphrase)")
 
 
 def result_status(branch_statuses: Iterable[str]) -> str:
@@ -28,7 +32,7 @@ class SearchResult:
     branches: list[BranchReport]
     metrics: dict
     trace_id: str
-    notes: list[str] = field(default_factory=list)  # what was changed about the question
+    notes: list[str] = field(default_factory=list)  # question cut; no or weak evidence
     # planned branches left out because the question's branch covers them (`orchestrator.cover`):
     # each {branch, subquery, by: the covering titles, ids: their chunks}, as its `covered` event
     covered: list[dict] = field(default_factory=list)
@@ -42,6 +46,23 @@ class SearchResult:
                 "evidence": self.evidence, "ranked_chunk_ids": self.ranked_chunk_ids,
                 "branches": [b.to_dict(full) for b in self.branches],
                 "covered": self.covered, "metrics": self.metrics, "trace_id": self.trace_id}
+
+
+def meaning_only(question: str, texts: Iterable[str]) -> bool:
+    """True when `texts` (the titles and chunk texts returned) are some and none shares a
+    content word with a question that has some: a dense search always returns its nearest
+    neighbours, so a question of invented words gets ten documents that look like a result. (A
+    question with no word the tokenizer knows, such as one in a script without spaces, is not
+    judged.)"""
+    from branchsearch.workers.text import terms
+
+    asked, texts = terms(question), list(texts)
+    return bool(asked and texts) and not any(asked & terms(text) for text in texts)
+
+
+def evidence_texts(evidence: list[dict]) -> list[str]:
+    return [text for doc in evidence
+            for text in [doc.get("title", "")] + [c.get("text", "") for c in doc["chunks"]]]
 
 
 def fuse_branches(branches: list[BranchReport], k: int = 60,

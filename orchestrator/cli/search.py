@@ -31,6 +31,7 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
     """Single-shot retrieval (no agent)."""
     from branchsearch.infra.retrieval.retriever import one_side
     from branchsearch.infra.index.open import open_retriever
+    from branchsearch.orchestrator.result import MEANING_ONLY, meaning_only
     from branchsearch.workers.query import check_question
 
     check_question(query, "query")
@@ -44,6 +45,8 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
         print(f"note: index {settings.index!r} has only its {side} side ({why}): this hybrid "
               f"search is a {side} search", file=sys.stderr)
     hits = retriever.search(query, mode=mode, k=k, acl_groups=groups)
+    if mode != "bm25" and meaning_only(query, [t for h in hits for t in (h.title, h.text)]):
+        print(f"note: {MEANING_ONLY}", file=sys.stderr)
     if as_json:
         print(json.dumps([h.to_dict() for h in hits]))
         return

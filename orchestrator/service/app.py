@@ -220,8 +220,8 @@ async def _unless_gone(request: Request, work):
 def create_app(state: ServiceState):
     from fastapi import Depends, FastAPI, Path as PathParam
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import (FileResponse, JSONResponse, PlainTextResponse, Response,
-                                   StreamingResponse)
+    from fastapi.responses import (FileResponse, HTMLResponse, JSONResponse,
+                                   PlainTextResponse, Response, StreamingResponse)
     from fastapi.security import HTTPBearer
     from starlette.exceptions import HTTPException
     from starlette.routing import Match
@@ -281,7 +281,12 @@ def create_app(state: ServiceState):
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index_page():
-        return FileResponse(WEB / "index.html", media_type="text/html")
+        # the page asks for a key unless this is a development server (no keys file)
+        page = (WEB / "index.html").read_text(encoding="utf-8")
+        if state.keys is None:
+            page = page.replace('<meta name="bs-auth" content="keys">',
+                                '<meta name="bs-auth" content="dev">')
+        return HTMLResponse(page)
 
     @app.get("/web/{name}", include_in_schema=False)
     async def web_file(name: str):

@@ -260,7 +260,9 @@ class SearchResponse(_Open):
     status: Literal["ok", "partial"] = Field(description="partial: some branches failed or "
                                              "timed out; the evidence is from the others (a "
                                              "search whose every branch failed is a 503 or 504)")
-    notes: list[str] = Field(description="what was changed about the question")
+    notes: list[str] = Field(description="what to know about this result: the question was "
+                             "cut, nothing matched, or the evidence matches by meaning only "
+                             "(shares no word with the question)")
     evidence: list[EvidenceDocument] = Field(description="documents in fused order, each "
                                              "with its chunks")
     ranked_chunk_ids: list[str]

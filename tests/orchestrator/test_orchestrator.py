@@ -416,6 +416,31 @@ def test_local_search_streams_events_in_order(local_driver):
     assert json.loads(json.dumps(events))  # plain JSON-able dicts
 
 
+def test_evidence_that_shares_no_word_with_the_question_is_said_to_match_by_meaning_only(
+        hotpot_settings):
+    """A dense search always returns nearest neighbours: invented words on a hybrid index got
+    ten documents, status ok and no note, a result that looked fine. Now the result says so;
+    a question its evidence shares words with gets no note."""
+    from branchsearch.orchestrator.driver import Driver
+    from branchsearch.orchestrator.result import MEANING_ONLY, evidence_texts, meaning_only
+
+    assert meaning_only("Who directed Éd Wood?", ["Kiss and Tell", "ed wood was a director"]) \
+        is False  # accents and case fold, as the search's terms do
+    assert meaning_only("qwzx plorfing", ["Terry Richardson", "a photographer"])
+    assert not meaning_only("qwzx plorfing", [])  # nothing returned: "no evidence" says it
+    assert not meaning_only("東京の人口は", ["Tokyo"])  # no word to judge by: no claim
+    driver = Driver(hotpot_settings.replace(branches=1), mode="local")
+    try:
+        invented = driver.search("qwzx plorfing vingledash")
+        assert invented.status == "ok" and invented.evidence  # the neighbours, as before
+        assert invented.notes == [MEANING_ONLY]
+        assert invented.to_dict()["notes"] == [MEANING_ONLY]
+        real = driver.search("Which film did Scott Derrickson direct?")
+        assert real.notes == [] and not meaning_only(real.question, evidence_texts(real.evidence))
+    finally:
+        driver.close()
+
+
 def test_question_checks_empty_and_over_long(local_driver):
     from branchsearch.infra.errors import BranchsearchError
 

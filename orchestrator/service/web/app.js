@@ -141,6 +141,7 @@ function streamCut() {  // the stream ended with neither a result nor an error
 function renderResult(r) {
   const sec = $("evidence");
   sec.replaceChildren(el("h2", null, `Evidence (${r.status})`));
+  for (const note of r.notes || []) sec.appendChild(el("p", "note", `note: ${note}`));
   const list = el("ol", null); list.id = "evidence-list";
   for (const doc of r.evidence) {
     const li = el("li", "doc");
@@ -207,4 +208,8 @@ $("savekey").addEventListener("click", () => {
   loadKey();
 });
 $("ask").addEventListener("submit", search);
-loadKey();
+// A server with keys answers 401 to a page without one: ask for the key instead of calling
+// (the server marks a development server, which takes any request, in the page's bs-auth).
+if (sessionStorage.getItem("bs-key") ||
+    document.querySelector('meta[name="bs-auth"]').content === "dev") loadKey();
+else status("paste an API key and save it to search");

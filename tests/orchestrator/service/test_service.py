@@ -420,6 +420,10 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
     folder = settings.index_dir / "tantivy"
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
+            # the web page of a development server calls without a key (test_service_web:
+            # a server with keys asks for one)
+            page = client.get("/")
+            assert page.status_code == 200 and '<meta name="bs-auth" content="dev">' in page.text
             put = lambda: client.put("/v1/indexes/acl/documents", json=[  # noqa: E731
                 {"id": "osprey", "text": "The osprey relay beacon."}])
             dense = settings.index_dir / "dense.db"

@@ -57,9 +57,14 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            errors = []
+            errors, console = [], []
             page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: m.type == "error" and console.append(m.text))
             page.goto(url + "/")
+            # no key yet: the page asks for one instead of calling (and logging a 401)
+            page.wait_for_function("document.getElementById('status').textContent"
+                                   ".includes('API key')", timeout=30_000)
+            assert console == [] and page.inner_text("#who") == "no key"
             page.fill("#key", keys["alpha"])
             page.click("#savekey")
             page.wait_for_function("document.getElementById('who').textContent"
@@ -98,8 +103,14 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
             assert page.evaluate("window.pwned === undefined")
             if "a-markup" in docs:
                 assert "<b id=injected>" in body
-            assert errors == []
+            assert errors == [] and console == []
             page.screenshot(path=str(shot), full_page=True)
+            # invented words: the dense side's nearest neighbours come back, and the page says
+            # they match by meaning only (the result's note), not as if they were evidence
+            page.fill("#question", "qwzx plorfing vingledash")
+            page.click("#go")
+            page.wait_for_selector("#evidence .note", timeout=120_000)
+            assert "matched by meaning only" in page.inner_text("#evidence .note")
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
