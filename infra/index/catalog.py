@@ -24,6 +24,17 @@ class IndexInfo:
         return asdict(self)
 
 
+def index_names(settings: Settings) -> list[str]:
+    """Owned indexes under the data home, and the external ones declared in the settings."""
+    from branchsearch.infra.index.manifest import manifest_path
+
+    root = settings.home / "indexes"
+    owned = [p.name for p in root.iterdir()
+             if (p / "docs.sqlite").exists() or manifest_path(p).exists()] \
+        if root.is_dir() else []
+    return sorted(set(owned) | {spec.name for spec in settings.indexes})
+
+
 def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
     """Each index under the data home; with `check`, the servers a complete one lives on
     (Elasticsearch, a Milvus server) are asked for a count, as for an external index."""

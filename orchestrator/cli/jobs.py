@@ -19,7 +19,7 @@ from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, caller_acl,
                                                    choice, progress_bar, settings_from,
-                                                   writable_file)
+                                                   settings_to_read, writable_file)
 from branchsearch.orchestrator.cli.render import (print_demo_branches, print_demo_evidence,
                                                   print_evaluation)
 from branchsearch.orchestrator.loadtest.command import loadtest
@@ -57,7 +57,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     output = output_path(output)  # through a link, its target; never a device (/dev/null)
     writable_file(output, "batch output")
     check_output(output, input)
-    settings = settings_from(home, index, config, batch_concurrency=concurrency, branches=branches,
+    settings = settings_to_read(home, index, config, batch_concurrency=concurrency, branches=branches,
                          ray_address=address)
     groups = caller_acl(settings, acl, acl_admin)
     data = read_questions(input)

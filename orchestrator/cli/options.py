@@ -45,6 +45,27 @@ def settings_from(home, index, config, **flags) -> Settings:
     return load_settings(config, {"home": home, "index": index, **flags})
 
 
+def settings_to_read(home, index, config, **flags) -> Settings:
+    """`settings_from` for a command that reads an index (retrieve, search, batch, serve,
+    loadtest). With no index named (no --index, and the settings still at the default name) and
+    no index of that name in the data home, the home's only index is the one, said on stderr;
+    with several, one line names them. (`ingest` keeps the default name: it makes indexes.)"""
+    from branchsearch.infra.index.catalog import index_names
+
+    settings = settings_from(home, index, config, **flags)
+    if index is not None or settings.index != Settings().index or settings.index_dir.exists():
+        return settings
+    names = index_names(settings)
+    if len(names) == 1:
+        print(f"index {names[0]!r} (the only one in {settings.home}; --index NAME picks one)",
+              file=sys.stderr)
+        return settings.replace(index=names[0])
+    if names:
+        raise BranchsearchError(f"no index named: this data home ({settings.home}) has "
+                                f"{', '.join(map(repr, names))}; pick one with --index NAME")
+    return settings
+
+
 def caller_acl(settings: Settings, groups: list[str] | None, admin: bool) -> list[str] | None:
     """The caller's `acl_groups`: None (public only), its groups, or ACL_ALL for an admin."""
     from branchsearch.infra.stores.acl import caller_groups

@@ -13,7 +13,8 @@ import typer
 from branchsearch.infra.config.choices import MODES
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, KOpt,
-                                                   PolicyOpt, caller_acl, choice, settings_from)
+                                                   PolicyOpt, caller_acl, choice,
+                                                   settings_to_read)
 from branchsearch.orchestrator.cli.render import one_line, print_result
 
 
@@ -35,7 +36,7 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
     from branchsearch.workers.query import check_question
 
     check_question(query, "query")
-    settings = settings_from(home, index, config)
+    settings = settings_to_read(home, index, config)
     groups = caller_acl(settings, acl, acl_admin)
     retriever = open_retriever(settings, need_dense=mode != "bm25")
     side = one_side(settings) if mode == "hybrid" else ""
@@ -75,7 +76,7 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     if trace:
         flags |= {"trace_exporter": "jsonl", "trace_file": str(trace)}
-    settings = settings_from(home, index, config, **flags)
+    settings = settings_to_read(home, index, config, **flags)
     groups = caller_acl(settings, acl, acl_admin)
     driver = open_driver(settings, pick_executor(settings, executor))
     try:

@@ -119,7 +119,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
           config: Optional[Path] = typer.Option(None, "--config")):
     """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
     document upsert/delete, /metrics, a web page at /."""
-    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.cli.options import settings_to_read
     from branchsearch.orchestrator.service import deploy as service
     from branchsearch.orchestrator.service.searcher import check_default
 
@@ -133,7 +133,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     if keys is not None and not keys.exists():
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
                                 f"add NAME --groups G --keys {keys}`)")
-    settings = load_settings(config, {"home": home, "index": index, "ray_address": address})
+    settings = settings_to_read(home, index, config, ray_address=address)
     check_default(settings)  # one line before anything starts, not a replica's traceback
     if standalone:
         sock = _listen(host, port)  # first: a taken port is said before any index is opened

@@ -30,6 +30,7 @@ from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
 from branchsearch.infra.errors import (BranchsearchError, IndexIncomplete,
                                        IndexNotFound, error_line, public_line)
 from branchsearch.infra.config.settings import Settings, index_name_problem
+from branchsearch.infra.index.catalog import index_names
 from branchsearch.orchestrator import documents
 from branchsearch.orchestrator.service import events
 from branchsearch.orchestrator.service.admission import Concurrency, Limits
@@ -781,17 +782,6 @@ def _not_found(index: str) -> IndexNotFound:
     """What a caller learns of an index that is not there (not where the server keeps them)."""
     return IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest PATH "
                          f"--index {index}`)")
-
-
-def index_names(settings) -> list[str]:
-    """Owned indexes under the data home, and the external ones declared in the settings."""
-    from branchsearch.infra.index.manifest import manifest_path
-
-    root = settings.home / "indexes"
-    owned = [p.name for p in root.iterdir()
-             if (p / "docs.sqlite").exists() or manifest_path(p).exists()] \
-        if root.is_dir() else []
-    return sorted(set(owned) | {spec.name for spec in settings.indexes})
 
 
 def not_found(exc: IndexNotFound, settings) -> IndexNotFound:

@@ -688,6 +688,38 @@ def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(
     assert "this data home has 'renamed'" in missing.stderr
 
 
+def test_a_reading_command_with_no_index_named_uses_the_home_s_only_one_or_names_them(
+        hotpot_settings, tmp_path):
+    """`search`, `retrieve`, `batch` and `serve` without --index wanted an index called
+    'default' even when the data home held one index of another name (`serve` serves every
+    index; the default only answers requests that name none). The only index is now the one,
+    said in a line; with two, one error line names both; a named index is never replaced."""
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+    (tmp_path / "q.jsonl").write_text(json.dumps({"id": "q", "question": "Ed Wood"}) + "\n")
+    done = {name: run(args) for name, args in {  # one at a time: one Milvus Lite file
+        "search": ["search", "Who directed Ed Wood?", "--home", home, "--json"],
+        "retrieve": ["retrieve", "Ed Wood", "--home", home, "--mode", "bm25", "--json"],
+        "batch": ["batch", tmp_path / "q.jsonl", "-o", tmp_path / "out.jsonl", "--home", home],
+        "named": ["search", "Ed Wood", "--home", home, "--index", "default"]}.items()}
+    said = "index 'hotpot' (the only one in"
+    assert done["search"].returncode == 0 and said in done["search"].stderr
+    assert json.loads(done["search"].stdout)["evidence"]
+    assert done["retrieve"].returncode == 0 and said in done["retrieve"].stderr
+    assert json.loads(done["retrieve"].stdout)[0]["doc_id"].startswith("ed-wood")
+    assert done["batch"].returncode == 0, done["batch"].stderr[-800:]
+    assert json.loads((tmp_path / "out.jsonl").read_text())["status"] == "ok"
+    assert_one_error_line(done["named"], "index 'default' not found")
+    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "Zürich")
+    for args in (["search", "Ed Wood", "--home", home],
+                 ["serve", "--home", home, "--port", 0]):
+        assert_one_error_line(run(args, timeout=120),
+                              "this data home (%s) has 'Zürich', 'hotpot'; pick one with "
+                              "--index NAME" % home)
+
+
 def test_a_batch_output_through_a_symlink_writes_its_target(tmp_path):
     """`-o link.jsonl` pointing at real/res.jsonl: the run (which rewrites its output
     atomically) updates the target and leaves the link a link."""
