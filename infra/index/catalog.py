@@ -19,6 +19,7 @@ class IndexInfo:
     documents: int | None
     chunks: int | None
     health: str  # ok | incomplete | ingesting | the error line
+    embedding: str = ""  # what embeds its chunks and its queries; "" when it has no vectors
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,12 +56,29 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
                 health = _servers_health(settings.replace(index=folder.name), check)
             documents, chunks = _stored_counts(folder) or (manifest.documents,
                                                            manifest.chunks.get("docstore"))
-            out.append(IndexInfo(folder.name, "owned", backends, documents, chunks, health))
+            out.append(IndexInfo(folder.name, "owned", backends, documents, chunks, health,
+                                 embedding_of(folder, manifest.embedding, settings)))
         else:
             health = f"ingesting ({running.describe()})" if running else \
                 f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
+
+
+def embedding_of(folder: Path, embedding: dict | None, settings: Settings) -> str:
+    """The model that embedded an index's chunks, and for a static model fitted to the index,
+    what embeds its queries: MiniLM onto the fit's axes (`static_queries = "minilm"` and the
+    fit's projection there) or the fitted model itself."""
+    from branchsearch.infra.models.static_tune import PROJECTION
+
+    if not embedding:
+        return ""
+    fitted = embedding.get("fitted")
+    if not fitted:
+        return embedding["model"]
+    queries = ("MiniLM onto its axes" if settings.static_queries == "minilm"
+               and (folder / fitted / PROJECTION).is_file() else "the fitted model")
+    return f"{embedding['model']} fitted to the index; queries by {queries}"
 
 
 def _stored_counts(folder: Path) -> tuple[int, int] | None:
@@ -124,7 +142,8 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
 
     out = []
     for spec in settings.indexes:
-        info = IndexInfo(spec.name, "external", spec.describe(), None, None, "not checked")
+        info = IndexInfo(spec.name, "external", spec.describe(), None, None, "not checked",
+                         settings.embed_model if spec.dense == "milvus" else "")
         if check:
             try:
                 if spec.lexical == "elasticsearch":

@@ -101,7 +101,9 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
     else:
         for i in infos:
             count = "-" if i.documents is None else f"{i.documents:,} docs"
-            print(clean(f"{pad(i.name, 24)} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"))
+            embedded = f"  (embedding: {i.embedding})" if i.embedding else ""
+            print(clean(f"{pad(i.name, 24)} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"
+                        f"{embedded}"))
     broken = [i.name for i in infos if i.health not in ("ok", "not checked")
               and not i.health.startswith("ingesting")]
     if broken:  # for scripts and health checks: listed, and not all searchable

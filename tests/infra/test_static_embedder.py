@@ -261,11 +261,22 @@ def test_a_fitted_index_embeds_its_queries_with_minilm_onto_its_axes(tmp_path, c
 
     from branchsearch.infra.errors import IndexIncomplete
 
+    from branchsearch.infra.index.catalog import owned_indexes
+
+    listed = {i.name: i for i in owned_indexes(_settings(home), check=False)}["mini"]
+    assert (listed.health, listed.embedding) == (
+        "ok", f"{STATIC_MODEL} fitted to the index; queries by MiniLM onto its axes")
     whole = (folder / PROJECTION).read_bytes()
-    (folder / PROJECTION).write_bytes(whole[:1000])  # cut short: the index is damaged
-    with pytest.raises(IndexIncomplete, match=f"'mini' is damaged: static-embedder/"
-                                              f"{PROJECTION} is not whole"):
-        open_retriever(_settings(home, index="mini"))
+    middle = len(whole) // 2  # same size, a member's bytes changed: its CRC says so
+    for damaged in (whole[:1000],  # cut short
+                    whole[:middle] + bytes(b ^ 0xFF for b in whole[middle:middle + 64]) +
+                    whole[middle + 64:]):
+        (folder / PROJECTION).write_bytes(damaged)
+        with pytest.raises(IndexIncomplete, match=f"'mini' is damaged: static-embedder/"
+                                                  f"{PROJECTION} is not whole"):
+            open_retriever(_settings(home, index="mini"))
+        listed = {i.name: i for i in owned_indexes(_settings(home), check=False)}["mini"]
+        assert listed.health.startswith(f"damaged: static-embedder/{PROJECTION} is not whole")
     for bad in (whole[:-100] + bytes(b ^ 0xFF for b in whole[-100:]),  # same size, bytes changed
                 None):  # a whole file of the wrong shapes
         if bad is None:
