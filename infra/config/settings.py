@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import unicodedata
 import tomllib
 from dataclasses import dataclass, fields
@@ -516,6 +517,7 @@ def load_settings(
     """Merge defaults, TOML, environment and `overrides` (None values are ignored)."""
     values: dict[str, Any] = dataclasses.asdict(base or Settings())
     given: dict[str, Any] = {}  # what a file, the environment or an override set
+    source: dict[str, str] = {}  # where a file or the environment set it, for error lines
     env = os.environ if read_env else {}
     if "BRANCHSEARCH_HOME" in env:
         values["home"] = env["BRANCHSEARCH_HOME"]
@@ -533,6 +535,7 @@ def load_settings(
                 raise SettingsError(f"settings file {path}: unknown keys {', '.join(unknown)}")
             values.update(data)
             given.update(data)
+            source.update(dict.fromkeys(data, f"settings file {path}"))
 
     otel = _otel_env(env)
     values.update(otel)
@@ -542,16 +545,29 @@ def load_settings(
         key = f"BRANCHSEARCH_{name.upper()}"
         if key in env:
             values[name] = given[name] = env[key]
+            source[name] = key
     for name, value in (overrides or {}).items():
         if name not in _FIELDS:
             raise SettingsError(f"unknown setting {name!r}")
         if value is not None:
             values[name] = given[name] = value
+            source.pop(name, None)  # a flag's own error names the flag
     if given.get("otlp_endpoint") and "trace_exporter" not in given and \
             values["trace_exporter"] == "none":
         values["trace_exporter"] = "otlp"  # a collector named and no exporter chosen: export there
 
-    values["index"] = index_name(values["index"])
-    settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
-    _validate(settings)
+    try:
+        values["index"] = index_name(values["index"])
+        settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
+        _validate(settings)
+    except SettingsError as exc:
+        raise SettingsError(_set_by(str(exc), source)) from None
     return settings
+
+
+def _set_by(message: str, source: dict[str, str]) -> str:
+    """`message` with where the settings it names were set ("set by BRANCHSEARCH_BRANCHES"),
+    so a bad value in the environment or a file is found without reading this code."""
+    named = sorted({where for name, where in source.items()
+                    if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)})
+    return f"{message} (set by {', '.join(named)})" if named else message

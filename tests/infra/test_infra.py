@@ -1,6 +1,7 @@
 """Corpus reading, chunking, tokenizer, settings, docstore: plain functions, real files."""
 
 import json
+import re
 
 import pytest
 
@@ -168,6 +169,33 @@ def test_a_toml_number_for_a_whole_number_setting_is_not_rounded(tmp_path):
     toml.write_text("per_title = 3.0\nbackend_retries = 2\n")  # a whole number is one
     s = load_settings(toml, read_env=False)
     assert (s.per_title, s.backend_retries) == (3, 2)
+
+
+def test_a_bad_setting_line_says_where_it_was_set(tmp_path, monkeypatch):
+    """A bad value from the environment or a settings file said what was wrong but not where
+    it came from; the line now ends with the variable or the file. A flag (an override) names
+    itself in the command's own error, so it adds nothing."""
+    toml = tmp_path / "s.toml"
+    toml.write_text("[retrieval]\nsearch_mode = \"fuzzy\"\n")
+    with pytest.raises(SettingsError, match=r"search_mode must be .* \(set by settings file "
+                                            + re.escape(str(toml)) + r"\)$"):
+        load_settings(toml, read_env=False)
+    monkeypatch.setenv("BRANCHSEARCH_BRANCHES", "0")
+    with pytest.raises(SettingsError, match=r"^bad settings: branches must be >= 1 \(set by "
+                                            r"BRANCHSEARCH_BRANCHES\)$"):
+        load_settings(read_file=False)
+    monkeypatch.setenv("BRANCHSEARCH_BRANCHES", "two")
+    with pytest.raises(SettingsError, match=r"cannot read 'two' as int \(set by "
+                                            r"BRANCHSEARCH_BRANCHES\)$"):
+        load_settings(read_file=False)
+    with pytest.raises(SettingsError, match=r"branches must be >= 1$"):  # a flag's own value
+        load_settings(overrides={"branches": 0}, read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_BRANCHES")
+    monkeypatch.setenv("BRANCHSEARCH_CHUNK_TOKENS", "64")  # named, not blamed: overlap is bad
+    with pytest.raises(SettingsError, match=r"chunk_overlap must be .* \(set by "
+                                            r"BRANCHSEARCH_CHUNK_OVERLAP, BRANCHSEARCH_CHUNK_TOKENS"):
+        monkeypatch.setenv("BRANCHSEARCH_CHUNK_OVERLAP", "64")
+        load_settings(read_file=False)
 
 def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(monkeypatch):
     monkeypatch.setenv("BRANCHSEARCH_SEARCH_MOD", "bm25")  # would silently run hybrid
