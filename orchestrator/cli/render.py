@@ -86,7 +86,8 @@ def print_evaluation(result: dict) -> None:
     from branchsearch.orchestrator.evaluation.report import SUMMARY_METRICS
 
     runs = result["runs"]
-    print(f"{Path(result['dataset']).name} ({result['split']}): {runs[0]['queries']} queries")
+    print(f"{Path(result['dataset']).name} ({result['split']}): {runs[0]['queries']} queries, "
+          f"index {result.get('index', '?')!r}, embedding: {result.get('embedding') or 'none'}")
     names = [m for m in SUMMARY_METRICS if any(m in r["metrics"] for r in runs)]
     print("  " + "metric".ljust(22) + "".join(r["config"][:22].rjust(24) for r in runs))
     for m in names:

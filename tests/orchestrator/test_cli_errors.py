@@ -401,13 +401,15 @@ def test_output_cut_by_its_reader_exits_141_not_failed(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Falcon {i}",
                                           "text": "Falcon plan " * 40}) + "\n"
-                              for i in range(50)))
+                              for i in range(400)))
     home = ["--home", tmp_path / "home", "--index", "ix"]
     assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
-    proc = subprocess.Popen([*CLI, "retrieve", "Falcon plan", "--k", "50", *map(str, home)],
+    # 400 hits print ~100 KB, more than a pipe holds (64 KB): the command is still writing
+    # when the reader goes (with 50 hits it could finish first on a loaded machine: exit 0)
+    proc = subprocess.Popen([*CLI, "retrieve", "Falcon plan", "--k", "400", *map(str, home)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.readline()
-    proc.stdout.close()  # the reader goes away with 49 hits unread
+    proc.stdout.close()  # the reader goes away with 399 hits unread
     assert proc.wait(timeout=120) == 141
     err = proc.stderr.read().decode()
     assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err, err

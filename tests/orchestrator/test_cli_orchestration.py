@@ -109,6 +109,10 @@ def test_run_evaluation_single_shot_with_baseline_and_report(hotpot_settings, tm
     assert c["wins"] + c["losses"] + c["ties"] == 3
     assert json.loads(report.read_text())["metrics"] == result["runs"][0]["metrics"]
     assert report.with_suffix(".md").read_text().startswith("# Evaluation: ")
+    # a figure is comparable only with one of the same embedding: the report says which
+    assert (result["index"], result["embedding"]) == ("orch-eval", "all-MiniLM-L6-v2")
+    assert "Index `orch-eval`, embedding: all-MiniLM-L6-v2." in report.with_suffix(
+        ".md").read_text()
 
 
 def test_run_evaluation_ingests_a_missing_index_first(tmp_path):
@@ -128,6 +132,7 @@ def test_run_evaluation_ingests_a_missing_index_first(tmp_path):
     assert bars.made == [("ingest", None, 2, True), ("eval heuristic", 1, 1, True)]  # 2 docs
     assert result["runs"][0]["config"] == "heuristic x1" and result["split"] == "dev"
     assert result["metrics"]["recall@10"] == 1.0 and "comparisons" not in result
+    assert result["embedding"] == s.embed_model  # the model it was ingested with
 
 
 def test_demo_reads_its_task_through_the_dataset_reader(tmp_path):
