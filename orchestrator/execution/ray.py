@@ -25,6 +25,7 @@ started afresh by the question that meets it (`revive`). A branch actor of the p
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import Overloaded
 from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
                                                   shares_cache)
+from branchsearch.orchestrator.execution.actor_plan import FREE_OF
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
@@ -54,10 +56,15 @@ class RayExecutor:
         import ray
 
         from branchsearch.infra.raycluster import connect
-        from branchsearch.orchestrator.execution.actor_plan import plan_actors
+        from branchsearch.orchestrator.execution.actor_plan import free_share, plan_actors
 
         self.settings = settings
         self.resources = connect(settings)
+        if pool is None and (settings.ray_address or os.environ.get("RAY_ADDRESS")):
+            # a cluster this process joined may be running others' actors (a service, another
+            # batch): plan on what is free, not on every CPU, or the actors would wait for
+            # CPUs that are not coming
+            self.resources = free_share(self.resources, ray.available_resources())
         engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
                    and not settings.llm_url else 0)
         from branchsearch.infra.index.profile import index_profile
@@ -73,8 +80,9 @@ class RayExecutor:
                                        branch=pool.options, branch_actors=pool.size,
                                        shrunk_from=0)
         elif plan.shrunk_from:  # sized to the cluster's CPUs: not the user's concern
-            log.info("branch pool: %d actors instead of %d, for the cluster's %s CPUs",
-                     plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
+            log.info("branch pool: %d actors instead of %d, for the cluster's %s %sCPUs",
+                     plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"),
+                     "free " if FREE_OF in self.resources else "")
         self.engines: list = []
         if engines:
             from branchsearch.workers.engine_actor import start_engines
@@ -86,7 +94,7 @@ class RayExecutor:
         self.revived = 0  # replicas back after a death: restarted by Ray or here (`revive`)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
-        self.cpus = self.resources.get("CPU", 0)  # the cluster's, for `at_once`
+        self.cpus = self.resources.get("CPU", 0)  # the cluster's (free ones), for `at_once`
         self.branch_settings = branch_settings(settings)
         self.shared_pool = pool is not None
         # the pool grows on demand up to the plan's size; one question's worth starts now

@@ -69,3 +69,55 @@ def test_a_refused_token_is_one_line_naming_what_to_set(token_cluster, env):
     last = done.stderr.strip().splitlines()[-1]
     assert "token authentication" in last and "RAY_AUTH_MODE=token" in last, last
     assert "InvalidAuthToken" not in done.stderr
+
+
+HOLD = ("import ray, sys\n"
+        "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+        "@ray.remote(num_cpus=2)\n"
+        "class Holder:\n"
+        "    def ping(self):\n"
+        "        return 1\n"
+        "h = Holder.options(name='holder', lifetime='detached').remote()\n"
+        "ray.get(h.ping.remote(), timeout=120)\n"
+        "print('held', ray.available_resources().get('CPU', 0))\n")
+
+
+def test_a_batch_joining_a_busy_cluster_plans_on_its_free_cpus(hotpot_settings, tmp_path):
+    """`batch --address` on a 3-CPU cluster whose other job (a service, another batch) holds 2
+    CPUs planned its actors for all 3: they waited for CPUs that were not coming, and the batch
+    stopped at the start timeout. It now plans on the free CPU and answers every question."""
+    import json
+    import shutil
+
+    temp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    token, port = secrets.token_hex(16), _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_ADDRESS": ""}
+    subprocess.run([RAY, "start", "--head", "--port", str(port), "--temp-dir", temp,
+                    "--num-cpus", "3", "--include-dashboard", "false",
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    address = f"127.0.0.1:{port}"
+    try:
+        held = subprocess.run([sys.executable, "-c", HOLD, address], env=env, text=True,
+                              capture_output=True, timeout=180)
+        assert "held 1.0" in held.stdout, held.stderr[-2000:]
+        home = tmp_path / "home"
+        shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+        questions = tmp_path / "q.jsonl"
+        questions.write_text("".join(json.dumps({"id": i, "question": q}) + "\n" for i, q in
+                                     enumerate(["Who directed Ed Wood?",
+                                                "Were Scott Derrickson and Ed Wood of the same "
+                                                "nationality?"])))
+        out = tmp_path / "out.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(questions),
+             "-o", str(out), "--home", str(home), "--index", "hotpot", "--address", address],
+            env={**env, "BRANCHSEARCH_ACTOR_START_TIMEOUT_S": "60"}, text=True,
+            capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["evidence"] for r in rows)
+    finally:
+        for sig in ("-TERM", "-KILL"):
+            subprocess.run(["pkill", sig, "-f", temp])
+            time.sleep(2)
