@@ -849,9 +849,27 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-    # no --index, and no index named 'default' in this home: one line naming the ones there are
-    bare = subprocess.run([a for a in cmd if a not in ("--index", "acl")], capture_output=True,
-                          text=True, timeout=120)
-    errors = [ln for ln in bare.stderr.splitlines() if ln.startswith("error:")]
-    assert bare.returncode == 2 and len(errors) == 1, bare.stderr
-    assert "'default' not found" in errors[0] and "has 'acl'" in errors[0], errors
+    # no --index, and no index named 'default' in this home: its only index is served (said
+    # first); with two there, one line naming them
+    bare = [a for a in cmd if a not in ("--index", "acl")]
+    proc = subprocess.Popen(bare, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
+    try:
+        said, deadline = [], time.monotonic() + 180
+        while not (said and "serving on" in said[-1]) and time.monotonic() < deadline:
+            said.append(proc.stderr.readline())
+            assert said[-1] or proc.poll() is None, "serve exited before listening: " + \
+                "".join(said)
+        assert any("index 'acl' (the only one in" in line for line in said), said
+        port = int(re.search(r"serving on http://127\.0\.0\.1:(\d+)", said[-1]).group(1))
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/search", timeout=120,
+                       json={"question": "Harbor Festival in June", "branches": 1})
+        assert r.status_code == 200 and r.json()["evidence"], r.text  # the default: 'acl'
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings.replace(index="zweiter"))
+    two = subprocess.run(bare, capture_output=True, text=True, timeout=120)
+    errors = [ln for ln in two.stderr.splitlines() if ln.startswith("error:")]
+    assert two.returncode == 2 and len(errors) == 1, two.stderr
+    assert "has 'acl', 'zweiter'; pick one with --index NAME" in errors[0], errors
