@@ -39,6 +39,10 @@ class Driver:
         self.executor = executor or make_executor(settings, mode, pool_size=pool_size)
         self.planner = planner or self._make_planner()
         self.counter = TokenCounter(settings.encoding)
+        from branchsearch.infra.retrieval.retriever import searched_mode
+
+        # a lexical search finds only what shares a word: no result of it is meaning only
+        self.by_meaning = searched_mode(settings) != "bm25"
 
     def _make_planner(self):
         if self.settings.planner != "llm":
@@ -162,7 +166,7 @@ class Driver:
             metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
         if not evidence and any(b.status == "ok" for b in branches):  # empty, but not failed
             notes = notes + ["no evidence: no document this search may see matched the question"]
-        elif meaning_only(question, evidence_texts(evidence)):
+        elif self.by_meaning and meaning_only(question, evidence_texts(evidence)):
             notes = notes + [MEANING_ONLY]
         result = SearchResult(question, evidence, ranked, branches, metrics,
                               trace_id if trace_id.strip("0") else uuid.uuid4().hex, notes,

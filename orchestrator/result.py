@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ __all__ = ["BranchReport", "SearchResult", "fuse_branches", "evidence_texts", "m
            "result_status"]
 
 MEANING_ONLY = ("matched by meaning only: no document returned shares a word with the question "
-                "(dense nearest neighbours; weak evidence unless the question is a paraphrase)")
+                "(weak evidence unless the question is a paraphrase)")
 
 
 def result_status(branch_statuses: Iterable[str]) -> str:
@@ -50,14 +51,37 @@ class SearchResult:
 
 def meaning_only(question: str, texts: Iterable[str]) -> bool:
     """True when `texts` (the titles and chunk texts returned) are some and none shares a
-    content word with a question that has some: a dense search always returns its nearest
-    neighbours, so a question of invented words gets ten documents that look like a result. (A
-    question with no word the tokenizer knows, such as one in a script without spaces, is not
-    judged.)"""
-    from branchsearch.workers.text import terms
+    word with the question: a dense search always returns its nearest neighbours, so a
+    question of invented words gets ten documents that look like a result. Words are compared
+    loosely, so that what a lexical search matched is never called meaning only: accents and
+    case folded, split at every non-word character ('Hork-Bajir' is two words), stopwords
+    aside, and two words of 5+ letters that begin alike count as one ('directing',
+    'directed'). A question in a script written without spaces (Chinese, Japanese, Thai) is
+    not judged: its words cannot be told apart here."""
+    asked = _words(question)
+    if not asked or _UNSPACED.search(question):
+        return False
+    texts = list(texts)
+    if not texts:
+        return False
+    stems = {w[:_PREFIX] for w in asked if len(w) >= _PREFIX}
+    for text in texts:
+        words = _words(text)
+        if asked & words or stems & {w[:_PREFIX] for w in words if len(w) >= _PREFIX}:
+            return False
+    return True
 
-    asked, texts = terms(question), list(texts)
-    return bool(asked and texts) and not any(asked & terms(text) for text in texts)
+
+_PREFIX = 5  # letters two words share at their start to count as one (a stemmer's reach)
+_UNSPACED = re.compile("[\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                       "\uac00-\ud7af\uf900-\ufaff]")  # Thai, kana, CJK, Hangul syllables
+
+
+def _words(text: str) -> set[str]:
+    from branchsearch.workers.text import STOPWORDS, folded, stem
+
+    return {stem(w) for w in re.findall(r"\w+", folded(text))
+            if len(w) > 1 and w not in STOPWORDS}
 
 
 def evidence_texts(evidence: list[dict]) -> list[str]:

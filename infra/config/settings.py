@@ -556,18 +556,25 @@ def load_settings(
             values["trace_exporter"] == "none":
         values["trace_exporter"] = "otlp"  # a collector named and no exporter chosen: export there
 
+    reading = "index"  # the setting being read when a value is refused
     try:
         values["index"] = index_name(values["index"])
-        settings = Settings(**{name: _coerce(name, v) for name, v in values.items()})
+        read = {}
+        for reading, value in values.items():
+            read[reading] = _coerce(reading, value)
+        reading = ""  # then the checks across settings, which name the ones they involve
+        settings = Settings(**read)
         _validate(settings)
     except SettingsError as exc:
-        raise SettingsError(_set_by(str(exc), source)) from None
+        raise SettingsError(_set_by(str(exc), source, reading)) from None
     return settings
 
 
-def _set_by(message: str, source: dict[str, str]) -> str:
-    """`message` with where the settings it names were set ("set by BRANCHSEARCH_BRANCHES"),
-    so a bad value in the environment or a file is found without reading this code."""
+def _set_by(message: str, source: dict[str, str], reading: str) -> str:
+    """`message` with where the settings at fault were set ("set by BRANCHSEARCH_BRANCHES"),
+    so a bad value in the environment or a file is found without reading this code: the one
+    being read, else the ones the check names."""
     named = sorted({where for name, where in source.items()
-                    if re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)})
+                    if name == reading or not reading and
+                    re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)})
     return f"{message} (set by {', '.join(named)})" if named else message

@@ -125,19 +125,22 @@ def files_health(folder: Path, manifest, *, dense: bool = True) -> str:
         return (f"damaged: {fitted}/model.safetensors is cut short; remove the folder and "
                 "ingest it again")
     projection = folder / fitted / PROJECTION if dense and fitted else None
-    if projection is not None and projection.exists() and not whole_zip(projection):
+    if projection is not None and projection.exists() and not whole_zip(
+            projection, ("mean.npy", "axes.npy")):
         return (f"damaged: {fitted}/{PROJECTION} is not whole; remove the folder and ingest "
                 "it again")
     return "ok"
 
 
-def whole_zip(path: Path) -> bool:
-    """Whether a zip (an .npz) is whole: its directory readable and every member's CRC right,
-    so a changed byte is found here and not at the first search (the projection is 0.4 MB)."""
+def whole_zip(path: Path, members: tuple[str, ...] = ()) -> bool:
+    """Whether a zip (an .npz) is whole: its directory readable, `members` in it, and every
+    member's CRC right, so a changed byte is found here and not at the first search (the
+    projection is 0.4 MB). Whatever the zip module raises on a damaged file (a version or
+    encryption flag flipped is NotImplementedError or RuntimeError) is "not whole"."""
     try:
         with zipfile.ZipFile(path) as z:
-            return z.testzip() is None
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+            return set(members) <= set(z.namelist()) and z.testzip() is None
+    except Exception:  # noqa: BLE001 — any failure to read it back is damage
         return False
 
 

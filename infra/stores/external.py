@@ -113,6 +113,9 @@ def parse_indexes(value) -> tuple[ExternalIndex, ...]:
     dataclasses or as the dicts `dataclasses.asdict` makes of them)."""
     if isinstance(value, dict):
         return tuple(parse_external(name, table) for name, table in value.items())
+    if isinstance(value, str):  # an environment variable: a table has no one-line form
+        raise SettingsError("indexes: declare external indexes as [indexes.NAME] tables in a "
+                            "settings file, not in one string")
     out = []
     for item in value or ():
         if isinstance(item, ExternalIndex):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 
@@ -29,13 +31,14 @@ def otlp_url(endpoint: str, protocol: str = "http") -> str:
     raw = (endpoint or "").strip() or ("localhost:4318" if protocol == "http" else
                                        "localhost:4317")
     url = raw if "://" in raw else f"http://{raw}"
-    parts = urlsplit(url)
     try:
+        parts = urlsplit(url)
         parts.port  # noqa: B018 (raises on a bad port)
-    except ValueError:
+    except ValueError:  # a bad port, or a bracket left open ('[::1:4317')
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise SettingsError(f"otlp_endpoint {raw!r} is not a collector URL; expected "
+        shown = re.sub(r"//[^/]*@", "//***@", raw)  # a password there is not echoed
+        raise SettingsError(f"otlp_endpoint {shown!r} is not a collector URL; expected "
                             "http(s)://host:port (e.g. http://localhost:4318)")
     path = parts.path.rstrip("/")
     if protocol == "grpc":

@@ -46,7 +46,8 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
         print(f"note: index {settings.index!r} has only its {side} side ({why}): this hybrid "
               f"search is a {side} search", file=sys.stderr)
     hits = retriever.search(query, mode=mode, k=k, acl_groups=groups)
-    if mode != "bm25" and meaning_only(query, [t for h in hits for t in (h.title, h.text)]):
+    if mode != "bm25" and side != "bm25" and meaning_only(query, [t for h in hits
+                                                                   for t in (h.title, h.text)]):
         print(f"note: {MEANING_ONLY}", file=sys.stderr)
     if as_json:
         print(json.dumps([h.to_dict() for h in hits]))

@@ -50,17 +50,14 @@ def node_count(resources: dict) -> int:
                    and k != "node:__internal_head__"), 1)
 
 
-FREE_OF = "free_of_CPU"  # a `free_share`: the cluster's whole CPU count, kept for messages
-
-
 def free_share(total: dict, free: dict) -> dict:
-    """`total` (`ray.cluster_resources()`) with its CPUs and GPUs cut to `free`
-    (`ray.available_resources()`): what a process joining a busy cluster can plan on."""
+    """`total` (`ray.cluster_resources()`) with its CPUs cut to the free ones
+    (`ray.available_resources()`): what a process joining a busy cluster plans on first. GPUs
+    stay whole: a GPU job's engine must not be planned onto CPUs because another job holds
+    the GPUs for now (it waits for them, and says so)."""
     share = dict(total)
-    for kind in ("CPU", "GPU"):
-        if kind in total:
-            share[kind] = min(float(total[kind]), float(free.get(kind, 0)))
-    share[FREE_OF] = float(total.get("CPU", 0))
+    if "CPU" in total:
+        share["CPU"] = min(float(total["CPU"]), float(free.get("CPU", 0)))
     return share
 
 
@@ -89,10 +86,8 @@ def plan_actors(settings: Settings, resources: dict, pool_size: int, *,
     left = cpus - retrievers * retriever["num_cpus"] - sum(e["num_cpus"] for e in engine_opts)
     fits = math.floor(round(left / MIN_BRANCH_CPUS, 6)) if left > 0 else 0
     if fits < need:
-        has = (f"{cpus:g} free of its {resources[FREE_OF]:g} (other jobs' actors hold the "
-               "rest)" if FREE_OF in resources else f"{cpus:g}")
         raise BranchsearchError(
-            f"not enough CPUs: the cluster has {has}; {engines} LLM engine actor(s) and "
+            f"not enough CPUs: the cluster has {cpus:g}; {engines} LLM engine actor(s) and "
             f"{retrievers} retriever actor(s) take {cpus - max(left, 0):g}, leaving "
             f"{max(left, 0):g} for {need} branch "
             f"actor(s) of at least {MIN_BRANCH_CPUS:g} CPU (add CPUs, or lower branches or "

@@ -34,10 +34,9 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import Overloaded
+from branchsearch.infra.errors import BranchsearchError, Overloaded
 from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
                                                   shares_cache)
-from branchsearch.orchestrator.execution.actor_plan import FREE_OF
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
@@ -56,15 +55,9 @@ class RayExecutor:
         import ray
 
         from branchsearch.infra.raycluster import connect
-        from branchsearch.orchestrator.execution.actor_plan import free_share, plan_actors
 
         self.settings = settings
         self.resources = connect(settings)
-        if pool is None and (settings.ray_address or os.environ.get("RAY_ADDRESS")):
-            # a cluster this process joined may be running others' actors (a service, another
-            # batch): plan on what is free, not on every CPU, or the actors would wait for
-            # CPUs that are not coming
-            self.resources = free_share(self.resources, ray.available_resources())
         engines = (max(settings.llm_engines, 1) if "llm" in (settings.policy, settings.planner)
                    and not settings.llm_url else 0)
         from branchsearch.infra.index.profile import index_profile
@@ -73,16 +66,14 @@ class RayExecutor:
         if note:
             log.warning("%s", note)
         self.replica_note = note
-        plan = self.plan = plan_actors(settings, self.resources, pool_size, engines=engines,
-                                       retrievers=replicas)
+        plan = self.plan = self._plan(pool is None, pool_size, engines, replicas)
         if pool is not None and retriever_options is not None:  # the shared pool's plan
             self.plan = plan = replace(plan, retriever=dict(retriever_options),
                                        branch=pool.options, branch_actors=pool.size,
                                        shrunk_from=0)
         elif plan.shrunk_from:  # sized to the cluster's CPUs: not the user's concern
-            log.info("branch pool: %d actors instead of %d, for the cluster's %s %sCPUs",
-                     plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"),
-                     "free " if FREE_OF in self.resources else "")
+            log.info("branch pool: %d actors instead of %d, for the cluster's %s CPUs",
+                     plan.branch_actors, plan.shrunk_from, self.resources.get("CPU"))
         self.engines: list = []
         if engines:
             from branchsearch.workers.engine_actor import start_engines
@@ -113,6 +104,33 @@ class RayExecutor:
         except BaseException:
             self._kill_all()  # a failed start must not hold CPUs or the index's files
             raise
+
+    def _plan(self, own_pool: bool, pool_size: int, engines: int, replicas: int):
+        """The actor plan. On a cluster this process joined (`ray_address`, RAY_ADDRESS),
+        others' actors (a service, another batch) may hold CPUs: the plan is made on the free
+        ones when one question's worth fits there (`self.resources` becomes that share), else
+        on the whole cluster as before (the actors wait for CPUs, an autoscaler's cue, and the
+        wait says what holds them). The service plans its shared pool itself."""
+        import ray
+
+        from branchsearch.orchestrator.execution.actor_plan import free_share, plan_actors
+
+        joined = bool(self.settings.ray_address or os.environ.get("RAY_ADDRESS"))
+        if own_pool and joined:
+            share = free_share(self.resources, ray.available_resources())
+            try:
+                plan = plan_actors(self.settings, share, pool_size, engines=engines,
+                                   retrievers=replicas)
+            except BranchsearchError:
+                pass  # not one question's worth free now: plan on the whole cluster
+            else:
+                if share["CPU"] < self.resources.get("CPU", 0):
+                    log.info("planned on the cluster's %g free CPUs of %g (other jobs hold "
+                             "the rest)", share["CPU"], self.resources.get("CPU", 0))
+                self.resources = share
+                return plan
+        return plan_actors(self.settings, self.resources, pool_size, engines=engines,
+                           retrievers=replicas)
 
     def _start_retriever(self):
         """A retriever actor (each actor gets the secrets it needs, no others)."""

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from branchsearch.infra.config.choices import EXECUTORS
-from branchsearch.infra.config.settings import load_settings
+from branchsearch.orchestrator.cli.options import settings_from, settings_to_read
 
 
 def _printer():
@@ -97,8 +97,10 @@ def loadtest(
     if executor not in EXECUTORS:
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
                                  param_hint="'--executor'")
-    settings = load_settings(config, {"home": home, "index": index, "branches": branches,
-                                      "policy": policy, "ray_address": address})
+    flags = {"branches": branches, "policy": policy, "ray_address": address}
+    # against a URL the index is the service's to name; in-process, the home's only one serves
+    settings = settings_from(home, index, config, **flags) if url else \
+        settings_to_read(home, index, config, **flags)
     secret, source = read_key(key_file, key)
     if key is not None:
         print("warning: --key shows the key in the process list and shell history; use "

@@ -288,7 +288,7 @@ def create_app(state: ServiceState):
                                 '<meta name="bs-auth" content="dev">')
         return HTMLResponse(page)
 
-    @app.get("/web/{name}", include_in_schema=False)
+    @app.api_route("/web/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def web_file(name: str):
         path = WEB / name
         if name not in {p.name for p in WEB.iterdir()} or not path.is_file():

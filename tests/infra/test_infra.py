@@ -196,6 +196,24 @@ def test_a_bad_setting_line_says_where_it_was_set(tmp_path, monkeypatch):
                                             r"BRANCHSEARCH_CHUNK_OVERLAP, BRANCHSEARCH_CHUNK_TOKENS"):
         monkeypatch.setenv("BRANCHSEARCH_CHUNK_OVERLAP", "64")
         load_settings(read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_CHUNK_TOKENS")
+    monkeypatch.delenv("BRANCHSEARCH_CHUNK_OVERLAP")
+    # the setting being read is the one blamed, not every setting whose name the line holds
+    monkeypatch.setenv("BRANCHSEARCH_INDEX", "hotpot")
+    toml.write_text('[indexes."bad name"]\nlexical = "elasticsearch"\n')
+    with pytest.raises(SettingsError) as err:
+        load_settings(toml)
+    assert str(err.value).endswith(f"(set by settings file {toml})"), err.value
+    monkeypatch.delenv("BRANCHSEARCH_INDEX")
+    monkeypatch.setenv("BRANCHSEARCH_INDEXES", "abc")  # read as three names, one a letter
+    with pytest.raises(SettingsError, match=r"as \[indexes.NAME\] tables in a settings file"):
+        load_settings(read_file=False)
+    monkeypatch.delenv("BRANCHSEARCH_INDEXES")
+    monkeypatch.setenv("BRANCHSEARCH_OTLP_ENDPOINT", "http://u:s3cret@[::1:4317")  # a traceback
+    with pytest.raises(SettingsError, match=r"'http://\*\*\*@\[::1:4317' is not a collector") \
+            as err:
+        load_settings(read_file=False)
+    assert "s3cret" not in str(err.value)
 
 def test_a_misspelt_setting_variable_is_refused_and_other_tools_variables_pass(monkeypatch):
     monkeypatch.setenv("BRANCHSEARCH_SEARCH_MOD", "bm25")  # would silently run hybrid

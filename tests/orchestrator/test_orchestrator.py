@@ -429,6 +429,13 @@ def test_evidence_that_shares_no_word_with_the_question_is_said_to_match_by_mean
     assert meaning_only("qwzx plorfing", ["Terry Richardson", "a photographer"])
     assert not meaning_only("qwzx plorfing", [])  # nothing returned: "no evidence" says it
     assert not meaning_only("東京の人口は", ["Tokyo"])  # no word to judge by: no claim
+    assert not meaning_only("세븐틴 7777", ["세븐틴의 앨범"])  # Hangul: not judged either
+    # what a lexical search would match is never "meaning only" (a hostile pass found these)
+    assert not meaning_only("Hork Bajir", ["The Hork-Bajir Chronicles"])  # split at '-'
+    assert not meaning_only("Gone-in-60-Seconds", ["Gone in 60 Seconds (2000 film)"])
+    assert not meaning_only("Who is directing it?", ["a film directed by"])  # a stem apart
+    assert not meaning_only("الجامع الكبير 3333", ["الجامع الكبير"])  # any script with spaces
+    assert meaning_only("Scot Derickson", ["Scott Derrickson is an American director"])
     driver = Driver(hotpot_settings.replace(branches=1), mode="local")
     try:
         invented = driver.search("qwzx plorfing vingledash")

@@ -424,6 +424,7 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
             # a server with keys asks for one)
             page = client.get("/")
             assert page.status_code == 200 and '<meta name="bs-auth" content="dev">' in page.text
+            assert client.head("/web/app.js").status_code == 200  # (was 405)
             put = lambda: client.put("/v1/indexes/acl/documents", json=[  # noqa: E731
                 {"id": "osprey", "text": "The osprey relay beacon."}])
             dense = settings.index_dir / "dense.db"
