@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
@@ -216,13 +217,16 @@ class Driver:
             return []
         tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups,
                            first=number)
-        for task in tasks:
+        for i, task in enumerate(tasks):
             with telemetry.tracer().start_as_current_span("fork") as span:
                 span.set_attributes({"fork.branch": task.index, "fork.parent": task.parent,
                                      "fork.reason": task.reason,
                                      "fork.handed": list(task.seeds),
                                      "fork.hop_room": task.hop_room,
                                      "fork.subquery": task.subquery})
+                # the fork's branch span nests under this one, wherever it runs
+                tasks[i] = task = replace(task, trace_parent=tuple(
+                    telemetry.current_carrier().items()))
             emit(on_event, {"type": "fork", "branch": task.index, "parent": task.parent,
                             "reason": task.reason, "handed": list(task.seeds),
                             "subquery": task.subquery})
@@ -254,11 +258,13 @@ class Driver:
             return []
         tasks = chain_tasks(first, chain, self.settings.chains, deadline=deadline,
                             acl_groups=groups, first=number)
-        for task in tasks:
+        for i, task in enumerate(tasks):
             with telemetry.tracer().start_as_current_span("chain") as span:
                 span.set_attributes({"chain.branch": task.index, "chain.parent": task.parent,
                                      "chain.answer": task.reason,
                                      "chain.subquery": task.subquery})
+                tasks[i] = task = replace(task, trace_parent=tuple(
+                    telemetry.current_carrier().items()))  # its branch span nests here
             emit(on_event, {"type": "chain", "branch": task.index, "parent": task.parent,
                             "reason": task.reason, "subquery": task.subquery})
         if not tasks:

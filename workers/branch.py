@@ -36,6 +36,9 @@ class BranchTask:
     hop_room: int = 1
     may_fork: bool = False  # a first-wave branch of a question that forks (the driver's
     # rule: `forks` > 0 and more than one branch): its policy is offered the `fork` tool
+    # the span this branch's span nests under when not the current one (a fork's or a chain
+    # hop's span: `telemetry.current_carrier` items), so a trace shows a fork under its reason
+    trace_parent: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -84,13 +87,23 @@ def run_branch(task: BranchTask, retriever, settings: Settings, *,
     `RemoteRetriever` inside an actor) and report it. Never raises: a policy that cannot be
     built is status `error`, a backend that stays down ends the episode `backend_error`, which
     is status `error` too — never an empty `ok`."""
-    from branchsearch.workers.factory import make_policy
-    from branchsearch.workers.tools import fork_cap
-
     started = time.perf_counter()
     report = BranchReport(task.index, task.subquery, task.weight, task.kind, pid=os.getpid(),
                           parent=task.parent, reason=task.reason, seeds=list(task.seeds))
     emit = (lambda e: on_event({**e, "branch": task.index})) if on_event else None
+    token = telemetry.attach_carrier(dict(task.trace_parent)) if task.trace_parent else None
+    try:
+        return _run_branch(task, retriever, settings, report, started, emit, policy_factory)
+    finally:
+        if token is not None:
+            telemetry.detach(token)
+
+
+def _run_branch(task: BranchTask, retriever, settings: Settings, report: BranchReport,
+                started: float, emit, policy_factory) -> BranchReport:
+    from branchsearch.workers.factory import make_policy
+    from branchsearch.workers.tools import fork_cap
+
     with telemetry.tracer().start_as_current_span("branch") as span:
         span.set_attributes({"branch.index": task.index, "branch.subquery": task.subquery,
                              "branch.kind": task.kind, "process.pid": os.getpid()})

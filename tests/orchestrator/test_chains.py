@@ -110,6 +110,11 @@ def test_a_compositional_question_runs_its_hops_in_two_waves(chaining, spans):
     assert plan.attributes["plan.hops.inner"] == hop.subquery
     chain_spans = [s for s in spans.get_finished_spans() if s.name == "chain"]
     assert [s.attributes["chain.subquery"] for s in chain_spans] == [b.subquery for b in chains]
+    nested = {s.context.span_id: s.attributes["chain.branch"] for s in chain_spans}
+    chain_branch_spans = [s for s in spans.get_finished_spans() if s.name == "branch"
+                          and s.attributes.get("branch.kind") == "chain"]
+    assert sorted(nested[s.parent.span_id] for s in chain_branch_spans) == sorted(
+        b.index for b in chains)  # each chain branch's span under its chain span
     assert events[0]["hops"]["slot"] == "the woman"
     typed = [e["type"] for e in events]
     for b in chains:  # each chain event precedes its branch's start

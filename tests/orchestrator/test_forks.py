@@ -106,6 +106,10 @@ def test_a_fork_is_a_span_and_an_event(runs, spans):
     fork_branch_spans = [s for s in spans.get_finished_spans()
                          if s.name == "branch" and s.attributes.get("branch.kind") == "fork"]
     assert len(fork_branch_spans) == len(forks)
+    # each fork's branch span nests under its fork span (it was a sibling, joined by ids)
+    for s in fork_branch_spans:
+        fork_span = by_branch[s.context.trace_id, s.attributes["branch.index"]]
+        assert s.parent is not None and s.parent.span_id == fork_span.context.span_id
 
 
 def test_fused_results_take_fork_finds_after_the_parents_head(runs, hotpot_settings):
