@@ -299,9 +299,12 @@ class Searcher:
     @contextmanager
     def _using(self, index: str, wait: float | None = None):
         """(driver, docstore) of the index for one request; a driver retired meanwhile (its
-        index changed on disk) is closed only once its last request leaves here."""
+        index changed on disk) is closed only once its last request leaves here. `wait` bounds
+        the whole: a start waited for again (the driver retired meanwhile) gets what is left."""
+        end = None if wait is None else time.monotonic() + wait
         while True:
-            driver = self.driver(index, wait)
+            left = None if end is None else max(end - time.monotonic(), 0.0)
+            driver = self.driver(index, left)
             if (held := self._hold(index, driver)) is not None:
                 break
         try:

@@ -776,3 +776,42 @@ def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
     assert frames[-1]["status"] == 503 and frames[-1]["error"] == "searcher_unavailable"
     assert scope[STREAM_STATUS] == 503  # the request is counted under 503, not 200
     assert b'branchsearch_refusals_total{reason="searcher_unavailable"} 1.0' in metrics.render()
+
+
+def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
+    """`_using(index, wait)`: when the driver it waited for was retired before the request
+    could hold it (its index changed on disk), the next start was waited for with the whole
+    `wait` again, so a request could overrun its deadline by one start. The wait now bounds the
+    whole: the second start gets what is left."""
+    import time
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    waits: list[float | None] = []
+    retire = [True]
+
+    class Retiring(Searcher):
+        def driver(self, index, wait=None):
+            waits.append(wait)
+            return object()
+
+        def _hold(self, index, driver):
+            if retire and retire.pop():  # retired meanwhile, after a start that took 0.3 s
+                time.sleep(0.3)
+                return None
+            return (None,)
+
+        def _let_go(self, driver, index):
+            pass
+
+    searcher = Retiring(settings, executor="local", driver_factory=lambda s, e: None)
+    with searcher._using("x", wait=0.5):
+        pass
+    assert len(waits) == 2 and 0.49 < waits[0] <= 0.5 and 0 <= waits[1] <= 0.2 + 1e-3
+    waits.clear()
+    retire.append(True)
+    with searcher._using("x"):  # no wait given: none either time
+        pass
+    assert waits == [None, None]
