@@ -14,6 +14,7 @@ from dataclasses import replace
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.models.tokenizer import TokenCounter
+from branchsearch.infra.retrieval.retriever import searched_mode
 from branchsearch.orchestrator.execution import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import (MEANING_ONLY, SearchResult, evidence_texts,
@@ -40,8 +41,6 @@ class Driver:
         self.executor = executor or make_executor(settings, mode, pool_size=pool_size)
         self.planner = planner or self._make_planner()
         self.counter = TokenCounter(settings.encoding)
-        from branchsearch.infra.retrieval.retriever import searched_mode
-
         # a lexical search finds only what shares a word: no result of it is meaning only
         self.by_meaning = searched_mode(settings) != "bm25"
 
@@ -218,15 +217,10 @@ class Driver:
         tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups,
                            first=number)
         for i, task in enumerate(tasks):
-            with telemetry.tracer().start_as_current_span("fork") as span:
-                span.set_attributes({"fork.branch": task.index, "fork.parent": task.parent,
-                                     "fork.reason": task.reason,
-                                     "fork.handed": list(task.seeds),
-                                     "fork.hop_room": task.hop_room,
-                                     "fork.subquery": task.subquery})
-                # the fork's branch span nests under this one, wherever it runs
-                tasks[i] = task = replace(task, trace_parent=tuple(
-                    telemetry.current_carrier().items()))
+            tasks[i] = task = _under_span("fork", task, {
+                "fork.branch": task.index, "fork.parent": task.parent,
+                "fork.reason": task.reason, "fork.handed": list(task.seeds),
+                "fork.hop_room": task.hop_room, "fork.subquery": task.subquery})
             emit(on_event, {"type": "fork", "branch": task.index, "parent": task.parent,
                             "reason": task.reason, "handed": list(task.seeds),
                             "subquery": task.subquery})
@@ -259,18 +253,23 @@ class Driver:
         tasks = chain_tasks(first, chain, self.settings.chains, deadline=deadline,
                             acl_groups=groups, first=number)
         for i, task in enumerate(tasks):
-            with telemetry.tracer().start_as_current_span("chain") as span:
-                span.set_attributes({"chain.branch": task.index, "chain.parent": task.parent,
-                                     "chain.answer": task.reason,
-                                     "chain.subquery": task.subquery})
-                tasks[i] = task = replace(task, trace_parent=tuple(
-                    telemetry.current_carrier().items()))  # its branch span nests here
+            tasks[i] = task = _under_span("chain", task, {
+                "chain.branch": task.index, "chain.parent": task.parent,
+                "chain.answer": task.reason, "chain.subquery": task.subquery})
             emit(on_event, {"type": "chain", "branch": task.index, "parent": task.parent,
                             "reason": task.reason, "subquery": task.subquery})
         if not tasks:
             return []
         return self.executor.run(tasks, settings=self.settings,
                                  policy_factory=self.policy_factory, on_event=on_event)
+
+
+def _under_span(name: str, task: BranchTask, attributes: dict) -> BranchTask:
+    """A second-wave task recorded as a span of its own (`fork`, `chain`), returned carrying
+    that span's context: its branch span nests under it wherever the branch runs."""
+    with telemetry.tracer().start_as_current_span(name) as span:
+        span.set_attributes(attributes)
+        return replace(task, trace_parent=tuple(telemetry.current_carrier().items()))
 
 
 def open_driver(settings: Settings, executor: str = "ray") -> Driver:

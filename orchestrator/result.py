@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -56,32 +55,22 @@ def meaning_only(question: str, texts: Iterable[str]) -> bool:
     loosely, so that what a lexical search matched is never called meaning only: accents and
     case folded, split at every non-word character ('Hork-Bajir' is two words), stopwords
     aside, and two words of 5+ letters that begin alike count as one ('directing',
-    'directed'). A question in a script written without spaces (Chinese, Japanese, Thai) is
-    not judged: its words cannot be told apart here."""
-    asked = _words(question)
-    if not asked or _UNSPACED.search(question):
+    'directed'). A question in a script whose words are not set apart (Chinese, Japanese,
+    Thai; Hangul's take attached particles) is not judged: its words cannot be told apart."""
+    from branchsearch.workers.text import PREFIX, unspaced, words
+
+    asked = words(question)
+    if not asked or unspaced(question):
         return False
     texts = list(texts)
     if not texts:
         return False
-    stems = {w[:_PREFIX] for w in asked if len(w) >= _PREFIX}
+    stems = {w[:PREFIX] for w in asked if len(w) >= PREFIX}
     for text in texts:
-        words = _words(text)
-        if asked & words or stems & {w[:_PREFIX] for w in words if len(w) >= _PREFIX}:
+        found = words(text)
+        if asked & found or stems & {w[:PREFIX] for w in found if len(w) >= PREFIX}:
             return False
     return True
-
-
-_PREFIX = 5  # letters two words share at their start to count as one (a stemmer's reach)
-_UNSPACED = re.compile("[\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
-                       "\uac00-\ud7af\uf900-\ufaff]")  # Thai, kana, CJK, Hangul syllables
-
-
-def _words(text: str) -> set[str]:
-    from branchsearch.workers.text import STOPWORDS, folded, stem
-
-    return {stem(w) for w in re.findall(r"\w+", folded(text))
-            if len(w) > 1 and w not in STOPWORDS}
 
 
 def evidence_texts(evidence: list[dict]) -> list[str]:

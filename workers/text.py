@@ -69,6 +69,24 @@ def stem(word: str) -> str:
     return w
 
 
+PREFIX = 5  # letters two `words` share at their start to count as one (a stemmer's reach)
+_UNSPACED = re.compile("[\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                       "\uac00-\ud7af\uf900-\ufaff]")  # Thai, kana, CJK, Hangul syllables
+
+
+def words(text: str) -> set[str]:
+    """`terms` of any script, split at every non-word character ('Hork-Bajir' is two): the
+    words a lexical index would find, loosely."""
+    return {stem(w) for w in re.findall(r"\w+", folded(text))
+            if len(w) > 1 and w not in STOPWORDS}
+
+
+def unspaced(text: str) -> bool:
+    """Whether `text` is (partly) in a script whose words are not set apart by spaces, or
+    whose words take attached particles (Chinese, Japanese, Thai, Hangul)."""
+    return bool(_UNSPACED.search(text))
+
+
 @lru_cache(maxsize=8192)
 def terms(text: str) -> frozenset[str]:
     """Content terms: lower-cased, accents and plurals folded, stopwords dropped. (Cached: the

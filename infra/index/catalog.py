@@ -81,6 +81,22 @@ def embedding_of(folder: Path, embedding: dict | None, settings: Settings) -> st
     return f"{embedding['model']} fitted to the index; queries by {queries}"
 
 
+def index_embedding(settings: Settings) -> str:
+    """What embeds `settings.index` (as `indexes` shows it): an owned index's from its
+    manifest, an external one's the configured model when it has a Milvus side."""
+    from branchsearch.infra.index.manifest import read_manifest
+
+    manifest = read_manifest(settings.index_dir)
+    if manifest is not None:
+        return embedding_of(settings.index_dir, manifest.embedding, settings)
+    spec = settings.external
+    return _external_embedding(spec, settings) if spec is not None else ""
+
+
+def _external_embedding(spec, settings: Settings) -> str:
+    return settings.embed_model if spec.dense == "milvus" else ""
+
+
 def _stored_counts(folder: Path) -> tuple[int, int] | None:
     """(documents, chunks) the index's docstore holds now, read-only: the manifest's are the
     last ingest's, before the service's writes added or removed documents. None when it
@@ -143,7 +159,7 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
     out = []
     for spec in settings.indexes:
         info = IndexInfo(spec.name, "external", spec.describe(), None, None, "not checked",
-                         settings.embed_model if spec.dense == "milvus" else "")
+                         _external_embedding(spec, settings))
         if check:
             try:
                 if spec.lexical == "elasticsearch":

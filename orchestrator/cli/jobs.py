@@ -57,8 +57,8 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     output = output_path(output)  # through a link, its target; never a device (/dev/null)
     writable_file(output, "batch output")
     check_output(output, input)
-    settings = settings_to_read(home, index, config, batch_concurrency=concurrency, branches=branches,
-                         ray_address=address)
+    settings = settings_to_read(home, index, config, batch_concurrency=concurrency,
+                                branches=branches, ray_address=address)
     groups = caller_acl(settings, acl, acl_admin)
     data = read_questions(input)
     if not data.items and not data.bad_lines:

@@ -30,7 +30,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Evaluation: {report['dataset']}", "",
              f"{runs[0]['queries']} queries. Document-level metrics (a document ranks by its "
              "best chunk).", "", f"Index `{report.get('index', '?')}`, embedding: "
-             f"{report.get('embedding') or 'none'}.", "", "| metric | " + " | ".join(r["config"] for r in runs) + " |",
+             f"{report.get('embedding') or 'none'}.", "",
+             "| metric | " + " | ".join(r["config"] for r in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for m in SUMMARY_METRICS:
         if any(m in r["metrics"] for r in runs):

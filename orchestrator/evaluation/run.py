@@ -12,6 +12,7 @@ from pathlib import Path
 from branchsearch.infra.config.choices import BASELINES, MODES, Baseline, Executor, Mode, Policy, Split
 from branchsearch.infra.datasets.beir import Query
 from branchsearch.infra.errors import BranchsearchError, CorpusError
+from branchsearch.infra.index.catalog import index_embedding
 from branchsearch.infra.retrieval.retriever import Retriever
 from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.evaluation.measures import (doc_ranking, mean, percentile,
@@ -199,7 +200,7 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
             else _single_shot_run(s, queries, mode, acl_groups, progress)
             for s, mode in _configurations(settings, options)]
     result = {"dataset": str(options.dataset), "split": options.split,
-              "index": settings.index, "embedding": _embedding(settings),
+              "index": settings.index, "embedding": index_embedding(settings),
               "metrics": runs[0]["metrics"], "runs": runs}
     if "attribution" in runs[0]:
         result["attribution"] = runs[0]["attribution"]
@@ -307,16 +308,3 @@ def _bar(progress: Progress | None, total: int | None, unit: str,
     finally:
         if bar is not None:
             bar.close()
-
-
-def _embedding(settings) -> str:
-    """What embeds the evaluated index's chunks and queries (as `indexes` shows it): a figure
-    is only comparable with one of the same embedding."""
-    from branchsearch.infra.index.catalog import embedding_of
-    from branchsearch.infra.index.manifest import read_manifest
-
-    manifest = read_manifest(settings.index_dir)
-    if manifest is not None:
-        return embedding_of(settings.index_dir, manifest.embedding, settings)
-    external = next((spec for spec in settings.indexes if spec.name == settings.index), None)
-    return settings.embed_model if external is not None and external.dense == "milvus" else ""
