@@ -107,7 +107,7 @@ def open_dense(settings: Settings, manifest=None, embedder=None):
         settings = query_model(settings, manifest.embedding.get("model"), embedder)
 
     embedder = embedder or index_embedder(settings, reader=manifest is not None)
-    from branchsearch.infra.stores.milvus import is_server
+    from branchsearch.infra.stores.milvus_lite import is_server
 
     if manifest is None:  # a writer (ingest): the collection is created when missing
         return dense_store(settings, _dense_dim(settings.index_dir, embedder)), embedder

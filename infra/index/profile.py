@@ -53,7 +53,7 @@ class IndexProfile:
 
 def index_profile(settings: Settings) -> IndexProfile:
     """The profile of `settings.index` (nothing is opened; files and manifests are read)."""
-    from branchsearch.infra.stores.milvus import is_server
+    from branchsearch.infra.stores.milvus_lite import is_server
 
     ext = settings.external
     if ext is not None:
@@ -67,7 +67,7 @@ def index_profile(settings: Settings) -> IndexProfile:
 
 
 def _owned(settings: Settings) -> IndexProfile:
-    from branchsearch.infra.stores.milvus import is_server
+    from branchsearch.infra.stores.milvus_lite import is_server
     from branchsearch.infra.index.manifest import require_complete
     from branchsearch.infra.index.open import dense_uri
 

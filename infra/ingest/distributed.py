@@ -131,7 +131,7 @@ def _unpacked(files: dict[str, bytes]) -> Path:
 
 def direct_stores(settings: Settings, embed: bool) -> frozenset[str]:
     """The stores the pool's workers write themselves: those on servers (many writers)."""
-    from branchsearch.infra.stores.milvus import is_server
+    from branchsearch.infra.stores.milvus_lite import is_server
 
     return frozenset(({"dense"} if embed and is_server(settings.milvus_uri or "") else set())
                      | ({"lexical"} if settings.es_url else set()))

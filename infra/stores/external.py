@@ -32,10 +32,10 @@ from dataclasses import dataclass, field, fields
 
 from branchsearch.infra.stores.acl import ACL_ALL, group_forms
 from branchsearch.infra.stores.protocols import MAX_K, check_pattern, query_words, settled
-from branchsearch.infra.stores.milvus import (acquire_lite, is_server, lite_key, lite_spawn,
-                                              milvus_call, milvus_error, milvus_list,
-                                              quiet_pymilvus, release_lite, served_uri,
-                                              timeout_arg)
+from branchsearch.infra.stores.milvus import (milvus_call, milvus_error, milvus_list,
+                                              quiet_pymilvus, timeout_arg)
+from branchsearch.infra.stores.milvus_lite import (acquire_lite, is_server, lite_key, lite_spawn,
+                                                   release_lite, served_uri)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError, redact
 from branchsearch.infra.stores.hits import Hit, doc_of
 

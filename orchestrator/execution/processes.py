@@ -6,7 +6,7 @@ nothing past the first. A batch with `concurrency` > 1 therefore answers in as m
 as the machine has cores (at most `concurrency`): this one and worker processes, each with its
 own in-process driver. The docstore and tantivy read concurrently from any number of processes.
 A Milvus Lite file has one owning process: this one owns it, and the workers reach its Lite
-server through that server's socket (`infra.stores.milvus.serve_lite`), which this process
+server through that server's socket (`infra.stores.milvus_lite.serve_lite`), which this process
 keeps alive: a Lite server that dies under the batch is started again within a second.
 
 Workers come from a fork server that imports the heavy modules (torch, the embedder) afresh —
@@ -67,7 +67,7 @@ def _start(settings: Settings, served: dict[str, str], owner: int) -> None:
         # (`close` ends the workers; `_watch` ends them if the batch dies)
 
         torch.set_num_threads(1)  # a query's embedding is small; the cores go to the workers
-        from branchsearch.infra.stores.milvus import use_served_lite
+        from branchsearch.infra.stores.milvus_lite import use_served_lite
         from branchsearch.orchestrator.driver import open_driver
 
         for db, socket in served.items():
@@ -137,7 +137,7 @@ class QuestionProcesses:
                 _start_fork_server()
             if profile.lite_file and workers:  # this process owns the file; all use its server
                 from branchsearch.infra.index.open import dense_store, open_retriever
-                from branchsearch.infra.stores.milvus import serve_lite, use_served_lite
+                from branchsearch.infra.stores.milvus_lite import serve_lite, use_served_lite
 
                 if profile.manifest is not None:  # an owned index: its dense store alone
                     self._owner = dense_store(settings, profile.manifest.embedding["dim"],
@@ -243,7 +243,7 @@ class QuestionProcesses:
             self._local.close()
             self._local = None
         if self._lite is not None:
-            from branchsearch.infra.stores.milvus import stop_serving_lite, use_served_lite
+            from branchsearch.infra.stores.milvus_lite import stop_serving_lite, use_served_lite
 
             use_served_lite(self._lite, None)
             stop_serving_lite(self._lite)

@@ -119,7 +119,8 @@ def test_a_lite_server_outlives_a_sigint_to_its_process_group(tmp_path):
     and they need the Lite server (its death made each wait out the timeout and fail)."""
     from milvus_lite.server_manager import server_manager_instance
 
-    from branchsearch.infra.stores.milvus import MilvusStore, lite_key
+    from branchsearch.infra.stores.milvus import MilvusStore
+    from branchsearch.infra.stores.milvus_lite import lite_key
 
     store = MilvusStore(tmp_path / "dense.db", 4, collection="chunks_t")
     try:

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from branchsearch.infra.stores.milvus import MilvusStore, lite_key
+from branchsearch.infra.stores.milvus import MilvusStore
+from branchsearch.infra.stores.milvus_lite import lite_key
 from branchsearch.infra.stores.protocols import IndexedChunk
 
 DIM = 8
