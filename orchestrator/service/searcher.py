@@ -1,7 +1,8 @@
 """What the service does for a caller, as one plain async class: no HTTP.
 
-`Searcher` owns one `Driver` per index (owned under the data home or declared external), the
-executor the CLI uses, and — with the Ray executor — one branch pool shared by every index. It
+`Searcher` holds one `Driver` per open index (owned under the data home or declared external;
+when one starts and goes is `service.drivers`), the executor the CLI uses, and — with the Ray
+executor — one branch pool shared by every index, with CPU room for each index's retrievers. It
 admits a request (the key's indexes, its per-key concurrency), runs the search within the
 request's deadline, streams the driver's events, guards every id it returns against the caller's
 groups, and writes documents through the stores' owner.
@@ -23,8 +24,6 @@ import time
 import unicodedata
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 
 from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
 from branchsearch.infra.errors import (BranchsearchError, IndexIncomplete,
@@ -35,6 +34,7 @@ from branchsearch.orchestrator import documents
 from branchsearch.orchestrator.service import events
 from branchsearch.orchestrator.service.admission import Concurrency, Limits
 from branchsearch.orchestrator.service.auth import ApiKey
+from branchsearch.orchestrator.service.drivers import Drivers
 from branchsearch.orchestrator.service.errors import ApiError, api_error
 from branchsearch.orchestrator.service.protocol import SearchRequest
 
@@ -56,15 +56,6 @@ class Searcher:
         # pool has min(32, CPUs + 4))
         self._threads = ThreadPoolExecutor(max_workers=limits.max_in_flight + 8,
                                            thread_name_prefix="searcher")
-        self._drivers: dict[str, object] = {}
-        self._docstores: dict[str, object] = {}
-        self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
-        self._users: dict[object, int] = {}  # driver -> the requests using it now
-        self._retiring: dict[str, tuple] = {}  # index -> (driver, docstore) closing when idle
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # a driver's last request ended
-        self._background: dict[str, dict] = {}  # index -> its one start, while it runs
-        self._write_locks: dict[str, threading.Lock] = {}
         self._pool_lock = threading.Lock()
         self.pool = None  # the branch pool every index shares (Ray executor), made once
         self._retriever_options: dict = {}
@@ -73,10 +64,8 @@ class Searcher:
         self._retriever_room = 0
         self._cpu_holders: set = set()
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
-        self._last_used: dict[str, float] = {}  # index -> when its last request ended
-        self._closing = threading.Event()  # set by close(): the idle reaper stops
-        if limits.index_idle_close_s > 0:
-            threading.Thread(target=self._reap_idle, daemon=True, name="idle-indexes").start()
+        self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
+                               close=self._close, idle_close_s=limits.index_idle_close_s)
         if warm:
             self.open_default()
 
@@ -154,7 +143,7 @@ class Searcher:
     def check_health(self) -> None:  # Serve restarts a replica whose check raises
         pass
 
-    # --- indexes and drivers ------------------------------------------------------------------
+    # --- indexes, and what their drivers run on --------------------------------------------------
 
     def index_names(self) -> list[str]:
         return index_names(self.settings)
@@ -163,188 +152,12 @@ class Searcher:
         """The default index's driver, opened before the service takes traffic (its models
         loaded); a default index that is not there names the ones that are."""
         try:
-            return self.driver(self.settings.index)
+            return self.drivers.open(self.settings.index)
         except IndexNotFound as exc:
             raise not_found(exc, self.settings) from None
 
     def _index(self, req: SearchRequest) -> str:
         return req.index or self.settings.index
-
-    def driver(self, index: str, wait: float | None = None):
-        """The index's driver, started on first use. The start (its actors may take a while,
-        or fail on a full cluster) runs in the background, one per index whatever the number
-        of callers waiting on it, so searches of other indexes go on meanwhile. `wait`: the
-        most seconds to wait for it (a request's deadline); past it, a 503 index_starting
-        while the start goes on. A failed start is tried again by the next caller."""
-        with self._lock:
-            if index in self._drivers:
-                if not self._stale(index):
-                    return self._drivers[index]
-                self._retire(index)
-        if index not in self.index_names():  # nothing to start: the answer now, whatever the wait
-            raise _not_found(index)
-        with self._lock:
-            if index in self._drivers:  # another caller's start finished meanwhile
-                return self._drivers[index]
-            start = self._background.get(index)
-            if start is None:
-                start = self._background[index] = {"done": threading.Event()}
-                threading.Thread(target=self._start, args=(index, start), daemon=True,
-                                 name=f"start-{index}").start()
-        if not start["done"].wait(wait):
-            raise ApiError(503, "index_starting", f"index {index!r} is still starting; retry "
-                           "later", {"Retry-After": "5"})
-        if "error" in start:
-            raise start["error"]
-        return start["driver"]
-
-    def _start(self, index: str, start: dict) -> None:
-        try:
-            with self._idle:  # a retired driver's stores close before new ones open (Lite)
-                while index in self._retiring:
-                    self._idle.wait()
-            start["driver"] = self._open(index)
-        except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
-            start["error"] = exc
-        finally:
-            with self._lock:
-                self._background.pop(index, None)
-            start["done"].set()
-
-    def _open(self, index: str):
-        """Check the index, then start its driver (`driver` runs one start per index)."""
-        from branchsearch.infra.stores.docstore import DocStore
-        from branchsearch.infra.index.profile import index_profile
-
-        settings = self.settings.replace(index=index)
-        opened_as = _opened_as(settings)  # before the stores open: a later ingest shows
-        profile = index_profile(settings)
-        # not found, incomplete, being ingested, damaged or a copied folder: its answer now,
-        # before any actor starts for it (not the death of a retriever actor that found it)
-        if isinstance(profile.problem, IndexNotFound):  # (its message names the home)
-            raise _not_found(index)
-        profile.require_searchable()
-        docstore = DocStore(profile.folder / "docs.sqlite") if profile.kind == "owned" else None
-        driver = self.driver_factory(settings, self.executor)
-        with self._lock:
-            self._drivers[index] = driver
-            self._docstores[index] = docstore
-            self._last_used[index] = time.monotonic()
-            self._write_locks.setdefault(index, threading.Lock())
-            if opened_as is not None:
-                self._opened_as[index] = opened_as
-        return driver
-
-    def _stale(self, index: str) -> bool:
-        """Whether the index on disk is no longer the one its driver opened: an ingest (another
-        process: the CLI) changed its layout (`Manifest.layout`: stores, embedder, chunking),
-        its folder was removed and made anew, or it was left incomplete (no manifest, and no
-        ingest under way: a failed or stopped one, or a removed folder). The driver's open
-        stores would rank a different index from the one a fresh service would search, or
-        from its policy's reading of the new manifest. (Documents an ingest only adds or
-        replaces reach the open stores: tantivy's reader reloads itself, SQLite and the servers
-        are shared; Milvus Lite's file is the service's while it is open.) One stat a request;
-        more only when the manifest changed or is gone. Holding the lock."""
-        from branchsearch.infra.index.manifest import read_manifest, running_ingest
-
-        seen = self._opened_as.get(index)
-        if seen is None:  # an external index: nothing of ours to watch
-            return False
-        folder, stat, layout, docstore = seen
-        now = _stat(folder)
-        if now == stat:
-            return False
-        manifest = None if now is None else read_manifest(folder)
-        if manifest is None:  # an ingest under way: searches go on over what was there
-            return running_ingest(folder) is None
-        if manifest.layout() == layout and _file_id(folder / "docs.sqlite") == docstore:
-            self._opened_as[index] = (folder, now, layout, docstore)
-            return False
-        return True
-
-    def _retire(self, index: str, why: str = "changed on disk (another layout, removed, made "
-                "anew or left incomplete)") -> None:
-        """Take the index's driver out of service; it is closed once the requests using it end
-        (`_using`). Holding the lock."""
-        old = self._drivers.pop(index), self._docstores.pop(index)
-        log.info("index %r %s: its stores close once the %d request(s) using them end", index,
-                 why, self._users.get(old[0], 0))
-        self._retiring[index] = old
-        threading.Thread(target=self._close_when_idle, args=(index, old), daemon=True,
-                         name=f"retire-{index}").start()
-
-    def _retire_dead(self, index: str, driver, exc: BaseException) -> None:
-        """Retire the index's `driver`, whose retriever actor is dead for good (once: the
-        first request to find it; a driver already replaced stays replaced)."""
-        with self._lock:
-            if self._drivers.get(index) is driver:
-                log.error("index %r: its retriever actor died for good (%s)", index,
-                          error_line(exc, 300))
-                self._retire(index, "lost its retriever actor")
-
-    def _close_when_idle(self, index: str, old: tuple) -> None:
-        try:
-            with self._idle:
-                while self._users.get(old[0]):
-                    self._idle.wait()
-            self._close(*old)
-        except Exception as exc:  # noqa: BLE001 — a store that fails to close: logged
-            log.warning("closing the old stores of index %r: %s", index, error_line(exc, 500))
-        finally:
-            with self._idle:
-                if self._retiring.get(index) is old:
-                    del self._retiring[index]
-                self._idle.notify_all()
-
-    @contextmanager
-    def _using(self, index: str, wait: float | None = None):
-        """(driver, docstore) of the index for one request; a driver retired meanwhile (its
-        index changed on disk) is closed only once its last request leaves here. `wait` bounds
-        the whole: a start waited for again (the driver retired meanwhile) gets what is left."""
-        end = None if wait is None else time.monotonic() + wait
-        while True:
-            left = None if end is None else max(end - time.monotonic(), 0.0)
-            driver = self.driver(index, left)
-            if (held := self._hold(index, driver)) is not None:
-                break
-        try:
-            yield driver, held[0]
-        finally:
-            self._let_go(driver, index)
-
-    def _hold(self, index: str, driver) -> tuple | None:
-        """Count one more user of `driver` if it still serves `index` (not retired meanwhile):
-        a driver in use is neither closed nor reaped. Returns (its docstore,), or None."""
-        with self._lock:
-            if self._drivers.get(index) is not driver:
-                return None
-            self._users[driver] = self._users.get(driver, 0) + 1
-            return (self._docstores[index],)
-
-    def _let_go(self, driver, index: str | None) -> None:
-        """One user of `driver` less; `index`: a request used it (readiness probes do not
-        count as use)."""
-        with self._idle:
-            self._users[driver] -= 1
-            if index is not None:
-                self._last_used[index] = time.monotonic()
-            if not self._users[driver]:
-                del self._users[driver]
-                self._idle.notify_all()
-
-    def _reap_idle(self) -> None:
-        """Close the indexes (other than the default) no request used for
-        `index_idle_close_s`: each holds a retriever process and its models (hundreds of MB
-        a hybrid index) that a service in front of many indexes would otherwise keep for
-        every index ever asked once. The next request opens it again, as on first use."""
-        idle_s = self.limits.index_idle_close_s
-        while not self._closing.wait(min(max(idle_s / 4, 0.05), 60.0)):
-            now = time.monotonic()
-            with self._lock:
-                for index in [i for i, d in self._drivers.items()
-                              if i != self.settings.index and not self._users.get(d)
-                              and now - self._last_used.get(i, now) >= idle_s]:
-                    self._retire(index, f"was not used for {idle_s:g} s")
 
     def _make_driver(self, settings: Settings, executor: str):
         from branchsearch.orchestrator.driver import Driver
@@ -446,14 +259,8 @@ class Searcher:
             return self.pool
 
     def close(self) -> None:
-        self._closing.set()
         self._threads.shutdown(wait=False)
-        with self._idle:
-            for index, driver in self._drivers.items():
-                self._close(driver, self._docstores[index])
-            self._drivers.clear()
-            self._docstores.clear()
-            self._idle.wait_for(lambda: not self._retiring, timeout=30)  # their own threads
+        self.drivers.close()
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -475,7 +282,7 @@ class Searcher:
             return ray.get(driver.executor.retriever.__ray_call__.remote(actor_fn, *args),
                            timeout=timeout)
         except ray.exceptions.ActorDiedError as exc:
-            self._retire_dead(index, driver, exc)
+            self.drivers.retire_dead(index, driver, exc)
             raise ApiError(503, "backend_unavailable", f"the retriever process of index "
                            f"{index!r} died; the next request starts it again: retry",
                            {"Retry-After": "5"}) from None
@@ -504,7 +311,7 @@ class Searcher:
         deadline = req.deadline_s or self.limits.default_deadline_s
         started = arrived
         groups = self.groups(key)
-        with self._using(index, wait=max(deadline - (time.monotonic() - started), 0.001)
+        with self.drivers.using(index, wait=max(deadline - (time.monotonic() - started), 0.001)
                          ) as (driver, store):
             hidden = self._hidden(store, groups)
             emit = self._guarded(hidden, on_event) if on_event is not None else None
@@ -607,7 +414,7 @@ class Searcher:
                     raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
                                    f"documents whose acl is within its groups "
                                    f"({', '.join(key.groups)}); document {doc.id!r} is not")
-            with self._write_locks[index], self._ingest_lock(driver):
+            with self.drivers.write_lock(index), self._ingest_lock(driver):
                 self._check_files(driver)
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
@@ -627,7 +434,7 @@ class Searcher:
             if old is not None and not self._owns(key, old["acl"]):
                 raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
                                f"whose acl is within its groups; document {doc_id!r} is not")
-            with self._write_locks[index], self._ingest_lock(driver):
+            with self.drivers.write_lock(index), self._ingest_lock(driver):
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)
@@ -636,12 +443,12 @@ class Searcher:
         return {"index": index, "deleted": doc_id}
 
     def _writable(self, index: str):
-        """`_using` for a document write, which an external index refuses."""
+        """`drivers.using` for a document write, which an external index refuses."""
         if self.settings.replace(index=index).external is not None:
             raise ApiError(409, "read_only_index", f"index {index!r} is an external index "
                            "(declared in the settings): branchsearch searches it in place and "
                            "never writes to it")
-        return self._using(index)
+        return self.drivers.using(index)
 
     @staticmethod
     def _owns(key: ApiKey, acl) -> bool:
@@ -709,14 +516,14 @@ class Searcher:
         ApiError 503 otherwise. Anyone may ask (a load balancer has no key), so the answer
         names no index: which one, and why, go to the server log only."""
         try:
-            self.driver(self.settings.index, wait=self.limits.default_deadline_s)
+            self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
             log.warning("not ready: index %r: %s", self.settings.index, error_line(exc, 1000))
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
-        opened = list(self._drivers.items())
+        opened = self.drivers.opened()
         for index, driver in opened:
-            if self._hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
+            if self.drivers.hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
                 continue
             try:
                 self._probe(index, driver)
@@ -727,40 +534,8 @@ class Searcher:
                 raise ApiError(503, "not_ready", f"{which} not ready (the server log says "
                                "why)", {"Retry-After": "5"}) from None
             finally:
-                self._let_go(driver, None)
+                self.drivers.let_go(driver, None)
         return {"status": "ready", "indexes": len(opened)}
-
-
-def _stat(folder: Path) -> tuple | None:
-    """The index manifest's signature: an ingest that finishes replaces it."""
-    from branchsearch.infra.index.manifest import file_signature, manifest_path
-
-    return file_signature(manifest_path(folder))
-
-
-def _file_id(path: Path) -> tuple | None:
-    """(device, inode): another file at the same path differs, while the driver's docstore
-    holds the old one open (so its inode is not reused)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _opened_as(settings: Settings) -> tuple | None:
-    """(folder, manifest stat, layout, docstore file) of an owned index as its driver opens it,
-    taken before its stores open (an ingest that finishes meanwhile shows as a change); None
-    for an external index, or one without a readable manifest (its profile refuses it)."""
-    from branchsearch.infra.index.manifest import read_manifest
-
-    if settings.external is not None:
-        return None
-    folder = settings.index_dir
-    stat, manifest = _stat(folder), read_manifest(folder)
-    if manifest is None:
-        return None
-    return folder, stat, manifest.layout(), _file_id(folder / "docs.sqlite")
 
 
 def _serve_replicas() -> int:
@@ -779,12 +554,6 @@ def _close(driver, docstore) -> None:
     driver.close()
     if docstore is not None:
         docstore.close()
-
-
-def _not_found(index: str) -> IndexNotFound:
-    """What a caller learns of an index that is not there (not where the server keeps them)."""
-    return IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest PATH "
-                         f"--index {index}`)")
 
 
 def not_found(exc: IndexNotFound, settings) -> IndexNotFound:

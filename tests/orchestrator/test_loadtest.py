@@ -387,7 +387,7 @@ def live_service(hotpot_settings, tmp_path_factory):
     key = KeyStore(keys).add("loadtest", ())
     other = KeyStore(keys).add("loadtest-2", ())  # a second caller (Locust: a key per user)
     state = service.local_state(settings, executor="local", keys_path=keys)
-    state.searcher.target.driver(settings.index)  # opened before any clock runs
+    state.searcher.target.drivers.open(settings.index)  # opened before any clock runs
     server = start_uvicorn(service.create_app(state), state)
     yield server.url, key, other
     server.stop()

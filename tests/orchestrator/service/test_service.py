@@ -49,7 +49,7 @@ def site(tmp_path_factory):
     store.revoke("gone")
     state = service.local_state(settings, executor="local", keys_path=home / "keys.json",
                                 limits=LIMITS)
-    state.searcher.target.driver("acl")
+    state.searcher.target.drivers.open("acl")
     server = start_uvicorn(service.create_app(state), state)
     client = httpx.Client(base_url=server.url, timeout=120)
     yield client, keys, state
@@ -214,7 +214,7 @@ def test_an_opened_index_has_loaded_its_model(site):
     the first request after a start (or a reopen) loaded it inside its deadline. Opening an
     index now loads it."""
     client, keys, state = site
-    driver = state.searcher.target.driver("acl")
+    driver = state.searcher.target.drivers.open("acl")
     assert driver.executor.retriever.embedder._model is not None
 
 
@@ -415,7 +415,7 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
                                         "search_mode": "bm25"}, read_env=False, read_file=False)
     ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
     state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
-    state.searcher.target.driver("acl")
+    state.searcher.target.drivers.open("acl")
     server = start_uvicorn(service.create_app(state), state)
     folder = settings.index_dir / "tantivy"
     try:
@@ -504,7 +504,7 @@ def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, exe
         with httpx.Client(base_url=server.url, timeout=120) as client:
             hybrid, bm25 = ranked(over_http), ranked(over_http, "bm")
             assert "pub-museum" not in bm25[0]
-            opened = dict(searcher._drivers)
+            opened = dict(searcher.drivers.by_index)
             more = write_corpus(tmp_path / "more.jsonl", CORPUS + [
                 {"_id": "pub-museum", "title": "Seafaring Exhibit Hall",
                  "text": "The maritime history museum opened its doors in 1999 by the quay."}])
@@ -513,14 +513,14 @@ def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, exe
             while over_http(museum, "bm")["evidence"][0]["doc_id"] != "pub-museum":
                 assert time.monotonic() - waited < 30, "the added document was not found"
                 time.sleep(0.2)
-            assert searcher._drivers == opened  # the same stores, nothing reopened
+            assert searcher.drivers.by_index == opened  # the same stores, nothing reopened
             refused = cli_ingest(corpus, "acl", "--no-dense", rc=2)
             assert refused.count("\n") == 1 and "has vectors" in refused, refused
-            assert ranked(over_http) == hybrid and searcher._drivers == opened
+            assert ranked(over_http) == hybrid and searcher.drivers.by_index == opened
             shutil.rmtree(settings.index_dir)  # made anew, BM25 only
             cli_ingest(corpus, "acl", "--no-dense")
             relaid = ranked(over_http)
-            assert searcher._drivers["acl"] is not opened["acl"]
+            assert searcher.drivers.by_index["acl"] is not opened["acl"]
             assert relaid == as_fresh(), "not what a fresh service ranks"
             shutil.rmtree(settings.index_dir)  # and hybrid again: the Lite file is free
             cli_ingest(corpus, "acl")
@@ -562,13 +562,14 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
             assert first.status_code == 200, first.text
             bm = search("bm")
             assert bm.status_code == 200, bm.text
-            driver = searcher._drivers["acl"]
+            driver = searcher.drivers.by_index["acl"]
             killed = driver.executor.retriever
             ray.kill(killed, no_restart=True)
             again = search("acl")  # met the death: started again, asked again
             assert again.status_code == 200, again.text
             assert evidence(again) == evidence(first)
-            assert searcher._drivers["acl"] is driver and driver.executor.retriever is not killed
+            assert searcher.drivers.by_index["acl"] is driver
+            assert driver.executor.retriever is not killed
             assert driver.executor.revived == 1
             # streamed: a `rerun` event, then the branches again, and the same result
             ray.kill(driver.executor.retriever, no_restart=True)
@@ -592,7 +593,7 @@ def test_an_index_whose_retriever_actor_died_for_good_is_started_again(tmp_path)
             assert search("bm").status_code == 200  # the other index never noticed
             after = search("acl")
             assert after.status_code == 200, after.text
-            assert searcher._drivers["acl"] is not driver  # started afresh
+            assert searcher.drivers.by_index["acl"] is not driver  # started afresh
             assert evidence(after) == evidence(first)
             assert client.get("/readyz").status_code == 200
     finally:
@@ -657,13 +658,13 @@ def test_an_index_left_unused_is_closed_and_opens_again(tmp_path):
             first = client.post("/v1/search", json=question)
             other = client.post("/v1/search", json={**question, "index": "zweite-ü"})
             assert first.status_code == other.status_code == 200, (first.text, other.text)
-            actor = searcher._drivers["zweite-ü"].executor.retriever
+            actor = searcher.drivers.by_index["zweite-ü"].executor.retriever
             assert ray.get(actor.ping.remote(), timeout=30) is not None
             deadline = time.monotonic() + 30
-            while "zweite-ü" in searcher._drivers or searcher._retiring:
+            while "zweite-ü" in searcher.drivers.by_index or searcher.drivers.retiring:
                 assert time.monotonic() < deadline, "the unused index was not closed"
                 time.sleep(0.2)
-            assert list(searcher._drivers) == ["first"]  # the default index stays open
+            assert list(searcher.drivers.by_index) == ["first"]  # the default index stays open
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.ping.remote(), timeout=30)  # its retriever process is gone
             again = client.post("/v1/search", json={**question, "index": "zweite-ü"})
@@ -780,7 +781,7 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
                                             "branches": 1}, read_env=False, read_file=False)
         ingest(write_corpus(home / "c.jsonl", CORPUS[:3]), settings)
         state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
-        state.searcher.target.driver("es")
+        state.searcher.target.drivers.open("es")
         server = start_uvicorn(service.create_app(state), state)
         client = httpx.Client(base_url=server.url, timeout=120)
         try:

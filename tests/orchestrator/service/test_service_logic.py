@@ -256,23 +256,23 @@ def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
     searcher = Searcher(settings, executor="local", driver_factory=factory)
     failed = []
     slow = threading.Thread(target=lambda: failed.append(
-        pytest.raises(BackendUnavailable, searcher.driver, "slow")))
+        pytest.raises(BackendUnavailable, searcher.drivers.open, "slow")))
     slow.start()
     waited = time.perf_counter()
     while "slow" not in attempts and time.perf_counter() - waited < 30:
         time.sleep(0.01)
     assert attempts == ["slow"], failed
     started = time.perf_counter()
-    assert searcher.driver("fast") == "driver-fast"
+    assert searcher.drivers.open("fast") == "driver-fast"
     with pytest.raises(IndexNotFound, match="branchsearch ingest"):
-        searcher.driver("nope")
+        searcher.drivers.open("nope")
     assert time.perf_counter() - started < 5 and slow.is_alive()  # not behind "slow"
     release.set()
     slow.join(30)
-    assert failed and "slow" not in searcher._drivers
+    assert failed and "slow" not in searcher.drivers.by_index
     release.set()
     with pytest.raises(BackendUnavailable):  # tried again, not a cached failure
-        searcher.driver("slow")
+        searcher.drivers.open("slow")
     assert attempts.count("slow") == 2
 
 
@@ -302,19 +302,19 @@ def test_a_request_waits_for_a_starting_driver_only_until_its_deadline(tmp_path)
     searcher = Searcher(settings, executor="local", driver_factory=factory)
     began = time.perf_counter()
     with pytest.raises(ApiError) as caught:
-        searcher.driver("late", wait=0.3)
+        searcher.drivers.open("late", wait=0.3)
     assert time.perf_counter() - began < 5
     assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
     assert caught.value.headers == {"Retry-After": "5"}
     threads = threading.active_count()
     for _ in range(20):  # requests meanwhile wait on the one start: no thread each
         with pytest.raises(ApiError):
-            searcher.driver("late", wait=0.01)
+            searcher.drivers.open("late", wait=0.01)
     assert threading.active_count() == threads
     release.set()
-    assert searcher.driver("late", wait=10) == "driver-late" and starts == ["late"]
+    assert searcher.drivers.open("late", wait=10) == "driver-late" and starts == ["late"]
     with pytest.raises(IndexNotFound):  # a start's own error reaches the request
-        searcher.driver("nope", wait=10)
+        searcher.drivers.open("nope", wait=10)
 
 
 def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
@@ -337,7 +337,7 @@ def test_a_copied_index_is_refused_before_its_driver_starts(tmp_path):
     searcher = Searcher(settings, executor="ray",
                         driver_factory=lambda s, executor: started.append(s.index))
     with pytest.raises(IndexIncomplete, match="ingested as 'orig'") as caught:
-        searcher.driver("copy")
+        searcher.drivers.open("copy")
     assert api_error(caught.value).status == 503 and started == []
 
 def test_an_incomplete_index_is_refused_before_its_driver_starts(tmp_path):
@@ -356,11 +356,11 @@ def test_an_incomplete_index_is_refused_before_its_driver_starts(tmp_path):
                         driver_factory=lambda s, executor: started.append(s.index))
     with pytest.raises(IndexIncomplete, match="no manifest: its ingest never finished"
                        ) as caught:
-        searcher.driver("half")
+        searcher.drivers.open("half")
     assert api_error(caught.value).status == 503 and started == []
     settings.replace(index="bare").index_dir.mkdir()  # no docstore: unknown, no home path
     with pytest.raises(IndexNotFound, match=r"^index 'bare' not found \(make it") as caught:
-        searcher.driver("bare")
+        searcher.drivers.open("bare")
     assert str(tmp_path) not in str(caught.value) and started == []
 
 
@@ -532,22 +532,22 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
 
     searcher = Searcher(settings, executor="local",
                         driver_factory=lambda s, executor: FakeDriver(len(log)))
-    first = searcher.driver("x")
-    with searcher._using("x") as (driver, _):  # a request in flight on the old driver
+    first = searcher.drivers.open("x")
+    with searcher.drivers.using("x") as (driver, _):  # a request in flight on the old driver
         assert driver is first
         with IngestLock(folder, "x"):  # an ingest under way ...
             remove_manifest(folder)
-            assert searcher.driver("x") is first
+            assert searcher.drivers.open("x") is first
             then({**hybrid, "documents": 3})  # ... that adds a document
-        assert searcher.driver("x") is first
+        assert searcher.drivers.open("x") is first
         then({**hybrid, "embedding": None})  # another layout
         with pytest.raises(ApiError) as caught:  # the reopen waits for the request
-            searcher.driver("x", wait=0.2)
+            searcher.drivers.open("x", wait=0.2)
         assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
         assert log == ["open 0"]  # not closed under the request
-    second = searcher.driver("x", wait=10)
+    second = searcher.drivers.open("x", wait=10)
     assert second is not first and log == ["open 0", "close 0", "open 2"]
-    assert searcher.driver("x") is second
+    assert searcher.drivers.open("x") is second
 
     store = folder / "docs.sqlite"
     with open(store) as held:  # (as the searcher's docstore holds it: no inode reuse)
@@ -555,12 +555,12 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
         folder.mkdir(parents=True)
         store.touch()
         then({**hybrid, "embedding": None})
-        third = searcher.driver("x", wait=10)
+        third = searcher.drivers.open("x", wait=10)
     assert third is not second and log[-2:] == ["close 2", "open 4"]
 
     shutil.rmtree(folder)  # removed: not found, and its stores closed
     with pytest.raises(IndexNotFound):
-        searcher.driver("x", wait=10)
+        searcher.drivers.open("x", wait=10)
     waited = time.monotonic()
     while log[-1] != "close 4":
         assert time.monotonic() - waited < 10, log
@@ -568,11 +568,11 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
     folder.mkdir(parents=True)
     store.touch()
     then(hybrid)
-    assert searcher.driver("x", wait=10) and log[-1] == "open 6"
+    assert searcher.drivers.open("x", wait=10) and log[-1] == "open 6"
     remove_manifest(folder)  # an ingest that failed: no manifest, no ingest under way
     with pytest.raises(IndexIncomplete):
-        searcher.driver("x", wait=10)
-    assert log[-1] == "close 6" and "x" not in searcher._drivers
+        searcher.drivers.open("x", wait=10)
+    assert log[-1] == "close 6" and "x" not in searcher.drivers.by_index
     searcher.close()
 
 
@@ -779,39 +779,39 @@ def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
 
 
 def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
-    """`_using(index, wait)`: when the driver it waited for was retired before the request
+    """`Drivers.using(index, wait)`: when the driver it waited for was retired before the request
     could hold it (its index changed on disk), the next start was waited for with the whole
     `wait` again, so a request could overrun its deadline by one start. The wait now bounds the
     whole: the second start gets what is left."""
     import time
 
     from branchsearch.infra.config.settings import load_settings
-    from branchsearch.orchestrator.service.searcher import Searcher
+    from branchsearch.orchestrator.service.drivers import Drivers
 
     settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
     waits: list[float | None] = []
     retire = [True]
 
-    class Retiring(Searcher):
-        def driver(self, index, wait=None):
+    class Retiring(Drivers):
+        def open(self, index, wait=None):
             waits.append(wait)
             return object()
 
-        def _hold(self, index, driver):
+        def hold(self, index, driver):
             if retire and retire.pop():  # retired meanwhile, after a start that took 0.3 s
                 time.sleep(0.3)
                 return None
             return (None,)
 
-        def _let_go(self, driver, index):
+        def let_go(self, driver, index):
             pass
 
-    searcher = Retiring(settings, executor="local", driver_factory=lambda s, e: None)
-    with searcher._using("x", wait=0.5):
+    drivers = Retiring(settings, make=lambda s: None, close=lambda d, s: None)
+    with drivers.using("x", wait=0.5):
         pass
     assert len(waits) == 2 and 0.49 < waits[0] <= 0.5 and 0 <= waits[1] <= 0.2 + 1e-3
     waits.clear()
     retire.append(True)
-    with searcher._using("x"):  # no wait given: none either time
+    with drivers.using("x"):  # no wait given: none either time
         pass
     assert waits == [None, None]

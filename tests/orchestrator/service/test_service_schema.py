@@ -52,7 +52,7 @@ def live(tmp_path_factory):
     reader = store.add("reader", ("alpha",), (SEARCHED,))
     state = service.local_state(settings, executor="local", keys_path=home / "keys.json",
                                 limits=LIMITS)
-    state.searcher.target.driver(SEARCHED)
+    state.searcher.target.drivers.open(SEARCHED)
     server = start_uvicorn(create_app(state), state)
     yield server.url, {"admin": admin, "reader": reader}, state
     server.stop()

@@ -1,0 +1,292 @@
+"""The service's open indexes: one driver per index, started on first use and closed when no
+request needs it any more.
+
+A driver (an index's stores, retriever and policy; on Ray, its retriever actors) takes seconds to
+start and holds hundreds of MB, so the service keeps one per index and shares it between requests.
+`Drivers` decides when one starts and when one goes:
+
+* **Start**: on an index's first request, in the background, one start per index whatever the
+  number of callers waiting on it (`open`); a caller waits at most its deadline, then gets a 503
+  `index_starting` while the start goes on.
+* **Retire**: a driver leaves service when its index changed on disk (another ingest's layout,
+  a folder removed or made anew, an ingest left incomplete: `_stale`), when its retriever actor
+  died for good (`retire_dead`), or when no request used it for `idle_close_s` (the default
+  index excepted). The next request starts a fresh one.
+* **Close**: a retired driver closes only once the last request holding it (`using`, `hold`,
+  `let_go`) has left, and a new driver of the same index starts only after that (a Milvus Lite
+  file has one owner).
+
+No HTTP and no Ray here: `make(settings)` starts a driver, `close(driver, docstore)` closes one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.errors import IndexNotFound, error_line
+from branchsearch.infra.index.catalog import index_names
+from branchsearch.orchestrator.service.errors import ApiError
+
+log = logging.getLogger("branchsearch.service")
+
+
+class Drivers:
+    def __init__(self, settings: Settings, *, make: Callable[[Settings], object],
+                 close: Callable[[object, object], None], idle_close_s: float = 0.0):
+        """`make(settings)`: start the driver of `settings.index`; `close(driver, docstore)`:
+        close one; `idle_close_s` > 0: close an index (not the default) unused that long."""
+        self.settings, self._make, self._close, self.idle_close_s = (settings, make, close,
+                                                                     idle_close_s)
+        self.by_index: dict[str, object] = {}  # the drivers in service
+        self._docstores: dict[str, object] = {}
+        self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
+        self._users: dict[object, int] = {}  # driver -> the requests using it now
+        self.retiring: dict[str, tuple] = {}  # index -> (driver, docstore) closing when idle
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a driver's last request ended
+        self._background: dict[str, dict] = {}  # index -> its one start, while it runs
+        self._write_locks: dict[str, threading.Lock] = {}
+        self._last_used: dict[str, float] = {}  # index -> when its last request ended
+        self._closing = threading.Event()  # set by close(): the idle reaper stops
+        if idle_close_s > 0:
+            threading.Thread(target=self._reap_idle, daemon=True, name="idle-indexes").start()
+
+    def open(self, index: str, wait: float | None = None):
+        """The index's driver, started on first use. The start (its actors may take a while,
+        or fail on a full cluster) runs in the background, one per index whatever the number
+        of callers waiting on it, so searches of other indexes go on meanwhile. `wait`: the
+        most seconds to wait for it (a request's deadline); past it, a 503 index_starting
+        while the start goes on. A failed start is tried again by the next caller."""
+        with self._lock:
+            if index in self.by_index:
+                if not self._stale(index):
+                    return self.by_index[index]
+                self._retire(index)
+        if index not in index_names(self.settings):  # nothing to start: answered now
+            raise index_not_found(index)
+        with self._lock:
+            if index in self.by_index:  # another caller's start finished meanwhile
+                return self.by_index[index]
+            start = self._background.get(index)
+            if start is None:
+                start = self._background[index] = {"done": threading.Event()}
+                threading.Thread(target=self._start, args=(index, start), daemon=True,
+                                 name=f"start-{index}").start()
+        if not start["done"].wait(wait):
+            raise ApiError(503, "index_starting", f"index {index!r} is still starting; retry "
+                           "later", {"Retry-After": "5"})
+        if "error" in start:
+            raise start["error"]
+        return start["driver"]
+
+    def _start(self, index: str, start: dict) -> None:
+        try:
+            with self._idle:  # a retired driver's stores close before new ones open (Lite)
+                while index in self.retiring:
+                    self._idle.wait()
+            start["driver"] = self._open(index)
+        except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
+            start["error"] = exc
+        finally:
+            with self._lock:
+                self._background.pop(index, None)
+            start["done"].set()
+
+    def _open(self, index: str):
+        """Check the index, then start its driver (`open` runs one start per index)."""
+        from branchsearch.infra.stores.docstore import DocStore
+        from branchsearch.infra.index.profile import index_profile
+
+        settings = self.settings.replace(index=index)
+        opened_as = _opened_as(settings)  # before the stores open: a later ingest shows
+        profile = index_profile(settings)
+        # not found, incomplete, being ingested, damaged or a copied folder: its answer now,
+        # before any actor starts for it (not the death of a retriever actor that found it)
+        if isinstance(profile.problem, IndexNotFound):  # (its message names the home)
+            raise index_not_found(index)
+        profile.require_searchable()
+        docstore = DocStore(profile.folder / "docs.sqlite") if profile.kind == "owned" else None
+        driver = self._make(settings)
+        with self._lock:
+            self.by_index[index] = driver
+            self._docstores[index] = docstore
+            self._last_used[index] = time.monotonic()
+            self._write_locks.setdefault(index, threading.Lock())
+            if opened_as is not None:
+                self._opened_as[index] = opened_as
+        return driver
+
+    def _stale(self, index: str) -> bool:
+        """Whether the index on disk is no longer the one its driver opened: an ingest (another
+        process: the CLI) changed its layout (`Manifest.layout`: stores, embedder, chunking),
+        its folder was removed and made anew, or it was left incomplete (no manifest, and no
+        ingest under way: a failed or stopped one, or a removed folder). The driver's open
+        stores would rank a different index from the one a fresh service would search, or
+        from its policy's reading of the new manifest. (Documents an ingest only adds or
+        replaces reach the open stores: tantivy's reader reloads itself, SQLite and the servers
+        are shared; Milvus Lite's file is the service's while it is open.) One stat a request;
+        more only when the manifest changed or is gone. Holding the lock."""
+        from branchsearch.infra.index.manifest import read_manifest, running_ingest
+
+        seen = self._opened_as.get(index)
+        if seen is None:  # an external index: nothing of ours to watch
+            return False
+        folder, stat, layout, docstore = seen
+        now = _stat(folder)
+        if now == stat:
+            return False
+        manifest = None if now is None else read_manifest(folder)
+        if manifest is None:  # an ingest under way: searches go on over what was there
+            return running_ingest(folder) is None
+        if manifest.layout() == layout and _file_id(folder / "docs.sqlite") == docstore:
+            self._opened_as[index] = (folder, now, layout, docstore)
+            return False
+        return True
+
+    def _retire(self, index: str, why: str = "changed on disk (another layout, removed, made "
+                "anew or left incomplete)") -> None:
+        """Take the index's driver out of service; it is closed once the requests using it end
+        (`using`). Holding the lock."""
+        old = self.by_index.pop(index), self._docstores.pop(index)
+        log.info("index %r %s: its stores close once the %d request(s) using them end", index,
+                 why, self._users.get(old[0], 0))
+        self.retiring[index] = old
+        threading.Thread(target=self._close_when_idle, args=(index, old), daemon=True,
+                         name=f"retire-{index}").start()
+
+    def retire_dead(self, index: str, driver, exc: BaseException) -> None:
+        """Retire the index's `driver`, whose retriever actor is dead for good (once: the
+        first request to find it; a driver already replaced stays replaced)."""
+        with self._lock:
+            if self.by_index.get(index) is driver:
+                log.error("index %r: its retriever actor died for good (%s)", index,
+                          error_line(exc, 300))
+                self._retire(index, "lost its retriever actor")
+
+    def _close_when_idle(self, index: str, old: tuple) -> None:
+        try:
+            with self._idle:
+                while self._users.get(old[0]):
+                    self._idle.wait()
+            self._close(*old)
+        except Exception as exc:  # noqa: BLE001 — a store that fails to close: logged
+            log.warning("closing the old stores of index %r: %s", index, error_line(exc, 500))
+        finally:
+            with self._idle:
+                if self.retiring.get(index) is old:
+                    del self.retiring[index]
+                self._idle.notify_all()
+
+    @contextmanager
+    def using(self, index: str, wait: float | None = None):
+        """(driver, docstore) of the index for one request; a driver retired meanwhile (its
+        index changed on disk) is closed only once its last request leaves here. `wait` bounds
+        the whole: a start waited for again (the driver retired meanwhile) gets what is left."""
+        end = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if end is None else max(end - time.monotonic(), 0.0)
+            driver = self.open(index, left)
+            if (held := self.hold(index, driver)) is not None:
+                break
+        try:
+            yield driver, held[0]
+        finally:
+            self.let_go(driver, index)
+
+    def hold(self, index: str, driver) -> tuple | None:
+        """Count one more user of `driver` if it still serves `index` (not retired meanwhile):
+        a driver in use is neither closed nor reaped. Returns (its docstore,), or None."""
+        with self._lock:
+            if self.by_index.get(index) is not driver:
+                return None
+            self._users[driver] = self._users.get(driver, 0) + 1
+            return (self._docstores[index],)
+
+    def let_go(self, driver, index: str | None) -> None:
+        """One user of `driver` less; `index`: a request used it (readiness probes do not
+        count as use)."""
+        with self._idle:
+            self._users[driver] -= 1
+            if index is not None:
+                self._last_used[index] = time.monotonic()
+            if not self._users[driver]:
+                del self._users[driver]
+                self._idle.notify_all()
+
+    def _reap_idle(self) -> None:
+        """Close the indexes (other than the default) no request used for
+        `index_idle_close_s`: each holds a retriever process and its models (hundreds of MB
+        a hybrid index) that a service in front of many indexes would otherwise keep for
+        every index ever asked once. The next request opens it again, as on first use."""
+        idle_s = self.idle_close_s
+        while not self._closing.wait(min(max(idle_s / 4, 0.05), 60.0)):
+            now = time.monotonic()
+            with self._lock:
+                for index in [i for i, d in self.by_index.items()
+                              if i != self.settings.index and not self._users.get(d)
+                              and now - self._last_used.get(i, now) >= idle_s]:
+                    self._retire(index, f"was not used for {idle_s:g} s")
+
+    def opened(self) -> list[tuple[str, object]]:
+        """(index, driver) of every driver in service now."""
+        with self._lock:
+            return list(self.by_index.items())
+
+    def write_lock(self, index: str) -> threading.Lock:
+        """The lock that makes the service's document writes to `index` one at a time."""
+        with self._lock:
+            return self._write_locks.setdefault(index, threading.Lock())
+
+    def close(self) -> None:
+        """Close every driver now; wait (at most 30 s) for the retired ones to close."""
+        self._closing.set()
+        with self._idle:
+            for index, driver in self.by_index.items():
+                self._close(driver, self._docstores[index])
+            self.by_index.clear()
+            self._docstores.clear()
+            self._idle.wait_for(lambda: not self.retiring, timeout=30)  # their own threads
+
+
+def _stat(folder: Path) -> tuple | None:
+    """The index manifest's signature: an ingest that finishes replaces it."""
+    from branchsearch.infra.index.manifest import file_signature, manifest_path
+
+    return file_signature(manifest_path(folder))
+
+
+def _file_id(path: Path) -> tuple | None:
+    """(device, inode): another file at the same path differs, while the driver's docstore
+    holds the old one open (so its inode is not reused)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _opened_as(settings: Settings) -> tuple | None:
+    """(folder, manifest stat, layout, docstore file) of an owned index as its driver opens it,
+    taken before its stores open (an ingest that finishes meanwhile shows as a change); None
+    for an external index, or one without a readable manifest (its profile refuses it)."""
+    from branchsearch.infra.index.manifest import read_manifest
+
+    if settings.external is not None:
+        return None
+    folder = settings.index_dir
+    stat, manifest = _stat(folder), read_manifest(folder)
+    if manifest is None:
+        return None
+    return folder, stat, manifest.layout(), _file_id(folder / "docs.sqlite")
+
+
+def index_not_found(index: str) -> IndexNotFound:
+    """What a caller learns of an index that is not there (not where the server keeps them)."""
+    return IndexNotFound(f"index {index!r} not found (make it with `branchsearch ingest PATH "
+                         f"--index {index}`)")
