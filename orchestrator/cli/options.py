@@ -92,12 +92,16 @@ def writable_file(path: Path, what: str) -> None:
 def progress_bar(total: int | None, unit: str, desc: str):
     """A tqdm bar on a terminal; elsewhere (a pipe, a log file, CI) one plain line every
     few seconds, so long work is never silent. Both take update(n), set_postfix(...),
-    format_dict["elapsed"] and close()."""
+    format_dict["elapsed"] and close(done=True)."""
     if not sys.stderr.isatty():
         return ProgressLines(total, unit, desc)
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    class Bar(tqdm):
+        def close(self, done: bool = True) -> None:  # as ProgressLines.close; the bar shows
+            super().close()  # where it stopped either way
+
+    return Bar(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
 class ProgressLines:

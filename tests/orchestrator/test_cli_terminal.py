@@ -1,0 +1,80 @@
+"""The commands as a person types them: on a terminal, where long work shows a tqdm bar rather
+than the plain lines a pipe gets. The rest of the suite runs the CLI on pipes, which is how a
+bar that could not close (`batch`, every time, on a terminal) went unseen."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
+HOTPOT = Path(__file__).parents[1] / "fixtures" / "hotpot-mini"
+
+
+def on_terminal(args, timeout: float = 300) -> tuple[int, str]:
+    """Run the CLI with a pseudo-terminal as stdin, stdout and stderr; (exit status, what the
+    terminal showed)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([*CLI, *map(str, args)], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "COLUMNS": "120"})
+    os.close(slave)
+    shown, end, quiet_since = [], time.monotonic() + timeout, None
+    try:
+        while time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # every holder of the terminal has closed it
+                    break
+                if not data:
+                    break
+                shown.append(data)
+                quiet_since = None
+            elif proc.poll() is not None:  # exited; what it left may still be in transit
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 1.0:
+                    break
+        else:
+            proc.kill()
+            raise AssertionError(f"{args[0]} ran past {timeout} s")
+        return proc.wait(30), b"".join(shown).decode("utf-8", "replace")
+    finally:
+        os.close(master)
+
+
+def test_ingest_batch_and_eval_end_cleanly_on_a_terminal(hotpot_settings, tmp_path):
+    home, index = hotpot_settings.home, "on-a-terminal"  # the home's embedding cache is warm
+    rc, shown = on_terminal(["ingest", HOTPOT, "--home", home, "--index", index])
+    assert rc == 0 and "Traceback" not in shown, shown[-2000:]
+    assert "ingested 74 documents" in shown
+
+    questions = tmp_path / "q.jsonl"
+    with open(HOTPOT / "queries.jsonl", encoding="utf-8") as f:
+        questions.write_text("".join(list(f)[:4]), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    rc, shown = on_terminal(["batch", questions, "-o", out, "--home", home, "--index", index])
+    assert rc == 0 and "Traceback" not in shown, shown[-2000:]
+    assert "batch: 4 ok, 0 partial, 0 failed" in shown  # the summary after the bar
+    assert [json.loads(line)["status"] for line in out.read_text().splitlines()] == ["ok"] * 4
+
+    rc, shown = on_terminal(["eval", HOTPOT, "--home", home, "--index", index, "--no-ingest",
+                             "--mode", "bm25"])
+    assert rc == 0 and "Traceback" not in shown, shown[-2000:]
+    assert "all_recall@5" in shown or "AR@5" in shown, shown[-2000:]
+
+
+def test_the_readmes_first_command_on_a_terminal(tmp_path):
+    """`branchsearch demo`, as a newcomer first runs it: our own lines, no library noise."""
+    rc, shown = on_terminal(["demo", "--home", tmp_path / "home"])
+    assert rc == 0 and "Traceback" not in shown, shown[-2000:]
+    lines = [line.strip() for line in shown.replace("\r", "\n").splitlines() if line.strip()]
+    assert any(line.startswith("3. question") for line in lines), lines
+    noise = [line for line in lines if any(w in line for w in ("Warning", "WARNING", "warn("))]
+    assert not noise, noise
