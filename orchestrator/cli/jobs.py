@@ -19,7 +19,8 @@ from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, caller_acl,
                                                    choice, progress_bar, settings_from,
-                                                   settings_to_read, writable_file)
+                                                   settings_to_read, writable_file,
+                                                   writable_folder)
 from branchsearch.orchestrator.cli.render import (print_demo_branches, print_demo_evidence,
                                                   print_evaluation)
 from branchsearch.orchestrator.loadtest.command import loadtest
@@ -179,6 +180,9 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
 
     if report is not None:  # before the run: a report that cannot be written is said first
         writable_file(output_path(report), "report")
+        writable_file(output_path(report).with_suffix(".md"), "report")
+    if plots is not None:
+        writable_folder(plots, "--plots")
     options = EvalOptions(dataset, mode=mode, policy=policy, baseline=baseline, compare=compare,
                           executor=executor, limit=limit, split=split, ingest_first=ingest_first,
                           report=report, plots=plots)

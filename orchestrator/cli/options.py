@@ -74,19 +74,40 @@ def caller_acl(settings: Settings, groups: list[str] | None, admin: bool) -> lis
 
 
 def writable_file(path: Path, what: str) -> None:
-    """Stop with one line when `path` cannot be written as a file (a folder, no permission)."""
+    """Stop with one line when `path` cannot be written as a file (a folder, no permission, a
+    read-only or virtual file system), before any work whose results it would hold."""
     import os
 
     if path.is_dir():
         raise BranchsearchError(f"{what} {path} is a folder: give a file name")
-    folder = path.parent if str(path.parent) else Path(".")
+    _writable_folder(path.parent if str(path.parent) else Path("."), path, what)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise BranchsearchError(f"{what} {path}: no permission to write there")
+
+
+def writable_folder(path: Path, what: str) -> None:
+    """Stop with one line when files cannot be written into the folder `path` (made if
+    missing)."""
+    if path.exists() and not path.is_dir():
+        raise BranchsearchError(f"{what} {path} is not a folder")
+    _writable_folder(path, path, what)
+
+
+def _writable_folder(folder: Path, path: Path, what: str) -> None:
+    """A file can be made in `folder`, or in the folder it will be made under: tried with a
+    file that is gone at once (a permission check alone passes root in /proc)."""
+    import tempfile
+
     while not folder.exists() and folder != folder.parent:  # created on write
         folder = folder.parent
     if not folder.is_dir():
         raise BranchsearchError(f"{what} {path}: {folder} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists()
-                                                     and not os.access(path, os.W_OK)):
-        raise BranchsearchError(f"{what} {path}: no permission to write there")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise BranchsearchError(f"{what} {path}: cannot write in {folder} "
+                                f"({exc.strerror or type(exc).__name__})") from None
 
 
 def progress_bar(total: int | None, unit: str, desc: str):

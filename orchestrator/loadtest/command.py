@@ -11,7 +11,8 @@ from typing import Optional
 import typer
 
 from branchsearch.infra.config.choices import EXECUTORS
-from branchsearch.orchestrator.cli.options import settings_from, settings_to_read
+from branchsearch.orchestrator.cli.options import (settings_from, settings_to_read, writable_file,
+                                                 writable_folder)
 
 
 def _printer():
@@ -97,6 +98,11 @@ def loadtest(
     if executor not in EXECUTORS:
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
                                  param_hint="'--executor'")
+    if report:  # checked before any load is sent: a ramp's results are not lost at its end
+        writable_file(report, "--report")
+        writable_file(report.with_suffix(".md"), "--report")
+    if plots:
+        writable_folder(plots, "--plots")
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     # against a URL the index is the service's to name; in-process, the home's only one serves
     settings = settings_from(home, index, config, **flags) if url else \

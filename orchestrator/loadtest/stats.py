@@ -129,6 +129,7 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
         "refusal_rate": round(len(refused) / len(samples), 4) if samples else 0.0,
         "refusals": dict(sorted(Counter(s.outcome for s in refused).items())),
         "unreached": len(unreached),
+        "ended_unreached": ended_unreached(answered),
         "branch_errors": dict(sorted(branch_errors.items())),
         "latency_ms": _pcts([s.latency(cutoff) for s in served]),
         "latency_lower_bound": any(s.done is None for s in served),
@@ -165,10 +166,19 @@ def saturated(step: dict, previous: dict | None, baseline: dict, *, tolerance: f
     return ""
 
 
+def ended_unreached(samples: list[Sample]) -> bool:
+    """Whether the last request sent reached no service: the service went away during the
+    step and did not come back before it ended (a loaded service answers, if only 429/503)."""
+    last = max(samples, key=lambda s: s.sent or s.scheduled, default=None)
+    return last is not None and last.outcome in UNREACHED
+
+
 def unreachable(step: dict) -> bool:
-    """Whether most of a step's requests reached no service (refused connections, resets): the
-    service went away, which says nothing of where it saturates."""
-    return step.get("unreached", 0) * 2 > max(step.get("sent", 0), 1)
+    """Whether the service went away during a step, which says nothing of where it saturates:
+    most of its requests reached no service (refused connections, resets), or its last one
+    did (a service that died partway through)."""
+    return (step.get("unreached", 0) * 2 > max(step.get("sent", 0), 1)
+            or bool(step.get("ended_unreached")))
 
 
 def find_knee(steps: list[dict], **criteria) -> dict:
@@ -180,7 +190,9 @@ def find_knee(steps: list[dict], **criteria) -> dict:
             return {"knee": None, "saturated_at": None,
                     "reason": f"the service became unreachable at step {i + 1} "
                               f"({step['unreached']} of {step['sent']} requests reached no "
-                              "service): no knee drawn"}
+                              "service" + (", the last one among them" if
+                                           step.get("ended_unreached") else "")
+                              + "): no knee drawn"}
         why = saturated(step, steps[i - 1] if i else None, steps[0], **criteria)
         if why:
             return {"knee": steps[i - 1]["load"] if i else None, "saturated_at": step["load"],

@@ -109,6 +109,17 @@ def test_usage_errors(inputs, tmp_path):
                              *home], "is not a regular file"),
         "eval --report a pipe": (["eval", inputs / "dev-only", "--split", "dev", "--report",
                                   inputs / "fifo", *home], "is not a regular file"),
+        "batch -o where nothing can be written": (["batch", inputs / "questions.jsonl", "-o",
+                                                   "/proc/bs-out.jsonl", *home],
+                                                  "cannot write in /proc"),
+        "eval --plots a file": (["eval", inputs / "dev-only", "--split", "dev", "--plots",
+                                 inputs / "a-file", *home], "is not a folder"),
+        "loadtest --report where nothing can be written": (
+            ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
+             "1", "--report", "/proc/bs-lt.json", *home], "cannot write in /proc"),
+        "loadtest --plots under a file": (
+            ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
+             "1", "--plots", inputs / "a-file" / "plots", *home], "not a folder"),
     }
     (inputs / "k.toml").write_text("search_k = 5000\n")
     if not (inputs / "fifo").exists():  # a device such as /dev/null is not ours to replace

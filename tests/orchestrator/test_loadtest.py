@@ -577,6 +577,25 @@ def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
     assert out["knee"]["knee"] is None and "unreachable" in out["stopped"]
 
 
+def test_a_service_that_dies_partway_through_a_step_is_no_saturation_point():
+    """A service killed 8 s into a 25 s step: a third of the step's requests reached no service.
+    That was reported as the first step's saturation (errors > 1 %), exit 0. The step's last
+    request reached no service, so the service went away: no knee is drawn from it."""
+    samples = [Sample(0, scheduled=i, sent=i, done=i + 0.5, outcome="ok") for i in range(10)]
+    samples += [Sample(0, scheduled=10 + i, sent=10 + i, done=10 + i,
+                       outcome="error:ConnectionRefusedError") for i in range(5)]
+    step = summarize(samples, load=3, loop="closed", duration_s=15.0, cutoff=16.0)
+    assert step["unreached"] == 5 and step["ended_unreached"]
+    knee = find_knee([step])
+    assert knee["knee"] is None and knee["saturated_at"] is None
+    assert "unreachable at step 1" in knee["reason"] and "the last one among them" in knee["reason"]
+    # a service that lost connections midway but answered again by the step's end: saturation
+    samples.append(Sample(0, scheduled=20, sent=20, done=20.5, outcome="ok"))
+    step = summarize(samples, load=3, loop="closed", duration_s=21.0, cutoff=22.0)
+    assert not step["ended_unreached"]
+    assert find_knee([step])["saturated_at"] == 3
+
+
 def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path):
     """^C during a step: the report holds what it measured so far (the step marked partial),
     and the exit status says the run was interrupted."""
