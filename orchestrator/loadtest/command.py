@@ -55,8 +55,8 @@ def loadtest(
                                            "with --loop closed), one step each"),
         loop: Optional[str] = typer.Option(None, "--loop", help="open | closed (default: closed "
                                            "with --users, else open)"),
-        arrivals: str = typer.Option("poisson", "--arrivals", help="open loop: poisson | "
-                                     "constant"),
+        arrivals: Optional[str] = typer.Option(None, "--arrivals", help="open loop: poisson "
+                                               "(default) | constant"),
         duration: Optional[float] = typer.Option(None, "--duration", help="seconds of load "
                                                  "(default 30; with --ramp: a cap on all steps)"),
         step_duration: float = typer.Option(20.0, "--step-duration", help="seconds per ramp "

@@ -92,7 +92,7 @@ class Options:
     users: int | None = None
     ramp: str | None = None
     loop: str | None = None  # open | closed; default: closed with --users, else open
-    arrivals: str = "poisson"
+    arrivals: str | None = None  # open loop: poisson (default) | constant
     duration_s: float | None = None
     step_duration_s: float = 20.0
     drain_s: float = 10.0
@@ -117,9 +117,14 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
     notes = []
     for flag, value in (("--rate", o.rate), ("--users", o.users), ("--duration", o.duration_s),
                         ("--step-duration", o.step_duration_s), ("--drain", o.drain_s),
-                        ("--think", o.think_s), ("--timeout-s", o.timeout_s)):
+                        ("--think", o.think_s), ("--timeout-s", o.timeout_s),
+                        ("--deadline-s", o.deadline_s), ("--slo-p99-ms", o.slo_p99_ms)):
         if value is not None and not math.isfinite(value):  # nan and inf: no bounded run
             raise BranchsearchError(f"{flag} {value}: give a number (not nan or inf)")
+    for flag, value in (("--deadline-s", o.deadline_s), ("--slo-p99-ms", o.slo_p99_ms),
+                        ("--timeout-s", o.timeout_s)):
+        if value is not None and value <= 0:  # every request would fail, or no SLO be judged
+            raise BranchsearchError(f"{flag} {value:g}: must be > 0")
     loop = o.loop or ("closed" if o.users is not None and o.rate is None else "open")
     if loop not in ("open", "closed"):
         raise BranchsearchError(f"--loop {loop!r}: use open or closed")
@@ -145,13 +150,21 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
         if load <= 0:
             raise BranchsearchError("--rate and --users must be > 0")
         steps = [arrivals.Step(float(load), o.duration_s if o.duration_s else 30.0)]
-    if o.arrivals not in arrivals.PROCESSES:
+    process = o.arrivals or "poisson"
+    if process not in arrivals.PROCESSES:
         raise BranchsearchError(f"--arrivals {o.arrivals!r}: use poisson or constant")
+    if o.arrivals is not None and loop == "closed":  # a flag that would change nothing
+        raise BranchsearchError("--arrivals shapes an open loop's sends (--rate); a closed "
+                                "loop's users send when answered: drop --arrivals")
+    if o.think_s and loop == "open":
+        raise BranchsearchError("--think is a closed loop's pause between an answer and the "
+                                "next question (--users); an open loop sends at its rate: "
+                                "drop --think")
     if o.duration_s is not None and o.duration_s <= 0:
         raise BranchsearchError("--duration must be > 0 seconds")
     if o.max_inflight < 1 or o.drain_s < 0 or o.think_s < 0:
         raise BranchsearchError("--max-inflight must be >= 1; --drain and --think >= 0")
-    return LoadSpec(loop, tuple(steps), o.arrivals, o.drain_s, o.max_inflight, o.think_s,
+    return LoadSpec(loop, tuple(steps), process, o.drain_s, o.max_inflight, o.think_s,
                     o.seed, o.warmup, o.stop_at_knee, o.slo_p99_ms), notes
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -546,6 +547,26 @@ def test_nan_and_inf_are_refused_before_anything_runs(options):
 
     with pytest.raises(BranchsearchError, match="nan or inf"):
         load_spec(Options(**options))
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"rate": 1.0, "deadline_s": 0.0}, "--deadline-s 0: must be > 0"),
+    ({"rate": 1.0, "deadline_s": -1.0}, "--deadline-s -1: must be > 0"),
+    ({"rate": 1.0, "slo_p99_ms": -3.0}, "--slo-p99-ms -3: must be > 0"),
+    ({"rate": 1.0, "timeout_s": 0.0}, "--timeout-s 0: must be > 0"),
+    ({"users": 2, "arrivals": "constant"}, "drop --arrivals"),
+    ({"rate": 1.0, "think_s": 1.0}, "drop --think")])
+def test_values_that_would_fail_every_request_or_change_nothing_are_refused(options, says):
+    """A deadline of 0 failed every request and reported it as saturation; a negative SLO
+    dropped the SLO line; --arrivals with --users and --think with --rate were ignored. Each
+    is one error line before anything runs."""
+    from branchsearch.orchestrator.loadtest.run import Options, load_spec
+
+    with pytest.raises(BranchsearchError, match=re.escape(says)):
+        load_spec(Options(**options))
+    assert load_spec(Options(users=2, think_s=1.0))[0].think_s == 1.0  # where they belong
+    assert load_spec(Options(rate=1.0, arrivals="constant"))[0].process == "constant"
+    assert load_spec(Options(rate=1.0))[0].process == "poisson"
 
 
 def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
