@@ -63,6 +63,10 @@ def read_questions(path: str | Path) -> BatchInput:
                 if not isinstance(row, dict):
                     raise ValueError(f"a line is one JSON object per question, not "
                                      f"{_JSON_KIND.get(type(row), 'a number')}")
+                for one, other in (("id", "_id"), ("question", "text")):
+                    if one in row and other in row and row[one] != row[other]:
+                        raise ValueError(f"gives both {one!r} and {other!r}, and they differ: "
+                                         "keep one")
                 qid = row.get("id", row.get("_id"))
                 question = row.get("question", row.get("text"))
                 if qid is None or question is None:
@@ -72,8 +76,8 @@ def read_questions(path: str | Path) -> BatchInput:
                 if problem:
                     raise ValueError(problem)
             except json.JSONDecodeError as exc:  # its position on this line, not in its parse
-                out.bad_lines.append(f"{path}:{lineno}: not JSON ({exc.msg} at character "
-                                     f"{exc.pos + 1} of the line)")
+                out.bad_lines.append(f"{path}:{lineno}: not JSON ({exc.msg.removesuffix(' at')} "
+                                     f"at character {exc.pos + 1} of the line)")
                 continue
             except ValueError as exc:
                 out.bad_lines.append(f"{path}:{lineno}: {exc}")
@@ -172,9 +176,20 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
                               "give a new file, or one a batch wrote (it is rewritten)")
 
 
-def done_ids(path: str | Path) -> set[str]:
-    """Ids whose latest row is ok (nothing to re-run)."""
-    return {qid for qid, row in latest_rows(path).items() if row_status(row) == "ok"}
+def done_ids(path: str | Path) -> dict[str, str | None]:
+    """Ids whose latest row is ok, each with the question that row answered (None: a row
+    written without it)."""
+    return {qid: row.get("question") for qid, row in latest_rows(path).items()
+            if row_status(row) == "ok"}
+
+
+def to_ask(items: list[tuple[str, str]], done: dict[str, str | None]
+           ) -> tuple[list[tuple[str, str]], list[str]]:
+    """(the questions to ask, the ids among them asked again because their question is not
+    the one their ok row answered): a resume asks what is not done, and a question edited in
+    the input under the same id is not done."""
+    todo = [(qid, q) for qid, q in items if qid not in done or done[qid] not in (None, q)]
+    return todo, [qid for qid, _ in todo if qid in done]
 
 
 def compact(path: str | Path, order: list[str] | None = None) -> int:
@@ -209,18 +224,18 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               on_done: Callable[[str], None] | None = None,
               stop_after: int = STOP_AFTER, stop: threading.Event | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
-    not ok. Returns counts: ok, partial, failed (this run), skipped (already ok), not_run
+    not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
+    run), skipped (already ok), changed (ids asked again: their question changed), not_run
     (left when `stop_after` failures in a row stopped the run), `stopped` (why, or "") and
     `failed_ids` (this run's failed question ids, in input order). `stop`, once set (a ^C):
     no question is started after it, the ones running finish and their rows are written, then
     KeyboardInterrupt is raised here."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    finished = done_ids(out_path)
-    todo = [(qid, q) for qid, q in items if qid not in finished]
+    todo, changed = to_ask(items, done_ids(out_path))
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
-              "not_run": 0, "stopped": ""}
+              "not_run": 0, "stopped": "", "changed": changed}
     in_a_row, last_error, failed_ids = 0, [""], set()
 
     def one(qid: str, question: str) -> str:

@@ -52,7 +52,8 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     """Many questions, resumable: re-running runs again every id whose latest line is not ok;
     the output ends with one line per id."""
     from branchsearch.infra.textfile import output_path
-    from branchsearch.orchestrator.batch import check_output, done_ids, read_questions, run_batch
+    from branchsearch.orchestrator.batch import (check_output, done_ids, read_questions,
+                                                 run_batch, to_ask)
     from branchsearch.orchestrator.driver import open_driver
 
     output = output_path(output)  # through a link, its target; never a device (/dev/null)
@@ -77,8 +78,12 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
     else:
         driver = open_driver(settings, picked)
         search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
-    finished = done_ids(output) if output.is_file() else set()  # a re-run: what is left
-    bar = progress_bar(sum(qid not in finished for qid, _ in data.items), "q", "batch")
+    todo, changed = to_ask(data.items, done_ids(output) if output.is_file() else {})
+    if changed:  # a re-run asks what is left, and what was edited since its row was written
+        more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+        print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
+              f"was written: {', '.join(changed[:10])}{more}", file=sys.stderr)
+    bar = progress_bar(len(todo), "q", "batch")
     seen = {"partial": 0, "failed": 0}
 
     def tick(status: str) -> None:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from branchsearch.orchestrator.batch import check_output, compact, done_ids, run_batch
+from branchsearch.orchestrator.batch import (check_output, compact, done_ids, read_questions,
+                                             run_batch)
 
 from conftest import HOTPOT
 
@@ -24,7 +25,7 @@ def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
         + json.dumps({"id": "c", "error": "BackendUnavailable: down"}) + "\n"
         + json.dumps({"id": "d", "evidence": []}) + "\n"  # an old row without status
         + '{"id": "e", "sta')  # torn by a crash
-    assert done_ids(out) == {"a"}
+    assert done_ids(out) == {"a": None}  # (a row written without its question)
     check_output(out, tmp_path / "in.jsonl")  # every line is one a batch wrote (or torn)
     asked = []
 
@@ -38,15 +39,52 @@ def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
     counts = run_batch(items, out, search, concurrency=2)
     assert sorted(asked) == ["qb", "qc", "qd", "qe"]
     assert counts == {"skipped": 1, "ok": 3, "partial": 0, "failed": 1, "not_run": 0,
-                      "stopped": "", "failed_ids": ["d"]}
+                      "stopped": "", "changed": [], "failed_ids": ["d"]}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == list("abcde")  # one line each, input order
     assert rows[3]["status"] == "failed" and "still broken" in rows[3]["error"]
     # a crash after appending a newer attempt: the latest line wins when compacted
     with out.open("a") as f:
         f.write(json.dumps({"id": "d", "status": "ok", "evidence": ["late"]}) + "\n")
-    assert compact(out, list("abcde")) == 5 and done_ids(out) == set("abcde")
+    assert compact(out, list("abcde")) == 5 and set(done_ids(out)) == set("abcde")
     assert json.loads(out.read_text().splitlines()[3])["evidence"] == ["late"]
+
+
+def test_a_question_edited_under_the_same_id_is_asked_again(tmp_path):
+    """A resume skipped an id whose ok row answered another question: the input was edited
+    (a typo fixed), the old answer stayed, and the summary said "already ok" (hostile pass).
+    Now it is asked again, and the CLI says which ids."""
+    out = tmp_path / "out.jsonl"
+    items = [("a", "Who reviews the master contract?"), ("b", "Who owns the archive?")]
+    run_batch(items, out, lambda q: {"status": "ok", "evidence": [q]}, concurrency=1)
+    edited = [("a", "Who signed the master contract?"), items[1]]
+    asked = []
+    counts = run_batch(edited, out, lambda q: asked.append(q) or
+                       {"status": "ok", "evidence": [q]}, concurrency=1)
+    assert asked == ["Who signed the master contract?"]
+    assert counts["skipped"] == 1 and counts["ok"] == 1 and counts["changed"] == ["a"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["question"]) for r in rows] == edited  # one row each, the new answer
+    assert run_batch(edited, out, lambda q: pytest.fail("asked"), concurrency=1)["skipped"] == 2
+
+
+def test_a_line_whose_two_spellings_of_a_field_differ_is_refused(tmp_path):
+    """`{"id": "x1", "_id": "x2"}` ran as x1, and `question` beside a different `text` used
+    `question`, silently (ingest refuses the same conflict). Such a line is now skipped with
+    its line number, as any malformed line; the same value twice is fine."""
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in [
+        {"id": "x1", "_id": "x2", "question": "q one"},
+        {"id": "y", "question": "q two", "text": "another"},
+        {"id": "z", "_id": "z", "question": "same", "text": "same"},
+        ]) + '\n{"id": "w", "question": "a\tb"}\n', encoding="utf-8")  # a raw tab
+    data = read_questions(path)
+    assert data.items == [("z", "same")]
+    assert data.bad_lines[:2] == [
+        f"{path}:1: gives both 'id' and '_id', and they differ: keep one",
+        f"{path}:2: gives both 'question' and 'text', and they differ: keep one"]
+    assert data.bad_lines[2] == (f"{path}:4: not JSON (Invalid control character at character "
+                                 "27 of the line)")
 
 
 @pytest.fixture
@@ -110,7 +148,7 @@ def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
     finally:
         driver.close()
     assert again == {"skipped": 3, "ok": len(items) - 3, "partial": 0, "failed": 0,
-                     "not_run": 0, "stopped": "", "failed_ids": []}
+                     "not_run": 0, "stopped": "", "changed": [], "failed_ids": []}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [qid for qid, _ in items]  # one line per id
     assert all(r["status"] == "ok" and r["evidence"] for r in rows)
