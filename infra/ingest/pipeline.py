@@ -159,9 +159,11 @@ def doc_batches(docs: Sequence[Document], batch_docs: int,
         yield batch
 
 
-def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_docs: int
+def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_docs: int,
+                  embedded: Callable[[int, int], None] | None = None
                   ) -> Iterator[EmbeddedBatch]:
-    """Chunk and embed in this process, one batch (`doc_batches`) at a time."""
+    """Chunk and embed in this process, one batch (`doc_batches`) at a time; `embedded`: see
+    `embed_in_slices`."""
     counter = TokenCounter(settings.encoding)
     for batch in doc_batches(docs, batch_docs):
         t = time.perf_counter()
@@ -170,9 +172,31 @@ def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_
         vectors, embed_s = None, 0.0
         if embedder is not None:
             t = time.perf_counter()
-            vectors = embedder.embed([c.body for c in indexed(batch, chunks)])
+            vectors = embed_in_slices(embedder, [c.body for c in indexed(batch, chunks)],
+                                      embedded)
             embed_s = time.perf_counter() - t
         yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
+
+
+EMBED_SLICE = 256  # chunks embedded between two progress reports inside one batch (~10 s of
+# MiniLM on 2 CPU cores; a multiple of embed_batch)
+
+
+def embed_in_slices(embedder, texts: list[str],
+                    embedded: Callable[[int, int], None] | None = None):
+    """`embedder.embed(texts)`; with `embedded`, a batch of more than EMBED_SLICE chunks (one
+    long document is one batch) is embedded a slice at a time, and `embedded(done, total)`
+    said after each: its progress is otherwise silent until the batch commits, minutes for a
+    book on a CPU."""
+    if embedded is None or len(texts) <= EMBED_SLICE:
+        return embedder.embed(texts)
+    import numpy as np
+
+    parts = []
+    for start in range(0, len(texts), EMBED_SLICE):
+        parts.append(embedder.embed(texts[start:start + EMBED_SLICE]))
+        embedded(min(start + EMBED_SLICE, len(texts)), len(texts))
+    return np.concatenate(parts)
 
 
 _DONE = object()
@@ -232,13 +256,15 @@ STATIC_BATCH_DOCS = 1024
 def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
            batch_docs: int | None = None,
            progress: Callable[[int, int], None] | None = None, embedder=None,
-           workers: int = 1, embed_batch: int | None = None) -> IngestReport:
+           workers: int = 1, embed_batch: int | None = None,
+           embedded: Callable[[int, int], None] | None = None) -> IngestReport:
     """Ingest a corpus into `settings.index` (resuming a stopped ingest of it).
 
     `dense`: embed and index vectors; None: as the index was made (vectors for a new one). An
     index keeps what it was made with: asking it for the other is refused.
 
-    `progress(docs, chunks)` is called per committed batch; `embedder` replaces the configured
+    `progress(docs, chunks)` is called per committed batch, `embedded(done, total)` within a
+    long batch's embedding (`embed_in_slices`, in this process); `embedder` replaces the configured
     one (benchmarks use a hashing embedder); `workers > 1` embeds on a Ray Data actor pool of
     that size (`embed_batch` texts per model call there). `batch_docs` documents are committed
     at a time (default `BATCH_DOCS`, `STATIC_BATCH_DOCS` with the static embedder)."""
@@ -254,7 +280,8 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
     try:
         return _ingest_locked(path, settings, docs, report, started, complete, dense=dense,
                               batch_docs=batch_docs, progress=progress, embedder=embedder,
-                              override=override, workers=workers, embed_batch=embed_batch)
+                              override=override, workers=workers, embed_batch=embed_batch,
+                              embedded=embedded)
     except StoresNotOpened:
         if new:  # a backend down before anything was written: no half-made index is left
             shutil.rmtree(settings.index_dir, ignore_errors=True)
@@ -272,7 +299,7 @@ class StoresNotOpened(BackendUnavailable):
 
 def _ingest_locked(path, settings: Settings, docs: list[Document], report: IngestReport,
                    started: float, complete: list[bool], *, dense, batch_docs, progress, embedder,
-                   override, workers, embed_batch) -> IngestReport:
+                   override, workers, embed_batch, embedded=None) -> IngestReport:
     from branchsearch.infra.index.open import as_recorded, open_stores, refuse_external
 
     refuse_external(settings)  # before the lock makes the index's folder
@@ -330,7 +357,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                     static_folder=getattr(embedder, "static_folder", None))
             else:
                 batches = overlapped(local_batches(
-                    todo, settings, embedder if dense_store else None, batch_docs))
+                    todo, settings, embedder if dense_store else None, batch_docs, embedded))
             t = time.perf_counter()
             for batch in batches:
                 _add(report, "wait", t)  # the writer idle, waiting for chunks and vectors

@@ -54,8 +54,11 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         rate = chunks / max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix(chunks=chunks, chunks_per_s=f"{rate:.0f}")
 
+    def embedding(done: int, total: int) -> None:  # a long batch (a book) as it embeds
+        bar.set_postfix(chunks=chunks, embedding=f"{done}/{total} chunks of the next documents")
+
     report = run_ingest(path, settings, dense=dense, progress=tick, workers=workers,
-                        embed_batch=embed_batch)
+                        embed_batch=embed_batch, embedded=embedding)
     bar.close()
     if report.stale_lock:
         print(f"resumed the ingest that stopped unfinished ({report.stale_lock})", file=sys.stderr)

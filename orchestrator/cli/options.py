@@ -128,7 +128,7 @@ def progress_bar(total: int | None, unit: str, desc: str):
 class ProgressLines:
     """Progress as plain stderr lines: one every `every` seconds once the work has advanced
     (from a timer thread, so a long step between two updates still shows the clock running)
-    and one at close. Nothing before the first update: a command that fails early still says
+    and one at close. Nothing before the first update or postfix: a command that fails early says
     only its one `error:` line."""
 
     def __init__(self, total: int | None, unit: str, desc: str, every: float = 5.0,
@@ -166,7 +166,7 @@ class ProgressLines:
         if not self._stop.is_set():
             self._stop.set()
             self._timer.join()
-            if self.n:
+            if self.n or self.postfix:
                 self._say(done=done)
 
     def _say(self, done: bool = False) -> None:
@@ -185,7 +185,7 @@ def _tick(ref, stop, every: float) -> None:
         if bar is None:
             return
         try:
-            if bar.n:
+            if bar.n or bar.postfix:  # counted work, or work said under way (`set_postfix`)
                 bar._say()
         except (ValueError, OSError):  # the stream was closed under it
             return

@@ -473,3 +473,41 @@ def test_a_password_in_es_url_is_not_written_to_the_manifest(tmp_path):
     settings = load_settings(overrides={"home": tmp_path, "es_url": "http://u:s3cretpw@es:9200"},
                              read_env=False, read_file=False)
     assert "s3cretpw" not in str(_backends(settings, None))
+
+
+def test_a_long_document_shows_its_embedding_as_it_goes(tmp_path, monkeypatch):
+    """One long document is one batch, and progress counted committed documents: a 5 MB file
+    ingested for 211 s without a line (hostile pass). Its embedding now reports every
+    EMBED_SLICE chunks, and the pipe's progress lines say it before any document is
+    committed."""
+    import io
+
+    from branchsearch.infra.ingest import pipeline
+    from branchsearch.orchestrator.cli.options import ProgressLines
+
+    monkeypatch.setattr(pipeline, "EMBED_SLICE", 8)
+    words = " ".join(f"word{i} of the long ledger, entry {i}." for i in range(2500))
+    corpus = tmp_path / "book.jsonl"
+    corpus.write_text(json.dumps({"id": "book", "title": "Ledger", "text": words}) + "\n")
+    settings = _settings(tmp_path / "home")
+    seen, committed = [], []
+    report = ingest(corpus, settings, embedded=lambda done, total: seen.append((done, total)),
+                    progress=lambda docs, chunks: committed.append((docs, chunks)))
+    total = report.chunks
+    assert total > 16 and committed == [(1, total)]
+    assert seen == [(min(i, total), total) for i in range(8, total + 8, 8)]
+
+    retriever = open_retriever(settings)  # the sliced vectors are searched as any
+    try:
+        hits = retriever.search("word2400 of the long ledger", k=3, mode="dense")
+        assert hits and hits[0].doc_id == "book"
+    finally:
+        retriever.close()
+
+    stream = io.StringIO()
+    bar = ProgressLines(None, "doc", "ingest book", every=0.05, stream=stream)
+    bar.set_postfix(chunks=0, embedding=f"8/{total} chunks of the next documents")
+    time.sleep(0.3)
+    bar.close()
+    assert f"ingest book: 0 doc, 0.0 doc/s, 0 s (chunks=0, embedding=8/{total} chunks" in \
+        stream.getvalue()
