@@ -37,9 +37,11 @@ def loadtest(
                                           "(branchsearch serve), e.g. http://127.0.0.1:8000; "
                                           "default: the driver in this process"),
         key_file: Optional[Path] = typer.Option(None, "--key-file", help="a file holding the "
-                                                "service's API key (Bearer) on its first line; "
-                                                "default: $BRANCHSEARCH_API_KEY. Never written "
-                                                "to the report or the output"),
+                                                "service's API key (Bearer), or several, one a "
+                                                "line, each request taking the least busy (each "
+                                                "key has its own concurrency limit); default: "
+                                                "$BRANCHSEARCH_API_KEY. Never written to the "
+                                                "report or the output"),
         key: Optional[str] = typer.Option(None, "--key", hidden=True, help="the key itself: "
                                           "visible to other users in the process list, so "
                                           "prefer --key-file or BRANCHSEARCH_API_KEY"),
@@ -93,7 +95,7 @@ def loadtest(
     """Load test the driver or a running service: open or closed loop, bounded in time; reports
     latency percentiles, achieved rate, the saturation knee, per-stage time, engine/GPU/Ray use."""
     from branchsearch.orchestrator.loadtest import report as rep
-    from branchsearch.orchestrator.loadtest.run import Options, loadtest as run, read_key
+    from branchsearch.orchestrator.loadtest.run import Options, loadtest as run, read_keys
 
     if executor not in EXECUTORS:
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
@@ -107,12 +109,12 @@ def loadtest(
     # against a URL the index is the service's to name; in-process, the home's only one serves
     settings = settings_from(home, index, config, **flags) if url else \
         settings_to_read(home, index, config, **flags)
-    secret, source = read_key(key_file, key)
+    keys, source = read_keys(key_file, key)
     if key is not None:
         print("warning: --key shows the key in the process list and shell history; use "
               "--key-file FILE or BRANCHSEARCH_API_KEY (the key is not written anywhere)",
               file=sys.stderr)
-    options = Options(url=url, key=secret, key_source=source, queries=queries, synth=synth,
+    options = Options(url=url, keys=keys, key_source=source, queries=queries, synth=synth,
                       rate=rate, users=users, ramp=ramp, loop=loop, arrivals=arrivals,
                       duration_s=duration, step_duration_s=step_duration, drain_s=drain,
                       max_inflight=max_inflight, think_s=think, warmup=warmup, seed=seed,

@@ -23,11 +23,14 @@ KEY_ENV = "BRANCHSEARCH_API_KEY"
 REDACTED = "REDACTED"  # shell-safe: the command line stays copyable
 
 
-def read_key(key_file: Path | None = None, key: str | None = None,
-             env: dict | None = None) -> tuple[str, str]:
-    """The service key and where it came from: `--key-file` (its first line), else `--key`
-    (kept for old scripts), else BRANCHSEARCH_API_KEY, else none. The source is what a report
-    may say; the key itself is never written."""
+def read_keys(key_file: Path | None = None, key: str | None = None,
+              env: dict | None = None) -> tuple[tuple[str, ...], str]:
+    """The service keys and where they came from: `--key-file` (one key a line; blank lines
+    and `#` comments skipped), else `--key` (kept for old scripts), else BRANCHSEARCH_API_KEY,
+    else none. Each request takes the least busy key (`HttpTarget`): a service limits each
+    key's searches in flight (`per_key_concurrency`), so one key measures that limit, and
+    several load the service as several callers do. The source is what a report may say; no
+    key is ever written."""
     env = os.environ if env is None else env
     if key_file is not None and key is not None:
         raise BranchsearchError("give the key once: --key-file or --key (or "
@@ -38,16 +41,17 @@ def read_key(key_file: Path | None = None, key: str | None = None,
         except (OSError, UnicodeDecodeError) as exc:
             why = getattr(exc, "strerror", None) or type(exc).__name__
             raise BranchsearchError(f"--key-file {key_file}: cannot read it ({why})") from None
-        lines = text.strip().splitlines()
-        if not lines or not lines[0].strip():
-            raise BranchsearchError(f"--key-file {key_file} is empty: put the key on its "
-                                    "first line")
-        return lines[0].strip(), f"--key-file {key_file}"
+        keys = tuple(dict.fromkeys(line.strip() for line in text.splitlines()
+                                   if line.strip() and not line.strip().startswith("#")))
+        if not keys:
+            raise BranchsearchError(f"--key-file {key_file} is empty: put a key on each line")
+        many = f" ({len(keys)} keys)" if len(keys) > 1 else ""
+        return keys, f"--key-file {key_file}{many}"
     if key:
-        return key.strip(), "--key"
+        return (key.strip(),), "--key"
     if env.get(KEY_ENV, "").strip():
-        return env[KEY_ENV].strip(), KEY_ENV
-    return "", "none"
+        return (env[KEY_ENV].strip(),), KEY_ENV
+    return (), "none"
 
 
 def redact_argv(argv: list[str]) -> list[str]:
@@ -67,24 +71,28 @@ def redact_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def scrub(value, secret: str):
-    """`value` (a report: dicts, lists, strings) with every occurrence of `secret` in its
-    strings replaced: whatever text reaches the report (a server's error detail included)."""
-    if not secret:
+def scrub(value, secrets):
+    """`value` (a report: dicts, lists, strings) with every occurrence of each of `secrets` (a
+    key, or several) in its strings replaced: whatever text reaches the report (a server's
+    error detail included)."""
+    secrets = [secrets] if isinstance(secrets, str) else [x for x in secrets if x]
+    if not secrets:
         return value
     if isinstance(value, str):
-        return value.replace(secret, REDACTED)
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+        return value
     if isinstance(value, dict):
-        return {k: scrub(v, secret) for k, v in value.items()}
+        return {k: scrub(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [scrub(v, secret) for v in value]
+        return [scrub(v, secrets) for v in value]
     return value
 
 
 @dataclass
 class Options:
     url: str | None = None
-    key: str = ""  # never written; the report says where it came from (key_source)
+    keys: tuple[str, ...] = ()  # never written (the report says where from: key_source)
     key_source: str = "none"
     queries: Path | None = None
     synth: int | None = None
@@ -183,7 +191,7 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
     if o.url:
         if not o.url.startswith(("http://", "https://")):
             raise BranchsearchError(f"--url {o.url!r}: expected http(s)://host:port")
-        return HttpTarget(o.url, o.key, index=settings.index if settings.index != "default"
+        return HttpTarget(o.url, o.keys, index=settings.index if settings.index != "default"
                           else None, branches=o.branches, k=o.k, deadline_s=o.deadline_s,
                           timeout_s=o.timeout_s)
     from branchsearch.orchestrator.driver import Driver
@@ -211,7 +219,7 @@ def preflight(target: HttpTarget, question: str) -> None:
         target.search(question)
     except RequestFailed as exc:
         if exc.outcome.startswith(("http_401", "http_403", "http_404", "http_422", "error:")):
-            detail = f" ({scrub(str(exc), target.key)})" if str(exc) != exc.outcome else ""
+            detail = f" ({scrub(str(exc), target.keys)})" if str(exc) != exc.outcome else ""
             raise BranchsearchError(f"--url {target.url}: the first question got "
                                     f"{exc.outcome}{detail}; check --url, the key (--key-file "
                                     f"or {KEY_ENV}) and --index") from None
@@ -238,7 +246,7 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     info = {"machine": machine(), "target": target.describe()}
     if isinstance(target, HttpTarget):
-        info["target"]["key"] = f"from {o.key_source}" if o.key else "none"
+        info["target"]["key"] = f"from {o.key_source}" if o.keys else "none"
     try:
         result = Generator(target, workload, spec, probe=probe, progress=progress).run()
     finally:
@@ -249,8 +257,9 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     if any("http_429:too_many_requests" in s.get("refusals", {}) for s in result["steps"]):
         notes.append("the key's own concurrency limit refused requests (429 "
                      "too_many_requests), and refusals count as errors: past that limit this "
-                     "measures the key, not the service; load with several keys or raise the "
-                     "service's per_key_concurrency")
+                     "measures the key, not the service; put several keys in --key-file (one a "
+                     "line: each request takes the least busy) or raise the service's "
+                     "per_key_concurrency")
     if spec.loop == "open" and any(s["send_lag_ms"]["p99"] and s["send_lag_ms"]["p99"] > 20
                                    for s in result["steps"]):
         notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "
@@ -263,7 +272,7 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
                            "max_inflight": spec.max_inflight, "think_s": spec.think_s,
                            "seed": spec.seed, "warmup": spec.warmup},
               "notes": notes, **result}
-    report = scrub(report, o.key)  # the key appears nowhere: file, plots, stdout
+    report = scrub(report, o.keys)  # no key appears anywhere: file, plots, stdout
     if o.plots:
         report["plots"] = rep.plots(report, o.plots)
     if o.report:

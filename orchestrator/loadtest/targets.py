@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 
@@ -106,21 +109,46 @@ class DriverTarget:
 
 
 class HttpTarget:
-    """POST {url}/v1/search with a bearer key; one connection per request (urllib)."""
+    """POST {url}/v1/search with a bearer key (of several: the one with the fewest requests
+    under way); one connection per request (urllib)."""
 
-    def __init__(self, url: str, key: str = "", *, index: str | None = None,
+    def __init__(self, url: str, keys: str | Sequence[str] = (), *, index: str | None = None,
                  branches: int | None = None, k: int | None = None,
                  deadline_s: float | None = None, timeout_s: float = 120.0):
         self.url = url.rstrip("/")
-        self.key, self.timeout_s = key, timeout_s
+        self.keys = tuple(k_ for k_ in ((keys,) if isinstance(keys, str) else keys) if k_)
+        self._in_flight = dict.fromkeys(self.keys, 0)  # requests under way, by key
+        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
         self.body = {k_: v for k_, v in {"index": index, "branches": branches, "k": k,
                                           "deadline_s": deadline_s}.items() if v is not None}
 
+    @contextmanager
+    def _key(self):
+        """The key with the fewest requests under way (the first when tied), held for one
+        request: a key's requests in flight stay within one of every other key's, as many
+        callers would load the service, whatever the loop."""
+        if not self.keys:
+            yield None
+            return
+        with self._lock:
+            key = min(self.keys, key=self._in_flight.__getitem__)
+            self._in_flight[key] += 1
+        try:
+            yield key
+        finally:
+            with self._lock:
+                self._in_flight[key] -= 1
+
     def search(self, question: str) -> dict:
+        with self._key() as key:
+            return self._search(question, key)
+
+    def _search(self, question: str, key: str | None) -> dict:
         request = urllib.request.Request(
             f"{self.url}/v1/search", data=json.dumps({"question": question, **self.body}).encode(),
             headers={"Content-Type": "application/json", "Accept": "application/json",
-                     **({"Authorization": f"Bearer {self.key}"} if self.key else {})})
+                     **({"Authorization": f"Bearer {key}"} if key else {})})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return json.loads(response.read())
@@ -148,7 +176,7 @@ class HttpTarget:
         """GET a side endpoint (e.g. /metrics) as text; None if it does not answer."""
         request = urllib.request.Request(
             f"{self.url}{path}",
-            headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
+            headers={"Authorization": f"Bearer {self.keys[0]}"} if self.keys else {})
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return response.read().decode("utf-8", "replace")

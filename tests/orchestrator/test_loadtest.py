@@ -425,6 +425,22 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
     assert refused.value.outcome.startswith("error:")
 
 
+def test_several_keys_load_the_service_as_several_callers(live_service):
+    """Each key may have 4 searches in flight (per_key_concurrency): 6 users on one key
+    measure that limit (429s), not the service. With two keys each request takes the least
+    busy one, 3 in flight each: every request admitted."""
+    from conftest import HOTPOT
+
+    url, key, other = live_service
+    spec = LoadSpec("closed", (arrivals.Step(6, 3.0),), drain_s=20.0, warmup=0)
+    one = Generator(HttpTarget(url, key, branches=1), Workload(read_questions(HOTPOT)),
+                    spec).run()["steps"][0]
+    two = Generator(HttpTarget(url, (key, other), branches=1), Workload(read_questions(HOTPOT)),
+                    spec).run()["steps"][0]
+    assert one["refusals"].get("http_429:too_many_requests", 0) > 0, one["errors"]
+    assert two["ok"] > 0 and not two["refusals"] and not two["errors"], two["errors"]
+
+
 def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_path):
     """The recipe for more users than one key admits (per_key_concurrency 4): a file of keys,
     one per user in turn. 5 users on 2 keys (3 and 2 at once): every request admitted."""
@@ -454,24 +470,29 @@ def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_pat
 
 
 def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_path):
-    from branchsearch.orchestrator.loadtest.run import read_key, redact_argv, scrub
+    from branchsearch.orchestrator.loadtest.run import read_keys, redact_argv, scrub
 
     f = tmp_path / "k"
     f.write_text("bs_secret-1\n")
-    assert read_key(f, None, {"BRANCHSEARCH_API_KEY": "other"}) == ("bs_secret-1",
-                                                                   f"--key-file {f}")
-    assert read_key(None, None, {"BRANCHSEARCH_API_KEY": " bs_env "}) == \
-        ("bs_env", "BRANCHSEARCH_API_KEY")
-    assert read_key(None, "bs_flag", {"BRANCHSEARCH_API_KEY": "x"}) == ("bs_flag", "--key")
-    assert read_key(None, None, {}) == ("", "none")
+    assert read_keys(f, None, {"BRANCHSEARCH_API_KEY": "other"}) == (("bs_secret-1",),
+                                                                     f"--key-file {f}")
+    assert read_keys(None, None, {"BRANCHSEARCH_API_KEY": " bs_env "}) == \
+        (("bs_env",), "BRANCHSEARCH_API_KEY")
+    assert read_keys(None, "bs_flag", {"BRANCHSEARCH_API_KEY": "x"}) == (("bs_flag",), "--key")
+    assert read_keys(None, None, {}) == ((), "none")
+    several = tmp_path / "keys"  # one a line; comments, blank lines and repeats skipped
+    several.write_text("# the load test's callers\nbs_a\n\n bs_b \nbs_a\n")
+    assert read_keys(several, None, {}) == (("bs_a", "bs_b"),
+                                            f"--key-file {several} (2 keys)")
     for bad, why in ((tmp_path / "missing", "cannot read"), (tmp_path, "cannot read")):
         with pytest.raises(BranchsearchError, match=why):
-            read_key(bad, None, {})
-    (tmp_path / "empty").write_text("\n")
+            read_keys(bad, None, {})
+    (tmp_path / "empty").write_text("\n# nothing\n")
     with pytest.raises(BranchsearchError, match="is empty"):
-        read_key(tmp_path / "empty", None, {})
+        read_keys(tmp_path / "empty", None, {})
     with pytest.raises(BranchsearchError, match="once"):
-        read_key(f, "k", {})
+        read_keys(f, "k", {})
+    assert scrub({"a": "bs_a and bs_b"}, ("bs_a", "bs_b")) == {"a": "REDACTED and REDACTED"}
     assert redact_argv(["bs", "loadtest", "--key", "s3", "--key=s3", "--url", "u"]) == \
         ["bs", "loadtest", "--key", "REDACTED", "--key=REDACTED", "--url", "u"]
     assert scrub({"a": ["x s3 y", 3, {"b": "s3"}], "c": None}, "s3") == \
