@@ -40,7 +40,7 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
     """Each index under the data home; with `check`, the servers a complete one lives on
     (Elasticsearch, a Milvus server) are asked for a count, as for an external index."""
     from branchsearch.infra.index.manifest import read_manifest, running_ingest
-    from branchsearch.infra.index.profile import files_health
+    from branchsearch.infra.index.profile import files_health, home_flag
 
     root = Path(settings.home) / "indexes"
     out = []
@@ -59,8 +59,10 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
             out.append(IndexInfo(folder.name, "owned", backends, documents, chunks, health,
                                  embedding_of(folder, manifest.embedding, settings)))
         else:
+            home = home_flag(settings)
             health = f"ingesting ({running.describe()})" if running else \
-                f"incomplete: run `branchsearch ingest PATH --index {folder.name}` again"
+                (f"incomplete: run `branchsearch ingest PATH --index {folder.name}"
+                 + (f" --home {home}" if home else "") + "` again")
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
 

@@ -201,12 +201,21 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
     files = sorted(p for p in root.rglob("*") if p.is_file()
                    and p.suffix.lower() in TEXT_SUFFIXES
                    and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    for file in files:
-        rel = file.relative_to(root).as_posix()
+    texts, bad = {}, []
+    for file in files:  # every file that is not UTF-8 is named at once, not one per run
+        data = file.read_bytes()
         try:
-            text = file.read_text(encoding="utf-8-sig")  # a BOM is no part of the text
-        except UnicodeDecodeError:
-            raise CorpusError(f"{file}: not UTF-8 text") from None
+            texts[file] = data.decode("utf-8-sig")  # a BOM is no part of the text
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            bad.append(f"{file}:{line} (byte {data[exc.start:exc.start + 1]!r} at offset "
+                       f"{exc.start})")
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise CorpusError(f"not UTF-8 text: {'; '.join(bad[:5])}{more}; convert the files to "
+                          "UTF-8, e.g. with `iconv -f latin1 -t utf-8`")
+    for file, text in texts.items():
+        rel = file.relative_to(root).as_posix()
         title = file.stem
         for line in text.splitlines():
             if line.startswith("# "):

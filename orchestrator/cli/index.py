@@ -67,10 +67,13 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
     else:
         s, rate = report.seconds, report.chunks_per_s
         rate = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"  # a tiny corpus: not "0"
-        print(f"ingested {report.documents} documents, {report.chunks} chunks into "
-              f"{settings.index!r} ({settings.index_dir}); {report.resumed} documents were "
-              f"already committed; {rate} chunks/s with {workers} "
-              f"worker(s), embedding {s.get('embed', 0):.1f} s")
+        n = report.documents
+        done = (f"{report.resumed} documents were already committed; {rate} chunks/s with "
+                f"{workers} worker(s), embedding {s.get('embed', 0):.1f} s"
+                if report.resumed < n else "every document was already committed, unchanged: "
+                "nothing to embed")
+        print(f"ingested {n} document{'s' if n != 1 else ''}, {report.chunks} chunks into "
+              f"{settings.index!r} ({settings.index_dir}); {done}")
         if report.fitted:
             before, after = report.fitted["held_out_cosine"]
             queries = "MiniLM its queries onto the fitted axes" \

@@ -54,6 +54,11 @@ def inputs(tmp_path_factory):
     (root / "latin1-questions.jsonl").write_bytes(b'{"id": "q", "question": "caf\xe9"}\n')
     (root / "latin1-corpus.jsonl").write_bytes(
         b'{"_id": "d", "title": "T", "text": "ok"}\n{"_id": "e", "text": "caf\xe9"}\n')
+    texts = root / "latin1-texts"  # a folder of .txt, two of them not UTF-8
+    texts.mkdir()
+    (texts / "a.txt").write_bytes(b"caf\xe9\n")
+    (texts / "b.txt").write_text("fine\n")
+    (texts / "c.txt").write_bytes(b"line one\nna\xefve\n")
     beir = root / "dev-only"  # a BEIR folder whose qrels are only dev.tsv
     (beir / "qrels").mkdir(parents=True)
     (beir / "queries.jsonl").write_text(json.dumps({"_id": "q1", "text": "what?"}) + "\n")
@@ -92,6 +97,10 @@ def test_usage_errors(inputs, tmp_path):
                                   "not UTF-8 text (byte b'\\xe9' at offset 28)"),
         "non-UTF-8 corpus": (["ingest", inputs / "latin1-corpus.jsonl", *home],
                              "latin1-corpus.jsonl:2: not UTF-8"),
+        "non-UTF-8 text files, all named": (
+            ["ingest", inputs / "latin1-texts", *home],
+            f"not UTF-8 text: {inputs / 'latin1-texts' / 'a.txt'}:1 (byte b'\\xe9' at offset 3); "
+            f"{inputs / 'latin1-texts' / 'c.txt'}:2 (byte b'\\xef' at offset 11)"),
         "split missing": (["eval", inputs / "dev-only", *home], "use --split dev"),
         "acl * is reserved": (["retrieve", "q", "--acl", "*", *home], "reserved"),
         "acl __public__ is reserved": (["retrieve", "q", "--acl", "__public__", *home],
