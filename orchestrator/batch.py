@@ -45,48 +45,60 @@ _JSON_KIND = {list: "an array", str: "a string", bool: "true or false", type(Non
 
 
 def read_questions(path: str | Path) -> BatchInput:
+    """The questions of a JSONL file, or of standard input for `-` (read whole: a resume reads
+    the same input again, so a pipe's questions are as resumable as a file's)."""
+    if str(path) == "-":
+        import sys
+
+        return _questions(sys.stdin.buffer, "<stdin>")
     path = Path(path)
     if path.is_dir():
         raise CorpusError(f"batch input {path} is a folder; give the questions file (JSONL, "
                           "one {\"id\", \"question\"} per line)")
     if not path.is_file():
         raise CorpusError(f"batch input not found: {path}")
+    with path.open("rb") as f:
+        return _questions(f, path)
+
+
+def _questions(f, path: str | Path) -> BatchInput:
+    """The questions of binary lines `f`; a malformed line is kept in `bad_lines` with its
+    line number, and bytes that are not UTF-8 stop with the line and byte offset."""
     from branchsearch.infra.textfile import utf8_lines
 
     out, seen = BatchInput(), set()
-    with path.open("rb") as f:  # bytes that are not UTF-8 stop with file, line and offset
-        for lineno, line in utf8_lines(f, path):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError(f"a line is one JSON object per question, not "
-                                     f"{_JSON_KIND.get(type(row), 'a number')}")
-                for one, other in (("id", "_id"), ("question", "text")):
-                    if one in row and other in row and row[one] != row[other]:
-                        raise ValueError(f"gives both {one!r} and {other!r}, and they differ: "
-                                         "keep one")
-                qid = row.get("id", row.get("_id"))
-                question = row.get("question", row.get("text"))
-                if qid is None or question is None:
-                    raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
-                qid = question_id(qid)
-                problem = question_problem(question)  # 5 or a list: "must be text, not …"
-                if problem:
-                    raise ValueError(problem)
-            except json.JSONDecodeError as exc:  # its position on this line, not in its parse
-                out.bad_lines.append(f"{path}:{lineno}: not JSON ({exc.msg.removesuffix(' at')} "
-                                     f"at character {exc.pos + 1} of the line)")
-                continue
-            except ValueError as exc:
-                out.bad_lines.append(f"{path}:{lineno}: {exc}")
-                continue
-            if qid in seen:
-                out.bad_lines.append(f"{path}:{lineno}: duplicate id {qid!r}")
-                continue
-            seen.add(qid)
-            out.items.append((qid, question))
+    for lineno, line in utf8_lines(f, path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a line is one JSON object per question, not "
+                                 f"{_JSON_KIND.get(type(row), 'a number')}")
+            for one, other in (("id", "_id"), ("question", "text")):
+                if one in row and other in row and row[one] != row[other]:
+                    raise ValueError(f"gives both {one!r} and {other!r}, and they differ: "
+                                     "keep one")
+            qid = row.get("id", row.get("_id"))
+            question = row.get("question", row.get("text"))
+            if qid is None or question is None:
+                raise ValueError("needs 'id' (or '_id') and 'question' (or 'text')")
+            qid = question_id(qid)
+            problem = question_problem(question)  # 5 or a list: "must be text, not …"
+            if problem:
+                raise ValueError(problem)
+        except json.JSONDecodeError as exc:  # its position on this line, not in its parse
+            out.bad_lines.append(f"{path}:{lineno}: not JSON ({exc.msg.removesuffix(' at')} "
+                                 f"at character {exc.pos + 1} of the line)")
+            continue
+        except ValueError as exc:
+            out.bad_lines.append(f"{path}:{lineno}: {exc}")
+            continue
+        if qid in seen:
+            out.bad_lines.append(f"{path}:{lineno}: duplicate id {qid!r}")
+            continue
+        seen.add(qid)
+        out.items.append((qid, question))
     return out
 
 

@@ -33,7 +33,8 @@ def register(app: typer.Typer) -> None:
     app.command()(demo)
 
 
-def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}"),
+def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - reads "
+                                       "standard input"),
           output: Path = typer.Option(..., "-o", "--output",
                                       help="results JSONL (one line per id; re-runs resume)"),
           concurrency: Optional[int] = typer.Option(

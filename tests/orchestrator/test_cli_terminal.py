@@ -1,6 +1,6 @@
 """The commands as a person types them: on a terminal, where long work shows a tqdm bar rather
-than the plain lines a pipe gets. The rest of the suite runs the CLI on pipes, which is how a
-bar that could not close (`batch`, every time, on a terminal) went unseen."""
+than the plain lines a pipe gets (the rest of the suite runs the CLI on pipes, which is how a
+bar that could not close, `batch`'s on every terminal, went unseen), and fed by a pipe."""
 
 from __future__ import annotations
 
@@ -80,3 +80,19 @@ def test_the_readmes_first_command_on_a_terminal(tmp_path):
     assert any(line.startswith("3. question") for line in lines), lines
     noise = [line for line in lines if any(w in line for w in ("Warning", "WARNING", "warn("))]
     assert not noise, noise
+
+
+def test_batch_reads_its_questions_from_a_pipe(hotpot_settings, tmp_path):
+    """`... | branchsearch batch - -o out.jsonl`: `-` is standard input (it was "batch input
+    not found: -"); a malformed line is named as `<stdin>:N`."""
+    lines = (HOTPOT / "queries.jsonl").read_text(encoding="utf-8").splitlines()[:2]
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run([*CLI, "batch", "-", "-o", out, "--home", hotpot_settings.home,
+                           "--index", hotpot_settings.index],
+                          input="\n".join([*lines, "{not json"]) + "\n", capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]  # a malformed line: exit 1, as from a file
+    assert "skipped <stdin>:3: not JSON" in done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [json.loads(line)["_id"] for line in lines]
+    assert all(r["status"] == "ok" for r in rows)
