@@ -205,11 +205,29 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
         print(f"index {settings.index!r} missing: ingesting the synth corpus {workload.corpus}",
               file=sys.stderr)
         ingest(workload.corpus, settings)
+    elif o.synth is not None:
+        _same_synth_corpus(settings, workload, o)
     branches = o.branches or settings.branches
     pool = branches * (o.concurrency or max(settings.batch_concurrency, 1))
     executor = "local" if o.executor == "local" else "ray"
     driver = Driver(settings, mode=executor, **({"pool_size": pool} if executor == "ray" else {}))
     return DriverTarget(driver, branches=o.branches, deadline_s=o.deadline_s)
+
+
+def _same_synth_corpus(settings: Settings, workload: wl.Workload, o: Options) -> None:
+    """An existing index asked `--synth N` questions must hold that synth corpus: another
+    one's (another N or seed, or any other corpus) would be asked about documents it does not
+    hold, and measure searches that find nothing."""
+    from branchsearch.infra.index.manifest import read_manifest
+
+    manifest = read_manifest(settings.index_dir)
+    made_from = manifest.corpus if manifest is not None else ""
+    if made_from and Path(made_from) != Path(workload.corpus).resolve():
+        raise BranchsearchError(
+            f"index {settings.index!r} was ingested from {made_from}, not from the corpus of "
+            f"--synth {o.synth} --seed {o.seed} ({workload.corpus}): its questions would ask "
+            "about documents it does not hold; give --index a new name (it is ingested "
+            "first), or the --synth and --seed it was made with")
 
 
 def preflight(target: HttpTarget, question: str) -> None:

@@ -677,3 +677,20 @@ def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path):
     step, = json.loads(out.read_text())["steps"]
     assert step["partial"] and step["ok"] >= 1 and step["wall_s"] < 60
     assert "(partial)" in stdout and "Traceback" not in "".join(lines)
+
+
+def test_synth_ingests_its_corpus_once_and_refuses_an_index_of_another(tmp_path):
+    """`loadtest --synth N --index I` ingests N tasks' corpus into a missing I, then loads it.
+    Asked later with another N, the same index would be asked about documents it does not
+    hold (searches that find nothing, measured as if they were real): one error line."""
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home",
+           str(tmp_path), "--index", "lsyn", "--executor", "local", "--rate", "2",
+           "--duration", "1", "--warmup", "0"]
+    first = subprocess.run([*cli, "--synth", "2"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "missing: ingesting the synth corpus" in first.stderr
+    other = subprocess.run([*cli, "--synth", "3"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr[-2000:]
+    assert "was ingested from" in other.stderr and "--synth 3 --seed 0" in other.stderr
+    again = subprocess.run([*cli, "--synth", "2"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "ingesting" not in again.stderr, again.stderr[-2000:]
