@@ -112,7 +112,19 @@ class Drivers:
             raise index_not_found(index)
         profile.require_searchable()
         docstore = DocStore(profile.folder / "docs.sqlite") if profile.kind == "owned" else None
-        driver = self._make(settings)
+        try:
+            _unchanged(index, opened_as, settings)  # the docstore opened is the one seen
+            driver = self._make(settings)
+        except BaseException:
+            if docstore is not None:
+                docstore.close()
+            raise
+        try:  # the driver's stores, opened by path meanwhile, are that index's too: a write's
+            # ownership check reads this docstore and must see what the write will change
+            _unchanged(index, opened_as, settings)
+        except BaseException:
+            self._close(driver, docstore)
+            raise
         with self._lock:
             self.by_index[index] = driver
             self._docstores[index] = docstore
@@ -284,6 +296,21 @@ def _opened_as(settings: Settings) -> tuple | None:
     if manifest is None:
         return None
     return folder, stat, manifest.layout(), _file_id(folder / "docs.sqlite")
+
+
+def _unchanged(index: str, opened_as: tuple | None, settings: Settings) -> None:
+    """ApiError 503 `index_starting` (retry) when the index on disk is no longer the one
+    `opened_as` saw: its folder removed and made anew (another docstore file), another layout,
+    or an ingest under way. The service's docstore (the ACL guard, a write's ownership check)
+    and the driver's stores would be two indexes. The docstore file's identity is compared
+    while the service holds it open, so its inode cannot be reused meanwhile."""
+    if opened_as is None:  # an external index: nothing of ours on disk
+        return
+    now = _opened_as(settings)
+    if now is None or (now[0], now[2], now[3]) != (opened_as[0], opened_as[2], opened_as[3]):
+        raise ApiError(503, "index_starting", f"index {index!r} changed on disk while it was "
+                       "starting (removed and made anew, or ingested with another layout); "
+                       "retry", {"Retry-After": "5"})
 
 
 def index_not_found(index: str) -> IndexNotFound:

@@ -778,6 +778,59 @@ def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
     assert b'branchsearch_refusals_total{reason="searcher_unavailable"} 1.0' in metrics.render()
 
 
+def test_an_index_made_anew_while_its_driver_starts_is_not_served_from_two_folders(tmp_path):
+    """The service's docstore (a write's ownership check, the ACL guard) opened the old folder,
+    then the driver's stores, opened by path while it started, the new one: a finance-only
+    admin key's write replaced an hr document (hostile pass, 3 of 4 tries). A start whose index
+    changed on disk meanwhile is now a 503 to retry, nothing held; the next start serves the new
+    folder alone."""
+    import shutil
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.orchestrator.service.drivers import Drivers
+    from branchsearch.orchestrator.service.errors import ApiError
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="race").index_dir
+    layout = dict(documents=2, chunks={}, embedding=None, encoding="o200k_base",
+                  chunk_tokens=256, chunk_overlap=32, backends={})
+
+    def make_folder() -> None:
+        folder.mkdir(parents=True)
+        (folder / "docs.sqlite").touch()
+        write_manifest(folder, Manifest(**layout))
+
+    make_folder()
+    log, anew = [], [True]
+
+    class FakeDriver:
+        def __init__(self, n):
+            self.n = n
+            log.append(f"open {n}")
+
+        def close(self):
+            log.append(f"close {self.n}")
+
+    def make(s):
+        if anew and anew.pop():  # removed and ingested anew while the driver starts
+            shutil.rmtree(folder)
+            make_folder()
+        return FakeDriver(len(log))
+
+    closed = []
+    drivers = Drivers(settings, make=make,
+                      close=lambda d, store: (d.close(), store.close(), closed.append(store)))
+    with pytest.raises(ApiError) as caught:
+        drivers.open("race", wait=10)
+    assert caught.value.status == 503 and caught.value.body()["error"] == "index_starting"
+    assert "changed on disk while it was starting" in caught.value.detail
+    assert log == ["open 0", "close 0"] and len(closed) == 1 and "race" not in drivers.by_index
+    again = drivers.open("race", wait=10)
+    assert again.n == 2 and drivers.by_index["race"] is again and log[-1] == "open 2"
+    drivers.close()
+
+
 def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
     """`Drivers.using(index, wait)`: when the driver it waited for was retired before the request
     could hold it (its index changed on disk), the next start was waited for with the whole
