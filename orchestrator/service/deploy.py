@@ -70,6 +70,7 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
     """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits)."""
     import uvicorn
 
+    _log_to_stderr()
     state = local_state(settings, executor=executor, keys_path=keys)
     state.searcher.target.open_default()  # load models before taking traffic
     print(f"serving on http://{sock.getsockname()[0]}:{sock.getsockname()[1]} (docs at /docs; "
@@ -85,6 +86,19 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
         server.run(sockets=[sock])
     finally:
         state.searcher.target.close()
+
+
+def _log_to_stderr() -> None:
+    """The service's own log lines (an index retired or closed when idle, a backend down, why
+    /readyz answers 503) on stderr with their time, INFO and up: with no handler, Python shows
+    only warnings, without a time, and an operator never learns that an index was reopened."""
+    service = logging.getLogger("branchsearch.service")
+    if not service.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        service.addHandler(handler)
+        service.setLevel(logging.INFO)
+        service.propagate = False
 
 
 # --- Ray Serve ----------------------------------------------------------------------------------

@@ -848,9 +848,19 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
         assert taken.returncode == 2, taken.stderr
         errors = [ln for ln in taken.stderr.splitlines() if ln.startswith("error:")]
         assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], taken.stderr
+        # the service's own log, with its times: why /readyz says 503, an index retired
+        moved = home / "moved-away"
+        settings.index_dir.rename(moved)
+        try:
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=60).status_code == 503
+        finally:
+            moved.rename(settings.index_dir)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    logged = proc.stderr.read()
+    assert re.search(r"\d\d:\d\d:\d\d,\d+ INFO index 'acl' changed on disk", logged), logged
+    assert re.search(r"WARNING not ready: index 'acl': .*not found", logged), logged
     # no --index, and no index named 'default' in this home: its only index is served (said
     # first); with two there, one line naming them
     bare = [a for a in cmd if a not in ("--index", "acl")]
