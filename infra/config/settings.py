@@ -150,6 +150,21 @@ class Settings:
     otlp_timeout_s: float = 2.0  # one export, retries included (in the background)
     trace_flush_timeout_s: float = 0.5  # the most a query waits for its spans to leave
 
+    # the service's limits (`serve`; orchestrator/service/admission.py `Limits`): what one
+    # request may ask, and how much the server takes on at once
+    max_body_bytes: int = 1 << 20  # request bodies (documents PUT included)
+    max_question_chars: int = 1000
+    max_branches: int = 8
+    max_k: int = 50
+    default_deadline_s: float = 60.0
+    max_deadline_s: float = 300.0
+    per_key_concurrency: int = 4  # searches in flight per key; past it 429
+    max_in_flight: int = 64  # whole server (standalone; Ray Serve uses its own queue limits)
+    retry_after_s: int = 1
+    # an index other than the default unused this long is closed (its retriever process and
+    # models freed) and opened again by its next request; 0: kept open until the server stops
+    index_idle_close_s: float = 900.0
+
     # indexes an enterprise already has: `[indexes.NAME]` tables (see infra/stores/external.py)
     indexes: tuple = ()
 
@@ -196,6 +211,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "actor_start_timeout_s"),
     "tracing": ("trace_exporter", "trace_file", "otlp_endpoint", "otlp_protocol", "otlp_headers",
                 "otlp_timeout_s", "trace_flush_timeout_s"),
+    "service": ("max_body_bytes", "max_question_chars", "max_branches", "max_k",
+                "default_deadline_s", "max_deadline_s", "per_key_concurrency", "max_in_flight",
+                "retry_after_s", "index_idle_close_s"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 
@@ -386,6 +404,12 @@ def _validate(s: Settings) -> None:
         (s.backend_retries >= 0 and s.backend_backoff_s >= 0,
          "backend_retries and backend_backoff_s must be >= 0"),
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
+        *((getattr(s, name) >= 1, f"{name} must be >= 1") for name in (
+            "max_body_bytes", "max_question_chars", "max_branches", "max_k",
+            "per_key_concurrency", "max_in_flight", "retry_after_s")),
+        (0 < s.default_deadline_s <= s.max_deadline_s,
+         "default_deadline_s must be > 0 and at most max_deadline_s"),
+        (s.index_idle_close_s >= 0, "index_idle_close_s must be >= 0 (0: never close)"),
         (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
         (s.llm_seed is None or 0 <= s.llm_seed < 2 ** 63, "llm_seed must be in [0, 2^63) or none"),
         (0 < s.backend_timeout_s <= 3600, "backend_timeout_s must be in (0, 3600]"),

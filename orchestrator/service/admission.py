@@ -7,23 +7,32 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.service.errors import ApiError
+
+_DEFAULTS = Settings()
 
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = 1 << 20  # request bodies (documents PUT included)
-    max_question_chars: int = 1000
-    max_branches: int = 8
-    max_k: int = 50
-    default_deadline_s: float = 60.0
-    max_deadline_s: float = 300.0
-    per_key_concurrency: int = 4
-    max_in_flight: int = 64  # whole server (uvicorn mode; Serve uses max_queued_requests)
-    retry_after_s: int = 1
-    # an index other than the default unused this long is closed (its retriever process and
-    # models freed) and opened again by its next request; 0: kept open until the server stops
-    index_idle_close_s: float = 900.0
+    """The service's limits, as the settings give them (`[service]` in a settings file,
+    BRANCHSEARCH_PER_KEY_CONCURRENCY, …; defaults and meanings: `infra.config.settings`)."""
+    max_body_bytes: int = _DEFAULTS.max_body_bytes
+    max_question_chars: int = _DEFAULTS.max_question_chars
+    max_branches: int = _DEFAULTS.max_branches
+    max_k: int = _DEFAULTS.max_k
+    default_deadline_s: float = _DEFAULTS.default_deadline_s
+    max_deadline_s: float = _DEFAULTS.max_deadline_s
+    per_key_concurrency: int = _DEFAULTS.per_key_concurrency
+    max_in_flight: int = _DEFAULTS.max_in_flight
+    retry_after_s: int = _DEFAULTS.retry_after_s
+    index_idle_close_s: float = _DEFAULTS.index_idle_close_s
+
+    @classmethod
+    def of(cls, settings: Settings, **changes) -> "Limits":
+        """The limits `settings` give, with `changes` (a Ray Serve config's `limits`) over
+        them."""
+        return cls(**{**settings.section("service"), **changes})
 
 
 def check_body_size(length: int | None, limits: Limits) -> None:

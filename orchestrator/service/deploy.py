@@ -71,7 +71,7 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
     import uvicorn
 
     _log_to_stderr()
-    state = local_state(settings, executor=executor, keys_path=keys)
+    state = local_state(settings, executor=executor, keys_path=keys, limits=Limits.of(settings))
     state.searcher.target.open_default()  # load models before taking traffic
     print(f"serving on http://{sock.getsockname()[0]}:{sock.getsockname()[1]} (docs at /docs; "
           "one process)", file=sys.stderr)
@@ -218,6 +218,8 @@ def build_application(opts: ServeOptions):
 
     o = asdict(opts)
     settings = load_settings(opts.config, {"home": opts.home, "index": opts.index})
+    limits = Limits.of(settings, **opts.limits)  # the config's `limits` over the settings'
+    o["limits"] = asdict(limits)
     grace = {"graceful_shutdown_timeout_s": GRACE_S, "graceful_shutdown_wait_loop_s": 0.5}
     ingress_cfg = {"max_ongoing_requests": opts.max_ongoing_requests,
                    "max_queued_requests": opts.max_queued_requests,
@@ -228,7 +230,7 @@ def build_application(opts: ServeOptions):
         num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
         max_queued_requests=opts.searcher_max_queued,
         ray_actor_options={"num_cpus": opts.searcher_cpus}, **grace).bind(
-        settings, executor=opts.executor, limits=Limits(**opts.limits), warm=True)
+        settings, executor=opts.executor, limits=limits, warm=True)
     return Ingress.options(**ingress_cfg).bind(searcher, o)
 
 

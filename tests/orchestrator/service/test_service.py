@@ -831,6 +831,7 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     settings = load_settings(overrides={"home": home, "index": "acl"}, read_env=False,
                              read_file=False)
     ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    (home / "branchsearch.toml").write_text("[service]\nmax_question_chars = 40\n")  # a limit
     cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--standalone",
            "--host", "127.0.0.1", "--port", "0", "--home", str(home), "--index", "acl",
            "--executor", "local"]
@@ -843,6 +844,9 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
             assert line or proc.poll() is None, "serve exited before listening"
         port = int(re.search(r"serving on http://127\.0\.0\.1:(\d+)", line).group(1))
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200
+        long = httpx.post(f"http://127.0.0.1:{port}/v1/search", timeout=60,
+                          json={"question": "Harbor Festival in June, and who ran it that year?"})
+        assert long.status_code == 422 and "40" in long.json()["detail"], long.text  # the file's
         taken = subprocess.run([str(port) if a == "0" else a for a in cmd],
                                capture_output=True, text=True, timeout=120)
         assert taken.returncode == 2, taken.stderr

@@ -831,6 +831,35 @@ def test_an_index_made_anew_while_its_driver_starts_is_not_served_from_two_folde
     drivers.close()
 
 
+def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch):
+    """The limits could be set only in a Ray Serve config: `serve --standalone` ran with the
+    defaults whatever the operator wanted (hostile pass: index_idle_close_s in a settings file
+    was "unknown keys"). They are the settings' `[service]` section now."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.errors import SettingsError
+
+    path = tmp_path / "b.toml"
+    path.write_text("[service]\nper_key_concurrency = 2\nindex_idle_close_s = 30\n")
+    monkeypatch.setenv("BRANCHSEARCH_MAX_K", "20")
+    settings = load_settings(path)
+    limits = Limits.of(settings)
+    assert (limits.per_key_concurrency, limits.index_idle_close_s, limits.max_k) == (2, 30.0, 20)
+    assert Limits.of(settings, per_key_concurrency=6).per_key_concurrency == 6  # the config's
+    assert Limits() == Limits.of(load_settings(read_env=False, read_file=False))  # one default
+    gate = Concurrency(limits)
+    with gate.slot("k"), gate.slot("k"):
+        with pytest.raises(ApiError) as caught:
+            with gate.slot("k"):
+                pass
+    assert caught.value.status == 429
+    path.write_text("[service]\nper_key_concurrency = 0\n")
+    with pytest.raises(SettingsError, match=r"per_key_concurrency .*>= 1 \(set by settings file"):
+        load_settings(path)
+    path.write_text("[agent]\nper_key_concurrency = 3\n")
+    with pytest.raises(SettingsError, match=r"it belongs in \[service\]"):
+        load_settings(path)
+
+
 def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
     """`Drivers.using(index, wait)`: when the driver it waited for was retired before the request
     could hold it (its index changed on disk), the next start was waited for with the whole
