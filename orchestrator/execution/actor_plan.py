@@ -35,10 +35,11 @@ class ActorPlan:
     shrunk_from: int = 0  # the pool size asked for, when it had to shrink
     retrievers: int = 1  # retriever actors (replicas), each with the `retriever` options
 
-    def demand(self) -> dict[str, float]:
-        """Total CPU and GPU the plan asks for."""
+    def demand(self, *, pool: bool = True) -> dict[str, float]:
+        """Total CPU and GPU the plan asks for; `pool=False`: without the branch pool (a
+        service's pool, shared and already running, is not what an index's start waits for)."""
         actors = [*self.engines, *[self.retriever] * self.retrievers,
-                  *[self.branch] * self.branch_actors]
+                  *([self.branch] * self.branch_actors if pool else [])]
         return {r: round(sum(a.get(f"num_{r.lower()}s", 0) for a in actors), 6)
                 for r in ("CPU", "GPU")}
 

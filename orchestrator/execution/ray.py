@@ -170,7 +170,7 @@ class RayExecutor:
 
     def _wait_started(self, refs: list, what: str) -> None:
         wait_started(refs, what, self.settings.actor_start_timeout_s, self.resources,
-                     self.plan.demand())
+                     self.plan.demand(pool=not self.shared_pool))
 
     # --- running -------------------------------------------------------------------------------
 

@@ -23,6 +23,11 @@ def test_two_cores_with_an_llm_engine_fit_every_actor():
     assert plan.branch["num_cpus"] >= MIN_BRANCH_CPUS and "num_gpus" not in plan.branch
     # the old sizing ignored the engine: 0.5 + 0.5 + 6 x 0.25 = 2.5 > 2 CPUs
     assert plan.demand()["CPU"] <= 2.0
+    # what an index's start waits for beside a service's running pool: not the pool
+    # (its start line read "asks CPU 1.6, 0.1 free" for a retriever that asked none)
+    alone = plan.demand(pool=False)
+    assert alone["CPU"] == pytest.approx(plan.demand()["CPU"]
+                                         - plan.branch_actors * plan.branch["num_cpus"])
 
 
 @pytest.mark.parametrize("cpus, pool, engines", [
