@@ -118,9 +118,11 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
             raise cause from None
         if getattr(exc, "actor_init_failed", False):
             raise  # a bug in a constructor: its traceback
-        # killed while starting (its process, its node): what a caller may retry
-        raise BackendUnavailable(f"ray: {what} died while starting ({error_line(exc)}); "
-                                 "retry") from None
+        # killed while starting (its process, its node): what a caller may retry; Ray's
+        # account of it (its worker, its exit type) goes to the log, not into the answer
+        log.warning("ray: %s died while starting: %s", what, error_line(exc, 1000))
+        raise BackendUnavailable(f"ray: {what} died while starting (its process was killed "
+                                 "or its node lost); retry") from None
     except ray.exceptions.GetTimeoutError:
         have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
         free = _free()  # what other actors (another index's, another job's) left free

@@ -115,9 +115,11 @@ class Drivers:
         try:
             _unchanged(index, opened_as, settings)  # the docstore opened is the one seen
             driver = self._make(settings)
-        except BaseException:
+        except BaseException as exc:
             if docstore is not None:
                 docstore.close()
+            if isinstance(exc, IndexNotFound):  # gone while it started: said as above, not
+                raise index_not_found(index) from None  # with the server's paths
             raise
         try:  # the driver's stores, opened by path meanwhile, are that index's too: a write's
             # ownership check reads this docstore and must see what the write will change

@@ -830,6 +830,13 @@ def test_an_index_made_anew_while_its_driver_starts_is_not_served_from_two_folde
     assert again.n == 2 and drivers.by_index["race"] is again and log[-1] == "open 2"
     drivers.close()
 
+    def gone(s):  # the index removed while its driver started: the driver's own error names
+        raise IndexNotFound(f"index 'race' not found under {tmp_path} (run `…`)")  # the home
+
+    with pytest.raises(IndexNotFound) as caught:
+        Drivers(settings, make=gone, close=lambda d, store: None).open("race", wait=10)
+    assert str(tmp_path) not in str(caught.value) and "make it with" in str(caught.value)
+
 
 def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch):
     """The limits could be set only in a Ray Serve config: `serve --standalone` ran with the
