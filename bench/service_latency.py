@@ -145,7 +145,7 @@ def main() -> None:
         from branchsearch.orchestrator.service.admission import Limits
 
         state = service.local_state(settings, executor=args.executor, limits=Limits(**limits))
-        state.searcher.target.driver("bench")
+        state.searcher.target.drivers.open("bench")
         server = start_uvicorn(service.create_app(state), state)
         url = server.url
 

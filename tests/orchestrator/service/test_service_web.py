@@ -34,7 +34,7 @@ def web(tmp_path_factory):
     keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", ("alpha",),
                                                                         admin=True)}
     state = service.local_state(settings, executor="local", keys_path=home / "keys.json")
-    state.searcher.target.driver("acl")
+    state.searcher.target.drivers.open("acl")
     server = start_uvicorn(service.create_app(state), state)
     yield server.url, keys
     server.stop()
