@@ -24,7 +24,7 @@ from branchsearch.infra.config.settings import index_name
 from branchsearch.infra.errors import BranchsearchError, redact
 from branchsearch.orchestrator.service.admission import Limits, check_body_size
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
-from branchsearch.orchestrator.service.errors import ApiError, api_error
+from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
 from branchsearch.orchestrator.service.events import sse
 from branchsearch.orchestrator.service.metrics import ServiceMetrics
 from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NAME_SCHEMA,
@@ -53,9 +53,12 @@ class SearcherClient:
         if self.local:
             return await getattr(self.target, method)(*args)
         try:
-            return await getattr(self.target, method).remote(*args)
+            out = await self.target.answer.remote(method, *args)
         except Exception as exc:  # noqa: BLE001
             raise _unwrap(exc) from None
+        if isinstance(out, Refused):  # a refusal, carried as a value (`Refused`)
+            raise out.error
+        return out
 
     async def stream(self, req, key):
         if self.local:
@@ -63,8 +66,12 @@ class SearcherClient:
                 yield event
             return
         try:
-            async for event in self.target.options(stream=True).stream.remote(req, key):
+            async for event in self.target.options(stream=True).answer_stream.remote(req, key):
+                if isinstance(event, Refused):
+                    raise event.error
                 yield event
+        except ApiError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise _unwrap(exc) from None
 

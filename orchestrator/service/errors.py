@@ -28,6 +28,18 @@ class ApiError(Exception):
         return (ApiError, (self.status, self.error, self.detail, self.headers))
 
 
+class Refused:
+    """A refusal (an `ApiError`) carried across a Ray Serve handle as a value: raised in the
+    Searcher replica, Serve would log every 403, 404 and 429 as a failed request, traceback
+    and all, and an operator's log would drown in callers' mistakes."""
+
+    def __init__(self, error: ApiError):
+        self.error = error
+
+    def __reduce__(self):
+        return (Refused, (self.error,))
+
+
 def api_error(exc: BaseException) -> ApiError:
     """Map any exception to what a caller may see; unknown exceptions say only their type."""
     if isinstance(exc, ApiError):

@@ -35,7 +35,7 @@ from branchsearch.orchestrator.service import events
 from branchsearch.orchestrator.service.admission import Concurrency, Limits
 from branchsearch.orchestrator.service.auth import ApiKey
 from branchsearch.orchestrator.service.drivers import Drivers
-from branchsearch.orchestrator.service.errors import ApiError, api_error
+from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
 from branchsearch.orchestrator.service.protocol import SearchRequest
 
 log = logging.getLogger("branchsearch.service")
@@ -133,6 +133,23 @@ class Searcher:
 
     async def guard_dropped(self) -> int:
         return self.acl_guard_dropped
+
+    # --- across a Ray Serve handle (`app.SearcherClient`) --------------------------------------
+
+    async def answer(self, method: str, *args):
+        """`method(*args)`, a refusal returned as `Refused` (see there), not raised."""
+        try:
+            return await getattr(self, method)(*args)
+        except (ApiError, BranchsearchError) as exc:
+            return Refused(api_error(exc))
+
+    async def answer_stream(self, req: SearchRequest, key: ApiKey) -> AsyncIterator:
+        """`stream`, a refusal before the first event yielded as `Refused`."""
+        try:
+            async for event in self.stream(req, key):
+                yield event
+        except (ApiError, BranchsearchError) as exc:
+            yield Refused(api_error(exc))
 
     async def _in_thread(self, fn: Callable, *args):
         """`fn(*args)` on the searcher's threads, in the caller's context (its trace span), as

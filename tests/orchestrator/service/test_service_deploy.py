@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,10 +159,28 @@ async def walk_away(url: str, key: str, n: int) -> None:
     assert any(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
 
 
+def ray_session(proc: subprocess.Popen) -> Path | None:
+    """The Ray session folder of the cluster `proc` started (named in its raylet's command
+    line), or None (no Ray under it)."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            args = child.cmdline()
+        except psutil.Error:
+            continue
+        for arg in args:
+            found = re.search(r"(/\S*?/session_\d{4}-[^/\s]+)", arg)
+            if found:
+                return Path(found.group(1))
+    return None
+
+
 @pytest.mark.parametrize("mode", ["standalone-local", "standalone-ray", "serve"])
 def test_the_service_as_deployed(site, mode):
     proc, url = start(site, mode)
     keys = site["keys"]
+    session = ray_session(proc) if mode == "serve" else None
     try:
         with httpx.Client(base_url=url, timeout=300) as client:
             # both indexes listed and searched; ACL of the external index from the key
@@ -230,6 +249,15 @@ def test_the_service_as_deployed(site, mode):
             events = parse_sse(rest + "\n\n")
             assert events[-1]["type"] == "result", events[-1]
         assert proc.wait(120) == 0, _log(site, mode)
+        # a caller's mistake (the 403 above) is no failed request with a traceback in the
+        # service's log (Serve logged every refusal raised in the Searcher replica so)
+        logged = [(site["home"] / f"{mode}.log").read_text()]
+        if mode == "serve":  # the Searcher replica's own log
+            assert session is not None
+            logged += [f.read_text() for f in (session / "logs" / "serve").glob(
+                "replica_*Searcher*.log")]
+            assert len(logged) > 1
+        assert not any("ApiError" in text for text in logged), logged
     finally:
         stop(proc)
 
