@@ -17,6 +17,17 @@ from branchsearch.orchestrator.result import BranchReport
 from branchsearch.workers.harness import EpisodeResult
 
 
+class FakeDriver:
+    """A driver with no stores: its open and close are lines in `log` ("open N", "close N")."""
+
+    def __init__(self, n: int, log: list[str]):
+        self.n, self.log = n, log
+        log.append(f"open {n}")
+
+    def close(self):
+        self.log.append(f"close {self.n}")
+
+
 def test_keys_store_only_hashes_and_revoke_takes_effect(tmp_path):
     path = tmp_path / "keys.json"
     store = KeyStore(path)
@@ -518,20 +529,12 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
     write_manifest(folder, Manifest(**hybrid))
     log: list[str] = []
 
-    class FakeDriver:
-        def __init__(self, n):
-            self.n = n
-            log.append(f"open {n}")
-
-        def close(self):
-            log.append(f"close {self.n}")
-
     def then(manifest: dict) -> None:
         time.sleep(0.01)  # a new mtime, whatever the clock's grain
         write_manifest(folder, Manifest(**manifest))
 
     searcher = Searcher(settings, executor="local",
-                        driver_factory=lambda s, executor: FakeDriver(len(log)))
+                        driver_factory=lambda s, executor: FakeDriver(len(log), log))
     first = searcher.drivers.open("x")
     with searcher.drivers.using("x") as (driver, _):  # a request in flight on the old driver
         assert driver is first
@@ -804,19 +807,11 @@ def test_an_index_made_anew_while_its_driver_starts_is_not_served_from_two_folde
     make_folder()
     log, anew = [], [True]
 
-    class FakeDriver:
-        def __init__(self, n):
-            self.n = n
-            log.append(f"open {n}")
-
-        def close(self):
-            log.append(f"close {self.n}")
-
     def make(s):
         if anew and anew.pop():  # removed and ingested anew while the driver starts
             shutil.rmtree(folder)
             make_folder()
-        return FakeDriver(len(log))
+        return FakeDriver(len(log), log)
 
     closed = []
     drivers = Drivers(settings, make=make,
