@@ -178,8 +178,8 @@ def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_
         yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
 
 
-EMBED_SLICE = 256  # chunks embedded between two progress reports inside one batch (~10 s of
-# MiniLM on 2 CPU cores; a multiple of embed_batch)
+EMBED_SLICE = 256  # chunks embedded between two progress reports inside one batch (a multiple
+# of embed_batch)
 
 
 def embed_in_slices(embedder, texts: list[str],

@@ -151,15 +151,16 @@ class Drivers:
         seen = self._opened_as.get(index)
         if seen is None:  # an external index: nothing of ours to watch
             return False
-        folder, stat, layout, docstore = seen
+        folder, stat = seen[:2]
         now = _stat(folder)
         if now == stat:
             return False
         manifest = None if now is None else read_manifest(folder)
         if manifest is None:  # an ingest under way: searches go on over what was there
             return running_ingest(folder) is None
-        if manifest.layout() == layout and _file_id(folder / "docs.sqlite") == docstore:
-            self._opened_as[index] = (folder, now, layout, docstore)
+        seen_now = (folder, now, manifest.layout(), _file_id(folder / "docs.sqlite"))
+        if _same_index(seen, seen_now):  # only documents added or replaced: the same stores
+            self._opened_as[index] = seen_now
             return False
         return True
 
@@ -308,11 +309,16 @@ def _unchanged(index: str, opened_as: tuple | None, settings: Settings) -> None:
     while the service holds it open, so its inode cannot be reused meanwhile."""
     if opened_as is None:  # an external index: nothing of ours on disk
         return
-    now = _opened_as(settings)
-    if now is None or (now[0], now[2], now[3]) != (opened_as[0], opened_as[2], opened_as[3]):
+    if not _same_index(opened_as, _opened_as(settings)):
         raise ApiError(503, "index_starting", f"index {index!r} changed on disk while it was "
                        "starting (removed and made anew, or ingested with another layout); "
                        "retry", {"Retry-After": "5"})
+
+
+def _same_index(seen: tuple, now: tuple | None) -> bool:
+    """Whether two `_opened_as` readings are one index for the stores open on it: the same
+    folder, layout and docstore file (its manifest may differ: documents added)."""
+    return now is not None and (now[0], now[2], now[3]) == (seen[0], seen[2], seen[3])
 
 
 def index_not_found(index: str) -> IndexNotFound:

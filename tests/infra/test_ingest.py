@@ -476,10 +476,9 @@ def test_a_password_in_es_url_is_not_written_to_the_manifest(tmp_path):
 
 
 def test_a_long_document_shows_its_embedding_as_it_goes(tmp_path, monkeypatch):
-    """One long document is one batch, and progress counted committed documents: a 5 MB file
-    ingested for 211 s without a line (hostile pass). Its embedding now reports every
-    EMBED_SLICE chunks, and the pipe's progress lines say it before any document is
-    committed."""
+    """One long document is one batch, and progress counts committed documents: its embedding
+    reports every EMBED_SLICE chunks, and the pipe's progress lines say so before any document
+    is committed."""
     import io
 
     from branchsearch.infra.ingest import pipeline

@@ -51,9 +51,8 @@ def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
 
 
 def test_a_question_edited_under_the_same_id_is_asked_again(tmp_path):
-    """A resume skipped an id whose ok row answered another question: the input was edited
-    (a typo fixed), the old answer stayed, and the summary said "already ok" (hostile pass).
-    Now it is asked again, and the CLI says which ids."""
+    """A resume asks what is not done, and an id whose ok row answered another question (the
+    input edited: a typo fixed) is not done: it is asked again, and its row replaced."""
     out = tmp_path / "out.jsonl"
     items = [("a", "Who reviews the master contract?"), ("b", "Who owns the archive?")]
     run_batch(items, out, lambda q: {"status": "ok", "evidence": [q]}, concurrency=1)
@@ -69,9 +68,9 @@ def test_a_question_edited_under_the_same_id_is_asked_again(tmp_path):
 
 
 def test_a_line_whose_two_spellings_of_a_field_differ_is_refused(tmp_path):
-    """`{"id": "x1", "_id": "x2"}` ran as x1, and `question` beside a different `text` used
-    `question`, silently (ingest refuses the same conflict). Such a line is now skipped with
-    its line number, as any malformed line; the same value twice is fine."""
+    """`{"id": "x1", "_id": "x2"}`, or `question` beside a different `text`, is a malformed
+    line, skipped with its line number (as ingest refuses the same conflict); the same value
+    twice is fine."""
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in [
         {"id": "x1", "_id": "x2", "question": "q one"},

@@ -1,6 +1,6 @@
 """The commands as a person types them: on a terminal, where long work shows a tqdm bar rather
-than the plain lines a pipe gets (the rest of the suite runs the CLI on pipes, which is how a
-bar that could not close, `batch`'s on every terminal, went unseen), and fed by a pipe."""
+than the plain lines a pipe gets (the rest of the suite runs the CLI on pipes), and fed by a
+pipe."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_the_readmes_first_command_on_a_terminal(tmp_path):
 
 
 def test_batch_reads_its_questions_from_a_pipe(hotpot_settings, tmp_path):
-    """`... | branchsearch batch - -o out.jsonl`: `-` is standard input (it was "batch input
-    not found: -"); a malformed line is named as `<stdin>:N`."""
+    """`... | branchsearch batch - -o out.jsonl`: `-` is standard input; a malformed line is
+    named as `<stdin>:N`."""
     lines = (HOTPOT / "queries.jsonl").read_text(encoding="utf-8").splitlines()[:2]
     out = tmp_path / "out.jsonl"
     done = subprocess.run([*CLI, "batch", "-", "-o", out, "--home", hotpot_settings.home,

@@ -578,9 +578,9 @@ def test_nan_and_inf_are_refused_before_anything_runs(options):
     ({"users": 2, "arrivals": "constant"}, "drop --arrivals"),
     ({"rate": 1.0, "think_s": 1.0}, "drop --think")])
 def test_values_that_would_fail_every_request_or_change_nothing_are_refused(options, says):
-    """A deadline of 0 failed every request and reported it as saturation; a negative SLO
-    dropped the SLO line; --arrivals with --users and --think with --rate were ignored. Each
-    is one error line before anything runs."""
+    """A deadline of 0 would fail every request (read as saturation), a negative SLO judge
+    nothing, --arrivals with --users or --think with --rate change nothing: each is one error
+    line before anything runs."""
     from branchsearch.orchestrator.loadtest.run import Options, load_spec
 
     with pytest.raises(BranchsearchError, match=re.escape(says)):
@@ -620,9 +620,9 @@ def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
 
 
 def test_a_service_that_dies_partway_through_a_step_is_no_saturation_point():
-    """A service killed 8 s into a 25 s step: a third of the step's requests reached no service.
-    That was reported as the first step's saturation (errors > 1 %), exit 0. The step's last
-    request reached no service, so the service went away: no knee is drawn from it."""
+    """A service killed partway through a step: a third of its requests reached no service, the
+    last one among them, so the service went away; no knee is drawn from it (errors > 1 % would
+    otherwise read as saturation at the first step)."""
     samples = [Sample(0, scheduled=i, sent=i, done=i + 0.5, outcome="ok") for i in range(10)]
     samples += [Sample(0, scheduled=10 + i, sent=10 + i, done=10 + i,
                        outcome="error:ConnectionRefusedError") for i in range(5)]

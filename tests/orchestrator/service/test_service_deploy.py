@@ -250,7 +250,7 @@ def test_the_service_as_deployed(site, mode):
             assert events[-1]["type"] == "result", events[-1]
         assert proc.wait(120) == 0, _log(site, mode)
         # a caller's mistake (the 403 above) is no failed request with a traceback in the
-        # service's log (Serve logged every refusal raised in the Searcher replica so)
+        # service's log (a refusal crosses the Searcher handle as a value)
         logged = [(site["home"] / f"{mode}.log").read_text()]
         if mode == "serve":  # the Searcher replica's own log
             assert session is not None

@@ -782,11 +782,10 @@ def test_a_stream_whose_searcher_dies_ends_with_an_error_event():
 
 
 def test_an_index_made_anew_while_its_driver_starts_is_not_served_from_two_folders(tmp_path):
-    """The service's docstore (a write's ownership check, the ACL guard) opened the old folder,
-    then the driver's stores, opened by path while it started, the new one: a finance-only
-    admin key's write replaced an hr document (hostile pass, 3 of 4 tries). A start whose index
-    changed on disk meanwhile is now a 503 to retry, nothing held; the next start serves the new
-    folder alone."""
+    """The service's docstore (a write's ownership check, the ACL guard) and the driver's stores
+    must be one folder's, or a scoped admin's write is checked against one index and lands in
+    another. A start whose index changed on disk meanwhile is a 503 to retry, nothing held; the
+    next start serves the new folder alone."""
     import shutil
 
     from branchsearch.infra.config.settings import load_settings
@@ -834,9 +833,8 @@ def test_an_index_made_anew_while_its_driver_starts_is_not_served_from_two_folde
 
 
 def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch):
-    """The limits could be set only in a Ray Serve config: `serve --standalone` ran with the
-    defaults whatever the operator wanted (hostile pass: index_idle_close_s in a settings file
-    was "unknown keys"). They are the settings' `[service]` section now."""
+    """The service's limits are the settings' `[service]` section (a file, the environment),
+    in both serve modes; a Ray Serve config's `limits` go over them; one default."""
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.errors import SettingsError
 
