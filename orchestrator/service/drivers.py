@@ -164,6 +164,14 @@ class Drivers:
             return False
         return True
 
+    def moved(self, index: str) -> bool:
+        """Whether the index's folder is no longer the one its driver opened (removed, or
+        made anew): what a write did meanwhile went to the old, removed files."""
+        with self._lock:
+            seen = self._opened_as.get(index)
+        return seen is not None and not _same_index(
+            seen, _opened_as(self.settings.replace(index=index)))
+
     def _retire(self, index: str, why: str = "changed on disk (another layout, removed, made "
                 "anew or left incomplete)") -> None:
         """Take the index's driver out of service; it is closed once the requests using it end

@@ -480,8 +480,9 @@ class Searcher:
         timeouts keep their status (api_error); a bug stays a 500."""
         try:  # waited for whole, as in this process: a write cut off by a timeout would go
             # on in the actor after its answer (a 504) and after the index's write lock
-            return self._in_retriever(index, driver, local_fn, actor_fn, *args, timeout=None)
+            done = self._in_retriever(index, driver, local_fn, actor_fn, *args, timeout=None)
         except Exception as exc:  # noqa: BLE001
+            self._not_moved(index)
             cause = getattr(exc, "cause", None) or exc
             if isinstance(cause, (BranchsearchError, ApiError, TimeoutError, TypeError,
                                   AttributeError, NameError, AssertionError)):
@@ -493,6 +494,16 @@ class Searcher:
                    "then means searches no longer saw it, and the repeat cleared the rest)")
             raise ApiError(503, "write_failed", f"the write to index {index!r} did not complete "
                            f"({public_line(cause, 300)}); {now}") from None
+        self._not_moved(index)
+        return done
+
+    def _not_moved(self, index: str) -> None:
+        """A 503 `index_changed` when the index's folder was removed (or made anew) while a
+        write ran: the write went to the removed files, whatever their stores answered."""
+        if self.drivers.moved(index):
+            raise ApiError(503, "index_changed", f"index {index!r} was removed or made anew "
+                           "on disk during this write, which went to the removed files and "
+                           "is lost with them; retry it (a 404 then means the index is gone)")
 
     @staticmethod
     def _check_files(driver) -> None:

@@ -448,6 +448,42 @@ def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path
         state.searcher.target.close()
 
 
+def test_a_write_whose_index_folder_is_removed_while_it_runs_says_it_is_lost(tmp_path,
+                                                                            monkeypatch):
+    """The index folder removed while a document write runs, after the write's checks: the
+    write goes to the removed files. The answer is a 503 `index_changed` saying the write is
+    lost, not a 200 or a `write_failed` saying searches still see the old documents; the next
+    write is a 404, and no answer names the server's paths."""
+    import shutil
+
+    from branchsearch.orchestrator import documents
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
+    state.searcher.target.drivers.open("acl")
+    server = start_uvicorn(service.create_app(state), state)
+    real = documents.upsert
+
+    def removed_meanwhile(*args, **kwargs):
+        shutil.rmtree(settings.index_dir)
+        return real(*args, **kwargs)
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            put = lambda: client.put("/v1/indexes/acl/documents", json=[  # noqa: E731
+                {"id": "osprey", "text": "The osprey relay beacon."}])
+            monkeypatch.setattr(documents, "upsert", removed_meanwhile)
+            err = assert_error(put(), 503, "index_changed")
+            assert "lost" in err["detail"] and str(tmp_path) not in err["detail"], err
+            monkeypatch.setattr(documents, "upsert", real)
+            assert_error(put(), 404, "index_not_found")
+    finally:
+        server.stop()
+        state.searcher.target.close()
+
+
 @pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, executor):
     """Ingests run as a user would (the CLI, its own process) while a service with either
