@@ -79,6 +79,7 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
 def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
     """Documents from (line number, line) pairs; `source`: the default source field (None:
     the file's name)."""
+    seen: dict[str, int] = {}  # id -> its first line
     for lineno, line in lines:
         if not line.strip():
             continue
@@ -104,8 +105,12 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
             if row.get(field_name) is not None and not isinstance(row[field_name], str):
                 raise CorpusError(f"{where}: {field_name!r} must be a string, not "
                                   f"{json.dumps(row[field_name], default=str)[:40]}")
-        yield _document(str(doc_id), row, where, source=str(row.get(
+        doc = _document(str(doc_id), row, where, source=str(row.get(
             "source") or source or Path(name).name))
+        if seen.setdefault(doc.id, lineno) != lineno:
+            raise CorpusError(f"{where}: duplicate document id {doc.id!r} (first on line "
+                              f"{seen[doc.id]})")
+        yield doc
 
 
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:

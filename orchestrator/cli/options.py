@@ -105,9 +105,10 @@ def _writable_folder(folder: Path, path: Path, what: str) -> None:
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
-    except OSError as exc:
-        raise BranchsearchError(f"{what} {path}: cannot write in {folder} "
-                                f"({exc.strerror or type(exc).__name__})") from None
+    except OSError as exc:  # (a folder that exists but makes no files, /proc, says ENOENT)
+        why = ("no files can be made there" if isinstance(exc, FileNotFoundError)
+               else exc.strerror or type(exc).__name__)
+        raise BranchsearchError(f"{what} {path}: cannot write in {folder} ({why})") from None
 
 
 def progress_bar(total: int | None, unit: str, desc: str):

@@ -120,7 +120,8 @@ def test_usage_errors(inputs, tmp_path):
                                   inputs / "fifo", *home], "is not a regular file"),
         "batch -o where nothing can be written": (["batch", inputs / "questions.jsonl", "-o",
                                                    "/proc/bs-out.jsonl", *home],
-                                                  "cannot write in /proc"),
+                                                  "cannot write in /proc (no files can be "
+                                                  "made there)"),
         "eval --plots a file": (["eval", inputs / "dev-only", "--split", "dev", "--plots",
                                  inputs / "a-file", *home], "is not a folder"),
         "loadtest --report where nothing can be written": (
