@@ -103,6 +103,18 @@ def _log_to_stderr() -> None:
 
 # --- Ray Serve ----------------------------------------------------------------------------------
 
+
+def _log_to_replica() -> None:
+    """Under Ray Serve, the service's own log lines go where Serve's docs send an operator: the
+    replica's log (logs/serve/replica_*.log), beside Serve's lines for the same requests, at
+    INFO and up. Without this they went to the Ray worker's stderr file alone."""
+    serve_log, service = logging.getLogger("ray.serve"), logging.getLogger("branchsearch.service")
+    if serve_log.handlers and not service.handlers:
+        for handler in serve_log.handlers:
+            service.addHandler(handler)
+        service.setLevel(logging.INFO)
+        service.propagate = False
+
 class MetricsBoard:
     """The application's metrics board (a Ray actor): each ingress replica's latest snapshot,
     so a scrape that reaches any one replica answers for all. A replica gone keeps its last
@@ -226,7 +238,12 @@ def build_application(opts: ServeOptions):
                    "ray_actor_options": {"num_cpus": opts.ingress_cpus}} | grace
     ingress_cfg |= ({"autoscaling_config": opts.autoscaling} if opts.autoscaling
                     else {"num_replicas": opts.replicas})
-    searcher = serve.deployment(Searcher, name="Searcher").options(
+    class ReplicaSearcher(Searcher):
+        def __init__(self, *args, **kwargs):
+            _log_to_replica()
+            super().__init__(*args, **kwargs)
+
+    searcher = serve.deployment(ReplicaSearcher, name="Searcher").options(
         num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
         max_queued_requests=opts.searcher_max_queued,
         ray_actor_options={"num_cpus": opts.searcher_cpus}, **grace).bind(

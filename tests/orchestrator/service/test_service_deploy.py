@@ -257,6 +257,8 @@ def test_the_service_as_deployed(site, mode):
             logged += [f.read_text() for f in (session / "logs" / "serve").glob(
                 "replica_*Searcher*.log")]
             assert len(logged) > 1
+            # the service's own lines are there too, not in a Ray worker's stderr file alone
+            assert any("branch pool: " in text for text in logged[1:]), logged[1:]
         assert not any("ApiError" in text for text in logged), logged
     finally:
         stop(proc)
