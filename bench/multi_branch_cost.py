@@ -3,11 +3,13 @@ process (the CLI's default path), and where the difference goes: the question's 
 the planner's other branches (wall time and tool calls each).
 
     python bench/multi_branch_cost.py --home /tmp/bs --index hotpotqa-dev200 \\
-        --queries ../shared/data/hotpotqa-dev200 [--n 200]
+        --queries ../shared/data/hotpotqa-dev200 [--n 200] [--executor ray]
 
 Every question is searched with 3 branches first (its chunks counted for the first time, as a
 new question's are), then with 1 branch, then with 3 again; only the questions the planner
-gives 2+ branches are reported. Medians over those questions; one run.
+gives 2+ branches are reported. Medians over those questions; one run. Second waves (forks,
+chains, bridges) count as the planner's other branches: turn them on with the settings
+(`BRANCHSEARCH_BRIDGES=2`). `--executor ray`: the branches as Ray actors, in parallel.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ def main() -> None:
     ap.add_argument("--index", default="hotpotqa-dev200")
     ap.add_argument("--queries", type=Path, required=True)
     ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--executor", choices=("local", "ray"), default="local")
     args = ap.parse_args()
     settings = load_settings(overrides={"home": args.home, "index": args.index})
     questions = [q.text for q in read_queries(args.queries)][: args.n]
-    driver = Driver(settings, mode="local")
+    driver = Driver(settings, mode=args.executor)
     driver.search(questions[0], max_branches=1)  # warm-up
     rows = []
     for q in questions:
@@ -62,7 +65,8 @@ def main() -> None:
 
     kinds = Counter(k for r in rows for k in r["kinds"])
     print(f"{len(rows)} of {len(questions)} questions planned to 2+ branches "
-          f"({', '.join(f'{n} {k}' for k, n in kinds.most_common())}); {args.queries.name}")
+          f"({', '.join(f'{n} {k}' for k, n in kinds.most_common())}); {args.queries.name}, "
+          f"{args.executor} executor")
     print("| | median |\n|---|---|")
     print(f"| 3 branches (first time) / 1 branch, same question | "
           f"{statistics.median(r['first'] / r['one'] for r in rows):.2f}x |")

@@ -20,6 +20,14 @@ country"). With `settings.chains = N > 0` and more than one branch the driver
 Where one context has to guess which answer of the inner hop is right, the chain branches
 follow each guess in their own context. `--branches 1` runs no chain. Bounds: N chain branches
 and one hop branch a question, depth 1 (a chain branch does not chain again).
+
+**Bridges** are next hops found in the text instead: a question's answer is often one hop past
+an entity that its branch's top chunk names but no title does ("Big Eyes ... directed by Tim
+Burton" for "Who is the spouse of Big Eye's main director?"). With `settings.bridges = N > 0`
+and more than one branch, the second wave also runs one branch (kind "bridge") for each of the N
+entities of that chunk nearest a word of the question (`bridges`), its sub-query the entity and
+the question's words the chunk lacks ("Tim Burton spouse"). They are traced and streamed as
+chains are (a `chain` span and event; the reason "bridge = Tim Burton").
 """
 
 from __future__ import annotations
@@ -29,9 +37,11 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.plan import _RELATIVE, _residual
 from branchsearch.workers.branch import BranchReport, BranchTask
+from branchsearch.workers.text import PREFIX, entities, sentences
 
 HOP_WEIGHT = 0.5  # the inner hop's branch in fusion
 CHAIN_WEIGHT = 0.5  # each second-hop branch in fusion
+_WORDS = re.compile(r"[\w'-]+")
 _SLOT = re.compile(r"\b(?:the|a|an)\s+(?:[\w'-]+\s+){0,2}[\w'-]+\s*$", re.I)
 
 
@@ -105,3 +115,50 @@ def chain_tasks(reports: list[BranchReport], chain: Hops, n: int, *,
     return [BranchTask(first + i, substitute(chain, a), CHAIN_WEIGHT, "chain", acl_groups,
                        deadline, parent=inner.index, reason=f"{chain.slot} = {a}")
             for i, a in enumerate(answers(inner, chain, n))]
+
+
+BRIDGE_WEIGHT = 0.5  # each bridge branch in fusion
+
+
+def bridges(report: BranchReport, question: str, n: int) -> list[tuple[str, str]]:
+    """The next hops a branch's top chunk points to: (entity, sub-query) for at most `n`
+    entities the chunk's text names and the question does not, nearest first to a word of the
+    question that the chunk's title lacks ("directed by Tim Burton" for "Big Eye's main
+    director"). The sub-query is the entity and the question's words the chunk does not hold
+    (what is left to find: "Tim Burton spouse")."""
+    top = next((c for c in report.evidence if c.get("chunk_id") in report.ranked_chunk_ids[:1]),
+               None)
+    if top is None or n <= 0:
+        return []
+    title, text = top.get("title") or "", top.get("text") or ""
+    stems = [w.lower()[:PREFIX] for w in _WORDS.findall(text)]
+    titled = {w.lower()[:PREFIX] for w in _WORDS.findall(title)}
+    asked = _residual(question, []).split()
+    cues = {w.lower()[:PREFIX] for w in asked} - titled
+    near = [i for i, s in enumerate(stems) if s in cues]  # where the text answers the question
+    q, core = question.lower(), _core(title)
+    found = []
+    named = (e for sentence in sentences(text) for e in entities(sentence, context=text))
+    for name in dict.fromkeys(named):
+        low = name.lower()
+        if len(name) <= 3 or low in q or (core and (low in core or core in low)):
+            continue
+        at = text.find(name)
+        at = len(_WORDS.findall(text[:at])) if at >= 0 else len(stems)
+        found.append((min((abs(i - at) for i in near), default=0), at, name))
+    held = set(stems) | titled
+    left = [w for w in asked if w.lower()[:PREFIX] not in held]
+    return [(name, " ".join([name] + left)) for _, _, name in sorted(found)[:n]]
+
+
+def bridge_tasks(reports: list[BranchReport], question: str, n: int, *,
+                 deadline: float | None = None, acl_groups: tuple[str, ...] | None = None,
+                 first: int) -> list[BranchTask]:
+    """The second wave of bridges: one branch per next hop the question's branch (kind
+    "original", finished ok) points to (`bridges`), numbered from `first`."""
+    own = next((r for r in reports if r.kind == "original" and r.status == "ok"), None)
+    if own is None:
+        return []
+    return [BranchTask(first + i, sub, BRIDGE_WEIGHT, "bridge", acl_groups, deadline,
+                       parent=own.index, reason=f"bridge = {name}")
+            for i, (name, sub) in enumerate(bridges(own, question, n))]

@@ -80,8 +80,9 @@ class Driver:
         result. A planned branch that the question's own branch covers (`orchestrator.cover`,
         `settings.skip_covered`) is not fused (in-process, not run): a `covered` event says
         which titles cover it, and the result's `covered` lists the same.
-        With `settings.forks` or `settings.chains` and more than one branch, a second wave of
-        forks (`orchestrator.forks`) or chain hops (`orchestrator.chains`) follows the first;
+        With `settings.forks`, `settings.chains` or `settings.bridges` and more than one
+        branch, a second wave of forks (`orchestrator.forks`) or next hops
+        (`orchestrator.chains`: chains and bridges) follows the first;
         `max_branches` 1 never has one.
 
         Raises BranchsearchError for an empty question or one without a letter or digit;
@@ -134,12 +135,13 @@ class Driver:
                 branches += self._forks(branches, groups,
                                         own if deadline is None else min(deadline, own),
                                         on_event, len(tasks))
-            if chain is not None:
+            bridges = self.settings.bridges if budget > 1 else 0
+            if chain is not None or bridges:
                 own = started_wall + self.settings.branch_timeout_s
-                branches += self._chains(branches, chain, groups,
-                                         own if deadline is None else min(deadline, own),
-                                         on_event, max([len(tasks) - 1] + [b.index for b in
-                                                                           branches]) + 1)
+                branches += self._next_hops(branches, text, chain, bridges, groups,
+                                            own if deadline is None else min(deadline, own),
+                                            on_event, max([len(tasks) - 1] + [b.index for b in
+                                                                              branches]) + 1)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -158,6 +160,7 @@ class Driver:
                 sum(b.context_tokens_final for b in ok) / max(len(ok), 1), 1),
             "forks": sum(b.kind == "fork" for b in branches),
             "chains": sum(b.kind == "chain" for b in branches),
+            "bridges": sum(b.kind == "bridge" for b in branches),
             "tokens_read": sum(b.tokens_read for b in ok),
             "turns": sum(b.turns for b in ok), "tool_calls": sum(b.tool_calls for b in ok),
         }
@@ -242,16 +245,21 @@ class Driver:
             return None
         return chain
 
-    def _chains(self, first: list, chain, groups, deadline, on_event, number: int) -> list:
-        """The second wave of a chain: one branch per candidate answer of the inner hop, each
-        recorded as a `chain` span and event, run on the executor in parallel, ending by
-        `deadline`; [] when the inner branch failed, found nothing or no time is left."""
-        from branchsearch.orchestrator.chains import chain_tasks
+    def _next_hops(self, first: list, text: str, chain, bridges: int, groups, deadline,
+                   on_event, number: int) -> list:
+        """The second wave of next hops (`orchestrator.chains`): a branch per candidate answer
+        of the chain's inner hop, and per entity the question's branch's top chunk names
+        (`bridges` of them), each recorded as a `chain` span and event, run on the executor in
+        parallel, ending by `deadline`; [] when there is none or no time is left."""
+        from branchsearch.orchestrator.chains import bridge_tasks, chain_tasks
 
         if time.time() >= deadline:
             return []
-        tasks = chain_tasks(first, chain, self.settings.chains, deadline=deadline,
-                            acl_groups=groups, first=number)
+        tasks = [] if chain is None else chain_tasks(
+            first, chain, self.settings.chains, deadline=deadline, acl_groups=groups,
+            first=number)
+        tasks += bridge_tasks(first, text, bridges, deadline=deadline, acl_groups=groups,
+                              first=number + len(tasks))
         for i, task in enumerate(tasks):
             tasks[i] = task = _under_span("chain", task, {
                 "chain.branch": task.index, "chain.parent": task.parent,

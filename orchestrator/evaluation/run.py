@@ -77,6 +77,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
             "branches": len(result.branches), "branches_failed": len(result.branches) - len(ok),
             "forks": sum(b.kind == "fork" for b in result.branches),
             "chains": sum(b.kind == "chain" for b in result.branches),
+            "bridges": sum(b.kind == "bridge" for b in result.branches),
             "covered": result.metrics.get("covered", 0)}
         text = ""
         if docstore is not None:

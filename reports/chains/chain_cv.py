@@ -1,12 +1,15 @@
-"""Tables and cross-validation of the chain rule (issue 34) from `branchsearch eval` reports.
+"""Tables and cross-validation of a second-wave rule (chains, bridges: issue 34) from
+`branchsearch eval` reports.
 
-    python reports/chains/chain_cv.py NAME=DIR/PREFIX [...]
+    python reports/chains/chain_cv.py [--grid b3,br1,br2,br3] NAME=DIR/PREFIX [...]
         each PREFIX has PREFIX-b1.json (1 branch), PREFIX-b3.json (3 branches, chains = 0) and
         PREFIX-c{1,2,3}.json (3 branches, BRANCHSEARCH_CHAINS=1|2|3), all one run each of
         `branchsearch eval ... --report`. Prints per set: every configuration on the whole set
         (for reading), then 5-fold CV inside the set (folds = question i mod 5; the chains value
         — or none — chosen on four folds by AR@5, then AR@10, then fewer tokens read; the
         fifth reported) and leave one set out (chosen on the other sets' questions pooled).
+        `--grid`: other configurations than the chains' (b3 always the "none" among them),
+        e.g. PREFIX-br{1,2,3}.json for BRANCHSEARCH_BRIDGES=1|2|3 (reports/bridges.md).
 """
 
 from __future__ import annotations
@@ -35,17 +38,20 @@ def summary(rows: list[dict]) -> str:
     att = [sum(r["attribution"] == a for r in rows) for a in
            ("ok", "retrieval_miss", "premature_prune", "early_stop", "overload")]
     return (f"{m('all_recall@5'):.3f} | {m('all_recall@10'):.3f} | {m('recall@5'):.3f} | "
-            f"{m('branches'):.2f} | {m('chains'):.2f} | {m('tokens_read'):,.0f} | "
+            f"{m('branches'):.2f} | {m('chains') + m('bridges'):.2f} | {m('tokens_read'):,.0f} | "
             f"{'/'.join(map(str, att))}")
 
 
 def main(args: list[str]) -> None:
+    global GRID
+    if args[:1] == ["--grid"]:
+        GRID, args = tuple(args[1].split(",")), args[2:]
     sets = {}
     for a in args:
         name, prefix = a.split("=", 1)
         sets[name] = {c: load(f"{prefix}-{c}.json") for c in ("b1",) + GRID}
     for name, runs in sets.items():
-        print(f"\n## {name}\n\n| config | AR@5 | AR@10 | R@5 | branches/q | chains/q | tokens "
+        print(f"\n## {name}\n\n| config | AR@5 | AR@10 | R@5 | branches/q | next hops/q | tokens "
               "read | attribution |\n|---|---|---|---|---|---|---|---|")
         for c in ("b1",) + GRID:
             print(f"| {c} | {summary(runs[c])} |")

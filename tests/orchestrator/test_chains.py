@@ -10,7 +10,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import load_settings
 from branchsearch.infra.errors import SettingsError
-from branchsearch.orchestrator.chains import CHAIN_WEIGHT, Hops, answers, hops, substitute
+from branchsearch.orchestrator.chains import (BRIDGE_WEIGHT, CHAIN_WEIGHT, Hops, answers,
+                                             bridges, hops, substitute)
 from branchsearch.orchestrator.driver import Driver
 from branchsearch.workers.branch import BranchReport
 from branchsearch.workers.harness import EpisodeResult
@@ -136,3 +137,57 @@ def test_one_branch_and_chains_off_run_no_chain(chaining, hotpot_settings):
         off.close()
     assert [b.kind for b in plain.branches] == ["original"]
     assert plain.ranked_chunk_ids == one.ranked_chunk_ids  # the planner's own plan is 1 branch
+
+
+BIG_EYES = ("Big Eyes is a 2014 American biographical drama film directed by Tim Burton, "
+            "written by Scott Alexander and Larry Karaszewski. There were two sequels.")
+
+
+def _top(title: str, text: str) -> BranchReport:
+    ev = [{"chunk_id": "big-eyes#p0", "doc_id": "big-eyes", "title": title, "text": text},
+          {"chunk_id": "other#p0", "doc_id": "other", "title": "Other", "text": "Tim Roth."}]
+    return BranchReport(0, "q", 1.0, "original", episode=EpisodeResult(
+        subquery="q", termination="finish", evidence=ev,
+        ranked_chunk_ids=["big-eyes#p0", "other#p0"]))
+
+
+def test_bridges_are_the_top_chunks_names_nearest_the_questions_words():
+    report = _top("Big Eyes", BIG_EYES)
+    found = bridges(report, "Who is the spouse of Big Eye's main director?", 3)
+    # "directed" answers "director": the name next to it first; the title, a word opening a
+    # sentence ("There") and the other chunk's names are not bridges; the sub-query keeps the
+    # question's words the chunk lacks ("director" it holds)
+    assert found[0] == ("Tim Burton", "Tim Burton spouse Eye's main")
+    assert [name for name, _ in found] == ["Tim Burton", "American", "Scott Alexander"]
+    every = [name for name, _ in bridges(report, "Who is the spouse of Big Eye's main director?",
+                                         9)]
+    assert every[:3] == [name for name, _ in found] and "Larry Karaszewski" in every
+    assert not {"There", "Big Eyes", "Tim Roth"} & set(every)
+    assert bridges(report, "Who is the spouse of Big Eye's main director?", 0) == []
+    # a name the question already holds is no next hop
+    assert "Tim Burton" not in [n for n, _ in bridges(report, "Whom did Tim Burton marry?", 5)]
+
+
+def test_a_bridge_branch_follows_a_name_in_the_question_branchs_top_chunk(hotpot_settings):
+    driver = Driver(hotpot_settings.replace(bridges=2, branches=3), mode="local")
+    events = []
+    try:
+        result = driver.search(CHAINED, on_event=events.append)
+        one = driver.search(CHAINED, max_branches=1)
+    finally:
+        driver.close()
+    own = result.branches[0]
+    found = bridges(own, CHAINED, 2)
+    made = [b for b in result.branches if b.kind == "bridge"]
+    assert found and [b.subquery for b in made] == [sub for _, sub in found]
+    for b in made:  # second wave, after the question's branch, fused at half weight
+        assert b.parent == own.index and b.weight == BRIDGE_WEIGHT and b.status == "ok"
+        event = next(e for e in events if e["type"] == "chain" and e["branch"] == b.index)
+        assert event["reason"] == b.reason and b.reason.startswith("bridge = ")
+    assert result.metrics["bridges"] == len(made)
+    assert [b.kind for b in one.branches] == ["original"]  # --branches 1: never a bridge
+
+
+def test_bridges_must_not_be_negative(tmp_path):
+    with pytest.raises(SettingsError, match="bridges must be >= 0"):
+        load_settings(None, {"home": str(tmp_path), "bridges": -1})
