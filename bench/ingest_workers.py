@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from branchsearch.infra.ingest.corpus import read_corpus  # noqa: E402
-from branchsearch.infra.ingest.pipeline import chunk_documents, indexed, ingest  # noqa: E402
+from branchsearch.infra.ingest.batches import chunk_documents, indexed  # noqa: E402
+from branchsearch.infra.ingest.pipeline import ingest  # noqa: E402
 from branchsearch.infra.index.manifest import read_manifest  # noqa: E402
 from branchsearch.infra.config.settings import load_settings  # noqa: E402
 

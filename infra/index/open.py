@@ -66,7 +66,7 @@ def query_model(settings: Settings, model, embedder=None) -> Settings:
     (MiniLM, static-minilm) is always at hand, so the index's choice wins over embed_model;
     another model (a local folder) must be the one configured, and an embedder handed in
     must be the one the index was embedded with: a query is never embedded by another model."""
-    from branchsearch.infra.ingest.pipeline import embedder_name
+    from branchsearch.infra.ingest.batches import embedder_name
     from branchsearch.infra.models.embedder import BUNDLED_MODELS
 
     if embedder is not None:
@@ -258,8 +258,8 @@ def index_spec(settings: Settings):
 def _dense_dim(root, embedder) -> int:
     """The dimension a writer creates the collection with, recorded (with the model's name, in
     `dense.model`) before the first vector is written: an ingest stopped before its manifest
-    is resumed with the same model (`pipeline._same_unfinished_model`)."""
-    from branchsearch.infra.ingest.pipeline import embedder_name
+    is resumed with the same model (`infra.ingest.agreement.same_unfinished_model`)."""
+    from branchsearch.infra.ingest.batches import embedder_name
 
     marker = root / "dense.dim"
     if marker.exists():

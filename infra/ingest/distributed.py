@@ -174,7 +174,7 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
 
     import numpy as np
 
-    from branchsearch.infra.ingest.pipeline import EmbeddedBatch
+    from branchsearch.infra.ingest.batches import EmbeddedBatch
 
     resources = connect(settings)
     import ray.data
@@ -208,7 +208,7 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
             "direct": direct, "dim": dim,
             "static_model": _packed(static_folder) if static_folder else None})
 
-    from branchsearch.infra.ingest.pipeline import BATCH_CHARS
+    from branchsearch.infra.ingest.batches import BATCH_CHARS
 
     waiting: dict[str, list] = {}  # doc id -> [(chunk, vector)] until all its chunks arrived
     ready_chars = 0  # the ready chunks' text: a batch closes past BATCH_CHARS, as doc_batches

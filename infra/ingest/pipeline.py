@@ -19,17 +19,17 @@ Failure behaviour, in order:
   embedding model and dimension, encoding, chunking, time) is written atomically, and the lock
   is released.
 
-Embedding runs here (one process) or on a Ray Data actor pool (`workers > 1`, see
-`infra.ingest.distributed`); in both cases this process is the one writer, so the embedded single-writer
+Embedding runs here (one process: `infra.ingest.batches`) or on a Ray Data actor pool
+(`workers > 1`, see `infra.ingest.distributed`); in both cases this process is the one writer, so the embedded single-writer
 stores (Milvus Lite, tantivy) work unchanged and the result is the same index. In one process,
 chunking and embedding run on a producer thread one or two batches ahead of the writes
 (`overlapped`): the model, the tokenizer and the stores' own servers release the GIL, so the
 writes of batch n cost no wall time beside the embedding of batch n+1. The batches, their
 order and their vectors are the same as without the thread.
 
-An index keeps the embedding model it was made with (`embed_model`, recorded in the
-manifest): re-ingesting it with another model is refused, and its readers embed queries with
-its model (`infra.index.open.query_model`).
+An index keeps what it was made with (`infra.ingest.agreement`): vectors or none, its encoding,
+its embedding model (recorded in the manifest; its readers embed queries with it:
+`infra.index.open.query_model`). Re-ingesting it otherwise is refused.
 """
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ import errno
 import hashlib
 import json
 import re
-import queue
 import shutil
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.stores.protocols import IndexedChunk
-from branchsearch.infra.ingest.chunking import Chunk, chunk_text, head_tokens, token_counts
-from branchsearch.infra.ingest.corpus import Document, read_corpus
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, IndexIncomplete, \
-    redact
-from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
-                                         remove_manifest, write_manifest)
 from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
+from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
+                                               remove_manifest, write_manifest)
+from branchsearch.infra.ingest import agreement
+from branchsearch.infra.ingest.batches import (BATCH_DOCS, STATIC_BATCH_DOCS, EmbeddedBatch,
+                                               chunk_documents, embedder_name, indexed,
+                                               local_batches, overlapped)
+from branchsearch.infra.ingest.chunking import head_tokens, token_counts
+from branchsearch.infra.ingest.corpus import Document, read_corpus
 from branchsearch.infra.models.static import STATIC_BACKEND
 from branchsearch.infra.models.tokenizer import TokenCounter
 
@@ -96,32 +96,6 @@ class IngestReport:
                 "chunks_per_s_without_embedding": round(self.chunks_per_s_without_embedding, 1)}
 
 
-@dataclass
-class EmbeddedBatch:
-    """One batch ready to commit: documents, their chunks, and one vector per chunk (or None)."""
-
-    docs: list[Document]
-    chunks: list[Chunk]
-    vectors: object | None  # float32 array (len(chunks), dim)
-    embed_s: float = 0.0
-    chunk_s: float = 0.0
-    written: frozenset[str] = frozenset()  # stores the workers already wrote: dense, lexical
-
-
-def chunk_documents(docs: Sequence[Document], settings: Settings,
-                    counter: TokenCounter | None = None) -> list[Chunk]:
-    counter = counter or TokenCounter(settings.encoding)
-    return [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
-                                                settings.chunk_overlap, title=d.title,
-                                                head_tokens=head_tokens(settings))]
-
-
-def indexed(docs: Sequence[Document], chunks: Sequence[Chunk]) -> list[IndexedChunk]:
-    by_id = {d.id: d for d in docs}
-    return [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
-            for c in chunks]
-
-
 def fingerprint(doc: Document, settings: Settings, embedding: str) -> str:
     """Content + everything that shapes its chunks, vectors and terms: equal means nothing to
     redo. A document with Chinese or Japanese text also carries the lexical store's way of
@@ -134,123 +108,6 @@ def fingerprint(doc: Document, settings: Settings, embedding: str) -> str:
         parts.append("cjk-bigrams")
     key = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha1(key.encode()).hexdigest()
-
-
-def embedder_name(embedder) -> str:
-    return str(getattr(embedder, "model_name", None) or type(embedder).__name__)
-
-
-def doc_batches(docs: Sequence[Document], batch_docs: int,
-                batch_chars: int | None = None) -> Iterator[list[Document]]:
-    """`docs` in order, `batch_docs` at a time, a batch closing early once its text passes
-    `batch_chars` (default BATCH_CHARS): a corpus of books commits (and shows progress, and
-    can resume) every few thousand chunks, and holds no more than that in memory, instead of
-    256 books at once. A document is never split."""
-    limit = BATCH_CHARS if batch_chars is None else batch_chars
-    batch: list[Document] = []
-    chars = 0
-    for doc in docs:
-        batch.append(doc)
-        chars += len(doc.text) + len(doc.title)
-        if len(batch) >= batch_docs or chars >= limit:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
-def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_docs: int,
-                  embedded: Callable[[int, int], None] | None = None
-                  ) -> Iterator[EmbeddedBatch]:
-    """Chunk and embed in this process, one batch (`doc_batches`) at a time; `embedded`: see
-    `embed_in_slices`."""
-    counter = TokenCounter(settings.encoding)
-    for batch in doc_batches(docs, batch_docs):
-        t = time.perf_counter()
-        chunks = chunk_documents(batch, settings, counter)
-        chunk_s = time.perf_counter() - t
-        vectors, embed_s = None, 0.0
-        if embedder is not None:
-            t = time.perf_counter()
-            vectors = embed_in_slices(embedder, [c.body for c in indexed(batch, chunks)],
-                                      embedded)
-            embed_s = time.perf_counter() - t
-        yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
-
-
-EMBED_SLICE = 256  # chunks embedded between two progress reports inside one batch (a multiple
-# of embed_batch)
-
-
-def embed_in_slices(embedder, texts: list[str],
-                    embedded: Callable[[int, int], None] | None = None):
-    """`embedder.embed(texts)`; with `embedded`, a batch of more than EMBED_SLICE chunks (one
-    long document is one batch) is embedded a slice at a time, and `embedded(done, total)`
-    said after each: its progress is otherwise silent until the batch commits, minutes for a
-    book on a CPU."""
-    if embedded is None or len(texts) <= EMBED_SLICE:
-        return embedder.embed(texts)
-    import numpy as np
-
-    parts = []
-    for start in range(0, len(texts), EMBED_SLICE):
-        parts.append(embedder.embed(texts[start:start + EMBED_SLICE]))
-        embedded(min(start + EMBED_SLICE, len(texts)), len(texts))
-    return np.concatenate(parts)
-
-
-_DONE = object()
-
-
-def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[EmbeddedBatch]:
-    """The same batches in the same order, produced on a thread up to `ahead` batches before
-    the caller asks for them. An error in the producer is raised here; a caller that stops
-    early (an error while writing) stops the producer at its next batch."""
-    out: queue.Queue = queue.Queue(maxsize=max(1, ahead))
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for batch in batches:
-                while not stop.is_set():
-                    try:
-                        out.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            item = _DONE
-        except BaseException as exc:  # handed to the consumer, raised there
-            item = exc
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    thread = threading.Thread(target=produce, name="ingest-embed", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = out.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()  # the producer stops at its next batch; a batch being embedded is not waited
-        thread.join(timeout=1.0)  # for beyond a second (an interrupted ingest exits promptly)
-
-
-BATCH_DOCS = 256  # documents per committed batch (a unit of resume)
-BATCH_CHARS = 2_000_000  # text per committed batch, at most (past one document): ~2,000 chunks
-# with the static embedder a batch of 256 takes well under a second and the stores' per-batch
-# commit (a tantivy writer, a segment) dominates: 1024 cut its CPU per chunk by ~25 %
-# (bench/ingest_throughput.py --batch-docs, reports/embedding.md)
-STATIC_BATCH_DOCS = 1024
 
 
 def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
@@ -312,9 +169,9 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         complete[0] = previous is not None
         if previous is not None:  # a copied or renamed folder: refuse before touching it
             check_name(root, settings.index, previous)
-        dense = _dense_as_made(settings, root, previous, dense)  # before a store is made
-        unfinished = _unfinished_embedding(root) if previous is None else None
-        _same_encoding(settings, previous)
+        dense = agreement.dense_as_made(settings, root, previous, dense)  # before a store is made
+        unfinished = agreement.unfinished_embedding(root) if previous is None else None
+        agreement.same_encoding(settings, previous)
         # open first: a store that cannot be opened (a Milvus Lite file held by a running
         # search, a server down) stops the ingest before the index is marked incomplete
         t = time.perf_counter()
@@ -324,9 +181,9 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         except BackendUnavailable as exc:
             raise StoresNotOpened(str(exc)) from exc
         try:
-            _same_model(settings, previous, embedder if dense_store else None)
-            _same_fitted(settings, previous, embedder if dense_store else None)
-            _same_unfinished_model(settings, unfinished, embedder if dense_store else None)
+            agreement.same_model(settings, previous, embedder if dense_store else None)
+            agreement.same_fitted(settings, previous, embedder if dense_store else None)
+            agreement.same_unfinished_model(settings, unfinished, embedder if dense_store else None)
             report.seconds["open"] = time.perf_counter() - t
             if dense_store is not None and override is None and previous is None:
                 embedder = _fit_static(settings, root, docs, embedder, docstore, report)
@@ -439,8 +296,9 @@ def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedd
 def _count_earlier_chunks(docstore, settings: Settings, batch: int = 2000) -> tuple[int, str]:
     """Give the chunks committed without token counts (by an earlier version), or with the
     head of another `result_token_cap`, their counts, so searches stop encoding them (the
-    index's encoding is this ingest's: `_same_encoding`). Returns (how many, why not all: a
-    docstore this process may not write, where searches count them as before; "" when all)."""
+    index's encoding is this ingest's: `agreement.same_encoding`). Returns (how many, why not
+    all: a docstore this process may not write, where searches count them as before; "" when
+    all)."""
     counter = TokenCounter(settings.encoding)
     n = head_tokens(settings)
     done = 0
@@ -544,107 +402,6 @@ def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[s
     t = time.perf_counter()
     docstore.replace_documents(batch.docs, batch.chunks, {i: prints[i] for i in ids})
     _add(report, "docstore", t)
-
-
-def _dense_as_made(settings: Settings, root: Path, previous: Manifest | None,
-                   dense: bool | None) -> bool:
-    """Whether this ingest embeds: as asked, else as the index was made (vectors for a new one).
-    An index keeps it, complete or left incomplete by a stopped ingest (no manifest then: the
-    `dense.dim` a dense ingest writes as it opens its store says it had vectors, a docstore
-    without it that it had none). With vectors for some documents and none for others (those
-    this ingest adds, or those a service writes to it afterwards), its dense side would be a
-    different corpus from its BM25 side, and a later ingest would stop on "stores disagree"."""
-    if previous is not None:
-        made = previous.embedding is not None
-    elif (root / "dense.dim").exists():
-        made = True
-    else:
-        made = False if (root / "docs.sqlite").exists() else None
-    if dense is None:
-        return True if made is None else made
-    if made is None or dense == made:
-        return dense
-    if made:
-        model = previous.embedding.get("model") if previous is not None else "its first ingest's"
-        raise BranchsearchError(
-            f"ingest: index {settings.index!r} has vectors ({model}); "
-            f"--no-dense would add documents without them: ingest it with vectors (no "
-            f"--no-dense), or into another index name, or remove {settings.index_dir} first "
-            f"(the index is unchanged)")
-    raise BranchsearchError(
-        f"ingest: index {settings.index!r} was made without vectors (--no-dense); vectors for "
-        f"this corpus alone would leave its other documents without: ingest it with "
-        f"--no-dense, or into another index name, or remove {settings.index_dir} first (the "
-        f"index is unchanged)")
-
-
-def _same_encoding(settings: Settings, previous: Manifest | None) -> None:
-    """Refuse to chunk documents in another encoding than the index's: the documents this
-    corpus does not hold would keep the old chunks, whose token counts the index then reads in
-    the new encoding."""
-    if previous is not None and previous.encoding != settings.encoding:
-        raise BranchsearchError(
-            f"ingest: index {settings.index!r} was chunked in encoding {previous.encoding!r}, "
-            f"not {settings.encoding!r}; its chunks cannot be mixed: set encoding = "
-            f"{previous.encoding!r}, ingest into another index name, or remove "
-            f"{settings.index_dir} first (the index is unchanged)")
-
-
-def _same_model(settings: Settings, previous: Manifest | None, embedder) -> None:
-    """Refuse to add vectors of one model to an index embedded with another."""
-    if previous is None or previous.embedding is None or embedder is None:
-        return
-    before, now = previous.embedding.get("model"), embedder_name(embedder)
-    if before != now:
-        raise BranchsearchError(
-            f"ingest: index {settings.index!r} was embedded with {before!r}, not {now!r}; its "
-            f"vectors cannot be mixed: ingest into another index name, or remove "
-            f"{settings.index_dir} first (the index is unchanged)")
-
-
-def _unfinished_embedding(root: Path) -> tuple[int, str | None] | None:
-    """(dimension, model) an ingest that stopped before its manifest had begun embedding this
-    index with (`open._dense_dim`); the model is None for an ingest of an older version."""
-    try:
-        dim = int((root / "dense.dim").read_text())
-    except (OSError, ValueError):
-        return None
-    model = root / "dense.model"
-    return dim, model.read_text().strip() if model.exists() else None
-
-
-def _same_unfinished_model(settings: Settings, unfinished, embedder) -> None:
-    """Refuse to resume a stopped ingest with another model than the one it began with: its
-    vectors would be mixed, or not fit its collection at all."""
-    if unfinished is None or embedder is None:
-        return
-    dim, model = unfinished
-    now = embedder_name(embedder)
-    if (model is not None and model != now) or embedder.dim != dim:
-        began = f"{model!r} ({dim} dimensions)" if model else f"a {dim}-dimension model"
-        flag = f" (--embed-model {model})" if model else ""
-        raise BranchsearchError(
-            f"ingest: index {settings.index!r} stopped unfinished while embedding with "
-            f"{began}, not {now!r}: run it again with that model{flag}, or remove "
-            f"{settings.index_dir} first (the index is unchanged)")
-
-
-def _same_fitted(settings: Settings, previous: Manifest | None, embedder) -> None:
-    """Refuse to add to an index fitted a static model (`static_tune`) without that model:
-    the distilled model's vectors would sit beside the fitted one's, and rank wrongly."""
-    from branchsearch.infra.index.profile import whole_safetensors
-
-    fitted = (previous.embedding or {}).get("fitted") if previous is not None else None
-    if embedder is None or not fitted:
-        return
-    folder = getattr(embedder, "static_folder", None)
-    state = ("missing" if folder is None else "cut short"
-             if not whole_safetensors(Path(folder) / "model.safetensors") else "")
-    if state:
-        raise IndexIncomplete(
-            f"index {settings.index!r} is damaged: its fitted static model ({fitted}/ in the "
-            f"index folder) is {state}; remove {settings.index_dir} and ingest it again (the "
-            f"index is unchanged)")
 
 
 def _purge(docstore, lexical, dense_store, redo: set[str], report: IngestReport) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 def chunks_of(data: str) -> list[tuple[str, str]]:
     from branchsearch.infra.config.settings import Settings
     from branchsearch.infra.ingest.corpus import read_corpus
-    from branchsearch.infra.ingest.pipeline import chunk_documents, indexed
+    from branchsearch.infra.ingest.batches import chunk_documents, indexed
 
     docs = read_corpus(data)
     return [(c.doc_id, c.body) for c in indexed(docs, chunk_documents(docs, Settings()))]

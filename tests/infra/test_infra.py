@@ -328,7 +328,7 @@ def test_a_corpus_of_long_documents_commits_in_bounded_batches():
     """Batches close at `batch_docs` documents or once their text passes the bound: 256 books
     are not one batch held in memory and committed at the end. Order kept, nothing split."""
     from branchsearch.infra.ingest.corpus import Document
-    from branchsearch.infra.ingest.pipeline import doc_batches
+    from branchsearch.infra.ingest.batches import doc_batches
 
     docs = [Document(f"d{i}", "", "x" * (900 if i % 5 else 5_000)) for i in range(40)]
     batches = list(doc_batches(docs, batch_docs=16, batch_chars=10_000))

@@ -481,10 +481,10 @@ def test_a_long_document_shows_its_embedding_as_it_goes(tmp_path, monkeypatch):
     is committed."""
     import io
 
-    from branchsearch.infra.ingest import pipeline
+    from branchsearch.infra.ingest import batches
     from branchsearch.orchestrator.cli.options import ProgressLines
 
-    monkeypatch.setattr(pipeline, "EMBED_SLICE", 8)
+    monkeypatch.setattr(batches, "EMBED_SLICE", 8)
     words = " ".join(f"word{i} of the long ledger, entry {i}." for i in range(2500))
     corpus = tmp_path / "book.jsonl"
     corpus.write_text(json.dumps({"id": "book", "title": "Ledger", "text": words}) + "\n")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from branchsearch.infra.ingest.corpus import read_corpus
-from branchsearch.infra.ingest.pipeline import chunk_documents, ingest
+from branchsearch.infra.ingest.batches import chunk_documents
+from branchsearch.infra.ingest.pipeline import ingest
 from branchsearch.infra.ingest.distributed import ChunkEmbedder, actor_resources
 from branchsearch.infra.index.manifest import read_manifest
 from branchsearch.infra.index.open import open_retriever

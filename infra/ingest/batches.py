@@ -1,0 +1,162 @@
+"""A corpus in batches, chunked and embedded: the unit an ingest commits, shows progress by and
+resumes from.
+
+`doc_batches` cuts the documents (never one document in two); `local_batches` chunks and embeds
+each in this process (`embed_in_slices`: a long document's embedding reports as it goes), and
+`overlapped` runs that on a producer thread a batch or two ahead of the writes. The Ray Data path
+(`infra.ingest.distributed`) makes the same `EmbeddedBatch`es on an actor pool.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.ingest.chunking import Chunk, chunk_text, head_tokens
+from branchsearch.infra.ingest.corpus import Document
+from branchsearch.infra.models.tokenizer import TokenCounter
+from branchsearch.infra.stores.protocols import IndexedChunk
+
+BATCH_DOCS = 256  # documents per committed batch (a unit of resume)
+BATCH_CHARS = 2_000_000  # text per committed batch, at most (past one document): ~2,000 chunks
+# with the static embedder a batch of 256 takes well under a second and the stores' per-batch
+# commit (a tantivy writer, a segment) dominates: 1024 cut its CPU per chunk by ~25 %
+# (bench/ingest_throughput.py --batch-docs, reports/embedding.md)
+STATIC_BATCH_DOCS = 1024
+EMBED_SLICE = 256  # chunks embedded between two progress reports inside one batch (a multiple
+# of embed_batch)
+
+
+@dataclass
+class EmbeddedBatch:
+    """One batch ready to commit: documents, their chunks, and one vector per chunk (or None)."""
+
+    docs: list[Document]
+    chunks: list[Chunk]
+    vectors: object | None  # float32 array (len(chunks), dim)
+    embed_s: float = 0.0
+    chunk_s: float = 0.0
+    written: frozenset[str] = frozenset()  # stores the workers already wrote: dense, lexical
+
+
+def chunk_documents(docs: Sequence[Document], settings: Settings,
+                    counter: TokenCounter | None = None) -> list[Chunk]:
+    counter = counter or TokenCounter(settings.encoding)
+    return [c for d in docs for c in chunk_text(d.id, d.text, counter, settings.chunk_tokens,
+                                                settings.chunk_overlap, title=d.title,
+                                                head_tokens=head_tokens(settings))]
+
+
+def indexed(docs: Sequence[Document], chunks: Sequence[Chunk]) -> list[IndexedChunk]:
+    by_id = {d.id: d for d in docs}
+    return [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
+            for c in chunks]
+
+
+def embedder_name(embedder) -> str:
+    return str(getattr(embedder, "model_name", None) or type(embedder).__name__)
+
+
+def doc_batches(docs: Sequence[Document], batch_docs: int,
+                batch_chars: int | None = None) -> Iterator[list[Document]]:
+    """`docs` in order, `batch_docs` at a time, a batch closing early once its text passes
+    `batch_chars` (default BATCH_CHARS): a corpus of books commits (and shows progress, and
+    can resume) every few thousand chunks, and holds no more than that in memory, instead of
+    256 books at once. A document is never split."""
+    limit = BATCH_CHARS if batch_chars is None else batch_chars
+    batch: list[Document] = []
+    chars = 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc.text) + len(doc.title)
+        if len(batch) >= batch_docs or chars >= limit:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_docs: int,
+                  embedded: Callable[[int, int], None] | None = None
+                  ) -> Iterator[EmbeddedBatch]:
+    """Chunk and embed in this process, one batch (`doc_batches`) at a time; `embedded`: see
+    `embed_in_slices`."""
+    counter = TokenCounter(settings.encoding)
+    for batch in doc_batches(docs, batch_docs):
+        t = time.perf_counter()
+        chunks = chunk_documents(batch, settings, counter)
+        chunk_s = time.perf_counter() - t
+        vectors, embed_s = None, 0.0
+        if embedder is not None:
+            t = time.perf_counter()
+            vectors = embed_in_slices(embedder, [c.body for c in indexed(batch, chunks)],
+                                      embedded)
+            embed_s = time.perf_counter() - t
+        yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
+
+
+def embed_in_slices(embedder, texts: list[str],
+                    embedded: Callable[[int, int], None] | None = None):
+    """`embedder.embed(texts)`; with `embedded`, a batch of more than EMBED_SLICE chunks (one
+    long document is one batch) is embedded a slice at a time, and `embedded(done, total)`
+    said after each: its progress is otherwise silent until the batch commits, minutes for a
+    book on a CPU."""
+    if embedded is None or len(texts) <= EMBED_SLICE:
+        return embedder.embed(texts)
+    import numpy as np
+
+    parts = []
+    for start in range(0, len(texts), EMBED_SLICE):
+        parts.append(embedder.embed(texts[start:start + EMBED_SLICE]))
+        embedded(min(start + EMBED_SLICE, len(texts)), len(texts))
+    return np.concatenate(parts)
+
+
+_DONE = object()
+
+
+def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[EmbeddedBatch]:
+    """The same batches in the same order, produced on a thread up to `ahead` batches before
+    the caller asks for them. An error in the producer is raised here; a caller that stops
+    early (an error while writing) stops the producer at its next batch."""
+    out: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        out.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            item = _DONE
+        except BaseException as exc:  # handed to the consumer, raised there
+            item = exc
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    thread = threading.Thread(target=produce, name="ingest-embed", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = out.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # the producer stops at its next batch; a batch being embedded is not waited
+        thread.join(timeout=1.0)  # for beyond a second (an interrupted ingest exits promptly)
