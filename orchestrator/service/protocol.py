@@ -286,7 +286,8 @@ _INT_OR_NULL = {"type": ["integer", "null"]}
 SSE_EVENT_SCHEMA = {
     "type": "object", "required": ["event", "data"],
     "description": "Server-Sent Events as the search runs: plan, then per branch "
-                   "branch_started, search and prune, branch_done (a fork, when one runs, first); "
+                   "branch_started, search and prune, branch_done (a fork, or a `chain` for a next "
+                   "hop — a chain's answer or a bridge's entity — when one runs, first); "
                    "`covered` for a planned branch the question's own branch covers (not "
                    "fused); `rerun` when a backend process died under the branches and they "
                    "start again (the branch events after it replace those before); last "

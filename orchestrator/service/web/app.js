@@ -94,7 +94,7 @@ function onEvent(ev) {
     }
     case "chain": {
       const b = branchCard(ev.branch, ev.subquery);
-      b.log.appendChild(el("li", "fork", `next hop of branch ${ev.parent}, answer: ${ev.reason}`));
+      b.log.appendChild(el("li", "fork", `next hop of branch ${ev.parent}: ${ev.reason}`));
       break;
     }
     case "search": {
