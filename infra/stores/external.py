@@ -160,6 +160,12 @@ class ExternalElastic:
         if not exists:
             raise SettingsError(f"index {spec.name!r}: Elasticsearch index {self.index!r} does "
                                 f"not exist at {redact(url)}")
+        try:
+            mapping = self._es.indices.get_mapping(index=self.index)
+        except Exception as exc:
+            raise _es_unavailable(url, exc) from None
+        _check_mapped(spec, f"Elasticsearch index {self.index!r}", _mapped(mapping),
+                      ("id", "text", "acl"))
 
     # the id may be Elasticsearch's own `_id` or a field of the document
     def _ids_query(self, doc_ids: Sequence[str]) -> dict:
@@ -168,7 +174,7 @@ class ExternalElastic:
         return {"terms": {self.f.id: list(doc_ids)}}
 
     def _acl_filter(self, acl_groups) -> list[dict]:
-        if _sees_all(acl_groups):
+        if _sees_all(acl_groups) or not self.f.acl:  # acl = "": no groups, all public
             return []
         public = {"bool": {"must_not": [{"exists": {"field": self.f.acl}}]}}
         if not acl_groups:
@@ -192,7 +198,7 @@ class ExternalElastic:
                 enumerate(result["hits"]["hits"], start=1)]
 
     def _source_fields(self) -> list[str]:
-        return [n for n in (self.f.id, self.f.title, self.f.text, self.f.acl) if n != "_id"]
+        return [n for n in (self.f.id, self.f.title, self.f.text, self.f.acl) if n and n != "_id"]
 
     def _doc_id(self, h: dict) -> str:
         return str(h["_id"] if self.f.id == "_id" else h["_source"].get(self.f.id, h["_id"]))
@@ -245,6 +251,39 @@ class ExternalElastic:
 
     def close(self) -> None:
         self._es.close()
+
+
+def _mapped(mapping) -> set[str]:
+    """Every field name an Elasticsearch mapping (of one index or several: an alias) holds,
+    objects' fields dotted ("meta.groups") and multi-fields too ("groups.keyword")."""
+    names: set[str] = set()
+
+    def walk(properties: dict | None, prefix: str) -> None:
+        for name, spec in (properties or {}).items():
+            names.add(prefix + name)
+            names.update(f"{prefix}{name}.{sub}" for sub in spec.get("fields") or {})
+            walk(spec.get("properties"), f"{prefix}{name}.")
+
+    for body in dict(mapping).values():
+        walk((body.get("mappings") or {}).get("properties"), "")
+    return names
+
+
+def _check_mapped(spec: ExternalIndex, where: str, present: set[str],
+                  roles: tuple[str, ...]) -> None:
+    """Each mapped field of `roles` is one the backend has (Elasticsearch's own `_id` always
+    is). The ACL field above all: a misspelt one would make every document public, since a
+    document without groups is public; `acl = ""` says the documents have none."""
+    for role in roles:
+        name = getattr(spec.fields, role)
+        if role == "acl" and not name or name == "_id" or name in present:
+            continue
+        hint = (f"; if its documents have no groups (every one public), set acl = \"\" in "
+                f"[indexes.{spec.name}.fields]" if role == "acl" else "")
+        shown = sorted(present)
+        more = f", … ({len(shown)} fields)" if len(shown) > 20 else ""
+        raise SettingsError(f"index {spec.name!r}: field {role} = {name!r} is not in {where} "
+                            f"(it has {', '.join(shown[:20])}{more}){hint}")
 
 
 def _es_unavailable(url: str, exc: Exception) -> BackendUnavailable:
@@ -304,18 +343,15 @@ class ExternalMilvus:
 
     def _check_fields(self, schema: dict, embed_dim: int) -> None:
         name = self.spec.name
-        for role in ("id", "vector", "text"):
-            column = getattr(self.f, role)
-            if column not in schema:
-                raise SettingsError(
-                    f"index {name!r}: field {role} = {column!r} is not in Milvus collection "
-                    f"{self.collection!r} (it has {', '.join(sorted(schema))})")
+        where = f"Milvus collection {self.collection!r}"
+        _check_mapped(self.spec, where, set(schema), ("id", "vector", "text"))
         dim = int(schema[self.f.vector].get("params", {}).get("dim", 0))
         if dim != embed_dim:
             raise SettingsError(
                 f"index {name!r}: collection {self.collection!r} holds {dim}-dim vectors in "
                 f"{self.f.vector!r} but the query embedder makes {embed_dim}-dim ones; set "
                 "embed_model to the model that embedded the collection")
+        _check_mapped(self.spec, where, set(schema), ("acl",))
         self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
                          if c in schema]
 

@@ -203,6 +203,39 @@ def test_mistakes_are_one_clear_error(foreign):
 
 
 @pytest.mark.es
+def test_a_misspelt_acl_field_is_refused_not_read_as_public(foreign, tmp_path):
+    """A document without groups is public, so an ACL field the backend lacks ("group" for
+    "groups") made every document public, restricted ones included, and `indexes` said ok.
+    It is one line at open now, on Elasticsearch and on Milvus; `acl = ""` says the documents
+    have no groups, and then every one is public."""
+    settings_file = (foreign["home"] / "branchsearch.toml").read_text()
+    mapped = ('[indexes.{n}.fields]\nid = "doc_key"\ntitle = "headline"\ntext = "body"\n'
+              'acl = "{acl}"\nvector = "embedding"\n')
+    es = f'lexical = "elasticsearch"\nes_index = "{foreign["es_index"]}"\n'
+    (tmp_path / "branchsearch.toml").write_text(
+        settings_file.split("[indexes.")[0]  # the backends' addresses
+        + "[indexes.typo_es]\n" + es + mapped.format(n="typo_es", acl="group")
+        + '[indexes.typo_vec]\ndense = "milvus"\nmilvus_collection = "corp_vectors"\n'
+        + mapped.format(n="typo_vec", acl="group")
+        + "[indexes.no_groups]\n" + es + mapped.format(n="no_groups", acl=""))
+
+    def settings(index: str):
+        return load_settings(tmp_path / "branchsearch.toml", {"home": tmp_path, "index": index},
+                             read_env=False)
+
+    for index, where in (("typo_es", "Elasticsearch index"), ("typo_vec", "Milvus collection")):
+        with pytest.raises(SettingsError, match=f"field acl = 'group' is not in {where} .*"
+                           r"groups.*set acl = \"\""):
+            open_retriever(settings(index))
+    r = open_retriever(settings("no_groups"))
+    try:  # no groups declared: the document the groups field restricts is everyone's
+        hits = r.search("Scott Derrickson director", mode="bm25", k=10, acl_groups=[])
+        assert "scott-derrickson" in {h.doc_id for h in hits}
+    finally:
+        r.close()
+
+
+@pytest.mark.es
 def test_agent_search_and_no_writes(foreign):
     """The branch agent runs on the external index; ingest into it is refused; the foreign
     index holds exactly what it held before."""
