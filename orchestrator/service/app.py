@@ -450,8 +450,8 @@ _ERRORS = {
          "(the detail names it)",
     429: "too_many_requests: this key already has its limit of requests in flight",
     503: "overloaded, index_starting, backend_unavailable, search_failed, index_incomplete, "
-         "write_failed, index_changed, keys_unavailable or not_ready: the service cannot "
-         "answer now",
+         "write_failed, index_changed, index_misconfigured, keys_unavailable or not_ready: "
+         "the service cannot answer now",
     504: "deadline_exceeded: no branch finished within the request's deadline",
 }
 _HEADERS = {

@@ -7,7 +7,8 @@ import logging
 
 from branchsearch.infra.errors import (BackendUnavailable, BadQuery, BranchsearchError,
                                        CorpusError, IndexBusy, IndexIncomplete, IndexNotFound,
-                                       IndexNotWritable, KeysFileError, Overloaded, error_line, public_line)
+                                       IndexNotWritable, KeysFileError, Overloaded,
+                                       SettingsError, error_line, public_line)
 
 log = logging.getLogger("branchsearch.service")
 
@@ -65,6 +66,10 @@ def api_error(exc: BaseException) -> ApiError:
         log.error("%s", exc)
         return ApiError(503, "keys_unavailable", "the server cannot read its API keys file; "
                         "its operator must fix it (the server log says how)")
+    if isinstance(exc, SettingsError):  # the server's settings (a caller's index name is
+        log.error("%s", error_line(exc, 1000))  # checked before): the operator's to fix
+        return ApiError(503, "index_misconfigured", "the server's settings do not let it open "
+                        "this index; its operator must fix them (the server log says how)")
     if isinstance(exc, IndexNotFound):
         return ApiError(404, "index_not_found", str(exc))
     if isinstance(exc, (BadQuery, CorpusError)):

@@ -825,6 +825,17 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             r = client.post("/v1/search", json=q)
             assert r.status_code == 200 and r.json()["evidence"]
             assert client.get("/readyz").status_code == 200
+            # served without the es_url its index needs: the operator's mistake, not the
+            # caller's (it was a 400 bad_request, and the server logged nothing)
+            bare = service.local_state(settings.replace(es_url=""), executor="local",
+                                       limits=LIMITS)
+            bare_server = start_uvicorn(service.create_app(bare), bare)
+            try:
+                with httpx.Client(base_url=bare_server.url, timeout=120) as other:
+                    assert_error(other.post("/v1/search", json=q), 503, "index_misconfigured")
+            finally:
+                bare_server.stop()
+                bare.searcher.target.close()
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
             assert ready["detail"] == "the default index is not ready (the server log says why)"
