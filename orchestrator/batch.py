@@ -9,6 +9,8 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   rows are run again.
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt.
+* One batch at a time writes an output (`OutputLock`): a second one on the same file, whose rows
+  the first's rewrite would drop, stops with one line naming the first's PID.
 * After `stop_after` failed questions in a row (a dead backend fails every question in
   milliseconds) no more are started: the rest stay unwritten, not marked failed by an outage,
   and the counts say how many were not run and why; re-running the command resumes.
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.errors import BranchsearchError, CorpusError
 from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
@@ -228,22 +230,80 @@ def compact(path: str | Path, order: list[str] | None = None) -> int:
     return len(ids)
 
 
+class OutputLock:
+    """The one batch writing an output file: an exclusive `flock` on a lock file beside it
+    (`.NAME.lock`, holding the writer's PID), taken before the output is read and kept until
+    its final rewrite; released (and the file removed) on `release`, or by the kernel when the
+    process dies."""
+
+    def __init__(self, output: str | Path):
+        self.output = Path(output)
+        self.path = self.output.with_name(f".{self.output.name}.lock")
+        self.fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise BranchsearchError(
+                    f"batch output {self.output} is being written by another batch (PID "
+                    f"{holder}); wait for it to end, or give another -o") from None
+            try:  # the file locked is still the one at the path (not removed by a holder
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino  # just leaving)
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
 STOP_AFTER = 20  # failed questions in a row that stop a batch (0: never stop)
 
 
 def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               search: Callable[[str], dict], *, concurrency: int = 2,
               on_done: Callable[[str], None] | None = None,
-              stop_after: int = STOP_AFTER, stop: threading.Event | None = None) -> dict:
+              stop_after: int = STOP_AFTER, stop: threading.Event | None = None,
+              locked: bool = False) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
     run), skipped (already ok), changed (ids asked again: their question changed), not_run
     (left when `stop_after` failures in a row stopped the run), `stopped` (why, or "") and
     `failed_ids` (this run's failed question ids, in input order). `stop`, once set (a ^C):
     no question is started after it, the ones running finish and their rows are written, then
-    KeyboardInterrupt is raised here."""
+    KeyboardInterrupt is raised here. `locked`: the caller holds the output's `OutputLock`
+    (else it is taken here, for the run)."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    held = None if locked else OutputLock(out_path).acquire()
+    try:
+        return _run_batch(items, out_path, search, concurrency, on_done, stop_after, stop)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _run_batch(items, out_path: Path, search, concurrency, on_done, stop_after, stop) -> dict:
     todo, changed = to_ask(items, done_ids(out_path))
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,

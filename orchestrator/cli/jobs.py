@@ -53,12 +53,24 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
     """Many questions, resumable: re-running runs again every id whose latest line is not ok;
     the output ends with one line per id."""
     from branchsearch.infra.textfile import output_path
+    from branchsearch.orchestrator.batch import OutputLock
+
+    output = output_path(output)  # through a link, its target; never a device (/dev/null)
+    writable_file(output, "batch output")
+    held = OutputLock(output).acquire()  # a second batch on this output stops here
+    try:
+        _batch(input, output, concurrency, branches, executor, address, acl, acl_admin,
+               stop_after, home, index, config)
+    finally:
+        held.release()
+
+
+def _batch(input, output, concurrency, branches, executor, address, acl, acl_admin, stop_after,
+           home, index, config) -> None:
     from branchsearch.orchestrator.batch import (check_output, done_ids, read_questions,
                                                  run_batch, to_ask)
     from branchsearch.orchestrator.driver import open_driver
 
-    output = output_path(output)  # through a link, its target; never a device (/dev/null)
-    writable_file(output, "batch output")
     check_output(output, input)
     settings = settings_to_read(home, index, config, batch_concurrency=concurrency,
                                 branches=branches, ray_address=address)
@@ -97,7 +109,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
     try:
         with first_stop_signal_sets(stop, first):
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
-                               on_done=tick, stop_after=stop_after, stop=stop)
+                               on_done=tick, stop_after=stop_after, stop=stop, locked=True)
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130

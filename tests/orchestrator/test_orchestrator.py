@@ -11,6 +11,7 @@ import time
 import pytest
 
 from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.batch import OutputLock
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import BranchReport, SearchResult, fuse_branches
 from branchsearch.workers.harness import EpisodeResult
@@ -328,7 +329,12 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
     deadline = time.time() + 180
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # a second batch on the same output (its rows the first's final rewrite would drop) stops
+    # at once, naming the first
+    with pytest.raises(BranchsearchError, match=rf"being written by another batch \(PID "
+                       rf"{proc.pid}\)"):
+        OutputLock(out).acquire()
+    os.killpg(proc.pid, signal.SIGKILL)  # (the kernel lets go of its lock: the rerun takes it)
     proc.wait()
     first = out.read_text().count("\n")
     assert 3 <= first < len(queries), "the batch should be killed mid-run"
@@ -344,6 +350,7 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
     assert all(r["evidence"] and r["trace_id"] and r["branches"] for r in rows)
     assert f"{len(queries) - first} ok, 0 partial, 0 failed" in done.stdout
     assert all(r["status"] == "ok" for r in rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]  # no lock
 
 
 def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
