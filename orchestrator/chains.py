@@ -137,7 +137,7 @@ def bridges(report: BranchReport, question: str, n: int) -> list[tuple[str, str]
     cues = {w.lower()[:PREFIX] for w in asked} - titled
     near = [i for i, s in enumerate(stems) if s in cues]  # where the text answers the question
     q, core = question.lower(), _core(title)
-    found = []
+    found: list[tuple[int, int, str]] = []
     named = (e for sentence in sentences(text) for e in entities(sentence, context=text))
     for name in dict.fromkeys(named):
         low = name.lower()
@@ -148,7 +148,26 @@ def bridges(report: BranchReport, question: str, n: int) -> list[tuple[str, str]
         found.append((min((abs(i - at) for i in near), default=0), at, name))
     held = set(stems) | titled
     left = [w for w in asked if w.lower()[:PREFIX] not in held]
-    return [(name, " ".join([name] + left)) for _, _, name in sorted(found)[:n]]
+    taken: list[str] = []
+    for _, _, name in sorted(found):
+        if len(taken) >= n:
+            break
+        if not any(_same_entity(name, other) for other in taken):
+            taken.append(name)
+    return [(name, " ".join([name] + left)) for name in taken]
+
+
+def _same_entity(a: str, b: str) -> bool:
+    """Two names of one entity: equal, or one inside the other at word boundaries, once
+    case, a leading article and trailing punctuation are set aside ("The Exorcism of Emily
+    Rose" and "Exorcism of Emily Rose", "Lake District" and "English Lake District")."""
+    def key(name: str) -> str:
+        words = name.casefold().strip(" .,;:!?").split()
+        return " ".join(words[1:] if len(words) > 1 and words[0] in ("the", "a", "an")
+                        else words)
+
+    a, b = key(a), key(b)
+    return a == b or f" {a} " in f" {b} " or f" {b} " in f" {a} "
 
 
 def bridge_tasks(reports: list[BranchReport], question: str, n: int, *,

@@ -135,10 +135,11 @@ class Driver:
                 branches += self._forks(branches, groups,
                                         own if deadline is None else min(deadline, own),
                                         on_event, len(tasks))
-            bridges = self.settings.bridges if budget > 1 else 0
-            if chain is not None or bridges:
+            room = budget - len(tasks)  # the second wave counts against the budget too
+            bridges = max(min(self.settings.bridges, room), 0) if budget > 1 else 0
+            if chain is not None and room > 0 or bridges:
                 own = started_wall + self.settings.branch_timeout_s
-                branches += self._next_hops(branches, text, chain, bridges, groups,
+                branches += self._next_hops(branches, text, chain, bridges, room, groups,
                                             own if deadline is None else min(deadline, own),
                                             on_event, max([len(tasks) - 1] + [b.index for b in
                                                                               branches]) + 1)
@@ -245,21 +246,22 @@ class Driver:
             return None
         return chain
 
-    def _next_hops(self, first: list, text: str, chain, bridges: int, groups, deadline,
-                   on_event, number: int) -> list:
+    def _next_hops(self, first: list, text: str, chain, bridges: int, room: int, groups,
+                   deadline, on_event, number: int) -> list:
         """The second wave of next hops (`orchestrator.chains`): a branch per candidate answer
         of the chain's inner hop, and per entity the question's branch's top chunk names
-        (`bridges` of them), each recorded as a `chain` span and event, run on the executor in
-        parallel, ending by `deadline`; [] when there is none or no time is left."""
+        (`bridges` of them), at most `room` in all (what the question's branch budget left),
+        each recorded as a `chain` span and event, run on the executor in parallel, ending by
+        `deadline`; [] when there is none or no time is left."""
         from branchsearch.orchestrator.chains import bridge_tasks, chain_tasks
 
         if time.time() >= deadline:
             return []
         tasks = [] if chain is None else chain_tasks(
-            first, chain, self.settings.chains, deadline=deadline, acl_groups=groups,
-            first=number)
-        tasks += bridge_tasks(first, text, bridges, deadline=deadline, acl_groups=groups,
-                              first=number + len(tasks))
+            first, chain, min(self.settings.chains, room), deadline=deadline,
+            acl_groups=groups, first=number)
+        tasks += bridge_tasks(first, text, min(bridges, room - len(tasks)), deadline=deadline,
+                              acl_groups=groups, first=number + len(tasks))
         for i, task in enumerate(tasks):
             tasks[i] = task = _under_span("chain", task, {
                 "chain.branch": task.index, "chain.parent": task.parent,

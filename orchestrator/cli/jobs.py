@@ -206,6 +206,11 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                           report=report, plots=plots)
     settings = settings_from(home, index or dataset_index(dataset), config, prune=prune,
                          policy=policy, branches=branches)
+    second = [f"{name} = {getattr(settings, name)}" for name in ("forks", "chains", "bridges")
+              if getattr(settings, name)]
+    if second and settings.branches == 1 and policy is not None:  # set, and silently off
+        print(f"note: {', '.join(second)} in the settings, but one branch never has a second "
+              "wave: give --branches 2 or more to measure it", file=sys.stderr)
     result = run_evaluation(settings, options, acl_groups=caller_acl(settings, acl, acl_admin),
                             progress=progress_bar, say=lambda line: print(line, file=sys.stderr))
     if as_json:

@@ -10,7 +10,8 @@ from branchsearch.orchestrator.evaluation.measures import mean, recall_at
 SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_recall@10",
                    "ndcg@10", "trajectory_recall", "precision", "f1", "prune_accuracy",
                    "bridge_preserved", "answer_found", "context_tokens_final", "tokens_read",
-                   "turns", "tool_calls", "tool_calls_per_turn", "branches", "covered",
+                   "turns", "tool_calls", "tool_calls_per_turn", "branches", "forks", "chains",
+                   "bridges", "covered",
                    "latency_s_p50", "latency_ms_p50")
 
 

@@ -99,13 +99,13 @@ def test_a_compositional_question_runs_its_hops_in_two_waves(chaining, spans):
     hop = next(b for b in result.branches if b.kind == "hop")
     assert hop.subquery == "portrayed Corliss Archer film Kiss Tell"
     chains = [b for b in result.branches if b.kind == "chain"]
-    assert 1 <= len(chains) <= 2 and result.metrics["chains"] == len(chains)
+    assert len(chains) == 1 and result.metrics["chains"] == len(chains)
     for b in chains:  # the second wave: after the first, from the hop branch's answers
         assert b.index > hop.index and b.parent == hop.index and b.weight == CHAIN_WEIGHT
         assert b.subquery.startswith("What government position was held by ")
         assert "the woman" not in b.subquery and b.status == "ok"
-    assert [b.subquery for b in chains] == [
-        substitute(hops(CHAINED), a) for a in answers(hop, hops(CHAINED), 2)]
+    assert [b.subquery for b in chains] == [  # as many as the budget of 3 leaves: one
+        substitute(hops(CHAINED), a) for a in answers(hop, hops(CHAINED), 1)]
     plan = next(s for s in spans.get_finished_spans() if s.name == "plan")
     assert plan.attributes["plan.hops.slot"] == "the woman"
     assert plan.attributes["plan.hops.inner"] == hop.subquery
@@ -188,6 +188,57 @@ def test_a_bridge_branch_follows_a_name_in_the_question_branchs_top_chunk(hotpot
     assert [b.kind for b in one.branches] == ["original"]  # --branches 1: never a bridge
 
 
+def test_the_second_wave_stays_within_the_branch_budget(hotpot_settings):
+    """`--branches N` is at most N branches, next hops included: 5 bridges asked for under a
+    budget of 2 run one (they ran 5)."""
+    driver = Driver(hotpot_settings.replace(bridges=5, branches=3), mode="local")
+    try:
+        two = driver.search(CHAINED, max_branches=2)
+        three = driver.search(CHAINED)
+    finally:
+        driver.close()
+    assert [b.kind for b in two.branches] == ["original", "bridge"]
+    assert len(three.branches) == 3
+
+
+def test_a_name_said_twice_is_one_bridge():
+    text = ("The Exorcism of Emily Rose is a film by Scott Derrickson. Exorcism of Emily Rose "
+            "drew on Anneliese Michel. Derrickson later made Doctor Strange. Doctor Strange "
+            "grossed more.")
+    names = [n for n, _ in bridges(_top("Sinister", text), "Who directed it?", 9)]
+    assert names.count("Doctor Strange") == 1 and len([
+        n for n in names if "Exorcism" in n]) == 1, names
+
+
 def test_bridges_must_not_be_negative(tmp_path):
     with pytest.raises(SettingsError, match="bridges must be >= 0"):
         load_settings(None, {"home": str(tmp_path), "bridges": -1})
+
+
+def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot_settings):
+    """`eval` runs one branch unless told: with bridges set, it says that one branch never
+    bridges (it measured nothing and said nothing); with more branches its table has the
+    second wave's rows."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import HOTPOT
+
+    def run(*flags: str):
+        return subprocess.run(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "eval", str(HOTPOT),
+             "--home", str(hotpot_settings.home), "--index", hotpot_settings.index,
+             "--no-ingest", "--policy", "heuristic", "--limit", "3", *flags],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "BRANCHSEARCH_BRIDGES": "2"})
+
+    one = run()
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "note: bridges = 2 in the settings, but one branch never has a second wave" in \
+        one.stderr
+    three = run("--branches", "3")
+    assert three.returncode == 0 and "note:" not in three.stderr, three.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in three.stdout.splitlines()
+            if line.split()}
+    assert float(rows["bridges"][0]) > 0 and "forks" in rows and "chains" in rows, three.stdout
