@@ -116,6 +116,8 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     if not _ID_OK.fullmatch(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
+    if doc_id in (".", ".."):  # a URL path drops it: the service could never delete it
+        raise CorpusError(f"{where}: document id {doc_id!r} is a path step, not a name")
     _one_of(row, ("_id", "id"), where)
     _one_of(row, ("acl", "acl_groups"), where)
     lookalike = next((k for k, v in row.items() if k not in ("acl", "acl_groups")

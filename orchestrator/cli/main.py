@@ -136,3 +136,7 @@ def _user_cause(exc: BaseException) -> BaseException | None:
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
+
+
+if __name__ == "__main__":  # python -m branchsearch.orchestrator.cli.main
+    main()

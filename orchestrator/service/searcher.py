@@ -303,6 +303,13 @@ class Searcher:
             raise ApiError(503, "backend_unavailable", f"the retriever process of index "
                            f"{index!r} died; the next request starts it again: retry",
                            {"Retry-After": "5"}) from None
+        except ray.exceptions.ActorUnavailableError as exc:  # lost mid-call, restarting
+            log.warning("index %r: its retriever actor was lost during a call: %s", index,
+                        error_line(exc, 500))
+            raise ApiError(503, "backend_unavailable", f"the retriever process of index "
+                           f"{index!r} was lost during the call and is starting again; retry "
+                           "(a document write may or may not have been applied: repeating it "
+                           "is safe)", {"Retry-After": "5"}) from None
 
     # --- search ---------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
     ('{"id": "a", "text": "x"}\n\n{"_id": "a", "text": "y"}\n',
      r"bad.jsonl:3: duplicate document id 'a' \(first on line 1\)"),
     ('', "no documents"),
+    ('{"id": "..", "text": "x"}\n', r"document id '\.\.' is a path step"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),
     ('{"id": "a", "text": "x", "acl": ["team", "__public__"]}\n',
      r"may not name '__public__' \(reserved: the group of the documents without an ACL\)"),
