@@ -190,11 +190,18 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
                               "give a new file, or one a batch wrote (it is rewritten)")
 
 
-def done_ids(path: str | Path) -> dict[str, str | None]:
+def done_ids(path: str | Path, index: str | None = None) -> dict[str, str | None]:
     """Ids whose latest row is ok, each with the question that row answered (None: a row
-    written without it)."""
+    written without it); with `index`, only rows answered on that index (or that do not say:
+    written before rows named their index)."""
     return {qid: row.get("question") for qid, row in latest_rows(path).items()
-            if row_status(row) == "ok"}
+            if row_status(row) == "ok" and (index is None or row.get("index") in (None, index))}
+
+
+def other_index_ids(path: str | Path, index: str) -> dict[str, str]:
+    """Ids whose latest row is ok but was answered on another index: id -> that index."""
+    return {qid: row["index"] for qid, row in latest_rows(path).items()
+            if row_status(row) == "ok" and row.get("index") not in (None, index)}
 
 
 def to_ask(items: list[tuple[str, str]], done: dict[str, str | None]
@@ -281,7 +288,7 @@ STOP_AFTER = 20  # failed questions in a row that stop a batch (0: never stop)
 
 
 def run_batch(items: list[tuple[str, str]], out_path: str | Path,
-              search: Callable[[str], dict], *, concurrency: int = 2,
+              search: Callable[[str], dict], *, concurrency: int = 2, index: str | None = None,
               on_done: Callable[[str], None] | None = None,
               stop_after: int = STOP_AFTER, stop: threading.Event | None = None,
               locked: bool = False) -> dict:
@@ -292,19 +299,23 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     `failed_ids` (this run's failed question ids, in input order). `stop`, once set (a ^C):
     no question is started after it, the ones running finish and their rows are written, then
     KeyboardInterrupt is raised here. `locked`: the caller holds the output's `OutputLock`
-    (else it is taken here, for the run)."""
+    (else it is taken here, for the run). `index`: written in every row, and a row answered on
+    another index is not done."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     held = None if locked else OutputLock(out_path).acquire()
     try:
-        return _run_batch(items, out_path, search, concurrency, on_done, stop_after, stop)
+        return _run_batch(items, out_path, search, concurrency, index, on_done, stop_after,
+                          stop)
     finally:
         if held is not None:
             held.release()
 
 
-def _run_batch(items, out_path: Path, search, concurrency, on_done, stop_after, stop) -> dict:
-    todo, changed = to_ask(items, done_ids(out_path))
+def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_after,
+               stop) -> dict:
+    todo, changed = to_ask(items, done_ids(out_path, index))
+    stamp = {} if index is None else {"index": index}
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
               "not_run": 0, "stopped": "", "changed": changed}
@@ -312,9 +323,9 @@ def _run_batch(items, out_path: Path, search, concurrency, on_done, stop_after, 
 
     def one(qid: str, question: str) -> str:
         try:
-            row = {"id": qid, "question": question, **search(question)}
+            row = {"id": qid, "question": question, **stamp, **search(question)}
         except Exception as exc:  # a failed question is recorded, not fatal
-            row = {"id": qid, "question": question, "status": "failed",
+            row = {"id": qid, "question": question, **stamp, "status": "failed",
                    "error": f"{type(exc).__name__}: {exc}"}
         if row_status(row) == "failed":
             last_error[0] = _why_failed(row)

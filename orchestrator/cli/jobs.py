@@ -67,8 +67,8 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
 
 def _batch(input, output, concurrency, branches, executor, address, acl, acl_admin, stop_after,
            home, index, config) -> None:
-    from branchsearch.orchestrator.batch import (check_output, done_ids, read_questions,
-                                                 run_batch, to_ask)
+    from branchsearch.orchestrator.batch import (check_output, done_ids, other_index_ids,
+                                                 read_questions, run_batch, to_ask)
     from branchsearch.orchestrator.driver import open_driver
 
     check_output(output, input)
@@ -91,7 +91,14 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     else:
         driver = open_driver(settings, picked)
         search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
-    todo, changed = to_ask(data.items, done_ids(output) if output.is_file() else {})
+    todo, changed = to_ask(data.items, done_ids(output, settings.index)
+                           if output.is_file() else {})
+    elsewhere = other_index_ids(output, settings.index) if output.is_file() else {}
+    elsewhere = {qid: name for qid, name in elsewhere.items() if qid in dict(data.items)}
+    if elsewhere:  # their rows hold another index's evidence: asked again on this one
+        named = ", ".join(sorted(set(elsewhere.values()))[:3])
+        print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "
+              f"another index ({named}), on {settings.index!r}", file=sys.stderr)
     if changed:  # a re-run asks what is left, and what was edited since its row was written
         more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
         print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
@@ -109,7 +116,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     try:
         with first_stop_signal_sets(stop, first):
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
-                               on_done=tick, stop_after=stop_after, stop=stop, locked=True)
+                               index=settings.index, on_done=tick, stop_after=stop_after,
+                               stop=stop, locked=True)
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130

@@ -353,6 +353,35 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]  # no lock
 
 
+def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settings, tmp_path):
+    """Rows name the index that answered them; the same output resumed with another --index
+    asked nothing ("3 already ok") and kept the first index's evidence. It asks them again
+    now, and says so."""
+    first = ingest_copy(hotpot_settings, "resume-a")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                           for q in queries[:3]))
+
+    def batch(index: str):
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                               str(inp), "-o", str(out), "--home", str(first.home), "--index",
+                               index, "--branches", "1"], capture_output=True, text=True,
+                              timeout=300)
+
+    done = batch("resume-a")
+    assert done.returncode == 0 and "3 ok" in done.stdout, done.stderr[-2000:]
+    assert {json.loads(line)["index"] for line in out.read_text().splitlines()} == {"resume-a"}
+    assert "0 ok, 0 partial, 0 failed; 3 already ok" in batch("resume-a").stdout
+    second = ingest_copy(hotpot_settings, "resume-b")
+    again = batch(second.index)
+    assert again.returncode == 0 and "3 ok, 0 partial, 0 failed; 0 already ok" in again.stdout
+    assert "asking again 3 question(s) whose ok row was answered on another index " \
+        "(resume-a)" in again.stderr, again.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and {r["index"] for r in rows} == {"resume-b"}
+
+
 def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
     """Ids that are "", true, an array or an object were written as Python text ("['a']"):
     now malformed lines, named with their line numbers. A number id is written back as text
