@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,10 +63,11 @@ def _unique(docs: list[Document], name: str) -> list[Document]:
         raise CorpusError(f"{name}: no documents found")
     seen: dict[str, Document] = {}
     for doc in docs:
-        first = seen.setdefault(doc.id, doc)
+        first = seen.setdefault(_id_key(doc.id), doc)
         if first is not doc:  # two files of a folder can make one id ("a b.txt", "a_b.txt")
             both = f" ({first.source} and {doc.source})" if first.source != doc.source else ""
-            raise CorpusError(f"{name}: duplicate document id {doc.id!r}{both}")
+            raise CorpusError(f"{name}: duplicate document id {doc.id!r}{both}"
+                              f"{_forms(first.id, doc.id)}")
     return docs
 
 
@@ -79,7 +81,7 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
 def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
     """Documents from (line number, line) pairs; `source`: the default source field (None:
     the file's name)."""
-    seen: dict[str, int] = {}  # id -> its first line
+    seen: dict[str, tuple[int, str]] = {}  # id (NFC) -> its first line, and id as written
     for lineno, line in lines:
         if not line.strip():
             continue
@@ -107,9 +109,10 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
                                   f"{json.dumps(row[field_name], default=str)[:40]}")
         doc = _document(str(doc_id), row, where, source=str(row.get(
             "source") or source or Path(name).name))
-        if seen.setdefault(doc.id, lineno) != lineno:
+        first = seen.setdefault(_id_key(doc.id), (lineno, doc.id))
+        if first[0] != lineno:
             raise CorpusError(f"{where}: duplicate document id {doc.id!r} (first on line "
-                              f"{seen[doc.id]})")
+                              f"{first[0]}){_forms(first[1], doc.id)}")
         yield doc
 
 
@@ -172,6 +175,16 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         acl=tuple(acl),
         meta={k: v for k, v in row.items() if k not in known},
     )
+
+
+def _id_key(doc_id: str) -> str:
+    """Ids that differ only in Unicode form (`café` typed on macOS is NFD) are one id: a
+    service caller's NFC one reaches either, and output shows them alike."""
+    return unicodedata.normalize("NFC", doc_id)
+
+
+def _forms(first: str, other: str) -> str:
+    return "" if first == other else " (the same id in another Unicode form: NFC and NFD)"
 
 
 def _first(row: dict, *names: str):
