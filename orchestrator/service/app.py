@@ -100,6 +100,7 @@ class ServiceState:
     limits: Limits = field(default_factory=Limits)
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
     peers: object | None = None  # Serve: the other ingress replicas' metrics (SharedMetrics)
+    draining: bool = False  # Serve: the application is stopping (`deploy.run_serve`)
 
     def principal(self, authorization: str | None) -> ApiKey:
         if self.keys is None:
@@ -140,6 +141,10 @@ class Observe:
                 pass
             except ApiError as err:
                 return await _send_error(sending, err, metrics)
+            if self.state.draining and scope.get("path") not in ("/healthz", "/metrics"):
+                return await _send_error(sending, ApiError(  # /readyz too: balancers move on
+                    503, "shutting_down", "the service is stopping; retry on another instance "
+                    "or once it is back", {"Retry-After": "5"}), metrics)
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
             box["status"] = CLIENT_CLOSED
@@ -450,8 +455,8 @@ _ERRORS = {
          "(the detail names it)",
     429: "too_many_requests: this key already has its limit of requests in flight",
     503: "overloaded, index_starting, backend_unavailable, search_failed, index_incomplete, "
-         "write_failed, index_changed, index_misconfigured, keys_unavailable or not_ready: "
-         "the service cannot answer now",
+         "write_failed, index_changed, index_misconfigured, keys_unavailable, not_ready or "
+         "shutting_down: the service cannot answer now",
     504: "deadline_exceeded: no branch finished within the request's deadline",
 }
 _HEADERS = {

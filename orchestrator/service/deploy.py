@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.errors import BranchsearchError, error_line
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, create_app
 from branchsearch.orchestrator.service.auth import KeyStore
@@ -123,12 +123,34 @@ class MetricsBoard:
 
     def __init__(self):
         self.snapshots: dict[str, tuple[float, list]] = {}
+        self.draining = False
 
-    def share(self, replica: str, snapshot: list) -> list[tuple[float, list]]:
-        """Keep `replica`'s snapshot; the others' back, each with its age in seconds."""
+    def share(self, replica: str, snapshot: list) -> tuple[bool, list[tuple[float, list]]]:
+        """Keep `replica`'s snapshot; whether the application is stopping, and the others'
+        snapshots, each with its age in seconds."""
         now = time.monotonic()
         self.snapshots[replica] = (now, snapshot)
-        return [(now - t, s) for r, (t, s) in self.snapshots.items() if r != replica]
+        return self.draining, [(now - t, s) for r, (t, s) in self.snapshots.items()
+                               if r != replica]
+
+    def drain(self) -> None:
+        """The application is stopping: each replica learns it at its next push."""
+        self.draining = True
+
+    def in_flight(self, since: float) -> int | None:
+        """HTTP requests in flight over the replicas, from snapshots younger than `since`
+        seconds; None while some replica's is older (not heard from since the drain began;
+        one silent for `SharedMetrics.STALE_S` is gone, and left out)."""
+        now, total = time.monotonic(), 0
+        for t, snapshot in self.snapshots.values():
+            if now - t > SharedMetrics.STALE_S:  # a replica gone (replaced, its node lost)
+                continue
+            if now - t > since:
+                return None
+            total += sum(int(value) for name, _, _, samples in snapshot
+                         if name == "branchsearch_http_requests_in_flight"
+                         for _, _, value in samples)
+        return total
 
 
 class SharedMetrics:
@@ -140,8 +162,9 @@ class SharedMetrics:
     PUSH_S = 2.0
     STALE_S = 30.0
 
-    def __init__(self, metrics, name: str, replica: str):
-        self.metrics, self.name, self.replica = metrics, name, replica
+    def __init__(self, metrics, name: str, replica: str, on_drain=None):
+        """`on_drain()`: called once the board says the application is stopping."""
+        self.metrics, self.name, self.replica, self.on_drain = metrics, name, replica, on_drain
         self._handle = None
         threading.Thread(target=self._push, daemon=True, name="metrics-board").start()
 
@@ -150,7 +173,8 @@ class SharedMetrics:
             import ray
 
             self._handle = ray.remote(MetricsBoard).options(
-                name=self.name, get_if_exists=True, num_cpus=0).remote()
+                name=self.name, namespace=BOARD_NAMESPACE, get_if_exists=True,
+                num_cpus=0).remote()
         return self._handle
 
     def _push(self) -> None:
@@ -159,11 +183,14 @@ class SharedMetrics:
         while True:
             time.sleep(self.PUSH_S)
             try:
-                ray.get(self._board().share.remote(self.replica, self.metrics.snapshot()),
-                        timeout=30)
+                draining, _ = ray.get(self._board().share.remote(
+                    self.replica, self.metrics.snapshot()), timeout=30)
             except Exception as exc:  # noqa: BLE001 — the board died with its owner: anew
                 log.debug("metrics board: %s", exc)
                 self._handle = None
+                continue
+            if draining and self.on_drain is not None:
+                self.on_drain()
 
     async def others(self) -> list:
         """The other replicas' snapshots; a replica silent for `STALE_S` (gone) adds its
@@ -172,7 +199,7 @@ class SharedMetrics:
         import asyncio
 
         try:
-            shared = await asyncio.wait_for(
+            _, shared = await asyncio.wait_for(
                 self._board().share.remote(self.replica, self.metrics.snapshot()), 2.0)
         except Exception as exc:  # noqa: BLE001 — a board on a node that died, say
             log.warning("metrics board unreachable: %s", exc)
@@ -220,8 +247,11 @@ def build_application(opts: ServeOptions):
             self.state = ServiceState(SearcherClient(searcher),
                                       KeyStore(o["keys"]) if o["keys"] else None,
                                       Limits(**o["limits"]))
-            self.state.peers = SharedMetrics(self.state.metrics, f"{context.app_name}-metrics",
-                                             context.replica_tag)
+            self.state.peers = SharedMetrics(self.state.metrics, board_name(context.app_name),
+                                             context.replica_tag, on_drain=self._drain)
+
+        def _drain(self):
+            self.state.draining = True
 
         def __serve_build_asgi_app__(self):
             return create_app(self.state)
@@ -291,8 +321,47 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
             time.sleep(3600)
     except KeyboardInterrupt:
         print(f"stopping: draining requests in flight (up to {GRACE_S} s)", file=sys.stderr)
-        serve.delete("branchsearch")  # replicas finish their requests (graceful shutdown)
-        serve.shutdown()
+        if drained("branchsearch"):
+            serve.shutdown()
+        else:  # requests still running: each replica's graceful shutdown lets them end
+            serve.delete("branchsearch")
+            serve.shutdown()
+
+
+BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
+
+
+def board_name(app: str) -> str:
+    return f"{app}-metrics"
+
+
+def drained(app: str) -> bool:
+    """Drain the application before Serve stops it: its ingress replicas answer every new
+    request (`/readyz` too) 503 `shutting_down` as they learn it (at their next metrics push,
+    `SharedMetrics.PUSH_S`), and this waits until none has a request in flight, at most
+    GRACE_S. Whether they all ended. (`serve.delete` alone takes the application's routes away
+    at once: Serve's proxy then answers every new request a plain-text 404 "Path not found"
+    while the replicas finish.)"""
+    import ray
+
+    try:
+        board = ray.get_actor(board_name(app), namespace=BOARD_NAMESPACE)
+        ray.get(board.drain.remote(), timeout=5)
+    except Exception as exc:  # noqa: BLE001 — no board: no replica ever served a request
+        log.info("drain: no metrics board (%s)", error_line(exc, 200))
+        return True
+    fresh = SharedMetrics.PUSH_S + 1.0
+    time.sleep(fresh)  # every replica has pushed once since the drain began
+    end = time.monotonic() + GRACE_S
+    while time.monotonic() < end:
+        try:
+            busy = ray.get(board.in_flight.remote(fresh), timeout=5)
+        except Exception:  # noqa: BLE001 — the board's replica died: Serve's drain then
+            return False
+        if busy == 0:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def app_builder(args: dict):

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -237,7 +238,22 @@ def test_the_service_as_deployed(site, mode):
                 assert "hunter2" not in json.dumps(body) and site["es_host"] not in json.dumps(
                     body)
 
-            # SIGTERM in the middle of a stream: the stream ends with its result, exit 0
+            # SIGTERM in the middle of a stream: the stream ends with its result, exit 0;
+            # meanwhile new requests are refused in JSON (Ray Serve: 503 shutting_down, where
+            # its proxy answered a plain-text 404 "Path not found"), or not connected at all
+            probes: list = []
+            watching = threading.Event()
+
+            def probe() -> None:
+                with httpx.Client(base_url=url, timeout=10) as other:
+                    while watching.is_set():
+                        try:
+                            r = other.get("/readyz")
+                            probes.append((r.status_code, r.headers.get("content-type", "")))
+                        except httpx.TransportError:
+                            probes.append("refused")
+                        time.sleep(0.2)
+
             with client.stream("POST", "/v1/search", headers={
                     **bearer(keys["u2"]), "Accept": "text/event-stream"},
                     json={"question": COMPARE, "index": "corp", "branches": 3}) as stream:
@@ -245,10 +261,19 @@ def test_the_service_as_deployed(site, mode):
                 first = next(lines)
                 assert first.startswith("event: plan"), first
                 os.kill(proc.pid, signal.SIGTERM)
+                watching.set()
+                prober = threading.Thread(target=probe, daemon=True)
+                prober.start()
                 rest = "\n".join([first, *lines])
             events = parse_sse(rest + "\n\n")
             assert events[-1]["type"] == "result", events[-1]
         assert proc.wait(120) == 0, _log(site, mode)
+        watching.clear()
+        prober.join(15)
+        assert all(p == "refused" or p[0] in (200, 503) and p[1].startswith(
+            "application/json") for p in probes), probes
+        if mode == "serve":
+            assert (503, "application/json") in probes, probes
         # a caller's mistake (the 403 above) is no failed request with a traceback in the
         # service's log (a refusal crosses the Searcher handle as a value)
         logged = [(site["home"] / f"{mode}.log").read_text()]
