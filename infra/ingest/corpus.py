@@ -7,6 +7,7 @@ with its file and line number and the index stays as it was.
 from __future__ import annotations
 
 import json
+import os
 import re
 import unicodedata
 from collections.abc import Iterator
@@ -217,10 +218,9 @@ def _one_of(row: dict, names: tuple[str, str], where: str) -> None:
 def _read_text_folder(root: Path) -> Iterator[Document]:
     """Each .txt / .md file under `root` a document, hidden files and folders (".git",
     ".notes.txt") left out; the id is the path without its suffix, the title the first "# "
-    heading or the file's name."""
-    files = sorted(p for p in root.rglob("*") if p.is_file()
-                   and p.suffix.lower() in TEXT_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    heading or the file's name. Links to files and to folders are followed (a folder reached
+    twice, a link back up, is read once)."""
+    files = sorted(p for p in _walk(root) if p.suffix.lower() in TEXT_SUFFIXES)
     texts, bad = {}, []
     for file in files:  # every file that is not UTF-8 is named at once, not one per run
         data = file.read_bytes()
@@ -243,6 +243,23 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
                 break
         doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])
         yield _document(doc_id, {"title": title, "text": text}, str(file), source=rel)
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """The files under `root` (not hidden, in no hidden folder), through links to folders;
+    each real folder once."""
+    seen: set[str] = set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for name in names:
+            path = Path(folder) / name
+            if not name.startswith(".") and path.is_file():
+                yield path
 
 
 def json_problem(exc: BaseException) -> str:

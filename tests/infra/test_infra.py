@@ -52,6 +52,14 @@ def test_corpus_formats(tmp_path):
     assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two",
                                              "BOM": "BOM Heading", "long": "long"}
     assert next(d for d in docs if d.id == "BOM").text.startswith("# BOM Heading")
+    # a link to a folder is followed (it was skipped without a word), a link back up read once
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "three.md").write_text("linked")
+    (folder / "linked").symlink_to(tmp_path / "shared", target_is_directory=True)
+    (folder / "sub" / "up").symlink_to(folder, target_is_directory=True)
+    assert sorted(d.id for d in read_corpus(folder)) == ["BOM", "linked/three", "long",
+                                                          "sub/one", "two"]
+    (folder / "sub" / "up").unlink()
     (folder / "tw o.txt").write_text("")
     (folder / "tw_o.txt").write_text("x")
     with pytest.raises(CorpusError, match=r"duplicate document id 'tw_o' \(tw o.txt and tw_o.txt\)"):
