@@ -108,9 +108,13 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
     try:
         first = min(WAIT_NOTE_S, timeout)
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=first)
-        if pending:  # still not placed: say so once, rather than minutes of silence
-            log.warning("ray: waiting for %s to start (up to %g s; this plan asks %s, the "
-                        "cluster has %s free now)", what, timeout, demand, _free())
+        if pending:  # still not started: say so once, rather than minutes of silence
+            free = _free()
+            if isinstance(free, dict) and all(free.get(k, 0) >= v for k, v in demand.items()):
+                log.info("ray: %s still starting (loading; up to %g s)", what, timeout)
+            else:  # the cluster lacks room for it (another index's actors, another job's)
+                log.warning("ray: waiting for %s to start (up to %g s; this plan asks %s, the "
+                            "cluster has %s free now)", what, timeout, demand, free)
         ray.get(refs, timeout=max(timeout - first, 0.001) if pending else None)
     except ray.exceptions.ActorDiedError as exc:
         cause = start_error(exc)
