@@ -66,6 +66,28 @@ def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL gro
     print(f"key {name!r} added to {store.path} (groups: {shown}; "
           f"indexes: {indexes or 'all'}{'; admin' if admin else ''}). It is shown only now.",
           file=sys.stderr)
+    if admin and not all_groups and not parse_list(groups):
+        print("note: an admin key without groups writes no document (a scoped admin writes "
+              "only documents whose groups are all its own): give --groups, or --all-groups",
+              file=sys.stderr)
+    missing = sorted(set(parse_list(indexes)) - set(_home_indexes(store.path.parent)))
+    if missing:  # a typo, or an index made later: the key is kept either way
+        print(f"note: no index {', '.join(map(repr, missing))} in {store.path.parent} now; "
+              "the key may use it once it exists", file=sys.stderr)
+
+
+def _home_indexes(home: Path) -> list[str]:
+    """The indexes of the home a keys file sits in (owned and declared); [] when it cannot
+    be read (the key is made all the same)."""
+    try:
+        from branchsearch.infra.config.settings import load_settings
+        from branchsearch.infra.index.catalog import index_names
+
+        config = home / "branchsearch.toml"
+        return index_names(load_settings(config if config.is_file() else None,
+                                         {"home": home}))
+    except Exception:  # noqa: BLE001 — a note only
+        return []
 
 
 @keys_app.command("list")

@@ -280,6 +280,19 @@ def test_keys_in_a_home_that_cannot_be_written(tmp_path):
     assert (home / "keys.json").read_text() == before
 
 
+def test_keys_that_could_never_work_are_made_with_a_note(tmp_path):
+    """An index list naming an index the home lacks (a typo) and an admin key without groups
+    (it can write no document) were made without a word; both are kept, with a note."""
+    home = tmp_path / "home"
+    typo = run(["keys", "add", "t", "--indexes", "hotpt", "--home", home])
+    assert typo.returncode == 0 and "note: no index 'hotpt' in" in typo.stderr, typo.stderr
+    admin = run(["keys", "add", "a", "--admin", "--home", home])
+    assert admin.returncode == 0 and "admin key without groups writes no document" in \
+        admin.stderr, admin.stderr
+    quiet = run(["keys", "add", "g", "--admin", "--groups", "hr", "--home", home])
+    assert "note:" not in quiet.stderr, quiet.stderr
+
+
 def test_no_arguments_prints_help_and_exits_2():
     done = run([])
     assert done.returncode == 2 and "Traceback" not in done.stderr
