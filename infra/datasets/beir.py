@@ -29,6 +29,8 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
         raise CorpusError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     folder = Path(folder)
     qfile, qrels_file = folder / "queries.jsonl", folder / "qrels" / f"{split}.tsv"
+    if not folder.exists():
+        raise CorpusError(f"dataset not found: {folder}")
     if not qfile.exists():
         raise CorpusError(f"{folder}: not a BEIR folder (missing queries.jsonl)")
     if not qrels_file.exists():

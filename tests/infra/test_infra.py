@@ -111,6 +111,8 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
      r"bad.jsonl:3: duplicate document id 'a' \(first on line 1\)"),
     ('', "no documents"),
     ('{"id": "..", "text": "x"}\n', r"document id '\.\.' is a path step"),
+    ('{"id": "nul\\u0000x", "text": "x"}\n', "holds the control character U\\+0000"),
+    ('{"id": "rlo\\u202egpj.exe", "text": "x"}\n', "holds the control character U\\+202E"),
     ('{"id": "caf\u00e9", "text": "x"}\n{"id": "cafe\u0301", "text": "y"}\n',
      r":2: duplicate document id .* \(first on line 1\) \(the same id in another Unicode form"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),
