@@ -30,7 +30,7 @@ DIM = 4
 VECTOR = np.array([1.0, 0.0, 0.0, 0.0], dtype=np.float32)
 WORD = "quokka"  # in every chunk: a BM25 search for it finds every visible chunk
 K = 200
-ID_OK = re.compile(r"^[^\s#][^\s#]*$")  # what a store must take as an id (corpora refuse control characters too)
+ID_OK = re.compile(r"^[^\s#][^\s#]*$")  # ids a store must take (a corpus refuses more)
 LONE_CR = re.compile(r"\r(?!\n)")  # Milvus Lite has no literal for it (see milvus_literal)
 
 HARD = ["fіnance", "finance", "café", "cafe\u0301", "zürich-memo", "Zürich", 'say "hi"', "it's",
