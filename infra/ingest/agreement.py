@@ -74,7 +74,8 @@ def same_model(settings: Settings, previous: Manifest | None, embedder) -> None:
 
 def unfinished_embedding(root: Path) -> tuple[int, str | None] | None:
     """(dimension, model) an ingest that stopped before its manifest had begun embedding this
-    index with (`infra.index.open._dense_dim`); the model is None for an ingest of an older version."""
+    index with (`infra.index.open._dense_dim`); the model is None for an ingest of an older
+    version."""
     try:
         dim = int((root / "dense.dim").read_text())
     except (OSError, ValueError):
