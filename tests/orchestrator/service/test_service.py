@@ -406,17 +406,23 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
         retriever.close()
 
 
+def _bm25_service(tmp_path):
+    """A development-mode service (every request an admin) over a BM25 index `acl`, its
+    driver open: (settings, state, server)."""
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    state = service.local_state(settings, executor="local", limits=LIMITS)
+    state.searcher.target.drivers.open("acl")
+    return settings, state, start_uvicorn(service.create_app(state), state)
+
+
 def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path):
     """The tantivy folder renamed under a running service (found by a hostile pass): a PUT was
     a 500 internal_error. A store file gone (tantivy, or the dense.db a write would have put
     into the deleted file and lost) is now a 503 before anything is written; the documents
     that were there are still found once the file is back, and writes go on."""
-    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
-                                        "search_mode": "bm25"}, read_env=False, read_file=False)
-    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
-    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
-    state.searcher.target.drivers.open("acl")
-    server = start_uvicorn(service.create_app(state), state)
+    settings, state, server = _bm25_service(tmp_path)
     folder = settings.index_dir / "tantivy"
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
@@ -458,12 +464,7 @@ def test_a_write_whose_index_folder_is_removed_while_it_runs_says_it_is_lost(tmp
 
     from branchsearch.orchestrator import documents
 
-    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
-                                        "search_mode": "bm25"}, read_env=False, read_file=False)
-    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
-    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode: admin
-    state.searcher.target.drivers.open("acl")
-    server = start_uvicorn(service.create_app(state), state)
+    settings, state, server = _bm25_service(tmp_path)
     real = documents.upsert
 
     def removed_meanwhile(*args, **kwargs):
