@@ -223,12 +223,14 @@ def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot
     import subprocess
     import sys
 
-    from conftest import HOTPOT
+    from conftest import HOTPOT, ingest_copy
+
+    own = ingest_copy(hotpot_settings, "eval-second-wave")  # its own Milvus Lite file
 
     def run(*flags: str):
         return subprocess.run(
             [sys.executable, "-m", "branchsearch.orchestrator.cli", "eval", str(HOTPOT),
-             "--home", str(hotpot_settings.home), "--index", hotpot_settings.index,
+             "--home", str(own.home), "--index", own.index,
              "--no-ingest", "--policy", "heuristic", "--limit", "3", *flags],
             capture_output=True, text=True, timeout=600,
             env={**os.environ, "BRANCHSEARCH_BRIDGES": "2"})

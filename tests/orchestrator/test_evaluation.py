@@ -112,7 +112,8 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
 @pytest.mark.parametrize("args, message", [
     (["ingest", "/nonexistent/corpus"], "corpus not found"),
     (["retrieve", "x", "--index", "nope"], "index 'nope' not found"),
-    (["eval", "/nonexistent", "--mode", "bm25"], "not a BEIR folder"),
+    (["eval", "/nonexistent", "--mode", "bm25"], "dataset not found: /nonexistent"),
+    (["eval", ".", "--mode", "bm25"], "not a BEIR folder"),
     (["eval", ".", "--mode", "fuzzy"], "unknown mode"),
     (["synth", "out", "--docs", "10", "--tasks", "5"], "docs >= 8 * tasks"),
 ])
