@@ -94,7 +94,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     todo, changed = to_ask(data.items, done_ids(output, settings.index)
                            if output.is_file() else {})
     elsewhere = other_index_ids(output, settings.index) if output.is_file() else {}
-    elsewhere = {qid: name for qid, name in elsewhere.items() if qid in dict(data.items)}
+    asked = {qid for qid, _ in data.items}
+    elsewhere = {qid: name for qid, name in elsewhere.items() if qid in asked}
     if elsewhere:  # their rows hold another index's evidence: asked again on this one
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
         print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "

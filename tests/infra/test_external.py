@@ -205,9 +205,8 @@ def test_mistakes_are_one_clear_error(foreign):
 @pytest.mark.es
 def test_a_misspelt_acl_field_is_refused_not_read_as_public(foreign, tmp_path):
     """A document without groups is public, so an ACL field the backend lacks ("group" for
-    "groups") made every document public, restricted ones included, and `indexes` said ok.
-    It is one line at open now, on Elasticsearch and on Milvus; `acl = ""` says the documents
-    have no groups, and then every one is public."""
+    "groups") would make every document public: it is one line at open, on Elasticsearch and
+    on Milvus. `acl = ""` says the documents have no groups, and then every one is public."""
     settings_file = (foreign["home"] / "branchsearch.toml").read_text()
     mapped = ('[indexes.{n}.fields]\nid = "doc_key"\ntitle = "headline"\ntext = "body"\n'
               'acl = "{acl}"\nvector = "embedding"\n')

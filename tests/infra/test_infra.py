@@ -52,7 +52,7 @@ def test_corpus_formats(tmp_path):
     assert {d.id: d.title for d in docs} == {"sub/one": "Title One", "two": "two",
                                              "BOM": "BOM Heading", "long": "long"}
     assert next(d for d in docs if d.id == "BOM").text.startswith("# BOM Heading")
-    # a link to a folder is followed (it was skipped without a word), a link back up read once
+    # a link to a folder is followed, a link back up read once
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "three.md").write_text("linked")
     (folder / "linked").symlink_to(tmp_path / "shared", target_is_directory=True)

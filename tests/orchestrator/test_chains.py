@@ -190,7 +190,7 @@ def test_a_bridge_branch_follows_a_name_in_the_question_branchs_top_chunk(hotpot
 
 def test_the_second_wave_stays_within_the_branch_budget(hotpot_settings):
     """`--branches N` is at most N branches, next hops included: 5 bridges asked for under a
-    budget of 2 run one (they ran 5)."""
+    budget of 2 run one."""
     driver = Driver(hotpot_settings.replace(bridges=5, branches=3), mode="local")
     try:
         two = driver.search(CHAINED, max_branches=2)
@@ -217,8 +217,7 @@ def test_bridges_must_not_be_negative(tmp_path):
 
 def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot_settings):
     """`eval` runs one branch unless told: with bridges set, it says that one branch never
-    bridges (it measured nothing and said nothing); with more branches its table has the
-    second wave's rows."""
+    bridges; with more branches its table has the second wave's rows."""
     import os
     import subprocess
     import sys

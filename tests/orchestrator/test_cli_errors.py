@@ -282,7 +282,7 @@ def test_keys_in_a_home_that_cannot_be_written(tmp_path):
 
 def test_keys_that_could_never_work_are_made_with_a_note(tmp_path):
     """An index list naming an index the home lacks (a typo) and an admin key without groups
-    (it can write no document) were made without a word; both are kept, with a note."""
+    (it can write no document): both keys are made, each with a note."""
     home = tmp_path / "home"
     typo = run(["keys", "add", "t", "--indexes", "hotpt", "--home", home])
     assert typo.returncode == 0 and "note: no index 'hotpt' in" in typo.stderr, typo.stderr

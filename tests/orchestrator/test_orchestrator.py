@@ -355,8 +355,8 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(hotpot_settings
 
 def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settings, tmp_path):
     """Rows name the index that answered them; the same output resumed with another --index
-    asked nothing ("3 already ok") and kept the first index's evidence. It asks them again
-    now, and says so."""
+    asks those questions again, and says so (not "3 already ok" with the first index's
+    evidence)."""
     first = ingest_copy(hotpot_settings, "resume-a")
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

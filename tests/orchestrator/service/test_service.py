@@ -827,7 +827,7 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             assert r.status_code == 200 and r.json()["evidence"]
             assert client.get("/readyz").status_code == 200
             # served without the es_url its index needs: the operator's mistake, not the
-            # caller's (it was a 400 bad_request, and the server logged nothing)
+            # caller's (a 503, not a 400)
             bare = service.local_state(settings.replace(es_url=""), executor="local",
                                        limits=LIMITS)
             bare_server = start_uvicorn(service.create_app(bare), bare)

@@ -239,8 +239,8 @@ def test_the_service_as_deployed(site, mode):
                     body)
 
             # SIGTERM in the middle of a stream: the stream ends with its result, exit 0;
-            # meanwhile new requests are refused in JSON (Ray Serve: 503 shutting_down, where
-            # its proxy answered a plain-text 404 "Path not found"), or not connected at all
+            # meanwhile new requests are refused in JSON (Ray Serve: 503 shutting_down, not
+            # its proxy's plain-text 404 "Path not found"), or not connected at all
             probes: list = []
             watching = threading.Event()
 
