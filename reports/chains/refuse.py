@@ -1,0 +1,108 @@
+"""Fusion variants of a second wave, recomputed from `branch_eval.py run` dumps, written as
+`branchsearch eval`-shaped reports that `chain_cv.py` cross-validates (issue 34).
+
+    python reports/chains/refuse.py --quota 1,2,3 OUT_PREFIX DUMP.json [...]
+
+Each DUMP holds every branch's ranking of one run (`BRANCHSEARCH_BRIDGES=N branch_eval.py run
+... --branches 3`, named `…-brN.json`). For each dump it first checks that the shipped fusion
+(`orchestrator.result.fuse_branches`'s arguments) rebuilt from the branches gives the run's own
+fused ranking for every question — so the variants differ from the run by the fusion alone —
+then writes OUT_PREFIX-b1.json (the question's branch alone: a 1-branch run), OUT_PREFIX-brN.json
+(the shipped fusion) and OUT_PREFIX-brNqP.json (the shipped fusion under a quota of P).
+
+The quota (reports/bridges.md, v4): walking down the fused documents, one that is not in the
+anchor's own first 10 ("fresh") keeps its place only while fewer than P fresh ones are above
+it; the fresh ones past the quota move below the 10th place. The fused top 10 then holds at
+least 10 - P of the question branch's own top 10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from branchsearch.fusion.documents import fuse_documents
+from branchsearch.infra.config.settings import Settings
+from branchsearch.orchestrator.evaluation.attribution import Trajectory, agent_measures, attribute
+from branchsearch.orchestrator.evaluation.measures import doc_ranking, single_shot_metrics
+from branchsearch.workers.rank import doc_of
+
+K = Settings().branch_rrf_k  # the driver's (`fuse_branches(k=settings.branch_rrf_k)`)
+
+
+def fused(branches: list[dict], quota: int | None) -> list[str]:
+    """`fuse_branches`' ranking of the branches that finished, first chunks then the rest."""
+    ok = [b for b in branches if b["status"] == "ok" and b["ranked"]]
+    anchor = next((i for i, b in enumerate(ok) if b["kind"] == "original"), None)
+    docs, of_doc = fuse_documents([b["ranked"] for b in ok], doc_of,
+                                  weights=[b["weight"] for b in ok], anchor=anchor, k=K)
+    if quota is not None and anchor is not None:
+        docs = within_quota(docs, set(doc_ranking(ok[anchor]["ranked"])[:10]), quota)
+    return ([of_doc[d.id][0] for d in docs] + [c for d in docs for c in of_doc[d.id][1:]])[:10]
+
+
+def within_quota(docs: list, own: set, quota: int, window: int = 10) -> list:
+    kept, moved, fresh = [], [], 0
+    for d in docs:
+        if len(kept) >= window:
+            break
+        if d.id not in own:
+            fresh += 1
+            if fresh > quota:
+                moved.append(d)
+                continue
+        kept.append(d)
+    return kept + moved + docs[len(kept) + len(moved):]
+
+
+def per_query(row: dict, ranked: list[str], used: list[dict], titles, texts) -> dict:
+    gold = dict.fromkeys(row["gold"], 1)
+    t = Trajectory(ranked, list(dict.fromkeys(c for b in used for c in b["retrieved"])),
+                   list(dict.fromkeys(c for b in used for c in b["pruned"])),
+                   list(dict.fromkeys(c for b in used for c in b["final_context"])))
+    m = single_shot_metrics(doc_ranking(ranked), gold) | agent_measures(t, gold, 5)
+    kinds = [b["kind"] for b in used]
+    m |= {"tokens_read": sum(b["tokens_read"] for b in used), "branches": len(used),
+          "bridges": kinds.count("bridge"), "chains": kinds.count("chain")}
+    text = " ".join(texts.get(c, "") for c in t.retrieved)
+    return {"id": row["id"], "question": row["question"], "gold": row["gold"],
+            "ranking": doc_ranking(ranked), "metrics": m,
+            "attribution": attribute(t, gold, titles, text, 5)[0]}
+
+
+def main() -> None:
+    import sqlite3
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quota", default="1,2,3")
+    ap.add_argument("out")
+    ap.add_argument("dumps", nargs="+")
+    a = ap.parse_args()
+    quotas = [int(q) for q in a.quota.split(",")]
+    for path in a.dumps:
+        dump = json.loads(Path(path).read_text())
+        n = re.search(r"br(\d+)\.json$", path).group(1)
+        db = sqlite3.connect(f"file:{Path(dump['home']) / 'indexes' / dump['index'] / 'docs.sqlite'}"
+                             "?mode=ro", uri=True)
+        titles = dict(db.execute("select doc_id, title from docs"))
+        texts = dict(db.execute("select chunk_id, text from chunks"))
+        rows = dump["rows"]
+        for row in rows:
+            if doc_ranking(fused(row["branches"], None)) != doc_ranking(row["fused"]):
+                raise SystemExit(f"{path}: {row['id']}: the rebuilt fusion differs from the run's")
+        variants = {"b1": lambda r: (r["branches"][0]["ranked"][:10], r["branches"][:1]),
+                    f"br{n}": lambda r: (fused(r["branches"], None), r["branches"])}
+        for q in quotas:
+            variants[f"br{n}q{q}"] = lambda r, q=q: (fused(r["branches"], q), r["branches"])
+        for name, make in variants.items():
+            pq = [per_query(r, *make(r), titles, texts) for r in rows]
+            Path(f"{a.out}-{name}.json").write_text(json.dumps(
+                {"source": path, "runs": [{"config": name, "per_query": pq}]}))
+        print(f"{path}: {len(rows)} questions, the shipped fusion rebuilt exactly; wrote "
+              f"{', '.join(variants)}")
+
+
+if __name__ == "__main__":
+    main()
