@@ -6,7 +6,10 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
 * Each result is appended (and fsynced) as it finishes, so a crash at any point loses at most
   the questions in flight; a torn last line is cut off on the next run.
 * A re-run skips only ids whose latest line has `status` `ok`; `partial`, `failed` and `error`
-  rows are run again.
+  rows are run again. So are ok rows answered on another index, or made with other settings
+  that change a result (`made_with`: the agent's and retrieval's settings, the branches, the
+  caller's ACL groups), so that one output never mixes two configurations' evidence (the CLI
+  refuses such a resume instead: a flag changed by mistake would replace finished work).
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt.
 * One batch at a time writes an output (`OutputLock`): a second one on the same file, whose rows
@@ -35,6 +38,26 @@ from branchsearch.infra.errors import BranchsearchError, CorpusError
 from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
+# what changes a question's result, beside the index: these sections of the settings (less two
+# that change only errors and speed), the branches, and who asks (`made_with`)
+RESULT_SECTIONS = ("retrieval", "agent")
+NOT_RESULT = ("grep_max_pattern", "fetch_cache")
+
+
+def made_with(settings, acl_groups) -> dict:
+    """The settings a batch row was made with that change its evidence: written in every row;
+    a resume asks again an id whose ok row was made with others. The LLM's model only when an
+    LLM plans or searches (never its URL: it may hold a key). `acl`: the caller's groups,
+    sorted ("*" for an admin); None: public documents only."""
+    from branchsearch.infra.config.settings import SECTIONS
+
+    names = [n for s in RESULT_SECTIONS for n in SECTIONS[s] if n not in NOT_RESULT]
+    out = {name: getattr(settings, name) for name in names + ["branches"]}
+    if "llm" in (settings.policy, settings.planner):
+        out["llm_model"] = settings.llm_model
+    out["acl"] = (acl_groups if isinstance(acl_groups, str) or acl_groups is None
+                  else sorted(acl_groups))
+    return json.loads(json.dumps(out, default=str))  # as a row read back holds it
 
 
 @dataclass
@@ -190,12 +213,23 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
                               "give a new file, or one a batch wrote (it is rewritten)")
 
 
-def done_ids(path: str | Path, index: str | None = None) -> dict[str, str | None]:
+def done_ids(path: str | Path, index: str | None = None, made: dict | None = None
+             ) -> dict[str, str | None]:
     """Ids whose latest row is ok, each with the question that row answered (None: a row
-    written without it); with `index`, only rows answered on that index (or that do not say:
-    written before rows named their index)."""
+    written without it); with `index`, only rows answered on that index, and with `made`, only
+    rows made with those settings (`made_with`) — or rows that do not say (written before
+    rows named them)."""
     return {qid: row.get("question") for qid, row in latest_rows(path).items()
-            if row_status(row) == "ok" and (index is None or row.get("index") in (None, index))}
+            if row_status(row) == "ok" and (index is None or row.get("index") in (None, index))
+            and (made is None or row.get("made_with") in (None, made))}
+
+
+def other_settings_ids(path: str | Path, index: str | None, made: dict) -> dict[str, dict]:
+    """Ids whose latest row is ok, on `index`, but made with other settings than `made`: id ->
+    that row's `made_with`."""
+    return {qid: row["made_with"] for qid, row in latest_rows(path).items()
+            if row_status(row) == "ok" and row.get("index") in (None, index)
+            and isinstance(row.get("made_with"), dict) and row["made_with"] != made}
 
 
 def other_index_ids(path: str | Path, index: str) -> dict[str, str]:
@@ -291,7 +325,7 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               search: Callable[[str], dict], *, concurrency: int = 2, index: str | None = None,
               on_done: Callable[[str], None] | None = None,
               stop_after: int = STOP_AFTER, stop: threading.Event | None = None,
-              locked: bool = False) -> dict:
+              locked: bool = False, made: dict | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
     run), skipped (already ok), changed (ids asked again: their question changed), not_run
@@ -299,23 +333,24 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     `failed_ids` (this run's failed question ids, in input order). `stop`, once set (a ^C):
     no question is started after it, the ones running finish and their rows are written, then
     KeyboardInterrupt is raised here. `locked`: the caller holds the output's `OutputLock`
-    (else it is taken here, for the run). `index`: written in every row, and a row answered on
-    another index is not done."""
+    (else it is taken here, for the run). `index` and `made` (`made_with`): written in every
+    row, and a row answered on another index or made with other settings is not done."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     held = None if locked else OutputLock(out_path).acquire()
     try:
         return _run_batch(items, out_path, search, concurrency, index, on_done, stop_after,
-                          stop)
+                          stop, made)
     finally:
         if held is not None:
             held.release()
 
 
 def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_after,
-               stop) -> dict:
-    todo, changed = to_ask(items, done_ids(out_path, index))
-    stamp = {} if index is None else {"index": index}
+               stop, made) -> dict:
+    todo, changed = to_ask(items, done_ids(out_path, index, made))
+    stamp = ({} if index is None else {"index": index}) | ({} if made is None else
+                                                           {"made_with": made})
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
               "not_run": 0, "stopped": "", "changed": changed}

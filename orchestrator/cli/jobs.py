@@ -67,7 +67,8 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
 
 def _batch(input, output, concurrency, branches, executor, address, acl, acl_admin, stop_after,
            home, index, config) -> None:
-    from branchsearch.orchestrator.batch import (check_output, done_ids, other_index_ids,
+    from branchsearch.orchestrator.batch import (check_output, done_ids, made_with,
+                                                 other_index_ids, other_settings_ids,
                                                  read_questions, run_batch, to_ask)
     from branchsearch.orchestrator.driver import open_driver
 
@@ -84,6 +85,27 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     from branchsearch.orchestrator.execution import pick_executor
     from branchsearch.orchestrator.execution.processes import QuestionProcesses, worker_count
 
+    made = made_with(settings, groups)
+    todo, changed = to_ask(data.items, done_ids(output, settings.index, made)
+                           if output.is_file() else {})
+    asked = {qid for qid, _ in data.items}
+    otherwise = other_settings_ids(output, settings.index, made) if output.is_file() else {}
+    otherwise = {qid: row for qid, row in otherwise.items() if qid in asked}
+    if otherwise:  # one output holds one configuration's evidence (a resume with a flag
+        # changed by mistake would otherwise replace finished work)
+        then = next(iter(otherwise.values()))
+        differ = [f"{n} {then.get(n)!r} there, {made.get(n)!r} now" for n in sorted(
+            then.keys() | made.keys()) if then.get(n) != made.get(n)]
+        raise BranchsearchError(
+            f"batch output {output} holds {len(otherwise)} ok row(s) made with other settings "
+            f"({'; '.join(differ[:3])}{' …' if len(differ) > 3 else ''}); run with those "
+            "settings to resume, or give another -o")
+    elsewhere = other_index_ids(output, settings.index) if output.is_file() else {}
+    elsewhere = {qid: name for qid, name in elsewhere.items() if qid in asked}
+    if elsewhere:  # their rows hold another index's evidence: asked again on this one
+        named = ", ".join(sorted(set(elsewhere.values()))[:3])
+        print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "
+              f"another index ({named}), on {settings.index!r}", file=sys.stderr)
     picked = pick_executor(settings, executor)
     if picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
         driver = QuestionProcesses(settings, worker_count(settings.batch_concurrency), groups)
@@ -91,19 +113,6 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     else:
         driver = open_driver(settings, picked)
         search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
-    todo, changed = to_ask(data.items, done_ids(output, settings.index)
-                           if output.is_file() else {})
-    elsewhere = other_index_ids(output, settings.index) if output.is_file() else {}
-    asked = {qid for qid, _ in data.items}
-    elsewhere = {qid: name for qid, name in elsewhere.items() if qid in asked}
-    if elsewhere:  # their rows hold another index's evidence: asked again on this one
-        named = ", ".join(sorted(set(elsewhere.values()))[:3])
-        print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "
-              f"another index ({named}), on {settings.index!r}", file=sys.stderr)
-    if changed:  # a re-run asks what is left, and what was edited since its row was written
-        more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
-        print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
-              f"was written: {', '.join(changed[:10])}{more}", file=sys.stderr)
     bar = progress_bar(len(todo), "q", "batch")
     seen = {"partial": 0, "failed": 0}
 
@@ -118,7 +127,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         with first_stop_signal_sets(stop, first):
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
-                               stop=stop, locked=True)
+                               stop=stop, locked=True, made=made)
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130

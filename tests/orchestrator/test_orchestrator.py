@@ -382,6 +382,46 @@ def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settin
     assert len(rows) == 3 and {r["index"] for r in rows} == {"resume-b"}
 
 
+def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_path):
+    """Each row records the settings that made it (`made_with`); a resume whose settings would
+    give other evidence (another --branches, other ACL groups) stops with one line naming what
+    differs and leaves the output as it was, instead of replacing finished rows or mixing two
+    configurations in one file. The same settings resume as before."""
+    copy = ingest_copy(hotpot_settings, "resume-settings")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                           for q in queries[:2]))
+    env = dict(os.environ, BRANCHSEARCH_LLM_URL="http://user:s3cret@llm.internal:8000/v1")
+
+    def batch(*flags: str):
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                               str(inp), "-o", str(out), "--home", str(copy.home), "--index",
+                               copy.index, *flags], capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    done = batch("--branches", "1", "--acl", "hr", "--acl", "finance")
+    assert done.returncode == 0 and "2 ok" in done.stdout, done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    made = rows[0]["made_with"]
+    assert made["branches"] == 1 and made["acl"] == ["finance", "hr"]
+    assert made["policy"] == "heuristic" and "search_mode" in made
+    assert "s3cret" not in out.read_text() and "llm_url" not in made
+    before = out.read_bytes()
+    for flags, differ in ((("--branches", "2", "--acl", "hr", "--acl", "finance"),
+                           "branches 1 there, 2 now"),
+                          (("--branches", "1", "--acl", "hr"),
+                           "acl ['finance', 'hr'] there, ['hr'] now")):
+        refused = batch(*flags)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and differ in lines[0], lines
+        assert "holds 2 ok row(s) made with other settings" in lines[0]
+        assert out.read_bytes() == before
+    again = batch("--branches", "1", "--acl", "finance", "--acl", "hr")
+    assert again.returncode == 0 and "2 already ok" in again.stdout, again.stderr[-2000:]
+
+
 def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
     """Ids that are "", true, an array or an object were written as Python text ("['a']"):
     now malformed lines, named with their line numbers. A number id is written back as text
