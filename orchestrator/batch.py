@@ -38,26 +38,34 @@ from branchsearch.infra.errors import BranchsearchError, CorpusError
 from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
-# what changes a question's result, beside the index: these sections of the settings (less two
-# that change only errors and speed), the branches, and who asks (`made_with`)
+# what changes a question's result, beside the index: these sections of the settings (less
+# what changes only errors and speed, and `acl_admin`, which `acl` says as "*"), the query-side
+# settings of other sections, the branches, and who asks (`made_with`)
 RESULT_SECTIONS = ("retrieval", "agent")
-NOT_RESULT = ("grep_max_pattern", "fetch_cache")
+NOT_RESULT = ("grep_max_pattern", "fetch_cache", "acl_admin")
+QUERY_SIDE = ("static_queries", "embed_backend", "milvus_search_ef", "milvus_consistency",
+              "branches")
+LLM_SIDE = ("llm_model", "llm_seed", "llm_max_tokens", "llm_max_model_len")
 
 
 def made_with(settings, acl_groups) -> dict:
     """The settings a batch row was made with that change its evidence: written in every row;
-    a resume asks again an id whose ok row was made with others. The LLM's model only when an
-    LLM plans or searches (never its URL: it may hold a key). `acl`: the caller's groups,
-    sorted ("*" for an admin); None: public documents only."""
+    a resume asks again an id whose ok row was made with others (`differing`). The LLM's
+    settings only when an LLM plans or searches (never its URL or key). `acl`: the caller's
+    groups, sorted and once each (["*"] for an admin); None: public documents only."""
     from branchsearch.infra.config.settings import SECTIONS
 
     names = [n for s in RESULT_SECTIONS for n in SECTIONS[s] if n not in NOT_RESULT]
-    out = {name: getattr(settings, name) for name in names + ["branches"]}
-    if "llm" in (settings.policy, settings.planner):
-        out["llm_model"] = settings.llm_model
-    out["acl"] = (acl_groups if isinstance(acl_groups, str) or acl_groups is None
-                  else sorted(acl_groups))
+    names += QUERY_SIDE + (LLM_SIDE if "llm" in (settings.policy, settings.planner) else ())
+    out = {name: getattr(settings, name) for name in names}
+    out["acl"] = None if acl_groups is None else sorted(set(acl_groups))
     return json.loads(json.dumps(out, default=str))  # as a row read back holds it
+
+
+def differing(then: dict, now: dict) -> list[str]:
+    """The settings whose values differ between two `made_with`s. A setting only one of them
+    names (added or dropped by another version of branchsearch) is not a difference."""
+    return sorted(k for k in then.keys() & now.keys() if then[k] != now[k])
 
 
 @dataclass
@@ -221,7 +229,8 @@ def done_ids(path: str | Path, index: str | None = None, made: dict | None = Non
     rows named them)."""
     return {qid: row.get("question") for qid, row in latest_rows(path).items()
             if row_status(row) == "ok" and (index is None or row.get("index") in (None, index))
-            and (made is None or row.get("made_with") in (None, made))}
+            and (made is None or not isinstance(row.get("made_with"), dict)
+                 or not differing(row["made_with"], made))}
 
 
 def other_settings_ids(path: str | Path, index: str | None, made: dict) -> dict[str, dict]:
@@ -229,7 +238,7 @@ def other_settings_ids(path: str | Path, index: str | None, made: dict) -> dict[
     that row's `made_with`."""
     return {qid: row["made_with"] for qid, row in latest_rows(path).items()
             if row_status(row) == "ok" and row.get("index") in (None, index)
-            and isinstance(row.get("made_with"), dict) and row["made_with"] != made}
+            and isinstance(row.get("made_with"), dict) and differing(row["made_with"], made)}
 
 
 def other_index_ids(path: str | Path, index: str) -> dict[str, str]:

@@ -67,7 +67,7 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
 
 def _batch(input, output, concurrency, branches, executor, address, acl, acl_admin, stop_after,
            home, index, config) -> None:
-    from branchsearch.orchestrator.batch import (check_output, done_ids, made_with,
+    from branchsearch.orchestrator.batch import (check_output, differing, done_ids, made_with,
                                                  other_index_ids, other_settings_ids,
                                                  read_questions, run_batch, to_ask)
     from branchsearch.orchestrator.driver import open_driver
@@ -94,8 +94,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     if otherwise:  # one output holds one configuration's evidence (a resume with a flag
         # changed by mistake would otherwise replace finished work)
         then = next(iter(otherwise.values()))
-        differ = [f"{n} {then.get(n)!r} there, {made.get(n)!r} now" for n in sorted(
-            then.keys() | made.keys()) if then.get(n) != made.get(n)]
+        differ = [f"{n} {then[n]!r} there, {made[n]!r} now" for n in differing(then, made)]
         raise BranchsearchError(
             f"batch output {output} holds {len(otherwise)} ok row(s) made with other settings "
             f"({'; '.join(differ[:3])}{' …' if len(differ) > 3 else ''}); run with those "
@@ -106,6 +105,10 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
         print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "
               f"another index ({named}), on {settings.index!r}", file=sys.stderr)
+    if changed:  # a re-run asks what is left, and what was edited since its row was written
+        more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+        print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
+              f"was written: {', '.join(changed[:10])}{more}", file=sys.stderr)
     picked = pick_executor(settings, executor)
     if picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
         driver = QuestionProcesses(settings, worker_count(settings.batch_concurrency), groups)
@@ -206,7 +209,9 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
              report: Optional[Path] = typer.Option(None, help="JSON report (+ .md beside it)"),
              plots: Optional[Path] = typer.Option(None, help="write PNG plots to this folder"),
-             home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
+             home: Optional[Path] = HomeOpt,
+             index: Optional[str] = typer.Option(
+                 None, "--index", help="index name (default: the dataset folder's name)"),
              config: Optional[Path] = ConfigOpt, ingest_first: bool = typer.Option(
                  True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
              as_json: bool = typer.Option(False, "--json")):

@@ -418,8 +418,14 @@ def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_pat
         assert len(lines) == 1 and lines[0].startswith("error: ") and differ in lines[0], lines
         assert "holds 2 ok row(s) made with other settings" in lines[0]
         assert out.read_bytes() == before
-    again = batch("--branches", "1", "--acl", "finance", "--acl", "hr")
+    again = batch("--branches", "1", "--acl", "finance", "--acl", "hr", "--acl", "hr")
     assert again.returncode == 0 and "2 already ok" in again.stdout, again.stderr[-2000:]
+    # a question edited under its id is asked again, and named
+    inp.write_text(inp.read_text().replace(queries[0]["text"], queries[0]["text"] + " (ed.)"))
+    edited = batch("--branches", "1", "--acl", "finance", "--acl", "hr")
+    assert edited.returncode == 0 and "1 ok, 0 partial, 0 failed; 1 already ok" in edited.stdout
+    assert f"asking again 1 question(s) whose text changed since their ok row was written: " \
+        f"{queries[0]['_id']}" in edited.stderr, edited.stderr[-2000:]
 
 
 def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
