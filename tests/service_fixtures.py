@@ -56,17 +56,19 @@ class LiveServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.thread.join(timeout=self.server.config.timeout_graceful_shutdown + 15)
 
 
-def start_uvicorn(app, state) -> LiveServer:
-    import uvicorn
+def start_uvicorn(app, state, grace_s: float = 30) -> LiveServer:
+    """The app on a free loopback port, in a thread, as `serve --standalone` runs it
+    (`deploy.standalone_server`: `stop` drains requests in flight for `grace_s`)."""
+    from branchsearch.orchestrator.service.deploy import standalone_server
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = standalone_server(app, state, grace_s, lifespan="off")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30

@@ -158,7 +158,7 @@ class Settings:
     max_body_bytes: int = 1 << 20  # request bodies (documents PUT included)
     max_question_chars: int = 1000
     max_branches: int = 8
-    max_k: int = 50
+    max_k: int = 50  # a request's k; the service takes at most final_k (what a search returns)
     default_deadline_s: float = 60.0
     max_deadline_s: float = 300.0
     per_key_concurrency: int = 4  # searches in flight per key; past it 429

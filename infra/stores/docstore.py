@@ -108,6 +108,7 @@ class DocStore:
         finally:
             self._db.execute("PRAGMA busy_timeout = 5000")
 
+    @_locked  # never under a reader in another thread: sqlite would crash the process
     def close(self) -> None:
         self._db.close()
 

@@ -20,7 +20,7 @@ class Limits:
     max_body_bytes: int = _DEFAULTS.max_body_bytes
     max_question_chars: int = _DEFAULTS.max_question_chars
     max_branches: int = _DEFAULTS.max_branches
-    max_k: int = _DEFAULTS.max_k
+    max_k: int = min(_DEFAULTS.max_k, _DEFAULTS.final_k)
     default_deadline_s: float = _DEFAULTS.default_deadline_s
     max_deadline_s: float = _DEFAULTS.max_deadline_s
     per_key_concurrency: int = _DEFAULTS.per_key_concurrency
@@ -31,8 +31,10 @@ class Limits:
     @classmethod
     def of(cls, settings: Settings, **changes) -> "Limits":
         """The limits `settings` give, with `changes` (a Ray Serve config's `limits`) over
-        them."""
-        return cls(**{**settings.section("service"), **changes})
+        them. `max_k` is at most `final_k`: a search returns no more chunks than that, so a
+        larger `k` would be accepted and not honoured."""
+        limits = {**settings.section("service"), **changes}
+        return cls(**{**limits, "max_k": min(limits["max_k"], settings.final_k)})
 
 
 def check_body_size(length: int | None, limits: Limits) -> None:

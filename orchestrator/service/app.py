@@ -21,7 +21,7 @@ from pathlib import Path
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
 from branchsearch.infra.config.settings import index_name
-from branchsearch.infra.errors import BranchsearchError, redact
+from branchsearch.infra.errors import BranchsearchError, KeysFileError, redact
 from branchsearch.orchestrator.service.admission import Limits, check_body_size
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
@@ -100,7 +100,7 @@ class ServiceState:
     limits: Limits = field(default_factory=Limits)
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
     peers: object | None = None  # Serve: the other ingress replicas' metrics (SharedMetrics)
-    draining: bool = False  # Serve: the application is stopping (`deploy.run_serve`)
+    draining: bool = False  # the server is stopping (`deploy.standalone_server`, `run_serve`)
 
     def principal(self, authorization: str | None) -> ApiKey:
         if self.keys is None:
@@ -141,14 +141,34 @@ class Observe:
                 pass
             except ApiError as err:
                 return await _send_error(sending, err, metrics)
+            query = scope.get("query_string") or b""
+            if query and str(scope.get("path", "")).startswith("/v1/"):
+                from urllib.parse import parse_qsl
+
+                names = sorted({k for k, _ in parse_qsl(query.decode("latin-1"),
+                                                        keep_blank_values=True)}) or ["?"]
+                return await _send_error(sending, ApiError(
+                    422, "bad_request", f"unknown query parameter(s): {', '.join(names)[:200]}; "
+                    "this API takes none (a search's fields go in its JSON body; a '?' in a "
+                    "document id is sent as %3F)"), metrics)
             if self.state.draining and scope.get("path") not in ("/healthz", "/metrics"):
                 return await _send_error(sending, ApiError(  # /readyz too: balancers move on
                     503, "shutting_down", "the service is stopping; retry on another instance "
                     "or once it is back", {"Retry-After": "5"}), metrics)
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            box["status"] = CLIENT_CLOSED
-            raise
+            if "started" in box or not self.state.draining:  # a stream cut short, a client
+                box["status"] = CLIENT_CLOSED  # gone
+                raise
+            # nothing sent yet, and the server is stopping: its grace for requests in flight
+            # has run out (uvicorn, Serve cancel them). Say so in JSON, not a plain 500
+            try:
+                await _send_error(sending, ApiError(
+                    503, "shutting_down", "the service stopped before this request finished; "
+                    "retry on another instance or once it is back", {"Retry-After": "5"}),
+                    metrics)
+            except Exception:  # noqa: BLE001 — the client is gone too
+                box["status"] = CLIENT_CLOSED
         except Exception as exc:  # noqa: BLE001 — domain errors and crashes: JSON, no traceback
             err = api_error(exc)
             if err.status == 500:
@@ -319,8 +339,16 @@ def create_app(state: ServiceState):
     @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
     async def readyz():
         """Ready when the default index is open and every open index's backends answer
-        (`indexes`: how many are open); else 503. Which index, and why, are in the server log
+        (`indexes`: how many are open), and the API keys file can be read; else 503, within
+        a few seconds whatever the backends do. Which index, and why, are in the server log
         only: anyone may ask."""
+        if state.keys is not None:
+            try:
+                state.keys.check()
+            except KeysFileError as exc:
+                log.warning("not ready: %s", exc)
+                raise ApiError(503, "not_ready", "the server cannot read its API keys file "
+                               "(the server log says why)", {"Retry-After": "5"}) from None
         return await searcher.call("ready")
 
     @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
@@ -449,7 +477,8 @@ _ERRORS = {
          "writes need an admin key holding the document's groups)",
     404: "index_not_found, or document_not_found (also for an id the key may not see)",
     409: "index_busy (an ingest or another write holds the index; retry when it is done), or "
-         "read_only_index (a declared external index takes no writes)",
+         "read_only_index (a declared external index takes no writes), document_id_conflict "
+         "(the id is in the index in its other Unicode form, NFC or NFD)",
     413: "body_too_large: the body is over the service's max_body_bytes",
     422: "bad_request or question_too_long: a field is missing, malformed or outside its limits "
          "(the detail names it)",

@@ -214,6 +214,11 @@ class KeyStore:
                 raise BranchsearchError(f"no key named {name!r} in {self.path}")
             keys[name] = ApiKey(**{**asdict(keys[name]), "revoked": True})
 
+    def check(self) -> None:
+        """KeysFileError when a server could not read its keys now (gone, not valid)."""
+        with self._lock:
+            self._load(missing_ok=False)
+
     def list(self) -> list[ApiKey]:
         with self._lock:
             return list(self._load().values())

@@ -68,15 +68,12 @@ def local_state(settings, *, executor: str = "local", keys_path=None,
 
 def run_standalone(settings, *, executor: str, keys, sock) -> None:
     """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits)."""
-    import uvicorn
-
     _log_to_stderr()
     state = local_state(settings, executor=executor, keys_path=keys, limits=Limits.of(settings))
     state.searcher.target.open_default()  # load models before taking traffic
     print(f"serving on http://{sock.getsockname()[0]}:{sock.getsockname()[1]} (docs at /docs; "
           "one process)", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning",
-                                           timeout_graceful_shutdown=GRACE_S))
+    server = standalone_server(create_app(state), state)
     import signal
 
     # uvicorn drains on SIGTERM, then re-raises it under the handler it found: ours makes that
@@ -86,6 +83,22 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
         server.run(sockets=[sock])
     finally:
         state.searcher.target.close()
+
+
+def standalone_server(app, state: ServiceState, grace_s: float = GRACE_S, **config):
+    """uvicorn for `app`: on SIGTERM (or `should_exit`) it stops taking connections and lets
+    requests in flight run for `grace_s`; `state.draining` is set first, so a request still
+    running when the grace ends is answered 503 `shutting_down` in JSON (`app.Observe`), not
+    with uvicorn's plain 500 and a traceback in the log."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.draining = True
+            await super().shutdown(sockets)
+
+    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_s,
+                                 **config))
 
 
 def _log_to_stderr() -> None:

@@ -231,6 +231,12 @@ class Drivers:
             self._users[driver] = self._users.get(driver, 0) + 1
             return (self._docstores[index],)
 
+    def also(self, driver) -> None:
+        """One more user of `driver`, which a request holds now (a thread of its own that may
+        outlive the request: its search)."""
+        with self._lock:
+            self._users[driver] += 1
+
     def let_go(self, driver, index: str | None) -> None:
         """One user of `driver` less; `index`: a request used it (readiness probes do not
         count as use)."""
@@ -266,11 +272,21 @@ class Drivers:
         with self._lock:
             return self._write_locks.setdefault(index, threading.Lock())
 
-    def close(self) -> None:
-        """Close every driver now; wait (at most 30 s) for the retired ones to close."""
+    def close(self, wait_s: float = 10.0) -> None:
+        """Close every driver once its requests have left, waiting at most `wait_s` for them (a
+        server stopping past its grace cancels its requests, but their searches run on in
+        threads); a driver still in use then is left to the process's exit, since closing
+        stores under a search can crash the process. Then wait (at most 30 s) for the retired
+        ones to close."""
         self._closing.set()
         with self._idle:
+            self._idle.wait_for(lambda: not any(map(self._users.get, self.by_index.values())),
+                                timeout=wait_s)
             for index, driver in self.by_index.items():
+                if self._users.get(driver):
+                    log.warning("index %r: %d search(es) still running at close; its stores "
+                                "are left open", index, self._users[driver])
+                    continue
                 self._close(driver, self._docstores[index])
             self.by_index.clear()
             self._docstores.clear()

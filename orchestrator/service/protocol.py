@@ -56,7 +56,8 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
         if problem:
             raise ApiError(422, "bad_request", problem)
     branches = _int(body, "branches", 1, limits.max_branches)
-    k = _int(body, "k", 1, limits.max_k)
+    k = _int(body, "k", 1, limits.max_k,
+             "(a search returns at most the settings' final_k chunks, and max_k caps it)")
     deadline = body.get("deadline_s")
     if deadline is not None:
         if (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
@@ -67,12 +68,13 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
     return SearchRequest(question.strip(), index, branches, k, deadline)
 
 
-def _int(body: dict, name: str, low: int, high: int) -> int | None:
+def _int(body: dict, name: str, low: int, high: int, why: str = "") -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ApiError(422, "bad_request", f"'{name}' must be an integer in [{low}, {high}]")
+        raise ApiError(422, "bad_request", f"'{name}' must be an integer in [{low}, {high}]"
+                                           + (f" {why}" if why else ""))
     return value
 
 

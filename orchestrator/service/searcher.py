@@ -37,6 +37,7 @@ from branchsearch.orchestrator.service.auth import ApiKey
 from branchsearch.orchestrator.service.drivers import Drivers
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
 from branchsearch.orchestrator.service.protocol import SearchRequest
+from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
 
 log = logging.getLogger("branchsearch.service")
 
@@ -66,6 +67,7 @@ class Searcher:
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
         self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
                                close=self._close, idle_close_s=limits.index_idle_close_s)
+        self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
         if warm:
             self.open_default()
 
@@ -126,7 +128,7 @@ class Searcher:
         return await self._in_thread(self._delete, index, doc_id, key)
 
     async def ready(self) -> dict:
-        return await self._in_thread(self._ready)
+        return await self._in_thread(self._ready_now)
 
     async def indexes(self) -> list[str]:
         return self.index_names()
@@ -276,6 +278,7 @@ class Searcher:
             return self.pool
 
     def close(self) -> None:
+        self._readiness.close()
         self._threads.shutdown(wait=False)
         self.drivers.close()
         if self.pool is not None:
@@ -344,17 +347,20 @@ class Searcher:
             out = events.result_dict(result, req.k)
             out["index"] = index
             self._check_failure(driver, out)
-        event, _ = events.guard({"type": "result", "result": out}, hidden)
+            # (within `using`: the guard reads the docstore, which a close of the index, once
+            # its last request has left, would shut under it — a crash in sqlite)
+            event, _ = events.guard({"type": "result", "result": out}, hidden)
         event = events.public(event)
         if on_event:
             on_event(event)
         return event["result"]
 
-    @staticmethod
-    def _run(driver, req: SearchRequest, groups, deadline: float, emit):
+    def _run(self, driver, req: SearchRequest, groups, deadline: float, emit):
         """Driver.search within the deadline (the driver reports late branches as timeouts;
-        the join is the backstop)."""
+        the join is the backstop). The search's thread counts as a user of the driver until it
+        ends, so a search that outlives its request is never left running on closed stores."""
         box: dict = {}
+        self.drivers.also(driver)
 
         def work():
             try:
@@ -365,9 +371,15 @@ class Searcher:
                     (lambda e: emit(e) if e.get("type") != "result" else None))
             except BaseException as exc:  # noqa: BLE001 — carried to the caller's thread
                 box["error"] = exc
+            finally:
+                self.drivers.let_go(driver, None)
 
         worker = threading.Thread(target=work, name="search", daemon=True)
-        worker.start()
+        try:
+            worker.start()
+        except BaseException:
+            self.drivers.let_go(driver, None)
+            raise
         worker.join(deadline + 10)
         if worker.is_alive():
             raise ApiError(504, "deadline_exceeded",
@@ -431,14 +443,26 @@ class Searcher:
         self._admin(key, index)
         docs = documents.parse_documents(body)
         with self._writable(index) as (driver, store):
-            for doc in docs:  # a scoped admin writes its groups' documents, and only those
-                old = store.get_document(doc.id)
-                if not self._owns(key, doc.acl) or (old is not None and not self._owns(
-                        key, old["acl"])):
-                    raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
-                                   f"documents whose acl is within its groups "
-                                   f"({', '.join(key.groups)}); document {doc.id!r} is not")
             with self.drivers.write_lock(index), self._ingest_lock(driver):
+                # (checked under the lock: two writes of one new id in its two Unicode forms
+                # would both pass a check made before it)
+                for doc in docs:  # a scoped admin writes its groups' documents, and only those
+                    old = store.get_document(doc.id)
+                    other = None if old is not None else _other_form(store, doc.id)
+                    if other is not None:
+                        old = store.get_document(other)
+                    if not self._owns(key, doc.acl) or (old is not None and not self._owns(
+                            key, old["acl"])):
+                        raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
+                                       f"documents whose acl is within its groups "
+                                       f"({', '.join(key.groups)}); document {doc.id!r} is "
+                                       "not")
+                    if other is not None:
+                        raise ApiError(409, "document_id_conflict", f"document {doc.id!r} is "
+                                       f"in {index!r} with its id in another Unicode form "
+                                       f"({_form(other)}): write it with that id (the same id "
+                                       "in two forms would be two documents), or delete that "
+                                       "one first")
                 self._check_files(driver)
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
@@ -449,10 +473,9 @@ class Searcher:
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         with self._writable(index) as (driver, store):
             old = store.get_document(doc_id)
-            composed = unicodedata.normalize("NFC", doc_id)
-            if old is None and composed != doc_id:  # `pub-ü` typed on macOS arrives NFD
-                old = store.get_document(composed)
-                doc_id = composed if old is not None else doc_id
+            other = None if old is not None else _other_form(store, doc_id)
+            if other is not None:  # `pub-ü` typed on macOS arrives NFD; a corpus may hold NFD
+                old, doc_id = store.get_document(other), other
             if old is not None and not acl_visible(old["acl"], self.groups(key)):
                 raise missing  # an id the key may not see answers as a missing one
             if old is not None and not self._owns(key, old["acl"]):
@@ -546,6 +569,15 @@ class Searcher:
 
     # --- health ------------------------------------------------------------------------------------
 
+    def _ready_now(self) -> dict:
+        """`_ready`'s answer within `readiness.SharedCheck.wait_s`, whatever the backends do."""
+        try:
+            return self._readiness()
+        except Unanswered as exc:
+            log.warning("not ready: %s", exc)
+            raise ApiError(503, "not_ready", f"{exc} (the server log says which index, once "
+                           "it ends)", {"Retry-After": "5"}) from None
+
     def _ready(self) -> dict:
         """Ready when the default index is open and every open index's backends answer;
         ApiError 503 otherwise. Anyone may ask (a load balancer has no key), so the answer
@@ -571,6 +603,20 @@ class Searcher:
             finally:
                 self.drivers.let_go(driver, None)
         return {"status": "ready", "indexes": len(opened)}
+
+
+def _other_form(store, doc_id: str) -> str | None:
+    """The id of the document `store` holds under `doc_id` written in the other Unicode form
+    (composed NFC or decomposed NFD), or None."""
+    for form in ("NFC", "NFD"):
+        other = unicodedata.normalize(form, doc_id)
+        if other != doc_id and store.get_document(other) is not None:
+            return other
+    return None
+
+
+def _form(doc_id: str) -> str:
+    return "NFC" if unicodedata.is_normalized("NFC", doc_id) else "NFD"
 
 
 def _serve_replicas() -> int:

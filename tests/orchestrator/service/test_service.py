@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -173,6 +176,23 @@ def _leaks(text: str, docs: list[str], marker: str = "") -> list[str]:
             + ([marker] if marker and marker in text.lower() else []))
 
 
+def test_readyz_is_not_ready_while_the_keys_file_cannot_be_read(site):
+    """/readyz said ready while every keyed request answered 503 keys_unavailable: a balancer
+    kept sending callers to a server that refused them all."""
+    client, keys, state = site
+    path = state.keys.path
+    saved = path.read_bytes()
+    try:
+        path.write_text("{bad")
+        ready = assert_error(client.get("/readyz"), 503, "not_ready")
+        assert "keys file" in ready["detail"] and str(path) not in ready["detail"]
+        assert_error(client.get("/v1/whoami", headers=auth(keys["alpha"])), 503,
+                     "keys_unavailable")
+    finally:
+        path.write_bytes(saved)
+    assert client.get("/readyz").status_code == 200
+
+
 def test_acl_leak(site, capsys):
     """A group-A key never sees a group-B document: JSON search, the stream, indexes, whoami,
     metrics. The bravo key finding them with the same questions shows the test can fail."""
@@ -284,6 +304,18 @@ def test_upsert_then_search_finds_delete_then_not(site):
     nfd = unicodedata.normalize("NFD", "pub-ü-2")
     assert client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin).json() == {
         "index": "acl", "deleted": "pub-ü-2"}
+    # the other way round (a corpus stored NFD), and a write in the other form: two PUTs made
+    # two same-looking documents, and the composed spelling could not delete the stored one
+    nfd = unicodedata.normalize("NFD", "résumé-9")
+    assert client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": nfd, "text": "Walrus resume one.", "acl": ["alpha"]}]).status_code == 200
+    clash = assert_error(client.put("/v1/indexes/acl/documents", headers=admin, json=[
+        {"id": "résumé-9", "text": "Walrus resume two.", "acl": ["alpha"]}]), 409,
+        "document_id_conflict")
+    assert "another Unicode form (NFD)" in clash["detail"]
+    assert client.delete("/v1/indexes/acl/documents/résumé-9", headers=admin).json() == {
+        "index": "acl", "deleted": nfd}
+    assert_error(client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin), 404)
     bad = client.put("/v1/indexes/acl/documents", headers=admin,
                      content=b'{"id": "ok", "text": "fine"}\n{"id": "bad"}\n')
     assert "body:2" in assert_error(bad, 422)["detail"]
@@ -329,6 +361,9 @@ def test_input_that_gave_500s_is_a_422(site):
     long = "x" * 300
     r = client.post("/v1/search", headers=alpha, json={"question": "harbor", "index": long})
     assert "too long" in assert_error(r, 422, "bad_request")["detail"]
+    # a query string was ignored: ?index=other searched the default index with a 200
+    r = client.post("/v1/search?index=other&bogus", headers=alpha, json={"question": "harbor"})
+    assert "unknown query parameter(s): bogus, index;" in assert_error(r, 422)["detail"]
     assert_error(client.put(f"/v1/indexes/{long}/documents", headers=auth(keys["admin"]),
                             json=[{"id": "a", "text": "b"}]), 422, "bad_request")
     r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
@@ -837,6 +872,20 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             finally:
                 bare_server.stop()
                 bare.searcher.target.close()
+            # frozen (a node that stops answering, not one that is gone): /readyz held each
+            # probe for the whole backend timeout (30 s); now one shared check, each probe
+            # answered 503 within its few seconds' wait
+            os.killpg(es.pid, signal.SIGSTOP)
+            try:
+                probes = []
+                for _ in range(3):
+                    began = time.monotonic()
+                    frozen = assert_error(client.get("/readyz"), 503, "not_ready")
+                    probes.append(time.monotonic() - began)
+                assert "has not ended within 5 s" in frozen["detail"]
+                assert max(probes) < 20, probes  # well under backend_timeout_s (30 s)
+            finally:
+                os.killpg(es.pid, signal.SIGCONT)
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
             assert ready["detail"] == "the default index is not ready (the server log says why)"
@@ -852,7 +901,9 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             else:
                 assert_error(stream, 503)
             assert client.get("/healthz").status_code == 200  # up, not ready
-            assert "branchsearch_backend_errors_total 3.0" in client.get("/metrics").text
+            errors = re.search(r"^branchsearch_backend_errors_total (\S+)$",
+                               client.get("/metrics").text, re.M)
+            assert errors and float(errors.group(1)) >= 3  # (+ the frozen check's, if counted)
             put = assert_error(client.put("/v1/indexes/es/documents", json=[
                 {"id": "late", "text": "Written while the lexical store is down."}]), 503)
             assert put["error"] in ("backend_unavailable", "write_failed"), put
@@ -868,13 +919,6 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
 def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp_path):
     """`branchsearch serve --standalone` (its own process, a real socket): one line naming the
     address it serves, /healthz answers there; a port already taken is one error line, exit 2."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
-    import time
-
     home = tmp_path / "home"
     settings = load_settings(overrides={"home": home, "index": "acl"}, read_env=False,
                              read_file=False)
@@ -937,3 +981,52 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     errors = [ln for ln in two.stderr.splitlines() if ln.startswith("error:")]
     assert two.returncode == 2 and len(errors) == 1, two.stderr
     assert "has 'acl', 'zweiter'; pick one with --index NAME" in errors[0], errors
+
+
+def test_a_request_running_past_the_shutdown_grace_gets_a_json_503(tmp_path, caplog):
+    """A search still running when a stopping server's grace for requests in flight ran out was
+    cut off with uvicorn's plain-text 500 and an "Exception in ASGI application" traceback in
+    the log. Now its caller gets a JSON 503 `shutting_down` with Retry-After, as a request
+    arriving at a stopping service does."""
+    import logging
+    import threading
+
+    from branchsearch.orchestrator.driver import open_driver
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "search_mode": "bm25"},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
+    entered, release = threading.Event(), threading.Event()
+
+    class Held:
+        """The real driver, its searches held until released (a backend that hangs)."""
+
+        def __init__(self, driver):
+            self.driver = driver
+
+        def __getattr__(self, name):
+            return getattr(self.driver, name)
+
+        def search(self, *args, **kwargs):
+            entered.set()
+            release.wait(60)
+            return self.driver.search(*args, **kwargs)
+
+    state = service.local_state(settings, executor="local", limits=LIMITS,
+                                driver_factory=lambda s, executor: Held(open_driver(s, executor)))
+    server = start_uvicorn(service.create_app(state), state, grace_s=1)
+    answer: dict = {}
+    caller = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        f"{server.url}/v1/search", json={"question": "harbor lighthouse"}, timeout=60)))
+    try:
+        with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
+            caller.start()
+            assert entered.wait(60)
+            server.stop()  # as SIGTERM: stop taking connections, wait 1 s, cancel the rest
+            caller.join(60)
+        assert_error(answer["r"], 503, "shutting_down")
+        assert answer["r"].headers["retry-after"] == "5"
+        assert not [r for r in caplog.records if "Exception in ASGI" in r.getMessage()]
+    finally:
+        release.set()
+        state.searcher.target.close()

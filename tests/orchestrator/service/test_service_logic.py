@@ -112,6 +112,10 @@ def test_parse_search_bounds():
         assert err.value.status == 422, body
     with pytest.raises(ApiError, match="come from the API key"):
         parse_search({"question": "q", "acl": ["x"]}, limits)
+    assert parse_search({"question": "q", "k": 10}, limits).k == 10
+    with pytest.raises(ApiError, match=r"\[1, 10\] \(a search returns at most the settings' "
+                       "final_k chunks"):  # (k = 20 was taken and 10 returned)
+        parse_search({"question": "q", "k": 11}, limits)
     with pytest.raises(ApiError) as err:
         check_body_size(11, Limits(max_body_bytes=10))
     assert err.value.status == 413
@@ -442,6 +446,7 @@ def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
     import os
     import subprocess
     import sys
+    import unicodedata
 
     cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "keys"]
     env = {k: v for k, v in os.environ.items()
@@ -462,6 +467,13 @@ def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
     again = run("list", "--json", "--home", home)
     assert json.loads(again.stdout)[0]["revoked"] is True
     assert json.loads(run("list", "--json").stdout) == []  # ./.branchsearch: another file
+    # what it says it made is what it stored (it echoed " a , b " and "a,,b" as typed)
+    spaced = run("add", "spacey", "--groups", " a ,, b ", "--indexes", "x, y", "--home", home)
+    assert "(groups: a,b; indexes: x,y)" in spaced.stderr, spaced.stderr
+    assert "groups: none — public documents only" in run("add", "bare", "--home", home).stderr
+    decomposed = run("add", unicodedata.normalize("NFD", "schlüssel"), "--home", home)
+    assert decomposed.returncode == 0 and "key 'schlüssel' added" in decomposed.stderr, \
+        decomposed.stderr
 
 
 def test_a_wrapped_upload_says_what_the_body_must_be():
@@ -841,6 +853,9 @@ def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch)
     path = tmp_path / "b.toml"
     path.write_text("[service]\nper_key_concurrency = 2\nindex_idle_close_s = 30\n")
     monkeypatch.setenv("BRANCHSEARCH_MAX_K", "20")
+    # a k past final_k (what a search returns, 10) was accepted and not honoured: max_k <= it
+    assert Limits.of(load_settings(path)).max_k == 10
+    monkeypatch.setenv("BRANCHSEARCH_FINAL_K", "30")
     settings = load_settings(path)
     limits = Limits.of(settings)
     assert (limits.per_key_concurrency, limits.index_idle_close_s, limits.max_k) == (2, 30.0, 20)
@@ -897,3 +912,90 @@ def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
     with drivers.using("x"):  # no wait given: none either time
         pass
     assert waits == [None, None]
+
+
+def test_readiness_answers_within_its_wait_and_probes_share_one_check():
+    """A backend that stopped answering held /readyz for its whole backend timeout (30 s), and
+    each probe held a searcher thread meanwhile. Now every probe that arrives while a check
+    runs shares it and waits at most `wait_s`; the next probe after it ends starts anew."""
+    import time
+
+    from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
+
+    release, runs = threading.Event(), []
+
+    def check():
+        runs.append(1)
+        if not release.wait(30):
+            raise AssertionError("never released")
+        return {"status": "ready"}
+
+    ready = SharedCheck(check, wait_s=0.2)
+    answers: list = []
+
+    def probe():
+        began = time.monotonic()
+        try:
+            answers.append(ready())
+        except Unanswered as exc:
+            answers.append(exc)
+        answers.append(time.monotonic() - began)
+
+    probes = [threading.Thread(target=probe) for _ in range(6)]
+    for t in probes:
+        t.start()
+    for t in probes:
+        t.join(10)
+    told = [a for a in answers if isinstance(a, Unanswered)]
+    assert len(told) == 6 and "not ended within 0.2 s" in str(told[0])
+    assert max(a for a in answers if isinstance(a, float)) < 5  # not the backend's timeout
+    assert len(runs) == 1  # one check for the six probes
+    release.set()
+    deadline = time.monotonic() + 10
+    while ready._running is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready() == {"status": "ready"} and len(runs) == 2  # a new check, answered at once
+    ready.close()
+
+
+def test_an_index_is_closed_only_once_its_searches_have_ended(tmp_path, caplog):
+    """Closing the service closed every index's stores at once, under searches still running
+    on them (a request cut off at the end of the shutdown grace runs on in its thread): sqlite
+    crashed the process. Now close waits for them (at most `wait_s`) and leaves an index still
+    in use open; a request's search thread counts as a user until it ends (`also`)."""
+    import logging
+    import time
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.orchestrator.service.searcher import Searcher
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    folder = settings.replace(index="x").index_dir
+    folder.mkdir(parents=True)
+    (folder / "docs.sqlite").touch()
+    write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+
+    def searcher(log):
+        return Searcher(settings.replace(index="x"), executor="local",
+                        driver_factory=lambda s, executor: FakeDriver(len(log), log))
+
+    log: list[str] = []
+    first = searcher(log)
+    with first.drivers.using("x") as (driver, _):
+        closing = threading.Thread(target=first.drivers.close, kwargs={"wait_s": 30})
+        closing.start()
+        time.sleep(0.3)
+        assert log == ["open 0"] and closing.is_alive()  # waits for the request
+    closing.join(10)
+    assert log == ["open 0", "close 0"]
+
+    log2: list[str] = []
+    second = searcher(log2)
+    with second.drivers.using("x") as (driver, _):
+        second.drivers.also(driver)  # the request's search thread, still running after it
+    with caplog.at_level(logging.WARNING, logger="branchsearch.service"):
+        second.drivers.close(wait_s=0.2)
+    assert log2 == ["open 0"]  # left open under the search
+    assert "1 search(es) still running at close; its stores are left open" in caplog.text
+    second.drivers.let_go(driver, None)
