@@ -57,15 +57,19 @@ def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL gro
                                              "admin that sees and writes every document"),
              keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt):
     """Make a key; prints it once (only its hash is stored)."""
+    import unicodedata
+
     from branchsearch.orchestrator.service.auth import KeyStore, parse_list
 
     store = KeyStore(_keys_path(keys, home))
     key = store.add(name, parse_list(groups), parse_list(indexes), admin, all_groups)
     print(key)
-    shown = "all (global admin)" if all_groups else groups or "none — public only"
-    print(f"key {name!r} added to {store.path} (groups: {shown}; "
-          f"indexes: {indexes or 'all'}{'; admin' if admin else ''}). It is shown only now.",
-          file=sys.stderr)
+    made = {k.name: k for k in store.list()}[unicodedata.normalize("NFC", name)]  # as stored
+    shown = ("all (global admin)" if all_groups else ",".join(made.groups)
+             or "none — public documents only")
+    print(f"key {made.name!r} added to {store.path} (groups: {shown}; "
+          f"indexes: {','.join(made.indexes) or 'all'}{'; admin' if admin else ''}). It is "
+          "shown only now.", file=sys.stderr)
     if admin and not all_groups and not parse_list(groups):
         print("note: an admin key without groups writes no document (a scoped admin writes "
               "only documents whose groups are all its own): give --groups, or --all-groups",

@@ -10,8 +10,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from branchsearch.infra.errors import BranchsearchError, IndexNotFound
+from branchsearch.infra.errors import BranchsearchError, IndexNotFound, redact
 from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.loadtest import arrivals, report as rep, workload as wl
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
@@ -190,7 +191,11 @@ def make_workload(o: Options, settings: Settings) -> wl.Workload:
 def make_target(o: Options, settings: Settings, workload: wl.Workload):
     if o.url:
         if not o.url.startswith(("http://", "https://")):
-            raise BranchsearchError(f"--url {o.url!r}: expected http(s)://host:port")
+            raise BranchsearchError(f"--url {redact(o.url)!r}: expected http(s)://host:port")
+        if "@" in urlsplit(o.url).netloc:  # urllib took "user:pw@host" for the host name
+            raise BranchsearchError(f"--url {redact(o.url)!r} holds a user or password; the "
+                                    "service takes an API key (--key-file, BRANCHSEARCH_API_KEY)"
+                                    ": give the URL without them")
         return HttpTarget(o.url, o.keys, index=settings.index if settings.index != "default"
                           else None, branches=o.branches, k=o.k, deadline_s=o.deadline_s,
                           timeout_s=o.timeout_s)

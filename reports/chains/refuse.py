@@ -84,8 +84,8 @@ def main() -> None:
     for path in a.dumps:
         dump = json.loads(Path(path).read_text())
         n = re.search(r"br(\d+)\.json$", path).group(1)
-        db = sqlite3.connect(f"file:{Path(dump['home']) / 'indexes' / dump['index'] / 'docs.sqlite'}"
-                             "?mode=ro", uri=True)
+        store = Path(dump["home"]) / "indexes" / dump["index"] / "docs.sqlite"
+        db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
         titles = dict(db.execute("select doc_id, title from docs"))
         texts = dict(db.execute("select chunk_id, text from chunks"))
         rows = dump["rows"]

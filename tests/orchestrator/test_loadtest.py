@@ -423,6 +423,14 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
     with pytest.raises(RequestFailed) as refused:
         HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
     assert refused.value.outcome.startswith("error:")
+    # a user and password in --url: urllib took "bob:pw@host" for a host name (a DNS error)
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.loadtest.run import Options, make_target
+
+    with pytest.raises(BranchsearchError, match="holds a user or password") as userinfo:
+        make_target(Options(url=url.replace("://", "://bob:s3cret@"), keys=("k",)),
+                    load_settings(read_env=False, read_file=False), None)
+    assert "s3cret" not in str(userinfo.value)
 
 
 def test_several_keys_load_the_service_as_several_callers(live_service):
