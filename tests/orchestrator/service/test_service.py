@@ -886,6 +886,12 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
                 assert max(probes) < 20, probes  # well under backend_timeout_s (30 s)
             finally:
                 os.killpg(es.pid, signal.SIGCONT)
+            # thawed: the check that waited on it ends, and a probe after it is ready again
+            # (before the stop below, or a probe might join that check, begun before the stop)
+            deadline = time.monotonic() + 90
+            while client.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "not ready again after the backend thawed"
+                time.sleep(0.5)
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
             assert ready["detail"] == "the default index is not ready (the server log says why)"
