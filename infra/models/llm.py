@@ -84,7 +84,7 @@ class OpenAIEngine:
 
     def check(self) -> list[str]:
         """The served model names; raises `SettingsError` when `model` is not one of them."""
-        # (a server that accepts and never answers held `serve` silent for 3 x 30 s)
+        # short: a server that accepts and never answers holds the start for 3 attempts
         data = self._request("GET", "/models", None, timeout_s=min(self.timeout_s, 10))
         models = data.get("data") if isinstance(data, dict) else None
         served = [m.get("id", "") for m in models or [] if isinstance(m, dict)]

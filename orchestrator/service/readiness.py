@@ -2,8 +2,8 @@
 
 A readiness check probes every open index's backends, and a backend that stops answering (a
 frozen Elasticsearch node, a Milvus server under a GC pause) holds a probe until its
-`backend_timeout_s`: /readyz answered after 30 s, and every probe a load balancer sent held one
-of the searcher's threads meanwhile. So one check runs at a time, on a thread of its own, and
+`backend_timeout_s` (30 s), far past a load balancer's probe timeout, each probe holding one of
+the searcher's threads meanwhile. So one check runs at a time, on a thread of its own, and
 every probe that arrives while it runs shares it; a probe waits at most `wait_s` and is told
 "not ready" past that (a backend that takes longer to answer a probe is in no state to serve).
 """

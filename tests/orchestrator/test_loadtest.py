@@ -423,7 +423,7 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
     with pytest.raises(RequestFailed) as refused:
         HttpTarget("http://127.0.0.1:9", "k").search("q")  # nothing listens on port 9
     assert refused.value.outcome.startswith("error:")
-    # a user and password in --url: urllib took "bob:pw@host" for a host name (a DNS error)
+    # a user and password in --url: one clear line (urllib would take "bob:pw@host" for a host)
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.orchestrator.loadtest.run import Options, make_target
 

@@ -385,8 +385,8 @@ def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settin
 def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_path):
     """Each row records the settings that made it (`made_with`); a resume whose settings would
     give other evidence (another --branches, other ACL groups) stops with one line naming what
-    differs and leaves the output as it was, instead of replacing finished rows or mixing two
-    configurations in one file. The same settings resume as before."""
+    differs and leaves the output as it was: finished rows are not replaced, nor two
+    configurations mixed in one file. The same settings resume."""
     copy = ingest_copy(hotpot_settings, "resume-settings")
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -177,8 +177,8 @@ def _leaks(text: str, docs: list[str], marker: str = "") -> list[str]:
 
 
 def test_readyz_is_not_ready_while_the_keys_file_cannot_be_read(site):
-    """/readyz said ready while every keyed request answered 503 keys_unavailable: a balancer
-    kept sending callers to a server that refused them all."""
+    """While the keys file cannot be read, every keyed request answers 503 keys_unavailable,
+    so /readyz answers 503 too: a balancer sends callers elsewhere."""
     client, keys, state = site
     path = state.keys.path
     saved = path.read_bytes()
@@ -304,8 +304,8 @@ def test_upsert_then_search_finds_delete_then_not(site):
     nfd = unicodedata.normalize("NFD", "pub-ü-2")
     assert client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin).json() == {
         "index": "acl", "deleted": "pub-ü-2"}
-    # the other way round (a corpus stored NFD), and a write in the other form: two PUTs made
-    # two same-looking documents, and the composed spelling could not delete the stored one
+    # the other way round (a corpus stored NFD): a write in the other form would make a second
+    # same-looking document, and the composed spelling deletes the stored one
     nfd = unicodedata.normalize("NFD", "résumé-9")
     assert client.put("/v1/indexes/acl/documents", headers=admin, json=[
         {"id": nfd, "text": "Walrus resume one.", "acl": ["alpha"]}]).status_code == 200
@@ -361,7 +361,7 @@ def test_input_that_gave_500s_is_a_422(site):
     long = "x" * 300
     r = client.post("/v1/search", headers=alpha, json={"question": "harbor", "index": long})
     assert "too long" in assert_error(r, 422, "bad_request")["detail"]
-    # a query string was ignored: ?index=other searched the default index with a 200
+    # a query string is no way to pass a field: ?index=other would search the default index
     r = client.post("/v1/search?index=other&bogus", headers=alpha, json={"question": "harbor"})
     assert "unknown query parameter(s): bogus, index;" in assert_error(r, 422)["detail"]
     assert_error(client.put(f"/v1/indexes/{long}/documents", headers=auth(keys["admin"]),
@@ -872,9 +872,9 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             finally:
                 bare_server.stop()
                 bare.searcher.target.close()
-            # frozen (a node that stops answering, not one that is gone): /readyz held each
-            # probe for the whole backend timeout (30 s); now one shared check, each probe
-            # answered 503 within its few seconds' wait
+            # frozen (a node that stops answering, not one that is gone): each probe shares
+            # one check and is answered 503 within its few seconds' wait, not after the whole
+            # backend timeout (30 s)
             os.killpg(es.pid, signal.SIGSTOP)
             try:
                 probes = []
@@ -990,10 +990,10 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
 
 
 def test_a_request_running_past_the_shutdown_grace_gets_a_json_503(tmp_path, caplog):
-    """A search still running when a stopping server's grace for requests in flight ran out was
-    cut off with uvicorn's plain-text 500 and an "Exception in ASGI application" traceback in
-    the log. Now its caller gets a JSON 503 `shutting_down` with Retry-After, as a request
-    arriving at a stopping service does."""
+    """A search still running when a stopping server's grace for requests in flight runs out:
+    its caller gets a JSON 503 `shutting_down` with Retry-After, as a request arriving at a
+    stopping service does — not uvicorn's plain-text 500, and no "Exception in ASGI
+    application" traceback in the log."""
     import logging
     import threading
 

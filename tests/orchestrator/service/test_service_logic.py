@@ -114,7 +114,7 @@ def test_parse_search_bounds():
         parse_search({"question": "q", "acl": ["x"]}, limits)
     assert parse_search({"question": "q", "k": 10}, limits).k == 10
     with pytest.raises(ApiError, match=r"\[1, 10\] \(a search returns at most the settings' "
-                       "final_k chunks"):  # (k = 20 was taken and 10 returned)
+                       "final_k chunks"):  # (not taken, then cut to 10)
         parse_search({"question": "q", "k": 11}, limits)
     with pytest.raises(ApiError) as err:
         check_body_size(11, Limits(max_body_bytes=10))
@@ -467,7 +467,7 @@ def test_keys_cli_finds_the_keys_file_by_home(tmp_path):
     again = run("list", "--json", "--home", home)
     assert json.loads(again.stdout)[0]["revoked"] is True
     assert json.loads(run("list", "--json").stdout) == []  # ./.branchsearch: another file
-    # what it says it made is what it stored (it echoed " a , b " and "a,,b" as typed)
+    # what it says it made is what it stored (" a ,, b " is stored as a,b)
     spaced = run("add", "spacey", "--groups", " a ,, b ", "--indexes", "x, y", "--home", home)
     assert "(groups: a,b; indexes: x,y)" in spaced.stderr, spaced.stderr
     assert "groups: none — public documents only" in run("add", "bare", "--home", home).stderr
@@ -853,7 +853,7 @@ def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch)
     path = tmp_path / "b.toml"
     path.write_text("[service]\nper_key_concurrency = 2\nindex_idle_close_s = 30\n")
     monkeypatch.setenv("BRANCHSEARCH_MAX_K", "20")
-    # a k past final_k (what a search returns, 10) was accepted and not honoured: max_k <= it
+    # a k past final_k (what a search returns, 10) could not be honoured: max_k <= it
     assert Limits.of(load_settings(path)).max_k == 10
     monkeypatch.setenv("BRANCHSEARCH_FINAL_K", "30")
     settings = load_settings(path)
@@ -915,9 +915,9 @@ def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
 
 
 def test_readiness_answers_within_its_wait_and_probes_share_one_check():
-    """A backend that stopped answering held /readyz for its whole backend timeout (30 s), and
-    each probe held a searcher thread meanwhile. Now every probe that arrives while a check
-    runs shares it and waits at most `wait_s`; the next probe after it ends starts anew."""
+    """Every probe that arrives while a readiness check runs shares it and waits at most
+    `wait_s` (a backend that stopped answering would hold it for its whole timeout); the next
+    probe after it ends starts anew."""
     import time
 
     from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
@@ -959,10 +959,10 @@ def test_readiness_answers_within_its_wait_and_probes_share_one_check():
 
 
 def test_an_index_is_closed_only_once_its_searches_have_ended(tmp_path, caplog):
-    """Closing the service closed every index's stores at once, under searches still running
-    on them (a request cut off at the end of the shutdown grace runs on in its thread): sqlite
-    crashed the process. Now close waits for them (at most `wait_s`) and leaves an index still
-    in use open; a request's search thread counts as a user until it ends (`also`)."""
+    """Closing the service waits for the searches still running on an index (a request cut off
+    at the end of the shutdown grace runs on in its thread), at most `wait_s`, and leaves an
+    index still in use open: sqlite crashes the process when its store is closed under a
+    reader. A request's search thread counts as a user until it ends (`also`)."""
     import logging
     import time
 
