@@ -190,12 +190,17 @@ def make_workload(o: Options, settings: Settings) -> wl.Workload:
 
 def make_target(o: Options, settings: Settings, workload: wl.Workload):
     if o.url:
+        shown = redact(o.url) if "@" not in o.url else "***@" + o.url.rsplit("@", 1)[1]
         if not o.url.startswith(("http://", "https://")):
-            raise BranchsearchError(f"--url {redact(o.url)!r}: expected http(s)://host:port")
-        if "@" in urlsplit(o.url).netloc:  # urllib took "user:pw@host" for the host name
-            raise BranchsearchError(f"--url {redact(o.url)!r} holds a user or password; the "
-                                    "service takes an API key (--key-file, BRANCHSEARCH_API_KEY)"
-                                    ": give the URL without them")
+            raise BranchsearchError(f"--url {shown!r}: expected http(s)://host:port")
+        try:
+            netloc = urlsplit(o.url).netloc
+        except ValueError as exc:  # "http://[::1" and the like
+            raise BranchsearchError(f"--url {shown!r} is not a URL ({exc})") from None
+        if "@" in netloc:  # urllib would take "user:pw@host" for the host name
+            raise BranchsearchError(f"--url {shown!r} holds a user or password; the service "
+                                    "takes an API key (--key-file, BRANCHSEARCH_API_KEY): give "
+                                    "the URL without them")
         return HttpTarget(o.url, o.keys, index=settings.index if settings.index != "default"
                           else None, branches=o.branches, k=o.k, deadline_s=o.deadline_s,
                           timeout_s=o.timeout_s)

@@ -215,9 +215,12 @@ class KeyStore:
             keys[name] = ApiKey(**{**asdict(keys[name]), "revoked": True})
 
     def check(self) -> None:
-        """KeysFileError when a server could not read its keys now (gone, not valid)."""
+        """KeysFileError when a server could not take a key now: its keys file gone, not valid,
+        or holding no key (an emptied file refuses every caller)."""
         with self._lock:
-            self._load(missing_ok=False)
+            if not self._load(missing_ok=False):
+                raise KeysFileError(f"keys file {self.path} holds no key; make one with "
+                                    "`branchsearch keys add`")
 
     def list(self) -> list[ApiKey]:
         with self._lock:

@@ -431,6 +431,11 @@ def test_short_real_run_against_a_live_service_stops_on_time(live_service):
         make_target(Options(url=url.replace("://", "://bob:s3cret@"), keys=("k",)),
                     load_settings(read_env=False, read_file=False), None)
     assert "s3cret" not in str(userinfo.value)
+    for bad in ("bob:s3cret@127.0.0.1:1", "http://bob:s3cret@[::1"):  # no scheme; not a URL
+        with pytest.raises(BranchsearchError) as refused_url:
+            make_target(Options(url=bad, keys=("k",)),
+                        load_settings(read_env=False, read_file=False), None)
+        assert "s3cret" not in str(refused_url.value), refused_url.value
 
 
 def test_several_keys_load_the_service_as_several_callers(live_service):

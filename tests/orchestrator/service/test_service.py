@@ -183,9 +183,11 @@ def test_readyz_is_not_ready_while_the_keys_file_cannot_be_read(site):
     path = state.keys.path
     saved = path.read_bytes()
     try:
+        for broken in ("{bad", "", "{}"):  # not valid; emptied (no key: every caller refused)
+            path.write_text(broken)
+            ready = assert_error(client.get("/readyz"), 503, "not_ready")
+            assert "keys file" in ready["detail"] and str(path) not in ready["detail"]
         path.write_text("{bad")
-        ready = assert_error(client.get("/readyz"), 503, "not_ready")
-        assert "keys file" in ready["detail"] and str(path) not in ready["detail"]
         assert_error(client.get("/v1/whoami", headers=auth(keys["alpha"])), 503,
                      "keys_unavailable")
     finally:
