@@ -227,24 +227,28 @@ def done_ids(path: str | Path, index: str | None = None, made: dict | None = Non
     written without it); with `index`, only rows answered on that index, and with `made`, only
     rows made with those settings (`made_with`) — or rows that do not say (written before
     rows named them)."""
-    return {qid: row.get("question") for qid, row in latest_rows(path).items()
-            if row_status(row) == "ok" and (index is None or row.get("index") in (None, index))
-            and (made is None or not isinstance(row.get("made_with"), dict)
-                 or not differing(row["made_with"], made))}
+    return resume_state(path, index, made)[0]
 
 
-def other_settings_ids(path: str | Path, index: str | None, made: dict) -> dict[str, dict]:
-    """Ids whose latest row is ok, on `index`, but made with other settings than `made`: id ->
-    that row's `made_with`."""
-    return {qid: row["made_with"] for qid, row in latest_rows(path).items()
-            if row_status(row) == "ok" and row.get("index") in (None, index)
-            and isinstance(row.get("made_with"), dict) and differing(row["made_with"], made)}
-
-
-def other_index_ids(path: str | Path, index: str) -> dict[str, str]:
-    """Ids whose latest row is ok but was answered on another index: id -> that index."""
-    return {qid: row["index"] for qid, row in latest_rows(path).items()
-            if row_status(row) == "ok" and row.get("index") not in (None, index)}
+def resume_state(path: str | Path, index: str | None = None, made: dict | None = None
+                 ) -> tuple[dict[str, str | None], dict[str, dict], dict[str, str]]:
+    """What a resume needs of `path`'s latest ok rows, read once: (done: `done_ids`; made
+    with other settings than `made`, on `index`: id -> that row's `made_with`; answered on
+    another index than `index`: id -> that index)."""
+    done: dict[str, str | None] = {}
+    other_made: dict[str, dict] = {}
+    other_index: dict[str, str] = {}
+    for qid, row in latest_rows(path).items():
+        if row_status(row) != "ok":
+            continue
+        if index is not None and row.get("index") not in (None, index):
+            other_index[qid] = row["index"]
+        elif (made is not None and isinstance(row.get("made_with"), dict)
+              and differing(row["made_with"], made)):
+            other_made[qid] = row["made_with"]
+        else:
+            done[qid] = row.get("question")
+    return done, other_made, other_index
 
 
 def to_ask(items: list[tuple[str, str]], done: dict[str, str | None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -222,9 +223,10 @@ def _one_of(row: dict, names: tuple[str, str], where: str) -> None:
 
 def _read_text_folder(root: Path) -> Iterator[Document]:
     """Each .txt / .md file under `root` a document, hidden files and folders (".git",
-    ".notes.txt") left out; the id is the path without its suffix, the title the first "# "
-    heading or the file's name. Links to files and to folders are followed (a folder reached
-    twice, a link back up, is read once)."""
+    ".notes.txt") left out, and files holding only whitespace skipped with a line on stderr;
+    the id is the path without its suffix, the title the first "# " heading or the file's
+    name. Links to files and to folders are followed (a folder reached twice, a link back up,
+    is read once)."""
     files = sorted(p for p in _walk(root) if p.suffix.lower() in TEXT_SUFFIXES)
     texts, bad = {}, []
     for file in files:  # every file that is not UTF-8 is named at once, not one per run
@@ -240,6 +242,9 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
         raise CorpusError(f"not UTF-8 text: {'; '.join(bad[:5])}{more}; convert the files to "
                           "UTF-8, e.g. with `iconv -f latin1 -t utf-8`")
     for file, text in texts.items():
+        if not text.strip():  # a title made of the file's name, and no text: no document
+            sys.stderr.write(f"skipped {file}: empty (only whitespace), not indexed\n")
+            continue
         rel = file.relative_to(root).as_posix()
         title = file.stem
         for line in text.splitlines():

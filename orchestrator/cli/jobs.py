@@ -67,9 +67,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
 
 def _batch(input, output, concurrency, branches, executor, address, acl, acl_admin, stop_after,
            home, index, config) -> None:
-    from branchsearch.orchestrator.batch import (check_output, differing, done_ids, made_with,
-                                                 other_index_ids, other_settings_ids,
-                                                 read_questions, run_batch, to_ask)
+    from branchsearch.orchestrator.batch import (check_output, differing, made_with,
+                                                 read_questions, resume_state, run_batch,
+                                                 to_ask)
     from branchsearch.orchestrator.driver import open_driver
 
     check_output(output, input)
@@ -86,20 +86,20 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     from branchsearch.orchestrator.execution.processes import QuestionProcesses, worker_count
 
     made = made_with(settings, groups)
-    todo, changed = to_ask(data.items, done_ids(output, settings.index, made)
-                           if output.is_file() else {})
+    done, otherwise, elsewhere = (resume_state(output, settings.index, made)
+                                  if output.is_file() else ({}, {}, {}))
+    todo, changed = to_ask(data.items, done)
     asked = {qid for qid, _ in data.items}
-    otherwise = other_settings_ids(output, settings.index, made) if output.is_file() else {}
     otherwise = {qid: row for qid, row in otherwise.items() if qid in asked}
     if otherwise:  # one output holds one configuration's evidence (a resume with a flag
         # changed by mistake would otherwise replace finished work)
         then = next(iter(otherwise.values()))
-        differ = [f"{n} {then[n]!r} there, {made[n]!r} now" for n in differing(then, made)]
+        differ = [f"{n} {shown(then[n])} there, {shown(made[n])} now"
+                  for n in differing(then, made)]
         raise BranchsearchError(
             f"batch output {output} holds {len(otherwise)} ok row(s) made with other settings "
             f"({'; '.join(differ[:3])}{' …' if len(differ) > 3 else ''}); run with those "
             "settings to resume, or give another -o")
-    elsewhere = other_index_ids(output, settings.index) if output.is_file() else {}
     elsewhere = {qid: name for qid, name in elsewhere.items() if qid in asked}
     if elsewhere:  # their rows hold another index's evidence: asked again on this one
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
@@ -157,6 +157,17 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
               "Fix the cause and run the same command again: it resumes", file=sys.stderr)
     if counts["failed"] or counts["not_run"] or data.bad_lines:  # nobody answered these
         sys.exit(1)
+
+
+def shown(value) -> str:
+    """A setting's value as a person writes it: none, a, b (a list), text unquoted."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(map(shown, value)) if isinstance(value, (set, frozenset)) else \
+            [shown(v) for v in value]
+        return ", ".join(items) or "none"
+    return str(value)
 
 
 @contextmanager

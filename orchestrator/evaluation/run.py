@@ -92,7 +92,8 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
         if progress:
             progress()
     metrics = _means(per_query)
-    metrics["latency_s_p50"] = round(percentile(latencies, 50), 3)
+    metrics["latency_ms_p50"] = round(percentile(latencies, 50) * 1000, 2)  # as single-shot's
+    metrics["latency_ms_p90"] = round(percentile(latencies, 90) * 1000, 2)
     return {"config": f"{driver.settings.policy}{'' if driver.settings.prune else ' no-prune'}"
                       f" x{max_branches or driver.settings.branches}",
             "policy": driver.settings.policy, "prune": driver.settings.prune,

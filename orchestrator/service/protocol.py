@@ -4,6 +4,7 @@ of what the service answers, as the OpenAPI schema documents them."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ class SearchRequest:
 
 
 _FIELDS = {"question", "index", "branches", "k", "deadline_s"}
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # C0 less tab, newline, CR
 
 
 def parse_search(body: object, limits: Limits) -> SearchRequest:
@@ -45,6 +47,11 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
     problem = question_problem(question)
     if problem:
         raise ApiError(422, "bad_request", problem)
+    control = _CONTROL.search(question)
+    if control:  # U+0000 and its kin are no text a caller means to search for
+        raise ApiError(422, "bad_request", f"question holds the control character "
+                                           f"U+{ord(control.group()):04X}; send text (tab, "
+                                           "newline and carriage return are fine)")
     if len(question) > limits.max_question_chars:
         raise ApiError(422, "question_too_long", f"question has {len(question)} characters; "
                                                  f"the limit is {limits.max_question_chars}")
@@ -109,7 +116,8 @@ def search_body_schema(limits: Limits) -> dict:
             "question": {"type": "string", "minLength": 1,
                          "maxLength": limits.max_question_chars,
                          "description": "what to find evidence for: text holding at least "
-                                        "one letter or digit (any script)"},
+                                        "one letter or digit (any script), and no control "
+                                        "character but tab, newline and carriage return"},
             "index": optional({**INDEX_NAME_SCHEMA, "description": "the index to search (the "
                                "server's default index when absent)"}),
             "branches": optional({"type": "integer", "minimum": 1,

@@ -60,7 +60,7 @@ def test_corpus_formats(tmp_path):
     assert sorted(d.id for d in read_corpus(folder)) == ["BOM", "linked/three", "long",
                                                           "sub/one", "two"]
     (folder / "sub" / "up").unlink()
-    (folder / "tw o.txt").write_text("")
+    (folder / "tw o.txt").write_text("y")
     (folder / "tw_o.txt").write_text("x")
     with pytest.raises(CorpusError, match=r"duplicate document id 'tw_o' \(tw o.txt and tw_o.txt\)"):
         read_corpus(folder)
@@ -86,6 +86,23 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"id": "a", "text": "x", "acl": [" hr", "board "]}\n')
     assert read_corpus(path)[0].acl == ("hr", "board")
+
+
+def test_a_text_file_of_only_whitespace_is_skipped_and_named(tmp_path, capsys):
+    """It became a document titled by its file's name, with no text; now it is left out, with
+    one line naming it, and the other files are read."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "blank.txt").write_text("  \n\t\r\n")
+    (folder / "empty.txt").write_text("")
+    (folder / "kept.txt").write_text("harbor festival in June")
+    assert [d.id for d in read_corpus(folder)] == ["kept"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"skipped {folder / 'blank.txt'}: empty (only whitespace), not indexed",
+                     f"skipped {folder / 'empty.txt'}: empty (only whitespace), not indexed"]
+    (folder / "kept.txt").write_text("\ufeff \n")  # a BOM is no text either
+    with pytest.raises(CorpusError, match="no documents found"):
+        read_corpus(folder)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -98,7 +98,7 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
     m = data["metrics"]
     for name in ("recall@5", "all_recall@5", "ndcg@10", "trajectory_recall", "precision", "f1",
                  "prune_accuracy", "context_tokens_final", "tokens_read", "turns",
-                 "tool_calls", "tool_calls_per_turn", "latency_s_p50", "answer_found"):
+                 "tool_calls", "tool_calls_per_turn", "latency_ms_p50", "answer_found"):
         assert name in m, name
     assert sum(data["attribution"].values()) == 6
     assert data["comparisons"][0]["wins"] + data["comparisons"][0]["losses"] + \
@@ -106,7 +106,17 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
     assert all(p["attribution"] in data["attribution"] for p in data["runs"][0]["per_query"])
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["attribution.png", "context_tokens_per_turn.png", "recall_at_k.png"]
-    assert "## Failure attribution" in report.with_suffix(".md").read_text()
+    md = report.with_suffix(".md").read_text()
+    assert "## Failure attribution" in md
+    # the agent's latency and the baseline's in one row, both in ms (the agent's was a
+    # latency_s_p50 row of its own, the baseline's cell of it "-")
+    printed = [line.split() for line in done.stdout.splitlines() if "latency" in line]
+    assert len(printed) == 1 and printed[0][0] == "latency_ms_p50", done.stdout
+    assert len(printed[0]) == 3 and all(float(cell) > 0 for cell in printed[0][1:]), printed
+    table = [line for line in md.splitlines() if line.startswith("| latency")]
+    cells = table[0].strip("|").split("|")
+    assert [c.strip() for c in cells][0] == "latency_ms_p50" and len(cells) == 3, table
+    assert all(float(c) > 0 for c in cells[1:]) and "latency_s_" not in md, table
 
 
 @pytest.mark.parametrize("args, message", [

@@ -385,8 +385,9 @@ def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settin
 def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_path):
     """Each row records the settings that made it (`made_with`); a resume whose settings would
     give other evidence (another --branches, other ACL groups) stops with one line naming what
-    differs and leaves the output as it was: finished rows are not replaced, nor two
-    configurations mixed in one file. The same settings resume."""
+    differs, as a person writes the values ("acl finance, hr there, none now", not Python's
+    "['finance', 'hr']" and None), and leaves the output as it was: finished rows are not
+    replaced, nor two configurations mixed in one file. The same settings resume."""
     copy = ingest_copy(hotpot_settings, "resume-settings")
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -411,11 +412,13 @@ def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_pat
     for flags, differ in ((("--branches", "2", "--acl", "hr", "--acl", "finance"),
                            "branches 1 there, 2 now"),
                           (("--branches", "1", "--acl", "hr"),
-                           "acl ['finance', 'hr'] there, ['hr'] now")):
+                           "acl finance, hr there, hr now"),
+                          (("--branches", "1"), "acl finance, hr there, none now")):
         refused = batch(*flags)
         assert refused.returncode == 2, refused.stderr[-2000:]
         lines = refused.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and differ in lines[0], lines
+        assert "['" not in lines[0] and "None" not in lines[0], lines  # values, not reprs
         assert "holds 2 ok row(s) made with other settings" in lines[0]
         assert out.read_bytes() == before
     again = batch("--branches", "1", "--acl", "finance", "--acl", "hr", "--acl", "hr")

@@ -121,6 +121,21 @@ def test_parse_search_bounds():
     assert err.value.status == 413
 
 
+def test_a_question_holding_a_control_character_is_a_422():
+    """A question holding U+0000 (or another C0 control character) was taken and searched;
+    now a 422 naming the character, in the usual error body. Tab, newline and carriage return
+    are text."""
+    limits = Limits()
+    for char in ("\x00", "\x01", "\x08", "\x0b", "\x0c", "\x1b", "\x1f"):
+        with pytest.raises(ApiError) as err:
+            parse_search({"question": f"harbor{char}festival"}, limits)
+        assert (err.value.status, err.value.error) == (422, "bad_request"), repr(char)
+        assert f"control character U+{ord(char):04X}" in err.value.detail
+        assert set(err.value.body()) == {"error", "detail"} and char not in err.value.detail
+    assert parse_search({"question": "harbor\tfestival\r\nin June"}, limits).question == \
+        "harbor\tfestival\r\nin June"
+
+
 def test_concurrency_per_key_then_total():
     conc = Concurrency(Limits(per_key_concurrency=2, max_in_flight=3))
     with conc.slot("a"), conc.slot("a"):
