@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from branchsearch.fusion.admission import admit
 from branchsearch.fusion.documents import fuse_documents
 from branchsearch.workers.branch import BranchReport
 from branchsearch.workers.rank import doc_of
 
 __all__ = ["BranchReport", "SearchResult", "fuse_branches", "evidence_texts", "meaning_only",
            "result_status"]
+
+# a document only second-wave branches found enters the fused top only when one of the anchor's
+# first LINK_HEAD documents names it (`fusion.admission`, `named_in`)
+LINK_HEAD = 3
+SECOND_WAVE = ("bridge", "chain", "fork")  # the kinds of branch that follow the first wave
 
 MEANING_ONLY = ("matched by meaning only: no document returned shares a word with the question "
                 "(weak evidence unless the question is a paraphrase)")
@@ -73,6 +80,16 @@ def meaning_only(question: str, texts: Iterable[str]) -> bool:
     return True
 
 
+def named_in(text: str, title: str) -> bool:
+    """Whether `text` writes the document title `title` as whole words, case aside: the title
+    without a trailing parenthetical ('Lake District (film)' -> 'lake district'), and at least
+    4 characters, so that a short title is not found inside any text."""
+    from branchsearch.workers.text import has_phrase
+
+    name = re.sub(r"\s*\([^()]*\)\s*$", "", title).casefold().strip()
+    return len(name) >= 4 and has_phrase(text.casefold(), name)
+
+
 def evidence_texts(evidence: list[dict]) -> list[str]:
     return [text for doc in evidence
             for text in [doc.get("title", "")] + [c.get("text", "") for c in doc["chunks"]]]
@@ -83,9 +100,11 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
     """Anchored RRF over the *document* rankings of the branches that finished
     (`fusion.documents`: a document's place in a branch is its first chunk's, so branches that
     return different chunks of one document agree on it; weights from the planner; the
-    question's own branch anchors, the others add). The ranking lists each document's best
-    chunk in fused order, then the documents' other chunks, as `workers.rank.final_ranking`
-    does.
+    question's own branch anchors, the others add). A document that only second-wave branches
+    (bridges, chains, forks) found keeps a place in the first `limit` only when the text of the
+    anchor's first `LINK_HEAD` documents names its title (`fusion.admission`, `named_in`). The
+    ranking lists each document's best chunk in fused order, then the documents' other chunks,
+    as `workers.rank.final_ranking` does.
 
     Returns the fused chunk ids (at most `limit`) and the evidence: documents in fused order,
     each with its fused score and the branches that found it (its place in each), and its
@@ -105,6 +124,15 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
                 found.setdefault(cid, []).append((li, rank))
     fused, of_doc = fuse_documents([b.ranked_chunk_ids for b in ok], doc,
                                    weights=[b.weight for b in ok], anchor=anchor, k=k)
+    if anchor is not None and len(ok) > 1:
+        own = list(dict.fromkeys(doc(c) for c in ok[anchor].ranked_chunk_ids))
+        head = set(own[:LINK_HEAD])
+        text = " ".join(chunks.get(c, {}).get("text", "") for c in ok[anchor].ranked_chunk_ids
+                        if doc(c) in head)
+        titles = {doc(cid): c.get("title", "") for cid, c in reversed(chunks.items())}
+        first = {d.id for d in fused if any(ok[li].kind not in SECOND_WAVE for li in d.ranks)}
+        fused = admit(fused, set(own[:limit]),
+                      lambda d: d in first or named_in(text, titles.get(d, "")), window=limit)
     ranked = ([of_doc[d.id][0] for d in fused] +
               [c for d in fused for c in of_doc[d.id][1:]])[:limit]
     by_id = {d.id: d for d in fused}

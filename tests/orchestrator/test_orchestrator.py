@@ -599,3 +599,37 @@ def test_a_batch_loses_no_question_to_a_retriever_that_died_for_good(ray_driver,
     assert driver.executor.retriever is not killed[-1]
     assert ray.get(driver.executor.retriever.ping.remote(), timeout=60)
     assert 1 <= driver.executor.revived - before <= 2
+
+
+def test_second_wave_finds_enter_the_fused_top_only_when_the_anchor_names_them():
+    def branch(i, kind, ids, weight=1.0, text=lambda c: f"text of {c}"):
+        evidence = [{"chunk_id": c, "doc_id": c.split("#")[0],
+                     "title": c.split("#")[0].replace("_", " ").title() + " (film)",
+                     "text": text(c), "rank": r, "score": 1 / r, "provenance": []}
+                    for r, c in enumerate(ids, start=1)]
+        return BranchReport(i, f"q{i}", weight, kind, episode=EpisodeResult(
+            f"q{i}", "finish", evidence=evidence, ranked_chunk_ids=ids))
+
+    own = [f"d{n}#p0" for n in range(10)]
+    # the anchor's top document names "Tim Burton" (the title "Tim Burton (film)" without its
+    # parenthetical), in another case; no text names "Look Alike"
+    anchor = branch(0, "original", own,
+                    text=lambda c: "Big Eyes was DIRECTED by TIM BURTON." if c == "d0#p0" else "")
+    bridge = branch(1, "bridge", ["look_alike#p0", "tim_burton#p0"], weight=0.5)
+    ranked, evidence = fuse_branches([anchor, bridge], k=5, limit=10)
+    docs = [d["doc_id"] for d in evidence]
+    assert "tim_burton" in docs and "look_alike" not in docs
+    assert len(ranked) == 10 and docs[:5] == ["d0", "d1", "d2", "d3", "d4"]
+    # a first-wave branch's find (an entity branch) is not held to it
+    entity = branch(1, "entity", ["look_alike#p0", "tim_burton#p0"], weight=0.5)
+    docs = [d["doc_id"] for d in fuse_branches([anchor, entity], k=5, limit=10)[1]]
+    assert "look_alike" in docs and "tim_burton" in docs
+    # a title inside a longer word is not named ("Burtonville"); nor one under 4 characters
+    word = branch(0, "original", own,
+                  text=lambda c: "Burtonville, near Tim" if c == "d0#p0" else "")
+    docs = [d["doc_id"] for d in fuse_branches([word, bridge], k=5, limit=10)[1]]
+    assert "tim_burton" not in docs
+    # with places to spare, unnamed finds still fill them
+    short = branch(0, "original", own[:3])
+    docs = [d["doc_id"] for d in fuse_branches([short, bridge], k=5, limit=10)[1]]
+    assert docs == ["d0", "d1", "d2", "look_alike", "tim_burton"]
