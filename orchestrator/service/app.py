@@ -338,10 +338,11 @@ def create_app(state: ServiceState):
     @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
     async def readyz():
-        """Ready when the default index is open and every open index's backends answer
-        (`indexes`: how many are open), and the API keys file can be read; else 503, within
-        a few seconds whatever the backends do. Which index, and why, are in the server log
-        only: anyone may ask."""
+        """Ready when the default index is open and its backends answer, and the API keys
+        file can be read; else 503, within a few seconds whatever the backends do. `indexes`:
+        how many are open; `indexes_not_ready`: how many of those have a backend that does not
+        answer (their searches answer 503). Which index, and why, are in the server log only:
+        anyone may ask."""
         if state.keys is not None:
             try:
                 state.keys.check()

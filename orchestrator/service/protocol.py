@@ -179,6 +179,9 @@ class Ready(BaseModel):
     status: Literal["ready"]
     indexes: int = Field(description="how many indexes are open now (their names are for "
                          "keys that may use them: GET /v1/indexes)")
+    indexes_not_ready: int = Field(0, description="how many of them have a backend that "
+                                   "does not answer now (their searches answer 503; the server "
+                                   "log says which)")
 
 
 class KeyInfo(BaseModel):

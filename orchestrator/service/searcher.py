@@ -579,30 +579,36 @@ class Searcher:
                            "it ends)", {"Retry-After": "5"}) from None
 
     def _ready(self) -> dict:
-        """Ready when the default index is open and every open index's backends answer;
-        ApiError 503 otherwise. Anyone may ask (a load balancer has no key), so the answer
-        names no index: which one, and why, go to the server log only."""
+        """Ready when the default index is open and its backends answer; ApiError 503
+        otherwise. Another open index whose backends do not answer is counted in
+        `indexes_not_ready`, not made the server's state: indexes usually live on clusters
+        every replica shares, so a balancer that pulled each replica for one index's outage
+        would take every other index down with it (its searches answer 503 meanwhile). Anyone
+        may ask (a load balancer has no key), so the answer names no index: which one, and
+        why, go to the server log only."""
         try:
             self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
             log.warning("not ready: index %r: %s", self.settings.index, error_line(exc, 1000))
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
-        opened = self.drivers.opened()
-        for index, driver in opened:
+        opened, failing = self.drivers.opened(), 0
+        # the default index first: its answer is the server's
+        for index, driver in sorted(opened, key=lambda item: item[0] != self.settings.index):
             if self.drivers.hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
                 continue
             try:
                 self._probe(index, driver)
             except ApiError as exc:
-                log.warning("not ready: index %r: %s", index, exc.detail)
-                which = ("the default index is" if index == self.settings.index
-                         else f"one of the {len(opened)} open indexes is")
-                raise ApiError(503, "not_ready", f"{which} not ready (the server log says "
-                               "why)", {"Retry-After": "5"}) from None
+                if index == self.settings.index:
+                    log.warning("not ready: the default index %r: %s", index, exc.detail)
+                    raise ApiError(503, "not_ready", "the default index is not ready (the "
+                                   "server log says why)", {"Retry-After": "5"}) from None
+                log.warning("index %r not ready (the server still is): %s", index, exc.detail)
+                failing += 1
             finally:
                 self.drivers.let_go(driver, None)
-        return {"status": "ready", "indexes": len(opened)}
+        return {"status": "ready", "indexes": len(opened), "indexes_not_ready": failing}
 
 
 def _other_form(store, doc_id: str) -> str | None:

@@ -216,8 +216,8 @@ def test_acl_leak(site, capsys):
         tried += 1
         leaks += _leaks(r.text, BRAVO_DOCS, LEAK_MARKER)
     ready = client.get("/readyz").json()  # asked with no key: how many, not which indexes
-    assert ready == {"status": "ready", "indexes": ready["indexes"]} and \
-        isinstance(ready["indexes"], int) and ready["indexes"] >= 1
+    assert ready == {"status": "ready", "indexes": ready["indexes"], "indexes_not_ready": 0} \
+        and isinstance(ready["indexes"], int) and ready["indexes"] >= 1
     found, marked = set(), 0
     for question in QUESTIONS[:3]:  # positive control: the same questions as group B
         r = client.post("/v1/search", json={"question": question}, headers=auth(keys["bravo"]))
@@ -847,7 +847,8 @@ def test_limits(site):
 def test_backend_down_readyz_and_search_503(tmp_path_factory):
     """Lexical store on Elasticsearch (the emulator) at a URL with credentials; stop it:
     /readyz and search answer 503, search with the reason; no answer holds the password or the
-    backend's address (they reached every caller before)."""
+    backend's address (they reached every caller before). A server whose default index is
+    elsewhere stays ready and counts the es index not ready."""
     from es_emulator import start_es_emulator
 
     home = tmp_path_factory.mktemp("svc-es")
@@ -897,9 +898,34 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             while client.get("/readyz").status_code != 200:
                 assert time.monotonic() < deadline, "not ready again after the backend thawed"
                 time.sleep(0.5)
+            # a second server whose default index keeps its BM25 side in tantivy, serving
+            # the es index beside it
+            ingest(write_corpus(home / "l.jsonl", CORPUS[:3]),
+                   settings.replace(index="local", es_url=""))
+            mixed = service.local_state(settings.replace(index="local"), executor="local",
+                                        limits=LIMITS)
+            for name in ("local", "es"):
+                mixed.searcher.target.drivers.open(name)
+            mixed_server = start_uvicorn(service.create_app(mixed), mixed)
+            both = httpx.Client(base_url=mixed_server.url, timeout=120)
+            assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
+                                                  "indexes_not_ready": 0}
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
             assert ready["detail"] == "the default index is not ready (the server log says why)"
+            # the es index's backend is down, not the default's: still ready (a balancer
+            # pulling every replica for one index would take the others down), the es index
+            # counted, its searches 503 and the default index's served
+            try:
+                assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
+                                                      "indexes_not_ready": 1}
+                assert both.post("/v1/search", json=q).status_code == 200
+                gone = assert_error(both.post("/v1/search", json={**q, "index": "es"}), 503)
+                assert gone["error"] in ("backend_unavailable", "search_failed"), gone
+            finally:
+                both.close()
+                mixed_server.stop()
+                mixed.searcher.target.close()
             down = assert_error(client.post("/v1/search", json=q), 503)
             assert down["error"] in ("backend_unavailable", "search_failed"), down
             stream = client.post("/v1/search", json=q, headers={"Accept": "text/event-stream"})
