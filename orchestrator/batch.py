@@ -255,8 +255,12 @@ def to_ask(items: list[tuple[str, str]], done: dict[str, str | None]
            ) -> tuple[list[tuple[str, str]], list[str]]:
     """(the questions to ask, the ids among them asked again because their question is not
     the one their ok row answered): a resume asks what is not done, and a question edited in
-    the input under the same id is not done."""
-    todo = [(qid, q) for qid, q in items if qid not in done or done[qid] not in (None, q)]
+    the input under the same id is not done. Spacing is no edit (a search reads words, so
+    'Q' and ' Q  ' get the same evidence)."""
+    def same(asked: str | None, q: str) -> bool:
+        return asked is None or asked.split() == q.split()
+
+    todo = [(qid, q) for qid, q in items if qid not in done or not same(done[qid], q)]
     return todo, [qid for qid, _ in todo if qid in done]
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from branchsearch.orchestrator.batch import (check_output, compact, done_ids, read_questions,
-                                             run_batch)
+                                             run_batch, to_ask)
 
 from conftest import HOTPOT
 
@@ -439,3 +439,11 @@ def test_ingested_as_reads_only_a_folder_s_own_lite_file(tmp_path):
     assert ingested_as(folder, manifest("milvus-lite /data/vectors.db (FLAT)")) is None
     assert ingested_as(folder, manifest("milvus http://milvus:19530 (HNSW)")) is None
     assert ingested_as(folder, manifest("")) is None
+
+
+def test_a_resume_asks_again_an_edited_question_not_a_respaced_one():
+    done = {"a": "Who directed Big Eyes?", "b": "Where is Knott?", "c": None}
+    items = [("a", "  Who directed  Big Eyes?\n"), ("b", "Where is Knott, UK?"), ("c", "x"),
+             ("d", "new")]
+    todo, changed = to_ask(items, done)
+    assert [qid for qid, _ in todo] == ["b", "d"] and changed == ["b"]
