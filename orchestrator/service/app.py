@@ -389,7 +389,9 @@ def create_app(state: ServiceState):
         key = state.principal(request.headers.get("authorization"))
         body = await read_body(request)
         try:
-            data = json.loads(body or b"null")
+            data = json.loads(body or b"null", object_pairs_hook=_once_each)
+        except _KeyTwice as exc:
+            raise ApiError(422, "bad_request", f"body gives {exc} twice: give it once") from None
         except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError,
             # a 5,000-digit number: all ValueErrors)
             from branchsearch.infra.ingest.corpus import json_problem
@@ -508,4 +510,17 @@ def _answers(ok, *errors: int, alt: dict | None = None) -> dict:
         out[status] = {"model": ErrorBody, "description": _ERRORS[status]}
         if status in _HEADERS:
             out[status]["headers"] = _HEADERS[status]
+    return out
+
+
+class _KeyTwice(ValueError):
+    """A JSON object naming one key twice: which value a parser keeps is its own choice."""
+
+
+def _once_each(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _KeyTwice(repr(key)[:80])
+        out[key] = value
     return out

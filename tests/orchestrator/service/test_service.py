@@ -357,8 +357,8 @@ def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
 
 def test_input_that_gave_500s_is_a_422(site):
     """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
-    deep each answered 500; now a 422 naming the problem (as does a U+0000 in the question,
-    which was searched)."""
+    deep each answered 500; now a 422 naming the problem (as do a U+0000 in the question and a
+    key given twice, which were searched)."""
     client, keys, _ = site
     alpha = auth(keys["alpha"])
     long = "x" * 300
@@ -374,6 +374,10 @@ def test_input_that_gave_500s_is_a_422(site):
     assert "surrogate" in assert_error(r, 422, "bad_request")["detail"]
     r = client.post("/v1/search", headers=alpha, json={"question": "harbor\u0000festival"})
     assert "control character U+0000" in assert_error(r, 422, "bad_request")["detail"]
+    # a key given twice: which one a parser keeps is its own choice (the last, here, searched)
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=b'{"question": "harbor", "index": "acl", "index": "other"}')
+    assert "body gives 'index' twice" in assert_error(r, 422, "bad_request")["detail"]
     deep = b"[" * 100_000 + b"]" * 100_000
     r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
                     content=deep)
