@@ -4,7 +4,8 @@ Input lines are `{"id"|"_id", "question"|"text"}` (a BEIR queries.jsonl works as
 lines carry id, question, status, evidence, branches, metrics and trace_id (or `error`).
 
 * Each result is appended (and fsynced) as it finishes, so a crash at any point loses at most
-  the questions in flight; a torn last line is cut off on the next run.
+  the questions in flight; a torn last line is cut off by the next run, before it appends (a
+  whole row that lost its newline is kept); a run refused before it starts changes nothing.
 * A re-run skips only ids whose latest line has `status` `ok`; `partial`, `failed` and `error`
   rows are run again. So are ok rows answered on another index, or made with other settings
   that change a result (`made_with`: the agent's and retrieval's settings, the branches, the
@@ -170,28 +171,46 @@ def row_status(row: dict) -> str:
 
 
 def latest_rows(path: str | Path) -> dict[str, dict]:
-    """id -> the latest row written for it. Cuts off a torn last line (a crash mid-write) so
-    appends stay valid JSONL."""
+    """id -> the latest row written for it. Only reads: a last line without its newline counts
+    when it is a whole row (its newline lost, not its text) and is skipped when torn (a crash
+    mid-write); `mend_tail` repairs the file, and only a run about to append calls it."""
     path = Path(path)
     if not path.exists():
         return {}
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        with path.open("r+b") as f:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        data = data[:keep]
     rows: dict[str, dict] = {}
-    for line in data.splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             row = json.loads(line)
             rows.pop(str(row["id"]), None)  # the latest attempt goes last
             rows[str(row["id"])] = row
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             continue
     return rows
+
+
+def mend_tail(path: str | Path) -> None:
+    """Before appending to `path`: a last line without its newline gets one when it is a whole
+    row, and is cut off when torn (a crash mid-write), so that appends stay valid JSONL."""
+    path = Path(path)
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    try:
+        row = json.loads(data[keep:])
+        whole = isinstance(row, dict) and "id" in row
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = False
+    with path.open("r+b") as f:
+        if whole:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+        else:
+            f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def check_output(out_path: str | Path, input_path: str | Path) -> None:
@@ -365,6 +384,7 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
 
 def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_after,
                stop, made) -> dict:
+    mend_tail(out_path)
     todo, changed = to_ask(items, done_ids(out_path, index, made))
     stamp = ({} if index is None else {"index": index}) | ({} if made is None else
                                                            {"made_with": made})

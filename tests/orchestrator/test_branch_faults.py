@@ -7,7 +7,7 @@ import json
 import pytest
 
 from branchsearch.orchestrator.batch import (check_output, compact, done_ids, read_questions,
-                                             run_batch, to_ask)
+                                             resume_state, run_batch, to_ask)
 
 from conftest import HOTPOT
 
@@ -447,3 +447,26 @@ def test_a_resume_asks_again_an_edited_question_not_a_respaced_one():
              ("d", "new")]
     todo, changed = to_ask(items, done)
     assert [qid for qid, _ in todo] == ["b", "d"] and changed == ["b"]
+
+
+def test_reading_an_output_changes_nothing_and_a_whole_last_row_without_newline_is_kept(
+        tmp_path):
+    out = tmp_path / "out.jsonl"
+    whole = (json.dumps({"id": "a", "question": "qa", "status": "ok", "evidence": [1]}) + "\n"
+             + json.dumps({"id": "b", "question": "qb", "status": "ok", "evidence": [2]}))
+    out.write_text(whole)
+    check_output(out, tmp_path / "in.jsonl")
+    assert done_ids(out) == {"a": "qa", "b": "qb"} and resume_state(out)[0] == done_ids(out)
+    assert out.read_text() == whole  # reads only: a refused resume leaves it as it was
+    asked = []
+    counts = run_batch([("a", "qa"), ("b", "qb"), ("c", "qc")], out,
+                       lambda q: asked.append(q) or {"status": "ok", "evidence": [q]},
+                       concurrency=1)
+    assert asked == ["qc"] and counts["skipped"] == 2
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
+    # torn (a crash mid-write): still left alone by a read, cut by the run that appends
+    out.write_text(whole + '\n{"id": "c", "sta')
+    assert done_ids(out) == {"a": "qa", "b": "qb"} and out.read_text().endswith('"sta')
+    run_batch([("c", "qc")], out, lambda q: {"status": "ok", "evidence": [q]}, concurrency=1)
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == \
+        ["a", "b", "c"]
