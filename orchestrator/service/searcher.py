@@ -23,7 +23,8 @@ import threading
 import time
 import unicodedata
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
 from branchsearch.infra.errors import (BranchsearchError, IndexIncomplete,
@@ -42,6 +43,9 @@ from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
 log = logging.getLogger("branchsearch.service")
 
 _DONE = object()
+# how long a readiness check waits for the indexes other than the default (within the probe's
+# `readiness.SharedCheck.wait_s`, 5 s)
+OTHERS_WAIT_S = 3.0
 
 
 class Searcher:
@@ -68,6 +72,10 @@ class Searcher:
         self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
                                close=self._close, idle_close_s=limits.index_idle_close_s)
         self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
+        # the other indexes' probes, one running at a time an index (`_ready`)
+        self._probes: dict[str, Future] = {}
+        self._probes_lock = threading.Lock()
+        self._probe_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="probe")
         if warm:
             self.open_default()
 
@@ -279,6 +287,7 @@ class Searcher:
 
     def close(self) -> None:
         self._readiness.close()
+        self._probe_threads.shutdown(wait=False, cancel_futures=True)
         self._threads.shutdown(wait=False)
         self.drivers.close()
         if self.pool is not None:
@@ -580,35 +589,63 @@ class Searcher:
 
     def _ready(self) -> dict:
         """Ready when the default index is open and its backends answer; ApiError 503
-        otherwise. Another open index whose backends do not answer is counted in
-        `indexes_not_ready`, not made the server's state: indexes usually live on clusters
-        every replica shares, so a balancer that pulled each replica for one index's outage
-        would take every other index down with it (its searches answer 503 meanwhile). Anyone
-        may ask (a load balancer has no key), so the answer names no index: which one, and
-        why, go to the server log only."""
+        otherwise. Another open index whose backends do not answer — refuse, or not within
+        `OTHERS_WAIT_S` — is counted in `indexes_not_ready`, not made the server's state:
+        indexes usually live on clusters every replica shares, so a balancer that pulled each
+        replica for one index's outage would take every other index down with it (its
+        searches answer 503 meanwhile). Their probes run beside the default's, one at a time
+        an index (a probe still waiting on a frozen backend is not started again). Anyone may
+        ask (a load balancer has no key), so the answer names no index: which one, and why, go
+        to the server log only."""
+        began = time.monotonic()
         try:
             self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
             log.warning("not ready: index %r: %s", self.settings.index, error_line(exc, 1000))
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
-        opened, failing = self.drivers.opened(), 0
-        # the default index first: its answer is the server's
-        for index, driver in sorted(opened, key=lambda item: item[0] != self.settings.index):
-            if self.drivers.hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
-                continue
-            try:
-                self._probe(index, driver)
-            except ApiError as exc:
-                if index == self.settings.index:
+        opened = self.drivers.opened()
+        others = {index: self._probing(index, driver) for index, driver in opened
+                  if index != self.settings.index}
+        for index, driver in opened:
+            if index == self.settings.index and self.drivers.hold(index, driver) is not None:
+                try:
+                    self._probe(index, driver)
+                except ApiError as exc:
                     log.warning("not ready: the default index %r: %s", index, exc.detail)
                     raise ApiError(503, "not_ready", "the default index is not ready (the "
                                    "server log says why)", {"Retry-After": "5"}) from None
+                finally:
+                    self.drivers.let_go(driver, None)
+        failing = 0
+        for index, probe in others.items():
+            try:
+                probe.result(timeout=max(0.0, began + OTHERS_WAIT_S - time.monotonic()))
+            except FutureTimeout:
+                log.warning("index %r not ready (the server still is): its backends have not "
+                            "answered within %g s", index, OTHERS_WAIT_S)
+                failing += 1
+            except ApiError as exc:
                 log.warning("index %r not ready (the server still is): %s", index, exc.detail)
                 failing += 1
-            finally:
-                self.drivers.let_go(driver, None)
         return {"status": "ready", "indexes": len(opened), "indexes_not_ready": failing}
+
+    def _probing(self, index: str, driver) -> Future:
+        """The probe of `index` running now, or a new one (on the probes' own threads)."""
+        with self._probes_lock:
+            running = self._probes.get(index)
+            if running is None or running.done():
+                running = self._probes[index] = self._probe_threads.submit(
+                    self._probe_held, index, driver)
+            return running
+
+    def _probe_held(self, index: str, driver) -> None:
+        if self.drivers.hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
+            return
+        try:
+            self._probe(index, driver)
+        finally:
+            self.drivers.let_go(driver, None)
 
 
 def _other_form(store, doc_id: str) -> str | None:

@@ -914,6 +914,21 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             both = httpx.Client(base_url=mixed_server.url, timeout=120)
             assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
                                                   "indexes_not_ready": 0}
+            # frozen, the es index is counted within the probe's few seconds, probe after
+            # probe (each check waited on it and answered 503 past 5 s)
+            os.killpg(es.pid, signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    began = time.monotonic()
+                    assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
+                                                          "indexes_not_ready": 1}
+                    assert time.monotonic() - began < 10
+            finally:
+                os.killpg(es.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 90
+            while both.get("/readyz").json()["indexes_not_ready"]:
+                assert time.monotonic() < deadline, "the es index not ready after the thaw"
+                time.sleep(0.5)
             es.stop()
             ready = assert_error(client.get("/readyz"), 503, "not_ready")
             assert ready["detail"] == "the default index is not ready (the server log says why)"
