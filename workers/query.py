@@ -1,7 +1,10 @@
 """The one check of a question a user gives — the CLI, the driver, batch and the service ask it:
-something to search for (a letter or a digit, in any script) that can be written as UTF-8."""
+something to search for (a letter or a digit, in any script) that can be written as UTF-8 and
+holds no control character but tab, newline and carriage return."""
 
 from __future__ import annotations
+
+import re
 
 from branchsearch.infra.errors import BadQuery
 
@@ -26,7 +29,14 @@ def question_problem(text: object, what: str = "question") -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:  # JSON's "\ud800" gives a string no store can hold
         return f"{what} is not valid Unicode text (it holds a lone surrogate such as \\ud800)"
+    control = _CONTROL.search(text)
+    if control:  # U+0000, a terminal's 8-bit ESC[ (U+009B) …: no text anyone means to search
+        return (f"{what} holds the control character U+{ord(control.group()):04X}; send text "
+                "(tab, newline and carriage return are fine)")
     return ""
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 but tab, LF, CR; DEL; C1
 
 
 def check_question(text: object, what: str = "question") -> str:

@@ -276,8 +276,8 @@ def json_problem(exc: BaseException) -> str:
     """What `json.loads` found wrong, in a few words."""
     if isinstance(exc, RecursionError):
         return "nested too deeply"
-    if isinstance(exc, json.JSONDecodeError):
-        return exc.msg
+    if isinstance(exc, json.JSONDecodeError):  # ("Invalid control character at": where)
+        return f"{exc.msg.removesuffix(' at')} at character {exc.pos + 1}"
     if "int" in str(exc) and "digits" in str(exc):  # CPython's int limit, and its hint
         return "a number has more than 4,300 digits"
     return " ".join(str(exc).split())[:120]

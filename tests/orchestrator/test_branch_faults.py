@@ -470,3 +470,20 @@ def test_reading_an_output_changes_nothing_and_a_whole_last_row_without_newline_
     run_batch([("c", "qc")], out, lambda q: {"status": "ok", "evidence": [q]}, concurrency=1)
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == \
         ["a", "b", "c"]
+
+
+def test_batch_and_search_refuse_a_question_holding_a_control_character(tmp_path):
+    from branchsearch.workers.query import question_problem
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(json.dumps({"id": i, "question": q}) for i, q in (
+        ("a", "mayor of Marton\u0000"), ("b", "Marton\u009b[31m mayor"),
+        ("c", "mayor\tof\nMarton"))) + "\n")
+    read = read_questions(inp)
+    assert read.items == [("c", "mayor\tof\nMarton")]
+    assert [line.split(": ", 1)[1] for line in read.bad_lines] == [
+        "question holds the control character U+0000; send text (tab, newline and carriage "
+        "return are fine)",
+        "question holds the control character U+009B; send text (tab, newline and carriage "
+        "return are fine)"]
+    assert "U+007F" in question_problem("a\x7fb", "query")

@@ -374,6 +374,10 @@ def test_input_that_gave_500s_is_a_422(site):
     assert "surrogate" in assert_error(r, 422, "bad_request")["detail"]
     r = client.post("/v1/search", headers=alpha, json={"question": "harbor\u0000festival"})
     assert "control character U+0000" in assert_error(r, 422, "bad_request")["detail"]
+    r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
+                    content=b'{"question": "harbor\x01"}')  # a raw control byte inside a string
+    assert assert_error(r, 422, "bad_request")["detail"] == \
+        "body is not JSON (Invalid control character at character 21)"
     # a key given twice: which one a parser keeps is its own choice (the last, here, searched)
     r = client.post("/v1/search", headers={**alpha, "Content-Type": "application/json"},
                     content=b'{"question": "harbor", "index": "acl", "index": "other"}')

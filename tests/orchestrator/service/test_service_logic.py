@@ -122,11 +122,12 @@ def test_parse_search_bounds():
 
 
 def test_a_question_holding_a_control_character_is_a_422():
-    """A question holding U+0000 (or another C0 control character) was taken and searched;
+    """A question holding U+0000 (or another C0, DEL or C1 control character) was searched;
     now a 422 naming the character, in the usual error body. Tab, newline and carriage return
     are text."""
     limits = Limits()
-    for char in ("\x00", "\x01", "\x08", "\x0b", "\x0c", "\x1b", "\x1f"):
+    for char in ("\x00", "\x01", "\x08", "\x0b", "\x0c", "\x1b", "\x1f", "\x7f", "\x85",
+                 "\x9b"):  # C0, DEL and C1 (U+009B: a terminal's 8-bit ESC[)
         with pytest.raises(ApiError) as err:
             parse_search({"question": f"harbor{char}festival"}, limits)
         assert (err.value.status, err.value.error) == (422, "bad_request"), repr(char)
