@@ -223,7 +223,7 @@ def _one_of(row: dict, names: tuple[str, str], where: str) -> None:
 
 def _read_text_folder(root: Path) -> Iterator[Document]:
     """Each .txt / .md file under `root` a document, hidden files and folders (".git",
-    ".notes.txt") left out, and files holding only whitespace skipped with a line on stderr;
+    ".notes.txt") left out, and files with no letter or digit skipped with a line on stderr;
     the id is the path without its suffix, the title the first "# " heading or the file's
     name. Links to files and to folders are followed (a folder reached twice, a link back up,
     is read once)."""
@@ -242,13 +242,14 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
         raise CorpusError(f"not UTF-8 text: {'; '.join(bad[:5])}{more}; convert the files to "
                           "UTF-8, e.g. with `iconv -f latin1 -t utf-8`")
     for file, text in texts.items():
-        if not text.strip():  # a title made of the file's name, and no text: no document
-            sys.stderr.write(f"skipped {file}: empty (only whitespace), not indexed\n")
+        if not any(c.isalnum() for c in text):  # blank, "# ", zero-width spaces, NULs: a
+            # title made of the file's name and nothing to search is no document
+            sys.stderr.write(f"skipped {file}: nothing to search (no letter or digit)\n")
             continue
         rel = file.relative_to(root).as_posix()
         title = file.stem
         for line in text.splitlines():
-            if line.startswith("# "):
+            if line.startswith("# ") and line[2:].strip():
                 title = line[2:].strip()
                 break
         doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])

@@ -160,9 +160,11 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
 
 
 def shown(value) -> str:
-    """A setting's value as a person writes it: none, a, b (a list), text unquoted."""
+    """A setting's value as a person writes it: none, true, a, b (a list), text unquoted."""
     if value is None:
         return "none"
+    if isinstance(value, bool):  # as a flag or a settings file writes it
+        return "true" if value else "false"
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(map(shown, value)) if isinstance(value, (set, frozenset)) else \
             [shown(v) for v in value]

@@ -11,7 +11,7 @@ SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_rec
                    "ndcg@10", "trajectory_recall", "precision", "f1", "prune_accuracy",
                    "bridge_preserved", "answer_found", "context_tokens_final", "tokens_read",
                    "turns", "tool_calls", "tool_calls_per_turn", "branches", "forks", "chains",
-                   "bridges", "covered", "latency_ms_p50")
+                   "bridges", "covered", "latency_ms_p50", "latency_ms_p90")
 
 
 def write_json(path: Path, data) -> None:

@@ -88,19 +88,25 @@ def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
     assert read_corpus(path)[0].acl == ("hr", "board")
 
 
-def test_a_text_file_of_only_whitespace_is_skipped_and_named(tmp_path, capsys):
+def test_a_text_file_with_nothing_to_search_is_skipped_and_named(tmp_path, capsys):
     """It became a document titled by its file's name, with no text; now it is left out, with
-    one line naming it, and the other files are read."""
+    one line naming it, and the other files are read. Nothing to search is no letter or digit:
+    whitespace, a bare "# ", zero-width spaces, NUL bytes. An empty heading is no title."""
     folder = tmp_path / "notes"
     folder.mkdir()
-    (folder / "blank.txt").write_text("  \n\t\r\n")
-    (folder / "empty.txt").write_text("")
+    blanks = {"blank": "  \n\t\r\n", "empty": "", "hash": "# \n", "nul": "\x00\x00",
+              "zwsp": "\u200b\u200b\n"}
+    for name, text in blanks.items():
+        (folder / f"{name}.txt").write_text(text)
     (folder / "kept.txt").write_text("harbor festival in June")
-    assert [d.id for d in read_corpus(folder)] == ["kept"]
+    (folder / "titled.md").write_text("# \nharbor festival in May")
+    docs = read_corpus(folder)
+    assert [(d.id, d.title) for d in docs] == [("kept", "kept"), ("titled", "titled")]
     lines = capsys.readouterr().err.splitlines()
-    assert lines == [f"skipped {folder / 'blank.txt'}: empty (only whitespace), not indexed",
-                     f"skipped {folder / 'empty.txt'}: empty (only whitespace), not indexed"]
-    (folder / "kept.txt").write_text("\ufeff \n")  # a BOM is no text either
+    assert lines == [f"skipped {folder / f'{name}.txt'}: nothing to search (no letter or digit)"
+                     for name in sorted(blanks)]
+    for name in ("kept.txt", "titled.md"):
+        (folder / name).write_text("\ufeff \n")  # a BOM is no text either
     with pytest.raises(CorpusError, match="no documents found"):
         read_corpus(folder)
 

@@ -822,3 +822,11 @@ def test_an_ingest_whose_backend_is_down_leaves_no_half_made_index(tmp_path):
     assert_one_error_line(done, "not reachable")
     assert "pa%2Fss" not in done.stderr and "pa/ss" not in done.stderr
     assert not (home / "indexes" / "esx").exists()
+
+
+def test_a_refused_resume_names_settings_as_people_write_them():
+    from branchsearch.orchestrator.cli.jobs import shown
+
+    assert [shown(v) for v in (None, True, False, ["hr", "finance"], [], {"b", "a"}, 0.5,
+                               "hybrid")] == ["none", "true", "false", "hr, finance", "none",
+                                              "a, b", "0.5", "hybrid"]

@@ -111,12 +111,14 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
     # the agent's latency and the baseline's in one row, both in ms (the agent's was a
     # latency_s_p50 row of its own, the baseline's cell of it "-")
     printed = [line.split() for line in done.stdout.splitlines() if "latency" in line]
-    assert len(printed) == 1 and printed[0][0] == "latency_ms_p50", done.stdout
-    assert len(printed[0]) == 3 and all(float(cell) > 0 for cell in printed[0][1:]), printed
-    table = [line for line in md.splitlines() if line.startswith("| latency")]
-    cells = table[0].strip("|").split("|")
-    assert [c.strip() for c in cells][0] == "latency_ms_p50" and len(cells) == 3, table
-    assert all(float(c) > 0 for c in cells[1:]) and "latency_s_" not in md, table
+    assert [row[0] for row in printed] == ["latency_ms_p50", "latency_ms_p90"], done.stdout
+    assert all(len(row) == 3 and all(float(cell) > 0 for cell in row[1:]) for row in printed)
+    rows = [line.strip("|").split("|") for line in md.splitlines()
+            if line.startswith("| latency")]
+    table = [row for row in rows if len(row) == 3]  # the summary (the paired differences: 2)
+    assert [row[0].strip() for row in table] == ["latency_ms_p50", "latency_ms_p90"], rows
+    assert all(float(c) > 0 for row in table for c in row[1:])
+    assert "latency_s_" not in md
 
 
 @pytest.mark.parametrize("args, message", [
