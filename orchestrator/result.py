@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -81,13 +82,20 @@ def meaning_only(question: str, texts: Iterable[str]) -> bool:
 
 
 def named_in(text: str, title: str) -> bool:
-    """Whether `text` writes the document title `title` as whole words, case aside: the title
-    without a trailing parenthetical ('Lake District (film)' -> 'lake district'), and at least
-    4 characters, so that a short title is not found inside any text."""
-    from branchsearch.workers.text import has_phrase
+    """Whether `text` writes the document title `title`, case and Unicode form aside: the title
+    without a trailing parenthetical ('Lake District (film)' -> 'lake district'), as whole
+    words and at least 4 characters, so that a short title is not found inside any text — or,
+    in a script that does not set words apart (大阪, 東京タワー), anywhere, from 2 characters."""
+    from branchsearch.workers.text import has_phrase, unspaced
 
-    name = re.sub(r"\s*\([^()]*\)\s*$", "", title).casefold().strip()
-    return len(name) >= 4 and has_phrase(text.casefold(), name)
+    name = _named(re.sub(r"\s*\([^()]*\)\s*$", "", title)).strip()
+    if unspaced(name):
+        return len(name) >= 2 and name in _named(text)
+    return len(name) >= 4 and has_phrase(_named(text), name)
+
+
+def _named(text: str) -> str:
+    return unicodedata.normalize("NFC", text).casefold()
 
 
 def evidence_texts(evidence: list[dict]) -> list[str]:

@@ -634,3 +634,13 @@ def test_second_wave_finds_enter_the_fused_top_only_when_the_anchor_names_them()
     short = branch(0, "original", own[:3])
     docs = [d["doc_id"] for d in fuse_branches([short, bridge], k=5, limit=10)[1]]
     assert docs == ["d0", "d1", "d2", "look_alike", "tim_burton"]
+
+
+def test_a_title_is_named_in_either_unicode_form_and_in_scripts_without_spaces():
+    from branchsearch.orchestrator.result import named_in
+
+    nfd, nfc = "Zu\u0308rich", "Z\u00fcrich"
+    assert named_in(f"born in {nfc} in 1901", nfd) and named_in(f"born in {nfd}.", nfc)
+    assert named_in("大阪城は大阪市にある", "大阪") and not named_in("京都にある", "大阪")
+    assert named_in("東京タワーの高さ", "東京タワー (塔)")
+    assert not named_in("Ulm is a city", "Ulm") and not named_in("Burtonville", "Burton")
