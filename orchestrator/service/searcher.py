@@ -46,6 +46,10 @@ _DONE = object()
 # how long a readiness check waits for the indexes other than the default (within the probe's
 # `readiness.SharedCheck.wait_s`, 5 s)
 OTHERS_WAIT_S = 3.0
+# how long past its deadline a search may take to hand back what its branches found (the driver
+# ends late branches as timeouts at the deadline; a driver blocked on a frozen backend is not
+# waited for: the caller gets its 504 within this of the deadline it asked for)
+JOIN_GRACE_S = 2.0
 
 
 class Searcher:
@@ -389,7 +393,7 @@ class Searcher:
         except BaseException:
             self.drivers.let_go(driver, None)
             raise
-        worker.join(deadline + 10)
+        worker.join(deadline + JOIN_GRACE_S)
         if worker.is_alive():
             raise ApiError(504, "deadline_exceeded",
                            f"no result within the deadline of {deadline:g} s")

@@ -898,6 +898,12 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
                     probes.append(time.monotonic() - began)
                 assert "has not ended within 5 s" in frozen["detail"]
                 assert max(probes) < 20, probes  # well under backend_timeout_s (30 s)
+                # a search asks for 3 s: its answer (a 504, or what the dense side found)
+                # comes near then, not 10 s later
+                began = time.monotonic()
+                late = client.post("/v1/search", json={**q, "deadline_s": 3})
+                assert late.status_code in (200, 503, 504), late.text
+                assert time.monotonic() - began < 3 + 4, (time.monotonic() - began, late.text)
             finally:
                 os.killpg(es.pid, signal.SIGCONT)
             # thawed: the check that waited on it ends, and a probe after it is ready again
