@@ -601,7 +601,6 @@ class Searcher:
         an index (a probe still waiting on a frozen backend is not started again). Anyone may
         ask (a load balancer has no key), so the answer names no index: which one, and why, go
         to the server log only."""
-        began = time.monotonic()
         try:
             self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
@@ -609,6 +608,7 @@ class Searcher:
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
         opened = self.drivers.opened()
+        began = time.monotonic()
         others = {index: self._probing(index, driver) for index, driver in opened
                   if index != self.settings.index}
         for index, driver in opened:
@@ -629,8 +629,9 @@ class Searcher:
                 log.warning("index %r not ready (the server still is): its backends have not "
                             "answered within %g s", index, OTHERS_WAIT_S)
                 failing += 1
-            except ApiError as exc:
-                log.warning("index %r not ready (the server still is): %s", index, exc.detail)
+            except Exception as exc:  # noqa: BLE001 — an ApiError, or whatever a probe raised
+                log.warning("index %r not ready (the server still is): %s", index,
+                            getattr(exc, "detail", None) or error_line(exc, 1000))
                 failing += 1
         return {"status": "ready", "indexes": len(opened), "indexes_not_ready": failing}
 
