@@ -192,11 +192,13 @@ def mend_tail(path: str | Path) -> None:
     """Before appending to `path`: a last line without its newline gets one when it is a whole
     row, and is cut off when torn (a crash mid-write), so that appends stay valid JSONL."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() or path.stat().st_size == 0:
         return
+    with path.open("rb") as f:  # the last byte alone, most times (an output can be large)
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
     data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return
     keep = data.rfind(b"\n") + 1
     try:
         row = json.loads(data[keep:])

@@ -6,6 +6,7 @@ import re
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from branchsearch.fusion.admission import admit
 from branchsearch.fusion.documents import fuse_documents
@@ -88,13 +89,15 @@ def named_in(text: str, title: str) -> bool:
     in a script that does not set words apart (大阪, 東京タワー), anywhere, from 2 characters."""
     from branchsearch.workers.text import has_phrase, unspaced
 
+    # (not `workers.text.bare_title`, which also cuts at a comma: the rule was measured so)
     name = _named(re.sub(r"\s*\([^()]*\)\s*$", "", title)).strip()
     if unspaced(name):
         return len(name) >= 2 and name in _named(text)
     return len(name) >= 4 and has_phrase(_named(text), name)
 
 
-def _named(text: str) -> str:
+@lru_cache(maxsize=256)
+def _named(text: str) -> str:  # (cached: one head text is asked about every fresh document)
     return unicodedata.normalize("NFC", text).casefold()
 
 

@@ -611,16 +611,17 @@ class Searcher:
         began = time.monotonic()
         others = {index: self._probing(index, driver) for index, driver in opened
                   if index != self.settings.index}
-        for index, driver in opened:
-            if index == self.settings.index and self.drivers.hold(index, driver) is not None:
-                try:
-                    self._probe(index, driver)
-                except ApiError as exc:
-                    log.warning("not ready: the default index %r: %s", index, exc.detail)
-                    raise ApiError(503, "not_ready", "the default index is not ready (the "
-                                   "server log says why)", {"Retry-After": "5"}) from None
-                finally:
-                    self.drivers.let_go(driver, None)
+        index = self.settings.index
+        driver = next((d for i, d in opened if i == index), None)
+        if driver is not None and self.drivers.hold(index, driver) is not None:
+            try:
+                self._probe(index, driver)
+            except ApiError as exc:
+                log.warning("not ready: the default index %r: %s", index, exc.detail)
+                raise ApiError(503, "not_ready", "the default index is not ready (the server "
+                               "log says why)", {"Retry-After": "5"}) from None
+            finally:
+                self.drivers.let_go(driver, None)
         failing = 0
         for index, probe in others.items():
             try:
