@@ -39,7 +39,7 @@ K = Settings().branch_rrf_k  # the driver's (`fuse_branches(k=settings.branch_rr
 
 def fused(branches: list[dict], quota: int | None, link: int | None = None,
           titles: dict | None = None, texts: dict | None = None,
-          second_only: bool = False) -> list[str]:
+          second_only: bool = False, first_within: int | None = None) -> list[str]:
     """`fuse_branches`' ranking of the branches that finished, first chunks then the rest;
     under a quota and/or linked admission (v5: `link` = how many of the anchor's documents
     must name a fresh document's title) when given."""
@@ -48,7 +48,9 @@ def fused(branches: list[dict], quota: int | None, link: int | None = None,
     docs, of_doc = fuse_documents([b["ranked"] for b in ok], doc_of,
                                   weights=[b["weight"] for b in ok], anchor=anchor, k=K)
     if link is not None and anchor is not None:
-        first = ({d.id for d in docs if any(ok[li]["kind"] not in SECOND_WAVE for li in d.ranks)}
+        first = ({d.id for d in docs if any(ok[li]["kind"] not in SECOND_WAVE
+                                            and (first_within is None or r <= first_within)
+                                            for li, r in d.ranks.items())}
                  if second_only else set())
         docs = linked_only(docs, ok[anchor]["ranked"], link, titles, texts, first)
     if quota is not None and anchor is not None:
@@ -105,6 +107,10 @@ def main() -> None:
     ap.add_argument("--link", default="", help="v5: L values, e.g. 1,3,5 (with each quota too)")
     ap.add_argument("--second-only", action="store_true",
                     help="v6 (as shipped): only second-wave finds must be named (names end in s)")
+    ap.add_argument("--depth", default="",
+                    help="v8: D values, e.g. 10,20,30: each branch's ranking cut at D chunks "
+                         "(a BRANCHSEARCH_BRANCH_DEPTH dump), with 0..N bridges, as shipped "
+                         "(v6 admission); names dDbrM")
     ap.add_argument("out")
     ap.add_argument("dumps", nargs="+")
     a = ap.parse_args()
@@ -123,6 +129,23 @@ def main() -> None:
                            doc_ranking(fused(row["branches"], None, LINK_HEAD, titles, texts,
                                              True))):
                 raise SystemExit(f"{path}: {row['id']}: the rebuilt fusion differs from the run's")
+        if a.depth:
+            variants = {"b1": lambda r: (r["branches"][0]["ranked"][:10], r["branches"][:1])}
+            for depth in [int(x) for x in a.depth.split(",")]:
+                for m in range(int(n) + 1):
+                    def make(r, depth=depth, m=m):
+                        used = bridged(r["branches"], m)
+                        cut = [b | {"ranked": b["ranked"][:depth]} for b in used]
+                        return fused(cut, None, LINK_HEAD, titles, texts, True), used
+                    variants[f"d{depth}br{m}"] = make
+
+                    def within(r, depth=depth, m=m):  # v9: first-wave only within the top 10
+                        used = bridged(r["branches"], m)
+                        cut = [b | {"ranked": b["ranked"][:depth]} for b in used]
+                        return fused(cut, None, LINK_HEAD, titles, texts, True, 10), used
+                    variants[f"d{depth}br{m}w"] = within
+            write(variants, rows, path, a.out, titles, texts)
+            continue
         variants = {"b1": lambda r: (r["branches"][0]["ranked"][:10], r["branches"][:1]),
                     f"br{n}": lambda r: (fused(r["branches"], None), r["branches"])}
         for q in quotas:
@@ -133,12 +156,29 @@ def main() -> None:
                 variants[name] = (
                     lambda r, q=q, li=li: (fused(r["branches"], q, li, titles, texts,
                                                  a.second_only), r["branches"]))
-        for name, make in variants.items():
-            pq = [per_query(r, *make(r), titles, texts) for r in rows]
-            Path(f"{a.out}-{name}.json").write_text(json.dumps(
-                {"source": path, "runs": [{"config": name, "per_query": pq}]}))
-        print(f"{path}: {len(rows)} questions, the run's fusion rebuilt exactly; wrote "
-              f"{', '.join(variants)}")
+        write(variants, rows, path, a.out, titles, texts)
+
+
+def bridged(branches: list[dict], m: int) -> list[dict]:
+    """The branches of a run with at most its first `m` bridge branches (a run with
+    `bridges = m`: the bridges are taken in order, and every branch is independent)."""
+    out, seen = [], 0
+    for b in branches:
+        if b["kind"] == "bridge":
+            seen += 1
+            if seen > m:
+                continue
+        out.append(b)
+    return out
+
+
+def write(variants: dict, rows: list[dict], path: str, out: str, titles, texts) -> None:
+    for name, make in variants.items():
+        pq = [per_query(r, *make(r), titles, texts) for r in rows]
+        Path(f"{out}-{name}.json").write_text(json.dumps(
+            {"source": path, "runs": [{"config": name, "per_query": pq}]}))
+    print(f"{path}: {len(rows)} questions, the run's fusion rebuilt exactly; wrote "
+          f"{', '.join(variants)}")
 
 
 if __name__ == "__main__":
