@@ -19,12 +19,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
+from starlette.requests import ClientDisconnect
 
 from branchsearch.infra.config.settings import index_name
-from branchsearch.infra.errors import BranchsearchError, KeysFileError, redact
+from branchsearch.infra.errors import BranchsearchError, KeysFileError, error_line, redact
 from branchsearch.orchestrator.service.admission import Limits, check_body_size
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
-from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
+from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error, shutting_down
 from branchsearch.orchestrator.service.events import sse
 from branchsearch.orchestrator.service.metrics import ServiceMetrics
 from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NAME_SCHEMA,
@@ -101,6 +102,9 @@ class ServiceState:
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
     peers: object | None = None  # Serve: the other ingress replicas' metrics (SharedMetrics)
     draining: bool = False  # the server is stopping (`deploy.standalone_server`, `run_serve`)
+    # its grace for requests in flight has run out, and it cancels those still running
+    # (`deploy.standalone_server`; Serve kills the replica instead)
+    cut_off: bool = False
 
     def principal(self, authorization: str | None) -> ApiKey:
         if self.keys is None:
@@ -114,7 +118,14 @@ class ServiceState:
 
 class Observe:
     """ASGI middleware: the body limit, in-flight gauge and request metrics (a stream until its
-    last event; a disconnect as 499). Plain ASGI, so streaming and disconnects pass through."""
+    last event; a disconnect as 499). Plain ASGI, so streaming and disconnects pass through.
+
+    A client that leaves is counted 499 however the server learns it: its body cut short
+    (`ClientDisconnect`), a stream Starlette ends quietly, the request cancelled (Serve's proxy
+    cancels the request of a client gone, draining or not), or a `receive` that fails (Serve's
+    call back to its proxy for the body, cancelled with the request: taken as the disconnect
+    it is). The one cancellation that is the server's is a stopping server's grace running out
+    (`ServiceState.cut_off`): that request is answered 503 `shutting_down`."""
 
     def __init__(self, app, state: ServiceState):
         self.app, self.state = app, state
@@ -130,6 +141,14 @@ class Observe:
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 box["complete"] = True
             await send(message)
+
+        async def receiving():
+            try:
+                return await receive()
+            except Exception as exc:  # noqa: BLE001 — the client's side is gone
+                log.debug("%s %s: receive failed: %s", scope.get("method"), scope.get("path"),
+                          error_line(exc, 300))
+                return {"type": "http.disconnect"}
 
         metrics.in_flight.inc()
         try:
@@ -152,24 +171,25 @@ class Observe:
                     "this API takes none (a search's fields go in its JSON body; a '?' in a "
                     "document id is sent as %3F)"), metrics)
             if self.state.draining and scope.get("path") not in ("/healthz", "/metrics"):
-                return await _send_error(sending, ApiError(  # /readyz too: balancers move on
-                    503, "shutting_down", "the service is stopping; retry on another instance "
-                    "or once it is back", {"Retry-After": "5"}), metrics)
-            await self.app(scope, receive, sending)
+                # /readyz too: balancers move on
+                return await _send_error(sending, shutting_down(), metrics)
+            await self.app(scope, receiving, sending)
         except asyncio.CancelledError:
-            if "started" in box or not self.state.draining:  # a stream cut short, a client
+            if "started" in box or not self.state.cut_off:  # a stream cut short, a client
                 box["status"] = CLIENT_CLOSED  # gone
                 raise
-            # nothing sent yet, and the server is stopping: its grace for requests in flight
-            # has run out (uvicorn, Serve cancel them). Say so in JSON, not a plain 500
+            # nothing sent yet, and the server's grace for requests in flight has run out.
+            # Say so in JSON, not a plain 500
             try:
-                await _send_error(sending, ApiError(
-                    503, "shutting_down", "the service stopped before this request finished; "
-                    "retry on another instance or once it is back", {"Retry-After": "5"}),
-                    metrics)
+                await _send_error(sending, shutting_down(
+                    "the service stopped before this request finished; retry on another "
+                    "instance or once it is back"), metrics)
             except Exception:  # noqa: BLE001 — the client is gone too
                 box["status"] = CLIENT_CLOSED
         except Exception as exc:  # noqa: BLE001 — domain errors and crashes: JSON, no traceback
+            if isinstance(exc, ClientDisconnect) and "started" not in box:  # it left while
+                box["status"] = CLIENT_CLOSED  # its body was read: no one to answer, and no
+                return  # failure of the server's
             err = api_error(exc)
             if err.status == 500:
                 log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"),
@@ -190,8 +210,6 @@ class Observe:
 
 def _client_gone(exc: BaseException) -> bool:
     """Whether `exc` says the client went away (not that the server failed)."""
-    from starlette.requests import ClientDisconnect
-
     return isinstance(exc, (ClientDisconnect, BrokenPipeError, ConnectionResetError))
 
 
@@ -340,9 +358,10 @@ def create_app(state: ServiceState):
     async def readyz():
         """Ready when the default index is open and its backends answer, and the API keys
         file can be read; else 503, within a few seconds whatever the backends do. `indexes`:
-        how many are open; `indexes_not_ready`: how many of those have a backend that does not
-        answer (their searches answer 503). Which index, and why, are in the server log only:
-        anyone may ask."""
+        how many are open, or failed to open at their last request; `indexes_not_ready`: how
+        many of those cannot serve, a backend that does not answer or a start that failed
+        (their searches answer 503). Which index, and why, are in the server log only: anyone
+        may ask."""
         if state.keys is not None:
             try:
                 state.keys.check()

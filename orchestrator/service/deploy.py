@@ -87,15 +87,25 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
 
 def standalone_server(app, state: ServiceState, grace_s: float = GRACE_S, **config):
     """uvicorn for `app`: on SIGTERM (or `should_exit`) it stops taking connections and lets
-    requests in flight run for `grace_s`; `state.draining` is set first, so a request still
-    running when the grace ends is answered 503 `shutting_down` in JSON (`app.Observe`), not
-    with uvicorn's plain 500 and a traceback in the log."""
+    requests in flight run for `grace_s`, then cancels those still running. `state.draining`
+    is set first, and `state.cut_off` just before that cancellation, so such a request is
+    answered 503 `shutting_down` in JSON (`app.Observe`), not with uvicorn's plain 500 and a
+    traceback in the log, and a request whose client left meanwhile is still counted 499."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
             state.draining = True
-            await super().shutdown(sockets)
+            # uvicorn's own `grace_s` starts a moment later (after it closes the listeners),
+            # so this runs before it cancels anything
+            cut = asyncio.get_running_loop().call_later(grace_s, setattr, state, "cut_off",
+                                                        True)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cut.cancel()
 
     return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_s,
                                  **config))

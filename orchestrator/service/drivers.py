@@ -7,14 +7,16 @@ start and holds hundreds of MB, so the service keeps one per index and shares it
 
 * **Start**: on an index's first request, in the background, one start per index whatever the
   number of callers waiting on it (`open`); a caller waits at most its deadline, then gets a 503
-  `index_starting` while the start goes on.
+  `index_starting` while the start goes on. A start that failed is kept (`failed`: readiness
+  counts the index not ready) until one succeeds.
 * **Retire**: a driver leaves service when its index changed on disk (another ingest's layout,
   a folder removed or made anew, an ingest left incomplete: `_stale`), when its retriever actor
   died for good (`retire_dead`), or when no request used it for `idle_close_s` (the default
   index excepted). The next request starts a fresh one.
 * **Close**: a retired driver closes only once the last request holding it (`using`, `hold`,
   `let_go`) has left, and a new driver of the same index starts only after that (a Milvus Lite
-  file has one owner).
+  file has one owner). Once the service closes (`close`), no driver starts: `open` answers 503
+  `shutting_down`, and a start under way closes the driver it made.
 
 No HTTP and no Ray here: `make(settings)` starts a driver, `close(driver, docstore)` closes one.
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import IndexNotFound, error_line
 from branchsearch.infra.index.catalog import index_names
-from branchsearch.orchestrator.service.errors import ApiError
+from branchsearch.orchestrator.service.errors import ApiError, shutting_down
 
 log = logging.getLogger("branchsearch.service")
 
@@ -53,7 +55,9 @@ class Drivers:
         self._background: dict[str, dict] = {}  # index -> its one start, while it runs
         self._write_locks: dict[str, threading.Lock] = {}
         self._last_used: dict[str, float] = {}  # index -> when its last request ended
-        self._closing = threading.Event()  # set by close(): the idle reaper stops
+        # index -> why its last start failed (a log line), until one succeeds (`failed`)
+        self._failed: dict[str, str] = {}
+        self._closing = threading.Event()  # set by close(): no start begins, the reaper stops
         if idle_close_s > 0:
             threading.Thread(target=self._reap_idle, daemon=True, name="idle-indexes").start()
 
@@ -62,8 +66,11 @@ class Drivers:
         or fail on a full cluster) runs in the background, one per index whatever the number
         of callers waiting on it, so searches of other indexes go on meanwhile. `wait`: the
         most seconds to wait for it (a request's deadline); past it, a 503 index_starting
-        while the start goes on. A failed start is tried again by the next caller."""
+        while the start goes on. A failed start is tried again by the next caller. Once
+        `close` has begun, a 503 shutting_down."""
         with self._lock:
+            if self._closing.is_set():
+                raise shutting_down()
             if index in self.by_index:
                 if not self._stale(index):
                     return self.by_index[index]
@@ -71,6 +78,8 @@ class Drivers:
         if index not in index_names(self.settings):  # nothing to start: answered now
             raise index_not_found(index)
         with self._lock:
+            if self._closing.is_set():
+                raise shutting_down()
             if index in self.by_index:  # another caller's start finished meanwhile
                 return self.by_index[index]
             start = self._background.get(index)
@@ -93,9 +102,13 @@ class Drivers:
             start["driver"] = self._open(index)
         except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
             start["error"] = exc
+            if not isinstance(exc, (IndexNotFound, ApiError)):  # (ApiError: a start to retry)
+                with self._lock:
+                    self._failed[index] = error_line(exc, 1000)
         finally:
-            with self._lock:
+            with self._idle:
                 self._background.pop(index, None)
+                self._idle.notify_all()  # (`close` waits for the starts under way)
             start["done"].set()
 
     def _open(self, index: str):
@@ -128,13 +141,17 @@ class Drivers:
             self._close(driver, docstore)
             raise
         with self._lock:
-            self.by_index[index] = driver
-            self._docstores[index] = docstore
-            self._last_used[index] = time.monotonic()
-            self._write_locks.setdefault(index, threading.Lock())
-            if opened_as is not None:
-                self._opened_as[index] = opened_as
-        return driver
+            if not self._closing.is_set():  # (else `close` has begun: this one closes here)
+                self.by_index[index] = driver
+                self._docstores[index] = docstore
+                self._last_used[index] = time.monotonic()
+                self._write_locks.setdefault(index, threading.Lock())
+                if opened_as is not None:
+                    self._opened_as[index] = opened_as
+                self._failed.pop(index, None)
+                return driver
+        self._close(driver, docstore)
+        raise shutting_down()
 
     def _stale(self, index: str) -> bool:
         """Whether the index on disk is no longer the one its driver opened: an ingest (another
@@ -267,6 +284,13 @@ class Drivers:
         with self._lock:
             return list(self.by_index.items())
 
+    def failed(self) -> dict[str, str]:
+        """The indexes whose last start failed, each with why (a log line, for the server's
+        log only): a request asked for them and they do not serve. Not an index that is not
+        there, nor a start to retry at once (changed on disk while it started)."""
+        with self._lock:
+            return dict(self._failed)
+
     def write_lock(self, index: str) -> threading.Lock:
         """The lock that makes the service's document writes to `index` one at a time."""
         with self._lock:
@@ -276,12 +300,16 @@ class Drivers:
         """Close every driver once its requests have left, waiting at most `wait_s` for them (a
         server stopping past its grace cancels its requests, but their searches run on in
         threads); a driver still in use then is left to the process's exit, since closing
-        stores under a search can crash the process. Then wait (at most 30 s) for the retired
-        ones to close."""
+        stores under a search can crash the process. From now on no driver starts (`open`
+        answers 503 shutting_down); the starts under way, waited for within the same
+        `wait_s`, close the driver they made. Then wait (at most 30 s) for the retired ones
+        to close."""
         self._closing.set()
+        end = time.monotonic() + wait_s
         with self._idle:
+            self._idle.wait_for(lambda: not self._background, timeout=wait_s)
             self._idle.wait_for(lambda: not any(map(self._users.get, self.by_index.values())),
-                                timeout=wait_s)
+                                timeout=max(end - time.monotonic(), 0.0))
             for index, driver in self.by_index.items():
                 if self._users.get(driver):
                     log.warning("index %r: %d search(es) still running at close; its stores "

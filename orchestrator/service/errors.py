@@ -29,6 +29,12 @@ class ApiError(Exception):
         return (ApiError, (self.status, self.error, self.detail, self.headers))
 
 
+def shutting_down(detail: str = "the service is stopping; retry on another instance or once "
+                  "it is back") -> ApiError:
+    """The answer of a service that is stopping (draining, or its indexes closed)."""
+    return ApiError(503, "shutting_down", detail, {"Retry-After": "5"})
+
+
 class Refused:
     """A refusal (an `ApiError`) carried across a Ray Serve handle as a value: raised in the
     Searcher replica, Serve would log every 403, 404 and 429 as a failed request, traceback

@@ -170,11 +170,12 @@ class Health(BaseModel):
 class Ready(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["ready"]
-    indexes: int = Field(description="how many indexes are open now (their names are for "
-                         "keys that may use them: GET /v1/indexes)")
-    indexes_not_ready: int = Field(0, description="how many of them have a backend that "
-                                   "does not answer now (their searches answer 503; the server "
-                                   "log says which)")
+    indexes: int = Field(description="how many indexes are open now, or failed to open at "
+                         "their last request (their names are for keys that may use them: GET "
+                         "/v1/indexes)")
+    indexes_not_ready: int = Field(0, description="how many of them cannot serve now: a "
+                                   "backend that does not answer, or a start that failed "
+                                   "(their searches answer 503; the server log says which)")
 
 
 class KeyInfo(BaseModel):

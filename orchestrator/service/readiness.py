@@ -4,8 +4,14 @@ A readiness check probes every open index's backends, and a backend that stops a
 frozen Elasticsearch node, a Milvus server under a GC pause) holds a probe until its
 `backend_timeout_s` (30 s), far past a load balancer's probe timeout, each probe holding one of
 the searcher's threads meanwhile. So one check runs at a time, on a thread of its own, and
-every probe that arrives while it runs shares it; a probe waits at most `wait_s` and is told
-"not ready" past that (a backend that takes longer to answer a probe is in no state to serve).
+probes share checks; a probe waits at most `wait_s` and is told "not ready" past that (a
+backend that takes longer to answer a probe is in no state to serve).
+
+A probe is answered by a check that began after it arrived: the check running when it arrives
+looked at the backends earlier, and would miss one that recovered, or died, since. So a probe
+that arrives while a check runs waits for the next one, which begins as soon as the running one
+ends and answers every probe that arrived meanwhile: one check running and at most one waiting,
+whatever the number of probes.
 """
 
 from __future__ import annotations
@@ -20,34 +26,29 @@ T = TypeVar("T")
 
 
 class Unanswered(Exception):
-    """The shared check has run for longer than a probe waits."""
+    """The check a probe waits for has not ended within the probe's wait."""
 
 
 class SharedCheck(Generic[T]):
     def __init__(self, check: Callable[[], T], wait_s: float = 5.0):
         self.check, self.wait_s = check, wait_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="readiness")
-        self._lock = threading.RLock()  # (a done callback may run in the submitting thread)
-        self._running: Future | None = None
+        self._lock = threading.Lock()
+        self._next: Future | None = None  # the check the probes arriving now share
 
     def __call__(self) -> T:
-        """The answer of the check running now, or of a new one (its value, or its exception
-        raised); `Unanswered` when it has not ended within `wait_s`."""
+        """The answer of a check that begins after this call (its value, or its exception
+        raised): the one not yet begun, or a new one, begun once the running one ends;
+        `Unanswered` when it has not ended within `wait_s`."""
         with self._lock:
-            check = self._running
-            if check is None:
-                check = self._running = self._pool.submit(self.check)
-                check.add_done_callback(self._ended)
+            check = self._next
+            if check is None or check.running() or check.done():  # begun before this probe
+                check = self._next = self._pool.submit(self.check)
         try:
             return check.result(timeout=self.wait_s)
         except FutureTimeout:
             raise Unanswered(f"the readiness check has not ended within {self.wait_s:g} s "
                              "(an index still starting, or a backend not answering)") from None
-
-    def _ended(self, check: Future) -> None:
-        with self._lock:
-            if self._running is check:
-                self._running = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -43,8 +43,8 @@ from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
 log = logging.getLogger("branchsearch.service")
 
 _DONE = object()
-# how long a readiness check waits for the indexes other than the default (within the probe's
-# `readiness.SharedCheck.wait_s`, 5 s)
+# how long an index other than the default has to answer its readiness probe, counted from the
+# probe's start (within the probe's `readiness.SharedCheck.wait_s`, 5 s)
 OTHERS_WAIT_S = 3.0
 # how long past its deadline a search may take to hand back what its branches found (the driver
 # ends late branches as timeouts at the deadline; a driver blocked on a frozen backend is not
@@ -76,8 +76,9 @@ class Searcher:
         self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
                                close=self._close, idle_close_s=limits.index_idle_close_s)
         self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
-        # the other indexes' probes, one running at a time an index (`_ready`)
-        self._probes: dict[str, Future] = {}
+        # the other indexes' probes, one running at a time an index, with when each began
+        # (`_ready`)
+        self._probes: dict[str, tuple[Future, float]] = {}
         self._probes_lock = threading.Lock()
         self._probe_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="probe")
         if warm:
@@ -593,14 +594,16 @@ class Searcher:
 
     def _ready(self) -> dict:
         """Ready when the default index is open and its backends answer; ApiError 503
-        otherwise. Another open index whose backends do not answer — refuse, or not within
-        `OTHERS_WAIT_S` — is counted in `indexes_not_ready`, not made the server's state:
-        indexes usually live on clusters every replica shares, so a balancer that pulled each
-        replica for one index's outage would take every other index down with it (its
-        searches answer 503 meanwhile). Their probes run beside the default's, one at a time
-        an index (a probe still waiting on a frozen backend is not started again). Anyone may
-        ask (a load balancer has no key), so the answer names no index: which one, and why, go
-        to the server log only."""
+        otherwise. Another index that cannot serve is counted in `indexes_not_ready`, not
+        made the server's state: an open one whose backends do not answer its probe — refuse,
+        or not within `OTHERS_WAIT_S` of the probe's start — and one a request asked for whose
+        last start failed (`Drivers.failed`). Indexes usually live on clusters every replica
+        shares, so a balancer that pulled each replica for one index's outage would take
+        every other index down with it (that index's searches answer 503 meanwhile). Their
+        probes run beside the default's, one at a time an index: a probe still waiting on a
+        frozen backend is neither started again nor waited for again, so the checks after the
+        first answer at once. Anyone may ask (a load balancer has no key), so the answer names
+        no index: which one, and why, go to the server log only."""
         try:
             self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
@@ -608,7 +611,6 @@ class Searcher:
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
         opened = self.drivers.opened()
-        began = time.monotonic()
         others = {index: self._probing(index, driver) for index, driver in opened
                   if index != self.settings.index}
         index = self.settings.index
@@ -623,7 +625,7 @@ class Searcher:
             finally:
                 self.drivers.let_go(driver, None)
         failing = 0
-        for index, probe in others.items():
+        for index, (probe, began) in others.items():
             try:
                 probe.result(timeout=max(0.0, began + OTHERS_WAIT_S - time.monotonic()))
             except FutureTimeout:
@@ -634,15 +636,24 @@ class Searcher:
                 log.warning("index %r not ready (the server still is): %s", index,
                             getattr(exc, "detail", None) or error_line(exc, 1000))
                 failing += 1
-        return {"status": "ready", "indexes": len(opened), "indexes_not_ready": failing}
+        failed = {i: why for i, why in self.drivers.failed().items() if i != self.settings.index}
+        if failed:  # (an index removed since its start failed is no index to count)
+            names = set(self.index_names())
+            failed = {i: why for i, why in failed.items() if i in names}
+        for index, why in failed.items():
+            log.warning("index %r not ready (the server still is): its last start failed: %s",
+                        index, why)
+        return {"status": "ready", "indexes": len(opened) + len(failed),
+                "indexes_not_ready": failing + len(failed)}
 
-    def _probing(self, index: str, driver) -> Future:
-        """The probe of `index` running now, or a new one (on the probes' own threads)."""
+    def _probing(self, index: str, driver) -> tuple[Future, float]:
+        """The probe of `index` running now, or a new one (on the probes' own threads), with
+        when it began."""
         with self._probes_lock:
             running = self._probes.get(index)
-            if running is None or running.done():
-                running = self._probes[index] = self._probe_threads.submit(
-                    self._probe_held, index, driver)
+            if running is None or running[0].done():
+                running = self._probes[index] = (self._probe_threads.submit(
+                    self._probe_held, index, driver), time.monotonic())
             return running
 
     def _probe_held(self, index: str, driver) -> None:

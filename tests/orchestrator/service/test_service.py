@@ -907,7 +907,6 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             finally:
                 os.killpg(es.pid, signal.SIGCONT)
             # thawed: the check that waited on it ends, and a probe after it is ready again
-            # (before the stop below, or a probe might join that check, begun before the stop)
             deadline = time.monotonic() + 90
             while client.get("/readyz").status_code != 200:
                 assert time.monotonic() < deadline, "not ready again after the backend thawed"
@@ -1095,4 +1094,116 @@ def test_a_request_running_past_the_shutdown_grace_gets_a_json_503(tmp_path, cap
         assert not [r for r in caplog.records if "Exception in ASGI" in r.getMessage()]
     finally:
         release.set()
+        state.searcher.target.close()
+
+
+def test_an_index_whose_backend_is_down_at_its_first_request_is_counted_not_ready(tmp_path,
+                                                                                   caplog):
+    """An index whose Elasticsearch is down when a request first asks for it never opens:
+    /readyz counts it among the indexes, not ready (the server stays ready: only the default
+    index decides that), until a request opens it. No answer names its backend's address or
+    password; the server log says which index, and why."""
+    import logging
+
+    from es_emulator import start_es_emulator
+
+    es = start_es_emulator(tmp_path / "es")
+    state = server = None
+    try:
+        url = es.url.replace("://", "://elastic:hunter2@")
+        settings = load_settings(overrides={"home": tmp_path / "home", "index": "local",
+                                            "es_url": url, "branches": 1},
+                                 read_env=False, read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings.replace(index="es"),
+               dense=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]),
+               settings.replace(es_url=""), dense=False)  # the default: BM25 in tantivy
+        es.stop()
+        state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+        server = start_uvicorn(service.create_app(state), state)
+        client = httpx.Client(base_url=server.url, timeout=120)
+        q = {"question": "Harbor Festival in June", "index": "es"}
+        assert client.get("/readyz").json() == {"status": "ready", "indexes": 1,
+                                                "indexes_not_ready": 0}
+        with caplog.at_level(logging.WARNING, logger="branchsearch.service"):
+            down = assert_error(client.post("/v1/search", json=q), 503, "backend_unavailable")
+            ready = client.get("/readyz")
+        assert ready.json() == {"status": "ready", "indexes": 2, "indexes_not_ready": 1}
+        host = es.url.split("//")[1]
+        for answer in (str(down), ready.text):
+            assert "hunter2" not in answer and host not in answer, answer
+        assert re.search(r"index 'es' not ready \(the server still is\): its last start "
+                         r"failed: BackendUnavailable: elasticsearch at", caplog.text)
+        es = start_es_emulator(tmp_path / "es", port=es.port)  # back, with its documents
+        r = client.post("/v1/search", json=q)
+        assert r.status_code == 200 and r.json()["evidence"], r.text
+        assert client.get("/readyz").json() == {"status": "ready", "indexes": 2,
+                                                "indexes_not_ready": 0}
+        client.close()
+    finally:
+        if server is not None:
+            server.stop()
+            state.searcher.target.close()
+        es.stop()
+
+
+def test_a_service_whose_indexes_are_closed_answers_503_shutting_down(tmp_path):
+    """Once the searcher's indexes are closed (the server is stopping), a request that still
+    reaches it starts no index (its driver would never be closed): a JSON 503
+    `shutting_down`, with Retry-After."""
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings, dense=False)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+    server = start_uvicorn(service.create_app(state), state)
+    try:
+        state.searcher.target.drivers.close()
+        r = httpx.post(f"{server.url}/v1/search", json={"question": "harbor"}, timeout=60)
+        assert assert_error(r, 503, "shutting_down")["detail"].startswith(
+            "the service is stopping")
+        assert r.headers["retry-after"] == "5"
+    finally:
+        server.stop()
+        state.searcher.target.close()
+
+
+def test_a_client_that_leaves_mid_body_while_the_server_drains_is_counted_499(tmp_path, caplog):
+    """A client that disconnects before its body has all arrived, while the server drains, is
+    counted 499, as any client gone: not a 500, and no traceback in the log (nobody is left to
+    answer, and the server did not fail)."""
+    import logging
+    import socket
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+    server = start_uvicorn(service.create_app(state), state)
+
+    def rendered() -> str:
+        return state.metrics.render().decode()
+
+    try:
+        with caplog.at_level(logging.ERROR):
+            host, port = server.url.removeprefix("http://").split(":")
+            client = socket.create_connection((host, int(port)))
+            client.sendall(b"PUT /v1/indexes/x/documents HTTP/1.1\r\nHost: here\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                           b'[{"id": "x1", ')
+            deadline = time.monotonic() + 30
+            while "branchsearch_http_requests_in_flight 1.0" not in rendered():
+                assert time.monotonic() < deadline, "the request did not arrive"
+                time.sleep(0.05)
+            server.server.should_exit = True  # drain: the request goes on
+            while not state.draining:
+                assert time.monotonic() < deadline, "the server did not start draining"
+                time.sleep(0.05)
+            client.close()
+            put = re.compile(r'^branchsearch_http_requests_total\{endpoint="/v1/indexes/'
+                             r'\{index\}/documents",method="PUT",status="(\d+)"\} 1\.0$', re.M)
+            while not put.search(rendered()):
+                assert time.monotonic() < deadline, "the request was not counted"
+                time.sleep(0.05)
+        assert put.search(rendered()).group(1) == "499", rendered()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        server.stop()
         state.searcher.target.close()

@@ -931,9 +931,10 @@ def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
 
 
 def test_readiness_answers_within_its_wait_and_probes_share_one_check():
-    """Every probe that arrives while a readiness check runs shares it and waits at most
-    `wait_s` (a backend that stopped answering would hold it for its whole timeout); the next
-    probe after it ends starts anew."""
+    """Every probe waits at most `wait_s` (a backend that stopped answering would hold a check
+    for its whole timeout), and the probes that arrive while a check hangs share the one check
+    after it: a frozen backend holds one thread, whatever the number of probes. Once it
+    answers, the check that waited runs at once."""
     import time
 
     from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
@@ -965,13 +966,218 @@ def test_readiness_answers_within_its_wait_and_probes_share_one_check():
     told = [a for a in answers if isinstance(a, Unanswered)]
     assert len(told) == 6 and "not ended within 0.2 s" in str(told[0])
     assert max(a for a in answers if isinstance(a, float)) < 5  # not the backend's timeout
-    assert len(runs) == 1  # one check for the six probes
+    assert len(runs) == 1  # the check that hangs; the next one waits for it
+    assert len([t for t in threading.enumerate() if t.name.startswith("readiness")]) == 1
     release.set()
     deadline = time.monotonic() + 10
-    while ready._running is not None and time.monotonic() < deadline:
+    while len(runs) < 2:  # the check the probes waited for runs once the first has ended
+        assert time.monotonic() < deadline, "the waiting check did not run"
         time.sleep(0.01)
-    assert ready() == {"status": "ready"} and len(runs) == 2  # a new check, answered at once
+    assert ready() == {"status": "ready"} and len(runs) == 3  # begun after this probe
     ready.close()
+
+
+def test_a_readiness_probe_is_answered_by_a_check_begun_after_it():
+    """A probe that arrives while a check runs is not given that check's answer: the check
+    looked at the backends before the probe came, and a backend that died (or recovered)
+    since would go unseen. The probe waits for the next check, within `wait_s`."""
+    import time
+
+    from branchsearch.orchestrator.service.readiness import SharedCheck
+
+    backend, looked, release = {"up": True}, threading.Event(), threading.Event()
+
+    def check():
+        up = backend["up"]  # what the backend says when the check looks
+        looked.set()
+        release.wait(30)
+        return up
+
+    ready = SharedCheck(check, wait_s=30)
+    answers: dict = {}
+    first = threading.Thread(target=lambda: answers.update(first=ready()))
+    first.start()
+    assert looked.wait(30)
+    backend["up"] = False  # the backend dies after the running check looked at it
+    second = threading.Thread(target=lambda: answers.update(second=ready()))
+    second.start()
+    time.sleep(0.5)  # the second probe arrives while the first check still runs
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert answers == {"first": True, "second": False}
+    ready.close()
+
+
+def test_a_frozen_index_other_than_the_default_is_waited_for_once(tmp_path):
+    """An index other than the default whose backend froze is given `OTHERS_WAIT_S` from its
+    probe's start, once: the checks after the first count it not ready at once rather than
+    waiting for the same stuck probe again, so a probe that waits for the check after the
+    running one is still answered within its wait."""
+    import time
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.orchestrator.service.searcher import OTHERS_WAIT_S, Searcher
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "main"}, read_env=False,
+                             read_file=False)
+    for name in ("main", "frozen"):
+        folder = settings.replace(index=name).index_dir
+        folder.mkdir(parents=True)
+        (folder / "docs.sqlite").touch()
+        write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    thaw = threading.Event()
+
+    class Driver:
+        """Its retriever's one store answers `count` (a probe) at once, or once thawed."""
+
+        def __init__(self, s, executor):
+            self.executor = self.retriever = self.lexical = self
+            self.dense, self.index = None, s.index
+
+        def count(self):
+            if self.index == "frozen":
+                thaw.wait(60)
+            return 1
+
+        def close(self):
+            pass
+
+    searcher = Searcher(settings, executor="local", driver_factory=Driver)
+    searcher.drivers.open("frozen")
+    try:
+        began = time.monotonic()
+        assert searcher._ready_now() == {"status": "ready", "indexes": 2,
+                                         "indexes_not_ready": 1}
+        assert time.monotonic() - began >= OTHERS_WAIT_S - 0.1  # the first check waits
+        began = time.monotonic()
+        assert searcher._ready_now() == {"status": "ready", "indexes": 2,
+                                         "indexes_not_ready": 1}
+        assert time.monotonic() - began < OTHERS_WAIT_S - 1  # the next one does not
+    finally:
+        thaw.set()
+        searcher.close()
+
+
+def test_a_closing_service_starts_no_driver_and_closes_the_one_starting(tmp_path):
+    """Once `Drivers.close` has begun, an open is refused (503 shutting_down: JSON to the
+    caller) and starts nothing, and a driver still starting when close began is closed when
+    its start ends: none is left open to leak its connections or actors. Close waits for that
+    start (within its `wait_s`)."""
+    import time
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.manifest import Manifest, write_manifest
+    from branchsearch.orchestrator.service.drivers import Drivers
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    for name in ("slow", "other"):
+        folder = settings.replace(index=name).index_dir
+        folder.mkdir(parents=True)
+        (folder / "docs.sqlite").touch()
+        write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    log, entered, release = [], threading.Event(), threading.Event()
+
+    def make(s):
+        if s.index == "slow":
+            entered.set()
+            release.wait(30)
+        return FakeDriver(f"{s.index}-{len(log)}", log)
+
+    drivers = Drivers(settings, make=make,
+                      close=lambda d, store: (d.close(), store and store.close()))
+    answers: dict = {}
+
+    def open_slow():
+        try:
+            answers["slow"] = drivers.open("slow", wait=30)
+        except ApiError as exc:
+            answers["slow"] = exc
+
+    starting = threading.Thread(target=open_slow)
+    starting.start()
+    assert entered.wait(30)
+    closing = threading.Thread(target=drivers.close, kwargs={"wait_s": 30})
+    closing.start()
+    deadline = time.monotonic() + 10
+    while True:  # (before close begins, this opens a driver that close closes)
+        try:
+            drivers.open("other", wait=10)
+        except ApiError as exc:
+            refused = exc
+            break
+        assert time.monotonic() < deadline, "an open after close() began was not refused"
+        time.sleep(0.01)
+    assert (refused.status, refused.error) == (503, "shutting_down")
+    assert refused.headers == {"Retry-After": "5"}
+    assert closing.is_alive()  # waiting for the start under way
+    release.set()
+    closing.join(30)
+    starting.join(30)
+    assert not closing.is_alive() and not starting.is_alive()
+    assert isinstance(answers["slow"], ApiError) and answers["slow"].error == "shutting_down"
+    opened = [line.split(" ", 1)[1] for line in log if line.startswith("open ")]
+    closed = [line.split(" ", 1)[1] for line in log if line.startswith("close ")]
+    assert any(n.startswith("slow") for n in opened) and sorted(opened) == sorted(closed), log
+    assert drivers.by_index == {}
+
+
+def test_a_client_gone_while_the_server_drains_is_counted_499(caplog):
+    """A request cancelled before its answer began is one whose client left (Ray Serve's proxy
+    cancels it then, draining or not): counted 499, answered nothing. So is one whose
+    `receive` fails (Serve's call back to its proxy for the body, cancelled with the request)
+    — not a 500 with a traceback. Only a server whose grace for requests in flight ran out
+    (`cut_off`) answers its cancelled requests 503 shutting_down. The app is driven as an ASGI
+    server drives it."""
+    import asyncio
+    import logging
+
+    from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, create_app
+
+    class TaskCancelled(Exception):
+        """What Serve's `receive` raises once the proxy's call is cancelled (Ray's
+        TaskCancelledError)."""
+
+    async def gone(how: str):
+        state = ServiceState(SearcherClient(None), None)
+        app = create_app(state)
+        reading, cut, sent = asyncio.Event(), asyncio.Event(), []
+
+        async def receive():  # the rest of the body never comes: the request is in flight
+            reading.set()
+            await cut.wait()
+            raise TaskCancelled("Task: 6b32 was cancelled.")
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "PUT", "scheme": "http", "path": "/v1/indexes/x/documents",
+                 "raw_path": b"/v1/indexes/x/documents", "root_path": "", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+        request = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.wait_for(reading.wait(), 30)
+        state.draining = True  # the server stops meanwhile
+        if how == "receive fails":
+            cut.set()
+        else:  # its client left (Serve's proxy) / its grace ran out (uvicorn)
+            state.cut_off = how == "cut off"
+            request.cancel()
+        await asyncio.wait({request})
+        return sent, state.metrics.render()
+
+    for how in ("cancelled", "receive fails"):
+        with caplog.at_level(logging.WARNING, logger="branchsearch.service"):
+            sent, metrics = asyncio.run(gone(how))
+        assert sent == [], how
+        assert b'method="PUT",status="499"} 1.0' in metrics, how
+        assert b'status="500"' not in metrics and b'status="503"' not in metrics, how
+        assert not caplog.records, caplog.text  # nothing the server did wrong
+    sent, metrics = asyncio.run(gone("cut off"))
+    assert sent[0]["status"] == 503 and b'"error":"shutting_down"' in sent[1]["body"]
+    assert b'method="PUT",status="503"} 1.0' in metrics
 
 
 def test_an_index_is_closed_only_once_its_searches_have_ended(tmp_path, caplog):

@@ -164,3 +164,56 @@ def test_searcher_replicas_on_the_ray_executor_share_the_cluster(serve_app, tmp_
         assert searchers("DEAD") == [], "a searcher replica failed to start and was replaced"
     finally:
         serve.delete("two")  # the module's own app goes on
+
+
+def test_a_client_gone_while_serve_drains_is_counted_499(serve_app, tmp_path):
+    """A request in flight when the application starts to drain, whose client then leaves:
+    Serve's proxy cancels it in the ingress replica, which counts it 499 (the client left),
+    not 503 `shutting_down` (an answer no one receives, from a server that did not fail)."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import (BOARD_NAMESPACE, ServeOptions,
+                                                          board_name, build_application)
+
+    client, _ = serve_app
+    home = tmp_path / "drain"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    opts = ServeOptions(home=str(home), index="bm", executor="local")  # dev mode: no keys
+    serve.run(build_application(opts), name="drain", route_prefix="/drain")
+
+    def put_statuses(board) -> list[str]:
+        """The statuses the ingress counted PUTs under, as it shares them (every 2 s)."""
+        _, shared = ray.get(board.share.remote("test", []), timeout=30)
+        return [labels["status"] for _, snapshot in shared for family, _, _, samples in snapshot
+                if family == "branchsearch_http_requests" for name, labels, _ in samples
+                if name.endswith("_total") and labels.get("method") == "PUT"]
+
+    try:
+        host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
+        caller = socket.create_connection((host, int(port)))
+        caller.sendall(b"PUT /drain/v1/indexes/bm/documents HTTP/1.1\r\nHost: here\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                       b'[{"id": "x1", ')  # the rest of its body never comes
+        deadline = time.monotonic() + 120
+        # in flight at the ingress: the PUT, and the scrape asking
+        while "branchsearch_http_requests_in_flight 2.0" not in client.get("/drain/metrics").text:
+            assert time.monotonic() < deadline, "the request did not reach the ingress"
+            time.sleep(0.2)
+        board = ray.get_actor(board_name("drain"), namespace=BOARD_NAMESPACE)
+        ray.get(board.drain.remote(), timeout=30)
+        while client.get("/drain/readyz").status_code != 503:  # the replica knows
+            assert time.monotonic() < deadline, "the ingress did not learn of the drain"
+            time.sleep(0.2)
+        caller.close()
+        while not (statuses := put_statuses(board)):
+            assert time.monotonic() < deadline, "the request was not counted"
+            time.sleep(0.5)
+        assert statuses == ["499"], statuses
+    finally:
+        serve.delete("drain")  # the module's own app goes on
