@@ -1,8 +1,10 @@
-"""The user's text files: read line by line, with a clear error for bytes that are not UTF-8;
-written (results, reports) where the path the user named leads."""
+"""The user's text files: read line by line, with a clear error for bytes that are not UTF-8,
+their JSON read with no key given twice; written (results, reports) where the path the user
+named leads."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -37,3 +39,30 @@ def utf8_lines(raw_lines: Iterable[bytes], name: str | Path) -> Iterator[tuple[i
                 "convert the file to UTF-8, e.g. with `iconv -f latin1 -t utf-8`") from None
         offset += len(raw)
         yield lineno, line
+
+
+class KeyTwice(ValueError):
+    """A JSON object that names one key twice (`{"_id": "a", "_id": "b"}`): which value counts
+    would be the parser's choice (Python's keeps the last), so the input is refused."""
+
+    @property
+    def key(self) -> str:
+        return self.args[0]
+
+    def __str__(self) -> str:
+        return f"the key {repr(self.key)[:80]} is given twice in one object: give it once"
+
+
+def json_once(text: str | bytes):
+    """`json.loads(text)` for JSON a user wrote (a corpus or questions line, a request body):
+    an object that names a key twice, at any depth, raises KeyTwice (a ValueError)."""
+    return json.loads(text, object_pairs_hook=_once_each)
+
+
+def _once_each(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise KeyTwice(key)
+        out[key] = value
+    return out

@@ -8,9 +8,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   whole row that lost its newline is kept); a run refused before it starts changes nothing.
 * A re-run skips only ids whose latest line has `status` `ok`; `partial`, `failed` and `error`
   rows are run again. So are ok rows answered on another index, or made with other settings
-  that change a result (`made_with`: the agent's and retrieval's settings, the branches, the
-  caller's ACL groups), so that one output never mixes two configurations' evidence (the CLI
-  refuses such a resume instead: a flag changed by mistake would replace finished work).
+  that change a result (`made_with`: the settings `CHANGES_RESULT` names, the caller's ACL
+  groups), so that one output never mixes two configurations' evidence (the CLI refuses such a
+  resume instead: a flag changed by mistake would replace finished work).
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt.
 * One batch at a time writes an output (`OutputLock`): a second one on the same file, whose rows
@@ -39,25 +39,18 @@ from branchsearch.infra.errors import BranchsearchError, CorpusError
 from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
-# what changes a question's result, beside the index: these sections of the settings (less
-# what changes only errors and speed, and `acl_admin`, which `acl` says as "*"), the query-side
-# settings of other sections, the branches, and who asks (`made_with`)
-RESULT_SECTIONS = ("retrieval", "agent")
-NOT_RESULT = ("grep_max_pattern", "fetch_cache", "acl_admin")
-QUERY_SIDE = ("static_queries", "embed_backend", "milvus_search_ef", "milvus_consistency",
-              "branches")
-LLM_SIDE = ("llm_model", "llm_seed", "llm_max_tokens", "llm_max_model_len")
 
 
 def made_with(settings, acl_groups) -> dict:
     """The settings a batch row was made with that change its evidence: written in every row;
-    a resume asks again an id whose ok row was made with others (`differing`). The LLM's
-    settings only when an LLM plans or searches (never its URL or key). `acl`: the caller's
+    a resume asks again an id whose ok row was made with others (`differing`). Which settings
+    those are is said once, beside the settings (`CHANGES_RESULT` in infra.config.settings):
+    the LLM's only when an LLM plans or searches, never a URL or key. `acl`: the caller's
     groups, sorted and once each (["*"] for an admin); None: public documents only."""
-    from branchsearch.infra.config.settings import SECTIONS
+    from branchsearch.infra.config.settings import CHANGES_RESULT, CHANGES_RESULT_WITH_LLM
 
-    names = [n for s in RESULT_SECTIONS for n in SECTIONS[s] if n not in NOT_RESULT]
-    names += QUERY_SIDE + (LLM_SIDE if "llm" in (settings.policy, settings.planner) else ())
+    llm = "llm" in (settings.policy, settings.planner)
+    names = CHANGES_RESULT + (CHANGES_RESULT_WITH_LLM if llm else ())
     out = {name: getattr(settings, name) for name in names}
     out["acl"] = None if acl_groups is None else sorted(set(acl_groups))
     return json.loads(json.dumps(out, default=str))  # as a row read back holds it
@@ -98,14 +91,14 @@ def read_questions(path: str | Path) -> BatchInput:
 def _questions(f, path: str | Path) -> BatchInput:
     """The questions of binary lines `f`; a malformed line is kept in `bad_lines` with its
     line number, and bytes that are not UTF-8 stop with the line and byte offset."""
-    from branchsearch.infra.textfile import utf8_lines
+    from branchsearch.infra.textfile import json_once, utf8_lines
 
     out, seen = BatchInput(), set()
     for lineno, line in utf8_lines(f, path):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json_once(line)  # a key given twice: a ValueError saying which
             if not isinstance(row, dict):
                 raise ValueError(f"a line is one JSON object per question, not "
                                  f"{_JSON_KIND.get(type(row), 'a number')}")

@@ -31,9 +31,12 @@ def parse_documents(body: bytes) -> list:
     stripped = text.lstrip()
     if stripped.startswith("["):
         from branchsearch.infra.ingest.corpus import json_problem
+        from branchsearch.infra.textfile import KeyTwice, json_once
 
         try:
-            rows = json.loads(stripped)
+            rows = json_once(stripped)
+        except KeyTwice as exc:
+            raise CorpusError(f"body: {exc}") from None
         except (ValueError, RecursionError) as exc:
             raise CorpusError(f"body is not a valid JSON array ({json_problem(exc)})") from None
         text = "".join(json.dumps(r) + "\n" for r in rows)
@@ -64,7 +67,9 @@ def _refuse_wrapper(text: str) -> None:
 def upsert(retriever, settings, docs: list) -> dict:
     """Replace (or add) `docs` and all their chunks, chunked as the index's ingest chunked
     (its manifest's encoding and windows, whatever this process's settings say: the docstore's
-    token counts are read in that encoding). Returns {documents, chunks}."""
+    token counts are read in that encoding). A document the index holds under its id in
+    another Unicode form (written by an earlier version) is replaced too. Returns {documents,
+    chunks}."""
     from branchsearch.infra.index.manifest import read_manifest
     from branchsearch.infra.stores.protocols import IndexedChunk
     from branchsearch.infra.ingest.chunking import chunk_text, head_tokens
@@ -78,26 +83,32 @@ def upsert(retriever, settings, docs: list) -> dict:
     by_id = {d.id: d for d in docs}
     indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
                for c in chunks]
-    ids = [d.id for d in docs]
+    others = retriever.docstore.other_forms([d.id for d in docs])
+    ids = [d.id for d in docs] + others
     with every_store(retriever, settings) as dense:
         _reachable(retriever.lexical, dense)
         if dense is not None:
             dense.write(indexed, retriever.embedder.embed([c.body for c in indexed]), ids)
         retriever.lexical.write(indexed, ids)
-        retriever.docstore.replace_documents(docs, chunks)
+        retriever.docstore.replace_documents(docs, chunks, replaced=others)
     return {"documents": len(docs), "chunks": len(chunks)}
 
 
 def delete(retriever, settings, doc_id: str) -> bool:
-    """Remove a document from every store; False when the docstore did not have it."""
+    """Remove a document from every store, under its id in any Unicode form the index holds
+    (`DocStore.stored_ids`); False when the docstore did not have it."""
+    from branchsearch.infra.ingest.corpus import id_forms
+
     store = retriever.docstore
     with every_store(retriever, settings) as dense:
         _reachable(retriever.lexical, dense)
-        found = store.get_document(doc_id) is not None
-        store.delete_documents([doc_id])  # what searches see goes first
-        retriever.lexical.write([], [doc_id])
+        found = store.stored_ids(doc_id)
+        # none in the docstore: a repeat clears what a failed delete left in the other stores
+        ids = found or list(id_forms(doc_id))
+        store.delete_documents(ids)  # what searches see goes first
+        retriever.lexical.write([], ids)
         if dense is not None:
-            dense.write([], [], [doc_id])
+            dense.write([], [], ids)
     return bool(found)
 
 

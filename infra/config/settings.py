@@ -221,6 +221,46 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 
+# Whether a setting changes a question's evidence on a given index. A batch row records the
+# values of those that do (`orchestrator.batch.made_with`), and a resume keeps only rows made
+# with the same values. A field is in exactly one of the three (tests/infra/test_infra.py).
+CHANGES_RESULT: tuple[str, ...] = (
+    "encoding",  # the agent counts its budget in it
+    "static_queries", "embed_backend",  # how a query is embedded
+    "milvus_search_ef", "milvus_consistency",  # what a dense search returns
+    "search_mode", "rrf_k", "branch_rrf_k", "hybrid_candidates",
+    "budget_tokens", "soft_limit", "hard_limit", "max_turns", "max_tokens_read",
+    "no_progress_turns", "result_token_cap", "search_k", "read_window_tokens", "final_k",
+    "prune", "learned_rank", "per_title", "policy", "planner", "query_max_tokens", "forks",
+    "fork_gap", "chains", "bridges", "skip_covered",
+    "branches",
+)
+# ... only when an LLM plans or searches (policy or planner "llm")
+CHANGES_RESULT_WITH_LLM: tuple[str, ...] = (
+    "llm_model", "llm_seed", "llm_max_tokens", "llm_max_model_len")
+NO_RESULT_CHANGE: tuple[str, ...] = (
+    # where the data and the servers are, and their credentials (the index is in every row)
+    "home", "index", "indexes", "milvus_uri", "milvus_token", "es_url", "es_api_key",
+    "llm_url", "llm_api_key", "ray_address",
+    # kept by the index: its manifest, the Milvus index built at its ingest
+    "chunk_tokens", "chunk_overlap", "embed_model", "static_tune_chunks", "milvus_index",
+    "milvus_hnsw_m", "milvus_hnsw_ef_construction",
+    # speed and resources: the same evidence, sooner or later
+    "embed_batch", "embed_device", "fetch_cache", "llm_engines", "llm_tensor_parallel",
+    "llm_detached", "branch_num_cpus", "branch_num_gpus", "batch_concurrency",
+    "retriever_replicas",
+    # retries and limits: whether a question or a call ends ok, not what an ok one found
+    "backend_retries", "backend_backoff_s", "backend_timeout_s", "llm_timeout_s",
+    "branch_timeout_s", "branch_retries", "actor_start_timeout_s", "grep_max_pattern",
+    # who asks: the row's `acl` ("*" for an admin)
+    "acl_admin",
+    # telemetry, and the service's limits
+    "trace_exporter", "trace_file", "otlp_endpoint", "otlp_protocol", "otlp_headers",
+    "otlp_timeout_s", "trace_flush_timeout_s", "max_body_bytes", "max_question_chars",
+    "max_branches", "max_k", "default_deadline_s", "max_deadline_s", "per_key_concurrency",
+    "max_in_flight", "retry_after_s", "index_idle_close_s",
+)
+
 
 def _flatten_sections(data: dict[str, Any], path) -> dict[str, Any]:
     """A settings file's `[section]` tables as top-level keys, each checked to belong to its

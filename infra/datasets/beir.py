@@ -10,7 +10,8 @@ from pathlib import Path
 
 from branchsearch.infra.config.choices import SPLITS, Split
 from branchsearch.infra.errors import CorpusError
-from branchsearch.infra.textfile import utf8_lines
+from branchsearch.infra.ingest.corpus import document_id
+from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
 
 
 @dataclass
@@ -50,16 +51,18 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
             if len(row) < 3 or not row[2].lstrip("-").isdigit():
                 raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score "
                                   "(or TREC's query-id, 0, corpus-id, score)")
-            if int(row[2]) > 0:
-                gold.setdefault(row[0], {})[row[1]] = int(row[2])
+            if int(row[2]) > 0:  # the document's id as the index holds it (NFC)
+                gold.setdefault(row[0], {})[document_id(row[1])] = int(row[2])
     queries, seen = [], set()
     with qfile.open("rb") as f:
         for lineno, line in utf8_lines(f, qfile):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json_once(line)
                 qid, text = row.get("_id", row.get("id")), row["text"]
+            except KeyTwice as exc:  # {"_id": "q1", "_id": "q2"}: which query is it?
+                raise CorpusError(f"{qfile}:{lineno}: {exc}") from None
             except (ValueError, RecursionError, KeyError, AttributeError, TypeError):
                 raise CorpusError(f"{qfile}:{lineno}: expected {{'_id', 'text'}}") from None
             if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name, group_problem
 from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
 
 _BIDI = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # direction overrides
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
@@ -66,17 +67,15 @@ def _unique(docs: list[Document], name: str) -> list[Document]:
         raise CorpusError(f"{name}: no documents found")
     seen: dict[str, Document] = {}
     for doc in docs:
-        first = seen.setdefault(_id_key(doc.id), doc)
+        first = seen.setdefault(doc.id, doc)
         if first is not doc:  # two files of a folder can make one id ("a b.txt", "a_b.txt")
             both = f" ({first.source} and {doc.source})" if first.source != doc.source else ""
             raise CorpusError(f"{name}: duplicate document id {doc.id!r}{both}"
-                              f"{_forms(first.id, doc.id)}")
+                              f"{_forms(first.source, doc.source)}")
     return docs
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:
-    from branchsearch.infra.textfile import utf8_lines
-
     with path.open("rb") as f:  # bytes that are not UTF-8 stop with file, line and offset
         yield from _documents(utf8_lines(f, path), str(path), None)
 
@@ -84,13 +83,15 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
 def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
     """Documents from (line number, line) pairs; `source`: the default source field (None:
     the file's name)."""
-    seen: dict[str, tuple[int, str]] = {}  # id (NFC) -> its first line, and id as written
+    seen: dict[str, tuple[int, str]] = {}  # id -> its first line, and the id as written
     for lineno, line in lines:
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
         try:
-            row = json.loads(line)
+            row = json_once(line)
+        except KeyTwice as exc:  # {"_id": "a", "_id": "b"}: which one is the id?
+            raise CorpusError(f"{where}: {exc}") from None
         except (ValueError, RecursionError) as exc:  # a 5,000-digit number is a ValueError
             raise CorpusError(f"{where}: not valid JSON ({json_problem(exc)})") from None
         if not isinstance(row, dict):
@@ -112,14 +113,15 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
                                   f"{json.dumps(row[field_name], default=str)[:40]}")
         doc = _document(str(doc_id), row, where, source=str(row.get(
             "source") or source or Path(name).name))
-        first = seen.setdefault(_id_key(doc.id), (lineno, doc.id))
+        first = seen.setdefault(doc.id, (lineno, str(doc_id)))
         if first[0] != lineno:
             raise CorpusError(f"{where}: duplicate document id {doc.id!r} (first on line "
-                              f"{first[0]}){_forms(first[1], doc.id)}")
+                              f"{first[0]}){_forms(first[1], str(doc_id))}")
         yield doc
 
 
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
+    doc_id = document_id(doc_id)
     if not _ID_OK.fullmatch(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
     if doc_id in (".", ".."):  # a URL path drops it: the service could never delete it
@@ -184,14 +186,28 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     )
 
 
-def _id_key(doc_id: str) -> str:
-    """Ids that differ only in Unicode form (`café` typed on macOS is NFD) are one id: a
-    service caller's NFC one reaches either, and output shows them alike."""
+def document_id(doc_id: str) -> str:
+    """A document's id as an index holds it: Unicode NFC. Ids that differ only in Unicode form
+    (`café` typed on macOS is NFD: `e` and a combining accent) are one id, shown alike: one
+    document, whichever form a corpus, an upload or a caller writes it in. Every id enters an
+    index through here (`_document`); an index an earlier version wrote may hold an id as it
+    was typed (`id_forms`)."""
     return unicodedata.normalize("NFC", doc_id)
 
 
+def id_forms(doc_id: str) -> tuple[str, ...]:
+    """The ids an index may hold the document `doc_id` under, each once: `doc_id` as given,
+    its NFC form (how ingest writes ids) and its NFD form (how an earlier version kept an id
+    typed decomposed)."""
+    return tuple(dict.fromkeys((doc_id, document_id(doc_id),
+                                unicodedata.normalize("NFD", doc_id))))
+
+
 def _forms(first: str, other: str) -> str:
-    return "" if first == other else " (the same id in another Unicode form: NFC and NFD)"
+    """The note for two spellings of one id (or of the file names that made it) that differ
+    only in Unicode form."""
+    same = first != other and document_id(first) == document_id(other)
+    return " (the same id in another Unicode form: NFC and NFD)" if same else ""
 
 
 def _first(row: dict, *names: str):

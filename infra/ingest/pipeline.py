@@ -64,7 +64,9 @@ class IngestReport:
     documents: int = 0  # documents in the corpus
     chunks: int = 0  # chunks of those documents
     resumed: int = 0  # documents already committed with the same content (kept, not redone)
-    purged: int = 0  # documents a stopped ingest left pending and this corpus no longer has
+    # documents a stopped ingest left pending and this corpus no longer has, and documents
+    # held under another Unicode form of a corpus id (replaced by the corpus's own)
+    purged: int = 0
     recounted: int = 0  # chunks committed before their token counts were kept, counted now
     uncounted: str = ""  # why some such chunks were not (searches count them as before)
     stale_lock: str = ""  # the stopped ingest this one took over, if any
@@ -203,7 +205,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             report.chunks = report._resumed_chunks
             if progress and report.resumed:
                 progress(report.resumed, report._resumed_chunks)
-            _purge(docstore, lexical, dense_store, {d.id for d in todo}, report)
+            _purge(docstore, lexical, dense_store, docs, {d.id for d in todo}, report)
             if workers > 1 and todo:
                 from branchsearch.infra.ingest.distributed import ray_batches
 
@@ -404,8 +406,13 @@ def _commit(batch: EmbeddedBatch, docstore, lexical, dense_store, prints: dict[s
     _add(report, "docstore", t)
 
 
-def _purge(docstore, lexical, dense_store, redo: set[str], report: IngestReport) -> None:
-    """Remove what a stopped ingest left of documents this run will not rewrite."""
+def _purge(docstore, lexical, dense_store, docs: Sequence[Document], redo: set[str],
+           report: IngestReport) -> None:
+    """Remove what a stopped ingest left of documents this run will not rewrite, and the
+    documents held under another Unicode form of a corpus id (`corpus.document_id`: the
+    corpus's document replaces them). Those are marked pending first, so a kill on the way
+    leaves them to the next run's purge."""
+    docstore.begin_batch(docstore.other_forms([d.id for d in docs]))
     stale = [d for d in docstore.pending() if d not in redo]
     if not stale:
         return

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from branchsearch.infra.ingest.chunking import Chunk
-from branchsearch.infra.ingest.corpus import Document
+from branchsearch.infra.ingest.corpus import Document, id_forms
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
@@ -123,13 +123,16 @@ class DocStore:
 
     @_locked
     def replace_documents(self, docs: Sequence[Document], chunks: Iterable[Chunk],
-                          fingerprints: dict[str, str] | None = None) -> None:
-        """Replace `docs` and all their chunks in one transaction; they stop being pending."""
+                          fingerprints: dict[str, str] | None = None,
+                          replaced: Sequence[str] = ()) -> None:
+        """Replace `docs` and all their chunks in one transaction, removing the documents
+        `replaced` names with them (their ids in another Unicode form: `other_forms`); they
+        stop being pending."""
         fingerprints = fingerprints or {}
         with self._db:
             if len(self._counted) < len(_COUNTS):  # written before: its old rows stay NULL
                 self._add_count_columns()
-            ids = [(d.id,) for d in docs]
+            ids = [(i,) for i in dict.fromkeys([*(d.id for d in docs), *replaced])]
             self._db.executemany("DELETE FROM chunks WHERE doc_id = ?", ids)
             self._db.executemany("DELETE FROM docs WHERE doc_id = ?", ids)
             by_doc: dict[str, int] = {}
@@ -209,6 +212,22 @@ class DocStore:
         return out
 
     @_locked
+    def stored_ids(self, doc_id: str) -> list[str]:
+        """The ids this docstore holds the document `doc_id` under (`corpus.id_forms`: as given,
+        NFC, NFD), those present, in that order: [] when it has none, one as a rule (an ingest
+        writes NFC and replaces any other form), two where an earlier version wrote both."""
+        found = self.present(id_forms(doc_id))
+        return [i for i in id_forms(doc_id) if i in found]
+
+    @_locked
+    def other_forms(self, doc_ids: Sequence[str]) -> list[str]:
+        """The documents held under another Unicode form of one of `doc_ids` (an id an earlier
+        version stored as typed, NFD): the ones a write of `doc_ids` replaces."""
+        given = set(doc_ids)
+        forms = {f for d in given if not d.isascii() for f in id_forms(d)} - given
+        return sorted(self.present(sorted(forms)))
+
+    @_locked
     def existing_chunk_ids(self, doc_ids: Sequence[str]) -> list[str]:
         out: list[str] = []
         for batch in _batches(doc_ids, 500):
@@ -235,6 +254,9 @@ class DocStore:
 
     @_locked
     def get_document(self, doc_id: str) -> dict | None:
+        """The document `doc_id` names, in whichever Unicode form this docstore holds its id
+        (`stored_ids`; its `doc_id` says which), with its chunk ids; None when it has none."""
+        doc_id = next(iter(self.stored_ids(doc_id)), doc_id)
         row = self._db.execute(
             "SELECT doc_id, title, source, date, acl, meta, n_chunks FROM docs WHERE doc_id = ?",
             (doc_id,)).fetchone()
@@ -248,6 +270,8 @@ class DocStore:
 
     @_locked
     def document_chunks(self, doc_id: str) -> list[dict]:
+        """The chunks of the document `doc_id` names (as `get_document` finds it), in order."""
+        doc_id = next(iter(self.stored_ids(doc_id)), doc_id)
         return [{"chunk_id": r[0], "n": r[1], "text": r[2], "n_tokens": r[3], **_counts(r[4:])}
                 for r in self._db.execute(
                     f"SELECT chunk_id, n, text, n_tokens, {self._count_columns_sql()} "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.textfile import KeyTwice, json_once
 
 
 @dataclass
@@ -49,10 +50,12 @@ def read_questions(path: str | Path) -> list[str]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json_once(line)
                 text = next(row[k] for k in ("question", "text", "query") if k in row)
                 if not isinstance(text, str) or not text.strip():
                     raise ValueError
+            except KeyTwice as exc:
+                raise CorpusError(f"{path}:{lineno}: {exc}") from None
             except (json.JSONDecodeError, StopIteration, ValueError, TypeError):
                 raise CorpusError(f"{path}:{lineno}: expected a JSON object with 'question', "
                                   "'text' or 'query'") from None

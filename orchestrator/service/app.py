@@ -11,7 +11,6 @@ slot at once and is counted as status 499.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -23,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from branchsearch.infra.config.settings import index_name
 from branchsearch.infra.errors import BranchsearchError, KeysFileError, error_line, redact
+from branchsearch.infra.textfile import KeyTwice, json_once
 from branchsearch.orchestrator.service.admission import Limits, check_body_size
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error, shutting_down
@@ -408,9 +408,10 @@ def create_app(state: ServiceState):
         key = state.principal(request.headers.get("authorization"))
         body = await read_body(request)
         try:
-            data = json.loads(body or b"null", object_pairs_hook=_once_each)
-        except _KeyTwice as exc:
-            raise ApiError(422, "bad_request", f"body gives {exc} twice: give it once") from None
+            data = json_once(body or b"null")
+        except KeyTwice as exc:
+            raise ApiError(422, "bad_request", f"body gives {repr(exc.key)[:80]} twice: give "
+                           "it once") from None
         except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError,
             # a 5,000-digit number: all ValueErrors)
             from branchsearch.infra.ingest.corpus import json_problem
@@ -499,8 +500,7 @@ _ERRORS = {
          "writes need an admin key holding the document's groups)",
     404: "index_not_found, or document_not_found (also for an id the key may not see)",
     409: "index_busy (an ingest or another write holds the index; retry when it is done), or "
-         "read_only_index (a declared external index takes no writes), document_id_conflict "
-         "(the id is in the index in its other Unicode form, NFC or NFD)",
+         "read_only_index (a declared external index takes no writes)",
     413: "body_too_large: the body is over the service's max_body_bytes",
     422: "bad_request or question_too_long: a field is missing, malformed or outside its limits "
          "(the detail names it)",
@@ -529,17 +529,4 @@ def _answers(ok, *errors: int, alt: dict | None = None) -> dict:
         out[status] = {"model": ErrorBody, "description": _ERRORS[status]}
         if status in _HEADERS:
             out[status]["headers"] = _HEADERS[status]
-    return out
-
-
-class _KeyTwice(ValueError):
-    """A JSON object naming one key twice: which value a parser keeps is its own choice."""
-
-
-def _once_each(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise _KeyTwice(repr(key)[:80])
-        out[key] = value
     return out

@@ -21,7 +21,6 @@ import functools
 import logging
 import threading
 import time
-import unicodedata
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -458,25 +457,14 @@ class Searcher:
         docs = documents.parse_documents(body)
         with self._writable(index) as (driver, store):
             with self.drivers.write_lock(index), self._ingest_lock(driver):
-                # (checked under the lock: two writes of one new id in its two Unicode forms
-                # would both pass a check made before it)
+                # (checked under the lock: what the check reads is what the write replaces)
                 for doc in docs:  # a scoped admin writes its groups' documents, and only those
-                    old = store.get_document(doc.id)
-                    other = None if old is not None else _other_form(store, doc.id)
-                    if other is not None:
-                        old = store.get_document(other)
-                    if not self._owns(key, doc.acl) or (old is not None and not self._owns(
-                            key, old["acl"])):
+                    if not self._owns(key, doc.acl) or not all(
+                            self._owns(key, old["acl"]) for old in _held(store, doc.id)):
                         raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
                                        f"documents whose acl is within its groups "
                                        f"({', '.join(key.groups)}); document {doc.id!r} is "
                                        "not")
-                    if other is not None:
-                        raise ApiError(409, "document_id_conflict", f"document {doc.id!r} is "
-                                       f"in {index!r} with its id in another Unicode form "
-                                       f"({_form(other)}): write it with that id (the same id "
-                                       "in two forms would be two documents), or delete that "
-                                       "one first")
                 self._check_files(driver)
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
@@ -486,15 +474,13 @@ class Searcher:
         self._admin(key, index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         with self._writable(index) as (driver, store):
-            old = store.get_document(doc_id)
-            other = None if old is not None else _other_form(store, doc_id)
-            if other is not None:  # `pub-ü` typed on macOS arrives NFD; a corpus may hold NFD
-                old, doc_id = store.get_document(other), other
-            if old is not None and not acl_visible(old["acl"], self.groups(key)):
+            olds = _held(store, doc_id)  # `pub-ü` typed on macOS arrives NFD
+            if not all(acl_visible(old["acl"], self.groups(key)) for old in olds):
                 raise missing  # an id the key may not see answers as a missing one
-            if old is not None and not self._owns(key, old["acl"]):
+            if not all(self._owns(key, old["acl"]) for old in olds):
                 raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
                                f"whose acl is within its groups; document {doc_id!r} is not")
+            doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
             with self.drivers.write_lock(index), self._ingest_lock(driver):
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
@@ -665,18 +651,10 @@ class Searcher:
             self.drivers.let_go(driver, None)
 
 
-def _other_form(store, doc_id: str) -> str | None:
-    """The id of the document `store` holds under `doc_id` written in the other Unicode form
-    (composed NFC or decomposed NFD), or None."""
-    for form in ("NFC", "NFD"):
-        other = unicodedata.normalize(form, doc_id)
-        if other != doc_id and store.get_document(other) is not None:
-            return other
-    return None
-
-
-def _form(doc_id: str) -> str:
-    return "NFC" if unicodedata.is_normalized("NFC", doc_id) else "NFD"
+def _held(store, doc_id: str) -> list[dict]:
+    """The documents `store` holds under `doc_id` in any Unicode form (`DocStore.stored_ids`):
+    what a write or delete of `doc_id` replaces; one as a rule."""
+    return [doc for i in store.stored_ids(doc_id) if (doc := store.get_document(i)) is not None]
 
 
 def _serve_replicas() -> int:

@@ -80,6 +80,34 @@ def test_corpus_formats(tmp_path):
     assert (hidden.id, hidden.acl) == ("b", ("hr",))  # acl null: the groups are acl_groups
 
 
+def test_document_ids_are_read_in_nfc(tmp_path):
+    """An id typed decomposed (NFD: macOS writes `ü` as `u` + U+0308) is read composed (NFC),
+    from a JSONL line and from a text file's name, and a BEIR set's qrels name it so too: an
+    index holds one id for one document however it was typed. Two files whose names differ
+    only in form are named as such."""
+    import unicodedata
+
+    from branchsearch.infra.datasets.beir import read_queries
+
+    nfc = "Zürich-ü"
+    nfd = unicodedata.normalize("NFD", nfc)
+    folder = tmp_path / "beir"
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text(json.dumps({"_id": nfd, "text": "x"}) + "\n")
+    (folder / "queries.jsonl").write_text(json.dumps({"_id": "q", "text": "where?"}) + "\n")
+    (folder / "qrels" / "test.tsv").write_text(f"query-id\tcorpus-id\tscore\nq\t{nfd}\t1\n")
+    assert [d.id for d in read_corpus(folder)] == [nfc]
+    assert read_queries(folder)[0].gold == {nfc: 1}
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / f"{nfd}.txt").write_text("harbor")
+    assert [d.id for d in read_corpus(notes)] == [nfc]
+    (notes / f"{nfc}.txt").write_text("festival")
+    with pytest.raises(CorpusError, match=r"duplicate document id .* \(the same id in another "
+                                          r"Unicode form"):
+        read_corpus(notes)
+
+
 def test_corpus_acl_names_are_stripped_as_a_callers_are(tmp_path):
     """' hr' in a document's ACL used to be stored as is: no caller (whose groups are stripped)
     could match it, so the document was silently admins-only."""
@@ -126,6 +154,10 @@ def test_a_text_file_with_nothing_to_search_is_skipped_and_named(tmp_path, capsy
     ('{"id": "a", "text": "x", "acl": [], "acl_groups": ["hr"]}\n',
      "both 'acl' and 'acl_groups' are given"),
     ('{"id": "a", "_id": "b", "text": "x"}\n', "both '_id' and 'id' are given"),
+    ('{"_id": "a", "text": "x"}\n{"_id": "b", "_id": "c", "text": "y"}\n',
+     r"bad.jsonl:2: the key '_id' is given twice in one object: give it once"),
+    ('{"id": "a", "text": "x", "meta": {"lang": "en", "lang": "de"}}\n',
+     r":1: the key 'lang' is given twice"),
     ('{"id": "a", "text": "x", "acl": null, "acl_groups": ["hr"], "Acl_Groups": "hr"}\n',
      "field 'Acl_Groups' is not read as the document's groups"),
     ('{"id": "a", "text": "x", "ACL": ["hr"]}\n', "field 'ACL' is not read"),
@@ -193,6 +225,25 @@ def test_every_setting_is_in_one_section_and_a_file_may_use_the_sections(tmp_pat
             load_settings(toml, read_env=False)
     with pytest.raises(SettingsError, match="no settings section 'nope'"):
         s.section("nope")
+
+
+def test_every_setting_says_once_whether_it_changes_a_result():
+    """A batch row records the settings that change a question's evidence (`made_with`), and a
+    resume keeps only rows made with the same: every field is classified exactly once, so a
+    new setting cannot be added without saying whether results made with two of its values
+    may be mixed in one output."""
+    from dataclasses import fields as dc_fields
+
+    from branchsearch.infra.config.settings import (CHANGES_RESULT, CHANGES_RESULT_WITH_LLM,
+                                                    NO_RESULT_CHANGE, Settings, load_settings)
+    from branchsearch.orchestrator.batch import made_with
+
+    classified = [*CHANGES_RESULT, *CHANGES_RESULT_WITH_LLM, *NO_RESULT_CHANGE]
+    assert sorted(classified) == sorted(f.name for f in dc_fields(Settings))
+    s = load_settings(read_env=False, read_file=False)
+    assert set(made_with(s, None)) == {*CHANGES_RESULT, "acl"}
+    assert set(made_with(s.replace(planner="llm"), None)) == {
+        *CHANGES_RESULT, *CHANGES_RESULT_WITH_LLM, "acl"}
 
 
 def test_a_toml_number_for_a_whole_number_setting_is_not_rounded(tmp_path):

@@ -363,3 +363,100 @@ def test_external_milvus_non_ascii(where, tmp_path, request):
             client = MilvusClient(uri=uri)
             client.drop_collection(name)
             client.close()
+
+
+# --- one document whichever Unicode form its id is written in -----------------------------------
+
+ZURICH = "Zürich-ü"  # NFC; typed on macOS it arrives NFD: "u" + U+0308, twice
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli",
+                           *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_an_id_ingested_again_in_its_other_unicode_form_replaces_the_document(tmp_path):
+    """The CLI: a document ingested with its id in NFC, then ingested again into the same index
+    with the id in NFD and a new text (and the other way round), is one document, held under
+    its NFC id: `retrieve` returns it once, with the new text, and `indexes` counts one."""
+    import unicodedata
+
+    nfd = unicodedata.normalize("NFD", ZURICH)
+    assert nfd != ZURICH
+    for first, then in ((ZURICH, nfd), (nfd, ZURICH)):
+        home = tmp_path / f"home-{len(first)}"
+        for doc_id, text in ((first, "first draft"), (then, "revised")):
+            corpus = tmp_path / "c.jsonl"
+            corpus.write_text(json.dumps({"_id": doc_id, "title": "Zürich memo", "text":
+                                          f"The walrus budget of Zürich, {text}."},
+                                         ensure_ascii=False) + "\n", encoding="utf-8")
+            _cli("ingest", corpus, "--no-dense", "--home", home, "--index", "u")
+        hits = json.loads(_cli("retrieve", "walrus budget", "--home", home, "--index", "u",
+                               "--json"))
+        assert [(h["doc_id"], h["chunk_id"]) for h in hits] == [(ZURICH, f"{ZURICH}#p0")]
+        assert "revised" in hits[0]["text"]
+        listed = json.loads(_cli("indexes", "--home", home, "--json"))
+        assert [(i["name"], i["documents"], i["chunks"]) for i in listed] == [("u", 1, 1)]
+
+
+def test_an_index_holding_an_nfd_id_takes_either_form_as_that_document(tmp_path):
+    """An index an earlier version wrote holds ids as the corpus typed them: NFD, or (ingested
+    in both forms) the same document twice. Reading the document by either form finds it, and
+    an ingest of it in either form replaces every stored form in every store (docstore,
+    tantivy, Milvus Lite): one document, under its NFC id."""
+    import unicodedata
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.ingest.corpus import Document
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator import documents
+
+    nfd = unicodedata.normalize("NFD", ZURICH)
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "old"},
+                             read_env=False, read_file=False)
+    corpus = tmp_path / "c.jsonl"
+
+    def write_corpus(doc_id: str, text: str) -> None:
+        rows = [{"_id": "pub", "title": "Public note", "text": "A public quokka note."},
+                {"_id": doc_id, "title": "Zürich memo", "text": text}]
+        corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                          encoding="utf-8")
+
+    write_corpus(ZURICH, "A quokka placeholder.")
+    ingest(corpus, settings)
+    for ingested_as, stored in ((ZURICH, [nfd]), (nfd, [nfd]), (ZURICH, [nfd, ZURICH])):
+        r = open_retriever(settings)
+        try:  # as an earlier version wrote them: the documents' ids as typed
+            r.docstore.delete_documents([ZURICH])
+            r.lexical.write([], [ZURICH])
+            r.dense.write([], [], [ZURICH])
+            documents.upsert(r, settings, [Document(i, "Zürich memo", "The quokka budget of "
+                                                    f"Zürich, as typed {n}.")
+                                           for n, i in enumerate(stored)])
+            assert r.docstore.present([ZURICH, nfd]) == set(stored)
+            for form in (ZURICH, nfd):  # read by either form (that form, where both are)
+                doc = r.read_document(form, acl_groups=[ACL_ALL])
+                assert doc["doc_id"] == (form if form in stored else nfd)
+                assert "as typed" in doc["chunks"][0]["text"]
+        finally:
+            r.close()
+        write_corpus(ingested_as, "The quokka budget of Zürich, revised.")
+        report = ingest(corpus, settings)
+        assert len(set(report.counts.values())) == 1 and report.counts["docstore"] == 2, \
+            report.counts
+        r = open_retriever(settings)
+        try:
+            assert r.docstore.present([ZURICH, nfd]) == {ZURICH} and r.docstore.doc_count() == 2
+            assert r.dense.count() == r.lexical.count() == r.docstore.chunk_count() == 2
+            for mode in ("dense", "bm25", "hybrid"):
+                hits = r.search("quokka budget of Zürich", mode=mode, k=10, acl_groups=[ACL_ALL])
+                ours = [(h.doc_id, h.text) for h in hits if h.doc_id != "pub"]
+                assert ours == [(ZURICH, "The quokka budget of Zürich, revised.")], (mode, ours)
+        finally:
+            r.close()

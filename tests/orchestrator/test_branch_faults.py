@@ -225,6 +225,22 @@ def test_a_batch_line_with_no_words_is_malformed_input_not_a_failure_streak(tmp_
         read_questions(tmp_path)
 
 
+def test_a_batch_line_naming_a_key_twice_is_malformed(tmp_path):
+    """`{"id": "q1", "id": "q2", ...}` was asked as q2: its row would answer for an id the line
+    may not have meant. It is a malformed line, named, and the others are asked."""
+    from branchsearch.orchestrator.batch import read_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"id": "q1", "id": "q2", "question": "Who is Ed Wood?"}\n'
+                    '{"id": "q3", "question": "Who?", "question": "Where?"}\n'
+                    '{"id": "ok", "question": "Who is Ed Wood?"}\n')
+    data = read_questions(path)
+    assert data.items == [("ok", "Who is Ed Wood?")]
+    assert data.bad_lines == [
+        f"{path}:1: the key 'id' is given twice in one object: give it once",
+        f"{path}:2: the key 'question' is given twice in one object: give it once"]
+
+
 def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
     from branchsearch.orchestrator.batch import read_questions
 

@@ -137,6 +137,33 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path, args, message):
     assert len(lines) == 1 and message in lines[0], done.stderr[-1000:]
 
 
+def test_a_corpus_line_naming_a_key_twice_is_one_clear_line_and_writes_nothing(tmp_path):
+    """`{"_id": "a", "_id": "b"}` was ingested as document "b" (Python keeps the last value):
+    which one the line meant is not known, so the ingest stops at its line."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"_id": "a", "text": "x"}\n{"_id": "b", "_id": "c", "text": "y"}\n')
+    done = run_cli("ingest", str(bad), "--home", str(tmp_path))
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: bad.jsonl:2: the key '_id' is given twice in one object: give it once"
+        .replace("bad.jsonl", str(bad))]
+    assert not (tmp_path / "indexes" / "default" / "docs.sqlite").exists()  # nothing written
+
+
+def test_queries_naming_a_key_twice_are_refused_with_their_line(tmp_path):
+    """An eval's queries.jsonl line giving `_id` (or `text`) twice was read with the last one:
+    another query's gold, or another question, scored as this one."""
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.errors import CorpusError
+
+    (tmp_path / "qrels").mkdir()
+    (tmp_path / "qrels" / "test.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text('{"_id": "q1", "text": "Who?"}\n{"_id": "q1", "_id": "q2", "text": "W?"}\n')
+    with pytest.raises(CorpusError, match=r"queries.jsonl:2: the key '_id' is given twice"):
+        read_queries(tmp_path)
+
+
 def test_malformed_corpus_is_one_clear_line_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "text": "x"}\n{oops\n')

@@ -216,6 +216,13 @@ def test_workload_reads_beir_and_plain_jsonl_and_is_seeded(tmp_path):
         read_questions(f)
 
 
+def test_a_workload_line_naming_a_key_twice_is_refused_with_its_line(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question": "a?"}\n{"question": "b?", "question": "c?"}\n')
+    with pytest.raises(BranchsearchError, match=r"q.jsonl:2: the key 'question' is given twice"):
+        read_questions(f)
+
+
 def test_synth_workload_writes_its_corpus_once_and_asks_its_questions(tmp_path):
     from branchsearch.orchestrator.loadtest.workload import from_synth
 

@@ -432,6 +432,32 @@ def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_pat
         f"{queries[0]['_id']}" in edited.stderr, edited.stderr[-2000:]
 
 
+def test_a_resume_asks_again_rows_made_with_another_encoding_and_keeps_older_rows(tmp_path):
+    """`made_with` records every setting that changes a result, `encoding` among them (the
+    agent counts its budget in it; it was not recorded, so a resume mixed the evidence of two
+    encodings in one output). A row made with another value is not done; a row an older
+    version wrote, naming fewer settings (no `encoding`) or none, still is: it is not asked
+    again."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.batch import made_with, resume_state
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    made = made_with(settings, ["hr"])
+    assert made["encoding"] == "o200k_base" and made["acl"] == ["hr"]
+    other = made_with(settings.replace(encoding="cl100k_base"), ["hr"])
+    older = {k: v for k, v in made.items() if k != "encoding"}
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps({"id": qid, "question": "Who?", "status": "ok",
+                                       "index": "default", **row}) + "\n"
+                           for qid, row in (("same", {"made_with": made}),
+                                            ("encoding", {"made_with": other}),
+                                            ("older", {"made_with": older}),
+                                            ("oldest", {}))))
+    done, made_otherwise, elsewhere = resume_state(out, "default", made)
+    assert sorted(done) == ["older", "oldest", "same"] and not elsewhere
+    assert list(made_otherwise) == ["encoding"]
+
+
 def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
     """Ids that are "", true, an array or an object were written as Python text ("['a']"):
     now malformed lines, named with their line numbers. A number id is written back as text

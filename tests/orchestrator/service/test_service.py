@@ -306,18 +306,42 @@ def test_upsert_then_search_finds_delete_then_not(site):
     nfd = unicodedata.normalize("NFD", "pub-ü-2")
     assert client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin).json() == {
         "index": "acl", "deleted": "pub-ü-2"}
-    # the other way round (a corpus stored NFD): a write in the other form would make a second
-    # same-looking document, and the composed spelling deletes the stored one
+    # an id written decomposed is stored composed, and a write in the other form replaces it
     nfd = unicodedata.normalize("NFD", "résumé-9")
+    walrus = {"question": "walrus resume", "branches": 1}
+
+    def walruses() -> list[tuple[str, str]]:
+        evidence = client.post("/v1/search", json=walrus, headers=alpha).json()["evidence"]
+        return [(d["doc_id"], c["text"]) for d in evidence for c in d["chunks"]
+                if "Walrus" in c["text"]]
+
+    for doc_id, text in ((nfd, "Walrus resume one."), ("résumé-9", "Walrus resume two.")):
+        r = client.put("/v1/indexes/acl/documents", headers=admin, json=[
+            {"id": doc_id, "text": text, "acl": ["alpha"]}])
+        assert r.status_code == 200 and r.json()["upserted"] == ["résumé-9"], r.text
+    assert walruses() == [("résumé-9", "Walrus resume two.")]
+    # an index an earlier version wrote may hold the id decomposed (as its corpus typed it):
+    # a write in either form replaces that document, a delete in either form removes it
+    _, _, state = site
+    with state.searcher.target.drivers.using("acl") as (driver, _):
+        from branchsearch.infra.ingest.corpus import Document
+        from branchsearch.orchestrator import documents
+
+        documents.upsert(driver.retriever, driver.settings,
+                         [Document(nfd, "", "Walrus resume as typed.", acl=("alpha",))])
+    assert walruses() == [(nfd, "Walrus resume as typed.")]
     assert client.put("/v1/indexes/acl/documents", headers=admin, json=[
-        {"id": nfd, "text": "Walrus resume one.", "acl": ["alpha"]}]).status_code == 200
-    clash = assert_error(client.put("/v1/indexes/acl/documents", headers=admin, json=[
-        {"id": "résumé-9", "text": "Walrus resume two.", "acl": ["alpha"]}]), 409,
-        "document_id_conflict")
-    assert "another Unicode form (NFD)" in clash["detail"]
+        {"id": "résumé-9", "text": "Walrus resume three.", "acl": ["alpha"]}]).status_code == 200
+    assert walruses() == [("résumé-9", "Walrus resume three.")]
+    assert client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin).json() == {
+        "index": "acl", "deleted": "résumé-9"}
+    with state.searcher.target.drivers.using("acl") as (driver, _):
+        documents.upsert(driver.retriever, driver.settings,
+                         [Document(nfd, "", "Walrus resume as typed.", acl=("alpha",))])
     assert client.delete("/v1/indexes/acl/documents/résumé-9", headers=admin).json() == {
         "index": "acl", "deleted": nfd}
     assert_error(client.delete(f"/v1/indexes/acl/documents/{nfd}", headers=admin), 404)
+    assert walruses() == []
     bad = client.put("/v1/indexes/acl/documents", headers=admin,
                      content=b'{"id": "ok", "text": "fine"}\n{"id": "bad"}\n')
     assert "body:2" in assert_error(bad, 422)["detail"]

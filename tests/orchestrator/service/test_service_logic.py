@@ -506,6 +506,22 @@ def test_a_wrapped_upload_says_what_the_body_must_be():
         parse_documents(b'{"text": "no id", "tags": ["t"]}')  # a list, but a document's
 
 
+def test_an_upload_naming_a_key_twice_is_refused():
+    """A document in an upload that gives `id` (or any key) twice was written under the last
+    one; as a JSON array or as JSONL, the body is refused (422) naming the key."""
+    from branchsearch.infra.errors import CorpusError
+    from branchsearch.orchestrator.documents import parse_documents
+    from branchsearch.orchestrator.service.errors import api_error
+
+    for body, where in ((b'[{"id": "a", "text": "x"}, {"id": "b", "id": "c", "text": "y"}]',
+                         "body: "),
+                        (b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y", "text": "z"}\n',
+                         "body:2: ")):
+        with pytest.raises(CorpusError, match=f"{where}the key '(id|text)' is given twice") as exc:
+            parse_documents(body)
+        assert api_error(exc.value).status == 422
+
+
 def test_a_keys_file_that_is_a_folder_is_one_operator_error(tmp_path):
     """A folder given as the keys file was a traceback in `keys` and a 500 in the service."""
     folder = tmp_path / "keys.json"
