@@ -29,6 +29,7 @@ import json
 import math
 import os
 import threading
+import unicodedata
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -130,13 +131,14 @@ def _questions(f, path: str | Path) -> BatchInput:
 
 
 def question_id(value: object) -> str:
-    """A question's id as the output writes it: a non-empty string as given, a number as
+    """A question's id as the output writes it: a non-empty string in Unicode NFC (as document
+    ids are: an id typed on macOS is NFD, and the two spellings are one id), a number as
     text (`7` -> "7", `1.5` -> "1.5"); ValueError for anything else (empty, true/false,
     an array, an object, NaN)."""
     if isinstance(value, str):
         if not value.strip():
             raise ValueError("'id' is empty: give each question a non-empty id")
-        return value
+        return unicodedata.normalize("NFC", value)
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if isinstance(value, float) and math.isfinite(value):
@@ -174,9 +176,10 @@ def latest_rows(path: str | Path) -> dict[str, dict]:
     for line in path.read_bytes().splitlines():
         try:
             row = json.loads(line)
-            rows.pop(str(row["id"]), None)  # the latest attempt goes last
-            rows[str(row["id"])] = row
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            qid = question_id(row["id"])  # (NFC: a row written before ids were)
+            rows.pop(qid, None)  # the latest attempt goes last
+            rows[qid] = row
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
             continue
     return rows
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,10 @@ class Query:
     answer: str = ""
     meta: dict = field(default_factory=dict)
     line: int = 0  # its line in queries.jsonl (for error messages)
+
+
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
 
 
 def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
@@ -52,7 +57,7 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
                 raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score "
                                   "(or TREC's query-id, 0, corpus-id, score)")
             if int(row[2]) > 0:  # the document's id as the index holds it (NFC)
-                gold.setdefault(row[0], {})[document_id(row[1])] = int(row[2])
+                gold.setdefault(_nfc(row[0]), {})[document_id(row[1])] = int(row[2])
     queries, seen = [], set()
     with qfile.open("rb") as f:
         for lineno, line in utf8_lines(f, qfile):
@@ -71,7 +76,7 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
             if not isinstance(text, str):
                 raise CorpusError(f"{qfile}:{lineno}: 'text' must be a string, not "
                                   f"{json.dumps(text)[:40]}")
-            qid = str(qid)
+            qid = _nfc(str(qid))  # as the qrels' (a query id typed on macOS is NFD)
             if qid in seen:  # scored twice, it would weigh twice in every mean
                 raise CorpusError(f"{qfile}:{lineno}: duplicate query id {qid!r}")
             seen.add(qid)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from branchsearch.infra.ingest.chunking import Chunk
-from branchsearch.infra.ingest.corpus import Document, id_forms
+from branchsearch.infra.ingest.corpus import Document
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (
@@ -69,6 +69,7 @@ class DocStore:
         self._counted = self._count_columns()  # those of `_COUNTS` this file has
         self._lock = threading.RLock()  # one connection, many retriever threads
         self._keys_tried = 0.0
+        self._odd: dict[str, list[str]] | None = None  # `_unnormalized`, once asked
         self.has_title_keys = self._title_keys(columns)
 
     def _title_keys(self, columns: set[str] | None = None) -> bool:
@@ -152,6 +153,11 @@ class DocStore:
                   by_doc.get(d.id, 0), fingerprints.get(d.id), title_key(d.title or ""))
                  for d in docs])
             self._db.executemany("DELETE FROM pending WHERE doc_id = ?", ids)
+        if self._odd is not None:  # (ingest writes NFC: only a hand-made Document is not)
+            for d in docs:
+                key = unicodedata.normalize("NFC", d.id)
+                if key != d.id and d.id not in self._odd.setdefault(key, []):
+                    self._odd[key].append(d.id)
 
     @_locked
     def delete_documents(self, doc_ids: Sequence[str]) -> None:
@@ -213,19 +219,42 @@ class DocStore:
 
     @_locked
     def stored_ids(self, doc_id: str) -> list[str]:
-        """The ids this docstore holds the document `doc_id` under (`corpus.id_forms`: as given,
-        NFC, NFD), those present, in that order: [] when it has none, one as a rule (an ingest
-        writes NFC and replaces any other form), two where an earlier version wrote both."""
-        found = self.present(id_forms(doc_id))
-        return [i for i in id_forms(doc_id) if i in found]
+        """The ids this docstore holds the document `doc_id` under, those present: `doc_id` as
+        given, its NFC form (how ingest writes ids), and any other spelling with that NFC
+        form an earlier version stored as typed (`_unnormalized`); [] when it has none, one as
+        a rule (a write replaces every other form), more where an earlier version wrote
+        several."""
+        key = unicodedata.normalize("NFC", doc_id)
+        forms = list(dict.fromkeys([doc_id, key, *self._unnormalized().get(key, ())]))
+        found = self.present(forms)
+        return [i for i in forms if i in found]
 
     @_locked
     def other_forms(self, doc_ids: Sequence[str]) -> list[str]:
-        """The documents held under another Unicode form of one of `doc_ids` (an id an earlier
-        version stored as typed, NFD): the ones a write of `doc_ids` replaces."""
+        """The documents held under another spelling of one of `doc_ids` with the same NFC form
+        (an id an earlier version stored as typed: NFD, mixed, a compatibility character):
+        the ones a write of `doc_ids` replaces."""
         given = set(doc_ids)
-        forms = {f for d in given if not d.isascii() for f in id_forms(d)} - given
+        odd = self._unnormalized()
+        forms = {f for d in given if not d.isascii()
+                 for f in (d, unicodedata.normalize("NFC", d), *odd.get(
+                     unicodedata.normalize("NFC", d), ()))} - given
         return sorted(self.present(sorted(forms)))
+
+    def _unnormalized(self) -> dict[str, list[str]]:
+        """NFC form -> the stored ids not in NFC that have it (written by an earlier version,
+        which kept ids as typed), read in one pass over the ids the first time it is asked
+        (about 0.5 s a million documents). This version writes NFC only, so the map can only
+        name ids since replaced; callers keep the present ones."""
+        if self._odd is None:
+            odd: dict[str, list[str]] = {}
+            for (doc_id,) in self._db.execute("SELECT doc_id FROM docs"):
+                if not doc_id.isascii():
+                    key = unicodedata.normalize("NFC", doc_id)
+                    if key != doc_id:
+                        odd.setdefault(key, []).append(doc_id)
+            self._odd = odd
+        return self._odd
 
     @_locked
     def existing_chunk_ids(self, doc_ids: Sequence[str]) -> list[str]:

@@ -460,3 +460,56 @@ def test_an_index_holding_an_nfd_id_takes_either_form_as_that_document(tmp_path)
                 assert ours == [(ZURICH, "The quokka budget of Zürich, revised.")], (mode, ours)
         finally:
             r.close()
+
+
+def test_an_index_holding_ids_neither_nfc_nor_nfd_keeps_one_copy_on_reingest(tmp_path):
+    """An earlier version kept ids as typed, and some spellings are neither NFC nor NFD: one
+    accent composed and one not ("café-über"), or a character NFC replaces (the Ohm sign
+    U+2126 is Ω U+03A9). Re-ingesting the same corpus after the upgrade added a second copy of
+    each (a search returned both); every stored spelling with the id's NFC form is replaced."""
+    import unicodedata
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.ingest.corpus import Document
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator import documents
+
+    mixed, ohm = "caf\u00e9-u\u0308ber", "\u2126-law"
+    assert all(unicodedata.normalize(f, i) != i for f in ("NFC", "NFD") for i in (mixed,))
+    assert unicodedata.normalize("NFC", ohm) != ohm
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "old"},
+                             read_env=False, read_file=False)
+    corpus = tmp_path / "c.jsonl"
+    rows = [{"_id": "pub", "title": "Public note", "text": "A public quokka note."},
+            {"_id": mixed, "title": "Café memo", "text": "The quokka café budget."},
+            {"_id": ohm, "title": "Ohm's law", "text": "The quokka resistance law."}]
+    corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                      encoding="utf-8")
+    ingest(corpus, settings)
+    r = open_retriever(settings)
+    try:  # as an earlier version wrote them: the ids as typed
+        stored = [unicodedata.normalize("NFC", i) for i in (mixed, ohm)]
+        r.docstore.delete_documents(stored)
+        r.lexical.write([], stored)
+        r.dense.write([], [], stored)
+        documents.upsert(r, settings, [Document(i, "old", "The quokka as typed.")
+                                       for i in (mixed, ohm)])
+        assert r.docstore.present([mixed, ohm]) == {mixed, ohm}
+        for typed in (mixed, ohm):  # read by the spelling a caller types now
+            doc = r.read_document(unicodedata.normalize("NFC", typed), acl_groups=[ACL_ALL])
+            assert doc["doc_id"] == typed
+    finally:
+        r.close()
+    report = ingest(corpus, settings)  # the same corpus, after the upgrade
+    assert len(set(report.counts.values())) == 1 and report.counts["docstore"] == 3, \
+        report.counts
+    r = open_retriever(settings)
+    try:
+        assert r.docstore.doc_count() == 3 and r.docstore.present([mixed, ohm]) == set()
+        assert r.dense.count() == r.lexical.count() == r.docstore.chunk_count() == 3
+        hits = r.search("quokka", mode="bm25", k=10, acl_groups=[ACL_ALL])
+        assert sorted(h.doc_id for h in hits) == sorted(
+            ["pub", *(unicodedata.normalize("NFC", i) for i in (mixed, ohm))])
+    finally:
+        r.close()

@@ -503,3 +503,26 @@ def test_batch_and_search_refuse_a_question_holding_a_control_character(tmp_path
         "question holds the control character U+009B; send text (tab, newline and carriage "
         "return are fine)"]
     assert "U+007F" in question_problem("a\x7fb", "query")
+
+
+def test_a_question_id_in_its_other_unicode_form_is_the_same_question(tmp_path):
+    """An id typed on macOS is NFD. An output whose row holds "q-ü" in one form, resumed with
+    an input holding it in the other, was asked again and ended with two rows that look alike:
+    ids are read in NFC, the input's and the output's rows alike."""
+    import unicodedata
+
+    nfc, nfd = "q-\u00fc", unicodedata.normalize("NFD", "q-\u00fc")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": nfc, "question": "Where is Knott?"}) + "\n"
+                   + json.dumps({"id": nfd, "question": "Where is Knott?"}) + "\n")
+    read = read_questions(inp)
+    assert [qid for qid, _ in read.items] == [nfc]  # one question, given twice
+    assert read.bad_lines == [f"{inp}:2: duplicate id {nfc!r}"]
+    out.write_text(json.dumps({"id": nfd, "question": "Where is Knott?", "status": "ok",
+                               "evidence": [1]}) + "\n")  # written before ids were NFC
+    assert done_ids(out) == {nfc: "Where is Knott?"}
+    asked = []
+    counts = run_batch(read.items, out, lambda q: asked.append(q) or {"status": "ok"},
+                       concurrency=1)
+    assert asked == [] and counts["skipped"] == 1
+    assert len(out.read_text().splitlines()) == 1

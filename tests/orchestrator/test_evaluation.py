@@ -170,3 +170,20 @@ def test_malformed_corpus_is_one_clear_line_and_writes_nothing(tmp_path):
     done = run_cli("ingest", str(bad), "--home", str(tmp_path))
     assert done.returncode == 2 and "bad.jsonl:2: not valid JSON" in done.stderr
     assert not (tmp_path / "indexes" / "default" / "docs.sqlite").exists()  # nothing written
+
+
+def test_a_query_id_in_its_other_unicode_form_than_its_qrels_is_scored(tmp_path):
+    """A query whose id queries.jsonl writes in NFD and the qrels in NFC was dropped without a
+    word (two queries in, one scored): query ids are read in NFC, as document ids are."""
+    import unicodedata
+
+    from branchsearch.infra.datasets.beir import read_queries
+
+    nfc = "q-\u00fc1"
+    (tmp_path / "qrels").mkdir()
+    (tmp_path / "qrels" / "test.tsv").write_text(f"{nfc}\td1\t1\nq2\td2\t1\n", encoding="utf-8")
+    (tmp_path / "queries.jsonl").write_text(
+        json.dumps({"_id": unicodedata.normalize("NFD", nfc), "text": "Who?"}) + "\n"
+        + json.dumps({"_id": "q2", "text": "Where?"}) + "\n", encoding="utf-8")
+    assert [(q.id, q.gold) for q in read_queries(tmp_path)] == [(nfc, {"d1": 1}),
+                                                                ("q2", {"d2": 1})]
