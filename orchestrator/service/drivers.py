@@ -87,9 +87,17 @@ class Drivers:
                 start = self._background[index] = {"done": threading.Event()}
                 threading.Thread(target=self._start, args=(index, start), daemon=True,
                                  name=f"start-{index}").start()
-        if not start["done"].wait(wait):
-            raise ApiError(503, "index_starting", f"index {index!r} is still starting; retry "
-                           "later", {"Retry-After": "5"})
+        end = None if wait is None else time.monotonic() + wait
+        # a caller waits for the start, its deadline or the service closing, whichever comes
+        # first: a start stuck on a backend must not hold a stopping server's request threads
+        # (the process joins them at exit) until the backend's timeout
+        while not start["done"].wait(0.25 if end is None else
+                                     min(0.25, max(0.0, end - time.monotonic()))):
+            if self._closing.is_set():
+                raise shutting_down()
+            if end is not None and time.monotonic() >= end:
+                raise ApiError(503, "index_starting", f"index {index!r} is still starting; "
+                               "retry later", {"Retry-After": "5"})
         if "error" in start:
             raise start["error"]
         return start["driver"]

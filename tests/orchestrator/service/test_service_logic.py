@@ -1128,6 +1128,10 @@ def test_a_closing_service_starts_no_driver_and_closes_the_one_starting(tmp_path
     assert (refused.status, refused.error) == (503, "shutting_down")
     assert refused.headers == {"Retry-After": "5"}
     assert closing.is_alive()  # waiting for the start under way
+    # the caller waiting on that start is answered now, not when the start ends: a start
+    # stuck on a backend held a stopping server's request thread until the backend timed out
+    starting.join(5)
+    assert not starting.is_alive(), "a caller waiting on a start was not told of the close"
     release.set()
     closing.join(30)
     starting.join(30)
