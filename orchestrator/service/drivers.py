@@ -67,7 +67,7 @@ class Drivers:
         of callers waiting on it, so searches of other indexes go on meanwhile. `wait`: the
         most seconds to wait for it (a request's deadline); past it, a 503 index_starting
         while the start goes on. A failed start is tried again by the next caller. Once
-        `close` has begun, a 503 shutting_down."""
+        `close` has begun, a 503 shutting_down, also to a caller already waiting."""
         with self._lock:
             if self._closing.is_set():
                 raise shutting_down()
