@@ -191,14 +191,14 @@ def document_id(doc_id: str) -> str:
     (`café` typed on macOS is NFD: `e` and a combining accent) are one id, shown alike: one
     document, whichever form a corpus, an upload or a caller writes it in. Every id enters an
     index through here (`_document`); an index an earlier version wrote may hold an id as it
-    was typed (`id_forms`)."""
+    was typed (`DocStore.stored_ids` finds it, and a write replaces it)."""
     return unicodedata.normalize("NFC", doc_id)
 
 
 def id_forms(doc_id: str) -> tuple[str, ...]:
-    """The ids an index may hold the document `doc_id` under, each once: `doc_id` as given,
-    its NFC form (how ingest writes ids) and its NFD form (how an earlier version kept an id
-    typed decomposed)."""
+    """`doc_id` as given, its NFC form (how ingest writes ids) and its NFD form (how an
+    earlier version kept an id typed decomposed), each once: what a delete clears from the
+    search stores when the docstore holds none of them (`orchestrator.documents.delete`)."""
     return tuple(dict.fromkeys((doc_id, document_id(doc_id),
                                 unicodedata.normalize("NFD", doc_id))))
 

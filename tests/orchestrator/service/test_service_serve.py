@@ -132,18 +132,13 @@ def test_searcher_replicas_on_the_ray_executor_share_the_cluster(serve_app, tmp_
     """Two searcher replicas (as the Serve config offers with server backends), branches as
     Ray actors: each plans its branch pool for its share of the free CPUs, so no replica's
     actors wait for CPUs another holds. No replica dies, and both search."""
-    import ray
     from ray import serve
     from ray._private import state
 
     from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
 
     client, _ = serve_app
-    home = tmp_path / "two"
-    home.mkdir()
-    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
-                             read_file=False)
-    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    home = bm_home(tmp_path / "two")
     config = tmp_path / "settings.toml"
     config.write_text("[execution]\nactor_start_timeout_s = 30\n")
     opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="ray",
@@ -179,11 +174,7 @@ def test_a_client_gone_while_serve_drains_is_counted_499(serve_app, tmp_path):
                                                           board_name, build_application)
 
     client, _ = serve_app
-    home = tmp_path / "drain"
-    home.mkdir()
-    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
-                             read_file=False)
-    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    home = bm_home(tmp_path / "drain")
     opts = ServeOptions(home=str(home), index="bm", executor="local")  # dev mode: no keys
     serve.run(build_application(opts), name="drain", route_prefix="/drain")
 
@@ -217,3 +208,12 @@ def test_a_client_gone_while_serve_drains_is_counted_499(serve_app, tmp_path):
         assert statuses == ["499"], statuses
     finally:
         serve.delete("drain")  # the module's own app goes on
+
+
+def bm_home(home):
+    """A data home holding one BM25 index, `bm`, of the test corpus."""
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    return home
