@@ -220,12 +220,13 @@ class DocStore:
     @_locked
     def stored_ids(self, doc_id: str) -> list[str]:
         """The ids this docstore holds the document `doc_id` under, those present: `doc_id` as
-        given, its NFC form (how ingest writes ids), and any other spelling with that NFC
-        form an earlier version stored as typed (`_unnormalized`); [] when it has none, one as
-        a rule (a write replaces every other form), more where an earlier version wrote
-        several."""
+        given, its NFC form (how ingest writes ids), its NFD form, and any other spelling with
+        that NFC form an earlier version stored as typed (`_unnormalized`: mixed forms,
+        compatibility characters); [] when it has none, one as a rule (a write replaces every
+        other form), more where an earlier version wrote several."""
         key = unicodedata.normalize("NFC", doc_id)
-        forms = list(dict.fromkeys([doc_id, key, *self._unnormalized().get(key, ())]))
+        forms = list(dict.fromkeys([doc_id, key, unicodedata.normalize("NFD", doc_id),
+                                    *self._unnormalized().get(key, ())]))
         found = self.present(forms)
         return [i for i in forms if i in found]
 
@@ -237,15 +238,17 @@ class DocStore:
         given = set(doc_ids)
         odd = self._unnormalized()
         forms = {f for d in given if not d.isascii()
-                 for f in (d, unicodedata.normalize("NFC", d), *odd.get(
-                     unicodedata.normalize("NFC", d), ()))} - given
+                 for f in (d, unicodedata.normalize("NFC", d), unicodedata.normalize("NFD", d),
+                           *odd.get(unicodedata.normalize("NFC", d), ()))} - given
         return sorted(self.present(sorted(forms)))
 
     def _unnormalized(self) -> dict[str, list[str]]:
         """NFC form -> the stored ids not in NFC that have it (written by an earlier version,
         which kept ids as typed), read in one pass over the ids the first time it is asked
         (about 0.5 s a million documents). This version writes NFC only, so the map can only
-        name ids since replaced; callers keep the present ones."""
+        name ids since replaced; callers keep the present ones. (Another process of an earlier
+        version writing meanwhile is not seen until the next open, but for NFD ids, which the
+        callers also try.)"""
         if self._odd is None:
             odd: dict[str, list[str]] = {}
             for (doc_id,) in self._db.execute("SELECT doc_id FROM docs"):
