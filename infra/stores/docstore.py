@@ -237,18 +237,20 @@ class DocStore:
         the ones a write of `doc_ids` replaces."""
         given = set(doc_ids)
         odd = self._unnormalized()
-        forms = {f for d in given if not d.isascii()
-                 for f in (d, unicodedata.normalize("NFC", d), unicodedata.normalize("NFD", d),
-                           *odd.get(unicodedata.normalize("NFC", d), ()))} - given
+        forms: set[str] = set()
+        for d in given:
+            if not d.isascii():
+                key = unicodedata.normalize("NFC", d)
+                forms.update((d, key, unicodedata.normalize("NFD", d), *odd.get(key, ())))
+        forms -= given
         return sorted(self.present(sorted(forms)))
 
     def _unnormalized(self) -> dict[str, list[str]]:
         """NFC form -> the stored ids not in NFC that have it (written by an earlier version,
-        which kept ids as typed), read in one pass over the ids the first time it is asked
-        (about 0.5 s a million documents). This version writes NFC only, so the map can only
-        name ids since replaced; callers keep the present ones. (Another process of an earlier
-        version writing meanwhile is not seen until the next open, but for NFD ids, which the
-        callers also try.)"""
+        which kept ids as typed), read in one pass over the ids the first time it is asked.
+        Ingest writes NFC only, so the map can only name ids since replaced; callers keep the
+        present ones. (Another process of an earlier version writing meanwhile is not seen
+        until the next open, but for NFD ids, which the callers also try.)"""
         if self._odd is None:
             odd: dict[str, list[str]] = {}
             for (doc_id,) in self._db.execute("SELECT doc_id FROM docs"):
