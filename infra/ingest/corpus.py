@@ -207,7 +207,7 @@ def _forms(first: str, other: str) -> str:
     """The note for two spellings of one id (or of the file names that made it) that differ
     only in Unicode form."""
     same = first != other and document_id(first) == document_id(other)
-    return " (the same id in another Unicode form: NFC and NFD)" if same else ""
+    return " (the same id in another Unicode form: one NFC spelling)" if same else ""
 
 
 def _first(row: dict, *names: str):
