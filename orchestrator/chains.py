@@ -120,12 +120,15 @@ def chain_tasks(reports: list[BranchReport], chain: Hops, n: int, *,
 BRIDGE_WEIGHT = 0.5  # each bridge branch in fusion
 
 
-def bridges(report: BranchReport, question: str, n: int) -> list[tuple[str, str]]:
+def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...] = (),
+            before: str = "") -> list[tuple[str, str]]:
     """The next hops a branch's top chunk points to: (entity, sub-query) for at most `n`
     entities the chunk's text names and the question does not, nearest first to a word of the
     question that the chunk's title lacks ("directed by Tim Burton" for "Big Eye's main
     director"). The sub-query is the entity and the question's words the chunk does not hold
-    (what is left to find: "Tim Burton spouse")."""
+    (what is left to find: "Tim Burton spouse"). A bridge of a bridge passes `skip`, the
+    entities already taken, and `before`, the top chunk of the hop before: an entity it names is
+    not next, and its words are not left to find."""
     top = next((c for c in report.evidence if c.get("chunk_id") in report.ranked_chunk_ids[:1]),
                None)
     if top is None or n <= 0:
@@ -141,12 +144,14 @@ def bridges(report: BranchReport, question: str, n: int) -> list[tuple[str, str]
     named = (e for sentence in sentences(text) for e in entities(sentence, context=text))
     for name in dict.fromkeys(named):
         low = name.lower()
-        if len(name) <= 3 or low in q or (core and (low in core or core in low)):
+        if len(name) <= 3 or low in q or (core and (low in core or core in low)) \
+                or any(_same_entity(name, other) for other in skip) \
+                or re.search(rf"\b{re.escape(low)}\b", before.lower()):
             continue
         at = text.find(name)
         at = len(_WORDS.findall(text[:at])) if at >= 0 else len(stems)
         found.append((min((abs(i - at) for i in near), default=0), at, name))
-    held = set(stems) | titled
+    held = set(stems) | titled | {w.lower()[:PREFIX] for w in _WORDS.findall(before)}
     left = [w for w in asked if w.lower()[:PREFIX] not in held]
     taken: list[str] = []
     for _, _, name in sorted(found):
@@ -181,3 +186,35 @@ def bridge_tasks(reports: list[BranchReport], question: str, n: int, *,
     return [BranchTask(first + i, sub, BRIDGE_WEIGHT, "bridge", acl_groups, deadline,
                        parent=own.index, reason=f"bridge = {name}")
             for i, (name, sub) in enumerate(bridges(own, question, n))]
+
+
+def deeper_bridge_tasks(reports: list[BranchReport], question: str, *,
+                        deadline: float | None = None,
+                        acl_groups: tuple[str, ...] | None = None,
+                        first: int, room: int) -> list[BranchTask]:
+    """The third wave: one bridge of each second-wave bridge that finished ok (in order), from
+    that bridge's top chunk, skipping the entities any bridge took and those the question's
+    branch's top chunk names; at most `room`, numbered from `first`."""
+    own = next((r for r in reports if r.kind == "original" and r.status == "ok"), None)
+    if own is None or room <= 0:
+        return []
+    before = _top_text(own)
+    taken = [r.reason.split(" = ", 1)[1] for r in reports
+             if r.kind == "bridge" and r.reason.startswith("bridge = ")]
+    out: list[BranchTask] = []
+    for parent in (r for r in reports if r.kind == "bridge" and r.status == "ok"
+                   and r.parent == own.index):
+        if len(out) >= room:
+            break
+        for name, sub in bridges(parent, question, 1, skip=tuple(taken),
+                                 before=before):
+            taken.append(name)
+            out.append(BranchTask(first + len(out), sub, BRIDGE_WEIGHT, "bridge", acl_groups,
+                                  deadline, parent=parent.index, reason=f"bridge = {name}"))
+    return out
+
+
+def _top_text(report: BranchReport) -> str:
+    top = next((c for c in report.evidence if c.get("chunk_id") in report.ranked_chunk_ids[:1]),
+               None)
+    return "" if top is None else f"{top.get('title') or ''} {top.get('text') or ''}"

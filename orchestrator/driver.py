@@ -139,10 +139,14 @@ class Driver:
             bridges = max(min(self.settings.bridges, room), 0) if budget > 1 else 0
             if chain is not None and room > 0 or bridges:
                 own = started_wall + self.settings.branch_timeout_s
-                branches += self._next_hops(branches, text, chain, bridges, room, groups,
-                                            own if deadline is None else min(deadline, own),
-                                            on_event, max([len(tasks) - 1] + [b.index for b in
-                                                                              branches]) + 1)
+                ends = own if deadline is None else min(deadline, own)
+                second = self._next_hops(branches, text, chain, bridges, room, groups, ends,
+                                         on_event, max([len(tasks) - 1] + [b.index for b in
+                                                                           branches]) + 1)
+                branches += second
+                if self.settings.bridge_depth > 1 and second:
+                    branches += self._deeper(branches, text, room - len(second), groups, ends,
+                                             on_event)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -262,6 +266,26 @@ class Driver:
             acl_groups=groups, first=number)
         tasks += bridge_tasks(first, text, min(bridges, room - len(tasks)), deadline=deadline,
                               acl_groups=groups, first=number + len(tasks))
+        for i, task in enumerate(tasks):
+            tasks[i] = task = _under_span("chain", task, {
+                "chain.branch": task.index, "chain.parent": task.parent,
+                "chain.answer": task.reason, "chain.subquery": task.subquery})
+            emit(on_event, {"type": "chain", "branch": task.index, "parent": task.parent,
+                            "reason": task.reason, "subquery": task.subquery})
+        if not tasks:
+            return []
+        return self.executor.run(tasks, settings=self.settings,
+                                 policy_factory=self.policy_factory, on_event=on_event)
+
+    def _deeper(self, done: list, text: str, room: int, groups, deadline, on_event) -> list:
+        """The third wave (`orchestrator.chains.deeper_bridge_tasks`): a bridge of each bridge,
+        at most `room`, recorded and run as the second wave's are."""
+        from branchsearch.orchestrator.chains import deeper_bridge_tasks
+
+        if time.time() >= deadline or room <= 0:
+            return []
+        tasks = deeper_bridge_tasks(done, text, deadline=deadline, acl_groups=groups,
+                                    first=max(b.index for b in done) + 1, room=room)
         for i, task in enumerate(tasks):
             tasks[i] = task = _under_span("chain", task, {
                 "chain.branch": task.index, "chain.parent": task.parent,

@@ -106,6 +106,25 @@ def evidence_texts(evidence: list[dict]) -> list[str]:
             for text in [doc.get("title", "")] + [c.get("text", "") for c in doc["chunks"]]]
 
 
+def _linked(ok: list[BranchReport], doc, chunks: dict, admitted) -> dict[int, str]:
+    """For each bridge of a bridge (a branch of kind "bridge" whose parent is a bridge) whose
+    parent's first document is `admitted`: the text of that parent's first `LINK_HEAD`
+    documents, which admits what the bridge of it found (the hop after, named by the hop
+    before). Keyed by the branch's place in `ok`."""
+    at = {b.index: li for li, b in enumerate(ok)}
+    out: dict[int, str] = {}
+    for li, b in enumerate(ok):
+        p = at.get(b.parent) if b.kind == "bridge" and b.parent is not None else None
+        if p is None or ok[p].kind != "bridge":
+            continue
+        docs = list(dict.fromkeys(doc(c) for c in ok[p].ranked_chunk_ids))
+        if docs and admitted(docs[0]):
+            head = set(docs[:LINK_HEAD])
+            out[li] = " ".join(chunks.get(c, {}).get("text", "")
+                               for c in ok[p].ranked_chunk_ids if doc(c) in head)
+    return out
+
+
 def fuse_branches(branches: list[BranchReport], k: int = 60,
                   limit: int = 10) -> tuple[list[str], list[dict]]:
     """Anchored RRF over the *document* rankings of the branches that finished
@@ -142,8 +161,16 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
                         if doc(c) in head)
         titles = {doc(cid): c.get("title", "") for cid, c in reversed(chunks.items())}
         first = {d.id for d in fused if any(ok[li].kind not in SECOND_WAVE for li in d.ranks)}
-        fused = admit(fused, set(own[:limit]),
-                      lambda d: d in first or named_in(text, titles.get(d, "")), window=limit)
+        own_top = set(own[:limit])
+
+        def named(d: str) -> bool:
+            return d in own_top or d in first or named_in(text, titles.get(d, ""))
+
+        linked = _linked(ok, doc, chunks, named)
+        ranks = {d.id: d.ranks for d in fused}
+        fused = admit(fused, own_top, lambda d: named(d) or any(
+            named_in(linked[li], titles.get(d, "")) for li in ranks[d] if li in linked),
+            window=limit)
     ranked = ([of_doc[d.id][0] for d in fused] +
               [c for d in fused for c in of_doc[d.id][1:]])[:limit]
     by_id = {d.id: d for d in fused}

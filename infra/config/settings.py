@@ -118,8 +118,11 @@ class Settings:
     # branch and its top `chains` answers each seed a branch for the outer hop; 0: none
     chains: int = 0
     # bridges (orchestrator/chains.py): the entities named near the question's words in its
-    # branch's top chunk each seed a branch for the next hop; 0: none
-    bridges: int = 0
+    # branch's top chunk each seed a branch for the next hop; 0: none. With bridge_depth 2,
+    # each bridge that finished runs one bridge of its own (the hop after that), within
+    # `branches`. Never with one branch. Measured in reports/bridges.md (v10)
+    bridges: int = 1
+    bridge_depth: int = 2
     # covered branches (orchestrator/cover.py): a planned branch whose entities the question's
     # own branch already ranks among its first documents is not fused, and in-process not run
     skip_covered: bool = True
@@ -207,7 +210,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "no_progress_turns", "result_token_cap", "search_k", "read_window_tokens",
               "final_k", "prune", "learned_rank", "per_title", "policy", "planner",
               "query_max_tokens", "forks", "fork_gap", "chains", "bridges",
-              "skip_covered"),
+              "bridge_depth", "skip_covered"),
     "llm": ("llm_url", "llm_api_key", "llm_model", "llm_engines", "llm_tensor_parallel",
             "llm_max_model_len", "llm_max_tokens", "llm_detached", "llm_timeout_s", "llm_seed"),
     "execution": ("branches", "branch_timeout_s", "branch_retries", "branch_num_cpus",
@@ -232,7 +235,7 @@ CHANGES_RESULT: tuple[str, ...] = (
     "budget_tokens", "soft_limit", "hard_limit", "max_turns", "max_tokens_read",
     "no_progress_turns", "result_token_cap", "search_k", "read_window_tokens", "final_k",
     "prune", "learned_rank", "per_title", "policy", "planner", "query_max_tokens", "forks",
-    "fork_gap", "chains", "bridges", "skip_covered",
+    "fork_gap", "chains", "bridges", "bridge_depth", "skip_covered",
     "branches",
 )
 # ... only when an LLM plans or searches (policy or planner "llm")
@@ -441,6 +444,7 @@ def _validate(s: Settings) -> None:
          f"static_queries must be {one_of(STATIC_QUERIES)}"),
         (s.chains >= 0, "chains must be >= 0 (0: none)"),
         (s.bridges >= 0, "bridges must be >= 0 (0: none)"),
+        (s.bridge_depth in (1, 2), "bridge_depth must be 1 or 2"),
         (0 <= s.fork_gap <= 1, "fork_gap must be in [0, 1]"),
         (s.per_title >= 0, "per_title must be >= 0 (0: off)"),
         (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),

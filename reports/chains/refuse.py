@@ -111,6 +111,9 @@ def main() -> None:
                     help="v8: D values, e.g. 10,20,30: each branch's ranking cut at D chunks "
                          "(a BRANCHSEARCH_BRANCH_DEPTH dump), with 0..N bridges, as shipped "
                          "(v6 admission); names dDbrM")
+    ap.add_argument("--as-run", default="",
+                    help="v10: write the run's own fused ranking (every branch) as variant NAME, "
+                         "beside b1 (the question's branch alone), without rebuilding fusion")
     ap.add_argument("out")
     ap.add_argument("dumps", nargs="+")
     a = ap.parse_args()
@@ -123,6 +126,11 @@ def main() -> None:
         titles = dict(db.execute("select doc_id, title from docs"))
         texts = dict(db.execute("select chunk_id, text from chunks"))
         rows = dump["rows"]
+        if a.as_run:
+            write({"b1": lambda r: (r["branches"][0]["ranked"][:10], r["branches"][:1]),
+                   a.as_run: lambda r: (r["fused"], r["branches"])}, rows, path, a.out,
+                  titles, texts)
+            continue
         for row in rows:
             run = doc_ranking(row["fused"])
             if run not in (doc_ranking(fused(row["branches"], None)),

@@ -96,6 +96,7 @@ def run(dataset: str, index: str, out: str, branches: int, home: str,
                      "fetch_cache": getattr(driver.executor, "last_cache_stats", {}),
                      "latency_s": result.metrics["latency_s"], "branches": [{
                          "index": b.index, "kind": b.kind, "weight": b.weight,
+                         "parent": b.parent, "reason": b.reason,
                          "subquery": b.subquery, "status": b.status,
                          "termination": b.termination, "ranked": b.ranked_chunk_ids,
                          "retrieved": b.retrieved_ids, "pruned": b.pruned_ids,

@@ -11,7 +11,7 @@ from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import load_settings
 from branchsearch.infra.errors import SettingsError
 from branchsearch.orchestrator.chains import (BRIDGE_WEIGHT, CHAIN_WEIGHT, Hops, answers,
-                                             bridges, hops, substitute)
+                                             bridges, deeper_bridge_tasks, hops, substitute)
 from branchsearch.orchestrator.driver import Driver
 from branchsearch.workers.branch import BranchReport
 from branchsearch.workers.harness import EpisodeResult
@@ -85,7 +85,7 @@ def spans():
 
 @pytest.fixture(scope="module")
 def chaining(hotpot_settings):
-    driver = Driver(hotpot_settings.replace(chains=2, branches=3), mode="local")
+    driver = Driver(hotpot_settings.replace(chains=2, bridges=0, branches=3), mode="local")
     yield driver
     driver.close()
 
@@ -130,7 +130,7 @@ def test_a_compositional_question_runs_its_hops_in_two_waves(chaining, spans):
 def test_one_branch_and_chains_off_run_no_chain(chaining, hotpot_settings):
     one = chaining.search(CHAINED, max_branches=1)
     assert [b.kind for b in one.branches] == ["original"] and one.metrics["chains"] == 0
-    off = Driver(hotpot_settings.replace(chains=0, branches=3), mode="local")
+    off = Driver(hotpot_settings.replace(chains=0, bridges=0, branches=3), mode="local")
     try:
         plain = off.search(CHAINED)
     finally:
@@ -169,7 +169,7 @@ def test_bridges_are_the_top_chunks_names_nearest_the_questions_words():
 
 
 def test_a_bridge_branch_follows_a_name_in_the_question_branchs_top_chunk(hotpot_settings):
-    driver = Driver(hotpot_settings.replace(bridges=2, branches=3), mode="local")
+    driver = Driver(hotpot_settings.replace(bridges=2, bridge_depth=1, branches=3), mode="local")
     events = []
     try:
         result = driver.search(CHAINED, on_event=events.append)
@@ -191,7 +191,7 @@ def test_a_bridge_branch_follows_a_name_in_the_question_branchs_top_chunk(hotpot
 def test_the_second_wave_stays_within_the_branch_budget(hotpot_settings):
     """`--branches N` is at most N branches, next hops included: 5 bridges asked for under a
     budget of 2 run one."""
-    driver = Driver(hotpot_settings.replace(bridges=5, branches=3), mode="local")
+    driver = Driver(hotpot_settings.replace(bridges=5, bridge_depth=1, branches=3), mode="local")
     try:
         two = driver.search(CHAINED, max_branches=2)
         three = driver.search(CHAINED)
@@ -208,6 +208,70 @@ def test_a_name_said_twice_is_one_bridge():
     names = [n for n, _ in bridges(_top("Sinister", text), "Who directed it?", 9)]
     assert names.count("Doctor Strange") == 1 and len([
         n for n in names if "Exorcism" in n]) == 1, names
+
+
+def _bridge(index: int, parent: int, name: str, title: str, text: str,
+            status: str = "ok") -> BranchReport:
+    cid = title.lower().replace(" ", "-") + "#p0"
+    ev = [{"chunk_id": cid, "doc_id": cid[:-3], "title": title, "text": text}]
+    return BranchReport(index, name, BRIDGE_WEIGHT, "bridge", status=status, parent=parent,
+                        reason=f"bridge = {name}", episode=EpisodeResult(
+                            subquery=name, termination="finish", evidence=ev,
+                            ranked_chunk_ids=[cid]))
+
+
+def test_a_bridge_of_a_bridge_follows_the_next_name_in_the_bridges_top_chunk():
+    """bridge_depth 2: the hop after a bridge is a name of the bridge's own top chunk that no
+    bridge took and the question branch's top chunk does not name; its sub-query leaves out
+    the words either chunk holds."""
+    question = "Where was the spouse of Big Eye's main director born?"
+    own = _top("Big Eyes", BIG_EYES)
+    burton = _bridge(1, 0, "Tim Burton", "Tim Burton",
+                     "Tim Burton worked with Scott Alexander. His spouse Lena Olin was "
+                     "Swedish.")
+    tasks = deeper_bridge_tasks([own, burton], question, first=2, room=1)
+    assert [(t.index, t.parent, t.kind, t.reason) for t in tasks] == [
+        (2, 1, "bridge", "bridge = Lena Olin")]  # not Scott Alexander: the first hop names him
+    # "spouse" the bridge's chunk holds, "director" the first hop's: neither is left to find
+    assert tasks[0].subquery == "Lena Olin Eye's main" and tasks[0].weight == BRIDGE_WEIGHT
+    # a name an earlier bridge took is no next hop either
+    olin = _bridge(2, 0, "Lena Olin", "Lena Olin (actress)", "Lena Olin acted.")
+    again = deeper_bridge_tasks([own, burton, olin], question, first=3, room=2)
+    assert "bridge = Lena Olin" not in [t.reason for t in again]
+    # no room, a failed bridge, or no question branch: no third wave
+    assert deeper_bridge_tasks([own, burton], question, first=2, room=0) == []
+    failed = _bridge(1, 0, "Tim Burton", "Tim Burton", "His spouse Lena Olin.", status="error")
+    assert deeper_bridge_tasks([own, failed], question, first=2, room=1) == []
+    assert deeper_bridge_tasks([burton], question, first=2, room=1) == []
+
+
+def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_settings):
+    driver = Driver(hotpot_settings.replace(bridges=1, bridge_depth=2, branches=3),
+                    mode="local")
+    events = []
+    try:
+        result = driver.search(CHAINED, on_event=events.append)
+        two = driver.search(CHAINED, max_branches=2)
+    finally:
+        driver.close()
+    own, first, deeper = result.branches
+    assert (first.kind, first.parent) == ("bridge", own.index)
+    assert (deeper.kind, deeper.parent, deeper.status) == ("bridge", first.index, "ok")
+    assert deeper.reason.startswith("bridge = ") and deeper.reason != first.reason
+    event = next(e for e in events if e["type"] == "chain" and e["branch"] == deeper.index)
+    assert event["parent"] == first.index and event["subquery"] == deeper.subquery
+    assert result.metrics["bridges"] == 2
+    assert [b.kind for b in two.branches] == ["original", "bridge"]  # the budget holds it
+    one = Driver(hotpot_settings.replace(bridges=1, bridge_depth=1, branches=3), mode="local")
+    try:
+        assert [b.kind for b in one.search(CHAINED).branches] == ["original", "bridge"]
+    finally:
+        one.close()
+
+
+def test_bridge_depth_is_one_or_two(tmp_path):
+    with pytest.raises(SettingsError, match="bridge_depth must be 1 or 2"):
+        load_settings(None, {"home": str(tmp_path), "bridge_depth": 3})
 
 
 def test_bridges_must_not_be_negative(tmp_path):

@@ -662,6 +662,37 @@ def test_second_wave_finds_enter_the_fused_top_only_when_the_anchor_names_them()
     assert docs == ["d0", "d1", "d2", "look_alike", "tim_burton"]
 
 
+def test_a_bridge_of_a_bridges_find_is_admitted_when_its_parent_is_and_names_it():
+    """The third hop is named by the second, not by the question's branch: a bridge of a
+    bridge's find keeps a place when its parent bridge's first document is admitted and that
+    parent's first documents name it; a look-alike it found, or anything found under a parent
+    that was not admitted, does not."""
+    def branch(i, kind, ids, weight=1.0, parent=None, text=lambda c: ""):
+        evidence = [{"chunk_id": c, "doc_id": c.split("#")[0],
+                     "title": c.split("#")[0].replace("_", " ").title(), "text": text(c),
+                     "rank": r, "score": 1 / r, "provenance": []}
+                    for r, c in enumerate(ids, start=1)]
+        return BranchReport(i, f"q{i}", weight, kind, parent=parent, episode=EpisodeResult(
+            f"q{i}", "finish", evidence=evidence, ranked_chunk_ids=ids))
+
+    own = [f"d{n}#p0" for n in range(10)]
+    anchor = branch(0, "original", own,
+                    text=lambda c: "Big Eyes was directed by Tim Burton." if c == "d0#p0" else "")
+    burton = branch(1, "bridge", ["tim_burton#p0"], 0.5, parent=0,
+                    text=lambda c: "Burton married Lena Olin.")
+    olin = branch(2, "bridge", ["look_alike#p0", "lena_olin#p0"], 0.5, parent=1)
+    docs = [d["doc_id"] for d in fuse_branches([anchor, burton, olin], k=5, limit=10)[1]]
+    assert "tim_burton" in docs and "lena_olin" in docs and "look_alike" not in docs
+    # the parent not admitted (the question's branch does not name Tim Burton): nor is its find
+    silent = branch(0, "original", own)
+    docs = [d["doc_id"] for d in fuse_branches([silent, burton, olin], k=5, limit=10)[1]]
+    assert not {"tim_burton", "lena_olin"} & set(docs)
+    # a bridge of the question's branch is not admitted by another bridge's text
+    sibling = branch(2, "bridge", ["look_alike#p0", "lena_olin#p0"], 0.5, parent=0)
+    docs = [d["doc_id"] for d in fuse_branches([anchor, burton, sibling], k=5, limit=10)[1]]
+    assert "tim_burton" in docs and "lena_olin" not in docs
+
+
 def test_a_title_is_named_in_either_unicode_form_and_in_scripts_without_spaces():
     from branchsearch.orchestrator.result import named_in
 
