@@ -63,8 +63,7 @@ def print_result(result) -> None:
         extra = (f"{b.termination}, {b.turns} turns, {b.tool_calls} calls, "
                  f"{b.context_tokens_final} ctx tokens, pruned {len(b.pruned_ids)}"
                  if b.status == "ok" else b.error)
-        fork = (" " + one_line(f"fork of b{b.parent} ({b.reason}; handed {', '.join(b.seeds)})")
-                if getattr(b, "kind", "") == "fork" else "")
+        fork = f" ({one_line(follows(b))})" if b.parent is not None else ""
         print(f"  branch {b.index} [{b.status}] w={b.weight:g} {b.subquery!r}{fork}: "
               f"{one_line(extra)}")
     for c in getattr(result, "covered", None) or []:
@@ -101,10 +100,18 @@ def print_evaluation(result: dict) -> None:
               f"{c['losses']} losses, {c['ties']} ties")
 
 
+def follows(b) -> str:
+    """Which branch a later wave's branch follows and why: "fork of b0, look_alike; handed
+    …", "bridge of b1, bridge = Tim Burton"."""
+    handed = f"; handed {', '.join(b.seeds)}" if b.kind == "fork" else ""
+    return f"{b.kind} of b{b.parent}, {b.reason}{handed}"
+
+
 def print_demo_branches(result) -> None:
     print("4. what each branch did:")
     for b in result.branches:
-        print(f"   branch {b.index} [{b.status}] {b.kind} w={b.weight:g}: {b.subquery!r}")
+        after = f" ({one_line(follows(b))})" if b.parent is not None else ""
+        print(f"   branch {b.index} [{b.status}] {b.kind} w={b.weight:g}: {b.subquery!r}{after}")
         if b.status != "ok":
             print(f"      {one_line(b.error)}")
             continue

@@ -245,7 +245,9 @@ def test_a_bridge_of_a_bridge_follows_the_next_name_in_the_bridges_top_chunk():
     assert deeper_bridge_tasks([burton], question, first=2, room=1) == []
 
 
-def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_settings):
+def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_settings, capsys):
+    from branchsearch.orchestrator.cli.render import print_result
+
     driver = Driver(hotpot_settings.replace(bridges=1, bridge_depth=2, branches=3),
                     mode="local")
     events = []
@@ -261,6 +263,10 @@ def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_sett
     event = next(e for e in events if e["type"] == "chain" and e["branch"] == deeper.index)
     assert event["parent"] == first.index and event["subquery"] == deeper.subquery
     assert result.metrics["bridges"] == 2
+    print_result(result)  # the terminal says which branch each follows, and why
+    out = capsys.readouterr().out
+    assert f"(bridge of b{first.index}, {deeper.reason})" in out
+    assert f"(bridge of b{own.index}, {first.reason})" in out
     assert [b.kind for b in two.branches] == ["original", "bridge"]  # the budget holds it
     one = Driver(hotpot_settings.replace(bridges=1, bridge_depth=1, branches=3), mode="local")
     try:
