@@ -266,6 +266,11 @@ class Driver:
             acl_groups=groups, first=number)
         tasks += bridge_tasks(first, text, min(bridges, room - len(tasks)), deadline=deadline,
                               acl_groups=groups, first=number + len(tasks))
+        return self._run_hops(tasks, on_event)
+
+    def _run_hops(self, tasks: list, on_event) -> list:
+        """Next-hop tasks, each recorded as a `chain` span and event, run on the executor in
+        parallel."""
         for i, task in enumerate(tasks):
             tasks[i] = task = _under_span("chain", task, {
                 "chain.branch": task.index, "chain.parent": task.parent,
@@ -286,16 +291,7 @@ class Driver:
             return []
         tasks = deeper_bridge_tasks(done, text, deadline=deadline, acl_groups=groups,
                                     first=max(b.index for b in done) + 1, room=room)
-        for i, task in enumerate(tasks):
-            tasks[i] = task = _under_span("chain", task, {
-                "chain.branch": task.index, "chain.parent": task.parent,
-                "chain.answer": task.reason, "chain.subquery": task.subquery})
-            emit(on_event, {"type": "chain", "branch": task.index, "parent": task.parent,
-                            "reason": task.reason, "subquery": task.subquery})
-        if not tasks:
-            return []
-        return self.executor.run(tasks, settings=self.settings,
-                                 policy_factory=self.policy_factory, on_event=on_event)
+        return self._run_hops(tasks, on_event)
 
 
 def _under_span(name: str, task: BranchTask, attributes: dict) -> BranchTask:

@@ -248,8 +248,8 @@ def test_a_bridge_of_a_bridge_follows_the_next_name_in_the_bridges_top_chunk():
 def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_settings, capsys):
     from branchsearch.orchestrator.cli.render import print_result
 
-    driver = Driver(hotpot_settings.replace(bridges=1, bridge_depth=2, branches=3),
-                    mode="local")
+    """The defaults (bridges 1, bridge_depth 2, --branches 3): question, bridge, bridge of it."""
+    driver = Driver(hotpot_settings, mode="local")
     events = []
     try:
         result = driver.search(CHAINED, on_event=events.append)
