@@ -25,6 +25,8 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
             raise RuntimeError("ray.init() called from a worker thread: connect to Ray from "
                                "the main thread before starting threads that use it")
         address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
+        if address is not None:
+            _answers_or_say(address)
         kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
                   "log_to_driver": False, "configure_logging": False}
         if address is None:
@@ -54,6 +56,42 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
                 raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
                                          f"{str(exc)[:300]})") from None
     return ray.cluster_resources()
+
+
+# How long a named cluster's address has to take a TCP connection (Ray's core waits 5 s a try)
+REACH_S = 5.0
+
+
+def _answers_or_say(address: str) -> None:
+    """Raise one `BackendUnavailable` line when nothing takes a TCP connection at the address
+    Ray would connect to for `address`. Ray 2.60's own connect to a GCS that is not there
+    retries for about 14 minutes (20 tries of ~40 s), printing three warnings a try. The
+    address is the one Ray uses: a loopback name becomes this node's IP (`ray://`: the Ray
+    Client server, as given). An address Ray cannot resolve here ("auto" with no cluster) is
+    left to `ray.init`, which says so at once."""
+    import socket
+
+    if address.startswith("ray://"):
+        target = address[len("ray://"):].split("/", 1)[0]
+    else:
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address(address) or ""
+        except Exception:  # noqa: BLE001 — ray.init says what is wrong with it
+            return
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        return  # malformed: ray.init says so
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_S).close()
+    except OSError as exc:
+        seen = f" (as {target})" if target != address else ""
+        raise BackendUnavailable(
+            f"ray: cannot connect to {address}{seen}: nothing answers there "
+            f"({exc.strerror or type(exc).__name__}); start the cluster (`ray start --head`) "
+            "or give its address with --address or RAY_ADDRESS") from None
 
 
 # What Ray's C++ core prints on stderr, which is not ours to show a user: a notice at every

@@ -830,3 +830,31 @@ def test_a_refused_resume_names_settings_as_people_write_them():
     assert [shown(v) for v in (None, True, False, ["hr", "finance"], [], {"b", "a"}, 0.5,
                                "hybrid")] == ["none", "true", "false", "hr, finance", "none",
                                               "a, b", "0.5", "hybrid"]
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_at_once(hotpot_settings, tmp_path):
+    """`search`, `batch` and `serve` with `--address` naming no cluster: one `error:` line
+    naming the address, exit 2, within seconds. Ray's own connect retried for about 14 minutes
+    (20 tries of ~40 s) and printed three gcs_client/rpc_client warnings a try."""
+    import socket
+    import time
+
+    from branchsearch.orchestrator.service.auth import KeyStore
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    home = ["--home", hotpot_settings.home, "--index", "hotpot"]
+    (tmp_path / "q.jsonl").write_text(json.dumps({"id": "q", "question": "Ed Wood"}) + "\n")
+    KeyStore(tmp_path / "keys.json").add("k", ())  # (a keys file: no development-mode banner)
+    for name, args in {
+            "search": ["search", "Who directed Ed Wood?", "--executor", "ray"],
+            "batch": ["batch", tmp_path / "q.jsonl", "-o", tmp_path / "out.jsonl"],
+            "serve": ["serve", "--standalone", "--executor", "ray", "--port", 0,
+                      "--keys", tmp_path / "keys.json"]}.items():
+        started = time.monotonic()
+        done = run([*args, *home, "--address", address], env={"RAY_ADDRESS": ""}, timeout=90)
+        assert_one_error_line(done, f"ray: cannot connect to {address}", name)
+        assert time.monotonic() - started < 60, name
+        assert "gcs" not in done.stderr.lower(), (name, done.stderr)
+    assert not (tmp_path / "out.jsonl").exists()  # nothing half-written
