@@ -1,4 +1,4 @@
-"""Running the service: standalone (uvicorn, one process) or on Ray Serve (the builder).
+"""Running the service: standalone (uvicorn in this process) or on Ray Serve (the builder).
 
 Either way Ray is connected once, from the main thread, before any request or start thread (a
 cluster started from a thread that later ends dies with it), and one `Searcher` serves every
@@ -49,7 +49,7 @@ def dev_mode_banner(host: str, port: int) -> str:
             f"document; listening on loopback only (http://{host}:{port})")
 
 
-# --- one process: uvicorn -----------------------------------------------------------------------
+# --- standalone: uvicorn ------------------------------------------------------------------------
 
 def local_state(settings, *, executor: str = "local", keys_path=None,
                 limits: Limits = Limits(), driver_factory=None) -> ServiceState:
@@ -71,8 +71,7 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
     _log_to_stderr()
     state = local_state(settings, executor=executor, keys_path=keys, limits=Limits.of(settings))
     state.searcher.target.open_default()  # load models before taking traffic
-    print(f"serving on http://{sock.getsockname()[0]}:{sock.getsockname()[1]} (docs at /docs; "
-          "one process)", file=sys.stderr)
+    print(serving_line(sock.getsockname()[:2], settings, executor), file=sys.stderr)
     server = standalone_server(create_app(state), state)
     import signal
 
@@ -83,6 +82,21 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
         server.run(sockets=[sock])
     finally:
         state.searcher.target.close()
+
+
+def serving_line(where: tuple, settings, executor: str) -> str:
+    """What `serve --standalone` says once it takes traffic: where, and where the branches run
+    (in this process with the local executor; on Ray actors with the ray executor)."""
+    import os
+
+    host, port = where
+    if executor == "ray":
+        address = settings.ray_address or os.environ.get("RAY_ADDRESS")
+        cluster = f"the cluster at {address}" if address else "a local cluster started here"
+        runs = f"the service in this process, its branches on Ray actors ({cluster})"
+    else:
+        runs = "one process: the service and its branches"
+    return f"serving on http://{host}:{port} (docs at /docs; {runs})"
 
 
 def standalone_server(app, state: ServiceState, grace_s: float = GRACE_S, **config):

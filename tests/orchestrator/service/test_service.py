@@ -1072,6 +1072,38 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     assert "has 'acl', 'zweiter'; pick one with --index NAME" in errors[0], errors
 
 
+
+@pytest.mark.ray
+def test_standalone_serve_says_where_its_branches_run(hotpot_settings, tmp_path):
+    """`serve --standalone` said "one process" for every executor; with `--executor ray` its
+    branches run on Ray actors (a local cluster it starts, here). The line says which."""
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+    for executor, said, unsaid in (("ray", "its branches on Ray actors (a local cluster "
+                                    "started here)", "one process"),
+                                   ("local", "one process: the service and its branches",
+                                    "Ray")):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--standalone",
+             "--host", "127.0.0.1", "--port", "0", "--home", str(home), "--index", "hotpot",
+             "--executor", executor], stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none", "RAY_ADDRESS": ""})
+        try:
+            line, deadline = "", time.monotonic() + 300
+            while "serving on" not in line and time.monotonic() < deadline:
+                line = proc.stderr.readline()
+                assert line or proc.poll() is None, "serve exited before listening"
+            assert said in line and unsaid not in line, (executor, line)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
 def test_a_request_running_past_the_shutdown_grace_gets_a_json_503(tmp_path, caplog):
     """A search still running when a stopping server's grace for requests in flight runs out:
     its caller gets a JSON 503 `shutting_down` with Retry-After, as a request arriving at a
