@@ -13,7 +13,7 @@ import typer
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.datasets.synth import MAX_DOCS
 from branchsearch.orchestrator.cli.options import (AddressOpt, ConfigOpt, HomeOpt, IndexOpt,
-                                                   progress_bar, settings_from)
+                                                   per_second, progress_bar, settings_from)
 
 
 def register(app: typer.Typer) -> None:
@@ -52,7 +52,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         chunks += new_chunks
         bar.update(docs)
         rate = chunks / max(bar.format_dict["elapsed"], 1e-9)
-        bar.set_postfix(chunks=chunks, chunks_per_s=f"{rate:.0f}")
+        bar.set_postfix(chunks=chunks, chunks_per_s=per_second(rate))
 
     def embedding(done: int, total: int) -> None:  # a long batch (a book) as it embeds
         bar.set_postfix(chunks=chunks, embedding=f"{done}/{total} chunks of the next documents")
@@ -65,8 +65,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
     if as_json:
         print(json.dumps(report.to_dict()))
     else:
-        s, rate = report.seconds, report.chunks_per_s
-        rate = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"  # a tiny corpus: not "0"
+        s, rate = report.seconds, per_second(report.chunks_per_s)
         n = report.documents
         done = (f"{report.resumed} documents were already committed; {rate} chunks/s with "
                 f"{workers} worker(s), embedding {s.get('embed', 0):.1f} s"

@@ -111,6 +111,12 @@ def _writable_folder(folder: Path, path: Path, what: str) -> None:
         raise BranchsearchError(f"{what} {path}: cannot write in {folder} ({why})") from None
 
 
+def per_second(rate: float) -> str:
+    """A rate for a person: whole numbers from 10 up, two significant digits under, so work
+    done never reads "0" (a 2-document ingest is 0.26 chunks/s, not 0)."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
+
+
 def progress_bar(total: int | None, unit: str, desc: str):
     """A tqdm bar on a terminal; elsewhere (a pipe, a log file, CI) one plain line every
     few seconds, so long work is never silent. Both take update(n), set_postfix(...),
@@ -174,7 +180,8 @@ class ProgressLines:
         elapsed = self._clock() - self._start
         count = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
         rate = self.n / elapsed if elapsed > 0 else 0.0
-        line = f"{self.desc}: {count} {self.unit}, {rate:.1f} {self.unit}/s, {elapsed:.0f} s"
+        shown = f"{rate:.1f}" if rate >= 0.1 or not self.n else per_second(rate)  # not 0.0
+        line = f"{self.desc}: {count} {self.unit}, {shown} {self.unit}/s, {elapsed:.0f} s"
         if self.postfix:
             line += f" ({self.postfix})"
         print(line + (", done" if done else ""), file=self.stream, flush=True)

@@ -510,3 +510,30 @@ def test_a_long_document_shows_its_embedding_as_it_goes(tmp_path, monkeypatch):
     bar.close()
     assert f"ingest book: 0 doc, 0.0 doc/s, 0 s (chunks=0, embedding=8/{total} chunks" in \
         stream.getvalue()
+
+
+def test_a_tiny_ingest_never_reports_a_rate_of_zero(tmp_path):
+    """One document, one chunk, and the seconds the model takes to load: the progress line on
+    a pipe said `chunks_per_s=0` (the last line had been fixed, the progress line not), and a
+    document every 20 s or slower read `0.0 doc/s`. Every rate shown for work done is > 0."""
+    import io
+    import re
+
+    corpus = tmp_path / "one.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "title": "T", "text": "Falcon plan."}) + "\n")
+    done = subprocess.run([*CLI, "ingest", str(corpus), "--index", "tiny"], capture_output=True,
+                          text=True, env=_env(tmp_path / "home"), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rates = re.findall(r"chunks_per_s=([^,)]+)", done.stderr)
+    rates += re.findall(r"([\d.e-]+) chunks/s", done.stdout)
+    rates += re.findall(r"([\d.e-]+) doc/s", done.stderr)
+    assert len(rates) >= 3 and all(float(r) > 0 for r in rates), (done.stderr, done.stdout)
+
+    from branchsearch.orchestrator.cli.options import ProgressLines
+
+    stream = io.StringIO()
+    bar = ProgressLines(None, "doc", "ingest book", every=60, stream=stream)
+    bar._start -= 100  # one document (a book) in 100 s
+    bar.update(1)
+    bar.close()
+    assert "ingest book: 1 doc, 0.01 doc/s, 100 s, done" in stream.getvalue(), stream.getvalue()
