@@ -17,8 +17,8 @@ from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.retrieval.retriever import searched_mode
 from branchsearch.orchestrator.execution import emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
-from branchsearch.orchestrator.result import (MEANING_ONLY, SearchResult, evidence_texts,
-                                             fuse_branches, meaning_only)
+from branchsearch.orchestrator.result import (MEANING_ONLY, NOTHING_VISIBLE, SearchResult,
+                                             evidence_texts, fuse_branches, meaning_only)
 from branchsearch.workers.branch import BranchTask
 from branchsearch.workers.query import check_question
 from branchsearch.workers.tools import fit_query
@@ -173,7 +173,7 @@ class Driver:
             forks = [b for b in branches if b.kind == "fork"]
             metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
         if not evidence and any(b.status == "ok" for b in branches):  # empty, but not failed
-            notes = notes + ["no evidence: no document this search may see matched the question"]
+            notes = notes + [f"no evidence: {NOTHING_VISIBLE} the question"]
         elif self.by_meaning and meaning_only(question, evidence_texts(evidence)):
             notes = notes + [MEANING_ONLY]
         result = SearchResult(question, evidence, ranked, branches, metrics,

@@ -21,6 +21,9 @@ __all__ = ["BranchReport", "SearchResult", "fuse_branches", "evidence_texts", "m
 LINK_HEAD = 3
 SECOND_WAVE = ("bridge", "chain", "fork")  # the kinds of branch that follow the first wave
 
+# An empty answer, the same whether nothing matched or only documents the caller may not see
+# did: saying which would tell a caller that hidden documents match its words
+NOTHING_VISIBLE = "no document this search may see matched"
 MEANING_ONLY = ("matched by meaning only: no document returned shares a word with the question "
                 "(weak evidence unless the question is a paraphrase)")
 

@@ -32,7 +32,7 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
     """Single-shot retrieval (no agent)."""
     from branchsearch.infra.retrieval.retriever import one_side
     from branchsearch.infra.index.open import open_retriever
-    from branchsearch.orchestrator.result import MEANING_ONLY, meaning_only
+    from branchsearch.orchestrator.result import MEANING_ONLY, NOTHING_VISIBLE, meaning_only
     from branchsearch.workers.query import check_question
 
     check_question(query, "query")
@@ -53,7 +53,8 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
         print(json.dumps([h.to_dict() for h in hits]))
         return
     if not hits:
-        print(f"no hits ({mode} search of index {settings.index!r})")
+        print(f"no hits: {NOTHING_VISIBLE} the query ({mode} search of index "
+              f"{settings.index!r})")
     for h in hits:
         print(f"{h.rank:>3}. {one_line(h.chunk_id)}  {h.score:.4f}  {one_line(h.title)}\n"
               f"     {one_line(h.text, 160)}")

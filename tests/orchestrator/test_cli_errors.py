@@ -858,3 +858,25 @@ def test_a_ray_address_where_nothing_answers_is_one_line_at_once(hotpot_settings
         assert time.monotonic() - started < 60, name
         assert "gcs" not in done.stderr.lower(), (name, done.stderr)
     assert not (tmp_path / "out.jsonl").exists()  # nothing half-written
+
+
+def test_retrieve_with_no_hit_it_may_see_says_so_as_search_does(tmp_path):
+    """`retrieve` that finds nothing the caller may see said only "no hits". It now says what
+    `search`'s note says — no document this search may see matched — and the same words
+    whether nothing matched or only documents of groups the caller lacks did: a difference
+    would tell a caller that hidden documents match its query."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "memo", "title": "Memo", "acl": ["research"],
+                                  "text": "The heliotrope project ships in March."}) + "\n"
+                      + json.dumps({"_id": "pub", "title": "T", "text": "Falcon plan"}) + "\n")
+    home = ["--home", tmp_path / "home", "--index", "acl"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    hidden = run(["retrieve", "heliotrope", "--mode", "bm25", *home])
+    nothing = run(["retrieve", "zxqvbnm", "--mode", "bm25", *home])
+    said = ("no hits: no document this search may see matched the query (bm25 search of index "
+            "'acl')\n")
+    assert hidden.returncode == nothing.returncode == 0, hidden.stderr[-800:]
+    assert hidden.stdout == nothing.stdout == said, (hidden.stdout, nothing.stdout)
+    assert hidden.stderr == nothing.stderr
+    seen = run(["retrieve", "heliotrope", "--mode", "bm25", "--acl", "research", *home])
+    assert "memo#p0" in seen.stdout, seen.stderr[-800:]
