@@ -190,6 +190,12 @@ class Observe:
             if isinstance(exc, ClientDisconnect) and "started" not in box:  # it left while
                 box["status"] = CLIENT_CLOSED  # its body was read: no one to answer, and no
                 return  # failure of the server's
+            if "started" in box and _client_gone(exc):  # it left mid-stream, and the server
+                # said so by failing a send (ASGI 2.4: an OSError, ClientDisconnect from
+                # Starlette): one line, not a traceback here and another from the server
+                log.debug("%s %s: the client left mid-stream (%s)", scope.get("method"),
+                          scope.get("path"), type(exc).__name__)
+                return  # counted 499 below (a stream not complete, not failed)
             err = api_error(exc)
             if err.status == 500:
                 log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"),

@@ -1263,3 +1263,63 @@ def test_a_client_that_leaves_mid_body_while_the_server_drains_is_counted_499(tm
     finally:
         server.stop()
         state.searcher.target.close()
+
+
+def test_a_stream_whose_send_fails_as_the_client_leaves_is_499_without_a_traceback(tmp_path,
+                                                                                      caplog):
+    """A server of ASGI spec 2.4 raises an OSError from `send` once the client is gone
+    (uvicorn 0.55 and Ray Serve drop the message instead; neither is 2.4). Starlette turns it
+    into ClientDisconnect mid-stream, which `Observe` logged as "unhandled error" with its
+    traceback and raised on to the server (a second traceback, "Exception in ASGI
+    application"). It is a client gone: counted 499, one debug line, nothing raised. The app is the
+    real one over a real index; the server is this test's, per the spec, since no 2.4 server
+    is installed."""
+    import errno
+    import logging
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "search_mode": "bm25"},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings, dense=False)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+    body = json.dumps({"question": "harbor festival lighthouse", "branches": 2}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/search",
+             "raw_path": b"/v1/search", "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"host", b"here"), (b"content-type", b"application/json"),
+                         (b"accept", b"text/event-stream"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def serve_one() -> list[dict]:
+        gone, sent, asked = asyncio.Event(), [], []
+
+        async def receive():
+            if not asked:
+                asked.append(1)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if gone.is_set():  # the spec's server: an OSError for a connection that is closed
+                raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                gone.set()  # the client reads the first event, then leaves
+
+        await service.create_app(state)(scope, receive, send)
+        return sent
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            sent = asyncio.run(serve_one())
+        assert sent[0]["status"] == 200 and len(sent) == 2, sent  # the head, one event
+        counted = re.search(r'^branchsearch_http_requests_total\{endpoint="/v1/search",'
+                            r'method="POST",status="(\d+)"\} 1\.0$',
+                            state.metrics.render().decode(), re.M)
+        assert counted and counted.group(1) == "499", state.metrics.render().decode()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], \
+            caplog.text
+        assert len([r for r in caplog.records if "left" in r.getMessage()]) == 1, caplog.text
+    finally:
+        state.searcher.target.close()
