@@ -242,9 +242,12 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                           report=report, plots=plots)
     settings = settings_from(home, index or dataset_index(dataset), config, prune=prune,
                          policy=policy, branches=branches)
+    from branchsearch.infra.config.settings import Settings
+
+    # a second wave the user asked for (not the default's), silently off under one branch
     second = [f"{name} = {getattr(settings, name)}" for name in ("forks", "chains", "bridges")
-              if getattr(settings, name)]
-    if second and settings.branches == 1 and policy is not None:  # set, and silently off
+              if getattr(settings, name) and getattr(settings, name) != getattr(Settings(), name)]
+    if second and settings.branches == 1 and policy is not None:
         print(f"note: {', '.join(second)} in the settings, but one branch never has a second "
               "wave: give --branches 2 or more to measure it", file=sys.stderr)
     result = run_evaluation(settings, options, acl_groups=caller_acl(settings, acl, acl_admin),

@@ -296,14 +296,18 @@ def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot
 
     own = ingest_copy(hotpot_settings, "eval-second-wave")  # its own Milvus Lite file
 
-    def run(*flags: str):
+    def run(*flags: str, bridges: str | None = "2"):
+        env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_BRIDGES"}
         return subprocess.run(
             [sys.executable, "-m", "branchsearch.orchestrator.cli", "eval", str(HOTPOT),
              "--home", str(own.home), "--index", own.index,
              "--no-ingest", "--policy", "heuristic", "--limit", "3", *flags],
             capture_output=True, text=True, timeout=600,
-            env={**os.environ, "BRANCHSEARCH_BRIDGES": "2"})
+            env=env | ({"BRANCHSEARCH_BRIDGES": bridges} if bridges is not None else {}))
 
+    # the defaults' own bridges are no news: only a second wave the user asked for is noted
+    plain = run(bridges=None)
+    assert plain.returncode == 0 and "note:" not in plain.stderr, plain.stderr[-2000:]
     one = run()
     assert one.returncode == 0, one.stderr[-2000:]
     assert "note: bridges = 2 in the settings, but one branch never has a second wave" in \
