@@ -309,6 +309,21 @@ def build_application(opts: ServeOptions):
         def __init__(self, *args, **kwargs):
             _log_to_replica()
             super().__init__(*args, **kwargs)
+            self._serving = True
+
+        def __del__(self):
+            """Serve calls this once the replica has drained (its graceful shutdown), before
+            it stops the replica's process: close every index (its stores, Milvus Lite server
+            and retriever actors) and the branch pool, as `serve --standalone` does on exit.
+            Python calls it again when it collects the object: once is enough."""
+            if not self.__dict__.pop("_serving", False):
+                return
+            try:
+                self.close()
+            except Exception as exc:  # noqa: BLE001 — the replica stops either way
+                log.warning("searcher replica: closing failed: %s", error_line(exc, 300))
+            else:
+                log.info("searcher replica stopped: its indexes and branch pool are closed")
 
     searcher = serve.deployment(ReplicaSearcher, name="Searcher").options(
         num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,

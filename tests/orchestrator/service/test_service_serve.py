@@ -210,6 +210,50 @@ def test_a_client_gone_while_serve_drains_is_counted_499(serve_app, tmp_path):
         serve.delete("drain")  # the module's own app goes on
 
 
+def test_a_serve_app_shut_down_closes_its_searcher(serve_app, tmp_path):
+    """Serve's graceful shutdown of a searcher replica left its Searcher open: the index's
+    retriever actor was killed with the replica rather than closed, so its Milvus Lite server
+    was never stopped (its lock file stayed in the index folder) and the branch actors went
+    only because their owner died. The replica's `__del__` now closes it, as standalone
+    closes it on exit."""
+    import ray
+    from ray import serve
+    from ray._private import state
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    home = tmp_path / "closing"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "hy"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings)  # hybrid: its own Milvus Lite file
+    lock = settings.index_dir / ".dense.db.lock"
+    assert not lock.exists()
+    config = tmp_path / "settings.toml"
+    config.write_text("[execution]\nactor_start_timeout_s = 60\n")
+    opts = ServeOptions(home=str(home), index="hy", config=str(config), executor="ray")
+
+    def actors(status: str) -> set[str]:
+        return {a["ActorID"] for a in state.actors().values()
+                if a.get("ActorClassName", "").endswith(("BranchService", "RetrieverService"))
+                and a.get("State") == status}
+
+    before = actors("ALIVE")
+    serve.run(build_application(opts), name="closing", route_prefix="/closing")
+    try:
+        r = client.post("/closing/v1/search", json={"question": "harbor festival boats"})
+        assert r.status_code == 200 and r.json()["evidence"], r.text
+        assert lock.exists()  # the retriever actor's Milvus Lite server holds the file
+        mine = actors("ALIVE") - before
+        assert mine, "no branch or retriever actor started"
+    finally:
+        serve.delete("closing")  # graceful: the replicas drain, then stop
+    assert not lock.exists(), "the searcher's index was not closed"
+    assert not mine & actors("ALIVE")
+    assert ray.is_initialized()
+
+
 def bm_home(home):
     """A data home holding one BM25 index, `bm`, of the test corpus."""
     home.mkdir()
