@@ -160,8 +160,9 @@ class Observe:
                 pass
             except ApiError as err:
                 return await _send_error(sending, err, metrics)
+            route = _route_path(scope)
             query = scope.get("query_string") or b""
-            if query and str(scope.get("path", "")).startswith("/v1/"):
+            if query and route.startswith("/v1/"):
                 from urllib.parse import parse_qsl
 
                 names = sorted({k for k, _ in parse_qsl(query.decode("latin-1"),
@@ -170,7 +171,7 @@ class Observe:
                     422, "bad_request", f"unknown query parameter(s): {', '.join(names)[:200]}; "
                     "this API takes none (a search's fields go in its JSON body; a '?' in a "
                     "document id is sent as %3F)"), metrics)
-            if self.state.draining and scope.get("path") not in ("/healthz", "/metrics"):
+            if self.state.draining and route not in ("/healthz", "/metrics"):
                 # /readyz too: balancers move on
                 return await _send_error(sending, shutting_down(), metrics)
             await self.app(scope, receiving, sending)
@@ -212,6 +213,15 @@ class Observe:
                 status = 500 if box.get("failed") else CLIENT_CLOSED
             metrics.observe_request(_endpoint(scope), scope.get("method", ""), status,
                                     time.perf_counter() - started)
+
+
+def _route_path(scope) -> str:
+    """The request's path within the app: without the prefix it is mounted under (Serve's
+    `route_prefix`, ASGI's `root_path`), which the ASGI `path` holds."""
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", "")).rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 def _client_gone(exc: BaseException) -> bool:

@@ -210,6 +210,48 @@ def test_a_client_gone_while_serve_drains_is_counted_499(serve_app, tmp_path):
         serve.delete("drain")  # the module's own app goes on
 
 
+def test_probes_under_a_route_prefix_are_answered_while_serve_drains(serve_app, tmp_path):
+    """An application under a route prefix (a Serve config's `route_prefix: /probe`) refused
+    /healthz and /metrics with 503 `shutting_down` during the drain, and took a query string
+    on a /v1 route: the ingress compared the ASGI path, which holds the prefix, with
+    "/healthz" and "/v1/". Under a prefix they now answer as they do at "/"."""
+    import ray
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import (BOARD_NAMESPACE, ServeOptions,
+                                                          board_name, build_application)
+
+    client, _ = serve_app
+    home = bm_home(tmp_path / "probe")
+    opts = ServeOptions(home=str(home), index="bm", executor="local")  # dev mode: no keys
+    serve.run(build_application(opts), name="probe", route_prefix="/probe")
+    try:
+        r = client.post("/probe/v1/search?k=3", json={"question": "harbor"})
+        assert r.status_code == 422 and "unknown query parameter(s): k" in r.json()["detail"]
+        deadline = time.monotonic() + 120
+        while True:  # the board is made by the ingress replica's first push
+            try:
+                board = ray.get_actor(board_name("probe"), namespace=BOARD_NAMESPACE)
+                break
+            except ValueError:
+                assert time.monotonic() < deadline, "no metrics board"
+                time.sleep(0.5)
+        ray.get(board.drain.remote(), timeout=30)
+        while client.get("/probe/readyz").status_code != 503:  # the replica knows
+            assert time.monotonic() < deadline, "the ingress did not learn of the drain"
+            time.sleep(0.2)
+        health = client.get("/probe/healthz")
+        assert health.status_code == 200 and health.json() == {"status": "up"}, health.text
+        metrics = client.get("/probe/metrics")
+        assert metrics.status_code == 200, metrics.text
+        assert "branchsearch_http_requests_total" in metrics.text
+        assert client.head("/probe/healthz").status_code == 200
+        refused = client.get("/probe/v1/indexes")
+        assert refused.status_code == 503 and refused.json()["error"] == "shutting_down"
+    finally:
+        serve.delete("probe")  # the module's own app goes on
+
+
 def test_a_serve_app_shut_down_closes_its_searcher(serve_app, tmp_path):
     """Serve's graceful shutdown of a searcher replica left its Searcher open: the index's
     retriever actor was killed with the replica rather than closed, so its Milvus Lite server
