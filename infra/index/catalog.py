@@ -49,7 +49,7 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
         running = running_ingest(folder)
         if manifest is not None:
             backends = " + ".join(f"{role}: {where}" for role, where in
-                                  sorted(manifest.backends.items()))
+                                  sorted(backends_now(folder, manifest).items()))
             backends = redact(backends)  # (a manifest an older version wrote may hold them)
             health = "ingesting" if running else files_health(folder, manifest)
             if health == "ok":
@@ -65,6 +65,20 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
                  + (f" --home {home}" if home else "") + "` again")
             out.append(IndexInfo(folder.name, "owned", "", None, None, health))
     return out
+
+
+def backends_now(folder: Path, manifest) -> dict[str, str]:
+    """The backends an index's manifest records, its Milvus Lite file named where the index
+    reads it now: the `dense.db` in its own folder (`open.dense_uri`). The manifest keeps the
+    path its ingest wrote to, which an index folder copied to another home (or a home moved)
+    no longer uses."""
+    backends = dict(manifest.backends or {})
+    kind, _, rest = str(backends.get("dense", "")).partition(" ")
+    if kind == "milvus-lite":  # "milvus-lite <path> (<vector index>)"; the path may hold " ("
+        _, paren, spec = rest.rpartition(" (")
+        backends["dense"] = f"milvus-lite {Path(folder) / 'dense.db'}" + \
+            (f" ({spec}" if paren else "")
+    return backends
 
 
 def embedding_of(folder: Path, embedding: dict | None, settings: Settings) -> str:

@@ -707,6 +707,31 @@ def test_indexes_keeps_its_columns_for_wide_names(tmp_path):
     assert starts == {24}, listed.stdout
 
 
+def test_indexes_shows_where_a_copied_index_reads_its_vectors(tmp_path):
+    """An index folder copied to another home read its vectors from its own dense.db, while
+    `indexes` showed the Milvus Lite path its ingest recorded, in the home it came from. It
+    shows the file the index reads, which is still there when the first home is gone."""
+    import shutil
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    (tmp_path / "c.jsonl").write_text(
+        '{"_id": "otter", "title": "Otter", "text": "Sea otters float on kelp beds."}\n'
+        '{"_id": "heron", "title": "Heron", "text": "Herons wade in shallow marshes."}\n')
+    made = run(["ingest", tmp_path / "c.jsonl", "--index", "wiki", "--home", first])
+    assert made.returncode == 0, made.stderr[-800:]
+    shutil.copytree(first / "indexes" / "wiki", second / "indexes" / "wiki")
+    shutil.rmtree(first)
+    listed = run(["indexes", "--home", second, "--json"])
+    assert listed.returncode == 0, listed.stderr[-800:]
+    [info] = json.loads(listed.stdout)
+    assert info["health"] == "ok" and str(first) not in info["backends"], info
+    assert f"dense: milvus-lite {second / 'indexes' / 'wiki' / 'dense.db'} (FLAT)" in \
+        info["backends"], info
+    found = run(["retrieve", "sea otters", "--mode", "dense", "--home", second, "--json"])
+    assert found.returncode == 0, found.stderr[-800:]
+    assert json.loads(found.stdout)[0]["doc_id"] == "otter"
+
+
 def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(hotpot_settings,
                                                                                   tmp_path):
     """`serve` (Ray Serve, the default) checks the default index in the command's process: a
