@@ -45,6 +45,7 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
                 else " (not a BEIR folder?)")
         raise CorpusError(f"{folder}: no qrels/{split}.tsv{hint}")
     gold: dict[str, dict[str, int]] = {}
+    graded: dict[tuple[str, str], tuple[int, int]] = {}  # (query, document) -> (score, line)
     with qrels_file.open("rb") as f:
         lines = [(n, line) for n, line in utf8_lines(f, qrels_file) if line.strip()]
         rows = csv.reader((line for _, line in lines), delimiter="\t")
@@ -56,8 +57,15 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
             if len(row) < 3 or not row[2].lstrip("-").isdigit():
                 raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score "
                                   "(or TREC's query-id, 0, corpus-id, score)")
-            if int(row[2]) > 0:  # the document's id as the index holds it (NFC)
-                gold.setdefault(_nfc(row[0]), {})[document_id(row[1])] = int(row[2])
+            # the ids as the index holds them (NFC)
+            qid, doc, score = _nfc(row[0]), document_id(row[1]), int(row[2])
+            first = graded.setdefault((qid, doc), (score, lineno))
+            if first[0] != score:  # which grade counts would be the file order's choice
+                raise CorpusError(f"{qrels_file}:{lineno}: query {qid!r}, document {doc!r} is "
+                                  f"scored {score} here and {first[0]} on line {first[1]}: "
+                                  "give the pair one score")
+            if score > 0:  # the same score twice is the same gold: kept once, silently
+                gold.setdefault(qid, {})[doc] = score
     queries, seen = [], set()
     with qfile.open("rb") as f:
         for lineno, line in utf8_lines(f, qfile):

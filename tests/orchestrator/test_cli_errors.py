@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from branchsearch.infra.stores.protocols import MAX_K, check_k, check_pattern
-from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.errors import BadQuery, CorpusError
 from branchsearch.orchestrator.cli.render import clean, one_line
 
 CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
@@ -356,6 +356,38 @@ def test_eval_refuses_questions_it_cannot_score_and_says_when_gold_is_missing(tm
     assert "warning: 1 of 3 of the gold documents are not in index 'set'" in done.stderr
     other = run(["eval", HOTPOT, *home, "--mode", "bm25"])
     assert_one_error_line(other, "none of the 24 gold documents is in index 'set'")
+
+
+def test_a_qrels_pair_scored_twice_differently_is_one_error_line(tmp_path):
+    """A (query-id, corpus-id) pair on two qrels lines with different scores kept the last one
+    silently (a grade 2 made 1, a gold document made not gold by a later 0); it is one error
+    line naming the file and line, and the line it contradicts, before anything is ingested.
+    The same score twice says the same thing: read once, without a word."""
+    from branchsearch.infra.datasets.beir import read_queries
+
+    data = tmp_path / "set"
+    (data / "qrels").mkdir(parents=True)
+    (data / "corpus.jsonl").write_text('{"_id": "d1", "text": "beavers build dams"}\n'
+                                       '{"_id": "d2", "text": "otters eat clams"}\n')
+    (data / "queries.jsonl").write_text('{"_id": "q1", "text": "beavers"}\n')
+    home = ["--home", tmp_path / "home", "--index", "set", "--mode", "bm25"]
+    qrels = data / "qrels" / "test.tsv"
+    for rows, says in ((["q1\td1\t2", "q1\td2\t1", "q1\td1\t1"],
+                        "test.tsv:4: query 'q1', document 'd1' is scored 1 here and 2 on line 2"),
+                       (["q1\td1\t1", "q1\td1\t0"],
+                        "test.tsv:3: query 'q1', document 'd1' is scored 0 here and 1 on line 2"),
+                       (["q1\t0\td1\t1", "q1\t0\td1\t2"],  # TREC's four columns
+                        "test.tsv:3: query 'q1', document 'd1' is scored 2 here and 1 on line 2")):
+        qrels.write_text("query-id\tcorpus-id\tscore\n" + "\n".join(rows) + "\n")
+        assert_one_error_line(run(["eval", data, *home]), says, rows)
+        assert not (tmp_path / "home" / "indexes").exists()  # nothing ingested
+    qrels.write_text("q1\td1\t2\nq1\td2\t1\nq1\td1\t2\n")
+    assert read_queries(data)[0].gold == {"d1": 2, "d2": 1}
+    import unicodedata  # one id in two Unicode forms is one document (as the index holds it)
+
+    qrels.write_text(f"q1\t{unicodedata.normalize('NFD', 'café')}\t1\nq1\tcafé\t2\n")
+    with pytest.raises(CorpusError, match="test.tsv:2: query 'q1', document 'café' is scored 2"):
+        read_queries(data)
 
 
 def test_bounds_and_patterns_below_the_cli():
