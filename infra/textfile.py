@@ -59,6 +59,29 @@ def json_once(text: str | bytes):
     return json.loads(text, object_pairs_hook=_once_each)
 
 
+def key_twice_element(text: str) -> int | None:
+    """Which element of the JSON array `text` (counting from 1) names a key twice, at any
+    depth: `json_once` refuses the whole array without saying. None when none does, or
+    `text` is not an array."""
+    decoder, space = json.JSONDecoder(object_pairs_hook=_once_each), json.decoder.WHITESPACE
+    text = text.lstrip()
+    if not text.startswith("["):
+        return None
+    at, n = space.match(text, 1).end(), 0
+    while at < len(text) and text[at] != "]":
+        n += 1
+        try:
+            _, at = decoder.raw_decode(text, at)
+        except KeyTwice:
+            return n
+        except (ValueError, RecursionError):
+            return None
+        at = space.match(text, at).end()
+        if text.startswith(",", at):
+            at = space.match(text, at + 1).end()
+    return None
+
+
 def _once_each(pairs: list[tuple[str, object]]) -> dict:
     out: dict = {}
     for key, value in pairs:

@@ -28,25 +28,28 @@ def parse_documents(body: bytes) -> list:
     except UnicodeDecodeError:
         raise CorpusError("body is not UTF-8") from None
     text = text.removeprefix("\ufeff")  # a BOM, as a corpus file may start with
-    stripped = text.lstrip()
+    stripped, elements = text.lstrip(), None
     if stripped.startswith("["):
         from branchsearch.infra.ingest.corpus import json_problem
-        from branchsearch.infra.textfile import KeyTwice, json_once
+        from branchsearch.infra.textfile import KeyTwice, json_once, key_twice_element
 
         try:
             rows = json_once(stripped)
         except KeyTwice as exc:
-            raise CorpusError(f"body: {exc}") from None
+            at = key_twice_element(stripped)
+            where = f"body element {at} of {len(json.loads(stripped))}" if at else "body"
+            raise CorpusError(f"{where}: {exc}") from None
         except (ValueError, RecursionError) as exc:
             raise CorpusError(f"body is not a valid JSON array ({json_problem(exc)})") from None
-        text = "".join(json.dumps(r) + "\n" for r in rows)
+        # one element a line, each error named by its element (counting from 1)
+        text, elements = "".join(json.dumps(r) + "\n" for r in rows), len(rows)
     elif stripped.startswith("{"):
         _refuse_wrapper(stripped)
     if not text.strip():
         raise CorpusError("no documents in the body")
     from branchsearch.infra.ingest.corpus import parse_jsonl
 
-    return parse_jsonl(text, "body")
+    return parse_jsonl(text, "body", elements=elements)
 
 
 def _refuse_wrapper(text: str) -> None:

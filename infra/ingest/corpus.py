@@ -55,10 +55,13 @@ def read_corpus(path: str | Path) -> list[Document]:
     return _unique(docs, str(path))
 
 
-def parse_jsonl(text: str, name: str = "body") -> list[Document]:
+def parse_jsonl(text: str, name: str = "body", *, elements: int | None = None
+                ) -> list[Document]:
     """The documents of JSONL `text` held in memory (an upload), validated as a corpus file is;
-    CorpusError names `name:line`."""
-    docs = list(_documents(enumerate(text.split("\n"), 1), name, "body.jsonl"))
+    CorpusError names `name:line`. `elements`: `text` holds the elements of a JSON array, one
+    a line, that many; an error then names `name element N of M` (N counting from 1), since
+    the caller's body has no such lines."""
+    docs = list(_documents(enumerate(text.split("\n"), 1), name, "body.jsonl", elements))
     return _unique(docs, name)
 
 
@@ -80,14 +83,17 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
         yield from _documents(utf8_lines(f, path), str(path), None)
 
 
-def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
+def _documents(lines, name: str, source: str | None,
+               elements: int | None = None) -> Iterator[Document]:
     """Documents from (line number, line) pairs; `source`: the default source field (None:
-    the file's name)."""
+    the file's name); `elements`: the lines are a JSON array's elements, that many (errors
+    name the element)."""
     seen: dict[str, tuple[int, str]] = {}  # id -> its first line, and the id as written
     for lineno, line in lines:
         if not line.strip():
             continue
-        where = f"{name}:{lineno}"
+        where = f"{name}:{lineno}" if elements is None else \
+            f"{name} element {lineno} of {elements}"
         try:
             row = json_once(line)
         except KeyTwice as exc:  # {"_id": "a", "_id": "b"}: which one is the id?
@@ -115,8 +121,9 @@ def _documents(lines, name: str, source: str | None) -> Iterator[Document]:
             "source") or source or Path(name).name))
         first = seen.setdefault(doc.id, (lineno, str(doc_id)))
         if first[0] != lineno:
-            raise CorpusError(f"{where}: duplicate document id {doc.id!r} (first on line "
-                              f"{first[0]}){_forms(first[1], str(doc_id))}")
+            raise CorpusError(f"{where}: duplicate document id {doc.id!r} (first "
+                              f"{'on line' if elements is None else 'as element'} {first[0]})"
+                              f"{_forms(first[1], str(doc_id))}")
         yield doc
 
 

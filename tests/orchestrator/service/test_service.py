@@ -349,6 +349,33 @@ def test_upsert_then_search_finds_delete_then_not(site):
                             json=[{"id": "x", "text": "y", "acl": "not a list" and 5}]), 422)
 
 
+def test_a_bad_element_of_a_json_array_upload_is_named_as_the_element(site):
+    """A JSON array upload whose second document was bad answered 422 'body:2: …', a line of
+    a body that has none (the array may be on one line). It names the element, counting from
+    1, and how many the array holds; a JSONL upload still names its line. Nothing is written."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    good = {"id": "element-ok", "text": "A good document.", "acl": ["alpha"]}
+    for body, says in (
+            ([good, {"text": "no id"}, good | {"id": "element-3"}],
+             "body element 2 of 3: missing document id ('_id' or 'id')"),
+            ([good, good], "body element 2 of 2: duplicate document id 'element-ok' (first as "
+                           "element 1)"),
+            ([good, "not an object"], "body element 2 of 2: expected a JSON object")):
+        r = client.put("/v1/indexes/acl/documents", headers=admin, json=body)
+        assert assert_error(r, 422, "bad_request")["detail"] == says
+    twice = b'[{"id": "a1", "text": "x"}, {"id": "a2", "text": "y", "text": "z"}, {"id": "a3"}]'
+    r = client.put("/v1/indexes/acl/documents", content=twice,
+                   headers={**admin, "Content-Type": "application/json"})
+    assert assert_error(r, 422)["detail"].startswith(
+        "body element 2 of 3: the key 'text' is given twice"), r.text
+    r = client.put("/v1/indexes/acl/documents", headers=admin,
+                   content=b'{"id": "element-ok", "text": "fine"}\n{"text": "no id"}\n')
+    assert assert_error(r, 422)["detail"] == "body:2: missing document id ('_id' or 'id')"
+    r = client.delete("/v1/indexes/acl/documents/element-ok", headers=admin)
+    assert_error(r, 404)  # none of them was written
+
+
 def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
     """An admin key with groups writes and deletes only documents whose acl is within them;
     a DELETE of an id it may not see answers exactly as a missing id does (an admin could

@@ -514,7 +514,7 @@ def test_an_upload_naming_a_key_twice_is_refused():
     from branchsearch.orchestrator.service.errors import api_error
 
     for body, where in ((b'[{"id": "a", "text": "x"}, {"id": "b", "id": "c", "text": "y"}]',
-                         "body: "),
+                         "body element 2 of 2: "),
                         (b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y", "text": "z"}\n',
                          "body:2: ")):
         with pytest.raises(CorpusError, match=f"{where}the key '(id|text)' is given twice") as exc:
