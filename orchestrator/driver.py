@@ -128,13 +128,14 @@ class Driver:
                                          policy_factory=self.policy_factory, on_event=on_event,
                                          cover=cover)
             covered = self._covered(tasks, branches, cover, on_event)
+            late: list[str] = []  # the waves the deadline left no time to start
             if forking:
                 # the forks end by the question's deadline, and never past one branch timeout
                 # from the question's start: a second wave does not double the wait
                 own = started_wall + self.settings.branch_timeout_s
                 branches += self._forks(branches, groups,
                                         own if deadline is None else min(deadline, own),
-                                        on_event, len(tasks))
+                                        on_event, len(tasks), late)
             room = budget - len(tasks)  # the second wave counts against the budget too
             bridges = max(min(self.settings.bridges, room), 0) if budget > 1 else 0
             if chain is not None and room > 0 or bridges:
@@ -142,11 +143,11 @@ class Driver:
                 ends = own if deadline is None else min(deadline, own)
                 second = self._next_hops(branches, text, chain, bridges, room, groups, ends,
                                          on_event, max([len(tasks) - 1] + [b.index for b in
-                                                                           branches]) + 1)
+                                                                           branches]) + 1, late)
                 branches += second
                 if self.settings.bridge_depth > 1 and second:
                     branches += self._deeper(branches, text, room - len(second), groups, ends,
-                                             on_event)
+                                             on_event, late)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -172,6 +173,10 @@ class Driver:
         if metrics["forks"]:
             forks = [b for b in branches if b.kind == "fork"]
             metrics["fork_latency_s_max"] = round(max(b.latency_s for b in forks), 4)
+        if late:  # not a full result, though every branch that ran may be ok
+            notes = notes + [f"not searched for lack of time: {', '.join(late)} (the "
+                             "question's deadline, or one branch timeout from its start, "
+                             "passed before their wave could start)"]
         if not evidence and any(b.status == "ok" for b in branches):  # empty, but not failed
             notes = notes + [f"no evidence: {NOTHING_VISIBLE} the question"]
         elif self.by_meaning and meaning_only(question, evidence_texts(evidence)):
@@ -212,18 +217,19 @@ class Driver:
             emit(on_event, {"type": "covered", **out[-1]})
         return out
 
-    def _forks(self, first: list, groups, deadline, on_event, number: int) -> list:
+    def _forks(self, first: list, groups, deadline, on_event, number: int,
+               late: list[str]) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the
         first wave pruned near its keep line, each recorded as a `fork` span and event, run on
         the executor in parallel, ending by `deadline`, numbered from `number` (after every
         planned branch, covered ones included); [] when no branch left a candidate or no time
-        is left."""
+        is left (then `late` says what was not searched)."""
         from branchsearch.orchestrator.forks import fork_tasks
 
-        if time.time() >= deadline:  # no time left: no forks (not forks reported as timeouts)
-            return []
         tasks = fork_tasks(first, self.settings.forks, deadline=deadline, acl_groups=groups,
                            first=number)
+        if _too_late(tasks, deadline, late):  # not forks reported as timeouts
+            return []
         for i, task in enumerate(tasks):
             tasks[i] = task = _under_span("fork", task, {
                 "fork.branch": task.index, "fork.parent": task.parent,
@@ -251,21 +257,22 @@ class Driver:
         return chain
 
     def _next_hops(self, first: list, text: str, chain, bridges: int, room: int, groups,
-                   deadline, on_event, number: int) -> list:
+                   deadline, on_event, number: int, late: list[str]) -> list:
         """The second wave of next hops (`orchestrator.chains`): a branch per candidate answer
         of the chain's inner hop, and per entity the question's branch's top chunk names
         (`bridges` of them), at most `room` in all (what the question's branch budget left),
         each recorded as a `chain` span and event, run on the executor in parallel, ending by
-        `deadline`; [] when there is none or no time is left."""
+        `deadline`; [] when there is none or no time is left (then `late` says what was not
+        searched)."""
         from branchsearch.orchestrator.chains import bridge_tasks, chain_tasks
 
-        if time.time() >= deadline:
-            return []
         tasks = [] if chain is None else chain_tasks(
             first, chain, min(self.settings.chains, room), deadline=deadline,
             acl_groups=groups, first=number)
         tasks += bridge_tasks(first, text, min(bridges, room - len(tasks)), deadline=deadline,
                               acl_groups=groups, first=number + len(tasks))
+        if _too_late(tasks, deadline, late):
+            return []
         return self._run_hops(tasks, on_event)
 
     def _run_hops(self, tasks: list, on_event) -> list:
@@ -282,16 +289,34 @@ class Driver:
         return self.executor.run(tasks, settings=self.settings,
                                  policy_factory=self.policy_factory, on_event=on_event)
 
-    def _deeper(self, done: list, text: str, room: int, groups, deadline, on_event) -> list:
+    def _deeper(self, done: list, text: str, room: int, groups, deadline, on_event,
+                late: list[str]) -> list:
         """The third wave (`orchestrator.chains.deeper_bridge_tasks`): a bridge of each bridge,
         at most `room`, recorded and run as the second wave's are."""
         from branchsearch.orchestrator.chains import deeper_bridge_tasks
 
-        if time.time() >= deadline or room <= 0:
+        if room <= 0:
             return []
         tasks = deeper_bridge_tasks(done, text, deadline=deadline, acl_groups=groups,
                                     first=max(b.index for b in done) + 1, room=room)
+        if _too_late(tasks, deadline, late, deeper=True):
+            return []
         return self._run_hops(tasks, on_event)
+
+
+def _too_late(tasks: list, deadline: float, late: list[str], deeper: bool = False) -> bool:
+    """Whether a wave of `tasks` may not start: `deadline` has passed. A wave that had tasks
+    is then said in `late` ("2 forks", "1 chain, 2 bridges"), so a result without it is not
+    taken for a full one; a wave with none had nothing to search."""
+    if time.time() < deadline:
+        return False
+    kinds: dict[str, int] = {}
+    for task in tasks:
+        kinds[task.kind] = kinds.get(task.kind, 0) + 1
+    for kind, n in kinds.items():
+        of = (" of a bridge" if n == 1 else " of bridges") if deeper else ""
+        late.append(f"{n} {kind}{'' if n == 1 else 's'}{of}")
+    return True
 
 
 def _under_span(name: str, task: BranchTask, attributes: dict) -> BranchTask:

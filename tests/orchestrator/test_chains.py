@@ -275,6 +275,44 @@ def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_sett
         one.close()
 
 
+def test_a_wave_the_deadline_leaves_no_time_for_is_said_in_the_notes(hotpot_settings):
+    """With the defaults (a bridge, then a bridge of it), a question whose deadline passes
+    once a wave has ended skipped the next wave and said nothing: an `ok` result that looked
+    whole. Its notes now say what was not searched. The watcher holds the driver past the
+    deadline once the wave before has ended (a deadline short enough to leave no time for the
+    first wave ends it too: that result is `failed`, and with nothing found, nothing was there
+    to follow)."""
+    import time
+
+    deadline_s = 8.0
+
+    def hold_after(branch: int):
+        started = time.time()
+
+        def watcher(event):
+            if event["type"] == "branch_done" and event["branch"] == branch:
+                time.sleep(max(started + deadline_s - time.time(), 0) + 0.1)
+        return watcher
+
+    said = ("not searched for lack of time: {} (the question's deadline, or one branch "
+            "timeout from its start, passed before their wave could start)")
+    driver = Driver(hotpot_settings, mode="local")
+    try:
+        second = driver.search(CHAINED, deadline_s=deadline_s, on_event=hold_after(0))
+        third = driver.search(CHAINED, deadline_s=deadline_s, on_event=hold_after(1))
+        whole = driver.search(CHAINED)
+        none = driver.search(CHAINED, deadline_s=0)
+    finally:
+        driver.close()
+    assert [b.kind for b in second.branches] == ["original"] and second.status == "ok"
+    assert said.format("1 bridge") in second.notes, second.notes
+    assert [b.kind for b in third.branches] == ["original", "bridge"] and third.status == "ok"
+    assert said.format("1 bridge of a bridge") in third.notes, third.notes
+    assert [b.kind for b in whole.branches] == ["original", "bridge", "bridge"]
+    assert not [n for n in whole.notes if "lack of time" in n]
+    assert none.status == "failed" and not [n for n in none.notes if "lack of time" in n]
+
+
 def test_bridge_depth_is_one_or_two(tmp_path):
     with pytest.raises(SettingsError, match="bridge_depth must be 1 or 2"):
         load_settings(None, {"home": str(tmp_path), "bridge_depth": 3})

@@ -188,3 +188,6 @@ def test_no_fork_starts_past_the_questions_deadline(forking):
     assert [b.kind for b in result.branches] == ["original"]  # planned alone, finished ok
     assert result.status == "ok" and result.branches[0].fork_candidates  # it could have forked
     assert result.metrics["forks"] == 0
+    # and says so: an ok result without its forks is not a whole one
+    assert any(n.startswith(f"not searched for lack of time: {BUDGET} forks")
+               for n in result.notes), result.notes
