@@ -597,7 +597,7 @@ def test_an_index_that_changed_on_disk_is_reopened_once_its_requests_end(tmp_pat
     assert searcher.drivers.open("x") is second
 
     store = folder / "docs.sqlite"
-    with open(store) as held:  # (as the searcher's docstore holds it: no inode reuse)
+    with open(store):  # held open (as the searcher's docstore holds it: no inode reuse)
         shutil.rmtree(folder)  # removed, and ingested anew with the same layout
         folder.mkdir(parents=True)
         store.touch()
