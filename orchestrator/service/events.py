@@ -70,7 +70,9 @@ def chunk_ids_in(event: dict) -> list[str]:
             for cid in b.get(name) or []] + [
             cid for b in r.get("branches", []) for c in b.get("fork_candidates") or []
             for cid in [c.get("chunk_id", ""), *(c.get("chunk_ids") or [])]] + [
-            cid for c in r.get("covered") or [] for cid in c.get("ids") or []]
+            cid for c in r.get("covered") or [] for cid in c.get("ids") or []] + [
+            cid for doc in r.get("evidence", []) for c in doc.get("chunks", [])
+            for p in c.get("provenance") or [] for cid in p.get("parents") or []]
     return (list(event.get("new_ids", [])) + list(event.get("ids", []))
             + list(event.get("handed", [])))
 
@@ -103,7 +105,9 @@ def guard(event: dict, hidden: Callable[[list[str]], set[str]]) -> tuple[dict, i
                      for b in r.get("branches", [])]
     docs = []
     for doc in r.get("evidence", []):
-        chunks = [c for c in doc["chunks"] if c["chunk_id"] not in bad]
+        chunks = [{**c, "provenance": [{**p, "parents": keep(p.get("parents") or [])}
+                                       for p in c.get("provenance") or []]}
+                  for c in doc["chunks"] if c["chunk_id"] not in bad]
         if chunks:
             docs.append({**doc, "chunks": chunks})
     r["evidence"] = docs

@@ -256,6 +256,16 @@ def test_acl_guard_drops_hidden_ids_everywhere():
     assert event["result"]["covered"] == [{"branch": 1, "subquery": "Secret Plan",
                                            "by": ["Open Page"], "ids": ["ok#p0"]}]
     assert "secret" not in json.dumps(event["result"]["covered"]) and dropped == 1
+    # a visible chunk found through a hidden one names it among its provenance's parents (a
+    # document whose groups were narrowed while the search ran): the id goes there too
+    via = {"ranked_chunk_ids": ["ok#p0"], "branches": [], "evidence": [
+        {"doc_id": "ok", "chunks": [{"chunk_id": "ok#p0", "provenance": [
+            {"turn": 2, "tool": "search_corpus", "query": "q", "rank": 1, "score": 1.0,
+             "parents": ["secret#p0", "open#p3"]}]}]}]}
+    event, dropped = stream.guard({"type": "result", "result": via}, hidden)
+    assert "secret" not in json.dumps(event) and dropped == 1
+    assert event["result"]["evidence"][0]["chunks"][0]["provenance"][0]["parents"] == [
+        "open#p3"]
 
 
 def test_a_driver_that_is_slow_to_start_blocks_only_its_own_index(tmp_path):
