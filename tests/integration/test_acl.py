@@ -278,7 +278,7 @@ def test_acl_as_one_string_is_one_group_and_a_comma_is_refused(tmp_path):
     done = _cli("ingest", str(item), "--no-dense", *home)
     assert done.returncode == 2 and "holds a comma" in done.stderr, done.stderr[-1500:]
 
-    with pytest.raises(CorpusError, match=r"body:1: 'acl' is the string \"a,b\"; give the "
+    with pytest.raises(CorpusError, match=r"body element 1 of 1: 'acl' is the string \"a,b\"; give the "
                                           r"groups as a list: \"acl\": \[\"a\", \"b\"\]"):
         parse_documents(json.dumps([{"id": "x", "text": "y", "acl": "a,b"}]).encode())
     assert parse_documents(b'{"id": "x", "text": "y", "acl": "finance"}\n')[0].acl == ("finance",)
