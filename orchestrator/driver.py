@@ -89,7 +89,7 @@ class Driver:
         never for a failing branch — the result's `status` (ok | partial | failed) and its
         branches say what happened.
         """
-        check_question(question)
+        question = check_question(question)  # NFC: the documents' form (`infra.nfc`)
         started = time.perf_counter()
         started_wall = time.time()
         deadline = started_wall + deadline_s if deadline_s is not None else None

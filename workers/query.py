@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.nfc import nfc
 
 
 def has_words(text: str) -> bool:
@@ -40,8 +41,9 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 but tab, L
 
 
 def check_question(text: object, what: str = "question") -> str:
-    """`text`, or BadQuery saying why it cannot be searched."""
+    """`text` in Unicode NFC (`infra.nfc`: as the documents are stored and indexed, so
+    `Zürich` typed decomposed finds them), or BadQuery saying why it cannot be searched."""
     problem = question_problem(text, what)
     if problem:
         raise BadQuery(problem)
-    return text  # type: ignore[return-value]
+    return nfc(text)  # type: ignore[arg-type]

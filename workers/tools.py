@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from branchsearch.infra.config.choices import MODES
+from branchsearch.infra.nfc import nfc
 from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.telemetry import tracer
 from branchsearch.workers.context import ProvenanceRecord
@@ -359,8 +360,9 @@ def _validator(name: str):
 def fit_query(text: str, counter, max_tokens: int, max_chars: int = QUERY_MAX_CHARS
               ) -> tuple[str, int]:
     """`text` cut to `max_tokens` tokens (and the search cap in characters, at a word);
-    returns (text, tokens it had)."""
-    text = " ".join(text.split())
+    returns (text, tokens it had). In Unicode NFC (`infra.nfc`): a planner's or a model's
+    sub-query is searched in the form the documents are stored in."""
+    text = " ".join(nfc(text).split())
     tokens = counter.encode(text)
     cut = counter.decode(tokens[:max_tokens]) if len(tokens) > max_tokens else text
     if len(cut) > max_chars:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name, group_problem
 from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.nfc import nfc
 from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
 
 _BIDI = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # direction overrides
@@ -182,10 +183,10 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         raise CorpusError(f"{where}: document {doc_id!r} has no text and no title; give it a "
                           "text or leave it out")
     known = {"_id", "id", "title", "text", "source", "date", "acl", "acl_groups"}
-    return Document(
-        id=doc_id,
-        title=str(row.get("title") or ""),
-        text=row["text"],
+    return Document(  # title and text in NFC, as the id: what the stores index and queries
+        id=doc_id,    # (also NFC, `infra.nfc`) look for; the docstore keeps the same form
+        title=nfc(str(row.get("title") or "")),
+        text=nfc(row["text"]),
         source=source,
         date=str(row.get("date") or ""),
         acl=tuple(acl),
@@ -199,7 +200,7 @@ def document_id(doc_id: str) -> str:
     document, whichever form a corpus, an upload or a caller writes it in. Every id enters an
     index through here (`_document`); an index an earlier version wrote may hold an id as it
     was typed (`DocStore.stored_ids` finds it, and a write replaces it)."""
-    return unicodedata.normalize("NFC", doc_id)
+    return nfc(doc_id)
 
 
 def id_forms(doc_id: str) -> tuple[str, ...]:

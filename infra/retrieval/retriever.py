@@ -37,6 +37,7 @@ from branchsearch.infra.stores.protocols import MAX_K, check_k
 from branchsearch.infra.stores.acl import acl_terms, acl_visible
 from branchsearch.infra.config.choices import MODES, Mode
 from branchsearch.infra.errors import BadQuery
+from branchsearch.infra.nfc import nfc
 from branchsearch.infra.retrieval.fetch_cache import QuestionCache, copy_hit
 from branchsearch.infra.index.manifest import read_manifest
 from branchsearch.infra.stores.hits import Hit
@@ -71,6 +72,7 @@ class Retriever:
         check_k(k)
         if k <= 0 or not query.strip():
             return []
+        query = nfc(query)  # the form the documents are indexed in (`infra.nfc`)
         exclude = list(dict.fromkeys(exclude_ids))
         if mode == "hybrid" and self.one_sided:
             mode = self.one_sided  # an index with one backend: hybrid is that side
@@ -194,6 +196,8 @@ class Retriever:
              acl_groups: Sequence[str] | None = None, *,
              cache: QuestionCache | None = None) -> list[Hit]:
         check_k(k)
+        if isinstance(pattern, str):  # a term typed decomposed matches the indexed NFC one
+            pattern = nfc(pattern)
         return self._hydrate(self._list("grep", pattern, k, list(exclude_ids), acl_groups,
                                         cache), cache)
 

@@ -35,7 +35,7 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
     from branchsearch.orchestrator.result import MEANING_ONLY, NOTHING_VISIBLE, meaning_only
     from branchsearch.workers.query import check_question
 
-    check_question(query, "query")
+    query = check_question(query, "query")  # in NFC, as documents are indexed
     settings = settings_to_read(home, index, config)
     groups = caller_acl(settings, acl, acl_admin)
     retriever = open_retriever(settings, need_dense=mode != "bm25")
@@ -74,7 +74,7 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
     from branchsearch.orchestrator.execution import pick_executor
     from branchsearch.workers.query import check_question
 
-    check_question(question)
+    question = check_question(question)  # in NFC, as documents are indexed
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     if trace:
         flags |= {"trace_exporter": "jsonl", "trace_file": str(trace)}

@@ -13,6 +13,7 @@ from branchsearch.infra.config.settings import (INDEX_NAME_CHARS, index_name,
                                                 index_name_problem)
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.errors import ApiError
+from branchsearch.infra.nfc import nfc
 from branchsearch.workers.query import question_problem
 
 
@@ -65,7 +66,8 @@ def parse_search(body: object, limits: Limits) -> SearchRequest:
             raise ApiError(422, "bad_request", f"'deadline_s' must be a number in "
                                                f"(0, {limits.max_deadline_s:g}]")
         deadline = float(deadline)
-    return SearchRequest(question.strip(), index, branches, k, deadline)
+    question = nfc(question.strip())  # the documents' form (`infra.nfc`)
+    return SearchRequest(question, index, branches, k, deadline)
 
 
 def _int(body: dict, name: str, low: int, high: int, why: str = "") -> int | None:
