@@ -63,15 +63,20 @@ REACH_S = 5.0
 
 
 def _answers_or_say(address: str) -> None:
-    """Raise one `BackendUnavailable` line when nothing takes a TCP connection at the address
-    Ray would connect to for `address`. Ray 2.60's own connect to a GCS that is not there
-    retries for about 14 minutes (20 tries of ~40 s), printing three warnings a try. The
-    address is the one Ray uses: a loopback name becomes this node's IP (`ray://`: the Ray
-    Client server, as given). An address Ray cannot resolve here ("auto" with no cluster) is
-    left to `ray.init`, which says so at once."""
+    """Raise one `BackendUnavailable` line when what answers at the address Ray would connect to
+    for `address` is no Ray cluster: nothing takes a TCP connection there, no gRPC (HTTP/2)
+    server answers (an HTTP/1.1 server, such as Ray's dashboard at 8265), or a gRPC server that
+    is no GCS (it does not know the GCS's `GetClusterId`). Ray 2.60's own connect to any of
+    these retries for about 14 minutes (20 tries of ~40 s), deaf to Ctrl-C, printing three
+    warnings a try. The address is the one Ray uses: a loopback name becomes this node's IP
+    (`ray://`: the Ray Client server, as given; a gRPC server too, but no GCS). An address Ray
+    cannot resolve here ("auto" with no cluster) is left to `ray.init`, which says so at once;
+    so is any answer this check cannot judge (a GCS that refuses this process's token says so
+    in `GetClusterId`'s status, which `connect` then words)."""
     import socket
 
-    if address.startswith("ray://"):
+    client = address.startswith("ray://")
+    if client:
         target = address[len("ray://"):].split("/", 1)[0]
     else:
         try:
@@ -84,14 +89,57 @@ def _answers_or_say(address: str) -> None:
     host = host.strip("[]")
     if not host or not port.isdigit():
         return  # malformed: ray.init says so
+    seen = f" (as {target})" if target not in (address, address[len("ray://"):]) else ""
+    where = f"ray: cannot connect to {address}{seen}"
     try:
         socket.create_connection((host, int(port)), timeout=REACH_S).close()
     except OSError as exc:
-        seen = f" (as {target})" if target != address else ""
         raise BackendUnavailable(
-            f"ray: cannot connect to {address}{seen}: nothing answers there "
-            f"({exc.strerror or type(exc).__name__}); start the cluster (`ray start --head`) "
-            "or give its address with --address or RAY_ADDRESS") from None
+            f"{where}: nothing answers there ({exc.strerror or type(exc).__name__}); start "
+            "the cluster (`ray start --head`) or give its address with --address or "
+            "RAY_ADDRESS") from None
+    what = "a Ray Client server (`ray://`)" if client else "a Ray cluster's GCS"
+    said = _grpc_says(target, gcs=not client)
+    if said is not None:
+        raise BackendUnavailable(
+            f"{where}: something answers there, but not {what} ({said}); give the "
+            "cluster's address (the head's GCS port, 6379 unless set; `ray://HOST:10001` "
+            "for Ray Client) with --address or RAY_ADDRESS") from None
+
+
+def _grpc_says(target: str, gcs: bool) -> str | None:
+    """Why `target` (host:port, taking TCP connections) is no gRPC server, or with `gcs` no
+    Ray GCS: "no gRPC server" when no HTTP/2 channel gets ready within `REACH_S`, "a gRPC
+    server without the GCS's services" when `GetClusterId` is unknown there; None when it
+    answers as one, or when this cannot be judged (Ray's channel cannot be made here,
+    another status): `ray.init` then tries and says."""
+    try:
+        import grpc
+        from ray._private.grpc_utils import init_grpc_channel
+
+        channel = init_grpc_channel(target)  # Ray's: RAY_USE_TLS, token auth
+    except Exception:  # noqa: BLE001 — left to ray.init
+        return None
+    try:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=REACH_S)
+        except grpc.FutureTimeoutError:
+            return f"no gRPC server answered within {REACH_S:g} s"
+        if not gcs:
+            return None
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=REACH_S)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return "a gRPC server without the GCS's services"
+        except Exception:  # noqa: BLE001 — left to ray.init
+            pass
+        return None
+    finally:
+        channel.close()
 
 
 # What Ray's C++ core prints on stderr, which is not ours to show a user: a notice at every

@@ -915,6 +915,61 @@ def test_a_ray_address_where_nothing_answers_is_one_line_at_once(hotpot_settings
         assert time.monotonic() - started < 60, name
         assert "gcs" not in done.stderr.lower(), (name, done.stderr)
     assert not (tmp_path / "out.jsonl").exists()  # nothing half-written
+    done = run(["search", "Who directed Ed Wood?", "--executor", "ray", *home,
+                "--address", f"ray://{address}"], env={"RAY_ADDRESS": ""}, timeout=90)
+    assert_one_error_line(done, f"ray: cannot connect to ray://{address}: nothing answers")
+
+
+def test_a_ray_address_where_no_gcs_answers_is_one_line_at_once(hotpot_settings, tmp_path):
+    """`search` and `batch` with `--address` naming a port where something that is no Ray GCS
+    takes TCP connections — an HTTP/1.1 server (`python -m http.server`, as Ray's dashboard at
+    8265 is) or a gRPC server without the GCS's services: one `error:` line, exit 2, within
+    seconds. A TCP check alone let Ray's connect retry there for about 14 minutes, silent
+    (its stderr held) and deaf to Ctrl-C, then print gcs_client warnings."""
+    import socket
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    with socket.socket() as s:  # a free port for the HTTP server
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    http = subprocess.Popen([sys.executable, "-m", "http.server", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=tmp_path)
+    rpc = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # no services
+    rpc_port = rpc.add_insecure_port("[::]:0")
+    rpc.start()
+    try:
+        for _ in range(100):  # until the HTTP server listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        home = ["--home", hotpot_settings.home, "--index", "hotpot"]
+        (tmp_path / "q.jsonl").write_text(json.dumps({"id": "q", "question": "Ed Wood"}) + "\n")
+        for name, (args, at, says) in {
+                "search": (["search", "Who directed Ed Wood?", "--executor", "ray"], port,
+                           "no gRPC server"),
+                "batch": (["batch", tmp_path / "q.jsonl", "-o", tmp_path / "out.jsonl",
+                           "--executor", "ray"], port, "no gRPC server"),
+                "search on gRPC": (["search", "Who directed Ed Wood?", "--executor", "ray"],
+                                   rpc_port, "without the GCS's services")}.items():
+            address = f"127.0.0.1:{at}"
+            started = time.monotonic()
+            done = run([*args, *home, "--address", address], env={"RAY_ADDRESS": ""},
+                       timeout=60)
+            assert_one_error_line(done, f"ray: cannot connect to {address}", name)
+            assert "not a Ray cluster's GCS" in done.stderr and says in done.stderr, name
+            assert time.monotonic() - started < 30, name
+            assert "gcs_client" not in done.stderr.lower(), (name, done.stderr)
+        assert not (tmp_path / "out.jsonl").exists()  # nothing half-written
+    finally:
+        rpc.stop(None)
+        http.terminate()
+        http.wait(timeout=10)
 
 
 def test_retrieve_with_no_hit_it_may_see_says_so_as_search_does(tmp_path):
