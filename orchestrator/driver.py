@@ -176,7 +176,8 @@ class Driver:
         if late:  # not a full result, though every branch that ran may be ok
             notes = notes + [f"not searched for lack of time: {', '.join(late)} (the "
                              "question's deadline, or one branch timeout from its start, "
-                             "passed before their wave could start)"]
+                             f"was less than {MIN_WAVE_S:g} s away when their wave was to "
+                             "start)"]
         if not evidence and any(b.status == "ok" for b in branches):  # empty, but not failed
             notes = notes + [f"no evidence: {NOTHING_VISIBLE} the question"]
         elif self.by_meaning and meaning_only(question, evidence_texts(evidence)):
@@ -304,11 +305,20 @@ class Driver:
         return self._run_hops(tasks, on_event)
 
 
+# The least time a second or third wave must have before `deadline` to start. A wave started
+# with a few ms left cannot finish a branch (a bridge retrieves, reranks and reads chunks: tens
+# to hundreds of ms even on a warm local executor), so its branches only time out and turn an
+# `ok` result `partial` ("no result within 4 ms") with nothing said of what was not searched;
+# it is skipped and said instead, as a wave whose deadline has passed is.
+MIN_WAVE_S = 0.25
+
+
 def _too_late(tasks: list, deadline: float, late: list[str], deeper: bool = False) -> bool:
-    """Whether a wave of `tasks` may not start: `deadline` has passed. A wave that had tasks
-    is then said in `late` ("2 forks", "1 chain, 2 bridges"), so a result without it is not
-    taken for a full one; a wave with none had nothing to search."""
-    if time.time() < deadline:
+    """Whether a wave of `tasks` may not start: less than `MIN_WAVE_S` is left before
+    `deadline` (or it has passed). A wave that had tasks is then said in `late` ("2 forks",
+    "1 chain, 2 bridges"), so a result without it is not taken for a full one; a wave with
+    none had nothing to search."""
+    if time.time() < deadline - MIN_WAVE_S:
         return False
     kinds: dict[str, int] = {}
     for task in tasks:

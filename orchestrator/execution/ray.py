@@ -370,7 +370,7 @@ class RayExecutor:
         elif place.events:  # hosted: it ends by its deadline; its events are not kept
             self.retrievers[place.replica].branch_events.remote(place.events, True)
         return BranchReport(task.index, task.subquery, task.weight, task.kind, "timeout",
-                            f"no result within {timeout:.3g} s")
+                            f"no result within {within(timeout)}")
 
     def _wait(self, places: list[Placement], timeout: float, on_event: Events) -> set:
         """The refs that finished within `timeout`; meanwhile, with a watcher, the branches'
@@ -471,3 +471,14 @@ def _left(tasks: list[BranchTask]) -> float | None:
     """Seconds until the question's deadline (None: no deadline)."""
     deadline = min([t.deadline for t in tasks if t.deadline is not None], default=None)
     return None if deadline is None else max(deadline - time.time(), 0.0)
+
+
+def within(timeout: float) -> str:
+    """A branch's wait said for its timeout report: "8 s", "3.98 ms", and for a wait with no
+    time left (the deadline had passed) "0 s (the deadline had passed)", not "0 s" alone or
+    "0.00398 s"."""
+    if timeout <= 0:
+        return "0 s (the deadline had passed)"
+    if timeout < 1:
+        return f"{timeout * 1000:.3g} ms"
+    return f"{timeout:.3g} s"

@@ -295,7 +295,7 @@ def test_a_wave_the_deadline_leaves_no_time_for_is_said_in_the_notes(hotpot_sett
         return watcher
 
     said = ("not searched for lack of time: {} (the question's deadline, or one branch "
-            "timeout from its start, passed before their wave could start)")
+            "timeout from its start, was less than 0.25 s away when their wave was to start)")
     driver = Driver(hotpot_settings, mode="local")
     try:
         second = driver.search(CHAINED, deadline_s=deadline_s, on_event=hold_after(0))
@@ -311,6 +311,48 @@ def test_a_wave_the_deadline_leaves_no_time_for_is_said_in_the_notes(hotpot_sett
     assert [b.kind for b in whole.branches] == ["original", "bridge", "bridge"]
     assert not [n for n in whole.notes if "lack of time" in n]
     assert none.status == "failed" and not [n for n in none.notes if "lack of time" in n]
+
+
+def test_a_wave_with_only_ms_left_is_skipped_and_said_not_run_to_a_timeout(hotpot_settings):
+    """A wave due with a few ms left before the deadline started: its branch could only time
+    out, and the answer was `partial` ("no result within 0.00398 s") with nothing said of
+    what was not searched. A wave with less than `MIN_WAVE_S` left is now skipped and said as
+    one whose deadline has passed is; the result stays `ok`. The watcher holds the driver
+    until 50 ms before the deadline once the first wave has ended."""
+    import time
+
+    from branchsearch.orchestrator.driver import MIN_WAVE_S
+
+    deadline_s, left_s = 8.0, 0.05
+    assert left_s < MIN_WAVE_S
+    held = []
+
+    def watcher(event):
+        if event["type"] == "branch_done" and event["branch"] == 0:
+            held.append(started + deadline_s - left_s - time.time())
+            time.sleep(max(held[-1], 0))
+
+    driver = Driver(hotpot_settings, mode="local")
+    try:
+        started = time.time()  # (the driver's models are loaded by now)
+        result = driver.search(CHAINED, deadline_s=deadline_s, on_event=watcher)
+    finally:
+        driver.close()
+    assert held and held[0] > 0, held  # the first wave ended before the hold's end
+    assert [b.kind for b in result.branches] == ["original"], result.branches
+    assert result.status == "ok", (result.status, [b.error for b in result.branches])
+    assert any(n.startswith("not searched for lack of time: 1 bridge (") for n in result.notes), \
+        result.notes
+
+
+def test_a_branch_timeout_says_its_wait_in_a_readable_unit():
+    """A Ray branch's timeout said "no result within 0.00398 s", and "within 0 s" when the
+    deadline had passed."""
+    from branchsearch.orchestrator.execution.ray import within
+
+    assert within(8) == "8 s"
+    assert within(0.00398) == "3.98 ms"
+    assert within(0.0) == "0 s (the deadline had passed)"
 
 
 def test_bridge_depth_is_one_or_two(tmp_path):
