@@ -1,12 +1,16 @@
 """Search events for callers: Server-Sent Events framing, the result object, the ACL guard.
 
 The driver reports events (`plan`, `branch_started`, `search`, `prune`, `branch_done`,
-`covered`, `fork`, `result`) through `on_event` as they happen. A `covered` event names a
+`covered`, `fork`, `chain`, `rerun`, `result`) through `on_event` as they happen; the service
+sends `error` last when a search fails after events were sent. A `covered` event names a
 planned branch that the question's own branch covers (`orchestrator.cover`: not fused). A
 `fork` (the branch it starts, its parent, why, the chunks handed over) comes before that fork's
-own `branch_started`; so does a `chain` (a second-hop branch of a compositional question: its
-parent hop branch, the answer it follows). Everything here is a plain function over JSON-able
-dicts.
+own `branch_started`; so does a `chain`, any next-hop branch (`orchestrator.chains`): a bridge
+(reason "bridge = NAME", parent the branch whose top chunk names the entity), a bridge of a
+bridge (the same reason, parent that bridge), or the second hop of a compositional question
+(reason "SLOT = ANSWER", parent its inner hop's branch). Bridges are on by default (`bridges =
+1`, `bridge_depth = 2`), so most searches send `chain` events. Everything here is a plain
+function over JSON-able dicts.
 """
 
 from __future__ import annotations
