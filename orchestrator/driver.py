@@ -136,7 +136,7 @@ class Driver:
                 branches += self._forks(branches, groups,
                                         own if deadline is None else min(deadline, own),
                                         on_event, len(tasks), late)
-            room = budget - len(tasks)  # the second wave counts against the budget too
+            room = budget - len(tasks) + len(covered)  # later waves count against the budget; a covered branch, never run, leaves its room
             bridges = max(min(self.settings.bridges, room), 0) if budget > 1 else 0
             if chain is not None and room > 0 or bridges:
                 own = started_wall + self.settings.branch_timeout_s

@@ -355,6 +355,21 @@ def test_a_branch_timeout_says_its_wait_in_a_readable_unit():
     assert within(0.0) == "0 s (the deadline had passed)"
 
 
+def test_covered_branches_leave_their_room_to_the_bridges(hotpot_settings):
+    """A comparison whose two entity branches the question's branch covers (not run) keeps
+    their room under `--branches 3`: a bridge and its bridge run instead (v11); the branches
+    run never exceed the budget."""
+    driver = Driver(hotpot_settings, mode="local")
+    try:
+        result = driver.search("Were Scott Derrickson and Ed Wood of the same nationality?")
+    finally:
+        driver.close()
+    assert [c["branch"] for c in result.covered] == [1, 2]
+    kinds = [b.kind for b in result.branches]
+    assert kinds[0] == "original" and "bridge" in kinds and len(kinds) <= 3, kinds
+    assert {b.index for b in result.branches}.isdisjoint({1, 2})  # numbered after the plan
+
+
 def test_bridge_depth_is_one_or_two(tmp_path):
     with pytest.raises(SettingsError, match="bridge_depth must be 1 or 2"):
         load_settings(None, {"home": str(tmp_path), "bridge_depth": 3})

@@ -76,8 +76,9 @@ def bm25_driver(tmp_path_factory):
     from branchsearch.infra.ingest.pipeline import ingest
     from branchsearch.orchestrator.driver import Driver
 
+    # covering alone: the bridges that take a covered branch's room are test_chains'
     settings = load_settings(overrides={"home": tmp_path_factory.mktemp("cover"),
-                                        "search_mode": "bm25"}, read_env=False,
+                                        "search_mode": "bm25", "bridges": 0}, read_env=False,
                              read_file=False)
     ingest(HOTPOT, settings, dense=False)
     driver = Driver(settings, mode="local")

@@ -150,7 +150,8 @@ def test_on_ray_covered_branches_are_left_out_as_in_process(ray_driver, cpus):
     driver, _ = ray_driver
     executor = driver.executor
     have = executor.cpus
-    driver.settings = driver.settings.replace(skip_covered=True)
+    # covering alone: the bridges that take a covered branch's room are test_chains'
+    driver.settings = driver.settings.replace(skip_covered=True, bridges=0)
     executor.cpus = cpus  # as on a cluster of that many CPUs
     try:
         assert executor.at_once(3) == (cpus == 64)
@@ -158,7 +159,7 @@ def test_on_ray_covered_branches_are_left_out_as_in_process(ray_driver, cpus):
         result = driver.search(Q, on_event=events.append)
         alone = driver.search(Q, max_branches=1)
     finally:
-        driver.settings = driver.settings.replace(skip_covered=False)
+        driver.settings = driver.settings.replace(skip_covered=False, bridges=1)
         executor.cpus = have
     assert [b.index for b in result.branches] == [0] and result.metrics["covered"] == 2
     started = sorted(e["branch"] for e in events if e["type"] == "branch_started")
@@ -174,14 +175,15 @@ def test_on_ray_covered_branches_are_left_out_as_in_process(ray_driver, cpus):
 def test_on_ray_sharing_cpus_a_branch_the_question_s_branch_misses_still_runs(ray_driver):
     driver, _ = ray_driver
     executor, have = driver.executor, driver.executor.cpus
-    driver.settings = driver.settings.replace(skip_covered=True)
+    # covering alone: the bridges that take a covered branch's room are test_chains'
+    driver.settings = driver.settings.replace(skip_covered=True, bridges=0)
     executor.cpus = 0
     question = "Were Scott Derrickson and Tim Burton of the same nationality?"
     try:
         events = []
         result = driver.search(question, on_event=events.append)
     finally:
-        driver.settings = driver.settings.replace(skip_covered=False)
+        driver.settings = driver.settings.replace(skip_covered=False, bridges=1)
         executor.cpus = have
     assert result.branches[0].subquery == question
     assert "Tim Burton nationality" in [b.subquery for b in result.branches[1:]]
