@@ -66,9 +66,8 @@ def _answers_or_say(address: str) -> None:
     """Raise one `BackendUnavailable` line when what answers at the address Ray would connect to
     for `address` is no Ray cluster: nothing takes a TCP connection there, no gRPC (HTTP/2)
     server answers (an HTTP/1.1 server, such as Ray's dashboard at 8265), or a gRPC server that
-    is no GCS (it does not know the GCS's `GetClusterId`). Ray 2.60's own connect to any of
-    these retries for about 14 minutes (20 tries of ~40 s), deaf to Ctrl-C, printing three
-    warnings a try. The address is the one Ray uses: a loopback name becomes this node's IP
+    is no GCS (it does not know the GCS's `GetClusterId`). Ray's own connect to any of
+    these retries for many minutes, deaf to Ctrl-C, printing warnings as it goes. The address is the one Ray uses: a loopback name becomes this node's IP
     (`ray://`: the Ray Client server, as given; a gRPC server too, but no GCS). An address Ray
     cannot resolve here ("auto" with no cluster) is left to `ray.init`, which says so at once;
     so is any answer this check cannot judge (a GCS that refuses this process's token says so

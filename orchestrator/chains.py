@@ -129,8 +129,7 @@ def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...
     (what is left to find: "Tim Burton spouse"). A bridge of a bridge passes `skip`, the
     entities already taken, and `before`, the top chunk of the hop before: an entity it names is
     not next, and its words are not left to find."""
-    top = next((c for c in report.evidence if c.get("chunk_id") in report.ranked_chunk_ids[:1]),
-               None)
+    top = _top(report)
     if top is None or n <= 0:
         return []
     title, text = top.get("title") or "", top.get("text") or ""
@@ -214,7 +213,12 @@ def deeper_bridge_tasks(reports: list[BranchReport], question: str, *,
     return out
 
 
+def _top(report: BranchReport) -> dict | None:
+    """The branch's top-ranked chunk (its evidence entry), or None."""
+    return next((c for c in report.evidence if c.get("chunk_id") in report.ranked_chunk_ids[:1]),
+                None)
+
+
 def _top_text(report: BranchReport) -> str:
-    top = next((c for c in report.evidence if c.get("chunk_id") in report.ranked_chunk_ids[:1]),
-               None)
+    top = _top(report)
     return "" if top is None else f"{top.get('title') or ''} {top.get('text') or ''}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -305,11 +306,9 @@ class Driver:
         return self._run_hops(tasks, on_event)
 
 
-# The least time a second or third wave must have before `deadline` to start. A wave started
-# with a few ms left cannot finish a branch (a bridge retrieves, reranks and reads chunks: tens
-# to hundreds of ms even on a warm local executor), so its branches only time out and turn an
-# `ok` result `partial` ("no result within 4 ms") with nothing said of what was not searched;
-# it is skipped and said instead, as a wave whose deadline has passed is.
+# The least time a second or third wave must have before `deadline` to start: a branch
+# retrieves, reranks and reads chunks, so a wave started with a few ms left could only time
+# out; it is skipped and said in the notes instead, as a wave whose deadline has passed is.
 MIN_WAVE_S = 0.25
 
 
@@ -320,10 +319,7 @@ def _too_late(tasks: list, deadline: float, late: list[str], deeper: bool = Fals
     none had nothing to search."""
     if time.time() < deadline - MIN_WAVE_S:
         return False
-    kinds: dict[str, int] = {}
-    for task in tasks:
-        kinds[task.kind] = kinds.get(task.kind, 0) + 1
-    for kind, n in kinds.items():
+    for kind, n in Counter(task.kind for task in tasks).items():
         of = (" of a bridge" if n == 1 else " of bridges") if deeper else ""
         late.append(f"{n} {kind}{'' if n == 1 else 's'}{of}")
     return True

@@ -120,12 +120,19 @@ def _linked(ok: list[BranchReport], doc, chunks: dict, admitted) -> dict[int, st
         p = at.get(b.parent) if b.kind == "bridge" and b.parent is not None else None
         if p is None or ok[p].kind != "bridge":
             continue
-        docs = list(dict.fromkeys(doc(c) for c in ok[p].ranked_chunk_ids))
+        docs, text = _head(ok[p], doc, chunks)
         if docs and admitted(docs[0]):
-            head = set(docs[:LINK_HEAD])
-            out[li] = " ".join(chunks.get(c, {}).get("text", "")
-                               for c in ok[p].ranked_chunk_ids if doc(c) in head)
+            out[li] = text
     return out
+
+
+def _head(branch: BranchReport, doc, chunks: dict) -> tuple[list[str], str]:
+    """A branch's documents in its order, and the text of its chunks of the first
+    `LINK_HEAD` of them (what admission reads for names)."""
+    docs = list(dict.fromkeys(doc(c) for c in branch.ranked_chunk_ids))
+    head = set(docs[:LINK_HEAD])
+    return docs, " ".join(chunks.get(c, {}).get("text", "") for c in branch.ranked_chunk_ids
+                          if doc(c) in head)
 
 
 def fuse_branches(branches: list[BranchReport], k: int = 60,
@@ -158,10 +165,7 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
     fused, of_doc = fuse_documents([b.ranked_chunk_ids for b in ok], doc,
                                    weights=[b.weight for b in ok], anchor=anchor, k=k)
     if anchor is not None and len(ok) > 1:
-        own = list(dict.fromkeys(doc(c) for c in ok[anchor].ranked_chunk_ids))
-        head = set(own[:LINK_HEAD])
-        text = " ".join(chunks.get(c, {}).get("text", "") for c in ok[anchor].ranked_chunk_ids
-                        if doc(c) in head)
+        own, text = _head(ok[anchor], doc, chunks)
         titles = {doc(cid): c.get("title", "") for cid, c in reversed(chunks.items())}
         first = {d.id for d in fused if any(ok[li].kind not in SECOND_WAVE for li in d.ranks)}
         own_top = set(own[:limit])
