@@ -973,10 +973,10 @@ def test_a_ray_address_where_no_gcs_answers_is_one_line_at_once(hotpot_settings,
 
 
 def test_retrieve_with_no_hit_it_may_see_says_so_as_search_does(tmp_path):
-    """`retrieve` that finds nothing the caller may see said only "no hits". It now says what
-    `search`'s note says — no document this search may see matched — and the same words
-    whether nothing matched or only documents of groups the caller lacks did: a difference
-    would tell a caller that hidden documents match its query."""
+    """`retrieve` that finds nothing the caller may see says what `search`'s note says — no
+    document this search may see matched — and the same words whether nothing matched or only
+    documents of groups the caller lacks did: a difference would tell a caller that hidden
+    documents match its query."""
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"_id": "memo", "title": "Memo", "acl": ["research"],
                                   "text": "The heliotrope project ships in March."}) + "\n"

@@ -350,9 +350,9 @@ def test_upsert_then_search_finds_delete_then_not(site):
 
 
 def test_a_bad_element_of_a_json_array_upload_is_named_as_the_element(site):
-    """A JSON array upload whose second document was bad answered 422 'body:2: …', a line of
-    a body that has none (the array may be on one line). It names the element, counting from
-    1, and how many the array holds; a JSONL upload still names its line. Nothing is written."""
+    """A bad document of a JSON array upload is a 422 naming the element, counting from 1,
+    and how many the array holds (the array may be on one line: it has no lines to name); a
+    JSONL upload names its line. Nothing is written."""
     client, keys, _ = site
     admin = auth(keys["admin"])
     good = {"id": "element-ok", "text": "A good document.", "acl": ["alpha"]}
