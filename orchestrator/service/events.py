@@ -132,11 +132,13 @@ def public(event: dict) -> dict:
     addresses (`infra.errors.public_line`); the server log keeps them whole."""
     from branchsearch.infra.errors import public_line
 
-    if event.get("type") == "branch_done" and event.get("error"):
-        return {**event, "error": public_line(event["error"])}
+    def scrubbed(d: dict) -> dict:  # a branch's error and its episode's detail say the same
+        return {**d, **{k: public_line(d[k]) for k in ("error", "detail") if d.get(k)}}
+
+    if event.get("type") == "branch_done":
+        return scrubbed(event)
     if event.get("type") == "result":
         r = event["result"]
-        branches = [{**b, "error": public_line(b["error"])} if b.get("error") else b
-                    for b in r.get("branches", [])]
-        return {**event, "result": {**r, "branches": branches}}
+        return {**event, "result": {**r, "branches": [scrubbed(b)
+                                                      for b in r.get("branches", [])]}}
     return event

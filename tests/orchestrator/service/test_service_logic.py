@@ -209,6 +209,20 @@ def test_errors_map_to_statuses_without_internals():
     assert (again.status, again.body(), again.headers) == (429, err.body(), err.headers)
 
 
+def test_a_failed_branch_shows_callers_neither_its_backend_address_nor_a_password():
+    """A branch whose backend died mid-search reports it in `error` and in its episode's
+    `detail`: both reach a caller only through `public_line` (found by a hostile pass: the
+    emulator's host:port in `detail` of a partial result)."""
+    line = ("search failed after 2 retries: BackendUnavailable: elasticsearch at "
+            "http://elastic:S3cret@10.1.2.3:35275 is not reachable")
+    branch = {"index": 1, "status": "error", "error": line, "detail": line}
+    for event in (stream.public({"type": "result", "result": {"branches": [branch]}}),
+                  stream.public({"type": "branch_done", **branch})):
+        said = json.dumps(event)
+        assert "10.1.2.3" not in said and "S3cret" not in said and "35275" not in said, said
+        assert "not reachable" in said
+
+
 def test_events_are_framed_and_the_result_keeps_its_status():
     from branchsearch.orchestrator.result import SearchResult, result_status
 
