@@ -124,31 +124,16 @@ class Driver:
             tasks = [BranchTask(i, fit_query(s.text, self.counter, cap)[0], s.weight, s.kind,
                                 groups, deadline, may_fork=forking)
                      for i, s in enumerate(subs)]
-            cover = self._cover(subs)
-            branches = self.executor.run(tasks, settings=self.settings,
-                                         policy_factory=self.policy_factory, on_event=on_event,
-                                         cover=cover)
-            covered = self._covered(tasks, branches, cover, on_event)
+            # the later waves end by the question's deadline, and never past one branch timeout
+            # from its start: a second wave does not double the wait
+            own = started_wall + self.settings.branch_timeout_s
+            ends = own if deadline is None else min(deadline, own)
             late: list[str] = []  # the waves the deadline left no time to start
-            if forking:
-                # the forks end by the question's deadline, and never past one branch timeout
-                # from the question's start: a second wave does not double the wait
-                own = started_wall + self.settings.branch_timeout_s
-                branches += self._forks(branches, groups,
-                                        own if deadline is None else min(deadline, own),
-                                        on_event, len(tasks), late)
-            room = budget - len(tasks) + len(covered)  # later waves count against the budget; a covered branch, never run, leaves its room
-            bridges = max(min(self.settings.bridges, room), 0) if budget > 1 else 0
-            if chain is not None and room > 0 or bridges:
-                own = started_wall + self.settings.branch_timeout_s
-                ends = own if deadline is None else min(deadline, own)
-                second = self._next_hops(branches, text, chain, bridges, room, groups, ends,
-                                         on_event, max([len(tasks) - 1] + [b.index for b in
-                                                                           branches]) + 1, late)
-                branches += second
-                if self.settings.bridge_depth > 1 and second:
-                    branches += self._deeper(branches, text, room - len(second), groups, ends,
-                                             on_event, late)
+            # one fetch cache for all the question's waves: a later wave reads what an
+            # earlier one fetched (the same results, fewer backend requests)
+            with self.executor.question(self.settings, budget) as shared:
+                branches, covered = self._waves(tasks, subs, text, chain, budget, groups, ends,
+                                                forking, on_event, shared, late)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,
                                              limit=self.settings.final_k)
             trace_id = format(span.get_span_context().trace_id, "032x")
@@ -189,6 +174,32 @@ class Driver:
         emit(on_event, {"type": "result", "result": result.to_dict()})
         return result
 
+    def _waves(self, tasks: list, subs: list, text: str, chain, budget: int, groups, ends,
+               forking: bool, on_event, shared, late: list[str]) -> tuple[list, list[dict]]:
+        """The first wave (`tasks`), then the forks, chains and bridges that follow from it
+        (each later wave ending by `ends`), all on the question's cache `shared`. Returns every
+        branch's report and the covered branches (`_covered`); `late` gets the waves not
+        started for lack of time."""
+        cover = self._cover(subs)
+        branches = self.executor.run(tasks, settings=self.settings,
+                                     policy_factory=self.policy_factory, on_event=on_event,
+                                     cover=cover, question=shared)
+        covered = self._covered(tasks, branches, cover, on_event)
+        if forking:
+            branches += self._forks(branches, groups, ends, on_event, len(tasks), late, shared)
+        # later waves count against the budget; a covered branch, never run, leaves its room
+        room = budget - len(tasks) + len(covered)
+        bridges = max(min(self.settings.bridges, room), 0) if budget > 1 else 0
+        if chain is not None and room > 0 or bridges:
+            number = max([len(tasks) - 1] + [b.index for b in branches]) + 1
+            second = self._next_hops(branches, text, chain, bridges, room, groups, ends,
+                                     on_event, number, late, shared)
+            branches += second
+            if self.settings.bridge_depth > 1 and second:
+                branches += self._deeper(branches, text, room - len(second), groups, ends,
+                                         on_event, late, shared)
+        return branches, covered
+
     def _cover(self, subs: list):
         """The rule that leaves out a planned branch the question's own branch covers
         (`orchestrator.cover`), or None: off, or nothing to cover."""
@@ -220,7 +231,7 @@ class Driver:
         return out
 
     def _forks(self, first: list, groups, deadline, on_event, number: int,
-               late: list[str]) -> list:
+               late: list[str], shared=None) -> list:
         """The second wave (`orchestrator.forks`): at most `settings.forks` forks of what the
         first wave pruned near its keep line, each recorded as a `fork` span and event, run on
         the executor in parallel, ending by `deadline`, numbered from `number` (after every
@@ -243,7 +254,8 @@ class Driver:
         if not tasks:
             return []
         return self.executor.run(tasks, settings=self.settings,
-                                 policy_factory=self.policy_factory, on_event=on_event)
+                                 policy_factory=self.policy_factory, on_event=on_event,
+                                 question=shared)
 
     def _chain(self, text: str, subs: list, budget: int):
         """The question's hops (`orchestrator.chains.hops`) when chains are on, the question
@@ -259,7 +271,7 @@ class Driver:
         return chain
 
     def _next_hops(self, first: list, text: str, chain, bridges: int, room: int, groups,
-                   deadline, on_event, number: int, late: list[str]) -> list:
+                   deadline, on_event, number: int, late: list[str], shared=None) -> list:
         """The second wave of next hops (`orchestrator.chains`): a branch per candidate answer
         of the chain's inner hop, and per entity the question's branch's top chunk names
         (`bridges` of them), at most `room` in all (what the question's branch budget left),
@@ -275,11 +287,11 @@ class Driver:
                               acl_groups=groups, first=number + len(tasks))
         if _too_late(tasks, deadline, late):
             return []
-        return self._run_hops(tasks, on_event)
+        return self._run_hops(tasks, on_event, shared)
 
-    def _run_hops(self, tasks: list, on_event) -> list:
+    def _run_hops(self, tasks: list, on_event, shared=None) -> list:
         """Next-hop tasks, each recorded as a `chain` span and event, run on the executor in
-        parallel."""
+        parallel (on the question's cache `shared`)."""
         for i, task in enumerate(tasks):
             tasks[i] = task = _under_span("chain", task, {
                 "chain.branch": task.index, "chain.parent": task.parent,
@@ -289,10 +301,11 @@ class Driver:
         if not tasks:
             return []
         return self.executor.run(tasks, settings=self.settings,
-                                 policy_factory=self.policy_factory, on_event=on_event)
+                                 policy_factory=self.policy_factory, on_event=on_event,
+                                 question=shared)
 
     def _deeper(self, done: list, text: str, room: int, groups, deadline, on_event,
-                late: list[str]) -> list:
+                late: list[str], shared=None) -> list:
         """The third wave (`orchestrator.chains.deeper_bridge_tasks`): a bridge of each bridge,
         at most `room`, recorded and run as the second wave's are."""
         from branchsearch.orchestrator.chains import deeper_bridge_tasks
@@ -303,7 +316,7 @@ class Driver:
                                     first=max(b.index for b in done) + 1, room=room)
         if _too_late(tasks, deadline, late, deeper=True):
             return []
-        return self._run_hops(tasks, on_event)
+        return self._run_hops(tasks, on_event, shared)
 
 
 # The least time a second or third wave must have before `deadline` to start: a branch

@@ -32,6 +32,13 @@ class ReplicaBalancer:
             self._next = (pick + 1) % n
             return pick
 
+    def charge(self, replica: int, branches: int) -> None:
+        """`branches` more in flight on `replica`, a replica already chosen (a question's
+        later wave, on the replica that holds its cache)."""
+        with self._lock:
+            self.load[replica] += branches
+            self.served[replica] += branches
+
     def done(self, replica: int, branches: int = 1) -> None:
         with self._lock:
             self.load[replica] = max(self.load[replica] - branches, 0)

@@ -1,12 +1,13 @@
 """`LocalExecutor`: `run_branch` in this process, one branch after another, over one
 `Retriever` (no Ray; the baseline and the laptop path). With `fetch_cache`, the branches of one
-question share one `QuestionCache`, which dies with the question. The question's own branch
-runs first, so a branch it covers (`cover`) is never run."""
+question share one `QuestionCache` across its waves (`question`), which dies with the question.
+The question's own branch runs first, so a branch it covers (`cover`) is never run."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
@@ -23,20 +24,32 @@ class LocalExecutor:
         self.retriever = open_retriever(settings, need_dense=settings.search_mode != "bm25")
         self.last_cache_stats: dict = {}  # the last question's fetch cache counters
 
-    def run(self, tasks: list[BranchTask], *, settings: Settings,
-            policy_factory: Callable | None = None, on_event: Events = None,
-            cover: Cover = None) -> list[BranchReport]:
+    @contextmanager
+    def question(self, settings: Settings, branches: int) -> Iterator[object]:
+        """One question's fetch cache, shared by all its waves: a `QuestionCache`, or None
+        when the question has one branch or `fetch_cache` is off."""
         from branchsearch.infra.retrieval.fetch_cache import QuestionCache
-        from branchsearch.infra.retrieval.retriever import QuestionRetriever
 
-        cache = QuestionCache() if shares_cache(settings, tasks) else None
-        if cache is not None:
-            cache.expect([t.subquery for t in tasks])
-        retriever = self.retriever if cache is None else QuestionRetriever(self.retriever, cache)
+        cache = QuestionCache() if settings.fetch_cache and branches > 1 else None
         try:
-            return self._run(tasks, retriever, settings, policy_factory, on_event, cover)
+            yield cache
         finally:  # the cache dies with the question
             self.last_cache_stats = dict(cache.stats) if cache is not None else {}
+
+    def run(self, tasks: list[BranchTask], *, settings: Settings,
+            policy_factory: Callable | None = None, on_event: Events = None,
+            cover: Cover = None, question: object = None) -> list[BranchReport]:
+        from branchsearch.infra.retrieval.retriever import QuestionRetriever
+
+        if question is None and shares_cache(settings, tasks):
+            with self.question(settings, len(tasks)) as cache:
+                return self.run(tasks, settings=settings, policy_factory=policy_factory,
+                                on_event=on_event, cover=cover, question=cache)
+        if question is not None:
+            question.expect([t.subquery for t in tasks])
+        retriever = self.retriever if question is None else QuestionRetriever(self.retriever,
+                                                                              question)
+        return self._run(tasks, retriever, settings, policy_factory, on_event, cover)
 
     def _run(self, tasks: list[BranchTask], retriever, settings: Settings,
              policy_factory: Callable | None, on_event: Events, cover: Cover

@@ -14,8 +14,8 @@ they would share CPUs, the question's branch runs first and the branches it cove
 (`orchestrator.cover`) never start, as in-process.
 
 With `fetch_cache`, a question's branches share one replica, which holds the question's cache
-(the question's requests carry its id; `end_question` drops it). Off, each branch of a question
-may take its own replica.
+for all its waves (`question`: the question's requests carry its id; `end_question` drops it).
+Off, each branch of a question may take its own replica.
 
 Ray restarts a retriever replica that dies (`branch_retries` times); one dead for good is
 started afresh by the question that meets it (`revive`). A branch actor of the pool that dies
@@ -29,7 +29,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from branchsearch.infra import telemetry
@@ -179,15 +180,34 @@ class RayExecutor:
         """Whether this executor started named LLM engine actors (a planner uses them too)."""
         return bool(self.engines)
 
+    @contextmanager
+    def question(self, settings: Settings, branches: int) -> Iterator[object]:
+        """One question's fetch cache, shared by all its waves: (question id, replica) — the
+        replica that serves every branch of the question and holds its cache until the
+        question ends — or None when the question has one branch or `fetch_cache` is off."""
+        if not settings.fetch_cache or branches < 2:
+            yield None
+            return
+        share = (uuid.uuid4().hex, self.balancer.take(0))  # charged per wave, as it runs
+        try:
+            yield share
+        finally:
+            self._end_question(share[1], share[0])
+
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None,
-            cover: Cover = None) -> list[BranchReport]:
-        """The question's branches (`_run_question`). A branch that failed may have met a
+            cover: Cover = None, question: object = None) -> list[BranchReport]:
+        """The question's branches (`_run_question`), on `question`'s replica and cache when
+        given (`question()`). A branch that failed may have met a
         retriever replica's death: Ray restarts it (`branch_retries` times), one dead for good
         is started again (`revive`), and the question runs once more. A streamed question
         first gets a `rerun` event: the branch events after it replace those before."""
+        if question is None and shares_cache(settings, tasks):
+            with self.question(settings, len(tasks)) as share:
+                return self.run(tasks, settings=settings, policy_factory=policy_factory,
+                                on_event=on_event, cover=cover, question=share)
         revived = self.revived
-        reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
+        reports = self._run_question(tasks, settings, policy_factory, on_event, cover, question)
         if any(r.status == "error" for r in reports):
             self.revive()  # (or another question met the death first and did)
             replaced = any(r.status == "error" and r.error.startswith(ACTOR_DIED)
@@ -196,58 +216,60 @@ class RayExecutor:
                 what = "a retriever" if self.revived != revived else "a branch"
                 emit(on_event, {"type": "rerun", "reason": f"{what} process died and was "
                                 "started again; the branches run again from the start"})
-                reports = self._run_question(tasks, settings, policy_factory, on_event, cover)
+                reports = self._run_question(tasks, settings, policy_factory, on_event, cover,
+                                             question)
         return reports
 
     def _run_question(self, tasks: list[BranchTask], settings: Settings,
-                      policy_factory: Callable | None, on_event: Events, cover: Cover
-                      ) -> list[BranchReport]:
+                      policy_factory: Callable | None, on_event: Events, cover: Cover,
+                      share: tuple[str, int] | None) -> list[BranchReport]:
         """Every branch at once where each has a CPU of its own (`at_once`): the covered ones
         run too, and their reports are dropped (waiting for the question's branch would only
         add its latency). Where they would share CPUs, the question's branch runs first and
         only the branches it does not cover follow, as in-process: a covered branch would
         slow the others down for nothing. The second wave ends by one branch timeout from
-        the question's start, as the first would have."""
-        if cover is None or len(tasks) < 2 or self.at_once(len(tasks)):
-            reports = self._run(tasks, settings, policy_factory, on_event)
-            if cover is None or not reports:
-                return reports
-            return reports[:1] + [r for r, t in zip(reports[1:], tasks[1:])
-                                  if not cover(reports[0], t)]
-        return self._in_turn(tasks, settings, policy_factory, on_event, cover)
-
-    def _in_turn(self, tasks: list[BranchTask], settings: Settings,
-                 policy_factory: Callable | None, on_event: Events, cover: Cover
-                 ) -> list[BranchReport]:
-        """The question's branch, then the branches it does not cover, on one replica that
-        holds the question's fetch cache for both waves (with `fetch_cache`). A second wave
-        with no time left, or no branch actor free before the deadline, is reported as timed
-        out: the question's branch's evidence stands."""
-        own = time.time() + settings.branch_timeout_s
-        share = None
-        if shares_cache(settings, tasks):
-            share = (uuid.uuid4().hex, self.balancer.take(len(tasks)))
+        the question's start, as the first would have. `share`: (question, replica), the
+        question's cache, which every branch of this run uses; the run's branches are charged
+        to that replica while they run."""
+        together = cover is None or len(tasks) < 2 or self.at_once(len(tasks))
+        if share is not None:
+            self.balancer.charge(share[1], len(tasks))
             self.retrievers[share[1]].expect.remote(share[0], [t.subquery for t in tasks])
         try:
-            first = self._run(tasks[:1], settings, policy_factory, on_event, share)
-            rest = [replace(t, deadline=own if t.deadline is None else min(t.deadline, own))
-                    for t in tasks[1:] if not cover(first[0], t)]
-            if not rest:
-                return first
-            if time.time() < own:
-                try:
-                    return first + self._run(rest, settings, policy_factory, on_event, share)
-                except Overloaded:
-                    pass
-            late = [BranchReport(t.index, t.subquery, t.weight, t.kind, "timeout",
-                                 "not started before the deadline") for t in rest]
-            for report in late:
-                emit(on_event, done_event(report))
-            return first + late
+            if together:
+                reports = self._run(tasks, settings, policy_factory, on_event, share)
+                if cover is None or not reports:
+                    return reports
+                return reports[:1] + [r for r, t in zip(reports[1:], tasks[1:])
+                                      if not cover(reports[0], t)]
+            return self._in_turn(tasks, settings, policy_factory, on_event, cover, share)
         finally:
             if share is not None:
                 self.balancer.done(share[1], len(tasks))
-                self._end_question(share[1], share[0])
+
+    def _in_turn(self, tasks: list[BranchTask], settings: Settings,
+                 policy_factory: Callable | None, on_event: Events, cover: Cover,
+                 share: tuple[str, int] | None) -> list[BranchReport]:
+        """The question's branch, then the branches it does not cover (on the question's
+        replica and cache, `share`, when there is one). A second wave with no time left, or
+        no branch actor free before the deadline, is reported as timed out: the question's
+        branch's evidence stands."""
+        own = time.time() + settings.branch_timeout_s
+        first = self._run(tasks[:1], settings, policy_factory, on_event, share)
+        rest = [replace(t, deadline=own if t.deadline is None else min(t.deadline, own))
+                for t in tasks[1:] if not cover(first[0], t)]
+        if not rest:
+            return first
+        if time.time() < own:
+            try:
+                return first + self._run(rest, settings, policy_factory, on_event, share)
+            except Overloaded:
+                pass
+        late = [BranchReport(t.index, t.subquery, t.weight, t.kind, "timeout",
+                             "not started before the deadline") for t in rest]
+        for report in late:
+            emit(on_event, done_event(report))
+        return first + late
 
     def at_once(self, branches: int) -> bool:
         """Whether a question's `branches` start together: always for the LLM policy (its
@@ -261,21 +283,14 @@ class RayExecutor:
     def _run(self, tasks: list[BranchTask], settings: Settings,
              policy_factory: Callable | None, on_event: Events,
              share: tuple[str, int] | None = None) -> list[BranchReport]:
-        """`tasks` at once. `share`: (question, replica) when the caller holds the question's
-        cache on that replica (and releases it); else chosen here."""
+        """`tasks` at once. `share`: (question, replica) when the question's branches share
+        that replica's cache (the caller charged and releases it); else each branch takes the
+        least-loaded replica."""
         carrier = telemetry.current_carrier()
         stream = on_event is not None
-        # a question sharing a fetch cache runs on one replica, which holds the cache
-        owned = share is None
-        question = (uuid.uuid4().hex if shares_cache(settings, tasks) else None) if owned \
-            else share[0]
-        if not owned:
-            replicas = [share[1]] * len(tasks)
-        elif question is not None:
-            replicas = [self.balancer.take(len(tasks))] * len(tasks)
-            self.retrievers[replicas[0]].expect.remote(question, [t.subquery for t in tasks])
-        else:
-            replicas = [self.balancer.take() for _ in tasks]
+        question = share[0] if share is not None else None
+        replicas = ([share[1]] * len(tasks) if share is not None
+                    else [self.balancer.take() for _ in tasks])
         hosted = self.hosts and self.balancer.host(replicas[0])
 
         def on_pool(actor, task: BranchTask, replica: int) -> Placement:
@@ -305,12 +320,7 @@ class RayExecutor:
         finally:
             if hosted:
                 self.balancer.unhost(replicas[0])
-            if not owned:
-                pass  # the caller's question: it releases the replica and the cache
-            elif question is not None:
-                self.balancer.done(replicas[0], len(tasks))
-                self._end_question(replicas[0], question)
-            else:
+            if share is None:
                 for r in replicas:
                     self.balancer.done(r)
 

@@ -381,6 +381,73 @@ def test_ray_branches_share_one_replica_cache(hotpot_settings):
     assert sum(on["backend_requests"].values()) < sum(off["backend_requests"].values())
 
 
+# one branch in the first wave, then a bridge, then a bridge of the bridge (the defaults)
+CHAINED = ("What government position was held by the woman who portrayed Corliss Archer in the "
+           "film Kiss and Tell?")
+
+
+def _waves_on_and_off(settings, mode: str) -> dict:
+    """The chained question with the fetch cache on and off: the rankings, each branch's kind,
+    and the backend requests (on Ray, the replica's counters once the question is gone)."""
+    import ray
+
+    from branchsearch.orchestrator.driver import Driver
+
+    got = {}
+    for on in (False, True):
+        driver = Driver(settings.replace(fetch_cache=on), mode=mode, pool_size=3)
+        try:
+            r = driver.search(CHAINED)
+            assert r.status == "ok", [b.error for b in r.branches]
+            if mode == "ray":
+                deadline = time.time() + 30  # the question's end is sent, not awaited
+                while True:
+                    stats = ray.get(driver.executor.retrievers[0].fetch_stats.remote())
+                    if stats["live_questions"] == 0 or time.time() > deadline:
+                        break
+                    time.sleep(0.1)
+                requests, hits = stats["backend_requests"], stats["cache"].get("hits", 0)
+                assert stats["live_questions"] == 0 and driver.executor.balancer.load == [0]
+            else:
+                requests = dict(driver.executor.retriever.backend_requests)
+                hits = driver.executor.last_cache_stats.get("hits", 0)
+            got[on] = (r.ranked_chunk_ids, [b.ranked_chunk_ids for b in r.branches],
+                       [b.kind for b in r.branches], sum(requests.values()), hits)
+        finally:
+            driver.close()
+    return got
+
+
+def test_a_later_wave_reads_what_the_first_wave_fetched(hotpot_settings):
+    """One cache for all of a question's waves, not one per wave: the bridge and the bridge of
+    the bridge, each a wave of one branch, used to fetch again everything the question's
+    branch had fetched (a wave of one branch had no cache at all). Same results, fewer
+    backend requests."""
+    got = _waves_on_and_off(hotpot_settings, "local")
+    (off_ranked, off_lists, kinds, off_requests, _), on = got[False], got[True]
+    assert kinds == ["original", "bridge", "bridge"] == on[2]
+    assert on[:2] == (off_ranked, off_lists)
+    assert on[4] > 0 and on[3] < off_requests, (on[3:], off_requests)
+
+
+@pytest.mark.ray
+def test_on_ray_a_later_wave_reads_the_first_waves_cache_on_its_replica(hotpot_settings):
+    """The same on a real local Ray cluster: every wave's branches run on the replica that
+    holds the question's cache, its load is released after each wave, and the cache is gone
+    once the question is."""
+    import ray
+
+    settings = ingest_copy(hotpot_settings, "hotpot-waves").replace(branch_timeout_s=120)
+    try:
+        got = _waves_on_and_off(settings, "ray")
+    finally:
+        ray.shutdown()
+    (off_ranked, off_lists, kinds, off_requests, _), on = got[False], got[True]
+    assert kinds == ["original", "bridge", "bridge"] == on[2]
+    assert on[:2] == (off_ranked, off_lists)
+    assert on[4] > 0 and on[3] < off_requests, (on[3:], off_requests)
+
+
 def test_a_question_takes_one_replica_weighted_by_its_branches():
     from branchsearch.orchestrator.execution.balancer import ReplicaBalancer
 
