@@ -77,3 +77,27 @@ def start_uvicorn(app, state, grace_s: float = 30) -> LiveServer:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
     return LiveServer(f"http://127.0.0.1:{port}", server, thread, state)
+
+
+def mounted_at(app, prefix: str, strict: bool = True):
+    """`app` under a route `prefix` ("/x"), as Ray Serve's proxy runs an application with
+    `route_prefix="/x"` (and as Starlette's `Mount` does): a request for `prefix` or a path
+    below it reaches `app` with its whole path and ASGI `root_path` = prefix. Any other path
+    is a plain-text 404 from the proxy (`strict`), or reaches `app` unprefixed, at the root
+    (`strict=False`: one app and server at both, as if deployed twice)."""
+    assert prefix.startswith("/") and not prefix.endswith("/")
+
+    async def proxy(scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == prefix or path.startswith(prefix + "/"):
+                scope = dict(scope, root_path=scope.get("root_path", "") + prefix)
+            elif strict:
+                await send({"type": "http.response.start", "status": 404,
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": b"not under " +
+                            prefix.encode()})
+                return
+        await app(scope, receive, send)
+
+    return proxy

@@ -11,11 +11,13 @@ slot at once and is counted as status 499.
 from __future__ import annotations
 
 import asyncio
+import html
 import logging
 import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import quote
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 from starlette.requests import ClientDisconnect
@@ -224,6 +226,15 @@ def _route_path(scope) -> str:
     return path
 
 
+def _page_base(scope) -> str:
+    """The web page's base URL: the prefix the app is mounted under (ASGI `root_path`, Serve's
+    `route_prefix`), ending in "/", so the page's relative paths (`web/app.js`, `v1/search`)
+    resolve under it however the page was asked for (`/x`, `/x/`). Percent-encoded and
+    HTML-escaped, and always one leading "/": never a link to another host ("//host")."""
+    root = str(scope.get("root_path", "")).strip("/")
+    return html.escape(quote("/" + root + "/" if root else "/", safe="/"), quote=True)
+
+
 def _client_gone(exc: BaseException) -> bool:
     """Whether `exc` says the client went away (not that the server failed)."""
     return isinstance(exc, (ClientDisconnect, BrokenPipeError, ConnectionResetError))
@@ -346,12 +357,14 @@ def create_app(state: ServiceState):
     # --- public ---------------------------------------------------------------------------
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-    async def index_page():
+    async def index_page(request: Request):
         # the page asks for a key unless this is a development server (no keys file)
         page = (WEB / "index.html").read_text(encoding="utf-8")
         if state.keys is None:
             page = page.replace('<meta name="bs-auth" content="keys">',
                                 '<meta name="bs-auth" content="dev">')
+        # its script and API paths are relative, against the prefix the app is mounted under
+        page = page.replace('<base href="/">', f'<base href="{_page_base(request.scope)}">')
         return HTMLResponse(page)
 
     @app.api_route("/web/{name}", methods=["GET", "HEAD"], include_in_schema=False)

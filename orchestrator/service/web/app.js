@@ -1,5 +1,6 @@
 // The branchsearch web page: a key, a question, the branches working live (SSE over fetch),
 // then the fused evidence with provenance. Text from the server only ever goes to textContent.
+// Paths are relative (no leading "/"): the page's <base> is the prefix the app is served under.
 "use strict";
 const $ = (id) => document.getElementById(id);
 const el = (tag, cls, text) => {
@@ -35,10 +36,10 @@ async function api(path, init) {
 
 async function loadKey() {
   try {
-    const who = await (await api("/v1/whoami")).json();
+    const who = await (await api("v1/whoami")).json();
     $("who").textContent = `key ${who.name} · groups ${who.groups.join(", ") || "public only"}` +
       (who.admin ? " · admin" : "");
-    const { indexes } = await (await api("/v1/indexes")).json();
+    const { indexes } = await (await api("v1/indexes")).json();
     const sel = $("index");
     sel.replaceChildren(...indexes.map((i) => { const o = el("option", null, i); o.value = i; return o; }));
     status("");
@@ -172,7 +173,7 @@ async function search(ev) {
   $("go").disabled = true;
   status("searching…");
   try {
-    const r = await api("/v1/search", {
+    const r = await api("v1/search", {
       method: "POST", body: JSON.stringify(body),
       headers: { "Content-Type": "application/json", "Accept": "text/event-stream" },
     });

@@ -7,6 +7,7 @@ test_service_web.py."""
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from urllib.parse import urljoin, urlsplit
 
 import httpx
 import pytest
@@ -27,7 +29,7 @@ from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.orchestrator.service.events import parse_sse
 
 from conftest import read_only_folder
-from service_fixtures import CORPUS, LEAK_MARKER, start_uvicorn, write_corpus
+from service_fixtures import CORPUS, LEAK_MARKER, mounted_at, start_uvicorn, write_corpus
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_question_chars=300, per_key_concurrency=2,
                 max_in_flight=8, default_deadline_s=60)
@@ -505,15 +507,60 @@ def test_a_bm25_service_writes_every_store_so_the_next_ingest_agrees(tmp_path):
         retriever.close()
 
 
-def _bm25_service(tmp_path):
+def _bm25_service(tmp_path, prefix: str | None = None):
     """A development-mode service (every request an admin) over a BM25 index `acl`, its
-    driver open: (settings, state, server)."""
+    driver open: (settings, state, server); under a route `prefix` alone if one is given."""
     settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 1,
                                         "search_mode": "bm25"}, read_env=False, read_file=False)
     ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)
     state = service.local_state(settings, executor="local", limits=LIMITS)
     state.searcher.target.drivers.open("acl")
-    return settings, state, start_uvicorn(service.create_app(state), state)
+    app = service.create_app(state)
+    return settings, state, start_uvicorn(mounted_at(app, prefix) if prefix else app, state)
+
+
+def test_the_web_page_resolves_under_a_route_prefix(tmp_path):
+    """The web page under a route prefix (Serve's `route_prefix`, a proxy's ASGI `root_path`)
+    named its script and the API by absolute paths (/web/app.js, /v1/whoami): a browser asked
+    the host's root for them, outside the application, and got 404s. Resolved as a browser
+    does (against the page's URL and its <base>), every script and every API path the script
+    calls is now under the prefix and answers, the page asked for with or without the slash."""
+    prefix = "/team a/search"  # two segments, one with a character a URL encodes
+    _, state, server = _bm25_service(tmp_path, prefix=prefix)
+    try:
+        with httpx.Client(timeout=120, follow_redirects=True) as client:
+            for asked in (prefix, prefix + "/"):
+                page = client.get(server.url + asked)
+                assert page.status_code == 200, (asked, page.text)
+                base = re.findall(r'<base href="([^"]*)"', page.text)
+                here = urljoin(str(page.url), html.unescape(base[0]) if base else "")
+                scripts = [urljoin(here, html.unescape(src)) for src in
+                           re.findall(r'<script[^>]*\bsrc="([^"]+)"', page.text)]
+                assert scripts
+                calls = []
+                for src in scripts:
+                    script = client.get(src)
+                    assert script.status_code == 200, (src, script.text)
+                    calls += [urljoin(here, p) for p in re.findall(r'\bapi\("([^"]+)"',
+                                                                    script.text)]
+                paths = [urlsplit(u).path for u in scripts + calls]
+                assert all(p.startswith("/team%20a/search/") for p in paths), paths
+                assert {p.rsplit("/search/", 1)[1] for p in paths} == {
+                    "web/app.js", "v1/whoami", "v1/indexes", "v1/search"}
+                for call in calls:
+                    if call.endswith("/v1/search"):  # as the page asks: a stream
+                        r = client.post(call, json={"question": "harbor sensors"},
+                                        headers={"Accept": "text/event-stream"})
+                        assert r.status_code == 200, r.text
+                        assert parse_sse(r.text)[-1]["type"] == "result"
+                    else:
+                        r = client.get(call)
+                        assert r.status_code == 200, (call, r.text)
+            # outside the prefix nothing answers, as where it is deployed
+            assert client.get(server.url + "/web/app.js").status_code == 404
+    finally:
+        server.stop()
+        state.searcher.target.close()
 
 
 def test_a_store_gone_under_a_running_service_makes_a_write_503_not_500(tmp_path):

@@ -1265,3 +1265,17 @@ def test_an_index_is_closed_only_once_its_searches_have_ended(tmp_path, caplog):
     assert log2 == ["open 0"]  # left open under the search
     assert "1 search(es) still running at close; its stores are left open" in caplog.text
     second.drivers.let_go(driver, None)
+
+
+def test_the_page_base_is_the_root_path_escaped_and_on_this_host():
+    """The web page's <base href> comes from the ASGI root_path (the prefix the app is served
+    under): percent-encoded, HTML-escaped, ending in "/", and never "//host" (another site's
+    base, from which the page would load its script)."""
+    from branchsearch.orchestrator.service.app import _page_base
+
+    cases = {"": "/", "/": "/", "/x": "/x/", "/x/": "/x/", "/a b/c": "/a%20b/c/",
+             '/x"><script>alert(1)</script>': "/x%22%3E%3Cscript%3Ealert%281%29%3C/script%3E/",
+             "//evil.example": "/evil.example/", "/x&y": "/x%26y/"}
+    for root, base in cases.items():
+        assert _page_base({"root_path": root}) == base, root
+    assert _page_base({}) == "/"

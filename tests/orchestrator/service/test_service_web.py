@@ -1,12 +1,14 @@
 """The web page at / in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 paste a key, ask a question, watch the branches, see the evidence with provenance. Document text
-is shown as text, never as markup. Set BRANCHSEARCH_SCREENSHOT=path to keep the screenshot."""
+is shown as text, never as markup; the same page under a route prefix. Set
+BRANCHSEARCH_SCREENSHOT=path to keep the screenshot."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -16,12 +18,13 @@ from branchsearch.infra.config.settings import load_settings
 from branchsearch.orchestrator.service import deploy as service
 from branchsearch.orchestrator.service.auth import KeyStore
 
-from service_fixtures import LEAK_MARKER, start_uvicorn, write_corpus
+from service_fixtures import LEAK_MARKER, mounted_at, start_uvicorn, write_corpus
 
 CHROMIUM = os.environ.get("BRANCHSEARCH_CHROMIUM", "/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM) or
                                 __import__("importlib").util.find_spec("playwright") is None,
                                 reason="needs chromium (apt-get install chromium) and playwright")
+PREFIX = "/branch/search"  # the app also under a route prefix (two segments)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,8 @@ def web(tmp_path_factory):
                                                                         admin=True)}
     state = service.local_state(settings, executor="local", keys_path=home / "keys.json")
     state.searcher.target.drivers.open("acl")
-    server = start_uvicorn(service.create_app(state), state)
+    # at the root, and under PREFIX as Serve's `route_prefix` runs it (ASGI root_path)
+    server = start_uvicorn(mounted_at(service.create_app(state), PREFIX, strict=False), state)
     yield server.url, keys
     server.stop()
     state.searcher.target.close()
@@ -150,5 +154,57 @@ def test_a_stream_cut_before_its_result_says_so(web):
             assert page.locator(".branch .badge", has_text="running").count() == 0
             assert page.locator("#evidence-list").count() == 0
             assert errors == []
+        finally:
+            browser.close()
+
+
+def test_the_page_works_under_a_route_prefix(web):
+    """Served under a route prefix (Serve's `route_prefix`, a proxy's ASGI `root_path`), the
+    page loaded its script and called the API at the host's root (/web/app.js, /v1/whoami):
+    outside the application, a 404 where it is deployed, and a dead page. Its paths are now
+    relative to a <base> the server sets from root_path: asked for at the prefix, with or
+    without the trailing slash, it lists the indexes and searches, every request under it."""
+    from playwright.sync_api import sync_playwright
+
+    url, keys = web
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            for asked, search in ((PREFIX + "/", False), (PREFIX, True)):
+                page = browser.new_page()
+                errors, asks, failed = [], [], []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("request", lambda r: asks.append(r.url))
+                page.on("response", lambda r: r.status >= 400 and failed.append(
+                    f"{r.status} {r.url}"))
+                page.goto(url + asked)
+                page.wait_for_function("document.getElementById('status').textContent"
+                                       ".includes('API key')", timeout=30_000)
+                page.fill("#key", keys["alpha"])
+                page.click("#savekey")
+                page.wait_for_function("document.getElementById('who').textContent"
+                                       ".includes('alpha')", timeout=30_000)
+                page.wait_for_function("document.querySelectorAll('#index option').length > 0",
+                                       timeout=30_000)
+                assert page.locator("#index option").all_inner_texts() == ["acl"]
+                if search:
+                    page.fill("#question", "What does the Alpha Roadmap plan for harbor sensors?")
+                    page.click("#go")
+                    page.wait_for_selector("#evidence-list li", timeout=120_000)
+                    page.wait_for_function("!document.getElementById('go').disabled",
+                                           timeout=30_000)
+                    assert "done: ok" in page.inner_text("#status")
+                    docs = page.locator("#evidence-list li").evaluate_all(
+                        "els => els.map(e => e.dataset.docId)")
+                    assert "a-roadmap" in docs
+                paths = [urlsplit(u).path for u in asks if not u.startswith("data:")]
+                assert {PREFIX + "/web/app.js", PREFIX + "/v1/whoami",
+                        PREFIX + "/v1/indexes"} <= set(paths), paths
+                if search:
+                    assert PREFIX + "/v1/search" in paths
+                outside = [p for p in paths if p != PREFIX and not p.startswith(PREFIX + "/")]
+                assert outside == [] and failed == [] and errors == [], (outside, failed, errors)
+                page.close()
         finally:
             browser.close()
