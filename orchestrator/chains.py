@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.plan import _RELATIVE, _residual
 from branchsearch.workers.branch import BranchReport, BranchTask
-from branchsearch.workers.text import PREFIX, entities, sentences
+from branchsearch.workers.text import PREFIX, entities, sentences, too_short, unspaced
 
 HOP_WEIGHT = 0.5  # the inner hop's branch in fusion
 CHAIN_WEIGHT = 0.5  # each second-hop branch in fusion
@@ -128,7 +128,13 @@ def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...
     director"). The sub-query is the entity and the question's words the chunk does not hold
     (what is left to find: "Tim Burton spouse"). A bridge of a bridge passes `skip`, the
     entities already taken, and `before`, the top chunk of the hop before: an entity it names is
-    not next, and its words are not left to find."""
+    not next, and its words are not left to find.
+
+    In a script without spaces (Chinese, Japanese) the chunk's names are the ones it marks
+    (《论语》, 「東京」: `entities`), 2 characters are a name (`too_short`), and a "word" of
+    `_WORDS` is a whole run between punctuation, which a question's run seldom matches: then
+    no word is near, the names come in the order the chunk writes them, and the sub-query
+    keeps the question's runs ("论语 孔子的弟子编成的书有多少篇"). Nothing is segmented."""
     top = _top(report)
     if top is None or n <= 0:
         return []
@@ -143,9 +149,8 @@ def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...
     named = (e for sentence in sentences(text) for e in entities(sentence, context=text))
     for name in dict.fromkeys(named):
         low = name.lower()
-        if len(name) <= 3 or low in q or (core and (low in core or core in low)) \
-                or any(_same_entity(name, other) for other in skip) \
-                or re.search(rf"\b{re.escape(low)}\b", before.lower()):
+        if too_short(name, 4) or low in q or (core and (low in core or core in low)) \
+                or any(_same_entity(name, other) for other in skip) or _said(low, before):
             continue
         at = text.find(name)
         at = len(_WORDS.findall(text[:at])) if at >= 0 else len(stems)
@@ -159,6 +164,13 @@ def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...
         if not any(_same_entity(name, other) for other in taken):
             taken.append(name)
     return [(name, " ".join([name] + left)) for name in taken]
+
+
+def _said(low: str, text: str) -> bool:
+    """Whether `text` writes the (lower-cased) name `low`: as whole words, or — in a script that
+    does not set words apart (《论语》 in '孔子的论语') — anywhere."""
+    text = text.lower()
+    return low in text if unspaced(low) else re.search(rf"\b{re.escape(low)}\b", text) is not None
 
 
 def _same_entity(a: str, b: str) -> bool:

@@ -20,9 +20,34 @@ _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
 # a capital letter: A-Z and the accented and non-Latin capitals of the alphabets before U+0530
 # (Latin, Greek, Cyrillic): 'Émile Zola', 'Łódź', 'Øresund' are names as 'Emile Zola' is
 _UPPER = "A-Z" + "".join(re.escape(c) for c in map(chr, range(0xC0, 0x530)) if c.isupper())
-_CAP_WORD = rf"(?:[{_UPPER}]\.(?:[{_UPPER}]\.)*|[{_UPPER}][\w\-]*(?:'(?!s\b)[\w\-]+)?)"
+# the characters of scripts that do not set their words apart by spaces (Thai, kana, CJK
+# ideographs, Hangul syllables): one character, or two, can be a word (東京, 서울)
+_UNSPACED_CHARS = ("\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                   "\uac00-\ud7af\uf900-\ufaff")
+# a capitalised word goes on in word characters of a spaced script: in 'Googleで働く' (no space
+# after a Latin name in Japanese text) the name is 'Google', not the whole run
+_GOES_ON = rf"(?:[^\W{_UNSPACED_CHARS}]|-)"
+_CAP_WORD = (rf"(?:[{_UPPER}]\.(?:[{_UPPER}]\.)*"
+             rf"|[{_UPPER}]{_GOES_ON}*(?:'(?!s\b){_GOES_ON}+)?)")
 _ENTITY = re.compile(rf"{_CAP_WORD}(?:\s+(?:(?:of|the|de|la|le|von|van|du|and|for)\s+)?{_CAP_WORD})*")
-_QUOTED = re.compile(r"[\"“]([^\"”]{3,80})[\"”]")
+# The marks that set a title or a name apart, the one home of these pairs: (opening marks,
+# closing marks, fewest and most characters between). Scripts without letter case (Chinese,
+# Japanese, Korean, Arabic, Hebrew, ...) have no capitals to tell a name by; what they mark is
+# all `entities` finds there. The content stops at the pair's first closing mark; an unclosed
+# opening mark pairs with a later closing one only within the bound.
+_QUOTE_PAIRS = (
+    ('"“', '"”', 3, 80),  # English: straight and curly double quotes
+    ("„", "“”", 3, 80),  # German, Polish, Czech, ...: low-9 double quotes („Faust“, „Lalka”)
+    ("‚", "‘’", 3, 80),  # their low-9 single quotes (‚Faust‘)
+    ("«", "»", 3, 80),  # guillemets: French, Russian, Arabic, Persian, ... («Le Monde»)
+    ("《", "》", 2, 40),  # Chinese book-title marks: 《论语》, and 〈…〉 for an article or a
+    ("〈", "〉", 2, 40),  # chapter (2 characters up: one is a word, hardly a title)
+    ("「", "」", 2, 40),  # corner brackets (Japanese, Chinese): 「東京」; and the white ones
+    ("『", "』", 2, 40),  # 『…』 for a book's title or a quote inside a quote
+)
+_QUOTED = re.compile("|".join(
+    f"[{re.escape(opening)}]([^{re.escape(closing)}]{{{fewest},{most}}})[{re.escape(closing)}]"
+    for opening, closing, fewest, most in _QUOTE_PAIRS))
 _LEADING = frozenset("The A An In On At For By From With During After Before This That These "
                      "Those It He She They His Her Their Its When While Where What Which Who "
                      "How Why Is Are Was Were Did Does Do Has Have Had As Of And Or But If "
@@ -70,8 +95,7 @@ def stem(word: str) -> str:
 
 
 PREFIX = 5  # letters two `words` share at their start to count as one (a stemmer's reach)
-_UNSPACED = re.compile("[\u0e00-\u0e7f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
-                       "\uac00-\ud7af\uf900-\ufaff]")  # Thai, kana, CJK, Hangul syllables
+_UNSPACED = re.compile(f"[{_UNSPACED_CHARS}]")  # Thai, kana, CJK, Hangul syllables
 
 
 def words(text: str) -> set[str]:
@@ -96,13 +120,16 @@ def terms(text: str) -> frozenset[str]:
 
 
 def entities(text: str, context: str | None = None) -> list[str]:
-    """Capitalised phrases and quoted titles, in order of first appearance, de-duplicated.
+    """Quoted and marked titles (`_QUOTE_PAIRS`: "…", 《…》, 「…」, «…», „…“, ...), then
+    capitalised phrases, in order of first appearance, de-duplicated. In a script without
+    letter case (Chinese, Japanese, Korean, Arabic, ...) only the marked names are found: no
+    capital tells a name there, and no word is segmented to guess one.
 
     With `context` (the passage `text` is a sentence of), a lone word that opens the sentence
     is a name only if the passage also capitalises it where position does not ("Planning
     document for ...", "Interestingly, ..." are not names; "DNA" and "CD4" are by their
     shape). Without it (a question), only an opening stopword ("There", "Here") is dropped."""
-    found: list[str] = [m.group(1).strip() for m in _QUOTED.finditer(text)]
+    found: list[str] = [m[m.lastindex].strip() for m in _QUOTED.finditer(text)]
     opening = _opening(text)
     for m in _ENTITY.finditer(text):
         phrase = m.group(0).rstrip(".")
@@ -211,5 +238,18 @@ def norm_title(title: str) -> str:
     return folded(bare_title(title))
 
 
+# a sentence ends at . ! ? and a space, or at a CJK full stop (。！？, no space after it) that
+# no closing mark follows: 「君の名は。」 is a title, not the end of one
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？])(?![」』》〉）])\s*")
+
+
 def sentences(text: str) -> list[str]:
-    return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+    return [s for s in _SENTENCE_END.split(text) if s]
+
+
+def too_short(name: str, fewest: int) -> bool:
+    """Whether `name` is too short to be searched for as a name: under `fewest` characters
+    (a Latin, Greek, Cyrillic, Arabic, ... name) or, in a script where one character or two
+    make a word (CJK ideographs, kana, Hangul, Thai: `unspaced`), under 2 (東京, 서울 and
+    《论语》 are names; a lone 東 is not)."""
+    return len(name) < (2 if unspaced(name) else fewest)

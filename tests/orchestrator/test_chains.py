@@ -201,6 +201,56 @@ def test_the_second_wave_stays_within_the_branch_budget(hotpot_settings):
     assert len(three.branches) == 3
 
 
+# a tiny Chinese corpus: Confucius's page names the book his disciples made in book-title marks
+# (《论语》, no capital to tell it by); the book's page shares no word with the question
+ANALECTS = [
+    {"_id": "kongzi", "title": "孔子",
+     "text": "孔子是春秋时期的思想家。他去世以后，弟子们把他的言行编成了《论语》。"},
+    {"_id": "lunyu", "title": "论语", "text": "全书共二十篇，成书于战国初期，是儒家经典之一。"},
+    {"_id": "laozi", "title": "老子", "text": "老子是道家的创始人，著有《道德经》。"},
+    {"_id": "mengzi", "title": "孟子", "text": "孟子是战国时期的思想家，继承了儒家学说。"}]
+ANALECTS_Q = "孔子的弟子编成的书有多少篇？"
+
+
+def test_a_bridge_follows_a_title_a_cjk_text_marks(tmp_path):
+    """Chinese has no capitals: the question's branch's top chunk (孔子) names 《论语》 in its
+    book-title marks, and a bridge branch (2 characters are a name there) searches it and ranks
+    the book's page, which a search of the question alone does not find. BM25 (tantivy's CJK
+    bigrams) and the docstore, the in-process executor, the heuristic policy."""
+    import json
+
+    from branchsearch.infra.index.open import open_retriever
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.stores.acl import ACL_ALL
+
+    corpus = tmp_path / "analects.jsonl"
+    corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ANALECTS),
+                      encoding="utf-8")
+    settings = load_settings(overrides={"home": str(tmp_path / "home"), "index": "zh",
+                                        "search_mode": "bm25", "bridges": 1,
+                                        "bridge_depth": 1, "branches": 3},
+                             read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    try:  # the question alone finds Confucius's page, not the book's
+        alone = retriever.search(ANALECTS_Q, mode="bm25", k=3, acl_groups=[ACL_ALL])
+    finally:
+        retriever.close()
+    assert alone and alone[0].doc_id == "kongzi" and "lunyu" not in [h.doc_id for h in alone]
+    driver = Driver(settings, mode="local")
+    try:
+        result = driver.search(ANALECTS_Q)
+    finally:
+        driver.close()
+    own = result.branches[0]
+    assert own.kind == "original" and own.ranked_chunk_ids[0] == "kongzi#p0"
+    made = [b for b in result.branches if b.kind == "bridge"]
+    assert [(b.reason, b.parent, b.status) for b in made] == [
+        ("bridge = 论语", own.index, "ok")], result.branches
+    assert made[0].subquery.startswith("论语 ") and "lunyu#p0" in made[0].ranked_chunk_ids[:2]
+    assert result.metrics["bridges"] == 1 and "lunyu#p0" in result.ranked_chunk_ids
+
+
 def test_a_name_said_twice_is_one_bridge():
     text = ("The Exorcism of Emily Rose is a film by Scott Derrickson. Exorcism of Emily Rose "
             "drew on Anneliese Michel. Derrickson later made Doctor Strange. Doctor Strange "

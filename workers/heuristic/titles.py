@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from branchsearch.workers.text import bare_title, fold, folded, has_phrase, norm_title
+from branchsearch.workers.text import (bare_title, fold, folded, has_phrase, norm_title,
+                                       too_short)
 
 # a title of at most this many words is a name (encyclopedia pages: 3 words at the median of
 # hotpot's and musique's corpora, 5 at the 90th percentile), longer is a sentence (a paper's
@@ -30,7 +31,7 @@ def names(title: str, entity: str) -> float:
     qualifier and a leading article), 0.85 when the title adds one word ('Manchester United
     F.C.') or the entity adds a prefix ('Governor Nelson Rockefeller'), else 0."""
     t, e = strip_article(norm_title(title)), strip_article(folded(entity))
-    if not t or len(e) < 3:
+    if not t or too_short(e, 3):  # (東京 is a name: `too_short`)
         return 0.0
     if t == e:
         return NAMES_EXACTLY
