@@ -118,6 +118,9 @@ def chain_tasks(reports: list[BranchReport], chain: Hops, n: int, *,
 
 
 BRIDGE_WEIGHT = 0.5  # each bridge branch in fusion
+# A bridge of a bridge fetches the page its parent's top chunk names: one hop, its own search
+# ranked, nothing expanded (v12, reports/bridges.md: recall as with two hops, half the time)
+DEEPER_HOPS = 1
 
 
 def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...] = (),
@@ -221,7 +224,8 @@ def deeper_bridge_tasks(reports: list[BranchReport], question: str, *,
                                  before=before):
             taken.append(name)
             out.append(BranchTask(first + len(out), sub, BRIDGE_WEIGHT, "bridge", acl_groups,
-                                  deadline, parent=parent.index, reason=f"bridge = {name}"))
+                                  deadline, parent=parent.index, reason=f"bridge = {name}",
+                                  hops=DEEPER_HOPS))
     return out
 
 

@@ -34,6 +34,7 @@ class BranchTask:
     reason: str = ""
     seeds: tuple[str, ...] = ()
     hop_room: int = 1
+    hops: int = 0  # the hops a heuristic branch follows; 0: its kind's (`make_policy`)
     may_fork: bool = False  # a first-wave branch of a question that forks (the driver's
     # rule: `forks` > 0 and more than one branch): its policy is offered the `fork` tool
     # the span this branch's span nests under when not the current one (a fork's or a chain
@@ -111,7 +112,7 @@ def _run_branch(task: BranchTask, retriever, settings: Settings, report: BranchR
             span.set_attributes({"branch.parent": task.parent, "branch.seeds": list(task.seeds)})
         try:
             policy = (policy_factory(task.index, task.subquery) if policy_factory
-                      else make_policy(settings, kind=task.kind))
+                      else make_policy(settings, kind=task.kind, max_hops=task.hops))
             if task.seeds:
                 start_from = getattr(policy, "start_from", None)
                 if start_from is None:

@@ -7,7 +7,7 @@ from branchsearch.infra.config.settings import Settings
 
 
 def make_policy(settings: Settings, name: str | None = None, engine=None,
-                kind: str = "original"):
+                kind: str = "original", max_hops: int = 0):
     """`kind`: the branch's (`orchestrator.plan`); only the question's own branch ("original")
     searches the question tail: fused, an entity branch's tail changed no ranking and cost 4–8 %
     of a 3-branch question's tokens (reports/recall/README.md). The planner's other
@@ -15,7 +15,9 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
     (`max_hops` 2, the question's branch 3): each sub-query is narrower than the question,
     around a name or one clause, so it starts a hop nearer its evidence; the third hop changed
     no fused ranking and cost 5–8 % of a 3-branch question's tokens. (Not 1: an
-    entity branch then only repeats the question branch's search for that name.)"""
+    entity branch then only repeats the question branch's search for that name.)
+    `max_hops` > 0 sets the heuristic branch's hops whatever its kind (a bridge of a bridge: 1,
+    `orchestrator.chains.DEEPER_HOPS`)."""
     name = name or settings.policy
     if name == "heuristic":
         from branchsearch.workers.heuristic import HeuristicConfig, HeuristicPolicy
@@ -26,7 +28,8 @@ def make_policy(settings: Settings, name: str | None = None, engine=None,
             final_k=settings.final_k, prune=settings.prune, max_turns=settings.max_turns,
             learned_rank=settings.learned_rank, per_title=settings.per_title,
             ranker_path=str(weights_for(mode)), hop_mode=hops,
-            tail_page=kind == "original", max_hops=3 if kind == "original" else OTHER_MAX_HOPS,
+            tail_page=kind == "original",
+            max_hops=max_hops or (3 if kind == "original" else OTHER_MAX_HOPS),
             fork_gap=settings.fork_gap if settings.forks else 0.0))
     if name == "llm":
         from branchsearch.workers.llm_policy import LLMPolicy
