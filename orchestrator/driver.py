@@ -131,7 +131,7 @@ class Driver:
             late: list[str] = []  # the waves the deadline left no time to start
             # one fetch cache for all the question's waves: a later wave reads what an
             # earlier one fetched (the same results, fewer backend requests)
-            with self.executor.question(self.settings, budget) as shared:
+            with self.executor.question(self.settings) as shared:
                 branches, covered = self._waves(tasks, subs, text, chain, budget, groups, ends,
                                                 forking, on_event, shared, late)
             ranked, evidence = fuse_branches(branches, k=self.settings.branch_rrf_k,

@@ -19,7 +19,9 @@ reported in its `BranchReport.status`; the others still count.
 With `fetch_cache` (default), the branches of one question, in every wave, share a
 `QuestionCache` (`infra.retrieval.fetch_cache`): locally one per `question`; on Ray it lives in
 the retriever replica that serves all the question's branches. Same results, fewer backend
-requests (a fifth fewer per question on musique and hotpot with the default bridges).
+requests (a fifth fewer per question on musique and hotpot with the default bridges). A
+question of one branch has one too: a branch repeats its own searches and reads the same rows
+turn after turn (a lone branch is 16–23 % faster with it, `reports/bridges.md` "v12").
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ Cover = Callable[[BranchReport, BranchTask], object] | None
 class Executor(Protocol):
     engine_actors: bool  # the LLM runs in named engine actors this executor started
 
-    def question(self, settings: Settings, branches: int) -> ContextManager[object]:
+    def question(self, settings: Settings) -> ContextManager[object]:
         """One question's scope across its waves: the fetch cache its branches share (None
-        when it has one branch or `fetch_cache` is off), dropped when the block ends."""
+        when `fetch_cache` is off), dropped when the block ends."""
 
     def run(self, tasks: list[BranchTask], *, settings: Settings,
             policy_factory: Callable | None = None, on_event: Events = None,
@@ -117,9 +119,3 @@ def done_event(report: BranchReport) -> dict:
             "error": report.error, "termination": report.termination, "turns": report.turns,
             "context_tokens_final": report.context_tokens_final,
             "tokens_read": report.tokens_read, "latency_s": round(report.latency_s, 4)}
-
-
-def shares_cache(settings: Settings, tasks: list[BranchTask]) -> bool:
-    """Whether a question's branches share a fetch cache: with `fetch_cache`, when there are
-    two or more (a lone branch has no one to share with and would only over-fetch)."""
-    return settings.fetch_cache and len(tasks) > 1

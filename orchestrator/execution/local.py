@@ -10,8 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from branchsearch.infra.config.settings import Settings
-from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
-                                                  shares_cache)
+from branchsearch.orchestrator.execution import Cover, Events, bounded, done_event, emit
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
 
@@ -25,12 +24,12 @@ class LocalExecutor:
         self.last_cache_stats: dict = {}  # the last question's fetch cache counters
 
     @contextmanager
-    def question(self, settings: Settings, branches: int) -> Iterator[object]:
+    def question(self, settings: Settings) -> Iterator[object]:
         """One question's fetch cache, shared by all its waves: a `QuestionCache`, or None
-        when the question has one branch or `fetch_cache` is off."""
+        when `fetch_cache` is off."""
         from branchsearch.infra.retrieval.fetch_cache import QuestionCache
 
-        cache = QuestionCache() if settings.fetch_cache and branches > 1 else None
+        cache = QuestionCache() if settings.fetch_cache else None
         try:
             yield cache
         finally:  # the cache dies with the question
@@ -41,8 +40,8 @@ class LocalExecutor:
             cover: Cover = None, question: object = None) -> list[BranchReport]:
         from branchsearch.infra.retrieval.retriever import QuestionRetriever
 
-        if question is None and shares_cache(settings, tasks):
-            with self.question(settings, len(tasks)) as cache:
+        if question is None and settings.fetch_cache:
+            with self.question(settings) as cache:
                 return self.run(tasks, settings=settings, policy_factory=policy_factory,
                                 on_event=on_event, cover=cover, question=cache)
         if question is not None:

@@ -36,8 +36,7 @@ from dataclasses import replace
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import BranchsearchError, Overloaded
-from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
-                                                  shares_cache)
+from branchsearch.orchestrator.execution import Cover, Events, bounded, done_event, emit
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
@@ -181,11 +180,11 @@ class RayExecutor:
         return bool(self.engines)
 
     @contextmanager
-    def question(self, settings: Settings, branches: int) -> Iterator[object]:
+    def question(self, settings: Settings) -> Iterator[object]:
         """One question's fetch cache, shared by all its waves: (question id, replica) — the
         replica that serves every branch of the question and holds its cache until the
-        question ends — or None when the question has one branch or `fetch_cache` is off."""
-        if not settings.fetch_cache or branches < 2:
+        question ends — or None when `fetch_cache` is off."""
+        if not settings.fetch_cache:
             yield None
             return
         share = (uuid.uuid4().hex, self.balancer.take(0))  # charged per wave, as it runs
@@ -202,8 +201,8 @@ class RayExecutor:
         retriever replica's death: Ray restarts it (`branch_retries` times), one dead for good
         is started again (`revive`), and the question runs once more. A streamed question
         first gets a `rerun` event: the branch events after it replace those before."""
-        if question is None and shares_cache(settings, tasks):
-            with self.question(settings, len(tasks)) as share:
+        if question is None and settings.fetch_cache:
+            with self.question(settings) as share:
                 return self.run(tasks, settings=settings, policy_factory=policy_factory,
                                 on_event=on_event, cover=cover, question=share)
         revived = self.revived
