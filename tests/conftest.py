@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -52,6 +53,32 @@ def read_only_folder(folder: Path):
         yield
     finally:
         subprocess.run(undo, check=True)
+
+
+# What a `preexec_fn` would do in the child, done by a small Python that then execs the command
+# (same pid, so signals and process groups reach the command): argv[1] the RLIMIT_FSIZE in bytes
+# or -1, argv[2] "1" to give the command SIGINT as a terminal does (default, unblocked).
+_PREPARE = """import os, resource, signal, sys
+if int(sys.argv[1]) >= 0:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+if sys.argv[2] == "1":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
+
+def prepared(cmd, *, file_size: int | None = None, sigint_default: bool = False) -> list[str]:
+    """`cmd` (for subprocess) started under a file-size limit of `file_size` bytes and/or with
+    SIGINT as a terminal gives it. Never pass subprocess a `preexec_fn` instead: it makes
+    subprocess fork() rather than vfork(), so the at-fork handlers of every library this pytest
+    process has loaded run in the child. Once gRPC is loaded (pymilvus for Milvus Lite, Ray, the
+    OTLP exporter: any earlier test in a full run) its handler restarts gRPC's event-engine
+    threads in that child; subprocess then closes the child's descriptors before exec, and a
+    thread polling the closed epoll fd aborts the child (SIGABRT, "epoll_wait error: Bad file
+    descriptor") before the command runs: an intermittent failure of whatever test spawned it."""
+    return [sys.executable, "-c", _PREPARE, str(-1 if file_size is None else file_size),
+            "1" if sigint_default else "0", *map(str, cmd)]
 
 
 def ingest_copy(settings, index: str):

@@ -24,7 +24,7 @@ from branchsearch.infra.index.manifest import (IngestLock, read_manifest, requir
 from branchsearch.infra.index.open import open_retriever, open_stores
 from branchsearch.infra.config.settings import load_settings
 
-from conftest import read_only_folder
+from conftest import prepared, read_only_folder
 
 CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
 
@@ -417,17 +417,13 @@ def test_a_full_disk_during_a_bm25_ingest_keeps_the_committed_batches(tmp_path):
 def test_a_file_size_limit_during_ingest_is_one_line_and_a_rerun_resumes(tmp_path):
     """RLIMIT_FSIZE (`ulimit -f`, no root needed): writes past it fail with EFBIG, which SQLite
     reports as a bare "disk I/O error"."""
-    import resource
-
     corpus = _wide_corpus(tmp_path / "c.jsonl", 600)
     env = _env(tmp_path / "h")
     cmd = [*CLI, "ingest", str(corpus), "--no-dense"]
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))
-
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
-                          preexec_fn=limited)
+    # not a preexec_fn: with gRPC loaded in this process it sometimes aborted the child before
+    # the ingest ran (conftest.prepared says how)
+    proc = subprocess.run(prepared(cmd, file_size=400_000), capture_output=True, text=True,
+                          env=env, timeout=600)
     line = _full_disk_line(proc)
     assert "file size limit (ulimit -f: 400,000 bytes)" in line and "Raise the limit" in line
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

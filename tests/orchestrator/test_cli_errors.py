@@ -646,7 +646,7 @@ def test_ctrl_c_or_sigterm_on_a_batch_says_so_and_writes_what_ran(tmp_path, name
     import signal
     import time
 
-    from conftest import HOTPOT
+    from conftest import HOTPOT, prepared
 
     home = ["--home", tmp_path / "home", "--index", "wiki"]
     assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
@@ -655,16 +655,14 @@ def test_ctrl_c_or_sigterm_on_a_batch_says_so_and_writes_what_ran(tmp_path, name
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
                            + "\n" for i in range(2000)))
-    def as_a_terminal_starts_it():  # ^C handled by default, not ignored nor blocked
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
     parent = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
-    proc = subprocess.Popen([*CLI, "batch", inp, "-o", out, "--executor", "local",
-                             "--branches", "1", "--concurrency", "2", *home],
+    # ^C handled by default, not ignored nor blocked, as a terminal starts it
+    proc = subprocess.Popen(prepared([*CLI, "batch", inp, "-o", out, "--executor", "local",
+                                      "--branches", "1", "--concurrency", "2", *home],
+                                     sigint_default=True),
                             env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=as_a_terminal_starts_it, start_new_session=True)
+                            start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
         time.sleep(0.1)

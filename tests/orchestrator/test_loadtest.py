@@ -666,23 +666,20 @@ def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path):
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.ingest.pipeline import ingest
 
-    from conftest import HOTPOT
+    from conftest import HOTPOT, prepared
 
     home = tmp_path / "home"
     ingest(HOTPOT, load_settings(overrides={"home": home, "index": "wiki"}, read_env=False,
                                  read_file=False), dense=False)
 
-    def as_a_terminal_starts_it():  # ^C handled by default, not ignored nor blocked
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
     out = tmp_path / "lt.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home", str(home),
-         "--index", "wiki", "--queries", str(HOTPOT), "--executor", "local", "--rate", "5",
-         "--duration", "60", "--warmup", "0", "--report", str(out)],
+    proc = subprocess.Popen(  # ^C handled by default, not ignored nor blocked
+        prepared([sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home",
+                  str(home), "--index", "wiki", "--queries", str(HOTPOT), "--executor", "local",
+                  "--rate", "5", "--duration", "60", "--warmup", "0", "--report", str(out)],
+                 sigint_default=True),
         env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, preexec_fn=as_a_terminal_starts_it)
+        stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
