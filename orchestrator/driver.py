@@ -14,13 +14,14 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.errors import Overloaded
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.retrieval.retriever import searched_mode
-from branchsearch.orchestrator.execution import emit, make_executor
+from branchsearch.orchestrator.execution import done_event, emit, make_executor
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import (MEANING_ONLY, NOTHING_VISIBLE, SearchResult,
                                              evidence_texts, fuse_branches, meaning_only)
-from branchsearch.workers.branch import BranchTask
+from branchsearch.workers.branch import BranchReport, BranchTask
 from branchsearch.workers.query import check_question
 from branchsearch.workers.tools import fit_query
 
@@ -253,9 +254,7 @@ class Driver:
                             "subquery": task.subquery})
         if not tasks:
             return []
-        return self.executor.run(tasks, settings=self.settings,
-                                 policy_factory=self.policy_factory, on_event=on_event,
-                                 question=shared)
+        return self._later_wave(tasks, on_event, shared)
 
     def _chain(self, text: str, subs: list, budget: int):
         """The question's hops (`orchestrator.chains.hops`) when chains are on, the question
@@ -300,9 +299,26 @@ class Driver:
                             "reason": task.reason, "subquery": task.subquery})
         if not tasks:
             return []
-        return self.executor.run(tasks, settings=self.settings,
-                                 policy_factory=self.policy_factory, on_event=on_event,
-                                 question=shared)
+        return self._later_wave(tasks, on_event, shared)
+
+    def _later_wave(self, tasks: list, on_event, shared=None) -> list:
+        """A second or third wave run on the executor (on the question's cache `shared`).
+        One that finds no branch actor free before its deadline (`Overloaded`: the pool is busy
+        with other searches) is reported as timed out, branch by branch, as the executor
+        reports a first-wave branch that could not start: the earlier waves' evidence stands,
+        and the question is not refused for a wave it could do without."""
+        try:
+            return self.executor.run(tasks, settings=self.settings,
+                                     policy_factory=self.policy_factory, on_event=on_event,
+                                     question=shared)
+        except Overloaded as exc:
+            reports = [BranchReport(t.index, t.subquery, t.weight, t.kind, "timeout",
+                                    f"not started before the deadline: {exc}",
+                                    parent=t.parent, reason=t.reason, seeds=list(t.seeds))
+                       for t in tasks]
+            for report in reports:
+                emit(on_event, done_event(report))
+            return reports
 
     def _deeper(self, done: list, text: str, room: int, groups, deadline, on_event,
                 late: list[str], shared=None) -> list:

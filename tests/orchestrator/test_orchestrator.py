@@ -215,6 +215,43 @@ def test_on_ray_a_second_wave_with_no_time_left_is_reported_not_sent(ray_driver)
 
 
 @pytest.mark.ray
+def test_on_ray_a_later_wave_with_no_branch_actor_free_keeps_the_first_wave_s_evidence(
+        ray_driver):
+    """A burst of questions holds every branch actor and the replica's hosting slot: the
+    question's own branch ran (hosted, beside the stores), but its bridge finds no actor free
+    before the deadline. The bridge is reported as not started and the question's evidence
+    stands (partial), instead of the whole question being refused as overloaded (a 503 that
+    threw the finished branch away)."""
+    driver, _ = ray_driver
+    executor = driver.executor
+    one = 'The director of the romantic comedy "Big Stone Gap" is based in what New York city?'
+    busy = executor.pool.busy
+    held = executor.pool.acquire(executor.pool.size - busy, timeout=60)  # others' branches
+    events: list[dict] = []
+
+    def watch(event: dict) -> None:  # another question's hosted branch takes the slot as the
+        events.append(event)  # bridge wave is about to start
+        if event["type"] == "chain" and not any(executor.balancer.hosting):
+            executor.balancer.host(0)
+
+    try:
+        result = driver.search(one, deadline_s=4, on_event=watch)
+    finally:
+        executor.balancer.unhost(0)
+        for actor in held:
+            executor.pool.release(actor)
+    own, bridge = result.branches
+    assert own.status == "ok" and own.rpc_s == 0  # hosted: no branch actor needed
+    assert bridge.kind == "bridge" and bridge.status == "timeout" and bridge.parent == 0
+    assert bridge.error.startswith("not started before the deadline") and "busy" in bridge.error
+    assert result.status == "partial" and result.evidence
+    done = [e for e in events if e["type"] == "branch_done"]
+    assert [(e["branch"], e["status"]) for e in done] == [(0, "ok"), (1, "timeout")]
+    assert sum(executor.balancer.load) == 0 and executor.pool.busy == busy  # none held
+    assert driver.search(one).status == "ok"  # the pool is whole
+
+
+@pytest.mark.ray
 def test_a_crashed_and_a_late_branch_are_reported(ray_driver):
     from branchsearch.workers import scripted
 
