@@ -13,6 +13,7 @@ Heavy imports (vllm, torch) happen on first use only.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import threading
@@ -54,6 +55,21 @@ def api_base(url: str) -> str:
     return url if parts.path not in ("", "/") else url + "/v1"
 
 
+def _userinfo_apart(url: str) -> tuple[str, str]:
+    """`url` without its `USER:PASSWORD@` (urllib would take them for part of the host name:
+    "Name or service not known"), and those credentials as an HTTP basic-auth token ("" when
+    the URL has none). Percent-encoded characters of the user and password are decoded, as
+    curl and the Elasticsearch client do."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, ""
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+    return (urllib.parse.urlunsplit(parts._replace(netloc=host)),
+            base64.b64encode(token.encode()).decode())
+
+
 # answers worth retrying: overloaded, rate limited, a gateway or the server itself failing
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -77,7 +93,11 @@ class OpenAIEngine:
 
     def __init__(self, base_url: str, model: str, api_key: str = "", timeout_s: float = 120,
                  attempts: int = 3, backoff_s: float = 0.5, seed: int | None = None):
-        self.base_url = api_base(base_url)
+        self.base_url, self._basic = _userinfo_apart(api_base(base_url))
+        if self._basic and api_key:
+            raise SettingsError("llm_url holds a user and password and llm_api_key is set too: "
+                                "give the endpoint's credentials once, as llm_api_key or as "
+                                "USER:PASSWORD@ in llm_url, not both")
         self.model, self.api_key, self.timeout_s = model, api_key, timeout_s
         self.attempts, self.backoff_s, self.seed = max(attempts, 1), backoff_s, seed
         self.stats = EngineStats()
@@ -124,6 +144,8 @@ class OpenAIEngine:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        elif self._basic:
+            headers["Authorization"] = f"Basic {self._basic}"
         data = json.dumps(body).encode() if body is not None else None
         reason = ""
         for attempt in range(self.attempts):
