@@ -69,15 +69,7 @@ def test_page_streams_branches_and_renders_evidence(web, tmp_path):
             page.wait_for_function("document.getElementById('status').textContent"
                                    ".includes('API key')", timeout=30_000)
             assert console == [] and page.inner_text("#who") == "no key"
-            page.fill("#key", keys["alpha"])
-            page.click("#savekey")
-            page.wait_for_function("document.getElementById('who').textContent"
-                                   ".includes('alpha')", timeout=30_000)
-            # the index list arrives by a request of its own, after or before the caller's name
-            # (read before it had in one CI run)
-            page.wait_for_function("document.querySelectorAll('#index option').length > 0",
-                                   timeout=30_000)
-            assert page.locator("#index option").all_inner_texts() == ["acl"]
+            _sign_in(page, keys, "alpha")
             # two clauses: the planner launches more than the question's own branch
             page.fill("#question", "What does the Alpha Roadmap plan for harbor sensors and "
                                    "what does the Alpha Budget plan for the lighthouse?")
@@ -181,13 +173,7 @@ def test_the_page_works_under_a_route_prefix(web):
                 page.goto(url + asked)
                 page.wait_for_function("document.getElementById('status').textContent"
                                        ".includes('API key')", timeout=30_000)
-                page.fill("#key", keys["alpha"])
-                page.click("#savekey")
-                page.wait_for_function("document.getElementById('who').textContent"
-                                       ".includes('alpha')", timeout=30_000)
-                page.wait_for_function("document.querySelectorAll('#index option').length > 0",
-                                       timeout=30_000)
-                assert page.locator("#index option").all_inner_texts() == ["acl"]
+                _sign_in(page, keys, "alpha")
                 if search:
                     page.fill("#question", "What does the Alpha Roadmap plan for harbor sensors?")
                     page.click("#go")
@@ -208,3 +194,16 @@ def test_the_page_works_under_a_route_prefix(web):
                 page.close()
         finally:
             browser.close()
+
+
+def _sign_in(page, keys: dict, name: str) -> None:
+    """Save key `name` on the page and wait for the caller's name and the index list (which
+    arrives by a request of its own, after or before the name: read before it had in one CI
+    run)."""
+    page.fill("#key", keys[name])
+    page.click("#savekey")
+    page.wait_for_function(f"document.getElementById('who').textContent.includes('{name}')",
+                           timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#index option').length > 0",
+                           timeout=30_000)
+    assert page.locator("#index option").all_inner_texts() == ["acl"]
