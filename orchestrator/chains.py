@@ -152,7 +152,8 @@ def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...
     named = (e for sentence in sentences(text) for e in entities(sentence, context=text))
     for name in dict.fromkeys(named):
         low = name.lower()
-        if too_short(name, 4) or low in q or (core and (low in core or core in low)) \
+        if too_short(name, 4) or _calendar(name) or low in q \
+                or (core and (low in core or core in low)) \
                 or any(_same_entity(name, other) for other in skip) or _said(low, before):
             continue
         at = text.find(name)
@@ -174,6 +175,19 @@ def _said(low: str, text: str) -> bool:
     does not set words apart (《论语》 in '孔子的论语') — anywhere."""
     text = text.lower()
     return low in text if unspaced(low) else re.search(rf"\b{re.escape(low)}\b", text) is not None
+
+
+_CALENDAR = frozenset("january february march april may june july august september october "
+                      "november december monday tuesday wednesday thursday friday saturday "
+                      "sunday".split())
+
+
+def _calendar(name: str) -> bool:
+    """A date, not a next hop: a name of calendar words and numbers only ("April", "16 July",
+    "April 1992", "Monday"): 13 % of musique's bridges were month names before v13."""
+    words = [w.strip(".,").lower() for w in name.split()]
+    return any(w in _CALENDAR for w in words) and all(w in _CALENDAR or w.isdigit()
+                                                      for w in words)
 
 
 def _same_entity(a: str, b: str) -> bool:

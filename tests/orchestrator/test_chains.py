@@ -479,3 +479,13 @@ def test_a_branch_given_its_hops_follows_that_many_whatever_its_kind(hotpot_sett
     assert make_policy(hotpot_settings).max_hops == 3
     assert make_policy(hotpot_settings, max_hops=2).hop_mode == make_policy(
         hotpot_settings).hop_mode
+
+
+def test_a_bridge_never_follows_a_date():
+    """A month or weekday, alone or with a day or year, is a date, not the next hop (v13): 13 %
+    of musique's bridges were month names. The next name by the same order is taken; a name
+    that only holds a month's word ("Theresa May", "April Wine") is still one."""
+    own = _top("Kim Hill", "Kim Hill was born on April 16, 1966 in Dayton. In July 1990 she "
+               "married Jack Smith, who played in April Wine with Theresa May.")
+    names = [name for name, _ in bridges(own, "Who did the singer Kim Hill marry?", 6)]
+    assert names == ["Dayton", "Jack Smith", "April Wine", "Theresa May"]  # no April, no July
