@@ -119,7 +119,7 @@ def chain_tasks(reports: list[BranchReport], chain: Hops, n: int, *,
 
 BRIDGE_WEIGHT = 0.5  # each bridge branch in fusion
 # A bridge of a bridge fetches the page its parent's top chunk names: one hop, its own search
-# ranked, nothing expanded (v12, reports/bridges.md: recall as with two hops, half the time)
+# ranked, nothing expanded (reports/bridges.md, "v12")
 DEEPER_HOPS = 1
 
 
@@ -184,7 +184,7 @@ _CALENDAR = frozenset("january february march april may june july august septemb
 
 def _calendar(name: str) -> bool:
     """A date, not a next hop: a name of calendar words and numbers only ("April", "16 July",
-    "April 1992", "Monday"): 13 % of musique's bridges were month names before v13."""
+    "April 1992", "Monday"; reports/bridges.md, "v13")."""
     words = [w.strip(".,").lower() for w in name.split()]
     return any(w in _CALENDAR for w in words) and all(w in _CALENDAR or w.isdigit()
                                                       for w in words)

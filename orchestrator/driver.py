@@ -17,11 +17,11 @@ from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import Overloaded
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.retrieval.retriever import searched_mode
-from branchsearch.orchestrator.execution import done_event, emit, make_executor
+from branchsearch.orchestrator.execution import done_event, emit, make_executor, not_started
 from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import (MEANING_ONLY, NOTHING_VISIBLE, SearchResult,
                                              evidence_texts, fuse_branches, meaning_only)
-from branchsearch.workers.branch import BranchReport, BranchTask
+from branchsearch.workers.branch import BranchTask
 from branchsearch.workers.query import check_question
 from branchsearch.workers.tools import fit_query
 
@@ -312,10 +312,7 @@ class Driver:
                                      policy_factory=self.policy_factory, on_event=on_event,
                                      question=shared)
         except Overloaded as exc:
-            reports = [BranchReport(t.index, t.subquery, t.weight, t.kind, "timeout",
-                                    f"not started before the deadline: {exc}",
-                                    parent=t.parent, reason=t.reason, seeds=list(t.seeds))
-                       for t in tasks]
+            reports = [not_started(t, str(exc)) for t in tasks]
             for report in reports:
                 emit(on_event, done_event(report))
             return reports

@@ -19,9 +19,9 @@ reported in its `BranchReport.status`; the others still count.
 With `fetch_cache` (default), the branches of one question, in every wave, share a
 `QuestionCache` (`infra.retrieval.fetch_cache`): locally one per `question`; on Ray it lives in
 the retriever replica that serves all the question's branches. Same results, fewer backend
-requests (a fifth fewer per question on musique and hotpot with the default bridges). A
+requests. A
 question of one branch has one too: a branch repeats its own searches and reads the same rows
-turn after turn (a lone branch is 16–23 % faster with it, `reports/bridges.md` "v12").
+turn after turn (`reports/bridges.md`, "v12").
 """
 
 from __future__ import annotations
@@ -112,6 +112,14 @@ def emit(on_event: Events, event: dict) -> None:
             on_event(event)
         except Exception:  # noqa: BLE001 — a watcher never breaks the search
             pass
+
+
+def not_started(task: BranchTask, why: str = "") -> BranchReport:
+    """The report of a branch that never started: the deadline came first (`why`: what held
+    it, e.g. no branch actor free)."""
+    return BranchReport(task.index, task.subquery, task.weight, task.kind, "timeout",
+                        "not started before the deadline" + (f": {why}" if why else ""),
+                        parent=task.parent, reason=task.reason, seeds=list(task.seeds))
 
 
 def done_event(report: BranchReport) -> dict:

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from branchsearch.infra.config.settings import Settings
-from branchsearch.orchestrator.execution import Cover, Events, bounded, done_event, emit
+from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
+                                                  not_started)
 from branchsearch.workers.branch import BranchReport, BranchTask, run_branch
 
 
@@ -58,8 +59,7 @@ class LocalExecutor:
             if cover is not None and reports and cover(reports[0], task):
                 continue
             if task.deadline is not None and time.time() >= task.deadline:
-                report = BranchReport(task.index, task.subquery, task.weight, task.kind,
-                                      "timeout", "not started before the deadline")
+                report = not_started(task)
             else:
                 emit(on_event, {"type": "branch_started", "branch": task.index,
                                  "subquery": task.subquery})

@@ -36,7 +36,8 @@ from dataclasses import replace
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import BranchsearchError, Overloaded
-from branchsearch.orchestrator.execution import Cover, Events, bounded, done_event, emit
+from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
+                                                  not_started)
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
@@ -264,8 +265,7 @@ class RayExecutor:
                 return first + self._run(rest, settings, policy_factory, on_event, share)
             except Overloaded:
                 pass
-        late = [BranchReport(t.index, t.subquery, t.weight, t.kind, "timeout",
-                             "not started before the deadline") for t in rest]
+        late = [not_started(t) for t in rest]
         for report in late:
             emit(on_event, done_event(report))
         return first + late

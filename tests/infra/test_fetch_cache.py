@@ -419,10 +419,9 @@ def _waves_on_and_off(settings, mode: str) -> dict:
 
 
 def test_a_later_wave_reads_what_the_first_wave_fetched(hotpot_settings):
-    """One cache for all of a question's waves, not one per wave: the bridge and the bridge of
-    the bridge, each a wave of one branch, used to fetch again everything the question's
-    branch had fetched (a wave of one branch had no cache at all). Same results, fewer
-    backend requests."""
+    """One cache for all of a question's waves: the bridge and the bridge of the bridge, each a
+    wave of one branch, read what the question's branch fetched instead of fetching it again.
+    Same results, fewer backend requests."""
     got = _waves_on_and_off(hotpot_settings, "local")
     (off_ranked, off_lists, kinds, off_requests, _), on = got[False], got[True]
     assert kinds == ["original", "bridge", "bridge"] == on[2]
@@ -432,8 +431,7 @@ def test_a_later_wave_reads_what_the_first_wave_fetched(hotpot_settings):
 
 def test_a_question_of_one_branch_reads_its_own_repeats_from_the_cache(hotpot_settings):
     """A lone branch has a question cache too: it searches a name again on a later turn and
-    reads the same chunk rows turn after turn. Same ranking, fewer backend requests (and, on
-    musique and hotpot, 16-23 % less time: reports/bridges.md "v12")."""
+    reads the same chunk rows turn after turn. Same ranking, fewer backend requests."""
     from branchsearch.orchestrator.driver import Driver
 
     got = {}

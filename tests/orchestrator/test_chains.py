@@ -284,7 +284,7 @@ def test_a_bridge_of_a_bridge_follows_the_next_name_in_the_bridges_top_chunk():
         (2, 1, "bridge", "bridge = Lena Olin")]  # not Scott Alexander: the first hop names him
     # "spouse" the bridge's chunk holds, "director" the first hop's: neither is left to find
     assert tasks[0].subquery == "Lena Olin Eye's main" and tasks[0].weight == BRIDGE_WEIGHT
-    assert tasks[0].hops == 1  # it fetches the named page: one hop, nothing expanded (v12)
+    assert tasks[0].hops == 1  # it fetches the named page: one hop, nothing expanded
     # a name an earlier bridge took is no next hop either
     olin = _bridge(2, 0, "Lena Olin", "Lena Olin (actress)", "Lena Olin acted.")
     again = deeper_bridge_tasks([own, burton, olin], question, first=3, room=2)
@@ -310,7 +310,7 @@ def test_a_bridge_of_a_bridge_runs_in_a_third_wave_within_the_budget(hotpot_sett
     own, first, deeper = result.branches
     assert (first.kind, first.parent) == ("bridge", own.index)
     assert (deeper.kind, deeper.parent, deeper.status) == ("bridge", first.index, "ok")
-    # the bridge follows a hop past its own search; the bridge of it only searches (v12)
+    # the bridge follows a hop past its own search; the bridge of it only searches
     turns = lambda b: {s["turn"] for s in b.episode.trace if s.get("tool") == "search_corpus"}
     assert turns(first) == {1, 2} and turns(deeper) == {1} and deeper.ranked_chunk_ids
     assert deeper.reason.startswith("bridge = ") and deeper.reason != first.reason
@@ -470,8 +470,8 @@ def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot
 
 def test_a_branch_given_its_hops_follows_that_many_whatever_its_kind(hotpot_settings):
     """`make_policy(max_hops=N)` (a task's `hops`) sets the heuristic branch's hops; 0 keeps
-    its kind's (3 for the question's branch, 2 for the others) — and the search mode the
-    policy's own searches use is not taken for it (as it once was, under one name)."""
+    its kind's (3 for the question's branch, 2 for the others); the policy's search mode is
+    a knob of its own, untouched by it."""
     from branchsearch.workers.factory import OTHER_MAX_HOPS, make_policy
 
     assert make_policy(hotpot_settings, kind="bridge", max_hops=1).max_hops == 1
@@ -482,9 +482,9 @@ def test_a_branch_given_its_hops_follows_that_many_whatever_its_kind(hotpot_sett
 
 
 def test_a_bridge_never_follows_a_date():
-    """A month or weekday, alone or with a day or year, is a date, not the next hop (v13): 13 %
-    of musique's bridges were month names. The next name by the same order is taken; a name
-    that only holds a month's word ("Theresa May", "April Wine") is still one."""
+    """A month or weekday, alone or with a day or year, is a date, not the next hop. The next
+    name by the same order is taken; a name that only holds a month's word ("Theresa May",
+    "April Wine") is still one."""
     own = _top("Kim Hill", "Kim Hill was born on April 16, 1966 in Dayton. In July 1990 she "
                "married Jack Smith, who played in April Wine with Theresa May.")
     names = [name for name, _ in bridges(own, "Who did the singer Kim Hill marry?", 6)]
