@@ -22,7 +22,7 @@ StaticQueries = Literal["minilm", "static"]
 Split = Literal["test", "dev", "train"]  # a BEIR folder's qrels/{split}.tsv
 # what `eval --baseline` runs beside the agent: a single-shot mode, the same agent without
 # pruning, or the heuristic policy
-Baseline = Literal[Mode, "no-prune", "heuristic"]
+Baseline = Literal[Mode, "no-prune", "heuristic", "one-branch"]
 
 MODES: tuple[Mode, ...] = get_args(Mode)
 POLICIES: tuple[Policy, ...] = get_args(Policy)

@@ -210,11 +210,14 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  f"policy ({' | '.join(POLICIES)})"),
              baseline: Optional[str] = typer.Option(
                  None, help=f"also run a baseline: {' | '.join(MODES)} (single-shot), no-prune "
-                            "(the same agent without pruning), heuristic (the heuristic policy)"),
+                            "(the same agent without pruning), heuristic (the heuristic policy), "
+                            "one-branch (the same agent with one branch)"),
              compare: bool = typer.Option(False, "--compare", help="paired comparison of the "
                                           "agent against the baseline (default hybrid)"),
              prune: bool = typer.Option(True, "--prune/--no-prune", help="agent may prune"),
-             branches: int = typer.Option(1, min=1, help="branches per question (agent)"),
+             branches: Optional[int] = typer.Option(
+                 None, min=1, help="most branches a question may be planned into (setting "
+                 "branches, default 3; 1: the single-context search)"),
              executor: str = ExecutorOpt,
              limit: Optional[int] = typer.Option(None, min=1),
              split: str = typer.Option("test", callback=choice(*SPLITS),

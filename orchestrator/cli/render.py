@@ -98,6 +98,8 @@ def print_evaluation(result: dict) -> None:
     for c in result.get("comparisons", []):
         print(f"  paired vs {c['baseline']} on {c['measure']}: {c['wins']} wins, "
               f"{c['losses']} losses, {c['ties']} ties")
+        if c.get("note"):
+            print(f"  note: {c['note']}")
 
 
 def follows(b) -> str:

@@ -54,8 +54,10 @@ def markdown(report: dict) -> str:
                              f"culprits {p['culprits']}, top-5 {p['ranking'][:5]}")
     for cmp in report.get("comparisons", []):
         lines += ["", f"## Paired: {cmp['agent']} vs {cmp['baseline']} ({cmp['measure']})", "",
-                  f"wins {cmp['wins']}, losses {cmp['losses']}, ties {cmp['ties']}", "",
-                  "| measure | difference (agent − baseline) |", "|---|---|"]
+                  f"wins {cmp['wins']}, losses {cmp['losses']}, ties {cmp['ties']}", ""]
+        if cmp.get("note"):
+            lines += [f"Note: {cmp['note']}.", ""]
+        lines += ["| measure | difference (agent − baseline) |", "|---|---|"]
         lines += [f"| {m} | {d:+.4g} |" for m, d in cmp["difference"].items()]
         changed = [row for row in cmp["per_query"] if row["outcome"] != "tie"]
         if changed:

@@ -110,6 +110,12 @@ def _means(per_query: list[dict]) -> dict:
             for n in names}
 
 
+# two agent runs' latencies are not a fair ratio: the second reads what the first cached
+SECOND_RUN_WARM = ("latency: the baseline ran second in this process and found the chunks' "
+                   "token counts and words cached; bench/multi_branch_cost.py measures the "
+                   "ratio in fresh processes")
+
+
 def compare(agent: dict, baseline: dict, measure: str = "all_recall@5") -> dict:
     """Paired comparison on the same queries: differences per measure, wins and losses."""
     shared = [m for m in agent["metrics"] if m in baseline["metrics"]]
@@ -160,7 +166,7 @@ class EvalOptions:
         baseline = self.baseline or ("hybrid" if self.compare else None)
         if baseline and baseline not in BASELINES:
             raise BranchsearchError(f"unknown baseline {baseline!r}: {', '.join(BASELINES)}")
-        if baseline in ("no-prune", "heuristic") and not self.policy:
+        if baseline in ("no-prune", "heuristic", "one-branch") and not self.policy:
             raise BranchsearchError(f"--baseline {baseline} needs --policy")
         object.__setattr__(self, "baseline", baseline)
 
@@ -209,6 +215,8 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     if options.baseline:
         result["comparisons"] = [{"agent": runs[0]["config"], "baseline": runs[1]["config"],
                                   **compare(runs[0], runs[1])}]
+        if "attribution" in runs[1]:  # two agent runs, one after the other in this process
+            result["comparisons"][0]["note"] = SECOND_RUN_WARM
     if options.plots:
         result["plots"] = rep.plots(result, {q.id: q.gold for q in queries}, options.plots)
     if options.report:
@@ -262,6 +270,8 @@ def _configurations(settings: Settings, options: EvalOptions
         runs.append((settings.replace(prune=False), None))
     elif options.baseline == "heuristic":
         runs.append((settings.replace(policy="heuristic"), None))
+    elif options.baseline == "one-branch":  # the single-context search: no second wave
+        runs.append((settings.replace(branches=1), None))
     elif options.baseline:
         runs.append((settings, options.baseline))
     return runs

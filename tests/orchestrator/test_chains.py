@@ -434,9 +434,11 @@ def test_bridges_must_not_be_negative(tmp_path):
         load_settings(None, {"home": str(tmp_path), "bridges": -1})
 
 
-def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot_settings):
-    """`eval` runs one branch unless told: with bridges set, it says that one branch never
-    bridges; with more branches its table has the second wave's rows."""
+def test_eval_runs_the_default_branches_and_pairs_them_with_one_branch(hotpot_settings):
+    """`eval --policy` measures what `search` runs: the setting `branches` (3), second wave
+    and all, unless `--branches` says otherwise; `--baseline one-branch` runs the same agent
+    with one branch beside it, says why the two latencies are no fair ratio, and a second wave
+    the user asked for under `--branches 1` is noted as never running."""
     import os
     import subprocess
     import sys
@@ -445,7 +447,7 @@ def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot
 
     own = ingest_copy(hotpot_settings, "eval-second-wave")  # its own Milvus Lite file
 
-    def run(*flags: str, bridges: str | None = "2"):
+    def run(*flags: str, bridges: str | None = None):
         env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_BRIDGES"}
         return subprocess.run(
             [sys.executable, "-m", "branchsearch.orchestrator.cli", "eval", str(HOTPOT),
@@ -454,18 +456,22 @@ def test_eval_shows_the_second_wave_and_says_when_one_branch_turns_it_off(hotpot
             capture_output=True, text=True, timeout=600,
             env=env | ({"BRANCHSEARCH_BRIDGES": bridges} if bridges is not None else {}))
 
-    # the defaults' own bridges are no news: only a second wave the user asked for is noted
-    plain = run(bridges=None)
-    assert plain.returncode == 0 and "note:" not in plain.stderr, plain.stderr[-2000:]
-    one = run()
+    def table(out: str) -> dict[str, list[str]]:
+        return {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()}
+
+    paired = run("--baseline", "one-branch")
+    assert paired.returncode == 0 and "note:" not in paired.stderr, paired.stderr[-2000:]
+    rows = table(paired.stdout)
+    assert rows["metric"] == ["heuristic", "x3", "heuristic", "x1"], paired.stdout
+    assert float(rows["bridges"][0]) > 0 and float(rows["bridges"][1]) == 0, paired.stdout
+    assert float(rows["branches"][0]) > 1 and float(rows["branches"][1]) == 1, paired.stdout
+    assert "paired vs heuristic x1 on all_recall@5" in paired.stdout
+    assert "note: latency: the baseline ran second in this process" in paired.stdout
+    one = run("--branches", "1", bridges="2")
     assert one.returncode == 0, one.stderr[-2000:]
     assert "note: bridges = 2 in the settings, but one branch never has a second wave" in \
         one.stderr
-    three = run("--branches", "3")
-    assert three.returncode == 0 and "note:" not in three.stderr, three.stderr[-2000:]
-    rows = {line.split()[0]: line.split()[1:] for line in three.stdout.splitlines()
-            if line.split()}
-    assert float(rows["bridges"][0]) > 0 and "forks" in rows and "chains" in rows, three.stdout
+    assert table(one.stdout)["metric"] == ["heuristic", "x1"], one.stdout
 
 
 def test_a_branch_given_its_hops_follows_that_many_whatever_its_kind(hotpot_settings):

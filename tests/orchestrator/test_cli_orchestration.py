@@ -31,7 +31,7 @@ def test_settings_accept_exactly_the_shared_choices():
         with pytest.raises(SettingsError, match=f"{name} must be {one_of(allowed)}"):
             settings(**{name: "other"})
     assert one_of(MODES) == "bm25, dense or hybrid" and one_of(("x",)) == "x"
-    assert set(BASELINES) == {*MODES, "no-prune", "heuristic"}
+    assert set(BASELINES) == {*MODES, "no-prune", "heuristic", "one-branch"}
     assert SPLITS == ("test", "dev", "train") and EXECUTORS == ("ray", "local")
 
 
@@ -56,8 +56,9 @@ def test_one_branch_runs_in_process_unless_a_cluster_is_named():
     ({"mode": "fuzzy"}, "unknown mode 'fuzzy'; use one of bm25, dense, hybrid"),
     ({"compare": True}, "--compare needs --policy"),
     ({"baseline": "bm99", "policy": "heuristic"},
-     "unknown baseline 'bm99': bm25, dense, hybrid, no-prune, heuristic"),
+     "unknown baseline 'bm99': bm25, dense, hybrid, no-prune, heuristic, one-branch"),
     ({"baseline": "no-prune"}, "--baseline no-prune needs --policy"),
+    ({"baseline": "one-branch"}, "--baseline one-branch needs --policy"),
 ])
 def test_eval_options_refuse_wrong_combinations(kwargs, message):
     with pytest.raises(BranchsearchError, match=message.replace("-", r"\-")):
