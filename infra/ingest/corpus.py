@@ -206,7 +206,8 @@ def document_id(doc_id: str) -> str:
 def id_forms(doc_id: str) -> tuple[str, ...]:
     """`doc_id` as given, its NFC form (how ingest writes ids) and its NFD form (how an
     earlier version kept an id typed decomposed), each once: what a delete clears from the
-    search stores when the docstore holds none of them (`orchestrator.documents.delete`)."""
+    search stores when the docstore holds none of them
+    (`orchestrator.service.documents.delete`)."""
     return tuple(dict.fromkeys((doc_id, document_id(doc_id),
                                 unicodedata.normalize("NFD", doc_id))))
 

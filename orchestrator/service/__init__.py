@@ -5,6 +5,7 @@
     auth       API keys bound to ACL groups, indexes and an admin scope
     admission  limits: body size, per-key and total concurrency
     searcher   what the service does, as one plain async class (Serve deploys it as is)
+    documents  document writes (PUT, DELETE): parsed, upserted by id, deleted, in store order
     events     the search's events, SSE framing and the ACL guard
     metrics    Prometheus metrics
     app        the FastAPI app in front of the searcher

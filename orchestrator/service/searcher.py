@@ -30,7 +30,7 @@ from branchsearch.infra.errors import (BranchsearchError, IndexIncomplete,
                                        IndexNotFound, error_line, public_line)
 from branchsearch.infra.config.settings import Settings, index_name_problem
 from branchsearch.infra.index.catalog import index_names
-from branchsearch.orchestrator import documents
+from branchsearch.orchestrator.service import documents
 from branchsearch.orchestrator.service import events
 from branchsearch.orchestrator.service.admission import Concurrency, Limits
 from branchsearch.orchestrator.service.auth import ApiKey

@@ -73,7 +73,7 @@ def test_indexes_counts_the_documents_a_service_wrote_since_the_ingest(tmp_path)
     """`branchsearch indexes` showed the last ingest's counts (the manifest's): documents
     PUT or deleted through a service since were not in them."""
     from branchsearch.infra.ingest.corpus import Document
-    from branchsearch.orchestrator.documents import delete, upsert
+    from branchsearch.orchestrator.service.documents import delete, upsert
 
     settings = _settings(tmp_path / "h", "ça-va")
     corpus = tmp_path / "c.jsonl"

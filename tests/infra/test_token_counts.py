@@ -214,7 +214,7 @@ def test_a_writer_opened_before_another_added_the_column_still_writes(tmp_path):
 
 
 def test_a_document_upserted_by_a_process_of_another_encoding_is_chunked_as_the_index(tmp_path):
-    from branchsearch.orchestrator.documents import upsert
+    from branchsearch.orchestrator.service.documents import upsert
 
     home = tmp_path / "h"
     recorded = _settings(home, encoding="cl100k_base", chunk_tokens=64, chunk_overlap=8)

@@ -257,7 +257,7 @@ def test_acl_as_one_string_is_one_group_and_a_comma_is_refused(tmp_path):
     hold (`--acl` and a key's groups read a comma as two groups): refused, naming the list to
     write. One group as a plain string stays one group. Uploads share the parser."""
     from branchsearch.infra.errors import CorpusError
-    from branchsearch.orchestrator.documents import parse_documents
+    from branchsearch.orchestrator.service.documents import parse_documents
 
     home = ["--home", str(tmp_path / "home"), "--index", "strings"]
     bad = tmp_path / "bad.jsonl"

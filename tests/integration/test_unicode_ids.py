@@ -415,7 +415,7 @@ def test_an_index_holding_an_nfd_id_takes_either_form_as_that_document(tmp_path)
     from branchsearch.infra.index.open import open_retriever
     from branchsearch.infra.ingest.corpus import Document
     from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator import documents
+    from branchsearch.orchestrator.service import documents
 
     nfd = unicodedata.normalize("NFD", ZURICH)
     settings = load_settings(overrides={"home": tmp_path / "home", "index": "old"},
@@ -473,7 +473,7 @@ def test_an_index_holding_ids_neither_nfc_nor_nfd_keeps_one_copy_on_reingest(tmp
     from branchsearch.infra.index.open import open_retriever
     from branchsearch.infra.ingest.corpus import Document
     from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator import documents
+    from branchsearch.orchestrator.service import documents
 
     mixed, ohm = "caf\u00e9-u\u0308ber", "\u2126-law"
     assert all(unicodedata.normalize(f, i) != i for f in ("NFC", "NFD") for i in (mixed,))

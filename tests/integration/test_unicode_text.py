@@ -118,7 +118,7 @@ def test_an_index_holding_nfd_text_is_fixed_by_ingesting_again(tmp_path):
     from branchsearch.infra.index.open import open_retriever
     from branchsearch.infra.ingest.corpus import Document
     from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator import documents
+    from branchsearch.orchestrator.service import documents
 
     settings = load_settings(overrides={"home": str(tmp_path / "home"), "index": "old"},
                              read_env=False, read_file=False)

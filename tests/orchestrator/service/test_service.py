@@ -327,7 +327,7 @@ def test_upsert_then_search_finds_delete_then_not(site):
     _, _, state = site
     with state.searcher.target.drivers.using("acl") as (driver, _):
         from branchsearch.infra.ingest.corpus import Document
-        from branchsearch.orchestrator import documents
+        from branchsearch.orchestrator.service import documents
 
         documents.upsert(driver.retriever, driver.settings,
                          [Document(nfd, "", "Walrus resume as typed.", acl=("alpha",))])
@@ -608,7 +608,7 @@ def test_a_write_whose_index_folder_is_removed_while_it_runs_says_it_is_lost(tmp
     write is a 404, and no answer names the server's paths."""
     import shutil
 
-    from branchsearch.orchestrator import documents
+    from branchsearch.orchestrator.service import documents
 
     settings, state, server = _bm25_service(tmp_path)
     real = documents.upsert

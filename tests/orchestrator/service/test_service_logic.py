@@ -454,7 +454,7 @@ def test_a_delete_with_a_store_down_changes_nothing(tmp_path):
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.index.open import open_retriever
     from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator import documents
+    from branchsearch.orchestrator.service import documents
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "memo", "title": "Memo", "text": "quokka memo"}) + "\n")
@@ -520,7 +520,7 @@ def test_a_wrapped_upload_says_what_the_body_must_be():
     """`{"documents": [...]}` used to be read as one JSONL line: 'body:1: missing document id',
     though each document had one (found by a hostile pass)."""
     from branchsearch.infra.errors import CorpusError
-    from branchsearch.orchestrator.documents import parse_documents
+    from branchsearch.orchestrator.service.documents import parse_documents
 
     with pytest.raises(CorpusError, match="one JSON object holding 'documents'.*JSON array"):
         parse_documents(json.dumps({"documents": [{"_id": "a", "text": "x"}]}).encode())
@@ -534,7 +534,7 @@ def test_an_upload_naming_a_key_twice_is_refused():
     """A document in an upload that gives `id` (or any key) twice was written under the last
     one; as a JSON array or as JSONL, the body is refused (422) naming the key."""
     from branchsearch.infra.errors import CorpusError
-    from branchsearch.orchestrator.documents import parse_documents
+    from branchsearch.orchestrator.service.documents import parse_documents
     from branchsearch.orchestrator.service.errors import api_error
 
     for body, where in ((b'[{"id": "a", "text": "x"}, {"id": "b", "id": "c", "text": "y"}]',
