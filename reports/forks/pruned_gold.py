@@ -5,7 +5,7 @@ hop room), with its score and origin. Last line: the counts.
 
     python reports/forks/pruned_gold.py DATASET INDEX [HOME]
 """
-import json,sys
+import sys
 from collections import Counter
 from branchsearch.infra.config.settings import load_settings
 from branchsearch.infra.datasets.beir import read_queries
