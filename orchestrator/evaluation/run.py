@@ -191,6 +191,9 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     from branchsearch.infra.datasets.beir import read_queries
     from branchsearch.orchestrator.evaluation import report as rep
 
+    if options.baseline == "one-branch" and settings.branches == 1:
+        raise BranchsearchError("--baseline one-branch: the agent runs one branch already; "
+                                "give it --branches 2 or more")
     queries = read_queries(options.dataset, options.split)[:options.limit]
     check_questions(queries, options.dataset)
     if options.ingest_first and not index_complete(settings):  # missing or stopped: resume

@@ -65,6 +65,13 @@ def test_eval_options_refuse_wrong_combinations(kwargs, message):
         EvalOptions(Path("x"), **kwargs)
 
 
+def test_a_one_branch_baseline_needs_an_agent_of_more_branches(tmp_path):
+    s = settings(home=tmp_path, policy="heuristic", branches=1)
+    with pytest.raises(BranchsearchError, match="the agent runs one branch already"):
+        run_evaluation(s, EvalOptions(tmp_path / "missing", policy="heuristic",
+                                      baseline="one-branch"))
+
+
 def test_eval_options_compare_means_a_hybrid_baseline():
     assert EvalOptions(Path("x"), policy="heuristic", compare=True).baseline == "hybrid"
     assert EvalOptions(Path("x"), policy="heuristic", compare=True,
