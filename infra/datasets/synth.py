@@ -56,6 +56,10 @@ AREAS = ("warehouse automation", "data platform migration", "field sensor networ
          "clean-room expansion", "payroll consolidation")
 
 
+# each task's project name is its own (ADJ x NOUN); more tasks would never find a new one
+MAX_TASKS = len(ADJ) * len(NOUN)
+
+
 @dataclass(frozen=True)
 class Chain:
     project: str
@@ -133,6 +137,8 @@ def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7
     """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
     if tasks < 1 or docs < tasks * 8:
         raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    if tasks > MAX_TASKS:
+        raise SynthError(f"synth: at most {MAX_TASKS:,} tasks (got {tasks:,})")
     out = _prepare(out_dir, docs, tasks * 600, force)
     rng = random.Random(seed)
     seen: set = set()

@@ -461,6 +461,18 @@ def test_synth_bounds_in_the_library(tmp_path):
     assert not (tmp_path / "big").exists()
 
 
+def test_synth_tasks_past_the_name_pool_is_one_error_not_a_hang(tmp_path):
+    """Each task's project name is drawn without repeats from ADJ x NOUN: asking for more
+    tasks than there are names looped forever (`--docs 16000 --tasks 2000` never returned)."""
+    from branchsearch.infra.datasets.synth import MAX_TASKS, SynthError, synth
+
+    counts = synth(tmp_path / "most", docs=8 * MAX_TASKS, tasks=MAX_TASKS)
+    assert counts["tasks"] == MAX_TASKS
+    with pytest.raises(SynthError, match=f"at most {MAX_TASKS:,} tasks"):
+        synth(tmp_path / "more", docs=8 * (MAX_TASKS + 1), tasks=MAX_TASKS + 1)
+    assert not (tmp_path / "more").exists()
+
+
 def test_output_cut_by_its_reader_exits_141_not_failed(tmp_path):
     """`retrieve … | head -1`: the reader closing the pipe ends the command as SIGPIPE ends
     a Unix tool (141, no traceback), not with 1, which says a search failed."""
