@@ -421,6 +421,24 @@ def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settin
     assert len(rows) == 3 and {r["index"] for r in rows} == {"resume-b"}
 
 
+def test_a_batch_on_an_unknown_index_is_one_error_line(tmp_path):
+    """A resume with a mistyped --index said "asking again N question(s) … on 'nosuch'"
+    before the error that the index does not exist: the error alone, the output unchanged."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"id": "q1", "question": "Who directed Ed Wood?"}) + "\n")
+    row = {"id": "q1", "question": "Who directed Ed Wood?", "index": "hotpot",
+           "status": "ok", "evidence": []}
+    out.write_text(json.dumps(row) + "\n")
+    before = out.read_bytes()
+    done = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                           str(inp), "-o", str(out), "--home", str(tmp_path / "home"),
+                           "--index", "nosuch"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: index 'nosuch' not found"), lines
+    assert out.read_bytes() == before
+
+
 def test_a_batch_resumed_with_other_settings_is_refused(hotpot_settings, tmp_path):
     """Each row records the settings that made it (`made_with`); a resume whose settings would
     give other evidence (another --branches, other ACL groups) stops with one line naming what
