@@ -281,6 +281,22 @@ def to_ask(items: list[tuple[str, str]], done: dict[str, str | None]
     return todo, [qid for qid, _ in todo if qid in done]
 
 
+def append_row(path: Path, row: dict) -> None:
+    """Append `row` as one line and fsync it. A write that fails (a full disk, a file size
+    limit) is undone before the error goes on: the file never ends in half a row (a crash
+    mid-write still can: `mend_tail`)."""
+    data = memoryview((json.dumps(row, default=str) + "\n").encode("utf-8"))
+    with path.open("ab", buffering=0) as f:
+        end = f.seek(0, os.SEEK_END)
+        try:
+            while data:  # a full disk can take part of a write, then refuse the rest
+                data = data[f.write(data):]
+            os.fsync(f.fileno())
+        except OSError:
+            f.truncate(end)
+            raise
+
+
 def compact(path: str | Path, order: list[str] | None = None) -> int:
     """Rewrite `path` atomically to one line per id (the latest), ids of `order` first in that
     order; returns the number of lines. The old file stays intact until the rename."""
@@ -291,12 +307,16 @@ def compact(path: str | Path, order: list[str] | None = None) -> int:
     ids = [qid for qid in (order or []) if qid in rows]
     ids += [qid for qid in rows if qid not in set(ids)]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for qid in ids:
-            f.write(json.dumps(rows[qid], default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for qid in ids:
+                f.write(json.dumps(rows[qid], default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a second ^C: the output stays as it was, and no
+        tmp.unlink(missing_ok=True)  # partial copy is left to fill the disk further
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a power cut
@@ -401,11 +421,8 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
             last_error[0] = _why_failed(row)
             with lock:
                 failed_ids.add(qid)
-        line = json.dumps(row, default=str) + "\n"
-        with lock, out_path.open("a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        with lock:
+            append_row(out_path, row)
         return row_status(row)
 
     def interrupted() -> bool:

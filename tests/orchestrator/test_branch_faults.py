@@ -526,3 +526,52 @@ def test_a_question_id_in_its_other_unicode_form_is_the_same_question(tmp_path):
                        concurrency=1)
     assert asked == [] and counts["skipped"] == 1
     assert len(out.read_text().splitlines()) == 1
+
+
+_FULL_DISK_RUN = """import json, sys
+from pathlib import Path
+from branchsearch.orchestrator.batch import append_row, run_batch
+out, step = Path(sys.argv[1]), sys.argv[2]
+try:
+    if step == "append":
+        append_row(out, {"id": "c", "status": "ok", "evidence": ["x" * 4000]})
+    else:
+        run_batch([("a", "qa"), ("b", "qb"), ("c", "qc")], out,
+                  lambda q: {"status": "ok", "evidence": [q * 2000]}, concurrency=1)
+except OSError as exc:
+    print(exc.errno)
+"""
+
+
+def test_a_full_disk_leaves_whole_rows_and_no_partial_copy(tmp_path):
+    """A write refused for want of room (here the kernel's file size limit, EFBIG; a full disk
+    is ENOSPC) goes on as an error, and leaves the output in whole rows: a row the disk took
+    part of is undone, and the rewrite that ends every run, refused as well, left its partial
+    copy `.out.jsonl.PID.tmp` beside the output (one more on each try, on a disk already
+    full)."""
+    import errno
+    import subprocess
+    import sys
+
+    from conftest import prepared
+
+    out, script = tmp_path / "out.jsonl", tmp_path / "run.py"
+    script.write_text(_FULL_DISK_RUN)
+    rows = [{"id": i, "question": f"q{i}", "status": "ok", "evidence": ["e" * 3000]}
+            for i in "ab"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = out.read_bytes()
+
+    def run(step: str, limit: int) -> str:
+        done = subprocess.run(prepared([sys.executable, script, out, step], file_size=limit),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    # room for part of the row: what was written of it is taken back
+    assert run("append", len(before) + 100) == str(errno.EFBIG)
+    assert out.read_bytes() == before
+    # no room at all (a limit below the output's size): the row and the rewrite both refused
+    assert run("batch", len(before) // 2) == str(errno.EFBIG)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "run.py"]
