@@ -15,14 +15,23 @@ SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_rec
 
 
 def write_json(path: Path, data) -> None:
-    """Atomic: a crash never leaves a half-written report."""
+    write_report(path, json.dumps(data, indent=2, default=str))
+
+
+def write_report(path: Path, text: str) -> None:
+    """Atomic: a crash or a full disk never leaves a half-written report, nor its partial
+    temporary copy beside it."""
     from branchsearch.infra.textfile import output_path
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path = output_path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def markdown(report: dict) -> str:

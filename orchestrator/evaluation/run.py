@@ -224,7 +224,7 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
         result["plots"] = rep.plots(result, {q.id: q.gold for q in queries}, options.plots)
     if options.report:
         rep.write_json(options.report, result)
-        options.report.with_suffix(".md").write_text(rep.markdown(result))
+        rep.write_report(options.report.with_suffix(".md"), rep.markdown(result))
     return result
 
 

@@ -187,3 +187,25 @@ def test_a_query_id_in_its_other_unicode_form_than_its_qrels_is_scored(tmp_path)
         + json.dumps({"_id": "q2", "text": "Where?"}) + "\n", encoding="utf-8")
     assert [(q.id, q.gold) for q in read_queries(tmp_path)] == [(nfc, {"d1": 1}),
                                                                 ("q2", {"d2": 1})]
+
+
+def test_a_report_the_disk_cannot_hold_leaves_the_old_one_and_no_partial_copy(tmp_path):
+    """`eval --report` on a full disk (here the kernel's file size limit) said so, and left
+    `r.json.tmp`, a partial copy, beside the report; its `.md` was written in place, so a full
+    disk cut it short. Both are written whole or not at all."""
+    from conftest import prepared
+
+    report = tmp_path / "r.json"
+    report.write_text("{}\n")
+    report.with_suffix(".md").write_text("# old\n")
+    script = ("import sys; from pathlib import Path\n"
+              "from branchsearch.orchestrator.evaluation.report import write_json, write_report\n"
+              "for write in (lambda: write_json(Path(sys.argv[1]), {'rows': ['x' * 9000]}),\n"
+              "              lambda: write_report(Path(sys.argv[1]).with_suffix('.md'), 'y' * 9000)):\n"
+              "    try:\n        write()\n    except OSError as exc:\n        print(exc.errno)\n")
+    done = subprocess.run(prepared([sys.executable, "-c", script, report], file_size=4096),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["27", "27"]  # EFBIG, each
+    assert report.read_text() == "{}\n" and report.with_suffix(".md").read_text() == "# old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
