@@ -332,7 +332,9 @@ def create_app(state: ServiceState):
                 and r.matches(request.scope)[0] != Match.NONE for m in r.methods}))
         if exc.status_code == 404 and exc.detail == "Not Found":  # no route: say which path,
             path = " ".join(redact(request.url.path).split())  # the caller's own, as sent
-            error.detail = f"no such path: {request.method} {path[:200]} (see /docs)"
+            root = str(request.scope.get("root_path", "")).strip("/")  # the API browser,
+            docs = quote(f"/{root}/docs" if root else "/docs", safe="/")  # under the prefix
+            error.detail = f"no such path: {request.method} {path[:200]} (see {docs})"
         return error_response(error)
 
     async def read_body(request: Request) -> bytes:

@@ -303,3 +303,25 @@ def bm_home(home):
                              read_file=False)
     ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
     return home
+
+
+def test_a_404_under_a_route_prefix_names_the_docs_under_it(serve_app, tmp_path):
+    """A path with no route, in an application under a route prefix (a Serve config's
+    `route_prefix: /team/search`), answered "(see /docs)": the host's root, outside the
+    application, where nothing of it answers. The 404 now names the API browser under the
+    prefix, and that path answers."""
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    opts = ServeOptions(home=str(bm_home(tmp_path / "docs")), index="bm", executor="local")
+    serve.run(build_application(opts), name="docs404", route_prefix="/team/search")
+    try:
+        r = client.get("/team/search/nope")
+        assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+        assert r.json()["detail"] == \
+            "no such path: GET /team/search/nope (see /team/search/docs)"
+        assert client.get("/team/search/docs").status_code == 200
+    finally:
+        serve.delete("docs404")  # the module's own app goes on
