@@ -39,6 +39,10 @@ from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NA
 log = logging.getLogger("branchsearch.service")
 WEB = Path(__file__).parent / "web"
 DEV_KEY = ApiKey("dev", ("*",), (), admin=True)  # development mode (loopback, no keys file)
+# /readyz under Ray Serve answers within this whatever the searcher does: the call also waits
+# for a searcher replica still starting, or in its queue. The searcher's own check waits 5 s
+# (`readiness.SharedCheck`); a little more here, so its answer, which says why, comes first
+READY_WAIT_S = 5.5
 CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 
 
@@ -400,7 +404,16 @@ def create_app(state: ServiceState):
                 log.warning("not ready: %s", exc)
                 raise ApiError(503, "not_ready", "the server cannot read its API keys file "
                                "(the server log says why)", {"Retry-After": "5"}) from None
-        return await searcher.call("ready")
+        if searcher.local:  # its own check bounds it, and its threads are never all busy
+            return await searcher.call("ready")
+        try:  # a searcher replica not up yet, or whose Serve queue is slow: within the wait
+            return await asyncio.wait_for(searcher.call("ready"), READY_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("not ready: the searcher has not answered within %g s (still "
+                        "starting, or busy)", READY_WAIT_S)
+            raise ApiError(503, "not_ready", f"the searcher has not answered within "
+                           f"{READY_WAIT_S:g} s (still starting, or busy)",
+                           {"Retry-After": "5"}) from None
 
     @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
     async def prometheus():

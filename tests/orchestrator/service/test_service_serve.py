@@ -325,3 +325,35 @@ def test_a_404_under_a_route_prefix_names_the_docs_under_it(serve_app, tmp_path)
         assert client.get("/team/search/docs").status_code == 200
     finally:
         serve.delete("docs404")  # the module's own app goes on
+
+
+def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, tmp_path):
+    """Under Ray Serve the ingress answers as soon as its own replica runs, while the
+    searcher replica may still be starting (loading the default index's models: a probe right
+    after `serve` started took 17 s here) or, as here, waiting for room on the cluster. /readyz
+    waited for it with no bound, past any balancer's probe timeout; it now answers 503
+    `not_ready` within its wait (`app.READY_WAIT_S`)."""
+    from ray import serve
+    from ray.serve.api import _run
+
+    from branchsearch.orchestrator.service.app import READY_WAIT_S
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    opts = ServeOptions(home=str(bm_home(tmp_path / "late")), index="bm", executor="local",
+                        searcher_cpus=10_000)  # more than the cluster has: it never starts
+    _run(build_application(opts), name="late", route_prefix="/late", _blocking=False)
+    try:
+        deadline = time.monotonic() + 120
+        while client.get("/late/healthz").status_code != 200:  # the ingress is up
+            assert time.monotonic() < deadline, "the ingress did not start"
+            time.sleep(0.5)
+        for _ in range(2):
+            began = time.monotonic()
+            r = client.get("/late/readyz", timeout=60)
+            took = time.monotonic() - began
+            assert r.status_code == 503 and r.json()["error"] == "not_ready", r.text
+            assert r.headers["retry-after"] == "5"
+            assert took < READY_WAIT_S + 2, took
+    finally:
+        serve.delete("late")  # the module's own app goes on
