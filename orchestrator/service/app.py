@@ -307,6 +307,8 @@ def create_app(state: ServiceState):
     from starlette.exceptions import HTTPException
     from starlette.routing import Match
 
+    from branchsearch.orchestrator.service.searcher import Searcher
+
     app = FastAPI(title="branchsearch", version="1", description=_DESCRIPTION)
     app.state.service = state
     metrics, limits, searcher = state.metrics, state.limits, state.searcher
@@ -463,6 +465,8 @@ def create_app(state: ServiceState):
             raise ApiError(422, "bad_request", f"body is not JSON ({json_problem(exc)})") \
                 from None
         req = replace(parse_search(data, limits), received_at=received)
+        if req.index is not None:  # what the key alone decides (403) is said here, not after a
+            Searcher.check_index(req.index, key)  # wait in the searcher's (full) queue
         if "text/event-stream" in request.headers.get("accept", ""):
             events = searcher.stream(req, key)
             first = await events.__anext__()  # a refusal still gets its HTTP status
@@ -482,6 +486,7 @@ def create_app(state: ServiceState):
         """Upsert documents by id (JSON array or JSONL of {id, title?, text, acl?}): admin
         keys, for documents of their groups; a search after the answer sees them."""
         key = state.principal(request.headers.get("authorization"))
+        Searcher.check_writer(key, index_name(index))  # (as a search's index)
         body = await read_body(request)
         return await searcher.call("upsert", index_name(index), body, key)
 
@@ -494,6 +499,7 @@ def create_app(state: ServiceState):
                                                       json_schema_extra={"minLength": 1})):
         """Delete a document and its chunks: admin keys, for documents of their groups."""
         key = state.principal(request.headers.get("authorization"))
+        Searcher.check_writer(key, index_name(index))  # (as a search's index)
         return await searcher.call("delete", index_name(index), doc_id, key)
 
     app.add_middleware(Observe, state=state)

@@ -89,7 +89,7 @@ class Searcher:
         """The result dict (`search --json` shape plus `status`, `index`). ApiError for every
         refusal."""
         arrived = self._arrived(req)  # the deadline counts from here
-        self._may_use(self._index(req), key)
+        self.check_index(self._index(req), key)
         with self.concurrency.slot(key.name):  # freed at once if the caller goes away
             return await self._in_thread(self._search, req, key, None, arrived)
 
@@ -97,7 +97,7 @@ class Searcher:
         """Events as they happen, ending with `result` (or `error`). A refusal before the search
         starts (403, 429, 404) is raised, so the HTTP status can still say so."""
         arrived = self._arrived(req)
-        self._may_use(self._index(req), key)
+        self.check_index(self._index(req), key)
         with self.concurrency.slot(key.name):
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
@@ -336,7 +336,9 @@ class Searcher:
         return [ACL_ALL] if ACL_ALL in key.groups else list(key.groups)
 
     @staticmethod
-    def _may_use(index: str, key: ApiKey) -> None:
+    def check_index(index: str, key: ApiKey) -> None:
+        """422 for a bad index name, 403 for an index the key may not use: the key alone
+        decides, so the ingress refuses before the searcher's queue too (`app`)."""
         problem = index_name_problem(index)
         if problem:
             raise ApiError(422, "bad_request", problem)
@@ -453,7 +455,7 @@ class Searcher:
     # --- documents -------------------------------------------------------------------------------
 
     def _upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
-        self._admin(key, index)
+        self.check_writer(key, index)
         docs = documents.parse_documents(body)
         with self._writable(index) as (driver, store):
             with self.drivers.write_lock(index), self._ingest_lock(driver):
@@ -471,7 +473,7 @@ class Searcher:
         return {"index": index, "upserted": [d.id for d in docs], **counts}
 
     def _delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
-        self._admin(key, index)
+        self.check_writer(key, index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         with self._writable(index) as (driver, store):
             olds = _held(store, doc_id)  # `pub-ü` typed on macOS arrives NFD
@@ -559,8 +561,9 @@ class Searcher:
         return IngestLock(driver.settings.index_dir, driver.settings.index, corpus="service write")
 
     @classmethod
-    def _admin(cls, key: ApiKey, index: str) -> None:
-        cls._may_use(index, key)
+    def check_writer(cls, key: ApiKey, index: str) -> None:
+        """`check_index`, and 403 for a key that is not an admin key."""
+        cls.check_index(index, key)
         if not key.admin:
             raise ApiError(403, "forbidden", f"key {key.name!r} is not an admin key; document "
                                              "writes need one (`keys add --admin`)")

@@ -33,7 +33,8 @@ def serve_app(tmp_path_factory):
                              read_env=False, read_file=False)
     ingest(write_corpus(home / "corpus.jsonl"), settings)
     store = KeyStore(home / "keys.json")
-    keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", (), admin=True, everything=True)}
+    keys = {"alpha": store.add("alpha", ("alpha",)), "admin": store.add("admin", (), admin=True, everything=True),
+            "elsewhere": store.add("elsewhere", ("alpha",), ("elsewhere",))}  # not index acl
     for attempt in range(3):  # Ray waits a fixed 30 s for its raylet: a loaded machine misses it
         try:
             connect(settings)
@@ -357,3 +358,46 @@ def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, 
             assert took < READY_WAIT_S + 2, took
     finally:
         serve.delete("late")  # the module's own app goes on
+
+
+def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full(serve_app):
+    """A search of an index the key may not use, or a document write with a key that is no
+    admin key, went through the searcher's Serve queue before it was refused: while a burst
+    filled that queue it was answered 503 `overloaded` with `Retry-After` (here 7 of 200 such
+    requests in a burst of 200), telling a caller with no right to it to retry. The ingress
+    now refuses them itself, 403 whatever the queue holds."""
+    import threading
+
+    client, keys = serve_app  # the searcher takes 1 search at a time and queues 1
+    stop, hammered = threading.Event(), []
+
+    def hammer(i):
+        while not stop.is_set():
+            hammered.append(client.post("/v1/search", headers=auth(keys["alpha"]), json={
+                "question": f"Alpha roadmap harbor {i}"}).status_code)
+
+    forbidden = []
+    with cf.ThreadPoolExecutor(6) as pool:
+        for i in range(6):
+            pool.submit(hammer, i)
+        try:
+            deadline = time.monotonic() + 60
+            while 503 not in hammered:  # the searcher's queue is full
+                assert time.monotonic() < deadline, hammered
+                time.sleep(0.05)
+            for i in range(10):
+                forbidden += [
+                    client.post("/v1/search", headers=auth(keys["elsewhere"]),
+                                json={"question": "harbor", "index": "acl"}),
+                    client.put("/v1/indexes/acl/documents", headers=auth(keys["alpha"]),
+                               json=[{"id": f"w{i}", "text": "harbor"}]),
+                    client.delete("/v1/indexes/acl/documents/a-budget",
+                                  headers=auth(keys["alpha"]))]
+        finally:
+            stop.set()
+    assert 503 in hammered and 200 in hammered, hammered
+    assert [r.status_code for r in forbidden] == [403] * 30, [r.text for r in forbidden
+                                                              if r.status_code != 403]
+    assert {r.json()["error"] for r in forbidden} == {"forbidden"}
+    assert "may not use index 'acl'" in forbidden[0].json()["detail"]
+    assert "not an admin key" in forbidden[1].json()["detail"]
