@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
 from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
-    is_refusal, is_unserved, slo_max, summarize, unreachable
+    is_refusal, is_unserved, slo_broken_at, slo_max, summarize, unreachable
 
 BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
 from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
@@ -253,7 +253,8 @@ class Generator:
                "interrupted": interrupted}
         if self.spec.slo_p99_ms is not None:
             out["slo"] = {"p99_ms": self.spec.slo_p99_ms, "max_error_rate": 0.01,
-                          "holds_up_to": slo_max(steps, self.spec.slo_p99_ms)}
+                          "holds_up_to": slo_max(steps, self.spec.slo_p99_ms),
+                          "broken_at": slo_broken_at(steps, self.spec.slo_p99_ms)}
         return out
 
 

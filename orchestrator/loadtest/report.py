@@ -73,10 +73,13 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
               + (f" (saturated at {knee['saturated_at']:g}: {knee['reason']})"
                  if knee["saturated_at"] is not None else f" ({knee['reason']})")]
     if "slo" in report:
-        held = report["slo"]["holds_up_to"]
-        lines.append(f"**SLO p99 ≤ {report['slo']['p99_ms']:g} ms, errors ≤ 1 %**: "
+        held, broken = report["slo"]["holds_up_to"], report["slo"].get("broken_at")
+        open_loop = arr["loop"] == "open"
+        lines.append(f"**SLO p99 ≤ {report['slo']['p99_ms']:g} ms, errors ≤ 1 %"
+                     + (", achieved ≥ 90 % of offered" if open_loop else "") + "**: "
                      + (f"holds up to {held['load']:g} ({held['achieved_rate']:.3g}/s achieved, "
-                        f"p99 {held['p99_ms']:.0f} ms)" if held else "not held at any step"))
+                        f"p99 {held['p99_ms']:.0f} ms)" if held else "not held at any step")
+                     + (f"; broken at {broken['load']:g}: {broken['reason']}" if broken else ""))
     if report.get("stopped"):
         lines.append(f"({report['stopped']})")
     stage_names = sorted({k for s in steps for k in s["stages_ms"]})

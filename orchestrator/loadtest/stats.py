@@ -203,17 +203,30 @@ def find_knee(steps: list[dict], **criteria) -> dict:
             else "no steps"}
 
 
+def slo_problem(step: dict, p99_ms: float, *, max_error: float = 0.01,
+                tolerance: float = 0.1) -> str:
+    """Why `step` breaks the SLO ('' if it holds): p99 over `p99_ms`, errors over
+    `max_error`, or (open loop) achieved below (1 - tolerance) x offered."""
+    p99 = step["latency_ms"]["p99"]
+    if p99 is None:
+        return "no request was answered"
+    if p99 > p99_ms:
+        return f"p99 {p99:.0f} ms > {p99_ms:g} ms"
+    if step["error_rate"] > max_error:
+        return f"errors {step['error_rate']:.1%} > {max_error:.0%}"
+    if step["loop"] == "open" and step["achieved_rate"] < (1 - tolerance) * step["offered_rate"]:
+        return (f"achieved {step['achieved_rate']:.3g}/s < {1 - tolerance:.0%} of offered "
+                f"{step['offered_rate']:.3g}/s")
+    return ""
+
+
 def slo_max(steps: list[dict], p99_ms: float, *, max_error: float = 0.01,
             tolerance: float = 0.1) -> dict | None:
     """The highest load such that it and every lower step held p99 <= p99_ms, errors <=
     max_error and (open loop) achieved >= (1 - tolerance) x offered; None if the first fails."""
     best = None
     for step in sorted(steps, key=lambda s: s["load"]):
-        p99 = step["latency_ms"]["p99"]
-        holds = (p99 is not None and p99 <= p99_ms and step["error_rate"] <= max_error
-                 and (step["loop"] != "open"
-                      or step["achieved_rate"] >= (1 - tolerance) * step["offered_rate"]))
-        if not holds:
+        if slo_problem(step, p99_ms, max_error=max_error, tolerance=tolerance):
             break
         best = step
     if best is None:
@@ -221,3 +234,12 @@ def slo_max(steps: list[dict], p99_ms: float, *, max_error: float = 0.01,
     return {"load": best["load"], "offered_rate": best["offered_rate"],
             "achieved_rate": best["achieved_rate"], "p99_ms": best["latency_ms"]["p99"],
             "error_rate": best["error_rate"]}
+
+
+def slo_broken_at(steps: list[dict], p99_ms: float, **criteria) -> dict | None:
+    """The lowest step that broke the SLO, and why ({load, reason}); None if every one held."""
+    for step in sorted(steps, key=lambda s: s["load"]):
+        why = slo_problem(step, p99_ms, **criteria)
+        if why:
+            return {"load": step["load"], "reason": why}
+    return None

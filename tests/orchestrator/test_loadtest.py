@@ -23,7 +23,7 @@ from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.loadtest import arrivals
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
 from branchsearch.orchestrator.loadtest.stats import (DROPPED, UNFINISHED, Sample, find_knee,
-                                                      slo_max, summarize)
+                                                      slo_broken_at, slo_max, summarize)
 from branchsearch.orchestrator.loadtest.targets import (HttpTarget, RequestFailed, classify,
                                                         stage_times)
 from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
@@ -180,6 +180,19 @@ def test_slo_holds_up_to_the_last_step_of_an_unbroken_run():
     assert slo_max(curve, 100) is None
     assert slo_max([_step(1, 1, 300, errors=0.02)], 500) is None  # errors > 1 %
     assert slo_max([_step(1, 0.5, 300)], 500) is None  # did not keep up with the offered rate
+
+
+def test_the_slo_line_says_at_which_step_and_why_it_broke():
+    """The report said "SLO p99 ≤ 8000 ms, errors ≤ 1 %: holds up to 7" where step 8 had p99
+    1866 ms and no errors: the third criterion, achieved ≥ 90 % of offered, was in neither the
+    line nor the JSON. The line names every criterion, and the step that broke it and why."""
+    curve = [_step(7, 6.65, 954), _step(8, 8.13, 1866)]
+    curve[1]["offered_rate"] = 9.17
+    assert slo_max(curve, 8000)["load"] == 7
+    assert slo_broken_at(curve, 8000) == {"load": 8, "reason": "achieved 8.13/s < 90% of "
+                                                               "offered 9.17/s"}
+    assert slo_broken_at(curve, 1000) == {"load": 8, "reason": "p99 1866 ms > 1000 ms"}
+    assert slo_broken_at(curve[:1], 8000) is None
 
 
 # --- targets ------------------------------------------------------------------------------------
@@ -566,6 +579,24 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
     assert key not in proc.stdout and key not in proc.stderr
     assert "--key REDACTED --users" in json.loads(proc.stdout)["command"]
     assert "warning: --key shows the key" in proc.stderr
+
+
+def test_cli_report_says_why_the_slo_broke(live_service, tmp_path):
+    """Against the real service, an SLO no step can hold: the report's SLO line named two of
+    its three criteria and not why it was not held. It now says at which step, and why."""
+    url, key, _ = live_service
+    out = tmp_path / "slo.json"
+    proc = _cli_loadtest(url, ["--rate", "2", "--duration", "2", "--slo-p99-ms", "0.001",
+                               "--report", str(out)], {"BRANCHSEARCH_API_KEY": key}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["slo"]["holds_up_to"] is None
+    assert report["slo"]["broken_at"]["load"] == 2
+    assert report["slo"]["broken_at"]["reason"].endswith("ms > 0.001 ms")
+    line = [x for x in out.with_suffix(".md").read_text().splitlines()
+            if x.startswith("**SLO")][0]
+    assert line.startswith("**SLO p99 ≤ 0.001 ms, errors ≤ 1 %, achieved ≥ 90 % of offered**: "
+                           "not held at any step; broken at 2: p99 "), line
 
 
 def test_cli_user_errors_are_one_line_exit_2(tmp_path):
