@@ -12,7 +12,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   groups), so that one output never mixes two configurations' evidence (the CLI refuses such a
   resume instead: a flag changed by mistake would replace finished work).
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
-  line per id: the latest attempt.
+  line per id: the latest attempt, copied as written. Reading an output (a resume, the rewrite)
+  keeps where each id's latest row is, not the rows (`Latest`): an output of many questions
+  is gigabytes.
 * One batch at a time writes an output (`OutputLock`): a second one on the same file, whose rows
   the first's rewrite would drop, stops with one line naming the first's PID.
 * After `stop_after` failed questions in a row (a dead backend fails every question in
@@ -165,39 +167,77 @@ def row_status(row: dict) -> str:
     return status if status in STATUSES and "error" not in row else "failed"
 
 
-def latest_rows(path: str | Path) -> dict[str, dict]:
-    """id -> the latest row written for it. Only reads: a last line without its newline counts
-    when it is a whole row (its newline lost, not its text) and is skipped when torn (a crash
-    mid-write); `mend_tail` repairs the file, and only a run about to append calls it."""
+@dataclass(frozen=True)
+class Latest:
+    """An id's latest row in an output: where it is (`offset`, `length`, its newline included
+    when it has one) and what a resume reads of it. Rows are not kept: an output of 100,000
+    questions is gigabytes, its `Latest`s megabytes."""
+    offset: int
+    length: int
+    status: str  # `row_status`
+    index: str | None
+    made_with: dict | None
+    question: str | None
+
+
+def latest_rows(path: str | Path) -> dict[str, Latest]:
+    """id -> its latest row, read line by line. Only reads: a last line without its newline
+    counts when it is a whole row (its newline lost, not its text) and is skipped when torn (a
+    crash mid-write); `mend_tail` repairs the file, and only a run about to append calls it."""
     path = Path(path)
     if not path.exists():
         return {}
-    rows: dict[str, dict] = {}
-    for line in path.read_bytes().splitlines():
-        try:
-            row = json.loads(line)
-            qid = question_id(row["id"])  # (NFC: a row written before ids were)
-            rows.pop(qid, None)  # the latest attempt goes last
-            rows[qid] = row
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
-            continue
+    rows: dict[str, Latest] = {}
+    with path.open("rb") as f:
+        offset = 0
+        for line in f:
+            try:
+                row = json.loads(line)
+                qid = question_id(row["id"])  # (NFC: a row written before ids were)
+                made = row.get("made_with")
+                latest = Latest(offset, len(line), row_status(row), row.get("index"),
+                                made if isinstance(made, dict) else None, row.get("question"))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
+                    AttributeError):
+                latest = None
+            offset += len(line)
+            if latest is not None:
+                rows.pop(qid, None)  # the latest attempt goes last
+                rows[qid] = latest
     return rows
+
+
+def _tail_start(f) -> int:
+    """Where the last line of the open binary file `f` begins (after its last newline but the
+    final byte), reading back from the end a block at a time."""
+    end = f.seek(0, os.SEEK_END)
+    at = end - 1  # (the final byte, a newline or not, ends the last line)
+    while at > 0:
+        start = max(at - (1 << 16), 0)
+        f.seek(start)
+        found = f.read(at - start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        at = start
+    return 0
 
 
 def mend_tail(path: str | Path) -> None:
     """Before appending to `path`: a last line without its newline gets one when it is a whole
-    row, and is cut off when torn (a crash mid-write), so that appends stay valid JSONL."""
+    row, and is cut off when torn (a crash mid-write), so that appends stay valid JSONL. Reads
+    the last line alone (an output can be large)."""
     path = Path(path)
     if not path.exists() or path.stat().st_size == 0:
         return
-    with path.open("rb") as f:  # the last byte alone, most times (an output can be large)
+    with path.open("rb") as f:
         f.seek(-1, os.SEEK_END)
         if f.read(1) == b"\n":
             return
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
+        keep = _tail_start(f)
+        f.seek(keep)
+        tail = f.read()
     try:
-        row = json.loads(data[keep:])
+        row = json.loads(tail)
         whole = isinstance(row, dict) and "id" in row
     except (json.JSONDecodeError, UnicodeDecodeError):
         whole = False
@@ -221,21 +261,20 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
         return
     if Path(input_path).is_file() and os.path.samefile(out_path, input_path):
         raise CorpusError(f"batch output {out_path} is the input file: give another file")
-    data = out_path.read_bytes()
-    lines = data.split(b"\n")
-    if not data.endswith(b"\n"):
-        lines = lines[:-1]  # a torn last line: cut off by the run, as after a crash
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if not (isinstance(row, dict) and "id" in row
-                and {"status", "error", "evidence"} & row.keys()):
-            raise CorpusError(f"batch output {out_path}:{lineno} is not a batch result line; "
-                              "give a new file, or one a batch wrote (it is rewritten)")
+    with out_path.open("rb") as f:  # line by line: an output can be gigabytes
+        for lineno, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # a torn last line: cut off by the run, as after a crash
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not (isinstance(row, dict) and "id" in row
+                    and {"status", "error", "evidence"} & row.keys()):
+                raise CorpusError(f"batch output {out_path}:{lineno} is not a batch result "
+                                  "line; give a new file, or one a batch wrote (it is rewritten)")
 
 
 def done_ids(path: str | Path, index: str | None = None, made: dict | None = None
@@ -256,15 +295,14 @@ def resume_state(path: str | Path, index: str | None = None, made: dict | None =
     other_made: dict[str, dict] = {}
     other_index: dict[str, str] = {}
     for qid, row in latest_rows(path).items():
-        if row_status(row) != "ok":
+        if row.status != "ok":
             continue
-        if index is not None and row.get("index") not in (None, index):
-            other_index[qid] = row["index"]
-        elif (made is not None and isinstance(row.get("made_with"), dict)
-              and differing(row["made_with"], made)):
-            other_made[qid] = row["made_with"]
+        if index is not None and row.index not in (None, index):
+            other_index[qid] = row.index
+        elif made is not None and row.made_with is not None and differing(row.made_with, made):
+            other_made[qid] = row.made_with
         else:
-            done[qid] = row.get("question")
+            done[qid] = row.question
     return done, other_made, other_index
 
 
@@ -298,19 +336,23 @@ def append_row(path: Path, row: dict) -> None:
 
 
 def compact(path: str | Path, order: list[str] | None = None) -> int:
-    """Rewrite `path` atomically to one line per id (the latest), ids of `order` first in that
-    order; returns the number of lines. The old file stays intact until the rename."""
+    """Rewrite `path` atomically to one line per id (the latest, copied as written), ids of
+    `order` first in that order; returns the number of lines. The old file stays intact until
+    the rename. Holds where each row is, not the rows."""
     from branchsearch.infra.textfile import output_path
 
     path = output_path(path)
     rows = latest_rows(path)
     ids = [qid for qid in (order or []) if qid in rows]
-    ids += [qid for qid in rows if qid not in set(ids)]
+    listed = set(ids)
+    ids += [qid for qid in rows if qid not in listed]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
+        with path.open("rb") as old, tmp.open("wb") as f:
             for qid in ids:
-                f.write(json.dumps(rows[qid], default=str) + "\n")
+                old.seek(rows[qid].offset)
+                line = old.read(rows[qid].length)
+                f.write(line if line.endswith(b"\n") else line + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

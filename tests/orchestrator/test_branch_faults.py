@@ -575,3 +575,25 @@ def test_a_full_disk_leaves_whole_rows_and_no_partial_copy(tmp_path):
     assert run("batch", len(before) // 2) == str(errno.EFBIG)
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "run.py"]
+
+
+def test_rows_longer_than_a_read_block_mend_resume_and_compact_as_written(tmp_path):
+    """The output is read line by line and its last line from the end a block (64 KB) at a
+    time: rows of 200 KB, a torn one and a whole one without its newline, mend, resume and
+    compact exactly as short rows do, and the rewrite copies each latest row byte for byte."""
+    from branchsearch.orchestrator.batch import mend_tail
+
+    out = tmp_path / "out.jsonl"
+    big = lambda qid, status: json.dumps(  # noqa: E731
+        {"id": qid, "question": f"q{qid}", "status": status, "evidence": ["x" * 200_000]},
+        ensure_ascii=False)
+    rows = [big("a", "failed"), big("b", "ok"), big("a", "ok"), big("東京", "ok")]
+    out.write_text("\n".join(rows[:3]) + "\n" + rows[3][:150_000])  # torn: half of 東京's
+    assert done_ids(out) == {"a": "qa", "b": "qb"}
+    mend_tail(out)
+    assert out.read_text(encoding="utf-8") == "\n".join(rows[:3]) + "\n"
+    out.write_text("\n".join(rows))  # whole, its newline lost: kept, and given one
+    mend_tail(out)
+    assert out.read_text(encoding="utf-8") == "\n".join(rows) + "\n"
+    assert compact(out, ["東京", "a"]) == 3
+    assert out.read_text(encoding="utf-8").splitlines() == [rows[3], rows[2], rows[1]]
