@@ -219,7 +219,11 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
         result["comparisons"] = [{"agent": runs[0]["config"], "baseline": runs[1]["config"],
                                   **compare(runs[0], runs[1])}]
         if "attribution" in runs[1]:  # two agent runs, one after the other in this process
-            result["comparisons"][0]["note"] = SECOND_RUN_WARM
+            executors = runs[0].get("executor"), runs[1].get("executor")
+            result["comparisons"][0]["note"] = SECOND_RUN_WARM + (
+                "" if executors[0] == executors[1] else
+                f"; and the agent ran on the {executors[0]} executor, the baseline on the "
+                f"{executors[1]} one (one branch needs no cluster)")
     if options.plots:
         result["plots"] = rep.plots(result, {q.id: q.gold for q in queries}, options.plots)
     if options.report:
@@ -299,14 +303,15 @@ def _agent_run(settings: Settings, queries: list[Query], executor: Executor | No
     from branchsearch.orchestrator.driver import open_driver
     from branchsearch.orchestrator.execution import pick_executor
 
-    driver = open_driver(settings, pick_executor(settings, executor))
+    mode = pick_executor(settings, executor)
+    driver = open_driver(settings, mode)
     # (an external index has no docstore: titles for attribution are not listed there)
     external = getattr(settings, "external", None)
     docstore = None if external else DocStore(settings.index_dir / "docs.sqlite")
     try:
         with _bar(progress, len(queries), "q", f"eval {settings.policy}") as tick:
             return eval_agent(driver, queries, docstore=docstore, progress=tick,
-                              acl_groups=acl_groups)
+                              acl_groups=acl_groups) | {"executor": mode}
     finally:
         if docstore is not None:
             docstore.close()
