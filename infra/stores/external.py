@@ -41,6 +41,9 @@ from branchsearch.infra.stores.hits import Hit, doc_of
 
 
 CHUNK_SUFFIX = "#p0"
+# Milvus metrics whose `distance` is smaller for a nearer vector (COSINE and IP: larger); every
+# ranking here orders by score, highest first, so their hits are scored by -distance
+LOWER_IS_NEARER = ("L2", "HAMMING", "JACCARD")
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,7 @@ class ExternalMilvus:
             from pymilvus import DataType
 
             self._acl_is_array = schema.get(self.f.acl, {}).get("type") == DataType.ARRAY
+            self._nearer_is_lower = self._metric() in LOWER_IS_NEARER
             self._request(f"load {self.collection!r}", self._client.load_collection,
                           self.collection)
         except BaseException:
@@ -354,6 +358,17 @@ class ExternalMilvus:
         _check_mapped(self.spec, where, set(schema), ("acl",))
         self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
                          if c in schema]
+
+    def _metric(self) -> str:
+        """The metric of the vector field's index ("" when it has none: Milvus refuses to
+        load it then, with its own message)."""
+        names = self._request(f"list indexes of {self.collection!r}", self._client.list_indexes,
+                              self.collection, field_name=self.f.vector)
+        if not names:
+            return ""
+        index = self._request(f"describe index {names[0]!r}", self._client.describe_index,
+                              self.collection, names[0])
+        return str(index.get("metric_type", "")).upper()
 
     def _filters(self, exclude: Sequence[str], acl_groups) -> str:
         parts = []
@@ -392,7 +407,8 @@ class ExternalMilvus:
             output_fields=self._outputs)
         rows = [r["entity"] | {self.f.id: r["entity"].get(self.f.id, r["id"])}
                 for r in result[0]]
-        kept = [(row, float(r["distance"])) for row, r in zip(rows, result[0])
+        sign = -1.0 if self._nearer_is_lower else 1.0  # a score is higher for a nearer row
+        kept = [(row, sign * float(r["distance"])) for row, r in zip(rows, result[0])
                 if str(row[self.f.id]) not in exclude][:k]
         return [self._hit(row, distance, rank, "dense")
                 for rank, (row, distance) in enumerate(kept, start=1)]

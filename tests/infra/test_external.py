@@ -318,3 +318,44 @@ def test_three_branches_through_ray_and_batch(foreign, tmp_path):
     # public only (no --acl): the restricted document never appears
     assert all("scott-derrickson" not in {e["doc_id"] for e in r["evidence"]} for r in rows)
     assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]
+
+
+def test_an_l2_collection_ranks_the_nearest_first(tmp_path):
+    """Milvus's L2 `distance` is smaller for a nearer vector; scored as it came, the ranking
+    (ordered by score, highest first) put the farthest document first."""
+    from pymilvus import DataType, MilvusClient
+
+    from branchsearch.infra.models.embedder import Embedder
+
+    docs = {d["_id"]: d for d in _docs()}
+    ids = ["ed-wood", "scott-derrickson", "shirley-temple"]
+    embedder = Embedder("all-MiniLM-L6-v2", 64, "cpu")
+    vectors = embedder.embed([f"{docs[i]['title']}\n{docs[i]['text']}" for i in ids])
+    uri = str(tmp_path / "l2.db")
+    client = MilvusClient(uri=uri)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=256)
+    schema.add_field("text", DataType.VARCHAR, max_length=8192)
+    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=embedder.dim)
+    index = client.prepare_index_params()
+    index.add_index(field_name="vector", index_type="FLAT", metric_type="L2")
+    client.create_collection("l2_vectors", schema=schema, index_params=index)
+    client.insert("l2_vectors", [{"id": i, "text": docs[i]["text"], "vector": v.tolist()}
+                                 for i, v in zip(ids, vectors)])
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)
+    (tmp_path / "branchsearch.toml").write_text(
+        f'milvus_uri = "{uri}"\n[indexes.l2]\ndense = "milvus"\nmilvus_collection = '
+        '"l2_vectors"\n[indexes.l2.fields]\nacl = ""\n')
+    r = open_retriever(load_settings(tmp_path / "branchsearch.toml",
+                                     {"home": tmp_path, "index": "l2"}, read_env=False))
+    try:
+        for doc_id in ids:  # a document's own text is nearest to itself
+            hits = r.search(f"{docs[doc_id]['title']}\n{docs[doc_id]['text']}", mode="dense",
+                            k=3, acl_groups=["*"])
+            assert hits[0].doc_id == doc_id, [(h.doc_id, h.score) for h in hits]
+            assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    finally:
+        r.close()
