@@ -167,8 +167,22 @@ class ExternalElastic:
             mapping = self._es.indices.get_mapping(index=self.index)
         except Exception as exc:
             raise _es_unavailable(url, exc) from None
-        _check_mapped(spec, f"Elasticsearch index {self.index!r}", _mapped(mapping),
-                      ("id", "text", "acl"))
+        where = f"Elasticsearch index {self.index!r}"
+        types = _mapped(mapping)
+        _check_mapped(spec, where, set(types), ("id", "text", "acl"))
+        if self.f.acl and types.get(self.f.acl) == "text":  # analysed: matched word by word
+            keyword = [n for n, t in types.items() if n.startswith(f"{self.f.acl}.") and
+                       t == "keyword"]
+            use = f"acl = {keyword[0]!r}" if keyword else "a keyword field"
+            raise SettingsError(
+                f"index {spec.name!r}: field acl = {self.f.acl!r} is a text field in {where}: "
+                f"its group names would match word by word (a caller of 'eu' would see "
+                f"'finance-eu'); map the groups as keyword, or use {use} in "
+                f"[indexes.{spec.name}.fields]")
+        # where each field's value is in a document's `_source` ("groups.keyword" is indexed
+        # from "groups"); the queries name the indexed fields, `self.f`
+        self.src = FieldMap(**{role: _source_path(getattr(self.f, role), types)
+                               for role in ("id", "title", "text", "acl", "vector")})
 
     # the id may be Elasticsearch's own `_id` or a field of the document
     def _ids_query(self, doc_ids: Sequence[str]) -> dict:
@@ -179,7 +193,7 @@ class ExternalElastic:
     def _acl_filter(self, acl_groups) -> list[dict]:
         if _sees_all(acl_groups) or not self.f.acl:  # acl = "": no groups, all public
             return []
-        public = {"bool": {"must_not": [{"exists": {"field": self.f.acl}}]}}
+        public = {"bool": {"must_not": [{"exists": {"field": self.src.acl}}]}}
         if not acl_groups:
             return [public]
         return [{"bool": {"should": [public, {"terms": {self.f.acl: group_forms(acl_groups)}}],
@@ -201,16 +215,20 @@ class ExternalElastic:
                 enumerate(result["hits"]["hits"], start=1)]
 
     def _source_fields(self) -> list[str]:
-        return [n for n in (self.f.id, self.f.title, self.f.text, self.f.acl) if n and n != "_id"]
+        return [n for n in (self.src.id, self.src.title, self.src.text, self.src.acl)
+                if n and n != "_id"]
 
     def _doc_id(self, h: dict) -> str:
-        return str(h["_id"] if self.f.id == "_id" else h["_source"].get(self.f.id, h["_id"]))
+        if self.f.id == "_id":
+            return str(h["_id"])
+        return str(_value(h["_source"], self.src.id, h["_id"]))
 
     def _hit(self, h: dict, rank: int, source: str) -> Hit:
         doc_id = self._doc_id(h)
         src = h["_source"]
         return Hit(doc_id + CHUNK_SUFFIX, doc_id, float(h.get("_score") or 0.0), rank, source,
-                   text=str(src.get(self.f.text, "")), title=str(src.get(self.f.title, "")))
+                   text=str(_value(src, self.src.text, "")),
+                   title=str(_value(src, self.src.title, "")))
 
     @settled
     def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
@@ -240,7 +258,7 @@ class ExternalElastic:
                                      size=len(doc_ids), source_includes=self._source_fields())
         except Exception as exc:
             raise _es_unavailable(self.url, exc) from None
-        return {self._doc_id(h): _record(self._doc_id(h), h["_source"], self.f)
+        return {self._doc_id(h): _record(self._doc_id(h), h["_source"], self.src)
                 for h in result["hits"]["hits"]}
 
     def write(self, *args, **kwargs):
@@ -256,20 +274,39 @@ class ExternalElastic:
         self._es.close()
 
 
-def _mapped(mapping) -> set[str]:
+def _mapped(mapping) -> dict[str, str]:
     """Every field name an Elasticsearch mapping (of one index or several: an alias) holds,
-    objects' fields dotted ("meta.groups") and multi-fields too ("groups.keyword")."""
-    names: set[str] = set()
+    objects' fields dotted ("meta.groups") and multi-fields too ("groups.keyword"), with its
+    type ("object" for an object)."""
+    names: dict[str, str] = {}
 
     def walk(properties: dict | None, prefix: str) -> None:
         for name, spec in (properties or {}).items():
-            names.add(prefix + name)
-            names.update(f"{prefix}{name}.{sub}" for sub in spec.get("fields") or {})
+            names[prefix + name] = spec.get("type", "object")
+            names.update({f"{prefix}{name}.{sub}": sub_spec.get("type", "")
+                          for sub, sub_spec in (spec.get("fields") or {}).items()})
             walk(spec.get("properties"), f"{prefix}{name}.")
 
     for body in dict(mapping).values():
         walk((body.get("mappings") or {}).get("properties"), "")
     return names
+
+
+def _source_path(name: str, types: dict[str, str]) -> str:
+    """Where a mapped field's value is in `_source`: a multi-field's ("groups.keyword") is its
+    parent's ("groups"); an object's field ("meta.groups") is itself."""
+    parent = name.rpartition(".")[0]
+    return parent if types.get(parent, "object") not in ("object", "nested") else name
+
+
+def _value(source: dict, path: str, default=None):
+    """A field of a document: "meta.groups" is `{"meta": {"groups": …}}` or a key of that name."""
+    if path in source:
+        return source[path]
+    head, dot, rest = path.partition(".")
+    if dot and isinstance(source.get(head), dict):
+        return _value(source[head], rest, default)
+    return default
 
 
 def _check_mapped(spec: ExternalIndex, where: str, present: set[str],
@@ -451,9 +488,9 @@ class ExternalMilvus:
 
 
 def _record(doc_id: str, source: dict, f: FieldMap) -> dict:
-    acl = source.get(f.acl) or []
-    return {"doc_id": doc_id, "title": str(source.get(f.title, "")),
-            "text": str(source.get(f.text, "")), "acl": [acl] if isinstance(acl, str) else
+    acl = _value(source, f.acl) or []
+    return {"doc_id": doc_id, "title": str(_value(source, f.title, "")),
+            "text": str(_value(source, f.text, "")), "acl": [acl] if isinstance(acl, str) else
             list(acl)}
 
 

@@ -359,3 +359,64 @@ def test_an_l2_collection_ranks_the_nearest_first(tmp_path):
             assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
     finally:
         r.close()
+
+
+@pytest.fixture
+def dynamic_es(es_url, tmp_path):
+    """An index mapped by Elasticsearch itself (strings: text + `.keyword`) and one with the
+    groups in an object ("meta.groups"); one document for group 'finance-eu', one public."""
+    from elasticsearch import Elasticsearch
+
+    es = Elasticsearch(es_url)
+    names = [f"dyn-{uuid.uuid4().hex[:8]}", f"obj-{uuid.uuid4().hex[:8]}"]
+    es.indices.create(index=names[1], mappings={"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"},
+        "meta": {"properties": {"groups": {"type": "keyword"}}}}})
+    for name in names:
+        for key, groups in (("secret-plan", ["finance-eu"]), ("public-memo", [])):
+            acl = {"meta": {"groups": groups}} if name == names[1] else {"groups": groups}
+            es.index(index=name, id=key, document={"doc_key": key, "body": f"the {key} budget",
+                                                   **acl})
+        es.indices.refresh(index=name)
+    index = ('[indexes.{n}]\nlexical = "elasticsearch"\nes_index = "{i}"\n[indexes.{n}.fields]\n'
+             'id = "{id}"\ntitle = "body"\ntext = "body"\nacl = "{acl}"\n')
+    (tmp_path / "branchsearch.toml").write_text(
+        f'es_url = "{es_url}"\n'
+        + index.format(n="text_acl", i=names[0], id="doc_key.keyword", acl="groups")
+        + index.format(n="keyword_acl", i=names[0], id="doc_key.keyword", acl="groups.keyword")
+        + index.format(n="object_acl", i=names[1], id="doc_key", acl="meta.groups"))
+    yield lambda index: load_settings(tmp_path / "branchsearch.toml",
+                                      {"home": tmp_path, "index": index}, read_env=False)
+    for name in names:
+        es.indices.delete(index=name, ignore_unavailable=True)
+    es.close()
+
+
+@pytest.mark.es
+def test_a_text_acl_field_is_refused_not_matched_word_by_word(dynamic_es):
+    """An analysed (text) ACL field matches group names word by word: a caller of group 'eu'
+    saw the document of 'finance-eu'. It is refused at open, naming its keyword sub-field."""
+    with pytest.raises(SettingsError, match=r"acl = 'groups' is a text field.*"
+                       r"acl = 'groups.keyword'"):
+        open_retriever(dynamic_es("text_acl"))
+
+
+@pytest.mark.es
+def test_acl_in_a_sub_field_or_an_object_is_read_from_the_source(dynamic_es):
+    """A multi-field ("groups.keyword") or an object's field ("meta.groups") is not a key of
+    `_source`: read as missing, every document read was public to every caller."""
+    for index in ("keyword_acl", "object_acl"):
+        r = open_retriever(dynamic_es(index))
+        try:
+            for groups, sees in (([], False), (["eu"], False), (["finance-eu"], True)):
+                hits = r.search("secret plan budget", mode="bm25", k=5, acl_groups=groups)
+                assert ("secret-plan" in {h.doc_id for h in hits}) == sees, (index, groups)
+                assert "public-memo" in {h.doc_id for h in hits}, (index, groups)
+                if sees:
+                    assert r.read_document("secret-plan", acl_groups=groups)["chunks"]
+                else:
+                    with pytest.raises(BadQuery, match="unknown document"):
+                        r.read_document("secret-plan", acl_groups=groups)
+            assert r.read_document("public-memo")["chunks"][0]["text"] == "the public-memo budget"
+        finally:
+            r.close()
