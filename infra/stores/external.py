@@ -168,14 +168,18 @@ class ExternalElastic:
         except Exception as exc:
             raise _es_unavailable(url, exc) from None
         where = f"Elasticsearch index {self.index!r}"
-        types = _mapped(mapping)
+        types, aliases = _mapped(mapping), _aliases(mapping)
         _check_mapped(spec, where, set(types), ("id", "text", "acl"))
+        # a field alias is searched and read as the field it points to: `_source` holds the
+        # values under that field's name, never the alias's (read as missing: public)
+        self.f = FieldMap(**{role: aliases.get(getattr(self.f, role), getattr(self.f, role))
+                             for role in ("id", "title", "text", "acl", "vector")})
         if self.f.acl and types.get(self.f.acl) == "text":  # analysed: matched word by word
             keyword = [n for n, t in types.items() if n.startswith(f"{self.f.acl}.") and
                        t == "keyword"]
             use = f"acl = {keyword[0]!r}" if keyword else "a keyword field"
             raise SettingsError(
-                f"index {spec.name!r}: field acl = {self.f.acl!r} is a text field in {where}: "
+                f"index {spec.name!r}: field acl = {spec.fields.acl!r} is a text field in {where}: "
                 f"its group names would match word by word (a caller of 'eu' would see "
                 f"'finance-eu'); map the groups as keyword, or use {use} in "
                 f"[indexes.{spec.name}.fields]")
@@ -290,6 +294,22 @@ def _mapped(mapping) -> dict[str, str]:
     for body in dict(mapping).values():
         walk((body.get("mappings") or {}).get("properties"), "")
     return names
+
+
+def _aliases(mapping) -> dict[str, str]:
+    """Each field alias of a mapping (`{"type": "alias", "path": …}`, dotted names as in
+    `_mapped`) -> the field it points to."""
+    out: dict[str, str] = {}
+
+    def walk(properties: dict | None, prefix: str) -> None:
+        for name, spec in (properties or {}).items():
+            if spec.get("type") == "alias" and spec.get("path"):
+                out[prefix + name] = str(spec["path"])
+            walk(spec.get("properties"), f"{prefix}{name}.")
+
+    for body in dict(mapping).values():
+        walk((body.get("mappings") or {}).get("properties"), "")
+    return out
 
 
 def _source_path(name: str, types: dict[str, str]) -> str:

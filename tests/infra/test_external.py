@@ -420,3 +420,47 @@ def test_acl_in_a_sub_field_or_an_object_is_read_from_the_source(dynamic_es):
             assert r.read_document("public-memo")["chunks"][0]["text"] == "the public-memo budget"
         finally:
             r.close()
+
+
+def _es_index(es_url, tmp_path, mappings: dict, documents: dict[str, dict], acl: str):
+    """One Elasticsearch index made with `mappings`, holding `documents` (id -> _source),
+    declared as index "corp" (id "doc_key", text "body", acl `acl`); its settings."""
+    from elasticsearch import Elasticsearch
+
+    es = Elasticsearch(es_url)
+    name = f"corp-{uuid.uuid4().hex[:8]}"
+    es.indices.create(index=name, mappings=mappings)
+    for key, source in documents.items():
+        es.index(index=name, id=key, document={"doc_key": key, **source})
+    es.indices.refresh(index=name)
+    es.close()
+    (tmp_path / "branchsearch.toml").write_text(
+        f'es_url = "{es_url}"\n[indexes.corp]\nlexical = "elasticsearch"\nes_index = "{name}"\n'
+        f'[indexes.corp.fields]\nid = "doc_key"\ntitle = "body"\ntext = "body"\nacl = "{acl}"\n')
+    return load_settings(tmp_path / "branchsearch.toml", {"home": tmp_path, "index": "corp"},
+                         read_env=False)
+
+
+@pytest.mark.es
+def test_an_alias_acl_field_is_searched_and_read_as_its_target(es_url, tmp_path):
+    """A field alias (`groups` -> `real_groups`) holds no values in `_source`: read as missing,
+    the restricted document was public to every caller (search on the emulator, read_document
+    on Elasticsearch). It is searched and read as the field it points to."""
+    settings = _es_index(es_url, tmp_path, {"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"},
+        "real_groups": {"type": "keyword"}, "groups": {"type": "alias", "path": "real_groups"}}},
+        {"secret-plan": {"body": "the secret-plan budget", "real_groups": ["finance"]},
+         "public-memo": {"body": "the public-memo budget"}}, "groups")
+    r = open_retriever(settings)
+    try:
+        for groups, sees in ((None, False), (["hr"], False), (["finance"], True)):
+            hits = {h.doc_id for h in r.search("secret plan budget", mode="bm25", k=5,
+                                                acl_groups=groups)}
+            assert ("secret-plan" in hits) == sees and "public-memo" in hits, groups
+            if sees:
+                assert r.read_document("secret-plan", acl_groups=groups)["chunks"]
+            else:
+                with pytest.raises(BadQuery, match="unknown document"):
+                    r.read_document("secret-plan", acl_groups=groups)
+    finally:
+        r.close()
