@@ -187,6 +187,12 @@ class ExternalElastic:
         # from "groups"); the queries name the indexed fields, `self.f`
         self.src = FieldMap(**{role: _source_path(getattr(self.f, role), types)
                                for role in ("id", "title", "text", "acl", "vector")})
+        unread = _not_in_source(mapping, self.f.acl, self.src.acl) if self.f.acl else ""
+        if unread:  # searched by its indexed values, read by id from `_source`: public there
+            raise SettingsError(
+                f"index {spec.name!r}: field acl = {spec.fields.acl!r} {unread} in {where}: a "
+                "document read by id would read as public; map acl to a field whose groups "
+                "each document's _source holds")
 
     # the id may be Elasticsearch's own `_id` or a field of the document
     def _ids_query(self, doc_ids: Sequence[str]) -> dict:
@@ -310,6 +316,39 @@ def _aliases(mapping) -> dict[str, str]:
     for body in dict(mapping).values():
         walk((body.get("mappings") or {}).get("properties"), "")
     return out
+
+
+def _not_in_source(mapping, field: str, path: str) -> str:
+    """Why a document's `_source` does not hold the values Elasticsearch indexes in `field`
+    (stored at `path` of `_source`), "" when it does: `field` is filled by `copy_to` from
+    other fields, or `_source` is disabled or excludes `path`."""
+    from fnmatch import fnmatchcase
+
+    copied: list[str] = []
+
+    def walk(properties: dict | None, prefix: str) -> None:
+        for name, spec in (properties or {}).items():
+            for sub, sub_spec in [("", spec), *((f".{n}", s) for n, s in
+                                                (spec.get("fields") or {}).items())]:
+                targets = sub_spec.get("copy_to") or []
+                if field in ([targets] if isinstance(targets, str) else targets):
+                    copied.append(prefix + name + sub)
+            walk(spec.get("properties"), f"{prefix}{name}.")
+
+    heads = [".".join(path.split(".")[:i]) for i in range(1, path.count(".") + 2)]
+    for body in dict(mapping).values():
+        mappings = body.get("mappings") or {}
+        walk(mappings.get("properties"), "")
+        source = mappings.get("_source") or {}
+        if source.get("enabled") is False or str(source.get("enabled")).lower() == "false":
+            return "is not in _source (_source is disabled)"
+        excludes, includes = source.get("excludes") or [], source.get("includes") or []
+        if any(fnmatchcase(h, p) for h in heads for p in excludes) or includes and not any(
+                fnmatchcase(h, p) for h in heads for p in includes):
+            return f"is not in _source ({path!r} is excluded from it)"
+    if copied:
+        return f"is filled by copy_to from {', '.join(map(repr, sorted(set(copied))))}"
+    return ""
 
 
 def _source_path(name: str, types: dict[str, str]) -> str:

@@ -464,3 +464,38 @@ def test_an_alias_acl_field_is_searched_and_read_as_its_target(es_url, tmp_path)
                     r.read_document("secret-plan", acl_groups=groups)
     finally:
         r.close()
+
+
+@pytest.mark.es
+def test_an_acl_field_source_does_not_hold_is_refused(es_url, tmp_path):
+    """Groups filled by `copy_to` (or excluded from `_source`) are indexed, so searches filter
+    on them, but a read by id takes the ACL from `_source`, where they are not: the restricted
+    document read as public (and on the emulator, which copies nothing, was public in search
+    too). Refused at open, saying why."""
+    keyword = {"doc_key": {"type": "keyword"}, "body": {"type": "text"}}
+    copied = _es_index(es_url, tmp_path, {"properties": {
+        **keyword, "owner": {"type": "keyword", "copy_to": "groups"},
+        "groups": {"type": "keyword"}}},
+        {"secret-plan": {"body": "the secret-plan budget", "owner": "finance"}}, "groups")
+    with pytest.raises(SettingsError, match=r"acl = 'groups' is filled by copy_to from "
+                       r"'owner'.*read as public"):
+        open_retriever(copied)
+    for source in ({"excludes": ["meta.groups"]}, {"excludes": ["meta*"]}, {"includes": ["body"]},
+                   {"enabled": False}):
+        hidden = _es_index(es_url, tmp_path, {"_source": source, "properties": {
+            **keyword, "meta": {"properties": {"groups": {"type": "keyword"}}}}},
+            {"secret-plan": {"body": "the secret-plan budget",
+                             "meta": {"groups": ["finance"]}}}, "meta.groups")
+        with pytest.raises(SettingsError, match=r"acl = 'meta.groups' is not in _source"):
+            open_retriever(hidden)
+    kept = _es_index(es_url, tmp_path, {"_source": {"excludes": ["body_vector"]}, "properties": {
+        **keyword, "meta": {"properties": {"groups": {"type": "keyword"}}}}},
+        {"secret-plan": {"body": "the secret-plan budget", "meta": {"groups": ["finance"]}}},
+        "meta.groups")
+    r = open_retriever(kept)
+    try:
+        with pytest.raises(BadQuery, match="unknown document"):
+            r.read_document("secret-plan")
+        assert r.read_document("secret-plan", acl_groups=["finance"])["chunks"]
+    finally:
+        r.close()
