@@ -183,6 +183,13 @@ class ExternalElastic:
                 f"its group names would match word by word (a caller of 'eu' would see "
                 f"'finance-eu'); map the groups as keyword, or use {use} in "
                 f"[indexes.{spec.name}.fields]")
+        normalizer = _field_spec(mapping, self.f.acl).get("normalizer") if self.f.acl else None
+        if normalizer:  # "HR" indexed as "hr": a caller of group 'hr' would match 'HR'
+            raise SettingsError(
+                f"index {spec.name!r}: field acl = {spec.fields.acl!r} has the normalizer "
+                f"{normalizer!r} in {where}: group names would match as it normalises them (a "
+                "caller of 'hr' would see 'HR''s documents); map the groups as a keyword "
+                "field without a normalizer")
         # where each field's value is in a document's `_source` ("groups.keyword" is indexed
         # from "groups"); the queries name the indexed fields, `self.f`
         self.src = FieldMap(**{role: _source_path(getattr(self.f, role), types)
@@ -316,6 +323,25 @@ def _aliases(mapping) -> dict[str, str]:
     for body in dict(mapping).values():
         walk((body.get("mappings") or {}).get("properties"), "")
     return out
+
+
+def _field_spec(mapping, name: str) -> dict:
+    """The mapping of field `name` (dotted as in `_mapped`: an object's field, a multi-field);
+    {} when no index of `mapping` has it."""
+    for body in dict(mapping).values():
+        properties, spec = (body.get("mappings") or {}).get("properties") or {}, None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if spec is not None and part in (spec.get("fields") or {}) and i == len(parts) - 1:
+                spec = spec["fields"][part]
+                break
+            spec = properties.get(part)
+            if spec is None:
+                break
+            properties = spec.get("properties") or {}
+        if spec is not None:
+            return spec
+    return {}
 
 
 def _not_in_source(mapping, field: str, path: str) -> str:

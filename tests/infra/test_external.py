@@ -422,14 +422,16 @@ def test_acl_in_a_sub_field_or_an_object_is_read_from_the_source(dynamic_es):
             r.close()
 
 
-def _es_index(es_url, tmp_path, mappings: dict, documents: dict[str, dict], acl: str):
-    """One Elasticsearch index made with `mappings`, holding `documents` (id -> _source),
-    declared as index "corp" (id "doc_key", text "body", acl `acl`); its settings."""
+def _es_index(es_url, tmp_path, mappings: dict, documents: dict[str, dict], acl: str,
+              index_settings: dict | None = None):
+    """One Elasticsearch index made with `mappings` (and `index_settings`), holding `documents`
+    (id -> _source), declared as index "corp" (id "doc_key", text "body", acl `acl`); its
+    settings."""
     from elasticsearch import Elasticsearch
 
     es = Elasticsearch(es_url)
     name = f"corp-{uuid.uuid4().hex[:8]}"
-    es.indices.create(index=name, mappings=mappings)
+    es.indices.create(index=name, mappings=mappings, settings=index_settings)
     for key, source in documents.items():
         es.index(index=name, id=key, document={"doc_key": key, **source})
     es.indices.refresh(index=name)
@@ -499,3 +501,20 @@ def test_an_acl_field_source_does_not_hold_is_refused(es_url, tmp_path):
         assert r.read_document("secret-plan", acl_groups=["finance"])["chunks"]
     finally:
         r.close()
+
+
+@pytest.mark.es
+def test_an_acl_field_with_a_normalizer_is_refused(es_url, tmp_path):
+    """A keyword field with a (lowercase) normalizer indexes 'HR' as 'hr', and a terms query is
+    normalised too: a caller of group 'hr' found the documents of group 'HR' (read_document,
+    which compares names exactly, refused them). Refused at open, as a text field is."""
+    lowercase = {"analysis": {"normalizer": {"lc": {"type": "custom", "filter": ["lowercase"]}}}}
+    for groups, acl in (({"type": "keyword", "normalizer": "lc"}, "groups"),
+                        ({"type": "text", "fields": {"kw": {"type": "keyword",
+                                                            "normalizer": "lc"}}}, "groups.kw")):
+        settings = _es_index(es_url, tmp_path, {"properties": {
+            "doc_key": {"type": "keyword"}, "body": {"type": "text"}, "groups": groups}},
+            {"secret-plan": {"body": "the secret-plan budget", "groups": ["HR"]}}, acl,
+            lowercase)
+        with pytest.raises(SettingsError, match=rf"acl = '{acl}' has the normalizer 'lc'"):
+            open_retriever(settings)
