@@ -574,9 +574,11 @@ class ExternalMilvus:
 
 def _record(doc_id: str, source: dict, f: FieldMap) -> dict:
     acl = _value(source, f.acl) or []
+    # a null in the array is no group (the backend indexes none for it); a number is its text
+    groups = [str(g) for g in ([acl] if isinstance(acl, (str, int, float)) else acl)
+              if g is not None and not isinstance(g, (dict, list))]
     return {"doc_id": doc_id, "title": str(_value(source, f.title, "")),
-            "text": str(_value(source, f.text, "")), "acl": [acl] if isinstance(acl, str) else
-            list(acl)}
+            "text": str(_value(source, f.text, "")), "acl": groups}
 
 
 class ExternalDocs:

@@ -518,3 +518,23 @@ def test_an_acl_field_with_a_normalizer_is_refused(es_url, tmp_path):
             lowercase)
         with pytest.raises(SettingsError, match=rf"acl = '{acl}' has the normalizer 'lc'"):
             open_retriever(settings)
+
+
+@pytest.mark.es
+def test_a_null_among_a_documents_groups_is_no_group_not_a_crash(es_url, tmp_path):
+    """`["finance", null]` in a document's ACL array: a read by id crashed on the null (None
+    has no strip); it is no group, so the document is finance's, and `[null]` alone is public,
+    as the backend's own filter counts it."""
+    settings = _es_index(es_url, tmp_path, {"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"},
+        "groups": {"type": "keyword"}}},
+        {"secret-plan": {"body": "the secret-plan budget", "groups": ["finance", None]},
+         "null-memo": {"body": "the null-memo budget", "groups": [None]}}, "groups")
+    r = open_retriever(settings)
+    try:
+        with pytest.raises(BadQuery, match="unknown document"):
+            r.read_document("secret-plan", acl_groups=["hr"])
+        assert r.read_document("secret-plan", acl_groups=["finance"])["chunks"]
+        assert r.read_document("null-memo", acl_groups=["hr"])["chunks"]
+    finally:
+        r.close()
