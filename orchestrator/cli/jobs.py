@@ -76,13 +76,13 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     settings = settings_to_read(home, index, config, batch_concurrency=concurrency,
                                 branches=branches, ray_address=address)
     groups = caller_acl(settings, acl, acl_admin)
-    from branchsearch.infra.index.open import check_readable
-
-    check_readable(settings)  # an unknown or unusable index: its one line, before any note
     data = read_questions(input)
     if not data.items and not data.bad_lines:
         raise BranchsearchError(f"{input}: no questions (one JSON object a line, "
                                 '{"id": …, "question": …})')
+    from branchsearch.infra.index.open import check_readable
+
+    check_readable(settings)  # an unknown or unusable index: its one line, before any note
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     from branchsearch.orchestrator.execution import pick_executor
