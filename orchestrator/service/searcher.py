@@ -435,9 +435,11 @@ class Searcher:
         def hidden(ids: list[str]) -> set[str]:
             if store is None:  # an external index: the backends' filter is all
                 return set()
+            # read now: a chunk whose document an admin narrowed or deleted, or cut to fewer
+            # chunks, since a branch read it is no longer the caller's
             rows = store.get_chunks(ids)
-            bad = {cid for cid, row in rows.items()
-                   if not acl_visible(row["acl"], groups)}
+            bad = {cid for cid in ids
+                   if cid not in rows or not acl_visible(rows[cid]["acl"], groups)}
             if bad:
                 self.acl_guard_dropped += len(bad)
                 log.error("ACL guard dropped %d chunk ids a branch returned to groups %s",

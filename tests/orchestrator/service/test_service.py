@@ -1397,3 +1397,93 @@ def test_a_stream_whose_send_fails_as_the_client_leaves_is_499_without_a_traceba
         assert len([r for r in caplog.records if "left" in r.getMessage()]) == 1, caplog.text
     finally:
         state.searcher.target.close()
+
+
+@pytest.mark.parametrize("write", ["narrowed and shortened", "deleted"])
+def test_a_search_in_flight_across_a_write_returns_nothing_the_caller_no_longer_sees(
+        tmp_path, write):
+    """A search that read a document, then answered after an admin's write narrowed the
+    document's groups and cut it to fewer chunks (or deleted it), must not hand the caller the
+    chunks the write removed: after the write returns, no one outside the document's new
+    groups gets its text. The guard dropped the chunks still stored (now another group's) but
+    let through the ids the store no longer held, with their old text. Non-ASCII ids and
+    groups, the caller's group typed decomposed (NFD)."""
+    import threading
+    import unicodedata
+
+    from branchsearch.orchestrator.driver import open_driver
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "search_mode": "bm25",
+                                        "chunk_tokens": 32, "chunk_overlap": 0, "branches": 1},
+                             read_env=False, read_file=False)
+    paragraph = ("The heliotrope ledger of Tokyo keeps the quincefleet records of the "
+                 "harbor for the yuzumark office. ")  # the marker: in no question
+    memo = {"_id": "東京-memo", "title": "Heliotrope Ledger", "acl": ["café"],
+            "text": "\n\n".join(f"Part {i}. {paragraph * 2}" for i in range(4))}
+    ingest(write_corpus(tmp_path / "corpus.jsonl", [*CORPUS[:2], memo]), settings)
+    store = KeyStore(tmp_path / "keys.json")
+    cafe = store.add("cafe", (unicodedata.normalize("NFD", "café"),))
+    admin = store.add("admin", (), admin=True, everything=True)
+    read, release = threading.Event(), threading.Event()
+
+    class Held:
+        """The real driver; a search, once its branches have read the stores, waits to be
+        released before it answers (the write lands meanwhile)."""
+
+        def __init__(self, driver):
+            self.driver = driver
+
+        def __getattr__(self, name):
+            return getattr(self.driver, name)
+
+        def search(self, *args, **kwargs):
+            result = self.driver.search(*args, **kwargs)
+            read.set()
+            release.wait(60)
+            return result
+
+    state = service.local_state(settings, executor="local", limits=LIMITS,
+                                keys_path=tmp_path / "keys.json",
+                                driver_factory=lambda s, executor: Held(open_driver(s, executor)))
+    server = start_uvicorn(service.create_app(state), state)
+    client = httpx.Client(base_url=server.url, timeout=60)
+    question = {"question": "heliotrope ledger quincefleet records", "branches": 1}
+    try:
+        for accept in ("application/json", "text/event-stream"):
+            read.clear(), release.clear()
+            answer: dict = {}
+            caller = threading.Thread(target=lambda: answer.update(r=client.post(
+                "/v1/search", json=question, headers={**auth(cafe), "Accept": accept})))
+            caller.start()
+            assert read.wait(60)  # the caller's branch has read all four chunks
+            if write == "deleted":
+                r = client.delete("/v1/indexes/acl/documents/東京-memo", headers=auth(admin))
+            else:
+                r = client.put("/v1/indexes/acl/documents", headers=auth(admin), json=[
+                    {"id": "東京-memo", "title": "Heliotrope Ledger", "acl": ["東京-1"],
+                     "text": f"Part 0. {paragraph}"}])
+            assert r.status_code == 200, r.text
+            release.set()
+            caller.join(60)
+            assert answer["r"].status_code == 200, answer["r"].text
+            # what came after the write: the answer (the stream's `search` events before it
+            # named the chunks while the caller could see them)
+            after = (json.dumps(parse_sse(answer["r"].text)[-1], ensure_ascii=False)
+                     if accept == "text/event-stream" else answer["r"].text)
+            assert json.loads(after)["type" if accept != "application/json" else "status"] \
+                in ("result", "ok")
+            assert "yuzumark" not in after and "東京-memo" not in after
+            # put back for the next round, and the caller sees it again (the test can fail)
+            r = client.put("/v1/indexes/acl/documents", headers=auth(admin), json=[
+                {"id": memo["_id"], "title": memo["title"], "acl": memo["acl"],
+                 "text": memo["text"]}])
+            assert r.status_code == 200, r.text
+            release.set()
+            again = client.post("/v1/search", json=question, headers=auth(cafe)).json()
+            assert len([c for d in again["evidence"] if d["doc_id"] == "東京-memo"
+                        for c in d["chunks"]]) >= 2
+    finally:
+        release.set()
+        client.close()
+        server.stop()
+        state.searcher.target.close()
