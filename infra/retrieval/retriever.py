@@ -12,8 +12,9 @@ With `named`, the document titled `query` (case and accents aside; else one titl
 where longer pages that mention the name outscore it (BM25 ranks 'Kansas (song)' and six Kansas
 City and Kansas district pages above the 'Kansas' article in the pooled benchmark corpus).
 Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
-Hits are hydrated from the docstore; an id the docstore does not know is dropped. Readers open
-only a complete index: `open_stores` refuses one without a manifest (a killed or running ingest,
+Hits are hydrated from the docstore; an id the docstore does not know, or whose row the
+caller's groups may not see (a write in progress: the docstore is written last), is dropped.
+Readers open only a complete index: `open_stores` refuses one without a manifest (a killed or running ingest,
 see `infra.index.manifest`) with one line that says what to run.
 
 With a question's `cache` (`infra.retrieval.fetch_cache.QuestionCache`, via `call_many(..., cache=)` or
@@ -85,7 +86,7 @@ class Retriever:
             lists = [self._list("bm25", query, n, exclude, acl_groups, cache),
                      self._list("dense", query, n, exclude, acl_groups, cache)]
             hits = self._fuse(lists, k)
-        hits = self._hydrate(hits, cache)
+        hits = self._hydrate(hits, acl_groups, cache)
         return self._named_first(query, hits, k, exclude, acl_groups, cache) if named else hits
 
     def _named_first(self, query: str, hits: list[Hit], k: int, exclude: list[str],
@@ -104,7 +105,7 @@ class Retriever:
         found = {h.chunk_id: h for h in hits}
         found |= {h.chunk_id: h for h in self._hydrate([  # the pages the search did not bring
             Hit(p["chunk_id"], p["doc_id"], 0.0, 0, "title")
-            for p in pages[:NAMED_FIRST] if p["chunk_id"] not in found], cache)}
+            for p in pages[:NAMED_FIRST] if p["chunk_id"] not in found], acl_groups, cache)}
         front = [found[p["chunk_id"]] for p in pages[:NAMED_FIRST] if p["chunk_id"] in found]
         ids = {h.chunk_id for h in front}
         out = (front + [h for h in hits if h.chunk_id not in ids])[:k]
@@ -172,7 +173,12 @@ class Retriever:
                     ranks={names[li]: r for li, r in f.ranks.items()})
                 for rank, f in enumerate(fused, start=1)]
 
-    def _hydrate(self, hits: list[Hit], cache: QuestionCache | None = None) -> list[Hit]:
+    def _hydrate(self, hits: list[Hit], acl_groups,
+                 cache: QuestionCache | None = None) -> list[Hit]:
+        """`hits` with their text and title from the docstore, each only from a row its caller
+        may see: a write changes the stores one after the other (the docstore last), and a
+        hit a search store already holds for the caller's groups may meet the document's old
+        row, another group's text."""
         # (hits of an external index arrive with their text: there is no docstore to ask)
         ids = [h.chunk_id for h in hits if not h.text]
         rows = self.docstore.get_chunks(ids) if cache is None else \
@@ -182,7 +188,7 @@ class Retriever:
             row = rows.get(h.chunk_id)
             if h.text:
                 out.append(h)
-            elif row is not None:
+            elif row is not None and acl_visible(row["acl"], acl_groups):
                 h.text, h.title = row["text"], row["title"]
                 if self.counts_tokens:
                     h.text_tokens, h.label_tokens, h.head = (
@@ -199,7 +205,7 @@ class Retriever:
         if isinstance(pattern, str):  # a term typed decomposed matches the indexed NFC one
             pattern = nfc(pattern)
         return self._hydrate(self._list("grep", pattern, k, list(exclude_ids), acl_groups,
-                                        cache), cache)
+                                        cache), acl_groups, cache)
 
     def get_chunks(self, ids: Sequence[str]) -> dict[str, dict]:
         return self.docstore.get_chunks(ids)

@@ -271,3 +271,37 @@ def test_embedding_cache_returns_the_same_vectors(tmp_path):
     mixed = cached.embed(texts)  # two from the cache, one fresh
     assert np.allclose(mixed, plain, atol=1e-5) and np.allclose(first, plain[:2], atol=1e-5)
     assert abs(float(np.linalg.norm(mixed[0])) - 1.0) < 1e-4
+
+
+def test_a_hit_is_never_hydrated_with_text_its_caller_may_not_see(tmp_path):
+    """An upsert writes the search stores first and the docstore (the text hits are hydrated
+    from) last. A document moved from one group to another with new text: in between, a search
+    of the new group found it in the stores already written and was handed the old text from
+    the docstore, which only the old group may see (a live service gave bravo callers alpha's
+    text, and the guard, which runs after the docstore's write, let it through). A hit is
+    hydrated only with a row its caller may see; ids and groups in non-ASCII, the group as
+    stored in NFD by an earlier version."""
+    import unicodedata
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "東京-memo", "title": "Falcon memo", "acl": ["café"],
+                                  "text": "The Falcon memo: quincemark harbor plans."}) + "\n")
+    settings = load_settings(overrides={"home": tmp_path / "h"}, read_env=False, read_file=False)
+    ingest(corpus, settings)
+    r = open_retriever(settings)
+    moved = IndexedChunk("東京-memo#p0", "東京-memo", "Falcon memo",
+                         "The Falcon memo: harbor plans, rewritten.", ("東京-1",))
+    r.dense.write([moved], r.embedder.embed([moved.body]), ["東京-memo"])
+    r.lexical.write([moved], ["東京-memo"])  # the docstore still holds café's text
+    nfd_cafe = [unicodedata.normalize("NFD", "café")]
+    for mode in ("bm25", "dense", "hybrid"):
+        for named in (False, True):
+            hits = r.search("Falcon memo", mode, 5, acl_groups=["東京-1"], named=named)
+            assert not [h for h in hits if "quincemark" in h.text], (mode, named)
+            # café's callers see their text still (the stores they search no longer hold it
+            # for them, the docstore does: a hit of theirs may come only from `named`)
+            assert all("quincemark" in h.text for h in r.search(
+                "Falcon memo", mode, 5, acl_groups=nfd_cafe, named=named))
+    assert not [h for h in r.grep("quincemark|Falcon", 5, acl_groups=["東京-1"])
+                if "quincemark" in h.text]
+    r.close()
