@@ -339,11 +339,22 @@ def index_name_problem(name: object) -> str:
     if not isinstance(name, str) or not name:
         return f"the index name is empty ({INDEX_NAME_RULE})"
     shown = repr(name) if len(name) <= 40 else f"{name[:20]!r}… ({len(name)} characters)"
-    if not name.replace("-", "").replace("_", "").isalnum():
+    if not _without_marks(name).replace("-", "").replace("_", "").isalnum():
         return f"index name {shown} is not allowed: {INDEX_NAME_RULE}"
     if len(name) > INDEX_NAME_CHARS or len(name.encode("utf-8")) > INDEX_NAME_BYTES:
         return f"index name {shown} is too long: {INDEX_NAME_RULE}"
     return ""
+
+
+def _without_marks(name: str) -> str:
+    """`name` without the combining marks that sit on a letter or digit: part of that letter
+    (the vowel signs of 'हिन्दी' or 'ที่ดิน', an accent NFC has no composed form for). A mark on
+    nothing, first or after '-', stays, and is refused."""
+    out: list[str] = []
+    for c in name:
+        if not (unicodedata.category(c).startswith("M") and out and out[-1].isalnum()):
+            out.append(c)
+    return "".join(out)
 
 
 _RAW_IN_USERINFO = ("its user or password holds a raw '/', '?' or '#'; percent-encode them "

@@ -201,3 +201,21 @@ def test_a_cafe_index_is_searched_over_http(tmp_path):
     finally:
         server.stop()
         state.searcher.target.close()
+
+
+def test_names_written_with_vowel_signs_and_combining_marks_are_names(tmp_path):
+    """A letter of Devanagari, Thai or Tamil is often a consonant and a vowel sign (a combining
+    mark): 'हिन्दी', 'ที่ดิน' and 'தமிழ்' are words of letters to their readers, and so is an accent
+    NFC has no composed form for ('ạ̈'). They name indexes, ingested and searched on tantivy and
+    Milvus Lite; a mark that sits on no letter or digit (first, after '-') is still refused."""
+    for good in ("हिन्दी", "ที่ดิน", "தமிழ்", "عَرَبِيّ", "a\u0323\u0308", "x-हिन्दी_2"):
+        assert index_name_problem(good) == "", good
+    for bad in ("\u0301a", "\u0301", "a-\u0301b", "_\u093f", "a \u093f"):
+        assert index_name_problem(bad), ascii(bad)
+    base = load_settings(overrides={"home": tmp_path / "home", "index": "default"},
+                         read_env=False, read_file=False)
+    for index in ("हिन्दी", "ที่ดิน"):
+        _write(tmp_path / "c.jsonl", [{"id": "note", "title": "Note", "text": f"A quokka in {index}."}])
+        assert ingest(tmp_path / "c.jsonl", base.replace(index=index)).documents == 1
+        found = _search(base.replace(index=index), "quokka")
+        assert all(texts == [f"A quokka in {index}."] for texts in found.values()), found
