@@ -127,6 +127,11 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
         log.warning("ray: %s died while starting: %s", what, error_line(exc, 1000))
         raise BackendUnavailable(f"ray: {what} died while starting (its process was killed "
                                  "or its node lost); retry") from None
+    except ray.exceptions.OutOfMemoryError as exc:  # the node ran low on memory: Ray killed it
+        log.warning("ray: %s killed while starting: %s", what, error_line(exc, 1000))
+        raise BackendUnavailable(f"ray: {what} killed while starting: the node ran low on "
+                                 "memory (each open index's retriever holds its models); "
+                                 "retry") from None
     except ray.exceptions.GetTimeoutError:
         have = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
         free = _free()  # what other actors (another index's, another job's) left free

@@ -418,7 +418,8 @@ class RayExecutor:
             if place.actor is not None:
                 self.pool.release(place.actor)
             return report
-        except ray.exceptions.RayActorError as exc:  # ActorUnavailableError too (restarting)
+        except (ray.exceptions.RayActorError,  # ActorUnavailableError too (restarting)
+                ray.exceptions.OutOfMemoryError) as exc:  # killed by Ray's memory monitor
             if place.actor is None:
                 return None
             error = f"{ACTOR_DIED}{error_line(exc, 480)}"

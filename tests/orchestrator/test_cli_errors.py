@@ -597,6 +597,75 @@ def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path):
             ray.shutdown()
 
 
+_OOM_SCRIPT = r"""
+import json, time
+import ray
+from branchsearch.infra.errors import BackendUnavailable
+from branchsearch.orchestrator.execution.balancer import Placement
+from branchsearch.orchestrator.execution.pool import wait_started
+from branchsearch.orchestrator.execution.ray import RayExecutor
+from branchsearch.workers.branch import BranchTask
+
+# every worker running a task is over this threshold: Ray's memory monitor kills it
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+         _system_config={"memory_usage_threshold": 0.001, "memory_monitor_refresh_ms": 200})
+
+@ray.remote(max_restarts=0, num_cpus=0)
+class Slow:
+    def __init__(self, init_s):
+        time.sleep(init_s)
+    def ping(self):
+        return 1
+    def run(self, s):
+        time.sleep(s)
+
+out = {}
+try:
+    wait_started([Slow.remote(30).ping.remote()], "1 retriever actor(s)", 60, {"CPU": 1}, {})
+except BackendUnavailable as exc:
+    out["start"] = f"BackendUnavailable: {exc}"
+except Exception as exc:
+    out["start"] = f"{type(exc).__name__}"
+
+class Pool:  # what the executor does with the lost actor
+    replaced, released = [], []
+    def replace(self, actor): self.replaced.append(actor)
+    def release(self, actor): self.released.append(actor)
+
+executor = object.__new__(RayExecutor)
+executor.pool = Pool()
+actor = Slow.remote(0)
+try:
+    report = executor._collect(BranchTask(1, "q"), Placement(actor.run.remote(30), 0, actor))
+    out["branch"] = [report.status, report.error.split(":")[0], len(Pool.replaced)]
+    hosted = executor._collect(BranchTask(0, "q"), Placement(Slow.remote(0).run.remote(30), 0))
+    out["hosted"] = repr(hosted)
+except Exception as exc:
+    out["branch"] = f"{type(exc).__name__}"
+print(json.dumps(out))
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_an_actor_killed_for_memory_is_a_backend_to_retry_or_a_lost_branch(tmp_path):
+    """Ray's memory monitor kills actors when the node runs low on memory (a service that
+    opened many indexes: each holds a retriever with its models). A retriever killed while
+    starting is BackendUnavailable (a 503 to retry), and a branch whose actor was killed is
+    that actor lost (replaced; a hosted branch runs elsewhere), not Ray's OutOfMemoryError
+    raised through the search (a 500 internal_error in the service). Its own cluster, whose
+    memory threshold every worker passes, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", _OOM_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["start"].startswith("BackendUnavailable: ray: 1 retriever actor(s) killed while "
+                                   "starting: the node ran low on memory"), out
+    assert out["branch"] == ["error", "actor died", 1], out  # ACTOR_DIED: the question reruns
+    assert out["hosted"] == "None", out  # run again on a pool actor (`_gather`'s rescue)
+
+
 @pytest.mark.ray
 def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog):
     """A start that waits for CPUs other actors hold (a batch beside a running service) says
