@@ -361,7 +361,7 @@ class Searcher:
             result = self._run(driver, req, groups, left, emit)
             out = events.result_dict(result, req.k)
             out["index"] = index
-            self._check_failure(driver, out)
+            self._check_failure(driver, out, deadline - (time.monotonic() - started))
             # (within `using`: the guard reads the docstore, which a close of the index, once
             # its last request has left, would shut under it — a crash in sqlite)
             event, _ = events.guard({"type": "result", "result": out}, hidden)
@@ -403,20 +403,34 @@ class Searcher:
             raise box["error"]
         return box["result"]
 
-    def _check_failure(self, driver, out: dict) -> None:
+    def _check_failure(self, driver, out: dict, left: float) -> None:
         """A failed search answers 503/504 with the reason, never an empty 200; an empty result
-        is checked against the backends, so a backend that is down never looks like no hits."""
+        is checked against the backends, so a backend that is down never looks like no hits.
+        The check is the index's one running probe (`_probing`: the searches that fail at once
+        on a backend share it), waited for until the deadline (`left` s from now), or
+        `JOIN_GRACE_S` for a search that ran to it: a backend that takes connections and does
+        not answer (frozen, or a server still starting) would hold the answer for its whole
+        `backend_timeout_s` past the deadline."""
         if out["status"] == "failed":
             if all(b["status"] == "timeout" for b in out["branches"]):
                 raise ApiError(504, "deadline_exceeded", "no branch finished within the "
                                "deadline")
-            self._probe(out["index"], driver)
+            self._probe_until(out["index"], driver, left)
             log.error("every branch failed: %s",
                       "; ".join(sorted({b.get("error", "") for b in out["branches"]})))
             raise ApiError(503, "search_failed", "every branch failed (the server log says "
                            "why); retry later", {"Retry-After": "5"})
         if not out["evidence"]:
-            self._probe(out["index"], driver)
+            self._probe_until(out["index"], driver, left)
+
+    def _probe_until(self, index: str, driver, left: float) -> None:
+        probe, _ = self._probing(index, driver)
+        try:
+            probe.result(timeout=max(left, JOIN_GRACE_S))
+        except FutureTimeout:
+            raise ApiError(503, "backend_unavailable", "the index's backends did not answer "
+                           "within the search's deadline; retry later",
+                           {"Retry-After": "5"}) from None
 
     def _probe(self, index: str, driver) -> dict:
         try:

@@ -1178,6 +1178,63 @@ def test_standalone_serve_says_where_its_branches_run(hotpot_settings, tmp_path)
                 proc.kill()
                 proc.wait(timeout=30)
 
+def test_a_failed_search_asks_its_backends_only_until_its_deadline(tmp_path_factory):
+    """A search whose branches failed on a backend asks the backends whether they are down
+    before it answers. Elasticsearch frozen (SIGSTOP: it takes connections and never answers,
+    as a server still starting does): each branch fails at its `backend_timeout_s`, and the
+    check then waited that timeout again, past the caller's deadline (a burst of 20 callers
+    during a Milvus restart got their 503s 31-42 s after asking with a 20 s deadline). The
+    check ends with the deadline, and the searches failing at once share it."""
+    from es_emulator import start_es_emulator
+
+    home = tmp_path_factory.mktemp("svc-es-frozen")
+    es = start_es_emulator(home / "es")
+    try:
+        settings = load_settings(overrides={
+            "home": home, "index": "es", "es_url": es.url.replace("://", "://elastic:hunter2@"),
+            "branches": 1, "backend_timeout_s": 8, "backend_retries": 0},
+            read_env=False, read_file=False)
+        ingest(write_corpus(home / "c.jsonl", CORPUS[:3]), settings)
+        state = service.local_state(settings, executor="local", limits=Limits(
+            per_key_concurrency=8, max_in_flight=8))
+        state.searcher.target.drivers.open("es")
+        server = start_uvicorn(service.create_app(state), state)
+        try:
+            deadline = 12
+
+            async def ask(client, sse: bool):
+                began = time.monotonic()
+                r = await client.post("/v1/search", json={
+                    "question": "Harbor Festival in June", "deadline_s": deadline},
+                    headers={"Accept": "text/event-stream"} if sse else {})
+                return r, time.monotonic() - began
+
+            async def burst():
+                async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                    return await asyncio.gather(*[ask(client, i % 2 == 1) for i in range(4)])
+
+            os.killpg(es.pid, signal.SIGSTOP)
+            try:
+                answers = asyncio.run(burst())
+            finally:
+                os.killpg(es.pid, signal.SIGCONT)
+            for r, took in answers:
+                if r.headers["content-type"].startswith("text/event-stream"):
+                    last = parse_sse(r.text)[-1]
+                    assert last["type"] == "error" and last["status"] == 503, r.text
+                    body = {"error": last["error"], "detail": last["detail"]}
+                else:
+                    body = assert_error(r, 503)
+                assert body["error"] == "backend_unavailable", body  # the branches failed
+                assert took < deadline + 2, (took, body)  # (the old check: 8 s more, ~16 s)
+                assert "hunter2" not in r.text and str(es.port) not in r.text, r.text
+        finally:
+            server.stop()
+            state.searcher.target.close()
+    finally:
+        es.stop()
+
+
 def test_a_request_running_past_the_shutdown_grace_gets_a_json_503(tmp_path, caplog):
     """A search still running when a stopping server's grace for requests in flight runs out:
     its caller gets a JSON 503 `shutting_down` with Retry-After, as a request arriving at a
