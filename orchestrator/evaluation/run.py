@@ -47,7 +47,8 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
                progress: Callable[[], None] | None = None, docstore=None, k: int = 5,
                acl_groups: list[str] | None = None) -> dict:
     """Run the driver (one or more branch agents) per query, score the fused evidence and
-    attribute each failure from what the branches did (see `evaluation.attribution`)."""
+    attribute each failure from what the branches did (see `evaluation.attribution`). A branch
+    in error (a backend down: its retries spent) stops the run with a `BranchsearchError`."""
     from collections import Counter
 
     from branchsearch.orchestrator.evaluation.attribution import (Trajectory, agent_measures,
@@ -57,6 +58,11 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
     per_query, latencies, classes = [], [], Counter()
     for q in queries:
         result = driver.search(q.text, max_branches=max_branches, acl_groups=acl_groups)
+        failed = next((b for b in result.branches if b.status == "error"), None)
+        if failed is not None:  # a backend down, not the agent's miss: no figures made of it
+            raise BranchsearchError(f"question {q.id}: a branch failed ({failed.error}); the "
+                                    "evaluation stopped rather than score that as the agent's "
+                                    "miss: fix the cause and run it again")
         latencies.append(result.metrics["latency_s"])
         ok = [b for b in result.branches if b.status == "ok"]
         ranking = doc_ranking(result.ranked_chunk_ids)

@@ -209,3 +209,50 @@ def test_a_report_the_disk_cannot_hold_leaves_the_old_one_and_no_partial_copy(tm
     assert done.stdout.split() == ["27", "27"]  # EFBIG, each
     assert report.read_text() == "{}\n" and report.with_suffix(".md").read_text() == "# old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
+
+
+def test_an_agent_eval_whose_backend_dies_stops_rather_than_score_its_failures(tmp_path):
+    """Elasticsearch killed after the first question of an agent eval: the questions after it
+    ended with every branch in error, and were scored as the agent's misses — a report of
+    recall@5 0.25 where the same run with the backend up gives 1.0 (hotpot-mini on Milvus +
+    Elasticsearch, killed mid-run), `retrieval_miss` 9, exit 0,
+    nothing saying so. Now the eval stops with one line naming the question and the backend,
+    and writes no report (single-shot eval already stopped so)."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.errors import BranchsearchError
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    from conftest import HOTPOT
+    from es_emulator import start_es_emulator
+
+    es = start_es_emulator(tmp_path / "es")
+    try:
+        settings = load_settings(overrides={
+            "home": tmp_path / "home", "index": "hotpot-es", "backend_retries": 0,
+            "es_url": es.url.replace("://", "://elastic:hunter2@"), "branches": 2},
+            read_env=False, read_file=False)
+        ingest(HOTPOT, settings)
+
+        class KillAfterFirst:  # a progress bar: ES dies once the first question is scored
+            def __init__(self, total, unit, desc):
+                pass
+
+            def update(self, n=1):
+                es.stop()
+
+            def close(self):
+                pass
+
+        report = tmp_path / "r.json"
+        with pytest.raises(BranchsearchError) as raised:
+            run_evaluation(settings, EvalOptions(HOTPOT, policy="heuristic", limit=4,
+                                                 executor="local", report=report),
+                           progress=KillAfterFirst)
+        line = str(raised.value)
+        assert "elasticsearch" in line and "not reachable" in line, line
+        assert "5a8c7595554299585d9e36b6" in line, line  # the second question, by its id
+        assert "hunter2" not in line
+        assert not report.exists() and not report.with_suffix(".md").exists()
+    finally:
+        es.stop()
