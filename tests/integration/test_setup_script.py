@@ -1,0 +1,49 @@
+"""scripts/setup.sh on a fresh machine: the README promises the CPU build of torch (no CUDA
+download). PyPI's Linux wheel of torch pulls ~3 GB of CUDA libraries, so the script takes the CPU
+build from pip's own sources when they hold it (a wheel folder, a mirror), else from PyTorch's
+CPU index. Run against a stand-in `.venv/bin/python` that logs each pip call: installing torch
+for real takes minutes and gigabytes, and PyTorch's index is not reachable from here."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+
+def run_setup(tmp_path: Path, *, sources_have_cpu_wheel: bool) -> list[str]:
+    """setup.sh in a copy of the repository whose .venv python answers pip's dry run for
+    `torch==2.13.0+cpu` as pip's configured sources would; the pip calls it received."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    venv_bin = tmp_path / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    refuse = "" if sources_have_cpu_wheel else (
+        'case "$*" in *--dry-run*torch==2.13.0+cpu*) '
+        'echo "ERROR: No matching distribution found for torch==2.13.0+cpu"; exit 1;; esac\n')
+    (venv_bin / "python").write_text(f'#!/bin/bash\necho "$*" >> {log}\n{refuse}exit 0\n')
+    (venv_bin / "python").chmod(0o755)
+    done = subprocess.run(["bash", tmp_path / "scripts" / "setup.sh"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return log.read_text().splitlines()
+
+
+def torch_install(calls: list[str]) -> str:
+    [call] = [c for c in calls if "torch==2.13.0" in c and "--dry-run" not in c]
+    return call
+
+
+@pytest.mark.parametrize("sources_have_cpu_wheel", [False, True])
+def test_setup_installs_the_cpu_build_of_torch(tmp_path, sources_have_cpu_wheel):
+    call = torch_install(run_setup(tmp_path, sources_have_cpu_wheel=sources_have_cpu_wheel))
+    if sources_have_cpu_wheel:  # the CPU wheel where pip is configured to find it, no network
+        assert "torch==2.13.0+cpu" in call and "download.pytorch.org" not in call, call
+    else:  # a fresh machine: PyPI alone would give the CUDA build
+        assert CPU_INDEX in call, call
