@@ -43,6 +43,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         from branchsearch.infra.models.embedder import quiet_transformers
 
         quiet_transformers()
+        _gguf_bar_on_a_terminal_only()
     except ImportError:
         raise BranchsearchError("converting the bundled LLM needs torch and transformers") from None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +69,19 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _gguf_bar_on_a_terminal_only() -> None:
+    """transformers draws its GGUF conversion bar with tqdm itself, past its own progress-bar
+    switch: shown on a terminal, not written to a pipe or a log (tqdm's `disable=None`)."""
+    from functools import partial
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # no GGUF support: the load below says what is missing
+        return
+    if not isinstance(gguf_utils.tqdm, partial):
+        gguf_utils.tqdm = partial(gguf_utils.tqdm, disable=None)
 
 
 def resolve_llm_model(settings) -> str:
