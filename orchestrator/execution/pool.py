@@ -109,8 +109,11 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
         first = min(WAIT_NOTE_S, timeout)
         _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=first)
         if pending:  # still not started: say so once, rather than minutes of silence
-            free = _free()
-            if isinstance(free, dict) and all(free.get(k, 0) >= v for k, v in demand.items()):
+            free, unplaced = _free(), _unplaced_actors()
+            if unplaced is None:  # no actor table: judge by the free resources alone
+                unplaced = not (isinstance(free, dict)
+                                and all(free.get(k, 0) >= v for k, v in demand.items()))
+            if not unplaced:  # placed, its constructor running (free excludes what it holds)
                 log.info("ray: %s still starting (loading; up to %g s)", what, timeout)
             else:  # the cluster lacks room for it (another index's actors, another job's)
                 log.warning("ray: waiting for %s to start (up to %g s; this plan asks %s, the "
@@ -142,6 +145,22 @@ def wait_started(refs: list, what: str, timeout: float, resources: dict, demand:
 
 
 WAIT_NOTE_S = 10.0  # actors not started by then: one line says what the start waits for
+
+
+def _unplaced_actors() -> bool | None:
+    """Whether an actor of this job waits for room on the cluster: not started on any node yet
+    (no process), where one placed and loading has its process. None when Ray's actor table
+    cannot be read."""
+    import ray
+
+    try:
+        from ray._private import state
+
+        job = ray.get_runtime_context().get_job_id()
+        return any(info.get("JobID") == job and info.get("State") == "PENDING_CREATION"
+                   and not info.get("Pid") for info in state.actors().values())
+    except Exception:  # noqa: BLE001 — a private table: its shape may change
+        return None
 
 
 def _free():

@@ -703,6 +703,46 @@ def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog):
 
 
 @pytest.mark.ray
+def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, monkeypatch):
+    """A retriever actor placed on the cluster but slow to load (the embedder on a loaded
+    machine) is starting, not waiting for CPUs: the free CPUs already exclude what the plan's
+    placed actors hold, so comparing them with the plan's demand said "waiting … this plan
+    asks {'CPU': 2.0}, the cluster has {'CPU': 0.38} free" on every fresh local cluster
+    (`demo --executor ray`, `loadtest`)."""
+    import logging
+    import time
+
+    import ray
+
+    from branchsearch.orchestrator.execution import pool
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_cpus=1)
+    class Loading:
+        def __init__(self):
+            time.sleep(6)
+
+        def ping(self):
+            return 1
+
+    monkeypatch.setattr(pool, "WAIT_NOTE_S", 2.0)
+    actor = Loading.remote()
+    try:
+        with caplog.at_level(logging.INFO, logger="branchsearch.executors"):
+            pool.wait_started([actor.ping.remote()], "1 retriever actor(s)", 60, {"CPU": 1},
+                              {"CPU": 1})
+        said = [r.getMessage() for r in caplog.records if r.name == "branchsearch.executors"]
+        assert said == ["ray: 1 retriever actor(s) still starting (loading; up to 60 s)"], said
+    finally:
+        ray.kill(actor)
+        if started:
+            ray.shutdown()
+
+
+@pytest.mark.ray
 def test_a_failed_search_exits_1(tmp_path):
     """`status: failed` is exit status 1 (typer hands a command's exit code back to `main`,
     which once dropped it: a failed search exited 0)."""
