@@ -6,6 +6,7 @@ Only parsing and printing; the service is `orchestrator.service` (`deploy` runs 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -152,17 +153,23 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     if executor not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
     found = _keys_path(None, home)
-    if keys is None and found.exists():  # where `keys add` put them
+    default_keys = keys is None and found.exists()  # where `keys add` put them
+    if default_keys:
         keys = found
-        print(f"keys file {keys}", file=sys.stderr)
     service.check_host(host, keys)
     if keys is not None and not keys.exists():
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
                                 f"add NAME --groups G --keys {keys}`)")
     settings = settings_to_read(home, index, config, ray_address=address)
     check_default(settings)  # one line before anything starts, not a replica's traceback
+    # a taken port is said before any index is opened; with Ray Serve on a local cluster (its
+    # proxy binds here) also before the cluster starts, not as the proxy's traceback
+    sock = _listen(host, port) if standalone else None
+    if not (standalone or settings.ray_address or os.environ.get("RAY_ADDRESS")):
+        _listen(host, port).close()
+    if default_keys:  # said once it serves: a mistake found before is its one line
+        print(f"keys file {keys}", file=sys.stderr)
     if standalone:
-        sock = _listen(host, port)  # first: a taken port is said before any index is opened
         if not keys:
             print(service.dev_mode_banner(host, sock.getsockname()[1]), file=sys.stderr)
         service.run_standalone(settings, executor=executor, keys=keys, sock=sock)

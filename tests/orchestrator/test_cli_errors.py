@@ -900,6 +900,36 @@ def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(
     assert "this data home has 'renamed'" in missing.stderr
 
 
+def test_ray_serve_on_a_port_in_use_is_one_line_before_any_cluster(hotpot_settings):
+    """`serve` (Ray Serve, the default) on a port something holds (a second `serve`, another
+    server on 8000): the one line `serve --standalone` gives, at once, not the 120-line
+    traceback of Serve's proxy that failed to bind, after a local cluster started."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        done = run(["serve", "--home", hotpot_settings.home, "--index", "hotpot", "--port",
+                    port], timeout=120)
+    finally:
+        holder.close()
+    assert_one_error_line(done, f"cannot listen on 127.0.0.1:{port} (address already in use); "
+                                "pick another --port or stop what holds it")
+    assert "ray" not in done.stderr.lower()
+
+
+def test_serve_with_the_home_s_keys_file_and_a_mistake_is_still_one_line(tmp_path):
+    """`serve` finds HOME/keys.json and says so, once it is going to serve: a mistake found
+    after (an index that is not there, a port in use) is the one error line, not that note
+    and the error."""
+    home = tmp_path / "home"
+    assert run(["keys", "add", "a", "--groups", "g", "--home", home]).returncode == 0
+    assert_one_error_line(run(["serve", "--home", home, "--index", "nosuch", "--port", 0]),
+                          "index 'nosuch' not found")
+
+
 def test_a_reading_command_with_no_index_named_uses_the_home_s_only_one_or_names_them(
         hotpot_settings, tmp_path):
     """`search`, `retrieve`, `batch` and `serve` without --index wanted an index called
