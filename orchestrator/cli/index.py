@@ -13,7 +13,7 @@ import typer
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.infra.datasets.synth import MAX_DOCS
 from branchsearch.orchestrator.cli.options import (AddressOpt, ConfigOpt, HomeOpt, IndexOpt,
-                                                   per_second, progress_bar, settings_from)
+                                                   JsonOpt, per_second, progress_bar, settings_from)
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +38,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
                "recall; MiniLM embeds its queries) or a local model folder; recorded in the "
                "index, whose searches embed with it"),
            address: Optional[str] = AddressOpt,
-           as_json: bool = typer.Option(False, "--json")):
+           as_json: bool = JsonOpt):
     """Chunk, embed and index a corpus; re-running resumes a stopped ingest (re-ingesting a
     changed document replaces its chunks)."""
     from branchsearch.infra.ingest.pipeline import ingest as run_ingest
@@ -91,7 +91,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
 def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
             check: bool = typer.Option(True, "--check/--no-check",
                                        help="ask external backends for counts (health)"),
-            as_json: bool = typer.Option(False, "--json")):
+            as_json: bool = JsonOpt):
     """List owned and external indexes with their backends, document counts and health; exit
     1 when any cannot be searched now (a backend down, an index incomplete)."""
     from branchsearch.infra.index.catalog import list_indexes

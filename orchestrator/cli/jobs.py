@@ -17,7 +17,8 @@ from branchsearch.infra.config.choices import MODES, POLICIES, SPLITS
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
-                                                   ExecutorOpt, HomeOpt, IndexOpt, caller_acl,
+                                                   ExecutorOpt, HomeOpt, IndexOpt, JsonOpt,
+                                                   caller_acl,
                                                    choice, progress_bar, settings_from,
                                                    settings_to_read, writable_file,
                                                    writable_folder)
@@ -222,7 +223,7 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  None, min=1, help="most branches a question may be planned into (setting "
                  "branches, default 3; 1: the single-context search)"),
              executor: str = ExecutorOpt,
-             limit: Optional[int] = typer.Option(None, min=1),
+             limit: Optional[int] = typer.Option(None, min=1, help="the first N questions only"),
              split: str = typer.Option("test", callback=choice(*SPLITS),
                                        help=f"qrels split: qrels/{{{','.join(SPLITS)}}}.tsv"),
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
@@ -233,7 +234,7 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
                  None, "--index", help="index name (default: the dataset folder's name)"),
              config: Optional[Path] = ConfigOpt, ingest_first: bool = typer.Option(
                  True, "--ingest/--no-ingest", help="ingest the corpus if the index is missing"),
-             as_json: bool = typer.Option(False, "--json")):
+             as_json: bool = JsonOpt):
     """Evaluate single-shot retrieval or the branch agent on a BEIR folder."""
     from branchsearch.infra.textfile import output_path
     from branchsearch.orchestrator.evaluation.run import EvalOptions, dataset_index, run_evaluation
@@ -272,7 +273,9 @@ def _eval_brief(result: dict) -> dict:
                "comparisons": [brief(c) for c in result.get("comparisons", [])]})
 
 
-def demo(home: Optional[Path] = HomeOpt, branches: int = typer.Option(3, min=1),
+def demo(home: Optional[Path] = HomeOpt,
+         branches: int = typer.Option(3, min=1, help="most branches the question may be "
+                                     "planned into"),
          executor: str = ExecutorOpt):
     """The main job on embedded defaults: build a small synthetic corpus, ingest it, run one
     multi-hop question through parallel branches and explain what each branch did."""

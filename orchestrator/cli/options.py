@@ -16,6 +16,7 @@ from branchsearch.infra.config.settings import Settings, load_settings
 HomeOpt = typer.Option(None, "--home", help="data home (default ./.branchsearch)")
 IndexOpt = typer.Option(None, "--index", help="index name (default 'default')")
 ConfigOpt = typer.Option(None, "--config", help="settings TOML file")
+JsonOpt = typer.Option(False, "--json", help="print JSON (for programs) instead of text")
 
 
 def choice(*allowed: str):
@@ -37,8 +38,9 @@ AclOpt = typer.Option(None, "--acl", help="a group the caller holds (repeat for 
 AclAdminOpt = typer.Option(False, "--acl-admin", help="see every document, restricted or not "
                                                       "(also: acl_admin = true in settings)")
 KOpt = typer.Option(10, "--k", min=1, max=MAX_K, help=f"hits to return (1..{MAX_K})")
-AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default RAY_ADDRESS, "
-                                                   "else a local cluster)")
+AddressOpt = typer.Option(None, "--address", help="Ray cluster to join (default RAY_ADDRESS; "
+                                                   "without one, work that uses Ray starts a "
+                                                   "local cluster)")
 
 
 def settings_from(home, index, config, **flags) -> Settings:

@@ -12,7 +12,7 @@ import typer
 
 from branchsearch.infra.config.choices import MODES
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
-                                                   ExecutorOpt, HomeOpt, IndexOpt, KOpt,
+                                                   ExecutorOpt, HomeOpt, IndexOpt, JsonOpt, KOpt,
                                                    PolicyOpt, caller_acl, choice,
                                                    settings_to_read)
 from branchsearch.orchestrator.cli.render import one_line, print_result
@@ -28,7 +28,7 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
              k: int = KOpt, home: Optional[Path] = HomeOpt,
              index: Optional[str] = IndexOpt, config: Optional[Path] = ConfigOpt,
              acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
-             as_json: bool = typer.Option(False, "--json")):
+             as_json: bool = JsonOpt):
     """Single-shot retrieval (no agent)."""
     from branchsearch.infra.retrieval.retriever import one_side
     from branchsearch.infra.index.open import open_retriever
@@ -68,7 +68,7 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
            executor: str = ExecutorOpt, address: Optional[str] = AddressOpt,
            acl: Optional[list[str]] = AclOpt, acl_admin: bool = AclAdminOpt,
            home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
-           config: Optional[Path] = ConfigOpt, as_json: bool = typer.Option(False, "--json")):
+           config: Optional[Path] = ConfigOpt, as_json: bool = JsonOpt):
     """Search with parallel branch agents; prints the fused evidence."""
     from branchsearch.orchestrator.driver import open_driver
     from branchsearch.orchestrator.execution import pick_executor

@@ -15,6 +15,7 @@ import typer
 
 from branchsearch.infra.config.choices import EXECUTORS, one_of
 from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.cli.options import ConfigOpt, HomeOpt, JsonOpt
 
 DEFAULT_KEYS = Path(".branchsearch") / "keys.json"
 KeysOpt = typer.Option(None, "--keys", help="keys file (default: HOME/keys.json, or "
@@ -97,7 +98,7 @@ def _home_indexes(home: Path) -> list[str]:
 
 @keys_app.command("list")
 def keys_list(keys: Optional[Path] = KeysOpt, home: Optional[Path] = KeysHomeOpt,
-              as_json: bool = typer.Option(False, "--json")):
+              as_json: bool = JsonOpt):
     """Keys in the file (names and grants; never the keys)."""
     import json
 
@@ -125,8 +126,9 @@ def keys_revoke(name: str, keys: Optional[Path] = KeysOpt,
 
 
 def serve(index: Optional[str] = typer.Option(None, "--index", help="default index"),
-          host: str = typer.Option("127.0.0.1", "--host"),
-          port: int = typer.Option(8000, "--port", min=0, max=65535),
+          host: str = typer.Option("127.0.0.1", "--host", help="address to listen on "
+                                   "(0.0.0.0: every interface; needs --keys)"),
+          port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on"),
           keys: Optional[Path] = typer.Option(None, "--keys", help="keys file (default: "
                                               "HOME/keys.json when it exists); without one the "
                                               "server is loopback-only (development)"),
@@ -142,8 +144,7 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
                                           "no Ray Serve (the ray executor still starts or "
                                           "joins a Ray cluster for the branches; --executor "
                                           "local runs them here too)"),
-          home: Optional[Path] = typer.Option(None, "--home"),
-          config: Optional[Path] = typer.Option(None, "--config")):
+          home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt):
     """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
     document upsert/delete, /metrics, a web page at /."""
     from branchsearch.orchestrator.cli.options import settings_to_read

@@ -70,12 +70,14 @@ def loadtest(
         think: float = typer.Option(0.0, "--think", help="closed loop: seconds between answer "
                                     "and next question"),
         warmup: int = typer.Option(2, "--warmup", min=0, help="requests before measuring"),
-        seed: int = typer.Option(0, "--seed"),
+        seed: int = typer.Option(0, "--seed", help="the questions' order and the Poisson "
+                                "arrivals (the same seed, the same run)"),
         slo_p99_ms: Optional[float] = typer.Option(None, "--slo-p99-ms", help="report the "
                                                    "highest load holding p99 <= X, errors <= 1%"),
         stop_at_knee: bool = typer.Option(True, "--stop-at-knee/--full-ramp", help="stop the "
                                           "ramp after the first step past the knee (and SLO)"),
-        branches: Optional[int] = typer.Option(None, "--branches", min=1),
+        branches: Optional[int] = typer.Option(None, "--branches", min=1, help="most "
+                                                "branches a question may be planned into"),
         policy: Optional[str] = typer.Option(None, "--policy", help="heuristic | llm (driver)"),
         k: Optional[int] = typer.Option(None, "--k", min=1, help="service: evidence size"),
         deadline_s: Optional[float] = typer.Option(None, "--deadline-s",

@@ -314,6 +314,23 @@ def test_the_command_list_says_each_command_in_one_line():
         assert len(summary.split()) >= 3 and summary.rstrip().endswith((".", ")")), (name, summary)
 
 
+def test_every_option_says_in_its_help_what_it_does():
+    """`branchsearch CMD --help` describes each option (serve's --home and --port, eval's
+    --limit, every --json once showed a bare type)."""
+    import typer
+
+    from branchsearch.orchestrator.cli.main import app
+
+    def bare(command, path):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from bare(sub, f"{path} {name}")
+        for param in command.params:
+            if param.param_type_name == "option" and not param.help:
+                yield f"{path} {'/'.join(param.opts)}"
+
+    assert list(bare(typer.main.get_command(app), "branchsearch")) == []
+
+
 def test_eval_split_reads_dev_qrels(inputs):
     from branchsearch.infra.datasets.beir import read_queries
 
