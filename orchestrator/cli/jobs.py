@@ -114,8 +114,14 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
               f"was written: {', '.join(changed[:10])}{more}", file=sys.stderr)
     picked = pick_executor(settings, executor)
-    if picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
-        driver = QuestionProcesses(settings, worker_count(settings.batch_concurrency), groups)
+    if not todo:  # every id ok already: the output is rewritten; no driver, no worker starts
+        driver = None
+
+        def search(question: str) -> dict:  # another batch wrote the output since it was read
+            raise BranchsearchError("the output changed as this batch started; run it again")
+    elif picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
+        workers = worker_count(min(settings.batch_concurrency, len(todo)))  # none idle
+        driver = QuestionProcesses(settings, workers, groups)
         search = driver.search
     else:
         driver = open_driver(settings, picked)
@@ -143,7 +149,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         terminated = False
     finally:
         bar.close(done=counts is not None)
-        driver.close()
+        if driver is not None:
+            driver.close()
     if terminated:  # a scheduler's stop (or `kill PID`), as ^C: 128 + SIGTERM's number
         print("terminated: the lines written so far stay; the same command resumes",
               file=sys.stderr)

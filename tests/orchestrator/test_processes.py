@@ -213,3 +213,27 @@ def test_a_worker_that_dies_loses_no_question_and_the_workers_start_again(hotpot
     assert [r["ranked_chunk_ids"] for r in again] == ranked
     assert os.getpid() not in {b["pid"] for r in again for b in r["branches"]}
     assert "a worker process died" in capsys.readouterr().err
+
+
+def test_a_resume_with_nothing_left_to_ask_starts_no_search(hotpot_settings, tmp_path):
+    """A re-run whose every id is ok already rewrites its output and ends: it opened the
+    driver and started worker processes, then waited for them to load, to ask nothing (7-20 s
+    on this machine, where `indexes` takes 0.4 s)."""
+    import time
+
+    settings = ingest_copy(hotpot_settings, "hotpot-nothing-left")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                           for q in queries[:2]))
+    out = tmp_path / "out.jsonl"
+    first = _batch(settings, inp, out, "--concurrency", "2")
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes", "--home",
+                    str(settings.home)], capture_output=True, timeout=120)
+    cli = time.monotonic() - start  # a command that opens no index: the CLI's own start
+    start = time.monotonic()
+    again = _batch(settings, inp, out, "--concurrency", "2")
+    took = time.monotonic() - start
+    assert again == first
+    assert took < cli + 3.0, (took, cli)
