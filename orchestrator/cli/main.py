@@ -87,6 +87,9 @@ def user_error(exc: BaseException) -> str | None:
         ctx = getattr(exc, "ctx", None)
         if not message:
             return ""
+        misplaced = _option_before_its_command(exc, ctx)
+        if misplaced:
+            return misplaced
         where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         return _one_line(message) + where
     cause = _user_cause(exc)
@@ -95,6 +98,29 @@ def user_error(exc: BaseException) -> str | None:
     if isinstance(exc, OSError):
         return _path_error(exc)
     return None
+
+
+def _option_before_its_command(exc: Exception, ctx) -> str | None:
+    """`branchsearch --home X search …`: an option of the commands given before the command,
+    where only --help is taken. Says where it goes; None for an option no command takes."""
+    option = getattr(exc, "option_name", None)
+    commands = getattr(getattr(ctx, "command", None), "commands", None)
+    if not option or not commands:
+        return None
+
+    def takes(command) -> bool:  # a group (`keys`): one of its commands
+        return (any(option in param.opts for param in command.params)
+                or any(map(takes, getattr(command, "commands", {}).values())))
+
+    takers = [name for name, command in commands.items() if takes(command)]
+    if not takers:
+        return None
+    named = next((arg for arg in sys.argv[1:] if arg in commands), None)
+    path = ctx.command_path
+    if named in takers:
+        return (f"{option} goes after the command: `{path} {named} … {option} …` "
+                f"(see `{path} {named} --help`)")
+    return f"{option} goes after a command that takes it: {', '.join(takers)}"
 
 
 def _path_error(exc: OSError) -> str | None:

@@ -293,6 +293,19 @@ def test_keys_that_could_never_work_are_made_with_a_note(tmp_path):
     assert "note:" not in quiet.stderr, quiet.stderr
 
 
+def test_an_option_given_before_its_command_says_where_it_goes(tmp_path):
+    """`branchsearch --home X search …` (other CLIs take such options first): one line saying
+    where the option goes, not click's "No such option: --home (Possible options: --help)"."""
+    done = run(["--home", tmp_path, "search", "q", "--index", "x"])
+    assert_one_error_line(done, "--home goes after the command: `branchsearch search … --home …`")
+    done = run(["keys", "--home", tmp_path, "list"])
+    assert_one_error_line(done, "--home goes after the command: `branchsearch keys list … --home")
+    done = run(["--acl", "hr", "synth", tmp_path / "s"])  # synth takes no --acl: who does
+    assert_one_error_line(done, "--acl goes after a command that takes it: retrieve, search,")
+    assert_one_error_line(run(["--bogus", "search", "q"]), "no such option: --bogus")
+    assert not (tmp_path / "s").exists() and not (tmp_path / "indexes").exists()
+
+
 def test_no_arguments_prints_help_and_exits_2():
     done = run([])
     assert done.returncode == 2 and "Traceback" not in done.stderr
