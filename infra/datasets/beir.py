@@ -37,6 +37,9 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
     qfile, qrels_file = folder / "queries.jsonl", folder / "qrels" / f"{split}.tsv"
     if not folder.exists():
         raise CorpusError(f"dataset not found: {folder}")
+    if folder.is_file():  # its queries.jsonl or corpus.jsonl, say
+        raise CorpusError(f"{folder} is a file; give the BEIR folder that holds it "
+                          f"({folder.parent})")
     if not qfile.exists():
         raise CorpusError(f"{folder}: not a BEIR folder (missing queries.jsonl)")
     if not qrels_file.exists():

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import HOTPOT
 
 from branchsearch.infra.datasets.synth import synth
 from branchsearch.orchestrator.evaluation.attribution import (Trajectory, agent_measures,
@@ -126,6 +127,8 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
     (["retrieve", "x", "--index", "nope"], "index 'nope' not found"),
     (["eval", "/nonexistent", "--mode", "bm25"], "dataset not found: /nonexistent"),
     (["eval", ".", "--mode", "bm25"], "not a BEIR folder"),
+    (["eval", str(HOTPOT / "queries.jsonl"), "--mode", "bm25"],  # its file, not its folder
+     f"{HOTPOT / 'queries.jsonl'} is a file; give the BEIR folder that holds it ({HOTPOT})"),
     (["eval", ".", "--mode", "fuzzy"], "unknown mode"),
     (["synth", "out", "--docs", "10", "--tasks", "5"], "docs >= 8 * tasks"),
 ])
