@@ -21,7 +21,19 @@ step() {  # step "what" command…: one line for the user, the command's chatter
   grep -E '^ERROR' "$log" >&2 || true
 }
 
-[ -x .venv/bin/python ] || step "creating .venv" "$PY" -m venv .venv
+# a .venv a failed `venv` left (Debian without python3-venv: a python and no pip) is made again
+if [ -x .venv/bin/python ] && ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  echo "setup: .venv has no pip (left by a venv that failed): making it again" >&2
+  rm -rf .venv
+fi
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
+    echo "setup: failed: branchsearch needs Python 3.11 or newer; '$PY' is" \
+      "$("$PY" -V 2>&1 || echo 'not found') (run PYTHON=python3.11 bash scripts/setup.sh)" >&2
+    exit 1
+  fi
+  step "creating .venv" "$PY" -m venv .venv
+fi
 pip=(.venv/bin/python -m pip install --disable-pip-version-check)
 step "pip" "${pip[@]}" --upgrade pip
 # PyPI's Linux wheel of torch pulls ~3 GB of CUDA libraries: the CPU build comes from pip's own

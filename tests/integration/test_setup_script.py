@@ -6,6 +6,7 @@ for real takes minutes and gigabytes, and PyTorch's index is not reachable from 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,3 +48,47 @@ def test_setup_installs_the_cpu_build_of_torch(tmp_path, sources_have_cpu_wheel)
         assert "torch==2.13.0+cpu" in call and "download.pytorch.org" not in call, call
     else:  # a fresh machine: PyPI alone would give the CUDA build
         assert CPU_INDEX in call, call
+
+
+def stand_in_python(path: Path, log: Path, version_ok: bool) -> Path:
+    """A `python3` that passes (or fails) setup.sh's version check and, asked for `-m venv
+    .venv`, makes a `.venv` whose python logs each call, as `run_setup`'s does."""
+    venv_python = '#!/bin/bash\\necho "$*" >> ' + str(log) + '\\nexit 0\\n'
+    path.write_text(
+        "#!/bin/bash\n"
+        f'case "$*" in -c*) exit {0 if version_ok else 1};; -V) echo "Python 3.9.2";; '
+        f'"-m venv .venv") mkdir -p .venv/bin && printf \'{venv_python}\' > .venv/bin/python '
+        "&& chmod +x .venv/bin/python;; esac\n")
+    path.chmod(0o755)
+    return path
+
+
+def setup_with(tmp_path: Path, python: Path) -> subprocess.CompletedProcess:
+    (tmp_path / "scripts").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    return subprocess.run(["bash", tmp_path / "scripts" / "setup.sh"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": str(python)})
+
+
+def test_a_venv_left_without_pip_is_made_again(tmp_path):
+    """`python3 -m venv` on Debian without python3-venv leaves a .venv with a python and no
+    pip; a second run of setup.sh used it and failed with 'No module named pip'."""
+    log = tmp_path / "calls.log"
+    broken = tmp_path / ".venv" / "bin" / "python"
+    broken.parent.mkdir(parents=True)
+    broken.write_text('#!/bin/bash\necho "/usr/bin/python: No module named pip" >&2; exit 1\n')
+    broken.chmod(0o755)
+    done = setup_with(tmp_path, stand_in_python(tmp_path / "python3", log, version_ok=True))
+    assert done.returncode == 0, done.stderr
+    assert "making it again" in done.stderr
+    assert any("pip install" in call for call in log.read_text().splitlines())
+
+
+def test_a_python_older_than_3_11_is_one_line_and_makes_no_venv(tmp_path):
+    log = tmp_path / "calls.log"
+    done = setup_with(tmp_path, stand_in_python(tmp_path / "python3", log, version_ok=False))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"setup: failed: branchsearch needs Python 3.11 or newer; '{tmp_path / 'python3'}' is "
+        "Python 3.9.2 (run PYTHON=python3.11 bash scripts/setup.sh)"]
+    assert not (tmp_path / ".venv").exists()
