@@ -22,6 +22,7 @@ from branchsearch.orchestrator.plan import HeuristicPlanner
 from branchsearch.orchestrator.result import (MEANING_ONLY, NOTHING_VISIBLE, SearchResult,
                                              evidence_texts, fuse_branches, meaning_only)
 from branchsearch.workers.branch import BranchTask
+from branchsearch.workers.harness import called_off
 from branchsearch.workers.query import check_question
 from branchsearch.workers.tools import fit_query
 
@@ -344,7 +345,7 @@ def _too_late(tasks: list, deadline: float, late: list[str], deeper: bool = Fals
     "1 chain, 2 bridges"), so a result without it is not taken for a full one; a wave with
     none had nothing to search."""
     if time.time() < deadline - MIN_WAVE_S:
-        return False
+        return called_off()  # (the search's caller left: nothing more to search)
     for kind, n in Counter(task.kind for task in tasks).items():
         of = (" of a bridge" if n == 1 else " of bridges") if deeper else ""
         late.append(f"{n} {kind}{'' if n == 1 else 's'}{of}")

@@ -58,17 +58,21 @@ class Events:
 
 def run_here(task, retriever, settings: Settings, carrier: dict | None, policy_factory,
              on_event):
-    """`run_branch` in this actor, its span a child of the driver's (`carrier`)."""
+    """`run_branch` in this actor, its span a child of the driver's (`carrier`). A branch whose
+    task the driver cancels (`ray.cancel`: its search was called off) ends at its next turn."""
     from branchsearch.infra import telemetry
     from branchsearch.workers.branch import run_branch
+    from branchsearch.workers.harness import CALLED_OFF
 
     token = telemetry.attach_carrier(carrier)
+    called_off = CALLED_OFF.set(ray.get_runtime_context().is_canceled)
     try:
         if policy_factory is None and settings.policy == "llm" and not settings.llm_url:
             policy_factory = _on_engine_actor(settings, task.kind)
         return run_branch(task, retriever, settings, policy_factory=policy_factory,
                           on_event=on_event)
     finally:
+        CALLED_OFF.reset(called_off)
         telemetry.flush()
         telemetry.detach(token)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -26,6 +27,17 @@ from branchsearch.workers.tools import TOOLS, Rejected, validate_args
 from branchsearch.workers.workspace import Workspace
 
 MAX_INVALID_IN_A_ROW = 3  # invalid actions in a row before the episode ends (policy_error)
+# Whether the search a branch serves was called off (the service's caller went away): set by
+# what runs the search (the service's search thread; in a Ray actor, `ray.cancel` of the
+# branch's task: `workers.actor.run_here`). A branch then ends at its next turn, as at its
+# deadline, and no later wave starts (`orchestrator.driver`)
+CALLED_OFF: ContextVar[Callable[[], bool] | None] = ContextVar("called_off", default=None)
+
+
+def called_off() -> bool:
+    """Whether the search running in this context was called off (`CALLED_OFF`)."""
+    check = CALLED_OFF.get()
+    return check is not None and check()
 
 
 class EpisodeEnd(Exception):
@@ -146,9 +158,11 @@ class Episode:
         """One turn: show the policy its view, execute what it decides, record the turn."""
         if self.ws.turn >= self.settings.max_turns:
             raise EpisodeEnd("max_turns")
+        turns = f"{self.ws.turn} turn{'' if self.ws.turn == 1 else 's'}"
         if self.deadline is not None and time.time() >= self.deadline:
-            raise EpisodeEnd("deadline", f"stopped at the deadline after {self.ws.turn} turn"
-                             f"{'' if self.ws.turn == 1 else 's'}")
+            raise EpisodeEnd("deadline", f"stopped at the deadline after {turns}")
+        if called_off():  # ends as at the deadline: no one waits for more
+            raise EpisodeEnd("deadline", f"stopped after {turns}: its search was called off")
         self.ws.turn += 1
         with tracer().start_as_current_span("turn") as span:
             before = self.ws.used

@@ -1,7 +1,8 @@
 """Policies for testing the loop without a model (as OpenTelemetry ships an in-memory exporter).
 
 `ScriptedPolicy` replays fixed turns of tool calls, deterministically; `RaisingPolicy` and
-`SlowPolicy` are a crashed and a late branch; `faulty_factory` mixes them for driver tests.
+`SlowPolicy` are a crashed and a late branch; `faulty_factory` mixes them for driver tests;
+`BusyPolicy` is a branch that keeps a CPU busy until its limits end it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,30 @@ class SlowPolicy:
 
     def query_state(self) -> dict:
         return {}
+
+
+class BusyPolicy:
+    """Works `turn_s` seconds of CPU a turn and never finishes: a long branch that only its
+    limits end (`max_turns`, `no_progress_turns`, its deadline, its search called off)."""
+
+    def __init__(self, turn_s: float):
+        self.turn_s = turn_s
+
+    def decide(self, view):
+        import time
+
+        end = time.perf_counter() + self.turn_s
+        while time.perf_counter() < end:
+            pass
+        return []
+
+    def query_state(self) -> dict:
+        return {}
+
+
+def busy_factory(index: int, subquery: str):
+    """Every branch a `BusyPolicy` of 20 ms a turn (a factory Ray actors can import)."""
+    return BusyPolicy(0.02)
 
 
 def faulty_factory(index: int, subquery: str):

@@ -41,6 +41,7 @@ from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_ev
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
 from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
 from branchsearch.workers.branch import BranchReport, BranchTask
+from branchsearch.workers.harness import called_off
 
 log = logging.getLogger("branchsearch.executors")
 ACTOR_DIED = "actor died: "  # a branch report's error when its pool actor was lost
@@ -260,7 +261,7 @@ class RayExecutor:
                 for t in tasks[1:] if not cover(first[0], t)]
         if not rest:
             return first
-        if time.time() < own:
+        if time.time() < own and not called_off():
             try:
                 return first + self._run(rest, settings, policy_factory, on_event, share)
             except Overloaded:
@@ -383,19 +384,27 @@ class RayExecutor:
 
     def _wait(self, places: list[Placement], timeout: float, on_event: Events) -> set:
         """The refs that finished within `timeout`; meanwhile, with a watcher, the branches'
-        events are drained every POLL_S and passed on."""
+        events are drained every POLL_S and passed on. A search called off meanwhile
+        (`called_off`) cancels its branches' tasks: each ends at its next turn, and is
+        waited for as before (its actor is free once it has)."""
         import ray
 
         refs = [p.ref for p in places]
-        if on_event is None:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-            return set(ready)
-        end, done = time.monotonic() + timeout, set()
+        end, done, cancelled = time.monotonic() + timeout, set(), False
         while True:
             left = end - time.monotonic()
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(min(self.POLL_S,
                                                                               left), 0))
             done = set(ready)
+            if not cancelled and called_off():
+                cancelled = True
+                for ref in refs:
+                    if ref not in done:
+                        ray.cancel(ref, recursive=False)  # (its retrieval call ends as is)
+            if on_event is None:
+                if len(done) == len(refs) or left <= 0:
+                    return done
+                continue
             calls = [p.actor.events.remote() if p.actor is not None else
                      self.retrievers[p.replica].branch_events.remote(p.events, p.ref in done)
                      for p in places]
@@ -418,6 +427,11 @@ class RayExecutor:
             if place.actor is not None:
                 self.pool.release(place.actor)
             return report
+        except ray.exceptions.TaskCancelledError:  # its search was called off (`_wait`): the
+            if place.actor is not None:  # branch ended at its next turn
+                self.pool.release(place.actor)
+            return BranchReport(task.index, task.subquery, task.weight, task.kind, "timeout",
+                                "its search was called off")
         except (ray.exceptions.RayActorError,  # ActorUnavailableError too (restarting)
                 ray.exceptions.OutOfMemoryError) as exc:  # killed by Ray's memory monitor
             if place.actor is None:

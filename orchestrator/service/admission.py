@@ -43,6 +43,28 @@ def check_body_size(length: int | None, limits: Limits) -> None:
                                               f"{limits.max_body_bytes}")
 
 
+class Slot:
+    """One admitted request's place in its key's count (and the server's), held while any of
+    its work runs: the request, and a search's own thread that outlives it (`hold`, `let_go`:
+    freed when the last lets go). `stop` is set when its caller went away: the search's
+    branches end at their next step, and the slot is free once they have."""
+
+    def __init__(self, free):
+        self._free, self._users, self._lock = free, 1, threading.Lock()
+        self.stop = threading.Event()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+        self._free()
+
+
 class Concurrency:
     """In-flight requests per key and in total; refusals are 429 (per key) or 503 (total)."""
 
@@ -52,8 +74,9 @@ class Concurrency:
         self._per_key: dict[str, int] = {}
         self.total = 0
 
-    @contextmanager
-    def slot(self, key_name: str):
+    def take(self, key_name: str) -> Slot:
+        """A slot of `key_name`'s, held until its last user lets go (`Slot`); ApiError 503
+        when the server has `max_in_flight`, 429 when the key has its limit."""
         with self._lock:
             if self.total >= self.limits.max_in_flight:
                 raise ApiError(503, "overloaded", f"{self.total} requests in flight; the server "
@@ -66,13 +89,22 @@ class Concurrency:
                                {"Retry-After": str(self.limits.retry_after_s)})
             self._per_key[key_name] = used + 1
             self.total += 1
+        return Slot(lambda: self._free(key_name))
+
+    @contextmanager
+    def slot(self, key_name: str):
+        """A slot (`take`) for the `with` block."""
+        slot = self.take(key_name)
         try:
-            yield
+            yield slot
         finally:
-            with self._lock:
-                self.total -= 1
-                left = self._per_key[key_name] - 1
-                if left:
-                    self._per_key[key_name] = left
-                else:
-                    del self._per_key[key_name]
+            slot.let_go()
+
+    def _free(self, key_name: str) -> None:
+        with self._lock:
+            self.total -= 1
+            left = self._per_key[key_name] - 1
+            if left:
+                self._per_key[key_name] = left
+            else:
+                del self._per_key[key_name]

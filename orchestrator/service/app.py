@@ -4,8 +4,8 @@
 
 The app reaches the searcher through `SearcherClient`: the object itself in one process
 (standalone), or a Ray Serve handle to the `Searcher` deployment (`service.deploy`). Every error
-is one JSON shape, `{error, detail}` (`service.errors`); a client that disconnects frees its
-slot at once and is counted as status 499.
+is one JSON shape, `{error, detail}` (`service.errors`); a client that disconnects calls its
+search off (its slot is free once the search has stopped) and is counted as status 499.
 """
 
 from __future__ import annotations
@@ -279,7 +279,8 @@ async def _disconnected(request: Request) -> None:
 
 async def _unless_gone(request: Request, work):
     """`work` (a coroutine), cancelled the moment the client disconnects: then the searcher
-    gives its slot back at once, and the request is counted as 499."""
+    calls the search off (its slot is back once its branches have stopped), and the request
+    is counted as 499."""
     from fastapi.responses import Response
 
     task = asyncio.ensure_future(work)
@@ -290,7 +291,7 @@ async def _unless_gone(request: Request, work):
         gone.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.wait({task})  # its slot is back when this returns
+            await asyncio.wait({task})  # the search is called off when this returns
     if task.cancelled():
         return Response(status_code=CLIENT_CLOSED)
     return task.result()
@@ -540,8 +541,9 @@ _DESCRIPTION = (
     "groups come from the key. Every answer that is not a 200 is JSON `{error, detail}` "
     "(`ErrorBody`): 401 carries `WWW-Authenticate`, 429 and most 503s `Retry-After`, 405 "
     "`Allow`. "
-    "A client that disconnects before its answer frees its slot at once; the server counts the "
-    "request as 499 in `/metrics` (no client receives that status).")
+    "A client that disconnects before its answer calls its search off, and its slot is free "
+    "once the search has stopped (a turn or so later); the server counts the request as 499 "
+    "in `/metrics` (no client receives that status).")
 
 _ERRORS = {
     400: "bad_request: the request cannot be served as given",

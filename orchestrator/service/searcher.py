@@ -9,8 +9,9 @@ groups, and writes documents through the stores' owner.
 
 Standalone (`serve --standalone`) runs it in the uvicorn process; Ray Serve deploys this same
 class as the `Searcher` deployment (`service.deploy`). Its async methods are the whole interface;
-blocking work runs in threads, and a caller that goes away (a cancelled coroutine) gives its
-concurrency slot back at once.
+blocking work runs in threads, and a caller that goes away (a cancelled coroutine) calls its
+search off: its branches end at their next turn, and its concurrency slot is free once they
+have (`admission.Slot`).
 """
 
 from __future__ import annotations
@@ -90,33 +91,32 @@ class Searcher:
         refusal."""
         arrived = self._arrived(req)  # the deadline counts from here
         self.check_index(self._index(req), key)
-        with self.concurrency.slot(key.name):  # freed at once if the caller goes away
-            return await self._in_thread(self._search, req, key, None, arrived)
+        return await self._searching(self.concurrency.take(key.name), req, key, None, arrived)
 
     async def stream(self, req: SearchRequest, key: ApiKey) -> AsyncIterator[dict]:
         """Events as they happen, ending with `result` (or `error`). A refusal before the search
         starts (403, 429, 404) is raised, so the HTTP status can still say so."""
         arrived = self._arrived(req)
         self.check_index(self._index(req), key)
-        with self.concurrency.slot(key.name):
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            put = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)  # noqa: E731
-            work = asyncio.ensure_future(self._in_thread(self._search, req, key, put, arrived))
-            work.add_done_callback(lambda _: queue.put_nowait(_DONE))
-            first = True
-            try:
-                while (item := await queue.get()) is not _DONE:
-                    first = False
-                    yield item
-                if work.exception() is not None:
-                    err = api_error(work.exception())
-                    if first:
-                        raise err
-                    yield {"type": "error", "status": err.status, **err.body()}
-            finally:
-                if not work.done():
-                    work.cancel()
+        slot = self.concurrency.take(key.name)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        put = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)  # noqa: E731
+        work = asyncio.ensure_future(self._searching(slot, req, key, put, arrived))
+        work.add_done_callback(lambda _: queue.put_nowait(_DONE))
+        first = True
+        try:
+            while (item := await queue.get()) is not _DONE:
+                first = False
+                yield item
+            if work.exception() is not None:
+                err = api_error(work.exception())
+                if first:
+                    raise err
+                yield {"type": "error", "status": err.status, **err.body()}
+        finally:
+            if not work.done():
+                work.cancel()
 
     def _arrived(self, req: SearchRequest) -> float:
         """When (monotonic) the request reached the service: its HTTP arrival at the ingress
@@ -132,6 +132,26 @@ class Searcher:
             raise ApiError(504, "deadline_exceeded", f"the request waited {waited:.1f} s in "
                            f"the service's queues, past its deadline of {deadline:g} s")
         return now - waited
+
+    async def _searching(self, slot, req: SearchRequest, key: ApiKey,
+                         on_event: Callable[[dict], None] | None, arrived: float) -> dict:
+        """`_search` on the searcher's threads, holding the key's `slot` (`admission.Slot`)
+        until its work has ended: a caller that goes away (this coroutine cancelled) calls
+        the search off, its branches end at their next turn, and the slot is free once they
+        have. So a key's limit bounds the searches running for it, not only those awaited."""
+        call = functools.partial(contextvars.copy_context().run, self._search, req, key,
+                                 on_event, arrived, slot)
+        try:
+            future = self._threads.submit(call)
+        except BaseException:
+            slot.let_go()
+            raise
+        future.add_done_callback(lambda _: slot.let_go())  # (also if cancelled unstarted)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            slot.stop.set()
+            raise
 
     async def upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
         return await self._in_thread(self._upsert, index, body, key)
@@ -346,9 +366,10 @@ class Searcher:
             raise ApiError(403, "forbidden", f"key {key.name!r} may not use index {index!r}")
 
     def _search(self, req: SearchRequest, key: ApiKey,
-                on_event: Callable[[dict], None] | None, arrived: float) -> dict:
+                on_event: Callable[[dict], None] | None, arrived: float, slot) -> dict:
         """The search itself (a worker thread): events go to `on_event`, ending with
-        `result`. The deadline counts from `arrived`, the request's arrival."""
+        `result`. The deadline counts from `arrived`, the request's arrival; `slot`: the
+        caller's (`_searching`)."""
         index = self._index(req)
         deadline = req.deadline_s or self.limits.default_deadline_s
         started = arrived
@@ -358,7 +379,7 @@ class Searcher:
             hidden = self._hidden(store, groups)
             emit = self._guarded(hidden, on_event) if on_event is not None else None
             left = max(deadline - (time.monotonic() - started), 0.001)
-            result = self._run(driver, req, groups, left, emit)
+            result = self._run(driver, req, groups, left, emit, slot)
             out = events.result_dict(result, req.k)
             out["index"] = index
             self._check_failure(driver, out, deadline - (time.monotonic() - started))
@@ -370,14 +391,20 @@ class Searcher:
             on_event(event)
         return event["result"]
 
-    def _run(self, driver, req: SearchRequest, groups, deadline: float, emit):
+    def _run(self, driver, req: SearchRequest, groups, deadline: float, emit, slot):
         """Driver.search within the deadline (the driver reports late branches as timeouts;
-        the join is the backstop). The search's thread counts as a user of the driver until it
-        ends, so a search that outlives its request is never left running on closed stores."""
+        the join is the backstop). The search's thread counts as a user of the driver and of
+        the caller's `slot` until it ends, so a search that outlives its request is never left
+        running on closed stores, nor beside the key's next ones; it is called off (its
+        branches end at their next turn) when `slot.stop` is set."""
+        from branchsearch.workers.harness import CALLED_OFF
+
         box: dict = {}
         self.drivers.also(driver)
+        slot.hold()
 
         def work():
+            CALLED_OFF.set(slot.stop.is_set)  # (this thread's own context)
             try:
                 box["result"] = driver.search(
                     req.question, max_branches=req.branches, acl_groups=groups,
@@ -388,15 +415,18 @@ class Searcher:
                 box["error"] = exc
             finally:
                 self.drivers.let_go(driver, None)
+                slot.let_go()
 
         worker = threading.Thread(target=work, name="search", daemon=True)
         try:
             worker.start()
         except BaseException:
             self.drivers.let_go(driver, None)
+            slot.let_go()
             raise
         worker.join(deadline + JOIN_GRACE_S)
-        if worker.is_alive():
+        if worker.is_alive():  # no one will read what it finds
+            slot.stop.set()
             raise ApiError(504, "deadline_exceeded",
                            f"no result within the deadline of {deadline:g} s")
         if "error" in box:

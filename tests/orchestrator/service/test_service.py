@@ -904,6 +904,114 @@ def test_a_stream_its_client_leaves_is_counted_as_499(site):
     assert counted("499") == before[0] + 1 and counted("200") == before[1]
 
 
+@pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_key_that_walks_away_from_its_searches_runs_no_more_of_them_than_its_limit(
+        tmp_path, executor):
+    """A key at its limit of 2 opens searches and drops them at once, JSON and SSE, over and
+    over for a few seconds, while another key searches. A caller gone calls its search off
+    (its branches end at their next turn) and its slot is free only once they have: no more
+    than 2 of the key's searches run at any moment (the service's `search` threads, counted
+    meanwhile; with Ray, one ends only once its branches' tasks have), and the other key's
+    searches take about what they take beside two searches. Before, a disconnect freed the
+    slot and left the search running to its end: dozens ran at once (each branch a busy CPU),
+    and the other key's searches waited seconds."""
+    import threading
+
+    from branchsearch.workers.scripted import busy_factory
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "acl", "branches": 2,
+                                        "max_turns": 20, "no_progress_turns": 20},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings, dense=False)
+    store = KeyStore(tmp_path / "keys.json")
+    walker, other = store.add("walker", ()), store.add("other", ())
+    limits = Limits(per_key_concurrency=2, max_in_flight=64, default_deadline_s=30)
+    state = service.local_state(settings, executor=executor, keys_path=tmp_path / "keys.json",
+                                limits=limits)
+    searcher = state.searcher.target
+    searcher.drivers.open("acl").policy_factory = busy_factory  # 20 ms of CPU a turn
+    server = start_uvicorn(service.create_app(state), state)
+    question = {"question": "harbor festival lighthouse"}
+
+    def running() -> int:
+        return sum(t.name == "search" and t.is_alive() for t in threading.enumerate())
+
+    async def searches(client, until: float) -> list[float]:
+        took = []
+        while time.monotonic() < until or not took:
+            began = time.perf_counter()
+            r = await client.post("/v1/search", headers=auth(other), json=question)
+            assert r.status_code == 200, r.text
+            took.append(time.perf_counter() - began)
+        return took
+
+    async def walk_away(until: float, stream: bool) -> dict:
+        seen: dict = {}
+        headers = {**auth(walker), **({"Accept": "text/event-stream"} if stream else {})}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60 if stream else 0.1) as c:
+            while time.monotonic() < until:
+                try:  # a stream: gone once its 200 arrives; JSON: gone after 0.1 s
+                    async with c.stream("POST", "/v1/search", headers=headers,
+                                        json=question) as r:
+                        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+                        if r.status_code == 429:
+                            await asyncio.sleep(0.01)
+                except httpx.TimeoutException:
+                    seen["gone"] = seen.get("gone", 0) + 1
+        return seen
+
+    async def flood() -> tuple[list[float], list[float], list[dict]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            alone = await searches(client, time.monotonic() + 2)
+            json_until = time.monotonic() + 2.5
+            until = json_until + 2.5
+
+            async def walkers() -> list[dict]:  # JSON, then streams: two at a time
+                walked = await asyncio.gather(walk_away(json_until, False),
+                                              walk_away(json_until, False))
+                return walked + await asyncio.gather(walk_away(until, True),
+                                                     walk_away(until, True))
+
+            walked, beside = await asyncio.gather(walkers(), searches(client, until))
+            return alone, beside, walked
+
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], running())
+            time.sleep(0.003)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        watcher.start()
+        alone, beside, walked = asyncio.run(flood())
+        ended = time.monotonic()
+        while running() and time.monotonic() < ended + 5:
+            time.sleep(0.05)
+        drained = time.monotonic() - ended
+        done.set()
+        watcher.join()
+        gone = sum(w.get("gone", 0) for w in walked[:2])
+        left = sum(w.get(200, 0) for w in walked[2:])
+        print(f"{executor}: {gone} JSON and {left} SSE searches walked away from; "
+              f"{sum(w.get(429, 0) for w in walked)} refused 429; at most {peak[0]} running; "
+              f"the other key's: {max(alone):.2f} s alone, {max(beside):.2f} s beside; "
+              f"drained {drained:.2f} s after")
+        assert gone > 2 and left > 2, walked  # the key did walk away, again and again
+        assert peak[0] <= 3, peak  # the walker's 2, and the other key's one
+        assert drained < 2 and searcher.concurrency.total == 0
+        assert max(beside) < 3 * max(alone) + 1.0, (alone, beside)
+    finally:
+        done.set()
+        server.stop()
+        searcher.close()
+        if executor == "ray":
+            import ray
+
+            ray.shutdown()
+
+
 def test_limits(site):
     client, keys, state = site
     alpha = auth(keys["alpha"])
@@ -915,6 +1023,9 @@ def test_limits(site):
     assert_error(client.post("/v1/search", headers=alpha,
                              json={"question": "q", "acl_groups": ["bravo"]}), 422)
     conc = state.searcher.target.concurrency
+    until = time.monotonic() + 10  # a search whose client left (the tests before) holds its
+    while conc.total and time.monotonic() < until:  # slot until it has stopped, a turn later
+        time.sleep(0.05)
     with conc.slot("alpha"), conc.slot("alpha"):  # the key's two slots are busy
         r = client.post("/v1/search", headers=alpha, json={"question": "harbor"})
         assert_error(r, 429, "too_many_requests")

@@ -212,7 +212,8 @@ def test_the_service_as_deployed(site, mode):
             print(f"{mode}: burst of {BURST}: p50 {latencies[BURST // 2]:.2f} s, "
                   f"max {latencies[-1]:.2f} s")
 
-            # callers that walk away give their slots back at once (the limit is 4 a key)
+            # callers that walk away call their searches off: the slots are back once those
+            # have stopped, a turn later (the limit is 4 a key)
             asyncio.run(walk_away(url, keys["u1"], 4))
             time.sleep(0.5)
             again = client.post("/v1/search", headers=bearer(keys["u1"]),
