@@ -339,7 +339,9 @@ class Searcher:
             raise ApiError(503, "backend_unavailable", f"the retriever process of index "
                            f"{index!r} died; the next request starts it again: retry",
                            {"Retry-After": "5"}) from None
-        except ray.exceptions.ActorUnavailableError as exc:  # lost mid-call, restarting
+        except (ray.exceptions.ActorUnavailableError,  # lost mid-call, restarting
+                ray.exceptions.OutOfMemoryError) as exc:  # killed by Ray's memory monitor (if
+            # not restarted, the next call finds it dead for good: ActorDiedError above)
             log.warning("index %r: its retriever actor was lost during a call: %s", index,
                         error_line(exc, 500))
             raise ApiError(503, "backend_unavailable", f"the retriever process of index "

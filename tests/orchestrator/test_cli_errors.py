@@ -672,6 +672,23 @@ try:
     out["hosted"] = repr(hosted)
 except Exception as exc:
     out["branch"] = f"{type(exc).__name__}"
+
+# the service's call on an index's retriever (a document write, a readiness probe)
+from types import SimpleNamespace
+from branchsearch.orchestrator.service.errors import ApiError
+from branchsearch.orchestrator.service.searcher import Searcher
+
+ray_executor = object.__new__(RayExecutor)
+ray_executor.retriever = Slow.remote(0)
+driver = SimpleNamespace(executor=ray_executor)
+try:
+    Searcher._in_retriever(object.__new__(Searcher), "idx", driver, None,
+                           lambda actor, s: time.sleep(s), 30)
+    out["service"] = "no error"
+except ApiError as exc:
+    out["service"] = [exc.status, exc.error]
+except Exception as exc:
+    out["service"] = f"{type(exc).__name__}"
 print(json.dumps(out))
 ray.shutdown()
 """
@@ -683,8 +700,10 @@ def test_an_actor_killed_for_memory_is_a_backend_to_retry_or_a_lost_branch(tmp_p
     opened many indexes: each holds a retriever with its models). A retriever killed while
     starting is BackendUnavailable (a 503 to retry), and a branch whose actor was killed is
     that actor lost (replaced; a hosted branch runs elsewhere), not Ray's OutOfMemoryError
-    raised through the search (a 500 internal_error in the service). Its own cluster, whose
-    memory threshold every worker passes, in a process of its own."""
+    raised through the search (a 500 internal_error in the service). So is the service's call
+    on an index's retriever (a document write, a readiness probe): a 503 backend_unavailable
+    to retry, not a 500. Its own cluster, whose memory threshold every worker passes, in a
+    process of its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run([sys.executable, "-c", _OOM_SCRIPT], capture_output=True, text=True,
                           env=env, timeout=300, cwd=tmp_path)
@@ -694,6 +713,7 @@ def test_an_actor_killed_for_memory_is_a_backend_to_retry_or_a_lost_branch(tmp_p
                                    "starting: the node ran low on memory"), out
     assert out["branch"] == ["error", "actor died", 1], out  # ACTOR_DIED: the question reruns
     assert out["hosted"] == "None", out  # run again on a pool actor (`_gather`'s rescue)
+    assert out["service"] == [503, "backend_unavailable"], out
 
 
 @pytest.mark.ray
