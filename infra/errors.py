@@ -31,6 +31,12 @@ class SettingsError(BranchsearchError):
     """A settings file, environment variable or flag with a bad value."""
 
 
+class IndexNameTaken(SettingsError):
+    """An owned index whose backend name (its Milvus collection) already holds another index:
+    two names the backend cannot tell apart ('a-b' and 'a_b'). Refused before anything is
+    written."""
+
+
 class IndexIncomplete(BranchsearchError):
     """An index whose ingest never finished (no manifest): it must not be read as if complete."""
 

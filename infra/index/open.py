@@ -53,7 +53,10 @@ def open_stores(settings: Settings, *, create: bool = False, need_dense: bool = 
         embedder = None
     else:
         try:
-            dense, embedder = open_dense(settings, manifest, embedder)
+            # a writer whose index holds nothing yet: a collection that records no index and
+            # holds rows is another index's (`MilvusStore`)
+            fresh = create and not docstore.chunk_count() and not docstore.pending()
+            dense, embedder = open_dense(settings, manifest, embedder, fresh=fresh)
         except BaseException:
             for store in (lexical, docstore):
                 store.close()
@@ -99,7 +102,7 @@ def index_embedder(settings: Settings, reader: bool = True):
                     teacher_queries=reader and settings.static_queries == "minilm")
 
 
-def open_dense(settings: Settings, manifest=None, embedder=None):
+def open_dense(settings: Settings, manifest=None, embedder=None, *, fresh: bool = False):
     """(dense store, embedder) of the owned index: the manifest's dimension, else the one an
     ingest in progress recorded (`dense.dim`), else the embedder's. A reader's embedder is the
     index's own model (`query_model`)."""
@@ -110,7 +113,8 @@ def open_dense(settings: Settings, manifest=None, embedder=None):
     from branchsearch.infra.stores.milvus_lite import is_server
 
     if manifest is None:  # a writer (ingest): the collection is created when missing
-        return dense_store(settings, _dense_dim(settings.index_dir, embedder)), embedder
+        return dense_store(settings, _dense_dim(settings.index_dir, embedder),
+                           fresh=fresh), embedder
     uri = dense_uri(settings)
     ingested_into = str(manifest.backends.get("dense", ""))
     if not is_server(uri) and " " in ingested_into and is_server(ingested_into.split()[1]):
@@ -235,16 +239,17 @@ def on_elastic(settings: Settings) -> bool:
     return recorded.startswith("elasticsearch") if recorded else bool(settings.es_url)
 
 
-def dense_store(settings: Settings, dim: int, *, create: bool = True):
-    """The owned index's dense store (`dense_uri`). `create=False` (a reader): a missing
-    collection is `IndexIncomplete`."""
+def dense_store(settings: Settings, dim: int, *, create: bool = True, fresh: bool = False):
+    """The owned index's dense store (`dense_uri`), in a collection that holds this index and
+    no other (`MilvusStore`'s `owner`; `fresh`: a writer whose index holds no chunks yet).
+    `create=False` (a reader): a missing collection is `IndexIncomplete`."""
     from branchsearch.infra.stores.milvus import MilvusStore, collection_for
 
     return MilvusStore(dense_uri(settings), dim,
                        token=settings.milvus_token,
                        collection=collection_for(settings.index),
                        index=index_spec(settings), create=create,
-                       timeout_s=settings.backend_timeout_s)
+                       timeout_s=settings.backend_timeout_s, owner=settings.index, fresh=fresh)
 
 
 def index_spec(settings: Settings):

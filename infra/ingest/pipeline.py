@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import BackendUnavailable, BranchsearchError, redact
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexNameTaken,
+                                       redact)
 from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, read_manifest,
                                                remove_manifest, write_manifest)
 from branchsearch.infra.ingest import agreement
@@ -141,8 +142,8 @@ def ingest(path: str | Path, settings: Settings, *, dense: bool | None = None,
                               batch_docs=batch_docs, progress=progress, embedder=embedder,
                               override=override, workers=workers, embed_batch=embed_batch,
                               embedded=embedded)
-    except StoresNotOpened:
-        if new:  # a backend down before anything was written: no half-made index is left
+    except (StoresNotOpened, IndexNameTaken):
+        if new:  # refused before anything was written: no half-made index is left
             shutil.rmtree(settings.index_dir, ignore_errors=True)
         raise
     except Exception as exc:

@@ -46,7 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.errors import BackendUnavailable, BadQuery, IndexIncomplete, redact
+from branchsearch.infra.errors import (BackendUnavailable, BadQuery, IndexIncomplete,
+                                       IndexNameTaken, redact)
 from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.stores.milvus_lite import (acquire_lite, busy_error, drop_lite,
                                                   generation, held_elsewhere, is_server,
@@ -60,13 +61,16 @@ ACL_KEY_PUBLIC = "public"  # the `acl_key` of every document any caller sees
 ACL_KEY_LIST_MAX = 1000  # more visible group sets than this: the per-row array filter instead
 ACL_SETS_REFRESH_S = 2.0  # how old this process's copy of an index's group sets may get
 _MILVUS_SAFE = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
+OWNER_NOTE = "branchsearch index: "  # + the index's name: an owned collection's description
 
 
 def collection_for(index: str) -> str:
     """The Milvus collection of an owned index (Lite file or server); the one place that names
     it. Milvus allows only ASCII letters, digits and '_' in a collection name. An ASCII index
-    name keeps `chunks_<index>` with '-' written '_' (so 'a-b' and 'a_b' share one on a shared
-    server, as they always have). Any other name (an index may be named in any script) is
+    name keeps `chunks_<index>` with '-' written '_', the name its collection always had: 'a-b'
+    and 'a_b' map to one, so a collection records the index it holds (`OWNER_NOTE`) and
+    `MilvusStore` refuses it to any other (`IndexNameTaken`). Any other name (an index may be
+    named in any script) is
     `uchunks_<the ASCII letters and digits of its NFKD form>_<12 hex of its SHA-256>`: no ASCII
     name maps there (another prefix), and the hash keeps apart names that fold alike
     ('café' and 'cafè' are `uchunks_cafe_…` with different hashes)."""
@@ -270,9 +274,21 @@ class IndexSpec:
         return {}
 
 
+def recorded_owner(description: str) -> str | None:
+    """The index a collection's description (`OWNER_NOTE`) says it holds; None for one made
+    before collections recorded it (or by another program)."""
+    return description[len(OWNER_NOTE):] if description.startswith(OWNER_NOTE) else None
+
+
 class MilvusStore:
+    """`owner`: the owned index this collection holds (None: no owner checked or recorded). A
+    collection it creates records it in its description; one that records another index is
+    refused (`IndexNameTaken`), as is one made before collections recorded their index that
+    holds rows when the owner is `fresh` (holds no chunks yet: they are another index's)."""
+
     def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
-                 index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0):
+                 index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0,
+                 owner: str | None = None, fresh: bool = False):
         self.uri = str(uri)
         self.timeout_s = timeout_s
         self._lite = lite_key(self.uri)
@@ -295,11 +311,14 @@ class MilvusStore:
         self._client = self._connect(served or self.uri)
         if not self._served:
             acquire_lite(self.uri)
+        self.owner = owner
         try:
             exists = self._request("open", "has_collection", collection)
             if not exists and not create:
                 raise IndexIncomplete(f"milvus: collection {collection!r} is not in "
                                       f"{redact(self.uri)}")
+            if exists and owner is not None:
+                self._check_owner(fresh)
         except BaseException:
             self.close()  # a refused open must not keep the Lite file from other processes
             raise
@@ -371,6 +390,26 @@ class MilvusStore:
         except Exception:  # noqa: BLE001 — its server is gone; nothing to close cleanly
             pass
 
+    def _check_owner(self, fresh: bool) -> None:
+        """Refuse the collection when it holds another index than `self.owner` (see the class)."""
+        info = self._request("open", "describe_collection", self.collection) or {}
+        recorded = recorded_owner(str(info.get("description") or ""))
+        fix = "use another index name"
+        if recorded is not None:
+            if recorded == self.owner:
+                return
+            holder = f"index {recorded!r} ('-' and '_' are one in a collection name)"
+        elif fresh and (rows := self.count()):
+            holder = (f"{rows:,} vectors of an index made before collections named theirs (one "
+                      "whose name differs only in '-' and '_', or this name under another data "
+                      "home or a removed folder)")
+            fix += ", or drop that collection if no index uses it"
+        else:
+            return  # made before collections named their index, by this one
+        raise IndexNameTaken(f"index {self.owner!r} cannot use Milvus collection "
+                             f"{self.collection!r} in {redact(self.uri)}: it holds {holder}; "
+                             f"{fix}")
+
     def _list(self, values: Sequence[str]) -> str:
         return milvus_list(values, lite=not self.server)
 
@@ -385,7 +424,9 @@ class MilvusStore:
     def _create(self) -> None:
         from pymilvus import DataType
 
-        schema = self._client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema = self._client.create_schema(
+            auto_id=False, enable_dynamic_field=False,
+            description="" if self.owner is None else OWNER_NOTE + self.owner)
         schema.add_field("chunk_id", DataType.VARCHAR, is_primary=True, max_length=1024)
         schema.add_field("doc_id", DataType.VARCHAR, max_length=1024)
         schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,

@@ -6,7 +6,8 @@ Milvus takes only `[A-Za-z_][A-Za-z0-9_]*` as a collection name and Elasticsearc
 index names, so each backend's name comes from one function (`collection_for`,
 `es_index_for`): a name the backend already took keeps exactly the backend name it had, any
 other gets a safe form plus a hash of the name, and no two index names share a collection or an
-Elasticsearch index (except 'a-b' and 'a_b' in Milvus, which always shared one).
+Elasticsearch index, except 'a-b' and 'a_b' in Milvus, which always shared one: the collection
+records the index it holds, and the other name is refused.
 """
 
 from __future__ import annotations
@@ -168,6 +169,66 @@ def test_any_script_index_names_on_elasticsearch_and_a_milvus_server(tmp_path, e
             es.indices.delete(index=es_index_for(index), ignore_unavailable=True)
             milvus.drop_collection(collection_for(index))
         es.close()
+        milvus.close()
+
+
+def test_names_sharing_a_milvus_collection_are_refused_on_a_server(tmp_path, milvus_uri):
+    """'a-b' and 'a_b' map to one collection (the name 'a-b' always had). Ingested second, the
+    other name was merged into it: with the same document ids the counts agreed, both indexes
+    said ok, and the first searched the second's vectors. Now the collection records its index:
+    the second is refused with one line before anything is written, and the first is searched
+    and ingested again unharmed. A collection made before it recorded its index keeps serving
+    that index, and a new index that maps to it is refused as well."""
+    from pymilvus import MilvusClient
+
+    from branchsearch.infra.errors import IndexNameTaken
+    from branchsearch.infra.index.catalog import list_indexes
+    from branchsearch.infra.stores.milvus import MilvusStore, acl_sets_collection
+
+    tag = uuid.uuid4().hex[:6]
+    hyphen, under = f"o{tag}-b", f"o{tag}_b"
+    base = load_settings(overrides={"home": tmp_path / "home", "index": "default",
+                                    "milvus_uri": milvus_uri, "milvus_consistency": "Strong"},
+                         read_env=False, read_file=False)
+    ours, theirs = tmp_path / "ours.jsonl", tmp_path / "theirs.jsonl"
+    _write(ours, [{"id": d, "title": d, "text": f"A quokka {d} in the amberwing valley."}
+                  for d in ("note", "memo")])
+    _write(theirs, [{"id": d, "title": d, "text": f"A {d} of basaltfern tax invoices."}
+                    for d in ("note", "memo")])
+    collection = collection_for(hyphen)
+    assert collection == collection_for(under)
+    milvus = MilvusClient(uri=milvus_uri)
+
+    def refused(why: str) -> None:
+        with pytest.raises(IndexNameTaken) as caught:
+            ingest(theirs, base.replace(index=under))
+        line = str(caught.value)
+        assert "\n" not in line and why in line and f"index {under!r} cannot use Milvus " \
+            f"collection {collection!r}" in line, line
+        assert not base.replace(index=under).index_dir.exists()  # nothing half-made
+        assert milvus.query(collection, output_fields=["count(*)"],
+                            consistency_level="Strong")[0]["count(*)"] == 2
+        found = _search(base.replace(index=hyphen), "quokka amberwing valley")
+        assert all(len(texts) == 2 for texts in found.values()), found
+        assert ingest(ours, base.replace(index=hyphen)).resumed == 2  # counts agree
+        assert [(i.name, i.documents, i.health) for i in list_indexes(base)] == \
+            [(hyphen, 2, "ok")]
+
+    try:
+        assert ingest(ours, base.replace(index=hyphen)).counts["dense"] == 2
+        refused(f"it holds index {hyphen!r}")
+        # as an earlier version made it: the same rows, no index recorded
+        rows = milvus.query(collection, filter='chunk_id != ""', consistency_level="Strong",
+                            output_fields=["chunk_id", "doc_id", "acl", "acl_key", "vector"])
+        milvus.drop_collection(collection)
+        old = MilvusStore(milvus_uri, len(rows[0]["vector"]), collection=collection)
+        old._client.insert(collection, rows)
+        old.close()
+        assert milvus.describe_collection(collection)["description"] == ""
+        refused("it holds 2 vectors of an index made before collections named theirs")
+    finally:
+        for name in (collection, acl_sets_collection(collection)):
+            milvus.drop_collection(name)
         milvus.close()
 
 
