@@ -9,10 +9,12 @@ each in this process (`embed_in_slices`: a long document's embedding reports as 
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from branchsearch.infra.config.settings import Settings
@@ -106,14 +108,62 @@ def embed_in_slices(embedder, texts: list[str],
     said after each: its progress is otherwise silent until the batch commits, minutes for a
     book on a CPU."""
     if embedded is None or len(texts) <= EMBED_SLICE:
-        return embedder.embed(texts)
+        with _model_call():
+            return embedder.embed(texts)
     import numpy as np
 
     parts = []
     for start in range(0, len(texts), EMBED_SLICE):
-        parts.append(embedder.embed(texts[start:start + EMBED_SLICE]))
+        with _model_call():
+            parts.append(embedder.embed(texts[start:start + EMBED_SLICE]))
         embedded(min(start + EMBED_SLICE, len(texts)), len(texts))
     return np.concatenate(parts)
+
+
+# `overlapped` stops its producer inside a model call, where it spends its time, and nowhere
+# else: stopped in a progress bar's locked section it would leave the lock held and the exit hung
+_calls_lock = threading.Lock()
+_in_call: set[int] = set()  # threads inside `_model_call` now
+_stopping: set[int] = set()  # producer threads `overlapped` has stopped
+
+
+class _Stopped(BaseException):
+    """Raised in a producer thread that `overlapped` stops (see `_model_call`)."""
+
+
+@contextmanager
+def _model_call():
+    """Around one embedding call. In a producer thread `overlapped` stops, `_Stopped` is raised
+    at its next Python line inside the call (between two layers of the model, not when the call
+    returns, which can be a minute away on a CPU), or at once when it enters one."""
+    me = threading.get_ident()
+    with _calls_lock:
+        if me in _stopping:
+            raise _Stopped
+        _in_call.add(me)
+    try:
+        yield
+    finally:
+        with _calls_lock:
+            _in_call.discard(me)
+        _checkpoint()
+
+
+def _checkpoint() -> None:
+    """A Python call: a `_Stopped` set on this thread before it got here is raised here."""
+
+
+def _stop(thread: threading.Thread) -> None:
+    """Stop `thread`, a producer, inside its model call (now, if it is in one) and wait for it."""
+    with _calls_lock:
+        _stopping.add(thread.ident)
+        if thread.ident in _in_call and thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(_Stopped))
+    thread.join()
+    with _calls_lock:  # (the ident may be a new thread's next)
+        _stopping.discard(thread.ident)
+        _in_call.discard(thread.ident)
 
 
 _DONE = object()
@@ -121,8 +171,12 @@ _DONE = object()
 
 def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[EmbeddedBatch]:
     """The same batches in the same order, produced on a thread up to `ahead` batches before
-    the caller asks for them. An error in the producer is raised here; a caller that stops
-    early (an error while writing) stops the producer at its next batch."""
+    the caller asks for them. An error in the producer is raised here.
+
+    A caller that stops early (an error while writing, a ^C) stops the producer: at its next
+    batch, or inside the model call it is in (`_model_call`), and waits for it. A producer left
+    inside torch when the interpreter exits is killed there by the exit, and torch then aborts
+    the process ("terminate called without an active exception", SIGABRT, not exit status 130)."""
     out: queue.Queue = queue.Queue(maxsize=max(1, ahead))
     stop = threading.Event()
 
@@ -138,6 +192,8 @@ def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[Emb
                 if stop.is_set():
                     return
             item = _DONE
+        except _Stopped:
+            return
         except BaseException as exc:  # handed to the consumer, raised there
             item = exc
         while not stop.is_set():
@@ -158,5 +214,5 @@ def overlapped(batches: Iterator[EmbeddedBatch], ahead: int = 2) -> Iterator[Emb
                 raise item
             yield item
     finally:
-        stop.set()  # the producer stops at its next batch; a batch being embedded is not waited
-        thread.join(timeout=1.0)  # for beyond a second (an interrupted ingest exits promptly)
+        stop.set()
+        _stop(thread)

@@ -41,7 +41,8 @@ import re
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             if workers > 1 and todo:
                 from branchsearch.infra.ingest.distributed import ray_batches
 
-                batches: Iterable[EmbeddedBatch] = ray_batches(
+                batches: Iterator[EmbeddedBatch] = ray_batches(
                     todo, settings, workers=workers, batch_docs=batch_docs,
                     embed=dense_store is not None, embed_batch=embed_batch, embedder=override,
                     dim=dense_store.dim if dense_store else 0,
@@ -219,15 +220,16 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                 batches = overlapped(local_batches(
                     todo, settings, embedder if dense_store else None, batch_docs, embedded))
             t = time.perf_counter()
-            for batch in batches:
-                _add(report, "wait", t)  # the writer idle, waiting for chunks and vectors
-                _spent(report, "chunk", batch.chunk_s)
-                _spent(report, "embed", batch.embed_s)
-                _commit(batch, docstore, lexical, dense_store, prints, report)
-                report.chunks += len(batch.chunks)
-                if progress:
-                    progress(len(batch.docs), len(batch.chunks))
-                t = time.perf_counter()
+            with closing(batches):  # a ^C or an error while writing stops the embedding here
+                for batch in batches:
+                    _add(report, "wait", t)  # the writer idle, waiting for chunks and vectors
+                    _spent(report, "chunk", batch.chunk_s)
+                    _spent(report, "embed", batch.embed_s)
+                    _commit(batch, docstore, lexical, dense_store, prints, report)
+                    report.chunks += len(batch.chunks)
+                    if progress:
+                        progress(len(batch.docs), len(batch.chunks))
+                    t = time.perf_counter()
             t = time.perf_counter()
             report.recounted, report.uncounted = _count_earlier_chunks(docstore, settings)
             _add(report, "count", t)

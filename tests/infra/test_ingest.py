@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -313,6 +314,80 @@ def test_cli_kill9_refuse_busy_then_eval_resumes(tmp_path):
     assert counts == {"docstore": manifest.chunks["docstore"], "lexical": manifest.chunks["docstore"],
                       "dense": manifest.chunks["docstore"], "pending": 0}
     assert json.loads(done.stdout)["metrics"]
+
+
+def test_a_writer_that_stops_stops_the_embedding_thread_where_it_is(monkeypatch):
+    """`overlapped`: a consumer that stops (an error, a ^C) stops the producer inside the model
+    call it is in (MiniLM on torch, minutes of texts), not when the call returns, and joins
+    it: no thread is left running. A stop that meets the producer anywhere else (finishing,
+    between batches) waits for it there and prints nothing."""
+    import threading
+
+    from branchsearch.infra.ingest.batches import embed_in_slices, overlapped
+    from branchsearch.infra.models.embedder import Embedder
+
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", failed.append)
+    embedder = Embedder()
+    embedder.embed(["loaded"])
+
+    def batches():
+        yield "first"
+        yield embed_in_slices(embedder, [f"quokka note {i}" for i in range(200_000)])
+
+    batches = overlapped(batches())
+    assert next(batches) == "first"
+    time.sleep(1.0)  # the producer is embedding
+    started = time.monotonic()
+    batches.close()
+    assert time.monotonic() - started < 10
+    for n in range(300):  # stopped at every point of a short run
+        batches = overlapped(iter(range(n % 4)), ahead=1)
+        next(batches, None)
+        batches.close()
+    assert not [t for t in threading.enumerate() if t.name == "ingest-embed"]
+    assert not failed, failed
+    assert embedder.embed(["after"]).shape == (1, embedder.dim)  # the model still works
+
+
+def test_ctrl_c_on_an_ingest_exits_130_and_it_resumes(tmp_path):
+    """^C while the producer thread embeds the next batches: the ingest says `interrupted` and
+    exits 130. It left that thread inside torch when the interpreter exited, which aborted the
+    process ("terminate called without an active exception", SIGABRT). The index is left
+    incomplete, and the same command resumes it."""
+    home = tmp_path / "home"
+    corpus = _synth(home, docs=600)
+    env, index_dir = _env(home), home / "indexes" / "synth"
+    proc = subprocess.Popen(prepared([*CLI, "ingest", corpus, "--index", "synth"],
+                                     sigint_default=True),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while _docs_committed(index_dir) == 0:  # the first batch is committed, the next embed
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.time() < deadline, "the ingest committed nothing in 300 s"
+            time.sleep(0.05)
+        assert proc.poll() is None, "the ingest finished before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, stderr[-2000:])
+    assert stderr.rstrip().endswith("interrupted"), stderr[-2000:]
+    assert "terminate called" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert read_manifest(index_dir) is None  # incomplete, not passed off as done
+    done = subprocess.run([*CLI, "ingest", str(corpus), "--index", "synth"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    committed = int(re.search(r"; (\d+) documents were already committed", done.stdout)[1])
+    assert committed >= 256, done.stdout  # at least the first batch was kept, not redone
+    manifest = read_manifest(index_dir)
+    assert manifest is not None and manifest.documents == 600
+    counts = _store_counts(_settings(home, index="synth"))
+    assert counts == {"docstore": manifest.chunks["docstore"],
+                      "lexical": manifest.chunks["docstore"],
+                      "dense": manifest.chunks["docstore"], "pending": 0}
 
 
 def test_ingest_while_a_reader_holds_milvus_lite_is_one_line_and_changes_nothing(tmp_path):
