@@ -585,8 +585,22 @@ def test_actor_died_of_a_user_error_is_that_error():
     assert start_error(bug) is None and user_error(bug) is None
 
 
+@pytest.fixture
+def one_cpu_ray():
+    """A local Ray cluster of one CPU for the test (or the one this process is connected to),
+    shut down after it when the test started it."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.mark.ray
-def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path):
+def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path, one_cpu_ray):
     """An actor whose process is killed before it answers (a retriever started again by the
     service, killed once more): BackendUnavailable, a 503 to retry, not Ray's ActorDiedError
     (a 500 in the service)."""
@@ -598,9 +612,6 @@ def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path):
     from branchsearch.infra.errors import BackendUnavailable
     from branchsearch.orchestrator.execution.pool import wait_started
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     pidfile = tmp_path / "pid"
 
     @ray.remote(max_restarts=0, num_cpus=0)
@@ -612,19 +623,15 @@ def test_an_actor_killed_while_starting_is_a_backend_to_retry(tmp_path):
         def ping(self):
             return os.getpid()
 
-    try:
-        ref = Slow.remote(str(pidfile)).ping.remote()
-        waited = time.monotonic()
-        while not (pidfile.exists() and pidfile.read_text()):
-            assert time.monotonic() - waited < 60, "the actor never started"
-            time.sleep(0.1)
-        os.kill(int(pidfile.read_text()), signal.SIGKILL)
-        with pytest.raises(BackendUnavailable, match=r"1 retriever actor\(s\) died while "
-                           r"starting .*; retry$"):
-            wait_started([ref], "1 retriever actor(s)", 60, {"CPU": 1}, {})
-    finally:
-        if started:
-            ray.shutdown()
+    ref = Slow.remote(str(pidfile)).ping.remote()
+    waited = time.monotonic()
+    while not (pidfile.exists() and pidfile.read_text()):
+        assert time.monotonic() - waited < 60, "the actor never started"
+        time.sleep(0.1)
+    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    with pytest.raises(BackendUnavailable, match=r"1 retriever actor\(s\) died while "
+                       r"starting .*; retry$"):
+        wait_started([ref], "1 retriever actor(s)", 60, {"CPU": 1}, {})
 
 
 _OOM_SCRIPT = r"""
@@ -717,7 +724,7 @@ def test_an_actor_killed_for_memory_is_a_backend_to_retry_or_a_lost_branch(tmp_p
 
 
 @pytest.mark.ray
-def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog):
+def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog, one_cpu_ray):
     """A start that waits for CPUs other actors hold (a batch beside a running service) says
     so after WAIT_NOTE_S, once, with what it asks and what is free, instead of minutes of
     silence; then fails with one line at its timeout."""
@@ -728,9 +735,6 @@ def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog):
     from branchsearch.infra.errors import BackendUnavailable
     from branchsearch.orchestrator.execution import pool
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 
     @ray.remote(num_cpus=64)
     class Big:
@@ -748,12 +752,10 @@ def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog):
         assert "{'CPU': 64}" in waits[0]
     finally:
         ray.kill(actor)
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.ray
-def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, monkeypatch):
+def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, monkeypatch, one_cpu_ray):
     """A retriever actor placed on the cluster but slow to load (the embedder on a loaded
     machine) is starting, not waiting for CPUs: the free CPUs already exclude what the plan's
     placed actors hold, so comparing them with the plan's demand said "waiting … this plan
@@ -766,9 +768,6 @@ def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, m
 
     from branchsearch.orchestrator.execution import pool
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 
     @ray.remote(num_cpus=1)
     class Loading:
@@ -788,8 +787,6 @@ def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, m
         assert said == ["ray: 1 retriever actor(s) still starting (loading; up to 60 s)"], said
     finally:
         ray.kill(actor)
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.ray
