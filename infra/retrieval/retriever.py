@@ -14,8 +14,8 @@ City and Kansas district pages above the 'Kansas' article in the pooled benchmar
 Hybrid takes `hybrid_candidates` from BM25 and from dense and fuses them with `fusion.rrf`.
 Hits are hydrated from the docstore; an id the docstore does not know, or whose row the
 caller's groups may not see (a write in progress: the docstore is written last), is dropped.
-Readers open only a complete index: `open_stores` refuses one without a manifest (a killed or running ingest,
-see `infra.index.manifest`) with one line that says what to run.
+Readers open only a complete index: `open_stores` refuses one without a manifest (a killed or
+running ingest, see `infra.index.manifest`) with one line that says what to run.
 
 With a question's `cache` (`infra.retrieval.fetch_cache.QuestionCache`, via `call_many(..., cache=)` or
 `QuestionRetriever`), the branches of one question share what the backends answered: each

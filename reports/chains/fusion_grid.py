@@ -87,7 +87,8 @@ def main() -> None:
     for name, rows in sets.items():
         for row, branches in rows:
             if fuse(branches, **SHIPPED) != row["fused"]:
-                raise SystemExit(f"{name}: {row['id']}: the shipped fusion does not rebuild the run")
+                raise SystemExit(f"{name}: {row['id']}: the shipped fusion does not rebuild "
+                                 "the run")
         n = len(rows)
         union10 = sum(set(r["gold"]) <= {d for b in r["branches"]
                                           for d in doc_ranking(b["ranked"])[:10]}

@@ -276,7 +276,8 @@ def test_names_written_with_vowel_signs_and_combining_marks_are_names(tmp_path):
     base = load_settings(overrides={"home": tmp_path / "home", "index": "default"},
                          read_env=False, read_file=False)
     for index in ("हिन्दी", "ที่ดิน"):
-        _write(tmp_path / "c.jsonl", [{"id": "note", "title": "Note", "text": f"A quokka in {index}."}])
+        _write(tmp_path / "c.jsonl",
+               [{"id": "note", "title": "Note", "text": f"A quokka in {index}."}])
         assert ingest(tmp_path / "c.jsonl", base.replace(index=index)).documents == 1
         found = _search(base.replace(index=index), "quokka")
         assert all(texts == [f"A quokka in {index}."] for texts in found.values()), found

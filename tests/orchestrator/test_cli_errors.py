@@ -755,7 +755,8 @@ def test_actors_the_cluster_cannot_place_yet_are_said_to_wait(caplog, one_cpu_ra
 
 
 @pytest.mark.ray
-def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, monkeypatch, one_cpu_ray):
+def test_actors_placed_but_still_loading_are_not_said_to_wait_for_room(caplog, monkeypatch,
+                                                                      one_cpu_ray):
     """A retriever actor placed on the cluster but slow to load (the embedder on a loaded
     machine) is starting, not waiting for CPUs: the free CPUs already exclude what the plan's
     placed actors hold, so comparing them with the plan's demand said "waiting … this plan
