@@ -11,6 +11,7 @@ search off (its slot is free once the search has stopped) and is counted as stat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import logging
 import re
@@ -48,7 +49,11 @@ CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 
 class SearcherClient:
     """How the app calls the one `Searcher`: directly in this process, or through a Serve
-    deployment handle (whose errors are unwrapped to the `ApiError` the replica raised)."""
+    deployment handle (whose errors are unwrapped to the `ApiError` the replica raised).
+
+    Through Serve a call may wait in Serve's queue for a searcher replica (each takes
+    `searcher_max_ongoing` at once), where the searcher's own deadline cannot reach it: a
+    search waits at most `within` s (`time_left`), then 504 `deadline_exceeded` (`_bounded`)."""
 
     def __init__(self, target):
         from branchsearch.orchestrator.service.searcher import Searcher
@@ -56,31 +61,76 @@ class SearcherClient:
         self.target = target
         self.local = isinstance(target, Searcher)
 
-    async def call(self, method: str, *args):
+    async def call(self, method: str, *args, within: float | None = None):
         if self.local:
             return await getattr(self.target, method)(*args)
+        response = self.target.answer.remote(method, *args)
         try:
-            out = await self.target.answer.remote(method, *args)
+            async with _bounded(response, _when(within)):
+                out = await response
         except Exception as exc:  # noqa: BLE001
             raise _unwrap(exc) from None
         if isinstance(out, Refused):  # a refusal, carried as a value (`Refused`)
             raise out.error
         return out
 
-    async def stream(self, req, key):
+    async def stream(self, req, key, within: float | None = None):
+        """The search's events; through Serve, those not come by `within` s from now end it
+        with 504 `deadline_exceeded` (raised: before the first event, the HTTP status)."""
         if self.local:
             async for event in self.target.stream(req, key):
                 yield event
             return
+        events, when = self.target.options(stream=True).answer_stream.remote(req, key), \
+            _when(within)
         try:
-            async for event in self.target.options(stream=True).answer_stream.remote(req, key):
+            while True:
+                async with _bounded(events, when):
+                    try:
+                        event = await events.__anext__()
+                    except StopAsyncIteration:
+                        return
                 if isinstance(event, Refused):
                     raise event.error
                 yield event
-        except ApiError:
-            raise
         except Exception as exc:  # noqa: BLE001
             raise _unwrap(exc) from None
+
+
+def time_left(req, limits: Limits) -> float:
+    """How long the app waits on a Serve searcher for search `req` (`SearcherClient`): until
+    its deadline, counted from its arrival, and the `JOIN_GRACE_S` past it in which the
+    searcher hands back what its branches found (the bound `serve --standalone` keeps)."""
+    from branchsearch.orchestrator.service.searcher import JOIN_GRACE_S
+
+    deadline = req.deadline_s or limits.default_deadline_s
+    return max(req.received_at + deadline + JOIN_GRACE_S - time.time(), 0.0)
+
+
+def _when(within: float | None) -> float | None:
+    return None if within is None else asyncio.get_running_loop().time() + within
+
+
+@contextlib.asynccontextmanager
+async def _bounded(response, when: float | None):
+    """Around awaiting a Serve call's `response` (or its next event) until `when` (the event
+    loop's clock; None: no bound); past it, 504 `deadline_exceeded`. A wait that ends with no
+    answer, so, or by the caller going away (the awaiting task cancelled), cancels the call
+    (`DeploymentResponse.cancel`): one still in Serve's queue leaves it and never runs, one
+    running in the replica is cancelled there and calls its search off."""
+    bound = asyncio.timeout_at(when)
+    try:
+        async with bound:
+            yield
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+    except TimeoutError:
+        if not bound.expired():  # (the replica's own error)
+            raise
+        response.cancel()
+        raise ApiError(504, "deadline_exceeded", "no result within the request's deadline: "
+                       "the searcher is busy (the request waited for it)") from None
 
 
 def _unwrap(exc: BaseException) -> ApiError:
@@ -469,13 +519,14 @@ def create_app(state: ServiceState):
         if req.index is not None:  # what the key alone decides (403) is said here, not after a
             Searcher.check_index(req.index, key)  # wait in the searcher's (full) queue
         if "text/event-stream" in request.headers.get("accept", ""):
-            events = searcher.stream(req, key)
+            events = searcher.stream(req, key, time_left(req, limits))
             first = await events.__anext__()  # a refusal still gets its HTTP status
             return StreamingResponse(_frames(first, events, metrics, request.scope),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
-        result = await _unless_gone(request, searcher.call("search", req, key))
+        result = await _unless_gone(request, searcher.call("search", req, key,
+                                                           within=time_left(req, limits)))
         if isinstance(result, dict):
             metrics.observe_result(result)
         return result

@@ -401,3 +401,57 @@ def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full
     assert {r.json()["error"] for r in forbidden} == {"forbidden"}
     assert "may not use index 'acl'" in forbidden[0].json()["detail"]
     assert "not an admin key" in forbidden[1].json()["detail"]
+
+
+def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(serve_app,
+                                                                              tmp_path):
+    """The searcher replica takes one search at a time and queues one (`searcher_max_ongoing`,
+    `searcher_max_queued`), and a search holds it for its 20 s deadline (its index's backend
+    takes connections and never answers). A search with a 2 s deadline queued behind it in
+    Serve waited there until the first ended, ~19 s, for its 504: on a starved CPU callers got
+    their 504s 25-30 s after asking with a 20 s deadline. The ingress now waits on the searcher
+    only until the deadline (and the searcher's 2 s grace past it): a 504 `deadline_exceeded`
+    in JSON, also to a caller that asked for a stream (no event came). Its call is cancelled
+    in Serve's queue, whose one place the next such search then takes (not 503 `overloaded`)."""
+    import socket
+
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    hole = socket.socket()  # a backend that takes connections and never answers
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    home = bm_home(tmp_path / "busy")
+    config = home / "branchsearch.toml"
+    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
+                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
+    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
+                        searcher_max_ongoing=1, searcher_max_queued=1)
+    serve.run(build_application(opts), name="busy", route_prefix="/busy")
+    held = None
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            blocker = pool.submit(client.post, "/busy/v1/search", json={
+                "question": "harbor", "index": "hole", "deadline_s": 20})
+            hole.settimeout(60)
+            held, _ = hole.accept()  # the searcher runs it: its index is starting
+            answers = []
+            for accept in ("application/json", "text/event-stream", "application/json"):
+                began = time.monotonic()
+                r = client.post("/busy/v1/search", json={"question": "harbor", "deadline_s": 2},
+                                headers={"Accept": accept})
+                answers.append((r, time.monotonic() - began))
+            first = blocker.result()
+        assert first.status_code == 503 and first.json()["error"] == "index_starting", first.text
+        for r, took in answers:
+            assert r.status_code == 504, (r.status_code, r.text, took)
+            assert r.headers["content-type"] == "application/json", r.headers
+            assert r.json()["error"] == "deadline_exceeded", r.text
+            assert took < 2 + 2 + 3, (took, r.text)  # (the old wait: the first's end, ~19 s)
+    finally:
+        for s in (held, hole):
+            if s is not None:
+                s.close()
+        serve.delete("busy")  # the module's own app goes on
