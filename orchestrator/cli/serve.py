@@ -164,10 +164,13 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     settings = settings_to_read(home, index, config, ray_address=address)
     check_default(settings)  # one line before anything starts, not a replica's traceback
     # a taken port is said before any index is opened; with Ray Serve on a local cluster (its
-    # proxy binds here) also before the cluster starts, not as the proxy's traceback
-    sock = _listen(host, port) if standalone else None
+    # proxy binds here) also before the cluster starts, and on a cluster joined before Serve
+    # starts there: not as the traceback of a proxy that failed to bind
+    sock = service.listen(host, port) if standalone else None
     if not (standalone or settings.ray_address or os.environ.get("RAY_ADDRESS")):
-        _listen(host, port).close()
+        service.listen(host, port).close()
+    elif not standalone:
+        service.check_head_port(settings, host, port)
     if default_keys:  # said once it serves: a mistake found before is its one line
         print(f"keys file {keys}", file=sys.stderr)
     if standalone:
@@ -182,24 +185,3 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
         config=str(config.resolve()) if config else None,
         keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas,
         searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)
-
-
-def _listen(host: str, port: int):
-    """A listening socket on host:port (port 0: a free one), or one error line saying why not."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        import errno
-
-        sock.close()
-        hint = ("pick another --port or stop what holds it" if exc.errno == errno.EADDRINUSE
-                else "check --host (an address of this machine) and --port")
-        raise BranchsearchError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
-                                f"{hint}") from None
-    return sock

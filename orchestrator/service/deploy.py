@@ -49,6 +49,27 @@ def dev_mode_banner(host: str, port: int) -> str:
             f"document; listening on loopback only (http://{host}:{port})")
 
 
+def listen(host: str, port: int):
+    """A listening socket on host:port (port 0: a free one), or one error line saying why not."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        import errno
+
+        sock.close()
+        hint = ("pick another --port or stop what holds it" if exc.errno == errno.EADDRINUSE
+                else "check --host (an address of this machine) and --port")
+        raise BranchsearchError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                                f"{hint}") from None
+    return sock
+
+
 # --- standalone: uvicorn ------------------------------------------------------------------------
 
 def local_state(settings, *, executor: str = "local", keys_path=None,
@@ -342,6 +363,45 @@ def proxy_location(host: str) -> str:
     except ValueError:  # a host name: one machine's, but for localhost
         everywhere = host == "localhost"
     return "EveryNode" if everywhere else "HeadOnly"
+
+
+def check_head_port(settings, host: str, port: int) -> None:
+    """Joining a cluster (`serve --address`), whether Serve's HTTP proxy can listen on
+    host:port on the head node, where `serve.start` starts the proxy it waits for: asked by a
+    task there before Serve starts, so a port in use is `listen`'s one line, not the
+    traceback of a proxy that failed to bind, after a Serve controller was left on the
+    cluster. Not asked when Serve already runs there (its proxies hold their ports, and
+    `serve.start` joins it), nor when the task fails or has not run within a minute."""
+    import ray
+    from ray import serve
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from branchsearch.infra.raycluster import connect
+
+    connect(settings)
+    if serve.status().proxies:
+        return
+    head = next((n["NodeID"] for n in ray.nodes()
+                 if n["Alive"] and "node:__internal_head__" in n["Resources"]), None)
+    if head is None:
+        return
+    task = ray.remote(num_cpus=0, max_retries=0)(_port_problem).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
+    try:
+        problem = ray.get(task.remote(host, port), timeout=60)
+    except ray.exceptions.RayError:  # (GetTimeoutError too)
+        return
+    if problem:
+        raise BranchsearchError(problem)
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why this node cannot listen on host:port (`listen`'s line), or None."""
+    try:
+        listen(host, port).close()
+    except BranchsearchError as exc:
+        return str(exc)
+    return None
 
 
 def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool = True):

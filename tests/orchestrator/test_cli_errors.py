@@ -968,6 +968,77 @@ def test_ray_serve_on_a_port_in_use_is_one_line_before_any_cluster(hotpot_settin
     assert "ray" not in done.stderr.lower()
 
 
+@pytest.mark.ray
+def test_ray_serve_joining_a_cluster_on_a_port_in_use_is_one_line_before_serve_starts(
+        hotpot_settings):
+    """`serve --address HEAD` (Ray Serve on a cluster already running) on a port something
+    holds on the head: Serve's 120-line traceback of its proxy that failed to bind, exit 1,
+    and Serve's controller and proxy left on the cluster. Now the one line of a local `serve`,
+    exit 2, asked on the head before Serve starts there: nothing of Serve is left."""
+    import secrets
+    import socket
+    import tempfile
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    temp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must stay short
+    gcs = free_port()
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_ADDRESS": ""}
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        subprocess.run([ray_cli, "start", "--head", "--port", str(gcs), "--temp-dir", temp,
+                        "--num-cpus", "1", "--include-dashboard", "false",
+                        "--disable-usage-stats", "--ray-client-server-port", str(free_port()),
+                        "--dashboard-agent-listen-port", str(free_port())],
+                       env={**os.environ, **env}, check=True, capture_output=True, timeout=180)
+        address = f"127.0.0.1:{gcs}"
+        done = run(["serve", "--home", hotpot_settings.home, "--index", "hotpot", "--address",
+                    address, "--port", port], env=env, timeout=180)
+        named = subprocess.run([sys.executable, "-c", (
+            "import ray, sys\nray.init(address=sys.argv[1], log_to_driver=False)\n"
+            "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))"
+        ), address], env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+    finally:
+        holder.close()
+        _stop_processes_of(temp)
+    assert_one_error_line(done, f"cannot listen on 127.0.0.1:{port} (address already in use); "
+                                "pick another --port or stop what holds it")
+    assert named.returncode == 0 and named.stdout.strip() == "[]", (named.stdout,
+                                                                     named.stderr[-800:])
+
+
+def _stop_processes_of(temp: str) -> None:
+    """Stop, by PID, the processes of the cluster started with `--temp-dir temp` and theirs
+    (never `ray stop`, which stops every cluster on the machine)."""
+    import psutil
+
+    mine = [p for p in psutil.process_iter(["cmdline"])
+            if p.pid != os.getpid() and any(temp in part for part in p.info["cmdline"] or ())]
+    for p in list(mine):
+        try:
+            mine += p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in mine:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    for p in psutil.wait_procs(mine, timeout=10)[1]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 def test_serve_with_the_home_s_keys_file_and_a_mistake_is_still_one_line(tmp_path):
     """`serve` finds HOME/keys.json and says so, once it is going to serve: a mistake found
     after (an index that is not there, a port in use) is the one error line, not that note
