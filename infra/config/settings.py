@@ -170,6 +170,9 @@ class Settings:
     # an index other than the default unused this long is closed (its retriever process and
     # models freed) and opened again by its next request; 0: kept open until the server stops
     index_idle_close_s: float = 900.0
+    # the most indexes open at once (the default one included): a search of one more closes
+    # the least recently used open index no request is using; all in use: 503 overloaded
+    max_open_indexes: int = 8
 
     # indexes an enterprise already has: `[indexes.NAME]` tables (see infra/stores/external.py)
     indexes: tuple = ()
@@ -220,7 +223,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                 "otlp_timeout_s", "trace_flush_timeout_s"),
     "service": ("max_body_bytes", "max_question_chars", "max_branches", "max_k",
                 "default_deadline_s", "max_deadline_s", "per_key_concurrency", "max_in_flight",
-                "retry_after_s", "index_idle_close_s"),
+                "retry_after_s", "index_idle_close_s", "max_open_indexes"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 
@@ -261,7 +264,7 @@ NO_RESULT_CHANGE: tuple[str, ...] = (
     "trace_exporter", "trace_file", "otlp_endpoint", "otlp_protocol", "otlp_headers",
     "otlp_timeout_s", "trace_flush_timeout_s", "max_body_bytes", "max_question_chars",
     "max_branches", "max_k", "default_deadline_s", "max_deadline_s", "per_key_concurrency",
-    "max_in_flight", "retry_after_s", "index_idle_close_s",
+    "max_in_flight", "retry_after_s", "index_idle_close_s", "max_open_indexes",
 )
 
 
@@ -466,7 +469,7 @@ def _validate(s: Settings) -> None:
         (s.actor_start_timeout_s > 0, "actor_start_timeout_s must be > 0"),
         *((getattr(s, name) >= 1, f"{name} must be >= 1") for name in (
             "max_body_bytes", "max_question_chars", "max_branches", "max_k",
-            "per_key_concurrency", "max_in_flight", "retry_after_s")),
+            "per_key_concurrency", "max_in_flight", "retry_after_s", "max_open_indexes")),
         (0 < s.default_deadline_s <= s.max_deadline_s,
          "default_deadline_s must be > 0 and at most max_deadline_s"),
         (s.index_idle_close_s >= 0, "index_idle_close_s must be >= 0 (0: never close)"),

@@ -27,6 +27,7 @@ class Limits:
     max_in_flight: int = _DEFAULTS.max_in_flight
     retry_after_s: int = _DEFAULTS.retry_after_s
     index_idle_close_s: float = _DEFAULTS.index_idle_close_s
+    max_open_indexes: int = _DEFAULTS.max_open_indexes
 
     @classmethod
     def of(cls, settings: Settings, **changes) -> "Limits":

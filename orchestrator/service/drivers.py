@@ -11,8 +11,11 @@ start and holds hundreds of MB, so the service keeps one per index and shares it
   counts the index not ready) until one succeeds.
 * **Retire**: a driver leaves service when its index changed on disk (another ingest's layout,
   a folder removed or made anew, an ingest left incomplete: `_stale`), when its retriever actor
-  died for good (`retire_dead`), or when no request used it for `idle_close_s` (the default
-  index excepted). The next request starts a fresh one.
+  died for good (`retire_dead`), when no request used it for `idle_close_s` (the default
+  index excepted), or to make room: with `max_open` indexes open (or starting), the start of
+  one more first retires the least recently used open index no request is using (the default
+  one last), and waits for it to close; when every open index is in use, the caller gets a
+  503 `overloaded` at once (`_make_room`). The next request starts a fresh one.
 * **Close**: a retired driver closes only once the last request holding it (`using`, `hold`,
   `let_go`) has left, and a new driver of the same index starts only after that (a Milvus Lite
   file has one owner). Once the service closes (`close`), no driver starts: `open` answers 503
@@ -40,11 +43,15 @@ log = logging.getLogger("branchsearch.service")
 
 class Drivers:
     def __init__(self, settings: Settings, *, make: Callable[[Settings], object],
-                 close: Callable[[object, object], None], idle_close_s: float = 0.0):
+                 close: Callable[[object, object], None], idle_close_s: float = 0.0,
+                 max_open: int = 0, retry_after_s: int = 1):
         """`make(settings)`: start the driver of `settings.index`; `close(driver, docstore)`:
-        close one; `idle_close_s` > 0: close an index (not the default) unused that long."""
+        close one; `idle_close_s` > 0: close an index (not the default) unused that long;
+        `max_open` > 0: the most indexes open at once (`_make_room`), a refusal past it
+        saying `Retry-After: retry_after_s`."""
         self.settings, self._make, self._close, self.idle_close_s = (settings, make, close,
                                                                      idle_close_s)
+        self.max_open, self.retry_after_s = max_open, retry_after_s
         self.by_index: dict[str, object] = {}  # the drivers in service
         self._docstores: dict[str, object] = {}
         self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
@@ -84,7 +91,8 @@ class Drivers:
                 return self.by_index[index]
             start = self._background.get(index)
             if start is None:
-                start = self._background[index] = {"done": threading.Event()}
+                start = self._background[index] = {"done": threading.Event(),
+                                                   "after": self._make_room()}
                 threading.Thread(target=self._start, args=(index, start), daemon=True,
                                  name=f"start-{index}").start()
         end = None if wait is None else time.monotonic() + wait
@@ -104,8 +112,9 @@ class Drivers:
 
     def _start(self, index: str, start: dict) -> None:
         try:
-            with self._idle:  # a retired driver's stores close before new ones open (Lite)
-                while index in self.retiring:
+            with self._idle:  # a retired driver's stores close before new ones open (Lite),
+                # and the one retired to make room for this one closes before it starts
+                while index in self.retiring or start["after"] in self.retiring:
                     self._idle.wait()
             start["driver"] = self._open(index)
         except BaseException as exc:  # noqa: BLE001 — re-raised in the waiting callers
@@ -160,6 +169,25 @@ class Drivers:
                 return driver
         self._close(driver, docstore)
         raise shutting_down()
+
+    def _make_room(self) -> str | None:
+        """Room for one more index within `max_open` (those open and those starting): none
+        needed, None; else the least recently used open index that no request uses (the
+        default index only when no other is idle) is retired, as the idle timer retires one,
+        and its name returned: the new start waits for its close. Every open index in use: a
+        503 `overloaded` at once, as when the server has its most requests in flight.
+        Holding the lock."""
+        if not self.max_open or len(self.by_index.keys() | self._background.keys()) < self.max_open:
+            return None
+        idle = [i for i, d in self.by_index.items() if not self._users.get(d)]
+        if not idle:
+            raise ApiError(503, "overloaded", "the server has the most indexes open that it "
+                           f"keeps (max_open_indexes = {self.max_open}), each with a request in "
+                           "flight or starting; retry", {"Retry-After": str(self.retry_after_s)})
+        index = min(idle, key=lambda i: (i == self.settings.index, self._last_used.get(i, 0.0)))
+        self._retire(index, f"was closed to make room for another (max_open_indexes = "
+                     f"{self.max_open})")
+        return index
 
     def _stale(self, index: str) -> bool:
         """Whether the index on disk is no longer the one its driver opened: an ingest (another

@@ -74,7 +74,9 @@ class Searcher:
         self._cpu_holders: set = set()
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
         self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
-                               close=self._close, idle_close_s=limits.index_idle_close_s)
+                               close=self._close, idle_close_s=limits.index_idle_close_s,
+                               max_open=limits.max_open_indexes,
+                               retry_after_s=limits.retry_after_s)
         self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
         # the other indexes' probes, one running at a time an index, with when each began
         # (`_ready`)

@@ -862,6 +862,93 @@ def test_an_index_left_unused_is_closed_and_opens_again(tmp_path):
     assert not searcher._cpu_holders
 
 
+def _three_indexes(home) -> dict[str, tuple[str, set[str]]]:
+    """Indexes a, b, c of the shipped fixtures (BM25 only) in `home`: name -> (a question,
+    the index's document ids)."""
+    from conftest import FIXTURES, HOTPOT, MUSIQUE
+
+    made = {}
+    for name, corpus, question in (
+            ("a", HOTPOT, "Were Scott Derrickson and Ed Wood of the same nationality?"),
+            ("b", MUSIQUE, "Who published the Journal of Psychotherapy Integration?"),
+            ("c", FIXTURES / "injection.jsonl", "Corliss Archer trivia")):
+        ingest(corpus, load_settings(overrides={"home": home, "index": name}, read_env=False,
+                                     read_file=False), dense=False)
+        rows = corpus / "corpus.jsonl" if corpus.is_dir() else corpus
+        ids = {row.get("_id", row.get("id")) for row in map(json.loads,
+                                                            rows.read_text().splitlines())}
+        made[name] = question, ids
+    return made
+
+
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_the_service_keeps_at_most_max_open_indexes_open(tmp_path, executor):
+    """A service in front of many indexes does not grow without bound: with
+    `max_open_indexes = 2`, a search of a third index first closes the least recently used
+    open index no request is using (the default one last; its retriever process gone), and a
+    search of the closed one opens it again. When every open index has a request in flight,
+    the search of another is a 503 `overloaded` with Retry-After at once, not a wait."""
+    import ray
+
+    indexes = _three_indexes(tmp_path)
+    settings = load_settings(overrides={"home": tmp_path, "index": "c", "branches": 2,
+                                        "max_open_indexes": 2, "actor_start_timeout_s": 30},
+                             read_env=False, read_file=False)
+    state = service.local_state(settings, executor=executor, limits=Limits.of(settings))
+    searcher = state.searcher.target
+    server = start_uvicorn(service.create_app(state), state)
+    drivers = searcher.drivers
+
+    def search(client, name):
+        question, ids = indexes[name]
+        r = client.post("/v1/search", json={"question": question, "index": name})
+        assert r.status_code == 200, (name, r.text)
+        found = [e["doc_id"] for e in r.json()["evidence"]]
+        assert found and set(found) <= ids, (name, found)  # that index's documents
+
+    def open_now() -> set[str]:
+        deadline = time.monotonic() + 30
+        while drivers.retiring:  # (a closed index's stores close on their own thread)
+            assert time.monotonic() < deadline, "a retired index did not close"
+            time.sleep(0.1)
+        return set(drivers.by_index)
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            search(client, "a")
+            search(client, "b")
+            first_a = drivers.by_index["a"]
+            assert open_now() == {"a", "b"}
+            search(client, "c")  # the cap: a, least recently used, is closed first
+            assert open_now() == {"b", "c"}
+            if executor == "ray":
+                with pytest.raises(ray.exceptions.RayActorError):  # its retriever is gone
+                    ray.get(first_a.executor.retriever.ping.remote(), timeout=30)
+            search(client, "a")  # opened again; b goes (c is the default: closed last)
+            assert open_now() == {"c", "a"} and drivers.by_index["a"] is not first_a
+            held = [(i, d) for i, d in drivers.opened()]  # a request in flight on each
+            for index, driver in held:
+                assert drivers.hold(index, driver) is not None
+            try:
+                started = time.monotonic()
+                r = client.post("/v1/search", json={"question": indexes["b"][0], "index": "b"})
+                body = assert_error(r, 503, "overloaded")
+                assert r.headers["Retry-After"] == "1" and "max_open_indexes" in body["detail"]
+                assert time.monotonic() - started < 10  # at once, not at the deadline
+                assert open_now() == {"c", "a"}
+            finally:
+                for _, driver in held:
+                    drivers.let_go(driver, None)
+            search(client, "b")
+            assert open_now() == {"c", "b"}
+            assert client.get("/readyz").status_code == 200
+    finally:
+        server.stop()
+        searcher.close()
+        if executor == "ray":
+            ray.shutdown()
+
+
 def test_the_deadline_counts_from_the_requests_arrival_at_the_service(site):
     """The deadline counts from the HTTP arrival (`received_at`, set by the app), so time in
     Serve's queue to the searcher counts: a request that waited past its deadline is a 504 at
