@@ -32,10 +32,21 @@ def clean(text: object) -> str:
 
 
 def cell_width(text: str) -> int:
-    """Terminal columns `text` takes: East Asian wide and full-width characters take two,
-    combining marks none."""
-    return sum(0 if unicodedata.combining(c) else
-               2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+    """Terminal columns `text` takes, as the C library's `wcwidth` counts them (what a
+    terminal lays its grid by): East Asian wide and full-width characters take two; marks that
+    sit on the letter before (nonspacing and enclosing: Thai vowels and tones, Devanagari's
+    anusvara and virama, accents), format characters (zero-width space and joiners) and
+    Hangul's medial and final jamo take none; everything else, spacing vowel signs included,
+    one. (`unicodedata.combining` is no test of a mark: the Thai vowels of 'ที่ดิน' and the
+    anusvara of 'हिंदी' have combining class 0.)"""
+    return sum(map(_char_width, text))
+
+
+def _char_width(c: str) -> int:
+    if c != "\u00ad" and unicodedata.category(c) in ("Mn", "Me", "Cf") or (
+            "\u1160" <= c <= "\u11ff" or "\ud7b0" <= c <= "\ud7ff"):
+        return 0
+    return 2 if unicodedata.east_asian_width(c) in "WF" else 1
 
 
 def pad(text: object, width: int) -> str:

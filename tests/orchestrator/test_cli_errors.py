@@ -888,22 +888,42 @@ def test_an_index_name_typed_decomposed_is_the_composed_one(tmp_path):
 
 
 def test_indexes_keeps_its_columns_for_wide_names(tmp_path):
-    """`indexes` with a Chinese and an accented name beside an ASCII one: each row's kind
-    column starts at the same terminal column (a wide character takes two)."""
-    from branchsearch.orchestrator.cli.render import cell_width
+    """`indexes` with Chinese, accented, Hindi and Thai names beside an ASCII one: each row's
+    kind column starts at the same terminal column. The columns a name takes are the C
+    library's `wcwidth` (what a terminal lays its grid by): a wide character takes two, a mark
+    on the letter before none — the anusvara of 'हिंदी' and the Thai vowels of 'ที่ดิน' too, whose
+    combining class is 0 (they were counted one column each, and the row ran past the rest)."""
+    import ctypes
+    import ctypes.util
+    import locale
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"_id": "d1", "title": "T", "text": "Falcon plan"}) + "\n")
-    names = ["plain", "检索索引", "café-ü"]
+    # columns: the C library's reading, and ours as written out here (should it be absent)
+    names = {"plain": 5, "检索索引": 8, "café-ü": 6, "東京": 4, "हिन्दी": 5, "हिंदी": 4,
+             "ที่ดิน": 3}
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    saved = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        assert {n: sum(libc.wcwidth(ctypes.c_wchar(c)) for c in n) for n in names} == names
+    except locale.Error:
+        pass
+    finally:
+        locale.setlocale(locale.LC_CTYPE, saved)
     for name in names:
-        done = run(["ingest", corpus, "--no-dense", "--home", tmp_path / "home", "--index", name])
-        assert done.returncode == 0, done.stderr[-800:]
+        ingest(corpus, load_settings(overrides={"home": tmp_path / "home", "index": name},
+                                     read_env=False, read_file=False), dense=False)
     listed = run(["indexes", "--home", tmp_path / "home"])
     assert listed.returncode == 0, listed.stderr[-800:]
-    rows = [line for line in listed.stdout.splitlines() if line.split()[0] in names]
-    assert len(rows) == 3, listed.stdout
-    starts = {cell_width(row[:row.index(" owned")]) for row in rows}
-    assert starts == {24}, listed.stdout
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines()}
+    assert set(rows) == set(names), listed.stdout
+    starts = {name: names[name] + len(row[len(name):row.index(" owned")])
+              for name, row in rows.items()}
+    assert set(starts.values()) == {24}, (starts, listed.stdout)
 
 
 def test_indexes_shows_where_a_copied_index_reads_its_vectors(tmp_path):
