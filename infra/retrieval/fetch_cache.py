@@ -144,9 +144,11 @@ class QuestionCache:
 
     # --- whole requests ---------------------------------------------------------------------
 
-    def once(self, key: Hashable, fetch: Callable[[], object], size: int = 1) -> object:
+    def once(self, key: Hashable, fetch: Callable[[], object],
+             size: int | Callable[[object], int] = 1) -> object:
         """`fetch()`'s value for `key`, fetched once per question (concurrent callers wait for
-        the first). A raised exception is not kept."""
+        the first). A raised exception is not kept. `size`: what the value counts against the
+        cache's room, or how to count it from the value."""
         while True:
             with self._lock:
                 entry = self._entries.get(key)
@@ -175,7 +177,7 @@ class QuestionCache:
                 raise
             with self._lock:
                 entry.inflight, entry.value, entry.done = None, value, True
-                self._resize(entry, size)
+                self._resize(entry, size(value) if callable(size) else size)
                 self._keep(key, entry)
             future.set_result(None)
             return value

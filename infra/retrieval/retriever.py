@@ -20,8 +20,8 @@ running ingest, see `infra.index.manifest`) with one line that says what to run.
 With a question's `cache` (`infra.retrieval.fetch_cache.QuestionCache`, via `call_many(..., cache=)` or
 `QuestionRetriever`), the branches of one question share what the backends answered: each
 backend list is cached before exclusion and fusion, so every result equals the uncached one.
-`backend_requests` counts the requests that reached the backends (bm25, dense, grep, doc,
-doc_chunks).
+`backend_requests` counts the requests that reached the backends (bm25, dense, grep, doc: a
+document with its chunks).
 """
 
 from __future__ import annotations
@@ -214,25 +214,22 @@ class Retriever:
                       acl_groups: Sequence[str] | None = None, *,
                       cache: QuestionCache | None = None) -> dict:
         """Chunks `start`..`end` (exclusive) of a document, with its metadata. A document the
-        caller's `acl_groups` may not see is unknown to it (checked before its chunks are read).
-        With a question's cache the document and its chunks are read once per question."""
+        caller's `acl_groups` may not see is unknown to it. The document and its chunks are
+        one read (`DocStore.read_document`), so a write meanwhile never pairs the groups it
+        replaced with the text it wrote, or the other way round. With a question's cache they
+        are read once per question."""
         from branchsearch.infra.stores.acl import acl_visible
 
-        def doc_row():
-            row = self.docstore.get_document(doc_id)
+        def read():
+            found = self.docstore.read_document(doc_id)
             self._count("doc")
-            return row
+            return found
 
-        def doc_chunks():
-            rows = self.docstore.document_chunks(doc_id)
-            self._count("doc_chunks")
-            return rows
-
-        doc = doc_row() if cache is None else cache.once(("doc", doc_id), doc_row)
-        if doc is None or not acl_visible(doc["acl"], acl_groups):
+        found = read() if cache is None else cache.once(
+            ("doc", doc_id), read, size=lambda found: 1 + len(found[1]) if found else 1)
+        if found is None or not acl_visible(found[0]["acl"], acl_groups):
             raise BadQuery(f"unknown document id {doc_id!r}")
-        chunks = doc_chunks() if cache is None else cache.once(
-            ("doc_chunks", doc_id), doc_chunks, size=max(len(doc.get("chunk_ids") or ()), 1))
+        doc, chunks = found
         end = len(chunks) if end is None else max(start, min(end, len(chunks)))
         if cache is not None:  # the caller's own copy (the cached rows stay as read)
             doc, chunks = copy.deepcopy(doc), [dict(c) for c in chunks]

@@ -312,6 +312,22 @@ class DocStore:
                     "FROM chunks WHERE doc_id = ? ORDER BY n", (doc_id,))]
 
     @_locked
+    def read_document(self, doc_id: str) -> tuple[dict, list[dict]] | None:
+        """`get_document` and `document_chunks` in one read transaction: the document and its
+        chunks as one write left them, never its groups from before a write and its text from
+        after (another connection's write — the service's, an ingest's — waits for it, or is
+        not seen by it). None when there is no such document."""
+        began = not self._db.in_transaction  # (within one, it is that one's snapshot)
+        if began:
+            self._db.execute("BEGIN")
+        try:
+            doc = self.get_document(doc_id)
+            return None if doc is None else (doc, self.document_chunks(doc["doc_id"]))
+        finally:
+            if began:
+                self._db.execute("COMMIT")  # (nothing written: it only ends the snapshot)
+
+    @_locked
     def uncounted(self, limit: int, head_tokens: int) -> list[tuple[str, str, str]]:
         """(chunk id, text, title) of up to `limit` chunks written before their token counts
         were kept, or with a head of other than `head_tokens` tokens."""

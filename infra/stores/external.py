@@ -595,17 +595,18 @@ class ExternalDocs:
                 for d in docs.values()}
 
     def get_document(self, doc_id: str) -> dict | None:
+        found = self.read_document(doc_id)
+        return None if found is None else found[0]
+
+    def read_document(self, doc_id: str) -> tuple[dict, list[dict]] | None:
+        """The document and its one chunk, from one record (`DocStore.read_document`): its
+        groups and its text are one version of it."""
         doc = self.source.get([doc_id]).get(doc_id)
         if doc is None:
             return None
-        return {"doc_id": doc_id, "title": doc["title"], "acl": doc["acl"], "n_chunks": 1,
-                "chunk_ids": [doc_id + CHUNK_SUFFIX]}
-
-    def document_chunks(self, doc_id: str) -> list[dict]:
-        doc = self.source.get([doc_id]).get(doc_id)
-        if doc is None:
-            return []
-        return [{"chunk_id": doc_id + CHUNK_SUFFIX, "n": 0, "text": doc["text"]}]
+        return ({"doc_id": doc_id, "title": doc["title"], "acl": doc["acl"], "n_chunks": 1,
+                 "chunk_ids": [doc_id + CHUNK_SUFFIX]},
+                [{"chunk_id": doc_id + CHUNK_SUFFIX, "n": 0, "text": doc["text"]}])
 
     def doc_count(self) -> int:
         return self.source.count()

@@ -949,6 +949,94 @@ def test_the_service_keeps_at_most_max_open_indexes_open(tmp_path, executor):
             ray.shutdown()
 
 
+def test_a_document_read_racing_a_put_is_one_version_of_it(tmp_path):
+    """A branch's `read_document` reads the document (its groups) and its chunks (its text);
+    they were two reads, and a PUT that landed between them paired the groups it replaced
+    with the text it wrote — a document of group alpha read with bravo's text. Now they are
+    one read: a PUT over HTTP made to land between the two (the first part) and PUTs racing
+    reads on threads (the second) never mix two versions."""
+    import threading
+
+    from branchsearch.infra.stores.acl import ACL_ALL
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "race"}, read_env=False,
+                             read_file=False)
+    versions = {  # one chunk, then several: the chunk ids change with the text
+        "alpha": {"id": "doc-x", "acl": ["alpha"], "text": "alphaword harbor. " * 10},
+        "bravo": {"id": "doc-x", "acl": ["bravo"], "text": "bravoword lighthouse. " * 300}}
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps(versions["alpha"]) + "\n")
+    ingest(corpus, settings, dense=False)
+    state = service.local_state(settings, executor="local", limits=LIMITS)
+    searcher = state.searcher.target
+    server = start_uvicorn(service.create_app(state), state)
+    client = httpx.Client(base_url=server.url, timeout=120)
+
+    def put(group: str) -> None:
+        r = client.put("/v1/indexes/race/documents", json=[versions[group]])
+        assert r.status_code == 200, r.text
+
+    def one_version(doc: dict) -> str:
+        [group] = doc["acl"]
+        words = {w for c in doc["chunks"] for w in c["text"].split() if w.endswith("word")}
+        assert words == {f"{group}word"}, (doc["acl"], words)  # its groups, its text
+        assert doc["chunk_ids"] == [c["chunk_id"] for c in doc["chunks"]] and doc["n_chunks"] \
+            == len(doc["chunks"]), doc["chunk_ids"]
+        return group
+
+    try:
+        search = {"question": "harbor", "index": "race"}
+        assert client.post("/v1/search", json=search).status_code == 200  # the index is open
+        with searcher.drivers.using("race") as (driver, _):
+            retriever = driver.executor.retriever
+            store = retriever.docstore
+            landed = threading.Event()
+            chunks_read = type(store).document_chunks
+
+            def after_the_first_read(self_, doc_id):  # a PUT, given the time to land here
+                if not landed.is_set():
+                    threading.Thread(target=lambda: (put("bravo"), landed.set())).start()
+                    landed.wait(3)
+                return chunks_read(self_, doc_id)
+
+            store.document_chunks = after_the_first_read.__get__(store)
+            try:
+                assert one_version(retriever.read_document("doc-x", acl_groups=[ACL_ALL])) \
+                    in ("alpha", "bravo")
+            finally:
+                del store.document_chunks
+            assert landed.wait(30)
+            assert one_version(retriever.read_document("doc-x", acl_groups=[ACL_ALL])) \
+                == "bravo"
+            seen, stop, failures = set(), threading.Event(), []
+
+            def read_on():
+                while not stop.is_set():
+                    try:
+                        seen.add(one_version(retriever.read_document("doc-x",
+                                                                     acl_groups=[ACL_ALL])))
+                    except Exception as exc:  # noqa: BLE001 — the assertion, said below
+                        failures.append(exc)
+                        return
+
+            readers = [threading.Thread(target=read_on) for _ in range(3)]
+            for reader in readers:
+                reader.start()
+            try:
+                for n in range(16):
+                    put("alpha" if n % 2 == 0 else "bravo")
+            finally:
+                stop.set()
+                for reader in readers:
+                    reader.join(30)
+            assert not failures, failures[0]
+            assert seen == {"alpha", "bravo"}
+    finally:
+        client.close()
+        server.stop()
+        searcher.close()
+
+
 def test_the_deadline_counts_from_the_requests_arrival_at_the_service(site):
     """The deadline counts from the HTTP arrival (`received_at`, set by the app), so time in
     Serve's queue to the searcher counts: a request that waited past its deadline is a 504 at
