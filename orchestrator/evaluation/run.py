@@ -143,7 +143,8 @@ def compare(agent: dict, baseline: dict, measure: str = "all_recall@5") -> dict:
 
 # ---- orchestration: what `branchsearch eval` runs ----
 
-# progress(total or None, unit, description) -> a bar with update(n) and close() (e.g. tqdm)
+# progress(total or None, unit, description) -> a bar with update(n) and close(done): done
+# False when the work was stopped or failed (`cli.options.progress_bar`)
 Progress = Callable[[int | None, str, str], object]
 
 
@@ -327,10 +328,13 @@ def _agent_run(settings: Settings, queries: list[Query], executor: Executor | No
 @contextmanager
 def _bar(progress: Progress | None, total: int | None, unit: str,
          desc: str) -> Iterator[Callable[..., None]]:
-    """`tick(n=1)` that advances a progress bar (none when `progress` is None), closed after."""
+    """`tick(n=1)` that advances a progress bar (none when `progress` is None), closed after:
+    done when the work ended, not when it was stopped (^C) or failed."""
     bar = progress(total, unit, desc) if progress is not None else None
+    done = False
     try:  # (not `if bar`: a tqdm bar of unknown total refuses bool())
         yield (lambda n=1: bar.update(n)) if bar is not None else (lambda n=1: None)
+        done = True
     finally:
         if bar is not None:
-            bar.close()
+            bar.close(done=done)

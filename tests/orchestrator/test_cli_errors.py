@@ -844,6 +844,52 @@ def test_ctrl_c_or_sigterm_on_a_batch_says_so_and_writes_what_ran(tmp_path, name
     assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)
 
 
+def test_ctrl_c_on_eval_does_not_say_done(tmp_path):
+    """^C during `eval`: its last progress line said ", done" (the bar closed as if the
+    questions had all run), then `interrupted`. It says where it stopped, and not done. The
+    hotpot-mini questions, repeated so the run outlasts the bar's first line (5 s)."""
+    import signal
+    import time
+
+    from conftest import HOTPOT, prepared
+
+    data = tmp_path / "wiki"
+    (data / "qrels").mkdir(parents=True)
+    shutil.copy(HOTPOT / "corpus.jsonl", data / "corpus.jsonl")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    qrels = (HOTPOT / "qrels" / "test.tsv").read_text().splitlines()
+    with (data / "queries.jsonl").open("w") as q, (data / "qrels" / "test.tsv").open("w") as t:
+        t.write(qrels[0] + "\n")
+        for n in range(400):
+            for query in queries:
+                q.write(json.dumps({**query, "_id": f"{query['_id']}-{n}"}) + "\n")
+            for row in qrels[1:]:
+                qid, rest = row.split("\t", 1)
+                t.write(f"{qid}-{n}\t{rest}\n")
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", data, "--no-dense", *home]).returncode == 0
+    proc = subprocess.Popen(prepared([*CLI, "eval", data, "--policy", "heuristic",
+                                      "--executor", "local", *home], sigint_default=True),
+                            env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        first = proc.stderr.readline()  # the bar's first line: questions under way
+        assert first.startswith("eval heuristic: ") and " q, " in first, first
+        os.killpg(proc.pid, signal.SIGINT)  # what ^C sends: the group
+        stdout, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = first + rest
+    assert proc.returncode == 130, (proc.returncode, stderr[-1500:])
+    lines = stderr.splitlines()
+    assert lines[-1] == "interrupted" and "Traceback" not in stderr, stderr[-1500:]
+    last = lines[-2]  # where it stopped: fewer than all, and not done
+    assert last.startswith("eval heuristic: ") and "/4800 q" in last, stderr[-1500:]
+    assert ", done" not in stderr, stderr[-1500:]
+
+
 def test_a_stopped_batch_starts_nothing_more_and_writes_what_ran(tmp_path):
     """`run_batch(stop=…)`, what the CLI's ^C sets: the questions running finish and their rows
     are written whole, nothing more starts, and it ends with KeyboardInterrupt."""

@@ -81,8 +81,9 @@ def test_eval_options_compare_means_a_hybrid_baseline():
 
 
 class Bars:
-    """A `progress` factory of real tqdm bars (as the CLI passes), written to a buffer and
-    recorded: `made` lists (description, total, count, closed) of each."""
+    """A `progress` factory of real tqdm bars (as the CLI passes on a terminal: closed with
+    `done`), written to a buffer and recorded: `made` lists (description, total, count,
+    closed) of each."""
 
     def __init__(self):
         self.bars = []
@@ -90,7 +91,12 @@ class Bars:
     def __call__(self, total, unit, desc):
         from tqdm import tqdm
 
-        self.bars.append(tqdm(total=total, unit=unit, desc=desc, file=io.StringIO()))
+        class Bar(tqdm):
+            def close(self, done=True):
+                assert done  # (these runs end)
+                super().close()
+
+        self.bars.append(Bar(total=total, unit=unit, desc=desc, file=io.StringIO()))
         return self.bars[-1]
 
     @property

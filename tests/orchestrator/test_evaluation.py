@@ -244,8 +244,8 @@ def test_an_agent_eval_whose_backend_dies_stops_rather_than_score_its_failures(t
             def update(self, n=1):
                 es.stop()
 
-            def close(self):
-                pass
+            def close(self, done=True):
+                assert not done  # the run failed: not done
 
         report = tmp_path / "r.json"
         with pytest.raises(BranchsearchError) as raised:
