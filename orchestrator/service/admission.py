@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from branchsearch.infra.config.settings import Settings
+from branchsearch.infra.errors import SettingsError
 from branchsearch.orchestrator.service.errors import ApiError
 
 _DEFAULTS = Settings()
@@ -32,9 +33,14 @@ class Limits:
     @classmethod
     def of(cls, settings: Settings, **changes) -> "Limits":
         """The limits `settings` give, with `changes` (a Ray Serve config's `limits`) over
-        them. `max_k` is at most `final_k`: a search returns no more chunks than that, so a
-        larger `k` would be accepted and not honoured."""
-        limits = {**settings.section("service"), **changes}
+        them, checked as any setting is (`SettingsError`: a name that is no limit, a value out
+        of range). `max_k` is at most `final_k`: a search returns no more chunks than that, so
+        a larger `k` would be accepted and not honoured."""
+        unknown = sorted(set(changes) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SettingsError(f"limits: {', '.join(map(repr, unknown))} is not a limit (the "
+                                f"limits: {', '.join(f.name for f in fields(cls))})")
+        limits = settings.replace(**changes).section("service")
         return cls(**{**limits, "max_k": min(limits["max_k"], settings.final_k)})
 
 

@@ -936,6 +936,14 @@ def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch)
         monkeypatch.setenv("BRANCHSEARCH_MAX_OPEN_INDEXES", bad)
         with pytest.raises(SettingsError, match=said):
             load_settings(path)
+    monkeypatch.delenv("BRANCHSEARCH_MAX_OPEN_INDEXES")
+    # a Ray Serve config's `limits` are checked as the settings are: 0 was taken as "no cap"
+    for changes, said in (({"max_open_indexes": 0}, r"max_open_indexes must be >= 1"),
+                          ({"per_key_concurrency": "two"}, "cannot read 'two' as int"),
+                          ({"max_open_index": 2}, r"'max_open_index' is not a limit"),
+                          ({"search_mode": "bm25"}, r"'search_mode' is not a limit")):
+        with pytest.raises(SettingsError, match=said):
+            Limits.of(settings, **changes)
 
 
 def test_a_start_waited_for_again_gets_only_what_is_left_of_the_wait(tmp_path):
