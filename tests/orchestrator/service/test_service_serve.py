@@ -360,6 +360,38 @@ def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, 
         serve.delete("late")  # the module's own app goes on
 
 
+def test_a_search_the_searcher_never_takes_is_a_504_by_its_deadline(serve_app, tmp_path):
+    """A searcher replica that is not there (restarting after its node died: 27 s on a 2-node
+    cluster, or waiting for room, as here): a search waited in the ingress for as long as
+    that took, whatever its `deadline_s` (deadline 20 s: 504s after 28-30 s on the cluster;
+    here with no bound at all), and a balancer's timeout cut it. The ingress now answers 504
+    `deadline_exceeded` once the deadline and `JOIN_GRACE_S` have passed, streamed or not."""
+    from ray import serve
+    from ray.serve.api import _run
+
+    from branchsearch.orchestrator.service.searcher import JOIN_GRACE_S as ANSWER_GRACE_S
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    opts = ServeOptions(home=str(bm_home(tmp_path / "gone")), index="bm", executor="local",
+                        searcher_cpus=10_000)  # more than the cluster has: it never starts
+    _run(build_application(opts), name="gone", route_prefix="/gone", _blocking=False)
+    try:
+        deadline = time.monotonic() + 120
+        while client.get("/gone/healthz").status_code != 200:  # the ingress is up
+            assert time.monotonic() < deadline, "the ingress did not start"
+            time.sleep(0.5)
+        for accept in ("application/json", "text/event-stream"):
+            began = time.monotonic()
+            r = client.post("/gone/v1/search", json={"question": "harbor", "deadline_s": 1},
+                            headers={"Accept": accept}, timeout=ANSWER_GRACE_S + 30)
+            took = time.monotonic() - began
+            assert r.status_code == 504 and r.json()["error"] == "deadline_exceeded", r.text
+            assert 1 <= took < 1 + ANSWER_GRACE_S + 3, took
+    finally:
+        serve.delete("gone")  # the module's own app goes on
+
+
 def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full(serve_app):
     """A search of an index the key may not use, or a document write with a key that is no
     admin key, went through the searcher's Serve queue before it was refused: while a burst
