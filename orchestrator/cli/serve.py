@@ -132,7 +132,9 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
           keys: Optional[Path] = typer.Option(None, "--keys", help="keys file (default: "
                                               "HOME/keys.json when it exists); without one the "
                                               "server is loopback-only (development)"),
-          replicas: int = typer.Option(1, "--replicas", min=1, help="ingress replicas"),
+          replicas: Optional[int] = typer.Option(None, "--replicas", min=1, help="ingress "
+                                                 "replicas (default: one on each node an HTTP "
+                                                 "proxy runs on)"),
           address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address"),
           executor: str = typer.Option("ray", "--executor", help="ray | local (branches "
                                        "in the searcher process)"),
@@ -183,5 +185,5 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
     service.run_serve(settings, service.ServeOptions(
         home=str(Path(settings.home).resolve()), index=settings.index,
         config=str(config.resolve()) if config else None,
-        keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas,
+        keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas or 0,
         searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)

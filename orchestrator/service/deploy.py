@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, error_line
@@ -279,6 +279,10 @@ class ServeOptions:
     executor: str = "ray"
     replicas: int = 1  # ingress replicas
     searcher_replicas: int = 1  # > 1 only with server backends (Milvus/ES by URL)
+    # `serve` on a cluster (`placed_by_proxies`): the ingress replicas go where Serve's HTTP
+    # proxies are ("EveryNode": at most one a node; "HeadOnly": on the head), and one searcher
+    # replica on the head node; None: Serve places them
+    proxies: str | None = None
     max_ongoing_requests: int = 64  # per ingress replica (HTTP connections being served)
     max_queued_requests: int = 256  # per ingress replica; past it Serve's proxy answers 503
     searcher_max_ongoing: int = 16  # searches at once per searcher replica
@@ -326,6 +330,13 @@ def build_application(opts: ServeOptions):
                    "ray_actor_options": {"num_cpus": opts.ingress_cpus}} | grace
     ingress_cfg |= ({"autoscaling_config": opts.autoscaling} if opts.autoscaling
                     else {"num_replicas": opts.replicas})
+    searcher_actor = {"num_cpus": opts.searcher_cpus}
+    if opts.proxies == "EveryNode":
+        ingress_cfg["max_replicas_per_node"] = 1
+    elif opts.proxies == "HeadOnly":
+        ingress_cfg["ray_actor_options"]["resources"] = {HEAD_NODE: 0.001}
+    if opts.proxies and opts.searcher_replicas == 1:
+        searcher_actor["resources"] = {HEAD_NODE: 0.001}
     class ReplicaSearcher(Searcher):
         def __init__(self, *args, **kwargs):
             _log_to_replica()
@@ -349,7 +360,7 @@ def build_application(opts: ServeOptions):
     searcher = serve.deployment(ReplicaSearcher, name="Searcher").options(
         num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
         max_queued_requests=opts.searcher_max_queued,
-        ray_actor_options={"num_cpus": opts.searcher_cpus}, **grace).bind(
+        ray_actor_options=searcher_actor, **grace).bind(
         settings, executor=opts.executor, limits=limits, warm=True)
     return Ingress.options(**ingress_cfg).bind(searcher, o)
 
@@ -363,6 +374,9 @@ def proxy_location(host: str) -> str:
     except ValueError:  # a host name: one machine's, but for localhost
         everywhere = host == "localhost"
     return "EveryNode" if everywhere else "HeadOnly"
+
+
+HEAD_NODE = "node:__internal_head__"  # Ray's resource that only the head node has
 
 
 def check_head_port(settings, host: str, port: int) -> None:
@@ -382,7 +396,7 @@ def check_head_port(settings, host: str, port: int) -> None:
     if serve.status().proxies:
         return
     head = next((n["NodeID"] for n in ray.nodes()
-                 if n["Alive"] and "node:__internal_head__" in n["Resources"]), None)
+                 if n["Alive"] and HEAD_NODE in n["Resources"]), None)
     if head is None:
         return
     task = ray.remote(num_cpus=0, max_retries=0)(_port_problem).options(
@@ -404,10 +418,24 @@ def _port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def placed_by_proxies(opts: ServeOptions, location: str) -> ServeOptions:
+    """`serve`'s placement (`--replicas` not given): an ingress replica on each node a proxy
+    runs on (Serve's proxy routes to a replica on its own node when it has one), and the one
+    searcher replica on the head. A request then needs only its proxy's node and the head,
+    whose loss ends the cluster anyway. Placed by Serve, the one ingress and the searcher
+    landed on any node: losing that node, or its network, cut every proxy off (requests in
+    flight a plain-text 500 from Serve's proxy; new ones, /readyz too, held with no answer
+    until Ray declared the node dead), and a lost searcher restarted every index (27 s)."""
+    import ray
+
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    return replace(opts, replicas=nodes if location == "EveryNode" else 1, proxies=location)
+
+
 def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool = True):
     """Start Serve's HTTP proxy on host:port and deploy the application (blocks until SIGTERM
     or ^C unless `block` is False). Uses the settings' Ray cluster, else a local one, connected
-    from this (the main) thread."""
+    from this (the main) thread. `opts.replicas` 0: `placed_by_proxies`."""
     from ray import serve
 
     from branchsearch.infra.raycluster import connect
@@ -416,7 +444,10 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our line says where it serves
-    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location(host))
+    location = proxy_location(host)
+    if not opts.replicas:
+        opts = placed_by_proxies(opts, location)
+    serve.start(http_options={"host": host, "port": port}, proxy_location=location)
     serve.run(build_application(opts), name="branchsearch", route_prefix="/")
     print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app 'branchsearch')",
           file=sys.stderr)

@@ -1,0 +1,182 @@
+"""`branchsearch serve --address` on a Ray cluster of two nodes (two `ray start`s on this
+machine, each with its own CPUs), as the docs run it: where the replicas go, and what callers
+see when the worker node dies under a burst. Real Ray, real Serve, real HTTP."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.ingest.pipeline import ingest
+from branchsearch.orchestrator.service.auth import KeyStore
+
+from service_fixtures import free_port, write_corpus
+
+pytestmark = pytest.mark.ray
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+ALIVE = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+         "print(sum(1 for n in ray.nodes() if n['Alive']))")
+
+
+def _node(env: dict, *args: str) -> subprocess.Popen:
+    """One `ray start --block` in its own process group (its processes are its children)."""
+    return subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1",
+                             "--num-gpus=0", "--object-store-memory=100000000",
+                             "--disable-usage-stats", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(20)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _alive(env: dict, address: str) -> int:
+    done = subprocess.run([sys.executable, "-c", ALIVE, address], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    return int(lines[-1]) if done.returncode == 0 and lines else 0
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head of 2 CPUs and a worker node of 1, with a token of their own; stopped by their
+    process groups (never `ray stop`, which stops every cluster on the machine)."""
+    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # Ray's socket paths must stay short
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "BRANCHSEARCH_"))},
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    address = f"127.0.0.1:{port}"
+    head = _node(env, "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
+                 "--include-dashboard=false")
+    worker = None
+    try:
+        deadline = time.monotonic() + 240
+        while _alive(env, address) < 1:
+            assert head.poll() is None and time.monotonic() < deadline, "the head did not start"
+            time.sleep(1)
+        worker = _node(env, f"--address={address}", "--num-cpus=1")
+        while _alive(env, address) < 2:
+            assert worker.poll() is None and time.monotonic() < deadline, "no worker node"
+            time.sleep(1)
+        yield {"address": address, "env": env, "head": head, "worker": worker}
+    finally:
+        for proc in (worker, head):
+            if proc is not None:
+                _stop(proc)
+
+
+def _replicas(node: subprocess.Popen) -> list[str]:
+    """The Serve replica processes among a node's processes (`ServeReplica:APP:DEPLOYMENT`)."""
+    import psutil
+
+    names = []
+    for child in psutil.Process(node.pid).children(recursive=True):
+        try:
+            title = child.cmdline()[0]
+        except (psutil.Error, IndexError):
+            continue
+        if title.startswith("ray::ServeReplica:"):
+            names.append(title.removeprefix("ray::ServeReplica:branchsearch:").split()[0])
+    return sorted(names)
+
+
+def test_serve_on_two_nodes_keeps_answering_when_the_worker_node_dies(two_nodes, tmp_path):
+    """The one ingress replica and the searcher were placed by Serve on any node. With the
+    ingress on the worker, killing that node answered every request in flight through the
+    head's proxy with a plain-text 500 `Internal Server Error` (10 of them under 16 callers on
+    the netns cluster of `bench/cluster_nodes.py`), and cut its proxy's SSE streams; with its
+    network down, every request, /readyz too, hung for as long as the outage (50 s). Now each
+    node a proxy runs on has an ingress replica (the proxy routes to its own), and the
+    searcher runs on the head: the head's proxy answers every request through the loss of the
+    worker, as JSON, and a SIGTERM then stops the service, leaving no replica behind."""
+    home = tmp_path / "home"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    key = KeyStore(home / "keys.json").add("alpha", ("alpha",))
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                             "--address", two_nodes["address"], "--host", "127.0.0.1",
+                             "--port", str(port), "--home", str(home), "--index", "bm",
+                             "--keys", str(home / "keys.json")], env=two_nodes["env"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/readyz", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert _replicas(two_nodes["head"]) == ["Ingress", "Searcher"]
+        assert _replicas(two_nodes["worker"]) == ["Ingress"]
+
+        answers, cut, stop = [], [], threading.Event()
+
+        def caller(i: int) -> None:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                while not stop.is_set():
+                    try:
+                        r = client.post("/v1/search", headers={"Authorization": f"Bearer {key}"},
+                                        json={"question": f"Alpha harbor budget {i}",
+                                              "branches": 2, "deadline_s": 10})
+                    except httpx.TransportError as exc:  # through the worker's own proxy
+                        cut.append(repr(exc))
+                        continue
+                    answers.append((r.status_code, r.headers.get("content-type", ""), r.text))
+
+        callers = [threading.Thread(target=caller, args=(i,)) for i in range(6)]
+        for t in callers:
+            t.start()
+        time.sleep(4)
+        os.killpg(two_nodes["worker"].pid, signal.SIGKILL)  # the worker node dies
+        time.sleep(20)
+        stop.set()
+        for t in callers:
+            t.join(90)
+        assert answers and not any(t.is_alive() for t in callers)
+        for status, ctype, text in answers:
+            assert status == 200 or (status in (429, 503, 504)
+                                     and ctype.startswith("application/json")), (status, text)
+        assert sum(status == 200 for status, _, _ in answers) > len(answers) // 2, answers
+        r = httpx.post(url + "/v1/search", headers={"Authorization": f"Bearer {key}"},
+                       json={"question": "Alpha harbor budget"}, timeout=60)
+        assert r.status_code == 200, r.text
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        deadline = time.monotonic() + 30
+        while _replicas(two_nodes["head"]) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _replicas(two_nodes["head"]) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()
