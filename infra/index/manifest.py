@@ -167,6 +167,9 @@ def _read_info(path: Path) -> LockInfo | None:
         return None
 
 
+SERVICE_WRITE = "service write"  # the `corpus` of the lock a service's document write holds
+
+
 class IngestLock:
     """The exclusive right to ingest into one index folder, held for the life of a process.
 
@@ -292,8 +295,12 @@ def require_complete(index_dir: Path, index: str, home: Path | str = "") -> Mani
 
 
 def _not_busy(index_dir: Path, index: str) -> None:
+    """IndexBusy while an ingest writes the index. A service's document write holds the same
+    lock (`SERVICE_WRITE`) but leaves a complete index to read: its searches go on meanwhile,
+    and its retriever actor, which makes the write, must open the index (restarted by Ray
+    under a write, it was refused by the write waiting on it, and died for good)."""
     live = running_ingest(index_dir)
-    if live is not None:
+    if live is not None and live.corpus != SERVICE_WRITE:
         raise IndexBusy(f"index {index!r} is being ingested right now ({live.describe()}); "
                         f"wait for that ingest to finish, then run this again")
 

@@ -606,9 +606,9 @@ class Searcher:
     def _ingest_lock(driver):
         """The index's ingest lock (`infra.index.manifest`): a CLI ingest and a service write never
         run at once; IndexBusy (409; the server log names the ingest that holds it)."""
-        from branchsearch.infra.index.manifest import IngestLock
+        from branchsearch.infra.index.manifest import SERVICE_WRITE, IngestLock
 
-        return IngestLock(driver.settings.index_dir, driver.settings.index, corpus="service write")
+        return IngestLock(driver.settings.index_dir, driver.settings.index, corpus=SERVICE_WRITE)
 
     @classmethod
     def check_writer(cls, key: ApiKey, index: str) -> None:

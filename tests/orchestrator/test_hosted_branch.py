@@ -76,3 +76,39 @@ def test_hosted_and_pool_branches_rank_as_the_in_process_run(hotpot_settings):
     ray.shutdown()
     assert got["ray"] == got["local"]
     assert any(len(branches) > 1 for _, branches, _ in got["ray"])  # some questions branch
+
+
+@pytest.mark.ray
+def test_a_replica_restarted_under_a_service_write_opens_the_index(hotpot_settings):
+    """A document write through the service holds the index's lock while its retriever actor
+    makes it. The actor lost under it (its node died) was restarted by Ray, and its new
+    process refused to open the index "being ingested right now" by that very write, so it
+    died for good: on a 2-node cluster the write got a 503 and the searches then meeting it
+    failed their branches ("search failed after 2 retries: ... creation task"). It opens now."""
+    import time
+
+    import ray
+
+    from branchsearch.infra.index.manifest import SERVICE_WRITE, IngestLock
+    from branchsearch.orchestrator.driver import Driver
+
+    settings = ingest_copy(hotpot_settings, "hotpot-written").replace(
+        branches=1, search_mode="bm25")
+    driver = Driver(settings, mode="ray", pool_size=1)
+    try:
+        replica = driver.executor.retrievers[0]
+        before = ray.get(replica.ping.remote(), timeout=120)
+        with IngestLock(settings.index_dir, settings.index, corpus=SERVICE_WRITE):
+            ray.kill(replica, no_restart=False)
+            deadline = time.monotonic() + 120
+            after = before
+            while after == before:  # until its new process answers (old: ActorDiedError)
+                assert time.monotonic() < deadline
+                try:
+                    after = ray.get(replica.ping.remote(), timeout=120)
+                except ray.exceptions.ActorUnavailableError:  # restarting
+                    time.sleep(0.5)
+        assert [b.status for b in driver.search(Q).branches] == ["ok"]
+    finally:
+        driver.close()
+        ray.shutdown()
