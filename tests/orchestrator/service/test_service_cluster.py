@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +84,7 @@ def two_nodes():
         for proc in (worker, head):
             if proc is not None:
                 _stop(proc)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _replicas(node: subprocess.Popen) -> list[str]:
