@@ -110,6 +110,7 @@ _PATH = re.compile(r"(?<![\w.:/~-])(?!/v1/)(?:/[^\s/\"'<>(),;:]+){2,}/?")
 _PROCESS = re.compile(r"(?i)\b(pid|actor[_ ]id|namespace|node[_ ]id|job[_ ]id|worker[_ ]id|"
                       r"task[_ ]id)(\s*[:=]\s*|\s+(?=\d))(['\"]?)[\w-]+\3")
 _RAY_ID = re.compile(r"\b(ActorID\(|actor )[0-9a-f]{16,}")  # Ray's "The actor <hex> is ..."
+_MEMORY = re.compile(r" at 0x[0-9a-fA-F]+\b")  # a repr's "<RetrieverService object at 0x7f…>"
 _ADDRESS = re.compile(
     r"(?<![\w.-])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:]+\]|localhost|"
     r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::\d{1,5})?(?![\w-])|"
@@ -134,7 +135,7 @@ def redact(text: str) -> str:
 def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
     """One line for a caller of the service: `redact`ed, URLs, Unix sockets and host[:port]
     addresses replaced by `<server>`, absolute file paths by `<path>`, process and Ray ids
-    (pid, actor_id, namespace, ...) by `<hidden>`."""
+    (pid, actor_id, namespace, ...) by `<hidden>`; a repr's memory address is left out."""
     text = error_line(exc_or_text, 10_000) if isinstance(exc_or_text, BaseException) \
         else " ".join(redact(exc_or_text).split())
     text = _URL.sub("<server>", text)
@@ -144,6 +145,7 @@ def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
     text = _PATH.sub("<path>", text)
     text = _PROCESS.sub(r"\g<1>\g<2><hidden>", text)
     text = _RAY_ID.sub(r"\g<1><hidden>", text)
+    text = _MEMORY.sub("", text)
     text = _PORT.sub(r"\g<1><server>", text)
     text = _ADDRESS.sub(lambda m: m.group(0) if _not_address(m.group(0)) else "<server>", text)
     return text[:width]

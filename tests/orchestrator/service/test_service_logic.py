@@ -93,6 +93,13 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
     assert public_line("collection not loaded[collection=470918235429536255]") == \
         "collection not loaded[collection=<hidden>]"  # Milvus's internal id
     assert public_line("collection=docs_ix not loaded") == "collection=docs_ix not loaded"
+    # a branch's error event after its retriever died (a 2-node cluster): no memory address
+    line = public_line("search failed after 2 retries: The actor died because of an error "
+                       "raised in its creation task, ray::RetrieverService.__init__() (pid=4242, "
+                       "ip=10.79.0.2, actor_id=3c1f0a7b9d2e4f6a8b0c1d2e03000000, repr=<branchsearch."
+                       "infra.retrieval.service.RetrieverService object at 0x7f3a2c1b5e90>)")
+    assert "0x7f" not in line and "10.79" not in line and "4242" not in line, line
+    assert line.endswith("repr=<branchsearch.infra.retrieval.service.RetrieverService object>)")
     assert question_problem(123) == "question must be text, not a number"
     assert question_problem(["a"]) == "question must be text, not an array"
     assert question_problem(None).startswith("empty question")
