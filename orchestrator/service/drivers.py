@@ -84,6 +84,7 @@ class Drivers:
                 self._retire(index)
         if index not in index_names(self.settings):  # nothing to start: answered now
             raise index_not_found(index)
+        self._profile(index)  # nor for an index that cannot be searched: no room is made for it
         with self._lock:
             if self._closing.is_set():
                 raise shutting_down()
@@ -131,16 +132,10 @@ class Drivers:
     def _open(self, index: str):
         """Check the index, then start its driver (`open` runs one start per index)."""
         from branchsearch.infra.stores.docstore import DocStore
-        from branchsearch.infra.index.profile import index_profile
 
         settings = self.settings.replace(index=index)
         opened_as = _opened_as(settings)  # before the stores open: a later ingest shows
-        profile = index_profile(settings)
-        # not found, incomplete, being ingested, damaged or a copied folder: its answer now,
-        # before any actor starts for it (not the death of a retriever actor that found it)
-        if isinstance(profile.problem, IndexNotFound):  # (its message names the home)
-            raise index_not_found(index)
-        profile.require_searchable()
+        profile = self._profile(index)
         docstore = DocStore(profile.folder / "docs.sqlite") if profile.kind == "owned" else None
         try:
             _unchanged(index, opened_as, settings)  # the docstore opened is the one seen
@@ -169,6 +164,18 @@ class Drivers:
                 return driver
         self._close(driver, docstore)
         raise shutting_down()
+
+    def _profile(self, index: str):
+        """The index's profile, if it can be searched: not found, incomplete, being ingested,
+        damaged or a copied folder is its answer now, before any room is made or actor started
+        for it (not the death of a retriever actor that found it)."""
+        from branchsearch.infra.index.profile import index_profile
+
+        profile = index_profile(self.settings.replace(index=index))
+        if isinstance(profile.problem, IndexNotFound):  # (its message names the home)
+            raise index_not_found(index)
+        profile.require_searchable()
+        return profile
 
     def _make_room(self) -> str | None:
         """Room for one more index within `max_open` (those open and those starting): none

@@ -1301,3 +1301,33 @@ def test_the_page_base_is_the_root_path_escaped_and_on_this_host():
     for root, base in cases.items():
         assert _page_base({"root_path": root}) == base, root
     assert _page_base({}) == "/"
+
+
+def test_an_index_that_cannot_be_searched_closes_no_other_to_make_room(tmp_path):
+    """With `max_open_indexes` open, a request for an index left incomplete (an ingest stopped)
+    or held by an ingest running closed the least recently used open index to make room, then
+    failed its start: each such request closed a healthy index. It is answered before any
+    room is made."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index.manifest import IngestLock, Manifest, write_manifest
+    from branchsearch.orchestrator.service.drivers import Drivers
+
+    settings = load_settings(overrides={"home": tmp_path, "index": "a"}, read_env=False,
+                             read_file=False)
+    for name in ("a", "b", "stopped", "ingesting"):
+        folder = settings.replace(index=name).index_dir
+        folder.mkdir(parents=True)
+        (folder / "docs.sqlite").touch()
+        if name in ("a", "b", "ingesting"):
+            write_manifest(folder, Manifest(**{f: None for f in Manifest.__dataclass_fields__}))
+    log: list[str] = []
+    drivers = Drivers(settings, make=lambda s: FakeDriver(s.index, log),
+                      close=lambda d, store: (d.close(), store and store.close()), max_open=2)
+    drivers.open("a", wait=10), drivers.open("b", wait=10)
+    with IngestLock(settings.replace(index="ingesting").index_dir, "ingesting"):
+        for name, refused in (("stopped", IndexIncomplete), ("ingesting", IndexBusy)):
+            with pytest.raises(refused):
+                drivers.open(name, wait=10)
+    assert sorted(drivers.by_index) == ["a", "b"] and log == ["open a", "open b"]
+    assert drivers.open("b", wait=10) is drivers.by_index["b"] and log == ["open a", "open b"]
+    drivers.close()
