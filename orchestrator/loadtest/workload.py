@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchsearch.infra.errors import CorpusError
-from branchsearch.infra.textfile import KeyTwice, json_once
+from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
+from branchsearch.workers.query import question_problem
 
 
 @dataclass
@@ -45,20 +46,23 @@ def read_questions(path: str | Path) -> list[str]:
     if not path.is_file():
         raise CorpusError(f"queries not found: {path}")
     questions = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, line in utf8_lines(f, path):  # not UTF-8: one line; a BOM is dropped
             if not line.strip():
                 continue
             try:
                 row = json_once(line)
                 text = next(row[k] for k in ("question", "text", "query") if k in row)
-                if not isinstance(text, str) or not text.strip():
-                    raise ValueError
             except KeyTwice as exc:
                 raise CorpusError(f"{path}:{lineno}: {exc}") from None
             except (json.JSONDecodeError, StopIteration, ValueError, TypeError):
                 raise CorpusError(f"{path}:{lineno}: expected a JSON object with 'question', "
                                   "'text' or 'query'") from None
+            # the check the driver and the service make: a question they refuse would be
+            # measured as a fast error, and read as saturation
+            problem = question_problem(text)
+            if problem:
+                raise CorpusError(f"{path}:{lineno}: {problem}")
             questions.append(text)
     if not questions:
         raise CorpusError(f"{path}: no questions")

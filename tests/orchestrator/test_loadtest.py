@@ -217,6 +217,27 @@ def test_classify_derives_status_and_stages_from_the_result():
     assert stage_times({"metrics": sequential})["outside_branches"] == pytest.approx(0.1)
 
 
+def test_a_workload_is_utf8_text_of_questions_the_service_would_search(tmp_path):
+    """A Latin-1 questions file was a traceback (UnicodeDecodeError); a question the driver and
+    the service refuse (a NUL, only punctuation, a lone surrogate) was sent, answered 422 in
+    milliseconds, and read as saturation (a knee 'errors 14.8 %'). Each is now one line naming
+    the file and the line, before any load; a UTF-8 BOM (Windows editors) is no part of it."""
+    f = tmp_path / "q.jsonl"
+    f.write_bytes('{"question": "Who built the lighthouse?"}\n{"question": "caf\u00e9 au '
+                  'lait"}\n'.encode("latin-1"))
+    with pytest.raises(BranchsearchError, match=r"q.jsonl:2: not UTF-8 text"):
+        read_questions(f)
+    for line, why in (('{"question": "x\\u0000y"}', "control character U+0000"),
+                      ('{"question": "?!"}', "no words to search for"),
+                      ('{"question": "\\ud800 a"}', "lone surrogate"),
+                      ('{"question": ""}', "empty question")):
+        f.write_text('{"question": "Who built the lighthouse?"}\n' + line + "\n")
+        with pytest.raises(BranchsearchError, match=r"q.jsonl:2: .*" + re.escape(why)):
+            read_questions(f)
+    f.write_bytes(b'\xef\xbb\xbf{"question": "Z\xc3\xbcrich harbor?"}\n')
+    assert read_questions(f) == ["Zürich harbor?"]
+
+
 def test_workload_reads_beir_and_plain_jsonl_and_is_seeded(tmp_path):
     f = tmp_path / "q.jsonl"
     f.write_text('{"question": "a?"}\n\n{"_id": "2", "text": "b?"}\n{"query": "c?"}\n')
