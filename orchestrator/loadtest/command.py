@@ -131,7 +131,7 @@ def loadtest(
             default=str))
         if out["interrupted"]:
             raise typer.Exit(130)
-        _exit_if_unreachable(out)
+        _exit_if_not_load(out)
         return
     print(rep.markdown(out).split("\n## Server-side")[0].rstrip())
     if report:
@@ -140,15 +140,16 @@ def loadtest(
         print(f"plots: {', '.join(out.get('plots', []))}")
     if out["interrupted"]:  # the report holds what was measured; the status says it stopped
         raise typer.Exit(130)
-    _exit_if_unreachable(out)
+    _exit_if_not_load(out)
 
 
-def _exit_if_unreachable(out: dict) -> None:
-    """Exit 1 when the service went away during the run: the report is kept, but what it
+def _exit_if_not_load(out: dict) -> None:
+    """Exit 1 when a step says nothing of saturation (the service went away, or rejected
+    requests: a key revoked, a question it will not take): the report is kept, but what it
     measured is not the service's capacity, and a script must not read it as such."""
-    from branchsearch.orchestrator.loadtest.stats import unreachable
+    from branchsearch.orchestrator.loadtest.stats import not_load
 
-    if any(unreachable(step) for step in out["steps"]):
+    if any(not_load(step, i + 1) for i, step in enumerate(out["steps"])):
         print(f"loadtest: {out['knee']['reason']}; the report keeps what was measured",
               file=sys.stderr)
         raise typer.Exit(1)

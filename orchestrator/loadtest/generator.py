@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
 from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
-    is_refusal, is_unserved, slo_broken_at, slo_max, summarize, unreachable
+    is_refusal, is_unserved, not_load, slo_broken_at, slo_max, summarize
 
 BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
 from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
@@ -232,8 +232,8 @@ class Generator:
                 knee = find_knee(steps)
                 slo_broken = self.spec.slo_p99_ms is None or slo_max(
                     steps[-1:], self.spec.slo_p99_ms) is None
-                if unreachable(steps[-1]) and i + 1 < len(self.spec.steps):
-                    stopped = f"stopped after step {i + 1}: the service became unreachable"
+                if (why := not_load(steps[-1], i + 1)) and i + 1 < len(self.spec.steps):
+                    stopped = f"stopped after step {i + 1}: {why}"
                     break
                 if self.spec.stop_at_knee and knee["saturated_at"] is not None and slo_broken \
                         and i + 1 < len(self.spec.steps):

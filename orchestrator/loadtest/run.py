@@ -17,6 +17,7 @@ from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.loadtest import arrivals, report as rep, workload as wl
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
 from branchsearch.orchestrator.loadtest.probes import StepProbe
+from branchsearch.orchestrator.loadtest.stats import is_rejected
 from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget, RequestFailed
 
 
@@ -201,6 +202,12 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
             raise BranchsearchError(f"--url {shown!r} holds a user or password; the service "
                                     "takes an API key (--key-file, BRANCHSEARCH_API_KEY): give "
                                     "the URL without them")
+        if "?" in o.url or "#" in o.url:  # /v1/search would land in the query: every request
+            # a 405, and a token in the query printed in the report
+            raise BranchsearchError(f"--url {o.url.split('?')[0].split('#')[0]}…: give the "
+                                    "service's address alone (http(s)://host:port[/prefix]), "
+                                    "without a ?query or #fragment; the key goes in --key-file "
+                                    "or BRANCHSEARCH_API_KEY")
         return HttpTarget(o.url, o.keys, index=settings.index if settings.index != "default"
                           else None, branches=o.branches, k=o.k, deadline_s=o.deadline_s,
                           timeout_s=o.timeout_s)
@@ -241,12 +248,13 @@ def _same_synth_corpus(settings: Settings, workload: wl.Workload, o: Options) ->
 
 
 def preflight(target: HttpTarget, question: str) -> None:
-    """One question before any load: a refused key, a missing index or an unreachable URL is
-    one clear error now, not a report full of identical errors."""
+    """One question before any load: a refused key, a missing index, a wrong path (any 4xx
+    but 429) or an unreachable URL is one clear error now, not a report full of identical
+    errors."""
     try:
         target.search(question)
     except RequestFailed as exc:
-        if exc.outcome.startswith(("http_401", "http_403", "http_404", "http_422", "error:")):
+        if is_rejected(exc.outcome) or exc.outcome.startswith("error:"):
             detail = f" ({scrub(str(exc), target.keys)})" if str(exc) != exc.outcome else ""
             raise BranchsearchError(f"--url {target.url}: the first question got "
                                     f"{exc.outcome}{detail}; check --url, the key (--key-file "

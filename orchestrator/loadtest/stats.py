@@ -11,7 +11,10 @@ starting, unavailable: "not now, retry") — is `refused`: an error, counted apa
 `refusal_rate`, `refusals` by class) and kept out of the latency percentiles, which describe the
 requests the service took on. A fast refusal mixed into them would make an overloaded service
 look quick; their own timing is `refusal_latency_ms`. So is a request that never reached a
-service (connection refused or broken: `unreached`): a dead service answers nothing, fast.
+service (connection refused or broken: `unreached`): a dead service answers nothing, fast. And
+so is a request the service `rejected` as one it will never answer (any other 4xx: a key it
+does not know, a question it cannot search, an index it does not have): neither a measure of
+load nor a sign of saturation, so no knee is drawn from a step that has one.
 
 Achieved rate is ok answers per second over the span of completions (`completion_rate`): equal
 to the offered rate when the system keeps up and to its capacity when it does not, without the
@@ -41,11 +44,20 @@ def is_refusal(outcome: str) -> bool:
     return outcome.split(":", 1)[0] in REFUSAL_STATUSES
 
 
+def is_rejected(outcome: str) -> bool:
+    """The service turned the request down for good: a 4xx other than 429 (401 a key it does
+    not know, 404 an index it does not have, 422 a question it cannot search). Load has no
+    part in it: the key, the workload or the URL is wrong."""
+    status = outcome.split(":", 1)[0]
+    return status.startswith("http_4") and status not in REFUSAL_STATUSES
+
+
 def is_unserved(outcome: str) -> bool:
-    """No service took the request on: refused (429/503), or never reached (a connection
-    refused or broken: the service is down). Errors, kept out of the latency percentiles:
-    milliseconds of "connection refused" would make a dead service look fast."""
-    return is_refusal(outcome) or outcome in UNREACHED
+    """No service took the request on: refused (429/503), rejected (another 4xx), or never
+    reached (a connection refused or broken: the service is down). Errors, kept out of the
+    latency percentiles: milliseconds of "connection refused" or "unknown API key" would make
+    the service look fast."""
+    return is_refusal(outcome) or is_rejected(outcome) or outcome in UNREACHED
 
 
 @dataclass
@@ -97,6 +109,7 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     `cutoff` is when the step's drain ended (the lower bound for unfinished requests)."""
     answered = [s for s in samples if s.outcome != DROPPED]
     refused = [s for s in answered if is_refusal(s.outcome)]
+    rejected = [s for s in answered if is_rejected(s.outcome)]
     served = [s for s in answered if not is_unserved(s.outcome)]  # the latency percentiles'
     unreached = [s for s in answered if s.outcome in UNREACHED]
     done = [s for s in answered if s.done is not None]
@@ -128,6 +141,8 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
         "refused": len(refused),
         "refusal_rate": round(len(refused) / len(samples), 4) if samples else 0.0,
         "refusals": dict(sorted(Counter(s.outcome for s in refused).items())),
+        "rejected": len(rejected),
+        "rejections": dict(sorted(Counter(s.outcome for s in rejected).items())),
         "unreached": len(unreached),
         "ended_unreached": ended_unreached(answered),
         "branch_errors": dict(sorted(branch_errors.items())),
@@ -181,18 +196,31 @@ def unreachable(step: dict) -> bool:
             or bool(step.get("ended_unreached")))
 
 
+def not_load(step: dict, number: int) -> str:
+    """Why a step (the `number`th) says nothing of where the target saturates ('' when it
+    does): the service became unreachable, or it rejected requests (its errors are the key's,
+    the workload's or the URL's, not the load's)."""
+    if unreachable(step):
+        return (f"the service became unreachable at step {number} ({step['unreached']} of "
+                f"{step['sent']} requests reached no service"
+                + (", the last one among them" if step.get("ended_unreached") else "")
+                + "): no knee drawn")
+    if step.get("rejected"):
+        kinds = ", ".join(f"{k} {v}" for k, v in step["rejections"].items())
+        return (f"the service rejected {step['rejected']} of {step['sent']} requests at step "
+                f"{number} ({kinds}): a key, question or URL it refuses, not load; no knee "
+                "drawn")
+    return ""
+
+
 def find_knee(steps: list[dict], **criteria) -> dict:
     """The last step before the first saturated one. Returns {knee, saturated_at, reason}: knee
     is None when the first step already saturates or no step does (then `reason` says which),
-    and when the service became unreachable before either (`unreachable`)."""
+    and when a step before either says nothing of saturation (`not_load`: the service
+    became unreachable, or rejected requests)."""
     for i, step in enumerate(steps):
-        if unreachable(step):
-            return {"knee": None, "saturated_at": None,
-                    "reason": f"the service became unreachable at step {i + 1} "
-                              f"({step['unreached']} of {step['sent']} requests reached no "
-                              "service" + (", the last one among them" if
-                                           step.get("ended_unreached") else "")
-                              + "): no knee drawn"}
+        if why := not_load(step, i + 1):
+            return {"knee": None, "saturated_at": None, "reason": why}
         why = saturated(step, steps[i - 1] if i else None, steps[0], **criteria)
         if why:
             return {"knee": steps[i - 1]["load"] if i else None, "saturated_at": step["load"],

@@ -662,6 +662,71 @@ def test_values_that_would_fail_every_request_or_change_nothing_are_refused(opti
     assert load_spec(Options(rate=1.0))[0].process == "poisson"
 
 
+def test_a_url_with_a_query_is_refused_and_its_query_never_shown(live_service, tmp_path):
+    """`--url http://host:port/?token=…`: every request went to `/?token=…/v1/search`, a
+    405, and the report (exit 0) printed the token three times. It is now one line, exit 2,
+    without the query; and a first question answered by any 4xx but 429 (here that 405)
+    stops the run before any load."""
+    from branchsearch.orchestrator.loadtest.run import preflight
+
+    url, key, _ = live_service
+    proc = _cli_loadtest(url + "/?token=s3cretq", ["--rate", "1", "--duration", "2", "--report",
+                                                   str(tmp_path / "lt.json")],
+                         {"BRANCHSEARCH_API_KEY": key}, tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "without a ?query or #fragment" in proc.stderr
+    assert "s3cretq" not in proc.stdout + proc.stderr and not (tmp_path / "lt.json").exists()
+    with pytest.raises(BranchsearchError, match="the first question got http_405"):
+        preflight(HttpTarget(url + "/?token=s3cretq", key), "Who built the lighthouse?")
+
+
+def test_requests_the_service_rejects_are_no_fast_answers_and_no_knee(live_service):
+    """A workload whose questions the service partly rejects (422: a question it cannot
+    search): the fast 422s entered the latency percentiles and the knee read 'saturated at
+    3: errors 14.8 %'. They are counted apart as rejected, stay out of the percentiles, and
+    no knee is drawn from them; the ramp stops there."""
+    from conftest import HOTPOT
+
+    url, key, _ = live_service
+    questions = read_questions(HOTPOT)[:3] + ["?!"]  # the file check would refuse it
+    spec = LoadSpec("closed", (arrivals.Step(1, 2.0), arrivals.Step(2, 2.0)), drain_s=30.0,
+                    warmup=0)
+    out = Generator(HttpTarget(url, key, branches=1), Workload(questions, seed=1),
+                    spec).run()
+    step, = out["steps"]  # the ramp stopped after the step with rejections
+    assert step["rejected"] >= 1 and step["rejections"] == {
+        "http_422:bad_request": step["rejected"]}, step["errors"]
+    assert len(step["latencies_ms"]) == step["sent"] - step["rejected"] == step["ok"]
+    assert out["knee"]["knee"] is None and out["knee"]["saturated_at"] is None
+    assert f"the service rejected {step['rejected']} of {step['sent']} requests at step 1 " \
+           "(http_422:bad_request" in out["knee"]["reason"]
+    assert out["stopped"].startswith("stopped after step 1: the service rejected")
+
+
+def test_cli_rejections_during_the_run_keep_the_report_and_exit_1(live_service, tmp_path):
+    """A question the file check accepts but this service rejects (422 question_too_long:
+    over its max_question_chars), asked after the first: the run exited 0 with a knee drawn
+    from the 422s. The report is kept, says what was rejected, and the exit status is 1."""
+    url, key, _ = live_service
+    short, long = "Who built the Old Lighthouse?", "Which harbor festival " * 60 + "?"
+    seed = next(s for s in range(20) if Workload([short, long], s).question(0) == short)
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(json.dumps({"question": short}) + "\n" + json.dumps({"question": long})
+                       + "\n")
+    out = tmp_path / "lt.json"
+    cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url", url,
+           "--queries", str(queries), "--seed", str(seed), "--home", str(tmp_path), "--users",
+           "1", "--duration", "2", "--warmup", "0", "--branches", "1", "--report", str(out)]
+    env = {**os.environ, "BRANCHSEARCH_API_KEY": key}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    step, = json.loads(out.read_text())["steps"]
+    assert step["rejections"] == {"http_422:question_too_long": step["rejected"]} and step["ok"]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "loadtest: the service rejected "), proc.stderr[-2000:]
+    assert "the report keeps what was measured" in proc.stderr
+
+
 def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
     """Against a port nothing listens on (the service died): each request is an error that
     reached no service, kept out of the latency percentiles (milliseconds of "connection
