@@ -3,6 +3,7 @@ the service and the distributed ingest."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 
 from branchsearch.infra.errors import BackendUnavailable
 from branchsearch.infra.config.settings import Settings
+
+log = logging.getLogger("branchsearch.ray")
 
 
 def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
@@ -55,7 +58,32 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
                         "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token") from None
                 raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
                                          f"{str(exc)[:300]})") from None
+    _cluster_errors_to_log()
     return ray.cluster_resources()
+
+
+def _cluster_errors_to_log() -> None:
+    """Send the errors Ray's cluster publishes to this driver to the log (`branchsearch.ray`,
+    INFO), not to stdout. Ray's driver prints each one there whatever `log_to_driver` says: a
+    worker process that died (an actor killed, out of memory) is a 10-line notice naming the
+    OOM killer and `ray stop`, a node lost is its raylet's 40-line state dump, in the middle
+    of a batch's summary or a `--json` answer. What they mean reaches the user as our own
+    lines: the branch or question that met the death is run again, or fails with the reason."""
+    from ray._private import worker
+
+    printed = getattr(worker, "print_to_stdstream", None)
+    if printed is None or getattr(printed, "to_log", False):
+        return
+
+    def to_log(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":  # (only the cluster's errors come here as "raylet")
+            printed(data, ignore_prefix)
+            return
+        for line in data.get("lines") or ():
+            log.info("ray: %s", str(line).split("\n", 1)[0])
+
+    to_log.to_log = True
+    worker.print_to_stdstream = to_log  # looked up by name in Ray's error thread at each error
 
 
 # How long a named cluster's address has to take a TCP connection (Ray's core waits 5 s a try)

@@ -121,3 +121,47 @@ def test_a_batch_joining_a_busy_cluster_plans_on_its_free_cpus(hotpot_settings, 
         for sig in ("-TERM", "-KILL"):
             subprocess.run(["pkill", sig, "-f", temp])
             time.sleep(2)
+
+
+KILL_AN_ACTOR = (
+    "import logging, os, signal, sys, time\n"
+    "import ray\n"
+    "from branchsearch.infra.raycluster import connect\n"
+    "from branchsearch.infra.config.settings import Settings\n"
+    "said = []\n"
+    "class Keep(logging.Handler):\n"
+    "    def emit(self, record):\n"
+    "        said.append(record.getMessage())\n"
+    "logging.getLogger('branchsearch.ray').addHandler(Keep())\n"
+    "logging.getLogger('branchsearch.ray').setLevel(logging.INFO)\n"
+    "connect(Settings())\n"
+    "@ray.remote(num_cpus=0)\n"
+    "class Actor:\n"
+    "    def pid(self):\n"
+    "        return os.getpid()\n"
+    "actor = Actor.remote()\n"
+    "os.kill(ray.get(actor.pid.remote(), timeout=120), signal.SIGKILL)\n"
+    "try:\n"
+    "    ray.get(actor.pid.remote(), timeout=60)\n"
+    "except ray.exceptions.RayActorError:\n"
+    "    pass\n"
+    "end = time.monotonic() + 20\n"  # Ray's notice of the death comes a poll later
+    "while not said and time.monotonic() < end:\n"
+    "    time.sleep(0.2)\n"
+    "time.sleep(1)\n"
+    "print('logged:', said[0][:60] if said else None, file=sys.stderr)\n"
+    "print('done')\n")
+
+
+def test_a_worker_process_that_died_is_logged_not_printed_on_stdout(tmp_path):
+    """A Ray actor process killed under a driver (a branch actor `kill -9`ed, one the OOM
+    killer took, a node lost): Ray's driver printed its notice on stdout ("(raylet) A worker
+    died or was killed …", a lost node's 40-line raylet state dump) in the middle of a batch's
+    summary. It now goes to the `branchsearch.ray` log, and stdout holds only what the
+    program printed."""
+    done = subprocess.run([sys.executable, "-c", KILL_AN_ACTOR], capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "RAY_ADDRESS": "", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "done\n", done.stdout[-2000:]
+    assert "logged: ray: A worker died or was killed" in done.stderr, done.stderr[-2000:]
