@@ -22,6 +22,12 @@ from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget,
 
 
 KEY_ENV = "BRANCHSEARCH_API_KEY"
+# what one load-test process can hold: a step's requests (each a Sample, drawn before the step)
+# and its threads (a user each, or a request in flight each); past these it never sends on time
+# and a step's memory and length grow without bound (--rate 1e9 drew 2e9 send times)
+MAX_STEP_REQUESTS = 100_000
+MAX_THREADS = 10_000
+MIN_STEP_S = 1.0  # a shorter step measures next to nothing (no request, or one)
 REDACTED = "REDACTED"  # shell-safe: the command line stays copyable
 
 
@@ -174,8 +180,43 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
         raise BranchsearchError("--duration must be > 0 seconds")
     if o.max_inflight < 1 or o.drain_s < 0 or o.think_s < 0:
         raise BranchsearchError("--max-inflight must be >= 1; --drain and --think >= 0")
+    _each_step_sends(steps, loop, process, o)
     return LoadSpec(loop, tuple(steps), process, o.drain_s, o.max_inflight, o.think_s,
                     o.seed, o.warmup, o.stop_at_knee, o.slo_p99_ms), notes
+
+
+def _each_step_sends(steps: list[arrivals.Step], loop: str, process: str, o: Options) -> None:
+    """Every step sends something, within what one process can send: a step that sends no
+    request reported `no answers, errors 0.0%` and a knee `not reached`; `--rate 1e9` never
+    ended."""
+    length = "--step-duration" if o.ramp else "--duration"
+    if o.max_inflight > MAX_THREADS:
+        raise BranchsearchError(f"--max-inflight {o.max_inflight}: at most {MAX_THREADS:,} "
+                                "(a thread each); for more load run several loadtests, or "
+                                "Locust")
+    for i, step in enumerate(steps):
+        if step.duration_s < MIN_STEP_S:
+            raise BranchsearchError(f"{length} {step.duration_s:g}: a step must last at least "
+                                    f"{MIN_STEP_S:g} s (a shorter one measures next to nothing)")
+        if loop == "closed":
+            if step.load > MAX_THREADS:
+                raise BranchsearchError(f"{int(step.load)} users: at most {MAX_THREADS:,} users "
+                                        "in one process (a thread each); for more load run "
+                                        "several loadtests, or Locust")
+            continue
+        expected = step.load * step.duration_s
+        if expected > MAX_STEP_REQUESTS:
+            raise BranchsearchError(f"{step.load:g}/s for {step.duration_s:g} s: {expected:.3g} "
+                                    f"requests in a step, at most {MAX_STEP_REQUESTS:,} (one "
+                                    "process sends a few hundred a second at best); for more "
+                                    "load run several loadtests, or Locust")
+        if expected < 1:  # a constant rate sends one at 0, reported as 1/duration a second
+            raise BranchsearchError(f"{step.load:g}/s for {step.duration_s:g} s is less than "
+                                    f"one request a step: lengthen {length} or raise the rate")
+        if not arrivals.schedule(process, step.load, step.duration_s, seed=o.seed + i):
+            raise BranchsearchError(f"{step.load:g}/s for {step.duration_s:g} s sends no "
+                                    f"request (the {process} arrivals of --seed {o.seed}): "
+                                    f"lengthen {length}, raise the rate or change the seed")
 
 
 def make_workload(o: Options, settings: Settings) -> wl.Workload:

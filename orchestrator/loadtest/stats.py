@@ -198,8 +198,8 @@ def unreachable(step: dict) -> bool:
 
 def not_load(step: dict, number: int) -> str:
     """Why a step (the `number`th) says nothing of where the target saturates ('' when it
-    does): the service became unreachable, or it rejected requests (its errors are the key's,
-    the workload's or the URL's, not the load's)."""
+    does): the service became unreachable, it rejected requests (its errors are the key's, the
+    workload's or the URL's, not the load's), or the step sent nothing."""
     if unreachable(step):
         return (f"the service became unreachable at step {number} ({step['unreached']} of "
                 f"{step['sent']} requests reached no service"
@@ -210,6 +210,8 @@ def not_load(step: dict, number: int) -> str:
         return (f"the service rejected {step['rejected']} of {step['sent']} requests at step "
                 f"{number} ({kinds}): a key, question or URL it refuses, not load; no knee "
                 "drawn")
+    if not step.get("sent"):
+        return f"step {number} sent no request: it measured nothing; no knee drawn"
     return ""
 
 
@@ -217,7 +219,7 @@ def find_knee(steps: list[dict], **criteria) -> dict:
     """The last step before the first saturated one. Returns {knee, saturated_at, reason}: knee
     is None when the first step already saturates or no step does (then `reason` says which),
     and when a step before either says nothing of saturation (`not_load`: the service
-    became unreachable, or rejected requests)."""
+    became unreachable, rejected requests, or the step sent none)."""
     for i, step in enumerate(steps):
         if why := not_load(step, i + 1):
             return {"knee": None, "saturated_at": None, "reason": why}

@@ -142,8 +142,18 @@ def test_unfinished_requests_enter_latency_at_their_lower_bound():
     assert out["achieved_rate"] == pytest.approx(1 / 9, abs=1e-4)
 
 
+def test_a_step_that_sent_nothing_draws_no_knee():
+    """A step with no request (a ^C before the first send) 'held' every load: the knee read
+    'not reached up to 2'. It measured nothing, and says so."""
+    empty = summarize([], load=2, loop="closed", duration_s=1.0, cutoff=1.0)
+    knee = find_knee([empty])
+    assert knee["knee"] is None and knee["saturated_at"] is None
+    assert knee["reason"] == "step 1 sent no request: it measured nothing; no knee drawn"
+
+
 def _step(load, achieved, p99, errors=0.0, loop="open", throughput=None):
-    return {"load": load, "loop": loop, "offered_rate": load if loop == "open" else None,
+    return {"load": load, "loop": loop, "sent": 10,
+            "offered_rate": load if loop == "open" else None,
             "users": load if loop == "closed" else None, "achieved_rate": achieved,
             "throughput_rate": throughput if throughput is not None else achieved,
             "error_rate": errors, "latency_ms": {"p50": p99 / 2, "p99": p99}}
@@ -660,6 +670,33 @@ def test_values_that_would_fail_every_request_or_change_nothing_are_refused(opti
     assert load_spec(Options(users=2, think_s=1.0))[0].think_s == 1.0  # where they belong
     assert load_spec(Options(rate=1.0, arrivals="constant"))[0].process == "constant"
     assert load_spec(Options(rate=1.0))[0].process == "poisson"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"rate": 1e9, "duration_s": 2.0}, "1e+09/s for 2 s: 2e+09 requests in a step, at most "
+                                       "100,000"),
+    ({"ramp": "10:100000:50000", "step_duration_s": 5.0}, "50010/s for 5 s: 2.5e+05 requests"),
+    ({"users": 50_000, "duration_s": 2.0}, "50000 users: at most 10,000 users"),
+    ({"rate": 5.0, "max_inflight": 10**7}, "--max-inflight 10000000: at most 10,000"),
+    ({"rate": 1.0, "duration_s": 0.001}, "--duration 0.001: a step must last at least 1 s"),
+    ({"users": 2, "duration_s": 0.001}, "--duration 0.001: a step must last at least 1 s"),
+    ({"ramp": "1:2:1", "step_duration_s": 0.2}, "--step-duration 0.2: a step must last"),
+    ({"rate": 0.5, "duration_s": 1.5, "arrivals": "constant"}, "0.5/s for 1.5 s is less "
+                                                               "than one request a step"),
+    ({"rate": 1.0, "duration_s": 1.0}, "1/s for 1 s sends no request (the poisson arrivals "
+                                       "of --seed 0): lengthen --duration")])
+def test_a_step_sends_something_and_no_more_than_one_process_can(options, says):
+    """`--rate 1e9` drew 2e9 send times before its first request and never ended (a 2e5/s step
+    of 2 s ran 6 s); `--duration 0.001` sent nothing and reported 'no answers, errors 0.0 %',
+    the knee 'not reached'; a constant rate under one request a step sent one and called it
+    1000/s. Each is one error line before anything runs."""
+    from branchsearch.orchestrator.loadtest.run import Options, load_spec
+
+    started = time.monotonic()
+    with pytest.raises(BranchsearchError, match=re.escape(says)):
+        load_spec(Options(**options))
+    assert time.monotonic() - started < 2
+    assert load_spec(Options(rate=1.0, duration_s=2.0))[0].steps[0].duration_s == 2.0
 
 
 def test_a_url_with_a_query_is_refused_and_its_query_never_shown(live_service, tmp_path):
