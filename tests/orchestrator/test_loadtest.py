@@ -142,6 +142,20 @@ def test_unfinished_requests_enter_latency_at_their_lower_bound():
     assert out["achieved_rate"] == pytest.approx(1 / 9, abs=1e-4)
 
 
+def test_achieved_never_exceeds_what_was_offered():
+    """Ten requests at 5/s that all kept up, the first answered slowest: the span of their
+    completions is shorter than the sends', and the achieved rate read 9.52/s of 5/s offered
+    (in a real run, 1.03/s of 0.85/s). Answers a second cannot outnumber requests a second."""
+    s = [Sample(0, i * 0.2, i * 0.2, i * 0.2 + (1.0 if i == 0 else 0.05), "ok")
+         for i in range(10)]
+    out = summarize(s, load=5, loop="open", duration_s=2.0, cutoff=3.0)
+    assert out["offered_rate"] == 5 and out["achieved_rate"] == pytest.approx(5)
+    # a target that falls behind still shows it: the same sends, answered 0.5 s apart
+    s = [Sample(0, i * 0.2, i * 0.2, 0.1 + i * 0.5, "ok") for i in range(10)]
+    slow = summarize(s, load=5, loop="open", duration_s=2.0, cutoff=6.0)
+    assert slow["achieved_rate"] < 0.5 * slow["offered_rate"]
+
+
 def test_a_step_that_sent_nothing_draws_no_knee():
     """A step with no request (a ^C before the first send) 'held' every load: the knee read
     'not reached up to 2'. It measured nothing, and says so."""
