@@ -218,9 +218,20 @@ class Sampler:
 
 
 
+def metrics_settle_s() -> float:
+    """How long after a step a service's /metrics holds all of its requests: under Ray Serve
+    the replica a scrape reaches adds the others' counts as they last shared them, every
+    `SharedMetrics.PUSH_S` seconds (a scrape right at a step's end missed 4-7 of 40-120
+    searches of a 10 s step on 2 replicas)."""
+    from branchsearch.orchestrator.service.deploy import SharedMetrics
+
+    return SharedMetrics.PUSH_S + 1.0
+
+
 class StepProbe:
     """Everything probed around one step: a `Sampler` during it, engine counters and the
-    service's /metrics before and after it."""
+    service's /metrics before and after it (`metrics_settle_s` after: every replica's counts
+    in)."""
 
     def __init__(self, settings=None, metrics_text=None, interval_s: float = 1.0):
         self.settings, self.metrics_text, self.interval_s = settings, metrics_text, interval_s
@@ -236,8 +247,10 @@ class StepProbe:
         self._sampler.__exit__()
         self._wall = time.monotonic() - self._t0
         self._engines_after = engine_counters(self.settings)
-        self._metrics_after = (parse_prometheus(self.metrics_text() or "")
-                               if self.metrics_text else {})
+        self._metrics_after = {}
+        if self.metrics_text:  # the rates stay over the step's own time (`_wall`)
+            time.sleep(metrics_settle_s())
+            self._metrics_after = parse_prometheus(self.metrics_text() or "")
 
     def result(self) -> dict:
         out = self._sampler.summary()
@@ -248,4 +261,5 @@ class StepProbe:
             out["service_metrics"] = (metric_deltas(self._metrics, self._metrics_after,
                                                     self._wall)
                                       if self._metrics_after else "no /metrics answer")
+            out["service_metrics_window_s"] = round(self._wall, 3)  # rate x window: counts
         return out

@@ -487,3 +487,28 @@ def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(ser
             if s is not None:
                 s.close()
         serve.delete("busy")  # the module's own app goes on
+
+
+def test_the_load_test_counts_every_replicas_searches_from_metrics(serve_app):
+    """`branchsearch loadtest` against Serve reads /metrics before and after each step; the
+    replica a scrape reaches adds the other's counts as last shared (every 2 s), so a scrape
+    right at the step's end missed the other replica's last searches (4-7 of 40-120 a step on
+    2 replicas). Read once they are in, the service's count is the load test's."""
+    from branchsearch.orchestrator.loadtest import arrivals
+    from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
+    from branchsearch.orchestrator.loadtest.probes import StepProbe, metrics_settle_s
+    from branchsearch.orchestrator.loadtest.targets import HttpTarget
+    from branchsearch.orchestrator.loadtest.workload import Workload
+
+    client, keys = serve_app
+    target = HttpTarget(str(client.base_url), keys["alpha"], branches=1)
+    time.sleep(metrics_settle_s())  # earlier tests' searches all counted before the step
+    spec = LoadSpec("closed", (arrivals.Step(1, 4.0),), drain_s=60.0, warmup=0)
+    out = Generator(target, Workload(["Alpha budget harbor sensors", "Old Lighthouse cape"]),
+                    spec, probe=lambda: StepProbe(None, lambda: target.get("/metrics"))).run()
+    step = out["steps"][0]
+    assert step["ok"] == step["sent"] >= 4, step["errors"]
+    probes = step["probes"]
+    counted = sum(rate for name, rate in probes["service_metrics"].items()
+                  if name.startswith("branchsearch_searches_total"))
+    assert round(counted * probes["service_metrics_window_s"]) == step["sent"], probes
