@@ -289,17 +289,20 @@ def _same_synth_corpus(settings: Settings, workload: wl.Workload, o: Options) ->
 
 
 def preflight(target: HttpTarget, question: str) -> None:
-    """One question before any load: a refused key, a missing index, a wrong path (any 4xx
-    but 429) or an unreachable URL is one clear error now, not a report full of identical
-    errors."""
-    try:
-        target.search(question)
-    except RequestFailed as exc:
-        if is_rejected(exc.outcome) or exc.outcome.startswith("error:"):
-            detail = f" ({scrub(str(exc), target.keys)})" if str(exc) != exc.outcome else ""
-            raise BranchsearchError(f"--url {target.url}: the first question got "
-                                    f"{exc.outcome}{detail}; check --url, the key (--key-file "
-                                    f"or {KEY_ENV}) and --index") from None
+    """One question with each key before any load: a refused key (any of a --key-file's), a
+    missing index, a wrong path (any 4xx but 429) or an unreachable URL is one clear error
+    now, not a report full of identical errors."""
+    keys = target.keys or (None,)
+    for i, key in enumerate(keys):
+        try:
+            target.search(question, key=key)
+        except RequestFailed as exc:
+            if is_rejected(exc.outcome) or exc.outcome.startswith("error:"):
+                detail = f" ({scrub(str(exc), target.keys)})" if str(exc) != exc.outcome else ""
+                which = f" with key {i + 1} of {len(keys)}" if len(keys) > 1 else ""
+                raise BranchsearchError(f"--url {target.url}: the first question{which} got "
+                                        f"{exc.outcome}{detail}; check --url, the key "
+                                        f"(--key-file or {KEY_ENV}) and --index") from None
 
 
 def machine() -> dict:

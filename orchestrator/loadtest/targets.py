@@ -140,9 +140,12 @@ class HttpTarget:
             with self._lock:
                 self._in_flight[key] -= 1
 
-    def search(self, question: str) -> dict:
-        with self._key() as key:
+    def search(self, question: str, key: str | None = None) -> dict:
+        """The answer to `question`, asked with the least busy key (or with `key`)."""
+        if key is not None:
             return self._search(question, key)
+        with self._key() as least_busy:
+            return self._search(question, least_busy)
 
     def _search(self, question: str, key: str | None) -> dict:
         request = urllib.request.Request(

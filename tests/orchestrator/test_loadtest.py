@@ -731,6 +731,20 @@ def test_a_url_with_a_query_is_refused_and_its_query_never_shown(live_service, t
         preflight(HttpTarget(url + "/?token=s3cretq", key), "Who built the lighthouse?")
 
 
+def test_every_key_of_a_key_file_is_tried_before_any_load(live_service, tmp_path):
+    """A --key-file whose second key the service does not know: the first question went with
+    the first key only, so the run began and one request in two was a 401. Each key is now
+    asked the first question: one line naming which key (never the key), exit 2."""
+    url, key, _ = live_service
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{key}\nbs_not_a_key_s3cret\n")
+    proc = _cli_loadtest(url, ["--key-file", str(keys), "--users", "2", "--duration", "2",
+                               "--report", str(tmp_path / "lt.json")], {}, tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "the first question with key 2 of 2 got http_401:unauthorized" in proc.stderr
+    assert "s3cret" not in proc.stdout + proc.stderr and not (tmp_path / "lt.json").exists()
+
+
 def test_requests_the_service_rejects_are_no_fast_answers_and_no_knee(live_service):
     """A workload whose questions the service partly rejects (422: a question it cannot
     search): the fast 422s entered the latency percentiles and the knee read 'saturated at
