@@ -335,11 +335,17 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
         notes.append("interrupted (Ctrl-C): the steps finished so far, and the one under way "
                      "as far as it got (marked partial)")
     if any("http_429:too_many_requests" in s.get("refusals", {}) for s in result["steps"]):
-        notes.append("the key's own concurrency limit refused requests (429 "
-                     "too_many_requests), and refusals count as errors: past that limit this "
-                     "measures the key, not the service; put several keys in --key-file (one a "
-                     "line: each request takes the least busy) or raise the service's "
-                     "per_key_concurrency")
+        if len(o.keys) > 1:  # "put several keys in --key-file" would be what was done
+            notes.append(f"the {len(o.keys)} keys' own concurrency limits refused requests "
+                         "(429 too_many_requests), and refusals count as errors: past them "
+                         "this measures the keys, not the service; add keys to --key-file or "
+                         "raise the service's per_key_concurrency")
+        else:
+            notes.append("the key's own concurrency limit refused requests (429 "
+                         "too_many_requests), and refusals count as errors: past that limit "
+                         "this measures the key, not the service; put several keys in "
+                         "--key-file (one a line: each request takes the least busy) or raise "
+                         "the service's per_key_concurrency")
     if spec.loop == "open" and any(s["send_lag_ms"]["p99"] and s["send_lag_ms"]["p99"] > 20
                                    for s in result["steps"]):
         notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "

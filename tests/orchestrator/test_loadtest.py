@@ -626,6 +626,26 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
     assert "warning: --key shows the key" in proc.stderr
 
 
+def test_cli_note_on_429s_names_the_keys_given(live_service, tmp_path):
+    """10 users on a --key-file of 2 keys (4 searches each at once): the 429s' note told the
+    user to do what they had done ("put several keys in --key-file"). It now says how many
+    keys' limits refused them."""
+    url, key, other = live_service
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{key}\n{other}\n")
+    out = tmp_path / "lt.json"
+    proc = _cli_loadtest(url, ["--key-file", str(keys), "--users", "10", "--think", "0.2",
+                               "--duration", "3", "--report", str(out)], {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["steps"][0]["refusals"].get("http_429:too_many_requests"), report["steps"]
+    note = [n for n in report["notes"] if "429" in n]
+    assert note == ["the 2 keys' own concurrency limits refused requests (429 "
+                    "too_many_requests), and refusals count as errors: past them this "
+                    "measures the keys, not the service; add keys to --key-file or raise the "
+                    "service's per_key_concurrency"], report["notes"]
+
+
 def test_cli_report_says_why_the_slo_broke(live_service, tmp_path):
     """Against the real service, an SLO no step can hold: the report's SLO line named two of
     its three criteria and not why it was not held. It now says at which step, and why."""
