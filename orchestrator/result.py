@@ -149,10 +149,17 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
     Returns the fused chunk ids (at most `limit`) and the evidence: documents in fused order,
     each with its fused score and the branches that found it (its place in each), and its
     chunks (as the branches returned them: `workers.evidence`), each with which branches
-    returned that chunk at what rank. This is the only place chunks are grouped by document."""
+    returned that chunk at what rank, and its provenance: the records of every branch that
+    returned it, in branch order, each naming its `branch` (not one branch's, unnamed). This
+    is the only place chunks are grouped by document."""
     ok = [b for b in branches if b.status == "ok" and b.ranked_chunk_ids]
     anchor = next((i for i, b in enumerate(ok) if b.kind == "original"), None)
     chunks = {c["chunk_id"]: c for b in ok for c in b.evidence}
+    trails: dict[str, list[dict]] = {}  # chunk -> every branch's provenance of it, in order
+    for b in ok:
+        for c in b.evidence:
+            trails.setdefault(c["chunk_id"], []).extend(
+                {"branch": b.index, **p} for p in c.get("provenance") or [])
 
     def doc(chunk_id: str) -> str:
         return chunks.get(chunk_id, {}).get("doc_id") or doc_of(chunk_id)
@@ -197,6 +204,6 @@ def fuse_branches(branches: list[BranchReport], k: int = 60,
                                          "chunks": []})
         entry["chunks"].append({
             "chunk_id": cid, "rank": rank, "score": entry["score"],
-            "text": chunk.get("text", ""), "provenance": chunk.get("provenance", []),
+            "text": chunk.get("text", ""), "provenance": trails.get(cid, []),
             "found_by": finders(found[cid])})
     return ranked, list(docs.values())

@@ -225,7 +225,7 @@ class EvidenceChunk(_Open):
     score: float
     text: str
     provenance: list[dict[str, Any]] = Field(description="for each time a branch fetched it: "
-                                             "turn, tool, query, rank, score, parents")
+                                             "branch, turn, tool, query, rank, score, parents")
     found_by: list[FoundBy]
 
 

@@ -758,3 +758,24 @@ def test_a_title_is_named_in_either_unicode_form_and_in_scripts_without_spaces()
     assert named_in("大阪城は大阪市にある", "大阪") and not named_in("京都にある", "大阪")
     assert named_in("東京タワーの高さ", "東京タワー (塔)")
     assert not named_in("Ulm is a city", "Ulm") and not named_in("Burtonville", "Burton")
+
+
+def test_a_fused_chunk_keeps_every_branch_s_provenance():
+    """A chunk two branches returned: its fused provenance was the last branch's records
+    alone, naming no branch (a research user read the question's own branch's chunk as found
+    by another branch's query). It now holds each branch's records, in branch order, each
+    naming its branch."""
+    def branch(i, kind, trail):
+        evidence = [{"chunk_id": "x#p0", "doc_id": "x", "title": "X", "text": "text of x",
+                     "rank": 1, "score": 1.0, "provenance": trail}]
+        return BranchReport(i, f"q{i}", 1.0, kind, "ok", episode=EpisodeResult(
+            f"q{i}", "finish", evidence=evidence, ranked_chunk_ids=["x#p0"]))
+
+    own = {"turn": 1, "tool": "search_corpus", "query": "q0", "rank": 2, "score": 0.5,
+           "parents": []}
+    bridge = {"turn": 2, "tool": "search_corpus", "query": "bridge words", "rank": 1,
+              "score": 0.9, "parents": ["y#p0"]}
+    _, evidence = fuse_branches([branch(0, "original", [own]), branch(1, "bridge", [bridge])])
+    [chunk] = evidence[0]["chunks"]
+    assert [f["branch"] for f in chunk["found_by"]] == [0, 1]
+    assert chunk["provenance"] == [{"branch": 0, **own}, {"branch": 1, **bridge}]
