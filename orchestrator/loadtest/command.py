@@ -130,7 +130,7 @@ def loadtest(
             {k_: v for k_, v in s.items() if k_ != "latencies_ms"} for s in out["steps"]]},
             default=str))
         if out["interrupted"]:
-            raise typer.Exit(130)
+            raise typer.Exit(143 if out.get("terminated") else 130)
         _exit_if_not_load(out)
         return
     print(rep.markdown(out).split("\n## Server-side")[0].rstrip())
@@ -139,7 +139,7 @@ def loadtest(
     if plots:
         print(f"plots: {', '.join(out.get('plots', []))}")
     if out["interrupted"]:  # the report holds what was measured; the status says it stopped
-        raise typer.Exit(130)
+        raise typer.Exit(143 if out.get("terminated") else 130)  # 128 + SIGTERM or SIGINT
     _exit_if_not_load(out)
 
 

@@ -6,8 +6,11 @@ import math
 import os
 import platform
 import shlex
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -305,6 +308,29 @@ def preflight(target: HttpTarget, question: str) -> None:
                                         f"(--key-file or {KEY_ENV}) and --index") from None
 
 
+@contextmanager
+def _sigterm_interrupts():
+    """Meanwhile a SIGTERM (`timeout`, a CI job cancelled, `kill PID`) stops the run as ^C does,
+    the step under way kept as partial; the list it yields records that one came. It killed
+    the process with no report, whatever the steps had measured. A SIGTERM this process was
+    made to ignore stays ignored."""
+    came: list[int] = []
+
+    def stop(signum, frame):
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield came
+        return
+    was = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGTERM, was if was is not None else signal.SIG_DFL)
+
+
 def machine() -> dict:
     try:
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -328,12 +354,14 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     if isinstance(target, HttpTarget):
         info["target"]["key"] = f"from {o.key_source}" if o.keys else "none"
     try:
-        result = Generator(target, workload, spec, probe=probe, progress=progress).run()
+        with _sigterm_interrupts() as signals:
+            result = Generator(target, workload, spec, probe=probe, progress=progress).run()
     finally:
         target.close()
     if result["interrupted"]:
-        notes.append("interrupted (Ctrl-C): the steps finished so far, and the one under way "
-                     "as far as it got (marked partial)")
+        result["terminated"] = bool(signals)
+        notes.append(f"interrupted ({'SIGTERM' if signals else 'Ctrl-C'}): the steps finished "
+                     "so far, and the one under way as far as it got (marked partial)")
     if any("http_429:too_many_requests" in s.get("refusals", {}) for s in result["steps"]):
         if len(o.keys) > 1:  # "put several keys in --key-file" would be what was done
             notes.append(f"the {len(o.keys)} keys' own concurrency limits refused requests "

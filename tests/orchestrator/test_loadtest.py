@@ -860,9 +860,12 @@ def test_a_service_that_dies_partway_through_a_step_is_no_saturation_point():
     assert find_knee([step])["saturated_at"] == 3
 
 
-def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path):
+@pytest.mark.parametrize("stop, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path, stop, status):
     """^C during a step: the report holds what it measured so far (the step marked partial),
-    and the exit status says the run was interrupted."""
+    and the exit status says the run was interrupted. A SIGTERM (`timeout`, a cancelled CI
+    job, `kill PID`) killed the run with no report at all (exit -15); it now stops it as ^C
+    does, exit 143."""
     import signal
 
     from branchsearch.infra.config.settings import load_settings
@@ -889,12 +892,14 @@ def test_ctrl_c_keeps_the_step_under_way_and_exits_130(tmp_path):
     while time.time() < deadline and not any(" done " in line and "done 0 " not in line
                                              for line in lines):
         time.sleep(0.2)  # a progress line with answers in it
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, stop))
     stdout, _ = proc.communicate(timeout=120)
     reader.join(timeout=10)
-    assert proc.returncode == 130, (proc.returncode, "".join(lines)[-2000:])
-    step, = json.loads(out.read_text())["steps"]
+    assert proc.returncode == status, (proc.returncode, "".join(lines)[-2000:])
+    report = json.loads(out.read_text())
+    step, = report["steps"]
     assert step["partial"] and step["ok"] >= 1 and step["wall_s"] < 60
+    assert report["notes"][0].startswith("interrupted (" + {"SIGINT": "Ctrl-C"}.get(stop, stop))
     assert "(partial)" in stdout and "Traceback" not in "".join(lines)
 
 
