@@ -57,12 +57,25 @@ def read_keys(key_file: Path | None = None, key: str | None = None,
         if not keys:
             raise BranchsearchError(f"--key-file {key_file} is empty: put a key on each line")
         many = f" ({len(keys)} keys)" if len(keys) > 1 else ""
-        return keys, f"--key-file {key_file}{many}"
+        return _sendable(keys, f"--key-file {key_file}"), f"--key-file {key_file}{many}"
     if key:
-        return (key.strip(),), "--key"
+        return _sendable((key.strip(),), "--key"), "--key"
     if env.get(KEY_ENV, "").strip():
-        return (env[KEY_ENV].strip(),), KEY_ENV
+        return _sendable((env[KEY_ENV].strip(),), KEY_ENV), KEY_ENV
     return (), "none"
+
+
+def _sendable(keys: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """`keys`, each of which an HTTP header can carry: visible ASCII (a key of `branchsearch
+    keys add` is bs_ and letters, digits, - and _). Another ("ключ", a CR LF inside) was never
+    sent, and its first question read "error:BadResponse (the answer is not JSON)"."""
+    for i, key in enumerate(keys):
+        if not all("!" <= c <= "~" for c in key):
+            which = f"key {i + 1} of {len(keys)}" if len(keys) > 1 else "the key"
+            raise BranchsearchError(f"{source}: {which} holds a space, a control character or "
+                                    "a character outside ASCII, which no HTTP header carries; "
+                                    "give the key `branchsearch keys add` printed")
+    return keys
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -570,6 +570,16 @@ def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_p
         read_keys(tmp_path / "empty", None, {})
     with pytest.raises(BranchsearchError, match="once"):
         read_keys(f, "k", {})
+    # a key no HTTP header carries was never sent, and read "the answer is not JSON"
+    for bad in ("ключ-s3cret", "bs_a\r\nX-Evil: s3cret", "bs a s3cret", "bs_\x00s3cret"):
+        with pytest.raises(BranchsearchError, match="BRANCHSEARCH_API_KEY: the key holds a "
+                                                    "space, a control character or a "
+                                                    "character outside ASCII") as refused:
+            read_keys(None, None, {"BRANCHSEARCH_API_KEY": bad})
+        assert "s3cret" not in str(refused.value)
+    (tmp_path / "two").write_text("bs_ok\nbs_ключ\n")
+    with pytest.raises(BranchsearchError, match="two: key 2 of 2 holds a space"):
+        read_keys(tmp_path / "two", None, {})
     assert scrub({"a": "bs_a and bs_b"}, ("bs_a", "bs_b")) == {"a": "REDACTED and REDACTED"}
     assert redact_argv(["bs", "loadtest", "--key", "s3", "--key=s3", "--url", "u"]) == \
         ["bs", "loadtest", "--key", "REDACTED", "--key=REDACTED", "--url", "u"]
