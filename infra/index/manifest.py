@@ -297,8 +297,8 @@ def require_complete(index_dir: Path, index: str, home: Path | str = "") -> Mani
 def _not_busy(index_dir: Path, index: str) -> None:
     """IndexBusy while an ingest writes the index. A service's document write holds the same
     lock (`SERVICE_WRITE`) but leaves a complete index to read: its searches go on meanwhile,
-    and its retriever actor, which makes the write, must open the index (restarted by Ray
-    under a write, it was refused by the write waiting on it, and died for good)."""
+    and its retriever actor, which makes the write, must open the index even when Ray
+    restarts it under that write (refused, it would die for good, the write waiting on it)."""
     live = running_ingest(index_dir)
     if live is not None and live.corpus != SERVICE_WRITE:
         raise IndexBusy(f"index {index!r} is being ingested right now ({live.describe()}); "

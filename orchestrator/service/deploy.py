@@ -422,10 +422,9 @@ def placed_by_proxies(opts: ServeOptions, location: str) -> ServeOptions:
     """`serve`'s placement (`--replicas` not given): an ingress replica on each node a proxy
     runs on (Serve's proxy routes to a replica on its own node when it has one), and the one
     searcher replica on the head. A request then needs only its proxy's node and the head,
-    whose loss ends the cluster anyway. Placed by Serve, the one ingress and the searcher
-    landed on any node: losing that node, or its network, cut every proxy off (requests in
-    flight a plain-text 500 from Serve's proxy; new ones, /readyz too, held with no answer
-    until Ray declared the node dead), and a lost searcher restarted every index (27 s)."""
+    whose loss ends the cluster anyway; an ingress or searcher that Serve placed on another
+    node would take every proxy's requests down with that node (docs/service.md, "On a
+    cluster")."""
     import ray
 
     nodes = sum(1 for node in ray.nodes() if node["Alive"])
