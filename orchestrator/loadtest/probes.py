@@ -221,8 +221,8 @@ class Sampler:
 def metrics_settle_s() -> float:
     """How long after a step a service's /metrics holds all of its requests: under Ray Serve
     the replica a scrape reaches adds the others' counts as they last shared them, every
-    `SharedMetrics.PUSH_S` seconds (a scrape right at a step's end missed 4-7 of 40-120
-    searches of a 10 s step on 2 replicas)."""
+    `SharedMetrics.PUSH_S` seconds, so a scrape right at a step's end misses the last
+    ones."""
     from branchsearch.orchestrator.service.deploy import SharedMetrics
 
     return SharedMetrics.PUSH_S + 1.0

@@ -67,8 +67,8 @@ def read_keys(key_file: Path | None = None, key: str | None = None,
 
 def _sendable(keys: tuple[str, ...], source: str) -> tuple[str, ...]:
     """`keys`, each of which an HTTP header can carry: visible ASCII (a key of `branchsearch
-    keys add` is bs_ and letters, digits, - and _). Another ("ключ", a CR LF inside) was never
-    sent, and its first question read "error:BadResponse (the answer is not JSON)"."""
+    keys add` is bs_ and letters, digits, - and _). Another ("ключ", a CR LF inside) is one
+    line naming where it came from, never the key."""
     for i, key in enumerate(keys):
         if not all("!" <= c <= "~" for c in key):
             which = f"key {i + 1} of {len(keys)}" if len(keys) > 1 else "the key"
@@ -202,9 +202,8 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
 
 
 def _each_step_sends(steps: list[arrivals.Step], loop: str, process: str, o: Options) -> None:
-    """Every step sends something, within what one process can send: a step that sends no
-    request reported `no answers, errors 0.0%` and a knee `not reached`; `--rate 1e9` never
-    ended."""
+    """Every step sends something, within what one process can send: a step of no request
+    would report no answers and no knee, one past these bounds would never end on time."""
     length = "--step-duration" if o.ramp else "--duration"
     if o.max_inflight > MAX_THREADS:
         raise BranchsearchError(f"--max-inflight {o.max_inflight}: at most {MAX_THREADS:,} "
@@ -324,9 +323,8 @@ def preflight(target: HttpTarget, question: str) -> None:
 @contextmanager
 def _sigterm_interrupts():
     """Meanwhile a SIGTERM (`timeout`, a CI job cancelled, `kill PID`) stops the run as ^C does,
-    the step under way kept as partial; the list it yields records that one came. It killed
-    the process with no report, whatever the steps had measured. A SIGTERM this process was
-    made to ignore stays ignored."""
+    the step under way kept as partial; the list it yields records that one came. A SIGTERM
+    this process was made to ignore stays ignored."""
     came: list[int] = []
 
     def stop(signum, frame):
