@@ -4,6 +4,7 @@ answered by Serve's queue limit as JSON 503."""
 
 from __future__ import annotations
 
+import contextlib
 import concurrent.futures as cf
 import time
 
@@ -334,21 +335,10 @@ def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, 
     after `serve` started took 17 s here) or, as here, waiting for room on the cluster. /readyz
     waited for it with no bound, past any balancer's probe timeout; it now answers 503
     `not_ready` within its wait (`app.READY_WAIT_S`)."""
-    from ray import serve
-    from ray.serve.api import _run
-
     from branchsearch.orchestrator.service.app import READY_WAIT_S
-    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
 
     client, _ = serve_app
-    opts = ServeOptions(home=str(bm_home(tmp_path / "late")), index="bm", executor="local",
-                        searcher_cpus=10_000)  # more than the cluster has: it never starts
-    _run(build_application(opts), name="late", route_prefix="/late", _blocking=False)
-    try:
-        deadline = time.monotonic() + 120
-        while client.get("/late/healthz").status_code != 200:  # the ingress is up
-            assert time.monotonic() < deadline, "the ingress did not start"
-            time.sleep(0.5)
+    with _searcher_never_placed(client, tmp_path, "late"):
         for _ in range(2):
             began = time.monotonic()
             r = client.get("/late/readyz", timeout=60)
@@ -356,8 +346,28 @@ def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, 
             assert r.status_code == 503 and r.json()["error"] == "not_ready", r.text
             assert r.headers["retry-after"] == "5"
             assert took < READY_WAIT_S + 2, took
+
+
+@contextlib.contextmanager
+def _searcher_never_placed(client, tmp_path, name: str):
+    """An app at /NAME whose searcher replica asks more CPU than the cluster has (it never
+    starts), once its ingress is up; deleted after (the module's own app goes on)."""
+    from ray import serve
+    from ray.serve.api import _run
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    opts = ServeOptions(home=str(bm_home(tmp_path / name)), index="bm", executor="local",
+                        searcher_cpus=10_000)
+    _run(build_application(opts), name=name, route_prefix=f"/{name}", _blocking=False)
+    try:
+        deadline = time.monotonic() + 120
+        while client.get(f"/{name}/healthz").status_code != 200:  # the ingress is up
+            assert time.monotonic() < deadline, "the ingress did not start"
+            time.sleep(0.5)
+        yield
     finally:
-        serve.delete("late")  # the module's own app goes on
+        serve.delete(name)
 
 
 def test_a_search_the_searcher_never_takes_is_a_504_by_its_deadline(serve_app, tmp_path):
@@ -366,21 +376,10 @@ def test_a_search_the_searcher_never_takes_is_a_504_by_its_deadline(serve_app, t
     that took, whatever its `deadline_s` (deadline 20 s: 504s after 28-30 s on the cluster;
     here with no bound at all), and a balancer's timeout cut it. The ingress now answers 504
     `deadline_exceeded` once the deadline and `JOIN_GRACE_S` have passed, streamed or not."""
-    from ray import serve
-    from ray.serve.api import _run
-
     from branchsearch.orchestrator.service.searcher import JOIN_GRACE_S as ANSWER_GRACE_S
-    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
 
     client, _ = serve_app
-    opts = ServeOptions(home=str(bm_home(tmp_path / "gone")), index="bm", executor="local",
-                        searcher_cpus=10_000)  # more than the cluster has: it never starts
-    _run(build_application(opts), name="gone", route_prefix="/gone", _blocking=False)
-    try:
-        deadline = time.monotonic() + 120
-        while client.get("/gone/healthz").status_code != 200:  # the ingress is up
-            assert time.monotonic() < deadline, "the ingress did not start"
-            time.sleep(0.5)
+    with _searcher_never_placed(client, tmp_path, "gone"):
         for accept in ("application/json", "text/event-stream"):
             began = time.monotonic()
             r = client.post("/gone/v1/search", json={"question": "harbor", "deadline_s": 1},
@@ -388,8 +387,6 @@ def test_a_search_the_searcher_never_takes_is_a_504_by_its_deadline(serve_app, t
             took = time.monotonic() - began
             assert r.status_code == 504 and r.json()["error"] == "deadline_exceeded", r.text
             assert 1 <= took < 1 + ANSWER_GRACE_S + 3, took
-    finally:
-        serve.delete("gone")  # the module's own app goes on
 
 
 def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full(serve_app):
