@@ -153,7 +153,7 @@ def bridges(report: BranchReport, question: str, n: int, *, skip: tuple[str, ...
     for name in dict.fromkeys(named):
         low = name.lower()
         if too_short(name, 4) or _calendar(name) or low in q \
-                or (core and (low in core or core in low)) \
+                or (core and (_within(low, core) or _within(core, low))) \
                 or any(_same_entity(name, other) for other in skip) or _said(low, before):
             continue
         at = text.find(name)
@@ -175,6 +175,15 @@ def _said(low: str, text: str) -> bool:
     does not set words apart (《论语》 in '孔子的论语') — anywhere."""
     text = text.lower()
     return low in text if unspaced(low) else re.search(rf"\b{re.escape(low)}\b", text) is not None
+
+
+def _within(low: str, text: str) -> bool:
+    """Whether `text` holds the (lower-cased) name `low` as whole words: not a piece of a longer
+    word ("wilm" is not in "wilmington"), a name ending in punctuation included ("made of?");
+    in a script that does not set words apart, anywhere."""
+    if unspaced(low):
+        return low in text
+    return re.search(rf"(?<!\w){re.escape(low)}(?!\w)", text) is not None
 
 
 _CALENDAR = frozenset("january february march april may june july august september october "

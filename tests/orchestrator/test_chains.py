@@ -495,3 +495,18 @@ def test_a_bridge_never_follows_a_date():
                "married Jack Smith, who played in April Wine with Theresa May.")
     names = [name for name, _ in bridges(own, "Who did the singer Kim Hill marry?", 6)]
     assert names == ["Dayton", "Jack Smith", "April Wine", "Theresa May"]  # no April, no July
+
+
+def test_a_name_is_the_title_only_as_whole_words():
+    """The title's name hides a name of its chunk only as whole words: "WILM" (the station's
+    page) does not hide "Wilmington", the city it broadcasts to (reports/bridges.md, v19); a
+    title ending in punctuation still hides itself."""
+    own = _top("WILM (AM)", "WILM (1450 AM) is a radio station licensed to Wilmington, "
+               "Delaware, United States.")
+    names = [name for name, _ in bridges(own, "What is the airport in the city where WILM is "
+                                         "licensed to broadcast?", 3)]
+    assert names[0] == "Wilmington"
+    song = _top("What Are Little Boys Made Of?", "What Are Little Boys Made Of? is a nursery "
+                "rhyme printed by James Orchard Halliwell.")
+    names = [name for name, _ in bridges(song, "Which index lists the rhyme?", 5)]
+    assert "What Are Little Boys Made Of?" not in names and "James Orchard Halliwell" in names
