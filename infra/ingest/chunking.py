@@ -8,6 +8,7 @@ overlap always give the same chunks, so re-ingesting a document replaces its chu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.stores.hits import label
@@ -55,11 +56,13 @@ def chunk_text(doc_id: str, text: str, counter: TokenCounter, size: int = 256,
         cid = chunk_id(doc_id, 0)
         return [Chunk(cid, doc_id, 0, text, 0, len(tokens),
                       *token_counts(counter, cid, text, title, head_tokens, tokens))]
+    raw = text.encode("utf-8")  # the tokens' bytes, one after another
+    at = list(accumulate(counter.byte_lengths(tokens), initial=0))  # where each token begins
     chunks: list[Chunk] = []
     start = 0
     while start < len(tokens):
         end = min(start + size, len(tokens))
-        piece = counter.decode(tokens[start:end]).strip()
+        piece = _whole_characters(raw, at[start], at[end]).strip()
         cid = chunk_id(doc_id, len(chunks))
         chunks.append(Chunk(cid, doc_id, len(chunks), piece, start, end - start,
                             *token_counts(counter, cid, piece, title, head_tokens)))
@@ -80,6 +83,22 @@ def token_counts(counter: TokenCounter, cid: str, text: str, title: str, head_to
         if text.startswith(shown):  # not when the cut falls inside a character
             head = (head_tokens, len(shown))
     return len(tokens), counter.count(label(cid, title)), head
+
+
+def _whole_characters(raw: bytes, lo: int, hi: int) -> str:
+    """`raw[lo:hi]` as text, each end moved back to the start of the character it falls in.
+    A token may hold part of a character (a Han character, a Thai letter or an emoji is 3-4
+    bytes, often split across tokens), so a window of tokens can begin or end inside one:
+    decoding its bytes as they are would write U+FFFD into the chunk in place of the
+    character. A character cut at a window's end is its next window's first (windows
+    overlap or touch)."""
+    return raw[_char_start(raw, lo):_char_start(raw, hi)].decode("utf-8")
+
+
+def _char_start(raw: bytes, i: int) -> int:
+    while 0 < i < len(raw) and 0x80 <= raw[i] < 0xC0:  # a UTF-8 continuation byte
+        i -= 1
+    return i
 
 
 def _word_start(tokens: list[int], lo: int, hi: int, counter: TokenCounter) -> int:

@@ -109,6 +109,11 @@ class TokenCounter:
     def decode(self, tokens: list[int]) -> str:
         return self._enc.decode(tokens)
 
+    def byte_lengths(self, tokens: list[int]) -> list[int]:
+        """How many bytes of UTF-8 each token stands for (a token may hold part of a
+        character: `decode` of a slice of tokens then writes U+FFFD for it)."""
+        return [len(b) for b in self._enc.decode_tokens_bytes(tokens)]
+
     def cut(self, text: str, max_tokens: int, known: int | None = None,
             head: tuple[int, int] | None = None) -> tuple[str, int, int]:
         """(text cut to `max_tokens` with an ellipsis when cut, its token count, the full

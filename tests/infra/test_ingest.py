@@ -608,3 +608,35 @@ def test_a_tiny_ingest_never_reports_a_rate_of_zero(tmp_path):
     bar.update(1)
     bar.close()
     assert "ingest book: 1 doc, 0.01 doc/s, 100 s, done" in stream.getvalue(), stream.getvalue()
+
+
+def test_chunks_of_cjk_thai_and_emoji_text_hold_its_characters_not_u_fffd(tmp_path):
+    """A token can hold part of a character (Han, Thai, emoji are 3-4 bytes), so a 256-token
+    window could begin or end inside one: each chunk was its window's bytes decoded, U+FFFD
+    in place of the cut characters, and that is what the stores kept and searches showed
+    (hostile pass: 19 of a random Han text's 26 chunks, 6 of a Thai one's 15). Each chunk is
+    now a piece of the document's own text, and together they hold all of it."""
+    import random
+    import unicodedata
+
+    rng = random.Random(1)
+    texts = {"han": "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(3000)),
+             "thai": "".join(chr(rng.randint(0x0E01, 0x0E4F)) for _ in range(3000)),
+             "emoji": "".join(chr(rng.randint(0x1F300, 0x1F6FF)) for _ in range(3000))}
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"_id": k, "text": v}, ensure_ascii=False) + "\n"
+                            for k, v in texts.items()))
+    settings = _settings(tmp_path / "h", chunk_overlap=0)  # no overlap: the chunks tile it
+    ingest(path, settings, dense=False)
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        for doc_id, text in texts.items():
+            chunks = retriever.docstore.document_chunks(doc_id)
+            assert len(chunks) > 10
+            assert not [c["chunk_id"] for c in chunks if "\ufffd" in c["text"]], doc_id
+            assert "".join(c["text"] for c in chunks) == unicodedata.normalize("NFC", text)
+            if doc_id != "emoji":  # what a search shows is that text (emoji are no terms)
+                hits = retriever.search(chunks[3]["text"][:8], mode="bm25", k=50)
+                assert chunks[3]["text"] in [h.text for h in hits]
+    finally:
+        retriever.close()
