@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchsearch.infra.stores.acl import ACL_ALL, PUBLIC, group_name, group_problem
+from branchsearch.infra.stores.acl import (ACL_ALL, MAX_DOC_GROUPS, PUBLIC, group_name,
+                                           group_problem)
 from branchsearch.infra.errors import CorpusError
 from branchsearch.infra.nfc import nfc
 from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
@@ -27,6 +28,9 @@ _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match 
 _ACL_SPELLINGS = {"acl", "acls", "acl_groups", "acl-groups", "aclgroups", "acl_group",
                   "acl-group"}
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")  # of a folder's files, in any case (".TXT")
+# a document id's longest in UTF-8: its chunk ids ("{id}#p{n}") stay within Elasticsearch's
+# 512-byte `_id` (a Milvus server's `chunk_id` holds 1,024); tantivy and Milvus Lite hold any
+MAX_ID_BYTES = 500
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,11 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     doc_id = document_id(doc_id)
     if not _ID_OK.fullmatch(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
+    size = len(doc_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:  # a server would refuse it mid-ingest, the index left incomplete
+        raise CorpusError(f"{where}: document id {doc_id[:40]!r}… is {size:,} bytes long in "
+                          f"UTF-8; ids are at most {MAX_ID_BYTES} (Elasticsearch keeps no "
+                          "longer)")
     if doc_id in (".", ".."):  # a URL path drops it: the service could never delete it
         raise CorpusError(f"{where}: document id {doc_id!r} is a path step, not a name")
     hidden = next((c for c in doc_id if unicodedata.category(c) == "Cc" or c in _BIDI), None)
@@ -154,6 +163,9 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         acl = (acl,)
     if not isinstance(acl, (list, tuple)) or not all(isinstance(g, str) for g in acl):
         raise CorpusError(f"{where}: 'acl' must be a list of group names")
+    if len(acl) > MAX_DOC_GROUPS:  # a Milvus server refuses the row mid-ingest
+        raise CorpusError(f"{where}: 'acl' names {len(acl)} groups; a document names at most "
+                          f"{MAX_DOC_GROUPS}")
     if any(not g.strip() for g in acl):  # "" would match no caller's group: admins only
         raise CorpusError(f"{where}: 'acl' group names may not be empty")
     comma = next((g for g in acl if "," in g), None)

@@ -54,6 +54,7 @@ def acl_visible(doc_acl: Sequence[str], groups: Sequence[str] | None) -> bool:
 
 
 MAX_GROUP_CHARS = 128  # as a key's groups (`keys add --groups`)
+MAX_DOC_GROUPS = 64  # groups one document may name: a Milvus server's ACL array holds no more
 
 
 def group_problem(name: str) -> str:

@@ -54,7 +54,7 @@ from branchsearch.infra.stores.milvus_lite import (acquire_lite, busy_error, dro
                                                   lite_down, lite_key, lite_spawn,
                                                   release_lite, revive_lite, served_uri)
 from branchsearch.infra.stores.protocols import MAX_K, IndexedChunk, settled
-from branchsearch.infra.stores.acl import PUBLIC, acl_terms
+from branchsearch.infra.stores.acl import MAX_DOC_GROUPS, PUBLIC, acl_terms
 
 COLLECTION = "chunks"
 ACL_KEY_PUBLIC = "public"  # the `acl_key` of every document any caller sees
@@ -429,8 +429,8 @@ class MilvusStore:
             description="" if self.owner is None else OWNER_NOTE + self.owner)
         schema.add_field("chunk_id", DataType.VARCHAR, is_primary=True, max_length=1024)
         schema.add_field("doc_id", DataType.VARCHAR, max_length=1024)
-        schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,
-                         max_length=256)
+        schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR,
+                         max_capacity=MAX_DOC_GROUPS, max_length=256)
         # the partition key on a server (Milvus Lite 2.5.1 takes `is_partition_key` but then
         # refuses every filter on the field: "Invalid expr"), a plain field on Lite
         schema.add_field("acl_key", DataType.VARCHAR, max_length=64,
@@ -456,8 +456,8 @@ class MilvusStore:
             return  # left by a collection dropped elsewhere: its sets only lengthen a filter
         schema = self._client.create_schema(auto_id=False, enable_dynamic_field=False)
         schema.add_field("acl_key", DataType.VARCHAR, is_primary=True, max_length=64)
-        schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=64,
-                         max_length=256)
+        schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR,
+                         max_capacity=MAX_DOC_GROUPS, max_length=256)
         schema.add_field("v", DataType.FLOAT_VECTOR, dim=2)
         index = self._client.prepare_index_params()
         index.add_index(field_name="v", index_type="FLAT", metric_type="L2")

@@ -640,3 +640,32 @@ def test_chunks_of_cjk_thai_and_emoji_text_hold_its_characters_not_u_fffd(tmp_pa
                 assert chunks[3]["text"] in [h.text for h in hits]
     finally:
         retriever.close()
+
+
+def test_an_id_or_acl_a_server_would_refuse_is_one_line_before_anything_is_written(tmp_path):
+    """Milvus Lite and tantivy hold any id and any number of groups, so such a corpus
+    ingested on the embedded backends; on Elasticsearch (a chunk id past 512 bytes) or a Milvus
+    server (past 1,024, or more than 64 groups) the same corpus failed mid-ingest, the index
+    left incomplete, with a line of a thousand characters and no file:line (hostile pass).
+    Every backend now refuses it up front, naming the line."""
+    from branchsearch.infra.errors import CorpusError
+    from branchsearch.infra.ingest.corpus import parse_jsonl, read_corpus
+
+    path = tmp_path / "c.jsonl"
+    fits = "é" * 250  # 500 bytes: "#p" and its number still fit in 512
+    path.write_text(json.dumps({"_id": fits, "text": "fits", "acl": [f"g{i}" for i in
+                                                                      range(64)]}) + "\n")
+    assert read_corpus(path)[0].id == fits
+    settings = _settings(tmp_path / "h")
+    for line, problem in ((json.dumps({"_id": fits + "x", "text": "one byte too long"}),
+                           r"c.jsonl:2: document id 'é+'… is 501 bytes long in UTF-8; ids "
+                           r"are at most 500"),
+                          (json.dumps({"_id": "many", "text": "t", "acl": [
+                              f"g{i}" for i in range(65)]}),
+                           r"c.jsonl:2: 'acl' names 65 groups; a document names at most 64")):
+        path.write_text('{"_id": "ok", "text": "fine"}\n' + line + "\n")
+        with pytest.raises(CorpusError, match=problem):
+            ingest(path, settings)
+        assert not settings.index_dir.exists()
+        with pytest.raises(CorpusError, match=problem.replace("c.jsonl", "body")):
+            parse_jsonl(path.read_text())  # the service's upload, as a file
