@@ -267,6 +267,9 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
     files = sorted(p for p in _walk(root) if p.suffix.lower() in TEXT_SUFFIXES)
     texts, bad = {}, []
     for file in files:  # every file that is not UTF-8 is named at once, not one per run
+        if file.is_symlink() and not file.exists():  # its target gone: no document to read
+            sys.stderr.write(f"skipped {file}: a link to nothing ({os.readlink(file)})\n")
+            continue
         data = file.read_bytes()
         try:
             texts[file] = data.decode("utf-8-sig")  # a BOM is no part of the text
@@ -294,19 +297,25 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
 
 
 def _walk(root: Path) -> Iterator[Path]:
-    """The files under `root` (not hidden, in no hidden folder), through links to folders;
-    each real folder once."""
+    """The files under `root` (not hidden, in no hidden folder), through links to folders,
+    and links to nothing; each real folder once, and none that holds `root` (a link up to
+    its parent would read the parent's other files, a link to `/` the whole disk)."""
+    top = os.path.realpath(root)
     seen: set[str] = set()
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
-        if real in seen:
+        above = real != top and os.path.commonpath([real, top]) == real
+        if above:
+            sys.stderr.write(f"skipped {folder}: a link to a folder that holds the corpus "
+                             f"({real})\n")
+        if real in seen or above:
             subfolders[:] = []
             continue
         seen.add(real)
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         for name in names:
             path = Path(folder) / name
-            if not name.startswith(".") and path.is_file():
+            if not name.startswith(".") and (path.is_file() or not path.exists()):
                 yield path
 
 

@@ -80,6 +80,29 @@ def test_corpus_formats(tmp_path):
     assert (hidden.id, hidden.acl) == ("b", ("hr",))  # acl null: the groups are acl_groups
 
 
+def test_a_link_up_out_of_a_text_folder_is_not_read_and_a_link_to_nothing_is_named(
+        tmp_path, capsys):
+    """A link to the corpus folder's parent (`up -> ..`) was walked as a folder never seen:
+    every text file beside the corpus became a document (`up/diary`), and `-> /` would walk
+    the whole disk; a `.txt` link whose target is gone was left out without a word (hostile
+    pass). Both are skipped, each with a line on stderr; a link to a folder elsewhere is
+    still read."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "note.txt").write_text("about otters")
+    (tmp_path / "diary.txt").write_text("private, beside the corpus")
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "lent.md").write_text("linked in on purpose")
+    (corpus / "sub" / "up").symlink_to(tmp_path, target_is_directory=True)
+    (corpus / "shared").symlink_to(tmp_path / "shared", target_is_directory=True)
+    (corpus / "gone.txt").symlink_to(tmp_path / "deleted.txt")
+    assert sorted(d.id for d in read_corpus(corpus)) == ["note", "shared/lent"]
+    err = capsys.readouterr().err
+    assert f"skipped {corpus / 'sub' / 'up'}: a link to a folder that holds the corpus" in err
+    assert f"skipped {corpus / 'gone.txt'}: a link to nothing ({tmp_path / 'deleted.txt'})" \
+        in err
+
+
 def test_document_ids_are_read_in_nfc(tmp_path):
     """An id typed decomposed (NFD: macOS writes `ü` as `u` + U+0308) is read composed (NFC),
     from a JSONL line and from a text file's name, and a BEIR set's qrels name it so too: an
