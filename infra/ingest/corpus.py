@@ -49,14 +49,18 @@ def read_corpus(path: str | Path) -> list[Document]:
     path = Path(path)
     if not path.exists():
         raise CorpusError(f"corpus not found: {path}")
-    if path.is_dir() and (path / "corpus.jsonl").exists():
-        docs = list(_read_jsonl(path / "corpus.jsonl"))
-    elif path.is_dir():
-        docs = list(_read_text_folder(path))
-    elif path.suffix in (".jsonl", ".json"):
-        docs = list(_read_jsonl(path))
-    else:
-        raise CorpusError(f"{path}: expected a BEIR folder, a .jsonl file or a folder of .txt/.md")
+    try:
+        if path.is_dir() and (path / "corpus.jsonl").exists():
+            docs = list(_read_jsonl(path / "corpus.jsonl"))
+        elif path.is_dir():
+            docs = list(_read_text_folder(path))
+        elif path.suffix in (".jsonl", ".json"):
+            docs = list(_read_jsonl(path))
+        else:
+            raise CorpusError(f"{path}: expected a BEIR folder, a .jsonl file or a folder of "
+                              ".txt/.md")
+    except OSError as exc:  # a folder named corpus.jsonl, a file this user may not read
+        raise CorpusError(f"cannot read {exc.filename or path}: {exc.strerror or exc}") from None
     return _unique(docs, str(path))
 
 

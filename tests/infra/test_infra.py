@@ -103,6 +103,15 @@ def test_a_link_up_out_of_a_text_folder_is_not_read_and_a_link_to_nothing_is_nam
         in err
 
 
+def test_a_corpus_file_that_cannot_be_read_is_one_line(tmp_path):
+    """A BEIR folder whose corpus.jsonl is a folder stopped `ingest` with a traceback
+    (IsADirectoryError; hostile pass); so would any file it may not open."""
+    beir = tmp_path / "beir"
+    (beir / "corpus.jsonl").mkdir(parents=True)
+    with pytest.raises(CorpusError, match=r"cannot read .*beir/corpus.jsonl: Is a directory"):
+        read_corpus(beir)
+
+
 def test_document_ids_are_read_in_nfc(tmp_path):
     """An id typed decomposed (NFD: macOS writes `ü` as `u` + U+0308) is read composed (NFC),
     from a JSONL line and from a text file's name, and a BEIR set's qrels name it so too: an
