@@ -54,7 +54,7 @@ def read_corpus(path: str | Path) -> list[Document]:
             docs = list(_read_jsonl(path / "corpus.jsonl"))
         elif path.is_dir():
             docs = list(_read_text_folder(path))
-        elif path.suffix in (".jsonl", ".json"):
+        elif path.suffix.lower() in (".jsonl", ".json"):  # ".JSONL" as a folder's ".TXT"
             docs = list(_read_jsonl(path))
         else:
             raise CorpusError(f"{path}: expected a BEIR folder, a .jsonl file or a folder of "
@@ -103,6 +103,9 @@ def _documents(lines, name: str, source: str | None,
             continue
         where = f"{name}:{lineno}" if elements is None else \
             f"{name} element {lineno} of {elements}"
+        if elements is None and not seen and line.lstrip().startswith("["):
+            raise CorpusError(f"{where}: a JSON array; write one JSON object a line (JSONL), "
+                              "e.g. with `jq -c '.[]'`")
         try:
             row = json_once(line)
         except KeyTwice as exc:  # {"_id": "a", "_id": "b"}: which one is the id?

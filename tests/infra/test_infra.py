@@ -208,12 +208,24 @@ def test_a_text_file_with_nothing_to_search_is_skipped_and_named(tmp_path, capsy
     ('{"id": "a", "text": "x", "acl": [""]}\n', "group names may not be empty"),
     ('{"id": "a", "text": "x", "acl": ["human resources"]}\n', "holds a space"),
     ('{"id": "a", "text": "x", "acl": ["' + "g" * 129 + '"]}\n', "longer than 128"),
+    # a .json file holding an array read "not valid JSON (Expecting value at character 3)"
+    ('[\n  {"_id": "a", "text": "x"},\n  {"_id": "b", "text": "y"}\n]\n',
+     r"bad.jsonl:1: a JSON array; write one JSON object a line \(JSONL\)"),
+    ('[{"_id": "a", "text": "x"}]\n', r"bad.jsonl:1: a JSON array; write one JSON object"),
 ])
 def test_corpus_errors_name_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(CorpusError, match=message):
         read_corpus(path)
+
+
+def test_a_jsonl_file_is_read_whatever_the_case_of_its_suffix(tmp_path):
+    """`CORPUS.JSONL` was refused ("expected a BEIR folder, a .jsonl file or ..."), while a
+    folder's `.TXT` files are read (hostile pass)."""
+    path = tmp_path / "CORPUS.JSONL"
+    path.write_text('{"_id": "a", "text": "upper case suffix"}\n')
+    assert [d.id for d in read_corpus(path)] == ["a"]
 
 
 def test_settings_precedence(tmp_path, monkeypatch):
