@@ -200,14 +200,17 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             embedding = f"{embedder_name(embedder)}/{dense_store.dim}" if dense_store else "-"
             prints = {d.id: fingerprint(d, settings, embedding) for d in docs}
             done = docstore.fingerprints(list(prints))
-            todo = [d for d in docs if done.get(d.id) != prints[d.id]]
+            cut = docstore.with_u_fffd()  # characters an earlier version's chunking cut
+            todo = [d for d in docs if done.get(d.id) != prints[d.id]
+                    or (d.id in cut and "\ufffd" not in d.text)]
             report.resumed = len(docs) - len(todo)
+            redo = {d.id for d in todo}
             report._resumed_chunks = docstore.chunk_counts(
-                [d.id for d in docs if done.get(d.id) == prints[d.id]])
+                [d.id for d in docs if d.id not in redo])
             report.chunks = report._resumed_chunks
             if progress and report.resumed:
                 progress(report.resumed, report._resumed_chunks)
-            _purge(docstore, lexical, dense_store, docs, {d.id for d in todo}, report)
+            _purge(docstore, lexical, dense_store, docs, redo, report)
             if workers > 1 and todo:
                 from branchsearch.infra.ingest.distributed import ray_batches
 

@@ -669,3 +669,34 @@ def test_an_id_or_acl_a_server_would_refuse_is_one_line_before_anything_is_writt
         assert not settings.index_dir.exists()
         with pytest.raises(CorpusError, match=problem.replace("c.jsonl", "body")):
             parse_jsonl(path.read_text())  # the service's upload, as a file
+
+
+def test_the_next_ingest_redoes_the_chunks_an_earlier_version_cut_inside_a_character(
+        tmp_path):
+    """An index ingested before holds U+FFFD where a window cut a character; re-ingesting the
+    unchanged corpus kept those chunks (same fingerprint). Such documents are redone once; a
+    document whose own text holds U+FFFD is not redone each time."""
+    import random
+
+    from branchsearch.infra.models.tokenizer import TokenCounter
+
+    rng = random.Random(2)
+    han = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(1500))
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"_id": "han", "text": han}, ensure_ascii=False) + "\n"
+                    + json.dumps({"_id": "own", "text": "a \ufffd in the text itself"}) + "\n")
+    settings = _settings(tmp_path / "h")
+    ingest(path, settings, dense=False)
+    earlier = TokenCounter().decode(TokenCounter().encode(han)[:256]).strip()  # p0 as it was
+    assert "\ufffd" in earlier
+    with sqlite3.connect(settings.index_dir / "docs.sqlite") as db:
+        db.execute("UPDATE chunks SET text = ? WHERE chunk_id = 'han#p0'", (earlier,))
+    report = ingest(path, settings, dense=False)
+    assert report.resumed == 1  # "own"
+    retriever = open_retriever(settings, need_dense=False)
+    try:
+        assert "\ufffd" not in retriever.docstore.document_chunks("han")[0]["text"]
+        assert "\ufffd" in retriever.docstore.document_chunks("own")[0]["text"]
+    finally:
+        retriever.close()
+    assert ingest(path, settings, dense=False).resumed == 2
