@@ -274,6 +274,9 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
     files = sorted(p for p in _walk(root) if p.suffix.lower() in TEXT_SUFFIXES)
     texts, bad = {}, []
     for file in files:  # every file that is not UTF-8 is named at once, not one per run
+        if not _utf8(str(file.relative_to(root))):  # a name written in latin-1: no id holds it
+            raise CorpusError(f"{file}: the file's name is not UTF-8 (each \\udcXX is a byte "
+                              "that is not); rename it, e.g. with `convmv -f latin1 -t utf-8`")
         if file.is_symlink() and not file.exists():  # its target gone: no document to read
             sys.stderr.write(f"skipped {file}: a link to nothing ({os.readlink(file)})\n")
             continue

@@ -1,6 +1,7 @@
 """Corpus reading, chunking, tokenizer, settings, docstore: plain functions, real files."""
 
 import json
+import os
 import re
 
 import pytest
@@ -218,6 +219,19 @@ def test_corpus_errors_name_the_line(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(CorpusError, match=message):
         read_corpus(path)
+
+
+def test_a_text_file_whose_name_is_not_utf8_is_named_as_such(tmp_path):
+    """A file named in latin-1 (`café.txt` from an old archive) stopped the ingest with
+    "'id' holds a lone surrogate (...); fix the text": the text was fine (hostile pass)."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "ok.txt").write_text("fine")
+    with open(os.fsencode(folder) + b"/caf\xe9.txt", "wb") as f:
+        f.write(b"about otters")
+    with pytest.raises(CorpusError, match="caf\udce9.txt: the file's name is not UTF-8 .*"
+                                          "rename it"):
+        read_corpus(folder)
 
 
 def test_a_jsonl_file_is_read_whatever_the_case_of_its_suffix(tmp_path):
