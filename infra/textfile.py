@@ -36,9 +36,17 @@ def utf8_lines(raw_lines: Iterable[bytes], name: str | Path) -> Iterator[tuple[i
             bad = raw[exc.start:exc.start + 1]
             raise CorpusError(
                 f"{name}:{lineno}: not UTF-8 text (byte {bad!r} at offset {offset + exc.start}); "
-                "convert the file to UTF-8, e.g. with `iconv -f latin1 -t utf-8`") from None
+                f"convert the file to UTF-8, e.g. with {convert_command(raw)}") from None
         offset += len(raw)
         yield lineno, line
+
+
+def convert_command(head: bytes) -> str:
+    """The command that converts a file starting with `head` to UTF-8: from UTF-16 when it
+    starts with that byte-order mark (Windows PowerShell's `>` writes it), else from latin-1
+    (which would turn UTF-16 into text with a NUL between letters: found by no search)."""
+    source = "utf-16" if head.startswith((b"\xff\xfe", b"\xfe\xff")) else "latin1"
+    return f"`iconv -f {source} -t utf-8`"
 
 
 class KeyTwice(ValueError):

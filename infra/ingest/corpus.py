@@ -19,7 +19,7 @@ from branchsearch.infra.stores.acl import (ACL_ALL, MAX_DOC_GROUPS, PUBLIC, grou
                                            group_problem)
 from branchsearch.infra.errors import CorpusError
 from branchsearch.infra.nfc import nfc
-from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
+from branchsearch.infra.textfile import KeyTwice, convert_command, json_once, utf8_lines
 
 _BIDI = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # direction overrides
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
@@ -272,7 +272,7 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
     name. Links to files and to folders are followed (a folder reached twice, a link back up,
     is read once)."""
     files = sorted(p for p in _walk(root) if p.suffix.lower() in TEXT_SUFFIXES)
-    texts, bad = {}, []
+    texts, bad, first = {}, [], b""  # first: the first such file's bytes
     for file in files:  # every file that is not UTF-8 is named at once, not one per run
         if not _utf8(str(file.relative_to(root))):  # a name written in latin-1: no id holds it
             raise CorpusError(f"{file}: the file's name is not UTF-8 (each \\udcXX is a byte "
@@ -285,12 +285,13 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
             texts[file] = data.decode("utf-8-sig")  # a BOM is no part of the text
         except UnicodeDecodeError as exc:
             line = data.count(b"\n", 0, exc.start) + 1
+            first = first if bad else data
             bad.append(f"{file}:{line} (byte {data[exc.start:exc.start + 1]!r} at offset "
                        f"{exc.start})")
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise CorpusError(f"not UTF-8 text: {'; '.join(bad[:5])}{more}; convert the files to "
-                          "UTF-8, e.g. with `iconv -f latin1 -t utf-8`")
+                          f"UTF-8, e.g. with {convert_command(first)}")
     for file, text in texts.items():
         if not any(c.isalnum() for c in text):  # blank, "# ", zero-width spaces, NULs: a
             # title made of the file's name and nothing to search is no document

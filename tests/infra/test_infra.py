@@ -234,6 +234,24 @@ def test_a_text_file_whose_name_is_not_utf8_is_named_as_such(tmp_path):
         read_corpus(folder)
 
 
+def test_a_utf16_corpus_is_told_to_convert_from_utf16_not_latin1(tmp_path):
+    """A file Windows PowerShell's `>` wrote (UTF-16 with its byte-order mark) was told to run
+    `iconv -f latin1 -t utf-8`, which turns it into text with a NUL between letters (a text
+    folder would ingest that, found by no search; hostile pass)."""
+    line = '{"_id": "a", "text": "written by PowerShell"}\n'
+    (tmp_path / "c.jsonl").write_bytes(line.encode("utf-16"))
+    with pytest.raises(CorpusError, match=r"c.jsonl:1: not UTF-8 text .* `iconv -f utf-16 -t "
+                                          r"utf-8`"):
+        read_corpus(tmp_path / "c.jsonl")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_bytes("about otters".encode("utf-16"))
+    with pytest.raises(CorpusError, match=r"notes/a.txt:1 .* `iconv -f utf-16 -t utf-8`"):
+        read_corpus(tmp_path / "notes")
+    (tmp_path / "notes" / "a.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(CorpusError, match=r"`iconv -f latin1 -t utf-8`"):
+        read_corpus(tmp_path / "notes")
+
+
 def test_a_jsonl_file_is_read_whatever_the_case_of_its_suffix(tmp_path):
     """`CORPUS.JSONL` was refused ("expected a BEIR folder, a .jsonl file or ..."), while a
     folder's `.TXT` files are read (hostile pass)."""
