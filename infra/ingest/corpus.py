@@ -269,8 +269,9 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
     """Each .txt / .md file under `root` a document, hidden files and folders (".git",
     ".notes.txt") left out, and files with no letter or digit skipped with a line on stderr;
     the id is the path without its suffix, the title the first "# " heading or the file's
-    name. Links to files and to folders are followed (a folder reached twice, a link back up,
-    is read once)."""
+    name. Links to files and to folders are followed (a folder reached twice, a link back to
+    `root`, is read once; a link to a folder holding `root`, and a link to nothing, are
+    skipped with a line)."""
     files = sorted(p for p in _walk(root) if p.suffix.lower() in TEXT_SUFFIXES)
     texts, bad, first = {}, [], b""  # first: the first such file's bytes
     for file in files:  # every file that is not UTF-8 is named at once, not one per run
