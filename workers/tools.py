@@ -364,7 +364,7 @@ def fit_query(text: str, counter, max_tokens: int, max_chars: int = QUERY_MAX_CH
     sub-query is searched in the form the documents are stored in."""
     text = " ".join(nfc(text).split())
     tokens = counter.encode(text)
-    cut = counter.decode(tokens[:max_tokens]) if len(tokens) > max_tokens else text
+    cut = counter.head(tokens[:max_tokens]) if len(tokens) > max_tokens else text
     if len(cut) > max_chars:
         cut = cut[:max_chars].rsplit(" ", 1)[0] or cut[:max_chars]
     return cut.strip(), len(tokens)

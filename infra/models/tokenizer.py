@@ -109,6 +109,12 @@ class TokenCounter:
     def decode(self, tokens: list[int]) -> str:
         return self._enc.decode(tokens)
 
+    def head(self, tokens) -> str:
+        """The text of a text's first `tokens`, without a character they end inside of: a
+        token may hold part of one (a Han character, a Thai letter, an emoji), and `decode`
+        would write U+FFFD for it. A cut text ends at a whole character."""
+        return self._enc.decode_bytes(list(tokens)).decode("utf-8", errors="ignore")
+
     def byte_lengths(self, tokens: list[int]) -> list[int]:
         """How many bytes of UTF-8 each token stands for (a token may hold part of a
         character: `decode` of a slice of tokens then writes U+FFFD for it)."""
@@ -127,12 +133,12 @@ class TokenCounter:
         if known is not None and max_tokens > 0:  # it does not fit: only its head is needed
             head = self._head(text, max_tokens - 1)
             if head is not None:
-                return self._enc.decode(head) + "…", max_tokens, known
+                return self.head(head) + "…", max_tokens, known
         tokens = self._tokens(text)
         if len(tokens) <= max_tokens:
             return text, len(tokens), len(tokens)
         keep = max(max_tokens - 1, 0)
-        return (self._enc.decode(tokens[:keep].tolist()) + "…" if max_tokens > 0 else ""), \
+        return (self.head(tokens[:keep]) + "…" if max_tokens > 0 else ""), \
             min(keep + 1, max_tokens), len(tokens)
 
     def _head(self, text: str, n: int) -> list[int] | None:
@@ -160,7 +166,7 @@ class TokenCounter:
         tokens = self._tokens(text)
         if len(tokens) <= max_tokens:
             return text
-        return self._enc.decode(tokens[: max(max_tokens - 1, 0)].tolist()) + "…"
+        return self.head(tokens[: max(max_tokens - 1, 0)]) + "…"
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import jsonschema
 
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.workers.policy import ToolCall
-from branchsearch.workers.tools import TOOLS, Rejected, _surely_fits, validate_args
+from branchsearch.workers.tools import TOOLS, Rejected, _surely_fits, fit_query, validate_args
 
 VALUES = [None, True, False, 0, 1, -1, 3, 3.0, 2.5, 10 ** 6, "", "x", "café", "a" * 600,
           [], ["c1"], ["c1", 2], ["c"] * 201, [["c"]], {}, {"a": 1}]
@@ -71,3 +71,20 @@ def test_a_cached_counter_counts_and_cuts_as_an_uncached_one():
         for cap in (0, 1, 5, 1000):
             assert cached.cut(text, cap) == plain.cut(text, cap)
             assert cached.truncate(text, cap) == plain.truncate(text, cap)
+
+
+def test_a_cut_text_ends_at_a_whole_character_never_u_fffd():
+    """A token may hold part of a Han character, a Thai letter or an emoji: a text cut to n
+    tokens (a snippet the agent reads and a caller is shown, a sub-query) ends before a
+    character its last token holds only part of, never with U+FFFD in its place."""
+    counter = TokenCounter("o200k_base")
+    texts = ["東京都の北区にある図書館の蔵書目録は" * 6, "ภาษาไทยไม่มีการเว้นวรรคระหว่างคำ" * 4,
+             "🦜🦩🪿🐦‍🔥" * 12]
+    for text in texts:
+        for cap in range(1, 40):
+            cut, _, _ = counter.cut(text, cap)
+            short = counter.truncate(text, cap)
+            query, _ = fit_query(text, counter, cap)
+            for piece in (cut, short):
+                assert "\ufffd" not in piece and text.startswith(piece.removesuffix("…"))
+            assert "\ufffd" not in query and text.startswith(query)
