@@ -19,6 +19,11 @@ class BackendUnavailable(BranchsearchError):
     """Milvus, Elasticsearch or another server that does not answer."""
 
 
+class ClusterLost(BackendUnavailable):
+    """The Ray cluster this process joined is gone (its head node's GCS takes no connection):
+    no question can run on it any more, and none is to blame."""
+
+
 class Overloaded(BranchsearchError):
     """No capacity for the work within its deadline (every branch actor busy): retry later."""
 

@@ -89,6 +89,35 @@ def _cluster_errors_to_log() -> None:
 # How long a named cluster's address has to take a TCP connection (Ray's core waits 5 s a try)
 REACH_S = 5.0
 
+# How long the GCS of a cluster this process uses may take no connection before the cluster is
+# lost: a GCS with fault tolerance (HA Redis) restarting within it is waited for. Ray's core
+# ends this process itself after `RAY_gcs_rpc_server_reconnect_timeout_s` (60 s).
+LOST_AFTER_S = 10.0
+
+
+def cluster_lost(wait_s: float = LOST_AFTER_S) -> str | None:
+    """Why the Ray cluster this process is connected to is gone, or None while its GCS (the
+    head node's control service) takes a TCP connection, waiting up to `wait_s` for it to come
+    back. A head node that died leaves the actors' calls failing as "unavailable" and Ray's
+    core waiting for the GCS until it ends this process with one line of its own; this says
+    so first. The reason names no address (a service's caller may read it)."""
+    import socket
+    import time
+
+    import ray
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return None
+        except OSError as exc:
+            if time.monotonic() >= end:
+                return (f"its head node (the GCS) has taken no connection for {wait_s:g} s "
+                        f"({exc.strerror or type(exc).__name__})")
+        time.sleep(0.5)
+
 
 def _answers_or_say(address: str) -> None:
     """Raise one `BackendUnavailable` line when what answers at the address Ray would connect to

@@ -20,6 +20,8 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
 * After `stop_after` failed questions in a row (a dead backend fails every question in
   milliseconds) no more are started: the rest stay unwritten, not marked failed by an outage,
   and the counts say how many were not run and why; re-running the command resumes.
+* A search that raises `ClusterLost` (the Ray cluster is gone) writes no row: its question
+  is not run, none is started after it, and the counts say why (`lost`).
 Malformed input lines are reported with their line numbers and skipped. An id is a non-empty
 string, written back as given, or a number, written back as text (`7` -> "7", `1.5` -> "1.5"); an
 empty id, true/false, an array or an object is a malformed line.
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from branchsearch.infra.errors import BranchsearchError, CorpusError
+from branchsearch.infra.errors import BranchsearchError, ClusterLost, CorpusError
 from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
@@ -425,8 +427,9 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
     run), skipped (already ok), changed (ids asked again: their question changed), not_run
-    (left when `stop_after` failures in a row stopped the run), `stopped` (why, or "") and
-    `failed_ids` (this run's failed question ids, in input order). `stop`, once set (a ^C):
+    (left when `stop_after` failures in a row or a lost cluster stopped the run), `stopped`
+    (why, or ""), `lost` (why the Ray cluster was lost, or "") and `failed_ids` (this run's
+    failed question ids, in input order). `stop`, once set (a ^C):
     no question is started after it, the ones running finish and their rows are written, then
     KeyboardInterrupt is raised here. `locked`: the caller holds the output's `OutputLock`
     (else it is taken here, for the run). `index` and `made` (`made_with`): written in every
@@ -450,12 +453,15 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
                                                            {"made_with": made})
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
-              "not_run": 0, "stopped": "", "changed": changed}
-    in_a_row, last_error, failed_ids = 0, [""], set()
+              "not_run": 0, "stopped": "", "lost": "", "changed": changed}
+    in_a_row, last_error, failed_ids, lost = 0, [""], set(), 0
 
     def one(qid: str, question: str) -> str:
         try:
             row = {"id": qid, "question": question, **stamp, **search(question)}
+        except ClusterLost as exc:  # not this question's failure: nothing can run now
+            counts["lost"] = counts["lost"] or str(exc)
+            return "lost"
         except Exception as exc:  # a failed question is recorded, not fatal
             row = {"id": qid, "question": question, **stamp, "status": "failed",
                    "error": f"{type(exc).__name__}: {exc}"}
@@ -479,6 +485,10 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
                                              return_when=FIRST_COMPLETED)
                 for future in finished_now:
                     status = future.result()
+                    if status == "lost":  # not run: it starts again on a resume
+                        lost += 1
+                        counts["stopped"] = counts["stopped"] or counts["lost"]
+                        continue
                     counts[status] += 1
                     in_a_row = in_a_row + 1 if status == "failed" else 0
                     if on_done:
@@ -491,7 +501,7 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
                         pending.add(pool.submit(one, *nxt))
             if interrupted():
                 raise KeyboardInterrupt
-            counts["not_run"] = sum(1 for _ in queue)
+            counts["not_run"] = lost + sum(1 for _ in queue)
     finally:
         if out_path.exists():
             compact(out_path, [qid for qid, _ in items])

@@ -163,6 +163,11 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         more = f" and {len(ids) - 10} more" if len(ids) > 10 else ""
         print(f"failed: {', '.join(ids[:10])}{more} (each row's error is in {output}; run the "
               "same command again to retry them)", file=sys.stderr)
+    if counts["lost"]:  # the rows written stay; nothing more can run on that cluster
+        raise BranchsearchError(
+            f"{counts['lost']}; {counts['not_run']} question(s) not run, the rows written so "
+            f"far stay in {output}; start the cluster again (or give another with --address) "
+            "and run the same command: it resumes")
     if counts["stopped"]:
         print(f"batch stopped: {counts['stopped']}; {counts['not_run']} questions not run. "
               "Fix the cause and run the same command again: it resumes", file=sys.stderr)

@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import BranchsearchError, Overloaded
+from branchsearch.infra.errors import BranchsearchError, ClusterLost, Overloaded
 from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
                                                   not_started)
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
@@ -84,6 +84,8 @@ class RayExecutor:
         self.retrievers = [self._start_retriever() for _ in range(replicas)]
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
         self._reviving = threading.Lock()
+        self.lost = ""  # why the cluster is gone, once `_watch` or `revive` found it so
+        self._closed = threading.Event()
         self.revived = 0  # replicas back after a death: restarted by Ray or here (`revive`)
         self.balancer = ReplicaBalancer(replicas)
         self.hosts = settings.policy != "llm"  # a model's branch needs a branch actor
@@ -106,6 +108,21 @@ class RayExecutor:
         except BaseException:
             self._kill_all()  # a failed start must not hold CPUs or the index's files
             raise
+        threading.Thread(target=self._watch, name="ray-cluster-watch", daemon=True).start()
+
+    WATCH_S = 2.0  # how often the cluster's head node is asked whether it is there
+
+    def _watch(self) -> None:
+        """Until `close`: whether the cluster's head node is still there (`cluster_lost`), so
+        that a head node gone while every branch still runs (its GCS alone died) stops new
+        questions before Ray's core ends this process (`lost`)."""
+        from branchsearch.infra.raycluster import cluster_lost
+
+        while not self.lost and not self._closed.wait(self.WATCH_S):
+            try:
+                self.lost = self.lost or cluster_lost() or ""
+            except Exception:  # noqa: BLE001 — Ray shut down meanwhile: nothing to watch
+                return
 
     def _plan(self, own_pool: bool, pool_size: int, engines: int, replicas: int):
         """The actor plan. On a cluster this process joined (`ray_address`, RAY_ADDRESS),
@@ -147,10 +164,15 @@ class RayExecutor:
         every one dead for good (killed past its restarts, its node gone). Whether any had
         died since it was last seen (restarted by Ray: another process now; or started here),
         so that the question that met the death can run again. One busy past the ping's
-        timeout is left as it is."""
+        timeout is left as it is. A cluster whose head node is gone (`cluster_lost`) raises
+        `ClusterLost`, now and for every question after: nothing can run on it any more."""
         import ray
 
+        from branchsearch.infra.raycluster import cluster_lost
+
         with self._reviving:  # concurrent questions that met the same death: one start
+            self.lost = self.lost or cluster_lost() or ""
+            self._not_lost()
             dead, back = [], 0
             for i, replica in enumerate(self.retrievers):
                 pid = _answer(replica)
@@ -169,6 +191,11 @@ class RayExecutor:
                 self.retriever = self.retrievers[0]
             self.revived += len(dead) + back
             return bool(dead or back)
+
+    def _not_lost(self) -> None:
+        """Raise `ClusterLost` once the cluster is known to be gone (`_watch`, `revive`)."""
+        if self.lost:
+            raise ClusterLost(f"the Ray cluster is lost: {self.lost}")
 
     def _wait_started(self, refs: list, what: str) -> None:
         wait_started(refs, what, self.settings.actor_start_timeout_s, self.resources,
@@ -207,6 +234,7 @@ class RayExecutor:
             with self.question(settings) as share:
                 return self.run(tasks, settings=settings, policy_factory=policy_factory,
                                 on_event=on_event, cover=cover, question=share)
+        self._not_lost()
         revived = self.revived
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover, question)
         if any(r.status == "error" for r in reports):
@@ -392,6 +420,7 @@ class RayExecutor:
         refs = [p.ref for p in places]
         end, done, cancelled = time.monotonic() + timeout, set(), False
         while True:
+            self._not_lost()  # a branch whose calls wait on the gone head would wait its timeout
             left = end - time.monotonic()
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(min(self.POLL_S,
                                                                               left), 0))
@@ -448,6 +477,9 @@ class RayExecutor:
         """Nothing to do: every actor loaded its models as it started."""
 
     def close(self) -> None:
+        self._closed.set()
+        if self.lost:  # nothing of it is left to release, and each call would wait for it
+            return
         import ray
 
         try:

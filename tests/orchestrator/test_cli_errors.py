@@ -12,7 +12,9 @@ import stat
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -1041,6 +1043,89 @@ def test_ray_serve_joining_a_cluster_on_a_port_in_use_is_one_line_before_serve_s
     holds on the head: Serve's 120-line traceback of its proxy that failed to bind, exit 1,
     and Serve's controller and proxy left on the cluster. Now the one line of a local `serve`,
     exit 2, asked on the head before Serve starts there: nothing of Serve is left."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        with _head_node(cpus=1) as (address, env, _):
+            done = run(["serve", "--home", hotpot_settings.home, "--index", "hotpot",
+                        "--address", address, "--port", port], env=env, timeout=180)
+            named = subprocess.run([sys.executable, "-c", (
+                "import ray, sys\nray.init(address=sys.argv[1], log_to_driver=False)\n"
+                "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))"
+            ), address], env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+    finally:
+        holder.close()
+    assert_one_error_line(done, f"cannot listen on 127.0.0.1:{port} (address already in use); "
+                                "pick another --port or stop what holds it")
+    assert named.returncode == 0 and named.stdout.strip() == "[]", (named.stdout,
+                                                                     named.stderr[-800:])
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("killed", [("gcs_server", "raylet"), ("gcs_server",)])
+def test_a_batch_whose_ray_head_node_dies_stops_with_one_line_and_its_summary(hotpot_settings,
+                                                                               tmp_path, killed):
+    """A batch on a named cluster whose head node dies mid-run (its GCS and raylet killed):
+    its branches' actors went "unavailable", the batch sat silent for 60 s, then Ray's core
+    ended it with one C++ line of its own ("Failed to connect to GCS within 60 seconds"), exit
+    1, no summary. Its GCS alone killed, the branches ran on until Ray's core ended it the
+    same way 60 s later (the raylets with it). Now, within seconds, the summary of what was
+    done, one error line saying the cluster is lost and how to resume, exit 2; the rows
+    written are whole and ok."""
+    import psutil
+
+    from conftest import HOTPOT, ingest_copy
+
+    settings = ingest_copy(hotpot_settings, "hotpot-lost")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    total = 200 * len(queries)  # minutes of work: Ray's core would end it before they are done
+    inp.write_text("".join(json.dumps({"id": f"{q['_id']}-{n}", "question": q["text"]}) + "\n"
+                           for n in range(total // len(queries)) for q in queries))
+    with _head_node(cpus=2) as (address, env, temp):
+        proc = subprocess.Popen([*CLI, "batch", str(inp), "-o", str(out), "--home",
+                                 str(settings.home), "--index", settings.index, "--address",
+                                 address, "--concurrency", "2"], env={**os.environ, **env},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and proc.poll() is None and (
+                    not out.exists() or out.read_bytes().count(b"\n") < 2):
+                time.sleep(0.2)
+            head = [p for p in psutil.process_iter(["name", "cmdline"])
+                    if p.info["name"] in killed
+                    and any(temp in part for part in p.info["cmdline"] or ())]
+            assert proc.poll() is None and len(head) == len(killed), (head, proc.poll())
+            for p in head:
+                p.kill()
+            lost = time.monotonic()
+            stdout, stderr = proc.communicate(timeout=120)
+            took = time.monotonic() - lost
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 2, (proc.returncode, stderr[-1500:])
+    assert "Traceback" not in stderr and "Failed to connect to GCS" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the Ray cluster is lost" in errors[0], stderr[-1500:]
+    assert "run the same command: it resumes" in errors[0] and str(out) in errors[0]
+    assert took < 45, took  # Ray's core alone ends it after 60 s
+    rows = [json.loads(line) for line in out.read_text().splitlines()]  # every one whole
+    assert rows and all(r["status"] == "ok" and r["evidence"] for r in rows)
+    assert len({r["id"] for r in rows}) == len(rows) < total
+    assert f"batch: {len(rows)} ok, 0 partial, 0 failed" in stdout, stdout
+    assert f"{total - len(rows)} question(s) not run" in errors[0]
+
+
+@contextmanager
+def _head_node(cpus: int):
+    """A Ray head node of this test's own (token authentication, its own ports and temp
+    folder): (its address, the environment that joins it, the temp folder); its processes
+    are stopped by PID on leaving."""
     import secrets
     import socket
     import tempfile
@@ -1054,30 +1139,15 @@ def test_ray_serve_joining_a_cluster_on_a_port_in_use_is_one_line_before_serve_s
     gcs = free_port()
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_ADDRESS": ""}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", 0))
-    holder.listen(1)
-    port = holder.getsockname()[1]
     try:
         subprocess.run([ray_cli, "start", "--head", "--port", str(gcs), "--temp-dir", temp,
-                        "--num-cpus", "1", "--include-dashboard", "false",
+                        "--num-cpus", str(cpus), "--include-dashboard", "false",
                         "--disable-usage-stats", "--ray-client-server-port", str(free_port()),
                         "--dashboard-agent-listen-port", str(free_port())],
                        env={**os.environ, **env}, check=True, capture_output=True, timeout=180)
-        address = f"127.0.0.1:{gcs}"
-        done = run(["serve", "--home", hotpot_settings.home, "--index", "hotpot", "--address",
-                    address, "--port", port], env=env, timeout=180)
-        named = subprocess.run([sys.executable, "-c", (
-            "import ray, sys\nray.init(address=sys.argv[1], log_to_driver=False)\n"
-            "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))"
-        ), address], env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+        yield f"127.0.0.1:{gcs}", env, temp
     finally:
-        holder.close()
         _stop_processes_of(temp)
-    assert_one_error_line(done, f"cannot listen on 127.0.0.1:{port} (address already in use); "
-                                "pick another --port or stop what holds it")
-    assert named.returncode == 0 and named.stdout.strip() == "[]", (named.stdout,
-                                                                     named.stderr[-800:])
 
 
 def _stop_processes_of(temp: str) -> None:

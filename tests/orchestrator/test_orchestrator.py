@@ -779,3 +779,26 @@ def test_a_fused_chunk_keeps_every_branch_s_provenance():
     [chunk] = evidence[0]["chunks"]
     assert [f["branch"] for f in chunk["found_by"]] == [0, 1]
     assert chunk["provenance"] == [{"branch": 0, **own}, {"branch": 1, **bridge}]
+
+
+def test_a_lost_cluster_writes_no_row_and_starts_no_more_questions(tmp_path):
+    """A search that raises `ClusterLost` (the Ray cluster's head node is gone) is no failed
+    question: no row is written for it, no question starts after it, and the counts say why
+    and how many were not run (the resume asks them)."""
+    from branchsearch.infra.errors import ClusterLost
+    from branchsearch.orchestrator.batch import run_batch
+
+    asked = []
+
+    def search(question: str) -> dict:
+        asked.append(question)
+        if question == "q3":
+            raise ClusterLost("the Ray cluster is lost: gone")
+        return {"status": "ok", "evidence": []}
+
+    out = tmp_path / "out.jsonl"
+    counts = run_batch([(f"id{i}", f"q{i}") for i in range(1, 7)], out, search, concurrency=1)
+    assert asked == ["q1", "q2", "q3"]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["id1", "id2"]
+    assert (counts["ok"], counts["failed"], counts["not_run"]) == (2, 0, 4)
+    assert counts["lost"] == counts["stopped"] == "the Ray cluster is lost: gone"
