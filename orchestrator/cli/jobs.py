@@ -94,9 +94,9 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
                                   if output.is_file() else ({}, {}, {}))
     todo, changed = to_ask(data.items, done)
     asked = {qid for qid, _ in data.items}
-    otherwise = {qid: row for qid, row in otherwise.items() if qid in asked}
     if otherwise:  # one output holds one configuration's evidence (a resume with a flag
-        # changed by mistake would otherwise replace finished work)
+        # changed by mistake would otherwise replace finished work, and rows of questions
+        # this input does not ask would stay beside the new ones)
         then = next(iter(otherwise.values()))
         differ = [f"{n} {shown(then[n])} there, {shown(made[n])} now"
                   for n in differing(then, made)]
@@ -104,7 +104,12 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             f"batch output {output} holds {len(otherwise)} ok row(s) made with other settings "
             f"({'; '.join(differ[:3])}{' …' if len(differ) > 3 else ''}); run with those "
             "settings to resume, or give another -o")
-    elsewhere = {qid: name for qid, name in elsewhere.items() if qid in asked}
+    kept = sorted({name for qid, name in elsewhere.items() if qid not in asked})
+    if kept:  # rows no question of this input replaces: one output, one index's evidence
+        raise BranchsearchError(
+            f"batch output {output} holds ok rows answered on another index "
+            f"({', '.join(kept[:3])}) for questions this input does not ask; they would stay "
+            f"beside {settings.index!r}'s: give another -o")
     if elsewhere:  # their rows hold another index's evidence: asked again on this one
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
         print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "

@@ -802,3 +802,40 @@ def test_a_lost_cluster_writes_no_row_and_starts_no_more_questions(tmp_path):
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["id1", "id2"]
     assert (counts["ok"], counts["failed"], counts["not_run"]) == (2, 0, 4)
     assert counts["lost"] == counts["stopped"] == "the Ray cluster is lost: gone"
+
+
+def test_an_output_of_other_settings_or_another_index_is_refused_for_other_questions_too(
+        hotpot_settings, tmp_path):
+    """An output whose ok rows were made with --branches 1, run with --branches 2 on an input
+    of other questions: the refusal looked only at the ids this input asks, so the run went
+    on silently and the output held rows of two settings. Likewise rows of another index that
+    this input does not ask, which stayed beside the new index's. Now both are one error line
+    before anything runs, the output unchanged."""
+    copy = ingest_copy(hotpot_settings, "mixed-out")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    first, second, out = tmp_path / "first.jsonl", tmp_path / "second.jsonl", tmp_path / "o.jsonl"
+    for path, q in ((first, queries[0]), (second, queries[1])):
+        path.write_text(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n")
+
+    def batch(inp, *flags: str):
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                               str(inp), "-o", str(out), "--home", str(copy.home), "--index",
+                               copy.index, "--concurrency", "1", *flags],
+                              capture_output=True, text=True, timeout=300)
+
+    done = batch(first, "--branches", "1")
+    assert done.returncode == 0 and "1 ok" in done.stdout, done.stderr[-2000:]
+    before = out.read_bytes()
+    refused = batch(second, "--branches", "2")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+    assert "holds 1 ok row(s) made with other settings (branches 1 there, 2 now" in lines[0]
+    assert out.read_bytes() == before
+    out.write_bytes(before.replace(b'"index": "mixed-out"', b'"index": "elsewhere"'))
+    before = out.read_bytes()
+    refused = batch(second, "--branches", "1")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+    assert "holds ok rows answered on another index (elsewhere) for questions this input " \
+        "does not ask" in lines[0] and "give another -o" in lines[0]
+    assert out.read_bytes() == before
