@@ -373,16 +373,20 @@ class OutputLock:
     """The one batch writing an output file: an exclusive `flock` on a lock file beside it
     (`.NAME.lock`, holding the writer's PID), taken before the output is read and kept until
     its final rewrite; released (and the file removed) on `release`, or by the kernel when the
-    process dies."""
+    process dies. The output's folders are made when missing, and removed on `release` when
+    nothing was written into them (a run refused before it started)."""
 
     def __init__(self, output: str | Path):
         self.output = Path(output)
         self.path = self.output.with_name(f".{self.output.name}.lock")
         self.fd: int | None = None
+        self.made: list[Path] = []  # the folders `acquire` made, deepest first
 
     def acquire(self) -> "OutputLock":
         import fcntl
 
+        self.made = [f for f in self.path.parents if not f.exists()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -414,6 +418,11 @@ class OutputLock:
             pass
         os.close(self.fd)
         self.fd = None
+        for folder in self.made:  # left empty: a run refused before it wrote anything
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 STOP_AFTER = 20  # failed questions in a row that stop a batch (0: never stop)
@@ -435,7 +444,6 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     (else it is taken here, for the run). `index` and `made` (`made_with`): written in every
     row, and a row answered on another index or made with other settings is not done."""
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     held = None if locked else OutputLock(out_path).acquire()
     try:
         return _run_batch(items, out_path, search, concurrency, index, on_done, stop_after,

@@ -839,3 +839,29 @@ def test_an_output_of_other_settings_or_another_index_is_refused_for_other_quest
     assert "holds ok rows answered on another index (elsewhere) for questions this input " \
         "does not ask" in lines[0] and "give another -o" in lines[0]
     assert out.read_bytes() == before
+
+
+def test_a_batch_output_in_a_folder_not_made_yet_is_made(hotpot_settings, tmp_path):
+    """`-o results/run1/out.jsonl` with no `results/`: a traceback (FileNotFoundError of the
+    output's lock file), exit 1. Now the folders are made and the rows written; a run refused
+    before it starts (its input missing) leaves no folder behind."""
+    copy = ingest_copy(hotpot_settings, "new-folder")
+    q = json.loads((HOTPOT / "queries.jsonl").read_text().splitlines()[0])
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n")
+
+    def batch(inp, out):
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                               str(inp), "-o", str(out), "--home", str(copy.home), "--index",
+                               copy.index, "--concurrency", "1", "--branches", "1"],
+                              capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "results" / "run1" / "out.jsonl"
+    done = batch(inp, out)
+    assert done.returncode == 0 and "1 ok" in done.stdout, done.stderr[-2000:]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [q["_id"]]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out.jsonl"]  # no lock left
+    refused = batch(tmp_path / "missing.jsonl", tmp_path / "other" / "run" / "out.jsonl")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "not found" in lines[0], lines
+    assert not (tmp_path / "other").exists()
