@@ -78,9 +78,11 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
                                 branches=branches, ray_address=address)
     groups = caller_acl(settings, acl, acl_admin)
     data = read_questions(input)
-    if not data.items and not data.bad_lines:
+    if not data.items:  # (a plain text file of questions: one line, not one a line)
+        why = (f"; {len(data.bad_lines)} malformed line(s), the first {data.bad_lines[0]}"
+               if data.bad_lines else "")
         raise BranchsearchError(f"{input}: no questions (one JSON object a line, "
-                                '{"id": …, "question": …})')
+                                '{"id": …, "question": …})' + why)
     from branchsearch.infra.index.open import check_readable
 
     check_readable(settings)  # an unknown or unusable index: its one line, before any note

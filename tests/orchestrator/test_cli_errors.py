@@ -52,6 +52,7 @@ def inputs(tmp_path_factory):
     (root / "outdir").mkdir()
     (root / "questions.jsonl").write_text(json.dumps({"id": "q", "question": "x"}) + "\n")
     (root / "empty.jsonl").write_text("\n")
+    (root / "questions.txt").write_text("Who directed Ed Wood?\n\nWhere is Tokyo?\n3\n")
     (root / "notes.jsonl").write_text('{"id": "zz", "note": "my notes"}\nplain text\n')
     (root / "latin1-questions.jsonl").write_bytes(b'{"id": "q", "question": "caf\xe9"}\n')
     (root / "latin1-corpus.jsonl").write_bytes(
@@ -110,6 +111,11 @@ def test_usage_errors(inputs, tmp_path):
         "acl empty": (["search", "q", "--acl", "", *home], "may not be empty"),
         "empty batch input": (["batch", inputs / "empty.jsonl", "-o", tmp_path / "e.jsonl",
                                *home], "no questions"),
+        "batch input of plain text": (["batch", inputs / "questions.txt", "-o",
+                                       tmp_path / "t.jsonl", *home],
+                                      "no questions (one JSON object a line, {\"id\": …, "
+                                      "\"question\": …}); 3 malformed line(s), the first "
+                                      f"{inputs / 'questions.txt'}:1: not JSON"),
         "batch -o the input": (["batch", inputs / "questions.jsonl", "-o",
                                 inputs / "." / "questions.jsonl", *home], "is the input file"),
         "batch -o a foreign file": (["batch", inputs / "questions.jsonl", "-o",
@@ -141,6 +147,7 @@ def test_usage_errors(inputs, tmp_path):
         assert_one_error_line(results[name], expect, name)
     assert not (tmp_path / "s").exists()  # nothing written by the refused synth runs
     assert not (tmp_path / "e.jsonl").exists()  # nor by the empty batch
+    assert not (tmp_path / "t.jsonl").exists()  # nor by the plain text one
     assert (inputs / "questions.jsonl").read_text().count("\n") == 1  # input untouched
     assert "plain text" in (inputs / "notes.jsonl").read_text()  # nor the foreign file
     assert stat.S_ISFIFO((inputs / "fifo").stat().st_mode)  # still a pipe, not a file
