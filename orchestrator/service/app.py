@@ -107,6 +107,15 @@ def time_left(req, limits: Limits) -> float:
     return max(req.received_at + deadline + JOIN_GRACE_S - time.time(), 0.0)
 
 
+def write_time_left(received: float, limits: Limits) -> float:
+    """How long the app waits on a Serve searcher for a document write that arrived at
+    `received`: a little past the bound the searcher answers it within (`Searcher._writing`),
+    so the searcher's answer, which says whether the write may still land, comes first."""
+    from branchsearch.orchestrator.service.searcher import JOIN_GRACE_S
+
+    return max(received + limits.default_deadline_s + JOIN_GRACE_S + 1.0 - time.time(), 0.0)
+
+
 def _when(within: float | None) -> float | None:
     return None if within is None else asyncio.get_running_loop().time() + within
 
@@ -537,10 +546,12 @@ def create_app(state: ServiceState):
     async def put_documents(request: Request, index: str = index_param):
         """Upsert documents by id (JSON array or JSONL of {id, title?, text, acl?}): admin
         keys, for documents of their groups; a search after the answer sees them."""
+        received = time.time()  # the deadline counts from here (`Searcher._writing`)
         key = state.principal(request.headers.get("authorization"))
         Searcher.check_writer(key, index_name(index))  # (as a search's index)
         body = await read_body(request)
-        return await searcher.call("upsert", index_name(index), body, key)
+        return await searcher.call("upsert", index_name(index), body, key, received,
+                                   within=write_time_left(received, limits))
 
     @app.delete("/v1/indexes/{index}/documents/{doc_id:path}", tags=["documents"],  # ids
                 dependencies=keyed,  # may hold '/' (a URL as the id), which a PUT accepts
@@ -550,9 +561,11 @@ def create_app(state: ServiceState):
                                                       "hold '/')",
                                                       json_schema_extra={"minLength": 1})):
         """Delete a document and its chunks: admin keys, for documents of their groups."""
+        received = time.time()
         key = state.principal(request.headers.get("authorization"))
         Searcher.check_writer(key, index_name(index))  # (as a search's index)
-        return await searcher.call("delete", index_name(index), doc_id, key)
+        return await searcher.call("delete", index_name(index), doc_id, key, received,
+                                   within=write_time_left(received, limits))
 
     app.add_middleware(Observe, state=state)
     return app

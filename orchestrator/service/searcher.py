@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -155,11 +156,13 @@ class Searcher:
             slot.stop.set()
             raise
 
-    async def upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
-        return await self._in_thread(self._upsert, index, body, key)
+    async def upsert(self, index: str, body: bytes, key: ApiKey,
+                     received_at: float | None = None) -> dict:
+        return await self._writing(received_at, self._upsert, index, body, key)
 
-    async def delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
-        return await self._in_thread(self._delete, index, doc_id, key)
+    async def delete(self, index: str, doc_id: str, key: ApiKey,
+                     received_at: float | None = None) -> dict:
+        return await self._writing(received_at, self._delete, index, doc_id, key)
 
     async def ready(self) -> dict:
         return await self._in_thread(self._ready_now)
@@ -186,6 +189,25 @@ class Searcher:
                 yield event
         except (ApiError, BranchsearchError) as exc:
             yield Refused(api_error(exc))
+
+    async def _writing(self, received_at: float | None, fn: Callable, *args) -> dict:
+        """A document write `fn(end, *args)` answered within the service's deadline (counted
+        from `received_at`, the request's arrival, wall clock) and `JOIN_GRACE_S`. A write not
+        begun by the deadline (waiting for the index, or for another write to it) never
+        begins: 504, nothing written. One begun runs on to its end on its thread, holding the
+        index's write lock, so it lands before any later write; its caller gets a 504 saying
+        so, and repeating the same write is safe (a PUT replaces by id, a DELETE then says 404)."""
+        deadline = self.limits.default_deadline_s
+        end = (time.time() if received_at is None else received_at) + deadline
+        work = asyncio.ensure_future(self._in_thread(fn, end, *args))
+        await asyncio.wait({work}, timeout=max(end + JOIN_GRACE_S - time.time(), 0.0))
+        if work.done():
+            return work.result()
+        work.add_done_callback(_log_late_write)
+        raise ApiError(504, "deadline_exceeded", f"the write did not finish within the "
+                       f"deadline of {deadline:g} s (a store is slow or not answering); it "
+                       "goes on, and lands whole or not at all: repeat it to be sure it did (a "
+                       "PUT replaces by id; a DELETE that answers 404 then is done)")
 
     async def _in_thread(self, fn: Callable, *args):
         """`fn(*args)` on the searcher's threads, in the caller's context (its trace span), as
@@ -504,11 +526,11 @@ class Searcher:
 
     # --- documents -------------------------------------------------------------------------------
 
-    def _upsert(self, index: str, body: bytes, key: ApiKey) -> dict:
+    def _upsert(self, end: float, index: str, body: bytes, key: ApiKey) -> dict:
         self.check_writer(key, index)
         docs = documents.parse_documents(body)
-        with self._writable(index) as (driver, store):
-            with self.drivers.write_lock(index), self._ingest_lock(driver):
+        with self._writable(index, end) as (driver, store):
+            with self._write_turn(index, driver, end):
                 # (checked under the lock: what the check reads is what the write replaces)
                 for doc in docs:  # a scoped admin writes its groups' documents, and only those
                     if not self._owns(key, doc.acl) or not all(
@@ -522,10 +544,10 @@ class Searcher:
                                      documents.upsert_in_actor, driver.settings, docs)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
 
-    def _delete(self, index: str, doc_id: str, key: ApiKey) -> dict:
+    def _delete(self, end: float, index: str, doc_id: str, key: ApiKey) -> dict:
         self.check_writer(key, index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
-        with self._writable(index) as (driver, store):
+        with self._writable(index, end) as (driver, store):
             olds = _held(store, doc_id)  # `pub-ü` typed on macOS arrives NFD
             if not all(acl_visible(old["acl"], self.groups(key)) for old in olds):
                 raise missing  # an id the key may not see answers as a missing one
@@ -533,7 +555,7 @@ class Searcher:
                 raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
                                f"whose acl is within its groups; document {doc_id!r} is not")
             doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
-            with self.drivers.write_lock(index), self._ingest_lock(driver):
+            with self._write_turn(index, driver, end):
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)
@@ -541,13 +563,29 @@ class Searcher:
             raise missing
         return {"index": index, "deleted": doc_id}
 
-    def _writable(self, index: str):
-        """`drivers.using` for a document write, which an external index refuses."""
+    def _writable(self, index: str, end: float):
+        """`drivers.using` for a document write until `end` (its deadline, wall clock), which
+        an external index refuses."""
         if self.settings.replace(index=index).external is not None:
             raise ApiError(409, "read_only_index", f"index {index!r} is an external index "
                            "(declared in the settings): branchsearch searches it in place and "
                            "never writes to it")
-        return self.drivers.using(index)
+        return self.drivers.using(index, wait=max(end - time.time(), 0.001))
+
+    @contextmanager
+    def _write_turn(self, index: str, driver, end: float):
+        """The index's write lock (the service's writes one at a time) and its ingest lock, the
+        first waited for until `end`: a write not begun by its deadline never begins (504)."""
+        lock, left = self.drivers.write_lock(index), end - time.time()
+        if left <= 0 or not lock.acquire(timeout=left):
+            raise ApiError(504, "deadline_exceeded", f"the write could not begin within its "
+                           f"deadline (index {index!r} was starting, or another write to it "
+                           "ran); nothing was written: retry it")
+        try:
+            with self._ingest_lock(driver):
+                yield
+        finally:
+            lock.release()
 
     @staticmethod
     def _owns(key: ApiKey, acl) -> bool:
@@ -702,6 +740,13 @@ class Searcher:
             self._probe(index, driver)
         finally:
             self.drivers.let_go(driver, None)
+
+
+def _log_late_write(work: asyncio.Future) -> None:
+    """How a write whose caller got its 504 ended (the server log)."""
+    exc = None if work.cancelled() else work.exception()
+    log.warning("a document write answered 504 (past its deadline) has ended: %s",
+                "it landed" if exc is None else f"it failed ({error_line(exc, 300)})")
 
 
 def _held(store, doc_id: str) -> list[dict]:

@@ -1365,6 +1365,82 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
         es.stop()
 
 
+def test_a_document_write_to_a_frozen_backend_is_answered_within_the_deadline(tmp_path):
+    """A PUT whose Elasticsearch stops answering (SIGSTOP) is a 504 within the service's
+    deadline and the join grace, saying it may still land and that repeating it is safe; a
+    DELETE queued behind it never begins (504, nothing written). Both waited out the backend's
+    timeout whatever the deadline (30.6 s each for a 4 s deadline). Thawed, the PUT lands
+    whole, and repeating it changes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    from es_emulator import start_es_emulator
+
+    def memo(version: str) -> list[dict]:  # several chunks, each naming its version
+        return [{"id": "memo", "title": "Heliotrope memo", "text": " ".join(
+            f"Heliotrope paragraph {n} of version {version} ships in March." * 12
+            for n in range(6))}]
+
+    def memo_chunks() -> list[str]:
+        r = client.post("/v1/search", json={"question": "heliotrope memo ships", "branches": 1})
+        assert r.status_code == 200, r.text
+        return [c["text"] for d in r.json()["evidence"] if d["doc_id"] == "memo"
+                for c in d["chunks"]]
+
+    es = start_es_emulator(tmp_path / "es")
+    try:
+        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
+                                            "es_url": es.url, "search_mode": "bm25",
+                                            "branches": 1}, read_env=False, read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings)
+        deadline = 4
+        state = service.local_state(settings, executor="local",  # dev mode
+                                    limits=replace(LIMITS, default_deadline_s=deadline))
+        state.searcher.target.drivers.open("es")
+        server = start_uvicorn(service.create_app(state), state)
+        client = httpx.Client(base_url=server.url, timeout=120)
+        try:
+            first = client.put("/v1/indexes/es/documents", json=memo("one")).json()
+            texts = memo_chunks()
+            assert first["chunks"] > 1 and texts and all("version one" in t for t in texts)
+            os.killpg(es.pid, signal.SIGSTOP)
+            try:
+                with ThreadPoolExecutor(2) as pool:
+                    began = time.monotonic()
+                    put = pool.submit(client.put, "/v1/indexes/es/documents", json=memo("two"))
+                    time.sleep(0.5)
+                    delete = pool.submit(client.delete, "/v1/indexes/es/documents/pub-harbor")
+                    late = assert_error(put.result(), 504, "deadline_exceeded")
+                    waited = time.monotonic() - began
+                    queued = assert_error(delete.result(), 504, "deadline_exceeded")
+                assert waited < deadline + 2 + 1.5, (waited, late)
+                assert "lands whole or not at all" in late["detail"], late
+                assert "nothing was written" in queued["detail"], queued
+                assert es.url.split("//")[1] not in str((late, queued))
+            finally:
+                os.killpg(es.pid, signal.SIGCONT)
+            # thawed within the backend's timeout: the PUT under way lands, whole
+            end = time.monotonic() + 60
+            while True:
+                texts = memo_chunks()
+                if texts and all("version two" in t for t in texts):
+                    break
+                assert all("version one" in t for t in texts), texts  # never a mix
+                assert time.monotonic() < end, "the late write never landed"
+                time.sleep(0.5)
+            again = client.put("/v1/indexes/es/documents", json=memo("two"))
+            assert again.status_code == 200 and again.json() == {**first, "upserted": ["memo"]}
+            assert memo_chunks() == texts
+            # the DELETE that never began deleted nothing
+            assert client.delete("/v1/indexes/es/documents/pub-harbor").status_code == 200
+        finally:
+            client.close()
+            server.stop()
+            state.searcher.target.close()
+    finally:
+        es.stop()
+
+
 def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp_path):
     """`branchsearch serve --standalone` (its own process, a real socket): one line naming the
     address it serves, /healthz answers there; a port already taken is one error line, exit 2."""
