@@ -385,7 +385,9 @@ def check_head_port(settings, host: str, port: int) -> None:
     task there before Serve starts, so a port in use is `listen`'s one line, not the
     traceback of a proxy that failed to bind, after a Serve controller was left on the
     cluster. Not asked when Serve already runs there (its proxies hold their ports, and
-    `serve.start` joins it), nor when the task fails or has not run within a minute."""
+    `serve.start` joins it), nor when the task fails or has not run within a minute. Serve
+    running there on another host or port is one line naming theirs: `serve.start` would
+    join it there, and keep none of ours."""
     import ray
     from ray import serve
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -394,6 +396,14 @@ def check_head_port(settings, host: str, port: int) -> None:
 
     connect(settings)
     if serve.status().proxies:
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        if (http.host, http.port) != (host, port):
+            raise BranchsearchError(
+                f"Ray Serve already runs on this cluster, its proxies on {http.host}:"
+                f"{http.port}, and keeps them: serve there (--host {http.host} --port "
+                f"{http.port}), or stop that Serve first (`serve shutdown`)")
         return
     head = next((n["NodeID"] for n in ray.nodes()
                  if n["Alive"] and HEAD_NODE in n["Resources"]), None)
@@ -434,7 +444,9 @@ def placed_by_proxies(opts: ServeOptions, location: str) -> ServeOptions:
 def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool = True):
     """Start Serve's HTTP proxy on host:port and deploy the application (blocks until SIGTERM
     or ^C unless `block` is False). Uses the settings' Ray cluster, else a local one, connected
-    from this (the main) thread. `opts.replicas` 0: `placed_by_proxies`."""
+    from this (the main) thread. `opts.replicas` 0: `placed_by_proxies`. A stop, also one
+    before it serves, takes away what it put on the cluster: the application, and Serve itself
+    unless Serve ran there before (others' applications go on)."""
     from ray import serve
 
     from branchsearch.infra.raycluster import connect
@@ -443,33 +455,42 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our line says where it serves
+    joined = bool(serve.status().proxies)  # Serve already runs there: it stays after us
     location = proxy_location(host)
     if not opts.replicas:
         opts = placed_by_proxies(opts, location)
-    serve.start(http_options={"host": host, "port": port}, proxy_location=location)
-    serve.run(build_application(opts), name="branchsearch", route_prefix="/")
-    print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app 'branchsearch')",
-          file=sys.stderr)
-    if not block:
-        return
-    import signal
+    if block:
+        import signal
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt
+        def stop(signum, frame):
+            raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)  # `kill PID` stops it as ^C does: drain, then exit
+        signal.signal(signal.SIGTERM, stop)  # `kill PID` stops it as ^C does: drain, then exit
+    serving = False
     try:
+        serve.start(http_options={"host": host, "port": port}, proxy_location=location)
+        serve.run(build_application(opts), name=APP, route_prefix="/")
+        print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app '{APP}')",
+              file=sys.stderr)
+        serving = True
+        if not block:
+            return
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print(f"stopping: draining requests in flight (up to {GRACE_S} s)", file=sys.stderr)
-        if drained("branchsearch"):
-            serve.shutdown()
-        else:  # requests still running: each replica's graceful shutdown lets them end
-            serve.delete("branchsearch")
+        if not serving:
+            print("stopping before it served: taking the application off the cluster",
+                  file=sys.stderr)
+        else:
+            print(f"stopping: draining requests in flight (up to {GRACE_S} s)",
+                  file=sys.stderr)
+            drained(APP)  # (those still running end within each replica's graceful shutdown)
+        serve.delete(APP)
+        if not joined:
             serve.shutdown()
 
 
+APP = "branchsearch"  # the Serve application `serve` deploys
 BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
 
 

@@ -182,3 +182,120 @@ def test_serve_on_two_nodes_keeps_answering_when_the_worker_node_dies(two_nodes,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def one_node():
+    """A head of 2 CPUs with a token of its own, stopped by its process group."""
+    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # Ray's socket paths must stay short
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "BRANCHSEARCH_"))},
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    address = f"127.0.0.1:{port}"
+    head = _node(env, "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
+                 "--include-dashboard=false")
+    try:
+        deadline = time.monotonic() + 240
+        while _alive(env, address) < 1:
+            assert head.poll() is None and time.monotonic() < deadline, "the head did not start"
+            time.sleep(1)
+        yield {"address": address, "env": env, "head": head}
+    finally:
+        _stop(head)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+ON_THE_CLUSTER = """
+import logging, sys, time
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR)
+from ray import serve
+what = sys.argv[2]
+if what == "other":  # someone else's application, Serve's proxies on port argv[3]
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Hello:
+        def __call__(self, request):
+            return "hello"
+    serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[3])})
+    serve.run(Hello.bind(), name="other", route_prefix="/other")
+elif what == "shutdown":
+    serve.shutdown()
+elif what == "deploying":  # wait until the application `branchsearch` is being deployed
+    end = time.monotonic() + 240
+    while "branchsearch" not in serve.status().applications and time.monotonic() < end:
+        time.sleep(0.2)
+else:  # what is on the cluster: applications, then Serve's actors
+    print(sorted(serve.status().applications))
+    print(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)))
+"""
+
+
+def test_serve_joining_a_cluster_leaves_it_as_it_found_it(one_node, tmp_path):
+    """`serve --address` on one cluster. Serve already running there (someone else's app):
+    a --port other than its proxies' served on theirs while the line named ours (`serving on
+    http://127.0.0.1:P2` answered nothing; Serve warned 'The new HTTP config is ignored'), and
+    its SIGTERM shut all of Serve down, the other application too. Now the other port is one
+    line naming theirs, exit 2; the same port joins, and its SIGTERM takes only its own
+    application away. A SIGTERM before it served (Serve not running) exited -15 with Ray's
+    stack dump and left the application running on the cluster; now exit 0 and nothing left."""
+    env = one_node["env"]
+    home = tmp_path / "home"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+
+    def cluster(*args) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"],
+                               *map(str, args)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()
+
+    def serve(port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                                 "--address", one_node["address"], "--host", "127.0.0.1",
+                                 "--port", str(port), "--home", str(home), "--index", "bm"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+
+    def stopped(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+        try:
+            err = proc.communicate(timeout=timeout)[1]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            err = proc.communicate()[1]
+        return proc.returncode, err
+
+    theirs, ours = free_port(), free_port()
+    cluster("other", theirs)
+    try:
+        code, err = stopped(serve(ours))
+        assert (code, err.strip()) == (2, (
+            f"error: Ray Serve already runs on this cluster, its proxies on 127.0.0.1:"
+            f"{theirs}, and keeps them: serve there (--host 127.0.0.1 --port {theirs}), or "
+            "stop that Serve first (`serve shutdown`)")), (code, err[-2000:])
+        proc = serve(theirs)
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, stopped(proc, 5)
+            try:
+                if httpx.get(f"http://127.0.0.1:{theirs}/readyz", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        assert stopped(proc)[0] == 0
+        assert httpx.get(f"http://127.0.0.1:{theirs}/other", timeout=30).text == "hello"
+        apps, actors = cluster("status")
+        assert apps == "['other']", (apps, actors)
+    finally:
+        cluster("shutdown")
+    proc = serve(ours)
+    cluster("deploying")
+    proc.send_signal(signal.SIGTERM)
+    code, err = stopped(proc)
+    assert code == 0 and "serving on" not in err and "SIGTERM received" not in err, err[-2000:]
+    assert "stopping before it served" in err, err[-2000:]
+    assert cluster("status") == ["[]", "[]"]
