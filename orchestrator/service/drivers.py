@@ -56,6 +56,7 @@ class Drivers:
         self._docstores: dict[str, object] = {}
         self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
         self._users: dict[object, int] = {}  # driver -> the requests using it now
+        self._probing: dict[object, int] = {}  # driver -> how many of those are probes
         self.retiring: dict[str, tuple] = {}  # index -> (driver, docstore) closing when idle
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a driver's last request ended
@@ -282,13 +283,16 @@ class Drivers:
         finally:
             self.let_go(driver, index)
 
-    def hold(self, index: str, driver) -> tuple | None:
+    def hold(self, index: str, driver, probe: bool = False) -> tuple | None:
         """Count one more user of `driver` if it still serves `index` (not retired meanwhile):
-        a driver in use is neither closed nor reaped. Returns (its docstore,), or None."""
+        a driver in use is neither closed nor reaped. `probe`: a readiness probe, whose answer
+        is out already, which `close` does not wait for. Returns (its docstore,), or None."""
         with self._lock:
             if self.by_index.get(index) is not driver:
                 return None
             self._users[driver] = self._users.get(driver, 0) + 1
+            if probe:
+                self._probing[driver] = self._probing.get(driver, 0) + 1
             return (self._docstores[index],)
 
     def also(self, driver) -> None:
@@ -297,11 +301,15 @@ class Drivers:
         with self._lock:
             self._users[driver] += 1
 
-    def let_go(self, driver, index: str | None) -> None:
+    def let_go(self, driver, index: str | None, probe: bool = False) -> None:
         """One user of `driver` less; `index`: a request used it (readiness probes do not
-        count as use)."""
+        count as use); `probe`: held as a probe (`hold`)."""
         with self._idle:
             self._users[driver] -= 1
+            if probe:
+                self._probing[driver] -= 1
+                if not self._probing[driver]:
+                    del self._probing[driver]
             if index is not None:
                 self._last_used[index] = time.monotonic()
             if not self._users[driver]:
@@ -342,7 +350,8 @@ class Drivers:
     def close(self, wait_s: float = 10.0) -> None:
         """Close every driver once its requests have left, waiting at most `wait_s` for them (a
         server stopping past its grace cancels its requests, but their searches run on in
-        threads); a driver still in use then is left to the process's exit, since closing
+        threads), and not for readiness probes; a driver still in use then (by a request or a
+        probe) is left to the process's exit, since closing
         stores under a search can crash the process. From now on no driver starts (`open`
         answers 503 shutting_down); the starts under way, waited for within the same
         `wait_s`, close the driver they made. Then wait (at most 30 s) for the retired ones
@@ -351,7 +360,8 @@ class Drivers:
         end = time.monotonic() + wait_s
         with self._idle:
             self._idle.wait_for(lambda: not self._background, timeout=wait_s)
-            self._idle.wait_for(lambda: not any(map(self._users.get, self.by_index.values())),
+            self._idle.wait_for(lambda: all(self._users.get(d, 0) == self._probing.get(d, 0)
+                                            for d in self.by_index.values()),
                                 timeout=max(end - time.monotonic(), 0.0))
             for index, driver in self.by_index.items():
                 if self._users.get(driver):

@@ -1,4 +1,5 @@
-"""Readiness that answers within a probe's timeout, whatever the backends do. Plain threads.
+"""Readiness that answers within a probe's timeout, whatever the backends do. Plain threads,
+which a stopping process does not wait for.
 
 A readiness check probes every open index's backends, and a backend that stops answering (a
 frozen Elasticsearch node, a Milvus server under a GC pause) holds a probe until its
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
@@ -29,10 +30,33 @@ class Unanswered(Exception):
     """The check a probe waits for has not ended within the probe's wait."""
 
 
+def in_thread(fn: Callable[..., T], *args, after: Future | None = None,
+              name: str = "probe") -> Future:
+    """`fn(*args)` on a daemon thread of its own, started once `after` (if any) has ended.
+    The process's exit does not wait for it, as it waits for an executor's threads: a probe
+    blocked on a frozen backend held a stopping server until the backend's timeout (30 s)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():  # (False: cancelled before it began)
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 — the caller's to see
+                future.set_exception(exc)
+
+    def start(_=None) -> None:
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    if after is None:
+        start()
+    else:
+        after.add_done_callback(start)
+    return future
+
+
 class SharedCheck(Generic[T]):
     def __init__(self, check: Callable[[], T], wait_s: float = 5.0):
         self.check, self.wait_s = check, wait_s
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="readiness")
         self._lock = threading.Lock()
         self._next: Future | None = None  # the check the probes arriving now share
 
@@ -43,7 +67,7 @@ class SharedCheck(Generic[T]):
         with self._lock:
             check = self._next
             if check is None or check.running() or check.done():  # begun before this probe
-                check = self._next = self._pool.submit(self.check)
+                check = self._next = in_thread(self.check, after=check, name="readiness")
         try:
             return check.result(timeout=self.wait_s)
         except FutureTimeout:
@@ -51,4 +75,6 @@ class SharedCheck(Generic[T]):
                              "(an index still starting, or a backend not answering)") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._next is not None:
+                self._next.cancel()  # (one not begun)

@@ -39,7 +39,7 @@ from branchsearch.orchestrator.service.auth import ApiKey
 from branchsearch.orchestrator.service.drivers import Drivers
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
 from branchsearch.orchestrator.service.protocol import SearchRequest
-from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered
+from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered, in_thread
 
 log = logging.getLogger("branchsearch.service")
 
@@ -83,7 +83,6 @@ class Searcher:
         # (`_ready`)
         self._probes: dict[str, tuple[Future, float]] = {}
         self._probes_lock = threading.Lock()
-        self._probe_threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="probe")
         if warm:
             self.open_default()
 
@@ -335,7 +334,6 @@ class Searcher:
 
     def close(self) -> None:
         self._readiness.close()
-        self._probe_threads.shutdown(wait=False, cancel_futures=True)
         self._threads.shutdown(wait=False)
         self.drivers.close()
         if self.pool is not None:
@@ -692,7 +690,7 @@ class Searcher:
                   if index != self.settings.index}
         index = self.settings.index
         driver = next((d for i, d in opened if i == index), None)
-        if driver is not None and self.drivers.hold(index, driver) is not None:
+        if driver is not None and self.drivers.hold(index, driver, probe=True) is not None:
             try:
                 self._probe(index, driver)
             except ApiError as exc:
@@ -700,7 +698,7 @@ class Searcher:
                 raise ApiError(503, "not_ready", "the default index is not ready (the server "
                                "log says why)", {"Retry-After": "5"}) from None
             finally:
-                self.drivers.let_go(driver, None)
+                self.drivers.let_go(driver, None, probe=True)
         failing = 0
         for index, (probe, began) in others.items():
             try:
@@ -729,17 +727,17 @@ class Searcher:
         with self._probes_lock:
             running = self._probes.get(index)
             if running is None or running[0].done():
-                running = self._probes[index] = (self._probe_threads.submit(
-                    self._probe_held, index, driver), time.monotonic())
+                running = self._probes[index] = (in_thread(self._probe_held, index, driver),
+                                                 time.monotonic())
             return running
 
     def _probe_held(self, index: str, driver) -> None:
-        if self.drivers.hold(index, driver) is None:  # closed meanwhile (idle, changed on disk)
-            return
+        if self.drivers.hold(index, driver, probe=True) is None:  # closed meanwhile (idle,
+            return  # changed on disk)
         try:
             self._probe(index, driver)
         finally:
-            self.drivers.let_go(driver, None)
+            self.drivers.let_go(driver, None, probe=True)
 
 
 def _log_late_write(work: asyncio.Future) -> None:

@@ -1441,6 +1441,53 @@ def test_a_document_write_to_a_frozen_backend_is_answered_within_the_deadline(tm
         es.stop()
 
 
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_standalone_serve_stops_at_once_though_a_probe_waits_on_a_frozen_backend(tmp_path,
+                                                                                 executor):
+    """`serve --standalone` over an index on Elasticsearch, the backend frozen (SIGSTOP): a
+    /readyz answered 503 within its 5 s, no request in flight, then SIGTERM. The probe's
+    thread, still waiting on the backend, held the exit: 24.5 s (local) and 26.4 s (ray) to
+    exit 0. Now it exits 0 within a few seconds, leaving no child process."""
+    import psutil
+    from es_emulator import start_es_emulator
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with start_es_emulator(tmp_path / "es") as es:
+        (home / "branchsearch.toml").write_text(f'es_url = "{es.url}"\nsearch_mode = "bm25"\n')
+        settings = load_settings(overrides={"home": home, "index": "es", "es_url": es.url},
+                                 read_env=False, read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--standalone",
+             "--host", "127.0.0.1", "--port", "0", "--home", str(home), "--index", "es",
+             "--executor", executor], stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
+        try:
+            line, deadline = "", time.monotonic() + 180
+            while "serving on" not in line and time.monotonic() < deadline:
+                line = proc.stderr.readline()
+                assert line or proc.poll() is None, "serve exited before listening"
+            url = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line).group(1)
+            assert httpx.get(url + "/readyz", timeout=60).status_code == 200
+            children = psutil.Process(proc.pid).children(recursive=True)
+            os.killpg(es.pid, signal.SIGSTOP)
+            try:
+                assert_error(httpx.get(url + "/readyz", timeout=60), 503, "not_ready")
+                began = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=60) == 0
+                assert time.monotonic() - began < 8, time.monotonic() - began
+            finally:
+                os.killpg(es.pid, signal.SIGCONT)
+            _, alive = psutil.wait_procs(children, timeout=10)
+            assert not alive, [p.pid for p in alive]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
 def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp_path):
     """`branchsearch serve --standalone` (its own process, a real socket): one line naming the
     address it serves, /healthz answers there; a port already taken is one error line, exit 2."""
