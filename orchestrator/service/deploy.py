@@ -478,14 +478,15 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        if not serving:
-            print("stopping before it served: taking the application off the cluster",
-                  file=sys.stderr)
-        else:
+        if serving:
             print(f"stopping: draining requests in flight (up to {GRACE_S} s)",
                   file=sys.stderr)
-            drained(APP)  # (those still running end within each replica's graceful shutdown)
-        serve.delete(APP)
+        else:
+            print("stopping before it served: taking the application off the cluster",
+                  file=sys.stderr)
+        done = not serving or drained(APP)
+        if joined or not done:  # (requests still running: each replica's graceful
+            serve.delete(APP)  # shutdown lets them end)
         if not joined:
             serve.shutdown()
 
