@@ -858,7 +858,6 @@ def test_ctrl_c_on_eval_does_not_say_done(tmp_path):
     questions had all run), then `interrupted`. It says where it stopped, and not done. The
     hotpot-mini questions, repeated so the run outlasts the bar's first line (5 s)."""
     import signal
-    import time
 
     from conftest import HOTPOT, prepared
 

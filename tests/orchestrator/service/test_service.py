@@ -1387,8 +1387,7 @@ def test_a_document_write_to_a_frozen_backend_is_answered_within_the_deadline(tm
         return [c["text"] for d in r.json()["evidence"] if d["doc_id"] == "memo"
                 for c in d["chunks"]]
 
-    es = start_es_emulator(tmp_path / "es")
-    try:
+    with start_es_emulator(tmp_path / "es") as es:
         settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
                                             "es_url": es.url, "search_mode": "bm25",
                                             "branches": 1}, read_env=False, read_file=False)
@@ -1437,8 +1436,6 @@ def test_a_document_write_to_a_frozen_backend_is_answered_within_the_deadline(tm
             client.close()
             server.stop()
             state.searcher.target.close()
-    finally:
-        es.stop()
 
 
 @pytest.mark.parametrize("executor", ["local", "ray"])
@@ -1464,11 +1461,7 @@ def test_standalone_serve_stops_at_once_though_a_probe_waits_on_a_frozen_backend
              "--executor", executor], stderr=subprocess.PIPE, text=True,
             env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
         try:
-            line, deadline = "", time.monotonic() + 180
-            while "serving on" not in line and time.monotonic() < deadline:
-                line = proc.stderr.readline()
-                assert line or proc.poll() is None, "serve exited before listening"
-            url = re.search(r"serving on (http://127\.0\.0\.1:\d+)", line).group(1)
+            url = _served_url(proc)
             assert httpx.get(url + "/readyz", timeout=60).status_code == 200
             children = psutil.Process(proc.pid).children(recursive=True)
             os.killpg(es.pid, signal.SIGSTOP)
@@ -1488,6 +1481,15 @@ def test_standalone_serve_stops_at_once_though_a_probe_waits_on_a_frozen_backend
                 proc.wait(30)
 
 
+def _served_url(proc: subprocess.Popen) -> str:
+    """The address a `serve --standalone` process says it serves on (within 180 s)."""
+    line, deadline = "", time.monotonic() + 180
+    while "serving on" not in line and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "serve exited before listening"
+    return re.search(r"serving on (http://127\.0\.0\.1:\d+)", line).group(1)
+
+
 def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp_path):
     """`branchsearch serve --standalone` (its own process, a real socket): one line naming the
     address it serves, /healthz answers there; a port already taken is one error line, exit 2."""
@@ -1502,11 +1504,7 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
     try:
-        line, deadline = "", time.monotonic() + 180
-        while "serving on" not in line and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "serve exited before listening"
-        port = int(re.search(r"serving on http://127\.0\.0\.1:(\d+)", line).group(1))
+        port = int(_served_url(proc).rsplit(":", 1)[1])
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).status_code == 200
         long = httpx.post(f"http://127.0.0.1:{port}/v1/search", timeout=60,
                           json={"question": "Harbor Festival in June, and who ran it that year?"})

@@ -4,6 +4,7 @@ see when the worker node dies under a burst. Real Ray, real Serve, real HTTP."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -58,33 +59,41 @@ def _alive(env: dict, address: str) -> int:
     return int(lines[-1]) if done.returncode == 0 and lines else 0
 
 
-@pytest.fixture(scope="module")
-def two_nodes():
-    """A head of 2 CPUs and a worker node of 1, with a token of their own; stopped by their
-    process groups (never `ray stop`, which stops every cluster on the machine)."""
+@contextlib.contextmanager
+def _cluster(workers: int):
+    """A head of 2 CPUs and `workers` worker nodes of 1, with a token of their own; stopped by
+    their process groups (never `ray stop`, which stops every cluster on the machine)."""
     temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # Ray's socket paths must stay short
     port = free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "BRANCHSEARCH_"))},
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     address = f"127.0.0.1:{port}"
-    head = _node(env, "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
-                 "--include-dashboard=false")
-    worker = None
+    nodes = [_node(env, "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
+                   "--include-dashboard=false")]
     try:
         deadline = time.monotonic() + 240
         while _alive(env, address) < 1:
-            assert head.poll() is None and time.monotonic() < deadline, "the head did not start"
+            assert nodes[0].poll() is None and time.monotonic() < deadline, \
+                "the head did not start"
             time.sleep(1)
-        worker = _node(env, f"--address={address}", "--num-cpus=1")
-        while _alive(env, address) < 2:
-            assert worker.poll() is None and time.monotonic() < deadline, "no worker node"
-            time.sleep(1)
-        yield {"address": address, "env": env, "head": head, "worker": worker}
+        for _ in range(workers):
+            nodes.append(_node(env, f"--address={address}", "--num-cpus=1"))
+            while _alive(env, address) < len(nodes):
+                assert nodes[-1].poll() is None and time.monotonic() < deadline, "no worker node"
+                time.sleep(1)
+        yield {"address": address, "env": env, "head": nodes[0],
+               "worker": nodes[1] if workers else None}
     finally:
-        for proc in (worker, head):
-            if proc is not None:
-                _stop(proc)
+        for proc in reversed(nodes):
+            _stop(proc)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head of 2 CPUs and a worker node of 1 (`_cluster`)."""
+    with _cluster(1) as cluster:
+        yield cluster
 
 
 def _replicas(node: subprocess.Popen) -> list[str]:
@@ -186,23 +195,9 @@ def test_serve_on_two_nodes_keeps_answering_when_the_worker_node_dies(two_nodes,
 
 @pytest.fixture(scope="module")
 def one_node():
-    """A head of 2 CPUs with a token of its own, stopped by its process group."""
-    temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # Ray's socket paths must stay short
-    port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "BRANCHSEARCH_"))},
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    address = f"127.0.0.1:{port}"
-    head = _node(env, "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
-                 "--include-dashboard=false")
-    try:
-        deadline = time.monotonic() + 240
-        while _alive(env, address) < 1:
-            assert head.poll() is None and time.monotonic() < deadline, "the head did not start"
-            time.sleep(1)
-        yield {"address": address, "env": env, "head": head}
-    finally:
-        _stop(head)
-        shutil.rmtree(temp, ignore_errors=True)
+    """A head of 2 CPUs alone (`_cluster`)."""
+    with _cluster(0) as cluster:
+        yield cluster
 
 
 ON_THE_CLUSTER = """
