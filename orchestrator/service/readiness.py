@@ -33,8 +33,8 @@ class Unanswered(Exception):
 def in_thread(fn: Callable[..., T], *args, after: Future | None = None,
               name: str = "probe") -> Future:
     """`fn(*args)` on a daemon thread of its own, started once `after` (if any) has ended.
-    The process's exit does not wait for it, as it waits for an executor's threads: a probe
-    blocked on a frozen backend held a stopping server until the backend's timeout (30 s)."""
+    The process's exit does not wait for it, as it would for an executor's threads: a probe
+    blocked on a frozen backend would hold a stopping server until the backend's timeout."""
     future: Future = Future()
 
     def run() -> None:
