@@ -377,12 +377,16 @@ def es_url_problem(url: str) -> str | None:
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError:
+    except ValueError as e:
         _, sep, rest = url.partition("://")
         if sep and "@" in rest and any(c in rest.rpartition("@")[0] for c in "/?#"):
             # the parser ended the host at a '/', '?' or '#' of the password: its tail read
             # as the port
             return _RAW_IN_USERINFO
+        host = rest.partition("/")[0].rpartition("@")[2]
+        if "IPv6" in str(e) or ("[" not in host and host.count(":") > 1):
+            # "http://[::1:9200" (a bracket not closed) or "http://::1:9200" (none)
+            return "an IPv6 host goes in brackets before the port, as in http://[::1]:9200"
         return "its port is not a number from 0 to 65535 (one URL: http://HOST:PORT)"
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return "needs a scheme and a host, as in http://HOST:9200 or https://HOST"

@@ -224,6 +224,10 @@ def test_an_encoding_or_elasticsearch_url_we_cannot_use_is_one_line(inputs, tmp_
              "percent-encode them"),  # parses as host u, port 12: the wrong host
             ("es_url leading space", 'es_url = " http://elastic:hunter2@es:9200"', "a space"),
             ("es_url space in host", 'es_url = "http://e s:9200"', "a space"),
+            ("es_url ipv6 bracket not closed", 'es_url = "http://u:hunter2@[::1:9200"',
+             "IPv6 host goes in brackets"),
+            ("es_url ipv6 without brackets", 'es_url = "http://u:hunter2@::1:9200"',
+             "IPv6 host goes in brackets"),
             ("es_url ipv6 zone", 'es_url = "http://[fe80::1%eth0]:9200"', "cannot read it"),
             ("external index es_url", '[indexes.corp]\nlexical = "elasticsearch"\n'
              'es_index = "corp-docs"\nes_url = " http://elastic:hunter2@127.0.0.1:9"',
