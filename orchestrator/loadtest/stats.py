@@ -16,10 +16,12 @@ so is a request the service `rejected` as one it will never answer (any other 4x
 does not know, a question it cannot search, an index it does not have): neither a measure of
 load nor a sign of saturation, so no knee is drawn from a step that has one.
 
-Achieved rate is ok answers per second over the span of completions (`completion_rate`): equal
-to the offered rate when the system keeps up and to its capacity when it does not, without the
-start/end bias of counting completions inside the send window (a bias of latency/duration, which
-for multi-second searches would look like saturation), and never above the offered rate.
+Achieved rate is ok answers per second (`completion_rate`): open loop, over the step stretched
+by how much longer its completions took to come out than its requests took to go in — equal to
+the offered rate when the system keeps up, however the arrivals bunch, and to its capacity when
+it does not, without the start/end bias of counting completions inside the send window (a bias
+of latency/duration, which for multi-second searches would look like saturation), and never
+above the offered rate.
 """
 
 from __future__ import annotations
@@ -86,21 +88,25 @@ def _pcts(values: list[float], scale: float = 1000.0) -> dict:
             "mean": round(sum(values) / len(values) * scale, 2)}
 
 
-def completion_rate(done_times: list[float], mean_gap_s: float | None,
-                    fallback_window_s: float) -> float:
-    """Completions per second over their own span.
+def completion_rate(done_times: list[float], sent_times: list[float] | None,
+                    window_s: float) -> float:
+    """Completions per second.
 
-    Open loop (`mean_gap_s` = the step's mean gap between arrivals): n / (span + gap), which is
-    the offered rate while the target keeps up (completions are the arrivals, shifted) and its
-    capacity when it does not. Closed loop (no gap known): (n - 1) / span. Fewer than two
-    completions, or no span: n / fallback_window_s."""
+    Open loop (`sent_times`: when the same requests were scheduled): n / (window + the span of
+    the completions less the span of the sends). While the target keeps up its completions are
+    the arrivals shifted by their latency, and this is n / window, the offered rate — however
+    the arrivals bunched (four Poisson arrivals of 0.5/s over 8 s spanned 7.2 s, and n / (their
+    completions' span + the mean gap) read 0.436/s: 'saturated'); when it does not, the
+    completions come out at its capacity and take that much longer. Closed loop (no sends
+    given): (n - 1) / span. Fewer than two completions, or no span: n / window_s."""
     n = len(done_times)
     span = max(done_times) - min(done_times) if n else 0.0
-    if mean_gap_s is not None and n:
-        return n / (span + mean_gap_s)
+    if sent_times is not None and n:
+        stretched = window_s + span - (max(sent_times) - min(sent_times))
+        return n / stretched if stretched > 0 else n / window_s
     if n >= 2 and span > 0:
         return (n - 1) / span
-    return n / fallback_window_s if fallback_window_s > 0 else 0.0
+    return n / window_s if window_s > 0 else 0.0
 
 
 def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: float,
@@ -114,13 +120,13 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     unreached = [s for s in answered if s.outcome in UNREACHED]
     done = [s for s in answered if s.done is not None]
     ok = [s for s in done if s.outcome == OK]
-    gap = duration_s / len(samples) if loop == "open" and samples else None
     if len(done) < len(answered) and samples:
         # requests still running at the cutoff: the target was busy all along and finished
         # only these (the span of the few completions would overstate its rate)
         throughput = len(done) / (cutoff - min(s.scheduled for s in samples))
     else:
-        throughput = completion_rate([s.done for s in done], gap, duration_s)
+        throughput = completion_rate([s.done for s in done], [s.scheduled for s in done]
+                                     if loop == "open" else None, duration_s)
     if loop == "open" and samples:  # never more answers a second than requests were sent:
         # the span of a few completions is short when Poisson arrivals bunch or the first
         # answer is the slowest (1.03/s achieved of 0.85/s offered)
