@@ -455,6 +455,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our line says where it serves
+    owner = claim(APP)  # noqa: F841 — held while this process serves
     joined = bool(serve.status().proxies)  # Serve already runs there: it stays after us
     location = proxy_location(host)
     if not opts.replicas:
@@ -493,6 +494,43 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
 
 APP = "branchsearch"  # the Serve application `serve` deploys
 BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
+
+
+class Owner:
+    """Which `branchsearch serve` process serves the application (a named Ray actor)."""
+
+    def __init__(self, who: str):
+        self.who = who
+
+    def name(self) -> str:
+        return self.who
+
+
+def claim(app: str):
+    """Mark this process as the one `branchsearch serve` of `app` on the cluster: a named
+    actor that dies with this process (kill -9 too: it is not detached), so a `serve` started
+    after a crash takes the application over. While another live `serve` holds it, one line
+    naming that process: `serve.run` would replace its application (its keys, its default
+    index) under its callers, and either one's stop would take the other's down."""
+    import os
+    import socket
+
+    import ray
+
+    name = f"{app}-owner"
+    try:
+        return ray.remote(num_cpus=0)(Owner).options(name=name, namespace=BOARD_NAMESPACE).remote(
+            f"pid {os.getpid()} on {socket.gethostname()}")
+    except ValueError:  # the name is taken: that process still runs
+        try:
+            who = ray.get(ray.get_actor(name, namespace=BOARD_NAMESPACE).name.remote(),
+                          timeout=10)
+        except Exception:  # noqa: BLE001 — gone meanwhile, or slow: say it without
+            who = "another process"
+        raise BranchsearchError(
+            f"another `branchsearch serve` ({who}) serves the application '{app}' on this "
+            "cluster: one service serves every index of its home (ask it for the index), or "
+            "stop that one first") from None
 
 
 def board_name(app: str) -> str:

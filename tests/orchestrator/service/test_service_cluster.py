@@ -294,3 +294,79 @@ def test_serve_joining_a_cluster_leaves_it_as_it_found_it(one_node, tmp_path):
     assert code == 0 and "serving on" not in err and "SIGTERM received" not in err, err[-2000:]
     assert "stopping before it served" in err, err[-2000:]
     assert cluster("status") == ["[]", "[]"]
+
+
+def test_a_second_serve_on_the_cluster_leaves_the_first_serving(one_node, tmp_path):
+    """Two `serve --address` on one cluster, on the same port (Serve has one proxy port), each
+    with its own keys file and default index. The second replaced the first's application
+    (both are named 'branchsearch'): the first's callers got 401 'unknown API key', and the
+    second's stop deleted the application, so the first, still running and saying it served,
+    answered every request a plain-text 404. Now the second is one line naming the first,
+    exit 2, and the first goes on answering its own keys; once the first is gone (kill -9,
+    its application left on the cluster), a new `serve` takes the application over."""
+    env = one_node["env"]
+    home = tmp_path / "home"
+    home.mkdir()
+    for index in ("bm", "другой"):
+        ingest(write_corpus(home / "corpus.jsonl"),
+               load_settings(overrides={"home": home, "index": index}, read_env=False,
+                             read_file=False), dense=False)
+    first_key = KeyStore(tmp_path / "first.json").add("первый", ["alpha"], [])
+    second_key = KeyStore(tmp_path / "second.json").add("second", ["bravo"], [])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def serve(index: str, keys: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                                 "--address", one_node["address"], "--host", "127.0.0.1",
+                                 "--port", str(port), "--home", str(home), "--index", index,
+                                 "--keys", str(tmp_path / keys)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+
+    def whoami(key: str) -> int:
+        return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
+                         timeout=30).status_code
+
+    def ready(proc: subprocess.Popen, key: str) -> None:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            try:
+                if whoami(key) == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+    first = serve("bm", "first.json")
+    try:
+        ready(first, first_key)
+        second = serve("другой", "second.json")
+        try:
+            err = second.communicate(timeout=180)[1]
+        except subprocess.TimeoutExpired:
+            os.killpg(second.pid, signal.SIGKILL)
+            err = second.communicate()[1]
+        assert second.returncode == 2, err[-2000:]
+        assert err.strip().startswith("error: another `branchsearch serve` (pid "), err[-2000:]
+        assert f"pid {first.pid} on " in err and "serves the application 'branchsearch'" in err
+        assert [whoami(first_key) for _ in range(5)] == [200] * 5
+        assert whoami(second_key) == 401
+        os.killpg(first.pid, signal.SIGKILL)  # the application stays on the cluster
+        first.wait(30)
+        third = serve("другой", "second.json")
+        try:
+            ready(third, second_key)
+            assert whoami(first_key) == 401
+            third.send_signal(signal.SIGTERM)
+            assert third.wait(120) == 0
+        finally:
+            if third.poll() is None:
+                os.killpg(third.pid, signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        done = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"],
+                               "shutdown"], env=env, capture_output=True, timeout=300)
+        assert done.returncode == 0
