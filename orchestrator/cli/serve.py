@@ -76,7 +76,7 @@ def keys_add(name: str, groups: str = typer.Option("", "--groups", help="ACL gro
         print("note: an admin key without groups writes no document (a scoped admin writes "
               "only documents whose groups are all its own): give --groups, or --all-groups",
               file=sys.stderr)
-    missing = sorted(set(parse_list(indexes)) - set(_home_indexes(store.path.parent)))
+    missing = sorted(set(made.indexes) - set(_home_indexes(store.path.parent)))  # (NFC)
     if missing:  # a typo, or an index made later: the key is kept either way
         print(f"note: no index {', '.join(map(repr, missing))} in {store.path.parent} now; "
               "the key may use it once it exists", file=sys.stderr)

@@ -306,6 +306,26 @@ def test_keys_that_could_never_work_are_made_with_a_note(tmp_path):
     assert "note:" not in quiet.stderr, quiet.stderr
 
 
+def test_keys_for_an_index_named_in_another_unicode_form_get_no_note(tmp_path):
+    """`keys add --indexes café` typed decomposed (NFD, as macOS types it) for an index 'café'
+    the home holds: the key was stored in NFC and works, but the command said "note: no index
+    'café' in HOME now" — the note compared the name as typed with the folder's."""
+    import unicodedata
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+
+    from service_fixtures import write_corpus
+
+    home = tmp_path / "home"
+    home.mkdir()
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), load_settings(
+        overrides={"home": home, "index": "café"}, read_env=False, read_file=False), dense=False)
+    done = run(["keys", "add", "k", "--indexes", unicodedata.normalize("NFD", "café"),
+                "--home", home])
+    assert done.returncode == 0 and "note:" not in done.stderr, done.stderr
+
+
 def test_an_option_given_before_its_command_says_where_it_goes(tmp_path):
     """`branchsearch --home X search …` (other CLIs take such options first): one line saying
     where the option goes, not click's "No such option: --home (Possible options: --help)"."""
