@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from branchsearch.infra.errors import BranchsearchError, error_line
+from branchsearch.infra.errors import BranchsearchError, error_line, redact
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, create_app
 from branchsearch.orchestrator.service.auth import KeyStore
@@ -470,7 +470,16 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     serving = False
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location=location)
-        serve.run(build_application(opts), name=APP, route_prefix="/")
+        try:
+            serve.run(build_application(opts), name=APP, route_prefix="/")
+        except RuntimeError:  # a replica that cannot start (the default index's backend
+            failed = start_failure(APP)  # down): its reason, and nothing left behind
+            if failed is None:
+                raise
+            serve.delete(APP)
+            if not joined:
+                serve.shutdown()
+            raise BranchsearchError(f"the service did not start: {failed}") from None
         print(f"serving on http://{host}:{port} (docs at /docs; Ray Serve app '{APP}')",
               file=sys.stderr)
         serving = True
@@ -493,6 +502,24 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
 
 
 APP = "branchsearch"  # the Serve application `serve` deploys
+
+
+def start_failure(app: str) -> str | None:
+    """Why Serve gave up deploying `app` (DEPLOY_FAILED): the last line of the failed
+    deployment's message, the error its replica's constructor raised (a backend down, say),
+    without its module path; None when it did not fail so."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    status = serve.status().applications.get(app)
+    if status is None or status.status != ApplicationStatus.DEPLOY_FAILED:
+        return None
+    for deployment in status.deployments.values():
+        lines = deployment.message.strip().splitlines()
+        if deployment.status == "DEPLOY_FAILED" and lines:
+            kind, _, text = lines[-1].partition(": ")
+            return redact(text if text and " " not in kind else lines[-1])
+    return status.message or None
 BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
 
 

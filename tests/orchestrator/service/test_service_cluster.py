@@ -370,3 +370,41 @@ def test_a_second_serve_on_the_cluster_leaves_the_first_serving(one_node, tmp_pa
         done = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"],
                                "shutdown"], env=env, capture_output=True, timeout=300)
         assert done.returncode == 0
+
+
+def test_serve_whose_searcher_cannot_start_is_one_line_and_leaves_nothing(one_node, tmp_path):
+    """`serve --address` while the default index's backend is down (an Elasticsearch not up
+    yet; a Milvus server alike): the searcher replica's start failed until Serve gave up, and
+    `serve` ended in a 100-line traceback ('Deploying application branchsearch failed: Failed
+    to update the deployments ['Searcher']'), naming no cause, and left the failed application
+    on the cluster, its ingress answering 503 'the searcher replica is restarting; retry'
+    on the port, with Serve's proxy and controller. Now one line with the cause (no
+    credentials), exit 2, and the cluster as it was."""
+    from es_emulator import start_es_emulator
+
+    env = one_node["env"]
+    home = tmp_path / "home"
+    home.mkdir()
+    with start_es_emulator(tmp_path / "es") as es:
+        url = es.url.replace("://", "://svc:hunter2@")
+        ingest(write_corpus(home / "corpus.jsonl"),
+               load_settings(overrides={"home": home, "index": "bm", "es_url": url},
+                             read_env=False, read_file=False), dense=False)
+    (home / "branchsearch.toml").write_text(f'es_url = "{url}"\n')
+    KeyStore(home / "keys.json").add("k", ["alpha"], [])
+    port = free_port()
+    done = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                           "--address", one_node["address"], "--host", "127.0.0.1",
+                           "--port", str(port), "--home", str(home), "--index", "bm",
+                           "--config", str(home / "branchsearch.toml"),
+                           "--keys", str(home / "keys.json")],
+                          env=env, capture_output=True, text=True, timeout=400)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("error: the service did not start: ") and \
+        "hunter2" not in lines[0], lines
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+    shown = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"], "status"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert shown.stdout.strip().splitlines() == ["[]", "[]"], shown.stdout + shown.stderr[-2000:]
