@@ -502,6 +502,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
 
 
 APP = "branchsearch"  # the Serve application `serve` deploys
+BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
 
 
 def start_failure(app: str) -> str | None:
@@ -520,7 +521,6 @@ def start_failure(app: str) -> str | None:
             kind, _, text = lines[-1].partition(": ")
             return redact(text if text and " " not in kind else lines[-1])
     return status.message or None
-BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
 
 
 class Owner:
