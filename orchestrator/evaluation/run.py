@@ -14,12 +14,27 @@ from branchsearch.infra.datasets.beir import Query
 from branchsearch.infra.errors import BranchsearchError, CorpusError
 from branchsearch.infra.index.catalog import index_embedding
 from branchsearch.infra.retrieval.retriever import Retriever
+from branchsearch.infra.stores.protocols import MAX_K
 from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.evaluation.measures import (doc_ranking, mean, percentile,
                                                            single_shot_metrics)
 
-# Chunks fetched per query so that at least 10 distinct documents survive collapsing.
+# Chunks first fetched per query; fetched deeper (x4, up to MAX_K) while their documents are
+# fewer than DOC_DEPTH and the index has more: a long document's chunks can fill the list.
 CHUNK_DEPTH = 50
+DOC_DEPTH = 10  # documents a ranking is scored on (the metrics go to @10)
+
+
+def _ranked_docs(retriever: Retriever, text: str, mode: str,
+                 acl_groups: list[str] | None) -> list[str]:
+    """The query's document ranking, DOC_DEPTH documents deep when the index has that many."""
+    k = CHUNK_DEPTH
+    while True:
+        hits = retriever.search(text, mode=mode, k=k, acl_groups=acl_groups)
+        ranking = doc_ranking([h.chunk_id for h in hits])
+        if len(ranking) >= DOC_DEPTH or len(hits) < k or k == MAX_K:
+            return ranking
+        k = min(k * 4, MAX_K)
 
 
 def eval_single_shot(retriever: Retriever, queries: list[Query], mode: str,
@@ -28,10 +43,9 @@ def eval_single_shot(retriever: Retriever, queries: list[Query], mode: str,
     per_query, latencies = [], []
     for q in queries:
         t = time.perf_counter()
-        hits = retriever.search(q.text, mode=mode, k=CHUNK_DEPTH, acl_groups=acl_groups)
+        ranking = _ranked_docs(retriever, q.text, mode, acl_groups)
         latencies.append((time.perf_counter() - t) * 1000)
-        ranking = doc_ranking([h.chunk_id for h in hits])
-        per_query.append({"id": q.id, "ranking": ranking[:10],
+        per_query.append({"id": q.id, "ranking": ranking[:DOC_DEPTH],
                           "metrics": single_shot_metrics(ranking, q.gold)})
         if progress:
             progress()

@@ -259,3 +259,42 @@ def test_an_agent_eval_whose_backend_dies_stops_rather_than_score_its_failures(t
         assert not report.exists() and not report.with_suffix(".md").exists()
     finally:
         es.stop()
+
+
+def _beir(folder, corpus, queries, qrels):
+    """A BEIR folder: corpus rows, (id, text) queries, qrels/test.tsv text."""
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+    (folder / "queries.jsonl").write_text(
+        "".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in queries))
+    (folder / "qrels" / "test.tsv").write_text(qrels)
+    return folder
+
+
+def test_a_document_of_many_chunks_does_not_cut_the_ranking_short(tmp_path):
+    """A long document whose 80 chunks all match the query filled the 50 chunks single-shot
+    eval fetched: the document ranking was that one document, so the gold town page, second
+    by its best chunk, was scored a miss (recall@10 0.5, nDCG@10 0.61 where the documents'
+    ranking gives 1.0 and 1.0). The chunks are fetched deeper until ten documents are ranked
+    (or the index has no more)."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    filler = "river stone field cloud market bridge garden winter summer harbor".split()
+    big = "\n\n".join(f"Part {j}. " + " ".join(["volcano lava eruption"] * 40 + filler * 6)
+                      for j in range(80))
+    corpus = [{"_id": "almanac", "title": "The volcano almanac", "text": big}] + [
+        {"_id": f"town{i}", "title": f"Town {i}", "text": f"Town {i} lies near a volcano"
+         + (" with lava eruption. " if i == 3 else ". ") + " ".join(filler * 15)}
+        for i in range(12)]
+    data = _beir(tmp_path / "deep", corpus, [("q1", "volcano lava eruption")],
+                 "q1\talmanac\t1\nq1\ttown3\t1\n")
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "deep"},
+                             read_env=False, read_file=False)
+    ingest(data, settings, dense=False)
+    result = run_evaluation(settings, EvalOptions(data, mode="bm25", ingest_first=False))
+    ranking = result["runs"][0]["per_query"][0]["ranking"]
+    assert ranking[:2] == ["almanac", "town3"] and len(ranking) == 10, ranking
+    assert result["metrics"]["recall@10"] == 1.0 and result["metrics"]["ndcg@10"] == 1.0
+
