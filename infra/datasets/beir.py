@@ -29,8 +29,11 @@ def _nfc(text: str) -> str:
     return unicodedata.normalize("NFC", text)
 
 
-def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
-    """Queries that have at least one positive qrel in `qrels/{split}.tsv`, in file order."""
+def read_queries(folder: str | Path, split: Split = "test",
+                 notes: list[str] | None = None) -> list[Query]:
+    """Queries that have at least one positive qrel in `qrels/{split}.tsv`, in file order.
+    `notes`, when given, gets a line ("warning: …" or "note: …") for each kind of query the
+    files name and the scores leave out."""
     if split not in SPLITS:
         raise CorpusError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     folder = Path(folder)
@@ -69,7 +72,7 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
                                   "give the pair one score")
             if score > 0:  # the same score twice is the same gold: kept once, silently
                 gold.setdefault(qid, {})[doc] = score
-    queries, seen = [], set()
+    queries, seen = [], {}  # seen: query ids in file order
     with qfile.open("rb") as f:
         for lineno, line in utf8_lines(f, qfile):
             if not line.strip():
@@ -90,7 +93,7 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
             qid = _nfc(str(qid))  # as the qrels' (a query id typed on macOS is NFD)
             if qid in seen:  # scored twice, it would weigh twice in every mean
                 raise CorpusError(f"{qfile}:{lineno}: duplicate query id {qid!r}")
-            seen.add(qid)
+            seen[qid] = None
             if qid in gold:
                 meta = row.get("metadata") or {}
                 if not isinstance(meta, dict):
@@ -99,4 +102,23 @@ def read_queries(folder: str | Path, split: Split = "test") -> list[Query]:
                                      lineno))
     if not queries:
         raise CorpusError(f"{folder}: no query has a positive qrel in {qrels_file.name}")
+    if notes is not None:
+        judged, qrels = {qid for qid, _ in graded}, f"qrels/{split}.tsv"
+        notes += filter(None, (
+            _left_out("warning", [q for q in gold if q not in seen],
+                      f"of {qrels} missing from queries.jsonl"),
+            _left_out("warning", [q for q in seen if q in judged and q not in gold],
+                      f"of queries.jsonl judged in {qrels} with no relevant document (score > 0)",
+                      " (BEIR's evaluate would score each 0)"),
+            _left_out("note", [q for q in seen if q not in judged],
+                      f"of queries.jsonl without qrels in {qrels}")))
     return queries
+
+
+def _left_out(kind: str, ids: list[str], what: str, after: str = "") -> str:
+    """"warning: 2 queries {what}, not scored: 'a', 'b'" (five ids named), "" for none."""
+    if not ids:
+        return ""
+    more = f" and {len(ids) - 5:,} more" if len(ids) > 5 else ""
+    return (f"{kind}: {len(ids):,} quer{'y' if len(ids) == 1 else 'ies'} {what}, not scored: "
+            f"{', '.join(map(repr, ids[:5]))}{more}{after}")

@@ -37,11 +37,13 @@ def write_report(path: Path, text: str) -> None:
 def markdown(report: dict) -> str:
     runs = report["runs"]
     lines = [f"# Evaluation: {report['dataset']}", "",
-             f"{runs[0]['queries']} queries. Document-level metrics (a document ranks by its "
-             "best chunk).", "", f"Index `{report.get('index', '?')}`, embedding: "
-             f"{report.get('embedding') or 'none'}.", "",
-             "| metric | " + " | ".join(r["config"] for r in runs) + " |",
-             "|---|" + "---|" * len(runs)]
+             f"{runs[0]['queries']} queries, split {report.get('split', '?')}. Document-level "
+             "metrics (a document ranks by its best chunk).", "",
+             f"Index `{report.get('index', '?')}`, embedding: "
+             f"{report.get('embedding') or 'none'}.", ""]
+    lines += [f"* {n}" for n in report.get("notes", [])] + [""] * bool(report.get("notes"))
+    lines += ["| metric | " + " | ".join(r["config"] for r in runs) + " |",
+              "|---|" + "---|" * len(runs)]
     for m in SUMMARY_METRICS:
         if any(m in r["metrics"] for r in runs):
             cells = [f"{r['metrics'][m]:.4g}" if m in r["metrics"] else "–" for r in runs]

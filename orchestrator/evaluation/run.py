@@ -215,7 +215,8 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     if options.baseline == "one-branch" and settings.branches == 1:
         raise BranchsearchError("--baseline one-branch: the agent runs one branch already; "
                                 "give it --branches 2 or more")
-    queries = read_queries(options.dataset, options.split)[:options.limit]
+    notes: list[str] = []  # what the figures leave out, said and kept in the report
+    queries = read_queries(options.dataset, options.split, notes)[:options.limit]
     check_questions(queries, options.dataset)
     if options.ingest_first and not index_complete(settings):  # missing or stopped: resume
         from branchsearch.infra.ingest.pipeline import ingest
@@ -226,14 +227,16 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     # (an index being ingested, or stopped midway, is the agent's open to refuse, by name)
     missing = missing_gold(settings, queries) if index_complete(settings) else ""
     if missing:
-        say(f"warning: {missing} of the gold documents are not in index {settings.index!r}; "
-            "they count as misses")
+        notes.append(f"warning: {missing} of the gold documents are not in index "
+                     f"{settings.index!r}; they count as misses")
+    for line in notes:
+        say(line)
     runs = [_agent_run(s, queries, options.executor, acl_groups, progress) if mode is None
             else _single_shot_run(s, queries, mode, acl_groups, progress)
             for s, mode in _configurations(settings, options)]
     result = {"dataset": str(options.dataset), "split": options.split,
               "index": settings.index, "embedding": index_embedding(settings),
-              "metrics": runs[0]["metrics"], "runs": runs}
+              "metrics": runs[0]["metrics"], "notes": notes, "runs": runs}
     if "attribution" in runs[0]:
         result["attribution"] = runs[0]["attribution"]
     if options.baseline:

@@ -298,3 +298,40 @@ def test_a_document_of_many_chunks_does_not_cut_the_ranking_short(tmp_path):
     assert ranking[:2] == ["almanac", "town3"] and len(ranking) == 10, ranking
     assert result["metrics"]["recall@10"] == 1.0 and result["metrics"]["ndcg@10"] == 1.0
 
+
+def test_questions_and_gold_left_out_of_the_scores_are_said_and_kept_in_the_report(tmp_path):
+    """An eval scored 2 of the 5 questions its files name and said nothing of the others:
+    a qrels query missing from queries.jsonl (there `7`, in the qrels `07`), a query judged
+    only non-relevant (grade 0), one without qrels; the gold document the corpus lacks was a
+    line on stderr only, and the Markdown report did not name the split. Each is now a note,
+    said and kept in the report (JSON and Markdown)."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    corpus = [{"_id": f"d{i}", "title": f"Town {i}", "text": f"Town {i} lies by a {w}."}
+              for i, w in enumerate(["volcano", "lake", "river", "glacier"])]
+    data = _beir(tmp_path / "odd", corpus,
+                 [("q1", "volcano town"), ("q2", "lake town"), (7, "river town"),
+                  ("q-zero", "glacier town"), ("q-none", "which town")],
+                 "query-id\tcorpus-id\tscore\nq1\td0\t2\nq1\td1\t0\nq2\td1\t1\nq2\tghost\t1\n"
+                 "07\td2\t1\nq-zero\td3\t0\n")
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "odd"},
+                             read_env=False, read_file=False)
+    ingest(data, settings, dense=False)
+    said, report = [], tmp_path / "r.json"
+    result = run_evaluation(settings, EvalOptions(data, mode="bm25", ingest_first=False,
+                                                  report=report), say=said.append)
+    assert [p["id"] for p in result["runs"][0]["per_query"]] == ["q1", "q2"]
+    notes = json.loads(report.read_text())["notes"]
+    assert said == notes
+    assert len(notes) == 4, notes
+    assert notes[:3] == [
+        "warning: 1 query of qrels/test.tsv missing from queries.jsonl, not scored: '07'",
+        "warning: 1 query of queries.jsonl judged in qrels/test.tsv with no relevant document "
+        "(score > 0), not scored: 'q-zero' (BEIR's evaluate would score each 0)",
+        "note: 2 queries of queries.jsonl without qrels in qrels/test.tsv, not scored: '7', "
+        "'q-none'"]
+    assert "warning: 1 of 3 of the gold documents are not in index 'odd'" in notes[3]
+    md = report.with_suffix(".md").read_text()
+    assert "split test" in md and all(n in md for n in notes), md
