@@ -119,6 +119,14 @@ def per_second(rate: float) -> str:
     return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
 
 
+def duration(seconds: float) -> str:
+    """Seconds for a person: "40 s", "12 min", "2 h 5 min"."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
 def progress_bar(total: int | None, unit: str, desc: str):
     """A tqdm bar on a terminal; elsewhere (a pipe, a log file, CI) one plain line every
     few seconds, so long work is never silent. Both take update(n), set_postfix(...),
@@ -137,7 +145,8 @@ def progress_bar(total: int | None, unit: str, desc: str):
 class ProgressLines:
     """Progress as plain stderr lines: one every `every` seconds once the work has advanced
     (from a timer thread, so a long step between two updates still shows the clock running)
-    and one at close. Nothing before the first update or postfix: a command that fails early says
+    and one at close. With a total, each line until the last says about how long is left at
+    the rate so far, as the bar's ETA does on a terminal. Nothing before the first update or postfix: a command that fails early says
     only its one `error:` line."""
 
     def __init__(self, total: int | None, unit: str, desc: str, every: float = 5.0,
@@ -184,6 +193,8 @@ class ProgressLines:
         rate = self.n / elapsed if elapsed > 0 else 0.0
         shown = f"{rate:.1f}" if rate >= 0.1 or not self.n else per_second(rate)  # not 0.0
         line = f"{self.desc}: {count} {self.unit}, {shown} {self.unit}/s, {elapsed:.0f} s"
+        if not done and self.total is not None and 0 < self.n < self.total and rate > 0:
+            line += f", about {duration((self.total - self.n) / rate)} left"  # at this rate
         if self.postfix:
             line += f" ({self.postfix})"
         print(line + (", done" if done else ""), file=self.stream, flush=True)

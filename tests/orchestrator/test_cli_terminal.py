@@ -96,3 +96,27 @@ def test_batch_reads_its_questions_from_a_pipe(hotpot_settings, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [json.loads(line)["_id"] for line in lines]
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_progress_lines_on_a_pipe_say_how_long_is_left():
+    """A batch of thousands of questions runs under nohup or a scheduler, its progress a log
+    of plain lines: on a terminal the bar shows an ETA, but the lines said only the count, the
+    rate and the seconds so far (hostile pass: 3,000 questions, 80 lines without one). Each
+    line but the last now says about how long is left at the rate so far."""
+    import io
+
+    from branchsearch.orchestrator.cli.options import ProgressLines
+
+    stream = io.StringIO()
+    bar = ProgressLines(3000, "q", "batch", every=60, stream=stream)
+    bar._start -= 100  # 700 questions in 100 s: 2,300 left at 7 a second
+    bar.update(700)
+    bar._say()
+    bar._start -= 3000
+    bar._say()  # 700 in 3,100 s: 2,300 left take 2 h 50 min
+    bar.update(2300)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "batch: 700/3000 q, 7.0 q/s, 100 s, about 5 min left", lines
+    assert lines[1] == "batch: 700/3000 q, 0.2 q/s, 3100 s, about 2 h 50 min left", lines
+    assert lines[2] == "batch: 3000/3000 q, 1.0 q/s, 3100 s, done", lines
