@@ -6,9 +6,11 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
 * Each result is appended (and fsynced) as it finishes, so a crash at any point loses at most
   the questions in flight; a torn last line is cut off by the next run, before it appends (a
   whole row that lost its newline is kept); a run refused before it starts changes nothing.
-* A re-run skips only ids whose latest line has `status` `ok`; `partial`, `failed` and `error`
-  rows are run again. So are ok rows answered on another index, or made with other settings
-  that change a result (`made_with`: the settings `CHANGES_RESULT` names, the caller's ACL
+* A re-run skips only ids whose latest line has `status` `ok` and searched whole; `partial`,
+  `failed` and `error` rows are run again, and so are ok rows whose later waves the deadline
+  left no time to start (`metrics.late_waves`: a `branch_timeout_s` since raised finds
+  more). So are ok rows answered on another index, or made with other settings that change
+  a result (`made_with`: the settings `CHANGES_RESULT` names, the caller's ACL
   groups), so that one output never mixes two configurations' evidence (the CLI refuses such a
   resume instead: a flag changed by mistake would replace finished work).
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
@@ -169,6 +171,14 @@ def row_status(row: dict) -> str:
     return status if status in STATUSES and "error" not in row else "failed"
 
 
+def cut_short(row: dict) -> bool:
+    """An ok row whose search the deadline cut short: a later wave (forks, chains, bridges)
+    was due but not started for lack of time (`branch_timeout_s`). Not done: a resume asks
+    it again."""
+    metrics = row.get("metrics")
+    return isinstance(metrics, dict) and bool(metrics.get("late_waves"))
+
+
 @dataclass(frozen=True)
 class Latest:
     """An id's latest row in an output: where it is (`offset`, `length`, its newline included
@@ -180,6 +190,7 @@ class Latest:
     index: str | None
     made_with: dict | None
     question: str | None
+    late: bool = False  # waves not started for lack of time (`cut_short`): not done
 
 
 def latest_rows(path: str | Path) -> dict[str, Latest]:
@@ -198,7 +209,8 @@ def latest_rows(path: str | Path) -> dict[str, Latest]:
                 qid = question_id(row["id"])  # (NFC: a row written before ids were)
                 made = row.get("made_with")
                 latest = Latest(offset, len(line), row_status(row), row.get("index"),
-                                made if isinstance(made, dict) else None, row.get("question"))
+                                made if isinstance(made, dict) else None, row.get("question"),
+                                cut_short(row))
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
                     AttributeError):
                 latest = None
@@ -281,7 +293,7 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
 
 def done_ids(path: str | Path, index: str | None = None, made: dict | None = None
              ) -> dict[str, str | None]:
-    """Ids whose latest row is ok, each with the question that row answered (None: a row
+    """Ids whose latest row is ok and not `cut_short`, each with the question that row answered (None: a row
     written without it); with `index`, only rows answered on that index, and with `made`, only
     rows made with those settings (`made_with`) — or rows that do not say (written before
     rows named them)."""
@@ -297,7 +309,7 @@ def resume_state(path: str | Path, index: str | None = None, made: dict | None =
     other_made: dict[str, dict] = {}
     other_index: dict[str, str] = {}
     for qid, row in latest_rows(path).items():
-        if row.status != "ok":
+        if row.status != "ok" or row.late:
             continue
         if index is not None and row.index not in (None, index):
             other_index[qid] = row.index
@@ -435,7 +447,7 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               locked: bool = False, made: dict | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
-    run), skipped (already ok), changed (ids asked again: their question changed), not_run
+    run; `cut_short`: how many of its ok rows a resume asks again), skipped (already ok), changed (ids asked again: their question changed), not_run
     (left when `stop_after` failures in a row or a lost cluster stopped the run), `stopped`
     (why, or ""), `lost` (why the Ray cluster was lost, or "") and `failed_ids` (this run's
     failed question ids, in input order). `stop`, once set (a ^C):
@@ -461,7 +473,7 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
                                                            {"made_with": made})
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
-              "not_run": 0, "stopped": "", "lost": "", "changed": changed}
+              "cut_short": 0, "not_run": 0, "stopped": "", "lost": "", "changed": changed}
     in_a_row, last_error, failed_ids, lost = 0, [""], set(), 0
 
     def one(qid: str, question: str) -> str:
@@ -479,6 +491,8 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
                 failed_ids.add(qid)
         with lock:
             append_row(out_path, row)
+            if row_status(row) == "ok" and cut_short(row):
+                counts["cut_short"] += 1
         return row_status(row)
 
     def interrupted() -> bool:

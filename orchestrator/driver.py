@@ -157,6 +157,7 @@ class Driver:
             "bridges": sum(b.kind == "bridge" for b in branches),
             "tokens_read": sum(b.tokens_read for b in ok),
             "turns": sum(b.turns for b in ok), "tool_calls": sum(b.tool_calls for b in ok),
+            "late_waves": len(late),  # waves not started for lack of time (`notes` says which)
         }
         if metrics["forks"]:
             forks = [b for b in branches if b.kind == "fork"]

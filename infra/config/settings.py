@@ -255,7 +255,8 @@ NO_RESULT_CHANGE: tuple[str, ...] = (
     "embed_batch", "embed_device", "fetch_cache", "llm_engines", "llm_tensor_parallel",
     "llm_detached", "branch_num_cpus", "branch_num_gpus", "batch_concurrency",
     "retriever_replicas",
-    # retries and limits: whether a question or a call ends ok, not what an ok one found
+    # retries and limits: whether a question or a call ends ok, not what an ok one found (an
+    # ok row a branch timeout cut short says so, `late_waves`, and a batch asks it again)
     "backend_retries", "backend_backoff_s", "backend_timeout_s", "llm_timeout_s",
     "branch_timeout_s", "branch_retries", "actor_start_timeout_s", "grep_max_pattern",
     # who asks: the row's `acl` ("*" for an admin)

@@ -165,6 +165,12 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     print(f"batch: {counts['ok']} ok, {counts['partial']} partial, {counts['failed']} failed; "
           f"{counts['skipped']} already ok in {output}, {len(data.bad_lines)} malformed input "
           "lines skipped")
+    if counts["cut_short"]:  # ok, but not the whole search: not done
+        print(f"{counts['cut_short']} ok row(s) were cut short: a later wave (forks, chains, "
+              "bridges) had no time left to start within branch_timeout_s "
+              f"({settings.branch_timeout_s:g} s); a re-run asks them again (give it more time "
+              "to search them whole)",
+              file=sys.stderr)
     if counts["failed_ids"]:
         ids = counts["failed_ids"]
         more = f" and {len(ids) - 10} more" if len(ids) > 10 else ""
