@@ -135,10 +135,10 @@ def _prepare(out_dir: str | Path, docs: int, extra_bytes: int, force: bool = Fal
 def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7,
           force: bool = False) -> dict:
     """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
+    if tasks > MAX_TASKS:  # first: more documents would not make room for them
+        raise SynthError(f"synth: at most {MAX_TASKS:,} tasks (got {tasks:,})")
     if tasks < 1 or docs < tasks * 8:
         raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
-    if tasks > MAX_TASKS:
-        raise SynthError(f"synth: at most {MAX_TASKS:,} tasks (got {tasks:,})")
     out = _prepare(out_dir, docs, tasks * 600, force)
     rng = random.Random(seed)
     seen: set = set()
@@ -257,10 +257,10 @@ def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: in
     band, formed in a decoy city of a decoy country. Queries carry `metadata.chain` (the gold
     document ids in hop order), `answer` and `hops`; qrels list the gold chain. Deterministic
     by seed; written like `synth`."""
+    if tasks > MAX_HARD_TASKS:  # first: more documents would not make room for them
+        raise SynthError(f"synth --hard: at most {MAX_HARD_TASKS} tasks (got {tasks})")
     if tasks < 1 or docs < tasks * 8:
         raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
-    if tasks > MAX_HARD_TASKS:
-        raise SynthError(f"synth --hard: at most {MAX_HARD_TASKS} tasks (got {tasks})")
     out = _prepare(out_dir, docs, tasks * 800, force)
     rng = random.Random(seed)
     seen: set = set()

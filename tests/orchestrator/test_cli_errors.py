@@ -536,6 +536,20 @@ def test_synth_tasks_past_the_name_pool_is_one_error_not_a_hang(tmp_path):
     assert not (tmp_path / "more").exists()
 
 
+@pytest.mark.parametrize("args", [["--docs", "5000", "--tasks", "3000"],
+                                  ["--hard", "--docs", "800", "--tasks", "300"]],
+                         ids=["synth", "hard"])
+def test_synth_asked_for_too_many_tasks_says_the_cap_first(tmp_path, args):
+    """`synth DIR --docs 5000 --tasks 3000` said "need docs >= 8 * tasks"; given 24,000
+    documents it then said "at most 1,260 tasks" (hostile pass): the cap, which no number of
+    documents lifts, is said at once."""
+    done = subprocess.run([*CLI, "synth", str(tmp_path / "out"), *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "at most" in done.stderr and "8 * tasks" not in \
+        done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_output_cut_by_its_reader_exits_141_not_failed(tmp_path):
     """`retrieve … | head -1`: the reader closing the pipe ends the command as SIGPIPE ends
     a Unix tool (141, no traceback), not with 1, which says a search failed."""
