@@ -95,9 +95,8 @@ def completion_rate(done_times: list[float], sent_times: list[float] | None,
     Open loop (`sent_times`: when the same requests were scheduled): n / (window + the span of
     the completions less the span of the sends). While the target keeps up its completions are
     the arrivals shifted by their latency, and this is n / window, the offered rate — however
-    the arrivals bunched (four Poisson arrivals of 0.5/s over 8 s spanned 7.2 s, and n / (their
-    completions' span + the mean gap) read 0.436/s: 'saturated'); when it does not, the
-    completions come out at its capacity and take that much longer. Closed loop (no sends
+    a few Poisson arrivals bunch within the step; when it does not, the completions come out
+    at its capacity and take that much longer. Closed loop (no sends
     given): (n - 1) / span. Fewer than two completions, or no span: n / window_s."""
     n = len(done_times)
     span = max(done_times) - min(done_times) if n else 0.0
@@ -174,8 +173,7 @@ def saturated(step: dict, previous: dict | None, baseline: dict, *, tolerance: f
     `max_error`, or the median latency grows past `latency_factor` x the first step's: queueing
     delays every request, the median with them, while one slow request (a hard question, a
     neighbour on a shared core) moves only a step's p99, which is its slowest request or two
-    at a few dozen requests a step (987 ms against the first step's 200 ms, the median 114 ->
-    139 ms, read as a knee). The tail is the SLO's to judge (`slo_problem`). Closed loop (no
+    at a few dozen requests a step. The tail is the SLO's to judge (`slo_problem`). Closed loop (no
     offered rate): adding users adds less than half the throughput linear scaling would, or
     errors."""
     if step["error_rate"] > max_error:
