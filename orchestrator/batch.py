@@ -293,10 +293,10 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
 
 def done_ids(path: str | Path, index: str | None = None, made: dict | None = None
              ) -> dict[str, str | None]:
-    """Ids whose latest row is ok and not `cut_short`, each with the question that row answered (None: a row
-    written without it); with `index`, only rows answered on that index, and with `made`, only
-    rows made with those settings (`made_with`) — or rows that do not say (written before
-    rows named them)."""
+    """Ids whose latest row is ok and not `cut_short`, each with the question that row
+    answered (None: a row written without it); with `index`, only rows answered on that index,
+    and with `made`, only rows made with those settings (`made_with`) — or rows that do not say
+    (written before rows named them)."""
     return resume_state(path, index, made)[0]
 
 
@@ -447,10 +447,11 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               locked: bool = False, made: dict | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
-    run; `cut_short`: how many of its ok rows a resume asks again), skipped (already ok), changed (ids asked again: their question changed), not_run
-    (left when `stop_after` failures in a row or a lost cluster stopped the run), `stopped`
-    (why, or ""), `lost` (why the Ray cluster was lost, or "") and `failed_ids` (this run's
-    failed question ids, in input order). `stop`, once set (a ^C):
+    run; `cut_short`: how many of its ok rows a resume asks again), skipped (already ok),
+    changed (ids asked again: their question changed), not_run (left when `stop_after`
+    failures in a row or a lost cluster stopped the run), `stopped` (why, or ""), `lost` (why
+    the Ray cluster was lost, or "") and `failed_ids` (this run's failed question ids, in input
+    order). `stop`, once set (a ^C):
     no question is started after it, the ones running finish and their rows are written, then
     KeyboardInterrupt is raised here. `locked`: the caller holds the output's `OutputLock`
     (else it is taken here, for the run). `index` and `made` (`made_with`): written in every
