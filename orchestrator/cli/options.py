@@ -63,7 +63,7 @@ def settings_to_read(home, index, config, **flags) -> Settings:
               file=sys.stderr)
         return settings.replace(index=names[0])
     if names:
-        raise BranchsearchError(f"no index named: this data home ({settings.home}) has "
+        raise BranchsearchError(f"which index? This data home ({settings.home}) has "
                                 f"{', '.join(map(repr, names))}; pick one with --index NAME")
     return settings
 
