@@ -1550,6 +1550,7 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     two = subprocess.run(bare, capture_output=True, text=True, timeout=120)
     errors = [ln for ln in two.stderr.splitlines() if ln.startswith("error:")]
     assert two.returncode == 2 and len(errors) == 1, two.stderr
+    assert errors[0].startswith("error: which index? This data home"), errors
     assert "has 'acl', 'zweiter'; pick one with --index NAME" in errors[0], errors
 
 
