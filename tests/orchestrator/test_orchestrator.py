@@ -875,6 +875,8 @@ def test_a_batch_resume_asks_again_the_ok_rows_cut_short_for_lack_of_time(hotpot
     ok", their evidence short for good (hostile pass: 20 of 39 such rows on a synthetic
     corpus held other rankings than a full search). Those rows are not done: the summary
     says how many were cut short, and the resume asks them again."""
+    copy = ingest_copy(hotpot_settings, "cut-short")  # the batch process must own its Milvus
+    # Lite file (the session's index may be open in this one)
     queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
@@ -882,8 +884,8 @@ def test_a_batch_resume_asks_again_the_ok_rows_cut_short_for_lack_of_time(hotpot
 
     def batch(**env):
         return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
-                               str(inp), "-o", str(out), "--home", str(hotpot_settings.home),
-                               "--index", hotpot_settings.index, "--concurrency", "1"],
+                               str(inp), "-o", str(out), "--home", str(copy.home),
+                               "--index", copy.index, "--concurrency", "1"],
                               capture_output=True, text=True, timeout=300,
                               env={**os.environ, **env})
 
@@ -892,6 +894,7 @@ def test_a_batch_resume_asks_again_the_ok_rows_cut_short_for_lack_of_time(hotpot
 
     # one branch timeout of 0.25 s: a wave after the first never has 0.25 s left to start
     hurried = batch(BRANCHSEARCH_BRANCH_TIMEOUT_S="0.25")
+    assert out.exists(), hurried.stderr[-2000:]
     cut = {qid for qid, r in rows().items() if r["status"] == "ok" and
            any(n.startswith("not searched for lack of time") for n in r["notes"])}
     assert cut, hurried.stderr[-2000:]
