@@ -18,17 +18,25 @@ Attribution (first that applies, in this order):
 * premature_prune  a gold document was retrieved, then pruned and not recalled, so it was not
                    in the context at termination nor in the evidence
 * overload         every gold document was present at termination, but ranked out of the top k
+* not_in_corpus    the only gold documents the top k lacks are ones the corpus does not hold (a
+                   qrels line naming a document corpus.jsonl lacks): the data's miss, which no
+                   search can reach. It is the last class: a query that also missed gold the
+                   corpus holds is attributed by that, and those documents alone are named.
+
+The measures above, like recall, count gold the corpus lacks as missed (BEIR's evaluate scores
+the qrels as given); only the attribution sets it apart.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from branchsearch.infra.ingest.chunking import split_chunk_id
 
-CLASSES = ("ok", "retrieval_miss", "premature_prune", "early_stop", "overload")
+CLASSES = ("ok", "retrieval_miss", "premature_prune", "early_stop", "overload",
+           "not_in_corpus")
 
 
 def _doc(cid: str) -> str:
@@ -77,13 +85,16 @@ def answer_in(answer: str, text: str) -> bool:
 
 
 def attribute(t: Trajectory, gold: Mapping[str, int], titles: Mapping[str, str],
-              retrieved_text: str, k: int = 5) -> tuple[str, list[str]]:
-    """(class, the gold documents behind it)."""
-    gold_docs = list(gold)
+              retrieved_text: str, k: int = 5,
+              absent: Collection[str] = ()) -> tuple[str, list[str]]:
+    """(class, the gold documents behind it). `absent`: gold documents the corpus lacks."""
     final_docs = list(dict.fromkeys(_doc(c) for c in t.final_ranking))[:k]
-    missing = [g for g in gold_docs if g not in final_docs]
+    missing = [g for g in gold if g not in final_docs]
     if not missing:
         return "ok", []
+    if all(g in absent for g in missing):
+        return "not_in_corpus", missing
+    missing = [g for g in missing if g not in absent]
     ever = {_doc(c) for c in t.retrieved}
     never = [g for g in missing if g not in ever]
     if never:

@@ -65,10 +65,12 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
     in error (a backend down: its retries spent) stops the run with a `BranchsearchError`."""
     from collections import Counter
 
-    from branchsearch.orchestrator.evaluation.attribution import (Trajectory, agent_measures,
-                                                                  attribute)
+    from branchsearch.orchestrator.evaluation.attribution import (CLASSES, Trajectory,
+                                                                  agent_measures, attribute)
 
     titles = docstore.titles() if docstore is not None else {}
+    gold = sorted({doc for q in queries for doc in q.gold})  # the corpus lacks `absent`:
+    absent = set(gold) - docstore.present(gold) if docstore is not None else set()  # its miss
     per_query, latencies, classes = [], [], Counter()
     for q in queries:
         result = driver.search(q.text, max_branches=max_branches, acl_groups=acl_groups)
@@ -102,7 +104,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
         text = ""
         if docstore is not None:
             text = " ".join(c["text"] for c in docstore.get_chunks(trajectory.retrieved).values())
-        label, culprits = attribute(trajectory, q.gold, titles, text, k)
+        label, culprits = attribute(trajectory, q.gold, titles, text, k, absent)
         classes[label] += 1
         per_query.append({
             "id": q.id, "question": q.text, "gold": list(q.gold), "ranking": ranking[:10],
@@ -118,9 +120,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
                       f" x{max_branches or driver.settings.branches}",
             "policy": driver.settings.policy, "prune": driver.settings.prune,
             "branches": max_branches or driver.settings.branches, "queries": len(queries),
-            "metrics": metrics, "attribution": {c: classes.get(c, 0) for c in
-                                                ("ok", "retrieval_miss", "premature_prune",
-                                                 "early_stop", "overload")},
+            "metrics": metrics, "attribution": {c: classes.get(c, 0) for c in CLASSES},
             "per_query": per_query}
 
 
@@ -228,7 +228,9 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     missing = missing_gold(settings, queries) if index_complete(settings) else ""
     if missing:
         notes.append(f"warning: {missing} of the gold documents are not in index "
-                     f"{settings.index!r}; they count as misses")
+                     f"{settings.index!r}; they count as misses (as BEIR's evaluate counts "
+                     "them), and an agent's query that missed only those is attributed "
+                     "not_in_corpus")
     for line in notes:
         say(line)
     runs = [_agent_run(s, queries, options.executor, acl_groups, progress) if mode is None

@@ -335,3 +335,50 @@ def test_questions_and_gold_left_out_of_the_scores_are_said_and_kept_in_the_repo
     assert "warning: 1 of 3 of the gold documents are not in index 'odd'" in notes[3]
     md = report.with_suffix(".md").read_text()
     assert "split test" in md and all(n in md for n in notes), md
+
+
+@pytest.mark.parametrize("t, gold, expected", [
+    # the only gold the final top k lacks is not in the corpus: the data's miss, not the search's
+    (Trajectory(["a#p0", "x#p0"], ["a#p0", "x#p0"], [], ["a#p0"]), {"a": 1, "ghost": 1},
+     ("not_in_corpus", ["ghost"])),
+    # a gold document the corpus holds was missed too: that is the search's, and named alone
+    (Trajectory(["x#p0", "y#p0"], ["x#p0", "y#p0"], [], ["x#p0"]), {"a": 1, "ghost": 1},
+     ("retrieval_miss", ["a"])),
+    (Trajectory(["a#p0", "x#p0"], ["a#p0", "x#p0", "b#p0"], ["b#p0"], ["a#p0", "x#p0"]),
+     {"a": 1, "b": 1, "ghost": 1}, ("premature_prune", ["b"])),
+])
+def test_gold_the_corpus_lacks_is_attributed_to_the_data(t, gold, expected):
+    assert attribute(t, gold, TITLES, "", k=2, absent={"ghost"}) == expected
+
+
+def test_an_agent_eval_attributes_gold_the_corpus_lacks_to_the_data_not_the_search(tmp_path):
+    """A qrels line naming a document corpus.jsonl lacks made its query a `retrieval_miss`:
+    the search blamed for the data. The query whose only miss is such a document is now
+    `not_in_corpus` (its culprits that document), said once in the notes; recall still counts
+    it missed, as BEIR's evaluate scores the qrels as given."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    corpus = [{"_id": f"d{i}", "title": f"Town {i}", "text": f"Town {i} lies by a {w}."}
+              for i, w in enumerate(["volcano", "lake", "river", "glacier"])]
+    data = _beir(tmp_path / "ghosts", corpus, [("q1", "volcano town"), ("q2", "lake town")],
+                 "q1\td0\t1\nq1\tghost\t1\nq2\td1\t1\n")
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ghosts",
+                                        "search_mode": "bm25", "branches": 1},
+                             read_env=False, read_file=False)
+    ingest(data, settings, dense=False)
+    said, report = [], tmp_path / "r.json"
+    result = run_evaluation(settings, EvalOptions(data, policy="heuristic", executor="local",
+                                                  ingest_first=False, report=report),
+                            say=said.append)
+    by_id = {p["id"]: p for p in result["runs"][0]["per_query"]}
+    assert (by_id["q1"]["attribution"], by_id["q1"]["culprits"]) == ("not_in_corpus", ["ghost"])
+    assert by_id["q2"]["attribution"] == "ok"
+    assert result["attribution"]["retrieval_miss"] == 0
+    assert result["attribution"]["not_in_corpus"] == 1
+    assert by_id["q1"]["metrics"]["recall@5"] == 0.5  # as BEIR scores it
+    ghosts = [n for n in said if "not in index" in n]
+    assert len(ghosts) == 1 and "not_in_corpus" in ghosts[0], said
+    assert json.loads(report.read_text())["notes"] == said
+    assert "| not_in_corpus | 1 |" in report.with_suffix(".md").read_text()
