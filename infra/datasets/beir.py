@@ -54,15 +54,19 @@ def read_queries(folder: str | Path, split: Split = "test",
     graded: dict[tuple[str, str], tuple[int, int]] = {}  # (query, document) -> (score, line)
     with qrels_file.open("rb") as f:
         lines = [(n, line) for n, line in utf8_lines(f, qrels_file) if line.strip()]
-        rows = csv.reader((line for _, line in lines), delimiter="\t")
-        for (lineno, _), row in zip(lines, rows):
-            if lineno == lines[0][0] and row and not row[-1].lstrip("-").isdigit():
-                continue  # header
+        for lineno, line in lines:
+            row = qrels_fields(line)
+            if lineno == lines[0][0] and len(row) in (3, 4) and not _number(row[-1]):
+                continue  # a header: its columns' names
             if len(row) == 4:  # TREC's "query-id 0 corpus-id score" (its 0 unused)
                 row = [row[0], row[2], row[3]]
-            if len(row) < 3 or not row[2].lstrip("-").isdigit():
+            if len(row) != 3:
                 raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score "
-                                  "(or TREC's query-id, 0, corpus-id, score)")
+                                  "(or TREC's query-id, 0, corpus-id, score), separated by "
+                                  f"tabs or spaces; found {len(row)} field(s)")
+            if not row[2].lstrip("-").isdigit():
+                raise CorpusError(f"{qrels_file}:{lineno}: score {row[2][:20]!r} is not a whole "
+                                  "number (a relevance grade: 0, 1, 2, …)")
             # the ids as the index holds them (NFC)
             qid, doc, score = _nfc(row[0]), document_id(row[1]), int(row[2])
             first = graded.setdefault((qid, doc), (score, lineno))
@@ -113,6 +117,23 @@ def read_queries(folder: str | Path, split: Split = "test",
             _left_out("note", [q for q in seen if q not in judged],
                       f"of queries.jsonl without qrels in {qrels}")))
     return queries
+
+
+def qrels_fields(line: str) -> list[str]:
+    """A qrels line's fields: split at tabs (BEIR's TSV, read as its loader reads it, so an id
+    may hold a space), or at runs of spaces when the line has no tab (TREC's qrels, as
+    trec_eval reads them, and BEIR columns typed with spaces)."""
+    if "\t" in line:
+        return next(csv.reader([line.rstrip("\r\n")], delimiter="\t"), [""])
+    return line.split() or [""]
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _left_out(kind: str, ids: list[str], what: str, after: str = "") -> str:

@@ -382,3 +382,36 @@ def test_an_agent_eval_attributes_gold_the_corpus_lacks_to_the_data_not_the_sear
     assert len(ghosts) == 1 and "not_in_corpus" in ghosts[0], said
     assert json.loads(report.read_text())["notes"] == said
     assert "| not_in_corpus | 1 |" in report.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("qrels", [
+    "q1 0 d0 1\nq2 0 d1 1\n",  # TREC's qrels, as trec_eval reads them
+    "q1 d0 1\nq2  d1   1\n",  # BEIR's columns, spaces in place of tabs
+    "query-id corpus-id score\r\nq1 d0 1\r\nq2 d1 1\r\n",
+    "q1\td0\t1\nq2 0 d1 1\n",  # one line each way
+])
+def test_qrels_separated_by_spaces_are_read_as_with_tabs(tmp_path, qrels):
+    """Qrels written with spaces were one field a line: the first line was taken for a header
+    and skipped, the next stopped eval with "expected query-id, corpus-id, score" (a file of
+    one line: "no query has a positive qrel"). A line without a tab is now split at its
+    spaces, as trec_eval reads qrels."""
+    from branchsearch.infra.datasets.beir import read_queries
+
+    data = _beir(tmp_path / "spaced", [], [("q1", "volcano town"), ("q2", "lake town")], qrels)
+    assert {q.id: q.gold for q in read_queries(data)} == {"q1": {"d0": 1}, "q2": {"d1": 1}}
+
+
+@pytest.mark.parametrize("qrels, line, message", [
+    ("q1 d0\n", 1, "expected query-id, corpus-id, score"),
+    ("q1 0 d0 1 extra\n", 1, "expected query-id, corpus-id, score"),
+    ("q1\td0\t1.0\nq2\td1\t1\n", 1, "score '1.0' is not a whole number"),  # not a header
+])
+def test_a_qrels_line_that_cannot_be_read_is_one_line_naming_it(tmp_path, qrels, line, message):
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.errors import CorpusError
+
+    data = _beir(tmp_path / "bad", [], [("q1", "volcano town"), ("q2", "lake town")], qrels)
+    with pytest.raises(CorpusError) as raised:
+        read_queries(data)
+    assert str(raised.value).startswith(f"{data / 'qrels' / 'test.tsv'}:{line}: ")
+    assert message in str(raised.value), raised.value
