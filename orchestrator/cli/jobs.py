@@ -23,7 +23,7 @@ from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressO
                                                    settings_to_read, writable_file,
                                                    writable_folder)
 from branchsearch.orchestrator.cli.render import (print_demo_branches, print_demo_evidence,
-                                                  print_evaluation)
+                                                  print_evaluation, shown_id)
 from branchsearch.orchestrator.loadtest.command import loadtest
 
 
@@ -119,7 +119,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     if changed:  # a re-run asks what is left, and what was edited since its row was written
         more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
         print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
-              f"was written: {', '.join(changed[:10])}{more}", file=sys.stderr)
+              f"was written: {', '.join(map(shown_id, changed[:10]))}{more}", file=sys.stderr)
     picked = pick_executor(settings, executor)
     if not todo:  # every id ok already: the output is rewritten; no driver, no worker starts
         driver = None
@@ -174,8 +174,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     if counts["failed_ids"]:
         ids = counts["failed_ids"]
         more = f" and {len(ids) - 10} more" if len(ids) > 10 else ""
-        print(f"failed: {', '.join(ids[:10])}{more} (each row's error is in {output}; run the "
-              "same command again to retry them)", file=sys.stderr)
+        print(f"failed: {', '.join(map(shown_id, ids[:10]))}{more} (each row's error is in "
+              f"{output}; run the same command again to retry them)", file=sys.stderr)
     if counts["lost"]:  # the rows written stay; nothing more can run on that cluster
         raise BranchsearchError(
             f"{counts['lost']}; {counts['not_run']} question(s) not run, the rows written so "

@@ -76,7 +76,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
         result = driver.search(q.text, max_branches=max_branches, acl_groups=acl_groups)
         failed = next((b for b in result.branches if b.status == "error"), None)
         if failed is not None:  # a backend down, not the agent's miss: no figures made of it
-            raise BranchsearchError(f"question {q.id}: a branch failed ({failed.error}); the "
+            raise BranchsearchError(f"question {q.id!r}: a branch failed ({failed.error}); the "
                                     "evaluation stopped rather than score that as the agent's "
                                     "miss: fix the cause and run it again")
         latencies.append(result.metrics["latency_s"])

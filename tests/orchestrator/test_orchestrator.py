@@ -907,3 +907,43 @@ def test_a_batch_resume_asks_again_the_ok_rows_cut_short_for_lack_of_time(hotpot
         assert redone[qid]["metrics"]["late_waves"] == 0 and not any(
             n.startswith("not searched for lack of time") for n in redone[qid]["notes"])
     assert "cut short" not in again.stderr
+
+
+def test_batch_ids_with_control_or_invisible_characters_are_kept_and_shown_escaped(tmp_path):
+    """Ids holding a newline, an escape sequence or a zero-width character were printed raw in
+    the lines naming them ("asking again …: a", then "b" on a line of its own; 'q1' and
+    'q1\\u200b' looked the same; ESC drove the terminal). Files keep each id exactly (two ids
+    that differ by a zero-width space are two questions); a line on the terminal shows such
+    an id quoted with escapes."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Town {i}",
+                                          "text": f"Town {i} lies by a {w}."}) + "\n"
+                              for i, w in enumerate(["volcano", "lake", "river"])))
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ids"},
+                             read_env=False, read_file=False)
+    ingest(corpus, settings, dense=False)
+    ids = ["a\nb", "q1", "q1\u200b", "\ufeffq2", "x\x1b[2Jy"]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+
+    def batch(suffix: str):
+        inp.write_text("".join(json.dumps({"id": i, "question": f"town by a lake{suffix}"})
+                               + "\n" for i in ids))
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                               str(inp), "-o", str(out), "--home", str(settings.home),
+                               "--index", "ids", "--concurrency", "1", "--branches", "1"],
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, BRANCHSEARCH_SEARCH_MODE="bm25"))
+
+    first = batch("")
+    assert first.returncode == 0 and "5 ok" in first.stdout, first.stderr[-2000:]
+    again = batch(" or a river")
+    assert again.returncode == 0 and "5 ok" in again.stdout, again.stderr[-2000:]
+    said = [line for line in again.stderr.splitlines() if line.startswith("asking again")]
+    assert said == ["asking again 5 question(s) whose text changed since their ok row was "
+                    "written: 'a\\nb', q1, 'q1\\u200b', '\\ufeffq2', 'x\\x1b[2Jy'"], \
+        again.stderr[-2000:]
+    assert "\x1b" not in again.stderr and "\u200b" not in again.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ids
