@@ -115,8 +115,15 @@ def read_queries(folder: str | Path, split: Split = "test",
                       f"of queries.jsonl judged in {qrels} with no relevant document (score > 0)",
                       " (BEIR's evaluate would score each 0)"),
             _left_out("note", [q for q in seen if q not in judged],
-                      f"of queries.jsonl without qrels in {qrels}")))
+                      f"of queries.jsonl without qrels in {qrels}"),
+            _look_alike([q for q in seen if q not in judged],
+                        [q for q in judged if q not in seen], qrels)))
     return queries
+
+
+def _shown(qid: str) -> str:
+    """An id without the characters that do not show (zero-width, byte-order mark, controls)."""
+    return "".join(c for c in qid if c.isprintable()).strip()
 
 
 def qrels_fields(line: str) -> list[str]:
@@ -134,6 +141,24 @@ def _number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _look_alike(unjudged: list[str], unasked: list[str], qrels: str) -> str:
+    """A note naming the ids of queries.jsonl that differ from an id of the qrels only by
+    characters that do not show: they are other ids (compared exactly, as BEIR compares
+    them), which a reader of the other notes could not tell apart. "" for none."""
+    by_look: dict[str, str] = {}
+    for qid in unasked:
+        by_look.setdefault(_shown(qid), qid)
+    pairs = [(q, by_look[_shown(q)]) for q in unjudged if _shown(q) in by_look]
+    if not pairs:
+        return ""
+    one = len(pairs) == 1
+    named = ", ".join(f"{q!r} ({qrels}: {j!r})" for q, j in pairs[:5])
+    more = f" and {len(pairs) - 5:,} more" if len(pairs) > 5 else ""
+    return (f"warning: {len(pairs):,} quer{'y' if one else 'ies'} of queries.jsonl "
+            f"differ{'s' if one else ''} from {'an id' if one else 'ids'} of {qrels} only by "
+            f"characters that do not show (ids compare exactly), not scored: {named}{more}")
 
 
 def _left_out(kind: str, ids: list[str], what: str, after: str = "") -> str:

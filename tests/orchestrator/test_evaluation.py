@@ -415,3 +415,21 @@ def test_a_qrels_line_that_cannot_be_read_is_one_line_naming_it(tmp_path, qrels,
         read_queries(data)
     assert str(raised.value).startswith(f"{data / 'qrels' / 'test.tsv'}:{line}: ")
     assert message in str(raised.value), raised.value
+
+
+def test_a_query_id_that_differs_from_its_qrels_only_by_an_invisible_character_is_named(
+        tmp_path):
+    """'q1' in the qrels and 'q1' followed by a zero-width space in queries.jsonl are two ids
+    (as BEIR compares them): the query is not scored, and the two notes named them apart, with
+    nothing saying they look alike. A note now says which ids differ only by characters
+    that do not show."""
+    from branchsearch.infra.datasets.beir import read_queries
+
+    data = _beir(tmp_path / "zw", [], [("q1\u200b", "volcano town"), ("q2", "lake town"),
+                                       ("q\ufeff3", "river town")],
+                 "q1\td0\t1\nq2\td1\t1\nq3\td2\t1\n")
+    notes = []
+    assert [q.id for q in read_queries(data, notes=notes)] == ["q2"]
+    assert ("warning: 2 queries of queries.jsonl differ from ids of qrels/test.tsv only by "
+            "characters that do not show (ids compare exactly), not scored: 'q1\\u200b' "
+            "(qrels/test.tsv: 'q1'), 'q\\ufeff3' (qrels/test.tsv: 'q3')") in notes, notes
