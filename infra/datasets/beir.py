@@ -56,10 +56,11 @@ def read_queries(folder: str | Path, split: Split = "test",
         lines = [(n, line) for n, line in utf8_lines(f, qrels_file) if line.strip()]
         for lineno, line in lines:
             row = qrels_fields(line)
-            if lineno == lines[0][0] and len(row) in (3, 4) and not _number(row[-1]):
-                continue  # a header: its columns' names
+            if lineno == lines[0][0] and len(row) == 3 and not _number(row[-1]):
+                continue  # a header: BEIR's column names (TREC's qrels have none)
             if len(row) == 4:  # TREC's "query-id 0 corpus-id score" (its 0 unused)
                 row = [row[0], row[2], row[3]]
+            row[-1] = row[-1].strip()  # a score padded with spaces: BEIR's int() reads it
             if len(row) != 3:
                 raise CorpusError(f"{qrels_file}:{lineno}: expected query-id, corpus-id, score "
                                   "(or TREC's query-id, 0, corpus-id, score), separated by "

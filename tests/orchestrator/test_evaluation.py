@@ -389,6 +389,7 @@ def test_an_agent_eval_attributes_gold_the_corpus_lacks_to_the_data_not_the_sear
     "q1 d0 1\nq2  d1   1\n",  # BEIR's columns, spaces in place of tabs
     "query-id corpus-id score\r\nq1 d0 1\r\nq2 d1 1\r\n",
     "q1\td0\t1\nq2 0 d1 1\n",  # one line each way
+    "q1\td0\t1 \r\nq2\td1\t 1\n",  # a score padded with spaces, as BEIR's int() reads it
 ])
 def test_qrels_separated_by_spaces_are_read_as_with_tabs(tmp_path, qrels):
     """Qrels written with spaces were one field a line: the first line was taken for a header
@@ -405,6 +406,7 @@ def test_qrels_separated_by_spaces_are_read_as_with_tabs(tmp_path, qrels):
     ("q1 d0\n", 1, "expected query-id, corpus-id, score"),
     ("q1 0 d0 1 extra\n", 1, "expected query-id, corpus-id, score"),
     ("q1\td0\t1.0\nq2\td1\t1\n", 1, "score '1.0' is not a whole number"),  # not a header
+    ("q1\td0\t1\tx\nq2\td1\t1\n", 1, "score 'x' is not a whole number"),  # not a header
 ])
 def test_a_qrels_line_that_cannot_be_read_is_one_line_naming_it(tmp_path, qrels, line, message):
     from branchsearch.infra.datasets.beir import read_queries
