@@ -144,9 +144,10 @@ def loadtest(
 
 
 def _exit_if_not_load(out: dict) -> None:
-    """Exit 1 when a step says nothing of saturation (the service went away, or rejected
-    requests: a key revoked, a question it will not take): the report is kept, but what it
-    measured is not the service's capacity, and a script must not read it as such."""
+    """Exit 1 when a step says nothing of saturation (the service went away, its backend did,
+    or it rejected requests: a key revoked, a question it will not take): the report is kept,
+    but what it measured is not the service's capacity, and a script must not read it as
+    such."""
     from branchsearch.orchestrator.loadtest.stats import not_load
 
     if any(not_load(step, i + 1) for i, step in enumerate(out["steps"])):

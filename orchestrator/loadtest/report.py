@@ -64,7 +64,8 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
                      f"| {_ms(lat['p90'])} | {_ms(lat['p99'])}{bound} "
                      f"| {_ms(lat['max'])} | {refused} | {errs} | {s['tokens_read_per_s']:.0f} |")
     lines += ["", "Latency percentiles are over the requests the service took on; refusals "
-              "(HTTP 429/503), rejections (any other HTTP 4xx) and requests that reached no "
+              "(HTTP 429, 503 overloaded), 503s saying it cannot search (backend_unavailable, "
+              "not_ready, …), rejections (any other HTTP 4xx) and requests that reached no "
               "service (connection refused or broken) are counted apart and enter the error "
               "rate, not the percentiles; how long "
               "the refusals took is beside their count (a 503 after a long hold is an outage, "

@@ -6,15 +6,18 @@ running when the step's drain ends is `unfinished`: it counts as an error and en
 percentiles at its lower bound (`latency_lower_bound` says so). A request the generator refused
 because `max_inflight` requests were already running is `dropped`: an error, with no latency.
 
-A request the service refused — HTTP 429 (a key over its concurrency limit) or 503 (overloaded,
-starting, unavailable: "not now, retry") — is `refused`: an error, counted apart (`refused`,
-`refusal_rate`, `refusals` by class) and kept out of the latency percentiles, which describe the
-requests the service took on. A fast refusal mixed into them would make an overloaded service
-look quick; their own timing is `refusal_latency_ms`. So is a request that never reached a
-service (connection refused or broken: `unreached`): a dead service answers nothing, fast. And
-so is a request the service `rejected` as one it will never answer (any other 4xx: a key it
-does not know, a question it cannot search, an index it does not have): neither a measure of
-load nor a sign of saturation, so no knee is drawn from a step that has one.
+A request the service refused — HTTP 429 (a key over its concurrency limit) or 503 `overloaded`
+(or a 503 without a code of ours: a proxy's "not now, retry") — is `refused`: an error, counted
+apart (`refused`, `refusal_rate`, `refusals` by class) and kept out of the latency percentiles,
+which describe the requests the service took on. A fast refusal mixed into them would make an
+overloaded service look quick; their own timing is `refusal_latency_ms`. So is a request that
+never reached a service (connection refused or broken: `unreached`): a dead service answers
+nothing, fast. So is a 503 whose code says the service cannot search now, whatever the load
+(`unavailable`: its backend down, its index not started, the service not ready or stopping):
+the deployment did not saturate, part of it went away, so no knee is drawn from a step that
+has one. And so is a request the service `rejected` as one it will never answer (any other
+4xx: a key it does not know, a question it cannot search, an index it does not have): neither
+a measure of load nor a sign of saturation, so no knee is drawn from a step that has one.
 
 Achieved rate is ok answers per second (`completion_rate`): open loop, over the step stretched
 by how much longer its completions took to come out than its requests took to go in — equal to
@@ -35,15 +38,37 @@ OK = "ok"
 DROPPED = "dropped"
 UNFINISHED = "unfinished"
 REFUSAL_STATUSES = ("http_429", "http_503")
+# 503 codes (orchestrator/service) that say the service cannot search now, load or no load: a
+# backend that does not answer, every branch failed on its backend, the index still starting or
+# changed on disk, the service not ready, stopping, or its searcher replica restarting, and
+# what only its operator can fix. `overloaded` alone (a queue or in-flight limit) says "busy".
+UNAVAILABLE_CODES = frozenset({
+    "backend_unavailable", "search_failed", "not_ready", "index_starting", "index_changed",
+    "searcher_unavailable", "shutting_down", "index_incomplete", "index_misconfigured",
+    "index_not_writable", "keys_unavailable"})
 # the request never reached a service: nothing answered, or the connection broke under it
 UNREACHED = {f"error:{name}" for name in (
     "ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError",
     "RemoteDisconnected", "BrokenPipeError", "gaierror")}
 
 
+def error_code(outcome: str) -> str:
+    """The service's error code of an outcome (`http_503:overloaded` -> `overloaded`; '' when
+    it carries none)."""
+    return outcome.split(":", 1)[1] if outcome.startswith("http_") and ":" in outcome else ""
+
+
+def is_unavailable(outcome: str) -> bool:
+    """The service answered that it cannot search now, whatever the load: a 503 whose code is
+    one of `UNAVAILABLE_CODES` (`backend_unavailable`, `not_ready`, …). Its backend or index
+    went away; the deployment did not saturate."""
+    return outcome.split(":", 1)[0] == "http_503" and error_code(outcome) in UNAVAILABLE_CODES
+
+
 def is_refusal(outcome: str) -> bool:
-    """The service declined the request (429 or 503, with or without an error code)."""
-    return outcome.split(":", 1)[0] in REFUSAL_STATUSES
+    """The service declined the request for now: a 429, or a 503 `overloaded` (or without a
+    code of ours). A 503 that says it cannot search at all is `is_unavailable`, not this."""
+    return outcome.split(":", 1)[0] in REFUSAL_STATUSES and not is_unavailable(outcome)
 
 
 def is_rejected(outcome: str) -> bool:
@@ -55,11 +80,12 @@ def is_rejected(outcome: str) -> bool:
 
 
 def is_unserved(outcome: str) -> bool:
-    """No service took the request on: refused (429/503), rejected (another 4xx), or never
-    reached (a connection refused or broken: the service is down). Errors, kept out of the
-    latency percentiles: milliseconds of "connection refused" or "unknown API key" would make
-    the service look fast."""
-    return is_refusal(outcome) or is_rejected(outcome) or outcome in UNREACHED
+    """No service took the request on: refused (429/503 overloaded), unavailable (a 503 that
+    says it cannot search), rejected (another 4xx), or never reached (a connection refused or
+    broken: the service is down). Errors, kept out of the latency percentiles: milliseconds of
+    "connection refused" or "unknown API key" would make the service look fast."""
+    return (is_refusal(outcome) or is_unavailable(outcome) or is_rejected(outcome)
+            or outcome in UNREACHED)
 
 
 @dataclass
@@ -115,6 +141,7 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
     answered = [s for s in samples if s.outcome != DROPPED]
     refused = [s for s in answered if is_refusal(s.outcome)]
     rejected = [s for s in answered if is_rejected(s.outcome)]
+    unavailable = [s for s in answered if is_unavailable(s.outcome)]
     served = [s for s in answered if not is_unserved(s.outcome)]  # the latency percentiles'
     unreached = [s for s in answered if s.outcome in UNREACHED]
     done = [s for s in answered if s.done is not None]
@@ -152,6 +179,8 @@ def summarize(samples: list[Sample], *, load: float, loop: str, duration_s: floa
         "refusals": dict(sorted(Counter(s.outcome for s in refused).items())),
         "rejected": len(rejected),
         "rejections": dict(sorted(Counter(s.outcome for s in rejected).items())),
+        "unavailable": len(unavailable),
+        "unavailabilities": dict(sorted(Counter(s.outcome for s in unavailable).items())),
         "unreached": len(unreached),
         "ended_unreached": ended_unreached(answered),
         "branch_errors": dict(sorted(branch_errors.items())),
@@ -211,13 +240,20 @@ def unreachable(step: dict) -> bool:
 
 def not_load(step: dict, number: int) -> str:
     """Why a step (the `number`th) says nothing of where the target saturates ('' when it
-    does): the service became unreachable, it rejected requests (its errors are the key's, the
-    workload's or the URL's, not the load's), or the step sent nothing."""
+    does): the service became unreachable, it answered that it cannot search (its backend or
+    index went away: a 503 `backend_unavailable`, `not_ready`, …), it rejected requests (its
+    errors are the key's, the workload's or the URL's, not the load's), or the step sent
+    nothing."""
     if unreachable(step):
         return (f"the service became unreachable at step {number} ({step['unreached']} of "
                 f"{step['sent']} requests reached no service"
                 + (", the last one among them" if step.get("ended_unreached") else "")
                 + "): no knee drawn")
+    if step.get("unavailable"):
+        kinds = ", ".join(f"{error_code(k) or k} {v}"
+                          for k, v in step["unavailabilities"].items())
+        return (f"the service's backend became unavailable at step {number} "
+                f"({step['unavailable']} of {step['sent']} requests: {kinds}): no knee drawn")
     if step.get("rejected"):
         kinds = ", ".join(f"{k} {v}" for k, v in step["rejections"].items())
         return (f"the service rejected {step['rejected']} of {step['sent']} requests at step "
@@ -232,7 +268,7 @@ def find_knee(steps: list[dict], **criteria) -> dict:
     """The last step before the first saturated one. Returns {knee, saturated_at, reason}: knee
     is None when the first step already saturates or no step does (then `reason` says which),
     and when a step before either says nothing of saturation (`not_load`: the service
-    became unreachable, rejected requests, or the step sent none)."""
+    became unreachable or unable to search, rejected requests, or the step sent none)."""
     for i, step in enumerate(steps):
         if why := not_load(step, i + 1):
             return {"knee": None, "saturated_at": None, "reason": why}

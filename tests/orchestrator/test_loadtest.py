@@ -969,3 +969,118 @@ def test_synth_ingests_its_corpus_once_and_refuses_an_index_of_another(tmp_path)
     assert "was ingested from" in other.stderr and "--synth 3 --seed 0" in other.stderr
     again = subprocess.run([*cli, "--synth", "2"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "ingesting" not in again.stderr, again.stderr[-2000:]
+
+
+# --- a backend that goes away is no saturation ----------------------------------------------------
+
+@pytest.mark.parametrize("outcome, refusal, unavailable", [
+    ("http_429:too_many_requests", True, False),
+    ("http_503:overloaded", True, False),
+    ("http_503", True, False),  # a proxy's bare 503: "not now", as before
+    ("http_503:backend_unavailable", False, True),
+    ("http_503:search_failed", False, True),
+    ("http_503:not_ready", False, True),
+    ("http_503:index_starting", False, True),
+    ("http_503:shutting_down", False, True),
+    ("http_504:deadline_exceeded", False, False),
+    ("ok", False, False),
+])
+def test_a_503_is_overload_or_a_service_that_cannot_search_by_its_code(outcome, refusal,
+                                                                       unavailable):
+    from branchsearch.orchestrator.loadtest.stats import is_refusal, is_unavailable, is_unserved
+
+    assert is_refusal(outcome) is refusal
+    assert is_unavailable(outcome) is unavailable
+    assert is_unserved(outcome) is (refusal or unavailable)
+
+
+def test_a_step_whose_backend_went_away_draws_no_knee():
+    """A ramp whose second step got 503 backend_unavailable (the index's backend died between
+    the steps): the 503s counted as refusals ("not now, retry" = overload) and the knee read
+    'saturated at 2: errors 50.0 %'. They are counted apart as unavailable, stay out of the
+    percentiles and the refusals, and no knee is drawn from them."""
+    first = summarize([Sample(0, i, i, i + 0.5, "ok") for i in range(6)], load=1,
+                      loop="closed", duration_s=6.0, cutoff=7.0)
+    samples = [Sample(1, i, i, i + 0.5, "ok") for i in range(3)]
+    samples += [Sample(1, 3 + i, 3 + i, 3.01 + i, "http_503:backend_unavailable")
+                for i in range(3)]
+    second = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
+    assert second["unavailable"] == 3 and second["refused"] == 0
+    assert second["unavailabilities"] == {"http_503:backend_unavailable": 3}
+    assert second["latency_ms"]["max"] == pytest.approx(500)  # the three searches only
+    knee = find_knee([first, second])
+    assert knee["knee"] is None and knee["saturated_at"] is None
+    assert knee["reason"] == ("the service's backend became unavailable at step 2 (3 of 6 "
+                              "requests: backend_unavailable 3): no knee drawn")
+    # an overloaded service's 503s are still refusals, and saturation
+    samples[3:] = [Sample(1, 3 + i, 3 + i, 3.01 + i, "http_503:overloaded") for i in range(3)]
+    second = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
+    assert second["refused"] == 3 and second["unavailable"] == 0
+    assert find_knee([first, second])["saturated_at"] == 2
+
+
+def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
+    """`serve --standalone`'s app over an index on Elasticsearch (the emulator), a closed-loop
+    `loadtest --ramp` against it, the backend killed once the first step has ended: the
+    service answered 503 backend_unavailable, the load test counted those as refusals and
+    printed 'saturated at 2', exit 0. It now says the backend became unavailable at step 2,
+    draws no knee, keeps the report and exits 1."""
+    from es_emulator import start_es_emulator
+    from service_fixtures import CORPUS, start_uvicorn, write_corpus
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.service import deploy as service
+
+    es = start_es_emulator(tmp_path / "es")
+    state = server = proc = None
+    try:
+        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
+                                            "es_url": es.url, "search_mode": "bm25",
+                                            "branches": 1}, read_env=False, read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
+        state = service.local_state(settings, executor="local")  # dev mode: no key
+        state.searcher.target.drivers.open("es")
+        server = start_uvicorn(service.create_app(state), state)
+        queries = tmp_path / "q.jsonl"
+        queries.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
+            "When is the Harbor Festival?", "Who built the Old Lighthouse?",
+            "What does the Alpha roadmap plan?")))
+        out = tmp_path / "lt.json"
+        env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
+             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
+             "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "2", "--think", "0.1",
+             "--warmup", "0", "--drain", "30", "--report", str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:  # a finished step is always its own line
+            lines.append(line)
+            if line.startswith("step 1:"):
+                es.stop()  # the backend dies between the steps; the service stays up
+                break
+        stdout, rest = proc.communicate(timeout=240)
+        stderr = "".join(lines) + rest
+        assert lines and lines[-1].startswith("step 1:"), stderr[-3000:]
+        assert proc.returncode == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
+        report = json.loads(out.read_text())
+        first, second = report["steps"]  # the ramp stopped at the step that lost its backend
+        assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
+        assert second["unavailable"] >= 1 and second["refused"] == 0, second["errors"]
+        assert set(second["unavailabilities"]) == {"http_503:backend_unavailable"}
+        assert report["knee"]["knee"] is None and report["knee"]["saturated_at"] is None
+        last = stderr.strip().splitlines()[-1]
+        assert last == (f"loadtest: the service's backend became unavailable at step 2 "
+                        f"({second['unavailable']} of {second['sent']} requests: "
+                        f"backend_unavailable {second['unavailable']}): no knee drawn; the "
+                        "report keeps what was measured"), stderr[-2000:]
+        assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            server.stop()
+            state.searcher.target.close()
+        es.stop()
