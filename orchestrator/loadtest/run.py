@@ -20,7 +20,7 @@ from branchsearch.infra.config.settings import Settings
 from branchsearch.orchestrator.loadtest import arrivals, report as rep, workload as wl
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
 from branchsearch.orchestrator.loadtest.probes import StepProbe
-from branchsearch.orchestrator.loadtest.stats import is_rejected
+from branchsearch.orchestrator.loadtest.stats import is_rejected, is_unavailable
 from branchsearch.orchestrator.loadtest.targets import DriverTarget, HttpTarget, RequestFailed
 
 
@@ -306,18 +306,39 @@ def _same_synth_corpus(settings: Settings, workload: wl.Workload, o: Options) ->
 def preflight(target: HttpTarget, question: str) -> None:
     """One question with each key before any load: a refused key (any of a --key-file's), a
     missing index, a wrong path (any 4xx but 429) or an unreachable URL is one clear error
-    now, not a report full of identical errors."""
+    now, not a report full of identical errors. So is a service that cannot search (a 503
+    `backend_unavailable`, `not_ready`, `index_starting`, …: its backend down, or still
+    starting) and a deadline that a question asked twice before any load does not meet (504;
+    twice: the first may wake a cold engine): their steps would measure neither, and read as
+    saturation at the first step."""
     keys = target.keys or (None,)
     for i, key in enumerate(keys):
         try:
-            target.search(question, key=key)
+            try:
+                target.search(question, key=key)
+            except RequestFailed as first:
+                if not first.outcome.startswith("http_504"):
+                    raise
+                target.search(question, key=key)
         except RequestFailed as exc:
+            detail = f" ({scrub(str(exc), target.keys)})" if str(exc) != exc.outcome else ""
+            which = f" with key {i + 1} of {len(keys)}" if len(keys) > 1 else ""
+            got = f"--url {target.url}: the first question{which} got {exc.outcome}{detail}"
             if is_rejected(exc.outcome) or exc.outcome.startswith("error:"):
-                detail = f" ({scrub(str(exc), target.keys)})" if str(exc) != exc.outcome else ""
-                which = f" with key {i + 1} of {len(keys)}" if len(keys) > 1 else ""
-                raise BranchsearchError(f"--url {target.url}: the first question{which} got "
-                                        f"{exc.outcome}{detail}; check --url, the key "
-                                        f"(--key-file or {KEY_ENV}) and --index") from None
+                raise BranchsearchError(f"{got}; check --url, the key (--key-file or "
+                                        f"{KEY_ENV}) and --index") from None
+            if is_unavailable(exc.outcome):
+                raise BranchsearchError(f"{got}: the service cannot search now (its backend "
+                                        "or index is unavailable, or still starting), so no "
+                                        "load was sent; run the load test once it answers"
+                                        ) from None
+            if exc.outcome.startswith("http_504"):
+                deadline = target.body.get("deadline_s")
+                raise BranchsearchError(
+                    f"{got}, twice, before any load: the service does not answer within "
+                    + (f"--deadline-s {deadline:g}" if deadline else "its default deadline")
+                    + " even unloaded, so no load was sent; give a longer --deadline-s"
+                    ) from None
 
 
 @contextmanager

@@ -863,6 +863,24 @@ def test_cli_rejections_during_the_run_keep_the_report_and_exit_1(live_service, 
     assert "the report keeps what was measured" in proc.stderr
 
 
+def test_a_deadline_the_unloaded_service_never_meets_is_one_error_before_any_load(
+        live_service):
+    """`--deadline-s 0.0001`: every request answered 504 within a millisecond, and the run
+    read 'already saturated at the first step: errors 100.0%', exit 0. The first question,
+    asked twice before any load, finds it: one line naming the flag, no load sent."""
+    from branchsearch.orchestrator.loadtest.run import preflight
+
+    url, key, _ = live_service
+    with pytest.raises(BranchsearchError) as short:
+        preflight(HttpTarget(url, key, deadline_s=0.0001), "Who directed Ed Wood?")
+    assert str(short.value).startswith(f"--url {url}: the first question got "
+                                       "http_504:deadline_exceeded (")
+    assert str(short.value).endswith("twice, before any load: the service does not answer "
+                                     "within --deadline-s 0.0001 even unloaded, so no load was "
+                                     "sent; give a longer --deadline-s")
+    preflight(HttpTarget(url, key, deadline_s=60), "Who directed Ed Wood?")  # one it meets
+
+
 def test_a_service_that_is_gone_is_no_fast_answer_and_is_not_hammered():
     """Against a port nothing listens on (the service died): each request is an error that
     reached no service, kept out of the latency percentiles (milliseconds of "connection
@@ -1076,6 +1094,22 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
                         f"backend_unavailable {second['unavailable']}): no knee drawn; the "
                         "report keeps what was measured"), stderr[-2000:]
         assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
+        # a load test started while the backend is down: one line before any load, no report
+        # (it ran a step of 503s and read 'already saturated at the first step', exit 0)
+        again = subprocess.run(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
+             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
+             "--users", "1", "--duration", "5", "--warmup", "0", "--report",
+             str(tmp_path / "again.json")], env=env, capture_output=True, text=True,
+            timeout=240)
+        assert again.returncode == 2, (again.returncode, again.stdout[-2000:], again.stderr)
+        line, = again.stderr.strip().splitlines()
+        assert line.startswith(f"error: --url {server.url}: the first question got "
+                               "http_503:backend_unavailable (") and line.endswith(
+            "): the service cannot search now (its backend or index is unavailable, or still "
+            "starting), so no load was sent; run the load test once it answers"), line
+        assert es.url.split("//")[1] not in line
+        assert not (tmp_path / "again.json").exists() and not again.stdout
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
