@@ -24,10 +24,11 @@ BRANCHSEARCH_LOADTEST_THINK (seconds between a user's answer and its next questi
 Every user asks the next question of one seeded sequence. An answer counts as a Locust failure
 when it is not HTTP 200 (named `http_<code>:<error>`) or when its result `status` is not `ok`
 (`partial`, `failed`) — the same classes `branchsearch loadtest` reports. A refusal (429: the
-key is over its limit; 503: the service is overloaded or starting) is a failure recorded under
-its own name, `/v1/search refused`, so its fast answers stay out of `/v1/search`'s response
-times. Locust users are a closed loop (each waits for its answer); for open-loop arrivals use
-`branchsearch loadtest --rate`.
+key is over its limit; 503 `overloaded`) is a failure recorded under its own name, `/v1/search
+refused`, so its fast answers stay out of `/v1/search`'s response times; a 503 that says the
+service cannot search (`backend_unavailable`, `not_ready`, …: its backend is down, not busy)
+under `/v1/search unavailable`, apart from both. Locust users are a closed loop (each waits
+for its answer); for open-loop arrivals use `branchsearch loadtest --rate`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 
 from locust import HttpUser, constant, task
 
+from branchsearch.orchestrator.loadtest.stats import is_refusal, is_unavailable
 from branchsearch.orchestrator.loadtest.targets import result_status
 from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
 
@@ -66,7 +68,8 @@ def _keys() -> list[str]:
 
 
 KEYS = _keys()
-REFUSED = "/v1/search refused"  # 429 and 503: their own stats row, out of /v1/search's times
+REFUSED = "/v1/search refused"  # 429 and 503 overloaded: their own row, out of /v1/search's times
+UNAVAILABLE = "/v1/search unavailable"  # 503s of a service that cannot search: no overload
 _FIELDS = {"index": os.environ.get("BRANCHSEARCH_LOADTEST_INDEX"),
            "branches": os.environ.get("BRANCHSEARCH_LOADTEST_BRANCHES"),
            "deadline_s": os.environ.get("BRANCHSEARCH_LOADTEST_DEADLINE_S")}
@@ -91,9 +94,12 @@ class SearchUser(HttpUser):
                     error = response.json().get("error", "")
                 except Exception:  # not JSON (a proxy's error page)
                     error = ""
-                if response.status_code in (429, 503):
+                outcome = f"http_{response.status_code}" + (f":{error}" if error else "")
+                if is_refusal(outcome):
                     response.request_meta["name"] = REFUSED
-                response.failure(f"http_{response.status_code}" + (f":{error}" if error else ""))
+                elif is_unavailable(outcome):
+                    response.request_meta["name"] = UNAVAILABLE
+                response.failure(outcome)
                 return
             try:
                 status = result_status(response.json())

@@ -1042,7 +1042,8 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
     `loadtest --ramp` against it, the backend killed once the first step has ended: the
     service answered 503 backend_unavailable, the load test counted those as refusals and
     printed 'saturated at 2', exit 0. It now says the backend became unavailable at step 2,
-    draws no knee, keeps the report and exits 1."""
+    draws no knee, keeps the report and exits 1. Then, the backend still down: a new load
+    test stops before any load, and Locust users' 503s get a row of their own."""
     from es_emulator import start_es_emulator
     from service_fixtures import CORPUS, start_uvicorn, write_corpus
 
@@ -1110,6 +1111,16 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
             "starting), so no load was sent; run the load test once it answers"), line
         assert es.url.split("//")[1] not in line
         assert not (tmp_path / "again.json").exists() and not again.stdout
+        # Locust users against the dead backend: their 503s in a row of their own (they were
+        # in "/v1/search refused", with the overloaded service's)
+        locust = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
+             "--headless", "-u", "1", "-r", "1", "-t", "2s", "--stop-timeout", "30", "--host",
+             server.url, "--json"], env={**env, "BRANCHSEARCH_LOADTEST_QUERIES": str(queries)},
+            capture_output=True, text=True, timeout=150)
+        stats = json.loads(locust.stdout)
+        assert {s["name"] for s in stats} == {"/v1/search unavailable"}, stats
+        assert stats[0]["num_failures"] == stats[0]["num_requests"] >= 1
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
