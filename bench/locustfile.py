@@ -14,8 +14,8 @@ key i mod N, so 8 keys give 8 users one key each:
     BRANCHSEARCH_LOADTEST_KEYS=locust-keys.txt BRANCHSEARCH_LOADTEST_QUERIES=data/hotpotqa-dev200 \\
       locust -f bench/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 1 -t 2m
 
-Environment: BRANCHSEARCH_LOADTEST_KEYS (a file of service keys, one a line) or
-BRANCHSEARCH_API_KEY (one key), sent as a bearer token;
+Environment: BRANCHSEARCH_LOADTEST_KEYS (a file of service keys, one a line; # comments
+skipped) or BRANCHSEARCH_API_KEY (one key), sent as a bearer token;
 BRANCHSEARCH_LOADTEST_QUERIES (JSONL of questions or a BEIR folder; required),
 BRANCHSEARCH_LOADTEST_SEED (question order, default 0), BRANCHSEARCH_LOADTEST_INDEX,
 BRANCHSEARCH_LOADTEST_BRANCHES, BRANCHSEARCH_LOADTEST_DEADLINE_S (request fields, optional),
@@ -56,7 +56,10 @@ def _keys() -> list[str]:
     path = os.environ.get("BRANCHSEARCH_LOADTEST_KEYS")
     if path:
         try:
-            keys = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+            # as `branchsearch loadtest --key-file` reads it: a BOM, blank lines and # comments
+            # are no keys
+            keys = [line.strip() for line in open(path, encoding="utf-8-sig")
+                    if line.strip() and not line.strip().startswith("#")]
         except OSError as exc:
             raise SystemExit(f"locustfile: BRANCHSEARCH_LOADTEST_KEYS={path}: {exc.strerror}") \
                 from None

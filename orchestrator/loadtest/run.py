@@ -48,7 +48,7 @@ def read_keys(key_file: Path | None = None, key: str | None = None,
                                 f"{KEY_ENV} in the environment)")
     if key_file is not None:
         try:
-            text = Path(key_file).read_text(encoding="utf-8")
+            text = Path(key_file).read_text(encoding="utf-8-sig")  # a BOM: not the key
         except (OSError, UnicodeDecodeError) as exc:
             why = getattr(exc, "strerror", None) or type(exc).__name__
             raise BranchsearchError(f"--key-file {key_file}: cannot read it ({why})") from None

@@ -569,8 +569,9 @@ def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_pat
     from conftest import HOTPOT
 
     url, key, other = live_service
-    keys = tmp_path / "keys.txt"
-    keys.write_text(f"{key}\n{other}\n")
+    keys = tmp_path / "keys.txt"  # as Windows editors save it: a byte-order mark, CR LF;
+    # a comment, as `loadtest --key-file` takes it (each was sent as a key: 401s, or no request)
+    keys.write_bytes(f"\ufeff# the load test's callers\r\n{key}\r\n{other}\r\n".encode())
     # --stop-timeout: users finish the search they are in when the 3 s are up (searches take
     # seconds here); the final stats come as JSON on stdout (the CSV is written before that)
     cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
@@ -599,6 +600,10 @@ def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_p
         (("bs_env",), "BRANCHSEARCH_API_KEY")
     assert read_keys(None, "bs_flag", {"BRANCHSEARCH_API_KEY": "x"}) == (("bs_flag",), "--key")
     assert read_keys(None, None, {}) == ((), "none")
+    notepad = tmp_path / "bom"  # as Windows editors save it: a byte-order mark, CR LF lines
+    notepad.write_bytes("\ufeffbs_a\r\nbs_b\r\n".encode())  # (the BOM read as part of key
+    # 1, refused as "a character outside ASCII")
+    assert read_keys(notepad, None, {}) == (("bs_a", "bs_b"), f"--key-file {notepad} (2 keys)")
     several = tmp_path / "keys"  # one a line; comments, blank lines and repeats skipped
     several.write_text("# the load test's callers\nbs_a\n\n bs_b \nbs_a\n")
     assert read_keys(several, None, {}) == (("bs_a", "bs_b"),
