@@ -46,6 +46,7 @@ UNAVAILABLE_CODES = frozenset({
     "backend_unavailable", "search_failed", "not_ready", "index_starting", "index_changed",
     "searcher_unavailable", "shutting_down", "index_incomplete", "index_misconfigured",
     "index_not_writable", "keys_unavailable"})
+BACKEND_CODES = frozenset({"backend_unavailable", "search_failed"})  # of those, its backend's
 # the request never reached a service: nothing answered, or the connection broke under it
 UNREACHED = {f"error:{name}" for name in (
     "ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError",
@@ -250,10 +251,12 @@ def not_load(step: dict, number: int) -> str:
                 + (", the last one among them" if step.get("ended_unreached") else "")
                 + "): no knee drawn")
     if step.get("unavailable"):
-        kinds = ", ".join(f"{error_code(k) or k} {v}"
-                          for k, v in step["unavailabilities"].items())
-        return (f"the service's backend became unavailable at step {number} "
-                f"({step['unavailable']} of {step['sent']} requests: {kinds}): no knee drawn")
+        codes = {error_code(k): v for k, v in step["unavailabilities"].items()}
+        what = ("the service's backend became unavailable" if set(codes) <= BACKEND_CODES
+                else "the service became unable to search")  # not ready, stopping, …
+        kinds = ", ".join(f"{code} {n}" for code, n in codes.items())
+        return (f"{what} at step {number} ({step['unavailable']} of {step['sent']} requests: "
+                f"{kinds}): no knee drawn")
     if step.get("rejected"):
         kinds = ", ".join(f"{k} {v}" for k, v in step["rejections"].items())
         return (f"the service rejected {step['rejected']} of {step['sent']} requests at step "

@@ -1035,6 +1035,12 @@ def test_a_step_whose_backend_went_away_draws_no_knee():
     assert knee["knee"] is None and knee["saturated_at"] is None
     assert knee["reason"] == ("the service's backend became unavailable at step 2 (3 of 6 "
                               "requests: backend_unavailable 3): no knee drawn")
+    # a service stopping (or not ready) is no backend of it: said as it is
+    samples[3:] = [Sample(1, 3 + i, 3 + i, 3.01 + i, "http_503:shutting_down") for i in range(3)]
+    second = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
+    assert find_knee([first, second])["reason"] == (
+        "the service became unable to search at step 2 (3 of 6 requests: shutting_down 3): "
+        "no knee drawn")
     # an overloaded service's 503s are still refusals, and saturation
     samples[3:] = [Sample(1, 3 + i, 3 + i, 3.01 + i, "http_503:overloaded") for i in range(3)]
     second = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
