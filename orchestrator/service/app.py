@@ -452,13 +452,15 @@ def create_app(state: ServiceState):
 
     @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
-    async def readyz():
+    async def readyz(request: Request):
         """Ready when the default index is open and its backends answer, and the API keys
         file can be read; else 503, within a few seconds whatever the backends do. `indexes`:
-        how many are open, or failed to open at their last request; `indexes_not_ready`: how
-        many of those cannot serve, a backend that does not answer or a start that failed
-        (their searches answer 503). Which index, and why, are in the server log only: anyone
-        may ask."""
+        how many the service serves; `indexes_not_ready`: how many of those cannot serve now,
+        a backend that does not answer, a start that failed, or an index not open that could
+        not open (their searches answer 503). `not_ready` names them, with the code their
+        searches meet, to a caller whose key may use them (everyone on a development server):
+        anyone may ask, and index names are for keys (GET /v1/indexes). Why in full: the
+        server log."""
         if state.keys is not None:
             try:
                 state.keys.check()
@@ -467,15 +469,31 @@ def create_app(state: ServiceState):
                 raise ApiError(503, "not_ready", "the server cannot read its API keys file "
                                "(the server log says why)", {"Retry-After": "5"}) from None
         if searcher.local:  # its own check bounds it, and its threads are never all busy
-            return await searcher.call("ready")
+            return shown_to(await searcher.call("ready"), request)
         try:  # a searcher replica not up yet, or whose Serve queue is slow: within the wait
-            return await asyncio.wait_for(searcher.call("ready"), READY_WAIT_S)
+            ready = await asyncio.wait_for(searcher.call("ready"), READY_WAIT_S)
         except asyncio.TimeoutError:
             log.warning("not ready: the searcher has not answered within %g s (still "
                         "starting, or busy)", READY_WAIT_S)
             raise ApiError(503, "not_ready", f"the searcher has not answered within "
                            f"{READY_WAIT_S:g} s (still starting, or busy)",
                            {"Retry-After": "5"}) from None
+        return shown_to(ready, request)
+
+    def shown_to(ready: dict, request: Request) -> dict:
+        """`ready` as this caller may see it: `not_ready` only with a key (any index it may
+        use), never to a caller without one, nor with a key that is not one (no 401 here: a
+        probe is answered whatever it sends)."""
+        ready = dict(ready)
+        not_ready = ready.pop("not_ready", [])
+        header = request.headers.get("authorization")
+        if state.keys is not None and not header:
+            return ready
+        try:
+            key = state.principal(header)
+        except (ApiError, KeysFileError):
+            return ready
+        return {**ready, "not_ready": [n for n in not_ready if key.may_use(n["index"])]}
 
     @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
     async def prometheus():

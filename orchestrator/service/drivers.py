@@ -36,7 +36,7 @@ from pathlib import Path
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import IndexNotFound, error_line
 from branchsearch.infra.index.catalog import index_names
-from branchsearch.orchestrator.service.errors import ApiError, shutting_down
+from branchsearch.orchestrator.service.errors import ApiError, error_code, shutting_down
 
 log = logging.getLogger("branchsearch.service")
 
@@ -63,8 +63,9 @@ class Drivers:
         self._background: dict[str, dict] = {}  # index -> its one start, while it runs
         self._write_locks: dict[str, threading.Lock] = {}
         self._last_used: dict[str, float] = {}  # index -> when its last request ended
-        # index -> why its last start failed (a log line), until one succeeds (`failed`)
-        self._failed: dict[str, str] = {}
+        # index -> why its last start failed (a log line, and the code a caller may see),
+        # until one succeeds (`failed`)
+        self._failed: dict[str, tuple[str, str]] = {}
         self._closing = threading.Event()  # set by close(): no start begins, the reaper stops
         if idle_close_s > 0:
             threading.Thread(target=self._reap_idle, daemon=True, name="idle-indexes").start()
@@ -123,7 +124,7 @@ class Drivers:
             start["error"] = exc
             if not isinstance(exc, (IndexNotFound, ApiError)):  # (ApiError: a start to retry)
                 with self._lock:
-                    self._failed[index] = error_line(exc, 1000)
+                    self._failed[index] = (error_line(exc, 1000), error_code(exc))
         finally:
             with self._idle:
                 self._background.pop(index, None)
@@ -335,10 +336,11 @@ class Drivers:
         with self._lock:
             return list(self.by_index.items())
 
-    def failed(self) -> dict[str, str]:
+    def failed(self) -> dict[str, tuple[str, str]]:
         """The indexes whose last start failed, each with why (a log line, for the server's
-        log only): a request asked for them and they do not serve. Not an index that is not
-        there, nor a start to retry at once (changed on disk while it started)."""
+        log only) and the code a caller may see (`errors.error_code`): a request asked for
+        them and they do not serve. Not an index that is not there, nor a start to retry at
+        once (changed on disk while it started)."""
         with self._lock:
             return dict(self._failed)
 

@@ -47,6 +47,22 @@ class Refused:
         return (Refused, (self.error,))
 
 
+# the code `api_error` gives each kind of failure an index's start or probe can meet, for
+# /readyz to say why an index is not ready without logging it once more (the order matters:
+# the first match wins, as in `api_error`)
+_CODES = ((Overloaded, "overloaded"), (BackendUnavailable, "backend_unavailable"),
+          (IndexBusy, "index_busy"), (IndexIncomplete, "index_incomplete"),
+          (IndexNotWritable, "index_not_writable"), (SettingsError, "index_misconfigured"),
+          (IndexNotFound, "index_not_found"), (TimeoutError, "deadline_exceeded"))
+
+
+def error_code(exc: BaseException) -> str:
+    """`api_error(exc).error`, quietly: the short code a caller may see for `exc`."""
+    if isinstance(exc, ApiError):
+        return exc.error
+    return next((code for kind, code in _CODES if isinstance(exc, kind)), "start_failed")
+
+
 def api_error(exc: BaseException) -> ApiError:
     """Map any exception to what a caller may see; unknown exceptions say only their type."""
     if isinstance(exc, ApiError):

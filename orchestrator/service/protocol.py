@@ -169,15 +169,24 @@ class Health(BaseModel):
     status: Literal["up"]
 
 
+class NotReady(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: str = Field(description="an index that cannot serve now")
+    error: str = Field(description="the error code its searches answer now, e.g. "
+                       "backend_unavailable, index_incomplete, index_misconfigured")
+
+
 class Ready(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["ready"]
-    indexes: int = Field(description="how many indexes are open now, or failed to open at "
-                         "their last request (their names are for keys that may use them: GET "
-                         "/v1/indexes)")
+    indexes: int = Field(description="how many indexes the service serves (those of its data "
+                         "home and the external ones declared)")
     indexes_not_ready: int = Field(0, description="how many of them cannot serve now: a "
-                                   "backend that does not answer, or a start that failed "
-                                   "(their searches answer 503; the server log says which)")
+                                   "backend that does not answer, a start that failed, or one "
+                                   "not open that could not open now (their searches answer "
+                                   "503; the server log says why)")
+    not_ready: list[NotReady] | None = Field(None, description="which, to a caller with a key "
+                                             "(those of them it may use); absent without one")
 
 
 class KeyInfo(BaseModel):

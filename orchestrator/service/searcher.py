@@ -37,7 +37,8 @@ from branchsearch.orchestrator.service import events
 from branchsearch.orchestrator.service.admission import Concurrency, Limits
 from branchsearch.orchestrator.service.auth import ApiKey
 from branchsearch.orchestrator.service.drivers import Drivers
-from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error
+from branchsearch.orchestrator.service.errors import (ApiError, Refused, api_error,
+                                                      error_code)
 from branchsearch.orchestrator.service.protocol import SearchRequest
 from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered, in_thread
 
@@ -669,16 +670,20 @@ class Searcher:
 
     def _ready(self) -> dict:
         """Ready when the default index is open and its backends answer; ApiError 503
-        otherwise. Another index that cannot serve is counted in `indexes_not_ready`, not
-        made the server's state: an open one whose backends do not answer its probe — refuse,
-        or not within `OTHERS_WAIT_S` of the probe's start — and one a request asked for whose
-        last start failed (`Drivers.failed`). Indexes usually live on clusters every replica
-        shares, so a balancer that pulled each replica for one index's outage would take
-        every other index down with it (that index's searches answer 503 meanwhile). Their
-        probes run beside the default's, one at a time an index: a probe still waiting on a
-        frozen backend is neither started again nor waited for again, so the checks after the
-        first answer at once. Anyone may ask (a load balancer has no key), so the answer names
-        no index: which one, and why, go to the server log only."""
+        otherwise. Every other index of the service is counted (`indexes`), and one that
+        cannot serve is counted in `indexes_not_ready` and listed in `not_ready` (its name and
+        the code its searches would meet), not made the server's state: an open one whose
+        backends do not answer its probe — refuse, or not within `OTHERS_WAIT_S` of the
+        probe's start —, one a request asked for whose last start failed (`Drivers.failed`),
+        and one not open that could not open now (`reachable.check_unopened`: its profile, and
+        its server backends asked, without starting it). Indexes usually live on clusters
+        every replica shares, so a balancer that pulled each replica for one index's outage
+        would take every other index down with it (that index's searches answer 503
+        meanwhile). Their probes run beside the default's, one at a time an index: a probe
+        still waiting on a frozen backend is neither started again nor waited for again, so
+        the checks after the first answer at once. The ingress shows `not_ready` only to a
+        caller whose key may use those indexes (a load balancer has no key); the server log
+        says why in full."""
         try:
             self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
@@ -688,6 +693,13 @@ class Searcher:
         opened = self.drivers.opened()
         others = {index: self._probing(index, driver) for index, driver in opened
                   if index != self.settings.index}
+        failed = {i: why for i, why in self.drivers.failed().items() if i != self.settings.index}
+        names = self.index_names()
+        failed = {i: why for i, why in failed.items() if i in names}  # (one removed since its
+        # start failed is no index to count)
+        others.update((index, self._probing(index, None)) for index in names
+                      if index not in others and index not in failed
+                      and index != self.settings.index)
         index = self.settings.index
         driver = next((d for i, d in opened if i == index), None)
         if driver is not None and self.drivers.hold(index, driver, probe=True) is not None:
@@ -699,37 +711,46 @@ class Searcher:
                                "log says why)", {"Retry-After": "5"}) from None
             finally:
                 self.drivers.let_go(driver, None, probe=True)
-        failing = 0
+        not_ready: dict[str, str] = {}  # index -> the code its searches would meet
+        counted = 1 + len(others) + len(failed)  # the default index, and the others
         for index, (probe, began) in others.items():
             try:
                 probe.result(timeout=max(0.0, began + OTHERS_WAIT_S - time.monotonic()))
             except FutureTimeout:
                 log.warning("index %r not ready (the server still is): its backends have not "
                             "answered within %g s", index, OTHERS_WAIT_S)
-                failing += 1
+                not_ready[index] = "backend_unavailable"
+            except IndexNotFound:  # removed since it was listed: no index to count
+                counted -= 1
             except Exception as exc:  # noqa: BLE001 — an ApiError, or whatever a probe raised
                 log.warning("index %r not ready (the server still is): %s", index,
                             getattr(exc, "detail", None) or error_line(exc, 1000))
-                failing += 1
-        failed = {i: why for i, why in self.drivers.failed().items() if i != self.settings.index}
-        if failed:  # (an index removed since its start failed is no index to count)
-            names = set(self.index_names())
-            failed = {i: why for i, why in failed.items() if i in names}
-        for index, why in failed.items():
+                not_ready[index] = error_code(exc)
+        for index, (why, code) in failed.items():
             log.warning("index %r not ready (the server still is): its last start failed: %s",
                         index, why)
-        return {"status": "ready", "indexes": len(opened) + len(failed),
-                "indexes_not_ready": failing + len(failed)}
+            not_ready[index] = code
+        return {"status": "ready", "indexes": counted, "indexes_not_ready": len(not_ready),
+                "not_ready": [{"index": i, "error": code}
+                              for i, code in sorted(not_ready.items())]}
 
     def _probing(self, index: str, driver) -> tuple[Future, float]:
         """The probe of `index` running now, or a new one (on the probes' own threads), with
-        when it began."""
+        when it began; `driver` None: an index not open, asked whether it could open."""
         with self._probes_lock:
             running = self._probes.get(index)
             if running is None or running[0].done():
-                running = self._probes[index] = (in_thread(self._probe_held, index, driver),
-                                                 time.monotonic())
+                probe = (in_thread(self._probe_held, index, driver) if driver is not None else
+                         in_thread(self._probe_unopened, index))
+                running = self._probes[index] = (probe, time.monotonic())
             return running
+
+    def _probe_unopened(self, index: str) -> None:
+        from branchsearch.infra.index.profile import index_profile
+        from branchsearch.orchestrator.service.reachable import check_unopened
+
+        settings = self.settings.replace(index=index)
+        check_unopened(settings, index_profile(settings), OTHERS_WAIT_S)
 
     def _probe_held(self, index: str, driver) -> None:
         if self.drivers.hold(index, driver, probe=True) is None:  # closed meanwhile (idle,

@@ -1305,8 +1305,9 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
                 mixed.searcher.target.drivers.open(name)
             mixed_server = start_uvicorn(service.create_app(mixed), mixed)
             both = httpx.Client(base_url=mixed_server.url, timeout=120)
+            es_down = [{"index": "es", "error": "backend_unavailable"}]  # (dev mode: named)
             assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
-                                                  "indexes_not_ready": 0}
+                                                  "indexes_not_ready": 0, "not_ready": []}
             # frozen, the es index is counted within the probe's few seconds, probe after
             # probe, and the server stays ready
             os.killpg(es.pid, signal.SIGSTOP)
@@ -1314,7 +1315,8 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
                 for _ in range(3):
                     began = time.monotonic()
                     assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
-                                                          "indexes_not_ready": 1}
+                                                          "indexes_not_ready": 1,
+                                                          "not_ready": es_down}
                     assert time.monotonic() - began < 10
             finally:
                 os.killpg(es.pid, signal.SIGCONT)
@@ -1330,7 +1332,8 @@ def test_backend_down_readyz_and_search_503(tmp_path_factory):
             # counted, its searches 503 and the default index's served
             try:
                 assert both.get("/readyz").json() == {"status": "ready", "indexes": 2,
-                                                      "indexes_not_ready": 1}
+                                                      "indexes_not_ready": 1,
+                                                      "not_ready": es_down}
                 assert both.post("/v1/search", json=q).status_code == 200
                 gone = assert_error(both.post("/v1/search", json={**q, "index": "es"}), 503)
                 assert gone["error"] in ("backend_unavailable", "search_failed"), gone
@@ -1692,12 +1695,13 @@ def test_a_request_running_past_the_shutdown_grace_gets_a_json_503(tmp_path, cap
         state.searcher.target.close()
 
 
-def test_an_index_whose_backend_is_down_at_its_first_request_is_counted_not_ready(tmp_path,
-                                                                                   caplog):
-    """An index whose Elasticsearch is down when a request first asks for it never opens:
-    /readyz counts it among the indexes, not ready (the server stays ready: only the default
-    index decides that), until a request opens it. No answer names its backend's address or
-    password; the server log says which index, and why."""
+def test_an_index_whose_backend_is_down_is_counted_not_ready_before_any_request(tmp_path,
+                                                                                  caplog):
+    """An index whose Elasticsearch is down is counted not ready by /readyz at once, before
+    any request asked for it (the server stays ready: only the default index decides that),
+    and named, with why, to a caller who may use it (here a development server: everyone);
+    once a request failed to open it, until a request opens it. No answer names its backend's
+    address or password; the server log says which index, and why."""
     import logging
 
     from es_emulator import start_es_emulator
@@ -1718,14 +1722,40 @@ def test_an_index_whose_backend_is_down_at_its_first_request_is_counted_not_read
         server = start_uvicorn(service.create_app(state), state)
         client = httpx.Client(base_url=server.url, timeout=120)
         q = {"question": "Harbor Festival in June", "index": "es"}
-        assert client.get("/readyz").json() == {"status": "ready", "indexes": 1,
-                                                "indexes_not_ready": 0}
+        unasked = client.get("/readyz")
+        assert unasked.json() == {"status": "ready", "indexes": 2, "indexes_not_ready": 1,
+                                  "not_ready": [{"index": "es",
+                                                 "error": "backend_unavailable"}]}
+        # with API keys, an index's name is for keys that may use it (as GET /v1/indexes):
+        # no key, the counts only
+        store = KeyStore(tmp_path / "keys.json")
+        everywhere = store.add("ops", ("g",))
+        local_only = store.add("local", ("g",), indexes=("local",))
+        keyed_state = service.local_state(settings, executor="local", limits=LIMITS,
+                                          keys_path=tmp_path / "keys.json")
+        keyed_server = start_uvicorn(service.create_app(keyed_state), keyed_state)
+        try:
+            keyed = httpx.Client(base_url=keyed_server.url, timeout=120)
+            assert keyed.get("/readyz").json() == {"status": "ready", "indexes": 2,
+                                                   "indexes_not_ready": 1}
+            named = keyed.get("/readyz", headers={"Authorization": f"Bearer {everywhere}"})
+            assert named.json()["not_ready"] == [{"index": "es", "error": "backend_unavailable"}]
+            mine = keyed.get("/readyz", headers={"Authorization": f"Bearer {local_only}"})
+            assert mine.json() == {"status": "ready", "indexes": 2, "indexes_not_ready": 1,
+                                   "not_ready": []}
+            bad = keyed.get("/readyz", headers={"Authorization": "Bearer bsk_nonsense"})
+            assert bad.status_code == 200 and "not_ready" not in bad.json(), bad.text
+            keyed.close()
+        finally:
+            keyed_server.stop()
+            keyed_state.searcher.target.close()
         with caplog.at_level(logging.WARNING, logger="branchsearch.service"):
             down = assert_error(client.post("/v1/search", json=q), 503, "backend_unavailable")
             ready = client.get("/readyz")
-        assert ready.json() == {"status": "ready", "indexes": 2, "indexes_not_ready": 1}
+        assert ready.json() == {"status": "ready", "indexes": 2, "indexes_not_ready": 1,
+                                "not_ready": [{"index": "es", "error": "backend_unavailable"}]}
         host = es.url.split("//")[1]
-        for answer in (str(down), ready.text):
+        for answer in (str(down), unasked.text, ready.text):
             assert "hunter2" not in answer and host not in answer, answer
         assert re.search(r"index 'es' not ready \(the server still is\): its last start "
                          r"failed: BackendUnavailable: elasticsearch at", caplog.text)
@@ -1733,7 +1763,7 @@ def test_an_index_whose_backend_is_down_at_its_first_request_is_counted_not_read
         r = client.post("/v1/search", json=q)
         assert r.status_code == 200 and r.json()["evidence"], r.text
         assert client.get("/readyz").json() == {"status": "ready", "indexes": 2,
-                                                "indexes_not_ready": 0}
+                                                "indexes_not_ready": 0, "not_ready": []}
         client.close()
     finally:
         if server is not None:

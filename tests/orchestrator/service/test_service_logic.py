@@ -1112,14 +1112,15 @@ def test_a_frozen_index_other_than_the_default_is_waited_for_once(tmp_path):
 
     searcher = Searcher(settings, executor="local", driver_factory=Driver)
     searcher.drivers.open("frozen")
+    frozen = [{"index": "frozen", "error": "backend_unavailable"}]
     try:
         began = time.monotonic()
         assert searcher._ready_now() == {"status": "ready", "indexes": 2,
-                                         "indexes_not_ready": 1}
+                                         "indexes_not_ready": 1, "not_ready": frozen}
         assert time.monotonic() - began >= OTHERS_WAIT_S - 0.1  # the first check waits
         began = time.monotonic()
         assert searcher._ready_now() == {"status": "ready", "indexes": 2,
-                                         "indexes_not_ready": 1}
+                                         "indexes_not_ready": 1, "not_ready": frozen}
         assert time.monotonic() - began < OTHERS_WAIT_S - 1  # the next one does not
     finally:
         thaw.set()
