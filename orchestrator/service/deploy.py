@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -87,22 +88,65 @@ def local_state(settings, *, executor: str = "local", keys_path=None,
                         limits)
 
 
-def run_standalone(settings, *, executor: str, keys, sock) -> None:
-    """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits)."""
-    _log_to_stderr()
-    state = local_state(settings, executor=executor, keys_path=keys, limits=Limits.of(settings))
-    state.searcher.target.open_default()  # load models before taking traffic
-    print(serving_line(sock.getsockname()[:2], settings, executor), file=sys.stderr)
-    server = standalone_server(create_app(state), state)
-    import signal
+class StopRequest(BaseException):
+    """SIGTERM arrived while `serve --standalone` was starting (not an error: it stops)."""
 
-    # uvicorn drains on SIGTERM, then re-raises it under the handler it found: ours makes that
-    # a clean exit (Ray's own handler, installed when it connected, would exit 15)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+class Stopping:
+    """SIGTERM as a clean stop from the moment `serve --standalone` starts, not only once
+    uvicorn has put its own handler in place (the signal's default would kill the process,
+    its searcher never closed; Ray's handler, installed when it connects, exits 15). While the
+    service starts, SIGTERM interrupts the start (`StopRequest`), which then closes what it
+    opened; once it is about to serve, SIGTERM is only noted (`asked`), and uvicorn stops at
+    once if it was (`standalone_server`'s `stop_asked`). uvicorn re-raises the SIGTERM it
+    drained on under the handler it found: this one, which makes that a clean exit too."""
+
+    def __init__(self):
+        self.asked, self.starting = False, True
+        self.install()
+
+    def install(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.asked = True
+        if self.starting:
+            self.starting = False  # (raised once)
+            raise StopRequest()
+
+    def serving(self) -> None:
+        """From here SIGTERM is noted, not raised (uvicorn starts; it reads `asked`)."""
+        self.starting = False
+
+
+def run_standalone(settings, *, executor: str, keys, sock) -> None:
+    """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits).
+    SIGTERM before it serves stops it as cleanly: what it opened is closed, exit 0."""
+    _log_to_stderr()
+    stopping, state = Stopping(), None
     try:
+        state = local_state(settings, executor=executor, keys_path=keys,
+                            limits=Limits.of(settings))
+        stopping.install()  # again: connecting to Ray put Ray's own handler in its place
+        if stopping.asked:
+            raise StopRequest()
+        state.searcher.target.open_default()  # load models before taking traffic
+        stopping.serving()
+        if stopping.asked:
+            raise StopRequest()
+        print(serving_line(sock.getsockname()[:2], settings, executor), file=sys.stderr)
+        server = standalone_server(create_app(state), state,
+                                   stop_asked=lambda: stopping.asked)
         server.run(sockets=[sock])
+    except StopRequest:
+        log.info("stopped by SIGTERM before serving")
     finally:
-        state.searcher.target.close()
+        stopping.serving()  # a SIGTERM while it closes is noted, not raised into the close
+        sock.close()
+        if state is not None:
+            state.searcher.target.close()
 
 
 def serving_line(where: tuple, settings, executor: str) -> str:
@@ -120,17 +164,25 @@ def serving_line(where: tuple, settings, executor: str) -> str:
     return f"serving on http://{host}:{port} (docs at /docs; {runs})"
 
 
-def standalone_server(app, state: ServiceState, grace_s: float = GRACE_S, **config):
+def standalone_server(app, state: ServiceState, grace_s: float = GRACE_S,
+                      stop_asked: Callable[[], bool] | None = None, **config):
     """uvicorn for `app`: on SIGTERM (or `should_exit`) it stops taking connections and lets
     requests in flight run for `grace_s`, then cancels those still running. `state.draining`
     is set first, and `state.cut_off` just before that cancellation, so such a request is
     answered 503 `shutting_down` in JSON (`app.Observe`), not with uvicorn's plain 500 and a
-    traceback in the log, and a request whose client left meanwhile is still counted 499."""
+    traceback in the log, and a request whose client left meanwhile is still counted 499.
+    `stop_asked()` true once uvicorn's signal handling is in place (a SIGTERM that came just
+    before, which uvicorn never saw): it stops as it would on SIGTERM."""
     import asyncio
 
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if stop_asked is not None and stop_asked():
+                self.should_exit = True
+
         async def shutdown(self, sockets=None):
             state.draining = True
             # uvicorn's own `grace_s` starts a moment later (after it closes the listeners),

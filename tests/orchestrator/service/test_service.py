@@ -1484,6 +1484,57 @@ def test_standalone_serve_stops_at_once_though_a_probe_waits_on_a_frozen_backend
                 proc.wait(30)
 
 
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_standalone_serve_sent_sigterm_as_it_starts_stops_cleanly(tmp_path, when):
+    """SIGTERM to `serve --standalone` while it opens its default index (the models load), or
+    the moment it says `serving on` (before uvicorn's own signal handling is in place): the
+    same clean stop as later — exit 0, the index's stores closed, no child process (the Milvus
+    Lite server) left, the port free, the index openable by another process. Before, the
+    process died of the signal (exit -15), its searcher never closed."""
+    import socket
+
+    import psutil
+
+    from branchsearch.infra.stores.milvus_lite import held_elsewhere
+
+    home = tmp_path / "home"
+    settings = load_settings(overrides={"home": home, "index": "acl"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings)  # hybrid: a Milvus Lite file
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--standalone",
+         "--host", "127.0.0.1", "--port", str(port), "--home", str(home), "--index", "acl",
+         "--executor", "local"], stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
+    try:
+        children: list = []
+        if when == "serving":
+            _served_url(proc)
+        else:  # its first line (the development-mode banner) comes as it begins to start
+            assert proc.stderr.readline().startswith("development mode"), "no banner"
+            deadline = time.monotonic() + 120  # its Milvus Lite server started: mid-start
+            while not children and time.monotonic() < deadline:
+                children = psutil.Process(proc.pid).children(recursive=True)
+                time.sleep(0.02)
+        children = children or psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, proc.stderr.read()
+        err = proc.stderr.read()
+        assert "Traceback" not in err, err
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.pid for p in alive]
+        with socket.socket() as again:  # the port is free
+            again.bind(("127.0.0.1", port))
+        assert not held_elsewhere(settings.index_dir / "dense.db")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 def _served_url(proc: subprocess.Popen) -> str:
     """The address a `serve --standalone` process says it serves on (within 180 s)."""
     line, deadline = "", time.monotonic() + 180
