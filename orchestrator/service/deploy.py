@@ -523,7 +523,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location=location)
         try:
-            serve.run(build_application(opts), name=APP, route_prefix="/")
+            deploy_and_wait(build_application(opts))
         except RuntimeError:  # a replica that cannot start (the default index's backend
             failed = start_failure(APP)  # down): its reason, and nothing left behind
             if failed is None:
@@ -557,21 +557,51 @@ APP = "branchsearch"  # the Serve application `serve` deploys
 BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
 
 
+# how Serve's deployment message begins once a replica's constructor has raised (it retries
+# it, and says so, before it gives the deployment up)
+REPLICA_FAILED = "A replica failed to start with exception"
+
+
+def deploy_and_wait(application, poll_s: float = 0.25) -> None:
+    """Deploy `application` as `APP` and wait until it runs. A replica whose constructor
+    raised (the default index's backend down, say) ends the wait at once, RuntimeError, its
+    cause for `start_failure`: Serve would try it again twice, with back-off, each try as long
+    as the backend's timeout, before it gave the deployment up (a minute and a half with a
+    Milvus server down), and a start that failed for a cause the service knows fails again."""
+    from ray import serve
+    from ray.serve.api import _run
+    from ray.serve.schema import ApplicationStatus
+
+    _run(application, _blocking=False, name=APP, route_prefix="/")
+    while True:
+        status = serve.status().applications.get(APP)
+        if status is not None:
+            if status.status == ApplicationStatus.RUNNING:
+                return
+            if status.status == ApplicationStatus.DEPLOY_FAILED or start_failure(APP):
+                raise RuntimeError(f"Deploying application {APP} failed: {status.message}")
+        time.sleep(poll_s)
+
+
 def start_failure(app: str) -> str | None:
-    """Why Serve gave up deploying `app` (DEPLOY_FAILED): the last line of the failed
-    deployment's message, the error its replica's constructor raised (a backend down, say),
-    without its module path; None when it did not fail so."""
+    """Why `app` did not start: Serve gave it up (DEPLOY_FAILED), or a replica's constructor
+    raised (Serve would retry it): the last line of the deployment's message, the error the
+    constructor raised (a backend down, say), without its module path; None when it did not
+    fail so."""
     from ray import serve
     from ray.serve.schema import ApplicationStatus
 
     status = serve.status().applications.get(app)
-    if status is None or status.status != ApplicationStatus.DEPLOY_FAILED:
+    if status is None:
         return None
     for deployment in status.deployments.values():
         lines = deployment.message.strip().splitlines()
-        if deployment.status == "DEPLOY_FAILED" and lines:
+        if lines and (deployment.status == "DEPLOY_FAILED"
+                      or lines[0].startswith(REPLICA_FAILED)):
             kind, _, text = lines[-1].partition(": ")
             return redact(text if text and " " not in kind else lines[-1])
+    if status.status != ApplicationStatus.DEPLOY_FAILED:
+        return None
     return status.message or None
 
 

@@ -408,3 +408,38 @@ def test_serve_whose_searcher_cannot_start_is_one_line_and_leaves_nothing(one_no
     shown = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"], "status"],
                            env=env, capture_output=True, text=True, timeout=300)
     assert shown.stdout.strip().splitlines() == ["[]", "[]"], shown.stdout + shown.stderr[-2000:]
+
+
+def test_serve_says_its_searcher_cannot_start_at_the_first_failed_start(one_node, tmp_path):
+    """`serve --address` while the default index's Elasticsearch takes connections and does
+    not answer (frozen), `backend_timeout_s = 20`: each start of the searcher replica waits
+    the 20 s, and `serve` waited for Serve to give up after its three tries and back-off (over
+    60 s) before it said `error: the service did not start: …`. Now it says so once the
+    first start has failed."""
+    from es_emulator import start_es_emulator
+
+    env = one_node["env"]
+    home = tmp_path / "home"
+    home.mkdir()
+    with start_es_emulator(tmp_path / "es") as es:
+        ingest(write_corpus(home / "corpus.jsonl"),
+               load_settings(overrides={"home": home, "index": "bm", "es_url": es.url},
+                             read_env=False, read_file=False), dense=False)
+        (home / "branchsearch.toml").write_text(f'es_url = "{es.url}"\nbackend_timeout_s = 20\n')
+        os.killpg(es.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            done = subprocess.run(
+                [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--address",
+                 one_node["address"], "--host", "127.0.0.1", "--port", str(free_port()),
+                 "--home", str(home), "--index", "bm", "--config",
+                 str(home / "branchsearch.toml")],
+                env=env, capture_output=True, text=True, timeout=400)
+            took = time.monotonic() - began
+        finally:
+            os.killpg(es.pid, signal.SIGCONT)
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode == 2 and errors and errors[0].startswith(
+        "error: the service did not start: "), done.stderr[-3000:]
+    print(f"serve said its searcher cannot start after {took:.1f} s")
+    assert took < 55, took  # one start's 20 s and the cluster's own start; three are 60 s
