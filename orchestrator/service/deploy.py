@@ -569,10 +569,13 @@ def deploy_and_wait(application, poll_s: float = 0.25) -> None:
     as the backend's timeout, before it gave the deployment up (a minute and a half with a
     Milvus server down), and a start that failed for a cause the service knows fails again."""
     from ray import serve
-    from ray.serve.api import _run
     from ray.serve.schema import ApplicationStatus
 
-    _run(application, _blocking=False, name=APP, route_prefix="/")
+    try:  # Serve's own non-blocking deploy (private: checked on Ray 2.60)
+        from ray.serve.api import _run
+        _run(application, _blocking=False, name=APP, route_prefix="/")
+    except (ImportError, TypeError):  # a Ray without it: the public, blocking deploy
+        serve.run(application, name=APP, route_prefix="/")
     while True:
         status = serve.status().applications.get(APP)
         if status is not None:
