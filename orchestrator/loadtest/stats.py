@@ -47,6 +47,9 @@ UNAVAILABLE_CODES = frozenset({
     "searcher_unavailable", "shutting_down", "index_incomplete", "index_misconfigured",
     "index_not_writable", "keys_unavailable"})
 BACKEND_CODES = frozenset({"backend_unavailable", "search_failed"})  # of those, its backend's
+# the in-process driver's outcome of a search it could not make, with the code the service
+# would answer it with: `unavailable:backend_unavailable` (`targets.DriverTarget`)
+UNAVAILABLE = "unavailable"
 # the request never reached a service: nothing answered, or the connection broke under it
 UNREACHED = {f"error:{name}" for name in (
     "ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError",
@@ -54,16 +57,20 @@ UNREACHED = {f"error:{name}" for name in (
 
 
 def error_code(outcome: str) -> str:
-    """The service's error code of an outcome (`http_503:overloaded` -> `overloaded`; '' when
-    it carries none)."""
-    return outcome.split(":", 1)[1] if outcome.startswith("http_") and ":" in outcome else ""
+    """The service's error code of an outcome (`http_503:overloaded` -> `overloaded`, and the
+    in-process driver's `unavailable:backend_unavailable` -> `backend_unavailable`; '' when it
+    carries none)."""
+    status, _, code = outcome.partition(":")
+    return code if status.startswith("http_") or status == UNAVAILABLE else ""
 
 
 def is_unavailable(outcome: str) -> bool:
-    """The service answered that it cannot search now, whatever the load: a 503 whose code is
-    one of `UNAVAILABLE_CODES` (`backend_unavailable`, `not_ready`, …). Its backend or index
+    """The target cannot search now, whatever the load: the service answered a 503 whose code
+    is one of `UNAVAILABLE_CODES` (`backend_unavailable`, `not_ready`, …), or the driver in
+    this process met what the service answers so (`unavailable:<code>`). Its backend or index
     went away; the deployment did not saturate."""
-    return outcome.split(":", 1)[0] == "http_503" and error_code(outcome) in UNAVAILABLE_CODES
+    return (outcome.split(":", 1)[0] in ("http_503", UNAVAILABLE)
+            and error_code(outcome) in UNAVAILABLE_CODES)
 
 
 def is_refusal(outcome: str) -> bool:

@@ -85,18 +85,45 @@ def classify(result: dict) -> dict:
             "branch_status": {f"branch_{s}": n for s, n in statuses.items() if s != "ok"}}
 
 
+def failure_code(result: dict) -> str:
+    """The code the service answers a failed result with (`service.searcher`), '' for one it
+    answers: every branch failed, not every one for lack of time (that is a 504, a deadline
+    missed, which load can cause) — `backend_unavailable` when each that erred ended on its
+    backend (`backend_error`: it stayed down through the retries), else `search_failed`."""
+    branches = result.get("branches") or []
+    if result_status(result) != "failed" or all(b.get("status") == "timeout" for b in branches):
+        return ""
+    erred = [b for b in branches if b.get("status") == "error"]
+    return ("backend_unavailable" if erred and all(b.get("termination") == "backend_error"
+                                                   for b in erred) else "search_failed")
+
+
 class DriverTarget:
-    """`Driver.search` called directly (the driver runs branches in-process or on Ray)."""
+    """`Driver.search` called directly (the driver runs branches in-process or on Ray). A
+    search the service would answer with a 503 saying it cannot search (every branch failed,
+    a backend down) is `RequestFailed` with outcome `unavailable:<that code>`: the same
+    `stats.is_unavailable` reads both targets, so neither reads a dead backend as saturation."""
 
     def __init__(self, driver, *, branches: int | None = None, deadline_s: float | None = None):
         self.driver, self.branches, self.deadline_s = driver, branches, deadline_s
 
     def search(self, question: str) -> dict:
+        from branchsearch.infra.errors import BackendUnavailable
+        from branchsearch.orchestrator.loadtest.stats import UNAVAILABLE
+
         try:
-            return self.driver.search(question, max_branches=self.branches,
-                                      deadline_s=self.deadline_s).to_dict()
+            result = self.driver.search(question, max_branches=self.branches,
+                                        deadline_s=self.deadline_s).to_dict()
+        except BackendUnavailable as exc:  # the service's 503 backend_unavailable (api_error)
+            raise RequestFailed(f"{UNAVAILABLE}:backend_unavailable", str(exc)[:300]) from None
         except Exception as exc:  # the driver raised: the whole request failed
             raise RequestFailed(f"error:{type(exc).__name__}", str(exc)[:300]) from None
+        code = failure_code(result)
+        if code:
+            why = "; ".join(sorted({b.get("error") or b.get("status", "")
+                                    for b in result.get("branches") or []}))
+            raise RequestFailed(f"{UNAVAILABLE}:{code}", why[:300])
+        return result
 
     def describe(self) -> dict:
         out = {"kind": "driver", "executor": self.driver.mode, "index": self.driver.settings.index,

@@ -1005,6 +1005,9 @@ def test_synth_ingests_its_corpus_once_and_refuses_an_index_of_another(tmp_path)
     ("http_503:not_ready", False, True),
     ("http_503:index_starting", False, True),
     ("http_503:shutting_down", False, True),
+    ("unavailable:backend_unavailable", False, True),  # the in-process driver's: its backend
+    ("unavailable:search_failed", False, True),  # down, or every branch failed
+    ("failed", False, False),  # every branch out of time: a deadline load can make it miss
     ("http_504:deadline_exceeded", False, False),
     ("ok", False, False),
 ])
@@ -1015,6 +1018,25 @@ def test_a_503_is_overload_or_a_service_that_cannot_search_by_its_code(outcome, 
     assert is_refusal(outcome) is refusal
     assert is_unavailable(outcome) is unavailable
     assert is_unserved(outcome) is (refusal or unavailable)
+
+
+def test_a_failed_result_is_what_the_service_answers_it_with():
+    """The in-process driver's failed result reads as the service's 503 would: every branch
+    that erred ended on its backend -> backend_unavailable; erred otherwise -> search_failed;
+    every branch out of time is a deadline missed (the service's 504), and no failure at all
+    is an answer."""
+    from branchsearch.orchestrator.loadtest.targets import failure_code
+
+    down = {"status": "error", "termination": "backend_error", "error": "BackendUnavailable"}
+    assert failure_code({"status": "failed", "branches": [down, down]}) == "backend_unavailable"
+    assert failure_code({"status": "failed", "branches": [
+        down, {"status": "error", "termination": "", "error": "ValueError: x"}]}) \
+        == "search_failed"
+    assert failure_code({"status": "failed", "branches": [{"status": "timeout"}] * 2}) == ""
+    assert failure_code({"status": "failed", "branches": [down, {"status": "timeout"}]}) \
+        == "backend_unavailable"
+    assert failure_code({"status": "partial", "branches": [down, {"status": "ok"}]}) == ""
+    assert failure_code({"branches": [{"status": "ok"}]}) == ""
 
 
 def test_a_step_whose_backend_went_away_draws_no_knee():
@@ -1139,4 +1161,80 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
         if server is not None:
             server.stop()
             state.searcher.target.close()
+        es.stop()
+
+
+def test_cli_in_process_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
+    """The in-process driver (no --url) over an index on Elasticsearch (the emulator), a
+    closed-loop `loadtest --ramp`, the backend killed once the first step has ended: every
+    search of the second step failed on its backend, counted as `failed` errors, and the run
+    printed 'saturated at 2', exit 0. It now says the backend became unavailable at step 2,
+    as the service target does, draws no knee, keeps the report and exits 1. Then, the
+    backend still down: a new load test stops with one line before any load (opening the
+    index finds it down)."""
+    from es_emulator import start_es_emulator
+    from service_fixtures import CORPUS, write_corpus
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+
+    es = start_es_emulator(tmp_path / "es")
+    proc = None
+    try:
+        home = tmp_path / "home"
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]),
+               load_settings(overrides={"home": home, "index": "es", "es_url": es.url,
+                                        "search_mode": "bm25", "branches": 1},
+                             read_env=False, read_file=False), dense=False)
+        queries = tmp_path / "q.jsonl"
+        queries.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
+            "When is the Harbor Festival?", "Who built the Old Lighthouse?",
+            "What does the Alpha roadmap plan?")))
+        out = tmp_path / "lt.json"
+        env = {**os.environ, "BRANCHSEARCH_ES_URL": es.url, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
+        cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home",
+               str(home), "--index", "es", "--queries", str(queries), "--executor", "local",
+               "--branches", "1"]
+        proc = subprocess.Popen(
+            [*cli, "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "2", "--think",
+             "0.1", "--warmup", "0", "--drain", "30", "--report", str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:  # a finished step is always its own line
+            lines.append(line)
+            if line.startswith("step 1:"):
+                es.stop()  # the backend dies between the steps
+                break
+        stdout, rest = proc.communicate(timeout=240)
+        stderr = "".join(lines) + rest
+        assert lines and lines[-1].startswith("step 1:"), stderr[-3000:]
+        assert proc.returncode == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
+        report = json.loads(out.read_text())
+        first, second = report["steps"]  # the ramp stopped at the step that lost its backend
+        assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
+        assert second["unavailable"] >= 1 and second["refused"] == 0, second["errors"]
+        assert set(second["errors"]) <= set(second["unavailabilities"]), second["errors"]
+        assert set(second["unavailabilities"]) <= {"unavailable:backend_unavailable",
+                                                   "unavailable:search_failed"}, second
+        assert report["knee"]["knee"] is None and report["knee"]["saturated_at"] is None
+        codes = ", ".join(f"{k.split(':', 1)[1]} {n}"
+                          for k, n in second["unavailabilities"].items())
+        last = stderr.strip().splitlines()[-1]
+        assert last == (f"loadtest: the service's backend became unavailable at step 2 "
+                        f"({second['unavailable']} of {second['sent']} requests: {codes}): "
+                        "no knee drawn; the report keeps what was measured"), stderr[-2000:]
+        assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
+        # a load test started while the backend is down: one line before any load, no report
+        again = subprocess.run(
+            [*cli, "--users", "1", "--duration", "5", "--warmup", "0", "--report",
+             str(tmp_path / "again.json")], env=env, capture_output=True, text=True,
+            timeout=240)
+        assert again.returncode == 2, (again.returncode, again.stdout[-2000:], again.stderr)
+        line, = again.stderr.strip().splitlines()
+        assert line.startswith("error: elasticsearch at ") and "is not reachable" in line, line
+        assert not (tmp_path / "again.json").exists() and not again.stdout
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
         es.stop()
