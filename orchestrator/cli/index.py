@@ -93,7 +93,8 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
                                        help="ask external backends for counts (health)"),
             as_json: bool = JsonOpt):
     """List owned and external indexes with their backends, document counts and health; exit
-    1 when any cannot be searched now (a backend down, an index incomplete)."""
+    1 when any cannot be searched now (a backend down, an index incomplete); an index being
+    ingested is listed as such and does not make it exit 1."""
     from branchsearch.infra.index.catalog import list_indexes
     from branchsearch.orchestrator.cli.render import clean, pad
 
