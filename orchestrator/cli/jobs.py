@@ -15,6 +15,7 @@ import typer
 
 from branchsearch.infra.config.choices import MODES, POLICIES, SPLITS
 from branchsearch.infra.errors import BranchsearchError
+from branchsearch.infra.ids import shown_id
 from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, JsonOpt,
@@ -23,7 +24,7 @@ from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressO
                                                    settings_to_read, writable_file,
                                                    writable_folder)
 from branchsearch.orchestrator.cli.render import (print_demo_branches, print_demo_evidence,
-                                                  print_evaluation, shown_id)
+                                                  print_evaluation)
 from branchsearch.orchestrator.loadtest.command import loadtest
 
 

@@ -31,15 +31,6 @@ def clean(text: object) -> str:
     return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
 
 
-def shown_id(qid: str) -> str:
-    """An id (a question's, a document's) for a line on the terminal: as it is when every
-    character shows, else quoted with Python's escapes (`'a\\nb'`, `'q1\\u200b'`), so that
-    no control character reaches the terminal and two ids that differ only by one that does not
-    show (a zero-width space, a byte-order mark, a newline) look different. Files keep ids
-    exactly."""
-    return qid if qid.isprintable() and qid == qid.strip() else repr(qid)
-
-
 def cell_width(text: str) -> int:
     """Terminal columns `text` takes, as the C library's `wcwidth` counts them (what a
     terminal lays its grid by): East Asian wide and full-width characters take two; marks that

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+from branchsearch.infra.ids import shown_id
 from branchsearch.orchestrator.evaluation.measures import mean, recall_at
 
 SUMMARY_METRICS = ("recall@2", "recall@5", "all_recall@5", "recall@10", "all_recall@10",
@@ -34,14 +36,45 @@ def write_report(path: Path, text: str) -> None:
         raise
 
 
+# what Markdown reads as markup in the middle of a line or a table cell (an underscore only at
+# a word's edge: `not_in_corpus` is no emphasis); a backslash before each makes it literal
+_MARKUP = re.compile(r"[\\`*\[\]<&|~]|(?<!\w)_|_(?!\w)")
+
+
+def _escaped(text: str) -> str:
+    return _MARKUP.sub(lambda m: "\\" + m.group(0), text)
+
+
+def md_id(qid: str) -> str:
+    """An id (a query's, a document's) for Markdown text or a table cell: as the terminal shows
+    it (`shown_id`: quoted with Python's escapes when a character does not show, so a line
+    separator is `\\u2028`, not a line break), with Markdown's markup characters escaped, so
+    that a '|' stays in its cell, '<b>' shows as written and a backtick opens no code span."""
+    return _escaped(shown_id(qid))
+
+
+def md_text(text: str) -> str:
+    """Text (a question, a note) for one Markdown line: what does not print becomes a space,
+    whitespace runs one space, markup characters escaped."""
+    return _escaped(" ".join("".join(c if c.isprintable() else " " for c in str(text)).split()))
+
+
+def _md_ids(ids) -> str:
+    return "[" + ", ".join(map(md_id, ids)) + "]"
+
+
 def markdown(report: dict) -> str:
+    """The report for a reader: the summary table, attribution with examples, the paired
+    comparisons. Ids, questions and notes are escaped (`md_id`, `md_text`): one table row is
+    one query whatever its id holds; the JSON keeps them exactly."""
     runs = report["runs"]
     lines = [f"# Evaluation: {report['dataset']}", "",
              f"{runs[0]['queries']} queries, split {report.get('split', '?')}. Document-level "
              "metrics (a document ranks by its best chunk).", "",
              f"Index `{report.get('index', '?')}`, embedding: "
              f"{report.get('embedding') or 'none'}.", ""]
-    lines += [f"* {n}" for n in report.get("notes", [])] + [""] * bool(report.get("notes"))
+    notes = report.get("notes", [])
+    lines += [f"* {md_text(n)}" for n in notes] + [""] * bool(notes)
     lines += ["| metric | " + " | ".join(r["config"] for r in runs) + " |",
               "|---|" + "---|" * len(runs)]
     for m in SUMMARY_METRICS:
@@ -61,8 +94,9 @@ def markdown(report: dict) -> str:
             if c == "ok":
                 continue
             for p in [p for p in attributed[0]["per_query"] if p["attribution"] == c][:2]:
-                lines.append(f"* **{c}** `{p['id']}` — {p['question']} gold {p['gold']}, "
-                             f"culprits {p['culprits']}, top-5 {p['ranking'][:5]}")
+                lines.append(f"* **{c}** {md_id(p['id'])} — {md_text(p['question'])} gold "
+                             f"{_md_ids(p['gold'])}, culprits {_md_ids(p['culprits'])}, "
+                             f"top-5 {_md_ids(p['ranking'][:5])}")
     for cmp in report.get("comparisons", []):
         lines += ["", f"## Paired: {cmp['agent']} vs {cmp['baseline']} ({cmp['measure']})", "",
                   f"wins {cmp['wins']}, losses {cmp['losses']}, ties {cmp['ties']}", ""]
@@ -73,8 +107,8 @@ def markdown(report: dict) -> str:
         changed = [row for row in cmp["per_query"] if row["outcome"] != "tie"]
         if changed:
             lines += ["", "| query | agent | baseline | outcome |", "|---|---|---|---|"]
-            lines += [f"| {r['id']} | {r['agent']:.3g} | {r['baseline']:.3g} | {r['outcome']} |"
-                      for r in changed[:40]]
+            lines += [f"| {md_id(r['id'])} | {r['agent']:.3g} | {r['baseline']:.3g} | "
+                      f"{r['outcome']} |" for r in changed[:40]]
     if report.get("plots"):
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})"
                                          for p in report["plots"]]

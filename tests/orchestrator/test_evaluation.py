@@ -435,3 +435,75 @@ def test_a_query_id_that_differs_from_its_qrels_only_by_an_invisible_character_i
     assert ("warning: 2 queries of queries.jsonl differ from ids of qrels/test.tsv only by "
             "characters that do not show (ids compare exactly), not scored: 'q1\\u200b' "
             "(qrels/test.tsv: 'q1'), 'q\\ufeff3' (qrels/test.tsv: 'q3')") in notes, notes
+
+
+def _hostile_copy(folder, ids: dict[int, str], ghost: tuple[int, str] | None = None):
+    """hotpot-mini with the queries at `ids`' positions renamed, every document id's first '-'
+    made a '|', and, when `ghost` is given, a gold document the corpus lacks for the query at
+    that position. Returns the folder and the query ids in file order."""
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    renamed = {row["_id"]: ids.get(i, f"q{i}") for i, row in enumerate(queries)}
+    corpus = [json.loads(line) for line in (HOTPOT / "corpus.jsonl").read_text().splitlines()]
+    header, *qrels = (HOTPOT / "qrels" / "test.tsv").read_text().splitlines()
+    lines = [line.split("\t") for line in qrels]
+    qrels = "".join(f"{renamed[q]}\t{d.replace('-', '|', 1)}\t{s}\n" for q, d, s in lines)
+    if ghost is not None:
+        qrels += f"{ids[ghost[0]]}\t{ghost[1]}\t1\n"
+    _beir(folder, [{**d, "_id": d["_id"].replace("-", "|", 1)} for d in corpus],
+          [(renamed[q["_id"]], q["text"]) for q in queries], f"{header}\n{qrels}")
+    return folder, list(renamed.values())
+
+
+def _markdown_cells(line: str) -> list[str]:
+    """A Markdown table row's cells, split at the '|' that no backslash escapes."""
+    import re
+
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _unescaped(text: str) -> str:
+    """A cell or code-free Markdown text as it renders: a backslash before punctuation dropped;
+    an id shown quoted (it holds a character that does not show) read back as Python reads
+    it."""
+    import ast
+    import re
+
+    text = re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", text)
+    return ast.literal_eval(text) if text[:1] in "'\"" else text
+
+
+def test_the_markdown_report_keeps_one_row_per_query_whatever_its_id_holds(tmp_path):
+    """Ids with '|', a backtick, '<b>', a backslash or a line separator were written into the
+    Markdown report as they are: '|' split a row of the paired table into more cells than its
+    header, '<b>q7</b>' rendered bold (the tags gone), a backtick opened a code span. Each
+    cell now shows its id escaped (Markdown's backslash escapes; an id holding a character
+    that does not show quoted with Python's escapes, as the terminal shows it), one row a
+    query; the JSON keeps the ids exactly."""
+    import re
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    hostile = {1: "q|1", 2: "<i>q2</i>", 4: "q\u20284", 7: "<b>q7</b>", 9: "q`9\\"}
+    data, qids = _hostile_copy(tmp_path / "hostile", hostile, ghost=(2, "ghost|`<x>"))
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "hostile",
+                                        "search_mode": "bm25"}, read_env=False, read_file=False)
+    ingest(data, settings, dense=False)
+    report = tmp_path / "r.json"
+    result = run_evaluation(settings, EvalOptions(data, policy="heuristic", baseline="bm25",
+                                                  executor="local", ingest_first=False,
+                                                  report=report))
+    assert [p["id"] for p in json.loads(report.read_text())["runs"][0]["per_query"]] == qids
+    md = report.with_suffix(".md").read_text()
+    lines = md.splitlines()
+    start = lines.index("| query | agent | baseline | outcome |")
+    rows = [_markdown_cells(line) for line in lines[start + 2:] if line.startswith("|")]
+    changed = [r for r in result["comparisons"][0]["per_query"] if r["outcome"] != "tie"]
+    assert {r["id"] for r in changed} >= {"q|1", "q\u20284", "<b>q7</b>", "q`9\\"}, changed
+    assert all(len(row) == 4 for row in rows), rows
+    assert [_unescaped(row[0]) for row in rows] == [r["id"] for r in changed]
+    tables = md[md.index("## Failure attribution"):]  # (the header's index is a code span)
+    assert not re.search(r"(?<!\\)[<`]", tables) and "\u2028" not in md  # no tag or code
+    example = next(line for line in lines if line.startswith("* **not_in_corpus**"))
+    assert "\\<i>q2\\</i>" in example and "ghost\\|\\`\\<x>" in example, example
