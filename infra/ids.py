@@ -34,7 +34,7 @@ def id_problem(value: str) -> str:
     if not value.strip():
         return "is empty"
     if not any(map(shows, value)):
-        return f"{value!r} has no character that shows"
+        return f"{ascii(value)} has no character that shows"  # each escaped: none shows
     return ""
 
 

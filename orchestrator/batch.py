@@ -26,7 +26,8 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   is not run, none is started after it, and the counts say why (`lost`).
 Malformed input lines are reported with their line numbers and skipped. An id is a non-empty
 string, written back as given, or a number, written back as text (`7` -> "7", `1.5` -> "1.5"); an
-empty id, true/false, an array or an object is a malformed line.
+empty id, one of characters that do not show (`infra.ids`), true/false, an array or an object
+is a malformed line.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from itertools import islice
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, ClusterLost, CorpusError
+from branchsearch.infra.ids import id_problem
 from branchsearch.workers.query import question_problem
 
 STATUSES = ("ok", "partial", "failed")
@@ -139,11 +141,13 @@ def _questions(f, path: str | Path) -> BatchInput:
 def question_id(value: object) -> str:
     """A question's id as the output writes it: a non-empty string in Unicode NFC (as document
     ids are: an id typed on macOS is NFD, and the two spellings are one id), a number as
-    text (`7` -> "7", `1.5` -> "1.5"); ValueError for anything else (empty, true/false,
-    an array, an object, NaN)."""
+    text (`7` -> "7", `1.5` -> "1.5"); ValueError for anything else (empty, nothing that
+    shows, true/false, an array, an object, NaN)."""
     if isinstance(value, str):
-        if not value.strip():
-            raise ValueError("'id' is empty: give each question a non-empty id")
+        problem = id_problem(value)  # "" or spaces; or "\u200b", which shows as nothing
+        if problem:
+            fix = "a non-empty id" if not value.strip() else "an id one can read"
+            raise ValueError(f"'id' {problem}: give each question {fix}")
         return unicodedata.normalize("NFC", value)
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
@@ -153,6 +157,15 @@ def question_id(value: object) -> str:
             else "an object" if isinstance(value, dict)
             else _JSON_KIND.get(type(value), type(value).__name__))
     raise ValueError(f"'id' must be a non-empty string or a number, not {kind}")
+
+
+def _written_id(value: object) -> str:
+    """The id of an output row, as `question_id` reads an input's (NFC: a row written before
+    ids were), but an id that shows nothing is kept: an earlier version wrote such rows, and
+    dropping them from the rewrite would lose finished work."""
+    if isinstance(value, str) and value.strip():
+        return unicodedata.normalize("NFC", value)
+    return question_id(value)
 
 
 def _why_failed(row: dict) -> str:
@@ -206,7 +219,7 @@ def latest_rows(path: str | Path) -> dict[str, Latest]:
         for line in f:
             try:
                 row = json.loads(line)
-                qid = question_id(row["id"])  # (NFC: a row written before ids were)
+                qid = _written_id(row["id"])
                 made = row.get("made_with")
                 latest = Latest(offset, len(line), row_status(row), row.get("index"),
                                 made if isinstance(made, dict) else None, row.get("question"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from branchsearch.infra.config.choices import SPLITS, Split
 from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.ids import id_problem
 from branchsearch.infra.ingest.corpus import document_id
 from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
 
@@ -68,6 +69,10 @@ def read_queries(folder: str | Path, split: Split = "test",
             if not row[2].lstrip("-").isdigit():
                 raise CorpusError(f"{qrels_file}:{lineno}: score {row[2][:20]!r} is not a whole "
                                   "number (a relevance grade: 0, 1, 2, …)")
+            for name, value in (("query-id", row[0]), ("corpus-id", row[1])):
+                problem = id_problem(value)  # gold no query or document could be
+                if problem:
+                    raise CorpusError(f"{qrels_file}:{lineno}: {name} {problem}")
             # the ids as the index holds them (NFC)
             qid, doc, score = _nfc(row[0]), document_id(row[1]), int(row[2])
             first = graded.setdefault((qid, doc), (score, lineno))
@@ -92,6 +97,10 @@ def read_queries(folder: str | Path, split: Split = "test",
             if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():
                 raise CorpusError(f"{qfile}:{lineno}: '_id' must be a non-empty string or a "
                                   f"whole number, not {json.dumps(qid)}")
+            problem = id_problem(str(qid))  # "\u200b": as empty to a reader of the report
+            if problem:
+                raise CorpusError(f"{qfile}:{lineno}: '_id' {problem}: give each query an id "
+                                  "one can read")
             if not isinstance(text, str):
                 raise CorpusError(f"{qfile}:{lineno}: 'text' must be a string, not "
                                   f"{json.dumps(text)[:40]}")

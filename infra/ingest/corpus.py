@@ -18,6 +18,7 @@ from pathlib import Path
 from branchsearch.infra.stores.acl import (ACL_ALL, MAX_DOC_GROUPS, PUBLIC, group_name,
                                            group_problem)
 from branchsearch.infra.errors import CorpusError
+from branchsearch.infra.ids import id_problem
 from branchsearch.infra.nfc import nfc
 from branchsearch.infra.textfile import KeyTwice, convert_command, json_once, utf8_lines
 
@@ -141,6 +142,9 @@ def _documents(lines, name: str, source: str | None,
 
 def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
     doc_id = document_id(doc_id)
+    problem = id_problem(doc_id)  # (an empty one, or all spaces, is a missing id: said before)
+    if problem:  # "\u200b": a document every listing shows as nothing
+        raise CorpusError(f"{where}: document id {problem}")
     if not _ID_OK.fullmatch(doc_id):
         raise CorpusError(f"{where}: document id {doc_id!r} may not contain whitespace or '#'")
     size = len(doc_id.encode("utf-8", "surrogatepass"))

@@ -201,6 +201,12 @@ def test_a_text_file_with_nothing_to_search_is_skipped_and_named(tmp_path, capsy
     ('{"id": "..", "text": "x"}\n', r"document id '\.\.' is a path step"),
     ('{"id": "nul\\u0000x", "text": "x"}\n', "holds the control character U\\+0000"),
     ('{"id": "rlo\\u202egpj.exe", "text": "x"}\n', "holds the control character U\\+202E"),
+    # an id of characters that do not show: no id a reader can see or type (as an empty one)
+    ('{"id": "\\u200b", "text": "x"}\n',
+     r"bad.jsonl:1: document id '\\u200b' has no character that shows"),
+    ('{"_id": "a", "text": "x"}\n{"_id": "\\ufeff\\u2060", "text": "y"}\n',
+     r"bad.jsonl:2: document id '\\ufeff\\u2060' has no character that shows"),
+    ('{"id": "\\u3164", "text": "x"}\n', r"bad.jsonl:1: document id '\\u3164' has no character"),
     ('{"id": "caf\u00e9", "text": "x"}\n{"id": "cafe\u0301", "text": "y"}\n',
      r":2: duplicate document id .* \(first on line 1\) \(the same id in another Unicode form"),
     ('{"id": "a", "text": "x", "acl": ["*"]}\n', r":1: 'acl' may not name '\*'"),

@@ -507,3 +507,30 @@ def test_the_markdown_report_keeps_one_row_per_query_whatever_its_id_holds(tmp_p
     assert not re.search(r"(?<!\\)[<`]", tables) and "\u2028" not in md  # no tag or code
     example = next(line for line in lines if line.startswith("* **not_in_corpus**"))
     assert "\\<i>q2\\</i>" in example and "ghost\\|\\`\\<x>" in example, example
+
+
+@pytest.mark.parametrize("queries, qrels, where, message", [
+    ([("q1", "volcano town"), ("\u200b", "lake town")], "q1\td0\t1\n", "queries.jsonl:2",
+     "'_id' '\\u200b' has no character that shows"),
+    ([("q1", "volcano town"), ("\ufeff", "lake town")], "q1\td0\t1\n", "queries.jsonl:2",
+     "'_id' '\\ufeff' has no character that shows"),
+    ([("q1", "volcano town")], "q1\td0\t1\n\u200b\td1\t1\n", "qrels/test.tsv:2",
+     "query-id '\\u200b' has no character that shows"),
+    ([("q1", "volcano town")], "q1\t\u2060\t1\n", "qrels/test.tsv:1",
+     "corpus-id '\\u2060' has no character that shows"),
+    ([("q1", "volcano town")], "q1\td0\t1\n\td1\t1\n", "qrels/test.tsv:2", "query-id is empty"),
+    ([("q1", "volcano town")], "q1\t\t1\n", "qrels/test.tsv:1", "corpus-id is empty"),
+])
+def test_an_id_that_shows_nothing_is_refused_with_its_line(tmp_path, queries, qrels, where,
+                                                           message):
+    """A query id of a zero-width space or a byte-order mark was accepted as an id that no
+    report could show apart from an empty one (which was refused), and a qrels line with an
+    empty or invisible query or document id was read as gold no query could match. Each is
+    now one line naming the file and line, the id escaped."""
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.errors import CorpusError
+
+    data = _beir(tmp_path / "blank", [], queries, qrels)
+    with pytest.raises(CorpusError) as raised:
+        read_queries(data)
+    assert str(raised.value).startswith(f"{data / where}: {message}"), raised.value

@@ -549,6 +549,48 @@ def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "7", "1.5"]
 
 
+
+def test_batch_ids_that_show_nothing_are_malformed_lines(tmp_path):
+    """An id of a zero-width space, a byte-order mark or a Hangul filler was run and written
+    as an id no reader could tell from an empty one (which is refused): now each is a
+    malformed line naming its line number and the id escaped, and the other questions run."""
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.infra.config.settings import load_settings
+
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ids"},
+                             read_env=False, read_file=False)
+    ingest(HOTPOT, settings, dense=False)
+    question = json.loads((HOTPOT / "queries.jsonl").read_text().splitlines()[0])["text"]
+    ids = ["\u200b", "\ufeff", "\u3164\u200d", "a\u200b"]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "question": question}) + "\n" for i in ids))
+    done = subprocess.run(
+        [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(inp), "-o",
+         str(out), "--home", str(settings.home), "--index", "ids", "--executor", "local",
+         "--branches", "1"], env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    for lineno, shown in ((1, "'\\u200b'"), (2, "'\\ufeff'"), (3, "'\\u3164\\u200d'")):
+        assert (f"skipped {inp}:{lineno}: 'id' {shown} has no character that shows: give each "
+                "question an id one can read") in done.stderr, done.stderr[-2000:]
+    assert "1 ok" in done.stdout and "3 malformed input lines skipped" in done.stdout
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a\u200b"]
+
+
+def test_an_output_row_whose_id_shows_nothing_survives_the_rewrite(tmp_path):
+    """An output an earlier version wrote may hold a row whose id shows nothing (it was
+    accepted then): the end-of-run rewrite keeps it, as it keeps every other id's latest row,
+    rather than drop finished work because its input line would now be refused."""
+    from branchsearch.orchestrator.batch import compact
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps({"id": qid, "question": "Who?", "status": "ok"}) + "\n"
+                           for qid in ("a", "\u200b", "\u200b", "b")))
+    assert compact(out, ["a", "b"]) == 3
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [
+        "a", "b", "\u200b"]
+
+
 @pytest.fixture(scope="module")
 def local_driver(tmp_path_factory):
     """hotpot-mini, BM25 only (no embedding), searched in-process."""

@@ -378,6 +378,22 @@ def test_a_bad_element_of_a_json_array_upload_is_named_as_the_element(site):
     assert_error(r, 404)  # none of them was written
 
 
+def test_an_uploaded_document_id_that_shows_nothing_is_a_422(site):
+    """A document PUT with the id "\\u200b" (a zero-width space) was written: a document whose
+    id every listing shows as nothing, which an empty id is refused for. Now a 422 naming the
+    element and the id escaped, and nothing of the body is written."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    for blank in ("\u200b", "\ufeff", "\u2060\u3164"):
+        body = [{"id": "shows-nothing-ok", "text": "A good document."},
+                {"id": blank, "text": "An id nobody can see."}]
+        r = client.put("/v1/indexes/acl/documents", headers=admin, json=body)
+        assert assert_error(r, 422, "bad_request")["detail"] == (
+            f"body element 2 of 2: document id {ascii(blank)} has no character that shows")
+    assert_error(client.delete("/v1/indexes/acl/documents/shows-nothing-ok", headers=admin),
+                 404)
+
+
 def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
     """An admin key with groups writes and deletes only documents whose acl is within them;
     a DELETE of an id it may not see answers exactly as a missing id does (an admin could
