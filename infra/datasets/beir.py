@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,8 @@ def read_queries(folder: str | Path, split: Split = "test",
     gold: dict[str, dict[str, int]] = {}
     graded: dict[tuple[str, str], tuple[int, int]] = {}  # (query, document) -> (score, line)
     with qrels_file.open("rb") as f:
-        lines = [(n, line) for n, line in utf8_lines(f, qrels_file) if line.strip()]
+        lines = [(n, line) for n, line in text_lines(utf8_lines(f, qrels_file))
+                 if line.strip()]
         for lineno, line in lines:
             row = qrels_fields(line)
             if lineno == lines[0][0] and len(row) == 3 and not _number(row[-1]):
@@ -134,6 +136,18 @@ def read_queries(folder: str | Path, split: Split = "test",
 def _shown(qid: str) -> str:
     """An id without the characters that do not show (zero-width, byte-order mark, controls)."""
     return "".join(c for c in qid if c.isprintable()).strip()
+
+
+def text_lines(lines):
+    """(line number, line) of a file's `utf8_lines` with a lone carriage return also ending a
+    line, numbered as an editor numbers them: BEIR's loader opens qrels in text mode, where
+    "\r" ends a line, so a file saved with classic Mac line ends is its lines, not one."""
+    n = 0
+    for _, line in lines:
+        for part in re.split(r"\r(?!\n)", line):
+            n += 1
+            if part:
+                yield n, part
 
 
 def qrels_fields(line: str) -> list[str]:

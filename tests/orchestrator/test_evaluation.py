@@ -534,3 +534,27 @@ def test_an_id_that_shows_nothing_is_refused_with_its_line(tmp_path, queries, qr
     with pytest.raises(CorpusError) as raised:
         read_queries(data)
     assert str(raised.value).startswith(f"{data / where}: {message}"), raised.value
+
+
+@pytest.mark.parametrize("qrels", [
+    "q1\td0\t1\rq2\td1\t1\r",  # classic Mac line ends
+    "query-id\tcorpus-id\tscore\rq1\td0\t1\r\nq2\td1\t1\n",  # mixed
+])
+def test_qrels_lines_ended_by_a_carriage_return_are_read_as_beir_reads_them(tmp_path, qrels):
+    """A qrels file whose lines end with a lone carriage return stopped eval with Python's
+    csv error and its traceback ("new-line character seen in unquoted field - do you need to
+    open the file in universal-newline mode?"). BEIR's loader opens the file in text mode,
+    where a carriage return ends a line: so does eval now."""
+    from branchsearch.infra.datasets.beir import read_queries
+
+    data = _beir(tmp_path / "cr", [], [("q1", "volcano town"), ("q2", "lake town")], qrels)
+    assert {q.id: q.gold for q in read_queries(data)} == {"q1": {"d0": 1}, "q2": {"d1": 1}}
+
+
+def test_a_carriage_return_line_is_named_by_its_number_as_an_editor_counts(tmp_path):
+    from branchsearch.infra.datasets.beir import read_queries
+    from branchsearch.infra.errors import CorpusError
+
+    data = _beir(tmp_path / "cr", [], [("q1", "volcano town")], "q1\td0\t1\rq1\td0\tx\r")
+    with pytest.raises(CorpusError, match=r"test.tsv:2: score 'x' is not a whole number"):
+        read_queries(data)
