@@ -44,6 +44,8 @@ CHUNK_SUFFIX = "#p0"
 # Milvus metrics whose `distance` is smaller for a nearer vector (COSINE and IP: larger); every
 # ranking here orders by score, highest first, so their hits are scored by -distance
 LOWER_IS_NEARER = ("L2", "HAMMING", "JACCARD")
+# Elasticsearch field types whose `terms` query matches a group name exactly, as it is written
+GROUP_TYPES = ("keyword", "constant_keyword", "wildcard")
 
 
 @dataclass(frozen=True)
@@ -174,22 +176,10 @@ class ExternalElastic:
         # values under that field's name, never the alias's (read as missing: public)
         self.f = FieldMap(**{role: aliases.get(getattr(self.f, role), getattr(self.f, role))
                              for role in ("id", "title", "text", "acl", "vector")})
-        if self.f.acl and types.get(self.f.acl) == "text":  # analysed: matched word by word
-            keyword = [n for n, t in types.items() if n.startswith(f"{self.f.acl}.") and
-                       t == "keyword"]
-            use = f"acl = {keyword[0]!r}" if keyword else "a keyword field"
-            raise SettingsError(
-                f"index {spec.name!r}: field acl = {spec.fields.acl!r} is a text field in {where}: "
-                f"its group names would match word by word (a caller of 'eu' would see "
-                f"'finance-eu'); map the groups as keyword, or use {use} in "
-                f"[indexes.{spec.name}.fields]")
-        normalizer = _field_spec(mapping, self.f.acl).get("normalizer") if self.f.acl else None
-        if normalizer:  # "HR" indexed as "hr": a caller of group 'hr' would match 'HR'
-            raise SettingsError(
-                f"index {spec.name!r}: field acl = {spec.fields.acl!r} has the normalizer "
-                f"{normalizer!r} in {where}: group names would match as it normalises them (a "
-                "caller of 'hr' would see 'HR''s documents); map the groups as a keyword "
-                "field without a normalizer")
+        for concrete, body in dict(mapping).items():  # an alias: every index behind it
+            here = where if len(mapping) == 1 else (f"Elasticsearch index {concrete!r} (behind "
+                                                   f"{self.index!r})")
+            _check_acl_mapping(spec, self.f.acl, {concrete: body}, here)
         # where each field's value is in a document's `_source` ("groups.keyword" is indexed
         # from "groups"); the queries name the indexed fields, `self.f`
         self.src = FieldMap(**{role: _source_path(getattr(self.f, role), types)
@@ -309,6 +299,43 @@ def _mapped(mapping) -> dict[str, str]:
     return names
 
 
+def _check_acl_mapping(spec: ExternalIndex, acl: str, mapping, where: str) -> None:
+    """The ACL field `acl` (an alias already read as its target) in the mapping of one
+    concrete index: present, a keyword field (not analysed, not an object), not normalised.
+    Behind an alias each index maps its own fields, so each is checked: one whose field is
+    text would match a group word by word, one without it would read every document of its
+    own as public."""
+    if not acl:  # acl = "": no groups, all public
+        return
+    types = _mapped(mapping)
+    if acl not in types:
+        raise SettingsError(
+            f"index {spec.name!r}: field acl = {spec.fields.acl!r} is not in {where}: each of "
+            f"its documents would read as public; map {acl!r} in that index too (as keyword)")
+    if types[acl] == "text":  # analysed: matched word by word
+        keyword = [n for n, t in types.items() if n.startswith(f"{acl}.") and t == "keyword"]
+        use = f"acl = {keyword[0]!r}" if keyword else "a keyword field"
+        raise SettingsError(
+            f"index {spec.name!r}: field acl = {spec.fields.acl!r} is a text field in {where}: "
+            f"its group names would match word by word (a caller of 'eu' would see "
+            f"'finance-eu'); map the groups as keyword, or use {use} in "
+            f"[indexes.{spec.name}.fields]")
+    if types[acl] not in GROUP_TYPES:  # an object: its sub-fields' names read as groups
+        inner = [n for n, t in types.items() if n.startswith(f"{acl}.") and t in GROUP_TYPES]
+        use = f"acl = {inner[0]!r}" if inner else "a keyword field"
+        raise SettingsError(
+            f"index {spec.name!r}: field acl = {spec.fields.acl!r} is of type {types[acl]!r} in "
+            f"{where}; the group names must be a keyword field: use {use} in "
+            f"[indexes.{spec.name}.fields]")
+    normalizer = _field_spec(mapping, acl).get("normalizer")
+    if normalizer:  # "HR" indexed as "hr": a caller of group 'hr' would match 'HR'
+        raise SettingsError(
+            f"index {spec.name!r}: field acl = {spec.fields.acl!r} has the normalizer "
+            f"{normalizer!r} in {where}: group names would match as it normalises them (a "
+            "caller of 'hr' would see 'HR''s documents); map the groups as a keyword "
+            "field without a normalizer")
+
+
 def _aliases(mapping) -> dict[str, str]:
     """Each field alias of a mapping (`{"type": "alias", "path": …}`, dotted names as in
     `_mapped`) -> the field it points to."""
@@ -423,6 +450,26 @@ def _es_unavailable(url: str, exc: Exception) -> BackendUnavailable:
 # --- Milvus -------------------------------------------------------------------------------------
 
 
+def _type_name(data_type) -> str:
+    return str(getattr(data_type, "name", data_type))
+
+
+def _check_milvus_acl(spec: ExternalIndex, where: str, field: dict) -> None:
+    """The ACL filter compares group names as strings (`groups == ""`, `groups in [...]`) or
+    as an array of them (`array_contains_any`): a field of another type (JSON, a number) fails
+    every search in Milvus's parser, so it is refused at open, saying what it is."""
+    from pymilvus import DataType
+
+    kind, element = field.get("type"), field.get("element_type")
+    if kind == DataType.VARCHAR or kind == DataType.ARRAY and element == DataType.VARCHAR:
+        return
+    shown = _type_name(kind) + (f" of {_type_name(element)}" if kind == DataType.ARRAY else "")
+    raise SettingsError(
+        f"index {spec.name!r}: field acl = {spec.fields.acl!r} is {shown} in {where}; the group "
+        "names must be a VARCHAR field or an ARRAY of VARCHAR (acl = \"\" when the documents "
+        "have no groups)")
+
+
 class ExternalMilvus:
     """Vector search and reads by id on an existing Milvus collection, through the mapping.
     The query embedder must make vectors of the collection's dimension (checked here)."""
@@ -471,13 +518,21 @@ class ExternalMilvus:
         name = self.spec.name
         where = f"Milvus collection {self.collection!r}"
         _check_mapped(self.spec, where, set(schema), ("id", "vector", "text"))
-        dim = int(schema[self.f.vector].get("params", {}).get("dim", 0))
+        vector = schema[self.f.vector]
+        if "dim" not in (vector.get("params") or {}):  # a scalar or a sparse field
+            raise SettingsError(
+                f"index {name!r}: field vector = {self.f.vector!r} is not a dense vector field "
+                f"in {where} (it is {_type_name(vector.get('type'))}); map vector to the field "
+                "the collection's embeddings are in")
+        dim = int(vector["params"]["dim"])
         if dim != embed_dim:
             raise SettingsError(
                 f"index {name!r}: collection {self.collection!r} holds {dim}-dim vectors in "
                 f"{self.f.vector!r} but the query embedder makes {embed_dim}-dim ones; set "
                 "embed_model to the model that embedded the collection")
         _check_mapped(self.spec, where, set(schema), ("acl",))
+        if self.f.acl:
+            _check_milvus_acl(self.spec, where, schema[self.f.acl])
         self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
                          if c in schema]
 

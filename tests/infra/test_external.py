@@ -538,3 +538,150 @@ def test_a_null_among_a_documents_groups_is_no_group_not_a_crash(es_url, tmp_pat
         assert r.read_document("null-memo", acl_groups=["hr"])["chunks"]
     finally:
         r.close()
+
+
+@pytest.mark.es
+def test_an_alias_is_checked_index_by_index(es_url, tmp_path):
+    """`es_index` an alias over two indexes whose teams mapped the groups differently: the
+    mappings were merged, one index's `groups` (keyword) hid the other's (text), and there a
+    caller of group 'eu' found the document of group 'finance-eu'. Each index behind the alias
+    is checked; an alias whose indexes all map keyword groups is searched as one index, under
+    the ids and groups its documents have."""
+    from elasticsearch import Elasticsearch
+
+    es = Elasticsearch(es_url)
+    tag = uuid.uuid4().hex[:8]
+    keyword = {"doc_key": {"type": "keyword"}, "body": {"type": "text"},
+               "groups": {"type": "keyword"}}
+    analysed = {**keyword, "groups": {"type": "text", "fields": {"kw": {"type": "keyword"}}}}
+    made = {f"aa-{tag}": analysed, f"ab-{tag}": {k: v for k, v in keyword.items()
+                                                 if k != "groups"},
+            f"zz-{tag}": keyword, f"zy-{tag}": keyword}
+    documents = {f"aa-{tag}": {"eu-plan": ["finance-eu"]}, f"ab-{tag}": {"ab-memo": None},
+                 f"zz-{tag}": {"Zürich/1#a": "finance-eu", "öffentlich": []},
+                 f"zy-{tag}": {"東京-plan": ["finance"]}}
+    for name, mappings in made.items():
+        es.indices.create(index=name, mappings={"properties": mappings})
+        for key, groups in documents[name].items():
+            groups = {} if groups is None else {"groups": groups}
+            es.index(index=name, id=f"es-{key}", document={"doc_key": key,
+                                                            "body": f"the {key} budget", **groups})
+        es.indices.refresh(index=name)
+    for alias, members in ((f"mixed-{tag}", ("aa", "zz")), (f"partial-{tag}", ("ab", "zz")),
+                           (f"same-{tag}", ("zy", "zz"))):
+        for member in members:
+            es.indices.put_alias(index=f"{member}-{tag}", name=alias)
+    es.close()
+
+    def settings(alias: str):
+        (tmp_path / "branchsearch.toml").write_text(
+            f'es_url = "{es_url}"\n[indexes.corp]\nlexical = "elasticsearch"\n'
+            f'es_index = "{alias}"\n[indexes.corp.fields]\nid = "doc_key"\ntitle = "body"\n'
+            'text = "body"\nacl = "groups"\n')
+        return load_settings(tmp_path / "branchsearch.toml", {"home": tmp_path, "index": "corp"},
+                             read_env=False)
+
+    with pytest.raises(SettingsError, match=rf"acl = 'groups' is a text field in Elasticsearch "
+                       rf"index 'aa-{tag}' \(behind 'mixed-{tag}'\)"):
+        open_retriever(settings(f"mixed-{tag}"))
+    with pytest.raises(SettingsError, match=rf"acl = 'groups' is not in Elasticsearch index "
+                       rf"'ab-{tag}' \(behind 'partial-{tag}'\): each of its documents would "
+                       "read as public"):
+        open_retriever(settings(f"partial-{tag}"))
+    r = open_retriever(settings(f"same-{tag}"))
+    try:
+        for groups, sees in ((None, {"öffentlich"}), (["eu"], {"öffentlich"}),
+                             (["finance-eu"], {"öffentlich", "Zürich/1#a"}),
+                             (["finance"], {"öffentlich", "東京-plan"})):
+            hits = r.search("budget plan", mode="bm25", k=10, acl_groups=groups)
+            assert {h.doc_id for h in hits} == sees, groups
+            assert all(h.chunk_id == f"{h.doc_id}#p0" for h in hits)
+        assert r.read_document("Zürich/1#a", acl_groups=["finance-eu"])["chunks"]
+        with pytest.raises(BadQuery, match="unknown document"):
+            r.read_document("Zürich/1#a", acl_groups=["finance"])
+    finally:
+        r.close()
+
+
+def test_a_milvus_acl_or_vector_field_of_another_type_is_refused_at_open(tmp_path):
+    """Another team's collection keeps its groups in a JSON field (a string in one row, a list
+    in another) or in a number: the index opened, and every search then failed in Milvus's
+    expression parser ("Invalid expr: acl == \\"\\""), the caller seeing a backend error per
+    question. A vector field mapped to a text field read as "0-dim vectors". Both are one line
+    at open, naming the field's type."""
+    from pymilvus import DataType, MilvusClient
+
+    uri = str(tmp_path / "corp.db")
+    client = MilvusClient(uri=uri)
+    for collection, acl_type in (("json_acl", DataType.JSON), ("int_acl", DataType.INT64),
+                                 ("int_array_acl", DataType.ARRAY)):
+        schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("doc_key", DataType.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("body_text", DataType.VARCHAR, max_length=1024)
+        extra = ({"element_type": DataType.INT64, "max_capacity": 4}
+                 if acl_type == DataType.ARRAY else {})
+        schema.add_field("acl", acl_type, **extra)
+        schema.add_field("emb", DataType.FLOAT_VECTOR, dim=384)
+        index = client.prepare_index_params()
+        index.add_index(field_name="emb", index_type="FLAT", metric_type="COSINE")
+        client.create_collection(collection, schema=schema, index_params=index)
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)
+    declared = ('[indexes.{n}]\ndense = "milvus"\nmilvus_collection = "{c}"\n'
+                '[indexes.{n}.fields]\nid = "doc_key"\ntext = "body_text"\nacl = "acl"\n'
+                'vector = "{v}"\n')
+    (tmp_path / "branchsearch.toml").write_text(
+        f'milvus_uri = "{uri}"\n' + "".join(declared.format(n=c, c=c, v="emb") for c in (
+            "json_acl", "int_acl", "int_array_acl"))
+        + declared.format(n="text_vec", c="int_acl", v="body_text"))
+
+    def opened(name: str):
+        return open_retriever(load_settings(tmp_path / "branchsearch.toml",
+                                            {"home": tmp_path, "index": name}, read_env=False))
+
+    for name, shown in (("json_acl", "JSON"), ("int_acl", "INT64"),
+                        ("int_array_acl", "ARRAY of INT64")):
+        with pytest.raises(SettingsError, match=rf"index '{name}': field acl = 'acl' is {shown} "
+                           rf"in Milvus collection '{name}'; the group names must be a VARCHAR"):
+            opened(name)
+    with pytest.raises(SettingsError, match=r"field vector = 'body_text' is not a dense vector "
+                       r"field in Milvus collection 'int_acl' \(it is VARCHAR\)"):
+        opened("text_vec")
+
+
+@pytest.mark.es
+def test_an_acl_field_that_is_not_keyword_is_refused(es_url, tmp_path):
+    """`acl = "acl"` naming an object (`{"groups": [...], "users": [...]}`): no search matched
+    it, but a read by id took the object's keys for its groups, so a caller of group 'users'
+    read the document of group 'finance'. Numbers fail every query that names a group. The
+    ACL field must be a keyword field; the refusal names a keyword sub-field to use."""
+    for props, acl, shown, use in (
+            ({"properties": {"groups": {"type": "keyword"}, "users": {"type": "keyword"}}},
+             "acl", "object", "acl = 'acl.groups'"),
+            ({"type": "nested", "properties": {"name": {"type": "keyword"}}}, "acl", "nested",
+             "acl = 'acl.name'"),
+            ({"type": "long"}, "acl", "long", "a keyword field")):
+        settings = _es_index(es_url, tmp_path, {"properties": {
+            "doc_key": {"type": "keyword"}, "body": {"type": "text"}, "acl": props}},
+            {"public-memo": {"body": "the public-memo budget"}}, acl)
+        with pytest.raises(SettingsError, match=rf"acl = 'acl' is of type '{shown}' in "
+                           rf"Elasticsearch index 'corp-\w+'; the group names must be a keyword "
+                           rf"field: use {use} in \[indexes.corp.fields\]"):
+            open_retriever(settings)
+    settings = _es_index(es_url, tmp_path, {"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"}, "acl": {"properties": {
+            "groups": {"type": "keyword"}, "users": {"type": "keyword"}}}}},
+        {"secret-plan": {"body": "the secret-plan budget",
+                         "acl": {"groups": ["finance"], "users": ["bob"]}}}, "acl.groups")
+    r = open_retriever(settings)
+    try:
+        for groups in (["users"], ["groups"], ["bob"]):
+            with pytest.raises(BadQuery, match="unknown document"):
+                r.read_document("secret-plan", acl_groups=groups)
+        assert r.read_document("secret-plan", acl_groups=["finance"])["chunks"]
+        assert [h.doc_id for h in r.search("secret plan", mode="bm25", k=3,
+                                           acl_groups=["finance"])] == ["secret-plan"]
+    finally:
+        r.close()
