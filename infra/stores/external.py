@@ -27,6 +27,7 @@ filter is part of the backend query, as for owned indexes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -46,6 +47,7 @@ CHUNK_SUFFIX = "#p0"
 LOWER_IS_NEARER = ("L2", "HAMMING", "JACCARD")
 # Elasticsearch field types whose `terms` query matches a group name exactly, as it is written
 GROUP_TYPES = ("keyword", "constant_keyword", "wildcard")
+_INT64 = re.compile(r"-?[0-9]{1,19}")  # a document id an integer id field can hold
 
 
 @dataclass(frozen=True)
@@ -450,6 +452,21 @@ def _es_unavailable(url: str, exc: Exception) -> BackendUnavailable:
 # --- Milvus -------------------------------------------------------------------------------------
 
 
+def _check_milvus_id(spec: ExternalIndex, where: str, field: dict) -> bool:
+    """Whether the id field holds integers (an INT64 primary key, as many collections have);
+    a field neither text nor integer cannot name a document."""
+    from pymilvus import DataType
+
+    kind = field.get("type")
+    if kind == DataType.VARCHAR:
+        return False
+    if kind in (DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64):
+        return True
+    raise SettingsError(f"index {spec.name!r}: field id = {spec.fields.id!r} is "
+                        f"{_type_name(kind)} in {where}; a document id must be a VARCHAR or an "
+                        "integer field")
+
+
 def _type_name(data_type) -> str:
     return str(getattr(data_type, "name", data_type))
 
@@ -533,6 +550,7 @@ class ExternalMilvus:
         _check_mapped(self.spec, where, set(schema), ("acl",))
         if self.f.acl:
             _check_milvus_acl(self.spec, where, schema[self.f.acl])
+        self._id_is_int = _check_milvus_id(self.spec, where, schema[self.f.id])
         self._outputs = [c for c in (self.f.id, self.f.title, self.f.text, self.f.acl)
                          if c in schema]
 
@@ -557,8 +575,8 @@ class ExternalMilvus:
             else:
                 public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
             parts.append(f"({public} or {member})" if acl_groups else public)
-        if exclude:
-            parts.append(f"{self.f.id} not in {self._list(list(exclude))}")
+        if exclude and self._ids(exclude) != "[]":
+            parts.append(f"{self.f.id} not in {self._ids(exclude)}")
         return " and ".join(parts)
 
     def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
@@ -592,11 +610,11 @@ class ExternalMilvus:
 
     def get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
         """doc id -> {doc_id, title, text, acl} (no ACL filter; see ExternalElastic.get)."""
-        if not doc_ids:
+        ids = self._ids(doc_ids)
+        if ids == "[]":  # none can be an id of this collection
             return {}
         rows = self._request("query", self._client.query, self.collection,
-                             output_fields=self._outputs,
-                             filter=f"{self.f.id} in {self._list(list(doc_ids))}")
+                             output_fields=self._outputs, filter=f"{self.f.id} in {ids}")
         return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
 
     def write(self, *args, **kwargs):
@@ -612,6 +630,14 @@ class ExternalMilvus:
 
     def _list(self, values: Sequence[str]) -> str:
         return milvus_list(values, lite=not is_server(self.uri))
+
+    def _ids(self, doc_ids: Sequence[str]) -> str:
+        """Document ids as a filter list on the id field: an integer field's as numbers (a
+        string never equals one; Milvus fails the query), leaving out what is no integer."""
+        if not self._id_is_int:
+            return self._list(list(doc_ids))
+        return "[" + ", ".join(str(int(d)) for d in doc_ids if _INT64.fullmatch(d) and
+                               -2**63 <= int(d) < 2**63) + "]"
 
     def close(self) -> None:
         """Close the client; for a Milvus Lite file, also stop its server so another process

@@ -685,3 +685,67 @@ def test_an_acl_field_that_is_not_keyword_is_refused(es_url, tmp_path):
                                            acl_groups=["finance"])] == ["secret-plan"]
     finally:
         r.close()
+
+
+def test_a_collection_whose_ids_are_integers_is_read_by_id(tmp_path):
+    """Many collections key their rows by an INT64 primary key. Searches found its rows, but
+    every read by id (the agent's read tool, the evidence's text) and a long exclusion list
+    sent the ids as strings, and Milvus failed the query ("query failed (MilvusException:
+    ... kInt64Val ...)"), shown as a backend error. Integer ids are sent as numbers; an id that
+    is no integer is an unknown document; an id field of another type is refused at open."""
+    from pymilvus import DataType, MilvusClient
+
+    from branchsearch.infra.models.embedder import Embedder
+    from branchsearch.infra.stores.protocols import MAX_K
+
+    rows = {101: ("the zurich budget for finance", "finance"), 102: ("the public memo", ""),
+            103: ("the tokyo budget plan", "finance-eu")}
+    embedder = Embedder("all-MiniLM-L6-v2", 64, "cpu")
+    vectors = embedder.embed([text for text, _ in rows.values()])
+    uri = str(tmp_path / "corp.db")
+    client = MilvusClient(uri=uri)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("pk", DataType.INT64, is_primary=True)
+    schema.add_field("body_text", DataType.VARCHAR, max_length=1024)
+    schema.add_field("groups", DataType.VARCHAR, max_length=64)
+    schema.add_field("score", DataType.FLOAT)
+    schema.add_field("emb", DataType.FLOAT_VECTOR, dim=embedder.dim)
+    index = client.prepare_index_params()
+    index.add_index(field_name="emb", index_type="FLAT", metric_type="COSINE")
+    client.create_collection("int_ids", schema=schema, index_params=index)
+    client.insert("int_ids", [{"pk": pk, "body_text": text, "groups": groups, "score": 0.5,
+                               "emb": v.tolist()} for (pk, (text, groups)), v in
+                              zip(rows.items(), vectors)])
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)
+    declared = ('[indexes.{n}]\ndense = "milvus"\nmilvus_collection = "int_ids"\n'
+                '[indexes.{n}.fields]\nid = "{i}"\ntext = "body_text"\nacl = "groups"\n'
+                'vector = "emb"\n')
+    (tmp_path / "branchsearch.toml").write_text(
+        f'milvus_uri = "{uri}"\n' + declared.format(n="corp", i="pk")
+        + declared.format(n="float_ids", i="score"))
+
+    def opened(name: str):
+        return open_retriever(load_settings(tmp_path / "branchsearch.toml",
+                                            {"home": tmp_path, "index": name}, read_env=False))
+
+    with pytest.raises(SettingsError, match=r"field id = 'score' is FLOAT in Milvus collection "
+                       r"'int_ids'; a document id must be a VARCHAR or an integer field"):
+        opened("float_ids")
+    r = opened("corp")
+    try:
+        doc = r.read_document("101", acl_groups=["finance"])
+        assert doc["chunks"][0]["text"] == "the zurich budget for finance"
+        for doc_id, groups in (("101", ["hr"]), ("103", None), ("abc", ["*"]),
+                               ("99999999999999999999", ["*"])):
+            with pytest.raises(BadQuery, match="unknown document"):
+                r.read_document(doc_id, acl_groups=groups)
+        hits = r.search("budget", mode="dense", k=3, acl_groups=["finance-eu"])
+        assert {h.doc_id for h in hits} == {"102", "103"}
+        many = [f"x{i}#p0" for i in range(MAX_K)] + ["103#p0"]  # past MAX_K: in the filter
+        hits = r.search("budget", mode="dense", k=3, exclude_ids=many, acl_groups=["*"])
+        assert {h.doc_id for h in hits} == {"101", "102"}
+    finally:
+        r.close()
