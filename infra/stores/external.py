@@ -555,12 +555,16 @@ class ExternalMilvus:
                          if c in schema]
 
     def _metric(self) -> str:
-        """The metric of the vector field's index ("" when it has none: Milvus refuses to
-        load it then, with its own message)."""
+        """The metric of the vector field's index. A collection without one cannot be searched
+        (Milvus Lite loads it and fails each search; a server refuses to load it): refused
+        here, since branchsearch never builds an index on a collection it does not own."""
         names = self._request(f"list indexes of {self.collection!r}", self._client.list_indexes,
                               self.collection, field_name=self.f.vector)
         if not names:
-            return ""
+            raise SettingsError(
+                f"index {self.spec.name!r}: Milvus collection {self.collection!r} has no index "
+                f"on its vector field {self.f.vector!r}, so Milvus cannot search it; its owner "
+                "must create one (FLAT, HNSW, IVF_FLAT, …)")
         index = self._request(f"describe index {names[0]!r}", self._client.describe_index,
                               self.collection, names[0])
         return str(index.get("metric_type", "")).upper()

@@ -749,3 +749,33 @@ def test_a_collection_whose_ids_are_integers_is_read_by_id(tmp_path):
         assert {h.doc_id for h in hits} == {"101", "102"}
     finally:
         r.close()
+
+
+def test_a_collection_without_a_vector_index_is_refused_at_open(tmp_path):
+    """A collection created without an index on its vector field opened on Milvus Lite, and
+    each search then failed ("search failed (MilvusException: No index found in field [emb]:
+    index not found)"), a backend error per question. One line at open instead."""
+    from pymilvus import DataType, MilvusClient
+
+    uri = str(tmp_path / "corp.db")
+    client = MilvusClient(uri=uri)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("doc_key", DataType.VARCHAR, is_primary=True, max_length=64)
+    schema.add_field("body_text", DataType.VARCHAR, max_length=1024)
+    schema.add_field("emb", DataType.FLOAT_VECTOR, dim=384)
+    client.create_collection("no_index", schema=schema)
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)
+    (tmp_path / "branchsearch.toml").write_text(
+        f'milvus_uri = "{uri}"\n[indexes.corp]\ndense = "milvus"\nmilvus_collection = '
+        '"no_index"\n[indexes.corp.fields]\nid = "doc_key"\ntext = "body_text"\nacl = ""\n'
+        'vector = "emb"\n')
+    with pytest.raises(SettingsError, match=r"index 'corp': Milvus collection 'no_index' has no "
+                       r"index on its vector field 'emb', so Milvus cannot search it"):
+        open_retriever(load_settings(tmp_path / "branchsearch.toml",
+                                     {"home": tmp_path, "index": "corp"}, read_env=False))
+    client = MilvusClient(uri=uri)  # the refused open let go of the Lite file
+    assert client.has_collection("no_index")
+    client.close()
