@@ -329,6 +329,13 @@ def _check_acl_mapping(spec: ExternalIndex, acl: str, mapping, where: str) -> No
             f"index {spec.name!r}: field acl = {spec.fields.acl!r} is of type {types[acl]!r} in "
             f"{where}; the group names must be a keyword field: use {use} in "
             f"[indexes.{spec.name}.fields]")
+    ignore_above = _field_spec(mapping, acl).get("ignore_above")
+    if ignore_above is not None and _source_path(acl, types) == acl:
+        raise SettingsError(  # a longer group is not indexed: `exists` misses it, so public
+            f"index {spec.name!r}: field acl = {spec.fields.acl!r} has ignore_above = "
+            f"{ignore_above} in {where}: a document whose group is longer is indexed without "
+            "it and would read as public; map the groups as a keyword field without "
+            "ignore_above")
     normalizer = _field_spec(mapping, acl).get("normalizer")
     if normalizer:  # "HR" indexed as "hr": a caller of group 'hr' would match 'HR'
         raise SettingsError(

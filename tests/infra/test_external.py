@@ -779,3 +779,32 @@ def test_a_collection_without_a_vector_index_is_refused_at_open(tmp_path):
     client = MilvusClient(uri=uri)  # the refused open let go of the Lite file
     assert client.has_collection("no_index")
     client.close()
+
+
+@pytest.mark.es
+def test_an_acl_keyword_field_with_ignore_above_is_refused(es_url, tmp_path):
+    """A keyword ACL field with `ignore_above: 10` does not index the group
+    'finance-emea-restricted': Elasticsearch's `exists` does not match that document, so the
+    filter took it for public and every caller found it (on the emulator, which keeps
+    `exists`, no group holder found it). Refused at open; the same limit on a multi-field
+    ("groups.keyword" under a text "groups", as dynamic mapping makes it) is kept: `exists`
+    asks the text field, which indexes every group."""
+    for groups, acl, refused in (
+            ({"type": "keyword", "ignore_above": 10}, "groups", True),
+            ({"type": "text", "fields": {"keyword": {"type": "keyword", "ignore_above": 256}}},
+             "groups.keyword", False)):
+        settings = _es_index(es_url, tmp_path, {"properties": {
+            "doc_key": {"type": "keyword"}, "body": {"type": "text"}, "groups": groups}},
+            {"long-secret": {"body": "the long-secret budget",
+                             "groups": ["finance-emea-restricted"]}}, acl)
+        if refused:
+            with pytest.raises(SettingsError, match=r"acl = 'groups' has ignore_above = 10 in "
+                               r"Elasticsearch index 'corp-\w+': a document whose group is "
+                               "longer is indexed without it and would read as public"):
+                open_retriever(settings)
+            continue
+        r = open_retriever(settings)
+        try:
+            assert not r.search("long secret budget", mode="bm25", k=3, acl_groups=["hr"])
+        finally:
+            r.close()
