@@ -450,6 +450,7 @@ def check_head_port(settings, host: str, port: int) -> None:
     if serve.status().proxies:
         from ray.serve.context import _get_global_client
 
+        check_not_declared(APP)  # said before its port: serving there would replace it
         http = _get_global_client().http_config
         if (http.host, http.port) != (host, port):
             raise BranchsearchError(
@@ -508,6 +509,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our line says where it serves
     owner = claim(APP)  # noqa: F841 — held while this process serves
+    check_not_declared(APP)
     joined = bool(serve.status().proxies)  # Serve already runs there: it stays after us
     location = proxy_location(host)
     if not opts.replicas:
@@ -643,6 +645,28 @@ def claim(app: str):
             f"another `branchsearch serve` ({who}) serves the application '{app}' on this "
             "cluster: one service serves every index of its home (ask it for the index), or "
             "stop that one first") from None
+
+
+def check_not_declared(app: str) -> None:
+    """One line when `app` runs on the cluster deployed from a Serve config (`serve deploy
+    CONFIG`, `serve run CONFIG`): no `branchsearch serve` owns it (`claim`), and `serve.run`
+    would replace it under its callers (its keys, its default index) and a stop would delete
+    it. An application that `serve.run` deployed (a `branchsearch serve` killed with -9) is
+    left to `claim`, which takes it over. How it was deployed is Serve's
+    `ApplicationDetails.source`, read as `serve.status()` reads its details."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import APIType, ServeInstanceDetails
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:  # Serve does not run on the cluster
+        return
+    details = ServeInstanceDetails(**client.get_serve_details()).applications.get(app)
+    if details is not None and details.source == APIType.DECLARATIVE:
+        raise BranchsearchError(
+            f"another deployment serves the application '{app}' on this cluster (deployed "
+            "from a Serve config, not by `branchsearch serve`): `branchsearch serve` would "
+            f"replace it under its callers; take it off with `serve delete {app}` first, or "
+            "change that config")
 
 
 def board_name(app: str) -> str:

@@ -443,3 +443,79 @@ def test_serve_says_its_searcher_cannot_start_at_the_first_failed_start(one_node
         "error: the service did not start: "), done.stderr[-3000:]
     print(f"serve said its searcher cannot start after {took:.1f} s")
     assert took < 55, took  # one start's 20 s and the cluster's own start; three are 60 s
+
+
+def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp_path):
+    """An operator deployed the service as Ray Serve users do (`serve run CONFIG` here, as
+    `serve deploy CONFIG` does through the dashboard: both apply the config declaratively),
+    from a copy of deploy/serve_config.yaml, with its keys and default index; then someone ran
+    `branchsearch serve --address` on that cluster. No `branchsearch serve` owned that
+    application, so `serve` replaced it under its callers (their keys answered 401) and its
+    stop deleted it. Now `serve` is one line saying how to take the config's application off,
+    exit 2, and the config's application goes on answering its own keys."""
+    import yaml
+
+    env = one_node["env"]
+    home = tmp_path / "home"
+    home.mkdir()
+    for index in ("bm", "другой"):
+        ingest(write_corpus(home / "corpus.jsonl"),
+               load_settings(overrides={"home": home, "index": index}, read_env=False,
+                             read_file=False), dense=False)
+    theirs = KeyStore(tmp_path / "config.json").add("config", ["alpha"], [])
+    ours = KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], [])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "..", "..",
+                                              "deploy", "serve_config.yaml")))
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    app = config["applications"][0]
+    app["args"] |= {"home": str(home), "index": "bm", "keys": str(tmp_path / "config.json"),
+                    "executor": "local"}
+    for deployment in app["deployments"]:
+        deployment.pop("autoscaling_config", None)
+        deployment["num_replicas"] = 1
+        deployment["ray_actor_options"] = {"num_cpus": 0}
+    (tmp_path / "serve_config.yaml").write_text(yaml.safe_dump(config))
+
+    def whoami(key: str) -> int:
+        return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
+                         timeout=30).status_code
+
+    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    try:
+        done = subprocess.run([serve_cli, "run", "--address", one_node["address"],
+                               "--non-blocking", str(tmp_path / "serve_config.yaml")],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        deadline = time.monotonic() + 300
+        while True:
+            assert time.monotonic() < deadline, "the config's application did not start"
+            try:
+                if whoami(theirs) == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                                 "--address", one_node["address"], "--host", "127.0.0.1",
+                                 "--port", str(port), "--home", str(home), "--index", "другой",
+                                 "--keys", str(tmp_path / "cli.json")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            err = proc.communicate(timeout=180)[1]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            err = proc.communicate()[1]
+        assert (proc.returncode, err.strip()) == (2, (
+            "error: another deployment serves the application 'branchsearch' on this cluster "
+            "(deployed from a Serve config, not by `branchsearch serve`): `branchsearch serve` "
+            "would replace it under its callers; take it off with `serve delete branchsearch` "
+            "first, or change that config")), (proc.returncode, err[-3000:])
+        assert [whoami(theirs) for _ in range(5)] == [200] * 5
+        assert whoami(ours) == 401
+    finally:
+        done = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"],
+                               "shutdown"], env=env, capture_output=True, timeout=300)
+        assert done.returncode == 0
