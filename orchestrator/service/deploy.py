@@ -542,6 +542,10 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        if declared(APP):  # a Serve config deployed over ours: the application is its now
+            print(f"stopping: the application '{APP}' was since deployed from a Serve "
+                  "config; leaving it, and Serve, running", file=sys.stderr)
+            return
         if serving:
             print(f"stopping: draining requests in flight (up to {GRACE_S} s)",
                   file=sys.stderr)
@@ -647,21 +651,26 @@ def claim(app: str):
             "stop that one first") from None
 
 
-def check_not_declared(app: str) -> None:
-    """One line when `app` runs on the cluster deployed from a Serve config (`serve deploy
-    CONFIG`, `serve run CONFIG`): no `branchsearch serve` owns it (`claim`), and `serve.run`
-    would replace it under its callers (its keys, its default index) and a stop would delete
-    it. An application that `serve.run` deployed (a `branchsearch serve` killed with -9) is
-    left to `claim`, which takes it over. How it was deployed is Serve's
+def declared(app: str) -> bool:
+    """Whether `app` runs on the cluster deployed from a Serve config (`serve deploy CONFIG`,
+    `serve run CONFIG`), not by `serve.run` (`branchsearch serve`): Serve's
     `ApplicationDetails.source`, read as `serve.status()` reads its details."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import APIType, ServeInstanceDetails
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:  # Serve does not run on the cluster
-        return
+        return False
     details = ServeInstanceDetails(**client.get_serve_details()).applications.get(app)
-    if details is not None and details.source == APIType.DECLARATIVE:
+    return details is not None and details.source == APIType.DECLARATIVE
+
+
+def check_not_declared(app: str) -> None:
+    """One line when `app` was deployed from a Serve config (`declared`): no `branchsearch
+    serve` owns it (`claim`), and `serve.run` would replace it under its callers (its keys,
+    its default index) and a stop would delete it. An application that `serve.run` deployed
+    (a `branchsearch serve` killed with -9) is left to `claim`, which takes it over."""
+    if declared(app):
         raise BranchsearchError(
             f"another deployment serves the application '{app}' on this cluster (deployed "
             "from a Serve config, not by `branchsearch serve`): `branchsearch serve` would "

@@ -445,16 +445,31 @@ def test_serve_says_its_searcher_cannot_start_at_the_first_failed_start(one_node
     assert took < 55, took  # one start's 20 s and the cluster's own start; three are 60 s
 
 
-def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp_path):
-    """An operator deployed the service as Ray Serve users do (`serve run CONFIG` here, as
-    `serve deploy CONFIG` does through the dashboard: both apply the config declaratively),
-    from a copy of deploy/serve_config.yaml, with its keys and default index; then someone ran
-    `branchsearch serve --address` on that cluster. No `branchsearch serve` owned that
-    application, so `serve` replaced it under its callers (their keys answered 401) and its
-    stop deleted it. Now `serve` is one line saying how to take the config's application off,
-    exit 2, and the config's application goes on answering its own keys."""
+def _config_copy(tmp_path, port: int, home, index: str, keys: str):
+    """A copy of deploy/serve_config.yaml with this test's paths, port, one replica each and
+    the local executor; its path."""
     import yaml
 
+    config = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "..", "..",
+                                              "deploy", "serve_config.yaml")))
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    app = config["applications"][0]
+    app["args"] |= {"home": str(home), "index": index, "keys": str(tmp_path / keys),
+                    "executor": "local"}
+    for deployment in app["deployments"]:
+        deployment.pop("autoscaling_config", None)
+        deployment["num_replicas"] = 1
+        deployment["ray_actor_options"] = {"num_cpus": 0}
+    (tmp_path / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "serve_config.yaml"
+
+
+def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_node, tmp_path):
+    """A `serve deploy CONFIG` (`serve run CONFIG` here) over a running `branchsearch serve`:
+    Ray replaces its application without a word (the CLI's keys answer 401, the config's
+    200), and the CLI's stop then shut Serve down, the config's application with it (every
+    request refused). Now its stop leaves the config's application and Serve running, says
+    so, and exits 0."""
     env = one_node["env"]
     home = tmp_path / "home"
     home.mkdir()
@@ -466,17 +481,76 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
     ours = KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], [])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    config = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "..", "..",
-                                              "deploy", "serve_config.yaml")))
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
-    app = config["applications"][0]
-    app["args"] |= {"home": str(home), "index": "bm", "keys": str(tmp_path / "config.json"),
-                    "executor": "local"}
-    for deployment in app["deployments"]:
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 1
-        deployment["ray_actor_options"] = {"num_cpus": 0}
-    (tmp_path / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    config = _config_copy(tmp_path, port, home, "bm", "config.json")
+
+    def whoami(key: str) -> int:
+        return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
+                         timeout=30).status_code
+
+    def answers(key: str) -> None:
+        deadline = time.monotonic() + 300
+        while True:
+            assert time.monotonic() < deadline, f"{key[:8]}… never answered 200"
+            try:
+                if whoami(key) == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+    proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                             "--address", one_node["address"], "--host", "127.0.0.1",
+                             "--port", str(port), "--home", str(home), "--index", "другой",
+                             "--keys", str(tmp_path / "cli.json")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        said = []
+        while not any(line.startswith("serving on") for line in said):
+            said.append(proc.stderr.readline())
+            assert said[-1], "".join(said)[-3000:]  # it ended
+        answers(ours)
+        done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "serve"), "run",
+                               "--address", one_node["address"], "--non-blocking",
+                               str(config)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers(theirs)
+        assert whoami(ours) == 401  # Ray's doing: the config replaced the CLI's application
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+        assert proc.returncode == 0, err[-3000:]
+        assert "deployed from a Serve config" in err, err[-3000:]
+        assert [whoami(theirs) for _ in range(3)] == [200] * 3
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        done = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"],
+                               "shutdown"], env=env, capture_output=True, timeout=300)
+        assert done.returncode == 0
+
+
+def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp_path):
+    """An operator deployed the service as Ray Serve users do (`serve run CONFIG` here, as
+    `serve deploy CONFIG` does through the dashboard: both apply the config declaratively),
+    from a copy of deploy/serve_config.yaml, with its keys and default index; then someone ran
+    `branchsearch serve --address` on that cluster. No `branchsearch serve` owned that
+    application, so `serve` replaced it under its callers (their keys answered 401) and its
+    stop deleted it. Now `serve` is one line saying how to take the config's application off,
+    exit 2, and the config's application goes on answering its own keys."""
+    env = one_node["env"]
+    home = tmp_path / "home"
+    home.mkdir()
+    for index in ("bm", "другой"):
+        ingest(write_corpus(home / "corpus.jsonl"),
+               load_settings(overrides={"home": home, "index": index}, read_env=False,
+                             read_file=False), dense=False)
+    theirs = KeyStore(tmp_path / "config.json").add("config", ["alpha"], [])
+    ours = KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], [])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = _config_copy(tmp_path, port, home, "bm", "config.json")
 
     def whoami(key: str) -> int:
         return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
@@ -485,7 +559,7 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
     try:
         done = subprocess.run([serve_cli, "run", "--address", one_node["address"],
-                               "--non-blocking", str(tmp_path / "serve_config.yaml")],
+                               "--non-blocking", str(config)],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         deadline = time.monotonic() + 300
