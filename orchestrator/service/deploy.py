@@ -542,7 +542,11 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        if declared(APP):  # a Serve config deployed over ours: the application is its now
+        try:
+            over = declared(APP)  # a Serve config deployed over ours: the application is its
+        except Exception:  # noqa: BLE001 — Serve's controller unreachable: stop as before
+            over = False
+        if over:
             print(f"stopping: the application '{APP}' was since deployed from a Serve "
                   "config; leaving it, and Serve, running", file=sys.stderr)
             return
