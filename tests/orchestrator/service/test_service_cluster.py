@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -464,28 +465,39 @@ def _config_copy(tmp_path, port: int, home, index: str, keys: str):
     return tmp_path / "serve_config.yaml"
 
 
-def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_node, tmp_path):
-    """A `serve deploy CONFIG` (`serve run CONFIG` here) over a running `branchsearch serve`:
-    Ray replaces its application without a word (the CLI's keys answer 401, the config's
-    200), and the CLI's stop then shut Serve down, the config's application with it (every
-    request refused). Now its stop leaves the config's application and Serve running, says
-    so, and exits 0."""
-    env = one_node["env"]
+def _two_deployers(one_node, tmp_path):
+    """A home with indexes `bm` and `другой`; a Serve config (of `bm`, key file config.json)
+    and a `branchsearch serve` command line (of `другой`, cli.json) for the same port; each
+    side's key, and `whoami(key)`: the status its key gets."""
     home = tmp_path / "home"
     home.mkdir()
     for index in ("bm", "другой"):
         ingest(write_corpus(home / "corpus.jsonl"),
                load_settings(overrides={"home": home, "index": index}, read_env=False,
                              read_file=False), dense=False)
-    theirs = KeyStore(tmp_path / "config.json").add("config", ["alpha"], [])
-    ours = KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], [])
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    config = _config_copy(tmp_path, port, home, "bm", "config.json")
 
     def whoami(key: str) -> int:
-        return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
-                         timeout=30).status_code
+        return httpx.get(f"http://127.0.0.1:{port}/v1/whoami",
+                         headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--address",
+           one_node["address"], "--host", "127.0.0.1", "--port", str(port), "--home", str(home),
+           "--index", "другой", "--keys", str(tmp_path / "cli.json")]
+    return SimpleNamespace(
+        env=one_node["env"], config=_config_copy(tmp_path, port, home, "bm", "config.json"),
+        theirs=KeyStore(tmp_path / "config.json").add("config", ["alpha"], []),
+        ours=KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], []), cli=cli, whoami=whoami)
+
+
+def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_node, tmp_path):
+    """A `serve deploy CONFIG` (`serve run CONFIG` here) over a running `branchsearch serve`:
+    Ray replaces its application without a word (the CLI's keys answer 401, the config's
+    200), and the CLI's stop then shut Serve down, the config's application with it (every
+    request refused). Now its stop leaves the config's application and Serve running, says
+    so, and exits 0."""
+    d = _two_deployers(one_node, tmp_path)
+    env, config, theirs, ours, whoami = d.env, d.config, d.theirs, d.ours, d.whoami
 
     def answers(key: str) -> None:
         deadline = time.monotonic() + 300
@@ -498,11 +510,7 @@ def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_nod
                 pass
             time.sleep(1)
 
-    proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
-                             "--address", one_node["address"], "--host", "127.0.0.1",
-                             "--port", str(port), "--home", str(home), "--index", "другой",
-                             "--keys", str(tmp_path / "cli.json")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(d.cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         said = []
@@ -539,22 +547,8 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
     application, so `serve` replaced it under its callers (their keys answered 401) and its
     stop deleted it. Now `serve` is one line saying how to take the config's application off,
     exit 2, and the config's application goes on answering its own keys."""
-    env = one_node["env"]
-    home = tmp_path / "home"
-    home.mkdir()
-    for index in ("bm", "другой"):
-        ingest(write_corpus(home / "corpus.jsonl"),
-               load_settings(overrides={"home": home, "index": index}, read_env=False,
-                             read_file=False), dense=False)
-    theirs = KeyStore(tmp_path / "config.json").add("config", ["alpha"], [])
-    ours = KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], [])
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    config = _config_copy(tmp_path, port, home, "bm", "config.json")
-
-    def whoami(key: str) -> int:
-        return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
-                         timeout=30).status_code
+    d = _two_deployers(one_node, tmp_path)
+    env, config, theirs, ours, whoami = d.env, d.config, d.theirs, d.ours, d.whoami
 
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
     try:
@@ -571,11 +565,7 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
-                                 "--address", one_node["address"], "--host", "127.0.0.1",
-                                 "--port", str(port), "--home", str(home), "--index", "другой",
-                                 "--keys", str(tmp_path / "cli.json")],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(d.cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         try:
             err = proc.communicate(timeout=180)[1]
