@@ -1070,6 +1070,26 @@ def test_a_step_whose_backend_went_away_draws_no_knee():
     assert find_knee([first, second])["saturated_at"] == 2
 
 
+def _ramp_losing_its_backend(cli: list, env: dict, es, out) -> tuple[str, str, dict]:
+    """Run `cli` on a closed-loop ramp 1:3:1 whose backend (`es`) is stopped once step 1 is
+    said; it must exit 1. Returns (its stdout, its stderr, its JSON report at `out`)."""
+    proc = subprocess.Popen(
+        [*cli, "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "2", "--think", "0.1",
+         "--warmup", "0", "--drain", "30", "--report", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # a finished step is always its own line
+        lines.append(line)
+        if line.startswith("step 1:"):
+            es.stop()  # the backend dies between the steps
+            break
+    stdout, rest = proc.communicate(timeout=240)
+    stderr = "".join(lines) + rest
+    assert lines and lines[-1].startswith("step 1:"), stderr[-3000:]
+    assert proc.returncode == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
+    return stdout, stderr, json.loads(out.read_text())
+
+
 def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
     """`serve --standalone`'s app over an index on Elasticsearch (the emulator), a closed-loop
     `loadtest --ramp` against it, the backend killed once the first step has ended: the
@@ -1100,23 +1120,10 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
             "What does the Alpha roadmap plan?")))
         out = tmp_path / "lt.json"
         env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
-        proc = subprocess.Popen(
+        stdout, stderr, report = _ramp_losing_its_backend(
             [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
-             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
-             "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "2", "--think", "0.1",
-             "--warmup", "0", "--drain", "30", "--report", str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        lines = []
-        for line in proc.stderr:  # a finished step is always its own line
-            lines.append(line)
-            if line.startswith("step 1:"):
-                es.stop()  # the backend dies between the steps; the service stays up
-                break
-        stdout, rest = proc.communicate(timeout=240)
-        stderr = "".join(lines) + rest
-        assert lines and lines[-1].startswith("step 1:"), stderr[-3000:]
-        assert proc.returncode == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
-        report = json.loads(out.read_text())
+             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home")],
+            env, es, out)  # the service stays up
         first, second = report["steps"]  # the ramp stopped at the step that lost its backend
         assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
         assert second["unavailable"] >= 1 and second["refused"] == 0, second["errors"]
@@ -1195,21 +1202,7 @@ def test_cli_in_process_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path
         cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home",
                str(home), "--index", "es", "--queries", str(queries), "--executor", "local",
                "--branches", "1"]
-        proc = subprocess.Popen(
-            [*cli, "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "2", "--think",
-             "0.1", "--warmup", "0", "--drain", "30", "--report", str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        lines = []
-        for line in proc.stderr:  # a finished step is always its own line
-            lines.append(line)
-            if line.startswith("step 1:"):
-                es.stop()  # the backend dies between the steps
-                break
-        stdout, rest = proc.communicate(timeout=240)
-        stderr = "".join(lines) + rest
-        assert lines and lines[-1].startswith("step 1:"), stderr[-3000:]
-        assert proc.returncode == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
-        report = json.loads(out.read_text())
+        stdout, stderr, report = _ramp_losing_its_backend(cli, env, es, out)
         first, second = report["steps"]  # the ramp stopped at the step that lost its backend
         assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
         assert second["unavailable"] >= 1 and second["refused"] == 0, second["errors"]
