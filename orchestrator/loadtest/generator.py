@@ -268,4 +268,5 @@ def step_line(s: dict) -> str:
     refused = (f", refused {s['refused']} ({s['refusal_rate']:.1%}, not in the percentiles)"
                if s.get("refused") else "")
     return (f"step {s['step'] + 1}: {load}, achieved {s['achieved_rate']:.3g}/s, {p}, "
-            f"errors {s['error_rate']:.1%} {s['errors'] or ''}".rstrip() + refused)
+            f"errors {s['error_rate']:.1%} "
+            + ", ".join(f"{k} {v}" for k, v in s["errors"].items())).rstrip() + refused

@@ -133,6 +133,23 @@ def test_refusals_stay_out_of_the_latency_percentiles_and_are_counted_apart():
     assert "| 6 | 3000 | 4600 | " in row  # sent 6; p50 and p90 of the three that ran
 
 
+def test_step_line_names_errors_by_class_not_as_a_python_dict():
+    # the line a finished step prints on stderr: the error classes read as the report's table
+    # writes them, with no dict braces or quotes
+    from branchsearch.orchestrator.loadtest.generator import step_line
+
+    s = [Sample(0, 0.0, 0.0, 2.0, "ok"),
+         Sample(0, 0.2, 0.2, 0.21, "http_429:too_many_requests"),
+         Sample(0, 0.3, 0.3, 0.32, "http_429:too_many_requests"),
+         Sample(0, 0.5, 0.5, 5.5, "http_504:deadline_exceeded")]
+    out = summarize(s, load=4, loop="closed", duration_s=6.0, cutoff=9.0)
+    out["step"] = 0
+    line = step_line(out)
+    assert "errors 75.0% http_429:too_many_requests 2, http_504:deadline_exceeded 1, " \
+           "refused 2" in line, line
+    assert not re.search(r"[{}']", line), line
+
+
 def test_unfinished_requests_enter_latency_at_their_lower_bound():
     s = [Sample(0, 0.0, 0.0, 0.1, "ok"), Sample(0, 1.0, 1.0, None, UNFINISHED)]
     out = summarize(s, load=1, loop="open", duration_s=2.0, cutoff=9.0)
