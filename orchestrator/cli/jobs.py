@@ -289,6 +289,11 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
         print(json.dumps(_eval_brief(result), default=str))
     else:
         print_evaluation(result)
+        if report is not None:  # as `loadtest` says where its own went
+            where = output_path(report)
+            print(f"report: {where} and {where.with_suffix('.md')}")
+        if plots is not None:
+            print(f"plots: {', '.join(result.get('plots') or []) or plots}")
 
 
 def _eval_brief(result: dict) -> dict:

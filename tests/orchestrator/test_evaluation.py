@@ -109,6 +109,10 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
     assert pngs == ["attribution.png", "context_tokens_per_turn.png", "recall_at_k.png"]
     md = report.with_suffix(".md").read_text()
     assert "## Failure attribution" in md
+    # where the report and the plots went is said, as `loadtest` says it
+    assert f"report: {report} and {report.with_suffix('.md')}" in done.stdout.splitlines()
+    assert any(line.startswith("plots: ") and "recall_at_k.png" in line
+               for line in done.stdout.splitlines()), done.stdout[-2000:]
     # the agent's latency and the baseline's in one row, both in ms (the agent's was a
     # latency_s_p50 row of its own, the baseline's cell of it "-")
     printed = [line.split() for line in done.stdout.splitlines() if "latency" in line]
