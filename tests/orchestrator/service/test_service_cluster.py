@@ -468,7 +468,7 @@ def _config_copy(tmp_path, port: int, home, index: str, keys: str):
 def _two_deployers(one_node, tmp_path):
     """A home with indexes `bm` and `другой`; a Serve config (of `bm`, key file config.json)
     and a `branchsearch serve` command line (of `другой`, cli.json) for the same port; each
-    side's key, and `whoami(key)`: the status its key gets."""
+    side's key, `whoami(key)`: the status its key gets, and `answers(key)`: wait for a 200."""
     home = tmp_path / "home"
     home.mkdir()
     for index in ("bm", "другой"):
@@ -481,25 +481,7 @@ def _two_deployers(one_node, tmp_path):
         return httpx.get(f"http://127.0.0.1:{port}/v1/whoami",
                          headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
 
-    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--address",
-           one_node["address"], "--host", "127.0.0.1", "--port", str(port), "--home", str(home),
-           "--index", "другой", "--keys", str(tmp_path / "cli.json")]
-    return SimpleNamespace(
-        env=one_node["env"], config=_config_copy(tmp_path, port, home, "bm", "config.json"),
-        theirs=KeyStore(tmp_path / "config.json").add("config", ["alpha"], []),
-        ours=KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], []), cli=cli, whoami=whoami)
-
-
-def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_node, tmp_path):
-    """A `serve deploy CONFIG` (`serve run CONFIG` here) over a running `branchsearch serve`:
-    Ray replaces its application without a word (the CLI's keys answer 401, the config's
-    200), and the CLI's stop then shut Serve down, the config's application with it (every
-    request refused). Now its stop leaves the config's application and Serve running, says
-    so, and exits 0."""
-    d = _two_deployers(one_node, tmp_path)
-    env, config, theirs, ours, whoami = d.env, d.config, d.theirs, d.ours, d.whoami
-
-    def answers(key: str) -> None:
+    def answers(key: str) -> None:  # once the application answers `key` (within 300 s)
         deadline = time.monotonic() + 300
         while True:
             assert time.monotonic() < deadline, f"{key[:8]}… never answered 200"
@@ -510,6 +492,25 @@ def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_nod
                 pass
             time.sleep(1)
 
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--address",
+           one_node["address"], "--host", "127.0.0.1", "--port", str(port), "--home", str(home),
+           "--index", "другой", "--keys", str(tmp_path / "cli.json")]
+    return SimpleNamespace(
+        env=one_node["env"], config=_config_copy(tmp_path, port, home, "bm", "config.json"),
+        theirs=KeyStore(tmp_path / "config.json").add("config", ["alpha"], []),
+        ours=KeyStore(tmp_path / "cli.json").add("cli", ["bravo"], []), cli=cli, whoami=whoami,
+        answers=answers)
+
+
+def test_serve_stopping_leaves_an_application_a_serve_config_put_over_it(one_node, tmp_path):
+    """A `serve deploy CONFIG` (`serve run CONFIG` here) over a running `branchsearch serve`:
+    Ray replaces its application without a word (the CLI's keys answer 401, the config's
+    200), and the CLI's stop then shut Serve down, the config's application with it (every
+    request refused). Now its stop leaves the config's application and Serve running, says
+    so, and exits 0."""
+    d = _two_deployers(one_node, tmp_path)
+    env, config, theirs, ours, whoami = d.env, d.config, d.theirs, d.ours, d.whoami
+    answers = d.answers
     proc = subprocess.Popen(d.cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -556,15 +557,7 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
                                "--non-blocking", str(config)],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        deadline = time.monotonic() + 300
-        while True:
-            assert time.monotonic() < deadline, "the config's application did not start"
-            try:
-                if whoami(theirs) == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        d.answers(theirs)  # the config's application started
         proc = subprocess.Popen(d.cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         try:
