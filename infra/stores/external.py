@@ -586,8 +586,9 @@ class ExternalMilvus:
             else:
                 public, member = f'{self.f.acl} == ""', f"{self.f.acl} in {groups}"
             parts.append(f"({public} or {member})" if acl_groups else public)
-        if exclude and self._ids(exclude) != "[]":
-            parts.append(f"{self.f.id} not in {self._ids(exclude)}")
+        excluded = self._ids(exclude) if exclude else "[]"
+        if excluded != "[]":
+            parts.append(f"{self.f.id} not in {excluded}")
         return " and ".join(parts)
 
     def _hit(self, entity: dict, score: float, rank: int, source: str) -> Hit:
