@@ -12,7 +12,7 @@ from pathlib import Path
 
 from branchsearch.infra.config.choices import SPLITS, Split
 from branchsearch.infra.errors import CorpusError
-from branchsearch.infra.ids import id_problem
+from branchsearch.infra.ids import id_problem, shows
 from branchsearch.infra.ingest.corpus import document_id
 from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
 
@@ -134,8 +134,9 @@ def read_queries(folder: str | Path, split: Split = "test",
 
 
 def _shown(qid: str) -> str:
-    """An id without the characters that do not show (zero-width, byte-order mark, controls)."""
-    return "".join(c for c in qid if c.isprintable()).strip()
+    """An id without the characters that do not show (`ids.shows`: zero-width, byte-order
+    mark, controls), its inner spaces kept."""
+    return "".join(c for c in qid if c == " " or shows(c)).strip()
 
 
 def text_lines(lines):
