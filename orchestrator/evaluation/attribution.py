@@ -23,8 +23,11 @@ Attribution (first that applies, in this order):
                    search can reach. It is the last class: a query that also missed gold the
                    corpus holds is attributed by that, and those documents alone are named.
 
-The measures above, like recall, count gold the corpus lacks as missed (BEIR's evaluate scores
-the qrels as given); only the attribution sets it apart.
+Gold the corpus lacks (`absent`) is the data's miss, which no search can reach: the measures
+above leave it out of their gold set, as the attribution sets it apart, and a query whose gold
+the corpus wholly lacks has none of the gold-based ones (trajectory_recall, precision, f1,
+bridge_preserved). Only the BEIR scores (`measures.single_shot_metrics`: recall, all-recall,
+nDCG) count it missed, as BEIR's evaluate scores the qrels as given.
 """
 
 from __future__ import annotations
@@ -54,25 +57,25 @@ class Trajectory:
     evidence_text: str = ""
 
 
-def agent_measures(t: Trajectory, gold: Mapping[str, int], k: int = 5,
-                   answer: str = "") -> dict[str, float]:
-    gold_docs = set(gold)
-    final_docs = list(dict.fromkeys(_doc(c) for c in t.final_ranking))[:k]
-    ever = {_doc(c) for c in t.retrieved}
-    present = {_doc(c) for c in t.final_context} | {_doc(c) for c in t.final_ranking}
+def agent_measures(t: Trajectory, gold: Mapping[str, int], k: int = 5, answer: str = "",
+                   absent: Collection[str] = ()) -> dict[str, float]:
+    """The measures of one query; `absent`: gold documents the corpus lacks, left out."""
+    gold_docs = set(gold) - set(absent)
     pruned_docs = [_doc(c) for c in t.pruned]
-    hit = len(gold_docs & set(final_docs))
-    precision = hit / len(final_docs) if final_docs else 0.0
-    recall = hit / len(gold_docs) if gold_docs else 0.0
-    out = {
-        "trajectory_recall": len(gold_docs & ever) / len(gold_docs) if gold_docs else 0.0,
-        "precision": precision,
-        "f1": 2 * precision * recall / (precision + recall) if precision + recall else 0.0,
-        "prune_accuracy": (sum(d not in gold_docs for d in pruned_docs) / len(pruned_docs)
-                           if pruned_docs else 1.0),
-    }
-    if gold_docs <= ever:
-        out["bridge_preserved"] = float(gold_docs <= present)
+    out = {"prune_accuracy": (sum(d not in gold_docs for d in pruned_docs) / len(pruned_docs)
+                              if pruned_docs else 1.0)}
+    if gold_docs:
+        final_docs = list(dict.fromkeys(_doc(c) for c in t.final_ranking))[:k]
+        ever = {_doc(c) for c in t.retrieved}
+        present = {_doc(c) for c in t.final_context} | {_doc(c) for c in t.final_ranking}
+        hit = len(gold_docs & set(final_docs))
+        precision = hit / len(final_docs) if final_docs else 0.0
+        recall = hit / len(gold_docs)
+        out |= {"trajectory_recall": len(gold_docs & ever) / len(gold_docs),
+                "precision": precision,
+                "f1": 2 * precision * recall / (precision + recall) if precision + recall else 0.0}
+        if gold_docs <= ever:
+            out["bridge_preserved"] = float(gold_docs <= present)
     if answer:
         out["answer_found"] = float(answer_in(answer, t.evidence_text))
     return out

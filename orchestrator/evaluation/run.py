@@ -89,7 +89,7 @@ def eval_agent(driver, queries: list[Query], max_branches: int | None = None,
             list(dict.fromkeys(c for b in ok for c in b.final_context_ids)),
             " ".join(c["text"] for d in result.evidence for c in d["chunks"]))
         metrics = single_shot_metrics(ranking, q.gold)
-        metrics |= agent_measures(trajectory, q.gold, k, q.answer)
+        metrics |= agent_measures(trajectory, q.gold, k, q.answer, absent)
         turns = sum(b.turns for b in ok)
         calls = sum(b.tool_calls for b in ok)
         metrics |= {
@@ -228,9 +228,11 @@ def run_evaluation(settings: Settings, options: EvalOptions, *, acl_groups: list
     missing = missing_gold(settings, queries) if index_complete(settings) else ""
     if missing:
         notes.append(f"warning: {missing} of the gold documents are not in index "
-                     f"{settings.index!r}; they count as misses (as BEIR's evaluate counts "
-                     "them), and an agent's query that missed only those is attributed "
-                     "not_in_corpus")
+                     f"{settings.index!r}; recall, all-recall and nDCG count them as misses "
+                     "(as BEIR's evaluate counts them)" + (
+                         "; the agent's diagnostics (trajectory_recall, precision, f1, "
+                         "bridge_preserved) leave them out, and a query that missed only those "
+                         "is attributed not_in_corpus" if options.policy else ""))
     for line in notes:
         say(line)
     runs = [_agent_run(s, queries, options.executor, acl_groups, progress) if mode is None

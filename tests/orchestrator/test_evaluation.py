@@ -562,3 +562,46 @@ def test_a_carriage_return_line_is_named_by_its_number_as_an_editor_counts(tmp_p
     data = _beir(tmp_path / "cr", [], [("q1", "volcano town")], "q1\td0\t1\rq1\td0\tx\r")
     with pytest.raises(CorpusError, match=r"test.tsv:2: score 'x' is not a whole number"):
         read_queries(data)
+
+
+def test_the_agent_diagnostics_leave_out_gold_the_corpus_lacks():
+    """By hand: gold the corpus lacks ('ghost') is out of every diagnostic's denominator, as
+    the attribution sets it apart; a query whose gold the corpus wholly lacks has no
+    gold-based diagnostic (left out of the means, not a 0)."""
+    t = Trajectory(["a#p0", "x#p0"], ["a#p0", "x#p0"], [], ["a#p0"])
+    m = agent_measures(t, {"a": 1, "ghost": 1}, k=2, absent={"ghost"})
+    assert m["trajectory_recall"] == 1.0 and m["bridge_preserved"] == 1.0
+    assert m["precision"] == 0.5 and abs(m["f1"] - 2 * 0.5 * 1 / 1.5) < 1e-12
+    only = agent_measures(t, {"ghost": 1}, k=2, absent={"ghost"})
+    assert not {"trajectory_recall", "precision", "f1", "bridge_preserved"} & set(only), only
+    assert only["prune_accuracy"] == 1.0
+
+
+def test_an_agent_eval_scores_its_diagnostics_on_the_gold_the_corpus_holds(tmp_path):
+    """A query whose only miss was a gold document the corpus lacks was attributed
+    `not_in_corpus`, yet its trajectory_recall counted that document never retrieved (0.5),
+    its bridge_preserved was left out (not all gold retrieved) and its f1 took recall 0.5. The
+    diagnostics now leave such gold out (1.0, 1.0, f1 of recall 1.0), the notes say so, and
+    the BEIR scores (recall, all-recall) still count it missed."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    corpus = [{"_id": f"d{i}", "title": f"Town {i}", "text": f"Town {i} lies by a {w}."}
+              for i, w in enumerate(["volcano", "lake", "river", "glacier"])]
+    data = _beir(tmp_path / "ghosts", corpus, [("q1", "volcano town"), ("q2", "lake town")],
+                 "q1\td0\t1\nq1\tghost\t1\nq2\td1\t1\n")
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ghosts",
+                                        "search_mode": "bm25", "branches": 1},
+                             read_env=False, read_file=False)
+    ingest(data, settings, dense=False)
+    said = []
+    result = run_evaluation(settings, EvalOptions(data, policy="heuristic", executor="local",
+                                                  ingest_first=False), say=said.append)
+    by_id = {p["id"]: p["metrics"] for p in result["runs"][0]["per_query"]}
+    q1, q2 = by_id["q1"], by_id["q2"]
+    assert q1["trajectory_recall"] == 1.0 and q1["bridge_preserved"] == 1.0, q1
+    assert q1["f1"] == q2["f1"], (q1, q2)  # the same precision, recall 1.0 over what is there
+    assert q1["recall@5"] == 0.5 and q1["all_recall@5"] == 0.0  # BEIR's scores as given
+    note = next(n for n in said if "not in index" in n)
+    assert "trajectory_recall" in note and "bridge_preserved" in note, note
