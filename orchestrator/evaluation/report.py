@@ -65,14 +65,15 @@ def _md_ids(ids) -> str:
 
 def markdown(report: dict) -> str:
     """The report for a reader: the summary table, attribution with examples, the paired
-    comparisons. Ids, questions and notes are escaped (`md_id`, `md_text`): one table row is
-    one query whatever its id holds; the JSON keeps them exactly."""
+    comparisons. The dataset path, index and embedding names, ids, questions and notes are
+    escaped (`md_id`, `md_text`): the title is one line and one table row is one query
+    whatever a path or an id holds; the JSON keeps them exactly."""
     runs = report["runs"]
-    lines = [f"# Evaluation: {report['dataset']}", "",
+    lines = [f"# Evaluation: {md_id(str(report['dataset']))}", "",
              f"{runs[0]['queries']} queries, split {report.get('split', '?')}. Document-level "
              "metrics (a document ranks by its best chunk).", "",
-             f"Index `{report.get('index', '?')}`, embedding: "
-             f"{report.get('embedding') or 'none'}.", ""]
+             f"Index {md_id(str(report.get('index', '?')))}, embedding: "
+             f"{md_id(str(report.get('embedding') or 'none'))}.", ""]
     notes = report.get("notes", [])
     lines += [f"* {md_text(n)}" for n in notes] + [""] * bool(notes)
     lines += ["| metric | " + " | ".join(r["config"] for r in runs) + " |",

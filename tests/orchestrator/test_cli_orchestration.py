@@ -125,7 +125,7 @@ def test_run_evaluation_single_shot_with_baseline_and_report(hotpot_settings, tm
     assert report.with_suffix(".md").read_text().startswith("# Evaluation: ")
     # a figure is comparable only with one of the same embedding: the report says which
     assert (result["index"], result["embedding"]) == ("orch-eval", "all-MiniLM-L6-v2")
-    assert "Index `orch-eval`, embedding: all-MiniLM-L6-v2." in report.with_suffix(
+    assert "Index orch-eval, embedding: all-MiniLM-L6-v2." in report.with_suffix(
         ".md").read_text()
 
 

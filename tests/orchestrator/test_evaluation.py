@@ -507,7 +507,7 @@ def test_the_markdown_report_keeps_one_row_per_query_whatever_its_id_holds(tmp_p
     assert {r["id"] for r in changed} >= {"q|1", "q\u20284", "<b>q7</b>", "q`9\\"}, changed
     assert all(len(row) == 4 for row in rows), rows
     assert [_unescaped(row[0]) for row in rows] == [r["id"] for r in changed]
-    tables = md[md.index("## Failure attribution"):]  # (the header's index is a code span)
+    tables = md[md.index("## Failure attribution"):]
     assert not re.search(r"(?<!\\)[<`]", tables) and "\u2028" not in md  # no tag or code
     example = next(line for line in lines if line.startswith("* **not_in_corpus**"))
     assert "\\<i>q2\\</i>" in example and "ghost\\|\\`\\<x>" in example, example
@@ -605,3 +605,30 @@ def test_an_agent_eval_scores_its_diagnostics_on_the_gold_the_corpus_holds(tmp_p
     assert q1["recall@5"] == 0.5 and q1["all_recall@5"] == 0.0  # BEIR's scores as given
     note = next(n for n in said if "not in index" in n)
     assert "trajectory_recall" in note and "bridge_preserved" in note, note
+
+
+def test_the_markdown_header_shows_a_dataset_path_and_index_name_as_written(tmp_path):
+    """The report's header wrote the dataset path and the index name raw: a folder named
+    "my|set*v2`x" with a newline in it split the title over two lines, its '*' and backtick
+    read as markup, and an index `_hp_` sat in a code span a backtick would end. Each is now
+    one line, escaped as ids are (`md_id`), and the JSON keeps them exactly."""
+    import shutil
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    data = tmp_path / "my|set*v2`x\nnext"
+    shutil.copytree(HOTPOT, data)
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "_hp_"},
+                             read_env=False, read_file=False)
+    ingest(data, settings, dense=False)
+    report = tmp_path / "r.json"
+    run_evaluation(settings, EvalOptions(data, mode="bm25", ingest_first=False, report=report))
+    assert json.loads(report.read_text())["dataset"] == str(data)
+    title, blank, _, _, index_line = report.with_suffix(".md").read_text().splitlines()[:5]
+    assert title.startswith("# Evaluation: ") and blank == "", title
+    shown = title.removeprefix("# Evaluation: ")
+    assert "\n" not in shown and _unescaped(shown) == str(data), shown
+    assert "\\|set\\*v2\\`x" in shown, shown
+    assert index_line.startswith("Index \\_hp\\_, embedding: "), index_line
