@@ -66,6 +66,9 @@ class IngestReport:
     documents: int = 0  # documents in the corpus
     chunks: int = 0  # chunks of those documents
     resumed: int = 0  # documents already committed with the same content (kept, not redone)
+    # the index when this ingest began: "new" (nothing committed), "stopped" (an ingest stopped
+    # unfinished had committed some of it) or "complete" (it had a manifest)
+    before: str = "new"
     # documents a stopped ingest left pending and this corpus no longer has, and documents
     # held under another Unicode form of a corpus id (replaced by the corpus's own)
     purged: int = 0
@@ -91,7 +94,8 @@ class IngestReport:
         return (self.chunks - self._resumed_chunks) / total if total else 0.0
 
     def to_dict(self) -> dict:
-        return {"documents": self.documents, "chunks": self.chunks, "resumed": self.resumed,
+        return {"documents": self.documents, "chunks": self.chunks, "before": self.before,
+                "resumed": self.resumed,
                 "purged": self.purged, "recounted": self.recounted,
                 "uncounted": self.uncounted, "workers": self.workers,
                 "counts": self.counts, "fitted": self.fitted,
@@ -195,6 +199,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                 fast = dense_store is not None and \
                     getattr(embedder, "backend", "") == STATIC_BACKEND
                 batch_docs = STATIC_BATCH_DOCS if fast else BATCH_DOCS
+            report.before = index_state(previous is not None, docstore, report.stale_lock)
             remove_manifest(root)
             complete[0] = False
             embedding = f"{embedder_name(embedder)}/{dense_store.dim}" if dense_store else "-"
@@ -257,6 +262,15 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
         write_manifest(root, manifest)  # the last write: from here the index is complete
     return report
+
+
+def index_state(complete: bool, docstore, stale_lock: str) -> str:
+    """What an ingest finds: "complete" (a manifest), "stopped" (no manifest, but an ingest
+    that stopped unfinished committed documents, left some pending, or left its lock) or
+    "new" (nothing committed yet)."""
+    if complete:
+        return "complete"
+    return "stopped" if docstore.doc_count() or docstore.pending() or stale_lock else "new"
 
 
 def _fit_static(settings: Settings, root: Path, docs: Sequence[Document], embedder, docstore,

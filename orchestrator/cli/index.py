@@ -67,10 +67,10 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
     else:
         s, rate = report.seconds, per_second(report.chunks_per_s)
         n = report.documents
-        done = (f"{report.resumed} documents were already committed; {rate} chunks/s with "
-                f"{workers} worker(s), embedding {s.get('embed', 0):.1f} s"
-                if report.resumed < n else "every document was already committed, unchanged: "
-                "nothing to embed")
+        done = what_happened(report)
+        if report.resumed < n:
+            done += (f"; {rate} chunks/s with {workers} worker(s), embedding "
+                     f"{s.get('embed', 0):.1f} s")
         print(f"ingested {n} document{'s' if n != 1 else ''}, {report.chunks} chunks into "
               f"{settings.index!r} ({settings.index_dir}); {done}")
         if report.fitted:
@@ -86,6 +86,32 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         if report.uncounted:
             print(f"note: chunks committed without token counts keep none ({report.uncounted}): "
                   "searches count them as they show them", file=sys.stderr)
+
+
+def _docs(n: int) -> str:
+    return f"{n} document{'s' if n != 1 else ''}"
+
+
+def what_happened(report) -> str:
+    """What an ingest did to its index, in words: made it, resumed a stopped ingest of it,
+    updated a complete one, or found every document already there, unchanged."""
+    kept, now = report.resumed, report.documents - report.resumed
+    if report.before == "new":
+        return f"a new index: all {_docs(now)} committed now"
+    if report.before == "stopped":
+        if not now:
+            return (f"resumed a stopped ingest: it had committed all {_docs(kept)}, unchanged: "
+                    "nothing committed now, the index is complete")
+        if not kept:
+            return f"resumed a stopped ingest that had committed none of them: all {now} " \
+                   "committed now"
+        return (f"resumed a stopped ingest: {_docs(kept)} it had committed kept, {now} "
+                "committed now")
+    if not now:
+        return ("the index was complete and already held every document, unchanged: nothing "
+                "committed")
+    return f"updated the complete index: {_docs(kept)} unchanged kept, {now} new or changed " \
+           "committed now"
 
 
 def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,

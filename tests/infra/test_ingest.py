@@ -380,7 +380,8 @@ def test_ctrl_c_on_an_ingest_exits_130_and_it_resumes(tmp_path):
     done = subprocess.run([*CLI, "ingest", str(corpus), "--index", "synth"], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
-    committed = int(re.search(r"; (\d+) documents were already committed", done.stdout)[1])
+    committed = int(re.search(r"; resumed a stopped ingest: (\d+) documents it had committed "
+                              "kept", done.stdout)[1])
     assert committed >= 256, done.stdout  # at least the first batch was kept, not redone
     manifest = read_manifest(index_dir)
     assert manifest is not None and manifest.documents == 600
@@ -484,7 +485,8 @@ def test_a_full_disk_during_a_bm25_ingest_keeps_the_committed_batches(tmp_path):
         subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
         again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         assert again.returncode == 0, again.stderr[-2000:]
-        assert "256 documents were already committed" in again.stdout, again.stdout
+        assert "resumed a stopped ingest: 256 documents it had committed kept" in again.stdout, \
+            again.stdout
         manifest = read_manifest(_settings(disk / "h").index_dir)
         assert manifest.documents == 600 and len(set(manifest.chunks.values())) == 1
 
@@ -700,3 +702,40 @@ def test_the_next_ingest_redoes_the_chunks_an_earlier_version_cut_inside_a_chara
     finally:
         retriever.close()
     assert ingest(path, settings, dense=False).resumed == 2
+
+
+def test_each_ingest_says_plainly_whether_it_made_resumed_updated_or_repeated_the_index(
+        tmp_path):
+    """A first ingest said "0 documents were already committed", as did one that added
+    documents to a complete index, and a resumed one said "40 documents were already
+    committed" as if that were the whole story. Each now says what happened: a new index, a
+    stopped ingest resumed (what it kept, what it committed now), a complete index updated, or
+    one that already held every document unchanged."""
+    from branchsearch.infra.index.manifest import remove_manifest
+
+    home = tmp_path / "home"
+    corpus, env = tmp_path / "c.jsonl", _env(home)
+
+    def run() -> str:
+        done = subprocess.run([*CLI, "ingest", str(corpus), "--no-dense"], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.splitlines()[0]
+
+    _corpus(corpus, 40)
+    first = run()
+    assert "ingested 40 documents, 40 chunks into 'default'" in first, first
+    assert "a new index: all 40 documents committed now" in first, first
+    assert "already committed" not in first, first
+    again = run()
+    assert "the index was complete and already held every document, unchanged: nothing " \
+           "committed" in again, again
+    _corpus(corpus, 50)
+    updated = run()
+    assert "updated the complete index: 40 documents unchanged kept, 10 new or changed " \
+           "committed now" in updated, updated
+    _corpus(corpus, 60)
+    remove_manifest(_settings(home).index_dir)  # an ingest stopped before its manifest
+    resumed = run()
+    assert "resumed a stopped ingest: 50 documents it had committed kept, 10 committed now" \
+           in resumed, resumed
