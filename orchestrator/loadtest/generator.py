@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
 from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
-    is_refusal, is_unserved, not_load, slo_broken_at, slo_max, summarize
+    is_refusal, is_unserved, not_load, slo_broken_at, slo_max, summarize, unreachable
 
 BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
+# a step in which the target could not search: questions asked one by one after it, this far
+# apart, before it counts as gone (a backend that only fell behind the load catches up)
+AFTER_STEP_TRIES, AFTER_STEP_GAP_S = 3, 1.0
 from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
 from branchsearch.orchestrator.loadtest.workload import Workload
 from branchsearch.orchestrator.evaluation.measures import percentile
@@ -191,7 +194,25 @@ class Generator:
             if s.outcome != DROPPED and not is_unserved(s.outcome))
         if probe:
             summary["probes"] = probe.result()
+        if summary["unavailable"] and not unreachable(summary):
+            summary["answered_after"] = self._answered_after()
         return summary
+
+    def _answered_after(self) -> str:
+        """The outcome of a question asked once a step's load has stopped (`ok`, or the last
+        failure of `AFTER_STEP_TRIES`): a step whose target said it cannot search (a 503
+        `search_failed`, `backend_unavailable`: its backend timed out or failed) saturated
+        when the target answers again unloaded, and lost its backend when it does not. A
+        backend that is alive but slower than its timeout under the load yields the same codes
+        as one that is down; only asking again without the load tells them apart."""
+        outcome = ""
+        for attempt in range(AFTER_STEP_TRIES):
+            if attempt and self._stop.wait(AFTER_STEP_GAP_S):
+                break
+            outcome = ask(self.target, self._next_question())["outcome"]
+            if outcome == OK:
+                break
+        return outcome
 
     def _partial(self, state: _Step) -> dict:
         """The step under way at a ^C, as far as it got: its requests answered by now, its

@@ -12,10 +12,13 @@ apart (`refused`, `refusal_rate`, `refusals` by class) and kept out of the laten
 which describe the requests the service took on. A fast refusal mixed into them would make an
 overloaded service look quick; their own timing is `refusal_latency_ms`. So is a request that
 never reached a service (connection refused or broken: `unreached`): a dead service answers
-nothing, fast. So is a 503 whose code says the service cannot search now, whatever the load
-(`unavailable`: its backend down, its index not started, the service not ready or stopping):
-the deployment did not saturate, part of it went away, so no knee is drawn from a step that
-has one. And so is a request the service `rejected` as one it will never answer (any other
+nothing, fast. So is a 503 whose code says the service cannot search now (`unavailable`: its
+backend down or timing out, its index not started, the service not ready or stopping). A
+backend alive but slower than its timeout under the load answers `search_failed` or
+`backend_unavailable` as a dead one does, so after such a step one question is asked without
+the load (`answered_after`): answered, the backend could not keep up, which is saturation (the
+reason names it); not answered, part of the deployment went away, and no knee is drawn from the
+step. And so is a request the service `rejected` as one it will never answer (any other
 4xx: a key it does not know, a question it cannot search, an index it does not have): neither
 a measure of load nor a sign of saturation, so no knee is drawn from a step that has one.
 
@@ -213,6 +216,9 @@ def saturated(step: dict, previous: dict | None, baseline: dict, *, tolerance: f
     at a few dozen requests a step. The tail is the SLO's to judge (`slo_problem`). Closed loop (no
     offered rate): adding users adds less than half the throughput linear scaling would, or
     errors."""
+    if step.get("unavailable") and step.get("answered_after") == OK:
+        return (f"the backend could not keep up ({_unavailable_counts(step)}), and a question "
+                "asked once the step's load stopped was answered")
     if step["error_rate"] > max_error:
         return f"errors {step['error_rate']:.1%} > {max_error:.0%}"
     if step["loop"] == "open":
@@ -257,13 +263,13 @@ def not_load(step: dict, number: int) -> str:
                 f"{step['sent']} requests reached no service"
                 + (", the last one among them" if step.get("ended_unreached") else "")
                 + "): no knee drawn")
-    if step.get("unavailable"):
+    if step.get("unavailable") and step.get("answered_after") != OK:
         codes = {error_code(k): v for k, v in step["unavailabilities"].items()}
         what = ("the service's backend became unavailable" if set(codes) <= BACKEND_CODES
                 else "the service became unable to search")  # not ready, stopping, …
-        kinds = ", ".join(f"{code} {n}" for code, n in codes.items())
-        return (f"{what} at step {number} ({step['unavailable']} of {step['sent']} requests: "
-                f"{kinds}): no knee drawn")
+        still = (f", and still did not answer once the load stopped "
+                 f"({step['answered_after']})" if step.get("answered_after") else "")
+        return f"{what} at step {number} ({_unavailable_counts(step)}){still}: no knee drawn"
     if step.get("rejected"):
         kinds = ", ".join(f"{k} {v}" for k, v in step["rejections"].items())
         return (f"the service rejected {step['rejected']} of {step['sent']} requests at step "
@@ -272,6 +278,12 @@ def not_load(step: dict, number: int) -> str:
     if not step.get("sent"):
         return f"step {number} sent no request: it measured nothing; no knee drawn"
     return ""
+
+
+def _unavailable_counts(step: dict) -> str:
+    """"4 of 32 requests: search_failed 3, backend_unavailable 1"."""
+    kinds = ", ".join(f"{error_code(k)} {n}" for k, n in step["unavailabilities"].items())
+    return f"{step['unavailable']} of {step['sent']} requests: {kinds}"
 
 
 def find_knee(steps: list[dict], **criteria) -> dict:

@@ -1147,10 +1147,12 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
         assert set(second["unavailabilities"]) == {"http_503:backend_unavailable"}
         assert report["knee"]["knee"] is None and report["knee"]["saturated_at"] is None
         last = stderr.strip().splitlines()[-1]
+        assert second["answered_after"] == "http_503:backend_unavailable", second
         assert last == (f"loadtest: the service's backend became unavailable at step 2 "
                         f"({second['unavailable']} of {second['sent']} requests: "
-                        f"backend_unavailable {second['unavailable']}): no knee drawn; the "
-                        "report keeps what was measured"), stderr[-2000:]
+                        f"backend_unavailable {second['unavailable']}), and still did not "
+                        "answer once the load stopped (http_503:backend_unavailable): no knee "
+                        "drawn; the report keeps what was measured"), stderr[-2000:]
         assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
         # a load test started while the backend is down: one line before any load, no report
         # (it ran a step of 503s and read 'already saturated at the first step', exit 0)
@@ -1230,9 +1232,12 @@ def test_cli_in_process_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path
         codes = ", ".join(f"{k.split(':', 1)[1]} {n}"
                           for k, n in second["unavailabilities"].items())
         last = stderr.strip().splitlines()[-1]
+        after = second["answered_after"]
+        assert after in second["unavailabilities"], second
         assert last == (f"loadtest: the service's backend became unavailable at step 2 "
-                        f"({second['unavailable']} of {second['sent']} requests: {codes}): "
-                        "no knee drawn; the report keeps what was measured"), stderr[-2000:]
+                        f"({second['unavailable']} of {second['sent']} requests: {codes}), and "
+                        f"still did not answer once the load stopped ({after}): no knee drawn; "
+                        "the report keeps what was measured"), stderr[-2000:]
         assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
         # a load test started while the backend is down: one line before any load, no report
         again = subprocess.run(
@@ -1247,4 +1252,85 @@ def test_cli_in_process_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+        es.stop()
+
+
+def test_cli_a_backend_that_stalls_under_load_is_a_knee_and_one_that_dies_is_not(tmp_path):
+    """`serve --standalone`'s app over an index on Elasticsearch (the emulator) whose requests
+    time out after 0.3 s (`backend_timeout_s`), a closed-loop ramp against it; during step 2
+    the emulator stalls for 2.5 s (SIGSTOP: alive, taking connections, answering nothing, as
+    an Elasticsearch overwhelmed by the load or in a long GC pause), then answers again. The
+    service answered 503 search_failed / backend_unavailable, exactly as for a dead backend,
+    and the load test said 'the service's backend became unavailable … no knee drawn', exit
+    1. A question asked once the step's load stopped is now answered, so the step reads as
+    saturation: a knee at 1, the reason named, exit 0. (A backend that stays down still
+    draws no knee: `test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1`.)"""
+    import signal as sig
+
+    from es_emulator import start_es_emulator
+    from service_fixtures import CORPUS, start_uvicorn, write_corpus
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.service import deploy as service
+
+    es = start_es_emulator(tmp_path / "es")
+    state = server = proc = None
+    try:
+        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
+                                            "es_url": es.url, "search_mode": "bm25",
+                                            "branches": 1, "backend_timeout_s": 0.3,
+                                            "backend_retries": 0}, read_env=False,
+                                 read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
+        state = service.local_state(settings, executor="local")  # dev mode: no key
+        state.searcher.target.drivers.open("es")
+        server = start_uvicorn(service.create_app(state), state)
+        queries = tmp_path / "q.jsonl"
+        queries.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
+            "When is the Harbor Festival?", "Who built the Old Lighthouse?",
+            "What does the Alpha roadmap plan?")))
+        out = tmp_path / "lt.json"
+        env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
+             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
+             "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "4", "--think", "0.1",
+             "--warmup", "0", "--drain", "30", "--report", str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("step 1:"):
+                time.sleep(0.3)  # step 2 under way
+                os.kill(es.pid, sig.SIGSTOP)
+                try:
+                    time.sleep(2.5)
+                finally:
+                    os.kill(es.pid, sig.SIGCONT)
+                break
+        stdout, rest = proc.communicate(timeout=240)
+        stderr = "".join(lines) + rest
+        assert proc.returncode == 0, (proc.returncode, stdout[-2000:], stderr[-3000:])
+        report = json.loads(out.read_text())
+        first, second = report["steps"][:2]
+        assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
+        assert second["unavailable"] >= 1, second["errors"]
+        assert set(second["unavailabilities"]) <= {"http_503:search_failed",
+                                                   "http_503:backend_unavailable"}, second
+        assert second["answered_after"] == "ok", second
+        knee = report["knee"]
+        assert (knee["knee"], knee["saturated_at"]) == (1, 2), knee
+        assert knee["reason"].startswith("the backend could not keep up ("), knee
+        assert "a question asked once the step's load stopped was answered" in knee["reason"]
+        assert "no knee" not in stderr and "no knee" not in stdout, stderr[-2000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if es.is_running():  # never leave it stopped: es.stop() would wait on it
+            os.kill(es.pid, sig.SIGCONT)
+        if server is not None:
+            server.stop()
+            state.searcher.target.close()
         es.stop()
