@@ -341,6 +341,34 @@ def preflight(target: HttpTarget, question: str) -> None:
                     ) from None
 
 
+def preflight_driver(target: DriverTarget, question: str) -> None:
+    """The in-process target's `preflight`: one question before any load. A driver that cannot
+    search (`unavailable:<code>`: its backend down, every branch failed) or fails it
+    (`error:<Class>`) is one clear error now; so is a deadline that the question asked twice
+    (the first may load a model or warm a cache) does not meet, every branch out of time:
+    every request of the run would fail so, and read as saturation at the first step."""
+    for _ in range(2):
+        try:
+            result = target.search(question)
+        except RequestFailed as exc:
+            detail = f" ({exc})" if str(exc) != exc.outcome else ""
+            got = (f"index {target.driver.settings.index!r}: the first question got "
+                   f"{exc.outcome}{detail}")
+            if is_unavailable(exc.outcome):
+                raise BranchsearchError(f"{got}: it cannot search now (its backend is "
+                                        "unavailable), so no load was sent; run the load test "
+                                        "once it answers") from None
+            raise BranchsearchError(f"{got}, so no load was sent") from None
+        branches = result.get("branches") or []
+        if not branches or any(b.get("status") != "timeout" for b in branches):
+            return
+    flag = (f"--deadline-s {target.deadline_s:g}" if target.deadline_s is not None else
+            f"the branch timeout (branch_timeout_s {target.driver.settings.branch_timeout_s:g})")
+    raise BranchsearchError(f"{flag}: the first question, asked twice before any load, had "
+                            "every branch out of time: the driver does not answer within it "
+                            "even unloaded, so no load was sent; give a longer --deadline-s")
+
+
 @contextmanager
 def _sigterm_interrupts():
     """Meanwhile a SIGTERM (`timeout`, a CI job cancelled, `kill PID`) stops the run as ^C does,
@@ -379,6 +407,12 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     target = make_target(o, settings, workload)
     if isinstance(target, HttpTarget):
         preflight(target, workload.question(0))
+    else:
+        try:
+            preflight_driver(target, workload.question(0))
+        except BaseException:
+            target.close()
+            raise
     metrics_text = (lambda: target.get("/metrics")) if isinstance(target, HttpTarget) else None
     probe = lambda: StepProbe(settings if not o.url else None, metrics_text)  # noqa: E731
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")

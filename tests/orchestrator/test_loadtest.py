@@ -1334,3 +1334,32 @@ def test_cli_a_backend_that_stalls_under_load_is_a_knee_and_one_that_dies_is_not
             server.stop()
             state.searcher.target.close()
         es.stop()
+
+
+def test_in_process_a_deadline_the_unloaded_driver_never_meets_is_one_error_before_any_load(
+        hotpot_settings, tmp_path):
+    """`loadtest` with no --url and `--deadline-s 0.001`: every search ended with its branches
+    out of time, and the run read 'already saturated at the first step: errors 100.0% > 1%',
+    exit 0, a report written. The first question, asked twice before any load as the HTTP
+    target asks it, finds it: one line naming the flag, no load sent, no report; a deadline
+    it meets runs."""
+    from conftest import HOTPOT, ingest_copy
+
+    settings = ingest_copy(hotpot_settings, "lt-deadline")
+    out = tmp_path / "lt.json"
+    cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home",
+           str(settings.home), "--index", "lt-deadline", "--queries", str(HOTPOT),
+           "--executor", "local", "--branches", "1", "--users", "1", "--duration", "2",
+           "--warmup", "0", "--report", str(out)]
+    short = subprocess.run([*cli, "--deadline-s", "0.001"], capture_output=True, text=True,
+                           timeout=300)
+    assert short.returncode == 2, (short.returncode, short.stdout[-2000:], short.stderr)
+    line, = short.stderr.strip().splitlines()
+    assert line == ("error: --deadline-s 0.001: the first question, asked twice before any "
+                    "load, had every branch out of time: the driver does not answer within it "
+                    "even unloaded, so no load was sent; give a longer --deadline-s"), line
+    assert not out.exists() and not short.stdout
+    ok = subprocess.run([*cli, "--deadline-s", "60"], capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0, (ok.stdout[-2000:], ok.stderr[-2000:])
+    assert json.loads(out.read_text())["steps"][0]["ok"] >= 1
