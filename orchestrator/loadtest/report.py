@@ -44,8 +44,8 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
     if report.get("notes"):
         lines.append("")
     lines += ["| " + " | ".join([load_label(report), "offered/s", "achieved/s", "sent", "p50 ms",
-                                 "p90 ms", "p99 ms", "max ms", "refused (429/503)", "other errors",
-                                 "tokens read/s"]) + " |",
+                                 "p90 ms", "p99 ms", "max ms", "refused (429, 503 overloaded)",
+                                 "other errors", "tokens read/s"]) + " |",
               "|" + "---:|" * 11]
     for s in steps:
         lat = s["latency_ms"]

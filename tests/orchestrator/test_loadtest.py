@@ -475,6 +475,8 @@ def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver
                                                        "cdf.png"]
     md = rep.write(report, tmp_path / "lt.json").read_text()
     assert "| target rate (req/s) | offered/s |" in md and "**Knee**" in md
+    # the column says what it counts: a 503 saying the service cannot search is not in it
+    assert "| refused (429, 503 overloaded) | other errors |" in md, md
     assert json.loads((tmp_path / "lt.json").read_text())["steps"][0]["sent"] == s["sent"]
 
 
@@ -686,7 +688,9 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
     assert len(step["latencies_ms"]) == step["sent"] - step["refused"]
     assert step["refusal_latency_ms"]["max"] > 0  # timed apart (no order asserted: a loaded
     # machine can answer a 429 slower than a search)
-    assert "refused (429/503)" in written["lt.md"] and "refused (429/503)" in proc.stdout
+    # the column counts 429s and 503 overloaded, not the 503s saying it cannot search
+    column = "refused (429, 503 overloaded)"
+    assert column in written["lt.md"] and column in proc.stdout
     assert "the key's own concurrency limit refused requests" in written["lt.md"]
 
     # the old flag still works: warned, and the key is shown nowhere (the command line in
