@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
 from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
-    is_refusal, is_unserved, not_load, slo_broken_at, slo_max, summarize, unreachable
+    backend_failed, is_refusal, is_unserved, not_load, slo_broken_at, slo_max, summarize, \
+    unreachable
 
 BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
 # a step in which the target could not search: questions asked one by one after it, this far
@@ -194,7 +195,7 @@ class Generator:
             if s.outcome != DROPPED and not is_unserved(s.outcome))
         if probe:
             summary["probes"] = probe.result()
-        if summary["unavailable"] and not unreachable(summary):
+        if summary["unavailable"] and backend_failed(summary) and not unreachable(summary):
             summary["answered_after"] = self._answered_after()
         return summary
 

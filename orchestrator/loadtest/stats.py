@@ -216,7 +216,7 @@ def saturated(step: dict, previous: dict | None, baseline: dict, *, tolerance: f
     at a few dozen requests a step. The tail is the SLO's to judge (`slo_problem`). Closed loop (no
     offered rate): adding users adds less than half the throughput linear scaling would, or
     errors."""
-    if step.get("unavailable") and step.get("answered_after") == OK:
+    if fell_behind(step):
         return (f"the backend could not keep up ({_unavailable_counts(step)}), and a question "
                 "asked once the step's load stopped was answered")
     if step["error_rate"] > max_error:
@@ -263,7 +263,7 @@ def not_load(step: dict, number: int) -> str:
                 f"{step['sent']} requests reached no service"
                 + (", the last one among them" if step.get("ended_unreached") else "")
                 + "): no knee drawn")
-    if step.get("unavailable") and step.get("answered_after") != OK:
+    if step.get("unavailable") and not fell_behind(step):
         codes = {error_code(k): v for k, v in step["unavailabilities"].items()}
         what = ("the service's backend became unavailable" if set(codes) <= BACKEND_CODES
                 else "the service became unable to search")  # not ready, stopping, …
@@ -278,6 +278,22 @@ def not_load(step: dict, number: int) -> str:
     if not step.get("sent"):
         return f"step {number} sent no request: it measured nothing; no knee drawn"
     return ""
+
+
+def backend_failed(step: dict) -> bool:
+    """Whether a step's 503s saying the service cannot search are all its backend's
+    (`search_failed`, `backend_unavailable`): the codes of a backend down, and of one alive but
+    slower than its timeout under the load. Others (`not_ready`, `index_starting`,
+    `shutting_down`, …) are the service's own state, never the load's."""
+    codes = {error_code(k) for k in step.get("unavailabilities", {})}
+    return bool(codes) and codes <= BACKEND_CODES
+
+
+def fell_behind(step: dict) -> bool:
+    """Whether a step's backend failed under the load and answered once it stopped
+    (`answered_after`): it could not keep up, which is saturation, not an outage."""
+    return bool(step.get("unavailable")) and backend_failed(step) \
+        and step.get("answered_after") == OK
 
 
 def _unavailable_counts(step: dict) -> str:

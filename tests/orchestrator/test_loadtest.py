@@ -1367,3 +1367,29 @@ def test_in_process_a_deadline_the_unloaded_driver_never_meets_is_one_error_befo
                         timeout=300)
     assert ok.returncode == 0, (ok.stdout[-2000:], ok.stderr[-2000:])
     assert json.loads(out.read_text())["steps"][0]["ok"] >= 1
+
+
+def test_a_backend_that_answers_once_the_load_stops_saturated_and_one_that_does_not_went_away():
+    """By hand: a step of 503 search_failed whose backend answered a question once the load
+    stopped (`answered_after` ok) read 'the service's backend became unavailable … no knee
+    drawn' as a dead backend does; it is now the knee, the reason named. A backend still
+    failing then draws no knee and says so; a service not ready or stopping is never load,
+    whatever answered after."""
+    first = summarize([Sample(0, i, i, i + 0.5, "ok") for i in range(6)], load=1,
+                      loop="closed", duration_s=6.0, cutoff=7.0)
+    samples = [Sample(1, i, i, i + 0.5, "ok") for i in range(3)]
+    samples += [Sample(1, 3 + i, 3 + i, 3.3 + i, "http_503:search_failed") for i in range(3)]
+    second = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
+    knee = find_knee([first, {**second, "answered_after": "ok"}])
+    assert (knee["knee"], knee["saturated_at"]) == (1, 2), knee
+    assert knee["reason"] == ("the backend could not keep up (3 of 6 requests: search_failed "
+                              "3), and a question asked once the step's load stopped was "
+                              "answered")
+    gone = find_knee([first, {**second, "answered_after": "http_503:backend_unavailable"}])
+    assert gone == {"knee": None, "saturated_at": None, "reason": (
+        "the service's backend became unavailable at step 2 (3 of 6 requests: search_failed "
+        "3), and still did not answer once the load stopped (http_503:backend_unavailable): "
+        "no knee drawn")}
+    samples[3:] = [Sample(1, 3 + i, 3 + i, 3.01 + i, "http_503:shutting_down") for i in range(3)]
+    stopping = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
+    assert find_knee([first, {**stopping, "answered_after": "ok"}])["knee"] is None
