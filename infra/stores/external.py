@@ -20,9 +20,13 @@ agent's read tool windows it. The stores here satisfy the same small protocols a
 (`LexicalStore`, the dense `search(vector, …)`, the docstore's read methods), so the `Retriever`,
 the agent and fusion run unchanged on top of them.
 
-ACL: a document whose ACL field is missing or empty is public; otherwise a caller sees it only
-when it holds one of its groups; `ACL_ALL` (an explicit admin setting) sees everything. The
-filter is part of the backend query, as for owned indexes.
+ACL, one rule for search and read by id: a document's groups are the values of its ACL field,
+a null being no value; with none (the field missing, null, `[]`, `[null]`) it is public,
+otherwise a caller sees it only when it holds one of its groups; `ACL_ALL` (an explicit admin
+setting) sees everything. An empty or blank string is a group no caller can hold (admins only:
+Elasticsearch indexes "" as a value, so `[""]` and `["a", ""]` cannot be told from a group in a
+query), except in a Milvus VARCHAR field, one string per row, where "" is how a row has none.
+The filter is part of the backend query, as for owned indexes.
 """
 
 from __future__ import annotations
@@ -343,6 +347,13 @@ def _check_acl_mapping(spec: ExternalIndex, acl: str, mapping, where: str) -> No
             f"{normalizer!r} in {where}: group names would match as it normalises them (a "
             "caller of 'hr' would see 'HR''s documents); map the groups as a keyword "
             "field without a normalizer")
+    null_value = _field_spec(mapping, acl).get("null_value")
+    if null_value is not None:  # a null indexed as a group: `_source` still holds the null
+        raise SettingsError(
+            f"index {spec.name!r}: field acl = {spec.fields.acl!r} has null_value = "
+            f"{null_value!r} in {where}: search would restrict a document whose groups are null "
+            "to that group while a read by id shows it to everyone; map the groups as a keyword "
+            "field without null_value")
 
 
 def _aliases(mapping) -> dict[str, str]:
@@ -627,7 +638,8 @@ class ExternalMilvus:
             return {}
         rows = self._request("query", self._client.query, self.collection,
                              output_fields=self._outputs, filter=f"{self.f.id} in {ids}")
-        return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f) for r in rows}
+        return {str(r[self.f.id]): _record(str(r[self.f.id]), r, self.f,
+                                           blank_is_none=not self._acl_is_array) for r in rows}
 
     def write(self, *args, **kwargs):
         _read_only(self.spec.name)
@@ -665,8 +677,13 @@ class ExternalMilvus:
 # --- reading: the docstore's read methods, answered by the backend --------------------------------
 
 
-def _record(doc_id: str, source: dict, f: FieldMap) -> dict:
-    acl = _value(source, f.acl) or []
+def _record(doc_id: str, source: dict, f: FieldMap, *, blank_is_none: bool = False) -> dict:
+    """A document's record with its groups read by the rule its backend's search filters by
+    (module docstring): a null is no group, any string is one, "" included (a group no caller
+    holds). `blank_is_none`: a Milvus VARCHAR field, where "" is how a row says it has none."""
+    acl = _value(source, f.acl)
+    if acl is None or blank_is_none and acl == "":
+        acl = []
     # a null in the array is no group (the backend indexes none for it); a number is its text
     groups = [str(g) for g in ([acl] if isinstance(acl, (str, int, float)) else acl)
               if g is not None and not isinstance(g, (dict, list))]

@@ -808,3 +808,59 @@ def test_an_acl_keyword_field_with_ignore_above_is_refused(es_url, tmp_path):
             assert not r.search("long secret budget", mode="bm25", k=3, acl_groups=["hr"])
         finally:
             r.close()
+
+
+# every shape an Elasticsearch ACL field may hold -> who sees the document (search and read)
+ACL_SHAPES = {
+    "missing-memo": ({}, {"anyone"}),
+    "null-memo": ({"groups": None}, {"anyone"}),
+    "empty-list-memo": ({"groups": []}, {"anyone"}),
+    "nulls-memo": ({"groups": [None]}, {"anyone"}),
+    "empty-string-memo": ({"groups": ""}, set()),
+    "empty-strings-memo": ({"groups": [""]}, set()),
+    "blank-memo": ({"groups": " "}, set()),
+    "finance-or-empty-memo": ({"groups": ["finance", ""]}, {"finance"}),
+    "finance-or-null-memo": ({"groups": ["finance", None]}, {"finance"}),
+    "finance-memo": ({"groups": "finance"}, {"finance"}),
+}
+
+
+@pytest.mark.es
+def test_every_acl_shape_is_seen_by_the_same_callers_in_search_and_read(es_url, tmp_path):
+    """`acl: ""` (or `[""]`) was hidden from every caller by search but public when read by
+    id. One rule for every shape: null and missing values are no group, so a field with none
+    is public; an empty or blank string is a group no caller can hold (admins only)."""
+    settings = _es_index(es_url, tmp_path, {"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"},
+        "groups": {"type": "keyword"}}},
+        {key: {"body": f"the {key} budget", **source} for key, (source, _) in ACL_SHAPES.items()},
+        "groups")
+    r = open_retriever(settings)
+    try:
+        for caller, groups in (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]),
+                               ("admin", ["*"])):
+            found = {h.doc_id for h in r.search("budget memo", mode="bm25", k=20,
+                                                 acl_groups=groups)}
+            for key, (_, who) in ACL_SHAPES.items():
+                sees = caller == "admin" or "anyone" in who or caller in who
+                assert (key in found) == sees, (caller, key, "search")
+                if sees:
+                    assert r.read_document(key, acl_groups=groups)["chunks"], (caller, key)
+                else:
+                    with pytest.raises(BadQuery, match="unknown document"):
+                        r.read_document(key, acl_groups=groups)
+    finally:
+        r.close()
+
+
+@pytest.mark.es
+def test_an_acl_field_with_a_null_value_is_refused(es_url, tmp_path):
+    """`null_value` indexes a null as a group: search would restrict `groups: null` to that
+    group while a read by id finds no group in `_source` and shows the document to everyone.
+    Refused at open, as a normalizer is."""
+    settings = _es_index(es_url, tmp_path, {"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"},
+        "groups": {"type": "keyword", "null_value": "staff"}}},
+        {"staff-memo": {"body": "the staff-memo budget", "groups": None}}, "groups")
+    with pytest.raises(SettingsError, match=r"acl = 'groups' has null_value = 'staff'"):
+        open_retriever(settings)
