@@ -504,15 +504,9 @@ def _validate(s: Settings) -> None:
     problem = index_name_problem(s.index)
     if problem:
         raise SettingsError(problem)
-    for spec in s.indexes:  # a declared name that `--index` could never select
-        problem = index_name_problem(spec.name)
-        if problem:
-            raise SettingsError(f"[indexes.NAME] in the settings file: {problem}")
-    for where, url in [("es_url", s.es_url)] + [
-            (f"[indexes.{spec.name}] es_url", spec.es_url) for spec in s.indexes]:
-        problem = es_url_problem(url)
-        if problem:
-            raise SettingsError(f"setting {where}: {problem}")
+    problem = es_url_problem(s.es_url)  # an index's own es_url: its problem (parse_external)
+    if problem:
+        raise SettingsError(f"setting es_url: {problem}")
     _check_home(Path(s.home), s.index_dir)
     if s.trace_exporter == "otlp":  # a bad collector URL or header list stops here, clearly
         from branchsearch.infra.telemetry import otlp_headers, otlp_url

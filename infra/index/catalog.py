@@ -176,7 +176,9 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
     for spec in settings.indexes:
         info = IndexInfo(spec.name, "external", spec.describe(), None, None, "not checked",
                          _external_embedding(spec, settings))
-        if check:
+        if spec.problem:  # its table is wrong: listed with why, never opened
+            info.health = redact(spec.problem)
+        elif check:
             try:
                 if spec.lexical == "elasticsearch":
                     store = ExternalElastic(spec, spec.es_url or settings.es_url,
@@ -184,10 +186,15 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
                                             timeout_s=settings.backend_timeout_s)
                 else:
                     from branchsearch.infra.models.embedder import Embedder
+                    from branchsearch.infra.stores.milvus import server_answers
+                    from branchsearch.infra.stores.milvus_lite import is_server
 
+                    uri = spec.milvus_uri or settings.milvus_uri
+                    if is_server(uri):  # before the embedding model loads: seconds
+                        server_answers(uri, settings.backend_timeout_s)
                     dim = Embedder(settings.embed_model, settings.embed_batch,
                                    settings.embed_device).dim
-                    store = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, dim,
+                    store = ExternalMilvus(spec, uri, dim,
                                            token=settings.milvus_token,
                                            timeout_s=settings.backend_timeout_s)
                 try:

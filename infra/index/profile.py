@@ -56,6 +56,8 @@ def index_profile(settings: Settings) -> IndexProfile:
     from branchsearch.infra.stores.milvus_lite import is_server
 
     ext = settings.external
+    if ext is not None and ext.problem:  # its table is wrong: it cannot open
+        return IndexProfile(ext.name, "external", None, "", "", "", "", SettingsError(ext.problem))
     if ext is not None:
         uri = (ext.milvus_uri or settings.milvus_uri) if ext.dense == "milvus" else ""
         lite = "" if not uri or is_server(uri) or settings.search_mode == "bm25" else str(uri)

@@ -26,19 +26,22 @@ otherwise a caller sees it only when it holds one of its groups; `ACL_ALL` (an e
 setting) sees everything. An empty or blank string is a group no caller can hold (admins only:
 Elasticsearch indexes "" as a value, so `[""]` and `["a", ""]` cannot be told from a group in a
 query), except in a Milvus VARCHAR field, one string per row, where "" is how a row has none.
-The filter is part of the backend query, as for owned indexes.
+The filter is part of the backend query, as for owned indexes. An index with both sides holds
+each document's groups twice, and the two may disagree: it follows the stricter (`stricter`),
+each side's hits checked against the other's record and every read taking both.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from branchsearch.infra.stores.acl import ACL_ALL, group_forms
+from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_forms, group_name
 from branchsearch.infra.stores.protocols import MAX_K, check_pattern, query_words, settled
 from branchsearch.infra.stores.milvus import (milvus_call, milvus_error, milvus_list,
-                                              quiet_pymilvus, timeout_arg)
+                                              quiet_pymilvus, server_answers, timeout_arg)
 from branchsearch.infra.stores.milvus_lite import (acquire_lite, is_server, lite_key, lite_spawn,
                                                    release_lite, served_uri)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError, redact
@@ -75,8 +78,13 @@ class ExternalIndex:
     milvus_collection: str = ""
     milvus_uri: str = ""  # default: the settings' milvus_uri
     fields: FieldMap = field(default_factory=FieldMap)
+    # what is wrong with its table (one line; "" when nothing): such an index cannot open, the
+    # others still serve
+    problem: str = ""
 
     def describe(self) -> str:
+        if self.problem:
+            return "misconfigured"
         parts = []
         if self.lexical == "elasticsearch":
             parts.append(f"elasticsearch:{self.es_index}")
@@ -90,7 +98,7 @@ def parse_external(name: str, table: dict) -> ExternalIndex:
     where = f"[indexes.{name}]"
     if not isinstance(table, dict):
         raise SettingsError(f"{where} must be a table")
-    known = {f.name for f in fields(ExternalIndex)} - {"name"}
+    known = {f.name for f in fields(ExternalIndex)} - {"name", "problem"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise SettingsError(f"{where}: unknown keys {', '.join(unknown)} "
@@ -116,14 +124,42 @@ def parse_external(name: str, table: dict) -> ExternalIndex:
         raise SettingsError(f"{where}: lexical = \"elasticsearch\" needs es_index")
     if spec.dense == "milvus" and not spec.milvus_collection:
         raise SettingsError(f"{where}: dense = \"milvus\" needs milvus_collection")
+    from branchsearch.infra.config.settings import es_url_problem
+
+    problem = es_url_problem(spec.es_url)
+    if problem:
+        raise SettingsError(f"setting {where} es_url: {problem}")
     return spec
+
+
+def _misconfigured(name: str, table, exc: SettingsError) -> ExternalIndex:
+    """A declared index whose table is wrong: it keeps its name and its error, and its URLs
+    as written, so that their passwords are still masked in every message."""
+    urls = {key: table[key] for key in ("es_url", "milvus_uri")
+            if isinstance(table, dict) and isinstance(table.get(key), str)}
+    return ExternalIndex(name=name, problem=str(exc), **urls)
+
+
+def _parse_one(name: str, table) -> ExternalIndex:
+    """`parse_external`, a mistake kept as the index's `problem` instead of raised: one bad
+    table makes that index unusable, not every command on every index."""
+    try:
+        return parse_external(name, table)
+    except SettingsError as exc:
+        return _misconfigured(name, table, exc)
 
 
 def parse_indexes(value) -> tuple[ExternalIndex, ...]:
     """The settings' `indexes`: a TOML table of tables, or what `parse_indexes` returned (as
     dataclasses or as the dicts `dataclasses.asdict` makes of them)."""
     if isinstance(value, dict):
-        return tuple(parse_external(name, table) for name, table in value.items())
+        from branchsearch.infra.config.settings import index_name_problem
+
+        for name in value:  # a name no `--index` could select: nothing to report it under
+            problem = index_name_problem(str(name))
+            if problem:
+                raise SettingsError(f"[indexes.NAME] in the settings file: {problem}")
+        return tuple(_parse_one(str(name), table) for name, table in value.items())
     if isinstance(value, str):  # an environment variable: a table has no one-line form
         raise SettingsError("indexes: declare external indexes as [indexes.NAME] tables in a "
                             "settings file, not in one string")
@@ -131,9 +167,13 @@ def parse_indexes(value) -> tuple[ExternalIndex, ...]:
     for item in value or ():
         if isinstance(item, ExternalIndex):
             out.append(item)
+        elif isinstance(item, dict) and item.get("problem"):  # `asdict` of a misconfigured one
+            out.append(ExternalIndex(name=str(item["name"]), problem=str(item["problem"]),
+                                     es_url=str(item.get("es_url", "")),
+                                     milvus_uri=str(item.get("milvus_uri", ""))))
         elif isinstance(item, dict) and "name" in item:
-            table = {k: v for k, v in item.items() if k != "name"}
-            out.append(parse_external(item["name"], table))
+            table = {k: v for k, v in item.items() if k not in ("name", "problem")}
+            out.append(_parse_one(str(item["name"]), table))
         else:
             raise SettingsError(f"indexes: cannot read {item!r}")
     return tuple(out)
@@ -141,6 +181,34 @@ def parse_indexes(value) -> tuple[ExternalIndex, ...]:
 
 def _sees_all(acl_groups: Sequence[str] | None) -> bool:
     return acl_groups is not None and ACL_ALL in acl_groups
+
+
+def stricter(groups: Sequence[str], other: Sequence[str]) -> list[str]:
+    """The groups of a document whose two stores name `groups` and `other`: one side public,
+    the other's; both restricted, the groups both name, and when they share none `[""]`, a
+    group no caller holds (admins only). A caller seeing the result sees it on both sides."""
+    if not groups or not other:
+        return list(groups or other)
+    names = {group_name(g) for g in other} - {""}
+    return [g for g in groups if group_name(g) in names] or [""]
+
+
+def _peer_checked(search):
+    """A side's `search` / `grep` whose hits the other side of the index (`self.peer`) must
+    also let the caller see: a document one store restricts is not shown by the other."""
+    @functools.wraps(search)
+    def wrapper(self, query, k: int, exclude_ids: Sequence[str] = (),
+                acl_groups: Sequence[str] | None = None) -> list[Hit]:
+        hits = search(self, query, k, exclude_ids, acl_groups)
+        if self.peer is None or not hits or _sees_all(acl_groups):
+            return hits
+        records = self.peer.get([h.doc_id for h in hits])
+        kept = [h for h in hits if h.doc_id not in records
+                or acl_visible(records[h.doc_id]["acl"], acl_groups)]
+        for rank, h in enumerate(kept, start=1):
+            h.rank = rank
+        return kept
+    return wrapper
 
 
 def _read_only(name: str):
@@ -153,6 +221,8 @@ def _read_only(name: str):
 class ExternalElastic:
     """BM25 (`multi_match` over the mapped title and text), term regexes and reads by id on an
     existing Elasticsearch index; satisfies `LexicalStore` minus writing."""
+
+    peer = None  # the index's Milvus side, when it has one: its groups count too
 
     def __init__(self, spec: ExternalIndex, url: str, *, api_key: str | None = None,
                  max_pattern: int = 200, timeout_s: float = 30):
@@ -243,6 +313,7 @@ class ExternalElastic:
                    text=str(_value(src, self.src.text, "")),
                    title=str(_value(src, self.src.title, "")))
 
+    @_peer_checked
     @settled
     def search(self, query: str, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
@@ -253,6 +324,7 @@ class ExternalElastic:
                                 "fields": [self.f.title, self.f.text]}}
         return self._run(must, k, exclude_ids, acl_groups, "bm25")
 
+    @_peer_checked
     @settled
     def grep(self, pattern: str, k: int, exclude_ids: Sequence[str] = (),
              acl_groups: Sequence[str] | None = None) -> list[Hit]:
@@ -509,7 +581,9 @@ class ExternalMilvus:
     """Vector search and reads by id on an existing Milvus collection, through the mapping.
     The query embedder must make vectors of the collection's dimension (checked here)."""
 
-    def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int, *, token: str = "",
+    peer = None  # the index's Elasticsearch side, when it has one: its groups count too
+
+    def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int | None, *, token: str = "",
                  timeout_s: float = 30.0):
         from pymilvus import MilvusClient
 
@@ -521,6 +595,8 @@ class ExternalMilvus:
         self.collection = spec.milvus_collection
         quiet_pymilvus()
         wait = timeout_arg(timeout_s)
+        if is_server(uri):  # a refused address fails now, not after the client's timeout
+            server_answers(uri, timeout_s)
         try:
             served = served_uri(uri)  # another process owns the Lite file (a batch's)
             with lite_spawn():  # a Lite file's server: ^C is its owner's to handle
@@ -549,7 +625,10 @@ class ExternalMilvus:
             self.close()  # a refused open must not keep the Lite file from other processes
             raise
 
-    def _check_fields(self, schema: dict, embed_dim: int) -> None:
+    def _check_fields(self, schema: dict, embed_dim: int | None) -> None:
+        """The mapped fields against the collection's schema; `embed_dim` None: the collection
+        is opened for its records only (the groups of a hybrid index's bm25 search), no
+        query is embedded, so the vector's dimension is not compared."""
         name = self.spec.name
         where = f"Milvus collection {self.collection!r}"
         _check_mapped(self.spec, where, set(schema), ("id", "vector", "text"))
@@ -560,7 +639,7 @@ class ExternalMilvus:
                 f"in {where} (it is {_type_name(vector.get('type'))}); map vector to the field "
                 "the collection's embeddings are in")
         dim = int(vector["params"]["dim"])
-        if dim != embed_dim:
+        if embed_dim is not None and dim != embed_dim:
             raise SettingsError(
                 f"index {name!r}: collection {self.collection!r} holds {dim}-dim vectors in "
                 f"{self.f.vector!r} but the query embedder makes {embed_dim}-dim ones; set "
@@ -607,6 +686,7 @@ class ExternalMilvus:
         return Hit(doc_id + CHUNK_SUFFIX, doc_id, score, rank, source,
                    text=str(entity.get(self.f.text, "")), title=str(entity.get(self.f.title, "")))
 
+    @_peer_checked
     @settled
     def search(self, vector, k: int, exclude_ids: Sequence[str] = (),
                acl_groups: Sequence[str] | None = None) -> list[Hit]:
@@ -696,11 +776,22 @@ class ExternalDocs:
     when there is one, else the dense side). Every document is one chunk; like the owned
     docstore it returns records with their `acl`, and the retriever decides who sees them."""
 
-    def __init__(self, source):
-        self.source = source
+    def __init__(self, source, peer=None, owns: Sequence = ()):
+        """`peer`: the index's other side, whose groups count too (`stricter`); `owns`: the
+        stores only this object uses, closed with it."""
+        self.source, self.peer, self.owns = source, peer, tuple(owns)
+
+    def _get(self, doc_ids: Sequence[str]) -> dict[str, dict]:
+        """The records of `doc_ids`, each with the stricter of its two stores' groups."""
+        docs = self.source.get(doc_ids)
+        if self.peer is None or not docs:
+            return docs
+        others = self.peer.get(list(docs))
+        return {d: rec | {"acl": stricter(rec["acl"], others[d]["acl"])} if d in others else rec
+                for d, rec in docs.items()}
 
     def get_chunks(self, chunk_ids: Sequence[str]) -> dict[str, dict]:
-        docs = self.source.get([doc_of(c) for c in dict.fromkeys(chunk_ids)])
+        docs = self._get([doc_of(c) for c in dict.fromkeys(chunk_ids)])
         return {d["doc_id"] + CHUNK_SUFFIX: {"chunk_id": d["doc_id"] + CHUNK_SUFFIX, "n": 0, **d}
                 for d in docs.values()}
 
@@ -711,7 +802,7 @@ class ExternalDocs:
     def read_document(self, doc_id: str) -> tuple[dict, list[dict]] | None:
         """The document and its one chunk, from one record (`DocStore.read_document`): its
         groups and its text are one version of it."""
-        doc = self.source.get([doc_id]).get(doc_id)
+        doc = self._get([doc_id]).get(doc_id)
         if doc is None:
             return None
         return ({"doc_id": doc_id, "title": doc["title"], "acl": doc["acl"], "n_chunks": 1,
@@ -731,18 +822,30 @@ class ExternalDocs:
         _read_only(self.source.spec.name)
 
     def close(self) -> None:
-        pass  # the backend client is closed by its store
+        for store in self.owns:  # the others are closed as the retriever's stores
+            store.close()
 
 
 def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, embedder=None):
     """(docs, lexical, dense, embedder) for an external index, in the shape `open_stores`
     returns for an owned one. A side the index lacks is None; using it is one clear error."""
+    if spec.problem:
+        raise SettingsError(spec.problem)
     lexical = dense = None
     if spec.lexical == "elasticsearch":
         lexical = ExternalElastic(spec, spec.es_url or settings.es_url,
                                   api_key=settings.es_api_key or None,
                                   max_pattern=settings.grep_max_pattern,
                                   timeout_s=settings.backend_timeout_s)
+    milvus = {"token": settings.milvus_token, "timeout_s": settings.backend_timeout_s}
+    uri = spec.milvus_uri or settings.milvus_uri
+    if spec.dense == "milvus" and is_server(uri):  # refused: said before the model loads
+        try:
+            server_answers(uri, settings.backend_timeout_s)
+        except BackendUnavailable:
+            if lexical is not None:
+                lexical.close()
+            raise
     if spec.dense == "milvus" and (need_dense or lexical is None):
         if embedder is None:  # also for reading only: the dimension check needs it
             from pathlib import Path
@@ -751,11 +854,20 @@ def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, emb
 
             embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,
                                 cache_path=Path(settings.home) / "cache" / "embeddings.sqlite")
-        dense = ExternalMilvus(spec, spec.milvus_uri or settings.milvus_uri, embedder.dim,
-                               token=settings.milvus_token, timeout_s=settings.backend_timeout_s)
-    else:
+    if spec.dense == "milvus":  # for a bm25 search too: the collection is asked for groups
+        dim = embedder.dim if embedder is not None else None
+        try:
+            dense = ExternalMilvus(spec, uri, dim, **milvus)
+        except BaseException:
+            if lexical is not None:
+                lexical.close()
+            raise
+    if dense is None:
         embedder = None
-    docs = ExternalDocs(lexical or dense)
+    if lexical is not None and dense is not None:  # two sides: each checks the other's groups
+        lexical.peer, dense.peer = dense, lexical
+    owns = () if need_dense or dense is None else (dense,)
+    docs = ExternalDocs(lexical or dense, peer=dense if lexical else None, owns=owns)
     if not need_dense:
         dense, embedder = None, None
     return docs, lexical or MissingLexical(spec), dense, embedder

@@ -218,6 +218,26 @@ _LITE_KEY = re.compile("['\x00]")
 _LITE_BACK = re.compile("#[q0]")
 
 
+MILVUS_PORT = 19530  # a server URI without a port
+
+
+def server_answers(uri: str, timeout_s: float) -> None:
+    """Raise `BackendUnavailable` unless the Milvus server at `uri` accepts a TCP connection
+    within `timeout_s`: a refused address fails at once, where the client waits out its whole
+    timeout for the channel to be ready (30 s by default)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        with socket.create_connection((parts.hostname or "localhost",
+                                       parts.port or MILVUS_PORT), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise BackendUnavailable(f"milvus at {redact(uri)} is not answering "
+                                 f"({type(exc).__name__})") from None
+
+
 def timeout_arg(seconds: float) -> int:
     """A request timeout as pymilvus needs it: whole seconds (at least 1). pymilvus 2.5 bounds
     its retries by `timeout` only when it is an int; a float means 75 retries, minutes on a

@@ -10,12 +10,7 @@ stores (tantivy, a Lite file) are files, which the profile has checked.
 
 from __future__ import annotations
 
-import socket
-from urllib.parse import urlsplit
-
 from branchsearch.infra.errors import BackendUnavailable, redact
-
-MILVUS_PORT = 19530
 
 
 def check_unopened(settings, profile, timeout_s: float) -> None:
@@ -53,11 +48,6 @@ def _elastic_answers(url: str, api_key: str | None, timeout_s: float) -> None:
 
 
 def _milvus_answers(uri: str, timeout_s: float) -> None:
-    parts = urlsplit(uri)
-    try:
-        with socket.create_connection((parts.hostname or "localhost",
-                                       parts.port or MILVUS_PORT), timeout=timeout_s):
-            pass
-    except (OSError, ValueError) as exc:
-        raise BackendUnavailable(f"milvus at {redact(uri)} is not answering "
-                                 f"({type(exc).__name__})") from None
+    from branchsearch.infra.stores.milvus import server_answers
+
+    server_answers(uri, timeout_s)

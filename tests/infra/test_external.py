@@ -864,3 +864,147 @@ def test_an_acl_field_with_a_null_value_is_refused(es_url, tmp_path):
         {"staff-memo": {"body": "the staff-memo budget", "groups": None}}, "groups")
     with pytest.raises(SettingsError, match=r"acl = 'groups' has null_value = 'staff'"):
         open_retriever(settings)
+
+
+# doc id -> (its groups in Elasticsearch, its groups in Milvus): stores that disagree
+DISAGREEING = {"lexical-restricts": (["finance"], []), "dense-restricts": ([], ["finance"]),
+               "both-restrict-otherwise": (["finance"], ["hr"]), "both-agree": (["hr"], ["hr"]),
+               "both-public": ([], [])}
+
+
+@pytest.mark.es
+def test_a_hybrid_index_whose_stores_disagree_on_acl_follows_the_stricter(es_url, tmp_path):
+    """Elasticsearch restricts a document that the Milvus collection holds as public (or the
+    reverse): a dense hit showed it, text and all, to a caller the lexical store hides it
+    from, and a read by id went by the lexical store only. Each side's hits and each read are
+    now checked against both stores: a caller sees a document only where both let it, and
+    two stores naming different groups show it to admins only."""
+    from elasticsearch import Elasticsearch
+    from pymilvus import DataType, MilvusClient
+
+    from branchsearch.infra.models.embedder import Embedder
+
+    docs = {d["_id"]: d for d in _docs()}
+    pages = ["ed-wood", "scott-derrickson", "shirley-temple", "sinister-film", "woodson-arkansas"]
+    text = {key: f"{docs[d]['title']} {docs[d]['text']} budget"
+            for key, d in zip(DISAGREEING, pages)}
+    es = Elasticsearch(es_url)
+    name = f"corp-{uuid.uuid4().hex[:8]}"
+    es.indices.create(index=name, mappings={"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"}, "groups": {"type": "keyword"}}})
+    for key, (groups, _) in DISAGREEING.items():
+        es.index(index=name, id=key, document={"doc_key": key, "body": text[key],
+                                               "groups": groups})
+    es.indices.refresh(index=name)
+    es.close()
+    embedder = Embedder("all-MiniLM-L6-v2", 64, "cpu")
+    vectors = embedder.embed([text[key] for key in DISAGREEING])
+    uri = str(tmp_path / "corp.db")
+    client = MilvusClient(uri=uri)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("doc_key", DataType.VARCHAR, is_primary=True, max_length=256)
+    schema.add_field("body", DataType.VARCHAR, max_length=8192)
+    schema.add_field("groups", DataType.ARRAY, element_type=DataType.VARCHAR, max_capacity=8,
+                     max_length=64)
+    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=embedder.dim)
+    index = client.prepare_index_params()
+    index.add_index(field_name="vector", index_type="FLAT", metric_type="IP")
+    client.create_collection("corp_vectors", schema=schema, index_params=index)
+    client.insert("corp_vectors", [{"doc_key": key, "body": text[key], "groups": dense,
+                                    "vector": v.tolist()}
+                                   for (key, (_, dense)), v in zip(DISAGREEING.items(), vectors)])
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)
+    (tmp_path / "branchsearch.toml").write_text(
+        f'es_url = "{es_url}"\nmilvus_uri = "{uri}"\n[indexes.corp]\nlexical = "elasticsearch"\n'
+        f'es_index = "{name}"\ndense = "milvus"\nmilvus_collection = "corp_vectors"\n'
+        '[indexes.corp.fields]\nid = "doc_key"\ntitle = "body"\ntext = "body"\nacl = "groups"\n')
+    settings = load_settings(tmp_path / "branchsearch.toml", {"home": tmp_path, "index": "corp"},
+                             read_env=False)
+    seen_by = {"lexical-restricts": {"finance"}, "dense-restricts": {"finance"},
+               "both-restrict-otherwise": set(), "both-agree": {"hr"},
+               "both-public": {"nobody", "finance", "hr"}}
+    for need_dense in (True, False):
+        r = open_retriever(settings, need_dense=need_dense)
+        try:
+            for caller, groups in (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]),
+                                   ("admin", ["*"])):
+                for mode in ("bm25", "dense", "hybrid") if need_dense else ("bm25",):
+                    found = {h.doc_id for h in r.search("budget", mode=mode, k=10,
+                                                         acl_groups=groups)}
+                    want = {k for k, who in seen_by.items() if caller in who or caller == "admin"}
+                    assert found == want, (caller, mode)
+                for key, who in seen_by.items():
+                    if caller in who or caller == "admin":
+                        assert r.read_document(key, acl_groups=groups)["chunks"], (caller, key)
+                    else:
+                        with pytest.raises(BadQuery, match="unknown document"):
+                            r.read_document(key, acl_groups=groups)
+        finally:
+            r.close()
+
+
+@pytest.mark.es
+def test_a_bad_indexes_table_makes_only_that_index_unusable(es_url, tmp_path):
+    """A mistake in one `[indexes.NAME]` table (a misspelt key, an unreadable es_url) stopped
+    every command on every index with that one error. Now that index fails with it (exit 2,
+    one line naming it), `indexes` lists it with its error, and the others serve."""
+    settings = _es_index(es_url, tmp_path, {"properties": {
+        "doc_key": {"type": "keyword"}, "body": {"type": "text"},
+        "groups": {"type": "keyword"}}}, {"public-memo": {"body": "the public-memo budget"}},
+        "groups")
+    toml = tmp_path / "branchsearch.toml"
+    toml.write_text(toml.read_text() + '[indexes.typo]\nlexical = "elasticsearch"\n'
+                    'es_idx = "corp-docs"\n[indexes.badurl]\nlexical = "elasticsearch"\n'
+                    'es_index = "x"\nes_url = "http://u:hunter2@es:99999"\n')
+    assert settings.external.name == "corp"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args,
+                               "--home", str(tmp_path), "--config", str(toml)],
+                              capture_output=True, text=True, timeout=300)
+
+    good = cli("retrieve", "public memo budget", "--index", "corp", "--mode", "bm25", "--json")
+    assert good.returncode == 0, good.stderr
+    assert "public-memo" in good.stdout
+    for index, error in (("typo", "error: [indexes.typo]: unknown keys es_idx (known: "),
+                         ("badurl", "error: setting [indexes.badurl] es_url: its port is not")):
+        run = cli("retrieve", "budget", "--index", index)
+        assert run.returncode == 2 and run.stdout == "", (index, run.stdout)
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(error), (index, run.stderr)
+    listed = cli("indexes", "--json")
+    assert listed.returncode == 1, listed.stderr
+    infos = {i["name"]: i for i in json.loads(listed.stdout)}
+    assert infos["corp"]["health"] == "ok"
+    assert infos["typo"]["health"].startswith("[indexes.typo]: unknown keys es_idx")
+    assert "[indexes.badurl] es_url: its port" in infos["badurl"]["health"]
+    assert "hunter2" not in listed.stdout + listed.stderr
+
+
+def test_a_refused_milvus_address_fails_at_once(tmp_path):
+    """An external Milvus at an address nobody listens on: `indexes` and `retrieve` waited out
+    the client's 30 s connection timeout (37 s in all) before saying so. A TCP check answers
+    first: refused is one line at once, before the embedding model loads."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "branchsearch.toml").write_text(
+        f'[indexes.vec]\ndense = "milvus"\nmilvus_collection = "c"\n'
+        f'milvus_uri = "http://root:hunter2@127.0.0.1:{port}"\n')
+    for args in (["indexes", "--json"], ["retrieve", "q", "--index", "vec"]):
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args,
+                              "--home", str(tmp_path)], capture_output=True, text=True,
+                             timeout=300)
+        took = time.monotonic() - start
+        said = run.stdout if args[0] == "indexes" else run.stderr
+        assert run.returncode in (1, 2) and "is not answering (ConnectionRefusedError)" in said, \
+            (args, run.stdout, run.stderr)
+        assert "hunter2" not in run.stdout + run.stderr
+        assert took < 20, (args, took)

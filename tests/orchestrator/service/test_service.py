@@ -2049,3 +2049,33 @@ def test_a_search_in_flight_across_a_write_returns_nothing_the_caller_no_longer_
         client.close()
         server.stop()
         state.searcher.target.close()
+
+
+def test_a_bad_indexes_table_makes_that_index_misconfigured_not_the_service(tmp_path):
+    """A misspelt key in one `[indexes.NAME]` table stopped the whole service at start. Now
+    that index answers 503 `index_misconfigured` (one JSON error that names it), /readyz
+    counts it not ready, and the other indexes serve."""
+    settings = load_settings(overrides={
+        "home": tmp_path / "home", "index": "local", "branches": 1,
+        "indexes": {"typo": {"lexical": "elasticsearch", "es_idx": "corp-docs",
+                             "es_url": "http://elastic:hunter2@127.0.0.1:9"}}},
+        read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+    server = start_uvicorn(service.create_app(state), state)
+    try:
+        client = httpx.Client(base_url=server.url, timeout=120)
+        bad = client.post("/v1/search", json={"question": "Harbor Festival in June",
+                                               "index": "typo"})
+        detail = assert_error(bad, 503, "index_misconfigured")
+        assert "hunter2" not in bad.text and "127.0.0.1:9" not in bad.text, bad.text
+        assert client.post("/v1/search", json={"question": "Harbor Festival in June",
+                                                "index": "local"}).status_code == 200
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json() == {
+            "status": "ready", "indexes": 2, "indexes_not_ready": 1,
+            "not_ready": [{"index": "typo", "error": "index_misconfigured"}]}, ready.text
+        assert detail
+    finally:
+        server.stop()
+        state.searcher.target.close()
