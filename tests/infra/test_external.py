@@ -1008,3 +1008,67 @@ def test_a_refused_milvus_address_fails_at_once(tmp_path):
             (args, run.stdout, run.stderr)
         assert "hunter2" not in run.stdout + run.stderr
         assert took < 20, (args, took)
+
+
+def test_every_milvus_acl_shape_is_seen_by_the_same_callers_in_search_and_read(tmp_path):
+    """The ACL rule on Milvus, a VARCHAR and an ARRAY field alike: search (the collection's
+    filter) and read by id show each document to the same callers. "" in a VARCHAR field is
+    how a row has no group (public); in an array, as in Elasticsearch, an empty or blank
+    string is a group no caller holds."""
+    from pymilvus import DataType, MilvusClient
+
+    from branchsearch.infra.models.embedder import Embedder
+
+    shapes = {  # doc id -> (VARCHAR value or ARRAY value, who sees it)
+        "varchar-empty": ("", {"anyone"}), "varchar-blank": (" ", set()),
+        "varchar-finance": ("finance", {"finance"}),
+        "array-none": ([], {"anyone"}), "array-empty": ([""], set()),
+        "array-finance-or-empty": (["finance", ""], {"finance"}),
+        "array-blank": ([" "], set())}
+    embedder = Embedder("all-MiniLM-L6-v2", 64, "cpu")
+    uri = str(tmp_path / "acl.db")
+    client = MilvusClient(uri=uri)
+    for kind in ("varchar", "array"):
+        rows = {k: v for k, (v, _) in shapes.items() if k.startswith(kind)}
+        schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("id", DataType.VARCHAR, is_primary=True, max_length=64)
+        schema.add_field("text", DataType.VARCHAR, max_length=256)
+        if kind == "varchar":
+            schema.add_field("acl", DataType.VARCHAR, max_length=64)
+        else:
+            schema.add_field("acl", DataType.ARRAY, element_type=DataType.VARCHAR,
+                             max_capacity=8, max_length=64)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=embedder.dim)
+        index = client.prepare_index_params()
+        index.add_index(field_name="vector", index_type="FLAT", metric_type="IP")
+        client.create_collection(kind, schema=schema, index_params=index)
+        vectors = embedder.embed([f"the {k} budget" for k in rows])
+        client.insert(kind, [{"id": k, "text": f"the {k} budget", "acl": v, "vector": x.tolist()}
+                             for (k, v), x in zip(rows.items(), vectors)])
+    client.close()
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)
+    (tmp_path / "branchsearch.toml").write_text(
+        f'milvus_uri = "{uri}"\n[indexes.varchar]\ndense = "milvus"\nmilvus_collection = '
+        '"varchar"\n[indexes.array]\ndense = "milvus"\nmilvus_collection = "array"\n')
+    for kind in ("varchar", "array"):
+        r = open_retriever(load_settings(tmp_path / "branchsearch.toml",
+                                         {"home": tmp_path, "index": kind}, read_env=False))
+        try:
+            for caller, groups in (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]),
+                                   ("admin", ["*"])):
+                found = {h.doc_id for h in r.search("budget", mode="dense", k=10,
+                                                     acl_groups=groups)}
+                for key, (_, who) in shapes.items():
+                    if not key.startswith(kind):
+                        continue
+                    sees = caller == "admin" or "anyone" in who or caller in who
+                    assert (key in found) == sees, (caller, key, "search")
+                    if sees:
+                        assert r.read_document(key, acl_groups=groups)["chunks"], (caller, key)
+                    else:
+                        with pytest.raises(BadQuery, match="unknown document"):
+                            r.read_document(key, acl_groups=groups)
+        finally:
+            r.close()
