@@ -60,7 +60,9 @@ def index_profile(settings: Settings) -> IndexProfile:
         return IndexProfile(ext.name, "external", None, "", "", "", "", SettingsError(ext.problem))
     if ext is not None:
         uri = (ext.milvus_uri or settings.milvus_uri) if ext.dense == "milvus" else ""
-        lite = "" if not uri or is_server(uri) or settings.search_mode == "bm25" else str(uri)
+        # a bm25 search opens the collection too: for a dense-only index (its docs), or a
+        # hybrid one's groups (`stricter`)
+        lite = "" if not uri or is_server(uri) else str(uri)
         lexical = "elasticsearch" if ext.lexical == "elasticsearch" else ""
         dense = ("milvus" if is_server(uri) else "milvus-lite") if uri else ""
         side = "" if lexical and dense else ("bm25" if lexical else "dense")

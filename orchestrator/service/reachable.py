@@ -22,7 +22,8 @@ def check_unopened(settings, profile, timeout_s: float) -> None:
     if profile.lexical == "elasticsearch":
         url = (ext.es_url if ext is not None and ext.es_url else "") or settings.es_url
         _elastic_answers(url, settings.es_api_key or None, timeout_s)
-    if profile.dense == "milvus" and settings.search_mode != "bm25":
+    # an external index opens its collection for a bm25 search too (a hybrid one's groups)
+    if profile.dense == "milvus" and (settings.search_mode != "bm25" or ext is not None):
         if ext is not None:
             uri = ext.milvus_uri or settings.milvus_uri
         else:

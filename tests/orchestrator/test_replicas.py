@@ -53,6 +53,8 @@ def test_external_indexes_count_their_own_dense_store(tmp_path):
     assert replica_count(base.replace(index="es")) == (2, "")  # Elasticsearch only
     assert lite_file(base.replace(index="both")) == str(tmp_path / "lite.db")
     assert replica_count(base.replace(index="both"))[0] == 1
+    # a bm25 search of a hybrid external index still opens the collection (its groups count)
+    assert lite_file(base.replace(index="both", search_mode="bm25")) == str(tmp_path / "lite.db")
 
 
 def test_least_loaded_then_round_robin():
