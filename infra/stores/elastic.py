@@ -65,12 +65,13 @@ class ElasticStore:
         from elasticsearch import Elasticsearch
 
         self.url, self.index, self.max_pattern = url, index, max_pattern
+        self.timeout_s = timeout_s
         self._es = Elasticsearch(url, api_key=api_key, request_timeout=timeout_s)
         try:
             if create and not self._es.indices.exists(index=index):
                 self._es.indices.create(index=index, settings=SETTINGS, mappings=MAPPINGS)
         except Exception as exc:
-            raise _unavailable(url, exc) from None
+            raise _unavailable(url, exc, timeout_s) from None
 
     def folds(self) -> bool | None:
         """Whether this index's BM25 folds accents: its `body` is analysed by `english_folded`.
@@ -84,7 +85,7 @@ class ElasticStore:
         except NotFoundError:
             return None
         except Exception as exc:
-            raise _unavailable(self.url, exc) from None
+            raise _unavailable(self.url, exc, self.timeout_s) from None
         fields = [m.get("mappings", {}).get("properties", {}).get("body", {})
                   for m in dict(mapping).values()]
         return bool(fields) and all(f.get("analyzer") == "english_folded" for f in fields)
@@ -110,7 +111,7 @@ class ElasticStore:
         except BackendUnavailable:
             raise
         except Exception as exc:
-            raise _unavailable(self.url, exc) from None
+            raise _unavailable(self.url, exc, self.timeout_s) from None
 
     def _query(self, must: dict, exclude_ids: Sequence[str], acl_groups) -> dict:
         query: dict = {"bool": {"must": [must]}}
@@ -128,7 +129,7 @@ class ElasticStore:
         except Exception as exc:
             if getattr(getattr(exc, "meta", None), "status", None) == 400:
                 raise BadQuery(f"elasticsearch rejected the {source} query: {exc}") from None
-            raise _unavailable(self.url, exc) from None
+            raise _unavailable(self.url, exc, self.timeout_s) from None
         return [Hit(h["_id"], h["_source"]["doc_id"], float(h["_score"] or 0.0), rank, source)
                 for rank, h in enumerate(result["hits"]["hits"], start=1)]
 
@@ -154,7 +155,7 @@ class ElasticStore:
         try:
             return int(self._es.count(index=self.index)["count"])
         except Exception as exc:
-            raise _unavailable(self.url, exc) from None
+            raise _unavailable(self.url, exc, self.timeout_s) from None
 
     def drop(self) -> None:
         self._es.indices.delete(index=self.index, ignore_unavailable=True)
@@ -163,11 +164,19 @@ class ElasticStore:
         self._es.close()
 
 
-def _unavailable(url: str, exc: Exception) -> BackendUnavailable:
-    from elasticsearch import ApiError
+def _unavailable(url: str, exc: Exception, timeout_s: float) -> BackendUnavailable:
+    """The one line for a request that failed: the server's own answer, a request that got
+    none within `timeout_s` (a server up but overloaded or paused answers so too: starting it
+    is not the fix), or no connection at all."""
+    from elasticsearch import ApiError, ConnectionTimeout
 
     url = redact(url)  # an error line is shown and logged: no credentials in it
     if isinstance(exc, ApiError):
         return BackendUnavailable(f"elasticsearch at {url}: {exc.meta.status} {exc.message}")
+    if isinstance(exc, ConnectionTimeout):
+        return BackendUnavailable(
+            f"elasticsearch at {url} did not answer within backend_timeout_s = {timeout_s:g} s "
+            "(ConnectionTimeout): it is overloaded or stalled, or drops connections; retry, "
+            "raise backend_timeout_s, or check the server and es_url")
     return BackendUnavailable(
         f"elasticsearch at {url} is not reachable ({type(exc).__name__}); start it or fix es_url")

@@ -2,6 +2,7 @@
 noida-db emulator (or a real cluster when BRANCHSEARCH_ES_URL is set)."""
 
 import json
+import os
 import uuid
 
 import pytest
@@ -179,6 +180,45 @@ def test_elasticsearch_down_is_one_clear_error():
 
     with pytest.raises(BackendUnavailable, match="not reachable"):
         ElasticStore("http://127.0.0.1:9", index="x", timeout_s=2)
+
+
+def test_elasticsearch_slower_than_the_timeout_is_not_called_down(tmp_path):
+    """An Elasticsearch that is up but answers nothing within `backend_timeout_s` (frozen by
+    SIGSTOP: an overloaded node, a long GC pause) was reported as "is not reachable
+    (ConnectionTimeout); start it or fix es_url". It now says that it did not answer within
+    the timeout, and how long that was; the service's caller gets the same 503
+    backend_unavailable, without the address."""
+    import signal
+
+    from es_emulator import start_es_emulator
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.infra.stores.elastic import ElasticStore
+    from branchsearch.orchestrator.service.errors import api_error
+
+    es = start_es_emulator(tmp_path / "es")
+    store = None
+    try:
+        store = ElasticStore(es.url, index="bs-slow", timeout_s=0.5)
+        store.write([IndexedChunk("a#p0", "a", "A", "alpha text", ())], [])
+        os.kill(es.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendUnavailable) as raised:
+                store.search("alpha", 5)
+        finally:
+            os.kill(es.pid, signal.SIGCONT)
+        line = str(raised.value)
+        assert "did not answer within backend_timeout_s = 0.5 s" in line, line
+        assert "start it" not in line and "not reachable" not in line, line
+        answer = api_error(raised.value)
+        assert (answer.status, answer.error) == (503, "backend_unavailable"), answer.body()
+        assert "backend_timeout_s = 0.5 s" in answer.detail, answer.detail
+        assert es.url.split("//")[1] not in answer.detail, answer.detail
+        assert store.search("alpha", 5)[0].chunk_id == "a#p0"  # thawed: answers again
+    finally:
+        if store is not None:
+            store.close()
+        es.stop()
 
 
 def test_retriever_modes(hotpot_retriever):
