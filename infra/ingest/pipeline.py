@@ -73,6 +73,9 @@ class IngestReport:
     # held under another Unicode form of a corpus id (replaced by the corpus's own)
     purged: int = 0
     recounted: int = 0  # chunks committed before their token counts were kept, counted now
+    # documents the index holds that this corpus lacks: kept (an ingest adds and updates; the
+    # service's DELETE removes a document)
+    absent: int = 0
     uncounted: str = ""  # why some such chunks were not (searches count them as before)
     stale_lock: str = ""  # the stopped ingest this one took over, if any
     fitted: dict = field(default_factory=dict)  # the static model fitted to the corpus, if any
@@ -95,7 +98,7 @@ class IngestReport:
 
     def to_dict(self) -> dict:
         return {"documents": self.documents, "chunks": self.chunks, "before": self.before,
-                "resumed": self.resumed,
+                "resumed": self.resumed, "absent": self.absent,
                 "purged": self.purged, "recounted": self.recounted,
                 "uncounted": self.uncounted, "workers": self.workers,
                 "counts": self.counts, "fitted": self.fitted,
@@ -243,6 +246,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
             _add(report, "count", t)
             t = time.perf_counter()
             report.counts = _check_counts(settings, docstore, lexical, dense_store)
+            report.absent = max(0, docstore.doc_count() - len(docs))
             embedding = None
             if dense_store is not None:
                 embedding = {"model": embedder_name(embedder), "dim": dense_store.dim}

@@ -95,6 +95,13 @@ def _docs(n: int) -> str:
 def what_happened(report) -> str:
     """What an ingest did to its index, in words: made it, resumed a stopped ingest of it,
     updated a complete one, or found every document already there, unchanged."""
+    absent = report.absent
+    held = (f"; {_docs(absent)} the index holds {'are' if absent != 1 else 'is'} not in this "
+            "corpus: kept (ingest adds and updates, it never deletes)") if absent else ""
+    return _made(report) + held
+
+
+def _made(report) -> str:
     kept, now = report.resumed, report.documents - report.resumed
     if report.before == "new":
         return f"a new index: all {_docs(now)} committed now"

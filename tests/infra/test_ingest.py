@@ -739,3 +739,9 @@ def test_each_ingest_says_plainly_whether_it_made_resumed_updated_or_repeated_th
     resumed = run()
     assert "resumed a stopped ingest: 50 documents it had committed kept, 10 committed now" \
            in resumed, resumed
+    assert "not in this corpus" not in resumed, resumed
+    _corpus(corpus, 30)  # a smaller corpus: the 30 it lacks stay, and the line says so
+    smaller = run()
+    assert "the index was complete and already held every document, unchanged: nothing " \
+           "committed; 30 documents the index holds are not in this corpus: kept (ingest adds " \
+           "and updates, it never deletes)" in smaller, smaller
