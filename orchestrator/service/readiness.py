@@ -17,9 +17,11 @@ whatever the number of probes.
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
@@ -78,3 +80,103 @@ class SharedCheck(Generic[T]):
         with self._lock:
             if self._next is not None:
                 self._next.cancel()  # (one not begun)
+
+
+class Pending:
+    """An answer not yet given: its probe has not ended within the check's wait, and none before
+    it ended (its backend has not answered since the service started asking)."""
+
+
+class IndexProbes:
+    """The probes of the indexes other than the default, shared by the readiness checks.
+
+    A service may serve hundreds of indexes, and a probe of one asks its backend over the
+    network (or reads its profile from disk); one that does not answer takes the probe's
+    timeout. A check must still end well within a balancer's probe timeout (Kubernetes: 1 s).
+    So the probes run on a few threads of their own (`workers`: the number running at once,
+    whatever the number of indexes), an index's answer is kept `fresh_s` and given again
+    meanwhile with no probe started, and a check waits for the probes it starts at most until
+    `until`: an index whose probe has not ended by then is given its last answer (that of the
+    probe before, which ended), or `Pending` when none ended yet or its probe has run
+    `slow_s` already (a backend that took connections and stopped answering: its last answer
+    is out of date). One probe runs at a time an index; it goes on after the check, which
+    the checks after do not wait for again, and its answer is the first check's after it
+    ends.
+
+    A probe is keyed by what it asks (an index, and the driver it probes or None: an index
+    not open), so an index opened or closed meanwhile is asked anew, not answered for what it
+    was."""
+
+    def __init__(self, workers: int = 8, fresh_s: float = 2.0, slow_s: float = 3.0):
+        self.workers, self.fresh_s, self.slow_s = workers, fresh_s, slow_s
+        self._lock = threading.Lock()
+        self._running: dict[object, float] = {}  # key -> when its probe under way began
+        self._answers: dict[object, tuple[BaseException | None, float]] = {}  # key -> (exc or
+        # None: ready, when it ended)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, probes: dict[object, Callable[[], object]]) -> dict[object, Future | None]:
+        """Start the probe of each key in `probes` that has no fresh answer and none running;
+        what each key's answer waits for: its new probe, or None (its last answer, given at
+        once: fresh, or the probe under way was waited for by the check that started it).
+        Keys no longer asked are forgotten."""
+        now, waits = time.monotonic(), {}
+        with self._lock:
+            for key in set(self._answers) - set(probes):
+                if key not in self._running:
+                    del self._answers[key]
+            for key, fn in probes.items():
+                answer = self._answers.get(key)
+                if answer is not None and now - answer[1] < self.fresh_s:
+                    waits[key] = None
+                    continue
+                # one under way was waited for by the check that started it: not again
+                waits[key] = None if key in self._running else self._submit(key, fn)
+                if waits[key] is not None:
+                    self._running[key] = now
+        return waits
+
+    def answers(self, waits: dict[object, Future | None], until: float
+                ) -> dict[object, BaseException | None | type[Pending]]:
+        """Each key's answer (None: ready; the exception its probe raised; `Pending`), waiting
+        for the probes under way at most until `until` (monotonic)."""
+        futures = [f for f in waits.values() if f is not None and not f.done()]
+        if futures:
+            wait(futures, timeout=max(0.0, until - time.monotonic()))
+        now = time.monotonic()
+        with self._lock:
+            return {key: (Pending if key not in self._answers
+                          or now - self._running.get(key, now) >= self.slow_s
+                          else self._answers[key][0]) for key in waits}
+
+    def close(self) -> None:
+        """Stop the workers once the probes under way end (they are daemon threads: a stopping
+        process does not wait for them)."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _submit(self, key, fn: Callable[[], object]) -> Future:
+        """Queue `fn` for the workers (started as needed, up to `workers`). Holding the lock."""
+        future: Future = Future()
+        self._queue.put((key, fn, future))
+        if len(self._threads) < self.workers:
+            thread = threading.Thread(target=self._work, name="index-probe", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                fn()
+                outcome = None
+            except BaseException as exc:  # noqa: BLE001 — the index's answer
+                outcome = exc
+            with self._lock:
+                self._answers[key] = (outcome, time.monotonic())
+                self._running.pop(key, None)
+            future.set_result(outcome)

@@ -40,14 +40,20 @@ from branchsearch.orchestrator.service.drivers import Drivers
 from branchsearch.orchestrator.service.errors import (ApiError, Refused, api_error,
                                                       error_code)
 from branchsearch.orchestrator.service.protocol import SearchRequest
-from branchsearch.orchestrator.service.readiness import SharedCheck, Unanswered, in_thread
+from branchsearch.orchestrator.service.readiness import (IndexProbes, Pending, SharedCheck,
+                                                         Unanswered, in_thread)
 
 log = logging.getLogger("branchsearch.service")
 
 _DONE = object()
-# how long an index other than the default has to answer its readiness probe, counted from the
-# probe's start (within the probe's `readiness.SharedCheck.wait_s`, 5 s)
-OTHERS_WAIT_S = 3.0
+# how long a readiness check waits for the probes of the indexes other than the default, from
+# its start: well within a balancer's probe timeout (Kubernetes: 1 s), whatever their number
+OTHERS_WAIT_S = 0.5
+# how long the probe of an index not open gives its server backends to answer; an index whose
+# probe has run that long is counted not ready, whatever its probe of before answered
+PROBE_TIMEOUT_S = 3.0
+# how long an index's probe answer is given again with no new probe (`readiness.IndexProbes`)
+PROBE_FRESH_S = 2.0
 # how long past its deadline a search may take to hand back what its branches found (the driver
 # ends late branches as timeouts at the deadline; a driver blocked on a frozen backend is not
 # waited for: the caller gets its 504 within this of the deadline it asked for)
@@ -80,8 +86,10 @@ class Searcher:
                                max_open=limits.max_open_indexes,
                                retry_after_s=limits.retry_after_s)
         self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
-        # the other indexes' probes, one running at a time an index, with when each began
-        # (`_ready`)
+        # the other indexes' probes (`_ready`)
+        self._index_probes = IndexProbes(fresh_s=PROBE_FRESH_S, slow_s=PROBE_TIMEOUT_S)
+        # the probes of a search that failed or found nothing, one running at a time an index,
+        # with when each began (`_probe_until`)
         self._probes: dict[str, tuple[Future, float]] = {}
         self._probes_lock = threading.Lock()
         if warm:
@@ -335,6 +343,7 @@ class Searcher:
 
     def close(self) -> None:
         self._readiness.close()
+        self._index_probes.close()
         self._threads.shutdown(wait=False)
         self.drivers.close()
         if self.pool is not None:
@@ -673,17 +682,22 @@ class Searcher:
         otherwise. Every other index of the service is counted (`indexes`), and one that
         cannot serve is counted in `indexes_not_ready` and listed in `not_ready` (its name and
         the code its searches would meet), not made the server's state: an open one whose
-        backends do not answer its probe — refuse, or not within `OTHERS_WAIT_S` of the
-        probe's start —, one a request asked for whose last start failed (`Drivers.failed`),
-        and one not open that could not open now (`reachable.check_unopened`: its profile, and
-        its server backends asked, without starting it). Indexes usually live on clusters
-        every replica shares, so a balancer that pulled each replica for one index's outage
-        would take every other index down with it (that index's searches answer 503
-        meanwhile). Their probes run beside the default's, one at a time an index: a probe
-        still waiting on a frozen backend is neither started again nor waited for again, so
-        the checks after the first answer at once. The ingress shows `not_ready` only to a
-        caller whose key may use those indexes (a load balancer has no key); the server log
-        says why in full."""
+        backends do not answer its probe, one a request asked for whose last start failed
+        (`Drivers.failed`) — a start that failed on a backend not answering is asked again
+        as an index not open, so it counts ready once its backend is back, with no search
+        sent —, and one not open that could not open now (`reachable.check_unopened`: its
+        profile, and its server backends asked, without starting it). Indexes usually live
+        on clusters every replica shares, so a balancer that pulled each replica for one
+        index's outage would take every other index down with it (that index's searches
+        answer 503 meanwhile). Their probes (`readiness.IndexProbes`) run beside the
+        default's on a few threads, each answer kept `PROBE_FRESH_S`; a check waits for them
+        at most `OTHERS_WAIT_S` from its start, and an index whose probe has not ended by then
+        is given its last probe's answer (not ready when none ended yet, or when its probe has
+        run `PROBE_TIMEOUT_S` already: a frozen backend). So a check ends
+        within that, whatever the number of indexes and however long a frozen backend holds
+        its probe. The ingress shows `not_ready` only to a caller whose key may use those
+        indexes (a load balancer has no key); the server log says why in full."""
+        began = time.monotonic()
         try:
             self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
@@ -691,15 +705,18 @@ class Searcher:
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
         opened = self.drivers.opened()
-        others = {index: self._probing(index, driver) for index, driver in opened
-                  if index != self.settings.index}
-        failed = {i: why for i, why in self.drivers.failed().items() if i != self.settings.index}
+        probes = {(index, driver): functools.partial(self._probe_held, index, driver)
+                  for index, driver in opened if index != self.settings.index}
+        probed = {index for index, _ in probes}
         names = self.index_names()
-        failed = {i: why for i, why in failed.items() if i in names}  # (one removed since its
-        # start failed is no index to count)
-        others.update((index, self._probing(index, None)) for index in names
-                      if index not in others and index not in failed
-                      and index != self.settings.index)
+        # (one removed since its start failed is no index to count)
+        failed = {i: why for i, why in self.drivers.failed().items()
+                  if i != self.settings.index and i in names and i not in probed}
+        probes.update(((index, None), functools.partial(self._probe_unopened, index))
+                      for index in names if index not in probed and index != self.settings.index
+                      and failed.get(index, ("", "backend_unavailable"))[1]
+                      == "backend_unavailable")
+        waits = self._index_probes.start(probes)
         index = self.settings.index
         driver = next((d for i, d in opened if i == index), None)
         if driver is not None and self.drivers.hold(index, driver, probe=True) is not None:
@@ -712,36 +729,37 @@ class Searcher:
             finally:
                 self.drivers.let_go(driver, None, probe=True)
         not_ready: dict[str, str] = {}  # index -> the code its searches would meet
-        counted = 1 + len(others) + len(failed)  # the default index, and the others
-        for index, (probe, began) in others.items():
-            try:
-                probe.result(timeout=max(0.0, began + OTHERS_WAIT_S - time.monotonic()))
-            except FutureTimeout:
+        counted = 1 + len({i for i, _ in probes} | set(failed))  # the default, and the others
+        answers = self._index_probes.answers(waits, began + OTHERS_WAIT_S)
+        for (index, _), answer in answers.items():
+            if answer is None:
+                continue
+            if answer is Pending:
                 log.warning("index %r not ready (the server still is): its backends have not "
                             "answered within %g s", index, OTHERS_WAIT_S)
                 not_ready[index] = "backend_unavailable"
-            except IndexNotFound:  # removed since it was listed: no index to count
+            elif isinstance(answer, IndexNotFound):  # removed since it was listed: no index
                 counted -= 1
-            except Exception as exc:  # noqa: BLE001 — an ApiError, or whatever a probe raised
+            else:  # an ApiError, or whatever a probe raised
                 log.warning("index %r not ready (the server still is): %s", index,
-                            getattr(exc, "detail", None) or error_line(exc, 1000))
-                not_ready[index] = error_code(exc)
+                            getattr(answer, "detail", None) or error_line(answer, 1000))
+                not_ready[index] = error_code(answer)
         for index, (why, code) in failed.items():
-            log.warning("index %r not ready (the server still is): its last start failed: %s",
-                        index, why)
-            not_ready[index] = code
+            if (index, None) not in answers:  # (one asked again is answered above)
+                log.warning("index %r not ready (the server still is): its last start "
+                            "failed: %s", index, why)
+                not_ready[index] = code
         return {"status": "ready", "indexes": counted, "indexes_not_ready": len(not_ready),
                 "not_ready": [{"index": i, "error": code}
                               for i, code in sorted(not_ready.items())]}
 
     def _probing(self, index: str, driver) -> tuple[Future, float]:
-        """The probe of `index` running now, or a new one (on the probes' own threads), with
-        when it began; `driver` None: an index not open, asked whether it could open."""
+        """The probe of open `index` running now, or a new one (on a thread of its own), with
+        when it began."""
         with self._probes_lock:
             running = self._probes.get(index)
             if running is None or running[0].done():
-                probe = (in_thread(self._probe_held, index, driver) if driver is not None else
-                         in_thread(self._probe_unopened, index))
+                probe = in_thread(self._probe_held, index, driver)
                 running = self._probes[index] = (probe, time.monotonic())
             return running
 
@@ -750,7 +768,7 @@ class Searcher:
         from branchsearch.orchestrator.service.reachable import check_unopened
 
         settings = self.settings.replace(index=index)
-        check_unopened(settings, index_profile(settings), OTHERS_WAIT_S)
+        check_unopened(settings, index_profile(settings), PROBE_TIMEOUT_S)
 
     def _probe_held(self, index: str, driver) -> None:
         if self.drivers.hold(index, driver, probe=True) is None:  # closed meanwhile (idle,
