@@ -1,7 +1,8 @@
 """Locust users for the branchsearch HTTP service: the workload of `branchsearch loadtest --url`.
 
-The service admits `per_key_concurrency` searches at once per key (default 4; more: 429), so
-give each key at most that many users. One key, 4 users:
+The service runs `per_key_concurrency` searches at once per key (default 4; more wait in the
+key's queue, `per_key_queue`, then 429), so give each key at most that many users: more would
+measure the key's queue, not the service. One key, 4 users:
 
     pip install 'branchsearch[loadtest]'
     BRANCHSEARCH_API_KEY=KEY BRANCHSEARCH_LOADTEST_QUERIES=data/hotpotqa-dev200 \\

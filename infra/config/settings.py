@@ -164,7 +164,10 @@ class Settings:
     max_k: int = 50  # a request's k; the service takes at most final_k (what a search returns)
     default_deadline_s: float = 60.0
     max_deadline_s: float = 300.0
-    per_key_concurrency: int = 4  # searches in flight per key; past it 429
+    per_key_concurrency: int = 4  # searches in flight per key
+    # searches of one key that wait (first come, first served, within their deadline) for one of
+    # its `per_key_concurrency` slots; past it 429 at once. 0: 429 at once past the slots
+    per_key_queue: int = 16
     max_in_flight: int = 64  # whole server (standalone; Ray Serve uses its own queue limits)
     retry_after_s: int = 1
     # an index other than the default unused this long is closed (its retriever process and
@@ -222,8 +225,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "tracing": ("trace_exporter", "trace_file", "otlp_endpoint", "otlp_protocol", "otlp_headers",
                 "otlp_timeout_s", "trace_flush_timeout_s"),
     "service": ("max_body_bytes", "max_question_chars", "max_branches", "max_k",
-                "default_deadline_s", "max_deadline_s", "per_key_concurrency", "max_in_flight",
-                "retry_after_s", "index_idle_close_s", "max_open_indexes"),
+                "default_deadline_s", "max_deadline_s", "per_key_concurrency", "per_key_queue",
+                "max_in_flight", "retry_after_s", "index_idle_close_s", "max_open_indexes"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 
@@ -265,7 +268,7 @@ NO_RESULT_CHANGE: tuple[str, ...] = (
     "trace_exporter", "trace_file", "otlp_endpoint", "otlp_protocol", "otlp_headers",
     "otlp_timeout_s", "trace_flush_timeout_s", "max_body_bytes", "max_question_chars",
     "max_branches", "max_k", "default_deadline_s", "max_deadline_s", "per_key_concurrency",
-    "max_in_flight", "retry_after_s", "index_idle_close_s", "max_open_indexes",
+    "per_key_queue", "max_in_flight", "retry_after_s", "index_idle_close_s", "max_open_indexes",
 )
 
 
@@ -478,6 +481,7 @@ def _validate(s: Settings) -> None:
         (0 < s.default_deadline_s <= s.max_deadline_s,
          "default_deadline_s must be > 0 and at most max_deadline_s"),
         (s.index_idle_close_s >= 0, "index_idle_close_s must be >= 0 (0: never close)"),
+        (s.per_key_queue >= 0, "per_key_queue must be >= 0 (0: 429 at once past the slots)"),
         (s.llm_timeout_s > 0, "llm_timeout_s must be > 0"),
         (s.llm_seed is None or 0 <= s.llm_seed < 2 ** 63, "llm_seed must be in [0, 2^63) or none"),
         (0 < s.backend_timeout_s <= 3600, "backend_timeout_s must be in (0, 3600]"),

@@ -3,9 +3,12 @@ and the refusals they answer with. Plain classes, no FastAPI, no Serve."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import SettingsError
@@ -25,6 +28,7 @@ class Limits:
     default_deadline_s: float = _DEFAULTS.default_deadline_s
     max_deadline_s: float = _DEFAULTS.max_deadline_s
     per_key_concurrency: int = _DEFAULTS.per_key_concurrency
+    per_key_queue: int = _DEFAULTS.per_key_queue
     max_in_flight: int = _DEFAULTS.max_in_flight
     retry_after_s: int = _DEFAULTS.retry_after_s
     index_idle_close_s: float = _DEFAULTS.index_idle_close_s
@@ -42,6 +46,16 @@ class Limits:
                                 f"limits: {', '.join(f.name for f in fields(cls))})")
         limits = settings.replace(**changes).section("service")
         return cls(**{**limits, "max_k": min(limits["max_k"], settings.final_k)})
+
+
+def for_replica(limits: Limits, max_ongoing: int) -> Limits:
+    """`limits` as a Ray Serve searcher replica applies them: there a request waiting for its
+    key's slot holds one of the replica's `max_ongoing` requests (`searcher_max_ongoing`), so
+    a key's queue is cut to keep its running and waiting requests to half of them at most
+    (none past its slots when its slots alone take that): one caller's burst cannot fill a
+    replica that every caller shares."""
+    room = max(max_ongoing // 2 - limits.per_key_concurrency, 0)
+    return replace(limits, per_key_queue=min(limits.per_key_queue, room))
 
 
 def check_body_size(length: int | None, limits: Limits) -> None:
@@ -72,31 +86,113 @@ class Slot:
         self._free()
 
 
+class _Waiter:
+    """A request waiting for one of its key's slots: woken on its own event loop when a slot
+    is handed to it (`granted`, set under the `Concurrency` lock)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.future, self.granted = loop, loop.create_future(), False
+
+    def wake(self) -> bool:
+        """Hand it the slot; False when its loop has closed (a stopped server): no one to run."""
+        try:
+            self.loop.call_soon_threadsafe(
+                lambda: self.future.done() or self.future.set_result(None))
+        except RuntimeError:
+            return False
+        self.granted = True
+        return True
+
+
 class Concurrency:
-    """In-flight requests per key and in total; refusals are 429 (per key) or 503 (total)."""
+    """In-flight requests per key and in total; refusals are 429 (per key) or 503 (total).
+
+    A burst from one caller (a web app behind one key) is not refused past the key's
+    `per_key_concurrency` at once: up to `per_key_queue` more of its requests wait, first come
+    first served, for one of its slots (`admit`), each at most until its deadline; a slot a
+    request frees goes to its key's first waiter. Waiting requests run nothing and hold none of
+    the server's `max_in_flight`, and a key never has more than `per_key_concurrency` running:
+    other keys' requests are admitted as before, whatever one key sends."""
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self._lock = threading.Lock()
         self._per_key: dict[str, int] = {}
+        self._waiting: dict[str, deque[_Waiter]] = {}
         self.total = 0
 
     def take(self, key_name: str) -> Slot:
         """A slot of `key_name`'s, held until its last user lets go (`Slot`); ApiError 503
         when the server has `max_in_flight`, 429 when the key has its limit."""
         with self._lock:
-            if self.total >= self.limits.max_in_flight:
-                raise ApiError(503, "overloaded", f"{self.total} requests in flight; the server "
-                               f"takes {self.limits.max_in_flight}",
-                               {"Retry-After": str(self.limits.retry_after_s)})
-            used = self._per_key.get(key_name, 0)
-            if used >= self.limits.per_key_concurrency:
-                raise ApiError(429, "too_many_requests", f"key {key_name!r} has {used} requests "
-                               f"in flight; the limit is {self.limits.per_key_concurrency}",
-                               {"Retry-After": str(self.limits.retry_after_s)})
-            self._per_key[key_name] = used + 1
+            if (refusal := self._refusal(key_name)) is not None:
+                raise refusal
+            self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
             self.total += 1
         return Slot(lambda: self._free(key_name))
+
+    async def admit(self, key_name: str, until: float) -> Slot:
+        """A slot of `key_name`'s (`take`), waited for when the key has its limit and fewer
+        than `per_key_queue` of its requests wait already, at most until `until` (monotonic:
+        the request's deadline); 429 past either, 503 when the server has `max_in_flight`."""
+        with self._lock:
+            refusal = self._refusal(key_name)
+            if refusal is None:
+                self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
+                self.total += 1
+                return Slot(lambda: self._free(key_name))
+            queue = self._waiting.setdefault(key_name, deque())
+            if refusal.status != 429 or len(queue) >= self.limits.per_key_queue:
+                if not queue:
+                    del self._waiting[key_name]
+                if refusal.status == 429 and queue:
+                    refusal = ApiError(
+                        429, "too_many_requests", f"key {key_name!r} has "
+                        f"{self._per_key.get(key_name, 0)} requests in flight and {len(queue)} "
+                        f"waiting; the limits are {self.limits.per_key_concurrency} and "
+                        f"{self.limits.per_key_queue} (per_key_queue)", refusal.headers)
+                raise refusal
+            waiter = _Waiter(asyncio.get_running_loop())
+            queue.append(waiter)
+        began = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future),
+                                   max(until - time.monotonic(), 0.0))
+        except BaseException as exc:  # timed out, or its caller went away
+            with self._lock:
+                granted = waiter.granted
+                if not granted:
+                    self._waiting[key_name].remove(waiter)
+                    if not self._waiting[key_name]:
+                        del self._waiting[key_name]
+            if granted:  # handed a slot as it gave up: the next waiter's
+                self._free(key_name)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ApiError(429, "too_many_requests", f"key {key_name!r} had its "
+                               f"{self.limits.per_key_concurrency} requests in flight for the "
+                               f"{time.monotonic() - began:.1f} s this one could wait (its "
+                               "deadline)", {"Retry-After": str(self.limits.retry_after_s)}
+                               ) from None
+            raise
+        return Slot(lambda: self._free(key_name))
+
+    def waiting(self, key_name: str) -> int:
+        """How many of `key_name`'s requests wait for one of its slots now."""
+        with self._lock:
+            return len(self._waiting.get(key_name, ()))
+
+    def _refusal(self, key_name: str) -> ApiError | None:
+        """Why a request of `key_name`'s may not start now, if it may not. Holding the lock."""
+        if self.total >= self.limits.max_in_flight:
+            return ApiError(503, "overloaded", f"{self.total} requests in flight; the server "
+                            f"takes {self.limits.max_in_flight}",
+                            {"Retry-After": str(self.limits.retry_after_s)})
+        used = self._per_key.get(key_name, 0)
+        if used >= self.limits.per_key_concurrency or self._waiting.get(key_name):
+            return ApiError(429, "too_many_requests", f"key {key_name!r} has {used} requests "
+                            f"in flight; the limit is {self.limits.per_key_concurrency}",
+                            {"Retry-After": str(self.limits.retry_after_s)})
+        return None
 
     @contextmanager
     def slot(self, key_name: str):
@@ -108,7 +204,14 @@ class Concurrency:
             slot.let_go()
 
     def _free(self, key_name: str) -> None:
+        """The slot back: to the key's first waiter (it keeps the counts), else counted free."""
         with self._lock:
+            while waiting := self._waiting.get(key_name):
+                waiter = waiting.popleft()
+                if not waiting:
+                    del self._waiting[key_name]
+                if waiter.wake():
+                    return
             self.total -= 1
             left = self._per_key[key_name] - 1
             if left:

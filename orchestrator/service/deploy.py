@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, error_line, redact
-from branchsearch.orchestrator.service.admission import Limits
+from branchsearch.orchestrator.service.admission import Limits, for_replica
 from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, create_app
 from branchsearch.orchestrator.service.auth import KeyStore
 
@@ -375,6 +375,12 @@ def build_application(opts: ServeOptions):
     o = asdict(opts)
     settings = load_settings(opts.config, {"home": opts.home, "index": opts.index})
     limits = Limits.of(settings, **opts.limits)  # the config's `limits` over the settings'
+    queue = limits.per_key_queue
+    limits = for_replica(limits, opts.searcher_max_ongoing)
+    if limits.per_key_queue < queue:
+        log.info("per_key_queue %d cut to %d: a key's searches in flight and waiting take at "
+                 "most half of a searcher replica's %d (searcher_max_ongoing)", queue,
+                 limits.per_key_queue, opts.searcher_max_ongoing)
     o["limits"] = asdict(limits)
     grace = {"graceful_shutdown_timeout_s": GRACE_S, "graceful_shutdown_wait_loop_s": 0.5}
     ingress_cfg = {"max_ongoing_requests": opts.max_ongoing_requests,

@@ -102,14 +102,15 @@ class Searcher:
         refusal."""
         arrived = self._arrived(req)  # the deadline counts from here
         self.check_index(self._index(req), key)
-        return await self._searching(self.concurrency.take(key.name), req, key, None, arrived)
+        return await self._searching(await self._admit(req, key, arrived), req, key, None,
+                                     arrived)
 
     async def stream(self, req: SearchRequest, key: ApiKey) -> AsyncIterator[dict]:
         """Events as they happen, ending with `result` (or `error`). A refusal before the search
         starts (403, 429, 404) is raised, so the HTTP status can still say so."""
         arrived = self._arrived(req)
         self.check_index(self._index(req), key)
-        slot = self.concurrency.take(key.name)
+        slot = await self._admit(req, key, arrived)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         put = lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)  # noqa: E731
@@ -128,6 +129,12 @@ class Searcher:
         finally:
             if not work.done():
                 work.cancel()
+
+    async def _admit(self, req: SearchRequest, key: ApiKey, arrived: float):
+        """One of the key's slots (`admission.Concurrency.admit`), waited for in the key's
+        queue at most until the request's deadline: the wait counts against it."""
+        deadline = req.deadline_s or self.limits.default_deadline_s
+        return await self.concurrency.admit(key.name, arrived + deadline)
 
     def _arrived(self, req: SearchRequest) -> float:
         """When (monotonic) the request reached the service: its HTTP arrival at the ingress

@@ -32,7 +32,7 @@ from conftest import read_only_folder
 from service_fixtures import CORPUS, LEAK_MARKER, mounted_at, start_uvicorn, write_corpus
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_question_chars=300, per_key_concurrency=2,
-                max_in_flight=8, default_deadline_s=60)
+                per_key_queue=3, max_in_flight=8, default_deadline_s=60)
 BRAVO_DOCS = [d["_id"] for d in CORPUS if d.get("acl") == ["bravo"]]
 ALPHA_DOCS = [d["_id"] for d in CORPUS if d.get("acl") == ["alpha"]]
 
@@ -1218,11 +1218,14 @@ def test_limits(site):
     while conc.total and time.monotonic() < until:  # slot until it has stopped, a turn later
         time.sleep(0.05)
     with conc.slot("alpha"), conc.slot("alpha"):  # the key's two slots are busy
-        r = client.post("/v1/search", headers=alpha, json={"question": "harbor"})
-        assert_error(r, 429, "too_many_requests")
-        assert r.headers["retry-after"] == "1"
+        # it waits for one within its deadline, then 429
+        began = time.monotonic()
+        r = client.post("/v1/search", headers=alpha, json={"question": "harbor",
+                                                           "deadline_s": 0.5})
+        assert "(its deadline)" in assert_error(r, 429, "too_many_requests")["detail"]
+        assert r.headers["retry-after"] == "1" and 0.5 <= time.monotonic() - began < 5
         r = client.post("/v1/search", headers={**alpha, "Accept": "text/event-stream"},
-                        json={"question": "harbor"})
+                        json={"question": "harbor", "deadline_s": 0.5})
         assert_error(r, 429)  # the stream too, before it starts
         assert client.post("/v1/search", headers=auth(keys["bravo"]),
                            json={"question": "harbor"}).status_code == 200  # other keys go on
@@ -1250,6 +1253,52 @@ def test_limits(site):
     # refused from its Content-Length before routing: still counted under its endpoint
     assert 'endpoint="/v1/search",method="POST",status="413"' in metrics
     assert 'endpoint="unmatched",method="GET",status="404"' in metrics  # /nope, /passwd, …
+
+
+def test_a_burst_from_one_key_waits_for_its_slots_and_other_keys_go_on(site):
+    """A burst of concurrent searches from one key (a web app behind it) past its
+    `per_key_concurrency`: `per_key_queue` of them wait for its slots, first come first
+    served, and are answered 200 as slots free; the rest are refused 429 at once, with
+    Retry-After, saying how many wait. Another key's search is answered meanwhile: the waiting
+    ones run nothing and hold none of the server's room. (Every one past the slots was
+    refused 429 at once: 16 of a burst of 20 with the default limit of 4.)"""
+    client, keys, state = site
+    conc = state.searcher.target.concurrency
+    until = time.monotonic() + 10  # a search whose client left (the tests before) holds its
+    while conc.total and time.monotonic() < until:  # slot until it has stopped
+        time.sleep(0.05)
+    alpha, burst = auth(keys["alpha"]), LIMITS.per_key_queue + 3
+
+    async def run():
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=60) as c:
+            busy = [conc.take("alpha") for _ in range(LIMITS.per_key_concurrency)]
+            try:
+                sent = [asyncio.create_task(c.post("/v1/search", headers=alpha, json={
+                    "question": f"harbor festival {i}"})) for i in range(burst)]
+                end = time.monotonic() + 30
+                while (conc.waiting("alpha") < LIMITS.per_key_queue
+                       or sum(t.done() for t in sent) < burst - LIMITS.per_key_queue):
+                    assert time.monotonic() < end, (conc.waiting("alpha"), sent)
+                    await asyncio.sleep(0.02)
+                refused = [t.result() for t in sent if t.done()]
+                waiting = [t for t in sent if not t.done()]
+                other = await c.post("/v1/search", headers=auth(keys["bravo"]),
+                                     json={"question": "harbor festival"})
+                assert conc.waiting("alpha") == LIMITS.per_key_queue  # still waiting
+            finally:
+                for slot in busy:
+                    slot.let_go()
+            return refused, other, await asyncio.gather(*waiting)
+
+    refused, other, waited = asyncio.run(run())
+    assert len(refused) == burst - LIMITS.per_key_queue
+    for r in refused:
+        detail = assert_error(r, 429, "too_many_requests")["detail"]
+        assert f"{LIMITS.per_key_queue} waiting" in detail and r.headers["retry-after"] == "1"
+    assert other.status_code == 200, other.text
+    assert [r.status_code for r in waited] == [200] * LIMITS.per_key_queue, [r.text for r in
+                                                                            waited]
+    assert conc.total == 0 and conc.waiting("alpha") == 0
 
 
 def test_backend_down_readyz_and_search_503(tmp_path_factory):

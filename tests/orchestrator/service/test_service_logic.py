@@ -173,6 +173,54 @@ def test_concurrency_per_key_then_total():
     assert conc.total == 0 and errors and set(errors) <= {429, 503}
 
 
+def test_a_key_past_its_slots_waits_in_order_within_its_deadline():
+    """`Concurrency.admit`: past its key's slots a request waits, first come first served, for
+    the slot one frees (the counts never pass the limits); one whose deadline comes first is
+    refused 429, one whose caller left leaves the queue, and a slot handed to a waiter that
+    gave up meanwhile goes to the next: none is lost."""
+    import asyncio
+    import time
+
+    conc = Concurrency(Limits(per_key_concurrency=2, per_key_queue=2, max_in_flight=10))
+
+    async def run():
+        far = time.monotonic() + 30
+        a, b = await conc.admit("k", far), await conc.admit("k", far)
+        first = asyncio.create_task(conc.admit("k", far))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(conc.admit("k", far))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:  # two wait: refused at once
+            await conc.admit("k", far)
+        assert full.value.status == 429 and "2 waiting" in full.value.detail
+        other = await conc.admit("other", far)  # another key: admitted at once
+        b.let_go()
+        got = await asyncio.wait_for(first, 5)  # the first to wait is the first served
+        assert not second.done() and conc._per_key["k"] == 2
+        second.cancel()  # its caller left
+        await asyncio.sleep(0.01)
+        assert conc.waiting("k") == 0
+        with pytest.raises(ApiError) as late:  # its deadline passes while it waits
+            await conc.admit("k", time.monotonic() + 0.2)
+        assert late.value.status == 429 and "(its deadline)" in late.value.detail
+        for slot in (a, got, other):
+            slot.let_go()
+
+    asyncio.run(run())
+    assert conc.total == 0 and not conc._per_key and conc.waiting("k") == 0
+
+
+def test_a_serve_replica_keeps_one_key_to_half_its_requests():
+    """Under Ray Serve a waiting search holds one of its searcher replica's ongoing requests:
+    a key's queue is cut so its running and waiting searches take half of them at most."""
+    from branchsearch.orchestrator.service.admission import for_replica
+
+    assert for_replica(Limits(per_key_concurrency=4, per_key_queue=16), 16).per_key_queue == 4
+    assert for_replica(Limits(per_key_concurrency=4, per_key_queue=2), 16).per_key_queue == 2
+    assert for_replica(Limits(per_key_concurrency=8, per_key_queue=16), 16).per_key_queue == 0
+    assert for_replica(Limits(per_key_concurrency=4, per_key_queue=16), 64).per_key_queue == 16
+
+
 def test_errors_map_to_statuses_without_internals():
     assert api_error(BackendUnavailable("es down")).status == 503
     assert api_error(IndexNotFound("nope")).status == 404
