@@ -110,7 +110,8 @@ class IndexProbes:
     def __init__(self, workers: int = 8, fresh_s: float = 2.0, slow_s: float = 3.0):
         self.workers, self.fresh_s, self.slow_s = workers, fresh_s, slow_s
         self._lock = threading.Lock()
-        self._running: dict[object, float] = {}  # key -> when its probe under way began
+        # key -> when its probe under way began to run (queued behind others: when queued)
+        self._running: dict[object, float] = {}
         self._answers: dict[object, tuple[BaseException | None, float]] = {}  # key -> (exc or
         # None: ready, when it ended)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -171,6 +172,8 @@ class IndexProbes:
             key, fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
+            with self._lock:  # `slow_s` counts its run, not its wait behind frozen ones
+                self._running[key] = time.monotonic()
             try:
                 fn()
                 outcome = None

@@ -1175,6 +1175,49 @@ def test_a_frozen_index_other_than_the_default_is_waited_for_once(tmp_path):
         searcher.close()
 
 
+def test_index_probes_run_a_few_at_a_time_and_keep_their_answers_a_while():
+    """`IndexProbes`: however many indexes, at most `workers` probes run at once; an answer is
+    given again within `fresh_s` with no probe run; a check waits for the probes it started
+    until its `until`, then gives `Pending` for one not ended, and a probe that has run
+    `slow_s` is `Pending` whatever it answered before."""
+    import time
+
+    from branchsearch.orchestrator.service.readiness import IndexProbes, Pending
+
+    probes = IndexProbes(workers=2, fresh_s=60, slow_s=0.5)
+    lock, running, peak, calls, thaw = threading.Lock(), [0], [0], [], threading.Event()
+
+    def probe(name):
+        def run():
+            with lock:
+                calls.append(name)
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            try:
+                if name == "frozen":
+                    thaw.wait(30)
+                    raise OSError("frozen")
+                time.sleep(0.02)
+            finally:
+                with lock:
+                    running[0] -= 1
+        return run
+
+    asked = {f"i{n}": probe(f"i{n}") for n in range(12)}
+    try:
+        answers = probes.answers(probes.start(asked), time.monotonic() + 10)
+        assert answers == {k: None for k in asked} and peak[0] <= 2, peak
+        assert probes.answers(probes.start(asked), time.monotonic()) == answers
+        assert len(calls) == 12  # fresh: none run again
+        began = time.monotonic()
+        frozen = {"frozen": probe("frozen")}
+        assert probes.answers(probes.start(frozen), began + 0.2) == {"frozen": Pending}
+        assert 0.2 <= time.monotonic() - began < 1
+    finally:
+        thaw.set()
+        probes.close()
+
+
 def test_a_closing_service_starts_no_driver_and_closes_the_one_starting(tmp_path):
     """Once `Drivers.close` has begun, an open is refused (503 shutting_down: JSON to the
     caller) and starts nothing, and a driver still starting when close began is closed when
