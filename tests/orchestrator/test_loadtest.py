@@ -483,8 +483,11 @@ def test_short_real_run_against_the_in_process_driver_stops_on_time(local_driver
 @pytest.fixture(scope="module")
 def live_service(hotpot_settings, tmp_path_factory):
     """`branchsearch serve`'s app (uvicorn, in-process executor) on loopback, with two keys, over
-    its own copy of hotpot-mini (a Milvus Lite file has one owner)."""
+    its own copy of hotpot-mini (a Milvus Lite file has one owner). No per-key queue: a key's
+    searches past its 4 are refused 429 at once, the refusals these tests count (with the
+    default queue they would wait, and count in the latencies)."""
     from branchsearch.orchestrator.service import deploy as service
+    from branchsearch.orchestrator.service.admission import Limits
     from branchsearch.orchestrator.service.auth import KeyStore
 
     from conftest import ingest_copy
@@ -494,7 +497,8 @@ def live_service(hotpot_settings, tmp_path_factory):
     keys = tmp_path_factory.mktemp("lt-keys") / "keys.json"
     key = KeyStore(keys).add("loadtest", ())
     other = KeyStore(keys).add("loadtest-2", ())  # a second caller (Locust: a key per user)
-    state = service.local_state(settings, executor="local", keys_path=keys)
+    state = service.local_state(settings, executor="local", keys_path=keys,
+                                limits=Limits(per_key_queue=0))
     state.searcher.target.drivers.open(settings.index)  # opened before any clock runs
     server = start_uvicorn(service.create_app(state), state)
     yield server.url, key, other
