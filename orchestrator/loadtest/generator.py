@@ -21,14 +21,14 @@ from branchsearch.orchestrator.loadtest.arrivals import Step, schedule
 from branchsearch.orchestrator.loadtest.stats import DROPPED, OK, Sample, find_knee, \
     backend_failed, is_refusal, is_unserved, not_load, slo_broken_at, slo_max, summarize, \
     unreachable
+from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
+from branchsearch.orchestrator.loadtest.workload import Workload
+from branchsearch.orchestrator.evaluation.measures import percentile
 
 BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
 # a step in which the target could not search: questions asked one by one after it, this far
 # apart, before it counts as gone (a backend that only fell behind the load catches up)
 AFTER_STEP_TRIES, AFTER_STEP_GAP_S = 3, 1.0
-from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, classify
-from branchsearch.orchestrator.loadtest.workload import Workload
-from branchsearch.orchestrator.evaluation.measures import percentile
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ def check_unopened(settings, profile, timeout_s: float) -> None:
             from branchsearch.infra.index.open import dense_uri
 
             uri = dense_uri(settings)
-        _milvus_answers(str(uri), timeout_s)
+        from branchsearch.infra.stores.milvus import server_answers
+
+        server_answers(str(uri), timeout_s)
 
 
 def _elastic_answers(url: str, api_key: str | None, timeout_s: float) -> None:
@@ -46,9 +48,3 @@ def _elastic_answers(url: str, api_key: str | None, timeout_s: float) -> None:
     except Exception as exc:  # noqa: BLE001 — refused, timed out, refused our credentials
         raise BackendUnavailable(f"elasticsearch at {redact(url)} is not answering "
                                  f"({type(exc).__name__})") from None
-
-
-def _milvus_answers(uri: str, timeout_s: float) -> None:
-    from branchsearch.infra.stores.milvus import server_answers
-
-    server_answers(uri, timeout_s)
