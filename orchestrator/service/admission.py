@@ -112,7 +112,7 @@ class Concurrency:
     first served, for one of its slots (`admit`), each at most until its deadline; a slot a
     request frees goes to its key's first waiter. Waiting requests run nothing and hold none of
     the server's `max_in_flight`, and a key never has more than `per_key_concurrency` running:
-    other keys' requests are admitted as before, whatever one key sends."""
+    other keys' requests are admitted by their own counts, whatever one key sends."""
 
     def __init__(self, limits: Limits):
         self.limits = limits
@@ -127,9 +127,7 @@ class Concurrency:
         with self._lock:
             if (refusal := self._refusal(key_name)) is not None:
                 raise refusal
-            self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
-            self.total += 1
-        return Slot(lambda: self._free(key_name))
+            return self._grant(key_name)
 
     async def admit(self, key_name: str, until: float) -> Slot:
         """A slot of `key_name`'s (`take`), waited for when the key has its limit and fewer
@@ -138,9 +136,7 @@ class Concurrency:
         with self._lock:
             refusal = self._refusal(key_name)
             if refusal is None:
-                self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
-                self.total += 1
-                return Slot(lambda: self._free(key_name))
+                return self._grant(key_name)
             queue = self._waiting.setdefault(key_name, deque())
             if refusal.status != 429 or len(queue) >= self.limits.per_key_queue:
                 if not queue:
@@ -180,6 +176,12 @@ class Concurrency:
         """How many of `key_name`'s requests wait for one of its slots now."""
         with self._lock:
             return len(self._waiting.get(key_name, ()))
+
+    def _grant(self, key_name: str) -> Slot:
+        """A slot of `key_name`'s, counted for the key and the server. Holding the lock."""
+        self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
+        self.total += 1
+        return Slot(lambda: self._free(key_name))
 
     def _refusal(self, key_name: str) -> ApiError | None:
         """Why a request of `key_name`'s may not start now, if it may not. Holding the lock."""
