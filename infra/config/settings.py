@@ -508,7 +508,8 @@ def _validate(s: Settings) -> None:
     problem = index_name_problem(s.index)
     if problem:
         raise SettingsError(problem)
-    problem = es_url_problem(s.es_url)  # an index's own es_url: its problem (parse_external)
+    # (an external index's own es_url is checked with its table: `parse_external`)
+    problem = es_url_problem(s.es_url)
     if problem:
         raise SettingsError(f"setting es_url: {problem}")
     _check_home(Path(s.home), s.index_dir)

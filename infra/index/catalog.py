@@ -190,7 +190,7 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
                     from branchsearch.infra.stores.milvus_lite import is_server
 
                     uri = spec.milvus_uri or settings.milvus_uri
-                    if is_server(uri):  # before the embedding model loads: seconds
+                    if is_server(uri):  # a refused address fails before the model loads
                         server_answers(uri, settings.backend_timeout_s)
                     dim = Embedder(settings.embed_model, settings.embed_batch,
                                    settings.embed_device).dim

@@ -132,12 +132,12 @@ def parse_external(name: str, table: dict) -> ExternalIndex:
     return spec
 
 
-def _misconfigured(name: str, table, exc: SettingsError) -> ExternalIndex:
+def _misconfigured(name: str, table, problem: str) -> ExternalIndex:
     """A declared index whose table is wrong: it keeps its name and its error, and its URLs
     as written, so that their passwords are still masked in every message."""
     urls = {key: table[key] for key in ("es_url", "milvus_uri")
             if isinstance(table, dict) and isinstance(table.get(key), str)}
-    return ExternalIndex(name=name, problem=str(exc), **urls)
+    return ExternalIndex(name=name, problem=problem, **urls)
 
 
 def _parse_one(name: str, table) -> ExternalIndex:
@@ -146,7 +146,7 @@ def _parse_one(name: str, table) -> ExternalIndex:
     try:
         return parse_external(name, table)
     except SettingsError as exc:
-        return _misconfigured(name, table, exc)
+        return _misconfigured(name, table, str(exc))
 
 
 def parse_indexes(value) -> tuple[ExternalIndex, ...]:
@@ -168,9 +168,7 @@ def parse_indexes(value) -> tuple[ExternalIndex, ...]:
         if isinstance(item, ExternalIndex):
             out.append(item)
         elif isinstance(item, dict) and item.get("problem"):  # `asdict` of a misconfigured one
-            out.append(ExternalIndex(name=str(item["name"]), problem=str(item["problem"]),
-                                     es_url=str(item.get("es_url", "")),
-                                     milvus_uri=str(item.get("milvus_uri", ""))))
+            out.append(_misconfigured(str(item["name"]), item, str(item["problem"])))
         elif isinstance(item, dict) and "name" in item:
             table = {k: v for k, v in item.items() if k not in ("name", "problem")}
             out.append(_parse_one(str(item["name"]), table))

@@ -83,8 +83,9 @@ class SharedCheck(Generic[T]):
 
 
 class Pending:
-    """An answer not yet given: its probe has not ended within the check's wait, and none before
-    it ended (its backend has not answered since the service started asking)."""
+    """An answer not yet given: its probe has not ended within the check's wait and none
+    before it ended (its backend has not answered since the service started asking), or its
+    probe has run `IndexProbes.slow_s` already (its last answer is out of date)."""
 
 
 class IndexProbes:
@@ -112,8 +113,8 @@ class IndexProbes:
         self._lock = threading.Lock()
         # key -> when its probe under way began to run (queued behind others: when queued)
         self._running: dict[object, float] = {}
-        self._answers: dict[object, tuple[BaseException | None, float]] = {}  # key -> (exc or
-        # None: ready, when it ended)
+        # key -> (the exception its last probe raised, or None: ready; when that probe ended)
+        self._answers: dict[object, tuple[BaseException | None, float]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
