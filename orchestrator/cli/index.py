@@ -71,7 +71,7 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         if report.resumed < n:
             done += (f"; {rate} chunks/s with {workers} worker(s), embedding "
                      f"{s.get('embed', 0):.1f} s")
-        print(f"ingested {n} document{'s' if n != 1 else ''}, {report.chunks} chunks into "
+        print(f"ingested {_docs(n)}, {report.chunks} chunks into "
               f"{settings.index!r} ({settings.index_dir}); {done}")
         if report.fitted:
             before, after = report.fitted["held_out_cosine"]
