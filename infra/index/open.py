@@ -108,14 +108,17 @@ def open_dense(settings: Settings, manifest=None, embedder=None, *, fresh: bool 
     index's own model (`query_model`)."""
     if manifest is not None and manifest.embedding is not None:
         settings = query_model(settings, manifest.embedding.get("model"), embedder)
-
-    embedder = embedder or index_embedder(settings, reader=manifest is not None)
     from branchsearch.infra.stores.milvus_lite import is_server
 
+    uri = dense_uri(settings)
+    if is_server(uri):  # a refused server is said before the embedding model loads (seconds)
+        from branchsearch.infra.stores.milvus import refused_server
+
+        refused_server(uri, settings.backend_timeout_s)
+    embedder = embedder or index_embedder(settings, reader=manifest is not None)
     if manifest is None:  # a writer (ingest): the collection is created when missing
         return dense_store(settings, _dense_dim(settings.index_dir, embedder),
                            fresh=fresh), embedder
-    uri = dense_uri(settings)
     ingested_into = str(manifest.backends.get("dense", ""))
     if not is_server(uri) and " " in ingested_into and is_server(ingested_into.split()[1]):
         raise SettingsError(  # the vectors are on a server this process was not told about

@@ -238,6 +238,17 @@ def server_answers(uri: str, timeout_s: float) -> None:
                                  f"({type(exc).__name__})") from None
 
 
+SERVER_HINT = "start Milvus there or unset milvus_uri for the embedded file"
+
+
+def refused_server(uri: str, timeout_s: float) -> None:
+    """`server_answers` for an owned index's server, its error line ending with the fix."""
+    try:
+        server_answers(uri, timeout_s)
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{exc}; {SERVER_HINT}") from None
+
+
 def timeout_arg(seconds: float) -> int:
     """A request timeout as pymilvus needs it: whole seconds (at least 1). pymilvus 2.5 bounds
     its retries by `timeout` only when it is an int; a float means 75 retries, minutes on a
@@ -316,7 +327,9 @@ class MilvusStore:
         self.collection = collection
         self.server = is_server(self.uri)
         self.index = index or IndexSpec()
-        if not self.server:
+        if self.server:  # a refused address fails now, not after the client's channel timeout
+            refused_server(self.uri, timeout_s)
+        else:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
         served = served_uri(self.uri)
         self._served = served is not None  # through the owning process's server (serve_lite)
@@ -374,8 +387,7 @@ class MilvusStore:
         except Exception as exc:
             if not self.server and "opened by another program" in str(exc):
                 raise busy_error(self.uri) from None
-            hint = ("start Milvus there or unset milvus_uri for the embedded file" if self.server
-                    else "check the index folder")
+            hint = SERVER_HINT if self.server else "check the index folder"
             raise BackendUnavailable(redact(  # no credentials in a line shown and logged
                 f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}")) from None
         finally:

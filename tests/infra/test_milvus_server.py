@@ -159,3 +159,52 @@ def test_an_unreachable_server_is_not_waited_for_again_at_once():
         milvus.milvus_call(uri, "search", connect, timeout_s=2)
     assert "not asked again" not in str(again.value)
     milvus._unreachable.pop(uri, None)
+
+
+def test_an_owned_index_on_a_refused_server_fails_at_once(hotpot_settings, tmp_path):
+    """An owned index whose vectors are on a Milvus server nobody answers at: `indexes`,
+    `retrieve`, `search`, `batch` and `ingest` each waited out the client's 10 s channel
+    timeout (ingest after loading the embedding model) before saying so. A TCP check answers
+    first: one line at once, no password from the URI, and an ingest writes nothing."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:  # a port with no server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    index_dir = tmp_path / "indexes" / "hotpot"
+    # copied by another process: closing a file of the session index here would drop this
+    # process's POSIX locks on it (its Milvus Lite file's owner, SQLite)
+    subprocess.run([sys.executable, "-c", "import shutil, sys; shutil.copytree(sys.argv[1], "
+                    "sys.argv[2], ignore=shutil.ignore_patterns('dense.db*', '*.lock'))",
+                    str(hotpot_settings.index_dir), str(index_dir)], check=True)
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    manifest["backends"]["dense"] = f"milvus http://***@127.0.0.1:{port} (HNSW)"
+    (index_dir / "manifest.json").write_text(json.dumps(manifest))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"_id": "1", "text": "Who directed Ed Wood?"}\n')
+    env = {**os.environ, "BRANCHSEARCH_MILVUS_URI": f"http://root:hunter2@127.0.0.1:{port}"}
+    said = "is not answering (ConnectionRefusedError); start Milvus there"
+    for args in (["indexes", "--json"], ["retrieve", "q", "--index", "hotpot"],
+                 ["search", "q", "--index", "hotpot"],
+                 ["batch", str(questions), "-o", str(tmp_path / "out.jsonl"), "--index", "hotpot"],
+                 ["ingest", str(HOTPOT), "--index", "fresh"]):
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args,
+                              "--home", str(tmp_path)], capture_output=True, text=True,
+                             env=env, timeout=300)
+        took = time.monotonic() - start
+        assert "hunter2" not in run.stdout + run.stderr, args
+        if args[0] == "indexes":
+            assert run.returncode == 1, run.stderr
+            assert said in json.loads(run.stdout)[0]["health"], run.stdout
+        else:
+            assert run.returncode == 2 and run.stdout == "", (args, run.stdout, run.stderr)
+            lines = run.stderr.strip().splitlines()
+            assert len(lines) == 1 and said in lines[0], (args, run.stderr)
+        assert took < 6, (args, took)
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "indexes" / "fresh").exists()
