@@ -170,8 +170,6 @@ def _servers_health(settings: Settings, check: bool) -> str:
 
 def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
     """Each declared external index; with `check`, its backends are opened and counted."""
-    from branchsearch.infra.stores.external import ExternalElastic, ExternalMilvus
-
     out = []
     for spec in settings.indexes:
         info = IndexInfo(spec.name, "external", spec.describe(), None, None, "not checked",
@@ -179,33 +177,51 @@ def external_indexes(settings: Settings, *, check: bool = True) -> list[IndexInf
         if spec.problem:  # its table is wrong: listed with why, never opened
             info.health = redact(spec.problem)
         elif check:
-            try:
-                if spec.lexical == "elasticsearch":
-                    store = ExternalElastic(spec, spec.es_url or settings.es_url,
-                                            api_key=settings.es_api_key or None,
-                                            timeout_s=settings.backend_timeout_s)
-                else:
-                    from branchsearch.infra.models.embedder import Embedder
-                    from branchsearch.infra.stores.milvus import server_answers
-                    from branchsearch.infra.stores.milvus_lite import is_server
-
-                    uri = spec.milvus_uri or settings.milvus_uri
-                    if is_server(uri):  # a refused address fails before the model loads
-                        server_answers(uri, settings.backend_timeout_s)
-                    dim = Embedder(settings.embed_model, settings.embed_batch,
-                                   settings.embed_device).dim
-                    store = ExternalMilvus(spec, uri, dim,
-                                           token=settings.milvus_token,
-                                           timeout_s=settings.backend_timeout_s)
-                try:
-                    info.documents = info.chunks = store.count()
-                finally:
-                    store.close()
-                info.health = "ok"
-            except BranchsearchError as exc:
-                info.health = redact(str(exc))
+            info.documents, info.health = _external_health(spec, settings)
+            info.chunks = info.documents
         out.append(info)
     return out
+
+
+def _external_health(spec, settings: Settings) -> tuple[int | None, str]:
+    """(documents, health) of an external index, each of its sides opened and counted: a
+    hybrid index searches both (a bm25 search reads its Milvus side's groups too), so "ok"
+    only when both answer. A side that fails is named in the health line ("milvus side: …");
+    the documents are the first side's count that answered."""
+    counts, problems = [], []
+    sides = [side for side, used in (("elasticsearch", spec.lexical == "elasticsearch"),
+                                     ("milvus", spec.dense == "milvus")) if used]
+    for side in sides:
+        try:
+            store = _open_external_side(side, spec, settings)
+            try:
+                counts.append(store.count())
+            finally:
+                store.close()
+        except BranchsearchError as exc:
+            line = redact(str(exc))
+            problems.append(f"{side} side: {line}" if len(sides) > 1 else line)
+    return (counts[0] if counts else None), "; ".join(problems) or "ok"
+
+
+def _open_external_side(side: str, spec, settings: Settings):
+    """The external index's store of `side` ("elasticsearch" or "milvus"), opened."""
+    from branchsearch.infra.stores.external import ExternalElastic, ExternalMilvus
+
+    if side == "elasticsearch":
+        return ExternalElastic(spec, spec.es_url or settings.es_url,
+                               api_key=settings.es_api_key or None,
+                               timeout_s=settings.backend_timeout_s)
+    from branchsearch.infra.models.embedder import Embedder
+    from branchsearch.infra.stores.milvus import server_answers
+    from branchsearch.infra.stores.milvus_lite import is_server
+
+    uri = spec.milvus_uri or settings.milvus_uri
+    if is_server(uri):  # a refused address fails before the model loads
+        server_answers(uri, settings.backend_timeout_s)
+    dim = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device).dim
+    return ExternalMilvus(spec, uri, dim, token=settings.milvus_token,
+                          timeout_s=settings.backend_timeout_s)
 
 
 def list_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:

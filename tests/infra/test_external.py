@@ -1072,3 +1072,38 @@ def test_every_milvus_acl_shape_is_seen_by_the_same_callers_in_search_and_read(t
                             r.read_document(key, acl_groups=groups)
         finally:
             r.close()
+
+
+@pytest.mark.es
+def test_indexes_checks_both_sides_of_a_hybrid_index(foreign, tmp_path):
+    """`indexes` on a hybrid external index asked Elasticsearch only: with its Milvus refused
+    (or its collection gone) it said "ok" and exited 0. Both sides are asked now; the health
+    is one line naming the side that is down, and that side's address keeps no password."""
+    import socket
+
+    with socket.socket() as probe:  # a port with no server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    toml = (foreign["home"] / "branchsearch.toml").read_text()
+    corp = toml[toml.index("[indexes.corp]"):toml.index("[indexes.corp_es]")]
+    (tmp_path / "branchsearch.toml").write_text(
+        toml[:toml.index("[indexes.")]
+        + corp.replace("[indexes.corp", "[indexes.vec_down").replace(
+            'dense = "milvus"\n',
+            f'dense = "milvus"\nmilvus_uri = "http://root:hunter2@127.0.0.1:{port}"\n')
+        + corp.replace("[indexes.corp", "[indexes.es_down").replace(
+            'lexical = "elasticsearch"\n',
+            f'lexical = "elasticsearch"\nes_url = "http://root:hunter2@127.0.0.1:{port}"\n')
+        + corp.replace("[indexes.corp", "[indexes.both_up"))
+    run = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "indexes",
+                          "--json", "--home", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert "hunter2" not in run.stdout + run.stderr
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    health = {i["name"]: i["health"] for i in json.loads(run.stdout)}
+    assert health["both_up"] == "ok", health
+    assert health["vec_down"] == (f"milvus side: milvus at http://***@127.0.0.1:{port} is not "
+                                  "answering (ConnectionRefusedError)"), health
+    assert health["es_down"].startswith("elasticsearch side: elasticsearch at "
+                                        f"http://***@127.0.0.1:{port}"), health
+    assert "\n" not in health["es_down"] and "milvus" not in health["es_down"], health
