@@ -29,6 +29,10 @@ BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, wait
 # a step in which the target could not search: questions asked one by one after it, this far
 # apart, before it counts as gone (a backend that only fell behind the load catches up)
 AFTER_STEP_TRIES, AFTER_STEP_GAP_S = 3, 1.0
+# each of those questions carries a deadline of its own: this many times the slowest answer of
+# the run so far, at least AFTER_STEP_MIN_S, so a frozen backend costs seconds, not the service's
+# whole deadline per try (an HTTP client waits `targets.DEADLINE_GRACE_S` past it)
+AFTER_STEP_FACTOR, AFTER_STEP_MIN_S = 3.0, 5.0
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,12 @@ class LoadSpec:
     slo_p99_ms: float | None = None
 
 
-def ask(target: Target, question: str) -> dict:
-    """The sample fields of one request (never raises)."""
+def ask(target: Target, question: str, deadline_s: float | None = None) -> dict:
+    """The sample fields of one request (never raises); with `deadline_s`, the request's own
+    deadline (the target keeps a shorter one it was given)."""
     try:
-        return classify(target.search(question))
+        return classify(target.search(question) if deadline_s is None
+                        else target.search(question, deadline_s=deadline_s))
     except RequestFailed as exc:
         return {"outcome": exc.outcome}
     except Exception as exc:  # a target bug must not stop the generator
@@ -117,6 +123,7 @@ class Generator:
         self._asked_lock = threading.Lock()
         self._stop = threading.Event()
         self._current: _Step | None = None
+        self._slowest_s = 0.0  # the slowest answer of the steps so far
 
     def _next_question(self) -> str:
         with self._asked_lock:
@@ -195,22 +202,28 @@ class Generator:
             if s.outcome != DROPPED and not is_unserved(s.outcome))
         if probe:
             summary["probes"] = probe.result()
+        self._slowest_s = max([self._slowest_s, *(s.done - s.scheduled for s in samples
+                                                  if s.outcome == OK and s.done is not None)])
         if summary["unavailable"] and backend_failed(summary) and not unreachable(summary):
-            summary["answered_after"] = self._answered_after()
+            summary["answered_after"] = self._answered_after(self._slowest_s)
         return summary
 
-    def _answered_after(self) -> str:
+    def _answered_after(self, slowest_s: float) -> str:
         """The outcome of a question asked once a step's load has stopped (`ok`, or the last
         failure of `AFTER_STEP_TRIES`): a step whose target said it cannot search (a 503
         `search_failed`, `backend_unavailable`: its backend timed out or failed) saturated
         when the target answers again unloaded, and lost its backend when it does not. A
         backend that is alive but slower than its timeout under the load yields the same codes
-        as one that is down; only asking again without the load tells them apart."""
+        as one that is down; only asking again without the load tells them apart. Each try has
+        a deadline of `AFTER_STEP_FACTOR` times `slowest_s` (the slowest answer measured so
+        far), at least `AFTER_STEP_MIN_S`: a backend that does not answer unloaded within a few
+        times what it took under load has not just fallen behind."""
+        deadline_s = max(AFTER_STEP_FACTOR * slowest_s, AFTER_STEP_MIN_S)
         outcome = ""
         for attempt in range(AFTER_STEP_TRIES):
             if attempt and self._stop.wait(AFTER_STEP_GAP_S):
                 break
-            outcome = ask(self.target, self._next_question())["outcome"]
+            outcome = ask(self.target, self._next_question(), deadline_s)["outcome"]
             if outcome == OK:
                 break
         return outcome

@@ -2,7 +2,8 @@
 
 A target answers one question with the SearchResult as a JSON-able dict, or raises
 `RequestFailed` with an outcome class (`http_503:backend_unavailable`, `error:Timeout`, …).
-`classify` turns a result into the figures a sample keeps. Both targets are thread-safe: the
+`classify` turns a result into the figures a sample keeps. A `deadline_s` given to `search`
+bounds that one request (the shorter of it and the target's own). Both targets are thread-safe: the
 generator calls `search` from many threads at once.
 """
 
@@ -19,6 +20,9 @@ from contextlib import contextmanager
 from typing import Protocol
 
 
+DEADLINE_GRACE_S = 1.0  # a request with its own deadline: how long past it the client waits
+
+
 class RequestFailed(Exception):
     def __init__(self, outcome: str, detail: str = ""):
         super().__init__(detail or outcome)
@@ -26,7 +30,7 @@ class RequestFailed(Exception):
 
 
 class Target(Protocol):
-    def search(self, question: str) -> dict: ...
+    def search(self, question: str, *, deadline_s: float | None = None) -> dict: ...
 
     def describe(self) -> dict: ...
 
@@ -98,6 +102,11 @@ def failure_code(result: dict) -> str:
                                                    for b in erred) else "search_failed")
 
 
+def shorter(own: float | None, given: float | None) -> float | None:
+    """The shorter of two deadlines, either absent."""
+    return min((d for d in (own, given) if d is not None), default=None)
+
+
 class DriverTarget:
     """`Driver.search` called directly (the driver runs branches in-process or on Ray). A
     search the service would answer with a 503 saying it cannot search (every branch failed,
@@ -107,13 +116,14 @@ class DriverTarget:
     def __init__(self, driver, *, branches: int | None = None, deadline_s: float | None = None):
         self.driver, self.branches, self.deadline_s = driver, branches, deadline_s
 
-    def search(self, question: str) -> dict:
+    def search(self, question: str, *, deadline_s: float | None = None) -> dict:
         from branchsearch.infra.errors import BackendUnavailable
         from branchsearch.orchestrator.loadtest.stats import UNAVAILABLE
 
         try:
             result = self.driver.search(question, max_branches=self.branches,
-                                        deadline_s=self.deadline_s).to_dict()
+                                        deadline_s=shorter(self.deadline_s, deadline_s)
+                                        ).to_dict()
         except BackendUnavailable as exc:  # the service's 503 backend_unavailable (api_error)
             raise RequestFailed(f"{UNAVAILABLE}:backend_unavailable", str(exc)[:300]) from None
         except Exception as exc:  # the driver raised: the whole request failed
@@ -167,20 +177,27 @@ class HttpTarget:
             with self._lock:
                 self._in_flight[key] -= 1
 
-    def search(self, question: str, key: str | None = None) -> dict:
-        """The answer to `question`, asked with the least busy key (or with `key`)."""
+    def search(self, question: str, key: str | None = None, *,
+               deadline_s: float | None = None) -> dict:
+        """The answer to `question`, asked with the least busy key (or with `key`); with
+        `deadline_s`, the service is asked to answer within it and the client waits
+        `DEADLINE_GRACE_S` past it (a frozen service costs that, not `timeout_s`)."""
         if key is not None:
-            return self._search(question, key)
+            return self._search(question, key, deadline_s)
         with self._key() as least_busy:
-            return self._search(question, least_busy)
+            return self._search(question, least_busy, deadline_s)
 
-    def _search(self, question: str, key: str | None) -> dict:
+    def _search(self, question: str, key: str | None, deadline_s: float | None = None) -> dict:
+        body, timeout_s = {"question": question, **self.body}, self.timeout_s
+        if deadline_s is not None:
+            body["deadline_s"] = shorter(self.body.get("deadline_s"), deadline_s)
+            timeout_s = min(timeout_s, body["deadline_s"] + DEADLINE_GRACE_S)
         request = urllib.request.Request(
-            f"{self.url}/v1/search", data=json.dumps({"question": question, **self.body}).encode(),
+            f"{self.url}/v1/search", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", "Accept": "application/json",
                      **({"Authorization": f"Bearer {key}"} if key else {})})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             try:

@@ -1373,6 +1373,63 @@ def test_in_process_a_deadline_the_unloaded_driver_never_meets_is_one_error_befo
     assert json.loads(out.read_text())["steps"][0]["ok"] >= 1
 
 
+def test_the_question_after_a_step_waits_a_bounded_time_on_a_frozen_service(monkeypatch):
+    """A step answered 503 backend_unavailable, then the service froze (it takes requests and
+    answers nothing): the question asked after the step, up to three times, waited the whole
+    client timeout each try (the service's own 60 s deadline, the HTTP timeout past it), so
+    the run took minutes longer. Each try now carries a short deadline of its own (a few times
+    the run's slowest answer, at least `AFTER_STEP_MIN_S`, never past one the user gave), and
+    the client waits little past it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from branchsearch.orchestrator.loadtest import generator
+
+    bodies, release = [], threading.Event()
+
+    class Failing(BaseHTTPRequestHandler):  # two 503s (the step), then frozen
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if len(bodies) > 2:
+                release.wait(60)
+                return
+            body = json.dumps({"error": "backend_unavailable", "detail": "down"}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setattr(generator, "AFTER_STEP_MIN_S", 0.5, raising=False)
+    monkeypatch.setattr(generator, "AFTER_STEP_GAP_S", 0.1)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for deadline_s, expected in ((None, 0.5), (0.2, 0.2)):  # one the user gave is kept
+            bodies.clear()
+            target = HttpTarget(url, timeout_s=30, deadline_s=deadline_s)
+            out = []
+            running = threading.Thread(target=lambda: out.append(_run(
+                target, loads=(2.0,), process="constant", duration=1.0, drain_s=0.5)),
+                daemon=True)
+            running.start()
+            running.join(20)
+            assert not running.is_alive(), "the question after the step is still waiting"
+            (result, wall), = out
+            step, = result["steps"]
+            assert step["unavailable"] == step["sent"] == 2, step
+            assert step["answered_after"] == "error:Timeout" and len(bodies) == 5
+            assert {b["deadline_s"] for b in bodies[2:]} == {expected}
+            assert wall < 1.0 + 0.5 + 3 * (expected + 1.0) + 1.5, wall
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_backend_that_answers_once_the_load_stops_saturated_and_one_that_does_not_went_away():
     """By hand: a step of 503 search_failed whose backend answered a question once the load
     stopped (`answered_after` ok) read 'the service's backend became unavailable … no knee
