@@ -30,6 +30,7 @@ KEY_ENV = "BRANCHSEARCH_API_KEY"
 # and a step's memory and length grow without bound (--rate 1e9 drew 2e9 send times)
 MAX_STEP_REQUESTS = 100_000
 MAX_THREADS = 10_000
+DEFAULT_KEY_SLOTS = Settings().per_key_concurrency  # a service's, unless its 429s say theirs
 MIN_STEP_S = 1.0  # a shorter step measures next to nothing (no request, or one)
 REDACTED = "REDACTED"  # shell-safe: the command line stays copyable
 
@@ -400,6 +401,25 @@ def machine() -> dict:
             "python": platform.python_version(), "load_average": load}
 
 
+def key_queue_note(most_per_key: int, key_slots: int | None, key_queue: int | None) -> str:
+    """What a report says when one key had more requests under way than the slots the service
+    runs for it (`per_key_concurrency`: as its 429s named it, else the default): the service
+    queues a key's requests past its slots (`per_key_queue`, within their deadline) before
+    refusing them, so the latency of those it took includes that wait, not said apart. Nothing
+    when its 429s said it has no queue (those past its slots were refused: the 429 note)."""
+    slots = key_slots or DEFAULT_KEY_SLOTS
+    if most_per_key <= slots or key_queue == 0:
+        return ""
+    said = (f"its {slots} slots (per_key_concurrency, as the service's refusals said)"
+            if key_slots else f"the service's default per_key_concurrency of {slots} (unless "
+            "this service allows a key more)")
+    return (f"up to {most_per_key} of one key's requests were under way at once, past {said}: "
+            "those past the slots and not refused waited in the key's queue (per_key_queue), and "
+            "that wait is in their latency (stage outside_server): this measures the key's "
+            "queue as well as the service; add keys to --key-file or raise the service's "
+            "per_key_concurrency")
+
+
 def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | None = None) -> dict:
     """Run the whole load test; returns the report (also written when o.report is set)."""
     spec, notes = load_spec(o)
@@ -440,6 +460,9 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
                          "this measures the key, not the service; put several keys in "
                          "--key-file (one a line: each request takes the least busy) or raise "
                          "the service's per_key_concurrency")
+    if isinstance(target, HttpTarget) and (note := key_queue_note(
+            target.most_per_key, target.key_slots, target.key_queue)):
+        notes.append(note)
     if spec.loop == "open" and any(s["send_lag_ms"]["p99"] and s["send_lag_ms"]["p99"] > 20
                                    for s in result["steps"]):
         notes.append("the generator sent late (send lag p99 > 20 ms): this client is a "

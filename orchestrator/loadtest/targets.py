@@ -10,6 +10,7 @@ generator calls `search` from many threads at once.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import urllib.error
@@ -20,6 +21,11 @@ from contextlib import contextmanager
 from typing import Protocol
 
 
+# a 429's detail (`service.admission.Concurrency`): its key's slots (per_key_concurrency) and
+# queue (per_key_queue): none when refused at once, unknown when its deadline passed waiting
+KEY_LIMITS = ((re.compile(r"the limit is (\d+)"), lambda m: (int(m[1]), 0)),
+              (re.compile(r"the limits are (\d+) and (\d+)"), lambda m: (int(m[1]), int(m[2]))),
+              (re.compile(r"had its (\d+) requests in flight"), lambda m: (int(m[1]), None)))
 DEADLINE_GRACE_S = 1.0  # a request with its own deadline: how long past it the client waits
 
 
@@ -154,8 +160,12 @@ class HttpTarget:
                  deadline_s: float | None = None, timeout_s: float = 120.0):
         self.url = url.rstrip("/")
         self.keys = tuple(k_ for k_ in ((keys,) if isinstance(keys, str) else keys) if k_)
-        self._in_flight = dict.fromkeys(self.keys, 0)  # requests under way, by key
+        self._in_flight = dict.fromkeys(self.keys or (None,), 0)  # requests under way, by key
         self._lock = threading.Lock()
+        self.most_per_key = 0  # the most requests one key had under way at once
+        # a key's per_key_concurrency and per_key_queue, as a 429 said them (None: not said)
+        self.key_slots: int | None = None
+        self.key_queue: int | None = None
         self.timeout_s = timeout_s
         self.body = {k_: v for k_, v in {"index": index, "branches": branches, "k": k,
                                           "deadline_s": deadline_s}.items() if v is not None}
@@ -164,13 +174,12 @@ class HttpTarget:
     def _key(self):
         """The key with the fewest requests under way (the first when tied), held for one
         request: a key's requests in flight stay within one of every other key's, as many
-        callers would load the service, whatever the loop."""
-        if not self.keys:
-            yield None
-            return
+        callers would load the service, whatever the loop. Without keys, the requests are
+        counted as one key's (a development server gives them all one)."""
         with self._lock:
-            key = min(self.keys, key=self._in_flight.__getitem__)
+            key = min(self._in_flight, key=self._in_flight.__getitem__)
             self._in_flight[key] += 1
+            self.most_per_key = max(self.most_per_key, self._in_flight[key])
         try:
             yield key
         finally:
@@ -205,6 +214,8 @@ class HttpTarget:
                 code, detail = str(body.get("error", "")), str(body.get("detail", ""))
             except (ValueError, AttributeError, OSError):
                 code, detail = "", ""
+            if exc.code == 429:
+                self._read_key_limits(detail)
             raise RequestFailed(f"http_{exc.code}" + (f":{code}" if code else ""),
                                 detail[:300]) from None
         except (TimeoutError, socket.timeout):
@@ -218,6 +229,16 @@ class HttpTarget:
             raise RequestFailed(f"error:{type(exc).__name__}", str(exc)) from None
         except ValueError:
             raise RequestFailed("error:BadResponse", "the answer is not JSON") from None
+
+    def _read_key_limits(self, detail: str) -> None:
+        """Keep the key limits a 429's detail names (`KEY_LIMITS`)."""
+        for pattern, limits in KEY_LIMITS:
+            if found := pattern.search(detail):
+                slots, queue = limits(found)
+                with self._lock:
+                    self.key_slots = slots
+                    self.key_queue = queue if queue is not None else self.key_queue
+                return
 
     def get(self, path: str, timeout_s: float = 5.0) -> str | None:
         """GET a side endpoint (e.g. /metrics) as text; None if it does not answer."""

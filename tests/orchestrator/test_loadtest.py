@@ -696,6 +696,7 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
     column = "refused (429, 503 overloaded)"
     assert column in written["lt.md"] and column in proc.stdout
     assert "the key's own concurrency limit refused requests" in written["lt.md"]
+    assert not [n for n in report["notes"] if "per_key_queue" in n]  # its 429s: no queue
 
     # the old flag still works: warned, and the key is shown nowhere (the command line in
     # the JSON on stdout says --key REDACTED)
@@ -725,6 +726,58 @@ def test_cli_note_on_429s_names_the_keys_given(live_service, tmp_path):
                     "too_many_requests), and refusals count as errors: past them this "
                     "measures the keys, not the service; add keys to --key-file or raise the "
                     "service's per_key_concurrency"], report["notes"]
+
+
+def test_cli_more_users_than_a_key_has_slots_says_its_queue_wait_is_in_the_latency(tmp_path):
+    """6 users on one key of a service with the default limits (4 slots a key, a queue of 16
+    past them): no 429, and the report said nothing of the users past the key's slots, whose
+    latency held their wait in the key's queue. It now says so; against a service whose 429s
+    say it has no queue (`live_service`), only the 429 note is given."""
+    from es_emulator import start_es_emulator
+    from service_fixtures import CORPUS, start_uvicorn, write_corpus
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.service import deploy as service
+
+    es = start_es_emulator(tmp_path / "es")
+    state = server = None
+    try:
+        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
+                                            "es_url": es.url, "search_mode": "bm25",
+                                            "branches": 1}, read_env=False, read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
+        state = service.local_state(settings, executor="local")  # dev mode: one key for all
+        state.searcher.target.drivers.open("es")
+        server = start_uvicorn(service.create_app(state), state)
+        out = tmp_path / "lt.json"
+        proc = _cli_loadtest(server.url, ["--users", "6", "--duration", "2", "--report",
+                                          str(out)], {}, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert not report["steps"][0]["refused"], report["steps"][0]["refusals"]
+        note = [n for n in report["notes"] if "per_key_queue" in n]
+        assert note == ["up to 6 of one key's requests were under way at once, past the "
+                        "service's default per_key_concurrency of 4 (unless this service "
+                        "allows a key more): those past the slots and not refused waited in "
+                        "the key's queue (per_key_queue), and that wait is in their latency "
+                        "(stage outside_server): this measures the key's queue as well as the "
+                        "service; add keys to --key-file or raise the service's "
+                        "per_key_concurrency"], report["notes"]
+        assert f"> {note[0]}" in (tmp_path / "lt.md").read_text()
+    finally:
+        if server is not None:
+            server.stop()
+            state.searcher.target.close()
+        es.stop()
+    # the slots a 429 named; none said when they were not passed, or there is no queue
+    from branchsearch.orchestrator.loadtest.run import key_queue_note
+
+    assert key_queue_note(3, 2, None).startswith("up to 3 of one key's requests were under "
+                                                 "way at once, past its 2 slots "
+                                                 "(per_key_concurrency, as the service's "
+                                                 "refusals said): ")
+    assert key_queue_note(4, None, None) == key_queue_note(5, 4, 0) == ""
 
 
 def test_cli_report_says_why_the_slo_broke(live_service, tmp_path):
