@@ -20,6 +20,20 @@ from conftest import HOTPOT
 RESTRICTED = {"scott-derrickson": ["film-dept"]}  # one document only a group may see
 
 
+# callers of an index with an acl field: (name, the groups its key holds)
+CALLERS = (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]), ("admin", ["*"]))
+
+
+def _assert_read(r, key: str, groups, sees: bool, why=None) -> None:
+    """A read by id of `key` by a caller holding `groups`: its chunks when the caller `sees`
+    the document, else `unknown document`, as for an id that does not exist."""
+    if sees:
+        assert r.read_document(key, acl_groups=groups)["chunks"], why
+    else:
+        with pytest.raises(BadQuery, match="unknown document"):
+            r.read_document(key, acl_groups=groups)
+
+
 def _docs() -> list[dict]:
     return [json.loads(line) for line in (HOTPOT / "corpus.jsonl").read_text().splitlines()]
 
@@ -412,11 +426,7 @@ def test_acl_in_a_sub_field_or_an_object_is_read_from_the_source(dynamic_es):
                 hits = r.search("secret plan budget", mode="bm25", k=5, acl_groups=groups)
                 assert ("secret-plan" in {h.doc_id for h in hits}) == sees, (index, groups)
                 assert "public-memo" in {h.doc_id for h in hits}, (index, groups)
-                if sees:
-                    assert r.read_document("secret-plan", acl_groups=groups)["chunks"]
-                else:
-                    with pytest.raises(BadQuery, match="unknown document"):
-                        r.read_document("secret-plan", acl_groups=groups)
+                _assert_read(r, "secret-plan", groups, sees)
             assert r.read_document("public-memo")["chunks"][0]["text"] == "the public-memo budget"
         finally:
             r.close()
@@ -459,11 +469,7 @@ def test_an_alias_acl_field_is_searched_and_read_as_its_target(es_url, tmp_path)
             hits = {h.doc_id for h in r.search("secret plan budget", mode="bm25", k=5,
                                                 acl_groups=groups)}
             assert ("secret-plan" in hits) == sees and "public-memo" in hits, groups
-            if sees:
-                assert r.read_document("secret-plan", acl_groups=groups)["chunks"]
-            else:
-                with pytest.raises(BadQuery, match="unknown document"):
-                    r.read_document("secret-plan", acl_groups=groups)
+            _assert_read(r, "secret-plan", groups, sees)
     finally:
         r.close()
 
@@ -837,18 +843,13 @@ def test_every_acl_shape_is_seen_by_the_same_callers_in_search_and_read(es_url, 
         "groups")
     r = open_retriever(settings)
     try:
-        for caller, groups in (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]),
-                               ("admin", ["*"])):
+        for caller, groups in CALLERS:
             found = {h.doc_id for h in r.search("budget memo", mode="bm25", k=20,
                                                  acl_groups=groups)}
             for key, (_, who) in ACL_SHAPES.items():
                 sees = caller == "admin" or "anyone" in who or caller in who
                 assert (key in found) == sees, (caller, key, "search")
-                if sees:
-                    assert r.read_document(key, acl_groups=groups)["chunks"], (caller, key)
-                else:
-                    with pytest.raises(BadQuery, match="unknown document"):
-                        r.read_document(key, acl_groups=groups)
+                _assert_read(r, key, groups, sees, (caller, key))
     finally:
         r.close()
 
@@ -929,19 +930,15 @@ def test_a_hybrid_index_whose_stores_disagree_on_acl_follows_the_stricter(es_url
     for need_dense in (True, False):
         r = open_retriever(settings, need_dense=need_dense)
         try:
-            for caller, groups in (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]),
-                                   ("admin", ["*"])):
+            for caller, groups in CALLERS:
                 for mode in ("bm25", "dense", "hybrid") if need_dense else ("bm25",):
                     found = {h.doc_id for h in r.search("budget", mode=mode, k=10,
                                                          acl_groups=groups)}
                     want = {k for k, who in seen_by.items() if caller in who or caller == "admin"}
                     assert found == want, (caller, mode)
                 for key, who in seen_by.items():
-                    if caller in who or caller == "admin":
-                        assert r.read_document(key, acl_groups=groups)["chunks"], (caller, key)
-                    else:
-                        with pytest.raises(BadQuery, match="unknown document"):
-                            r.read_document(key, acl_groups=groups)
+                    sees = caller in who or caller == "admin"
+                    _assert_read(r, key, groups, sees, (caller, key))
         finally:
             r.close()
 
@@ -1056,8 +1053,7 @@ def test_every_milvus_acl_shape_is_seen_by_the_same_callers_in_search_and_read(t
         r = open_retriever(load_settings(tmp_path / "branchsearch.toml",
                                          {"home": tmp_path, "index": kind}, read_env=False))
         try:
-            for caller, groups in (("nobody", None), ("finance", ["finance"]), ("hr", ["hr"]),
-                                   ("admin", ["*"])):
+            for caller, groups in CALLERS:
                 found = {h.doc_id for h in r.search("budget", mode="dense", k=10,
                                                      acl_groups=groups)}
                 for key, (_, who) in shapes.items():
@@ -1065,11 +1061,7 @@ def test_every_milvus_acl_shape_is_seen_by_the_same_callers_in_search_and_read(t
                         continue
                     sees = caller == "admin" or "anyone" in who or caller in who
                     assert (key in found) == sees, (caller, key, "search")
-                    if sees:
-                        assert r.read_document(key, acl_groups=groups)["chunks"], (caller, key)
-                    else:
-                        with pytest.raises(BadQuery, match="unknown document"):
-                            r.read_document(key, acl_groups=groups)
+                    _assert_read(r, key, groups, sees, (caller, key))
         finally:
             r.close()
 
