@@ -577,7 +577,10 @@ def _check_milvus_acl(spec: ExternalIndex, where: str, field: dict) -> None:
 
 class ExternalMilvus:
     """Vector search and reads by id on an existing Milvus collection, through the mapping.
-    The query embedder must make vectors of the collection's dimension (checked here)."""
+    The query embedder must make vectors of the collection's dimension (checked here). A
+    caller checks first that a Milvus server takes connections (`milvus.server_answers`),
+    before it loads the embedder: a refused address then fails at once, where the client
+    would wait out its whole timeout."""
 
     peer = None  # the index's Elasticsearch side, when it has one: its groups count too
 
@@ -593,8 +596,6 @@ class ExternalMilvus:
         self.collection = spec.milvus_collection
         quiet_pymilvus()
         wait = timeout_arg(timeout_s)
-        if is_server(uri):  # a refused address fails now, not after the client's timeout
-            server_answers(uri, timeout_s)
         try:
             served = served_uri(uri)  # another process owns the Lite file (a batch's)
             with lite_spawn():  # a Lite file's server: ^C is its owner's to handle

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import pytest
 
-from branchsearch.infra.errors import BadQuery, SettingsError
+from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError
 from branchsearch.infra.index.open import open_retriever
 from branchsearch.infra.config.settings import load_settings
 
@@ -1005,6 +1007,50 @@ def test_a_refused_milvus_address_fails_at_once(tmp_path):
             (args, run.stdout, run.stderr)
         assert "hunter2" not in run.stdout + run.stderr
         assert took < 20, (args, took)
+
+
+def test_a_milvus_server_is_tcp_checked_once_per_open(tmp_path):
+    """Opening an external index on a Milvus server checked that the server takes a TCP
+    connection twice (before the embedding model loads, then again in the store): a second
+    connection, and twice the wait on an address that drops packets. Once now, still before
+    the model loads. The server here takes connections and answers nothing: the TCP checks are
+    the connections that send nothing (the client's send its HTTP/2 preface)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    silent, stop = [], threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=watch, args=(conn,), daemon=True).start()
+
+    def watch(conn) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                silent.append(conn.recv(1) == b"")
+            except OSError:
+                silent.append(False)
+
+    threading.Thread(target=accept, daemon=True).start()
+    port = listener.getsockname()[1]
+    (tmp_path / "branchsearch.toml").write_text(
+        f'backend_timeout_s = 1\n[indexes.vec]\ndense = "milvus"\nmilvus_collection = "c"\n'
+        f'milvus_uri = "http://127.0.0.1:{port}"\n')
+    try:
+        with pytest.raises(BackendUnavailable, match="is not reachable"):
+            open_retriever(load_settings(tmp_path / "branchsearch.toml",
+                                         {"home": tmp_path, "index": "vec"}, read_env=False))
+        time.sleep(0.5)  # the last connection's end seen
+        assert silent.count(True) == 1, silent
+    finally:
+        stop.set()
+        listener.close()
 
 
 def test_every_milvus_acl_shape_is_seen_by_the_same_callers_in_search_and_read(tmp_path):
