@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -733,43 +734,22 @@ def test_cli_more_users_than_a_key_has_slots_says_its_queue_wait_is_in_the_laten
     past them): no 429, and the report said nothing of the users past the key's slots, whose
     latency held their wait in the key's queue. It now says so; against a service whose 429s
     say it has no queue (`live_service`), only the 429 note is given."""
-    from es_emulator import start_es_emulator
-    from service_fixtures import CORPUS, start_uvicorn, write_corpus
-
-    from branchsearch.infra.config.settings import load_settings
-    from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator.service import deploy as service
-
-    es = start_es_emulator(tmp_path / "es")
-    state = server = None
-    try:
-        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
-                                            "es_url": es.url, "search_mode": "bm25",
-                                            "branches": 1}, read_env=False, read_file=False)
-        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
-        state = service.local_state(settings, executor="local")  # dev mode: one key for all
-        state.searcher.target.drivers.open("es")
-        server = start_uvicorn(service.create_app(state), state)
-        out = tmp_path / "lt.json"
+    out = tmp_path / "lt.json"
+    with _service_over_es(tmp_path) as (server, _):
         proc = _cli_loadtest(server.url, ["--users", "6", "--duration", "2", "--report",
                                           str(out)], {}, tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        report = json.loads(out.read_text())
-        assert not report["steps"][0]["refused"], report["steps"][0]["refusals"]
-        note = [n for n in report["notes"] if "per_key_queue" in n]
-        assert note == ["up to 6 of one key's requests were under way at once, past the "
-                        "service's default per_key_concurrency of 4 (unless this service "
-                        "allows a key more): those past the slots and not refused waited in "
-                        "the key's queue (per_key_queue), and that wait is in their latency "
-                        "(stage outside_server): this measures the key's queue as well as the "
-                        "service; add keys to --key-file or raise the service's "
-                        "per_key_concurrency"], report["notes"]
-        assert f"> {note[0]}" in (tmp_path / "lt.md").read_text()
-    finally:
-        if server is not None:
-            server.stop()
-            state.searcher.target.close()
-        es.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert not report["steps"][0]["refused"], report["steps"][0]["refusals"]
+    note = [n for n in report["notes"] if "per_key_queue" in n]
+    assert note == ["up to 6 of one key's requests were under way at once, past the "
+                    "service's default per_key_concurrency of 4 (unless this service "
+                    "allows a key more): those past the slots and not refused waited in "
+                    "the key's queue (per_key_queue), and that wait is in their latency "
+                    "(stage outside_server): this measures the key's queue as well as the "
+                    "service; add keys to --key-file or raise the service's "
+                    "per_key_concurrency"], report["notes"]
+    assert f"> {note[0]}" in (tmp_path / "lt.md").read_text()
     # the slots a 429 named; none said when they were not passed, or there is no queue
     from branchsearch.orchestrator.loadtest.run import key_queue_note
 
@@ -1148,6 +1128,46 @@ def test_a_step_whose_backend_went_away_draws_no_knee():
     assert find_knee([first, second])["saturated_at"] == 2
 
 
+def _es_questions(path: Path) -> Path:
+    """A --queries file at `path` asking about the 3 documents the Elasticsearch tests index
+    (`service_fixtures.CORPUS[:3]`)."""
+    path.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
+        "When is the Harbor Festival?", "Who built the Old Lighthouse?",
+        "What does the Alpha roadmap plan?")))
+    return path
+
+
+@contextmanager
+def _service_over_es(tmp_path: Path, **settings):
+    """`serve --standalone`'s app (dev mode: no key, one key's limits for every caller) over
+    a 3-document index on Elasticsearch (the emulator), `settings` over the index's own.
+    Yields (the server, the emulator); both stopped after."""
+    from es_emulator import start_es_emulator
+    from service_fixtures import CORPUS, start_uvicorn, write_corpus
+
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.service import deploy as service
+
+    es = start_es_emulator(tmp_path / "es")
+    state = server = None
+    try:
+        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
+                                            "es_url": es.url, "search_mode": "bm25",
+                                            "branches": 1, **settings}, read_env=False,
+                                 read_file=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
+        state = service.local_state(settings, executor="local")
+        state.searcher.target.drivers.open("es")
+        server = start_uvicorn(service.create_app(state), state)
+        yield server, es
+    finally:
+        if server is not None:
+            server.stop()
+            state.searcher.target.close()
+        es.stop()
+
+
 def _ramp_losing_its_backend(cli: list, env: dict, es, out) -> tuple[str, str, dict]:
     """Run `cli` on a closed-loop ramp 1:3:1 whose backend (`es`) is stopped once step 1 is
     said; it must exit 1. Returns (its stdout, its stderr, its JSON report at `out`)."""
@@ -1175,80 +1195,59 @@ def test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
     printed 'saturated at 2', exit 0. It now says the backend became unavailable at step 2,
     draws no knee, keeps the report and exits 1. Then, the backend still down: a new load
     test stops before any load, and Locust users' 503s get a row of their own."""
-    from es_emulator import start_es_emulator
-    from service_fixtures import CORPUS, start_uvicorn, write_corpus
-
-    from branchsearch.infra.config.settings import load_settings
-    from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator.service import deploy as service
-
-    es = start_es_emulator(tmp_path / "es")
-    state = server = proc = None
-    try:
-        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
-                                            "es_url": es.url, "search_mode": "bm25",
-                                            "branches": 1}, read_env=False, read_file=False)
-        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
-        state = service.local_state(settings, executor="local")  # dev mode: no key
-        state.searcher.target.drivers.open("es")
-        server = start_uvicorn(service.create_app(state), state)
-        queries = tmp_path / "q.jsonl"
-        queries.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
-            "When is the Harbor Festival?", "Who built the Old Lighthouse?",
-            "What does the Alpha roadmap plan?")))
-        out = tmp_path / "lt.json"
-        env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
-        stdout, stderr, report = _ramp_losing_its_backend(
-            [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
-             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home")],
-            env, es, out)  # the service stays up
-        first, second = report["steps"]  # the ramp stopped at the step that lost its backend
-        assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
-        assert second["unavailable"] >= 1 and second["refused"] == 0, second["errors"]
-        assert set(second["unavailabilities"]) == {"http_503:backend_unavailable"}
-        assert report["knee"]["knee"] is None and report["knee"]["saturated_at"] is None
-        last = stderr.strip().splitlines()[-1]
-        assert second["answered_after"] == "http_503:backend_unavailable", second
-        assert last == (f"loadtest: the service's backend became unavailable at step 2 "
-                        f"({second['unavailable']} of {second['sent']} requests: "
-                        f"backend_unavailable {second['unavailable']}), and still did not "
-                        "answer once the load stopped (http_503:backend_unavailable): no knee "
-                        "drawn; the report keeps what was measured"), stderr[-2000:]
-        assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
-        # a load test started while the backend is down: one line before any load, no report
-        # (it ran a step of 503s and read 'already saturated at the first step', exit 0)
-        again = subprocess.run(
-            [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
-             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
-             "--users", "1", "--duration", "5", "--warmup", "0", "--report",
-             str(tmp_path / "again.json")], env=env, capture_output=True, text=True,
-            timeout=240)
-        assert again.returncode == 2, (again.returncode, again.stdout[-2000:], again.stderr)
-        line, = again.stderr.strip().splitlines()
-        assert line.startswith(f"error: --url {server.url}: the first question got "
-                               "http_503:backend_unavailable (") and line.endswith(
-            "): the service cannot search now (its backend or index is unavailable, or still "
-            "starting), so no load was sent; run the load test once it answers"), line
-        assert es.url.split("//")[1] not in line
-        assert not (tmp_path / "again.json").exists() and not again.stdout
-        # Locust users against the dead backend: their 503s in a row of their own (they were
-        # in "/v1/search refused", with the overloaded service's)
-        locust = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
-             "--headless", "-u", "1", "-r", "1", "-t", "2s", "--stop-timeout", "30", "--host",
-             server.url, "--json"], env={**env, "BRANCHSEARCH_LOADTEST_QUERIES": str(queries)},
-            capture_output=True, text=True, timeout=150)
-        stats = json.loads(locust.stdout)
-        assert {s["name"] for s in stats} == {"/v1/search unavailable"}, stats
-        assert stats[0]["num_failures"] == stats[0]["num_requests"] >= 1
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if server is not None:
-            server.stop()
-            state.searcher.target.close()
-        es.stop()
+    proc = None
+    with _service_over_es(tmp_path) as (server, es):
+        try:
+            queries = _es_questions(tmp_path / "q.jsonl")
+            out = tmp_path / "lt.json"
+            env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
+            stdout, stderr, report = _ramp_losing_its_backend(
+                [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
+                 server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home")],
+                env, es, out)  # the service stays up
+            first, second = report["steps"]  # the ramp stopped at the step that lost its backend
+            assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
+            assert second["unavailable"] >= 1 and second["refused"] == 0, second["errors"]
+            assert set(second["unavailabilities"]) == {"http_503:backend_unavailable"}
+            assert report["knee"]["knee"] is None and report["knee"]["saturated_at"] is None
+            last = stderr.strip().splitlines()[-1]
+            assert second["answered_after"] == "http_503:backend_unavailable", second
+            assert last == (f"loadtest: the service's backend became unavailable at step 2 "
+                            f"({second['unavailable']} of {second['sent']} requests: "
+                            f"backend_unavailable {second['unavailable']}), and still did not "
+                            "answer once the load stopped (http_503:backend_unavailable): no knee "
+                            "drawn; the report keeps what was measured"), stderr[-2000:]
+            assert "saturated" not in stdout and "saturated" not in (tmp_path / "lt.md").read_text()
+            # a load test started while the backend is down: one line before any load, no report
+            # (it ran a step of 503s and read 'already saturated at the first step', exit 0)
+            again = subprocess.run(
+                [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
+                 server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
+                 "--users", "1", "--duration", "5", "--warmup", "0", "--report",
+                 str(tmp_path / "again.json")], env=env, capture_output=True, text=True,
+                timeout=240)
+            assert again.returncode == 2, (again.returncode, again.stdout[-2000:], again.stderr)
+            line, = again.stderr.strip().splitlines()
+            assert line.startswith(f"error: --url {server.url}: the first question got "
+                                   "http_503:backend_unavailable (") and line.endswith(
+                "): the service cannot search now (its backend or index is unavailable, or still "
+                "starting), so no load was sent; run the load test once it answers"), line
+            assert es.url.split("//")[1] not in line
+            assert not (tmp_path / "again.json").exists() and not again.stdout
+            # Locust users against the dead backend: their 503s in a row of their own (they were
+            # in "/v1/search refused", with the overloaded service's)
+            locust = subprocess.run(
+                [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
+                 "--headless", "-u", "1", "-r", "1", "-t", "2s", "--stop-timeout", "30", "--host",
+                 server.url, "--json"], env={**env, "BRANCHSEARCH_LOADTEST_QUERIES": str(queries)},
+                capture_output=True, text=True, timeout=150)
+            stats = json.loads(locust.stdout)
+            assert {s["name"] for s in stats} == {"/v1/search unavailable"}, stats
+            assert stats[0]["num_failures"] == stats[0]["num_requests"] >= 1
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_cli_in_process_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path):
@@ -1273,10 +1272,7 @@ def test_cli_in_process_a_backend_dying_mid_ramp_is_no_knee_and_exits_1(tmp_path
                load_settings(overrides={"home": home, "index": "es", "es_url": es.url,
                                         "search_mode": "bm25", "branches": 1},
                              read_env=False, read_file=False), dense=False)
-        queries = tmp_path / "q.jsonl"
-        queries.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
-            "When is the Harbor Festival?", "Who built the Old Lighthouse?",
-            "What does the Alpha roadmap plan?")))
+        queries = _es_questions(tmp_path / "q.jsonl")
         out = tmp_path / "lt.json"
         env = {**os.environ, "BRANCHSEARCH_ES_URL": es.url, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
         cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--home",
@@ -1328,73 +1324,50 @@ def test_cli_a_backend_that_stalls_under_load_is_a_knee_and_one_that_dies_is_not
     draws no knee: `test_cli_a_backend_dying_mid_ramp_is_no_knee_and_exits_1`.)"""
     import signal as sig
 
-    from es_emulator import start_es_emulator
-    from service_fixtures import CORPUS, start_uvicorn, write_corpus
-
-    from branchsearch.infra.config.settings import load_settings
-    from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator.service import deploy as service
-
-    es = start_es_emulator(tmp_path / "es")
-    state = server = proc = None
-    try:
-        settings = load_settings(overrides={"home": tmp_path / "home", "index": "es",
-                                            "es_url": es.url, "search_mode": "bm25",
-                                            "branches": 1, "backend_timeout_s": 0.3,
-                                            "backend_retries": 0}, read_env=False,
-                                 read_file=False)
-        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
-        state = service.local_state(settings, executor="local")  # dev mode: no key
-        state.searcher.target.drivers.open("es")
-        server = start_uvicorn(service.create_app(state), state)
-        queries = tmp_path / "q.jsonl"
-        queries.write_text("".join(json.dumps({"question": q}) + "\n" for q in (
-            "When is the Harbor Festival?", "Who built the Old Lighthouse?",
-            "What does the Alpha roadmap plan?")))
-        out = tmp_path / "lt.json"
-        env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
-             server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
-             "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "4", "--think", "0.1",
-             "--warmup", "0", "--drain", "30", "--report", str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("step 1:"):
-                time.sleep(0.3)  # step 2 under way
-                os.kill(es.pid, sig.SIGSTOP)
-                try:
-                    time.sleep(2.5)
-                finally:
-                    os.kill(es.pid, sig.SIGCONT)
-                break
-        stdout, rest = proc.communicate(timeout=240)
-        stderr = "".join(lines) + rest
-        assert proc.returncode == 0, (proc.returncode, stdout[-2000:], stderr[-3000:])
-        report = json.loads(out.read_text())
-        first, second = report["steps"][:2]
-        assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
-        assert second["unavailable"] >= 1, second["errors"]
-        assert set(second["unavailabilities"]) <= {"http_503:search_failed",
-                                                   "http_503:backend_unavailable"}, second
-        assert second["answered_after"] == "ok", second
-        knee = report["knee"]
-        assert (knee["knee"], knee["saturated_at"]) == (1, 2), knee
-        assert knee["reason"].startswith("the backend could not keep up ("), knee
-        assert "a question asked once the step's load stopped was answered" in knee["reason"]
-        assert "no knee" not in stderr and "no knee" not in stdout, stderr[-2000:]
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if es.is_running():  # never leave it stopped: es.stop() would wait on it
-            os.kill(es.pid, sig.SIGCONT)
-        if server is not None:
-            server.stop()
-            state.searcher.target.close()
-        es.stop()
+    proc = None
+    with _service_over_es(tmp_path, backend_timeout_s=0.3, backend_retries=0) as (server, es):
+        try:
+            queries = _es_questions(tmp_path / "q.jsonl")
+            out = tmp_path / "lt.json"
+            env = {k: v for k, v in os.environ.items() if k != "BRANCHSEARCH_API_KEY"}
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest", "--url",
+                 server.url, "--queries", str(queries), "--home", str(tmp_path / "lt-home"),
+                 "--loop", "closed", "--ramp", "1:3:1", "--step-duration", "4", "--think", "0.1",
+                 "--warmup", "0", "--drain", "30", "--report", str(out)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if line.startswith("step 1:"):
+                    time.sleep(0.3)  # step 2 under way
+                    os.kill(es.pid, sig.SIGSTOP)
+                    try:
+                        time.sleep(2.5)
+                    finally:
+                        os.kill(es.pid, sig.SIGCONT)
+                    break
+            stdout, rest = proc.communicate(timeout=240)
+            stderr = "".join(lines) + rest
+            assert proc.returncode == 0, (proc.returncode, stdout[-2000:], stderr[-3000:])
+            report = json.loads(out.read_text())
+            first, second = report["steps"][:2]
+            assert first["ok"] == first["sent"] >= 1 and not first["errors"], first["errors"]
+            assert second["unavailable"] >= 1, second["errors"]
+            assert set(second["unavailabilities"]) <= {"http_503:search_failed",
+                                                       "http_503:backend_unavailable"}, second
+            assert second["answered_after"] == "ok", second
+            knee = report["knee"]
+            assert (knee["knee"], knee["saturated_at"]) == (1, 2), knee
+            assert knee["reason"].startswith("the backend could not keep up ("), knee
+            assert "a question asked once the step's load stopped was answered" in knee["reason"]
+            assert "no knee" not in stderr and "no knee" not in stdout, stderr[-2000:]
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if es.is_running():  # never leave it stopped: es.stop() would wait on it
+                os.kill(es.pid, sig.SIGCONT)
 
 
 def test_in_process_a_deadline_the_unloaded_driver_never_meets_is_one_error_before_any_load(
@@ -1445,12 +1418,9 @@ def test_the_question_after_a_step_waits_a_bounded_time_on_a_frozen_service(monk
             if len(bodies) > 2:
                 release.wait(60)
                 return
-            body = json.dumps({"error": "backend_unavailable", "detail": "down"}).encode()
-            self.send_response(503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_response(503)  # HTTP/1.0: the body ends with the connection
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(b'{"error": "backend_unavailable", "detail": "down"}')
 
         def log_message(self, *args):
             pass
