@@ -31,8 +31,9 @@ BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, wait
 AFTER_STEP_TRIES, AFTER_STEP_GAP_S = 3, 1.0
 # each of those questions carries a deadline of its own: this many times the slowest answer of
 # the run so far, at least AFTER_STEP_MIN_S, so a frozen backend costs seconds, not the service's
-# whole deadline per try (an HTTP client waits `targets.DEADLINE_GRACE_S` past it)
-AFTER_STEP_FACTOR, AFTER_STEP_MIN_S = 3.0, 5.0
+# whole deadline per try (an HTTP client waits `targets.DEADLINE_GRACE_S` past it); at most the
+# service's default deadline, which every service accepts unless its operator lowered it
+AFTER_STEP_FACTOR, AFTER_STEP_MIN_S, AFTER_STEP_MAX_S = 3.0, 5.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,10 @@ class Generator:
         backend that is alive but slower than its timeout under the load yields the same codes
         as one that is down; only asking again without the load tells them apart. Each try has
         a deadline of `AFTER_STEP_FACTOR` times `slowest_s` (the slowest answer measured so
-        far), at least `AFTER_STEP_MIN_S`: a backend that does not answer unloaded within a few
-        times what it took under load has not just fallen behind."""
-        deadline_s = max(AFTER_STEP_FACTOR * slowest_s, AFTER_STEP_MIN_S)
+        far), at least `AFTER_STEP_MIN_S` and at most `AFTER_STEP_MAX_S`: a backend that does
+        not answer unloaded within a few times what it took under load has not just fallen
+        behind."""
+        deadline_s = min(max(AFTER_STEP_FACTOR * slowest_s, AFTER_STEP_MIN_S), AFTER_STEP_MAX_S)
         outcome = ""
         for attempt in range(AFTER_STEP_TRIES):
             if attempt and self._stop.wait(AFTER_STEP_GAP_S):
