@@ -36,6 +36,17 @@ def _assert_read(r, key: str, groups, sees: bool, why=None) -> None:
             r.read_document(key, acl_groups=groups)
 
 
+def _assert_shapes_seen(r, shapes: dict, query: str, mode: str, k: int) -> None:
+    """Each caller of `CALLERS` finds by search, and reads by id, exactly the documents of
+    `shapes` ({doc id: (acl, callers who see it)}) it may see: an admin all, "anyone" public."""
+    for caller, groups in CALLERS:
+        found = {h.doc_id for h in r.search(query, mode=mode, k=k, acl_groups=groups)}
+        for key, (_, who) in shapes.items():
+            sees = caller == "admin" or "anyone" in who or caller in who
+            assert (key in found) == sees, (caller, key, "search")
+            _assert_read(r, key, groups, sees, (caller, key))
+
+
 def _docs() -> list[dict]:
     return [json.loads(line) for line in (HOTPOT / "corpus.jsonl").read_text().splitlines()]
 
@@ -845,13 +856,7 @@ def test_every_acl_shape_is_seen_by_the_same_callers_in_search_and_read(es_url, 
         "groups")
     r = open_retriever(settings)
     try:
-        for caller, groups in CALLERS:
-            found = {h.doc_id for h in r.search("budget memo", mode="bm25", k=20,
-                                                 acl_groups=groups)}
-            for key, (_, who) in ACL_SHAPES.items():
-                sees = caller == "admin" or "anyone" in who or caller in who
-                assert (key in found) == sees, (caller, key, "search")
-                _assert_read(r, key, groups, sees, (caller, key))
+        _assert_shapes_seen(r, ACL_SHAPES, "budget memo", "bm25", 20)
     finally:
         r.close()
 
@@ -1099,15 +1104,8 @@ def test_every_milvus_acl_shape_is_seen_by_the_same_callers_in_search_and_read(t
         r = open_retriever(load_settings(tmp_path / "branchsearch.toml",
                                          {"home": tmp_path, "index": kind}, read_env=False))
         try:
-            for caller, groups in CALLERS:
-                found = {h.doc_id for h in r.search("budget", mode="dense", k=10,
-                                                     acl_groups=groups)}
-                for key, (_, who) in shapes.items():
-                    if not key.startswith(kind):
-                        continue
-                    sees = caller == "admin" or "anyone" in who or caller in who
-                    assert (key in found) == sees, (caller, key, "search")
-                    _assert_read(r, key, groups, sees, (caller, key))
+            _assert_shapes_seen(r, {k: v for k, v in shapes.items() if k.startswith(kind)},
+                                "budget", "dense", 10)
         finally:
             r.close()
 

@@ -355,14 +355,11 @@ def test_gold_the_corpus_lacks_is_attributed_to_the_data(t, gold, expected):
     assert attribute(t, gold, TITLES, "", k=2, absent={"ghost"}) == expected
 
 
-def test_an_agent_eval_attributes_gold_the_corpus_lacks_to_the_data_not_the_search(tmp_path):
-    """A qrels line naming a document corpus.jsonl lacks made its query a `retrieval_miss`:
-    the search blamed for the data. The query whose only miss is such a document is now
-    `not_in_corpus` (its culprits that document), said once in the notes; recall still counts
-    it missed, as BEIR's evaluate scores the qrels as given."""
+def _ghost_index(tmp_path):
+    """A four-town bm25 index and its BEIR folder, whose qrels give q1 a gold document
+    (`ghost`) the corpus lacks: (data folder, settings)."""
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.ingest.pipeline import ingest
-    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
 
     corpus = [{"_id": f"d{i}", "title": f"Town {i}", "text": f"Town {i} lies by a {w}."}
               for i, w in enumerate(["volcano", "lake", "river", "glacier"])]
@@ -372,6 +369,17 @@ def test_an_agent_eval_attributes_gold_the_corpus_lacks_to_the_data_not_the_sear
                                         "search_mode": "bm25", "branches": 1},
                              read_env=False, read_file=False)
     ingest(data, settings, dense=False)
+    return data, settings
+
+
+def test_an_agent_eval_attributes_gold_the_corpus_lacks_to_the_data_not_the_search(tmp_path):
+    """A qrels line naming a document corpus.jsonl lacks made its query a `retrieval_miss`:
+    the search blamed for the data. The query whose only miss is such a document is now
+    `not_in_corpus` (its culprits that document), said once in the notes; recall still counts
+    it missed, as BEIR's evaluate scores the qrels as given."""
+    from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
+
+    data, settings = _ghost_index(tmp_path)
     said, report = [], tmp_path / "r.json"
     result = run_evaluation(settings, EvalOptions(data, policy="heuristic", executor="local",
                                                   ingest_first=False, report=report),
@@ -583,18 +591,9 @@ def test_an_agent_eval_scores_its_diagnostics_on_the_gold_the_corpus_holds(tmp_p
     its bridge_preserved was left out (not all gold retrieved) and its f1 took recall 0.5. The
     diagnostics now leave such gold out (1.0, 1.0, f1 of recall 1.0), the notes say so, and
     the BEIR scores (recall, all-recall) still count it missed."""
-    from branchsearch.infra.config.settings import load_settings
-    from branchsearch.infra.ingest.pipeline import ingest
     from branchsearch.orchestrator.evaluation.run import EvalOptions, run_evaluation
 
-    corpus = [{"_id": f"d{i}", "title": f"Town {i}", "text": f"Town {i} lies by a {w}."}
-              for i, w in enumerate(["volcano", "lake", "river", "glacier"])]
-    data = _beir(tmp_path / "ghosts", corpus, [("q1", "volcano town"), ("q2", "lake town")],
-                 "q1\td0\t1\nq1\tghost\t1\nq2\td1\t1\n")
-    settings = load_settings(overrides={"home": tmp_path / "home", "index": "ghosts",
-                                        "search_mode": "bm25", "branches": 1},
-                             read_env=False, read_file=False)
-    ingest(data, settings, dense=False)
+    data, settings = _ghost_index(tmp_path)
     said = []
     result = run_evaluation(settings, EvalOptions(data, policy="heuristic", executor="local",
                                                   ingest_first=False), say=said.append)

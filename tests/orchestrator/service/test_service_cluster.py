@@ -315,7 +315,6 @@ def test_a_second_serve_on_the_cluster_leaves_the_first_serving(one_node, tmp_pa
     first_key = KeyStore(tmp_path / "first.json").add("первый", ["alpha"], [])
     second_key = KeyStore(tmp_path / "second.json").add("second", ["bravo"], [])
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
 
     def serve(index: str, keys: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
@@ -326,19 +325,10 @@ def test_a_second_serve_on_the_cluster_leaves_the_first_serving(one_node, tmp_pa
                                 text=True, start_new_session=True)
 
     def whoami(key: str) -> int:
-        return httpx.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer {key}"},
-                         timeout=30).status_code
+        return _whoami(port, key)
 
     def ready(proc: subprocess.Popen, key: str) -> None:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-            try:
-                if whoami(key) == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        _wait_for_200(port, key, proc)
 
     first = serve("bm", "first.json")
     try:
@@ -446,6 +436,28 @@ def test_serve_says_its_searcher_cannot_start_at_the_first_failed_start(one_node
     assert took < 55, took  # one start's 20 s and the cluster's own start; three are 60 s
 
 
+def _whoami(port: int, key: str) -> int:
+    """The status the service on `port` answers `key` at /v1/whoami."""
+    return httpx.get(f"http://127.0.0.1:{port}/v1/whoami",
+                     headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+
+def _wait_for_200(port: int, key: str, proc: subprocess.Popen | None = None) -> None:
+    """Until the service on `port` answers `key` 200, within 300 s; `proc`, the `serve` that
+    should be answering, must stay alive meanwhile (its stderr is the failure's message)."""
+    deadline = time.monotonic() + 300
+    while True:
+        if proc is not None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{key[:8]}… never answered 200"
+        try:
+            if _whoami(port, key) == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
 def _config_copy(tmp_path, port: int, home, index: str, keys: str):
     """A copy of deploy/serve_config.yaml with this test's paths, port, one replica each and
     the local executor; its path."""
@@ -478,19 +490,10 @@ def _two_deployers(one_node, tmp_path):
     port = free_port()
 
     def whoami(key: str) -> int:
-        return httpx.get(f"http://127.0.0.1:{port}/v1/whoami",
-                         headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+        return _whoami(port, key)
 
     def answers(key: str) -> None:  # once the application answers `key` (within 300 s)
-        deadline = time.monotonic() + 300
-        while True:
-            assert time.monotonic() < deadline, f"{key[:8]}… never answered 200"
-            try:
-                if whoami(key) == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        _wait_for_200(port, key)
 
     cli = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", "--address",
            one_node["address"], "--host", "127.0.0.1", "--port", str(port), "--home", str(home),
