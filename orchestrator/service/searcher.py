@@ -719,10 +719,13 @@ class Searcher:
         # (one removed since its start failed is no index to count)
         failed = {i: why for i, why in self.drivers.failed().items()
                   if i != self.settings.index and i in names and i not in probed}
+        # an index not open is asked whether it could open: never started, or its last start
+        # failed on a backend not answering (which may be back)
+        failed_for_good = {i for i, (_, code) in failed.items() if code != "backend_unavailable"}
+        ask = [index for index in names if index not in probed
+               and index != self.settings.index and index not in failed_for_good]
         probes.update(((index, None), functools.partial(self._probe_unopened, index))
-                      for index in names if index not in probed and index != self.settings.index
-                      and failed.get(index, ("", "backend_unavailable"))[1]
-                      == "backend_unavailable")
+                      for index in ask)
         waits = self._index_probes.start(probes)
         index = self.settings.index
         driver = next((d for i, d in opened if i == index), None)
