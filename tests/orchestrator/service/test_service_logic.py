@@ -991,7 +991,8 @@ def test_the_limits_are_settings_a_serve_config_goes_over(tmp_path, monkeypatch)
     path.write_text("[service]\nmax_open_indexes = 3\n")  # the open-index cap, one default
     assert Limits.of(load_settings(path)).max_open_indexes == 3 and Limits().max_open_indexes == 8
     for bad, said in (("0", r"^bad settings: max_open_indexes must be >= 1 \(set by "
-                       r"BRANCHSEARCH_MAX_OPEN_INDEXES\)$"), ("eight", "cannot read 'eight' as int")):
+                       r"BRANCHSEARCH_MAX_OPEN_INDEXES\)$"),
+                      ("eight", "cannot read 'eight' as int")):
         monkeypatch.setenv("BRANCHSEARCH_MAX_OPEN_INDEXES", bad)
         with pytest.raises(SettingsError, match=said):
             load_settings(path)
