@@ -92,7 +92,8 @@ def error_line(exc: BaseException, width: int = 300) -> str:
 # through `redact`: no credentials. What reaches a *caller* of the service goes through
 # `public_line` as well: no internal address either (those stay in the server log).
 
-_SECRETS: set[str] = set()  # secret values from the settings, masked wherever they appear
+_SECRETS: set[str] = set()  # secret values from the settings that `redact` masks as tokens
+_SECRET_TOKENS: re.Pattern[str] | None = None  # any of them, longest first
 # userinfo ends at the *last* '@' before the host, as URL parsers read it: a password with a
 # raw '@' ("user:Es@Pass@host") is masked whole
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
@@ -123,18 +124,51 @@ _ADDRESS = re.compile(
 
 
 def register_secret(value: str | None) -> None:
-    """Mask `value` (an API key, a token, a password) in every message `redact` sees."""
-    if value and len(value) >= 4:
+    """Mask `value` (an API key, a token, a password) in every message `redact` sees, where its
+    text stands alone (see `_stands_alone`); a URL's userinfo is masked whatever it holds."""
+    global _SECRET_TOKENS
+    if value and _stands_alone(value) and value not in _SECRETS:
         _SECRETS.add(value)
+        _SECRET_TOKENS = re.compile("|".join(
+            _as_token(secret) for secret in sorted(_SECRETS, key=len, reverse=True)))
+
+
+def _stands_alone(secret: str) -> bool:
+    """Whether a secret's text can be masked on its own without eating the words of a message.
+
+    A password such as "index", "search" or "elastic" is a word every error line uses, and one
+    of a letter or two is inside most words: masked everywhere, such a text would leave a line
+    unreadable ("*** 'corp': Elastic*** *** ..."). So the text alone is masked only when it
+    cannot be an ordinary word or number of a message: at least 4 characters that mix letters
+    with digits or symbols ("hunter2", "Zq7@Word-x1", "Mv-Secret-77", "Пароль-2024"), or that
+    turn from lower to upper case inside ("ElasticPass"), or 20 characters or more (a
+    passphrase, a generated token). A plain word or number ("elastic", "pässwörd", "12345") is
+    masked where it is a credential: in a URL's userinfo and after password=/token:/Bearer, as
+    every secret is."""
+    if len(secret) < 4:
+        return False
+    if len(secret) >= 20:
+        return True
+    turns_case = any(a.islower() and b.isupper() for a, b in zip(secret, secret[1:]))
+    return not secret.isdigit() and (turns_case or not secret.isalpha())
+
+
+def _as_token(secret: str) -> str:
+    """`secret` as a whole token: not a part of a longer word ("hunter2" is masked in
+    "hunter2's", not in "hunter22"); a secret that begins or ends with a symbol is matched
+    there as it is."""
+    head = r"(?<!\w)" if re.match(r"\w", secret) else ""
+    tail = r"(?!\w)" if re.search(r"\w\Z", secret) else ""
+    return f"{head}{re.escape(secret)}{tail}"
 
 
 def redact(text: str) -> str:
-    """`text` without credentials: userinfo in URLs, the values after authorization/api key/
-    token/password words, and every registered secret value."""
-    for secret in sorted(_SECRETS, key=len, reverse=True):
-        text = text.replace(secret, "***")
+    """`text` without credentials: the userinfo of every URL (`scheme://***@host`), the values
+    after authorization/api key/token/password words, and every registered secret where its
+    text stands as a token of its own (`_stands_alone` says which secrets)."""
     text = _USERINFO.sub(r"\g<scheme>***@", text)
-    return _CREDENTIAL.sub(r"\g<name>***", text)
+    text = _CREDENTIAL.sub(r"\g<name>***", text)
+    return _SECRET_TOKENS.sub("***", text) if _SECRET_TOKENS else text
 
 
 def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
