@@ -18,6 +18,25 @@ HOTPOT = FIXTURES / "hotpot-mini"
 MUSIQUE = FIXTURES / "musique-mini"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def milvus_logs(tmp_path_factory):
+    """The session's folder for glog files. Every Milvus Lite server the tests start (in this
+    process, its subprocesses and Ray workers, which inherit the environment) writes them in
+    /tmp by default, a few per server and thousands per full run; `GLOG_log_dir` sends them
+    under the session's basetemp, which pytest removes with its old basetemps. (A standalone
+    server's glog goes to its own `logs/` folder: tests/milvus_server.py.)"""
+    folder = tmp_path_factory.mktemp("milvus-logs")
+    before = os.environ.get("GLOG_log_dir")
+    os.environ["GLOG_log_dir"] = str(folder)
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("GLOG_log_dir", None)
+        else:
+            os.environ["GLOG_log_dir"] = before
+
+
 @pytest.fixture(scope="session")
 def hotpot_settings(tmp_path_factory):
     """Settings pointing at an index of hotpot-mini (tantivy + Milvus Lite + docstore)."""

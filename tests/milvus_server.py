@@ -4,6 +4,10 @@
 free ports (gRPC proxy and metrics), waits for `/healthz`, and yields the URI. It stops the
 `milvus` binary by its own PID (SIGTERM, then SIGKILL): stopping only the package's Python wrapper
 can leave the binary running.
+
+It leaves nothing in /tmp: the server's glog files go to `dir/logs` (the package's glog.conf,
+`--log_dir=logs/` from the folder it starts in), and the `server_id_PID` file Milvus 2.3.5 writes
+in /tmp/milvus (a path built in, no setting moves it) is removed once the binary has stopped.
 """
 
 from __future__ import annotations
@@ -50,6 +54,15 @@ def _stop_pid(pid: int, grace_s: float = 15.0) -> None:
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError):
         pass
+
+
+SERVER_ID_DIR = Path("/tmp/milvus")  # Milvus 2.3.5's sessionutil writes server_id_PID here
+
+
+def _forget_server_id(pid: int) -> None:
+    """Remove the `server_id_PID` file the stopped binary `pid` wrote (only its own: other
+    Milvus servers on the machine keep theirs; the shared folder stays)."""
+    (SERVER_ID_DIR / f"server_id_{pid}").unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -113,6 +126,7 @@ def start_milvus_server(data_dir: str | Path, timeout_s: float = 300):
                                  time.perf_counter() - started)
     finally:
         _stop_pid(pid)
+        _forget_server_id(pid)
         server.server_proc = None  # stopped by PID above; the wrapper has nothing left to stop
         for fd in server.proc_fds.values():
             fd.close()

@@ -4,7 +4,9 @@ hybrid retrieval through `milvus_uri` with an HNSW index."""
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,3 +210,55 @@ def test_an_owned_index_on_a_refused_server_fails_at_once(hotpot_settings, tmp_p
             assert len(lines) == 1 and said in lines[0], (args, run.stderr)
         assert took < 6, (args, took)
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "indexes" / "fresh").exists()
+
+
+def _tmp_names() -> set[str]:
+    """What /tmp holds now, /tmp/milvus's files (where Milvus writes its server_id) named
+    `milvus/NAME`."""
+    shared = Path("/tmp/milvus")
+    return set(os.listdir("/tmp")) | {f"milvus/{n}" for n in
+                                      (os.listdir(shared) if shared.is_dir() else ())}
+
+
+def _named_for(pid: int, names: set[str]) -> list[str]:
+    """The names a process left: glog's `milvus.HOST.USER.log.LEVEL.DATE-TIME.PID` and Milvus's
+    `server_id_PID` (other processes on the machine write beside them)."""
+    return sorted(n for n in names if n.endswith((f".{pid}", f"_{pid}")))
+
+
+def test_a_milvus_server_leaves_nothing_in_tmp(tmp_path):
+    """A test's Milvus server, started and stopped: its glog files (~4,000 in /tmp after a
+    full run) and its `server_id_PID` file (in /tmp/milvus, where Milvus 2.3.5 always writes
+    it) are not left in /tmp; its logs are under its own folder."""
+    pytest.importorskip("milvus")
+    from milvus_server import start_milvus_server
+
+    before = _tmp_names()
+    with start_milvus_server(tmp_path / "milvus") as server:
+        pid = server.pid
+        assert f"milvus/server_id_{pid}" in _tmp_names()  # Milvus writes it there
+    assert _named_for(pid, _tmp_names() - before) == []
+    logs = [p.name for p in (tmp_path / "milvus" / "logs").iterdir()]
+    assert any(n.endswith(f".{pid}") and ".log.INFO." in n for n in logs), logs
+
+
+def test_a_milvus_lite_server_of_the_tests_logs_in_their_own_folder(tmp_path):
+    """A Milvus Lite server that a test's store starts writes its glog files under the test
+    session's folder (conftest sets GLOG_log_dir), not in /tmp, and its socket goes when the
+    store closes."""
+    from milvus_lite.server_manager import server_manager_instance
+
+    before = _tmp_names()
+    store = MilvusStore(tmp_path / "d.db", 4, collection="tidy")
+    try:
+        server = server_manager_instance._servers[str((tmp_path / "d.db").resolve())]
+        pid, socket_path = server._p.pid, Path(server._uds_path)
+        store.write(CHUNKS, VECTORS, ["apple", "bank"])
+        assert socket_path.is_socket()
+    finally:
+        store.close()
+    assert _named_for(pid, _tmp_names() - before) == []
+    assert not socket_path.exists()
+    logs = Path(os.environ["GLOG_log_dir"])
+    assert logs.is_relative_to(tmp_path.parent)  # the session's basetemp
+    assert any(p.name.endswith(f".{pid}") for p in logs.iterdir())
