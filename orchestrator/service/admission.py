@@ -15,6 +15,11 @@ from branchsearch.infra.errors import SettingsError
 from branchsearch.orchestrator.service.errors import ApiError
 
 _DEFAULTS = Settings()
+# why a key's request was refused 429 (its body's `reason`): its queue held `per_key_queue`
+# requests already, the key has no queue (`per_key_queue` 0), it waited in the queue until its
+# deadline, or its caller does not wait (`Concurrency.take`; no HTTP request is refused so)
+QUEUE_FULL, NO_QUEUE, DEADLINE_IN_QUEUE, NO_WAIT = ("queue_full", "no_queue",
+                                                    "deadline_in_queue", "no_wait")
 
 
 @dataclass(frozen=True)
@@ -123,33 +128,29 @@ class Concurrency:
 
     def take(self, key_name: str) -> Slot:
         """A slot of `key_name`'s, held until its last user lets go (`Slot`); ApiError 503
-        when the server has `max_in_flight`, 429 when the key has its limit."""
+        when the server has `max_in_flight`, 429 when the key has its limit (this caller does
+        not wait: reason `no_wait` when the key's queue has room)."""
         with self._lock:
-            if (refusal := self._refusal(key_name)) is not None:
-                raise refusal
+            if (busy := self._server_refusal()) is not None:
+                raise busy
+            if self._key_full(key_name):
+                raise self._key_refusal(key_name, self._refused_at_once(key_name))
             return self._grant(key_name)
 
     async def admit(self, key_name: str, until: float) -> Slot:
         """A slot of `key_name`'s (`take`), waited for when the key has its limit and fewer
         than `per_key_queue` of its requests wait already, at most until `until` (monotonic:
-        the request's deadline); 429 past either, 503 when the server has `max_in_flight`."""
+        the request's deadline); 429 past either (reason `queue_full`, `no_queue` when
+        `per_key_queue` is 0, `deadline_in_queue`), 503 when the server has `max_in_flight`."""
         with self._lock:
-            refusal = self._refusal(key_name)
-            if refusal is None:
+            if (busy := self._server_refusal()) is not None:
+                raise busy
+            if not self._key_full(key_name):
                 return self._grant(key_name)
-            queue = self._waiting.setdefault(key_name, deque())
-            if refusal.status != 429 or len(queue) >= self.limits.per_key_queue:
-                if not queue:
-                    del self._waiting[key_name]
-                if refusal.status == 429 and queue:
-                    refusal = ApiError(
-                        429, "too_many_requests", f"key {key_name!r} has "
-                        f"{self._per_key.get(key_name, 0)} requests in flight and {len(queue)} "
-                        f"waiting; the limits are {self.limits.per_key_concurrency} and "
-                        f"{self.limits.per_key_queue} (per_key_queue)", refusal.headers)
-                raise refusal
+            if len(self._waiting.get(key_name, ())) >= self.limits.per_key_queue:
+                raise self._key_refusal(key_name, self._refused_at_once(key_name))
             waiter = _Waiter(asyncio.get_running_loop())
-            queue.append(waiter)
+            self._waiting.setdefault(key_name, deque()).append(waiter)
         began = time.monotonic()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future),
@@ -164,11 +165,9 @@ class Concurrency:
             if granted:  # handed a slot as it gave up: the next waiter's
                 self._free(key_name)
             if isinstance(exc, asyncio.TimeoutError):
-                raise ApiError(429, "too_many_requests", f"key {key_name!r} had its "
-                               f"{self.limits.per_key_concurrency} requests in flight for the "
-                               f"{time.monotonic() - began:.1f} s this one could wait (its "
-                               "deadline)", {"Retry-After": str(self.limits.retry_after_s)}
-                               ) from None
+                with self._lock:
+                    late = self._key_refusal(key_name, DEADLINE_IN_QUEUE, began)
+                raise late from None
             raise
         return Slot(lambda: self._free(key_name))
 
@@ -183,18 +182,51 @@ class Concurrency:
         self.total += 1
         return Slot(lambda: self._free(key_name))
 
-    def _refusal(self, key_name: str) -> ApiError | None:
-        """Why a request of `key_name`'s may not start now, if it may not. Holding the lock."""
+    def _server_refusal(self) -> ApiError | None:
+        """The 503 when the server runs `max_in_flight` requests. Holding the lock."""
         if self.total >= self.limits.max_in_flight:
             return ApiError(503, "overloaded", f"{self.total} requests in flight; the server "
                             f"takes {self.limits.max_in_flight}",
                             {"Retry-After": str(self.limits.retry_after_s)})
-        used = self._per_key.get(key_name, 0)
-        if used >= self.limits.per_key_concurrency or self._waiting.get(key_name):
-            return ApiError(429, "too_many_requests", f"key {key_name!r} has {used} requests "
-                            f"in flight; the limit is {self.limits.per_key_concurrency}",
-                            {"Retry-After": str(self.limits.retry_after_s)})
         return None
+
+    def _key_full(self, key_name: str) -> bool:
+        """A request of `key_name`'s may not start now: its slots are taken, or others of its
+        requests wait for them first. Holding the lock."""
+        return (self._per_key.get(key_name, 0) >= self.limits.per_key_concurrency
+                or bool(self._waiting.get(key_name)))
+
+    def _refused_at_once(self, key_name: str) -> str:
+        """Why a request of `key_name`'s that may not start waits for nothing: the key has no
+        queue, its queue is full, or (`take`) its caller does not wait. Holding the lock."""
+        if not self.limits.per_key_queue:
+            return NO_QUEUE
+        if len(self._waiting.get(key_name, ())) >= self.limits.per_key_queue:
+            return QUEUE_FULL
+        return NO_WAIT
+
+    def _key_refusal(self, key_name: str, reason: str, began: float | None = None) -> ApiError:
+        """The 429 of a request of `key_name`'s: a line for people, and as fields (`KeyRefusal`
+        in the OpenAPI schema) `reason`, how many of the key's requests run and wait now, and
+        the key's `limits` as this server applies them (a Ray Serve replica's `per_key_queue`
+        is cut: `for_replica`). `began`: when it began to wait. Holding the lock."""
+        running, waiting = self._per_key.get(key_name, 0), len(self._waiting.get(key_name, ()))
+        slots, queue = self.limits.per_key_concurrency, self.limits.per_key_queue
+        if reason == DEADLINE_IN_QUEUE:
+            detail = (f"key {key_name!r} had its {slots} requests in flight for the "
+                      f"{time.monotonic() - began:.1f} s this one could wait (its deadline)")
+        elif reason == QUEUE_FULL:
+            detail = (f"key {key_name!r} has {running} requests in flight and {waiting} "
+                      f"waiting; the limits are {slots} and {queue} (per_key_queue)")
+        elif reason == NO_QUEUE:
+            detail = (f"key {key_name!r} has {running} requests in flight; the limit is {slots} "
+                      "and no request waits for a slot (per_key_queue 0)")
+        else:
+            detail = f"key {key_name!r} has {running} requests in flight; the limit is {slots}"
+        return ApiError(429, "too_many_requests", detail,
+                        {"Retry-After": str(self.limits.retry_after_s)},
+                        {"reason": reason, "running": running, "waiting": waiting,
+                         "limits": {"per_key_concurrency": slots, "per_key_queue": queue}})
 
     @contextmanager
     def slot(self, key_name: str):

@@ -33,7 +33,8 @@ from branchsearch.orchestrator.service.events import sse
 from branchsearch.orchestrator.service.metrics import ServiceMetrics
 from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NAME_SCHEMA,
                                                         SSE_EVENT_SCHEMA, Deleted, ErrorBody,
-                                                        Health, IndexList, KeyInfo, Ready,
+                                                        Health, IndexList, KeyInfo,
+                                                        KeyRefusal, Ready,
                                                         SearchResponse, Upserted, parse_search,
                                                         search_body_schema)
 
@@ -621,8 +622,8 @@ STREAM_STATUS = "branchsearch.stream_status"  # in the ASGI scope: how a stream 
 _DESCRIPTION = (
     "Parallel-branch evidence search. Send `Authorization: Bearer KEY` to the `/v1` routes; ACL "
     "groups come from the key. Every answer that is not a 200 is JSON `{error, detail}` "
-    "(`ErrorBody`): 401 carries `WWW-Authenticate`, 429 and most 503s `Retry-After`, 405 "
-    "`Allow`. "
+    "(`ErrorBody`; a 429 adds why and the key's counts and limits, `KeyRefusal`): 401 "
+    "carries `WWW-Authenticate`, 429 and most 503s `Retry-After`, 405 `Allow`. "
     "A client that disconnects before its answer calls its search off, and its slot is free "
     "once the search has stopped (a turn or so later); the server counts the request as 499 "
     "in `/metrics` (no client receives that status).")
@@ -638,7 +639,9 @@ _ERRORS = {
     413: "body_too_large: the body is over the service's max_body_bytes",
     422: "bad_request or question_too_long: a field is missing, malformed or outside its limits "
          "(the detail names it)",
-    429: "too_many_requests: this key already has its limit of requests in flight",
+    429: "too_many_requests: this key already has its limit of requests in flight, and its "
+         "queue is full, or it has none, or this request waited in it until its deadline "
+         "(`KeyRefusal`: the reason, the key's requests running and waiting, its limits)",
     503: "overloaded, index_starting, backend_unavailable, search_failed, index_incomplete, "
          "write_failed, index_changed, index_misconfigured, keys_unavailable, not_ready or "
          "shutting_down: the service cannot answer now",
@@ -660,7 +663,8 @@ def _answers(ok, *errors: int, alt: dict | None = None) -> dict:
     FastAPI's default validation-error body, which this server never sends."""
     out: dict = {200: {"model": ok, **({"content": alt} if alt else {})}}
     for status in errors:
-        out[status] = {"model": ErrorBody, "description": _ERRORS[status]}
+        out[status] = {"model": KeyRefusal if status == 429 else ErrorBody,
+                       "description": _ERRORS[status]}
         if status in _HEADERS:
             out[status]["headers"] = _HEADERS[status]
     return out

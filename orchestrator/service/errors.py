@@ -14,19 +14,23 @@ log = logging.getLogger("branchsearch.service")
 
 
 class ApiError(Exception):
-    """An answer other than 200: `status`, `error` (a code), `detail` (one line), headers."""
+    """An answer other than 200: `status`, `error` (a code), `detail` (one line), headers, and
+    `fields` a client reads as data rather than from the detail's prose (a key's 429: why,
+    its counts and limits, `admission.Concurrency`); the server's own figures only, never a
+    caller's input."""
 
-    def __init__(self, status: int, error: str, detail: str, headers: dict | None = None):
+    def __init__(self, status: int, error: str, detail: str, headers: dict | None = None,
+                 fields: dict | None = None):
         detail = public_line(detail, 1000)  # the one path to a caller: no secret, no address
         super().__init__(detail)
         self.status, self.error, self.detail = status, error, detail
-        self.headers = headers or {}
+        self.headers, self.fields = headers or {}, fields or {}
 
     def body(self) -> dict:
-        return {"error": self.error, "detail": self.detail}
+        return {"error": self.error, "detail": self.detail, **self.fields}
 
     def __reduce__(self):  # crosses Ray Serve handles intact
-        return (ApiError, (self.status, self.error, self.detail, self.headers))
+        return (ApiError, (self.status, self.error, self.detail, self.headers, self.fields))
 
 
 def shutting_down(detail: str = "the service is stopping; retry on another instance or once "

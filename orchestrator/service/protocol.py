@@ -164,6 +164,26 @@ class ErrorBody(BaseModel):
     detail: str = Field(description="what went wrong, in one line")
 
 
+class KeyLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    per_key_concurrency: int = Field(description="the key's requests that run at once")
+    per_key_queue: int = Field(description="the key's requests that may wait for a slot (under "
+                                           "Ray Serve as a searcher replica cuts it)")
+
+
+class KeyRefusal(ErrorBody):
+    """A 429 `too_many_requests`: the key has its limit of requests; why, and its counts and
+    limits, as data (the detail says the same for people)."""
+
+    reason: Literal["queue_full", "no_queue", "deadline_in_queue"] = Field(
+        description="queue_full: per_key_queue of the key's requests wait already; no_queue: "
+                    "the service queues none (per_key_queue 0); deadline_in_queue: this one "
+                    "waited in the key's queue until its deadline")
+    running: int = Field(description="the key's requests running when it was refused")
+    waiting: int = Field(description="the key's requests waiting for a slot then (not this one)")
+    limits: KeyLimits
+
+
 class Health(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["up"]

@@ -77,7 +77,9 @@ def auth(key: str) -> dict:
 def assert_error(r: httpx.Response, status: int, error: str | None = None) -> dict:
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
-    assert set(body) == {"error", "detail"} and body["detail"], body
+    # a key's 429 adds why and the key's figures as fields (`admission.Concurrency`)
+    fields = {"reason", "running", "waiting", "limits"} if status == 429 else set()
+    assert set(body) == {"error", "detail"} | fields and body["detail"], body
     assert "Traceback" not in r.text
     # every error is written alike: compact JSON, UTF-8 as is (not \u-escaped)
     assert r.content == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -1222,7 +1224,11 @@ def test_limits(site):
         began = time.monotonic()
         r = client.post("/v1/search", headers=alpha, json={"question": "harbor",
                                                            "deadline_s": 0.5})
-        assert "(its deadline)" in assert_error(r, 429, "too_many_requests")["detail"]
+        body = assert_error(r, 429, "too_many_requests")
+        assert "(its deadline)" in body["detail"]
+        assert (body["reason"], body["running"], body["waiting"], body["limits"]) == (
+            "deadline_in_queue", 2, 0, {"per_key_concurrency": LIMITS.per_key_concurrency,
+                                        "per_key_queue": LIMITS.per_key_queue}), body
         assert r.headers["retry-after"] == "1" and 0.5 <= time.monotonic() - began < 5
         r = client.post("/v1/search", headers={**alpha, "Accept": "text/event-stream"},
                         json={"question": "harbor", "deadline_s": 0.5})
@@ -1293,8 +1299,11 @@ def test_a_burst_from_one_key_waits_for_its_slots_and_other_keys_go_on(site):
     refused, other, waited = asyncio.run(run())
     assert len(refused) == burst - LIMITS.per_key_queue
     for r in refused:
-        detail = assert_error(r, 429, "too_many_requests")["detail"]
-        assert f"{LIMITS.per_key_queue} waiting" in detail and r.headers["retry-after"] == "1"
+        body = assert_error(r, 429, "too_many_requests")
+        assert f"{LIMITS.per_key_queue} waiting" in body["detail"]
+        assert r.headers["retry-after"] == "1"
+        assert (body["reason"], body["running"], body["waiting"]) == (
+            "queue_full", LIMITS.per_key_concurrency, LIMITS.per_key_queue), body
     assert other.status_code == 200, other.text
     assert [r.status_code for r in waited] == [200] * LIMITS.per_key_queue, [r.text for r in
                                                                             waited]

@@ -210,6 +210,62 @@ def test_a_key_past_its_slots_waits_in_order_within_its_deadline():
     assert conc.total == 0 and not conc._per_key and conc.waiting("k") == 0
 
 
+def test_a_keys_429_says_why_and_its_limits_as_fields():
+    """A key's 429 carries, besides its line for people, why it was refused (its queue full,
+    its deadline passed waiting, no queue at all), how many of the key's requests ran and
+    waited then, and the key's limits, as fields a client reads (`loadtest` does); they cross
+    a Ray Serve handle with the error (its pickle)."""
+    import asyncio
+    import pickle
+    import time
+
+    def limits(queue):
+        return {"per_key_concurrency": 1, "per_key_queue": queue}
+
+    async def run(conc):
+        far = time.monotonic() + 30
+        slot = await conc.admit("k", far)
+        waiter = asyncio.create_task(conc.admit("k", far))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:
+            await conc.admit("k", far)
+        waiter.cancel()
+        slot.let_go()
+        return full.value
+
+    full = asyncio.run(run(Concurrency(Limits(per_key_concurrency=1, per_key_queue=1))))
+    assert full.body() == {"error": "too_many_requests", "detail": full.detail,
+                           "reason": "queue_full", "running": 1, "waiting": 1,
+                           "limits": limits(1)}, full.body()
+
+    async def past_deadline(conc):
+        far = time.monotonic() + 30
+        slot = await conc.admit("k", far)
+        with pytest.raises(ApiError) as late:
+            await conc.admit("k", time.monotonic() + 0.05)
+        slot.let_go()
+        return late.value
+
+    late = asyncio.run(past_deadline(Concurrency(Limits(per_key_concurrency=1,
+                                                        per_key_queue=2))))
+    assert {k: v for k, v in late.body().items() if k != "detail"} == {
+        "error": "too_many_requests", "reason": "deadline_in_queue", "running": 1,
+        "waiting": 0, "limits": limits(2)}, late.body()
+
+    async def no_queue(conc):
+        slot = await conc.admit("k", time.monotonic() + 30)
+        with pytest.raises(ApiError) as at_once:
+            await conc.admit("k", time.monotonic() + 30)
+        slot.let_go()
+        return at_once.value
+
+    at_once = asyncio.run(no_queue(Concurrency(Limits(per_key_concurrency=1, per_key_queue=0))))
+    assert at_once.body()["reason"] == "no_queue" and at_once.body()["limits"] == limits(0)
+    assert (at_once.body()["running"], at_once.body()["waiting"]) == (1, 0)
+    crossed = pickle.loads(pickle.dumps(full))  # as a Serve handle carries it (`Refused`)
+    assert crossed.body() == full.body() and crossed.headers == {"Retry-After": "1"}
+
+
 def test_a_serve_replica_keeps_one_key_to_half_its_requests():
     """Under Ray Serve a waiting search holds one of its searcher replica's ongoing requests:
     a key's queue is cut so its running and waiting searches take half of them at most."""

@@ -78,9 +78,18 @@ def test_schema_declares_security_answers_and_limits(live):
             else:
                 assert "security" not in op, (method, path)
             for status, answer in op["responses"].items():
-                if status != "200":
+                if status not in ("200", "429"):
                     assert answer["content"] == {"application/json": {"schema": error_ref}}, (
                         method, path, status)
+                elif status == "429":  # a key's refusal: why, its counts and limits as data
+                    assert answer["content"] == {"application/json": {"schema": {
+                        "$ref": "#/components/schemas/KeyRefusal"}}}, (method, path)
+    refusal = spec["components"]["schemas"]["KeyRefusal"]
+    assert refusal["required"] == ["error", "detail", "reason", "running", "waiting", "limits"]
+    assert refusal["properties"]["reason"]["enum"] == ["queue_full", "no_queue",
+                                                       "deadline_in_queue"]
+    assert spec["components"]["schemas"]["KeyLimits"]["required"] == ["per_key_concurrency",
+                                                                      "per_key_queue"]
     search = spec["paths"]["/v1/search"]["post"]
     assert set(search["responses"]) == {"200", "400", "401", "403", "404", "413", "422", "429",
                                         "503", "504"}

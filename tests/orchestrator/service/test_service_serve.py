@@ -509,3 +509,57 @@ def test_the_load_test_counts_every_replicas_searches_from_metrics(serve_app):
     counted = sum(rate for name, rate in probes["service_metrics"].items()
                   if name.startswith("branchsearch_searches_total"))
     assert round(counted * probes["service_metrics_window_s"]) == step["sent"], probes
+
+
+def test_a_keys_429_under_serve_gives_the_queue_the_replica_cut(serve_app, tmp_path):
+    """Under Ray Serve a searcher replica cuts a key's per_key_queue (`for_replica`: here 16
+    to 1, with 1 slot a key and 4 searches a replica). A key's 429 said the cut limit only in
+    its prose; its body now gives it as data, with why it was refused and the key's counts
+    (the fields cross the Serve handle with the refusal), as `serve --standalone` does."""
+    import socket
+    import threading
+
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    hole = socket.socket()  # a backend that takes connections and never answers: a search of
+    hole.bind(("127.0.0.1", 0))  # it holds the key's one slot for its deadline
+    hole.listen(8)
+    home = bm_home(tmp_path / "keyq")
+    config = home / "branchsearch.toml"
+    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
+                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
+    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
+                        searcher_max_ongoing=4, searcher_max_queued=4,
+                        limits={"per_key_concurrency": 1})
+    serve.run(build_application(opts), name="keyq", route_prefix="/keyq")
+    held, answers = None, []
+
+    def search(index, deadline_s):
+        answers.append(client.post("/keyq/v1/search", json={
+            "question": "harbor", "index": index, "deadline_s": deadline_s}))
+
+    try:
+        threading.Thread(target=search, args=("hole", 20), daemon=True).start()
+        hole.settimeout(60)
+        held, _ = hole.accept()  # the key's one slot is taken
+        threading.Thread(target=search, args=("bm", 20), daemon=True).start()  # its queue's 1
+        deadline = time.monotonic() + 60
+        while True:  # until the waiter is in the queue (a probe before it waits 2 s: 429)
+            r = client.post("/keyq/v1/search", json={"question": "harbor", "deadline_s": 2})
+            if r.status_code == 429 and r.json()["reason"] == "queue_full":
+                break
+            assert time.monotonic() < deadline, (r.status_code, r.text)
+        body = r.json()
+        assert {k: v for k, v in body.items() if k != "detail"} == {
+            "error": "too_many_requests", "reason": "queue_full", "running": 1, "waiting": 1,
+            "limits": {"per_key_concurrency": 1, "per_key_queue": 1}}, body
+        assert "the limits are 1 and 1 (per_key_queue)" in body["detail"], body
+        assert r.headers["retry-after"] == "1"
+    finally:
+        for s in (held, hole):
+            if s is not None:
+                s.close()
+        serve.delete("keyq")  # the module's own app goes on
