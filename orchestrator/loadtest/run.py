@@ -406,18 +406,68 @@ def key_queue_note(most_per_key: int, key_slots: int | None, key_queue: int | No
     runs for it (`per_key_concurrency`: as its 429s named it, else the default): the service
     queues a key's requests past its slots (`per_key_queue`, within their deadline) before
     refusing them, so the latency of those it took includes that wait, not said apart. Nothing
-    when its 429s said it has no queue (those past its slots were refused: the 429 note)."""
+    when its 429s said it has no queue (those past its slots were refused: the 429 note).
+    `most_per_key` counts the requests the service took on (`HttpTarget.most_per_key`), not
+    those it refused at once."""
     slots = key_slots or DEFAULT_KEY_SLOTS
     if most_per_key <= slots or key_queue == 0:
         return ""
-    said = (f"its {slots} slots (per_key_concurrency, as the service's refusals said)"
+    said = (f"its {_n(slots, 'slot')} (per_key_concurrency, as the service's refusals said)"
             if key_slots else f"the service's default per_key_concurrency of {slots} (unless "
             "this service allows a key more)")
-    return (f"up to {most_per_key} of one key's requests were under way at once, past {said}: "
-            "those past the slots and not refused waited in the key's queue (per_key_queue), and "
-            "that wait is in their latency (stage outside_server): this measures the key's "
-            "queue as well as the service; add keys to --key-file or raise the service's "
-            "per_key_concurrency")
+    return (f"up to {most_per_key} of one key's requests were under way at once (sent and not "
+            f"refused at once), past {said}: those past the slots waited in the key's queue "
+            "(per_key_queue), and that wait is in the latency of those it then answered (stage "
+            "outside_server): this measures the key's queue as well as the service; add keys "
+            "to --key-file or raise the service's per_key_concurrency")
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def refusal_notes(reasons: dict[str, int], slots: int | None, queue: int | None, keys: int,
+                  deadline_s: float | None) -> list[str]:
+    """What a report says of the keys' 429s, one note for each `reason` their bodies gave
+    (`service.admission`: the key's queue full, no queue, or its deadline passed waiting in
+    it), with the limits they gave (`slots`, `queue`) and what fits each: more keys and a
+    larger per_key_queue, a per_key_queue at all, a longer deadline. `keys`: how many the
+    load used. Nothing for a reason not given (a service that sends no reasons: `loadtest`'s
+    note without them)."""
+    many = keys > 1
+    whose = f"the {keys} keys'" if many else "the key's"
+    measures = f"this measures the {'keys' if many else 'key'}, not the service"
+    more_keys = ("add keys to --key-file" if many else "put several keys in --key-file (one a "
+                 "line: each request takes the least busy)")
+    notes = []
+    if n := reasons.get("queue_full"):
+        held = (f"each key had {slots} running and {queue} waiting" if many
+                else f"{slots} ran and {queue} waited")
+        notes.append(f"{whose} {'queues were' if many else 'queue was'} full: {n} requests "
+                     f"were refused at once (429 too_many_requests) while {held} "
+                     f"(per_key_concurrency {slots}, per_key_queue {queue}), and refusals count "
+                     f"as errors: past that {measures}; {more_keys} or raise the service's "
+                     "per_key_queue")
+    if n := reasons.get("no_queue"):
+        past = f"each key's {slots}" if many else f"its {slots}"
+        notes.append(f"{whose} own concurrency {'limits' if many else 'limit'} refused {n} "
+                     f"requests at once (429 too_many_requests): past {past} running "
+                     f"(per_key_concurrency {slots}) the service queues none (per_key_queue "
+                     f"0), and refusals count as errors: past that limit {measures}; "
+                     f"{more_keys}, or give the service a per_key_queue (a key's requests past "
+                     "its slots then wait for one) or a larger per_key_concurrency")
+    if n := reasons.get("deadline_in_queue"):
+        deadline = (f"--deadline-s {deadline_s:g}" if deadline_s is not None
+                    else "the service's default_deadline_s")
+        behind = (f"their queues behind each key's {slots} running" if many
+                  else f"its queue behind its {slots} running")
+        notes.append(f"{n} of {whose} requests waited in {behind} (per_key_concurrency "
+                     f"{slots}, per_key_queue {queue}) until their deadline ({deadline}) and "
+                     "were refused (429 too_many_requests), and refusals count as errors: "
+                     f"{'the keys' if many else 'the key'}'{'' if many else 's'} requests wait "
+                     f"longer than their deadline allows; give a longer --deadline-s, "
+                     f"{more_keys} or raise the service's per_key_concurrency")
+    return notes
 
 
 def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | None = None) -> dict:
@@ -448,7 +498,11 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
         result["terminated"] = bool(signals)
         notes.append(f"interrupted ({'SIGTERM' if signals else 'Ctrl-C'}): the steps finished "
                      "so far, and the one under way as far as it got (marked partial)")
-    if any("http_429:too_many_requests" in s.get("refusals", {}) for s in result["steps"]):
+    by_reason = refusal_notes(target.key_refusals, target.key_slots, target.key_queue,
+                              len(o.keys), o.deadline_s) if isinstance(target, HttpTarget) else []
+    notes.extend(by_reason)
+    if not by_reason and any("http_429:too_many_requests" in s.get("refusals", {})
+                             for s in result["steps"]):  # a service that gives no reasons
         if len(o.keys) > 1:  # "put several keys in --key-file" would be what was done
             notes.append(f"the {len(o.keys)} keys' own concurrency limits refused requests "
                          "(429 too_many_requests), and refusals count as errors: past them "

@@ -10,9 +10,9 @@ generator calls `search` from many threads at once.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -21,18 +21,45 @@ from contextlib import contextmanager
 from typing import Protocol
 
 
-# a 429's detail (`service.admission.Concurrency`): its key's slots (per_key_concurrency) and
-# queue (per_key_queue): none when refused at once, unknown when its deadline passed waiting
-KEY_LIMITS = ((re.compile(r"the limit is (\d+)"), lambda m: (int(m[1]), 0)),
-              (re.compile(r"the limits are (\d+) and (\d+)"), lambda m: (int(m[1]), int(m[2]))),
-              (re.compile(r"had its (\d+) requests in flight"), lambda m: (int(m[1]), None)))
 DEADLINE_GRACE_S = 1.0  # a request with its own deadline: how long past it the client waits
 
 
 class RequestFailed(Exception):
-    def __init__(self, outcome: str, detail: str = ""):
+    """A request that got no result: its `outcome` class, and `body`, the service's JSON error
+    answer when there was one (a 429's `reason`, `limits`, … `service.admission`)."""
+
+    def __init__(self, outcome: str, detail: str = "", body: dict | None = None):
         super().__init__(detail or outcome)
-        self.outcome = outcome
+        self.outcome, self.body = outcome, body or {}
+
+
+def was_taken(outcome: str, body: dict | None = None) -> bool:
+    """The service took the request on: it was answered, ran into its deadline or a backend
+    down (504, 503 `backend_unavailable`/`search_failed`, 500), waited in its key's queue
+    until its deadline (a 429 `deadline_in_queue`), or the client stopped waiting for it. A
+    request refused at once (429, 503 `overloaded`), turned down (4xx) or that reached nothing
+    was never under way at the service."""
+    from branchsearch.orchestrator.loadtest.stats import BACKEND_CODES, error_code
+
+    status = outcome.split(":", 1)[0]
+    if status == "http_429":
+        return (body or {}).get("reason") == "deadline_in_queue"
+    if status == "http_503":
+        return error_code(outcome) in BACKEND_CODES
+    if status == "error":
+        return outcome == "error:Timeout"
+    return not status.startswith("http_4")
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most of `spans` (start, end) that overlap at any moment (one ending as another
+    starts does not overlap it)."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
 
 
 class Target(Protocol):
@@ -162,10 +189,13 @@ class HttpTarget:
         self.keys = tuple(k_ for k_ in ((keys,) if isinstance(keys, str) else keys) if k_)
         self._in_flight = dict.fromkeys(self.keys or (None,), 0)  # requests under way, by key
         self._lock = threading.Lock()
-        self.most_per_key = 0  # the most requests one key had under way at once
+        # (sent, done) of each load request the service took on (`was_taken`), by key
+        self._taken: dict[str | None, list[tuple[float, float]]] = {k_: [] for k_ in
+                                                                     self._in_flight}
         # a key's per_key_concurrency and per_key_queue, as a 429 said them (None: not said)
         self.key_slots: int | None = None
         self.key_queue: int | None = None
+        self.key_refusals: Counter = Counter()  # the load's 429s by their `reason`
         self.timeout_s = timeout_s
         self.body = {k_: v for k_, v in {"index": index, "branches": branches, "k": k,
                                           "deadline_s": deadline_s}.items() if v is not None}
@@ -179,12 +209,23 @@ class HttpTarget:
         with self._lock:
             key = min(self._in_flight, key=self._in_flight.__getitem__)
             self._in_flight[key] += 1
-            self.most_per_key = max(self.most_per_key, self._in_flight[key])
         try:
             yield key
         finally:
             with self._lock:
                 self._in_flight[key] -= 1
+
+    @property
+    def most_per_key(self) -> int:
+        """The most of one key's load requests that the service had under way at once, as
+        this client saw them (sent to answered, those it refused at once left out), and never
+        more than a key's slots and queue (`key_slots` + `key_queue`, when a 429 said them):
+        an answer still on its way back overlaps the next request sent."""
+        with self._lock:
+            most = max((most_at_once(spans) for spans in self._taken.values()), default=0)
+        if self.key_slots is not None and self.key_queue is not None:
+            most = min(most, self.key_slots + self.key_queue)
+        return most
 
     def search(self, question: str, key: str | None = None, *,
                deadline_s: float | None = None) -> dict:
@@ -194,7 +235,23 @@ class HttpTarget:
         if key is not None:
             return self._search(question, key, deadline_s)
         with self._key() as least_busy:
-            return self._search(question, least_busy, deadline_s)
+            sent = time.monotonic()
+            try:
+                result = self._search(question, least_busy, deadline_s)
+            except RequestFailed as exc:
+                self._count(least_busy, sent, exc.outcome, exc.body)
+                raise
+            self._count(least_busy, sent, "")
+            return result
+
+    def _count(self, key: str | None, sent: float, outcome: str, body: dict | None = None
+               ) -> None:
+        """Keep a load request's span when the service took it on, and a 429's reason."""
+        with self._lock:
+            if was_taken(outcome, body):
+                self._taken[key].append((sent, time.monotonic()))
+            if outcome.startswith("http_429") and (body or {}).get("reason"):
+                self.key_refusals[str(body["reason"])] += 1
 
     def _search(self, question: str, key: str | None, deadline_s: float | None = None) -> dict:
         body, timeout_s = {"question": question, **self.body}, self.timeout_s
@@ -213,11 +270,11 @@ class HttpTarget:
                 body = json.loads(exc.read())
                 code, detail = str(body.get("error", "")), str(body.get("detail", ""))
             except (ValueError, AttributeError, OSError):
-                code, detail = "", ""
+                body, code, detail = {}, "", ""
             if exc.code == 429:
-                self._read_key_limits(detail)
+                self._read_key_limits(body)
             raise RequestFailed(f"http_{exc.code}" + (f":{code}" if code else ""),
-                                detail[:300]) from None
+                                detail[:300], body) from None
         except (TimeoutError, socket.timeout):
             raise RequestFailed("error:Timeout") from None
         except urllib.error.URLError as exc:
@@ -230,15 +287,16 @@ class HttpTarget:
         except ValueError:
             raise RequestFailed("error:BadResponse", "the answer is not JSON") from None
 
-    def _read_key_limits(self, detail: str) -> None:
-        """Keep the key limits a 429's detail names (`KEY_LIMITS`)."""
-        for pattern, limits in KEY_LIMITS:
-            if found := pattern.search(detail):
-                slots, queue = limits(found)
-                with self._lock:
-                    self.key_slots = slots
-                    self.key_queue = queue if queue is not None else self.key_queue
-                return
+    def _read_key_limits(self, body: dict) -> None:
+        """Keep the key limits a 429's body gives (`limits`: its per_key_concurrency and
+        per_key_queue, as the service applies them); nothing from a service that gives none."""
+        limits = body.get("limits")
+        if not isinstance(limits, dict):
+            return
+        slots, queue = limits.get("per_key_concurrency"), limits.get("per_key_queue")
+        with self._lock:
+            if isinstance(slots, int) and isinstance(queue, int):
+                self.key_slots, self.key_queue = slots, queue
 
     def get(self, path: str, timeout_s: float = 5.0) -> str | None:
         """GET a side endpoint (e.g. /metrics) as text; None if it does not answer."""

@@ -696,8 +696,18 @@ def test_cli_against_a_live_service_writes_no_key_and_counts_refusals_apart(live
     # the column counts 429s and 503 overloaded, not the 503s saying it cannot search
     column = "refused (429, 503 overloaded)"
     assert column in written["lt.md"] and column in proc.stdout
-    assert "the key's own concurrency limit refused requests" in written["lt.md"]
-    assert not [n for n in report["notes"] if "per_key_queue" in n]  # its 429s: no queue
+    # its 429s say the key has no queue (per_key_queue 0): the note says so, and no note
+    # speaks of requests waiting in one
+    note = [n for n in report["notes"] if "per_key_queue" in n]
+    assert len(note) == 1 and re.fullmatch(
+        r"the key's own concurrency limit refused \d+ requests at once \(429 "
+        r"too_many_requests\): past its 4 running \(per_key_concurrency 4\) the service "
+        r"queues none \(per_key_queue 0\), and refusals count as errors: past that limit this "
+        r"measures the key, not the service; put several keys in --key-file \(one a line: "
+        r"each request takes the least busy\), or give the service a per_key_queue \(a key's "
+        r"requests past its slots then wait for one\) or a larger per_key_concurrency",
+        note[0]), report["notes"]
+    assert note[0] in written["lt.md"]
 
     # the old flag still works: warned, and the key is shown nowhere (the command line in
     # the JSON on stdout says --key REDACTED)
@@ -723,10 +733,13 @@ def test_cli_note_on_429s_names_the_keys_given(live_service, tmp_path):
     report = json.loads(out.read_text())
     assert report["steps"][0]["refusals"].get("http_429:too_many_requests"), report["steps"]
     note = [n for n in report["notes"] if "429" in n]
-    assert note == ["the 2 keys' own concurrency limits refused requests (429 "
-                    "too_many_requests), and refusals count as errors: past them this "
-                    "measures the keys, not the service; add keys to --key-file or raise the "
-                    "service's per_key_concurrency"], report["notes"]
+    assert len(note) == 1 and re.fullmatch(
+        r"the 2 keys' own concurrency limits refused \d+ requests at once \(429 "
+        r"too_many_requests\): past each key's 4 running \(per_key_concurrency 4\) the "
+        r"service queues none \(per_key_queue 0\), and refusals count as errors: past that "
+        r"limit this measures the keys, not the service; add keys to --key-file, or give the "
+        r"service a per_key_queue \(a key's requests past its slots then wait for one\) or a "
+        r"larger per_key_concurrency", note[0]), report["notes"]
 
 
 def test_cli_more_users_than_a_key_has_slots_says_its_queue_wait_is_in_the_latency(tmp_path):
@@ -742,22 +755,82 @@ def test_cli_more_users_than_a_key_has_slots_says_its_queue_wait_is_in_the_laten
     report = json.loads(out.read_text())
     assert not report["steps"][0]["refused"], report["steps"][0]["refusals"]
     note = [n for n in report["notes"] if "per_key_queue" in n]
-    assert note == ["up to 6 of one key's requests were under way at once, past the "
-                    "service's default per_key_concurrency of 4 (unless this service "
-                    "allows a key more): those past the slots and not refused waited in "
-                    "the key's queue (per_key_queue), and that wait is in their latency "
-                    "(stage outside_server): this measures the key's queue as well as the "
-                    "service; add keys to --key-file or raise the service's "
+    assert note == ["up to 6 of one key's requests were under way at once (sent and not "
+                    "refused at once), past the service's default per_key_concurrency of 4 "
+                    "(unless this service allows a key more): those past the slots waited in "
+                    "the key's queue (per_key_queue), and that wait is in the latency of those "
+                    "it then answered (stage outside_server): this measures the key's queue as "
+                    "well as the service; add keys to --key-file or raise the service's "
                     "per_key_concurrency"], report["notes"]
     assert f"> {note[0]}" in (tmp_path / "lt.md").read_text()
     # the slots a 429 named; none said when they were not passed, or there is no queue
     from branchsearch.orchestrator.loadtest.run import key_queue_note
 
     assert key_queue_note(3, 2, None).startswith("up to 3 of one key's requests were under "
-                                                 "way at once, past its 2 slots "
+                                                 "way at once (sent and not refused at "
+                                                 "once), past its 2 slots "
                                                  "(per_key_concurrency, as the service's "
                                                  "refusals said): ")
     assert key_queue_note(4, None, None) == key_queue_note(5, 4, 0) == ""
+
+
+def test_cli_429s_of_a_full_key_queue_say_so_and_count_only_what_it_took(tmp_path):
+    """`serve --standalone` with 1 slot and a queue of 1 a key, 6 users on its one key: the
+    service ran 1 and queued 1 and refused the rest 429 at once. The report said "the key's
+    own concurrency limit refused requests ... raise the service's per_key_concurrency" (the
+    queue full was not named) and "up to 6 of one key's requests were under way at once",
+    counting the requests it refused. It now names the full queue and its limits (read from
+    the 429's fields), and counts the 2 the service held."""
+    from branchsearch.orchestrator.service.admission import Limits
+
+    out = tmp_path / "lt.json"
+    with _service_over_es(tmp_path, limits=Limits(per_key_concurrency=1, per_key_queue=1)) \
+            as (server, _):
+        proc = _cli_loadtest(server.url, ["--users", "6", "--think", "0.05", "--duration", "2",
+                                          "--report", str(out)], {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["steps"][0]["refusals"].get("http_429:too_many_requests"), report["steps"]
+    refused = [n for n in report["notes"] if "429" in n]
+    assert len(refused) == 1 and re.fullmatch(
+        r"the key's queue was full: \d+ requests were refused at once \(429 "
+        r"too_many_requests\) while 1 ran and 1 waited \(per_key_concurrency 1, per_key_queue "
+        r"1\), and refusals count as errors: past that this measures the key, not the "
+        r"service; put several keys in --key-file \(one a line: each request takes the least "
+        r"busy\) or raise the service's per_key_queue", refused[0]), report["notes"]
+    queued = [n for n in report["notes"] if n.startswith("up to ")]
+    assert queued and queued[0].startswith(
+        "up to 2 of one key's requests were under way at once (sent and not refused at once), "
+        "past its 1 slot (per_key_concurrency, as the service's refusals said): "), queued
+
+
+def test_cli_429s_after_waiting_past_the_deadline_say_so(tmp_path):
+    """The key's one slot held (a search of its that does not end), `--deadline-s 0.5`: each
+    request waited in the key's queue until its deadline and was refused 429. The report told
+    the user to raise per_key_concurrency or add keys, as for a key with no queue; it now says
+    they waited past their deadline, and what that asks for."""
+    from branchsearch.orchestrator.service.admission import Limits
+
+    out = tmp_path / "lt.json"
+    with _service_over_es(tmp_path, limits=Limits(per_key_concurrency=1, per_key_queue=4)) \
+            as (server, _):
+        held = server.state.searcher.target.concurrency.take("dev")  # the dev mode's key
+        try:
+            proc = _cli_loadtest(server.url, ["--users", "2", "--duration", "1.5",
+                                              "--deadline-s", "0.5", "--report", str(out)], {},
+                                 tmp_path)
+        finally:
+            held.let_go()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    refused = [n for n in report["notes"] if "429" in n]
+    assert len(refused) == 1 and re.fullmatch(
+        r"\d+ of the key's requests waited in its queue behind its 1 running "
+        r"\(per_key_concurrency 1, per_key_queue 4\) until their deadline \(--deadline-s 0.5\) "
+        r"and were refused \(429 too_many_requests\), and refusals count as errors: the key's "
+        r"requests wait longer than their deadline allows; give a longer --deadline-s, put "
+        r"several keys in --key-file \(one a line: each request takes the least busy\) or "
+        r"raise the service's per_key_concurrency", refused[0]), report["notes"]
 
 
 def test_cli_report_says_why_the_slo_broke(live_service, tmp_path):
@@ -1138,10 +1211,11 @@ def _es_questions(path: Path) -> Path:
 
 
 @contextmanager
-def _service_over_es(tmp_path: Path, **settings):
+def _service_over_es(tmp_path: Path, limits=None, **settings):
     """`serve --standalone`'s app (dev mode: no key, one key's limits for every caller) over
-    a 3-document index on Elasticsearch (the emulator), `settings` over the index's own.
-    Yields (the server, the emulator); both stopped after."""
+    a 3-document index on Elasticsearch (the emulator), `settings` over the index's own, with
+    `limits` (`admission.Limits`; the defaults without). Yields (the server, the emulator);
+    both stopped after."""
     from es_emulator import start_es_emulator
     from service_fixtures import CORPUS, start_uvicorn, write_corpus
 
@@ -1157,7 +1231,8 @@ def _service_over_es(tmp_path: Path, **settings):
                                             "branches": 1, **settings}, read_env=False,
                                  read_file=False)
         ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:3]), settings, dense=False)
-        state = service.local_state(settings, executor="local")
+        state = service.local_state(settings, executor="local",
+                                    **({"limits": limits} if limits else {}))
         state.searcher.target.drivers.open("es")
         server = start_uvicorn(service.create_app(state), state)
         yield server, es
