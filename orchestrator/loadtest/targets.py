@@ -51,15 +51,20 @@ def was_taken(outcome: str, body: dict | None = None) -> bool:
     return not status.startswith("http_4")
 
 
-def most_at_once(spans: list[tuple[float, float]]) -> int:
-    """The most of `spans` (start, end) that overlap at any moment (one ending as another
-    starts does not overlap it)."""
+def most_at_once(spans: list[tuple[float, float]], before: float = float("inf")) -> int:
+    """The most of `spans` (start, end) that overlap at any moment earlier than `before` (one
+    ending as another starts does not overlap it)."""
     events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     most = now = 0
-    for _, step in events:
+    for at, step in events:
+        if at >= before:
+            break
         now += step
         most = max(most, now)
     return most
+
+
+FOLD_AT = 4096  # a key's spans kept before those that can overlap no later one are folded
 
 
 class Target(Protocol):
@@ -187,11 +192,16 @@ class HttpTarget:
                  deadline_s: float | None = None, timeout_s: float = 120.0):
         self.url = url.rstrip("/")
         self.keys = tuple(k_ for k_ in ((keys,) if isinstance(keys, str) else keys) if k_)
-        self._in_flight = dict.fromkeys(self.keys or (None,), 0)  # requests under way, by key
+        # when each request under way was sent, by key (a token each)
+        self._in_flight: dict[str | None, dict[object, float]] = {
+            k_: {} for k_ in self.keys or (None,)}
         self._lock = threading.Lock()
-        # (sent, done) of each load request the service took on (`was_taken`), by key
+        # (sent, done) of each load request the service took on (`was_taken`), by key, and the
+        # most of them at once before the spans `_fold` dropped (a long run keeps few spans)
         self._taken: dict[str | None, list[tuple[float, float]]] = {k_: [] for k_ in
                                                                      self._in_flight}
+        self._folded = dict.fromkeys(self._in_flight, 0)
+        self._fold_at = dict.fromkeys(self._in_flight, FOLD_AT)
         # a key's per_key_concurrency and per_key_queue, as a 429 said them (None: not said)
         self.key_slots: int | None = None
         self.key_queue: int | None = None
@@ -206,14 +216,15 @@ class HttpTarget:
         request: a key's requests in flight stay within one of every other key's, as many
         callers would load the service, whatever the loop. Without keys, the requests are
         counted as one key's (a development server gives them all one)."""
+        token = object()
         with self._lock:
-            key = min(self._in_flight, key=self._in_flight.__getitem__)
-            self._in_flight[key] += 1
+            key = min(self._in_flight, key=lambda k_: len(self._in_flight[k_]))
+            self._in_flight[key][token] = sent = time.monotonic()
         try:
-            yield key
+            yield key, sent
         finally:
             with self._lock:
-                self._in_flight[key] -= 1
+                del self._in_flight[key][token]
 
     @property
     def most_per_key(self) -> int:
@@ -222,7 +233,8 @@ class HttpTarget:
         more than a key's slots and queue (`key_slots` + `key_queue`, when a 429 said them):
         an answer still on its way back overlaps the next request sent."""
         with self._lock:
-            most = max((most_at_once(spans) for spans in self._taken.values()), default=0)
+            most = max((max(self._folded[k_], most_at_once(spans))
+                        for k_, spans in self._taken.items()), default=0)
         if self.key_slots is not None and self.key_queue is not None:
             most = min(most, self.key_slots + self.key_queue)
         return most
@@ -234,8 +246,7 @@ class HttpTarget:
         `DEADLINE_GRACE_S` past it (a frozen service costs that, not `timeout_s`)."""
         if key is not None:
             return self._search(question, key, deadline_s)
-        with self._key() as least_busy:
-            sent = time.monotonic()
+        with self._key() as (least_busy, sent):
             try:
                 result = self._search(question, least_busy, deadline_s)
             except RequestFailed as exc:
@@ -250,8 +261,22 @@ class HttpTarget:
         with self._lock:
             if was_taken(outcome, body):
                 self._taken[key].append((sent, time.monotonic()))
+                if len(self._taken[key]) >= self._fold_at[key]:
+                    self._fold(key)
             if outcome.startswith("http_429") and (body or {}).get("reason"):
                 self.key_refusals[str(body["reason"])] += 1
+
+    def _fold(self, key: str | None) -> None:
+        """Fold `key`'s spans that can overlap no later one into its most at once: a request
+        not yet counted was sent no earlier than the first one still under way, so a span
+        that ended by then is counted now and dropped. Memory stays bounded on an hour's
+        run; a request that never ends keeps the spans after it (folded again at twice as
+        many)."""
+        spans = self._taken[key]
+        settled = min(self._in_flight[key].values(), default=time.monotonic())
+        self._folded[key] = max(self._folded[key], most_at_once(spans, before=settled))
+        spans[:] = [span for span in spans if span[1] > settled]
+        self._fold_at[key] = max(FOLD_AT, 2 * len(spans))
 
     def _search(self, question: str, key: str | None, deadline_s: float | None = None) -> dict:
         body, timeout_s = {"question": question, **self.body}, self.timeout_s

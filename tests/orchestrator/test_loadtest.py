@@ -25,8 +25,9 @@ from branchsearch.orchestrator.loadtest import arrivals
 from branchsearch.orchestrator.loadtest.generator import Generator, LoadSpec
 from branchsearch.orchestrator.loadtest.stats import (DROPPED, UNFINISHED, Sample, find_knee,
                                                       slo_broken_at, slo_max, summarize)
+from branchsearch.orchestrator.loadtest import targets
 from branchsearch.orchestrator.loadtest.targets import (HttpTarget, RequestFailed, classify,
-                                                        stage_times)
+                                                        most_at_once, stage_times)
 from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
 from branchsearch.orchestrator.evaluation.measures import percentile
 
@@ -772,6 +773,33 @@ def test_cli_more_users_than_a_key_has_slots_says_its_queue_wait_is_in_the_laten
                                                  "(per_key_concurrency, as the service's "
                                                  "refusals said): ")
     assert key_queue_note(4, None, None) == key_queue_note(5, 4, 0) == ""
+
+
+def test_a_long_run_keeps_few_spans_and_the_same_peak_per_key(monkeypatch):
+    """A load test of an hour keeps a bounded number of request spans (folded as they settle)
+    and still counts the most of one key's requests under way at once exactly."""
+    monkeypatch.setattr(targets, "FOLD_AT", 16)
+    now = [0.0]
+    monkeypatch.setattr(targets.time, "monotonic", lambda: now[0])
+    rng = random.Random(7)
+    requests = sorted((start, start + rng.expovariate(1.0))
+                      for start in np.cumsum([rng.expovariate(4.0) for _ in range(3000)]))
+    moments = sorted([(s, 1, i) for i, (s, _) in enumerate(requests)]
+                     + [(e, 0, i) for i, (_, e) in enumerate(requests)])
+    target, open_ = HttpTarget("http://127.0.0.1:9"), {}
+    most_kept = 0
+    for at, starts, i in moments:
+        now[0] = at
+        if starts:
+            held = target._key()
+            open_[i] = (held, held.__enter__())
+        else:
+            held, (key, sent) = open_.pop(i)
+            target._count(key, sent, "")
+            held.__exit__(None, None, None)
+            most_kept = max(most_kept, len(target._taken[None]))
+    assert target.most_per_key == most_at_once(requests) > 4
+    assert most_kept < 200  # not 3,000
 
 
 def test_cli_429s_of_a_full_key_queue_say_so_and_count_only_what_it_took(tmp_path):
