@@ -114,7 +114,7 @@ def open_dense(settings: Settings, manifest=None, embedder=None, *, fresh: bool 
     if is_server(uri):  # a refused server is said before the embedding model loads (seconds)
         from branchsearch.infra.stores.milvus import refused_server
 
-        refused_server(uri, settings.backend_timeout_s)
+        refused_server(uri, settings.backend_timeout_s, server_hint(settings))
     embedder = embedder or index_embedder(settings, reader=manifest is not None)
     if manifest is None:  # a writer (ingest): the collection is created when missing
         return dense_store(settings, _dense_dim(settings.index_dir, embedder),
@@ -252,7 +252,21 @@ def dense_store(settings: Settings, dim: int, *, create: bool = True, fresh: boo
                        token=settings.milvus_token,
                        collection=collection_for(settings.index),
                        index=index_spec(settings), create=create,
-                       timeout_s=settings.backend_timeout_s, owner=settings.index, fresh=fresh)
+                       timeout_s=settings.backend_timeout_s, owner=settings.index, fresh=fresh,
+                       hint=server_hint(settings))
+
+
+def server_hint(settings: Settings) -> str:
+    """The fix a refused Milvus server's line ends with, as fits the owned index: one its
+    manifest says was ingested into a Milvus server keeps its vectors only there (unsetting
+    `milvus_uri` would point it at an embedded file that does not hold them); a new one can
+    take either."""
+    from branchsearch.infra.stores.milvus import SERVER_HINT
+
+    if str(recorded_backends(settings).get("dense", "")).startswith("milvus "):
+        return (f"start Milvus there: index {settings.index!r} was ingested into a Milvus "
+                "server and keeps its vectors only there (keep milvus_uri set to it)")
+    return SERVER_HINT
 
 
 def index_spec(settings: Settings):

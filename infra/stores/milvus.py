@@ -238,15 +238,17 @@ def server_answers(uri: str, timeout_s: float) -> None:
                                  f"({type(exc).__name__})") from None
 
 
+# the fix for an index that holds no vectors on a server yet (a new one); an index ingested
+# into one is told otherwise (`infra.index.open.server_hint`)
 SERVER_HINT = "start Milvus there or unset milvus_uri for the embedded file"
 
 
-def refused_server(uri: str, timeout_s: float) -> None:
+def refused_server(uri: str, timeout_s: float, hint: str = SERVER_HINT) -> None:
     """`server_answers` for an owned index's server, its error line ending with the fix."""
     try:
         server_answers(uri, timeout_s)
     except BackendUnavailable as exc:
-        raise BackendUnavailable(f"{exc}; {SERVER_HINT}") from None
+        raise BackendUnavailable(f"{exc}; {hint}") from None
 
 
 def timeout_arg(seconds: float) -> int:
@@ -315,12 +317,14 @@ class MilvusStore:
     """`owner`: the owned index this collection holds (None: no owner checked or recorded). A
     collection it creates records it in its description; one that records another index is
     refused (`IndexNameTaken`), as is one made before collections recorded their index that
-    holds rows when the owner is `fresh` (holds no chunks yet: they are another index's)."""
+    holds rows when the owner is `fresh` (holds no chunks yet: they are another index's).
+    `hint`: the fix a server that cannot be reached is told with."""
 
     def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
                  index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0,
-                 owner: str | None = None, fresh: bool = False):
+                 owner: str | None = None, fresh: bool = False, hint: str = SERVER_HINT):
         self.uri = str(uri)
+        self.hint = hint  # what a server's error line ends with
         self.timeout_s = timeout_s
         self._lite = lite_key(self.uri)
         self.dim = dim
@@ -328,7 +332,7 @@ class MilvusStore:
         self.server = is_server(self.uri)
         self.index = index or IndexSpec()
         if self.server:  # a refused address fails now, not after the client's channel timeout
-            refused_server(self.uri, timeout_s)
+            refused_server(self.uri, timeout_s, hint)
         else:
             Path(self.uri).parent.mkdir(parents=True, exist_ok=True)
         served = served_uri(self.uri)
@@ -387,7 +391,7 @@ class MilvusStore:
         except Exception as exc:
             if not self.server and "opened by another program" in str(exc):
                 raise busy_error(self.uri) from None
-            hint = SERVER_HINT if self.server else "check the index folder"
+            hint = self.hint if self.server else "check the index folder"
             raise BackendUnavailable(redact(  # no credentials in a line shown and logged
                 f"milvus: cannot open {self.uri} ({type(exc).__name__}: {exc}); {hint}")) from None
         finally:

@@ -262,3 +262,39 @@ def test_a_milvus_lite_server_of_the_tests_logs_in_their_own_folder(tmp_path):
     logs = Path(os.environ["GLOG_log_dir"])
     assert logs.is_relative_to(tmp_path.parent)  # the session's basetemp
     assert any(p.name.endswith(f".{pid}") for p in logs.iterdir())
+
+
+def test_a_refused_server_is_told_the_fix_that_fits_the_index(milvus_uri, hotpot_settings):
+    """`milvus_uri` at an address nobody answers: an index ingested into a Milvus server keeps
+    its vectors only there, so its line says to start the server (unsetting milvus_uri would
+    point it at an embedded file that does not hold them); a new index may still take the
+    embedded file instead; an index ingested into its embedded file does not use the server."""
+    from conftest import ingest_copy
+
+    from branchsearch.infra.errors import BackendUnavailable
+
+    refused = "http://127.0.0.1:1"
+    on_server = hotpot_settings.replace(index=f"srv{uuid.uuid4().hex[:6]}", milvus_uri=milvus_uri)
+    ingest(HOTPOT, on_server)
+    embedded = ingest_copy(hotpot_settings, f"lite{uuid.uuid4().hex[:6]}")
+    try:
+        for attempt in (lambda s: open_retriever(s), lambda s: ingest(HOTPOT, s)):
+            with pytest.raises(BackendUnavailable) as said:
+                attempt(on_server.replace(milvus_uri=refused))
+            line = str(said.value)
+            assert "is not answering" in line and "unset milvus_uri" not in line, line
+            assert f"index {on_server.index!r} was ingested into a Milvus server" in line, line
+        assert read_manifest(on_server.index_dir) is not None  # the refused ingest changed nothing
+        with pytest.raises(BackendUnavailable) as said:
+            ingest(HOTPOT, on_server.replace(index=f"new{uuid.uuid4().hex[:6]}",
+                                             milvus_uri=refused))
+        assert "unset milvus_uri for the embedded file" in str(said.value)
+        lite = open_retriever(embedded.replace(milvus_uri=refused))
+        try:
+            assert lite.search("Who directed Ed Wood?", "dense", 3)
+        finally:
+            lite.close()
+    finally:
+        server = open_retriever(on_server)
+        server.dense.drop()
+        server.close()
