@@ -1143,3 +1143,30 @@ def test_indexes_checks_both_sides_of_a_hybrid_index(foreign, tmp_path):
     assert health["es_down"].startswith("elasticsearch side: elasticsearch at "
                                         f"http://***@127.0.0.1:{port}"), health
     assert "\n" not in health["es_down"] and "milvus" not in health["es_down"], health
+
+
+@pytest.mark.es
+def test_indexes_loads_the_embedding_model_once(foreign, tmp_path, monkeypatch):
+    """`indexes` checks each hybrid external index's vector dimension with the embedding model:
+    three such indexes load it once, not once each (counted where the model is really read)."""
+    from branchsearch.infra.index.catalog import list_indexes
+    from branchsearch.infra.models import embedder as embedder_module
+
+    toml = (foreign["home"] / "branchsearch.toml").read_text()
+    corp = toml[toml.index("[indexes.corp]"):toml.index("[indexes.corp_es]")]
+    (tmp_path / "branchsearch.toml").write_text(toml[:toml.index("[indexes.")] + "".join(
+        corp.replace("[indexes.corp", f"[indexes.hybrid{i}") for i in range(3)))
+    loads = []
+    real = embedder_module.Embedder._load_model
+
+    def counted(self):
+        loads.append(self.model_name)
+        return real(self)
+
+    monkeypatch.setattr(embedder_module, "_MODELS", {})  # none loaded yet in this process
+    monkeypatch.setattr(embedder_module.Embedder, "_load_model", counted)
+    settings = load_settings(tmp_path / "branchsearch.toml", {"home": tmp_path}, read_env=False)
+    infos = list_indexes(settings)
+    assert [(i.name, i.health, i.documents) for i in infos] == \
+        [(f"hybrid{i}", "ok", foreign["count"]) for i in range(3)]
+    assert loads == ["all-MiniLM-L6-v2"]
