@@ -43,6 +43,8 @@ class EmbeddedBatch:
     embed_s: float = 0.0
     chunk_s: float = 0.0
     written: frozenset[str] = frozenset()  # stores the workers already wrote: dense, lexical
+    embedded: int = 0  # chunks whose vectors were computed for this batch
+    cached: int = 0  # chunks whose vectors came from the home's embedding cache
 
 
 def chunk_documents(docs: Sequence[Document], settings: Settings,
@@ -92,13 +94,24 @@ def local_batches(docs: Sequence[Document], settings: Settings, embedder, batch_
         t = time.perf_counter()
         chunks = chunk_documents(batch, settings, counter)
         chunk_s = time.perf_counter() - t
-        vectors, embed_s = None, 0.0
+        vectors, embed_s, counted = None, 0.0, (0, 0)
         if embedder is not None:
             t = time.perf_counter()
+            before = _counts(embedder)
             vectors = embed_in_slices(embedder, [c.body for c in indexed(batch, chunks)],
                                       embedded)
             embed_s = time.perf_counter() - t
-        yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s)
+            after = _counts(embedder)
+            counted = (after[0] - before[0], after[1] - before[1]) if after else (len(chunks), 0)
+        yield EmbeddedBatch(batch, chunks, vectors, embed_s, chunk_s, embedded=counted[0],
+                            cached=counted[1])
+
+
+def _counts(embedder) -> tuple[int, int] | None:
+    """(texts embedded, texts taken from the cache) so far by `embedder`; None for one that
+    does not count (a benchmark's hashing embedder: it computes every vector)."""
+    counts = getattr(embedder, "counts", None)
+    return (counts["embedded"], counts["cached"]) if counts else None
 
 
 def embed_in_slices(embedder, texts: list[str],

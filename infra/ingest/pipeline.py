@@ -20,11 +20,14 @@ Failure behaviour, in order:
   is released.
 
 Embedding runs here (one process: `infra.ingest.batches`) or on a Ray Data actor pool
-(`workers > 1`, see `infra.ingest.distributed`); in both cases this process is the one writer, so the embedded single-writer
-stores (Milvus Lite, tantivy) work unchanged and the result is the same index. In one process,
-chunking and embedding run on a producer thread one or two batches ahead of the writes
-(`overlapped`): the model, the tokenizer and the stores' own servers release the GIL, so the
-writes of batch n cost no wall time beside the embedding of batch n+1. The batches, their
+(`workers > 1`, see `infra.ingest.distributed`); in both cases this process is the one writer,
+so the embedded single-writer stores (Milvus Lite, tantivy) work unchanged and the result is the
+same index. Both look chunks up in the home's embedding cache first and put what they embed into
+it (the pool's vectors by this process), and the report counts the chunks embedded and those
+taken from the cache. In one process, chunking and embedding run on a producer thread one or
+two batches ahead of the writes (`overlapped`): the model, the tokenizer and the stores' own
+servers release the GIL, so the writes of batch n cost no wall time beside the embedding of
+batch n+1. The batches, their
 order and their vectors are the same as without the thread.
 
 An index keeps what it was made with (`infra.ingest.agreement`): vectors or none, its encoding,
@@ -80,6 +83,8 @@ class IngestReport:
     stale_lock: str = ""  # the stopped ingest this one took over, if any
     fitted: dict = field(default_factory=dict)  # the static model fitted to the corpus, if any
     workers: int = 1
+    embedded: int = 0  # chunks whose vectors this ingest computed
+    cached: int = 0  # chunks whose vectors it took from the home's embedding cache
     counts: dict[str, int] = field(default_factory=dict)  # store -> chunks in the whole index
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds
 
@@ -101,6 +106,7 @@ class IngestReport:
                 "resumed": self.resumed, "absent": self.absent,
                 "purged": self.purged, "recounted": self.recounted,
                 "uncounted": self.uncounted, "workers": self.workers,
+                "embedded": self.embedded, "cached": self.cached,
                 "counts": self.counts, "fitted": self.fitted,
                 "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                 "chunks_per_s": round(self.chunks_per_s, 1),
@@ -226,7 +232,8 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                     todo, settings, workers=workers, batch_docs=batch_docs,
                     embed=dense_store is not None, embed_batch=embed_batch, embedder=override,
                     dim=dense_store.dim if dense_store else 0,
-                    static_folder=getattr(embedder, "static_folder", None))
+                    static_folder=getattr(embedder, "static_folder", None),
+                    cache=_embedding_cache(embedder, dense_store, override))
             else:
                 batches = overlapped(local_batches(
                     todo, settings, embedder if dense_store else None, batch_docs, embedded))
@@ -236,6 +243,8 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                     _add(report, "wait", t)  # the writer idle, waiting for chunks and vectors
                     _spent(report, "chunk", batch.chunk_s)
                     _spent(report, "embed", batch.embed_s)
+                    report.embedded += batch.embedded
+                    report.cached += batch.cached
                     _commit(batch, docstore, lexical, dense_store, prints, report)
                     report.chunks += len(batch.chunks)
                     if progress:
@@ -266,6 +275,15 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
         manifest.seconds = {k: round(v, 3) for k, v in report.seconds.items()}
         write_manifest(root, manifest)  # the last write: from here the index is complete
     return report
+
+
+def _embedding_cache(embedder, dense_store, override):
+    """The home's embedding cache for the pool path, which the driver looks up and fills (one
+    writer); None without vectors, with the static model (no cache) or a replaced embedder."""
+    if dense_store is None or override is not None:
+        return None
+    vector_cache = getattr(embedder, "vector_cache", None)
+    return vector_cache() if vector_cache else None
 
 
 def index_state(complete: bool, docstore, stale_lock: str) -> str:

@@ -74,6 +74,8 @@ class Embedder:
         self.model_name = model
         self.cache_path = cache_path
         self._cache = None
+        # texts this embedder computed and took from the cache (an ingest reports both)
+        self.counts = {"embedded": 0, "cached": 0}
         self.batch_size = batch_size
         self.device = device
         # exported runtimes are CPU ones: on a GPU, torch is the fast path
@@ -177,6 +179,8 @@ class Embedder:
         cache = self._open_cache()
         cached = cache.get_many(texts) if cache else {}
         missing = [i for i in range(len(texts)) if i not in cached]
+        self.counts["embedded"] += len(missing)
+        self.counts["cached"] += len(cached)
         fresh = None
         if missing:
             todo = [texts[i] for i in missing]
@@ -250,6 +254,11 @@ class Embedder:
         self.cache_path, self._cache = path, None
         if self._teacher is not None:
             self._teacher.cache_at(path)
+
+    def vector_cache(self):
+        """The embedding cache this embedder reads and fills (`infra.models.embed_cache`), or
+        None: no cache path, or the static model (computing beats a lookup)."""
+        return self._open_cache()
 
     def _open_cache(self):
         if self.cache_path is None or self.backend == STATIC_BACKEND:

@@ -71,6 +71,9 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         if report.resumed < n:
             done += (f"; {rate} chunks/s with {workers} worker(s), embedding "
                      f"{s.get('embed', 0):.1f} s")
+            if report.embedded or report.cached:
+                done += (f" ({_chunks(report.embedded)} embedded, {report.cached} from the "
+                         "embedding cache)")
         print(f"ingested {_docs(n)}, {report.chunks} chunks into "
               f"{settings.index!r} ({settings.index_dir}); {done}")
         if report.fitted:
@@ -86,6 +89,10 @@ def ingest(path: Path = typer.Argument(..., help="BEIR folder, JSONL file or fol
         if report.uncounted:
             print(f"note: chunks committed without token counts keep none ({report.uncounted}): "
                   "searches count them as they show them", file=sys.stderr)
+
+
+def _chunks(n: int) -> str:
+    return f"{n} chunk{'s' if n != 1 else ''}"
 
 
 def _docs(n: int) -> str:
