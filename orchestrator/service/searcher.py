@@ -563,14 +563,17 @@ class Searcher:
         self.check_writer(key, index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
         with self._writable(index, end) as (driver, store):
-            olds = _held(store, doc_id)  # `pub-ü` typed on macOS arrives NFD
-            if not all(acl_visible(old["acl"], self.groups(key)) for old in olds):
-                raise missing  # an id the key may not see answers as a missing one
-            if not all(self._owns(key, old["acl"]) for old in olds):
-                raise ApiError(403, "forbidden", f"key {key.name!r} may delete only documents "
-                               f"whose acl is within its groups; document {doc_id!r} is not")
-            doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
             with self._write_turn(index, driver, end):
+                # (checked under the lock, as an upsert's: a write that held the turn meanwhile
+                # may have put another group's document under this id)
+                olds = _held(store, doc_id)  # `pub-ü` typed on macOS arrives NFD
+                if not all(acl_visible(old["acl"], self.groups(key)) for old in olds):
+                    raise missing  # an id the key may not see answers as a missing one
+                if not all(self._owns(key, old["acl"]) for old in olds):
+                    raise ApiError(403, "forbidden", f"key {key.name!r} may delete only "
+                                   f"documents whose acl is within its groups; document "
+                                   f"{doc_id!r} is not")
+                doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -424,6 +425,32 @@ def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
         "question": "Quokkavault zephyrledger", "branches": 1}).json()
     assert "b-vault" in {d["doc_id"] for d in bravo["evidence"]}  # untouched
     assert client.get("/v1/whoami", headers=admin).json()["groups"] == ["*"]
+
+
+def test_a_scoped_admin_cannot_delete_another_groups_document_written_while_it_waited(site):
+    """A DELETE of an id the caller may not see is a 404 and leaves the document, also when
+    the document is written while the DELETE waits its turn: alpha's admin sent the DELETE of
+    an id bravo's document was being written under, and it deleted bravo's document (200)."""
+    client, keys, state = site
+    lock = state.searcher.target.drivers.write_lock("acl")
+    words = "Pelicanmemo of the bravo group: the quay cranes move at dawn. "
+    late = {"id": "late-bravo", "acl": ["bravo"], "text": " ".join([words] * 300)}
+    with httpx.Client(base_url=str(client.base_url), timeout=120) as other:
+        put = ThreadPoolExecutor(1).submit(other.put, "/v1/indexes/acl/documents",
+                                           headers=auth(keys["admin"]), json=[late])
+        deadline = time.time() + 30
+        while not lock.locked():  # the PUT holds the index's write turn, embedding its chunks
+            assert time.time() < deadline and not put.done(), put.result().text
+            time.sleep(0.01)
+        gone = client.delete("/v1/indexes/acl/documents/late-bravo",
+                             headers=auth(keys["alpha-admin"]))
+        assert put.result().status_code == 200, put.result().text
+    assert_error(gone, 404, "document_not_found")
+    bravo = client.post("/v1/search", headers=auth(keys["bravo"]), json={
+        "question": "Pelicanmemo quay cranes", "branches": 1}).json()
+    assert "late-bravo" in {d["doc_id"] for d in bravo["evidence"]}
+    assert client.delete("/v1/indexes/acl/documents/late-bravo",
+                         headers=auth(keys["admin"])).status_code == 200
 
 
 def test_input_that_gave_500s_is_a_422(site):
