@@ -581,6 +581,7 @@ def create_app(state: ServiceState):
                                                       json_schema_extra={"minLength": 1})):
         """Delete a document and its chunks: admin keys, for documents of their groups."""
         received = time.time()
+        doc_id = sent_path_end(request.scope["path"], doc_id)
         key = state.principal(request.headers.get("authorization"))
         Searcher.check_writer(key, index_name(index))  # (as a search's index)
         return await searcher.call("delete", index_name(index), doc_id, key, received,
@@ -588,6 +589,13 @@ def create_app(state: ServiceState):
 
     app.add_middleware(Observe, state=state)
     return app
+
+
+def sent_path_end(path: str, matched: str) -> str:
+    """A path parameter that ends the path, as sent. The route's pattern ends in `$`, which
+    also matches before a final newline, so `…/documents/memo%0A` arrives as `memo`: a DELETE
+    of an id no document can hold would delete `memo`."""
+    return matched + "\n" if path.endswith(matched + "\n") else matched
 
 
 async def _frames(first: dict, events, metrics: ServiceMetrics, scope: dict | None = None):

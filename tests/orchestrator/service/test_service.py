@@ -453,6 +453,22 @@ def test_a_scoped_admin_cannot_delete_another_groups_document_written_while_it_w
                          headers=auth(keys["admin"])).status_code == 200
 
 
+def test_a_delete_of_an_id_with_a_trailing_newline_is_not_a_delete_of_the_id_without(site):
+    """`DELETE …/documents/memo%0A` names an id no document can have (a PUT refuses whitespace
+    in ids): a 404 naming it, and `memo` stays. It deleted `memo` (200), the route's pattern
+    matching before a trailing newline."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    r = client.put("/v1/indexes/acl/documents", headers=admin,
+                   json=[{"id": "nl-memo", "text": "A memo about the ferry timetable."}])
+    assert r.status_code == 200, r.text
+    body = assert_error(client.delete("/v1/indexes/acl/documents/nl-memo%0A", headers=admin),
+                        404, "document_not_found")
+    assert body["detail"] == "no document 'nl-memo\\n' in 'acl'", body
+    assert client.delete("/v1/indexes/acl/documents/nl-memo", headers=admin).json() == {
+        "index": "acl", "deleted": "nl-memo"}
+
+
 def test_input_that_gave_500s_is_a_422(site):
     """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
     deep each answered 500; now a 422 naming the problem (as do a U+0000 in the question and a
