@@ -63,6 +63,17 @@ def for_replica(limits: Limits, max_ongoing: int) -> Limits:
     return replace(limits, per_key_queue=min(limits.per_key_queue, room))
 
 
+def check_body_encoding(encoding: str) -> None:
+    """A body this API can read: uncompressed. A compressed one (`Content-Encoding: gzip`)
+    would otherwise be read as its compressed bytes and refused as text that is not UTF-8, and
+    one labelled compressed but sent plain is not what its sender says it is: 415 for either."""
+    if encoding.strip().lower() not in ("", "identity"):
+        shown = " ".join(encoding.split())[:40]
+        raise ApiError(415, "unsupported_encoding", f"the body is sent with Content-Encoding "
+                       f"{shown}; this API takes bodies uncompressed (no Content-Encoding, or "
+                       "identity)")
+
+
 def check_body_size(length: int | None, limits: Limits) -> None:
     if length is not None and length > limits.max_body_bytes:
         raise ApiError(413, "body_too_large", f"request body of {length} bytes; the limit is "

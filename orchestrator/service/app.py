@@ -26,7 +26,8 @@ from starlette.requests import ClientDisconnect
 from branchsearch.infra.config.settings import index_name
 from branchsearch.infra.errors import BranchsearchError, KeysFileError, error_line, redact
 from branchsearch.infra.textfile import KeyTwice, json_once
-from branchsearch.orchestrator.service.admission import Limits, check_body_size
+from branchsearch.orchestrator.service.admission import (Limits, check_body_encoding,
+                                                          check_body_size)
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error, shutting_down
 from branchsearch.orchestrator.service.events import sse
@@ -221,6 +222,9 @@ class Observe:
             headers = dict(scope.get("headers") or [])
             length = headers.get(b"content-length")
             try:
+                encoding = headers.get(b"content-encoding")
+                if encoding is not None and scope.get("method") in ("POST", "PUT", "PATCH"):
+                    check_body_encoding(encoding.decode("latin-1"))
                 check_body_size(int(length) if length is not None else None, self.state.limits)
             except ValueError:
                 pass
@@ -522,8 +526,8 @@ def create_app(state: ServiceState):
         return {"indexes": [i for i in await searcher.call("indexes") if key.may_use(i)]}
 
     @app.post("/v1/search", tags=["search"], dependencies=keyed,
-              responses=_answers(SearchResponse, 400, 401, 403, 404, 413, 422, 429, 503, 504,
-                                 alt={"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}),
+              responses=_answers(SearchResponse, 400, 401, 403, 404, 413, 415, 422, 429, 503,
+                                 504, alt={"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}),
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": search_body_schema(limits)}}}})
     async def search(request: Request):
@@ -560,7 +564,7 @@ def create_app(state: ServiceState):
         return result
 
     @app.put("/v1/indexes/{index}/documents", tags=["documents"], dependencies=keyed,
-             responses=_answers(Upserted, 400, 401, 403, 404, 409, 413, 422, 503, 504),
+             responses=_answers(Upserted, 400, 401, 403, 404, 409, 413, 415, 422, 503, 504),
              openapi_extra={"requestBody": DOCUMENTS_BODY})
     async def put_documents(request: Request, index: str = index_param):
         """Upsert documents by id (JSON array or JSONL of {id, title?, text, acl?}): admin
@@ -645,6 +649,7 @@ _ERRORS = {
     409: "index_busy (an ingest or another write holds the index; retry when it is done), or "
          "read_only_index (a declared external index takes no writes)",
     413: "body_too_large: the body is over the service's max_body_bytes",
+    415: "unsupported_encoding: the body has a Content-Encoding (gzip, …); send it uncompressed",
     422: "bad_request or question_too_long: a field is missing, malformed or outside its limits "
          "(the detail names it)",
     429: "too_many_requests: this key already has its limit of requests in flight, and its "

@@ -7,6 +7,7 @@ test_service_web.py."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import html
 import json
 import os
@@ -467,6 +468,31 @@ def test_a_delete_of_an_id_with_a_trailing_newline_is_not_a_delete_of_the_id_wit
     assert body["detail"] == "no document 'nl-memo\\n' in 'acl'", body
     assert client.delete("/v1/indexes/acl/documents/nl-memo", headers=admin).json() == {
         "index": "acl", "deleted": "nl-memo"}
+
+
+def test_a_compressed_body_is_a_415_that_says_so(site):
+    """A body sent with `Content-Encoding: gzip` (as log shippers and bulk clients send
+    uploads) answered 422 "body is not UTF-8" to a PUT and "body is not JSON ('utf-8' codec
+    can't decode byte 0x8b …)" to a search, which points at the text's encoding; and a body
+    labelled `br` but sent plain was written. Now either is a 415 naming the encoding, and
+    nothing is written; `identity` is a plain body."""
+    client, keys, _ = site
+    admin = {**auth(keys["admin"]), "Content-Type": "application/json"}
+    docs = json.dumps([{"id": "gz-memo", "text": "A gzipped memo on the tern census."}]).encode()
+    for encoding, body in (("gzip", gzip.compress(docs)), ("br", docs), ("GZIP", docs)):
+        r = client.put("/v1/indexes/acl/documents", content=body,
+                       headers={**admin, "Content-Encoding": encoding})
+        detail = assert_error(r, 415, "unsupported_encoding")["detail"]
+        assert detail == (f"the body is sent with Content-Encoding {encoding}; this API takes "
+                          "bodies uncompressed (no Content-Encoding, or identity)"), detail
+    r = client.post("/v1/search", content=gzip.compress(b'{"question": "tern census"}'),
+                    headers={**admin, "Content-Encoding": "gzip"})
+    assert_error(r, 415, "unsupported_encoding")
+    assert_error(client.delete("/v1/indexes/acl/documents/gz-memo", headers=admin), 404)
+    r = client.put("/v1/indexes/acl/documents", content=docs,
+                   headers={**admin, "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
+    assert client.delete("/v1/indexes/acl/documents/gz-memo", headers=admin).status_code == 200
 
 
 def test_input_that_gave_500s_is_a_422(site):
