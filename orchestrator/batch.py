@@ -12,7 +12,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   more). So are ok rows answered on another index, or made with other settings that change
   a result (`made_with`: the settings `CHANGES_RESULT` names, the caller's ACL
   groups), so that one output never mixes two configurations' evidence (the CLI refuses such a
-  resume instead: a flag changed by mistake would replace finished work).
+  resume instead: a flag changed by mistake would replace finished work). So are ok rows
+  answered before the index was ingested again with changed documents (`index_version`, the
+  manifest's `version`): their evidence quotes the old text.
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt, copied as written. Reading an output (a resume, the rewrite)
   keeps where each id's latest row is, not the rows (`Latest`): an output of many questions
@@ -204,6 +206,7 @@ class Latest:
     made_with: dict | None
     question: str | None
     late: bool = False  # waves not started for lack of time (`cut_short`): not done
+    version: str | None = None  # the index's version that answered it (`index_version`)
 
 
 def latest_rows(path: str | Path) -> dict[str, Latest]:
@@ -221,9 +224,10 @@ def latest_rows(path: str | Path) -> dict[str, Latest]:
                 row = json.loads(line)
                 qid = _written_id(row["id"])
                 made = row.get("made_with")
+                version = row.get("index_version")
                 latest = Latest(offset, len(line), row_status(row), row.get("index"),
                                 made if isinstance(made, dict) else None, row.get("question"),
-                                cut_short(row))
+                                cut_short(row), version if isinstance(version, str) else None)
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
                     AttributeError):
                 latest = None
@@ -304,33 +308,44 @@ def check_output(out_path: str | Path, input_path: str | Path) -> None:
                                   "line; give a new file, or one a batch wrote (it is rewritten)")
 
 
-def done_ids(path: str | Path, index: str | None = None, made: dict | None = None
-             ) -> dict[str, str | None]:
+def done_ids(path: str | Path, index: str | None = None, made: dict | None = None,
+             version: str | None = None) -> dict[str, str | None]:
     """Ids whose latest row is ok and not `cut_short`, each with the question that row
     answered (None: a row written without it); with `index`, only rows answered on that index,
-    and with `made`, only rows made with those settings (`made_with`) — or rows that do not say
-    (written before rows named them)."""
-    return resume_state(path, index, made)[0]
+    with `version`, only rows answered on that version of it, and with `made`, only rows made
+    with those settings (`made_with`) — or rows that do not say (written before rows named
+    them)."""
+    return resume_state(path, index, made, version).done
 
 
-def resume_state(path: str | Path, index: str | None = None, made: dict | None = None
-                 ) -> tuple[dict[str, str | None], dict[str, dict], dict[str, str]]:
-    """What a resume needs of `path`'s latest ok rows, read once: (done: `done_ids`; made
-    with other settings than `made`, on `index`: id -> that row's `made_with`; answered on
-    another index than `index`: id -> that index)."""
-    done: dict[str, str | None] = {}
-    other_made: dict[str, dict] = {}
-    other_index: dict[str, str] = {}
+@dataclass
+class ResumeState:
+    """What a resume needs of an output's latest ok rows, read once."""
+    done: dict[str, str | None]  # `done_ids`
+    other_made: dict[str, dict]  # made with other settings, on this index: id -> `made_with`
+    other_index: dict[str, str]  # answered on another index: id -> that index
+    earlier: dict[str, str]  # answered on another version of this index: id -> that version
+
+
+def resume_state(path: str | Path, index: str | None = None, made: dict | None = None,
+                 version: str | None = None) -> ResumeState:
+    """What a resume needs of `path`'s latest ok rows (`ResumeState`). A row answered on
+    another index is not done; nor one answered on another `version` of this one (ingested
+    again since, with changed documents: its evidence quotes the old text); nor one made with
+    other settings than `made`. Rows that do not say (written before rows named them) are."""
+    state = ResumeState({}, {}, {}, {})
     for qid, row in latest_rows(path).items():
         if row.status != "ok" or row.late:
             continue
         if index is not None and row.index not in (None, index):
-            other_index[qid] = row.index
+            state.other_index[qid] = row.index
+        elif version and row.version and row.version != version:
+            state.earlier[qid] = row.version
         elif made is not None and row.made_with is not None and differing(row.made_with, made):
-            other_made[qid] = row.made_with
+            state.other_made[qid] = row.made_with
         else:
-            done[qid] = row.question
-    return done, other_made, other_index
+            state.done[qid] = row.question
+    return state
 
 
 def to_ask(items: list[tuple[str, str]], done: dict[str, str | None]
@@ -457,7 +472,8 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               search: Callable[[str], dict], *, concurrency: int = 2, index: str | None = None,
               on_done: Callable[[str], None] | None = None,
               stop_after: int = STOP_AFTER, stop: threading.Event | None = None,
-              locked: bool = False, made: dict | None = None) -> dict:
+              locked: bool = False, made: dict | None = None,
+              version: str | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
     run; `cut_short`: how many of its ok rows a resume asks again), skipped (already ok),
@@ -468,23 +484,26 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     no question is started after it, the ones running finish and their rows are written, then
     KeyboardInterrupt is raised here. `locked`: the caller holds the output's `OutputLock`
     (else it is taken here, for the run). `index` and `made` (`made_with`): written in every
-    row, and a row answered on another index or made with other settings is not done."""
+    row, and a row answered on another index or made with other settings is not done; so is
+    one answered on another `version` of the index (the manifest's; written as
+    `index_version`)."""
     out_path = Path(out_path)
     held = None if locked else OutputLock(out_path).acquire()
     try:
         return _run_batch(items, out_path, search, concurrency, index, on_done, stop_after,
-                          stop, made)
+                          stop, made, version)
     finally:
         if held is not None:
             held.release()
 
 
 def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_after,
-               stop, made) -> dict:
+               stop, made, version) -> dict:
     mend_tail(out_path)
-    todo, changed = to_ask(items, done_ids(out_path, index, made))
+    todo, changed = to_ask(items, done_ids(out_path, index, made, version))
     stamp = ({} if index is None else {"index": index}) | ({} if made is None else
                                                            {"made_with": made})
+    stamp |= {} if not version else {"index_version": version}
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
               "cut_short": 0, "not_run": 0, "stopped": "", "lost": "", "changed": changed}

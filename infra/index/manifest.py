@@ -46,6 +46,10 @@ class Manifest:
     finished_at: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     format: int = FORMAT
+    # what the index holds, as an id: new at each ingest that commits a document, kept by one
+    # that commits none (`next_version`); a batch row names it, so a resume after documents
+    # changed asks again what it answered before. "": a manifest written before versions.
+    version: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,6 +60,16 @@ class Manifest:
         whoever has it open; one that only adds or replaces documents does not."""
         return (json.dumps(self.embedding, sort_keys=True), self.encoding, self.chunk_tokens,
                 self.chunk_overlap, json.dumps(self.backends, sort_keys=True))
+
+
+def next_version(previous: "Manifest | None", committed: int) -> str:
+    """The `version` of an index an ingest has just filled: the previous one when it committed
+    no document (the same text again changes no evidence), else a new one."""
+    if previous is not None and previous.version and not committed:
+        return previous.version
+    import uuid
+
+    return uuid.uuid4().hex[:16]
 
 
 def manifest_path(index_dir: Path) -> Path:

@@ -84,18 +84,20 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
                if data.bad_lines else "")
         raise BranchsearchError(f"{input}: no questions (one JSON object a line, "
                                 '{"id": …, "question": …})' + why)
-    from branchsearch.infra.index.open import check_readable
+    from branchsearch.infra.index.profile import index_profile
 
-    check_readable(settings)  # an unknown or unusable index: its one line, before any note
+    profile = index_profile(settings)
+    profile.require_searchable()  # an unknown or unusable index: its one line, before any note
+    version = getattr(profile.manifest, "version", "") or None  # (an external index: none)
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     from branchsearch.orchestrator.execution import pick_executor
     from branchsearch.orchestrator.execution.processes import QuestionProcesses, worker_count
 
     made = made_with(settings, groups)
-    done, otherwise, elsewhere = (resume_state(output, settings.index, made)
-                                  if output.is_file() else ({}, {}, {}))
-    todo, changed = to_ask(data.items, done)
+    state = resume_state(output, settings.index, made, version)
+    otherwise, elsewhere, earlier = state.other_made, state.other_index, state.earlier
+    todo, changed = to_ask(data.items, state.done)
     asked = {qid for qid, _ in data.items}
     if otherwise:  # one output holds one configuration's evidence (a resume with a flag
         # changed by mistake would otherwise replace finished work, and rows of questions
@@ -113,6 +115,14 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             f"batch output {output} holds ok rows answered on another index "
             f"({', '.join(kept[:3])}) for questions this input does not ask; they would stay "
             f"beside {settings.index!r}'s: give another -o")
+    if any(qid not in asked for qid in earlier):  # as `kept`: one output, one version's
+        raise BranchsearchError(
+            f"batch output {output} holds ok rows answered before {settings.index!r} was "
+            "ingested again with changed documents, for questions this input does not ask; "
+            "they would stay beside the new rows: give another -o")
+    if earlier:  # their evidence quotes the documents as they were: asked again
+        print(f"asking again {len(earlier)} question(s) whose ok row was answered before "
+              f"{settings.index!r} was ingested again with changed documents", file=sys.stderr)
     if elsewhere:  # their rows hold another index's evidence: asked again on this one
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
         print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "
@@ -148,7 +158,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         with first_stop_signal_sets(stop, first):
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
-                               stop=stop, locked=True, made=made)
+                               stop=stop, locked=True, made=made, version=version)
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130

@@ -474,7 +474,7 @@ def test_reading_an_output_changes_nothing_and_a_whole_last_row_without_newline_
              + json.dumps({"id": "b", "question": "qb", "status": "ok", "evidence": [2]}))
     out.write_text(whole)
     check_output(out, tmp_path / "in.jsonl")
-    assert done_ids(out) == {"a": "qa", "b": "qb"} and resume_state(out)[0] == done_ids(out)
+    assert done_ids(out) == {"a": "qa", "b": "qb"} and resume_state(out).done == done_ids(out)
     assert out.read_text() == whole  # reads only: a refused resume leaves it as it was
     asked = []
     counts = run_batch([("a", "qa"), ("b", "qb"), ("c", "qc")], out,

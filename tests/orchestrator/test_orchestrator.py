@@ -421,6 +421,60 @@ def test_a_batch_resumed_on_another_index_asks_its_questions_again(hotpot_settin
     assert len(rows) == 3 and {r["index"] for r in rows} == {"resume-b"}
 
 
+def test_a_batch_resumed_after_a_re_ingest_asks_its_questions_again(hotpot_settings, tmp_path):
+    """A document fixed and ingested again between a batch and its resume: the resume said
+    "2 already ok" and kept rows quoting the document's old text beside rows of the new one.
+    Rows name the ingest of the index that answered them (`index_version`); a resume after an
+    ingest that changed documents asks them again and says so, one after an ingest that
+    changed none resumes, and ok rows of that earlier ingest for questions this input does not
+    ask are refused (they would stay beside the new ones), the output unchanged."""
+    from branchsearch.infra.ingest.pipeline import ingest
+
+    copy = ingest_copy(hotpot_settings, "re-ingest")
+    queries = [json.loads(line) for line in (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out, one = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "one.jsonl"
+    inp.write_text("".join(json.dumps({"id": q["_id"], "question": q["text"]}) + "\n"
+                           for q in queries[:2]))
+    one.write_text(json.dumps({"id": queries[0]["_id"], "question": queries[0]["text"]}) + "\n")
+
+    def batch(questions=inp):
+        return subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                               str(questions), "-o", str(out), "--home", str(copy.home),
+                               "--index", copy.index, "--branches", "1", "--concurrency", "1"],
+                              capture_output=True, text=True, timeout=300)
+
+    def quoted(doc_id: str) -> list[str]:
+        return [c["text"] for line in out.read_text().splitlines()
+                for e in json.loads(line)["evidence"] if e["doc_id"] == doc_id
+                for c in e["chunks"]]
+
+    done = batch()
+    assert done.returncode == 0 and "2 ok" in done.stdout, done.stderr[-2000:]
+    doc = json.loads((HOTPOT / "corpus.jsonl").read_text().splitlines()[0])  # ed-wood
+    assert quoted(doc["_id"]) and all("American" in text for text in quoted(doc["_id"]))
+    ingest(HOTPOT, copy)  # the same corpus again: no document changed
+    again = batch()
+    assert "0 ok, 0 partial, 0 failed; 2 already ok" in again.stdout, again.stderr[-2000:]
+    fixed = tmp_path / "fixed.jsonl"
+    fixed.write_text(json.dumps(doc | {"text": doc["text"].replace("American", "Canadian")})
+                     + "\n")
+    ingest(fixed, copy)
+    before = out.read_bytes()
+    refused = batch(one)  # the other question's row, of the earlier ingest, would stay
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+    assert lines[0].startswith(f"error: batch output {out} holds ok rows answered before "
+                               "'re-ingest' was ingested again"), lines
+    assert out.read_bytes() == before
+    again = batch()
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "2 ok, 0 partial, 0 failed; 0 already ok" in again.stdout, again.stderr[-2000:]
+    assert "asking again 2 question(s) whose ok row was answered before 're-ingest' was " \
+        "ingested again" in again.stderr, again.stderr[-2000:]
+    assert quoted(doc["_id"]) and all("Canadian" in text for text in quoted(doc["_id"]))
+    assert "0 ok, 0 partial, 0 failed; 2 already ok" in batch().stdout
+
+
 def test_a_batch_on_an_unknown_index_is_one_error_line(tmp_path):
     """A resume with a mistyped --index said "asking again N question(s) … on 'nosuch'"
     before the error that the index does not exist: the error alone, the output unchanged."""
@@ -510,9 +564,9 @@ def test_a_resume_asks_again_rows_made_with_another_encoding_and_keeps_older_row
                                             ("encoding", {"made_with": other}),
                                             ("older", {"made_with": older}),
                                             ("oldest", {}))))
-    done, made_otherwise, elsewhere = resume_state(out, "default", made)
-    assert sorted(done) == ["older", "oldest", "same"] and not elsewhere
-    assert list(made_otherwise) == ["encoding"]
+    state = resume_state(out, "default", made)
+    assert sorted(state.done) == ["older", "oldest", "same"] and not state.other_index
+    assert list(state.other_made) == ["encoding"]
 
 
 def test_batch_ids_are_non_empty_strings_or_numbers(tmp_path):
