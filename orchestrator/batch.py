@@ -20,7 +20,8 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   keeps where each id's latest row is, not the rows (`Latest`): an output of many questions
   is gigabytes.
 * One batch at a time writes an output (`OutputLock`): a second one on the same file, whose rows
-  the first's rewrite would drop, stops with one line naming the first's PID.
+  the first's rewrite would drop, stops with one line naming the first's PID. The partial
+  copy a rewrite killed midway left beside the output is removed by the next run.
 * After `stop_after` failed questions in a row (a dead backend fails every question in
   milliseconds) no more are started: the rest stay unwritten, not marked failed by an outage,
   and the counts say how many were not run and why; re-running the command resumes.
@@ -34,6 +35,7 @@ is a malformed line.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -388,7 +390,7 @@ def compact(path: str | Path, order: list[str] | None = None) -> int:
     ids = [qid for qid in (order or []) if qid in rows]
     listed = set(ids)
     ids += [qid for qid in rows if qid not in listed]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = rewrite_copy(path, os.getpid())
     try:
         with path.open("rb") as old, tmp.open("wb") as f:
             for qid in ids:
@@ -407,6 +409,22 @@ def compact(path: str | Path, order: list[str] | None = None) -> int:
     finally:
         os.close(dir_fd)
     return len(ids)
+
+
+def rewrite_copy(path: Path, pid: int) -> Path:
+    """The temporary copy process `pid`'s `compact` writes beside `path` before renaming it."""
+    return path.with_name(f".{path.name}.{pid}.tmp")
+
+
+def drop_killed_rewrites(path: Path) -> None:
+    """Remove the partial copies that rewrites of `path` killed midway (kill -9, a scheduler's
+    grace period spent) left beside it, each as large as the output. Called under the output's
+    `OutputLock`: no other process is rewriting it."""
+    prefix, suffix = f".{path.name}.", ".tmp"
+    for copy in path.parent.glob(glob.escape(prefix) + "*" + suffix):
+        pid = copy.name[len(prefix):-len(suffix)]
+        if pid.isdigit() and copy == rewrite_copy(path, int(pid)) and copy.is_file():
+            copy.unlink(missing_ok=True)
 
 
 class OutputLock:
@@ -499,6 +517,7 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
 
 def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_after,
                stop, made, version) -> dict:
+    drop_killed_rewrites(out_path)
     mend_tail(out_path)
     todo, changed = to_ask(items, done_ids(out_path, index, made, version))
     stamp = ({} if index is None else {"index": index}) | ({} if made is None else

@@ -599,3 +599,23 @@ def test_rows_longer_than_a_read_block_mend_resume_and_compact_as_written(tmp_pa
     assert out.read_text(encoding="utf-8") == "\n".join(rows) + "\n"
     assert compact(out, ["東京", "a"]) == 3
     assert out.read_text(encoding="utf-8").splitlines() == [rows[3], rows[2], rows[1]]
+
+
+def test_a_run_removes_the_partial_copy_a_killed_rewrite_left(tmp_path):
+    """A batch killed (kill -9, a scheduler's grace period spent) while it rewrote its output
+    left `.out.jsonl.<pid>.tmp`, a partial copy as large as the output, and every later run
+    kept it: a 341 MB output killed so left 52 MB behind, for good. The next run of that
+    output (which holds its lock) removes it, and only it."""
+    out = tmp_path / "out.jsonl"
+    run_batch([("a", "qa")], out, lambda q: {"status": "ok", "evidence": [q]}, concurrency=1)
+    torn = tmp_path / ".out.jsonl.4242.tmp"  # as the killed rewrite left it: half a row last
+    torn.write_bytes(out.read_bytes() + b'{"id": "b", "stat')
+    others = [tmp_path / ".other.jsonl.4242.tmp", tmp_path / ".out.jsonl.notes.tmp",
+              tmp_path / "out.jsonl.4242.tmp"]
+    for path in others:
+        path.write_text("not ours\n")
+    counts = run_batch([("a", "qa"), ("b", "qb")], out,
+                       lambda q: {"status": "ok", "evidence": [q]}, concurrency=1)
+    assert counts["ok"] == 1 and counts["skipped"] == 1
+    assert not torn.exists() and all(path.exists() for path in others)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
