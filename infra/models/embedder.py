@@ -55,6 +55,30 @@ def resolve_model_path(name: str) -> Path:
     return path
 
 
+_PLAIN_MODULES = {"sentence_transformers.models.Transformer",
+                  "sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"}
+
+
+def configured_dim(folder: Path) -> int | None:
+    """The dimension a sentence-transformers folder's configuration gives without loading its
+    weights: its modules a transformer, one pooling that keeps the word dimension (one mode)
+    and maybe a normalisation; None for anything else (a dense layer, concatenated poolings,
+    a configuration missing or unreadable), whose dimension only the model says."""
+    import json
+
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        pooling = [m for m in modules if m["type"].endswith(".Pooling")]
+        if {m["type"] for m in modules} - _PLAIN_MODULES or len(pooling) != 1:
+            return None
+        config = json.loads((folder / pooling[0]["path"] / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+    dim = config.get("word_embedding_dimension")
+    return dim if len(modes) == 1 and isinstance(dim, int) and dim > 0 else None
+
+
 _MODELS: dict[tuple, tuple] = {}  # (model, backend, device, exports) -> (model, backend)
 _MODELS_LOCK = threading.Lock()
 
@@ -154,6 +178,15 @@ class Embedder:
 
     @property
     def dim(self) -> int:
+        """The vectors' dimension: read from the model folder's configuration when that says
+        it (`configured_dim`: listing indexes needs no weights loaded), else from the model."""
+        if self._model is None and self.backend != STATIC_BACKEND:
+            try:
+                dim = configured_dim(resolve_model_path(self.model_name))
+            except BranchsearchError:
+                dim = None
+            if dim is not None:
+                return dim
         model = self._load()
         if isinstance(model, (ExportedEncoder, StaticEncoder)):
             return model.dim

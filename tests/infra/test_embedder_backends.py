@@ -132,3 +132,38 @@ def test_embedders_of_one_model_share_it():
     """A service loaded the model once per index it opened (and again on every reopen): every
     embedder of one model in a process now shares the one loaded."""
     assert Embedder()._load() is Embedder(batch_size=8)._load()
+
+
+def test_the_dimension_is_read_from_the_configuration_when_it_says_it(tmp_path):
+    """The default model's folder says 384 without its weights loading; a folder whose modules
+    change the dimension (a dense layer, two pooling modes) or say nothing is left to the model,
+    and the configured dimension is the one the loaded model makes."""
+    import shutil
+
+    from branchsearch.infra.models.embedder import DEFAULT_MODEL, configured_dim, \
+        resolve_model_path
+
+    folder = resolve_model_path(DEFAULT_MODEL)
+    embedder = Embedder(DEFAULT_MODEL)
+    assert embedder.dim == 384 and embedder._model is None
+    assert embedder.embed(["a question"]).shape == (1, configured_dim(folder))
+
+    def variant(name, modules=None, pooling=None):
+        copy = tmp_path / name
+        shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+        if modules is not None:
+            (copy / "modules.json").write_text(json.dumps(modules))
+        if pooling is not None:
+            (copy / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        return copy
+
+    plain = json.loads((folder / "modules.json").read_text())
+    dense = plain + [{"idx": 3, "name": "3", "path": "3_Dense",
+                      "type": "sentence_transformers.models.Dense"}]
+    two_modes = {"word_embedding_dimension": 384, "pooling_mode_mean_tokens": True,
+                 "pooling_mode_max_tokens": True}
+    assert configured_dim(variant("plain")) == 384
+    assert configured_dim(variant("dense", modules=dense)) is None
+    assert configured_dim(variant("two", pooling=two_modes)) is None
+    assert configured_dim(variant("broken", modules="not a list")) is None
+    assert configured_dim(tmp_path / "absent") is None

@@ -1146,9 +1146,10 @@ def test_indexes_checks_both_sides_of_a_hybrid_index(foreign, tmp_path):
 
 
 @pytest.mark.es
-def test_indexes_loads_the_embedding_model_once(foreign, tmp_path, monkeypatch):
-    """`indexes` checks each hybrid external index's vector dimension with the embedding model:
-    three such indexes load it once, not once each (counted where the model is really read)."""
+def test_indexes_loads_no_embedding_model(foreign, tmp_path, monkeypatch):
+    """`indexes` checks each hybrid external index's vector dimension against the embedding
+    model's, read from the model folder's configuration: three such indexes load no weights
+    (counted where the model is really read; a mismatch is still refused: the 8-dim tests)."""
     from branchsearch.infra.index.catalog import list_indexes
     from branchsearch.infra.models import embedder as embedder_module
 
@@ -1169,4 +1170,4 @@ def test_indexes_loads_the_embedding_model_once(foreign, tmp_path, monkeypatch):
     infos = list_indexes(settings)
     assert [(i.name, i.health, i.documents) for i in infos] == \
         [(f"hybrid{i}", "ok", foreign["count"]) for i in range(3)]
-    assert loads == ["all-MiniLM-L6-v2"]
+    assert loads == []
