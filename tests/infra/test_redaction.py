@@ -82,9 +82,9 @@ def test_a_non_ascii_password_is_masked(tmp_path):
 def test_errors_of_an_index_whose_password_is_a_common_word_read_whole(tmp_path, es_url,
                                                                        caplog):
     """`indexes`, `retrieve` and the service's 503 on an external index whose es_url password
-    is "index", and whose Elasticsearch index does not exist: the lines said "*** 'corp':
-    Elasticsearch *** 'corp-docs' does not exist"; now they say "index" and still hide the
-    password; the caller's 503 says "open this index", the server log the whole line."""
+    is "index", and whose Elasticsearch index does not exist: the lines keep the word "index"
+    (not "*** 'corp': Elasticsearch *** 'corp-docs'") and still hide the password; the
+    caller's 503 says "open this index", the server log the whole line."""
     url = es_url.replace("://", "://elastic:index@")
     config = tmp_path / "s.toml"
     config.write_text(_external(url, "no-such-index"))

@@ -804,11 +804,9 @@ def test_a_long_run_keeps_few_spans_and_the_same_peak_per_key(monkeypatch):
 
 def test_cli_429s_of_a_full_key_queue_say_so_and_count_only_what_it_took(tmp_path):
     """`serve --standalone` with 1 slot and a queue of 1 a key, 6 users on its one key: the
-    service ran 1 and queued 1 and refused the rest 429 at once. The report said "the key's
-    own concurrency limit refused requests ... raise the service's per_key_concurrency" (the
-    queue full was not named) and "up to 6 of one key's requests were under way at once",
-    counting the requests it refused. It now names the full queue and its limits (read from
-    the 429's fields), and counts the 2 the service held."""
+    service ran 1 and queued 1 and refused the rest 429 at once. The report names the full
+    queue and its limits (read from the 429's fields, not its prose) and counts the 2 the
+    service held, not the requests it refused."""
     from branchsearch.orchestrator.service.admission import Limits
 
     out = tmp_path / "lt.json"
@@ -834,9 +832,8 @@ def test_cli_429s_of_a_full_key_queue_say_so_and_count_only_what_it_took(tmp_pat
 
 def test_cli_429s_after_waiting_past_the_deadline_say_so(tmp_path):
     """The key's one slot held (a search of its that does not end), `--deadline-s 0.5`: each
-    request waited in the key's queue until its deadline and was refused 429. The report told
-    the user to raise per_key_concurrency or add keys, as for a key with no queue; it now says
-    they waited past their deadline, and what that asks for."""
+    request waited in the key's queue until its deadline and was refused 429. The report says
+    they waited past their deadline, and what that asks for (not the no-queue advice)."""
     from branchsearch.orchestrator.service.admission import Limits
 
     out = tmp_path / "lt.json"

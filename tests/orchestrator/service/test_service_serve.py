@@ -513,9 +513,9 @@ def test_the_load_test_counts_every_replicas_searches_from_metrics(serve_app):
 
 def test_a_keys_429_under_serve_gives_the_queue_the_replica_cut(serve_app, tmp_path):
     """Under Ray Serve a searcher replica cuts a key's per_key_queue (`for_replica`: here 16
-    to 1, with 1 slot a key and 4 searches a replica). A key's 429 said the cut limit only in
-    its prose; its body now gives it as data, with why it was refused and the key's counts
-    (the fields cross the Serve handle with the refusal), as `serve --standalone` does."""
+    to 1, with 1 slot a key and 4 searches a replica). A key's 429 body gives the cut limit
+    as data, with why it was refused and the key's counts (the fields cross the Serve handle
+    with the refusal), as `serve --standalone` does."""
     import socket
     import threading
 
