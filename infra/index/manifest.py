@@ -72,6 +72,16 @@ def next_version(previous: "Manifest | None", committed: int) -> str:
     return uuid.uuid4().hex[:16]
 
 
+def renew_version(index_dir: Path) -> None:
+    """A new `version` for an index whose documents a write changed outside an ingest (the
+    service's upsert and delete, holding the ingest lock); nothing for an index without a
+    manifest (the write's own check refuses one)."""
+    manifest = read_manifest(index_dir)
+    if manifest is not None:
+        manifest.version = next_version(None, 1)
+        write_manifest(index_dir, manifest)
+
+
 def manifest_path(index_dir: Path) -> Path:
     return Path(index_dir) / MANIFEST
 

@@ -224,16 +224,16 @@ class Concurrency:
         running, waiting = self._per_key.get(key_name, 0), len(self._waiting.get(key_name, ()))
         slots, queue = self.limits.per_key_concurrency, self.limits.per_key_queue
         if reason == DEADLINE_IN_QUEUE:
-            detail = (f"key {key_name!r} had its {slots} requests in flight for the "
+            detail = (f"key {key_name!r} had its {_requests(slots)} in flight for the "
                       f"{time.monotonic() - began:.1f} s this one could wait (its deadline)")
         elif reason == QUEUE_FULL:
-            detail = (f"key {key_name!r} has {running} requests in flight and {waiting} "
+            detail = (f"key {key_name!r} has {_requests(running)} in flight and {waiting} "
                       f"waiting; the limits are {slots} and {queue} (per_key_queue)")
         elif reason == NO_QUEUE:
-            detail = (f"key {key_name!r} has {running} requests in flight; the limit is {slots} "
+            detail = (f"key {key_name!r} has {_requests(running)} in flight; the limit is {slots} "
                       "and no request waits for a slot (per_key_queue 0)")
         else:
-            detail = f"key {key_name!r} has {running} requests in flight; the limit is {slots}"
+            detail = f"key {key_name!r} has {_requests(running)} in flight; the limit is {slots}"
         return ApiError(429, "too_many_requests", detail,
                         {"Retry-After": str(self.limits.retry_after_s)},
                         {"reason": reason, "running": running, "waiting": waiting,
@@ -263,3 +263,7 @@ class Concurrency:
                 self._per_key[key_name] = left
             else:
                 del self._per_key[key_name]
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" if n == 1 else f"{n} requests"

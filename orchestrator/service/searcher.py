@@ -557,6 +557,7 @@ class Searcher:
                 self._check_files(driver)
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
+                self._renew_version(driver)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
 
     def _delete(self, end: float, index: str, doc_id: str, key: ApiKey) -> dict:
@@ -577,6 +578,8 @@ class Searcher:
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)
+                if found:
+                    self._renew_version(driver)
         if not found:
             raise missing
         return {"index": index, "deleted": doc_id}
@@ -657,6 +660,21 @@ class Searcher:
         if health != "ok":
             raise IndexIncomplete(f"index {driver.settings.index!r} cannot take writes: "
                                   f"{health}")
+
+    @staticmethod
+    def _renew_version(driver) -> None:
+        """The index's documents changed: a new manifest `version`, so a `batch` resumed on it
+        asks again what it answered before. In the write turn (the ingest lock held). The
+        write has landed whatever this meets: a manifest that cannot be rewritten (it is
+        replaced atomically, so it stays as it was) is the server log's, not the caller's."""
+        from branchsearch.infra.index.manifest import renew_version
+
+        try:
+            renew_version(driver.settings.index_dir)
+        except OSError as exc:
+            log.error("index %r: its manifest's version could not be renewed after a write "
+                      "(a batch resumed on it keeps its earlier answers): %s",
+                      driver.settings.index, error_line(exc, 300))
 
     @staticmethod
     def _ingest_lock(driver):

@@ -470,6 +470,34 @@ def test_a_delete_of_an_id_with_a_trailing_newline_is_not_a_delete_of_the_id_wit
         "index": "acl", "deleted": "nl-memo"}
 
 
+def test_a_write_through_the_service_renews_the_index_version(site):
+    """A document upserted or deleted through the service changes what the index holds: its
+    manifest gets a new `version`, so a `batch` resumed on it asks again what it answered
+    before; a refused write and a delete of no document keep it."""
+    from branchsearch.infra.index.manifest import read_manifest
+
+    client, keys, state = site
+    folder = state.searcher.target.settings.index_dir
+    version = lambda: read_manifest(folder).version  # noqa: E731
+    before = version()
+    r = client.put("/v1/indexes/acl/documents", headers=auth(keys["admin"]),
+                   json=[{"id": "ver-memo", "text": "A memo about the lighthouse rota."}])
+    assert r.status_code == 200, r.text
+    upserted = version()
+    assert upserted and upserted != before
+    r = client.put("/v1/indexes/acl/documents", headers=auth(keys["alpha-admin"]),
+                   json=[{"id": "ver-b", "text": "A bravo memo.", "acl": ["bravo"]}])
+    assert_error(r, 403, "forbidden")
+    assert_error(client.delete("/v1/indexes/acl/documents/no-such-memo",
+                               headers=auth(keys["admin"])), 404, "document_not_found")
+    assert version() == upserted
+    r = client.delete("/v1/indexes/acl/documents/ver-memo", headers=auth(keys["admin"]))
+    assert r.status_code == 200, r.text
+    assert version() not in (before, upserted)
+    r = client.post("/v1/search", headers=auth(keys["admin"]), json={"question": "lighthouse"})
+    assert r.status_code == 200, r.text  # the rewritten manifest is the same index to the driver
+
+
 def test_a_compressed_body_is_a_415_that_says_so(site):
     """A body sent with `Content-Encoding: gzip` (as log shippers and bulk clients send
     uploads) is a 415 naming the encoding, to a PUT and to a search (not a 422 about the
