@@ -261,12 +261,18 @@ def server_hint(settings: Settings) -> str:
     manifest says was ingested into a Milvus server keeps its vectors only there (unsetting
     `milvus_uri` would point it at an embedded file that does not hold them); a new one can
     take either."""
+    from branchsearch.infra.errors import redact
     from branchsearch.infra.stores.milvus import SERVER_HINT
 
-    if str(recorded_backends(settings).get("dense", "")).startswith("milvus "):
-        return (f"start Milvus there: index {settings.index!r} was ingested into a Milvus "
-                "server and keeps its vectors only there (keep milvus_uri set to it)")
-    return SERVER_HINT
+    recorded = str(recorded_backends(settings).get("dense", ""))
+    if not recorded.startswith("milvus "):
+        return SERVER_HINT
+    at = recorded[len("milvus "):].rpartition(" (")[0]  # "milvus <uri> (<vector index>)"
+    if at and at != redact(settings.milvus_uri or ""):  # (recorded without credentials)
+        return (f"index {settings.index!r} was ingested into the Milvus server at {at} and "
+                "keeps its vectors only there: set milvus_uri to that server, or start it")
+    return (f"start Milvus there: index {settings.index!r} was ingested into a Milvus "
+            "server and keeps its vectors only there (keep milvus_uri set to it)")
 
 
 def index_spec(settings: Settings):

@@ -266,12 +266,15 @@ def test_a_milvus_lite_server_of_the_tests_logs_in_their_own_folder(tmp_path):
 
 def test_a_refused_server_is_told_the_fix_that_fits_the_index(milvus_uri, hotpot_settings):
     """`milvus_uri` at an address nobody answers: an index ingested into a Milvus server keeps
-    its vectors only there, so its line says to start the server (unsetting milvus_uri would
+    its vectors only there, so its line names that server (its manifest's address, without
+    credentials), or says to start it when it is the one refused (unsetting milvus_uri would
     point it at an embedded file that does not hold them); a new index may still take the
     embedded file instead; an index ingested into its embedded file does not use the server."""
     from conftest import ingest_copy
 
-    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.infra.errors import BackendUnavailable, redact
+    from branchsearch.infra.index.manifest import write_manifest
+    from branchsearch.infra.index.open import server_hint
 
     refused = "http://127.0.0.1:1"
     on_server = hotpot_settings.replace(index=f"srv{uuid.uuid4().hex[:6]}", milvus_uri=milvus_uri)
@@ -283,8 +286,21 @@ def test_a_refused_server_is_told_the_fix_that_fits_the_index(milvus_uri, hotpot
                 attempt(on_server.replace(milvus_uri=refused))
             line = str(said.value)
             assert "is not answering" in line and "unset milvus_uri" not in line, line
-            assert f"index {on_server.index!r} was ingested into a Milvus server" in line, line
-        assert read_manifest(on_server.index_dir) is not None  # the refused ingest changed nothing
+            assert (f"index {on_server.index!r} was ingested into the Milvus server at "
+                    f"{redact(milvus_uri)} and keeps its vectors only there: set milvus_uri to "
+                    "that server, or start it") in line, line
+        manifest = read_manifest(on_server.index_dir)
+        assert manifest is not None  # the refused ingest changed nothing
+        recorded = dict(manifest.backends)
+        manifest.backends["dense"] = f"milvus {refused} (HNSW)"  # as if refused where it was
+        write_manifest(on_server.index_dir, manifest)
+        try:
+            assert server_hint(on_server.replace(milvus_uri=refused)).startswith(
+                f"start Milvus there: index {on_server.index!r} was ingested into a Milvus "
+                "server")
+        finally:
+            manifest.backends = recorded
+            write_manifest(on_server.index_dir, manifest)
         with pytest.raises(BackendUnavailable) as said:
             ingest(HOTPOT, on_server.replace(index=f"new{uuid.uuid4().hex[:6]}",
                                              milvus_uri=refused))
