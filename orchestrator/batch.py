@@ -49,7 +49,7 @@ from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, ClusterLost, CorpusError
 from branchsearch.infra.ids import id_problem
-from branchsearch.workers.query import question_problem
+from branchsearch.workers.query import QUESTION_CUT, question_problem
 
 STATUSES = ("ok", "partial", "failed")
 
@@ -194,6 +194,13 @@ def cut_short(row: dict) -> bool:
     it again."""
     metrics = row.get("metrics")
     return isinstance(metrics, dict) and bool(metrics.get("late_waves"))
+
+
+def question_cut(row: dict) -> bool:
+    """A row whose question was longer than `query_max_tokens`: searched by its first tokens
+    (its `notes` say so); done, but a researcher should know how many."""
+    notes = row.get("notes")
+    return isinstance(notes, list) and any(str(n).startswith(QUESTION_CUT) for n in notes)
 
 
 @dataclass(frozen=True)
@@ -494,7 +501,8 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               version: str | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
-    run; `cut_short`: how many of its ok rows a resume asks again), skipped (already ok),
+    run; `cut_short`: how many of its ok rows a resume asks again; `question_cut`: how many
+    of its rows searched a question cut to `query_max_tokens`), skipped (already ok),
     changed (ids asked again: their question changed), not_run (left when `stop_after`
     failures in a row or a lost cluster stopped the run), `stopped` (why, or ""), `lost` (why
     the Ray cluster was lost, or "") and `failed_ids` (this run's failed question ids, in input
@@ -525,7 +533,8 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
     stamp |= {} if not version else {"index_version": version}
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
-              "cut_short": 0, "not_run": 0, "stopped": "", "lost": "", "changed": changed}
+              "cut_short": 0, "question_cut": 0, "not_run": 0, "stopped": "", "lost": "",
+              "changed": changed}
     in_a_row, last_error, failed_ids, lost = 0, [""], set(), 0
 
     def one(qid: str, question: str) -> str:
@@ -545,6 +554,7 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
             append_row(out_path, row)
             if row_status(row) == "ok" and cut_short(row):
                 counts["cut_short"] += 1
+            counts["question_cut"] += question_cut(row)
         return row_status(row)
 
     def interrupted() -> bool:

@@ -23,7 +23,7 @@ from branchsearch.orchestrator.result import (MEANING_ONLY, NOTHING_VISIBLE, Sea
                                              evidence_texts, fuse_branches, meaning_only)
 from branchsearch.workers.branch import BranchTask
 from branchsearch.workers.harness import called_off
-from branchsearch.workers.query import check_question
+from branchsearch.workers.query import QUESTION_CUT, check_question
 from branchsearch.workers.tools import fit_query
 
 
@@ -98,7 +98,7 @@ class Driver:
         deadline = started_wall + deadline_s if deadline_s is not None else None
         cap = self.settings.query_max_tokens
         text, tokens = fit_query(question, self.counter, cap)
-        notes = [f"question cut from {tokens:,} to {cap} tokens (the search cap) before "
+        notes = [f"{QUESTION_CUT} {tokens:,} to {cap} tokens (the search cap) before "
                  "searching"] if tokens > cap or len(text) < len(" ".join(question.split())) \
             else []
         with telemetry.tracer().start_as_current_span("query") as span:

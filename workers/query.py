@@ -37,6 +37,9 @@ def question_problem(text: object, what: str = "question") -> str:
     return ""
 
 
+# how a result's note begins when its question was longer than `query_max_tokens` and was
+# searched by its first tokens (`Driver.search`; `batch` counts such rows)
+QUESTION_CUT = "question cut from"
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 but tab, LF, CR; DEL; C1
 
 

@@ -182,6 +182,11 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
               f"({settings.branch_timeout_s:g} s); a re-run asks them again (give it more time "
               "to search them whole)",
               file=sys.stderr)
+    if counts["question_cut"]:
+        cap = settings.query_max_tokens
+        print(f"{counts['question_cut']} question(s) were longer than query_max_tokens ({cap}) "
+              f"and were searched by their first {cap} tokens (their rows' notes say so); raise "
+              "query_max_tokens to search them whole", file=sys.stderr)
     if counts["failed_ids"]:
         ids = counts["failed_ids"]
         more = f" and {len(ids) - 10} more" if len(ids) > 10 else ""

@@ -1005,6 +1005,28 @@ def test_a_batch_resume_asks_again_the_ok_rows_cut_short_for_lack_of_time(hotpot
     assert "cut short" not in again.stderr
 
 
+def test_a_batch_says_how_many_questions_it_searched_cut_to_the_cap(hotpot_settings, tmp_path):
+    """A question longer than `query_max_tokens` is searched by its first tokens and its row
+    is `ok`, its notes saying so; the summary counts such rows, so a researcher with thousands
+    of questions learns how many were not searched whole."""
+    copy = ingest_copy(hotpot_settings, "cut-question")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    long = Q + " " + " ".join(f"padding{i}" for i in range(300))
+    inp.write_text(json.dumps({"id": "long", "question": long}) + "\n"
+                   + json.dumps({"id": "short", "question": Q}) + "\n")
+    run = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "batch",
+                          str(inp), "-o", str(out), "--home", str(copy.home), "--index",
+                          copy.index, "--concurrency", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["long"]["status"] == "ok" and rows["long"]["notes"][0].startswith(
+        "question cut from")
+    cap = copy.query_max_tokens
+    assert (f"1 question(s) were longer than query_max_tokens ({cap}) and were searched by "
+            f"their first {cap} tokens") in run.stderr, run.stderr[-2000:]
+
+
 def test_batch_ids_with_control_or_invisible_characters_are_kept_and_shown_escaped(tmp_path):
     """Ids holding a newline, an escape sequence or a zero-width character were printed raw in
     the lines naming them ("asking again …: a", then "b" on a line of its own; 'q1' and
