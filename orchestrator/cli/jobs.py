@@ -52,8 +52,9 @@ def batch(input: Path = typer.Argument(..., help="JSONL of {id, question}; - rea
               help="stop starting questions after this many failed in a row (0: never)"),
           home: Optional[Path] = HomeOpt, index: Optional[str] = IndexOpt,
           config: Optional[Path] = ConfigOpt):
-    """Many questions, resumable: re-running runs again every id whose latest line is not ok;
-    the output ends with one line per id."""
+    """Many questions, resumable: re-running runs again every id whose latest line is not ok,
+    was cut short, or was answered for another question text, another index or before the
+    index's documents changed; the output ends with one line per id."""
     from branchsearch.infra.textfile import output_path
     from branchsearch.orchestrator.batch import OutputLock
 
