@@ -273,7 +273,9 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     from branchsearch.infra.ingest.batches import EmbeddedBatch
 
     rows: list[dict] = []
-    if cache is not None and embed:
+    # (an empty cache is not looked up: a first ingest would chunk the whole corpus here,
+    # before the pool starts, only to find nothing)
+    if cache is not None and embed and not cache.empty():
         yield from from_the_cache(docs, settings, cache, batch_docs, rows)
         if not rows:
             return  # every vector was in the cache: no pool

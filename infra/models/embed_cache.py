@@ -37,6 +37,11 @@ class EmbeddingCache:
                     f"SELECT key, vec FROM vectors WHERE key IN ({marks})", batch).fetchall())
         return {i: found[k] for i, k in enumerate(keys) if k in found}
 
+    def empty(self) -> bool:
+        """Whether the cache holds no vector at all (of any model): nothing to look up."""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM vectors LIMIT 1").fetchone() is None
+
     def put_many(self, texts: Sequence[str], vectors) -> None:
         rows = [(self._key(t), v.tobytes()) for t, v in zip(texts, vectors)]
         with self._lock, self._db:
