@@ -13,8 +13,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   a result (`made_with`: the settings `CHANGES_RESULT` names, the caller's ACL
   groups), so that one output never mixes two configurations' evidence (the CLI refuses such a
   resume instead: a flag changed by mistake would replace finished work). So are ok rows
-  answered before the index was ingested again with changed documents (`index_version`, the
-  manifest's `version`): their evidence quotes the old text.
+  answered before the index's documents changed (`index_version`, the manifest's `version`:
+  an ingest that committed a document, a service upsert or delete): their evidence quotes the
+  old text.
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt, copied as written. Reading an output (a resume, the rewrite)
   keeps where each id's latest row is, not the rows (`Latest`): an output of many questions
@@ -339,8 +340,8 @@ class ResumeState:
 def resume_state(path: str | Path, index: str | None = None, made: dict | None = None,
                  version: str | None = None) -> ResumeState:
     """What a resume needs of `path`'s latest ok rows (`ResumeState`). A row answered on
-    another index is not done; nor one answered on another `version` of this one (ingested
-    again since, with changed documents: its evidence quotes the old text); nor one made with
+    another index is not done; nor one answered on another `version` of this one (its
+    documents changed since: its evidence quotes the old text); nor one made with
     other settings than `made`. Rows that do not say (written before rows named them) are."""
     state = ResumeState({}, {}, {}, {})
     for qid, row in latest_rows(path).items():

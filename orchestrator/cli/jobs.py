@@ -118,12 +118,14 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             f"beside {settings.index!r}'s: give another -o")
     if any(qid not in asked for qid in earlier):  # as `kept`: one output, one version's
         raise BranchsearchError(
-            f"batch output {output} holds ok rows answered before {settings.index!r} was "
-            "ingested again with changed documents, for questions this input does not ask; "
+            f"batch output {output} holds ok rows answered before the documents of "
+            f"{settings.index!r} changed (an ingest, or a write through the service), for "
+            "questions this input does not ask; "
             "they would stay beside the new rows: give another -o")
     if earlier:  # their evidence quotes the documents as they were: asked again
-        print(f"asking again {len(earlier)} question(s) whose ok row was answered before "
-              f"{settings.index!r} was ingested again with changed documents", file=sys.stderr)
+        print(f"asking again {len(earlier)} question(s) whose ok row was answered before the "
+              f"documents of {settings.index!r} changed (an ingest, or a write through the "
+              "service)", file=sys.stderr)
     if elsewhere:  # their rows hold another index's evidence: asked again on this one
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
         print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "

@@ -464,13 +464,13 @@ def test_a_batch_resumed_after_a_re_ingest_asks_its_questions_again(hotpot_setti
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
     assert lines[0].startswith(f"error: batch output {out} holds ok rows answered before "
-                               "'re-ingest' was ingested again"), lines
+                               "the documents of 're-ingest' changed"), lines
     assert out.read_bytes() == before
     again = batch()
     assert again.returncode == 0, again.stderr[-2000:]
     assert "2 ok, 0 partial, 0 failed; 0 already ok" in again.stdout, again.stderr[-2000:]
-    assert "asking again 2 question(s) whose ok row was answered before 're-ingest' was " \
-        "ingested again" in again.stderr, again.stderr[-2000:]
+    assert "asking again 2 question(s) whose ok row was answered before the documents of " \
+        "'re-ingest' changed" in again.stderr, again.stderr[-2000:]
     assert quoted(doc["_id"]) and all("Canadian" in text for text in quoted(doc["_id"]))
     assert "0 ok, 0 partial, 0 failed; 2 already ok" in batch().stdout
 
