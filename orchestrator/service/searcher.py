@@ -548,12 +548,11 @@ class Searcher:
             with self._write_turn(index, driver, end):
                 # (checked under the lock: what the check reads is what the write replaces)
                 for doc in docs:  # a scoped admin writes its groups' documents, and only those
-                    if not self._owns(key, doc.acl) or not all(
-                            self._owns(key, old["acl"]) for old in _held(store, doc.id)):
+                    why = self._not_its(key, doc, _held(store, doc.id))
+                    if why:
                         raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
                                        f"documents whose acl is within its groups "
-                                       f"({', '.join(key.groups)}); document {doc.id!r} is "
-                                       "not")
+                                       f"({', '.join(key.groups)}); {why}")
                 self._check_files(driver)
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
@@ -571,9 +570,11 @@ class Searcher:
                 if not all(acl_visible(old["acl"], self.groups(key)) for old in olds):
                     raise missing  # an id the key may not see answers as a missing one
                 if not all(self._owns(key, old["acl"]) for old in olds):
+                    held = ("public: only a global admin key deletes public documents"
+                            if not any(old["acl"] for old in olds) else "not")
                     raise ApiError(403, "forbidden", f"key {key.name!r} may delete only "
                                    f"documents whose acl is within its groups; document "
-                                   f"{doc_id!r} is not")
+                                   f"{doc_id!r} is {held}")
                 doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
@@ -614,6 +615,25 @@ class Searcher:
         all its own (a public document, seen by everyone, is a global admin's)."""
         return ACL_ALL in key.groups or (bool(acl) and {group_name(g) for g in acl}
                                          <= set(key.groups))
+
+    @classmethod
+    def _not_its(cls, key: ApiKey, doc, held: list[dict]) -> str:
+        """Why `key` may not write `doc` over the documents `held` under its id ("" when it
+        may), in words that name the fix: a document sent without an acl is public, which
+        only a global admin writes; groups it names beyond the key's are named (the caller
+        sent them); a held document is said public, or another group's without naming it."""
+        if not cls._owns(key, doc.acl):
+            if not doc.acl:
+                return (f"document {doc.id!r} is sent without an acl, which makes it public: "
+                        "only a global admin key writes public documents")
+            beyond = sorted({group_name(g) for g in doc.acl} - set(key.groups))
+            return f"document {doc.id!r} names groups beyond them: {', '.join(beyond)}"
+        for old in held:
+            if not cls._owns(key, old["acl"]):
+                return (f"document {doc.id!r} is held in this index as a public document: "
+                        "only a global admin key replaces it" if not old["acl"] else
+                        f"document {doc.id!r} is held in this index by another group")
+        return ""
 
     def _write(self, index: str, driver, local_fn, actor_fn, *args):
         """A document write on the stores' owner. A store that fails under it (a file gone, a

@@ -399,7 +399,8 @@ def test_an_uploaded_document_id_that_shows_nothing_is_a_422(site):
 
 
 def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
-    """An admin key with groups writes and deletes only documents whose acl is within them;
+    """An admin key with groups writes and deletes only documents whose acl is within them,
+    and a refusal says which rule it met (public, groups beyond its own, another group's id);
     a DELETE of an id it may not see answers exactly as a missing id does (an admin could
     overwrite or delete any group's documents and learn which ids exist)."""
     client, keys, _ = site
@@ -407,19 +408,32 @@ def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
     ok = client.put("/v1/indexes/acl/documents", headers=scoped, json=[
         {"id": "alpha-note", "text": "An alpha harbor note.", "acl": ["alpha"]}])
     assert ok.status_code == 200, ok.text
-    for doc in ({"id": "bravo-note", "text": "x", "acl": ["bravo"]},
-                {"id": "mixed-note", "text": "x", "acl": ["alpha", "bravo"]},
-                {"id": "public-note", "text": "x"},
-                {"id": "b-vault", "text": "overwritten", "acl": ["alpha"]}):  # bravo's id
-        assert_error(client.put("/v1/indexes/acl/documents", headers=scoped, json=[doc]), 403,
-                     "forbidden")
+    said = "key 'alpha-admin' may write only documents whose acl is within its groups (alpha); "
+    for doc, why in (
+            ({"id": "bravo-note", "text": "x", "acl": ["bravo"]},
+             "document 'bravo-note' names groups beyond them: bravo"),
+            ({"id": "mixed-note", "text": "x", "acl": ["alpha", "bravo"]},
+             "document 'mixed-note' names groups beyond them: bravo"),
+            ({"id": "public-note", "text": "x"}, "document 'public-note' is sent without an "
+             "acl, which makes it public: only a global admin key writes public documents"),
+            ({"id": "pub-harbor", "text": "replaced", "acl": ["alpha"]}, "document "
+             "'pub-harbor' is held in this index as a public document: only a global admin "
+             "key replaces it"),
+            ({"id": "b-vault", "text": "overwritten", "acl": ["alpha"]},  # bravo's id
+             "document 'b-vault' is held in this index by another group")):
+        body = assert_error(client.put("/v1/indexes/acl/documents", headers=scoped,
+                                       json=[doc]), 403, "forbidden")
+        assert body["detail"] == said + why, body
     hidden = client.delete("/v1/indexes/acl/documents/b-vault", headers=scoped)
     missing = client.delete("/v1/indexes/acl/documents/no-such-id", headers=scoped)
     assert hidden.status_code == missing.status_code == 404
     assert hidden.json()["error"] == missing.json()["error"] == "document_not_found"
     assert hidden.json()["detail"].replace("b-vault", "X") == \
         missing.json()["detail"].replace("no-such-id", "X")
-    assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor", headers=scoped), 403)
+    body = assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor", headers=scoped),
+                        403)
+    assert body["detail"].endswith("document 'pub-harbor' is public: only a global admin key "
+                                   "deletes public documents"), body
     assert client.delete("/v1/indexes/acl/documents/alpha-note", headers=scoped).json() == {
         "index": "acl", "deleted": "alpha-note"}
     bravo = client.post("/v1/search", headers=auth(keys["bravo"]), json={
