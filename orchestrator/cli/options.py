@@ -146,7 +146,8 @@ class ProgressLines:
     """Progress as plain stderr lines: one every `every` seconds once the work has advanced
     (from a timer thread, so a long step between two updates still shows the clock running)
     and one at close. With a total, each line until the last says about how long is left at
-    the rate so far, as the bar's ETA does on a terminal. Nothing before the first update or postfix: a command that fails early says
+    the rate since the first update (start-up not counted), as the bar's ETA does on a
+    terminal. Nothing before the first update or postfix: a command that fails early says
     only its one `error:` line."""
 
     def __init__(self, total: int | None, unit: str, desc: str, every: float = 5.0,
@@ -161,6 +162,7 @@ class ProgressLines:
         self.n = 0
         self.postfix = ""
         self._start = self._clock()
+        self._first: tuple[float, int] | None = None  # (when, count) at the first update
         self._stop = threading.Event()
         # the timer holds the bar weakly: a bar dropped unclosed (its command raised) goes quiet
         self._timer = threading.Thread(target=_tick, args=(weakref.ref(self), self._stop,
@@ -174,6 +176,8 @@ class ProgressLines:
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        if self._first is None:  # start-up (a model load, a cluster) ends with the first count
+            self._first = (self._clock(), self.n)
 
     def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
         items = {**(ordered_dict or {}), **kwargs}
@@ -194,10 +198,21 @@ class ProgressLines:
         shown = f"{rate:.1f}" if rate >= 0.1 or not self.n else per_second(rate)  # not 0.0
         line = f"{self.desc}: {count} {self.unit}, {shown} {self.unit}/s, {elapsed:.0f} s"
         if not done and self.total is not None and 0 < self.n < self.total and rate > 0:
-            line += f", about {duration((self.total - self.n) / rate)} left"  # at this rate
+            line += f", about {duration((self.total - self.n) / self._pace(rate))} left"
         if self.postfix:
             line += f" ({self.postfix})"
         print(line + (", done" if done else ""), file=self.stream, flush=True)
+
+
+    def _pace(self, rate: float) -> float:
+        """The rate the time left is reckoned at: since the first update, once more has been
+        done, so the start-up before it (loading a model, starting Ray) is not counted as if
+        every item took a share of it; `rate` (the whole run's) until then."""
+        if self._first is not None and self.n > self._first[1]:
+            since = self._clock() - self._first[0]
+            if since > 0:
+                return (self.n - self._first[1]) / since
+        return rate
 
 
 def _tick(ref, stop, every: float) -> None:

@@ -120,3 +120,23 @@ def test_progress_lines_on_a_pipe_say_how_long_is_left():
     assert lines[0] == "batch: 700/3000 q, 7.0 q/s, 100 s, about 5 min left", lines
     assert lines[1] == "batch: 700/3000 q, 0.2 q/s, 3100 s, about 2 h 50 min left", lines
     assert lines[2] == "batch: 3000/3000 q, 1.0 q/s, 3100 s, done", lines
+
+
+def test_progress_lines_reckon_the_time_left_without_the_start_up():
+    """A batch that spends a minute starting (a model load, a Ray cluster) and then answers a
+    question a second has 89 of 100 left after 11: about a minute and a half, not the nine
+    minutes the whole run's rate (11 in 70 s) would say. The line's rate stays the run's."""
+    import io
+
+    from branchsearch.orchestrator.cli.options import ProgressLines
+
+    stream = io.StringIO()
+    bar = ProgressLines(100, "q", "batch", every=60, stream=stream)
+    bar._start -= 70  # started 70 s ago; the first answer came 10 s ago
+    bar.update(1)
+    bar._first = (bar._first[0] - 10, 1)
+    bar.update(10)
+    bar._say()
+    bar.close(done=False)
+    line = stream.getvalue().splitlines()[0]
+    assert line == "batch: 11/100 q, 0.2 q/s, 70 s, about 1 min left", line
