@@ -7,6 +7,10 @@ characters (spaces, a zero-width space, a byte-order mark) shows as nothing: a r
 tell it from an empty id, nor type it. It is refused where ids enter, as an empty one is:
 a corpus's documents (ingest, the service's upload), a batch's questions, an eval's queries
 and qrels (`id_problem`).
+
+A document id is held to more (`hidden_character`, at ingest and at the service's upload
+alike): no character that output does not show or that draws as another id's character, so
+two ids a reader sees alike are one id.
 """
 
 from __future__ import annotations
@@ -36,6 +40,41 @@ def id_problem(value: str) -> str:
     if not any(map(shows, value)):
         return f"{ascii(value)} has no character that shows"  # each escaped: none shows
     return ""
+
+
+# the joiners: invisible, yet part of how an emoji sequence (👩‍💻) or a word of a joining
+# script (Persian, Devanagari) is written
+_JOINERS = frozenset("\u200c\u200d")
+
+
+def hidden_character(doc_id: str) -> str:
+    """What makes `doc_id` look like another document's id, as the words after "document id
+    'x'"; "" when nothing does. One rule by Unicode category: a control character (Cc) or a
+    format character (Cf: zero-width space, byte-order mark, word joiner, soft hyphen,
+    direction marks and overrides) is refused, since output shows it as nothing or reorders
+    the id around it; a joiner (U+200C, U+200D) only between two non-ASCII characters, where
+    it shapes an emoji or a joining script. And a full-width ASCII letter or digit (U+FF10…,
+    U+FF21…, U+FF41…) is refused: it draws as its ASCII letter, so `ＭＥＭＯ` reads as `MEMO`.
+    (Full-width punctuation, which CJK text writes, is kept.)"""
+    for i, c in enumerate(doc_id):
+        kind = unicodedata.category(c)
+        if kind == "Cc":
+            return (f"holds the control character U+{ord(c):04X}, which output would not "
+                    "show")
+        if kind == "Cf" and not (c in _JOINERS and _joins(doc_id, i)):
+            return (f"holds the format character U+{ord(c):04X} "
+                    f"({unicodedata.name(c, 'unnamed')}), which output would not show")
+        if "\uff01" <= c <= "\uff5e" and c.isalnum():
+            ascii_c = chr(ord(c) - 0xFEE0)
+            return (f"holds the full-width {ascii_c!r} (U+{ord(c):04X}), which reads as the "
+                    f"ASCII {ascii_c!r}; write {ascii_c!r}")
+    return ""
+
+
+def _joins(text: str, i: int) -> bool:
+    """Whether the joiner at `i` stands between two non-ASCII characters that show."""
+    return (0 < i < len(text) - 1
+            and all(not c.isascii() and shows(c) for c in (text[i - 1], text[i + 1])))
 
 
 def shown_id(qid: str) -> str:

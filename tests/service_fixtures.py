@@ -35,6 +35,21 @@ CORPUS = [
              "harbor festival grounds; obsidianpact members of the marzipanfleet only."},
 ]
 
+# ids that read as another id: a character output does not show (Cc, Cf) or a full-width
+# look-alike of an ASCII letter or digit; the error names the character
+LOOKALIKE_IDS = [("memo\u200b1", "format character U+200B (ZERO WIDTH SPACE)"),
+                 ("\ufeffmemo2", "format character U+FEFF (ZERO WIDTH NO-BREAK SPACE)"),
+                 ("me\u2060mo3", "format character U+2060 (WORD JOINER)"),
+                 ("me\u00admo4", "format character U+00AD (SOFT HYPHEN)"),
+                 ("memo\u200e5", "format character U+200E (LEFT-TO-RIGHT MARK)"),
+                 ("a\u200db", "format character U+200D (ZERO WIDTH JOINER)"),
+                 ("\uff2d\uff25\uff2d\uff2f6", "full-width 'M' (U+FF2D), which reads as the "
+                                               "ASCII 'M'")]
+# ids that stay: CJK (with full-width punctuation), RTL, emoji (a ZWJ sequence), Persian with a
+# zero-width non-joiner, NFD
+KEPT_IDS = ["会议纪要（终稿）", "مذكرة-١", "launch-👩\u200d💻",
+            "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "cafe\u0301-memo"]
+
 
 def write_corpus(path: Path, rows=CORPUS) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

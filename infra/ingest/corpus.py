@@ -18,11 +18,10 @@ from pathlib import Path
 from branchsearch.infra.stores.acl import (ACL_ALL, MAX_DOC_GROUPS, PUBLIC, group_name,
                                            group_problem)
 from branchsearch.infra.errors import CorpusError
-from branchsearch.infra.ids import id_problem
+from branchsearch.infra.ids import hidden_character, id_problem
 from branchsearch.infra.nfc import nfc
 from branchsearch.infra.textfile import KeyTwice, convert_command, json_once, utf8_lines
 
-_BIDI = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # direction overrides
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
 # other spellings of the ACL field ("ACL", "acl-groups"): refused when they hold group names,
 # not kept as metadata. Other fields ("groups", "acl_id" of the ACL Anthology) are metadata.
@@ -154,10 +153,9 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
                           "longer)")
     if doc_id in (".", ".."):  # a URL path drops it: the service could never delete it
         raise CorpusError(f"{where}: document id {doc_id!r} is a path step, not a name")
-    hidden = next((c for c in doc_id if unicodedata.category(c) == "Cc" or c in _BIDI), None)
-    if hidden is not None:  # shown as nothing ("nul\0x" prints as "nulx") or reordered
-        raise CorpusError(f"{where}: document id {doc_id!r} holds the control character "
-                          f"U+{ord(hidden):04X}, which output would not show")
+    hidden = hidden_character(doc_id)
+    if hidden:  # shown as nothing ("nul\0x" prints as "nulx"), reordered, or as another id
+        raise CorpusError(f"{where}: document id {doc_id!r} {hidden}")
     _one_of(row, ("_id", "id"), where)
     _one_of(row, ("acl", "acl_groups"), where)
     lookalike = next((k for k, v in row.items() if k not in ("acl", "acl_groups")

@@ -200,7 +200,8 @@ def test_a_text_file_with_nothing_to_search_is_skipped_and_named(tmp_path, capsy
     ('', "no documents"),
     ('{"id": "..", "text": "x"}\n', r"document id '\.\.' is a path step"),
     ('{"id": "nul\\u0000x", "text": "x"}\n', "holds the control character U\\+0000"),
-    ('{"id": "rlo\\u202egpj.exe", "text": "x"}\n', "holds the control character U\\+202E"),
+    ('{"id": "rlo\\u202egpj.exe", "text": "x"}\n',
+     "holds the format character U\\+202E \\(RIGHT-TO-LEFT OVERRIDE\\)"),
     # an id of characters that do not show: no id a reader can see or type (as an empty one)
     ('{"id": "\\u200b", "text": "x"}\n',
      r"bad.jsonl:1: document id '\\u200b' has no character that shows"),

@@ -23,6 +23,8 @@ from branchsearch.infra.stores.protocols import MAX_K, check_k, check_pattern
 from branchsearch.infra.errors import BadQuery, CorpusError
 from branchsearch.orchestrator.cli.render import clean, one_line
 
+from service_fixtures import KEPT_IDS, LOOKALIKE_IDS
+
 CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
 
 
@@ -1443,3 +1445,23 @@ def test_retrieve_with_no_hit_it_may_see_says_so_as_search_does(tmp_path):
     assert hidden.stderr == nothing.stderr
     seen = run(["retrieve", "heliotrope", "--mode", "bm25", "--acl", "research", *home])
     assert "memo#p0" in seen.stdout, seen.stderr[-800:]
+
+
+def test_a_document_id_that_reads_as_another_is_one_error_line_and_nothing_is_written(
+        tmp_path):
+    """A corpus line whose id held a zero-width space, a byte-order mark, a word joiner, a
+    soft hyphen or a full-width letter was ingested: a document whose id looks like another's.
+    Now one error line naming the file, the line and the character, exit 2, and no index.
+    CJK, RTL, emoji and NFD ids still ingest."""
+    home = ["--home", tmp_path / "home", "--index", "ids", "--no-dense"]
+    corpus = tmp_path / "c.jsonl"
+    for doc_id, says in LOOKALIKE_IDS:
+        corpus.write_text(json.dumps({"id": "fine", "text": "a good note"}) + "\n"
+                          + json.dumps({"id": doc_id, "text": "a look-alike"}) + "\n")
+        assert_one_error_line(run(["ingest", corpus, *home]), f"c.jsonl:2: document id "
+                              f"{doc_id!r} holds the {says}", doc_id)
+        assert not (tmp_path / "home" / "indexes").exists(), doc_id  # nothing written
+    corpus.write_text("".join(json.dumps({"id": d, "text": f"note {i}"}) + "\n"
+                              for i, d in enumerate(KEPT_IDS)))
+    done = run(["ingest", corpus, *home])
+    assert done.returncode == 0, done.stderr[-800:]

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 import httpx
 import pytest
@@ -31,7 +31,8 @@ from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.orchestrator.service.events import parse_sse
 
 from conftest import read_only_folder
-from service_fixtures import CORPUS, LEAK_MARKER, mounted_at, start_uvicorn, write_corpus
+from service_fixtures import (CORPUS, KEPT_IDS, LEAK_MARKER, LOOKALIKE_IDS, mounted_at,
+                              start_uvicorn, write_corpus)
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_question_chars=300, per_key_concurrency=2,
                 per_key_queue=3, max_in_flight=8, default_deadline_s=60)
@@ -396,6 +397,28 @@ def test_an_uploaded_document_id_that_shows_nothing_is_a_422(site):
             f"body element 2 of 2: document id {ascii(blank)} has no character that shows")
     assert_error(client.delete("/v1/indexes/acl/documents/shows-nothing-ok", headers=admin),
                  404)
+
+
+def test_an_uploaded_document_id_that_reads_as_another_is_a_422(site):
+    """A document PUT whose id held a zero-width space, a byte-order mark, a word joiner, a
+    soft hyphen or full-width letters was written (200): a document whose id looks like
+    another's. Now a 422 naming the element and the character, and nothing of the body is
+    written; CJK, RTL, emoji and NFD ids are still written."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    for doc_id, says in LOOKALIKE_IDS:
+        body = [{"id": "lookalike-ok", "text": "A good document."},
+                {"id": doc_id, "text": "An id that reads as another."}]
+        r = client.put("/v1/indexes/acl/documents", headers=admin, json=body)
+        assert assert_error(r, 422, "bad_request")["detail"].startswith(
+            f"body element 2 of 2: document id {doc_id!r} holds the {says}"), doc_id
+    assert_error(client.delete("/v1/indexes/acl/documents/lookalike-ok", headers=admin), 404)
+    r = client.put("/v1/indexes/acl/documents", headers=admin,
+                   json=[{"id": d, "text": "A harbor note."} for d in KEPT_IDS])
+    assert r.status_code == 200, r.text
+    for doc_id in r.json()["upserted"]:
+        assert client.delete(f"/v1/indexes/acl/documents/{quote(doc_id, safe='')}",
+                             headers=admin).status_code == 200, doc_id
 
 
 def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
