@@ -199,6 +199,11 @@ def _document(doc_id: str, row: dict, where: str, source: str) -> Document:
         if isinstance(value, str) and not _utf8(value):  # JSON's "\ud800": no store holds it
             raise CorpusError(f"{where}: {name!r} holds a lone surrogate (an escape such as "
                               "\\ud800 that is no character); fix the text")
+    for name in ("title", "text"):
+        at = str(row.get(name) or "").find("\x00")
+        if at >= 0:  # stored, it would end the text early in a C reader, or print as nothing
+            raise CorpusError(f"{where}: document {doc_id!r}: {name!r} holds a NUL character "
+                              f"(U+0000) at character {at + 1}; remove it")
     if not str(row.get("title") or "").strip() and not row["text"].strip():
         # nothing a search could match: an empty chunk, whose vector is noise in dense results
         raise CorpusError(f"{where}: document {doc_id!r} has no text and no title; give it a "

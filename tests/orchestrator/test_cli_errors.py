@@ -1465,3 +1465,15 @@ def test_a_document_id_that_reads_as_another_is_one_error_line_and_nothing_is_wr
                               for i, d in enumerate(KEPT_IDS)))
     done = run(["ingest", corpus, *home])
     assert done.returncode == 0, done.stderr[-800:]
+
+
+def test_a_corpus_text_holding_a_nul_is_one_error_line_and_nothing_is_written(tmp_path):
+    """A corpus line whose text held U+0000 was ingested. Now one error line naming the file,
+    the line, the document and the field, exit 2, and no index."""
+    home = ["--home", tmp_path / "home", "--index", "nul", "--no-dense"]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "fine", "text": "a good note"}) + "\n\n"
+                      + json.dumps({"id": "memo", "text": "a\u0000note"}) + "\n")
+    assert_one_error_line(run(["ingest", corpus, *home]), "c.jsonl:3: document 'memo': 'text' "
+                          "holds a NUL character (U+0000) at character 2; remove it")
+    assert not (tmp_path / "home" / "indexes").exists()

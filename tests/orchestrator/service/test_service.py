@@ -421,6 +421,23 @@ def test_an_uploaded_document_id_that_reads_as_another_is_a_422(site):
                              headers=admin).status_code == 200, doc_id
 
 
+def test_an_uploaded_document_holding_a_nul_is_a_422(site):
+    """A document PUT whose text held U+0000 was stored (200), where a question holding one is
+    a 422. Now a 422 naming the element, the document and the field, and nothing is written."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    for field in ("text", "title"):
+        body = [{"id": "nul-ok", "text": "A good document."},
+                {"id": "nul-doc", "title": "Memo", "text": "A harbor note.",
+                 field: "harbor\u0000note"}]
+        r = client.put("/v1/indexes/acl/documents", headers=admin, json=body)
+        assert assert_error(r, 422, "bad_request")["detail"] == (
+            f"body element 2 of 2: document 'nul-doc': {field!r} holds a NUL character "
+            "(U+0000) at character 7; remove it")
+    for doc_id in ("nul-ok", "nul-doc"):
+        assert_error(client.delete(f"/v1/indexes/acl/documents/{doc_id}", headers=admin), 404)
+
+
 def test_a_scoped_admin_writes_only_its_groups_and_cannot_probe_other_ids(site):
     """An admin key with groups writes and deletes only documents whose acl is within them,
     and a refusal says which rule it met (public, groups beyond its own, another group's id);
