@@ -63,6 +63,48 @@ def for_replica(limits: Limits, max_ongoing: int) -> Limits:
     return replace(limits, per_key_queue=min(limits.per_key_queue, room))
 
 
+# the media types a body may be declared as: JSON (`application/*+json` too), and JSONL, which a
+# document upload may be (`application/x-ndjson`, as docs/service.md sends it)
+_JSON_TYPES = frozenset({"application/json", "application/x-ndjson", "application/jsonl",
+                         "application/x-jsonlines"})
+_BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+def check_body_headers(method: str, headers: dict[bytes, bytes]) -> None:
+    """A body this API can read, as its headers declare it (a request with a body: POST, PUT,
+    PATCH): uncompressed (`check_body_encoding`) and JSON (`check_body_type`); ApiError 415
+    otherwise, before the body is read."""
+    if method not in _BODY_METHODS:
+        return
+    encoding = headers.get(b"content-encoding")
+    if encoding is not None:
+        check_body_encoding(encoding.decode("latin-1"))
+    declared = headers.get(b"content-type")
+    if declared is not None:
+        check_body_type(declared.decode("latin-1"))
+
+
+def check_body_type(content_type: str) -> None:
+    """A body declared as JSON in UTF-8, or not declared (the body is read as JSON). One
+    declared as something else (`text/plain`, or `application/x-www-form-urlencoded`, which
+    `curl -d` sends without `-H`) would be read as JSON all the same, so a client that sends
+    form fields or another charset learns it only from a 422 about the text, or not at all:
+    415 naming the header to send."""
+    media, *params = content_type.split(";")
+    media = media.strip().lower()
+    if not media:
+        return
+    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params)
+                    if k.strip().lower() == "charset"), "utf-8")
+    json_like = media in _JSON_TYPES or (media.startswith("application/")
+                                         and media.endswith("+json"))
+    if not json_like or charset not in ("utf-8", "utf8"):
+        shown = " ".join(content_type.split())[:80]
+        raise ApiError(415, "unsupported_media_type", f"the body is sent as Content-Type "
+                       f"{shown}; this API reads JSON in UTF-8: send Content-Type: "
+                       "application/json")
+
+
 def check_body_encoding(encoding: str) -> None:
     """A body this API can read: uncompressed. A compressed one (`Content-Encoding: gzip`)
     would otherwise be read as its compressed bytes and refused as text that is not UTF-8, and

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from branchsearch.infra.config.settings import index_name
 from branchsearch.infra.errors import BranchsearchError, KeysFileError, error_line, redact
 from branchsearch.infra.textfile import KeyTwice, json_once
-from branchsearch.orchestrator.service.admission import (Limits, check_body_encoding,
+from branchsearch.orchestrator.service.admission import (Limits, check_body_headers,
                                                           check_body_size)
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error, shutting_down
@@ -222,9 +222,7 @@ class Observe:
             headers = dict(scope.get("headers") or [])
             length = headers.get(b"content-length")
             try:
-                encoding = headers.get(b"content-encoding")
-                if encoding is not None and scope.get("method") in ("POST", "PUT", "PATCH"):
-                    check_body_encoding(encoding.decode("latin-1"))
+                check_body_headers(scope.get("method", ""), headers)
                 check_body_size(int(length) if length is not None else None, self.state.limits)
             except ValueError:
                 pass
@@ -649,7 +647,9 @@ _ERRORS = {
     409: "index_busy (an ingest or another write holds the index; retry when it is done), or "
          "read_only_index (a declared external index takes no writes)",
     413: "body_too_large: the body is over the service's max_body_bytes",
-    415: "unsupported_encoding: the body has a Content-Encoding (gzip, …); send it uncompressed",
+    415: "unsupported_encoding: the body has a Content-Encoding (gzip, …), send it uncompressed; "
+         "or unsupported_media_type: its Content-Type is not JSON in UTF-8 (text/plain, a "
+         "form), send Content-Type: application/json (or none)",
     422: "bad_request or question_too_long: a field is missing, malformed or outside its limits "
          "(the detail names it)",
     429: "too_many_requests: this key already has its limit of requests in flight, and its "

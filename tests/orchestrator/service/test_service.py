@@ -576,6 +576,38 @@ def test_a_compressed_body_is_a_415_that_says_so(site):
     assert client.delete("/v1/indexes/acl/documents/gz-memo", headers=admin).status_code == 200
 
 
+def test_a_body_declared_as_another_type_than_json_is_a_415_that_names_the_fix(site):
+    """A search or a PUT sent as `Content-Type: text/plain` or
+    `application/x-www-form-urlencoded` (curl -d without -H) was read as JSON and answered
+    200. Now a 415 `unsupported_media_type` naming the type and the header to send, and
+    nothing is written; a body with no Content-Type, or any JSON type (with a charset, in any
+    case, `application/*+json`, JSONL's `application/x-ndjson`), is read as before."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    docs = json.dumps([{"id": "typed-memo", "text": "A memo on the tern census."}]).encode()
+    search = json.dumps({"question": "harbor lighthouse", "branches": 1}).encode()
+    for declared in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                     "application/json; charset=latin-1", "text/json"):
+        for method, path, body in (("PUT", "/v1/indexes/acl/documents", docs),
+                                   ("POST", "/v1/search", search)):
+            r = client.request(method, path, content=body,
+                               headers={**admin, "Content-Type": declared})
+            assert assert_error(r, 415, "unsupported_media_type")["detail"] == (
+                f"the body is sent as Content-Type {declared}; this API reads JSON in UTF-8: "
+                "send Content-Type: application/json"), (method, declared)
+    assert_error(client.delete("/v1/indexes/acl/documents/typed-memo", headers=admin), 404)
+    for declared in (None, "application/json", "application/json; charset=utf-8",
+                     "Application/JSON;charset=UTF-8", "application/vnd.api+json",
+                     "application/x-ndjson"):
+        typed = {**admin, **({"Content-Type": declared} if declared else {})}
+        r = client.post("/v1/search", content=search, headers=typed)
+        assert r.status_code == 200, (declared, r.text)
+        r = client.put("/v1/indexes/acl/documents", content=docs, headers=typed)
+        assert r.status_code == 200, (declared, r.text)
+        assert client.delete("/v1/indexes/acl/documents/typed-memo",
+                             headers=admin).status_code == 200
+
+
 def test_input_that_gave_500s_is_a_422(site):
     """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
     deep each answered 500; now a 422 naming the problem (as do a U+0000 in the question and a
