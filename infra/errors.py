@@ -25,7 +25,22 @@ class ClusterLost(BackendUnavailable):
 
 
 class Overloaded(BranchsearchError):
-    """No capacity for the work within its deadline (every branch actor busy): retry later."""
+    """No capacity for the work within its deadline (every branch actor busy): retry later.
+    `fields`: the limit met as data (`reason`, `in_use`, `limits`), as the service's 503
+    `overloaded` body gives them."""
+
+    def __init__(self, message: str, fields: dict):
+        super().__init__(message)
+        self.fields = fields
+
+    def __reduce__(self):  # crosses Ray intact, fields and all
+        return (Overloaded, (str(self), self.fields))
+
+
+def overload(reason: str, in_use: int | None, **limits: int) -> dict:
+    """The fields of a refusal for want of capacity: which limit was met (`reason`), how many
+    of what it counts were in use (None: not known here), and the limit(s) by setting name."""
+    return {"reason": reason, "in_use": in_use, "limits": limits}
 
 
 class BadQuery(BranchsearchError):

@@ -9,7 +9,7 @@ import threading
 import time
 
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, Overloaded,
-                                       error_line)
+                                       error_line, overload)
 from branchsearch.infra.config.settings import Settings
 
 log = logging.getLogger("branchsearch.executors")
@@ -63,7 +63,9 @@ class BranchPool:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise Overloaded(f"no {n} branch actor(s) free within the deadline: the "
-                                     f"pool of {self.size} is busy with other searches")
+                                     f"pool of {self.size} is busy with other searches",
+                                     overload("branch_actors", self._created - len(self._idle),
+                                              branch_actors=self.size))
                 self._cond.wait(left)
             while len(self._idle) < n:
                 self._idle.append(self._new())

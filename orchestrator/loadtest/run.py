@@ -470,6 +470,37 @@ def refusal_notes(reasons: dict[str, int], slots: int | None, queue: int | None,
     return notes
 
 
+# what a 503 `overloaded` of each `reason` says of the run, and the setting that moves the limit
+_SERVER_LIMITS = {
+    "max_in_flight": ("the service's requests in flight reached its max_in_flight",
+                      "raise the service's max_in_flight, or add instances"),
+    "max_open_indexes": ("every index the service keeps open had a request in flight",
+                         "raise the service's max_open_indexes"),
+    "branch_actors": ("no branch actors were free within the deadline",
+                      "give the cluster more branch actors (CPUs or GPUs), or a longer "
+                      "--deadline-s"),
+    "searcher_queue": ("Ray Serve's queue for the searcher was full",
+                       "raise searcher_max_queued or add searcher replicas"),
+}
+
+
+def overload_notes(reasons: dict[str, int], limits: dict[str, dict[str, int]]) -> list[str]:
+    """What a report says of the service's 503 `overloaded`, one note for each `reason`
+    their bodies gave, with the limits they gave for it (`limits`: by reason, then setting
+    name; read from the fields, not the detail's prose): the load passed a limit of the
+    service's own, not of its keys."""
+    notes = []
+    for reason, n in sorted(reasons.items()):
+        what, fix = _SERVER_LIMITS.get(reason, (f"a limit of the service's ({reason})",
+                                                "see the service's limits"))
+        given = limits.get(reason) or {}
+        limit = f" ({', '.join(f'{k} {v}' for k, v in sorted(given.items()))})" if given else ""
+        notes.append(f"{what}{limit}: {n} requests were refused at once (503 overloaded), and "
+                     "refusals count as errors: past that this measures the service's "
+                     f"admission limit, not its search; {fix}")
+    return notes
+
+
 def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | None = None) -> dict:
     """Run the whole load test; returns the report (also written when o.report is set)."""
     spec, notes = load_spec(o)
@@ -501,6 +532,8 @@ def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | No
     by_reason = refusal_notes(target.key_refusals, target.key_slots, target.key_queue,
                               len(o.keys), o.deadline_s) if isinstance(target, HttpTarget) else []
     notes.extend(by_reason)
+    if isinstance(target, HttpTarget):
+        notes.extend(overload_notes(target.server_refusals, target.server_limits))
     if not by_reason and any("http_429:too_many_requests" in s.get("refusals", {})
                              for s in result["steps"]):  # a service that gives no reasons
         if len(o.keys) > 1:  # "put several keys in --key-file" would be what was done

@@ -206,6 +206,10 @@ class HttpTarget:
         self.key_slots: int | None = None
         self.key_queue: int | None = None
         self.key_refusals: Counter = Counter()  # the load's 429s by their `reason`
+        # the load's 503 `overloaded` by their `reason` (a server limit: max_in_flight, …), and
+        # for each reason the limits its answers gave, by setting name
+        self.server_refusals: Counter = Counter()
+        self.server_limits: dict[str, dict[str, int]] = {}
         self.timeout_s = timeout_s
         self.body = {k_: v for k_, v in {"index": index, "branches": branches, "k": k,
                                           "deadline_s": deadline_s}.items() if v is not None}
@@ -257,7 +261,8 @@ class HttpTarget:
 
     def _count(self, key: str | None, sent: float, outcome: str, body: dict | None = None
                ) -> None:
-        """Keep a load request's span when the service took it on, and a 429's reason."""
+        """Keep a load request's span when the service took it on, a 429's reason, and a 503
+        `overloaded`'s reason and limits (its fields, `service.protocol.Overload`)."""
         with self._lock:
             if was_taken(outcome, body):
                 self._taken[key].append((sent, time.monotonic()))
@@ -265,6 +270,12 @@ class HttpTarget:
                     self._fold(key)
             if outcome.startswith("http_429") and (body or {}).get("reason"):
                 self.key_refusals[str(body["reason"])] += 1
+            if outcome == "http_503:overloaded" and (body or {}).get("reason"):
+                self.server_refusals[str(body["reason"])] += 1
+                limits = body.get("limits")
+                if isinstance(limits, dict):
+                    self.server_limits[str(body["reason"])] = {
+                        str(k): v for k, v in limits.items() if isinstance(v, int)}
 
     def _fold(self, key: str | None) -> None:
         """Fold `key`'s spans that can overlap no later one into its most at once: a request

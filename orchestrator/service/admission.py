@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import SettingsError
+from branchsearch.infra.errors import SettingsError, overload
 from branchsearch.orchestrator.service.errors import ApiError
 
 _DEFAULTS = Settings()
@@ -236,11 +236,15 @@ class Concurrency:
         return Slot(lambda: self._free(key_name))
 
     def _server_refusal(self) -> ApiError | None:
-        """The 503 when the server runs `max_in_flight` requests. Holding the lock."""
+        """The 503 when the server runs `max_in_flight` requests: a line for people, and as
+        fields (`Overload` in the OpenAPI schema) the limit met, the requests in flight and
+        the limit. Holding the lock."""
         if self.total >= self.limits.max_in_flight:
             return ApiError(503, "overloaded", f"{self.total} requests in flight; the server "
                             f"takes {self.limits.max_in_flight}",
-                            {"Retry-After": str(self.limits.retry_after_s)})
+                            {"Retry-After": str(self.limits.retry_after_s)},
+                            overload("max_in_flight", self.total,
+                                     max_in_flight=self.limits.max_in_flight))
         return None
 
     def _key_full(self, key_name: str) -> bool:

@@ -18,13 +18,15 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Union
 from urllib.parse import quote
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 from starlette.requests import ClientDisconnect
 
 from branchsearch.infra.config.settings import index_name
-from branchsearch.infra.errors import BranchsearchError, KeysFileError, error_line, redact
+from branchsearch.infra.errors import (BranchsearchError, KeysFileError, error_line, overload,
+                                       redact)
 from branchsearch.infra.textfile import KeyTwice, json_once
 from branchsearch.orchestrator.service.admission import (Limits, check_body_headers,
                                                           check_body_size)
@@ -35,7 +37,7 @@ from branchsearch.orchestrator.service.metrics import ServiceMetrics
 from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NAME_SCHEMA,
                                                         SSE_EVENT_SCHEMA, Deleted, ErrorBody,
                                                         Health, IndexList, KeyInfo,
-                                                        KeyRefusal, Ready,
+                                                        KeyRefusal, Overload, Ready,
                                                         SearchResponse, Upserted, parse_search,
                                                         search_body_schema)
 
@@ -57,11 +59,12 @@ class SearcherClient:
     `searcher_max_ongoing` at once), where the searcher's own deadline cannot reach it: a
     search waits at most `within` s (`time_left`), then 504 `deadline_exceeded` (`_bounded`)."""
 
-    def __init__(self, target):
+    def __init__(self, target, max_queued: int | None = None):
         from branchsearch.orchestrator.service.searcher import Searcher
 
         self.target = target
         self.local = isinstance(target, Searcher)
+        self.max_queued = max_queued  # Serve's queue for the searcher (`searcher_max_queued`)
 
     async def call(self, method: str, *args, within: float | None = None):
         if self.local:
@@ -71,7 +74,7 @@ class SearcherClient:
             async with _bounded(response, _when(within)):
                 out = await response
         except Exception as exc:  # noqa: BLE001
-            raise _unwrap(exc) from None
+            raise _unwrap(exc, self.max_queued) from None
         if isinstance(out, Refused):  # a refusal, carried as a value (`Refused`)
             raise out.error
         return out
@@ -96,7 +99,7 @@ class SearcherClient:
                     raise event.error
                 yield event
         except Exception as exc:  # noqa: BLE001
-            raise _unwrap(exc) from None
+            raise _unwrap(exc, self.max_queued) from None
 
 
 def time_left(req, limits: Limits) -> float:
@@ -144,8 +147,9 @@ async def _bounded(response, when: float | None):
                        "the searcher is busy (the request waited for it)") from None
 
 
-def _unwrap(exc: BaseException) -> ApiError:
-    """An ApiError raised in the Searcher replica, Serve's back-pressure, or a dead replica."""
+def _unwrap(exc: BaseException, max_queued: int | None = None) -> ApiError:
+    """An ApiError raised in the Searcher replica, Serve's back-pressure (its queue of
+    `max_queued` searches full: how many wait, Serve does not say), or a dead replica."""
     cause = getattr(exc, "cause", None)
     if isinstance(exc, ApiError) or isinstance(cause, ApiError):
         return exc if isinstance(exc, ApiError) else cause
@@ -153,8 +157,9 @@ def _unwrap(exc: BaseException) -> ApiError:
         return api_error(cause)
     name = type(exc).__name__
     if "BackPressure" in name:
+        limits = {} if max_queued is None else {"searcher_max_queued": max_queued}
         return ApiError(503, "overloaded", "the searcher's queue is full; retry later",
-                        {"Retry-After": "1"})
+                        {"Retry-After": "1"}, overload("searcher_queue", None, **limits))
     if "ActorDied" in name or "Unavailable" in name:
         return ApiError(503, "searcher_unavailable", "the searcher replica is restarting; "
                         "retry", {"Retry-After": "1"})
@@ -632,7 +637,8 @@ STREAM_STATUS = "branchsearch.stream_status"  # in the ASGI scope: how a stream 
 _DESCRIPTION = (
     "Parallel-branch evidence search. Send `Authorization: Bearer KEY` to the `/v1` routes; ACL "
     "groups come from the key. Every answer that is not a 200 is JSON `{error, detail}` "
-    "(`ErrorBody`; a 429 adds why and the key's counts and limits, `KeyRefusal`): 401 "
+    "(`ErrorBody`; a 429 adds why and the key's counts and limits, `KeyRefusal`, and a 503 "
+    "`overloaded` the limit met, `Overload`): 401 "
     "carries `WWW-Authenticate`, 429 and most 503s `Retry-After`, 405 `Allow`. "
     "A client that disconnects before its answer calls its search off, and its slot is free "
     "once the search has stopped (a turn or so later); the server counts the request as 499 "
@@ -655,7 +661,8 @@ _ERRORS = {
     429: "too_many_requests: this key already has its limit of requests in flight, and its "
          "queue is full, or it has none, or this request waited in it until its deadline "
          "(`KeyRefusal`: the reason, the key's requests running and waiting, its limits)",
-    503: "overloaded, index_starting, backend_unavailable, search_failed, index_incomplete, "
+    503: "overloaded (`Overload`: the limit met, how many were in use, the limit), "
+         "index_starting, backend_unavailable, search_failed, index_incomplete, "
          "write_failed, index_changed, index_misconfigured, keys_unavailable, not_ready or "
          "shutting_down: the service cannot answer now",
     504: "deadline_exceeded: no branch finished within the request's deadline",
@@ -676,7 +683,8 @@ def _answers(ok, *errors: int, alt: dict | None = None) -> dict:
     FastAPI's default validation-error body, which this server never sends."""
     out: dict = {200: {"model": ok, **({"content": alt} if alt else {})}}
     for status in errors:
-        out[status] = {"model": KeyRefusal if status == 429 else ErrorBody,
+        model = {429: KeyRefusal, 503: Union[Overload, ErrorBody]}.get(status, ErrorBody)
+        out[status] = {"model": model,
                        "description": _ERRORS[status]}
         if status in _HEADERS:
             out[status]["headers"] = _HEADERS[status]

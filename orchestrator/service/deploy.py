@@ -358,7 +358,7 @@ def build_application(opts: ServeOptions):
     class Ingress:
         def __init__(self, searcher, o: dict):
             context = serve.get_replica_context()
-            self.state = ServiceState(SearcherClient(searcher),
+            self.state = ServiceState(SearcherClient(searcher, o["searcher_max_queued"]),
                                       KeyStore(o["keys"]) if o["keys"] else None,
                                       Limits(**o["limits"]))
             self.state.peers = SharedMetrics(self.state.metrics, board_name(context.app_name),

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import IndexNotFound, error_line
+from branchsearch.infra.errors import IndexNotFound, error_line, overload
 from branchsearch.infra.index.catalog import index_names
 from branchsearch.orchestrator.service.errors import ApiError, error_code, shutting_down
 
@@ -192,7 +192,10 @@ class Drivers:
         if not idle:
             raise ApiError(503, "overloaded", "the server has the most indexes open that it "
                            f"keeps (max_open_indexes = {self.max_open}), each with a request in "
-                           "flight or starting; retry", {"Retry-After": str(self.retry_after_s)})
+                           "flight or starting; retry", {"Retry-After": str(self.retry_after_s)},
+                           overload("max_open_indexes",
+                                    len(self.by_index.keys() | self._background.keys()),
+                                    max_open_indexes=self.max_open))
         index = min(idle, key=lambda i: (i == self.settings.index, self._last_used.get(i, 0.0)))
         self._retire(index, f"was closed to make room for another (max_open_indexes = "
                      f"{self.max_open})")

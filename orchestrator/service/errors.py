@@ -71,8 +71,8 @@ def api_error(exc: BaseException) -> ApiError:
     """Map any exception to what a caller may see; unknown exceptions say only their type."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, Overloaded):
-        return ApiError(503, "overloaded", str(exc), {"Retry-After": "1"})
+    if isinstance(exc, Overloaded):  # its limit as fields (the `Overload` schema)
+        return ApiError(503, "overloaded", str(exc), {"Retry-After": "1"}, exc.fields)
     if isinstance(exc, BackendUnavailable):  # the whole line (addresses too) in the server log
         log.error("%s", error_line(exc, 1000))
         return ApiError(503, "backend_unavailable", str(exc), {"Retry-After": "5"})

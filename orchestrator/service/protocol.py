@@ -184,6 +184,24 @@ class KeyRefusal(ErrorBody):
     limits: KeyLimits
 
 
+class Overload(ErrorBody):
+    """A 503 `overloaded`: a limit of the server's capacity is met; which, how many of what it
+    counts were in use, and the limit, as data (the detail says the same for people)."""
+
+    error: Literal["overloaded"] = Field(description="overloaded")
+    reason: Literal["max_in_flight", "max_open_indexes", "branch_actors", "searcher_queue"] = \
+        Field(description="max_in_flight: the server runs its most requests; "
+                          "max_open_indexes: it keeps its most indexes open, each in use; "
+                          "branch_actors: no branch actors were free within the deadline; "
+                          "searcher_queue: Ray Serve's queue for the searcher is full")
+    in_use: int | None = Field(description="how many of what the limit counts were in use: "
+                               "requests in flight, indexes open or starting, branch actors "
+                               "busy; null where the service cannot count them (Serve's queue)")
+    limits: dict[str, int] = Field(description="the limit met, by its setting's name (e.g. "
+                                   "{\"max_in_flight\": 64}); empty where the service does not "
+                                   "know it")
+
+
 class Health(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: Literal["up"]

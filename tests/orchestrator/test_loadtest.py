@@ -1577,3 +1577,26 @@ def test_a_backend_that_answers_once_the_load_stops_saturated_and_one_that_does_
     samples[3:] = [Sample(1, 3 + i, 3 + i, 3.01 + i, "http_503:shutting_down") for i in range(3)]
     stopping = summarize(samples, load=2, loop="closed", duration_s=6.0, cutoff=7.0)
     assert find_knee([first, {**stopping, "answered_after": "ok"}])["knee"] is None
+
+
+def test_cli_503s_of_a_full_service_say_which_limit_from_their_fields(tmp_path):
+    """`serve --standalone` with max_in_flight 1 and room for every key: 6 users, and the
+    service refuses the requests past its one 503 `overloaded`. The report names the limit and
+    its value, read from the 503's fields (`reason`, `limits`), as it does a key's 429s;
+    before, a 503 said its limit only in prose and the report said nothing of it."""
+    from branchsearch.orchestrator.service.admission import Limits
+
+    out = tmp_path / "lt.json"
+    with _service_over_es(tmp_path, limits=Limits(per_key_concurrency=8, per_key_queue=0,
+                                                  max_in_flight=1)) as (server, _):
+        proc = _cli_loadtest(server.url, ["--users", "6", "--think", "0.05", "--duration", "2",
+                                          "--report", str(out)], {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["steps"][0]["refusals"].get("http_503:overloaded"), report["steps"]
+    refused = [n for n in report["notes"] if "503" in n]
+    assert len(refused) == 1 and re.fullmatch(
+        r"the service's requests in flight reached its max_in_flight \(max_in_flight 1\): \d+ "
+        r"requests were refused at once \(503 overloaded\), and refusals count as errors: "
+        r"past that this measures the service's admission limit, not its search; raise the "
+        r"service's max_in_flight, or add instances", refused[0]), report["notes"]

@@ -111,6 +111,8 @@ def test_a_busy_branch_pool_answers_within_the_deadline(ray_driver, hotpot_setti
         assert 0.3 <= time.perf_counter() - began < 5
         err = api_error(caught.value)
         assert err.status == 503 and err.error == "overloaded" and "Retry-After" in err.headers
+        assert {k: err.body()[k] for k in ("reason", "in_use", "limits")} == {
+            "reason": "branch_actors", "in_use": 1, "limits": {"branch_actors": 1}}
         pool.release(held)
         assert len(pool.acquire(1, timeout=0.3)) == 1
         with pytest.raises(BranchsearchError, match="pool holds 1"):

@@ -80,8 +80,10 @@ def auth(key: str) -> dict:
 def assert_error(r: httpx.Response, status: int, error: str | None = None) -> dict:
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
-    # a key's 429 adds why and the key's figures as fields (`admission.Concurrency`)
-    fields = {"reason", "running", "waiting", "limits"} if status == 429 else set()
+    # a key's 429 and an overloaded 503 add why and the figures as fields (`KeyRefusal`,
+    # `Overload`)
+    fields = {"reason", "running", "waiting", "limits"} if status == 429 else \
+        {"reason", "in_use", "limits"} if body.get("error") == "overloaded" else set()
     assert set(body) == {"error", "detail"} | fields and body["detail"], body
     assert "Traceback" not in r.text
     # every error is written alike: compact JSON, UTF-8 as is (not \u-escaped)
@@ -1081,6 +1083,31 @@ def _three_indexes(home) -> dict[str, tuple[str, set[str]]]:
     return made
 
 
+def test_a_server_with_max_in_flight_requests_answers_503_with_its_figures(site):
+    """A search while the server runs `max_in_flight` requests is a 503 `overloaded` that
+    said its limit only in prose ("8 requests in flight; the server takes 8"). Now, as a
+    key's 429, the body gives them as fields: `reason`, `in_use` and `limits` (the
+    `Overload` schema), over JSON and over SSE alike."""
+    client, keys, state = site
+    concurrency = state.searcher.target.concurrency
+    held = [concurrency.take(f"holder-{i}") for i in range(LIMITS.max_in_flight)]
+    try:
+        for accept in ("application/json", "text/event-stream"):
+            r = client.post("/v1/search", headers={**auth(keys["alpha"]), "Accept": accept},
+                            json={"question": "harbor lighthouse"})
+            body = assert_error(r, 503, "overloaded")
+            assert r.headers["Retry-After"] == str(LIMITS.retry_after_s)
+            assert (body["reason"], body["in_use"], body["limits"]) == (
+                "max_in_flight", LIMITS.max_in_flight,
+                {"max_in_flight": LIMITS.max_in_flight}), body
+    finally:
+        for slot in held:
+            slot.let_go()
+    r = client.post("/v1/search", headers=auth(keys["alpha"]),
+                    json={"question": "harbor lighthouse", "branches": 1})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("executor", ["local", "ray"])
 def test_the_service_keeps_at_most_max_open_indexes_open(tmp_path, executor):
     """A service in front of many indexes does not grow without bound: with
@@ -1134,6 +1161,8 @@ def test_the_service_keeps_at_most_max_open_indexes_open(tmp_path, executor):
                 r = client.post("/v1/search", json={"question": indexes["b"][0], "index": "b"})
                 body = assert_error(r, 503, "overloaded")
                 assert r.headers["Retry-After"] == "1" and "max_open_indexes" in body["detail"]
+                assert (body["reason"], body["in_use"], body["limits"]) == (
+                    "max_open_indexes", 2, {"max_open_indexes": 2}), body
                 assert time.monotonic() - started < 10  # at once, not at the deadline
                 assert open_now() == {"c", "a"}
             finally:

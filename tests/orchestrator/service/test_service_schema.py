@@ -78,7 +78,10 @@ def test_schema_declares_security_answers_and_limits(live):
             else:
                 assert "security" not in op, (method, path)
             for status, answer in op["responses"].items():
-                if status not in ("200", "429"):
+                if status == "503":  # overloaded: the limit met as data; the others plain
+                    assert answer["content"]["application/json"]["schema"]["anyOf"] == [
+                        {"$ref": "#/components/schemas/Overload"}, error_ref], (method, path)
+                elif status not in ("200", "429"):
                     assert answer["content"] == {"application/json": {"schema": error_ref}}, (
                         method, path, status)
                 elif status == "429":  # a key's refusal: why, its counts and limits as data
@@ -88,6 +91,10 @@ def test_schema_declares_security_answers_and_limits(live):
     assert refusal["required"] == ["error", "detail", "reason", "running", "waiting", "limits"]
     assert refusal["properties"]["reason"]["enum"] == ["queue_full", "no_queue",
                                                        "deadline_in_queue"]
+    overload = spec["components"]["schemas"]["Overload"]
+    assert overload["required"] == ["error", "detail", "reason", "in_use", "limits"]
+    assert overload["properties"]["reason"]["enum"] == ["max_in_flight", "max_open_indexes",
+                                                        "branch_actors", "searcher_queue"]
     assert spec["components"]["schemas"]["KeyLimits"]["required"] == ["per_key_concurrency",
                                                                       "per_key_queue"]
     search = spec["paths"]["/v1/search"]["post"]

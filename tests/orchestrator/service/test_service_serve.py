@@ -114,7 +114,9 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(serve_app):
 
 
 def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
-    """The searcher takes 1 search at a time and queues 1: a burst gets 503s, as JSON."""
+    """The searcher takes 1 search at a time and queues 1: a burst gets 503s, as JSON, whose
+    fields name the limit met (`Overload`: Serve's queue, and its size; how many wait there,
+    Serve does not say)."""
     client, keys = serve_app
 
     def one(i):
@@ -128,6 +130,9 @@ def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
     for r in answers:
         if r.status_code == 503:
             assert r.json()["error"] == "overloaded" and r.headers.get("retry-after") == "1"
+            body = r.json()
+            assert (body["reason"], body["in_use"], body["limits"]) == (
+                "searcher_queue", None, {"searcher_max_queued": 1}), body
 
 
 def test_searcher_replicas_on_the_ray_executor_share_the_cluster(serve_app, tmp_path):
