@@ -240,7 +240,8 @@ class Concurrency:
         fields (`Overload` in the OpenAPI schema) the limit met, the requests in flight and
         the limit. Holding the lock."""
         if self.total >= self.limits.max_in_flight:
-            return ApiError(503, "overloaded", f"{self.total} requests in flight; the server "
+            many = "request" if self.total == 1 else "requests"
+            return ApiError(503, "overloaded", f"{self.total} {many} in flight; the server "
                             f"takes {self.limits.max_in_flight}",
                             {"Retry-After": str(self.limits.retry_after_s)},
                             overload("max_in_flight", self.total,

@@ -1084,10 +1084,9 @@ def _three_indexes(home) -> dict[str, tuple[str, set[str]]]:
 
 
 def test_a_server_with_max_in_flight_requests_answers_503_with_its_figures(site):
-    """A search while the server runs `max_in_flight` requests is a 503 `overloaded` that
-    said its limit only in prose ("8 requests in flight; the server takes 8"). Now, as a
-    key's 429, the body gives them as fields: `reason`, `in_use` and `limits` (the
-    `Overload` schema), over JSON and over SSE alike."""
+    """A search while the server runs `max_in_flight` requests is a 503 `overloaded` whose
+    body gives, as a key's 429 does, its figures as fields: `reason`, `in_use` and `limits`
+    (the `Overload` schema), over JSON and over SSE alike, and says them in words."""
     client, keys, state = site
     concurrency = state.searcher.target.concurrency
     held = [concurrency.take(f"holder-{i}") for i in range(LIMITS.max_in_flight)]
@@ -1100,6 +1099,9 @@ def test_a_server_with_max_in_flight_requests_answers_503_with_its_figures(site)
             assert (body["reason"], body["in_use"], body["limits"]) == (
                 "max_in_flight", LIMITS.max_in_flight,
                 {"max_in_flight": LIMITS.max_in_flight}), body
+            many = "request" if LIMITS.max_in_flight == 1 else "requests"
+            assert body["detail"] == (f"{LIMITS.max_in_flight} {many} in flight; the server "
+                                      f"takes {LIMITS.max_in_flight}"), body
     finally:
         for slot in held:
             slot.let_go()

@@ -173,6 +173,18 @@ def test_concurrency_per_key_then_total():
     assert conc.total == 0 and errors and set(errors) <= {429, 503}
 
 
+def test_a_server_of_one_slot_says_its_one_request_in_words():
+    """The 503 of a server whose `max_in_flight` is 1 says "1 request in flight", not "1
+    requests", and gives the figures as fields."""
+    conc = Concurrency(Limits(per_key_concurrency=2, max_in_flight=1))
+    with conc.slot("a"):
+        with pytest.raises(ApiError) as err:
+            with conc.slot("b"):
+                pass
+    assert err.value.status == 503
+    assert err.value.detail == "1 request in flight; the server takes 1"
+
+
 def test_a_key_past_its_slots_waits_in_order_within_its_deadline():
     """`Concurrency.admit`: past its key's slots a request waits, first come first served, for
     the slot one frees (the counts never pass the limits); one whose deadline comes first is
