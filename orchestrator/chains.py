@@ -228,10 +228,13 @@ def bridge_tasks(reports: list[BranchReport], question: str, n: int, *,
 def deeper_bridge_tasks(reports: list[BranchReport], question: str, *,
                         deadline: float | None = None,
                         acl_groups: tuple[str, ...] | None = None,
-                        first: int, room: int) -> list[BranchTask]:
-    """The third wave: one bridge of each second-wave bridge that finished ok (in order), from
-    that bridge's top chunk, skipping the entities any bridge took and those the question's
-    branch's top chunk names; at most `room`, numbered from `first`."""
+                        first: int, room: int,
+                        wave: tuple[int, ...] | None = None) -> list[BranchTask]:
+    """A later wave of bridges: one bridge of each bridge of the wave before that finished ok
+    (in order), from that bridge's top chunk, skipping the entities any bridge took and those
+    the question's branch's top chunk names; at most `room`, numbered from `first`. `wave`:
+    the branch numbers of the wave before (bridge_depth 3 passes the bridges of bridges); by
+    default the second wave, the bridges of the question's branch."""
     own = next((r for r in reports if r.kind == "original" and r.status == "ok"), None)
     if own is None or room <= 0:
         return []
@@ -240,7 +243,7 @@ def deeper_bridge_tasks(reports: list[BranchReport], question: str, *,
              if r.kind == "bridge" and r.reason.startswith("bridge = ")]
     out: list[BranchTask] = []
     for parent in (r for r in reports if r.kind == "bridge" and r.status == "ok"
-                   and r.parent == own.index):
+                   and (r.parent == own.index if wave is None else r.index in wave)):
         if len(out) >= room:
             break
         for name, sub in bridges(parent, question, 1, skip=tuple(taken),

@@ -198,9 +198,15 @@ class Driver:
             second = self._next_hops(branches, text, chain, bridges, room, groups, ends,
                                      on_event, number, late, shared)
             branches += second
-            if self.settings.bridge_depth > 1 and second:
-                branches += self._deeper(branches, text, room - len(second), groups, ends,
-                                         on_event, late, shared)
+            room -= len(second)
+            wave = second
+            for _ in range(self.settings.bridge_depth - 1):  # a bridge of each bridge, again
+                if not wave:
+                    break
+                wave = self._deeper(branches, text, room, groups, ends, on_event, late, shared,
+                                    of=tuple(b.index for b in wave if b.kind == "bridge"))
+                branches += wave
+                room -= len(wave)
         return branches, covered
 
     def _cover(self, subs: list):
@@ -320,15 +326,16 @@ class Driver:
             return reports
 
     def _deeper(self, done: list, text: str, room: int, groups, deadline, on_event,
-                late: list[str], shared=None) -> list:
-        """The third wave (`orchestrator.chains.deeper_bridge_tasks`): a bridge of each bridge,
-        at most `room`, recorded and run as the second wave's are."""
+                late: list[str], shared=None, of: tuple[int, ...] = ()) -> list:
+        """A third or later wave (`orchestrator.chains.deeper_bridge_tasks`): a bridge of each
+        bridge of the wave before (the branches numbered `of`), at most `room`, recorded and
+        run as the second wave's are."""
         from branchsearch.orchestrator.chains import deeper_bridge_tasks
 
-        if room <= 0:
+        if room <= 0 or not of:
             return []
         tasks = deeper_bridge_tasks(done, text, deadline=deadline, acl_groups=groups,
-                                    first=max(b.index for b in done) + 1, room=room)
+                                    first=max(b.index for b in done) + 1, room=room, wave=of)
         if _too_late(tasks, deadline, late, deeper=True):
             return []
         return self._run_hops(tasks, on_event, shared)

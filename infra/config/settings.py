@@ -120,7 +120,8 @@ class Settings:
     # bridges (orchestrator/chains.py): the entities named near the question's words in its
     # branch's top chunk each seed a branch for the next hop; 0: none. With bridge_depth 2,
     # each bridge that finished runs one bridge of its own (the hop after that), within
-    # `branches`. Never with one branch. Measured in reports/bridges.md (v10)
+    # `branches`; with 3, each of those one more. Never with one branch. Measured in
+    # reports/bridges.md (v10; depth 3: v21)
     bridges: int = 1
     bridge_depth: int = 2
     # covered branches (orchestrator/cover.py): a planned branch whose entities the question's
@@ -466,7 +467,7 @@ def _validate(s: Settings) -> None:
          f"static_queries must be {one_of(STATIC_QUERIES)}"),
         (s.chains >= 0, "chains must be >= 0 (0: none)"),
         (s.bridges >= 0, "bridges must be >= 0 (0: none)"),
-        (s.bridge_depth in (1, 2), "bridge_depth must be 1 or 2"),
+        (s.bridge_depth in (1, 2, 3), "bridge_depth must be 1, 2 or 3"),
         (0 <= s.fork_gap <= 1, "fork_gap must be in [0, 1]"),
         (s.per_title >= 0, "per_title must be >= 0 (0: off)"),
         (s.embed_backend in EMBED_BACKENDS, f"embed_backend must be {one_of(EMBED_BACKENDS)}"),

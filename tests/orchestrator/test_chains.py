@@ -424,9 +424,41 @@ def test_covered_branches_leave_their_room_to_the_bridges(hotpot_settings):
     assert {b.index for b in result.branches}.isdisjoint({1, 2})  # numbered after the plan
 
 
-def test_bridge_depth_is_one_or_two(tmp_path):
-    with pytest.raises(SettingsError, match="bridge_depth must be 1 or 2"):
-        load_settings(None, {"home": str(tmp_path), "bridge_depth": 3})
+def test_a_third_wave_bridges_the_bridge_of_a_bridge_from_its_top_chunk(hotpot_settings):
+    """bridge_depth 3 (reports/bridges.md, v21): once the bridge of a bridge has ended, its top
+    chunk seeds one more bridge by the same rule (`deeper_bridge_tasks` on that wave), a
+    fetch-only branch within `--branches`; with depth 2 the same budget runs none."""
+    three = Driver(hotpot_settings.replace(bridge_depth=3, branches=4), mode="local")
+    two = Driver(hotpot_settings.replace(bridge_depth=2, branches=4), mode="local")
+    events = []
+    try:
+        result = three.search(CHAINED, on_event=events.append)
+        shallow = two.search(CHAINED)
+    finally:
+        three.close()
+        two.close()
+    own, first, second, third = result.branches
+    assert (second.kind, second.parent, second.status) == ("bridge", first.index, "ok")
+    assert (third.kind, third.parent, third.status) == ("bridge", second.index, "ok")
+    # its name and sub-query are the depth-2 branch's top chunk's, by the second wave's rule
+    expected = deeper_bridge_tasks([own, first, second], CHAINED, first=third.index, room=1,
+                                   wave=(second.index,))
+    assert [(t.subquery, t.reason, t.hops) for t in expected] == [
+        (third.subquery, third.reason, 1)]
+    top = next(c for c in second.evidence if c["chunk_id"] == second.ranked_chunk_ids[0])
+    assert third.reason.split(" = ", 1)[1] in top["text"]
+    assert third.reason not in (first.reason, second.reason)
+    turns = {s["turn"] for s in third.episode.trace if s.get("tool") == "search_corpus"}
+    assert turns == {1} and third.ranked_chunk_ids  # it searches once, expands nothing
+    event = next(e for e in events if e["type"] == "chain" and e["branch"] == third.index)
+    assert event["parent"] == second.index and event["subquery"] == third.subquery
+    assert result.metrics["bridges"] == 3
+    assert [b.kind for b in shallow.branches] == ["original", "bridge", "bridge"]
+
+
+def test_bridge_depth_is_one_two_or_three(tmp_path):
+    with pytest.raises(SettingsError, match="bridge_depth must be 1, 2 or 3"):
+        load_settings(None, {"home": str(tmp_path), "bridge_depth": 4})
 
 
 def test_bridges_must_not_be_negative(tmp_path):
