@@ -214,14 +214,14 @@ def _open_external_side(side: str, spec, settings: Settings):
                                timeout_s=settings.backend_timeout_s)
     from branchsearch.infra.models.embedder import Embedder
     from branchsearch.infra.stores.milvus import server_answers
-    from branchsearch.infra.stores.milvus_lite import is_server
+    from branchsearch.infra.stores.milvus_lite import is_server, lite_log_dir
 
     uri = spec.milvus_uri or settings.milvus_uri
     if is_server(uri):  # a refused address fails before the model loads
         server_answers(uri, settings.backend_timeout_s)
     dim = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device).dim
     return ExternalMilvus(spec, uri, dim, token=settings.milvus_token,
-                          timeout_s=settings.backend_timeout_s)
+                          timeout_s=settings.backend_timeout_s, logs=lite_log_dir(settings.home))
 
 
 def list_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:

@@ -247,13 +247,14 @@ def dense_store(settings: Settings, dim: int, *, create: bool = True, fresh: boo
     no other (`MilvusStore`'s `owner`; `fresh`: a writer whose index holds no chunks yet).
     `create=False` (a reader): a missing collection is `IndexIncomplete`."""
     from branchsearch.infra.stores.milvus import MilvusStore, collection_for
+    from branchsearch.infra.stores.milvus_lite import lite_log_dir
 
     return MilvusStore(dense_uri(settings), dim,
                        token=settings.milvus_token,
                        collection=collection_for(settings.index),
                        index=index_spec(settings), create=create,
                        timeout_s=settings.backend_timeout_s, owner=settings.index, fresh=fresh,
-                       hint=server_hint(settings))
+                       hint=server_hint(settings), logs=lite_log_dir(settings.home))
 
 
 def server_hint(settings: Settings) -> str:

@@ -37,12 +37,14 @@ import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_forms, group_name
 from branchsearch.infra.stores.protocols import MAX_K, check_pattern, query_words, settled
 from branchsearch.infra.stores.milvus import (milvus_call, milvus_error, milvus_list,
                                               quiet_pymilvus, server_answers, timeout_arg)
-from branchsearch.infra.stores.milvus_lite import (acquire_lite, is_server, lite_key, lite_spawn,
+from branchsearch.infra.stores.milvus_lite import (acquire_lite, is_server, lite_key,
+                                                   lite_log_dir, lite_spawn, log_lite_under,
                                                    release_lite, served_uri)
 from branchsearch.infra.errors import BackendUnavailable, BadQuery, SettingsError, redact
 from branchsearch.infra.stores.hits import Hit, doc_of
@@ -580,15 +582,17 @@ class ExternalMilvus:
     The query embedder must make vectors of the collection's dimension (checked here). A
     caller checks first that a Milvus server takes connections (`milvus.server_answers`),
     before it loads the embedder: a refused address then fails at once, where the client
-    would wait out its whole timeout."""
+    would wait out its whole timeout. `logs`: the folder a Milvus Lite server started for a
+    file writes its glog files in (None: glog's default, /tmp)."""
 
     peer = None  # the index's Elasticsearch side, when it has one: its groups count too
 
     def __init__(self, spec: ExternalIndex, uri: str, embed_dim: int | None, *, token: str = "",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, logs: Path | None = None):
         from pymilvus import MilvusClient
 
         self.timeout_s, self._lite = timeout_s, lite_key(uri) if uri else None
+        log_lite_under(self._lite, logs)
         if not uri:
             raise SettingsError(f"index {spec.name!r}: dense = \"milvus\" needs milvus_uri "
                                 f"(in [indexes.{spec.name}] or BRANCHSEARCH_MILVUS_URI)")
@@ -598,7 +602,7 @@ class ExternalMilvus:
         wait = timeout_arg(timeout_s)
         try:
             served = served_uri(uri)  # another process owns the Lite file (a batch's)
-            with lite_spawn():  # a Lite file's server: ^C is its owner's to handle
+            with lite_spawn(None if served else self._lite):  # ^C is its owner's to handle
                 self._client = MilvusClient(uri=served or uri, token=token, timeout=wait)
             if not served:
                 acquire_lite(uri)
@@ -836,7 +840,8 @@ def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, emb
                                   api_key=settings.es_api_key or None,
                                   max_pattern=settings.grep_max_pattern,
                                   timeout_s=settings.backend_timeout_s)
-    milvus = {"token": settings.milvus_token, "timeout_s": settings.backend_timeout_s}
+    milvus = {"token": settings.milvus_token, "timeout_s": settings.backend_timeout_s,
+              "logs": lite_log_dir(settings.home)}
     uri = spec.milvus_uri or settings.milvus_uri
     if spec.dense == "milvus" and is_server(uri):  # refused: said before the model loads
         try:
@@ -847,8 +852,6 @@ def open_external(spec: ExternalIndex, settings, *, need_dense: bool = True, emb
             raise
     if spec.dense == "milvus" and (need_dense or lexical is None):
         if embedder is None:  # also for reading only: the dimension check needs it
-            from pathlib import Path
-
             from branchsearch.infra.models.embedder import Embedder
 
             embedder = Embedder(settings.embed_model, settings.embed_batch, settings.embed_device,

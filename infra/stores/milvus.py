@@ -52,7 +52,8 @@ from branchsearch.infra.stores.hits import Hit
 from branchsearch.infra.stores.milvus_lite import (acquire_lite, busy_error, drop_lite,
                                                   generation, held_elsewhere, is_server,
                                                   lite_down, lite_key, lite_spawn,
-                                                  release_lite, revive_lite, served_uri)
+                                                  log_lite_under, release_lite, revive_lite,
+                                                  served_uri)
 from branchsearch.infra.stores.protocols import MAX_K, IndexedChunk, settled
 from branchsearch.infra.stores.acl import MAX_DOC_GROUPS, PUBLIC, acl_terms
 
@@ -318,15 +319,18 @@ class MilvusStore:
     collection it creates records it in its description; one that records another index is
     refused (`IndexNameTaken`), as is one made before collections recorded their index that
     holds rows when the owner is `fresh` (holds no chunks yet: they are another index's).
-    `hint`: the fix a server that cannot be reached is told with."""
+    `hint`: the fix a server that cannot be reached is told with. `logs`: the folder a Milvus
+    Lite server started for the file writes its glog files in (None: glog's default, /tmp)."""
 
     def __init__(self, uri: str | Path, dim: int, *, token: str = "", collection: str = COLLECTION,
                  index: IndexSpec | None = None, create: bool = True, timeout_s: float = 30.0,
-                 owner: str | None = None, fresh: bool = False, hint: str = SERVER_HINT):
+                 owner: str | None = None, fresh: bool = False, hint: str = SERVER_HINT,
+                 logs: Path | None = None):
         self.uri = str(uri)
         self.hint = hint  # what a server's error line ends with
         self.timeout_s = timeout_s
         self._lite = lite_key(self.uri)
+        log_lite_under(self._lite, logs)
         self.dim = dim
         self.collection = collection
         self.server = is_server(self.uri)
@@ -385,7 +389,7 @@ class MilvusStore:
         try:
             # an alias of its own: pymilvus shares a connection per (uri, token) otherwise, and
             # closing one store would cut every other store of this process on that server
-            with lite_spawn():
+            with lite_spawn(self._lite if self._owns_lite else None):
                 return MilvusClient(uri=uri, token=self._token,
                                     alias=f"branchsearch-{uuid.uuid4().hex}")
         except Exception as exc:

@@ -14,6 +14,8 @@ stores (`infra.stores.milvus`):
   (`serve_lite`, `use_served_lite`), kept pointing at a live server by a watchdog.
 * **Signals**: a server starts with ^C blocked (`lite_spawn`): it ends with its owner, not with
   the terminal's ^C to the process group.
+* **Logs**: a server writes its glog files under the data home (`log_lite_under`,
+  `lite_log_dir`), not in /tmp, where a long batch or a service would leave them by thousands.
 
 A server URI (`is_server`) needs none of this.
 """
@@ -73,7 +75,7 @@ def revive_lite(key: str) -> int:
             started, why = None, _lock_file_opens(key)
             try:
                 if not why:
-                    with lite_spawn():
+                    with lite_spawn(key):
                         started = server_manager_instance.start_and_get_uri(key)
             except Exception as exc:  # noqa: BLE001 — a folder made read-only, a full disk
                 why = f" ({type(exc).__name__}: {exc})"
@@ -175,9 +177,55 @@ def release_lite(uri: str | Path) -> None:
 _served: dict[str, str] = {}  # Lite file -> socket of the server another process runs for it
 
 
+def lite_log_dir(home: str | Path) -> Path:
+    """Where the Milvus Lite servers of the indexes under the data home `home` write their
+    glog files."""
+    return Path(home) / "logs" / "milvus"
+
+
+_lite_logs: dict[str, Path] = {}  # embedded file -> the folder its server's glog files go to
+_glog_env = threading.Lock()  # held while GLOG_log_dir is set for a server that starts
+
+
+def log_lite_under(key: str | None, folder: str | Path | None) -> None:
+    """A Milvus Lite server this process starts for an embedded file (by `lite_key`) writes its
+    glog files in `folder`, made when the server starts, instead of glog's default, /tmp (a
+    few files per server start). `GLOG_log_dir` set in the environment wins. None: no change."""
+    if key is not None and folder is not None:
+        _lite_logs[key] = Path(folder).absolute()  # the server runs in the file's folder
+
+
 @contextmanager
-def lite_spawn():
-    """Around anything that may start a Milvus Lite server process: SIGINT is blocked in this
+def _logging_to(folder: Path | None):
+    """`GLOG_log_dir` set to `folder` meanwhile (the server copies the environment when it
+    starts), unless the environment sets it already; the lock keeps two starts that log to
+    different folders from seeing each other's. A folder that cannot be made leaves glog's
+    default."""
+    import os
+
+    if folder is None:
+        yield
+        return
+    with _glog_env:
+        if "GLOG_log_dir" in os.environ:
+            yield
+            return
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            yield
+            return
+        os.environ["GLOG_log_dir"] = str(folder)
+        try:
+            yield
+        finally:
+            os.environ.pop("GLOG_log_dir", None)
+
+
+@contextmanager
+def lite_spawn(key: str | None = None):
+    """Around anything that may start a Milvus Lite server process (for the embedded file
+    `key`, by `lite_key`: its logs go where `log_lite_under` says). SIGINT is blocked in this
     thread meanwhile, so the process starts with it blocked (a signal mask survives fork and
     exec) and a ^C, which the terminal sends to the whole process group, does not kill it under
     a batch that finishes its questions on ^C (each would wait out backend_timeout_s and
@@ -187,7 +235,8 @@ def lite_spawn():
 
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        with _logging_to(_lite_logs.get(key) if key is not None else None):
+            yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
@@ -215,7 +264,7 @@ def serve_lite(db: str | Path) -> str:
     key = _lite_key(db)
     if key in _serving:
         return f"unix:{_serving[key][0]}"
-    with lite_spawn():
+    with lite_spawn(key):
         uri = server_manager_instance.start_and_get_uri(str(db))
     if not uri:
         raise BackendUnavailable(f"milvus lite: cannot serve {db}")

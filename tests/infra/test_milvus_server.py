@@ -264,6 +264,35 @@ def test_a_milvus_lite_server_of_the_tests_logs_in_their_own_folder(tmp_path):
     assert any(p.name.endswith(f".{pid}") for p in logs.iterdir())
 
 
+def test_the_products_milvus_lite_servers_log_under_the_home(hotpot_settings, tmp_path):
+    """`branchsearch ingest` then `search`, run as a user runs them (no GLOG_log_dir in the
+    environment) with a relative `--home`: the Milvus Lite servers they start write their glog
+    files under the data home's `logs/milvus` (made on demand), and none of them writes in
+    /tmp."""
+    import shutil
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / "cache").mkdir(parents=True)  # the embeddings, so that the ingest does not embed
+    shutil.copy(Path(hotpot_settings.home) / "cache" / "embeddings.sqlite", home / "cache")
+    env = {k: v for k, v in os.environ.items() if k != "GLOG_log_dir"}
+    before = _tmp_names()
+    for args in (["ingest", str(HOTPOT)],
+                 ["search", "Were Scott Derrickson and Ed Wood of the same nationality?"]):
+        run = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", *args,
+                              "--index", "logged", "--home", "home"],
+                             capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert run.returncode == 0, (args, run.stderr[-2000:])
+        assert "LOGGINGFILE" not in run.stderr, run.stderr[-2000:]  # glog's "could not create"
+    logs = home / "logs" / "milvus"
+    assert logs.is_dir(), sorted(p.name for p in home.iterdir())
+    pids = {int(p.name.rpartition(".")[2]) for p in logs.iterdir() if ".log." in p.name}
+    assert len(pids) >= 2, sorted(p.name for p in logs.iterdir())  # the ingest's, the search's
+    left = _tmp_names() - before
+    assert [n for pid in pids for n in _named_for(pid, left)] == []
+
+
 def test_a_refused_server_is_told_the_fix_that_fits_the_index(milvus_uri, hotpot_settings):
     """`milvus_uri` at an address nobody answers: an index ingested into a Milvus server keeps
     its vectors only there, so its line names that server (its manifest's address, without
