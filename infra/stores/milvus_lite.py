@@ -16,6 +16,8 @@ stores (`infra.stores.milvus`):
   the terminal's ^C to the process group.
 * **Logs**: a server writes its glog files under the data home (`log_lite_under`,
   `lite_log_dir`), not in /tmp, where a long batch or a service would leave them by thousands.
+* **Leftovers**: what a server killed with its owner (`kill -9` of the process group) leaves in
+  the temp folder goes when the next server starts on the same file (`lite_leftovers`).
 
 A server URI (`is_server`) needs none of this.
 """
@@ -28,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from branchsearch.infra.errors import BackendUnavailable, IndexBusy
+from branchsearch.infra.stores import lite_leftovers as leftovers
 
 
 def lite_key(uri: str | Path) -> str | None:
@@ -172,6 +175,7 @@ def release_lite(uri: str | Path) -> None:
     except ImportError:
         return
     server_manager_instance.release_server(str(uri))
+    leftovers.forget(key, leftovers.SOCKET)  # its socket went with it
 
 
 _served: dict[str, str] = {}  # Lite file -> socket of the server another process runs for it
@@ -233,12 +237,27 @@ def lite_spawn(key: str | None = None):
     file goes. A ^C meanwhile reaches this process once the mask is restored."""
     import signal
 
+    before = _server_of(key)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         with _logging_to(_lite_logs.get(key) if key is not None else None):
             yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    started = _server_of(key)
+    if started is not None and started is not before:
+        leftovers.claim(key, leftovers.SOCKET, Path(started._uds_path))
+
+
+def _server_of(key: str | None):
+    """milvus_lite's server object of this process for an embedded file (by `lite_key`)."""
+    if key is None:
+        return None
+    try:
+        from milvus_lite.server_manager import server_manager_instance
+    except ImportError:
+        return None
+    return server_manager_instance._servers.get(key)
 
 
 LITE_WATCH_S = 0.5  # how often a process that serves a Lite file checks its server is alive
@@ -269,6 +288,7 @@ def serve_lite(db: str | Path) -> str:
     if not uri:
         raise BackendUnavailable(f"milvus lite: cannot serve {db}")
     link = Path(tempfile.mkdtemp(prefix="branchsearch-lite-")) / "milvus.sock"
+    leftovers.claim(key, leftovers.LINK, link.parent)
     _point(link, uri)
     stop = threading.Event()
     watchdog = threading.Thread(target=_keep_serving, args=(key, link, stop), daemon=True,
@@ -283,12 +303,14 @@ def stop_serving_lite(db: str | Path) -> None:
     store closes the server: it must not start it again) and the link goes."""
     import shutil
 
-    entry = _serving.pop(_lite_key(db), None)
+    key = _lite_key(db)
+    entry = _serving.pop(key, None)
     if entry is not None:
         link, stop, watchdog = entry
         stop.set()
         watchdog.join()
         shutil.rmtree(link.parent, ignore_errors=True)
+        leftovers.forget(key, leftovers.LINK)
 
 
 def _keep_serving(key: str, link: Path, stop: threading.Event) -> None:

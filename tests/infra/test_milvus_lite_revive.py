@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -145,3 +147,72 @@ def test_a_store_opened_after_the_server_died_starts_it_again(tmp_path):
         assert first.count() == 40  # the first store reaches the new server too
     finally:
         first.close()
+
+
+OWNER = """
+import sys, time
+from branchsearch.infra.stores.milvus import MilvusStore
+from branchsearch.infra.stores.milvus_lite import serve_lite
+from milvus_lite.server_manager import server_manager_instance
+
+store = MilvusStore(sys.argv[1], 8)
+print(next(iter(server_manager_instance._servers.values()))._uds_path, flush=True)
+print(serve_lite(sys.argv[1]).removeprefix("unix:"), flush=True)  # as a batch with workers
+time.sleep(600)
+"""
+
+
+def test_a_socket_left_by_a_killed_owner_goes_with_the_next_open(tmp_path):
+    """`kill -9` of a process group that owns a Lite file (the server dies with it) leaves the
+    server's socket in the temp folder (`tmpXXXX_dense.db.sock`), the folder of the link a
+    batch's workers connect through (`branchsearch-lite-XXXX/`) and the file's lock file. The
+    next open of the same file works, and removes that socket (nothing listens on it), and the
+    next serve of it that folder; a socket of another file, and one in use, stay."""
+    import socket
+    import subprocess
+    import sys
+
+    from branchsearch.infra.stores.milvus_lite import serve_lite, stop_serving_lite
+
+    db = tmp_path / "dense.db"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(db)], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        left = Path(owner.stdout.readline().strip())
+        link = Path(owner.stdout.readline().strip())
+        assert left.is_socket() and link.is_symlink()
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()
+        owner.stdout.close()
+    time.sleep(0.5)  # the server, in the same group, is gone too
+    assert left.is_socket() and link.is_symlink()  # what kill -9 leaves
+    other = tmp_path / "tmpother_dense.db.sock"  # a dead server's socket of another file
+    socket.socket(socket.AF_UNIX).bind(str(other))
+
+    store = MilvusStore(db, DIM)  # the next run: works, and the leftover goes
+    try:
+        chunks, vectors = _rows(0, 10, seed=3)
+        store.write(chunks, vectors, [])
+        assert store.count() == 10
+        assert not left.exists()
+        assert other.is_socket()
+        served = Path(serve_lite(db).removeprefix("unix:"))
+        try:
+            assert not link.parent.exists() and served.parent.is_dir()
+        finally:
+            stop_serving_lite(db)
+    finally:
+        store.close()
+
+    listening = socket.socket(socket.AF_UNIX)  # a socket in use is never removed
+    live = tmp_path / "live.sock"
+    listening.bind(str(live))
+    listening.listen()
+    try:
+        (tmp_path / ".dense.db.sock-path").write_text(f"{live}\n")
+        store = MilvusStore(db, DIM, create=False)
+        store.close()
+        assert live.is_socket()
+    finally:
+        listening.close()
