@@ -125,7 +125,8 @@ def keys_revoke(name: str, keys: Optional[Path] = KeysOpt,
     print(f"revoked {name!r}", file=sys.stderr)
 
 
-def serve(index: Optional[str] = typer.Option(None, "--index", help="default index"),
+def serve(ctx: typer.Context,
+          index: Optional[str] = typer.Option(None, "--index", help="default index"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to listen on "
                                    "(0.0.0.0: every interface; needs --keys)"),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on"),
@@ -134,14 +135,17 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
                                               "server is loopback-only (development)"),
           replicas: Optional[int] = typer.Option(None, "--replicas", min=1, help="ingress "
                                                  "replicas (default: one on each node an HTTP "
-                                                 "proxy runs on)"),
+                                                 "proxy runs on; Ray Serve only)"),
           address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address"),
           executor: str = typer.Option("ray", "--executor", help="ray | local (branches "
                                        "in the searcher process)"),
           max_queued: int = typer.Option(32, "--max-queued", min=1, help="searches waiting for "
-                                         "the searcher before 503 (Serve queue limit)"),
+                                         "the searcher before 503 (Serve queue limit; Ray "
+                                         "Serve only: --standalone bounds searches with the "
+                                         "setting max_in_flight)"),
           max_searches: int = typer.Option(16, "--max-searches", min=1, help="searches at "
-                                           "once per searcher replica"),
+                                           "once per searcher replica (Ray Serve only, as "
+                                           "--max-queued)"),
           standalone: bool = typer.Option(False, "--standalone", help="uvicorn in this process, "
                                           "no Ray Serve (the ray executor still starts or "
                                           "joins a Ray cluster for the branches; --executor "
@@ -155,6 +159,8 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
 
     if executor not in EXECUTORS:
         raise BranchsearchError(f"unknown executor {executor!r}: {one_of(EXECUTORS)}")
+    if standalone:
+        check_standalone(ctx)
     found = _keys_path(None, home)
     default_keys = keys is None and found.exists()  # where `keys add` put them
     if default_keys:
@@ -187,3 +193,23 @@ def serve(index: Optional[str] = typer.Option(None, "--index", help="default ind
         config=str(config.resolve()) if config else None,
         keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas or 0,
         searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)
+
+
+SERVE_ONLY = ("replicas", "max_queued", "max_searches")  # `serve` options of Ray Serve's
+
+
+def check_standalone(ctx: typer.Context) -> None:
+    """`serve --standalone` has no Ray Serve deployments, so no replicas and no searcher
+    queue: an option that sizes them (`SERVE_ONLY`), given, would do nothing there, and is
+    refused with the setting that bounds a standalone server's searches (`max_in_flight`,
+    past which it answers 503 `overloaded`)."""
+    given = [f"--{name.replace('_', '-')}" for name in SERVE_ONLY  # (typer has its own click)
+             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    if given:
+        raise BranchsearchError(
+            f"{', '.join(given[:-1]) + ' and ' if given[:-1] else ''}{given[-1]} "
+            f"{'sizes' if len(given) == 1 else 'size'} Ray Serve's "
+            "deployments, which serve --standalone does not use: it runs each admitted search "
+            "at once, up to the setting max_in_flight (then 503 overloaded; max_in_flight under "
+            "[service] in the settings file, or BRANCHSEARCH_MAX_IN_FLIGHT); leave "
+            f"{'it' if len(given) == 1 else 'them'} out, or serve without --standalone")

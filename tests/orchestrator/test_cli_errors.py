@@ -1477,3 +1477,28 @@ def test_a_corpus_text_holding_a_nul_is_one_error_line_and_nothing_is_written(tm
     assert_one_error_line(run(["ingest", corpus, *home]), "c.jsonl:3: document 'memo': 'text' "
                           "holds a NUL character (U+0000) at character 2; remove it")
     assert not (tmp_path / "home" / "indexes").exists()
+
+
+def test_serve_standalone_refuses_the_options_of_ray_serve_s_deployments(tmp_path):
+    """`serve --standalone --max-queued N` (or --max-searches, --replicas) served as if the
+    option were not there: those size Ray Serve's searcher queue and replicas, which a
+    standalone server does not have. Now one line names the option and the setting that bounds
+    a standalone server's searches, exit 2, before anything starts; `--help` says so too."""
+    from branchsearch.orchestrator.cli.render import clean
+
+    home = ["--home", tmp_path / "home", "--port", 0]
+    cases = {"queued": ["--max-queued", "4"], "searches": ["--max-searches=2"],
+             "replicas": ["--replicas", "2"],
+             "all": ["--replicas", "2", "--max-queued", "4", "--max-searches", "2"]}
+    done = run_all({name: ["serve", "--standalone", *args, *home]
+                    for name, args in cases.items()})
+    said = {"queued": "--max-queued sizes", "searches": "--max-searches sizes",
+            "replicas": "--replicas sizes",
+            "all": "--replicas, --max-queued and --max-searches size"}
+    for name in cases:
+        assert_one_error_line(done[name], said[name] + " Ray Serve's deployments, which serve "
+                              "--standalone does not use", name)
+        assert "max_in_flight" in done[name].stderr and "serving on" not in done[name].stderr
+    assert not (tmp_path / "home").exists()  # nothing started
+    shown = " ".join(clean(run(["serve", "--help"], env={"COLUMNS": "200"}).stdout).split())
+    assert shown.count("Ray Serve only") >= 3, shown
