@@ -89,7 +89,8 @@ class Pending:
 
 
 class IndexProbes:
-    """The probes of the indexes other than the default, shared by the readiness checks.
+    """The probes of the indexes, shared by the readiness checks (of the indexes other than
+    the default) and by the searches that failed or found nothing (`probing`).
 
     A service may serve hundreds of indexes, and a probe of one asks its backend over the
     network (or reads its profile from disk); one that does not answer takes the probe's
@@ -104,6 +105,11 @@ class IndexProbes:
     the checks after do not wait for again, and its answer is the first check's after it
     ends.
 
+    A search asks `probing`: the probe under way of its index, or one started at once on a
+    thread of its own (not queued behind the checks' probes of frozen backends), whose end it
+    waits for; the searches that fail at once on one outage share it. A check that comes while
+    it runs waits for it as for one of its own, once.
+
     A probe is keyed by what it asks (an index, and the driver it probes or None: an index
     not open), so an index opened or closed meanwhile is asked anew, not answered for what it
     was."""
@@ -113,6 +119,8 @@ class IndexProbes:
         self._lock = threading.Lock()
         # key -> when its probe under way began to run (queued behind others: when queued)
         self._running: dict[object, float] = {}
+        self._under_way: dict[object, Future] = {}  # key -> its probe under way (its outcome)
+        self._waited: set = set()  # keys whose probe under way a check has waited for
         # key -> (the exception its last probe raised, or None: ready; when that probe ended)
         self._answers: dict[object, tuple[BaseException | None, float]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -133,11 +141,25 @@ class IndexProbes:
                 if answer is not None and now - answer[1] < self.fresh_s:
                     waits[key] = None
                     continue
-                # one under way was waited for by the check that started it: not again
-                waits[key] = None if key in self._running else self._submit(key, fn)
-                if waits[key] is not None:
+                if key in self._running:  # one under way, waited for by one check: not again
+                    waits[key] = None if key in self._waited else self._under_way[key]
+                else:
+                    waits[key] = self._submit(key, fn)
                     self._running[key] = now
+                self._waited.add(key)
         return waits
+
+    def probing(self, key, fn: Callable[[], object]) -> Future:
+        """The probe of `key` under way, or `fn` started now on a thread of its own; its
+        outcome: None (ready) or the exception `fn` raised. Its answer is kept as a check's."""
+        with self._lock:
+            future = self._under_way.get(key)
+            if future is None:
+                future = self._under_way[key] = Future()
+                self._running[key] = time.monotonic()
+                threading.Thread(target=self._run, args=(key, fn, future), name="index-probe",
+                                 daemon=True).start()
+            return future
 
     def answers(self, waits: dict[object, Future | None], until: float
                 ) -> dict[object, BaseException | None | type[Pending]]:
@@ -160,7 +182,7 @@ class IndexProbes:
 
     def _submit(self, key, fn: Callable[[], object]) -> Future:
         """Queue `fn` for the workers (started as needed, up to `workers`). Holding the lock."""
-        future: Future = Future()
+        future = self._under_way[key] = Future()
         self._queue.put((key, fn, future))
         if len(self._threads) < self.workers:
             thread = threading.Thread(target=self._work, name="index-probe", daemon=True)
@@ -170,17 +192,21 @@ class IndexProbes:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            with self._lock:  # `slow_s` counts its run, not its wait behind frozen ones
-                self._running[key] = time.monotonic()
-            try:
-                fn()
-                outcome = None
-            except BaseException as exc:  # noqa: BLE001 — the index's answer
-                outcome = exc
-            with self._lock:
-                self._answers[key] = (outcome, time.monotonic())
-                self._running.pop(key, None)
-            future.set_result(outcome)
+            self._run(*item)
+
+    def _run(self, key, fn: Callable[[], object], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        with self._lock:  # `slow_s` counts its run, not its wait behind frozen ones
+            self._running[key] = time.monotonic()
+        try:
+            fn()
+            outcome = None
+        except BaseException as exc:  # noqa: BLE001 — the index's answer
+            outcome = exc
+        with self._lock:
+            self._answers[key] = (outcome, time.monotonic())
+            self._running.pop(key, None)
+            self._under_way.pop(key, None)
+            self._waited.discard(key)
+        future.set_result(outcome)

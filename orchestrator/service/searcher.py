@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from branchsearch.infra.stores.acl import ACL_ALL, acl_visible, group_name
@@ -41,7 +41,7 @@ from branchsearch.orchestrator.service.errors import (ApiError, Refused, api_err
                                                       error_code)
 from branchsearch.orchestrator.service.protocol import SearchRequest
 from branchsearch.orchestrator.service.readiness import (IndexProbes, Pending, SharedCheck,
-                                                         Unanswered, in_thread)
+                                                         Unanswered)
 
 log = logging.getLogger("branchsearch.service")
 
@@ -86,12 +86,9 @@ class Searcher:
                                max_open=limits.max_open_indexes,
                                retry_after_s=limits.retry_after_s)
         self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
-        # the other indexes' probes (`_ready`)
+        # the indexes' probes: the other indexes' of a check (`_ready`), and those of a search
+        # that failed or found nothing, one running at a time an index (`_probe_until`)
         self._index_probes = IndexProbes(fresh_s=PROBE_FRESH_S, slow_s=PROBE_TIMEOUT_S)
-        # the probes of a search that failed or found nothing, one running at a time an index,
-        # with when each began (`_probe_until`)
-        self._probes: dict[str, tuple[Future, float]] = {}
-        self._probes_lock = threading.Lock()
         if warm:
             self.open_default()
 
@@ -477,8 +474,8 @@ class Searcher:
     def _check_failure(self, driver, out: dict, left: float) -> None:
         """A failed search answers 503/504 with the reason, never an empty 200; an empty result
         is checked against the backends, so a backend that is down never looks like no hits.
-        The check is the index's one running probe (`_probing`: the searches that fail at once
-        on a backend share it), waited for until the deadline (`left` s from now), or
+        The check is the index's one running probe (`IndexProbes.probing`: the searches that
+        fail at once on a backend share it), waited for until the deadline (`left` s from now), or
         `JOIN_GRACE_S` for a search that ran to it: a backend that takes connections and does
         not answer (frozen, or a server still starting) would hold the answer for its whole
         `backend_timeout_s` past the deadline."""
@@ -495,13 +492,16 @@ class Searcher:
             self._probe_until(out["index"], driver, left)
 
     def _probe_until(self, index: str, driver, left: float) -> None:
-        probe, _ = self._probing(index, driver)
+        probe = self._index_probes.probing((index, driver),
+                                           functools.partial(self._probe_held, index, driver))
         try:
-            probe.result(timeout=max(left, JOIN_GRACE_S))
+            outcome = probe.result(timeout=max(left, JOIN_GRACE_S))
         except FutureTimeout:
             raise ApiError(503, "backend_unavailable", "the index's backends did not answer "
                            "within the search's deadline; retry later",
                            {"Retry-After": "5"}) from None
+        if outcome is not None:
+            raise outcome
 
     def _probe(self, index: str, driver) -> dict:
         try:
@@ -803,16 +803,6 @@ class Searcher:
         return {"status": "ready", "indexes": counted, "indexes_not_ready": len(not_ready),
                 "not_ready": [{"index": i, "error": code}
                               for i, code in sorted(not_ready.items())]}
-
-    def _probing(self, index: str, driver) -> tuple[Future, float]:
-        """The probe of open `index` running now, or a new one (on a thread of its own), with
-        when it began."""
-        with self._probes_lock:
-            running = self._probes.get(index)
-            if running is None or running[0].done():
-                probe = in_thread(self._probe_held, index, driver)
-                running = self._probes[index] = (probe, time.monotonic())
-            return running
 
     def _probe_unopened(self, index: str) -> None:
         from branchsearch.infra.index.profile import index_profile

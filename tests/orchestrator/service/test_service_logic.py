@@ -1287,6 +1287,50 @@ def test_index_probes_run_a_few_at_a_time_and_keep_their_answers_a_while():
         probes.close()
 
 
+def test_a_search_s_probe_is_shared_and_not_queued_behind_the_checks_probes():
+    """`IndexProbes.probing`, the probe of a search that failed or found nothing: the searches
+    that ask while one runs share it (one run), it starts at once even when every worker is
+    held by a frozen check's probe, its outcome is the exception its probe raised (None:
+    ready), and a check that comes while it runs waits for it instead of probing again."""
+    import time
+
+    from branchsearch.orchestrator.service.readiness import IndexProbes
+
+    probes = IndexProbes(workers=1, fresh_s=60, slow_s=10)
+    calls, thaw, release = [], threading.Event(), threading.Event()
+
+    def frozen():
+        thaw.wait(30)
+
+    def slow():
+        calls.append("slow")
+        release.wait(30)
+
+    def down():
+        raise OSError("backend down")
+
+    try:
+        probes.start({"frozen": frozen})  # holds the only worker
+        began = time.monotonic()
+        first, second = probes.probing("x", slow), probes.probing("x", slow)
+        assert first is second
+        check = probes.start({"x": lambda: calls.append("check")})  # waits for the search's
+        assert check["x"] is first
+        release.set()
+        assert first.result(timeout=5) is None and time.monotonic() - began < 2
+        assert calls == ["slow"]
+        assert probes.answers(check, time.monotonic() + 1) == {"x": None}
+        failed = probes.probing("y", down).result(timeout=5)
+        assert isinstance(failed, OSError) and str(failed) == "backend down"
+        again = probes.probing("x", slow)  # one that ended is not given again: a new probe
+        assert again is not first and again.result(timeout=5) is None
+        assert calls == ["slow", "slow"]
+    finally:
+        thaw.set()
+        release.set()
+        probes.close()
+
+
 def test_a_closing_service_starts_no_driver_and_closes_the_one_starting(tmp_path):
     """Once `Drivers.close` has begun, an open is refused (503 shutting_down: JSON to the
     caller) and starts nothing, and a driver still starting when close began is closed when
