@@ -1449,10 +1449,10 @@ def test_retrieve_with_no_hit_it_may_see_says_so_as_search_does(tmp_path):
 
 def test_a_document_id_that_reads_as_another_is_one_error_line_and_nothing_is_written(
         tmp_path):
-    """A corpus line whose id held a zero-width space, a byte-order mark, a word joiner, a
-    soft hyphen or a full-width letter was ingested: a document whose id looks like another's.
-    Now one error line naming the file, the line and the character, exit 2, and no index.
-    CJK, RTL, emoji and NFD ids still ingest."""
+    """A corpus line whose id holds a zero-width space, a byte-order mark, a word joiner, a
+    soft hyphen or a full-width letter (an id that looks like another's) is one error line
+    naming the file, the line and the character, exit 2, and no index. CJK, RTL, emoji and
+    NFD ids ingest."""
     home = ["--home", tmp_path / "home", "--index", "ids", "--no-dense"]
     corpus = tmp_path / "c.jsonl"
     for doc_id, says in LOOKALIKE_IDS:
@@ -1468,8 +1468,8 @@ def test_a_document_id_that_reads_as_another_is_one_error_line_and_nothing_is_wr
 
 
 def test_a_corpus_text_holding_a_nul_is_one_error_line_and_nothing_is_written(tmp_path):
-    """A corpus line whose text held U+0000 was ingested. Now one error line naming the file,
-    the line, the document and the field, exit 2, and no index."""
+    """A corpus line whose text holds U+0000 is one error line naming the file, the line, the
+    document and the field, exit 2, and no index."""
     home = ["--home", tmp_path / "home", "--index", "nul", "--no-dense"]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "fine", "text": "a good note"}) + "\n\n"
@@ -1480,10 +1480,10 @@ def test_a_corpus_text_holding_a_nul_is_one_error_line_and_nothing_is_written(tm
 
 
 def test_serve_standalone_refuses_the_options_of_ray_serve_s_deployments(tmp_path):
-    """`serve --standalone --max-queued N` (or --max-searches, --replicas) served as if the
-    option were not there: those size Ray Serve's searcher queue and replicas, which a
-    standalone server does not have. Now one line names the option and the setting that bounds
-    a standalone server's searches, exit 2, before anything starts; `--help` says so too."""
+    """`serve --standalone --max-queued N` (or --max-searches, --replicas: they size Ray
+    Serve's searcher queue and replicas, which a standalone server does not have) is one line
+    naming the option and the setting that bounds a standalone server's searches, exit 2,
+    before anything starts; `--help` says so too."""
     from branchsearch.orchestrator.cli.render import clean
 
     home = ["--home", tmp_path / "home", "--port", 0]

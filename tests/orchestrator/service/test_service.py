@@ -402,10 +402,10 @@ def test_an_uploaded_document_id_that_shows_nothing_is_a_422(site):
 
 
 def test_an_uploaded_document_id_that_reads_as_another_is_a_422(site):
-    """A document PUT whose id held a zero-width space, a byte-order mark, a word joiner, a
-    soft hyphen or full-width letters was written (200): a document whose id looks like
-    another's. Now a 422 naming the element and the character, and nothing of the body is
-    written; CJK, RTL, emoji and NFD ids are still written."""
+    """A document PUT whose id holds a zero-width space, a byte-order mark, a word joiner, a
+    soft hyphen or full-width letters (an id that looks like another's) is a 422 naming the
+    element and the character, and nothing of the body is written; CJK, RTL, emoji and NFD
+    ids are written."""
     client, keys, _ = site
     admin = auth(keys["admin"])
     for doc_id, says in LOOKALIKE_IDS:
@@ -424,8 +424,8 @@ def test_an_uploaded_document_id_that_reads_as_another_is_a_422(site):
 
 
 def test_an_uploaded_document_holding_a_nul_is_a_422(site):
-    """A document PUT whose text held U+0000 was stored (200), where a question holding one is
-    a 422. Now a 422 naming the element, the document and the field, and nothing is written."""
+    """A document PUT whose text or title holds U+0000 is a 422 naming the element, the
+    document and the field, as a question holding one is, and nothing is written."""
     client, keys, _ = site
     admin = auth(keys["admin"])
     for field in ("text", "title"):
@@ -580,10 +580,10 @@ def test_a_compressed_body_is_a_415_that_says_so(site):
 
 def test_a_body_declared_as_another_type_than_json_is_a_415_that_names_the_fix(site):
     """A search or a PUT sent as `Content-Type: text/plain` or
-    `application/x-www-form-urlencoded` (curl -d without -H) was read as JSON and answered
-    200. Now a 415 `unsupported_media_type` naming the type and the header to send, and
-    nothing is written; a body with no Content-Type, or any JSON type (with a charset, in any
-    case, `application/*+json`, JSONL's `application/x-ndjson`), is read as before."""
+    `application/x-www-form-urlencoded` (curl -d without -H) is a 415 `unsupported_media_type`
+    naming the type and the header to send, and nothing is written; a body with no
+    Content-Type, or any JSON type (with a charset, in any case, `application/*+json`, JSONL's
+    `application/x-ndjson`), is read."""
     client, keys, _ = site
     admin = auth(keys["admin"])
     docs = json.dumps([{"id": "typed-memo", "text": "A memo on the tern census."}]).encode()
