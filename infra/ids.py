@@ -53,7 +53,9 @@ def hidden_character(doc_id: str) -> str:
     format character (Cf: zero-width space, byte-order mark, word joiner, soft hyphen,
     direction marks and overrides) is refused, since output shows it as nothing or reorders
     the id around it; a joiner (U+200C, U+200D) only between two non-ASCII characters, where
-    it shapes an emoji or a joining script. And a full-width ASCII letter or digit (U+FF10…,
+    it shapes an emoji or a joining script (an emoji's presentation selector, U+FE0F, may stand
+    before it: 🏳️‍🌈), and a tag character (U+E0020…U+E007F) only within an emoji tag sequence,
+    which spells a flag (England's). And a full-width ASCII letter or digit (U+FF10…,
     U+FF21…, U+FF41…) is refused: it draws as its ASCII letter, so `ＭＥＭＯ` reads as `MEMO`.
     (Full-width punctuation, which CJK text writes, is kept.)"""
     for i, c in enumerate(doc_id):
@@ -61,7 +63,8 @@ def hidden_character(doc_id: str) -> str:
         if kind == "Cc":
             return (f"holds the control character U+{ord(c):04X}, which output would not "
                     "show")
-        if kind == "Cf" and not (c in _JOINERS and _joins(doc_id, i)):
+        if kind == "Cf" and not (c in _JOINERS and _joins(doc_id, i)
+                                 or c in _TAGS and _in_tag_sequence(doc_id, i)):
             return (f"holds the format character U+{ord(c):04X} "
                     f"({unicodedata.name(c, 'unnamed')}), which output would not show")
         if "\uff01" <= c <= "\uff5e" and c.isalnum():
@@ -72,9 +75,31 @@ def hidden_character(doc_id: str) -> str:
 
 
 def _joins(text: str, i: int) -> bool:
-    """Whether the joiner at `i` stands between two non-ASCII characters that show."""
-    return (0 < i < len(text) - 1
-            and all(not c.isascii() and shows(c) for c in (text[i - 1], text[i + 1])))
+    """Whether the joiner at `i` stands between two non-ASCII characters that show, the one
+    before it maybe followed by its emoji presentation selector (U+FE0F: ❤️‍🔥)."""
+    before = text[:i].removesuffix(_EMOJI_STYLE)
+    return (bool(before) and i < len(text) - 1
+            and all(not c.isascii() and shows(c) for c in (before[-1], text[i + 1])))
+
+
+# an emoji tag sequence: a base emoji, tag characters, the cancel tag (🏴 g b e n g, cancel: the
+# flag of England); the tags draw nothing alone, yet together with their base draw one flag
+_EMOJI_STYLE = "\ufe0f"
+_TAGS = frozenset(map(chr, range(0xE0020, 0xE0080)))
+_CANCEL_TAG = "\U000e007f"
+
+
+def _in_tag_sequence(text: str, i: int) -> bool:
+    """Whether the tag character at `i` is one of a run of tags that follows a non-ASCII
+    character that shows and ends with the cancel tag."""
+    start = i
+    while start > 0 and text[start - 1] in _TAGS:
+        start -= 1
+    end = i
+    while end < len(text) - 1 and text[end + 1] in _TAGS and text[end] != _CANCEL_TAG:
+        end += 1
+    return (start > 0 and not text[start - 1].isascii() and shows(text[start - 1])
+            and text[end] == _CANCEL_TAG and end > start)
 
 
 def shown_id(qid: str) -> str:

@@ -43,12 +43,18 @@ LOOKALIKE_IDS = [("memo\u200b1", "format character U+200B (ZERO WIDTH SPACE)"),
                  ("me\u00admo4", "format character U+00AD (SOFT HYPHEN)"),
                  ("memo\u200e5", "format character U+200E (LEFT-TO-RIGHT MARK)"),
                  ("a\u200db", "format character U+200D (ZERO WIDTH JOINER)"),
+                 ("a\ufe0f\u200db", "format character U+200D (ZERO WIDTH JOINER)"),
+                 ("memo\U000e00677", "format character U+E0067 (TAG LATIN SMALL LETTER G)"),
                  ("\uff2d\uff25\uff2d\uff2f6", "full-width 'M' (U+FF2D), which reads as the "
                                                "ASCII 'M'")]
-# ids that stay: CJK (with full-width punctuation), RTL, emoji (a ZWJ sequence), Persian with a
-# zero-width non-joiner, NFD
+# ids that stay: CJK (with full-width punctuation), RTL, emoji (a ZWJ sequence, one whose first
+# emoji has its presentation selector: the rainbow flag, the heart on fire; a flag of tag
+# characters: England's), Persian with a zero-width non-joiner, Devanagari with a joiner, NFD
 KEPT_IDS = ["会议纪要（终稿）", "مذكرة-١", "launch-👩\u200d💻",
-            "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "cafe\u0301-memo"]
+            "pride-\U0001f3f3\ufe0f\u200d\U0001f308", "\u2764\ufe0f\u200d\U0001f525-memo",
+            "team-\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
+            "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "\u0915\u094d\u200d\u0937",
+            "cafe\u0301-memo"]
 
 
 def write_corpus(path: Path, rows=CORPUS) -> Path:
