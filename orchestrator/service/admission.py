@@ -64,9 +64,10 @@ def for_replica(limits: Limits, max_ongoing: int) -> Limits:
 
 
 # the media types a body may be declared as: JSON (`application/*+json` too), and JSONL, which a
-# document upload may be (`application/x-ndjson`, as docs/service.md sends it)
+# document upload may be (`application/x-ndjson`, as docs/service.md sends it, or another of the
+# names JSON Lines tools send: `application/jsonlines` is SageMaker's)
 _JSON_TYPES = frozenset({"application/json", "application/x-ndjson", "application/jsonl",
-                         "application/x-jsonlines"})
+                         "application/x-jsonlines", "application/jsonlines"})
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
 

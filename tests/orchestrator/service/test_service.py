@@ -610,6 +610,25 @@ def test_a_body_declared_as_another_type_than_json_is_a_415_that_names_the_fix(s
                              headers=admin).status_code == 200
 
 
+def test_a_jsonl_upload_under_each_jsonl_type_is_written(site):
+    """A JSONL document upload declared as `application/jsonlines` (the type SageMaker and
+    other JSON Lines tools send) was a 415 telling the caller to send application/json. Every
+    JSONL type in use is read as JSONL, as `application/x-ndjson` is."""
+    client, keys, _ = site
+    admin = auth(keys["admin"])
+    lines = "".join(json.dumps({"id": f"lines-{i}", "text": f"A tern census note {i}."}) + "\n"
+                    for i in range(2)).encode()
+    for declared in ("application/x-ndjson", "application/jsonl", "application/x-jsonlines",
+                     "application/jsonlines", "application/jsonlines; charset=utf-8"):
+        r = client.put("/v1/indexes/acl/documents", content=lines,
+                       headers={**admin, "Content-Type": declared})
+        assert r.status_code == 200, (declared, r.text)
+        assert r.json()["upserted"] == ["lines-0", "lines-1"], declared
+    for i in range(2):
+        assert client.delete(f"/v1/indexes/acl/documents/lines-{i}",
+                             headers=admin).status_code == 200
+
+
 def test_input_that_gave_500s_is_a_422(site):
     """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
     deep each answered 500; now a 422 naming the problem (as do a U+0000 in the question and a
