@@ -480,7 +480,8 @@ _SERVER_LIMITS = {
                       "give the cluster more branch actors (CPUs or GPUs), or a longer "
                       "--deadline-s"),
     "searcher_queue": ("Ray Serve's queue for the searcher was full",
-                       "raise searcher_max_queued or add searcher replicas"),
+                       "raise searcher_max_queued (`branchsearch serve --max-queued`) or add "
+                       "searcher replicas"),
 }
 
 

@@ -116,7 +116,10 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(serve_app):
 def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
     """The searcher takes 1 search at a time and queues 1: a burst gets 503s, as JSON, whose
     fields name the limit met (`Overload`: Serve's queue, and its size; how many wait there,
-    Serve does not say)."""
+    Serve does not say); `loadtest`'s note on them names the flag that sets that limit for
+    `branchsearch serve`, not only the Serve config's key."""
+    from branchsearch.orchestrator.loadtest.run import overload_notes
+
     client, keys = serve_app
 
     def one(i):
@@ -133,6 +136,12 @@ def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
             body = r.json()
             assert (body["reason"], body["in_use"], body["limits"]) == (
                 "searcher_queue", None, {"searcher_max_queued": 1}), body
+    body = next(r.json() for r in answers if r.status_code == 503)
+    [note] = overload_notes({body["reason"]: 1}, {body["reason"]: body["limits"]})
+    assert note.startswith("Ray Serve's queue for the searcher was full (searcher_max_queued "
+                           "1): 1 requests were refused at once"), note
+    assert note.endswith("raise searcher_max_queued (`branchsearch serve --max-queued`) or add "
+                         "searcher replicas"), note
 
 
 def test_searcher_replicas_on_the_ray_executor_share_the_cluster(serve_app, tmp_path):
