@@ -45,6 +45,11 @@ def id_problem(value: str) -> str:
 # the joiners: invisible, yet part of how an emoji sequence (👩‍💻) or a word of a joining
 # script (Persian, Devanagari) is written
 _JOINERS = frozenset("\u200c\u200d")
+_EMOJI_STYLE = "\ufe0f"  # the presentation selector: the emoji before it drawn as an emoji
+# an emoji tag sequence: a base emoji, tag characters, the cancel tag (🏴 g b e n g, cancel: the
+# flag of England); the tags draw nothing alone, yet together with their base draw one flag
+_TAGS = frozenset(map(chr, range(0xE0020, 0xE0080)))
+_CANCEL_TAG = "\U000e007f"
 
 
 def hidden_character(doc_id: str) -> str:
@@ -82,18 +87,11 @@ def _joins(text: str, i: int) -> bool:
             and all(not c.isascii() and shows(c) for c in (before[-1], text[i + 1])))
 
 
-# an emoji tag sequence: a base emoji, tag characters, the cancel tag (🏴 g b e n g, cancel: the
-# flag of England); the tags draw nothing alone, yet together with their base draw one flag
-_EMOJI_STYLE = "\ufe0f"
-_TAGS = frozenset(map(chr, range(0xE0020, 0xE0080)))
-_CANCEL_TAG = "\U000e007f"
-
-
 def _in_tag_sequence(text: str, i: int) -> bool:
     """Whether the tag character at `i` is one of a run of tags that follows a non-ASCII
     character that shows and ends with the cancel tag."""
     start = i
-    while start > 0 and text[start - 1] in _TAGS:
+    while start > 0 and text[start - 1] in _TAGS and text[start - 1] != _CANCEL_TAG:
         start -= 1
     end = i
     while end < len(text) - 1 and text[end + 1] in _TAGS and text[end] != _CANCEL_TAG:

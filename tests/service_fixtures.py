@@ -45,6 +45,8 @@ LOOKALIKE_IDS = [("memo\u200b1", "format character U+200B (ZERO WIDTH SPACE)"),
                  ("a\u200db", "format character U+200D (ZERO WIDTH JOINER)"),
                  ("a\ufe0f\u200db", "format character U+200D (ZERO WIDTH JOINER)"),
                  ("memo\U000e00677", "format character U+E0067 (TAG LATIN SMALL LETTER G)"),
+                 ("\U0001f3f4\U000e0067\U000e007f\U000e0067\U000e007f8",
+                  "format character U+E0067 (TAG LATIN SMALL LETTER G)"),
                  ("\uff2d\uff25\uff2d\uff2f6", "full-width 'M' (U+FF2D), which reads as the "
                                                "ASCII 'M'")]
 # ids that stay: CJK (with full-width punctuation), RTL, emoji (a ZWJ sequence, one whose first
