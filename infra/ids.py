@@ -61,8 +61,9 @@ def hidden_character(doc_id: str) -> str:
     it shapes an emoji or a joining script (an emoji's presentation selector, U+FE0F, may stand
     before it: 🏳️‍🌈), and a tag character (U+E0020…U+E007F) only within an emoji tag sequence,
     which spells a flag (England's). And a full-width ASCII letter or digit (U+FF10…,
-    U+FF21…, U+FF41…) is refused: it draws as its ASCII letter, so `ＭＥＭＯ` reads as `MEMO`.
-    (Full-width punctuation, which CJK text writes, is kept.)"""
+    U+FF21…, U+FF41…) in an id that is otherwise ASCII or full-width is refused: it draws as
+    its ASCII letter, so `ＭＥＭＯ` reads as the id `MEMO`. Beside CJK, where Japanese input
+    writes them (`第１章`, `ＮＴＴドコモ`), they are kept: no ASCII id reads so."""
     for i, c in enumerate(doc_id):
         kind = unicodedata.category(c)
         if kind == "Cc":
@@ -72,11 +73,17 @@ def hidden_character(doc_id: str) -> str:
                                  or c in _TAGS and _in_tag_sequence(doc_id, i)):
             return (f"holds the format character U+{ord(c):04X} "
                     f"({unicodedata.name(c, 'unnamed')}), which output would not show")
-        if "\uff01" <= c <= "\uff5e" and c.isalnum():
+        if "\uff01" <= c <= "\uff5e" and c.isalnum() and _reads_as_ascii(doc_id):
             ascii_c = chr(ord(c) - 0xFEE0)
             return (f"holds the full-width {ascii_c!r} (U+{ord(c):04X}), which reads as the "
                     f"ASCII {ascii_c!r}; write {ascii_c!r}")
     return ""
+
+
+def _reads_as_ascii(text: str) -> bool:
+    """Whether every character of `text` is ASCII or a full-width form of ASCII (U+FF01…
+    U+FF5E): the id reads as an ASCII id."""
+    return all(c.isascii() or "\uff01" <= c <= "\uff5e" for c in text)
 
 
 def _joins(text: str, i: int) -> bool:

@@ -48,15 +48,17 @@ LOOKALIKE_IDS = [("memo\u200b1", "format character U+200B (ZERO WIDTH SPACE)"),
                  ("\U0001f3f4\U000e0067\U000e007f\U000e0067\U000e007f8",
                   "format character U+E0067 (TAG LATIN SMALL LETTER G)"),
                  ("\uff2d\uff25\uff2d\uff2f6", "full-width 'M' (U+FF2D), which reads as the "
-                                               "ASCII 'M'")]
+                                               "ASCII 'M'"),
+                 ("memo-\uff17", "full-width '7' (U+FF17), which reads as the ASCII '7'")]
 # ids that stay: CJK (with full-width punctuation), RTL, emoji (a ZWJ sequence, one whose first
 # emoji has its presentation selector: the rainbow flag, the heart on fire; a flag of tag
-# characters: England's), Persian with a zero-width non-joiner, Devanagari with a joiner, NFD
+# characters: England's), Persian with a zero-width non-joiner, Devanagari with a joiner, NFD,
+# Japanese with full-width digits and letters beside kanji and kana
 KEPT_IDS = ["会议纪要（终稿）", "مذكرة-١", "launch-👩\u200d💻",
             "pride-\U0001f3f3\ufe0f\u200d\U0001f308", "\u2764\ufe0f\u200d\U0001f525-memo",
             "team-\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
             "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "\u0915\u094d\u200d\u0937",
-            "cafe\u0301-memo"]
+            "cafe\u0301-memo", "第\uff11章", "\uff2e\uff34\uff34ドコモ"]
 
 
 def write_corpus(path: Path, rows=CORPUS) -> Path:

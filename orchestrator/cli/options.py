@@ -198,11 +198,11 @@ class ProgressLines:
         shown = f"{rate:.1f}" if rate >= 0.1 or not self.n else per_second(rate)  # not 0.0
         line = f"{self.desc}: {count} {self.unit}, {shown} {self.unit}/s, {elapsed:.0f} s"
         if not done and self.total is not None and 0 < self.n < self.total and rate > 0:
-            line += f", about {duration((self.total - self.n) / self._pace(rate))} left"
+            left = max((self.total - self.n) / self._pace(rate), 1)  # never "about 0 s"
+            line += f", about {duration(left)} left"
         if self.postfix:
             line += f" ({self.postfix})"
         print(line + (", done" if done else ""), file=self.stream, flush=True)
-
 
     def _pace(self, rate: float) -> float:
         """The rate the time left is reckoned at: since the first update, once more has been

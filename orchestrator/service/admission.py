@@ -99,7 +99,7 @@ def check_body_type(content_type: str) -> None:
                     if k.strip().lower() == "charset"), "utf-8")
     json_like = media in _JSON_TYPES or (media.startswith("application/")
                                          and media.endswith("+json"))
-    if not json_like or charset not in ("utf-8", "utf8"):
+    if not json_like or charset not in ("utf-8", "utf8", "us-ascii", "ascii"):  # ASCII is UTF-8
         shown = " ".join(content_type.split())[:80]
         raise ApiError(415, "unsupported_media_type", f"the body is sent as Content-Type "
                        f"{shown}; this API reads JSON in UTF-8: send Content-Type: "

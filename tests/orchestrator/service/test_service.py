@@ -599,8 +599,8 @@ def test_a_body_declared_as_another_type_than_json_is_a_415_that_names_the_fix(s
                 "send Content-Type: application/json"), (method, declared)
     assert_error(client.delete("/v1/indexes/acl/documents/typed-memo", headers=admin), 404)
     for declared in (None, "application/json", "application/json; charset=utf-8",
-                     "Application/JSON;charset=UTF-8", "application/vnd.api+json",
-                     "application/x-ndjson"):
+                     "Application/JSON;charset=UTF-8", "application/json; charset=us-ascii",
+                     "application/vnd.api+json", "application/x-ndjson"):
         typed = {**admin, **({"Content-Type": declared} if declared else {})}
         r = client.post("/v1/search", content=search, headers=typed)
         assert r.status_code == 200, (declared, r.text)
