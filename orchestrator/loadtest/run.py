@@ -496,7 +496,9 @@ def overload_notes(reasons: dict[str, int], limits: dict[str, dict[str, int]]) -
                                                 "see the service's limits"))
         given = limits.get(reason) or {}
         limit = f" ({', '.join(f'{k} {v}' for k, v in sorted(given.items()))})" if given else ""
-        notes.append(f"{what}{limit}: {n} requests were refused at once (503 overloaded), and "
+        were = "was" if n == 1 else "were"
+        notes.append(f"{what}{limit}: {_n(n, 'request')} {were} refused at once (503 "
+                     "overloaded), and "
                      "refusals count as errors: past that this measures the service's "
                      f"admission limit, not its search; {fix}")
     return notes

@@ -551,10 +551,9 @@ def _within(fn, *args, timeout: float = 30, **kwargs) -> httpx.Response:
 
 def test_a_small_write_lands_while_a_large_one_to_the_same_index_is_embedding(site,
                                                                                monkeypatch):
-    """A PUT of a long document embeds its chunks for minutes. A small PUT to the same index
-    sent meanwhile waited for the whole embedding (the large one held the index's write turn
-    while embedding; past the deadline, a 504): it now lands, and is searchable, while the
-    large one is still embedding, which lands after it."""
+    """A PUT of a long document embeds its chunks for minutes, outside the index's write turn:
+    a small PUT to the same index sent meanwhile lands, and is searchable, while the large one
+    is still embedding, which lands after it."""
     client, keys, _ = site
     admin = auth(keys["admin"])
     words = "Albatrossmemo of the harbor office: the pilot boats leave at the turn of the tide. "

@@ -139,7 +139,7 @@ def test_overload_is_a_json_503_from_serve_queue_limit(serve_app):
     body = next(r.json() for r in answers if r.status_code == 503)
     [note] = overload_notes({body["reason"]: 1}, {body["reason"]: body["limits"]})
     assert note.startswith("Ray Serve's queue for the searcher was full (searcher_max_queued "
-                           "1): 1 requests were refused at once"), note
+                           "1): 1 request was refused at once"), note
     assert note.endswith("raise searcher_max_queued (`branchsearch serve --max-queued`) or add "
                          "searcher replicas"), note
 
