@@ -650,9 +650,8 @@ _ERRORS = {
     403: "forbidden: the key may not use this index, or may not write this document (document "
          "writes need an admin key holding the document's groups)",
     404: "index_not_found, or document_not_found (also for an id the key may not see)",
-    409: "index_busy (an ingest or another write holds the index; retry when it is done), "
-         "read_only_index (a declared external index takes no writes), or write_superseded (a "
-         "write to the same document that arrived later landed first; it stands)",
+    409: "index_busy (an ingest or another write holds the index; retry when it is done), or "
+         "read_only_index (a declared external index takes no writes)",
     413: "body_too_large: the body is over the service's max_body_bytes",
     415: "unsupported_encoding: the body has a Content-Encoding (gzip, …), send it uncompressed; "
          "or unsupported_media_type: its Content-Type is not JSON in UTF-8 (text/plain, a "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from branchsearch.infra.errors import CorpusError
 
@@ -68,20 +67,14 @@ def _refuse_wrapper(text: str) -> None:
                               "themselves, as a JSON array or as JSONL (one a line)")
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """An upsert's chunks and their vectors (None: the index has no dense store), made before
-    its write turn: embedding a long document takes minutes, and the index's other writes need
-    not wait for it."""
-    chunks: list
-    vectors: object = None
-
-
-def prepare(retriever, settings, docs: list) -> Prepared:
-    """`docs` chunked as the index's ingest chunked (its manifest's encoding and windows,
-    whatever this process's settings say: the docstore's token counts are read in that
-    encoding), and embedded when the index has a dense store. Reads the stores nothing."""
+def upsert(retriever, settings, docs: list) -> dict:
+    """Replace (or add) `docs` and all their chunks, chunked as the index's ingest chunked
+    (its manifest's encoding and windows, whatever this process's settings say: the docstore's
+    token counts are read in that encoding). A document the index holds under its id in
+    another Unicode form (written by an earlier version) is replaced too. Returns {documents,
+    chunks}."""
     from branchsearch.infra.index.manifest import read_manifest
+    from branchsearch.infra.stores.protocols import IndexedChunk
     from branchsearch.infra.ingest.chunking import chunk_text, head_tokens
     from branchsearch.infra.models.tokenizer import TokenCounter
 
@@ -90,55 +83,18 @@ def prepare(retriever, settings, docs: list) -> Prepared:
     chunks = [c for d in docs for c in chunk_text(
         d.id, d.text, counter, recorded.chunk_tokens, recorded.chunk_overlap, title=d.title,
         head_tokens=head_tokens(settings))]
-    embedder = _embedder(retriever, settings)
-    indexed = _indexed(docs, chunks)
-    return Prepared(chunks, None if embedder is None else
-                    embedder.embed([c.body for c in indexed]))
-
-
-def upsert(retriever, settings, docs: list, prepared: Prepared | None = None) -> dict:
-    """Replace (or add) `docs` and all their chunks (`prepared`, else prepared here). A
-    document the index holds under its id in another Unicode form (written by an earlier
-    version) is replaced too. Returns {documents, chunks}."""
-    prepared = prepared or prepare(retriever, settings, docs)
-    chunks, indexed = prepared.chunks, _indexed(docs, prepared.chunks)
+    by_id = {d.id: d for d in docs}
+    indexed = [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
+               for c in chunks]
     others = retriever.docstore.other_forms([d.id for d in docs])
     ids = [d.id for d in docs] + others
     with every_store(retriever, settings) as dense:
         _reachable(retriever.lexical, dense)
         if dense is not None:
-            vectors = prepared.vectors  # None: the index had no dense store when prepared
-            dense.write(indexed, retriever.embedder.embed([c.body for c in indexed])
-                        if vectors is None else vectors, ids)
+            dense.write(indexed, retriever.embedder.embed([c.body for c in indexed]), ids)
         retriever.lexical.write(indexed, ids)
         retriever.docstore.replace_documents(docs, chunks, replaced=others)
     return {"documents": len(docs), "chunks": len(chunks)}
-
-
-def _indexed(docs: list, chunks: list) -> list:
-    from branchsearch.infra.stores.protocols import IndexedChunk
-
-    by_id = {d.id: d for d in docs}
-    return [IndexedChunk(c.id, c.doc_id, by_id[c.doc_id].title, c.text, by_id[c.doc_id].acl)
-            for c in chunks]
-
-
-def _embedder(retriever, settings):
-    """The embedder of the dense store an upsert writes (`every_store`): the retriever's, or,
-    for a retriever opened without a dense store, the index's model, loaded and kept on the
-    retriever (as `every_store` keeps it). None: the index has no dense store."""
-    from branchsearch.infra.index.manifest import read_manifest
-    from branchsearch.infra.index.open import index_embedder, query_model
-
-    if retriever.dense is not None or settings.external is not None:
-        return retriever.embedder if retriever.dense is not None else None
-    manifest = read_manifest(settings.index_dir)
-    if manifest is None or manifest.embedding is None:
-        return None
-    if retriever.embedder is None:
-        model = query_model(settings, manifest.embedding.get("model"))
-        retriever.embedder = index_embedder(model, reader=True)
-    return retriever.embedder
 
 
 def delete(retriever, settings, doc_id: str) -> bool:
@@ -217,12 +173,8 @@ def _backend_name(store) -> str:
 
 
 # Run inside the Ray retriever actor (`actor.__ray_call__`): the actor owns the stores.
-def prepare_in_actor(service, settings, docs):
-    return prepare(service.retriever, settings, docs)
-
-
-def upsert_in_actor(service, settings, docs, prepared=None):
-    return upsert(service.retriever, settings, docs, prepared)
+def upsert_in_actor(service, settings, docs):
+    return upsert(service.retriever, settings, docs)
 
 
 def delete_in_actor(service, settings, doc_id):

@@ -22,7 +22,6 @@ import functools
 import logging
 import threading
 import time
-import unicodedata
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +40,6 @@ from branchsearch.orchestrator.service.drivers import Drivers
 from branchsearch.orchestrator.service.errors import (ApiError, Refused, api_error,
                                                       error_code)
 from branchsearch.orchestrator.service.protocol import SearchRequest
-from branchsearch.orchestrator.service.write_order import WriteOrder
 from branchsearch.orchestrator.service.readiness import (IndexProbes, Pending, SharedCheck,
                                                          Unanswered)
 
@@ -82,7 +80,6 @@ class Searcher:
         # retrievers (those found at its start, and one more); `_cpu_holders` hold it now
         self._retriever_room = 0
         self._cpu_holders: set = set()
-        self.write_order = WriteOrder()  # of two writes to one document, the later stands
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
         self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
                                close=self._close, idle_close_s=limits.index_idle_close_s,
@@ -209,10 +206,9 @@ class Searcher:
         """A document write `fn(end, *args)` answered within the service's deadline (counted
         from `received_at`, the request's arrival, wall clock) and `JOIN_GRACE_S`. A write not
         begun by the deadline (waiting for the index, or for another write to it) never
-        begins: 504, nothing written. One begun runs on to its end on its thread, and lands
-        whole or not at all, unless a later write to the same document landed first
-        (`write_order`); its caller gets a 504 saying so, and repeating the same write is safe
-        (a PUT replaces by id, a DELETE then says 404)."""
+        begins: 504, nothing written. One begun runs on to its end on its thread, holding the
+        index's write lock, so it lands before any later write; its caller gets a 504 saying
+        so, and repeating the same write is safe (a PUT replaces by id, a DELETE then says 404)."""
         deadline = self.limits.default_deadline_s
         end = (time.time() if received_at is None else received_at) + deadline
         work = asyncio.ensure_future(self._in_thread(fn, end, *args))
@@ -546,44 +542,27 @@ class Searcher:
     # --- documents -------------------------------------------------------------------------------
 
     def _upsert(self, end: float, index: str, body: bytes, key: ApiKey) -> dict:
-        """Chunked and embedded before the index's write turn, so the index's other writes do
-        not wait for a long document's embedding; in the turn, the ownership check (what it
-        reads is what the write replaces) and the store writes. A write whose embedding ran
-        past its deadline still lands (its caller had the 504 saying it goes on): it waits
-        for its turn up to a deadline more."""
         self.check_writer(key, index)
         docs = documents.parse_documents(body)
-        ids = [d.id for d in docs]
-        with self.write_order.ticket() as ticket, self._writable(index, end) as (driver, store):
-            self._check_owner(key, docs, store)  # a refused write embeds nothing
-            prepared = self._write(index, driver, documents.prepare, documents.prepare_in_actor,
-                                   driver.settings, docs)
-            turn_end = max(end, time.time() + self.limits.default_deadline_s)
-            with self._write_turn(index, driver, turn_end):
-                self._check_owner(key, docs, store)  # again: a write in the turn meanwhile
-                # may have put another group's document under one of these ids
-                self._check_order(index, ids, ticket)
+        with self._writable(index, end) as (driver, store):
+            with self._write_turn(index, driver, end):
+                # (checked under the lock: what the check reads is what the write replaces)
+                for doc in docs:  # a scoped admin writes its groups' documents, and only those
+                    why = self._not_its(key, doc, _held(store, doc.id))
+                    if why:
+                        raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
+                                       f"documents whose acl is within its groups "
+                                       f"({', '.join(key.groups)}); {why}")
                 self._check_files(driver)
                 counts = self._write(index, driver, documents.upsert,
-                                     documents.upsert_in_actor, driver.settings, docs, prepared)
-                self.write_order.landed(index, ids, ticket)
+                                     documents.upsert_in_actor, driver.settings, docs)
                 self._renew_version(driver)
-        return {"index": index, "upserted": ids, **counts}
-
-    def _check_owner(self, key: ApiKey, docs: list, store) -> None:
-        """403 unless `key` may write every one of `docs` over what the index holds under
-        their ids: a scoped admin writes its groups' documents, and only those."""
-        for doc in docs:
-            why = self._not_its(key, doc, _held(store, doc.id))
-            if why:
-                raise ApiError(403, "forbidden", f"key {key.name!r} may write only "
-                               f"documents whose acl is within its groups "
-                               f"({', '.join(key.groups)}); {why}")
+        return {"index": index, "upserted": [d.id for d in docs], **counts}
 
     def _delete(self, end: float, index: str, doc_id: str, key: ApiKey) -> dict:
         self.check_writer(key, index)
         missing = ApiError(404, "document_not_found", f"no document {doc_id!r} in {index!r}")
-        with self.write_order.ticket() as ticket, self._writable(index, end) as (driver, store):
+        with self._writable(index, end) as (driver, store):
             with self._write_turn(index, driver, end):
                 # (checked under the lock, as an upsert's: a write that held the turn meanwhile
                 # may have put another group's document under this id)
@@ -597,11 +576,9 @@ class Searcher:
                                    f"documents whose acl is within its groups; document "
                                    f"{doc_id!r} is {held}")
                 doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
-                self._check_order(index, [unicodedata.normalize("NFC", doc_id)], ticket)
                 self._check_files(driver)
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)
-                self.write_order.landed(index, [unicodedata.normalize("NFC", doc_id)], ticket)
                 if found:
                     self._renew_version(driver)
         if not found:
@@ -631,15 +608,6 @@ class Searcher:
                 yield
         finally:
             lock.release()
-
-    def _check_order(self, index: str, ids: list[str], ticket: int) -> None:
-        """409 when a write that began after this one has written one of `ids` meanwhile
-        (`write_order`): this one, older, would put back what that one replaced or deleted."""
-        later = self.write_order.superseded(index, ids, ticket)
-        if later is not None:
-            raise ApiError(409, "write_superseded", f"a write to document {later!r} that "
-                           "arrived after this one landed while this one was being prepared; "
-                           "that later write stands, and nothing of this one was written")
 
     @staticmethod
     def _owns(key: ApiKey, acl) -> bool:
@@ -682,9 +650,9 @@ class Searcher:
                 raise cause from None
             log.error("write to index %r failed: %s", index, error_line(cause, 1000))
             # upsert writes the docstore (what searches see) last, delete first
-            now = ("repeat the delete to finish it (a 404 then means searches no longer saw "
-                   "it, and the repeat cleared the rest)" if local_fn is documents.delete else
-                   "searches still see the documents as they were; retry it")
+            now = ("searches still see the documents as they were; retry it"
+                   if local_fn is documents.upsert else "repeat the delete to finish it (a 404 "
+                   "then means searches no longer saw it, and the repeat cleared the rest)")
             raise ApiError(503, "write_failed", f"the write to index {index!r} did not complete "
                            f"({public_line(cause, 300)}); {now}") from None
         self._not_moved(index)
