@@ -28,8 +28,11 @@ when it is not HTTP 200 (named `http_<code>:<error>`) or when its result `status
 key is over its limit; 503 `overloaded`) is a failure recorded under its own name, `/v1/search
 refused`, so its fast answers stay out of `/v1/search`'s response times; a 503 that says the
 service cannot search (`backend_unavailable`, `not_ready`, …: its backend is down, not busy)
-under `/v1/search unavailable`, apart from both. Locust users are a closed loop (each waits
-for its answer); for open-loop arrivals use `branchsearch loadtest --rate`.
+under `/v1/search unavailable`, apart from both. A refused user waits the `Retry-After` the
+service sent (at most 60 s) before its next question, as a client honouring it would: a refusal
+answers in milliseconds, and a user that asked again at once would count hundreds of refusals a
+second, measuring its own retries rather than the service. Locust users are a closed loop (each
+waits for its answer); for open-loop arrivals use `branchsearch loadtest --rate`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 import itertools
 import os
 
-from locust import HttpUser, constant, task
+from locust import HttpUser, task
 
 from branchsearch.orchestrator.loadtest.stats import is_refusal, is_unavailable
 from branchsearch.orchestrator.loadtest.targets import result_status
@@ -81,12 +84,30 @@ BODY = {k: (v if k == "index" else (int(v) if k == "branches" else float(v)))
         for k, v in _FIELDS.items() if v}
 
 
+THINK = float(os.environ.get("BRANCHSEARCH_LOADTEST_THINK", "0"))
+MAX_BACK_OFF_S = 60.0
+
+
+def retry_after(response) -> float:
+    """The seconds a refusal's `Retry-After` asks for (0 without one, or not a number),
+    at most `MAX_BACK_OFF_S`."""
+    try:
+        return min(max(float(response.headers.get("Retry-After", 0)), 0.0), MAX_BACK_OFF_S)
+    except ValueError:
+        return 0.0
+
+
 class SearchUser(HttpUser):
-    wait_time = constant(float(os.environ.get("BRANCHSEARCH_LOADTEST_THINK", "0")))
+    def wait_time(self) -> float:
+        """THINK between an answer and the next question; after a refusal, the `Retry-After`
+        it asked for when that is longer."""
+        back_off, self.back_off = self.back_off, 0.0
+        return max(THINK, back_off)
 
     def on_start(self) -> None:
         key = KEYS[next(_USERS) % len(KEYS)] if KEYS else ""
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.back_off = 0.0
 
     @task
     def search(self) -> None:
@@ -101,6 +122,7 @@ class SearchUser(HttpUser):
                 outcome = f"http_{response.status_code}" + (f":{error}" if error else "")
                 if is_refusal(outcome):
                     response.request_meta["name"] = REFUSED
+                    self.back_off = retry_after(response)
                 elif is_unavailable(outcome):
                     response.request_meta["name"] = UNAVAILABLE
                 response.failure(outcome)

@@ -614,6 +614,30 @@ def test_locustfile_runs_headless_against_the_live_service(live_service, tmp_pat
     assert sum(s["num_failures"] for s in stats) == 0, proc.stderr[-2000:]
 
 
+def test_locust_users_wait_the_retry_after_of_a_refusal(tmp_path):
+    """Four locust users on a service that runs one search at a time and queues none
+    (`max_in_flight` 1, `Retry-After: 1`): a refused user waits the second the service asked
+    for before asking again, so in 3 s each is refused a few times, not hundreds (a refusal
+    answers in milliseconds)."""
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust is not installed: pip install 'branchsearch[loadtest]'")
+    from conftest import HOTPOT
+
+    from branchsearch.orchestrator.service.admission import Limits
+
+    with _service_over_es(tmp_path, limits=Limits(max_in_flight=1, retry_after_s=1)) \
+            as (server, _):
+        cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "bench" / "locustfile.py"),
+               "--headless", "-u", "4", "-r", "4", "-t", "3s", "--stop-timeout", "30",
+               "--host", server.url, "--json"]
+        env = {**os.environ, "BRANCHSEARCH_LOADTEST_QUERIES": str(HOTPOT)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]  # 1: locust saw failures
+    stats = {s["name"]: s for s in json.loads(proc.stdout)}
+    refused = stats.get("/v1/search refused", {}).get("num_requests", 0)
+    assert 1 <= refused <= 4 * 5, (refused, stats.keys())  # at most ~1 a second a user
+
+
 def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_path):
     from branchsearch.orchestrator.loadtest.run import read_keys, redact_argv, scrub
 
