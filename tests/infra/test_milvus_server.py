@@ -269,13 +269,19 @@ def test_the_products_milvus_lite_servers_log_under_the_home(hotpot_settings, tm
     environment) with a relative `--home`: the Milvus Lite servers they start write their glog
     files under the data home's `logs/milvus` (made on demand), and none of them writes in
     /tmp."""
-    import shutil
+    import sqlite3
     import subprocess
     import sys
+    from contextlib import closing
 
     home = tmp_path / "home"
-    (home / "cache").mkdir(parents=True)  # the embeddings, so that the ingest does not embed
-    shutil.copy(Path(hotpot_settings.home) / "cache" / "embeddings.sqlite", home / "cache")
+    (home / "cache").mkdir(parents=True)  # the embeddings, so that the ingest does not embed,
+    # copied through SQLite: this process holds the cache open, and closing a plain copy's
+    # handle on the file drops SQLite's locks on it (POSIX locks are per process), which lets
+    # another process's checkpoint corrupt it
+    with closing(sqlite3.connect(Path(hotpot_settings.home) / "cache" / "embeddings.sqlite")) \
+            as cached, closing(sqlite3.connect(home / "cache" / "embeddings.sqlite")) as copy:
+        cached.backup(copy)
     env = {k: v for k, v in os.environ.items() if k != "GLOG_log_dir"}
     before = _tmp_names()
     for args in (["ingest", str(HOTPOT)],
