@@ -559,10 +559,15 @@ def test_a_keys_429_under_serve_gives_the_queue_the_replica_cut(serve_app, tmp_p
         threading.Thread(target=search, args=("hole", 20), daemon=True).start()
         hole.settimeout(60)
         held, _ = hole.accept()  # the key's one slot is taken
-        threading.Thread(target=search, args=("bm", 20), daemon=True).start()  # its queue's 1
         deadline = time.monotonic() + 60
-        while True:  # until the waiter is in the queue (a probe before it waits 2 s: 429)
-            r = client.post("/keyq/v1/search", json={"question": "harbor", "deadline_s": 2})
+        while True:  # until a waiter holds the queue's one place and a probe is refused for it
+            if not any(t.name == "waiter" and t.is_alive() for t in threading.enumerate()):
+                # the first waiter, or another after a probe held the queue's place when the
+                # last one came (that waiter was the one refused, and the probe's 429 is not it)
+                threading.Thread(target=search, args=("bm", 20), name="waiter",
+                                 daemon=True).start()
+                time.sleep(0.5)
+            r = client.post("/keyq/v1/search", json={"question": "harbor", "deadline_s": 0.5})
             if r.status_code == 429 and r.json()["reason"] == "queue_full":
                 break
             assert time.monotonic() < deadline, (r.status_code, r.text)
