@@ -43,7 +43,7 @@ import os
 from locust import HttpUser, task
 
 from branchsearch.orchestrator.loadtest.stats import is_refusal, is_unavailable
-from branchsearch.orchestrator.loadtest.targets import result_status
+from branchsearch.orchestrator.loadtest.targets import result_status, retry_after_s
 from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
 
 _QUERIES = os.environ.get("BRANCHSEARCH_LOADTEST_QUERIES")
@@ -85,16 +85,6 @@ BODY = {k: (v if k == "index" else (int(v) if k == "branches" else float(v)))
 
 
 THINK = float(os.environ.get("BRANCHSEARCH_LOADTEST_THINK", "0"))
-MAX_BACK_OFF_S = 60.0
-
-
-def retry_after(response) -> float:
-    """The seconds a refusal's `Retry-After` asks for (0 without one, or not a number),
-    at most `MAX_BACK_OFF_S`."""
-    try:
-        return min(max(float(response.headers.get("Retry-After", 0)), 0.0), MAX_BACK_OFF_S)
-    except ValueError:
-        return 0.0
 
 
 class SearchUser(HttpUser):
@@ -122,7 +112,8 @@ class SearchUser(HttpUser):
                 outcome = f"http_{response.status_code}" + (f":{error}" if error else "")
                 if is_refusal(outcome):
                     response.request_meta["name"] = REFUSED
-                    self.back_off = retry_after(response)
+                    # the seconds it asks for, at most 60 (0 without one, or not a number)
+                    self.back_off = retry_after_s(response.headers.get("Retry-After")) or 0.0
                 elif is_unavailable(outcome):
                     response.request_meta["name"] = UNAVAILABLE
                 response.failure(outcome)

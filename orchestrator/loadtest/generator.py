@@ -25,7 +25,9 @@ from branchsearch.orchestrator.loadtest.targets import RequestFailed, Target, cl
 from branchsearch.orchestrator.loadtest.workload import Workload
 from branchsearch.orchestrator.evaluation.measures import percentile
 
-BACKOFF_S = 0.5  # closed loop: a user refused, or that reached no service, waits this long
+# closed loop: a user refused, or that reached no service, waits this long when the answer
+# carried no `Retry-After` (with one, it waits what that asks, at most `MAX_BACK_OFF_S`)
+BACKOFF_S = 0.5
 # a step in which the target could not search: questions asked one by one after it, this far
 # apart, before it counts as gone (a backend that only fell behind the load catches up)
 AFTER_STEP_TRIES, AFTER_STEP_GAP_S = 3, 1.0
@@ -52,14 +54,28 @@ class LoadSpec:
 
 def ask(target: Target, question: str, deadline_s: float | None = None) -> dict:
     """The sample fields of one request (never raises); with `deadline_s`, the request's own
-    deadline (the target keeps a shorter one it was given)."""
+    deadline (the target keeps a shorter one it was given). A failure whose answer carried a
+    `Retry-After` adds `retry_after_s` (not a sample field: `pause_after` takes it out)."""
     try:
         return classify(target.search(question) if deadline_s is None
                         else target.search(question, deadline_s=deadline_s))
     except RequestFailed as exc:
-        return {"outcome": exc.outcome}
+        return {"outcome": exc.outcome, **({"retry_after_s": exc.retry_after_s}
+                                           if exc.retry_after_s is not None else {})}
     except Exception as exc:  # a target bug must not stop the generator
         return {"outcome": f"error:{type(exc).__name__}"}
+
+
+def pause_after(fields: dict, think_s: float) -> float:
+    """How long a closed-loop user waits before its next question, taking `retry_after_s` out
+    of `fields`: `think_s` after an answer; after a request no service took on, the
+    `Retry-After` its answer asked for, or `BACKOFF_S` without one — `think_s` when that is
+    longer. A refused user asks again as a client honouring the service does (and as the
+    locustfile's users do), not thousands of times a second at a full or dead service."""
+    retry_after = fields.pop("retry_after_s", None)
+    if not is_unserved(fields["outcome"]):
+        return think_s
+    return max(think_s, BACKOFF_S if retry_after is None else retry_after)
 
 
 def _outside(fields: dict, sent: float) -> dict:
@@ -141,6 +157,7 @@ class Generator:
         def send(sample: Sample, question: str) -> None:
             sample.sent = time.monotonic()
             fields = ask(self.target, question)
+            fields.pop("retry_after_s", None)  # arrivals keep their schedule
             step.finish(sample, _outside(fields, sample.sent), time.monotonic())
 
         for offset in offsets:
@@ -170,10 +187,10 @@ class Generator:
                     step.samples.append(sample)
                     step.inflight += 1
                 fields = ask(self.target, self._next_question())
+                pause = pause_after(fields, self.spec.think_s)
                 step.finish(sample, _outside(fields, sample.sent), time.monotonic())
-                pause = BACKOFF_S if is_unserved(fields["outcome"]) else self.spec.think_s
-                if pause and self._stop.wait(pause):  # a refused user retries later, as
-                    return  # clients do: not thousands of requests a second at a dead service
+                if pause and self._stop.wait(pause):
+                    return
 
         for _ in range(users):
             threading.Thread(target=user, daemon=True, name="loadtest-user").start()

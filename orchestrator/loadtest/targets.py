@@ -10,6 +10,7 @@ generator calls `search` from many threads at once.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -22,15 +23,29 @@ from typing import Protocol
 
 
 DEADLINE_GRACE_S = 1.0  # a request with its own deadline: how long past it the client waits
+MAX_BACK_OFF_S = 60.0  # the longest `Retry-After` a refused user waits (the locustfile's too)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """The seconds a `Retry-After` header asks a client to wait, from 0 to `MAX_BACK_OFF_S`;
+    None without one, or when it is no number of seconds (an HTTP date, a word): the client
+    then waits what it would without the header."""
+    try:
+        seconds = float(value or "")
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), MAX_BACK_OFF_S) if math.isfinite(seconds) else None
 
 
 class RequestFailed(Exception):
-    """A request that got no result: its `outcome` class, and `body`, the service's JSON error
-    answer when there was one (a 429's `reason`, `limits`, … `service.admission`)."""
+    """A request that got no result: its `outcome` class, `body`, the service's JSON error
+    answer when there was one (a 429's `reason`, `limits`, … `service.admission`), and
+    `retry_after_s`, the wait its `Retry-After` asked for (None without one)."""
 
-    def __init__(self, outcome: str, detail: str = "", body: dict | None = None):
+    def __init__(self, outcome: str, detail: str = "", body: dict | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(detail or outcome)
-        self.outcome, self.body = outcome, body or {}
+        self.outcome, self.body, self.retry_after_s = outcome, body or {}, retry_after_s
 
 
 def was_taken(outcome: str, body: dict | None = None) -> bool:
@@ -310,7 +325,8 @@ class HttpTarget:
             if exc.code == 429:
                 self._read_key_limits(body)
             raise RequestFailed(f"http_{exc.code}" + (f":{code}" if code else ""),
-                                detail[:300], body) from None
+                                detail[:300], body,
+                                retry_after_s(exc.headers.get("Retry-After"))) from None
         except (TimeoutError, socket.timeout):
             raise RequestFailed("error:Timeout") from None
         except urllib.error.URLError as exc:

@@ -638,6 +638,39 @@ def test_locust_users_wait_the_retry_after_of_a_refusal(tmp_path):
     assert 1 <= refused <= 4 * 5, (refused, stats.keys())  # at most ~1 a second a user
 
 
+def test_closed_loop_users_wait_the_retry_after_of_a_refusal(tmp_path):
+    """`branchsearch loadtest --users 2` for 3 s on a key whose one slot is held and that
+    queues nothing (`Retry-After: 2`): every request is refused 429 at once, and a refused user
+    waits the 2 s the service asked for before asking again (as the locustfile's users do), so
+    each is refused twice, not every half second."""
+    from branchsearch.orchestrator.service.admission import Limits
+
+    out = tmp_path / "lt.json"
+    with _service_over_es(tmp_path, limits=Limits(per_key_concurrency=1, per_key_queue=0,
+                                                  retry_after_s=2)) as (server, _):
+        held = server.state.searcher.target.concurrency.take("dev")  # the dev mode's key
+        try:
+            proc = _cli_loadtest(server.url, ["--users", "2", "--duration", "3",
+                                              "--report", str(out)], {}, tmp_path)
+        finally:
+            held.let_go()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = json.loads(out.read_text())["steps"][0]
+    assert step["refused"] == step["sent"], step
+    assert 2 <= step["sent"] <= 2 * (3 // 2 + 1), step  # each at 0 s and 2 s, not 6 a user
+
+
+def test_a_retry_after_is_read_as_the_locustfile_reads_it():
+    """Seconds, at most 60; no header, a date or no number: None (the fixed back-off)."""
+    from branchsearch.orchestrator.loadtest.targets import MAX_BACK_OFF_S, retry_after_s
+
+    assert MAX_BACK_OFF_S == 60.0
+    assert retry_after_s("2") == 2.0 and retry_after_s(" 1.5 ") == 1.5
+    assert retry_after_s("3600") == 60.0 and retry_after_s("-3") == 0.0
+    for none in (None, "", "Wed, 21 Oct 2026 07:28:00 GMT", "soon", "nan", "inf"):
+        assert retry_after_s(none) is None, none
+
+
 def test_the_key_comes_from_a_file_or_the_environment_and_is_never_written(tmp_path):
     from branchsearch.orchestrator.loadtest.run import read_keys, redact_argv, scrub
 
