@@ -8,9 +8,10 @@ tell it from an empty id, nor type it. It is refused where ids enter, as an empt
 a corpus's documents (ingest, the service's upload), a batch's questions, an eval's queries
 and qrels (`id_problem`).
 
-A document id is held to more (`hidden_character`, at ingest and at the service's upload
-alike): no character that output does not show or that draws as another id's character, so
-two ids a reader sees alike are one id.
+Every id a person gives is held to more (`hidden_character`): a document id at ingest and at
+the service's upload, a batch's question id, an eval's query id and both ids of a qrels row.
+No character that output does not show or that draws as another id's character, so two ids a
+reader sees alike are one id, and a qrels row names only a document an ingest could hold.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ _CANCEL_TAG = "\U000e007f"
 
 
 def hidden_character(doc_id: str) -> str:
-    """What makes `doc_id` look like another document's id, as the words after "document id
-    'x'"; "" when nothing does. One rule by Unicode category: a control character (Cc) or a
+    """What makes `doc_id` (or any id a person gives: a question's, a qrels row's) look like
+    another id, as the words after "document id 'x'"; "" when nothing does. One rule by Unicode category: a control character (Cc) or a
     format character (Cf: zero-width space, byte-order mark, word joiner, soft hyphen,
     direction marks and overrides) is refused, since output shows it as nothing or reorders
     the id around it; a joiner (U+200C, U+200D) only between two non-ASCII characters, where

@@ -49,7 +49,7 @@ from itertools import islice
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError, ClusterLost, CorpusError
-from branchsearch.infra.ids import id_problem
+from branchsearch.infra.ids import hidden_character, id_problem
 from branchsearch.workers.query import QUESTION_CUT, question_problem
 
 STATUSES = ("ok", "partial", "failed")
@@ -147,12 +147,16 @@ def question_id(value: object) -> str:
     """A question's id as the output writes it: a non-empty string in Unicode NFC (as document
     ids are: an id typed on macOS is NFD, and the two spellings are one id), a number as
     text (`7` -> "7", `1.5` -> "1.5"); ValueError for anything else (empty, nothing that
-    shows, true/false, an array, an object, NaN)."""
+    shows, a character a document id may not hold — `ids.hidden_character` —, true/false,
+    an array, an object, NaN)."""
     if isinstance(value, str):
         problem = id_problem(value)  # "" or spaces; or "\u200b", which shows as nothing
         if problem:
             fix = "a non-empty id" if not value.strip() else "an id one can read"
             raise ValueError(f"'id' {problem}: give each question {fix}")
+        hidden = hidden_character(value)  # "q\u200b1", written as an id that reads "q1"
+        if hidden:
+            raise ValueError(f"'id' {value!r} {hidden}")
         return unicodedata.normalize("NFC", value)
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)

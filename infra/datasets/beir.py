@@ -12,7 +12,7 @@ from pathlib import Path
 
 from branchsearch.infra.config.choices import SPLITS, Split
 from branchsearch.infra.errors import CorpusError
-from branchsearch.infra.ids import id_problem, shows
+from branchsearch.infra.ids import hidden_character, id_problem, shows
 from branchsearch.infra.ingest.corpus import document_id
 from branchsearch.infra.textfile import KeyTwice, json_once, utf8_lines
 
@@ -73,8 +73,10 @@ def read_queries(folder: str | Path, split: Split = "test",
                                   "number (a relevance grade: 0, 1, 2, …)")
             for name, value in (("query-id", row[0]), ("corpus-id", row[1])):
                 problem = id_problem(value)  # gold no query or document could be
-                if problem:
-                    raise CorpusError(f"{qrels_file}:{lineno}: {name} {problem}")
+                hidden = not problem and hidden_character(value)  # one ingest would refuse
+                if problem or hidden:
+                    raise CorpusError(f"{qrels_file}:{lineno}: {name} "
+                                      + (problem or f"{value!r} {hidden}"))
             # the ids as the index holds them (NFC)
             qid, doc, score = _nfc(row[0]), document_id(row[1]), int(row[2])
             first = graded.setdefault((qid, doc), (score, lineno))
@@ -103,6 +105,9 @@ def read_queries(folder: str | Path, split: Split = "test",
             if problem:
                 raise CorpusError(f"{qfile}:{lineno}: '_id' {problem}: give each query an id "
                                   "one can read")
+            hidden = hidden_character(str(qid))  # "q\u200b1" reads as "q1" in the report
+            if hidden:
+                raise CorpusError(f"{qfile}:{lineno}: '_id' {qid!r} {hidden}")
             if not isinstance(text, str):
                 raise CorpusError(f"{qfile}:{lineno}: 'text' must be a string, not "
                                   f"{json.dumps(text)[:40]}")

@@ -244,6 +244,27 @@ def test_a_batch_line_naming_a_key_twice_is_malformed(tmp_path):
         f"{path}:2: the key 'question' is given twice in one object: give it once"]
 
 
+def test_a_batch_id_holding_a_character_that_does_not_show_is_malformed(tmp_path):
+    """`q\\u200b1` was asked and written as an id that reads `q1`: a question id follows the
+    document ids' rule (`ids.hidden_character`), so such a line is malformed, named with the
+    character, and the others are asked; a joiner inside an emoji is part of the id."""
+    from branchsearch.orchestrator.batch import read_questions
+
+    path = tmp_path / "q.jsonl"
+    ids = ["q\u200b1", "q\x002", "\uff31\uff13", "\U0001f469\u200d\U0001f4bb", "q1"]
+    path.write_text("".join(json.dumps({"id": i, "question": "Who is Ed Wood?"}) + "\n"
+                            for i in ids))
+    data = read_questions(path)
+    assert [qid for qid, _ in data.items] == ["\U0001f469\u200d\U0001f4bb", "q1"]
+    assert data.bad_lines == [
+        f"{path}:1: 'id' 'q\\u200b1' holds the format character U+200B (ZERO WIDTH SPACE), "
+        "which output would not show",
+        f"{path}:2: 'id' 'q\\x002' holds the control character U+0000, which output would not "
+        "show",
+        f"{path}:3: 'id' '\uff31\uff13' holds the full-width 'Q' (U+FF31), which reads as the "
+        "ASCII 'Q'; write 'Q'"]
+
+
 def test_a_batch_line_that_is_not_a_json_object_names_its_line(tmp_path):
     from branchsearch.orchestrator.batch import read_questions
 

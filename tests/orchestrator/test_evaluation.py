@@ -433,20 +433,20 @@ def test_a_qrels_line_that_cannot_be_read_is_one_line_naming_it(tmp_path, qrels,
 
 def test_a_query_id_that_differs_from_its_qrels_only_by_an_invisible_character_is_named(
         tmp_path):
-    """'q1' in the qrels and 'q1' followed by a zero-width space in queries.jsonl are two ids
+    """'q1' in the qrels and 'q1' followed by a Hangul filler in queries.jsonl are two ids
     (as BEIR compares them): the query is not scored, and the two notes named them apart, with
     nothing saying they look alike. A note now says which ids differ only by characters
-    that do not show."""
+    that do not show (those the id rule lets through: a zero-width space is refused)."""
     from branchsearch.infra.datasets.beir import read_queries
 
-    data = _beir(tmp_path / "zw", [], [("q1\u200b", "volcano town"), ("q2", "lake town"),
-                                       ("q\ufeff3", "river town")],
+    data = _beir(tmp_path / "zw", [], [("q1\u3164", "volcano town"), ("q2", "lake town"),
+                                       ("q\u00a03", "river town")],
                  "q1\td0\t1\nq2\td1\t1\nq3\td2\t1\n")
     notes = []
     assert [q.id for q in read_queries(data, notes=notes)] == ["q2"]
     assert ("warning: 2 queries of queries.jsonl differ from ids of qrels/test.tsv only by "
-            "characters that do not show (ids compare exactly), not scored: 'q1\\u200b' "
-            "(qrels/test.tsv: 'q1'), 'q\\ufeff3' (qrels/test.tsv: 'q3')") in notes, notes
+            "characters that do not show (ids compare exactly), not scored: 'q1\u3164' "
+            "(qrels/test.tsv: 'q1'), 'q\\xa03' (qrels/test.tsv: 'q3')") in notes, notes
 
 
 def _hostile_copy(folder, ids: dict[int, str], ghost: tuple[int, str] | None = None):
@@ -531,6 +531,15 @@ def test_the_markdown_report_keeps_one_row_per_query_whatever_its_id_holds(tmp_p
     ([("q1", "volcano town")], "q1\t\u2060\t1\n", "qrels/test.tsv:1",
      "corpus-id '\\u2060' has no character that shows"),
     ([("q1", "volcano town")], "q1\td0\t1\n\td1\t1\n", "qrels/test.tsv:2", "query-id is empty"),
+    ([("q1", "volcano town"), ("q\u200b2", "lake town")], "q1\td0\t1\n", "queries.jsonl:2",
+     "'_id' 'q\\u200b2' holds the format character U+200B (ZERO WIDTH SPACE), which output "
+     "would not show"),
+    ([("q1", "volcano town")], "q1\td0\t1\nq\u200b1\td1\t1\n", "qrels/test.tsv:2",
+     "query-id 'q\\u200b1' holds the format character U+200B (ZERO WIDTH SPACE)"),
+    ([("q1", "volcano town")], "q1\tdoc\x001\t1\n", "qrels/test.tsv:1",
+     "corpus-id 'doc\\x001' holds the control character U+0000"),
+    ([("q1", "volcano town")], "q1\t\uff44oc1\t1\n", "qrels/test.tsv:1",
+     "corpus-id '\uff44oc1' holds the full-width 'd' (U+FF44), which reads as the ASCII 'd'"),
     ([("q1", "volcano town")], "q1\t\t1\n", "qrels/test.tsv:1", "corpus-id is empty"),
 ])
 def test_an_id_that_shows_nothing_is_refused_with_its_line(tmp_path, queries, qrels, where,
@@ -546,6 +555,21 @@ def test_an_id_that_shows_nothing_is_refused_with_its_line(tmp_path, queries, qr
     with pytest.raises(CorpusError) as raised:
         read_queries(data)
     assert str(raised.value).startswith(f"{data / where}: {message}"), raised.value
+
+
+def test_eval_refuses_a_qrels_id_no_document_id_could_be_with_one_line(tmp_path):
+    """A qrels row naming `doc\\u200b1` (no document id: ingest refuses it) was read as gold
+    that silently matched nothing; `eval` now stops with one line naming the file, the line
+    and the character, exit 2, and writes no report."""
+    data = _beir(tmp_path / "d", [{"_id": "d0", "text": "volcano town"}],
+                 [("q1", "volcano town")], "q1\td0\t1\nq1\tdoc\u200b1\t1\n")
+    report = tmp_path / "r.json"
+    done = run_cli("eval", str(data), "--home", str(tmp_path / "home"), "--report", str(report))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: {data / 'qrels' / 'test.tsv'}:2: corpus-id 'doc\\u200b1' holds the format "
+        "character U+200B (ZERO WIDTH SPACE), which output would not show"], done.stderr
+    assert not report.exists() and not report.with_suffix(".md").exists()
 
 
 @pytest.mark.parametrize("qrels", [

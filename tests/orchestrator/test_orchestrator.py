@@ -617,7 +617,7 @@ def test_batch_ids_that_show_nothing_are_malformed_lines(tmp_path):
                              read_env=False, read_file=False)
     ingest(HOTPOT, settings, dense=False)
     question = json.loads((HOTPOT / "queries.jsonl").read_text().splitlines()[0])["text"]
-    ids = ["\u200b", "\ufeff", "\u3164\u200d", "a\u200b"]
+    ids = ["\u200b", "\ufeff", "\u3164\u200d", "a\u00e9"]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "question": question}) + "\n" for i in ids))
     done = subprocess.run(
@@ -630,7 +630,7 @@ def test_batch_ids_that_show_nothing_are_malformed_lines(tmp_path):
         assert (f"skipped {inp}:{lineno}: 'id' {shown} has no character that shows: give each "
                 "question an id one can read") in done.stderr, done.stderr[-2000:]
     assert "1 ok" in done.stdout and "3 malformed input lines skipped" in done.stdout
-    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a\u200b"]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a\u00e9"]
 
 
 def test_an_output_row_whose_id_shows_nothing_survives_the_rewrite(tmp_path):
@@ -1029,12 +1029,14 @@ def test_a_batch_says_how_many_questions_it_searched_cut_to_the_cap(hotpot_setti
             f"their first {cap} tokens") in run.stderr, run.stderr[-2000:]
 
 
-def test_batch_ids_with_control_or_invisible_characters_are_kept_and_shown_escaped(tmp_path):
+def test_batch_ids_with_control_or_invisible_characters_are_refused_and_shown_escaped(
+        tmp_path):
     """Ids holding a newline, an escape sequence or a zero-width character were printed raw in
     the lines naming them ("asking again …: a", then "b" on a line of its own; 'q1' and
-    'q1\\u200b' looked the same; ESC drove the terminal). Files keep each id exactly (two ids
-    that differ by a zero-width space are two questions); a line on the terminal shows such
-    an id quoted with escapes."""
+    'q1\\u200b' looked the same; ESC drove the terminal), and then run as ids a reader could
+    not tell apart. They follow the document ids' rule: each is a malformed line, its id
+    escaped; an id that holds a joiner inside an emoji is kept exactly in the file and shown
+    quoted with escapes on the terminal."""
     from branchsearch.infra.config.settings import load_settings
     from branchsearch.infra.ingest.pipeline import ingest
 
@@ -1045,7 +1047,9 @@ def test_batch_ids_with_control_or_invisible_characters_are_kept_and_shown_escap
     settings = load_settings(overrides={"home": tmp_path / "home", "index": "ids"},
                              read_env=False, read_file=False)
     ingest(corpus, settings, dense=False)
-    ids = ["a\nb", "q1", "q1\u200b", "\ufeffq2", "x\x1b[2Jy"]
+    kept = ["q1", "q\u00e9", "\U0001f469\u200d\U0001f4bb"]
+    refused = ["a\nb", "q1\u200b", "\ufeffq2", "x\x1b[2Jy"]
+    ids = kept + refused
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
 
     def batch(suffix: str):
@@ -1058,12 +1062,16 @@ def test_batch_ids_with_control_or_invisible_characters_are_kept_and_shown_escap
                               env=dict(os.environ, BRANCHSEARCH_SEARCH_MODE="bm25"))
 
     first = batch("")
-    assert first.returncode == 0 and "5 ok" in first.stdout, first.stderr[-2000:]
+    assert first.returncode == 1 and "3 ok" in first.stdout, first.stderr[-2000:]
+    skipped = [line for line in first.stderr.splitlines() if line.startswith("skipped ")]
+    assert [line.split(": ", 1)[1].split(" holds ")[0] for line in skipped] == [
+        "'id' 'a\\nb'", "'id' 'q1\\u200b'", "'id' '\\ufeffq2'", "'id' 'x\\x1b[2Jy'"], skipped
     again = batch(" or a river")
-    assert again.returncode == 0 and "5 ok" in again.stdout, again.stderr[-2000:]
+    assert again.returncode == 1 and "3 ok" in again.stdout, again.stderr[-2000:]
     said = [line for line in again.stderr.splitlines() if line.startswith("asking again")]
-    assert said == ["asking again 5 question(s) whose text changed since their ok row was "
-                    "written: 'a\\nb', q1, 'q1\\u200b', '\\ufeffq2', 'x\\x1b[2Jy'"], \
+    assert said == ["asking again 3 question(s) whose text changed since their ok row was "
+                    "written: q1, q\u00e9, '\U0001f469\\u200d\U0001f4bb'"], \
         again.stderr[-2000:]
-    assert "\x1b" not in again.stderr and "\u200b" not in again.stderr
-    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ids
+    for run in (first, again):
+        assert "\x1b" not in run.stderr and "\u200b" not in run.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == kept
