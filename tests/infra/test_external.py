@@ -18,6 +18,7 @@ from branchsearch.infra.index.open import open_retriever
 from branchsearch.infra.config.settings import load_settings
 
 from conftest import HOTPOT
+from store_copy import copy_store
 
 RESTRICTED = {"scott-derrickson": ["film-dept"]}  # one document only a group may see
 
@@ -288,14 +289,13 @@ def test_agent_search_and_no_writes(foreign):
 @pytest.mark.es
 def test_indexes_lists_owned_and_external(foreign, hotpot_settings):
     """`branchsearch indexes`: counts and health of each external index, one line per problem."""
-    import shutil
 
     owned = foreign["home"] / "indexes" / "hotpot"
     if not owned.exists():  # an owned, complete index beside the external ones: its manifest
         # (only that: reading the session index's Milvus Lite lock file, even to copy it, would
         # drop this process's POSIX lock on it and stop the server other tests use)
         owned.mkdir(parents=True)
-        shutil.copy(hotpot_settings.index_dir / "manifest.json", owned / "manifest.json")
+        copy_store(hotpot_settings.index_dir / "manifest.json", owned / "manifest.json")
         # and its store files by name (`indexes` checks they are there, not what they hold)
         for name in ("docs.sqlite", "tantivy/meta.json", "dense.db"):
             (owned / name).parent.mkdir(exist_ok=True)

@@ -19,6 +19,7 @@ from branchsearch.infra.index.manifest import read_manifest
 from branchsearch.infra.index.open import open_retriever
 
 from conftest import HOTPOT
+from store_copy import copy_store
 
 
 CHUNKS = [
@@ -179,11 +180,7 @@ def test_an_owned_index_on_a_refused_server_fails_at_once(hotpot_settings, tmp_p
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     index_dir = tmp_path / "indexes" / "hotpot"
-    # copied by another process: closing a file of the session index here would drop this
-    # process's POSIX locks on it (its Milvus Lite file's owner, SQLite)
-    subprocess.run([sys.executable, "-c", "import shutil, sys; shutil.copytree(sys.argv[1], "
-                    "sys.argv[2], ignore=shutil.ignore_patterns('dense.db*', '*.lock'))",
-                    str(hotpot_settings.index_dir), str(index_dir)], check=True)
+    copy_store(hotpot_settings.index_dir, index_dir, ignore=("dense.db*", "*.lock"))
     manifest = json.loads((index_dir / "manifest.json").read_text())
     manifest["backends"]["dense"] = f"milvus http://***@127.0.0.1:{port} (HNSW)"
     (index_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -269,19 +266,12 @@ def test_the_products_milvus_lite_servers_log_under_the_home(hotpot_settings, tm
     environment) with a relative `--home`: the Milvus Lite servers they start write their glog
     files under the data home's `logs/milvus` (made on demand), and none of them writes in
     /tmp."""
-    import sqlite3
     import subprocess
     import sys
-    from contextlib import closing
 
-    home = tmp_path / "home"
-    (home / "cache").mkdir(parents=True)  # the embeddings, so that the ingest does not embed,
-    # copied through SQLite: this process holds the cache open, and closing a plain copy's
-    # handle on the file drops SQLite's locks on it (POSIX locks are per process), which lets
-    # another process's checkpoint corrupt it
-    with closing(sqlite3.connect(Path(hotpot_settings.home) / "cache" / "embeddings.sqlite")) \
-            as cached, closing(sqlite3.connect(home / "cache" / "embeddings.sqlite")) as copy:
-        cached.backup(copy)
+    home = tmp_path / "home"  # the embeddings, so that the ingest does not embed
+    copy_store(Path(hotpot_settings.home) / "cache" / "embeddings.sqlite",
+               home / "cache" / "embeddings.sqlite")
     env = {k: v for k, v in os.environ.items() if k != "GLOG_log_dir"}
     before = _tmp_names()
     for args in (["ingest", str(HOTPOT)],

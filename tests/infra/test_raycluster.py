@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from store_copy import copy_store
+
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 CONNECT = ("from branchsearch.infra.raycluster import connect\n"
            "from branchsearch.infra.config.settings import Settings\n"
@@ -87,7 +89,6 @@ def test_a_batch_joining_a_busy_cluster_plans_on_its_free_cpus(hotpot_settings, 
     CPUs planned its actors for all 3: they waited for CPUs that were not coming, and the batch
     stopped at the start timeout. It now plans on the free CPU and answers every question."""
     import json
-    import shutil
 
     temp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
     token, port = secrets.token_hex(16), _free_port()
@@ -102,7 +103,7 @@ def test_a_batch_joining_a_busy_cluster_plans_on_its_free_cpus(hotpot_settings, 
                               capture_output=True, timeout=180)
         assert "held 1.0" in held.stdout, held.stderr[-2000:]
         home = tmp_path / "home"
-        shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+        copy_store(hotpot_settings.index_dir, home / "indexes" / "hotpot")
         questions = tmp_path / "q.jsonl"
         questions.write_text("".join(json.dumps({"id": i, "question": q}) + "\n" for i, q in
                                      enumerate(["Who directed Ed Wood?",

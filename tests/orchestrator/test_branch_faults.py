@@ -10,6 +10,7 @@ from branchsearch.orchestrator.batch import (check_output, compact, done_ids, re
                                              resume_state, run_batch, to_ask)
 
 from conftest import HOTPOT
+from store_copy import copy_store
 
 
 def _items():
@@ -426,7 +427,6 @@ def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(
     name a search called it damaged ("remove it and ingest again") and an ingest filled a
     second, empty collection, then failed and left the copy without a manifest. Now both say
     what happened, before anything is touched; renamed back, it answers."""
-    import shutil
     from pathlib import Path
 
     from branchsearch.infra.index.catalog import owned_indexes
@@ -440,7 +440,7 @@ def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(
     # hotpot index) closes that process's lock handle, and Milvus Lite stops its server
     source = ingest_copy(hotpot_settings, "copy-source")
     copy = hotpot_settings.replace(index="hotpot-copy")
-    shutil.copytree(source.index_dir, copy.index_dir)
+    copy_store(source.index_dir, copy.index_dir)
     manifest = (copy.index_dir / "manifest.json").read_bytes()
     said = r"ingested as 'copy-source' and its folder copied .*rename the folder back"
     with pytest.raises(IndexIncomplete, match=said):
@@ -453,7 +453,7 @@ def test_a_copied_or_renamed_index_folder_says_so_and_an_ingest_leaves_it_whole(
     assert health["copy-source"] == "ok"
     # the same folder under its own name in another home (a moved home) is fine
     moved = source.replace(home=Path(copy.home).parent / "moved-home")
-    shutil.copytree(copy.index_dir, moved.index_dir)
+    copy_store(copy.index_dir, moved.index_dir)
     retriever = open_retriever(moved)
     try:
         assert retriever.search("Ed Wood", "hybrid", 3)

@@ -24,6 +24,7 @@ from branchsearch.infra.errors import BadQuery, CorpusError
 from branchsearch.orchestrator.cli.render import clean, one_line
 
 from service_fixtures import KEPT_IDS, LOOKALIKE_IDS
+from store_copy import copy_store
 
 CLI = [sys.executable, "-m", "branchsearch.orchestrator.cli"]
 
@@ -1035,7 +1036,7 @@ def test_indexes_shows_where_a_copied_index_reads_its_vectors(tmp_path):
         '{"_id": "heron", "title": "Heron", "text": "Herons wade in shallow marshes."}\n')
     made = run(["ingest", tmp_path / "c.jsonl", "--index", "wiki", "--home", first])
     assert made.returncode == 0, made.stderr[-800:]
-    shutil.copytree(first / "indexes" / "wiki", second / "indexes" / "wiki")
+    copy_store(first / "indexes" / "wiki", second / "indexes" / "wiki")
     shutil.rmtree(first)
     listed = run(["indexes", "--home", second, "--json"])
     assert listed.returncode == 0, listed.stderr[-800:]
@@ -1053,10 +1054,9 @@ def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(
     """`serve` (Ray Serve, the default) checks the default index in the command's process: a
     renamed or missing index is the one line `serve --standalone` gives, not the traceback of
     a Searcher replica that failed to start."""
-    import shutil
 
     home = tmp_path / "home"
-    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "renamed")
+    copy_store(hotpot_settings.index_dir, home / "indexes" / "renamed")
     renamed = run(["serve", "--home", home, "--index", "renamed", "--port", 0], timeout=120)
     assert_one_error_line(renamed, "")
     assert "was ingested as 'hotpot'" in renamed.stderr and "ray" not in renamed.stderr.lower()
@@ -1240,10 +1240,9 @@ def test_a_reading_command_with_no_index_named_uses_the_home_s_only_one_or_names
     'default' even when the data home held one index of another name (`serve` serves every
     index; the default only answers requests that name none). The only index is now the one,
     said in a line; with two, one error line names both; a named index is never replaced."""
-    import shutil
 
     home = tmp_path / "home"
-    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+    copy_store(hotpot_settings.index_dir, home / "indexes" / "hotpot")
     (tmp_path / "q.jsonl").write_text(json.dumps({"id": "q", "question": "Ed Wood"}) + "\n")
     done = {name: run(args) for name, args in {  # one at a time: one Milvus Lite file
         "search": ["search", "Who directed Ed Wood?", "--home", home, "--json"],
@@ -1258,7 +1257,7 @@ def test_a_reading_command_with_no_index_named_uses_the_home_s_only_one_or_names
     assert done["batch"].returncode == 0, done["batch"].stderr[-800:]
     assert json.loads((tmp_path / "out.jsonl").read_text())["status"] == "ok"
     assert_one_error_line(done["named"], "index 'default' not found")
-    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "Zürich")
+    copy_store(hotpot_settings.index_dir, home / "indexes" / "Zürich")
     for args in (["search", "Ed Wood", "--home", home],
                  ["serve", "--home", home, "--port", 0]):
         assert_one_error_line(run(args, timeout=120),

@@ -81,6 +81,7 @@ import json  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
+from store_copy import copy_store  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -548,17 +549,15 @@ def test_an_index_whose_bm25_does_not_fold_keeps_hybrid_hops(hotpot_settings, tm
     """A tantivy index made before accent folding: there the dense side is what matched a name
     written without its accents, so its hops stay hybrid (the settings' mode)."""
     import json
-    import shutil
 
     from branchsearch.workers.factory import make_policy
 
     home = tmp_path / "home"  # what make_policy reads: the manifest and tantivy's schema (not
     # the whole folder: a copy of a Milvus Lite file in use breaks the process's own server)
     old = replace(hotpot_settings, home=home)
-    (old.index_dir / "tantivy").mkdir(parents=True)
-    shutil.copy(hotpot_settings.index_dir / "manifest.json", old.index_dir / "manifest.json")
-    shutil.copy(hotpot_settings.index_dir / "tantivy" / "meta.json",
-                old.index_dir / "tantivy" / "meta.json")
+    copy_store(hotpot_settings.index_dir / "manifest.json", old.index_dir / "manifest.json")
+    copy_store(hotpot_settings.index_dir / "tantivy" / "meta.json",
+               old.index_dir / "tantivy" / "meta.json")
     assert make_policy(old).hop_mode == "bm25"
     meta = old.index_dir / "tantivy" / "meta.json"
     data = json.loads(meta.read_text())

@@ -31,6 +31,7 @@ from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.orchestrator.service.events import parse_sse
 
 from conftest import read_only_folder
+from store_copy import copy_store
 from service_fixtures import (CORPUS, KEPT_IDS, LEAK_MARKER, LOOKALIKE_IDS, mounted_at,
                               start_uvicorn, write_corpus)
 
@@ -1928,10 +1929,9 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
 def test_standalone_serve_says_where_its_branches_run(hotpot_settings, tmp_path):
     """`serve --standalone` said "one process" for every executor; with `--executor ray` its
     branches run on Ray actors (a local cluster it starts, here). The line says which."""
-    import shutil
 
     home = tmp_path / "home"
-    shutil.copytree(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+    copy_store(hotpot_settings.index_dir, home / "indexes" / "hotpot")
     for executor, said, unsaid in (("ray", "its branches on Ray actors (a local cluster "
                                     "started here)", "one process"),
                                    ("local", "one process: the service and its branches",
