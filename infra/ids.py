@@ -54,17 +54,17 @@ _CANCEL_TAG = "\U000e007f"
 
 
 def hidden_character(doc_id: str) -> str:
-    """What makes `doc_id` (or any id a person gives: a question's, a qrels row's) look like
-    another id, as the words after "document id 'x'"; "" when nothing does. One rule by Unicode category: a control character (Cc) or a
-    format character (Cf: zero-width space, byte-order mark, word joiner, soft hyphen,
-    direction marks and overrides) is refused, since output shows it as nothing or reorders
-    the id around it; a joiner (U+200C, U+200D) only between two non-ASCII characters, where
-    it shapes an emoji or a joining script (an emoji's presentation selector, U+FE0F, may stand
-    before it: 🏳️‍🌈), and a tag character (U+E0020…U+E007F) only within an emoji tag sequence,
-    which spells a flag (England's). And a full-width ASCII letter or digit (U+FF10…,
-    U+FF21…, U+FF41…) in an id that is otherwise ASCII or full-width is refused: it draws as
-    its ASCII letter, so `ＭＥＭＯ` reads as the id `MEMO`. Beside CJK, where Japanese input
-    writes them (`第１章`, `ＮＴＴドコモ`), they are kept: no ASCII id reads so."""
+    """What makes `doc_id` (or any id a person gives: a question's, a qrels row's) look like another
+    id, as the words after "document id 'x'"; "" when nothing does. One rule by Unicode category: a
+    control character (Cc) or a format character (Cf: zero-width space, byte-order mark, word
+    joiner, soft hyphen, direction marks and overrides) is refused, since output shows it as nothing
+    or reorders the id around it; a joiner (U+200C, U+200D) only between two non-ASCII characters,
+    where it shapes an emoji or a joining script (an emoji's presentation selector, U+FE0F, may
+    stand before it: 🏳️‍🌈), and a tag character (U+E0020…U+E007F) only within an emoji tag sequence,
+    which spells a flag (England's). And a full-width ASCII letter or digit (U+FF10…, U+FF21…,
+    U+FF41…) in an id that is otherwise ASCII or full-width is refused: it draws as its ASCII
+    letter, so `ＭＥＭＯ` reads as the id `MEMO`. Beside CJK, where Japanese input writes them (`第１章`,
+    `ＮＴＴドコモ`), they are kept: no ASCII id reads so."""
     for i, c in enumerate(doc_id):
         kind = unicodedata.category(c)
         if kind == "Cc":
