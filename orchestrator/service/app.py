@@ -48,6 +48,9 @@ DEV_KEY = ApiKey("dev", ("*",), (), admin=True)  # development mode (loopback, n
 # for a searcher replica still starting, or in its queue. The searcher's own check waits 5 s
 # (`readiness.SharedCheck`); a little more here, so its answer, which says why, comes first
 READY_WAIT_S = 5.5
+# A searcher whose Serve queue is full is up and busy: /readyz and GET /v1/indexes answer from
+# its last answer to them meanwhile, when that is at most this old (`SearcherClient.or_last`)
+LAST_ANSWER_KEPT_S = 30.0
 CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 
 
@@ -65,6 +68,7 @@ class SearcherClient:
         self.target = target
         self.local = isinstance(target, Searcher)
         self.max_queued = max_queued  # Serve's queue for the searcher (`searcher_max_queued`)
+        self.last: dict[str, tuple[float, object]] = {}  # method -> (monotonic time, answer)
 
     async def call(self, method: str, *args, within: float | None = None):
         if self.local:
@@ -77,6 +81,25 @@ class SearcherClient:
             raise _unwrap(exc, self.max_queued) from None
         if isinstance(out, Refused):  # a refusal, carried as a value (`Refused`)
             raise out.error
+        return out
+
+    async def or_last(self, method: str):
+        """`call(method)`, and through Serve, when the searcher's queue is full (503
+        `overloaded`), this replica's last answer to it if at most `LAST_ANSWER_KEPT_S` old:
+        a full queue is a searcher that is up, so a balancer's probe or a client's list of
+        indexes is not refused for the searches it runs. For calls whose answer is the same
+        for every caller (no arguments)."""
+        try:
+            out = await self.call(method)
+        except ApiError as exc:
+            if exc.error != "overloaded":  # the searcher's own answer now: none is kept
+                self.last.pop(method, None)
+                raise
+            kept = self.last.get(method)
+            if kept is None or time.monotonic() - kept[0] > LAST_ANSWER_KEPT_S:
+                raise
+            return kept[1]
+        self.last[method] = (time.monotonic(), out)
         return out
 
     async def stream(self, req, key, within: float | None = None):
@@ -479,7 +502,15 @@ def create_app(state: ServiceState):
         if searcher.local:  # its own check bounds it, and its threads are never all busy
             return shown_to(await searcher.call("ready"), request)
         try:  # a searcher replica not up yet, or whose Serve queue is slow: within the wait
-            ready = await asyncio.wait_for(searcher.call("ready"), READY_WAIT_S)
+            ready = await asyncio.wait_for(searcher.or_last("ready"), READY_WAIT_S)
+        except ApiError as exc:
+            if exc.error != "overloaded":
+                raise
+            log.warning("not ready: the searcher's queue is full, and it has not answered a "
+                        "readiness check within %g s", LAST_ANSWER_KEPT_S)
+            raise ApiError(503, "not_ready", "the searcher's queue is full (busy), and it has "
+                           f"not answered a readiness check within {LAST_ANSWER_KEPT_S:g} s",
+                           {"Retry-After": "5"}) from None
         except asyncio.TimeoutError:
             log.warning("not ready: the searcher has not answered within %g s (still "
                         "starting, or busy)", READY_WAIT_S)
@@ -526,7 +557,7 @@ def create_app(state: ServiceState):
     async def indexes(request: Request):
         """The indexes this key may search (owned and declared external)."""
         key = state.principal(request.headers.get("authorization"))
-        return {"indexes": [i for i in await searcher.call("indexes") if key.may_use(i)]}
+        return {"indexes": [i for i in await searcher.or_last("indexes") if key.may_use(i)]}
 
     @app.post("/v1/search", tags=["search"], dependencies=keyed,
               responses=_answers(SearchResponse, 400, 401, 403, 404, 413, 415, 422, 429, 503,

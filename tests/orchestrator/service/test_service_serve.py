@@ -446,6 +446,48 @@ def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full
     assert "not an admin key" in forbidden[1].json()["detail"]
 
 
+def test_readyz_and_the_index_list_answer_while_a_burst_fills_the_searcher_queue(serve_app):
+    """/readyz and GET /v1/indexes ask the searcher replica, through the same Serve queue as the
+    searches: while a burst filled it they were refused with 503 `overloaded` (here 14 of 41
+    probes and 12 of 42 lists under 40 callers), so a balancer pulled a busy, healthy replica
+    out of service and a client could not list its indexes. A full queue is a searcher that is
+    up: each ingress replica answers them from the searcher's last answer meanwhile."""
+    import threading
+
+    client, keys = serve_app  # the searcher takes 1 search at a time and queues 1
+    for _ in range(12):  # each ingress replica has met the searcher's answer once
+        assert client.get("/readyz").status_code == 200
+        assert client.get("/v1/indexes", headers=auth(keys["alpha"])).status_code == 200
+    stop, hammered = threading.Event(), []
+
+    def hammer(i):
+        while not stop.is_set():
+            hammered.append(client.post("/v1/search", headers=auth(keys["alpha"]), json={
+                "question": f"Alpha roadmap harbor {i}"}).status_code)
+
+    probes, lists = [], []
+    with cf.ThreadPoolExecutor(6) as pool:
+        for i in range(6):
+            pool.submit(hammer, i)
+        try:
+            deadline = time.monotonic() + 60
+            while 503 not in hammered:  # the searcher's queue is full
+                assert time.monotonic() < deadline, hammered
+                time.sleep(0.05)
+            for _ in range(15):
+                probes.append(client.get("/readyz"))
+                lists.append(client.get("/v1/indexes", headers=auth(keys["alpha"])))
+        finally:
+            stop.set()
+    assert 503 in hammered and 200 in hammered, hammered
+    assert [r.status_code for r in probes] == [200] * 15, [r.text for r in probes
+                                                           if r.status_code != 200]
+    assert {r.json()["status"] for r in probes} == {"ready"}
+    assert [r.status_code for r in lists] == [200] * 15, [r.text for r in lists
+                                                          if r.status_code != 200]
+    assert {tuple(r.json()["indexes"]) for r in lists} == {("acl",)}
+
+
 def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(serve_app,
                                                                               tmp_path):
     """The searcher replica takes one search at a time and queues one (`searcher_max_ongoing`,
