@@ -250,7 +250,6 @@ class Observe:
             headers = dict(scope.get("headers") or [])
             length = headers.get(b"content-length")
             try:
-                check_body_headers(scope.get("method", ""), headers)
                 check_body_size(int(length) if length is not None else None, self.state.limits)
             except ValueError:
                 pass
@@ -435,7 +434,12 @@ def create_app(state: ServiceState):
         return error_response(error)
 
     async def read_body(request: Request) -> bytes:
-        """The body, refused with 413 as soon as it passes the limit (chunked bodies too)."""
+        """The body, refused with 415 when its headers declare one this API cannot read
+        (`check_body_headers`), before a byte of it is read, and with 413 as soon as it passes
+        the limit (chunked bodies too). A route reads it once its path, method and key are
+        known good, so a body that is not JSON to a path no route takes is a 404, and one
+        without a key a 401, as any request's would be."""
+        check_body_headers(request.method, dict(request.scope.get("headers") or []))
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)

@@ -611,6 +611,34 @@ def test_a_body_declared_as_another_type_than_json_is_a_415_that_names_the_fix(s
                              headers=admin).status_code == 200
 
 
+def test_a_body_that_is_not_json_is_judged_after_the_path_and_the_key(site):
+    """A `text/plain` (or gzipped) body to a path no route takes is a 404, to a path that
+    takes another method a 405, and without a key or with a bad or revoked one a 401, as it
+    would be with a JSON body: the 415 is for a request the service would otherwise take
+    (and a key that may not write is a 403 before its body is looked at)."""
+    client, keys, _ = site
+    for sent in ({"Content-Type": "text/plain"}, {"Content-Encoding": "gzip"}):
+        body = {"content": b"harbor", "headers": sent}
+        assert_error(client.post("/v1/nowhere", **body), 404, "not_found")
+        keyed = {"content": b"harbor", "headers": {**sent, **auth(keys["admin"])}}
+        assert_error(client.post("/v1/nowhere", **keyed), 404, "not_found")
+        assert_error(client.put("/v1/indexes/acl/nowhere", **keyed), 404, "not_found")
+        assert_error(client.post("/healthz", **body), 405, "method_not_allowed")
+        assert_error(client.post("/v1/whoami", **keyed), 405, "method_not_allowed")
+        for key in (None, "bsk_not-a-key", keys["gone"]):
+            headers = {**sent, **(auth(key) if key else {})}
+            for method, path in (("POST", "/v1/search"), ("PUT", "/v1/indexes/acl/documents")):
+                r = client.request(method, path, content=b"harbor", headers=headers)
+                assert_error(r, 401, "unauthorized")
+                assert r.headers["www-authenticate"].startswith("Bearer")
+        r = client.put("/v1/indexes/acl/documents", content=b"harbor",
+                       headers={**sent, **auth(keys["alpha"])})
+        assert_error(r, 403, "forbidden")  # a key that may not write, whatever it sends
+        for method, path in (("POST", "/v1/search"), ("PUT", "/v1/indexes/acl/documents")):
+            r = client.request(method, path, **keyed)
+            assert_error(r, 415)
+
+
 def test_a_jsonl_upload_under_each_jsonl_type_is_written(site):
     """A JSONL document upload declared as `application/jsonlines` (the type SageMaker and
     other JSON Lines tools send) was a 415 telling the caller to send application/json. Every

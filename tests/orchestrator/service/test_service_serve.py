@@ -77,6 +77,14 @@ def test_search_and_stream_through_serve(serve_app):
     assert {d["doc_id"] for d in r.json()["evidence"]} & {"a-budget", "a-roadmap"}
     r = client.post("/v1/search", json={"question": "harbor"})
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+    plain = {"content": b"harbor", "headers": {"Content-Type": "text/plain"}}
+    r = client.post("/v1/search", **plain)  # no key: a 401 whatever the body is
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized", r.text
+    r = client.post("/v1/nowhere", **plain)  # no route: a 404 whatever the body is
+    assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+    r = client.post("/v1/search", content=b"harbor",
+                    headers={**auth(keys["alpha"]), "Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"] == "unsupported_media_type", r.text
     r = client.post("/v1/search", json={"question": "Alpha roadmap"},
                     headers={**auth(keys["alpha"]), "Accept": "text/event-stream"})
     types = [e["type"] for e in parse_sse(r.text)]
