@@ -20,6 +20,7 @@ from branchsearch.infra.stores.acl import (ACL_ALL, MAX_DOC_GROUPS, PUBLIC, grou
 from branchsearch.infra.errors import CorpusError
 from branchsearch.infra.ids import hidden_character, id_problem
 from branchsearch.infra.nfc import nfc
+from branchsearch.infra.terminal import visible
 from branchsearch.infra.textfile import KeyTwice, convert_command, json_once, utf8_lines
 
 _ID_OK = re.compile(r"[^\s#]+")  # fullmatch: "a\n" is refused (`$` would match before the \n)
@@ -286,7 +287,7 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
             raise CorpusError(f"{file}: the file's name is not UTF-8 (each \\udcXX is a byte "
                               "that is not); rename it, e.g. with `convmv -f latin1 -t utf-8`")
         if file.is_symlink() and not file.exists():  # its target gone: no document to read
-            sys.stderr.write(f"skipped {file}: a link to nothing ({os.readlink(file)})\n")
+            _skipped(file, f"a link to nothing ({os.readlink(file)})")
             continue
         data = file.read_bytes()
         try:
@@ -303,7 +304,7 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
     for file, text in texts.items():
         if not any(c.isalnum() for c in text):  # blank, "# ", zero-width spaces, NULs: a
             # title made of the file's name and nothing to search is no document
-            sys.stderr.write(f"skipped {file}: nothing to search (no letter or digit)\n")
+            _skipped(file, "nothing to search (no letter or digit)")
             continue
         rel = file.relative_to(root).as_posix()
         title = file.stem
@@ -313,6 +314,12 @@ def _read_text_folder(root: Path) -> Iterator[Document]:
                 break
         doc_id = re.sub(r"[\s#]+", "_", rel.rsplit(".", 1)[0])
         yield _document(doc_id, {"title": title, "text": text}, str(file), source=rel)
+
+
+def _skipped(path, why: str) -> None:
+    """A line on stderr: `path` left out of the corpus, and why; a control character in the
+    file's name (which the folder's owner chose) shown as its escape."""
+    sys.stderr.write(visible(f"skipped {path}: {why}", keep="") + "\n")
 
 
 def _walk(root: Path) -> Iterator[Path]:
@@ -325,8 +332,7 @@ def _walk(root: Path) -> Iterator[Path]:
         real = os.path.realpath(folder)
         above = real != top and os.path.commonpath([real, top]) == real
         if above:
-            sys.stderr.write(f"skipped {folder}: a link to a folder that holds the corpus "
-                             f"({real})\n")
+            _skipped(folder, f"a link to a folder that holds the corpus ({real})")
         if real in seen or above:
             subfolders[:] = []
             continue

@@ -136,7 +136,7 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
     1 when any cannot be searched now (a backend down, an index incomplete); an index being
     ingested is listed as such and does not make it exit 1."""
     from branchsearch.infra.index.catalog import list_indexes
-    from branchsearch.orchestrator.cli.render import clean, pad
+    from branchsearch.orchestrator.cli.render import pad, visible
 
     infos = list_indexes(settings_from(home, None, config), check=check)
     if as_json:
@@ -148,12 +148,12 @@ def indexes(home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt,
         for i in infos:
             count = "-" if i.documents is None else f"{i.documents:,} docs"
             embedded = f"  (embedding: {i.embedding})" if i.embedding else ""
-            print(clean(f"{pad(i.name, 24)} {i.kind:<8} {count:>12}  {i.health}  {i.backends}"
-                        f"{embedded}"))
+            print(visible(f"{pad(i.name, 24)} {i.kind:<8} {count:>12}  {i.health}  "
+                          f"{i.backends}{embedded}"))
     broken = [i.name for i in infos if i.health not in ("ok", "not checked")
               and not i.health.startswith("ingesting")]
     if broken:  # for scripts and health checks: listed, and not all searchable
-        print(clean(f"indexes: {len(broken)} not searchable now: {', '.join(broken)}"),
+        print(visible(f"indexes: {len(broken)} not searchable now: {', '.join(broken)}"),
               file=sys.stderr)
         sys.exit(1)
 

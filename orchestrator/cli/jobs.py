@@ -23,8 +23,8 @@ from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressO
                                                    choice, progress_bar, settings_from,
                                                    settings_to_read, writable_file,
                                                    writable_folder)
-from branchsearch.orchestrator.cli.render import (print_demo_branches, print_demo_evidence,
-                                                  print_evaluation)
+from branchsearch.orchestrator.cli.render import (one_line, print_demo_branches,
+                                                  print_demo_evidence, print_evaluation)
 from branchsearch.orchestrator.loadtest.command import loadtest
 
 
@@ -348,7 +348,7 @@ def demo(home: Optional[Path] = HomeOpt,
     else:
         print(f"1-2. reusing the demo index under {settings.index_dir}")
     task = read_queries(corpus)[1]  # a multi-hop question and its gold documents
-    print(f"3. question ({task.meta['hops']} hops): {task.text}")
+    print(f"3. question ({task.meta['hops']} hops): {one_line(task.text)}")
     driver = open_driver(settings, pick_executor(settings, executor))
     try:
         result = driver.search(task.text)

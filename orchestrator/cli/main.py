@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from branchsearch.infra.errors import BranchsearchError, redact
+from branchsearch.infra.terminal import one_line
 from branchsearch.orchestrator.cli import index, jobs, search, serve
 
 COMMAND_GROUPS = (index, search, jobs, serve)  # each has register(app)
@@ -76,12 +77,13 @@ def _stdout_is_null() -> bool:
 
 def user_error(exc: BaseException) -> str | None:
     """The one line to show for a user-caused error ("" = show the exception's own text),
-    or None for a bug (which keeps its traceback)."""
+    or None for a bug (which keeps its traceback). A control character the message quotes (a
+    corpus file's name, a document's words) is shown as its escape (`one_line`)."""
     cause = getattr(exc, "cause", None)  # a Ray task error: the original exception
     if isinstance(cause, BranchsearchError):
-        return _one_line(str(cause))
+        return one_line(str(cause))
     if isinstance(exc, BranchsearchError):
-        return _one_line(str(exc))
+        return one_line(str(exc))
     if isinstance(exc, typer.TyperException) or _is_click_error(exc):  # usage errors
         message = exc.format_message()
         ctx = getattr(exc, "ctx", None)
@@ -91,10 +93,10 @@ def user_error(exc: BaseException) -> str | None:
         if misplaced:
             return misplaced
         where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        return _one_line(message) + where
+        return one_line(message) + where
     cause = _user_cause(exc)
     if cause is not None:
-        return _one_line(str(cause))
+        return one_line(str(cause))
     if isinstance(exc, OSError):
         return _path_error(exc)
     return None
@@ -134,11 +136,11 @@ def _path_error(exc: OSError) -> str | None:
         while path != path.parent and not path.exists():
             path = path.parent
         if path.exists() and not path.is_dir():
-            return _one_line(f"{name}: {path} is a file, not a folder")
-        return _one_line(f"{name}: a part of this path is not a folder")
+            return one_line(f"{name}: {path} is a file, not a folder")
+        return one_line(f"{name}: a part of this path is not a folder")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         where = f" writing {name}" if name is not None else ""
-        return _one_line(f"the disk is full{where} ({exc.strerror}): free space and run the "
+        return one_line(f"the disk is full{where} ({exc.strerror}): free space and run the "
                          "command again")
     return None
 
@@ -158,9 +160,6 @@ def _user_cause(exc: BaseException) -> BaseException | None:
         exc = getattr(exc, "cause", None) or exc.__cause__
     return None
 
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 

@@ -1,34 +1,15 @@
-"""What the commands print: text made safe for a terminal, and the result, evaluation and demo
-views.
-
-What a document says may not drive the terminal. Titles and texts come from whatever was
-ingested; printed as they are, an ANSI/OSC escape in them can clear the screen, set the window
-title, write the clipboard or hide a line. `clean` removes escape sequences, other control
-characters and bidirectional overrides; `--json` output keeps the text as it is (JSON escapes
-control characters itself).
+"""What the commands print: the result, evaluation and demo views, and columns a terminal
+lays out. Every text from the corpus or a caller is shown through `infra/terminal.py`
+(`one_line`, `visible`): a control character in it is written as its escape, never sent to
+the terminal.
 """
 
 from __future__ import annotations
 
-import re
 import unicodedata
 from pathlib import Path
 
-_ESCAPES = re.compile(
-    r"\x1b\][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC ... BEL/ST (title, clipboard, links)
-    r"|\x9d[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # 8-bit OSC
-    r"|\x1b[P^_X][^\x1b\x9c]*(?:\x1b\\|\x9c)?"  # DCS / PM / APC / SOS strings
-    r"|\x1b\[[0-?]*[ -/]*[@-~]?"  # CSI (colours, cursor moves, clear screen)
-    r"|\x9b[0-?]*[ -/]*[@-~]?"  # 8-bit CSI
-    r"|\x1b[ -/]*[0-~]?"  # other escapes (charset switches, RIS)
-)
-# C0 (but tab and newline), DEL, C1, and the bidi overrides/isolates that reorder what is shown
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def clean(text: object) -> str:
-    """`text` as a string safe to print on a terminal (tabs and newlines kept)."""
-    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+from branchsearch.infra.terminal import one_line, visible
 
 
 def cell_width(text: str) -> int:
@@ -50,21 +31,16 @@ def _char_width(c: str) -> int:
 
 
 def pad(text: object, width: int) -> str:
-    """`clean(text)` padded with spaces to `width` terminal columns (a column stays a column
-    when a name is Chinese or Japanese, which str.ljust would count one column a character)."""
-    line = clean(text)
+    """`visible(text)` padded with spaces to `width` terminal columns (a column stays a
+    column when a name is Chinese or Japanese, which str.ljust would count one column a
+    character)."""
+    line = visible(text)
     return line + " " * max(0, width - cell_width(line))
-
-
-def one_line(text: object, width: int | None = None) -> str:
-    """`clean(text)` with whitespace runs collapsed to single spaces, cut to `width`."""
-    line = " ".join(clean(text).split())
-    return line if width is None else line[:width]
 
 
 def print_result(result) -> None:
     """The result for a terminal: every text from the corpus or the caller goes through
-    `one_line` (no escape sequence reaches the terminal)."""
+    `one_line` (a control character in it is shown as its escape)."""
     question = one_line(result.question)
     print(f"question: {question[:300]}{' …' if len(question) > 300 else ''}\n"
           f"status: {result.status}\ntrace_id: {result.trace_id}")
@@ -110,7 +86,7 @@ def print_evaluation(result: dict) -> None:
         print(f"  paired vs {c['baseline']} on {c['measure']}: {c['wins']} wins, "
               f"{c['losses']} losses, {c['ties']} ties")
         if c.get("note"):
-            print(f"  note: {c['note']}")
+            print(f"  note: {one_line(c['note'])}")
 
 
 def follows(b) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from branchsearch.infra.stores.protocols import MAX_K, check_k, check_pattern
 from branchsearch.infra.errors import BadQuery, CorpusError
-from branchsearch.orchestrator.cli.render import clean, one_line
+from branchsearch.infra.terminal import one_line, visible
 
 from service_fixtures import KEPT_IDS, LOOKALIKE_IDS
 from store_copy import copy_store
@@ -472,14 +473,19 @@ def test_bounds_and_patterns_below_the_cli():
             check_pattern(bad)
 
 
-def test_terminal_text_strips_control_sequences():
+def test_terminal_text_shows_control_characters_as_escapes():
     hostile = ("T\x1b]0;pwned\x07i\x1b]52;c;aGk=\x1b\\t\x1b[2J\x1b[31ml\x1b[0me"
                "\x9b31m\u202e\x00\x7f")
-    assert clean(hostile) == "Title"
+    shown = visible(hostile)
+    assert shown == ("T\\x1b]0;pwned\\x07i\\x1b]52;c;aGk=\\x1b\\t\\x1b[2J\\x1b[31ml"
+                     "\\x1b[0me\\x9b31m\\u202e\\x00\\x7f")
+    assert shown.isprintable() and shown.isascii()
+    assert visible("a\tb\nc\rd\x0ce") == "a\tb\nc\\rd\\x0ce"  # a text keeps its lines
     assert one_line("a\n\tb \x1b[Kc", 4) == "a b "
+    assert one_line("a\r\nb\x0cc\x0bd \x1b[Kc") == "a b c d \\x1b[Kc"  # breaks: a space
 
 
-def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
+def test_retrieve_prints_escapes_as_text_but_json_keeps_them(tmp_path):
     corpus = tmp_path / "c.jsonl"
     title, text = "Falcon \x1b]0;pwned\x07 plan\x1b[2J", "Falcon \x1b[31mred\x1b[0m text"
     corpus.write_text(json.dumps({"_id": "d1", "title": title, "text": text}) + "\n")
@@ -488,12 +494,13 @@ def test_retrieve_prints_no_escapes_but_json_keeps_them(tmp_path):
     shown = run(["retrieve", "Falcon", "--mode", "bm25", *home])
     assert shown.returncode == 0, shown.stderr[-800:]
     assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
-    assert "Falcon plan" in shown.stdout and "Falcon red text" in shown.stdout
+    assert r"Falcon \x1b]0;pwned\x07 plan\x1b[2J" in shown.stdout
+    assert r"Falcon \x1b[31mred\x1b[0m text" in shown.stdout
     raw = run(["retrieve", "Falcon", "--mode", "bm25", "--json", *home])
     assert json.loads(raw.stdout)[0]["title"] == title  # --json keeps the text as it is
     assert "note:" not in shown.stderr  # asked for BM25, got BM25: nothing to say
     hybrid = run(["retrieve", "Falcon", *home])  # the default mode on a BM25-only index
-    assert hybrid.returncode == 0 and "Falcon plan" in hybrid.stdout
+    assert hybrid.returncode == 0 and r"\x07 plan" in hybrid.stdout
     assert "has only its bm25 side" in hybrid.stderr and "--no-dense" in hybrid.stderr
 
 
@@ -1483,8 +1490,6 @@ def test_serve_standalone_refuses_the_options_of_ray_serve_s_deployments(tmp_pat
     Serve's searcher queue and replicas, which a standalone server does not have) is one line
     naming the option and the setting that bounds a standalone server's searches, exit 2,
     before anything starts; `--help` says so too."""
-    from branchsearch.orchestrator.cli.render import clean
-
     home = ["--home", tmp_path / "home", "--port", 0]
     cases = {"queued": ["--max-queued", "4"], "searches": ["--max-searches=2"],
              "replicas": ["--replicas", "2"],
@@ -1499,5 +1504,6 @@ def test_serve_standalone_refuses_the_options_of_ray_serve_s_deployments(tmp_pat
                               "--standalone does not use", name)
         assert "max_in_flight" in done[name].stderr and "serving on" not in done[name].stderr
     assert not (tmp_path / "home").exists()  # nothing started
-    shown = " ".join(clean(run(["serve", "--help"], env={"COLUMNS": "200"}).stdout).split())
+    helped = run(["serve", "--help"], env={"COLUMNS": "200"}).stdout
+    shown = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", helped).split())  # rich's styles, if any
     assert shown.count("Ray Serve only") >= 3, shown

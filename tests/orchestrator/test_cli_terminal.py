@@ -140,3 +140,60 @@ def test_progress_lines_reckon_the_time_left_without_the_start_up():
     bar.close(done=False)
     line = stream.getvalue().splitlines()[0]
     assert line == "batch: 11/100 q, 0.2 q/s, 70 s, about 1 min left", line
+
+
+def test_control_characters_in_documents_show_as_escapes_not_as_what_they_do(tmp_path):
+    """A document whose title and text hold an escape sequence that clears the screen and
+    turns it red, a bell, a backspace, a carriage return and a form feed (as PDF extraction
+    leaves them): `retrieve` and `search` on a terminal show each as its escape (`\\x1b[2J`)
+    and the terminal receives none of them; a line break or a page break in a one-line
+    snippet is a space. `--json` keeps the text exactly. An error line and a skipped file's
+    line naming a file of a corpus folder show its name's control characters alike."""
+    hostile = "\x1b[2J\x1b[31mHACKED"
+    title = f"Falcon {hostile}\x07"
+    docs = [{"_id": "falcon", "title": title,
+             "text": f"Falcon plan {hostile} bell\x07 back\x08space\r\nnew page\x0cend"},
+            {"_id": "osprey", "title": "Osprey", "text": "Osprey plan, the rival of Falcon."}]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    home = ["--home", tmp_path / "home"]
+    rc, shown = on_terminal(["ingest", corpus, "--no-dense", *home])
+    assert rc == 0, shown[-2000:]
+    drives = set("\x1b\x07\x08\x0c\x9b")  # what moves, clears, colours or rings a terminal
+    for args in (["retrieve", "Falcon plan", "--mode", "bm25"],
+                 ["search", "Falcon plan", "--branches", "2"]):
+        rc, shown = on_terminal([*args, *home])
+        assert rc == 0 and "Traceback" not in shown, shown[-2000:]
+        assert not drives & set(shown), (args[0], shown[-2000:])
+        assert r"Falcon \x1b[2J\x1b[31mHACKED\x07" in shown, (args[0], shown[-2000:])
+        assert r"HACKED bell\x07 back\x08space new page end" in shown, (args[0], shown[-2000:])
+
+    def cli(*args):
+        return subprocess.run([*CLI, *map(str, args), *home], capture_output=True, text=True,
+                              timeout=300)
+
+    piped = cli("retrieve", "Falcon plan", "--mode", "bm25")
+    assert piped.returncode == 0 and not (drives | {"\r"}) & set(piped.stdout), piped.stdout
+    raw = cli("retrieve", "Falcon plan", "--mode", "bm25", "--json")
+    assert raw.returncode == 0 and not drives & set(raw.stdout)  # JSON escapes them itself
+    assert {h["title"] for h in json.loads(raw.stdout)} == {title, "Osprey"}
+    raw = cli("search", "Falcon plan", "--branches", "2", "--json")
+    assert raw.returncode == 0 and not drives & set(raw.stdout)
+    evidence = json.loads(raw.stdout)["evidence"]
+    assert {d["title"] for d in evidence} == {title, "Osprey"}
+    assert docs[0]["text"] in [c["text"] for d in evidence for c in d["chunks"]]
+
+    folder = tmp_path / "notes"  # a folder of .txt files: each file's name makes its id
+    folder.mkdir()
+    (folder / "\x1b[31m.txt").write_text("\n")  # nothing to search: skipped, with a line
+    (folder / "plan.txt").write_text("The Falcon plan.\n")
+    done = cli("ingest", folder, "--no-dense", "--index", "notes")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not drives & set(done.stderr) and r"\x1b[31m.txt: nothing to search" in done.stderr
+    (folder / f"memo{hostile}.txt").write_text("A memo.\n")  # an id output cannot show
+    done = cli("ingest", folder, "--no-dense", "--index", "notes")
+    assert done.returncode == 2 and not drives & set(done.stderr), done.stderr
+    error = done.stderr.splitlines()[-1]
+    assert error.startswith(f"error: {folder}/memo\\x1b[2J\\x1b[31mHACKED.txt: document id "
+                            "'memo\\x1b[2J\\x1b[31mHACKED' holds the control character "
+                            "U+001B"), done.stderr
