@@ -554,6 +554,7 @@ class Searcher:
                                        f"documents whose acl is within its groups "
                                        f"({', '.join(key.groups)}); {why}")
                 self._check_files(driver)
+                self._renew_version(driver)  # before as well: a write failing midway changed it
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
                 self._renew_version(driver)
@@ -577,6 +578,8 @@ class Searcher:
                                    f"{doc_id!r} is {held}")
                 doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
                 self._check_files(driver)
+                if olds:  # (none: a repeat clearing what a failed delete left, renewed then)
+                    self._renew_version(driver)  # before as well: one failing midway changed it
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)
                 if found:
@@ -683,16 +686,21 @@ class Searcher:
 
     @staticmethod
     def _renew_version(driver) -> None:
-        """The index's documents changed: a new manifest `version`, so a `batch` resumed on it
-        asks again what it answered before. In the write turn (the ingest lock held). The
-        write has landed whatever this meets: a manifest that cannot be rewritten (it is
-        replaced atomically, so it stays as it was) is the server log's, not the caller's."""
+        """The index's documents may have changed: a new manifest `version`, so a `batch`
+        resumed on it asks again what it answered before. Called in the write turn (the ingest
+        lock held) before a write touches a store and again after it lands: a write that fails
+        midway (one store written, the next one down; or answered 504 and failing later), or
+        whose process dies, leaves the version of its start, not the one its rows were
+        answered on; a batch that read the first version during the write is asked again after
+        it. A write that fails before any store changed renews it too (asked again, never
+        kept stale). A manifest that cannot be rewritten (it is replaced atomically, so it
+        stays as it was) is the server log's, not the caller's."""
         from branchsearch.infra.index.manifest import renew_version
 
         try:
             renew_version(driver.settings.index_dir)
         except OSError as exc:
-            log.error("index %r: its manifest's version could not be renewed after a write "
+            log.error("index %r: its manifest's version could not be renewed for a write "
                       "(a batch resumed on it keeps its earlier answers): %s",
                       driver.settings.index, error_line(exc, 300))
 

@@ -881,6 +881,55 @@ def test_a_write_whose_index_folder_is_removed_while_it_runs_says_it_is_lost(tmp
         state.searcher.target.close()
 
 
+def test_a_write_that_fails_midway_renews_the_index_version(tmp_path, monkeypatch):
+    """A document write whose second store fails after the first one landed (a delete that
+    removed the document from the docstore, then met a full disk in the lexical store; an
+    upsert that wrote the lexical store, then met a docstore error) is a 503 `write_failed`,
+    and the manifest's `version` moves all the same: the index holds something else now, and
+    a `batch` resumed on it must ask again what it answered before. The version stayed, so
+    the resume kept rows whose evidence quotes a document the index no longer has."""
+    import sqlite3
+
+    from branchsearch.infra.index.manifest import read_manifest
+    from branchsearch.infra.stores.docstore import DocStore
+    from branchsearch.infra.stores.tantivy import TantivyStore
+
+    settings, state, server = _bm25_service(tmp_path)
+    version = lambda: read_manifest(settings.index_dir).version  # noqa: E731
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    real_replace = DocStore.replace_documents
+
+    def docstore_error(self, *args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            search = lambda: client.post("/v1/search", json={  # noqa: E731
+                "question": "Harbor Festival in June"}).json()
+            assert "pub-harbor" in {e["doc_id"] for e in search()["evidence"]}
+            before = version()
+            with monkeypatch.context() as patch:
+                patch.setattr(TantivyStore, "write", disk_full)
+                assert_error(client.delete("/v1/indexes/acl/documents/pub-harbor"), 503,
+                             "write_failed")
+            assert "pub-harbor" not in {e["doc_id"] for e in search()["evidence"]}
+            deleted = version()
+            assert deleted and deleted != before
+            with monkeypatch.context() as patch:
+                patch.setattr(DocStore, "replace_documents", docstore_error)
+                assert_error(client.put("/v1/indexes/acl/documents", json=[
+                    {"id": "osprey", "text": "The osprey relay beacon."}]), 503,
+                    "write_failed")
+            assert version() not in (before, deleted)
+            assert DocStore.replace_documents is real_replace
+    finally:
+        server.stop()
+        state.searcher.target.close()
+
+
 @pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_ingests_under_a_running_service_are_what_it_searches_next(tmp_path, executor):
     """Ingests run as a user would (the CLI, its own process) while a service with either
