@@ -122,6 +122,11 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             f"{settings.index!r} changed (an ingest, or a write through the service), for "
             "questions this input does not ask; "
             "they would stay beside the new rows: give another -o")
+    answered = len(data.items) - len(todo)
+    if answered and profile.kind == "external":  # no manifest, no version: say what is not seen
+        print(f"resumed: {answered} answered row(s) kept; index {settings.index!r} is external: "
+              "changes to its cluster since they were answered are not detected — give "
+              "another -o (or remove the output) to ask them again", file=sys.stderr)
     if earlier:  # their evidence quotes the documents as they were: asked again
         print(f"asking again {len(earlier)} question(s) whose ok row was answered before the "
               f"documents of {settings.index!r} changed (an ingest, or a write through the "

@@ -347,6 +347,49 @@ def test_three_branches_through_ray_and_batch(foreign, tmp_path):
     assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]
 
 
+@pytest.mark.es
+def test_a_resumed_batch_on_an_external_index_says_its_changes_are_not_seen(es_url, tmp_path):
+    """An external index has no manifest, so its rows carry no `index_version`, and a batch
+    resumed after a document in its cluster changed kept the row answered on the old text
+    without a word. It still keeps it (nothing here can tell the change), but says so once:
+    how many rows it kept and that the cluster's changes are not detected. A first run, which
+    keeps nothing, says nothing of it."""
+    from elasticsearch import Elasticsearch
+
+    _es_index(es_url, tmp_path, {"properties": {"doc_key": {"type": "keyword"},
+                                               "body": {"type": "text"},
+                                               "groups": {"type": "keyword"}}},
+              {"heron-memo": {"body": "The heron survey counts 40 nests in March."},
+               "tern-memo": {"body": "The tern survey counts 12 nests in May."}}, "groups")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"id": f"q{n}", "question": q}) + "\n"
+                                 for n, q in enumerate(["heron survey nests",
+                                                        "tern survey nests"])))
+    out = tmp_path / "out.jsonl"
+    batch = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(questions),
+             "-o", str(out), "--home", str(tmp_path), "--index", "corp", "--executor", "local",
+             "--branches", "1"]
+
+    def run() -> str:
+        done = subprocess.run(batch, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    assert "external" not in run()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["status"] == "ok" and "index_version" not in r for r in rows), rows
+    index = (tmp_path / "branchsearch.toml").read_text().split('es_index = "')[1].split('"')[0]
+    es = Elasticsearch(es_url)
+    es.index(index=index, id="heron-memo", refresh=True, document={
+        "doc_key": "heron-memo", "body": "The heron survey counts 55 nests in March."})
+    es.close()
+    said = [line for line in run().splitlines() if "external" in line]
+    assert said == ["resumed: 2 answered row(s) kept; index 'corp' is external: changes to "
+                    "its cluster since they were answered are not detected — give another -o "
+                    "(or remove the output) to ask them again"], said
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+
 def test_an_l2_collection_ranks_the_nearest_first(tmp_path):
     """Milvus's L2 `distance` is smaller for a nearer vector; scored as it came, the ranking
     (ordered by score, highest first) put the farthest document first."""
