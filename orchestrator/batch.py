@@ -14,8 +14,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   groups), so that one output never mixes two configurations' evidence (the CLI refuses such a
   resume instead: a flag changed by mistake would replace finished work). So are ok rows
   answered before the index's documents changed (`index_version`, the manifest's `version`:
-  an ingest that committed a document, a service upsert or delete): their evidence quotes the
-  old text.
+  an ingest that committed a document, a service upsert or delete; for an external index
+  over Elasticsearch alone, its fingerprint, `infra.index.fingerprint`): their evidence
+  quotes the old text.
 * When a run ends the output is rewritten atomically (temp file, fsync, rename) to exactly one
   line per id: the latest attempt, copied as written. Reading an output (a resume, the rewrite)
   keeps where each id's latest row is, not the rows (`Latest`): an output of many questions
@@ -339,6 +340,9 @@ class ResumeState:
     other_made: dict[str, dict]  # made with other settings, on this index: id -> `made_with`
     other_index: dict[str, str]  # answered on another index: id -> that index
     earlier: dict[str, str]  # answered on another version of this index: id -> that version
+    # done, but written with no version while the index has one (before it was versioned):
+    # kept, since nothing tells what it was answered on
+    unversioned: set[str] = field(default_factory=set)
 
 
 def resume_state(path: str | Path, index: str | None = None, made: dict | None = None,
@@ -359,6 +363,8 @@ def resume_state(path: str | Path, index: str | None = None, made: dict | None =
             state.other_made[qid] = row.made_with
         else:
             state.done[qid] = row.question
+            if version and not row.version:
+                state.unversioned.add(qid)
     return state
 
 

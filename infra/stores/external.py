@@ -355,6 +355,16 @@ class ExternalElastic:
         except Exception as exc:
             raise _es_unavailable(self.url, exc) from None
 
+    def shard_stats(self) -> dict | None:
+        """The index's stats per shard (`infra.index.fingerprint`), or None when the cluster
+        refuses them (they need the `monitor` privilege, searching does not)."""
+        try:
+            return self._es.indices.stats(index=self.index, level="shards").body
+        except Exception as exc:
+            if getattr(getattr(exc, "meta", None), "status", None) in (401, 403):
+                return None
+            raise _es_unavailable(self.url, exc) from None
+
     def close(self) -> None:
         self._es.close()
 

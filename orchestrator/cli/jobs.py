@@ -89,7 +89,14 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
 
     profile = index_profile(settings)
     profile.require_searchable()  # an unknown or unusable index: its one line, before any note
-    version = getattr(profile.manifest, "version", "") or None  # (an external index: none)
+    version, unseen = getattr(profile.manifest, "version", "") or None, ""
+    if profile.kind == "external":  # its Elasticsearch index's stats, when they can tell
+        from branchsearch.infra.index.fingerprint import external_version
+
+        version, unseen = external_version(settings.external, settings)
+        version = version or None
+    how = ("a write in its Elasticsearch index" if profile.kind == "external" else
+           "an ingest, or a write through the service")  # what changes a version
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     from branchsearch.orchestrator.execution import pick_executor
@@ -119,18 +126,23 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     if any(qid not in asked for qid in earlier):  # as `kept`: one output, one version's
         raise BranchsearchError(
             f"batch output {output} holds ok rows answered before the documents of "
-            f"{settings.index!r} changed (an ingest, or a write through the service), for "
+            f"{settings.index!r} changed ({how}), for "
             "questions this input does not ask; "
             "they would stay beside the new rows: give another -o")
     answered = len(data.items) - len(todo)
-    if answered and profile.kind == "external":  # no manifest, no version: say what is not seen
+    unversioned = len(state.unversioned & (asked - {qid for qid, _ in todo}))
+    if unseen and answered:  # an external index with no version: say what is not seen
         print(f"resumed: {answered} answered row(s) kept; index {settings.index!r} is external: "
-              "changes to its cluster since they were answered are not detected — give "
+              f"changes to {unseen} since they were answered are not detected — give "
               "another -o (or remove the output) to ask them again", file=sys.stderr)
+    elif unversioned and profile.kind == "external":  # rows written before it had a version
+        print(f"resumed: {unversioned} answered row(s) kept that carry no index_version "
+              f"(written before index {settings.index!r} had one): changes to its cluster "
+              "before this run are not detected for them — give another -o (or remove the "
+              "output) to ask them again", file=sys.stderr)
     if earlier:  # their evidence quotes the documents as they were: asked again
         print(f"asking again {len(earlier)} question(s) whose ok row was answered before the "
-              f"documents of {settings.index!r} changed (an ingest, or a write through the "
-              "service)", file=sys.stderr)
+              f"documents of {settings.index!r} changed ({how})", file=sys.stderr)
     if elsewhere:  # their rows hold another index's evidence: asked again on this one
         named = ", ".join(sorted(set(elsewhere.values()))[:3])
         print(f"asking again {len(elsewhere)} question(s) whose ok row was answered on "

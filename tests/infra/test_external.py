@@ -347,26 +347,14 @@ def test_three_branches_through_ray_and_batch(foreign, tmp_path):
     assert foreign["es"].count(index=foreign["es_index"])["count"] == foreign["count"]
 
 
-@pytest.mark.es
-def test_a_resumed_batch_on_an_external_index_says_its_changes_are_not_seen(es_url, tmp_path):
-    """An external index has no manifest, so its rows carry no `index_version`, and a batch
-    resumed after a document in its cluster changed kept the row answered on the old text
-    without a word. It still keeps it (nothing here can tell the change), but says so once:
-    how many rows it kept and that the cluster's changes are not detected. A first run, which
-    keeps nothing, says nothing of it."""
-    from elasticsearch import Elasticsearch
-
-    _es_index(es_url, tmp_path, {"properties": {"doc_key": {"type": "keyword"},
-                                               "body": {"type": "text"},
-                                               "groups": {"type": "keyword"}}},
-              {"heron-memo": {"body": "The heron survey counts 40 nests in March."},
-               "tern-memo": {"body": "The tern survey counts 12 nests in May."}}, "groups")
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps({"id": f"q{n}", "question": q}) + "\n"
-                                 for n, q in enumerate(["heron survey nests",
-                                                        "tern survey nests"])))
+def _batch_runner(tmp_path, questions: list[str]):
+    """A function running `batch` over `questions` on index "corp" into out.jsonl, asserting
+    exit 0 and returning its stderr; and the output's path."""
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{n}", "question": q}) + "\n"
+                            for n, q in enumerate(questions)))
     out = tmp_path / "out.jsonl"
-    batch = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(questions),
+    batch = [sys.executable, "-m", "branchsearch.orchestrator.cli", "batch", str(path),
              "-o", str(out), "--home", str(tmp_path), "--index", "corp", "--executor", "local",
              "--branches", "1"]
 
@@ -375,18 +363,124 @@ def test_a_resumed_batch_on_an_external_index_says_its_changes_are_not_seen(es_u
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stderr
 
+    return run, out
+
+
+_MEMOS = {"heron-memo": {"body": "The heron survey counts 40 nests in March."},
+          "tern-memo": {"body": "The tern survey counts 12 nests in May."}}
+_MEMO_MAPPING = {"properties": {"doc_key": {"type": "keyword"}, "body": {"type": "text"},
+                                "groups": {"type": "keyword"}}}
+
+
+@pytest.mark.es
+def test_a_resumed_batch_on_an_external_index_asks_again_after_its_documents_changed(
+        es_url, tmp_path):
+    """An external index has no manifest, so its rows carried no `index_version`, and a batch
+    resumed after a document in its Elasticsearch index changed kept the rows answered on the
+    old text. Its rows now carry the index's fingerprint: a resume with nothing changed keeps
+    them, one after an update in place asks them again and says why."""
+    from elasticsearch import Elasticsearch
+
+    settings = _es_index(es_url, tmp_path, _MEMO_MAPPING, _MEMOS, "groups")
+    run, out = _batch_runner(tmp_path, ["heron survey nests", "tern survey nests"])
     assert "external" not in run()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert all(r["status"] == "ok" and "index_version" not in r for r in rows), rows
-    index = (tmp_path / "branchsearch.toml").read_text().split('es_index = "')[1].split('"')[0]
+    versions = {r["index_version"] for r in rows}
+    assert all(r["status"] == "ok" for r in rows) and len(versions) == 1, rows
+    assert next(iter(versions)).startswith("es-"), versions
+    said = run()  # nothing changed: kept, and nothing to say
+    assert "asking again" not in said and "external" not in said, said
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
     es = Elasticsearch(es_url)
-    es.index(index=index, id="heron-memo", refresh=True, document={
+    es.index(index=settings.external.es_index, id="heron-memo", refresh=True, document={
         "doc_key": "heron-memo", "body": "The heron survey counts 55 nests in March."})
     es.close()
-    said = [line for line in run().splitlines() if "external" in line]
-    assert said == ["resumed: 2 answered row(s) kept; index 'corp' is external: changes to "
-                    "its cluster since they were answered are not detected — give another -o "
-                    "(or remove the output) to ask them again"], said
+    said = [line for line in run().splitlines() if "asking again" in line or "external" in line]
+    assert said == ["asking again 2 question(s) whose ok row was answered before the documents "
+                    "of 'corp' changed (a write in its Elasticsearch index)"], said
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["index_version"] for r in again} - versions == {r["index_version"] for r in again}
+    heron = next(r for r in again if r["id"] == "q0")
+    assert "55 nests" in json.dumps(heron["evidence"]), heron  # the new text, not the old
+    assert "40 nests" not in json.dumps(heron["evidence"]), heron
+
+
+@pytest.mark.es
+def test_an_update_a_delete_and_an_add_each_move_the_fingerprint(es_url, tmp_path):
+    """Each write to the Elasticsearch index (an update in place keeps the count, so only the
+    shard's sequence number tells it) gives another version; reading gives the same one."""
+    from elasticsearch import Elasticsearch
+
+    from branchsearch.infra.index.fingerprint import external_version
+
+    settings = _es_index(es_url, tmp_path, _MEMO_MAPPING, _MEMOS, "groups",
+                         {"number_of_shards": 3})
+    name, es = settings.external.es_index, Elasticsearch(es_url)
+    seen = [external_version(settings.external, settings)]
+    assert seen[0][0].startswith("es-") and seen[0][1] == "", seen
+    assert external_version(settings.external, settings) == seen[0]
+    for write in (lambda: es.index(index=name, id="tern-memo", refresh=True, document={
+                      "doc_key": "tern-memo", "body": "The tern survey counts 13 nests."}),
+                  lambda: es.delete(index=name, id="tern-memo", refresh=True),
+                  lambda: es.index(index=name, id="gull-memo", refresh=True, document={
+                      "doc_key": "gull-memo", "body": "The gull survey counts 7 nests."})):
+        write()
+        seen.append(external_version(settings.external, settings))
+    es.close()
+    assert len({v for v, _ in seen}) == 4 and all(v for v, _ in seen), seen
+
+
+def test_an_index_with_a_milvus_side_has_no_fingerprint_and_says_which_side():
+    """A Milvus collection has no number that every write moves: a hybrid index's version is
+    not made from its Elasticsearch side alone; the reason names the Milvus side."""
+    from branchsearch.infra.index.fingerprint import external_version
+    from branchsearch.infra.stores.external import parse_external
+
+    hybrid = parse_external("corp", {"lexical": "elasticsearch", "es_index": "corp-docs",
+                                     "dense": "milvus", "milvus_collection": "corp_vec"})
+    dense = parse_external("corp", {"dense": "milvus", "milvus_collection": "corp_vec"})
+    assert external_version(hybrid, None) == ("", "its Milvus side (collection 'corp_vec')")
+    assert external_version(dense, None) == ("", "its cluster (collection 'corp_vec')")
+
+
+def test_stats_without_every_primary_shard_give_no_fingerprint():
+    """A shard whose primary did not answer (or a failed shard) leaves nothing to tell a change
+    by on it: no fingerprint is made from the others."""
+    from branchsearch.infra.index.fingerprint import es_fingerprint
+
+    def shard(primary: bool, seq: int) -> dict:
+        return {"routing": {"primary": primary}, "seq_no": {"max_seq_no": seq},
+                "docs": {"count": 2}}
+
+    whole = {"_shards": {"failed": 0}, "indices": {"x": {"uuid": "u", "shards": {
+        "0": [shard(True, 4), shard(False, 4)], "1": [shard(True, 9)]}}}}
+    assert es_fingerprint(whole).startswith("es-")
+    no_primary = json.loads(json.dumps(whole))
+    no_primary["indices"]["x"]["shards"]["1"] = [shard(False, 9)]
+    failed = json.loads(json.dumps(whole)) | {"_shards": {"failed": 1}}
+    assert es_fingerprint(no_primary) == es_fingerprint(failed) == ""
+    moved = json.loads(json.dumps(whole))  # the same maximum, another shard's write
+    moved["indices"]["x"]["shards"]["0"][0]["seq_no"]["max_seq_no"] = 5
+    assert es_fingerprint(moved) not in ("", es_fingerprint(whole))
+
+
+@pytest.mark.es
+def test_rows_written_without_a_version_on_an_external_index_are_kept_and_said(
+        es_url, tmp_path):
+    """Rows an earlier batch wrote on an external index carry no `index_version`: nothing
+    tells what they were answered on, so they are kept, and the resume says so once."""
+    _es_index(es_url, tmp_path, _MEMO_MAPPING, _MEMOS, "groups")
+    run, out = _batch_runner(tmp_path, ["heron survey nests", "tern survey nests"])
+    run()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row in rows:
+        del row["index_version"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    said = [line for line in run().splitlines() if "index_version" in line or "again" in line]
+    assert said == ["resumed: 2 answered row(s) kept that carry no index_version (written "
+                    "before index 'corp' had one): changes to its cluster before this run are "
+                    "not detected for them — give another -o (or remove the output) to ask "
+                    "them again"], said
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows
 
 
