@@ -49,8 +49,10 @@ DEV_KEY = ApiKey("dev", ("*",), (), admin=True)  # development mode (loopback, n
 # (`readiness.SharedCheck`); a little more here, so its answer, which says why, comes first
 READY_WAIT_S = 5.5
 # A searcher whose Serve queue is full is up and busy: /readyz and GET /v1/indexes answer from
-# its last answer to them meanwhile, when that is at most this old (`SearcherClient.or_last`)
-LAST_ANSWER_KEPT_S = 30.0
+# its last answer to them meanwhile, when that was asked at most this long ago (`or_last`).
+# Short, as the queue also fills when searches hang on a backend gone down: a balancer probing
+# every 10 s and pulling after 3 failures sees such a fault at most one probe later
+LAST_ANSWER_KEPT_S = 10.0
 CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 
 
@@ -68,7 +70,9 @@ class SearcherClient:
         self.target = target
         self.local = isinstance(target, Searcher)
         self.max_queued = max_queued  # Serve's queue for the searcher (`searcher_max_queued`)
-        self.last: dict[str, tuple[float, object]] = {}  # method -> (monotonic time, answer)
+        # method -> (when the call that answered was made, monotonic; its answer)
+        self.last: dict[str, tuple[float, object]] = {}
+        self.settled: dict[str, float] = {}  # method -> when the newest call that ended was made
 
     async def call(self, method: str, *args, within: float | None = None):
         if self.local:
@@ -88,19 +92,36 @@ class SearcherClient:
         `overloaded`), this replica's last answer to it if at most `LAST_ANSWER_KEPT_S` old:
         a full queue is a searcher that is up, so a balancer's probe or a client's list of
         indexes is not refused for the searches it runs. For calls whose answer is the same
-        for every caller (no arguments)."""
+        for every caller (no arguments). Any other end of a call — the searcher's own refusal,
+        an error, a wait cut short — drops what was kept; an answer is kept only when no call
+        made after it has ended, so an older answer coming late never replaces a newer one."""
+        started = time.monotonic()
         try:
             out = await self.call(method)
         except ApiError as exc:
-            if exc.error != "overloaded":  # the searcher's own answer now: none is kept
-                self.last.pop(method, None)
-                raise
-            kept = self.last.get(method)
-            if kept is None or time.monotonic() - kept[0] > LAST_ANSWER_KEPT_S:
-                raise
-            return kept[1]
-        self.last[method] = (time.monotonic(), out)
+            if exc.error == "overloaded":  # Serve's queue, not the searcher: nothing learnt
+                kept = self.last.get(method)
+                if kept is None or time.monotonic() - kept[0] > LAST_ANSWER_KEPT_S:
+                    raise
+                return kept[1]
+            self._settle(method, started, None)
+            raise
+        except BaseException:  # an error, or the caller's wait ended (cancelled)
+            self._settle(method, started, None)
+            raise
+        self._settle(method, started, out)
         return out
+
+    def _settle(self, method: str, started: float, answer) -> None:
+        """Keep `answer` (None: drop what is kept) of a call made at `started`, unless a call
+        made later has ended already."""
+        if started < self.settled.get(method, float("-inf")):
+            return
+        self.settled[method] = started
+        if answer is None:
+            self.last.pop(method, None)
+        else:
+            self.last[method] = (started, answer)
 
     async def stream(self, req, key, within: float | None = None):
         """The search's events; through Serve, those not come by `within` s from now end it
@@ -510,11 +531,11 @@ def create_app(state: ServiceState):
         except ApiError as exc:
             if exc.error != "overloaded":
                 raise
-            log.warning("not ready: the searcher's queue is full, and it has not answered a "
-                        "readiness check within %g s", LAST_ANSWER_KEPT_S)
-            raise ApiError(503, "not_ready", "the searcher's queue is full (busy), and it has "
-                           f"not answered a readiness check within {LAST_ANSWER_KEPT_S:g} s",
-                           {"Retry-After": "5"}) from None
+            log.warning("not ready: the searcher's queue is full, and this replica holds no "
+                        "answer of its readiness check asked within %g s", LAST_ANSWER_KEPT_S)
+            raise ApiError(503, "not_ready", "the searcher's queue is full (busy), and this "
+                           "replica holds no answer of its readiness check asked within "
+                           f"{LAST_ANSWER_KEPT_S:g} s", {"Retry-After": "5"}) from None
         except asyncio.TimeoutError:
             log.warning("not ready: the searcher has not answered within %g s (still "
                         "starting, or busy)", READY_WAIT_S)
