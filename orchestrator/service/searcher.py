@@ -554,7 +554,7 @@ class Searcher:
                                        f"documents whose acl is within its groups "
                                        f"({', '.join(key.groups)}); {why}")
                 self._check_files(driver)
-                self._renew_version(driver)  # before as well: a write failing midway changed it
+                self._renew_version(driver, before=True)  # a write failing midway changes it
                 counts = self._write(index, driver, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
                 self._renew_version(driver)
@@ -579,7 +579,7 @@ class Searcher:
                 doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
                 self._check_files(driver)
                 if olds:  # (none: a repeat clearing what a failed delete left, renewed then)
-                    self._renew_version(driver)  # before as well: one failing midway changed it
+                    self._renew_version(driver, before=True)  # one failing midway changes it
                 found = self._write(index, driver, documents.delete, documents.delete_in_actor,
                                     driver.settings, doc_id)
                 if found:
@@ -685,7 +685,7 @@ class Searcher:
                                   f"{health}")
 
     @staticmethod
-    def _renew_version(driver) -> None:
+    def _renew_version(driver, before: bool = False) -> None:
         """The index's documents may have changed: a new manifest `version`, so a `batch`
         resumed on it asks again what it answered before. Called in the write turn (the ingest
         lock held) before a write touches a store and again after it lands: a write that fails
@@ -694,15 +694,23 @@ class Searcher:
         answered on; a batch that read the first version during the write is asked again after
         it. A write that fails before any store changed renews it too (asked again, never
         kept stale). A manifest that cannot be rewritten (it is replaced atomically, so it
-        stays as it was) is the server log's, not the caller's."""
+        stays as it was; a disk full) refuses the write `before` it, 503 `write_failed` with
+        nothing written, since a write failing midway would then leave the old version; after
+        a write has landed it is the server log's, not the caller's."""
         from branchsearch.infra.index.manifest import renew_version
 
         try:
             renew_version(driver.settings.index_dir)
         except OSError as exc:
-            log.error("index %r: its manifest's version could not be renewed for a write "
-                      "(a batch resumed on it keeps its earlier answers): %s",
-                      driver.settings.index, error_line(exc, 300))
+            log.error("index %r: its manifest's version could not be renewed %s a write "
+                      "(%s): %s", driver.settings.index, "before" if before else "after",
+                      "the write is refused" if before else
+                      "a batch resumed on it keeps its earlier answers", error_line(exc, 300))
+            if before:
+                raise ApiError(503, "write_failed", f"index {driver.settings.index!r} cannot "
+                               "record a change now (its manifest could not be rewritten: the "
+                               "server log says why); nothing was written; retry it later",
+                               {"Retry-After": "5"}) from None
 
     @staticmethod
     def _ingest_lock(driver):

@@ -886,8 +886,10 @@ def test_a_write_that_fails_midway_renews_the_index_version(tmp_path, monkeypatc
     removed the document from the docstore, then met a full disk in the lexical store; an
     upsert that wrote the lexical store, then met a docstore error) is a 503 `write_failed`,
     and the manifest's `version` moves all the same: the index holds something else now, and
-    a `batch` resumed on it must ask again what it answered before. The version stayed, so
-    the resume kept rows whose evidence quotes a document the index no longer has."""
+    a `batch` resumed on it asks again what it answered before, never keeping rows whose
+    evidence quotes a document the index no longer has. A write whose version cannot be
+    moved before it begins (the manifest not rewritable: a full disk) is refused, 503
+    `write_failed`, with nothing written."""
     import sqlite3
 
     from branchsearch.infra.index.manifest import read_manifest
@@ -925,6 +927,17 @@ def test_a_write_that_fails_midway_renews_the_index_version(tmp_path, monkeypatc
                     "write_failed")
             assert version() not in (before, deleted)
             assert DocStore.replace_documents is real_replace
+            kept = version()
+            with monkeypatch.context() as patch:
+                patch.setattr("branchsearch.infra.index.manifest.renew_version", disk_full)
+                r = client.put("/v1/indexes/acl/documents", json=[
+                    {"id": "kestrel", "text": "The kestrel lantern regatta."}])
+                assert_error(r, 503, "write_failed")
+                assert "nothing was written" in r.json()["detail"], r.text
+                assert str(settings.index_dir) not in r.text  # the path is the log's
+            assert version() == kept
+            assert "kestrel" not in {e["doc_id"] for e in client.post("/v1/search", json={
+                "question": "kestrel lantern regatta"}).json()["evidence"]}
     finally:
         server.stop()
         state.searcher.target.close()
