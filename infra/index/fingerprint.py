@@ -65,11 +65,13 @@ def external_version(spec, settings) -> tuple[str, str]:
         stats = es.shard_stats()
     finally:
         es.close()
-    if stats is None:
-        return "", (f"its cluster (Elasticsearch refused the index stats of {spec.es_index!r}, "
-                    "which need the monitor privilege)")
+    if isinstance(stats, int):
+        why = ("which need the monitor privilege" if stats in (401, 403)
+               else "the cluster does not serve them")
+        return "", (f"its cluster (Elasticsearch answered HTTP {stats} for the index stats of "
+                    f"{spec.es_index!r}: {why})")
     version = es_fingerprint(stats)
     if not version:
-        return "", (f"its cluster (the index stats of {spec.es_index!r} lack a primary shard's "
-                    "sequence number)")
+        return "", (f"its cluster (the index stats of {spec.es_index!r} do not give one "
+                    "sequence number for each primary shard: a shard failed or is moving)")
     return version, ""

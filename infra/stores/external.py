@@ -355,14 +355,17 @@ class ExternalElastic:
         except Exception as exc:
             raise _es_unavailable(self.url, exc) from None
 
-    def shard_stats(self) -> dict | None:
-        """The index's stats per shard (`infra.index.fingerprint`), or None when the cluster
-        refuses them (they need the `monitor` privilege, searching does not)."""
+    def shard_stats(self) -> dict | int:
+        """The index's stats per shard (`infra.index.fingerprint`), or the HTTP status with
+        which the cluster refused them (401/403: they need the `monitor` privilege, searching
+        does not; a proxy or a serverless project may not serve `_stats` at all). Raised only
+        when the cluster does not answer."""
         try:
             return self._es.indices.stats(index=self.index, level="shards").body
         except Exception as exc:
-            if getattr(getattr(exc, "meta", None), "status", None) in (401, 403):
-                return None
+            status = getattr(getattr(exc, "meta", None), "status", None)
+            if isinstance(status, int) and status >= 400:
+                return status
             raise _es_unavailable(self.url, exc) from None
 
     def close(self) -> None:
