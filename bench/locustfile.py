@@ -28,8 +28,9 @@ when it is not HTTP 200 (named `http_<code>:<error>`) or when its result `status
 key is over its limit; 503 `overloaded`) is a failure recorded under its own name, `/v1/search
 refused`, so its fast answers stay out of `/v1/search`'s response times; a 503 that says the
 service cannot search (`backend_unavailable`, `not_ready`, …: its backend is down, not busy)
-under `/v1/search unavailable`, apart from both. A refused user waits the `Retry-After` the
-service sent (at most 60 s) before its next question, as a client honouring it would: a refusal
+under `/v1/search unavailable`, apart from both. A user the service did not take on (refused,
+unavailable, or turned down) waits the `Retry-After` it sent (at most 60 s; 0.5 s without one)
+before its next question, as a client honouring it would and as `loadtest --users` does: a refusal
 answers in milliseconds, and a user that asked again at once would count hundreds of refusals a
 second, measuring its own retries rather than the service. Locust users are a closed loop (each
 waits for its answer); for open-loop arrivals use `branchsearch loadtest --rate`.
@@ -42,7 +43,8 @@ import os
 
 from locust import HttpUser, task
 
-from branchsearch.orchestrator.loadtest.stats import is_refusal, is_unavailable
+from branchsearch.orchestrator.loadtest.generator import BACKOFF_S
+from branchsearch.orchestrator.loadtest.stats import is_refusal, is_unavailable, is_unserved
 from branchsearch.orchestrator.loadtest.targets import result_status, retry_after_s
 from branchsearch.orchestrator.loadtest.workload import Workload, read_questions
 
@@ -89,8 +91,9 @@ THINK = float(os.environ.get("BRANCHSEARCH_LOADTEST_THINK", "0"))
 
 class SearchUser(HttpUser):
     def wait_time(self) -> float:
-        """THINK between an answer and the next question; after a refusal, the `Retry-After`
-        it asked for when that is longer."""
+        """THINK between an answer and the next question; after a request no service took on
+        (refused, unavailable, rejected, unreached), the `Retry-After` its answer asked for (at
+        most 60 s), or 0.5 s without one, when that is longer: as `loadtest --users` waits."""
         back_off, self.back_off = self.back_off, 0.0
         return max(THINK, back_off)
 
@@ -112,10 +115,11 @@ class SearchUser(HttpUser):
                 outcome = f"http_{response.status_code}" + (f":{error}" if error else "")
                 if is_refusal(outcome):
                     response.request_meta["name"] = REFUSED
-                    # the seconds it asks for, at most 60 (0 without one, or not a number)
-                    self.back_off = retry_after_s(response.headers.get("Retry-After")) or 0.0
                 elif is_unavailable(outcome):
                     response.request_meta["name"] = UNAVAILABLE
+                if is_unserved(outcome):  # as `loadtest --users` waits (`pause_after`)
+                    asked = retry_after_s(response.headers.get("Retry-After"))
+                    self.back_off = BACKOFF_S if asked is None else asked
                 response.failure(outcome)
                 return
             try:

@@ -55,7 +55,7 @@ def print_result(result) -> None:
               f"{one_line(extra)}")
     for c in getattr(result, "covered", None) or []:
         by = one_line(", ".join(c["by"]))
-        print(f"  branch {c['branch']} [covered] {one_line(c['subquery'])!r}: left out, the "
+        print(f"  branch {c['branch']} [covered] '{one_line(c['subquery'])}': left out, the "
               f"question's branch already ranks {by} (skip_covered)")
     print("evidence (rank, fused score):")
     for rank, doc in enumerate(result.evidence, start=1):
