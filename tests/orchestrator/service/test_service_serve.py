@@ -411,41 +411,49 @@ def test_a_search_the_searcher_never_takes_is_a_504_by_its_deadline(serve_app, t
             assert 1 <= took < 1 + ANSWER_GRACE_S + 3, took
 
 
-def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full(serve_app):
-    """A search of an index the key may not use, or a document write with a key that is no
-    admin key, went through the searcher's Serve queue before it was refused: while a burst
-    filled that queue it was answered 503 `overloaded` with `Retry-After` (here 7 of 200 such
-    requests in a burst of 200), telling a caller with no right to it to retry. The ingress
-    now refuses them itself, 403 whatever the queue holds."""
+@contextlib.contextmanager
+def _searcher_queue_full(client, key):
+    """Six callers of `key` searching without pause until the block ends; it begins once one of
+    them was refused 503 (the searcher's Serve queue full: it takes 1 search at a time and
+    queues 1). Yields the statuses they met."""
     import threading
 
-    client, keys = serve_app  # the searcher takes 1 search at a time and queues 1
     stop, hammered = threading.Event(), []
 
     def hammer(i):
         while not stop.is_set():
-            hammered.append(client.post("/v1/search", headers=auth(keys["alpha"]), json={
+            hammered.append(client.post("/v1/search", headers=auth(key), json={
                 "question": f"Alpha roadmap harbor {i}"}).status_code)
 
-    forbidden = []
     with cf.ThreadPoolExecutor(6) as pool:
         for i in range(6):
             pool.submit(hammer, i)
         try:
             deadline = time.monotonic() + 60
-            while 503 not in hammered:  # the searcher's queue is full
+            while 503 not in hammered:
                 assert time.monotonic() < deadline, hammered
                 time.sleep(0.05)
-            for i in range(10):
-                forbidden += [
-                    client.post("/v1/search", headers=auth(keys["elsewhere"]),
-                                json={"question": "harbor", "index": "acl"}),
-                    client.put("/v1/indexes/acl/documents", headers=auth(keys["alpha"]),
-                               json=[{"id": f"w{i}", "text": "harbor"}]),
-                    client.delete("/v1/indexes/acl/documents/a-budget",
-                                  headers=auth(keys["alpha"]))]
+            yield hammered
         finally:
             stop.set()
+
+
+def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full(serve_app):
+    """A search of an index the key may not use, or a document write with a key that is no
+    admin key, is refused by the ingress itself, 403 whatever the searcher's Serve queue holds:
+    never a 503 `overloaded` with `Retry-After`, which would tell a caller with no right to it
+    to retry."""
+    client, keys = serve_app
+    forbidden = []
+    with _searcher_queue_full(client, keys["alpha"]) as hammered:
+        for i in range(10):
+            forbidden += [
+                client.post("/v1/search", headers=auth(keys["elsewhere"]),
+                            json={"question": "harbor", "index": "acl"}),
+                client.put("/v1/indexes/acl/documents", headers=auth(keys["alpha"]),
+                           json=[{"id": f"w{i}", "text": "harbor"}]),
+                client.delete("/v1/indexes/acl/documents/a-budget",
+                              headers=auth(keys["alpha"]))]
     assert 503 in hammered and 200 in hammered, hammered
     assert [r.status_code for r in forbidden] == [403] * 30, [r.text for r in forbidden
                                                               if r.status_code != 403]
@@ -455,38 +463,19 @@ def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full
 
 
 def test_readyz_and_the_index_list_answer_while_a_burst_fills_the_searcher_queue(serve_app):
-    """/readyz and GET /v1/indexes ask the searcher replica, through the same Serve queue as the
-    searches: while a burst filled it they were refused with 503 `overloaded` (here 14 of 41
-    probes and 12 of 42 lists under 40 callers), so a balancer pulled a busy, healthy replica
-    out of service and a client could not list its indexes. A full queue is a searcher that is
-    up: each ingress replica answers them from the searcher's last answer meanwhile."""
-    import threading
-
-    client, keys = serve_app  # the searcher takes 1 search at a time and queues 1
+    """/readyz and GET /v1/indexes ask the searcher replica through the same Serve queue as the
+    searches. A full queue is a searcher that is up and busy: while a burst fills it, each
+    ingress replica answers them from the searcher's last answer, 200, so a balancer keeps a
+    busy, healthy replica in service and a client can list its indexes."""
+    client, keys = serve_app
     for _ in range(12):  # each ingress replica has met the searcher's answer once
         assert client.get("/readyz").status_code == 200
         assert client.get("/v1/indexes", headers=auth(keys["alpha"])).status_code == 200
-    stop, hammered = threading.Event(), []
-
-    def hammer(i):
-        while not stop.is_set():
-            hammered.append(client.post("/v1/search", headers=auth(keys["alpha"]), json={
-                "question": f"Alpha roadmap harbor {i}"}).status_code)
-
     probes, lists = [], []
-    with cf.ThreadPoolExecutor(6) as pool:
-        for i in range(6):
-            pool.submit(hammer, i)
-        try:
-            deadline = time.monotonic() + 60
-            while 503 not in hammered:  # the searcher's queue is full
-                assert time.monotonic() < deadline, hammered
-                time.sleep(0.05)
-            for _ in range(15):
-                probes.append(client.get("/readyz"))
-                lists.append(client.get("/v1/indexes", headers=auth(keys["alpha"])))
-        finally:
-            stop.set()
+    with _searcher_queue_full(client, keys["alpha"]) as hammered:
+        for _ in range(15):
+            probes.append(client.get("/readyz"))
+            lists.append(client.get("/v1/indexes", headers=auth(keys["alpha"])))
     assert 503 in hammered and 200 in hammered, hammered
     assert [r.status_code for r in probes] == [200] * 15, [r.text for r in probes
                                                            if r.status_code != 200]
