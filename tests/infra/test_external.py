@@ -375,10 +375,10 @@ _MEMO_MAPPING = {"properties": {"doc_key": {"type": "keyword"}, "body": {"type":
 @pytest.mark.es
 def test_a_resumed_batch_on_an_external_index_asks_again_after_its_documents_changed(
         es_url, tmp_path):
-    """An external index has no manifest, so its rows carried no `index_version`, and a batch
-    resumed after a document in its Elasticsearch index changed kept the rows answered on the
-    old text. Its rows now carry the index's fingerprint: a resume with nothing changed keeps
-    them, one after an update in place asks them again and says why."""
+    """An external index has no manifest; a batch's rows on one over Elasticsearch carry the
+    index's fingerprint as `index_version`: a resume with nothing changed keeps them, one after
+    a document was updated in place asks them again and says why, so no row keeps evidence
+    quoting the old text."""
     from elasticsearch import Elasticsearch
 
     settings = _es_index(es_url, tmp_path, _MEMO_MAPPING, _MEMOS, "groups")

@@ -558,9 +558,9 @@ def test_an_id_that_shows_nothing_is_refused_with_its_line(tmp_path, queries, qr
 
 
 def test_eval_refuses_a_qrels_id_no_document_id_could_be_with_one_line(tmp_path):
-    """A qrels row naming `doc\\u200b1` (no document id: ingest refuses it) was read as gold
-    that silently matched nothing; `eval` now stops with one line naming the file, the line
-    and the character, exit 2, and writes no report."""
+    """A qrels row naming `doc\\u200b1` (no document id: ingest refuses it) would be gold that
+    matches nothing: `eval` stops with one line naming the file, the line and the character,
+    exit 2, and writes no report."""
     data = _beir(tmp_path / "d", [{"_id": "d0", "text": "volcano town"}],
                  [("q1", "volcano town")], "q1\td0\t1\nq1\tdoc\u200b1\t1\n")
     report = tmp_path / "r.json"
