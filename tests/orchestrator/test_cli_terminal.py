@@ -85,10 +85,13 @@ def test_the_readmes_first_command_on_a_terminal(tmp_path):
 def test_batch_reads_its_questions_from_a_pipe(hotpot_settings, tmp_path):
     """`... | branchsearch batch - -o out.jsonl`: `-` is standard input; a malformed line is
     named as `<stdin>:N`."""
+    from conftest import ingest_copy
+
+    settings = ingest_copy(hotpot_settings, "from-a-pipe")  # its Milvus Lite file the batch's own
     lines = (HOTPOT / "queries.jsonl").read_text(encoding="utf-8").splitlines()[:2]
     out = tmp_path / "out.jsonl"
-    done = subprocess.run([*CLI, "batch", "-", "-o", out, "--home", hotpot_settings.home,
-                           "--index", hotpot_settings.index],
+    done = subprocess.run([*CLI, "batch", "-", "-o", out, "--home", settings.home,
+                           "--index", settings.index],
                           input="\n".join([*lines, "{not json"]) + "\n", capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]  # a malformed line: exit 1, as from a file
