@@ -98,7 +98,9 @@ def two_nodes():
 
 
 def _replicas(node: subprocess.Popen) -> list[str]:
-    """The Serve replica processes among a node's processes (`ServeReplica:APP:DEPLOYMENT`)."""
+    """The Serve replica processes among a node's processes, by deployment: a replica's title
+    is `ray::ServeReplica:APP:DEPLOYMENT`, and `….DEPLOYMENT.METHOD` while it runs a call (a
+    readiness check, the metrics board's)."""
     import psutil
 
     names = []
@@ -108,7 +110,8 @@ def _replicas(node: subprocess.Popen) -> list[str]:
         except (psutil.Error, IndexError):
             continue
         if title.startswith("ray::ServeReplica:"):
-            names.append(title.removeprefix("ray::ServeReplica:branchsearch:").split()[0])
+            deployment = title.removeprefix("ray::ServeReplica:branchsearch:").split()[0]
+            names.append(deployment.split(".")[0])
     return sorted(names)
 
 
