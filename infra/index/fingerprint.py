@@ -49,6 +49,16 @@ def es_fingerprint(stats: dict) -> str:
     return f"es-{digest[:16]}"
 
 
+def index_version(profile, settings) -> tuple[str | None, str]:
+    """The version a batch's rows carry for the index `profile` describes, and "" or why it
+    has none (`external_version`): an owned index's manifest `version` (None before indexes
+    had one), an external one's fingerprint."""
+    if profile.kind != "external":
+        return getattr(profile.manifest, "version", "") or None, ""
+    version, unseen = external_version(settings.external, settings)
+    return version or None, unseen
+
+
 def external_version(spec, settings) -> tuple[str, str]:
     """(the version of the external index `spec`, "") or ("", why it has none: the end of the
     sentence "changes to … since they were answered are not detected"). An Elasticsearch index

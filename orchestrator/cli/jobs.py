@@ -89,12 +89,9 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
 
     profile = index_profile(settings)
     profile.require_searchable()  # an unknown or unusable index: its one line, before any note
-    version, unseen = getattr(profile.manifest, "version", "") or None, ""
-    if profile.kind == "external":  # its Elasticsearch index's stats, when they can tell
-        from branchsearch.infra.index.fingerprint import external_version
+    from branchsearch.infra.index.fingerprint import index_version
 
-        version, unseen = external_version(settings.external, settings)
-        version = version or None
+    version, unseen = index_version(profile, settings)
     how = ("a write in its Elasticsearch index" if profile.kind == "external" else
            "an ingest, or a write through the service")  # what changes a version
     for bad in data.bad_lines:

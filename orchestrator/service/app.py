@@ -70,9 +70,9 @@ class SearcherClient:
         self.target = target
         self.local = isinstance(target, Searcher)
         self.max_queued = max_queued  # Serve's queue for the searcher (`searcher_max_queued`)
-        # method -> (when the call that answered was made, monotonic; its answer)
+        # method -> (when the newest call that ended was made, monotonic; its answer, or None
+        # when it ended otherwise)
         self.last: dict[str, tuple[float, object]] = {}
-        self.settled: dict[str, float] = {}  # method -> when the newest call that ended was made
 
     async def call(self, method: str, *args, within: float | None = None):
         if self.local:
@@ -100,10 +100,10 @@ class SearcherClient:
             out = await self.call(method)
         except ApiError as exc:
             if exc.error == "overloaded":  # Serve's queue, not the searcher: nothing learnt
-                kept = self.last.get(method)
-                if kept is None or time.monotonic() - kept[0] > LAST_ANSWER_KEPT_S:
+                made, answer = self.last.get(method, (0.0, None))
+                if answer is None or time.monotonic() - made > LAST_ANSWER_KEPT_S:
                     raise
-                return kept[1]
+                return answer
             self._settle(method, started, None)
             raise
         except BaseException:  # an error, or the caller's wait ended (cancelled)
@@ -113,14 +113,9 @@ class SearcherClient:
         return out
 
     def _settle(self, method: str, started: float, answer) -> None:
-        """Keep `answer` (None: drop what is kept) of a call made at `started`, unless a call
-        made later has ended already."""
-        if started < self.settled.get(method, float("-inf")):
-            return
-        self.settled[method] = started
-        if answer is None:
-            self.last.pop(method, None)
-        else:
+        """Keep `answer` (None: none) of a call made at `started`, unless a call made later has
+        ended already."""
+        if started >= self.last.get(method, (float("-inf"), None))[0]:
             self.last[method] = (started, answer)
 
     async def stream(self, req, key, within: float | None = None):
