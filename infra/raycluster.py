@@ -41,6 +41,8 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
             try:
                 with _without_ray_notices(said):
                     ray.init(address=address, **kwargs)
+                if address is None:
+                    _watch_started_cluster()
                 break
             except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a timeout
                 try:
@@ -60,6 +62,30 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
                                          f"{str(exc)[:300]})") from None
     _cluster_errors_to_log()
     return ray.cluster_resources()
+
+
+def _watch_started_cluster() -> None:
+    """Start the watch (`raywatch`) that stops what the local cluster `ray.init` just started
+    leaves running once it is gone: Ray's agents outlive a driver killed with `kill -9` by a
+    minute. A watch that cannot start is logged, not raised: the cluster works without it."""
+    from ray._private import worker
+
+    from branchsearch.infra import raywatch
+
+    node = getattr(worker, "_global_node", None)
+    if node is None or getattr(node, "all_processes", None) is None:
+        return
+    try:
+        watch = raywatch.start(node)
+    except OSError as exc:
+        log.info("ray: no watch over the local cluster's processes (%s)", exc)
+        return
+    _WATCHES[:] = [w for w in _WATCHES if w.poll() is None]  # (reaps those that ended)
+    if watch is not None:
+        _WATCHES.append(watch)
+
+
+_WATCHES: list = []  # the watches this process started (`_watch_started_cluster`)
 
 
 def _cluster_errors_to_log() -> None:
