@@ -15,10 +15,11 @@ CPU otherwise. Chunking runs in the actors too, so the driver only parses and wr
 The home's embedding cache (`infra.models.embed_cache`, an SQLite file: one writer) is the
 driver's: before dispatching, it chunks the documents and looks their chunks up
 (`from_the_cache`); documents whose chunks are all there are committed from it without the pool
-(Ray is not even started when every one is), and a document with some chunks there goes to the
-pool with those vectors, so the workers embed only the misses. What the workers embed comes
-back with the rows and the driver puts it in the cache, under the key of the runtime that
-computed it (a GPU worker's torch, say), so a later ingest of either kind finds it.
+(Ray is not even started when every one is); every other document goes to the pool with the
+vectors the cache has of it and with its chunks as the driver cut them, so the workers embed
+only the misses and cut no document a second time. What the workers embed comes back with the
+rows and the driver puts it in the cache, under the key of the runtime that computed it (a GPU
+worker's torch, say), so a later ingest computing with that runtime finds it.
 
 Output blocks may split or merge documents' chunks, so the driver regroups rows by document and
 releases a document only when all of its chunks arrived. Chunk ids are `"{doc_id}#p{n}"` as in a
@@ -89,10 +90,12 @@ class ChunkEmbedder:
         n_docs = len(batch["id"])
         known = batch.get("cached_n", [""] * n_docs)
         known_vecs = batch.get("cached_vec", [""] * n_docs)
-        for doc_id, title, text, ns, vecs in zip(batch["id"], batch["title"], batch["text"],
-                                                 known, known_vecs):
-            chunks = chunk_text(str(doc_id), str(text), self.counter, size, overlap,
-                                title=str(title), head_tokens=self.chunking["head_tokens"])
+        cut = batch.get("chunks", [""] * n_docs)
+        for doc_id, title, text, ns, vecs, given in zip(batch["id"], batch["title"],
+                                                        batch["text"], known, known_vecs, cut):
+            chunks = _chunks_from(str(doc_id), str(given)) or \
+                chunk_text(str(doc_id), str(text), self.counter, size, overlap,
+                           title=str(title), head_tokens=self.chunking["head_tokens"])
             cached = _held(str(ns), str(vecs))
             for c in chunks:
                 if c.n in cached:
@@ -166,13 +169,30 @@ def _held(numbers: str, vectors: str) -> dict[int, bytes]:
     return {n: raw[i * size:(i + 1) * size] for i, n in enumerate(ns)}
 
 
+def _chunks_as_text(chunks: Sequence[Chunk]) -> str:
+    """A document's chunks as the driver cut them, for the pool (`_chunks_from` reads them
+    back): what the driver chunked to look up the cache is not chunked again."""
+    return json.dumps([[c.n, c.text, c.start_token, c.n_tokens, c.text_tokens, c.label_tokens,
+                        c.head] for c in chunks])
+
+
+def _chunks_from(doc_id: str, given: str) -> list[Chunk]:
+    """The chunks `_chunks_as_text` wrote for `doc_id`; [] when none came (the pool cuts)."""
+    from branchsearch.infra.ingest.chunking import chunk_id
+
+    return [Chunk(chunk_id(doc_id, n), doc_id, n, text, start, n_tokens, text_tokens,
+                  label_tokens, tuple(head) if head else None)
+            for n, text, start, n_tokens, text_tokens, label_tokens, head
+            in (json.loads(given) if given else [])]
+
+
 def from_the_cache(docs: Sequence[Document], settings: Settings, cache, batch_docs: int,
                    into: list[dict]) -> Iterator:
     """The documents whose chunks `cache` holds every vector of, as `EmbeddedBatch`es of at
     most `batch_docs` (committed without the pool); every other document is appended to `into`
     as a pool row, with the vectors the cache holds of its chunks (`cached_n`: their numbers,
-    `cached_vec`: their bytes in that order, as base64). Chunks and looks up one batch at a
-    time."""
+    `cached_vec`: their bytes in that order, as base64; `chunks`: its chunks, which the pool
+    then does not cut again). Chunks and looks up one batch at a time."""
     import base64
 
     import numpy as np
@@ -198,7 +218,8 @@ def from_the_cache(docs: Sequence[Document], settings: Settings, cache, batch_do
                 continue
             into.append(_row(d) | {"cached_n": json.dumps([chunks[i].n for i in hits]),
                                    "cached_vec": base64.b64encode(
-                                       b"".join(found[i] for i in hits)).decode()})
+                                       b"".join(found[i] for i in hits)).decode(),
+                                   "chunks": _chunks_as_text([chunks[i] for i in rows])})
         if whole:
             rows = [i for d in whole for i in by_doc[d.id]]
             vectors = np.stack([np.frombuffer(found[i], dtype=np.float32) for i in rows])

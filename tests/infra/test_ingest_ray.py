@@ -72,6 +72,43 @@ def test_the_pool_embeds_only_what_the_cache_lacks(tmp_path):
     assert np.allclose(out["vector"][0], udf.embedder.embed([bodies[pooled[0]]])[0], atol=1e-5)
 
 
+def test_the_pool_does_not_chunk_again_what_the_driver_chunked(tmp_path, monkeypatch):
+    """Plain Python, no Ray: the documents `from_the_cache` hands the pool (partly cached, or
+    not cached at all) carry the chunks the driver cut to look them up, and the pool's UDF uses
+    those instead of cutting each document a second time; its rows are the same."""
+    from branchsearch.infra.ingest import chunking
+    from branchsearch.infra.ingest.batches import indexed
+    from branchsearch.infra.ingest.distributed import from_the_cache
+    from branchsearch.infra.models.embed_cache import EmbeddingCache
+
+    settings = load_settings(overrides={"chunk_tokens": 32, "chunk_overlap": 4,
+                                        "result_token_cap": 21}, read_env=False, read_file=False)
+    docs = read_corpus(HOTPOT)[:4]
+    chunks = chunk_documents(docs, settings)
+    bodies = [c.body for c in indexed(docs, chunks)]
+    cache = EmbeddingCache(tmp_path / "e.sqlite", settings.embed_model)
+    first = [i for i, c in enumerate(chunks) if c.doc_id == docs[0].id]
+    cache.put_many([bodies[first[0]]], np.ones((1, 384), dtype=np.float32))  # partly cached
+    rows: list[dict] = []
+    assert list(from_the_cache(docs, settings, cache, 16, rows)) == []
+    calls = []
+    real = chunking.chunk_text
+    monkeypatch.setattr(chunking, "chunk_text",
+                        lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    udf = ChunkEmbedder({"encoding": settings.encoding, "chunk_tokens": 32, "chunk_overlap": 4,
+                         "head_tokens": 20}, settings.embed_model, 16)
+    out = udf({k: np.array([r[k] for r in rows]) for k in rows[0]})
+    assert calls == []  # every document's chunks came with it
+    assert list(out["chunk_id"]) == [c.id for c in chunks]
+    assert list(out["text"]) == [c.text for c in chunks]
+    assert list(out["start_token"]) == [c.start_token for c in chunks]
+    assert list(out["text_tokens"]) == [c.text_tokens for c in chunks]
+    assert list(out["label_tokens"]) == [c.label_tokens for c in chunks]
+    assert [(h, n) if h >= 0 else None for h, n in zip(out["head_tokens"], out["head_chars"])] \
+        == [c.head for c in chunks]
+    assert list(out["fresh"]) == [i != first[0] for i in range(len(chunks))]
+
+
 def test_actor_resources_fit_the_cluster():
     assert actor_resources({"CPU": 2.0}, 2) == {"num_cpus": 1.0}
     assert actor_resources({"CPU": 2.0}, 4) == {"num_cpus": 0.5}  # never pends
