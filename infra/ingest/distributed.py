@@ -15,11 +15,14 @@ CPU otherwise. Chunking runs in the actors too, so the driver only parses and wr
 The home's embedding cache (`infra.models.embed_cache`, an SQLite file: one writer) is the
 driver's: before dispatching, it chunks the documents and looks their chunks up
 (`from_the_cache`); documents whose chunks are all there are committed from it without the pool
-(Ray is not even started when every one is); every other document goes to the pool with the
-vectors the cache has of it and with its chunks as the driver cut them, so the workers embed
-only the misses and cut no document a second time. What the workers embed comes back with the
-rows and the driver puts it in the cache, under the key of the runtime that computed it (a GPU
-worker's torch, say), so a later ingest computing with that runtime finds it.
+(with torch, the default runtime, Ray is not even started when every one is); every other
+document goes to the pool with the vectors the cache has of it and with its chunks as the
+driver cut them, so the workers embed only the misses and cut no document a second time. What
+the workers embed comes back with the rows and the driver puts it in the cache under the key of
+the runtime that computed it; the lookup is under the key of the runtime the pool computes with
+(`lookup_cache`): on GPUs that is torch whatever `embed_backend` says, since the exported
+runtimes run on CPU, so with an exported runtime configured Ray is started first. A pool's
+index thus holds one runtime's vectors, and its re-ingest finds what it computed.
 
 Output blocks may split or merge documents' chunks, so the driver regroups rows by document and
 releases a document only when all of its chunks arrived. Chunk ids are `"{doc_id}#p{n}"` as in a
@@ -288,25 +291,63 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     configured model in the actors (benchmarks); `dim` is the dense store's dimension;
     `static_folder`: the static model fitted to the index, which the actors embed with (its
     files travel with the actors' arguments); `cache`: the home's embedding cache (an
-    `EmbeddingCache`), looked up first (`from_the_cache`) and given what the workers embed."""
-    import numpy as np
-
-    from branchsearch.infra.ingest.batches import EmbeddedBatch
-
+    `EmbeddingCache`), looked up first (`from_the_cache`, under the key of the runtime the
+    pool computes with: `lookup_cache`) and given what the workers embed."""
     rows: list[dict] = []
+    resources = None
+    own = cache  # the driver's, which its embedder closes
     # (an empty cache is not looked up: a first ingest would chunk the whole corpus here,
     # before the pool starts, only to find nothing)
-    if cache is not None and embed and not cache.empty():
-        yield from from_the_cache(docs, settings, cache, batch_docs, rows)
-        if not rows:
-            return  # every vector was in the cache: no pool
-        pooled = {r["id"] for r in rows}
-        docs = [d for d in docs if d.id in pooled]
-    else:
-        rows = [_row(d) for d in docs]
-    resources = connect(settings)
+    lookup = cache is not None and embed and not cache.empty()
+    if lookup and cache.model != torch_key(settings):
+        # an exported runtime: the pool's device decides which runtime computes the misses
+        resources = connect(settings)
+        cache = lookup_cache(cache, settings, resources)
+    try:
+        if lookup:
+            yield from from_the_cache(docs, settings, cache, batch_docs, rows)
+            if not rows:
+                return  # every vector was in the cache: no pool
+            pooled = {r["id"] for r in rows}
+            docs = [d for d in docs if d.id in pooled]
+        else:
+            rows = [_row(d) for d in docs]
+        yield from _pooled(docs, rows, settings, resources or connect(settings), workers,
+                           batch_docs, embed, embed_batch, embedder, dim, static_folder, cache)
+    finally:
+        if cache is not own:
+            cache.close()
+
+
+def torch_key(settings: Settings) -> str:
+    """The embedding cache's key for vectors torch computes with the configured model."""
+    from branchsearch.infra.models.embedder import TORCH, cache_key_of
+
+    return cache_key_of(settings.embed_model, TORCH)
+
+
+def lookup_cache(cache, settings: Settings, resources: dict):
+    """The cache the driver looks chunks up in before a pool on `resources` embeds the misses:
+    on GPUs the workers compute with torch whatever `embed_backend` says (the exported runtimes
+    run on CPU) and cache under torch's key, so the lookup is under that key too, which keeps
+    an exported runtime's vectors out of their index and finds what an earlier GPU pool
+    computed; on CPUs, `cache` itself (the configured runtime's)."""
+    from branchsearch.infra.models.embed_cache import EmbeddingCache
+
+    key = torch_key(settings)
+    if "num_gpus" not in actor_resources(resources, 1) or cache.model == key:
+        return cache
+    return EmbeddingCache(cache.path, key)
+
+
+def _pooled(docs, rows, settings, resources, workers, batch_docs, embed, embed_batch,
+            embedder, dim, static_folder, cache) -> Iterator:
+    """`rows` chunked and embedded on the pool, as `ray_batches` yields them."""
+    import numpy as np
     import ray.data
     from ray.data import ActorPoolStrategy
+
+    from branchsearch.infra.ingest.batches import EmbeddedBatch
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False

@@ -109,6 +109,42 @@ def test_the_pool_does_not_chunk_again_what_the_driver_chunked(tmp_path, monkeyp
     assert list(out["fresh"]) == [i != first[0] for i in range(len(chunks))]
 
 
+def test_a_gpu_pool_looks_up_the_vectors_of_the_runtime_it_computes_with(tmp_path):
+    """Plain Python, no Ray: with an exported runtime configured (`embed_backend`), a pool on
+    GPUs computes with torch (exported runtimes run on CPU) and caches under torch's key, so
+    the driver looks the chunks up under that key too: its own re-ingest finds them, and no
+    vector of the exported runtime (int8 ones differ from torch's) joins the torch ones in the
+    index. A pool on CPUs computes with the configured runtime and looks up under its key."""
+    from branchsearch.infra.ingest.batches import indexed
+    from branchsearch.infra.ingest.distributed import from_the_cache, lookup_cache
+    from branchsearch.infra.models.embedder import Embedder
+
+    settings = load_settings(overrides={"chunk_tokens": 32, "chunk_overlap": 4,
+                                        "embed_backend": "onnx-int8"},
+                             read_env=False, read_file=False)
+    path = tmp_path / "e.sqlite"
+    driver = Embedder(settings.embed_model, backend="onnx-int8", cache_path=path)
+    worker = Embedder(settings.embed_model, device="cuda", backend="onnx-int8")
+    assert (driver.cache_key, worker.cache_key) == (f"{settings.embed_model}@onnx-int8",
+                                                    settings.embed_model)
+    docs = read_corpus(HOTPOT)[:2]
+    bodies = [c.body for c in indexed(docs, chunk_documents(docs, settings))]
+    int8 = np.full((len(bodies), 384), 0.5, dtype=np.float32)
+    torch = np.full((len(bodies), 384), 0.25, dtype=np.float32)
+    driver.vector_cache().put_many(bodies, int8)
+    from branchsearch.infra.models.embed_cache import EmbeddingCache
+    EmbeddingCache(path, worker.cache_key).put_many(bodies, torch)  # a GPU pool's earlier run
+
+    on_cpu = lookup_cache(driver.vector_cache(), settings, {"CPU": 2.0})
+    assert on_cpu is driver.vector_cache()
+    on_gpu = lookup_cache(driver.vector_cache(), settings, {"CPU": 2.0, "GPU": 1.0})
+    assert on_gpu.model == worker.cache_key
+    rows: list[dict] = []
+    found = [b for b in from_the_cache(docs, settings, on_gpu, 16, rows)]
+    assert rows == [] and sum(b.cached for b in found) == len(bodies)
+    assert np.array_equal(np.concatenate([b.vectors for b in found]), torch)
+
+
 def test_actor_resources_fit_the_cluster():
     assert actor_resources({"CPU": 2.0}, 2) == {"num_cpus": 1.0}
     assert actor_resources({"CPU": 2.0}, 4) == {"num_cpus": 0.5}  # never pends
