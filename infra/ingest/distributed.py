@@ -15,14 +15,10 @@ CPU otherwise. Chunking runs in the actors too, so the driver only parses and wr
 The home's embedding cache (`infra.models.embed_cache`, an SQLite file: one writer) is the
 driver's: before dispatching, it chunks the documents and looks their chunks up
 (`from_the_cache`); documents whose chunks are all there are committed from it without the pool
-(with torch, the default runtime, Ray is not even started when every one is); every other
-document goes to the pool with the vectors the cache has of it and with its chunks as the
-driver cut them, so the workers embed only the misses and cut no document a second time. What
-the workers embed comes back with the rows and the driver puts it in the cache under the key of
-the runtime that computed it; the lookup is under the key of the runtime the pool computes with
-(`lookup_cache`): on GPUs that is torch whatever `embed_backend` says, since the exported
-runtimes run on CPU, so with an exported runtime configured Ray is started first. A pool's
-index thus holds one runtime's vectors, and its re-ingest finds what it computed.
+(Ray is not even started when every one is), and a document with some chunks there goes to the
+pool with those vectors, so the workers embed only the misses. What the workers embed comes
+back with the rows and the driver puts it in the cache, under the key of the runtime that
+computed it (a GPU worker's torch, say), so a later ingest of either kind finds it.
 
 Output blocks may split or merge documents' chunks, so the driver regroups rows by document and
 releases a document only when all of its chunks arrived. Chunk ids are `"{doc_id}#p{n}"` as in a
@@ -93,12 +89,10 @@ class ChunkEmbedder:
         n_docs = len(batch["id"])
         known = batch.get("cached_n", [""] * n_docs)
         known_vecs = batch.get("cached_vec", [""] * n_docs)
-        cut = batch.get("chunks", [""] * n_docs)
-        for doc_id, title, text, ns, vecs, given in zip(batch["id"], batch["title"],
-                                                        batch["text"], known, known_vecs, cut):
-            chunks = _chunks_from(str(doc_id), str(given)) or \
-                chunk_text(str(doc_id), str(text), self.counter, size, overlap,
-                           title=str(title), head_tokens=self.chunking["head_tokens"])
+        for doc_id, title, text, ns, vecs in zip(batch["id"], batch["title"], batch["text"],
+                                                 known, known_vecs):
+            chunks = chunk_text(str(doc_id), str(text), self.counter, size, overlap,
+                                title=str(title), head_tokens=self.chunking["head_tokens"])
             cached = _held(str(ns), str(vecs))
             for c in chunks:
                 if c.n in cached:
@@ -172,30 +166,13 @@ def _held(numbers: str, vectors: str) -> dict[int, bytes]:
     return {n: raw[i * size:(i + 1) * size] for i, n in enumerate(ns)}
 
 
-def _chunks_as_text(chunks: Sequence[Chunk]) -> str:
-    """A document's chunks as the driver cut them, for the pool (`_chunks_from` reads them
-    back): what the driver chunked to look up the cache is not chunked again."""
-    return json.dumps([[c.n, c.text, c.start_token, c.n_tokens, c.text_tokens, c.label_tokens,
-                        c.head] for c in chunks])
-
-
-def _chunks_from(doc_id: str, given: str) -> list[Chunk]:
-    """The chunks `_chunks_as_text` wrote for `doc_id`; [] when none came (the pool cuts)."""
-    from branchsearch.infra.ingest.chunking import chunk_id
-
-    return [Chunk(chunk_id(doc_id, n), doc_id, n, text, start, n_tokens, text_tokens,
-                  label_tokens, tuple(head) if head else None)
-            for n, text, start, n_tokens, text_tokens, label_tokens, head
-            in (json.loads(given) if given else [])]
-
-
 def from_the_cache(docs: Sequence[Document], settings: Settings, cache, batch_docs: int,
                    into: list[dict]) -> Iterator:
     """The documents whose chunks `cache` holds every vector of, as `EmbeddedBatch`es of at
     most `batch_docs` (committed without the pool); every other document is appended to `into`
     as a pool row, with the vectors the cache holds of its chunks (`cached_n`: their numbers,
-    `cached_vec`: their bytes in that order, as base64; `chunks`: its chunks, which the pool
-    then does not cut again). Chunks and looks up one batch at a time."""
+    `cached_vec`: their bytes in that order, as base64). Chunks and looks up one batch at a
+    time."""
     import base64
 
     import numpy as np
@@ -221,8 +198,7 @@ def from_the_cache(docs: Sequence[Document], settings: Settings, cache, batch_do
                 continue
             into.append(_row(d) | {"cached_n": json.dumps([chunks[i].n for i in hits]),
                                    "cached_vec": base64.b64encode(
-                                       b"".join(found[i] for i in hits)).decode(),
-                                   "chunks": _chunks_as_text([chunks[i] for i in rows])})
+                                       b"".join(found[i] for i in hits)).decode()})
         if whole:
             rows = [i for d in whole for i in by_doc[d.id]]
             vectors = np.stack([np.frombuffer(found[i], dtype=np.float32) for i in rows])
@@ -291,63 +267,25 @@ def ray_batches(docs: Sequence[Document], settings: Settings, *, workers: int,
     configured model in the actors (benchmarks); `dim` is the dense store's dimension;
     `static_folder`: the static model fitted to the index, which the actors embed with (its
     files travel with the actors' arguments); `cache`: the home's embedding cache (an
-    `EmbeddingCache`), looked up first (`from_the_cache`, under the key of the runtime the
-    pool computes with: `lookup_cache`) and given what the workers embed."""
-    rows: list[dict] = []
-    resources = None
-    own = cache  # the driver's, which its embedder closes
-    # (an empty cache is not looked up: a first ingest would chunk the whole corpus here,
-    # before the pool starts, only to find nothing)
-    lookup = cache is not None and embed and not cache.empty()
-    if lookup and cache.model != torch_key(settings):
-        # an exported runtime: the pool's device decides which runtime computes the misses
-        resources = connect(settings)
-        cache = lookup_cache(cache, settings, resources)
-    try:
-        if lookup:
-            yield from from_the_cache(docs, settings, cache, batch_docs, rows)
-            if not rows:
-                return  # every vector was in the cache: no pool
-            pooled = {r["id"] for r in rows}
-            docs = [d for d in docs if d.id in pooled]
-        else:
-            rows = [_row(d) for d in docs]
-        yield from _pooled(docs, rows, settings, resources or connect(settings), workers,
-                           batch_docs, embed, embed_batch, embedder, dim, static_folder, cache)
-    finally:
-        if cache is not own:
-            cache.close()
-
-
-def torch_key(settings: Settings) -> str:
-    """The embedding cache's key for vectors torch computes with the configured model."""
-    from branchsearch.infra.models.embedder import TORCH, cache_key_of
-
-    return cache_key_of(settings.embed_model, TORCH)
-
-
-def lookup_cache(cache, settings: Settings, resources: dict):
-    """The cache the driver looks chunks up in before a pool on `resources` embeds the misses:
-    on GPUs the workers compute with torch whatever `embed_backend` says (the exported runtimes
-    run on CPU) and cache under torch's key, so the lookup is under that key too, which keeps
-    an exported runtime's vectors out of their index and finds what an earlier GPU pool
-    computed; on CPUs, `cache` itself (the configured runtime's)."""
-    from branchsearch.infra.models.embed_cache import EmbeddingCache
-
-    key = torch_key(settings)
-    if "num_gpus" not in actor_resources(resources, 1) or cache.model == key:
-        return cache
-    return EmbeddingCache(cache.path, key)
-
-
-def _pooled(docs, rows, settings, resources, workers, batch_docs, embed, embed_batch,
-            embedder, dim, static_folder, cache) -> Iterator:
-    """`rows` chunked and embedded on the pool, as `ray_batches` yields them."""
+    `EmbeddingCache`), looked up first (`from_the_cache`) and given what the workers embed."""
     import numpy as np
-    import ray.data
-    from ray.data import ActorPoolStrategy
 
     from branchsearch.infra.ingest.batches import EmbeddedBatch
+
+    rows: list[dict] = []
+    # (an empty cache is not looked up: a first ingest would chunk the whole corpus here,
+    # before the pool starts, only to find nothing)
+    if cache is not None and embed and not cache.empty():
+        yield from from_the_cache(docs, settings, cache, batch_docs, rows)
+        if not rows:
+            return  # every vector was in the cache: no pool
+        pooled = {r["id"] for r in rows}
+        docs = [d for d in docs if d.id in pooled]
+    else:
+        rows = [_row(d) for d in docs]
+    resources = connect(settings)
+    import ray.data
+    from ray.data import ActorPoolStrategy
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False

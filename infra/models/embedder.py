@@ -196,8 +196,10 @@ class Embedder:
 
     @property
     def cache_key(self) -> str:
-        """What the embedding cache keys vectors by (`cache_key_of` this model and runtime)."""
-        return cache_key_of(self.model_name, self.backend)
+        """What the embedding cache keys vectors by: the model, and the runtime unless torch
+        (older caches hold torch vectors under the bare model name)."""
+        return self.model_name if self.backend == TORCH else \
+            f"{self.model_name}@{self.backend}"
 
     def embed(self, texts: Sequence[str], progress: bool = False):
         """float32 array (len(texts), dim), L2-normalised (cosine = inner product)."""
@@ -299,12 +301,6 @@ class Embedder:
 
             self._cache = EmbeddingCache(self.cache_path, self.cache_key)
         return self._cache
-
-
-def cache_key_of(model: str, backend: str) -> str:
-    """The embedding cache's key for `model`'s vectors computed by `backend`: the model, and
-    the runtime unless torch (older caches hold torch vectors under the bare model name)."""
-    return model if backend == TORCH else f"{model}@{backend}"
 
 
 def _identity(folder: Path | None) -> tuple | None:
