@@ -28,6 +28,8 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
             raise RuntimeError("ray.init() called from a worker thread: connect to Ray from "
                                "the main thread before starting threads that use it")
         address = settings.ray_address or os.environ.get("RAY_ADDRESS") or None
+        if address == "local":  # Ray's own word for "start a new local cluster"
+            address = None
         if address is not None:
             _answers_or_say(address)
         kwargs = {"ignore_reinit_error": True, "include_dashboard": False,
@@ -41,8 +43,6 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
             try:
                 with _without_ray_notices(said):
                     ray.init(address=address, **kwargs)
-                if address is None:
-                    _watch_started_cluster()
                 break
             except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a timeout
                 try:
@@ -60,6 +60,7 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
                         "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token") from None
                 raise BackendUnavailable(f"ray: cannot {where} ({type(exc).__name__}: "
                                          f"{str(exc)[:300]})") from None
+        _watch_started_cluster()  # (a joined cluster started no process here: no watch)
     _cluster_errors_to_log()
     return ray.cluster_resources()
 
@@ -77,8 +78,9 @@ def _watch_started_cluster() -> None:
         return
     try:
         watch = raywatch.start(node)
-    except OSError as exc:
-        log.info("ray: no watch over the local cluster's processes (%s)", exc)
+    except Exception as exc:  # noqa: BLE001 — the cluster works without its watch
+        log.info("ray: no watch over the local cluster's processes (%s: %s)",
+                 type(exc).__name__, exc)
         return
     _WATCHES[:] = [w for w in _WATCHES if w.poll() is None]  # (reaps those that ended)
     if watch is not None:

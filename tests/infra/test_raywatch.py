@@ -78,3 +78,22 @@ def test_a_cluster_its_driver_shut_down_ends_its_watch_without_a_word():
     assert done.returncode == 0, done.stderr[-2000:]
     assert _gone(int(done.stdout.split()[-1]), 10), "the watch outlived its cluster"
     assert "Ray cluster" not in done.stderr, done.stderr
+
+
+def test_ray_address_local_starts_a_watched_cluster_of_our_size():
+    """`RAY_ADDRESS=local` is Ray's word for "start a new local cluster": it is started as one
+    with no address is (the object store's 256 MB, a watch over its processes), not as a
+    joined cluster (Ray's own defaults: gigabytes of object store, and after a kill -9 of the
+    driver its agents left running)."""
+    script = ("import ray\n"
+              "from branchsearch.infra.config.settings import Settings\n"
+              "from branchsearch.infra.raycluster import _WATCHES, connect\n"
+              "connect(Settings())\n"
+              "store = ray.available_resources().get('object_store_memory', 0)\n"
+              "print(len(_WATCHES), int(store), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "RAY_ADDRESS": "local"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    watches, store = map(int, done.stdout.split()[-2:])
+    assert watches == 1
+    assert 0 < store <= 256 * 1024 * 1024
