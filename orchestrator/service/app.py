@@ -44,15 +44,6 @@ from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NA
 log = logging.getLogger("branchsearch.service")
 WEB = Path(__file__).parent / "web"
 DEV_KEY = ApiKey("dev", ("*",), (), admin=True)  # development mode (loopback, no keys file)
-# /readyz under Ray Serve answers within this whatever the searcher does: the call also waits
-# for a searcher replica still starting, or in its queue. The searcher's own check waits 5 s
-# (`readiness.SharedCheck`); a little more here, so its answer, which says why, comes first
-READY_WAIT_S = 5.5
-# A searcher whose Serve queue is full is up and busy: /readyz and GET /v1/indexes answer from
-# its last answer to them meanwhile, when that was asked at most this long ago (`or_last`).
-# Short, as the queue also fills when searches hang on a backend gone down: a balancer probing
-# every 10 s and pulling after 3 failures sees such a fault at most one probe later
-LAST_ANSWER_KEPT_S = 10.0
 CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 
 
@@ -62,17 +53,18 @@ class SearcherClient:
 
     Through Serve a call may wait in Serve's queue for a searcher replica (each takes
     `searcher_max_ongoing` at once), where the searcher's own deadline cannot reach it: a
-    search waits at most `within` s (`time_left`), then 504 `deadline_exceeded` (`_bounded`)."""
+    search waits at most `within` s (`time_left`), then 504 `deadline_exceeded` (`_bounded`).
+    Readiness and the index list never wait there: they are read from the readiness board the
+    searcher replicas publish (`service.board`)."""
 
-    def __init__(self, target, max_queued: int | None = None):
+    def __init__(self, target, max_queued: int | None = None, board=None):
+        """`board`: through Serve, the application's readiness board (`board.BoardReader`)."""
         from branchsearch.orchestrator.service.searcher import Searcher
 
         self.target = target
         self.local = isinstance(target, Searcher)
         self.max_queued = max_queued  # Serve's queue for the searcher (`searcher_max_queued`)
-        # method -> (when the newest call that ended was made, monotonic; its answer, or None
-        # when it ended otherwise)
-        self.last: dict[str, tuple[float, object]] = {}
+        self.board = board
 
     async def call(self, method: str, *args, within: float | None = None):
         if self.local:
@@ -87,36 +79,19 @@ class SearcherClient:
             raise out.error
         return out
 
-    async def or_last(self, method: str):
-        """`call(method)`, and through Serve, when the searcher's queue is full (503
-        `overloaded`), this replica's last answer to it if at most `LAST_ANSWER_KEPT_S` old:
-        a full queue is a searcher that is up, so a balancer's probe or a client's list of
-        indexes is not refused for the searches it runs. For calls whose answer is the same
-        for every caller (no arguments). Any other end of a call — the searcher's own refusal,
-        an error, a wait cut short — drops what was kept; an answer is kept only when no call
-        made after it has ended, so an older answer coming late never replaces a newer one."""
-        started = time.monotonic()
-        try:
-            out = await self.call(method)
-        except ApiError as exc:
-            if exc.error == "overloaded":  # Serve's queue, not the searcher: nothing learnt
-                made, answer = self.last.get(method, (0.0, None))
-                if answer is None or time.monotonic() - made > LAST_ANSWER_KEPT_S:
-                    raise
-                return answer
-            self._settle(method, started, None)
-            raise
-        except BaseException:  # an error, or the caller's wait ended (cancelled)
-            self._settle(method, started, None)
-            raise
-        self._settle(method, started, out)
-        return out
+    async def ready(self) -> dict:
+        """The searcher's readiness (the `/readyz` body, before it is cut to a caller's view):
+        asked in this process, or through Serve read from its board (`service.board`), never
+        through its queue, which a burst of searches fills."""
+        if self.board is None:
+            return await self.call("ready")
+        return _given((await self.board.current()).ready)
 
-    def _settle(self, method: str, started: float, answer) -> None:
-        """Keep `answer` (None: none) of a call made at `started`, unless a call made later has
-        ended already."""
-        if started >= self.last.get(method, (float("-inf"), None))[0]:
-            self.last[method] = (started, answer)
+    async def indexes(self) -> list[str]:
+        """Every index the service serves, as `ready` learns it."""
+        if self.board is None:
+            return await self.call("indexes")
+        return _given((await self.board.current()).indexes)
 
     async def stream(self, req, key, within: float | None = None):
         """The search's events; through Serve, those not come by `within` s from now end it
@@ -139,6 +114,13 @@ class SearcherClient:
                 yield event
         except Exception as exc:  # noqa: BLE001
             raise _unwrap(exc, self.max_queued) from None
+
+
+def _given(answer):
+    """A board's answer: its value, or its error raised."""
+    if isinstance(answer, ApiError):
+        raise answer
+    return answer
 
 
 def time_left(req, limits: Limits) -> float:
@@ -519,25 +501,7 @@ def create_app(state: ServiceState):
                 log.warning("not ready: %s", exc)
                 raise ApiError(503, "not_ready", "the server cannot read its API keys file "
                                "(the server log says why)", {"Retry-After": "5"}) from None
-        if searcher.local:  # its own check bounds it, and its threads are never all busy
-            return shown_to(await searcher.call("ready"), request)
-        try:  # a searcher replica not up yet, or whose Serve queue is slow: within the wait
-            ready = await asyncio.wait_for(searcher.or_last("ready"), READY_WAIT_S)
-        except ApiError as exc:
-            if exc.error != "overloaded":
-                raise
-            log.warning("not ready: the searcher's queue is full, and this replica holds no "
-                        "answer of its readiness check asked within %g s", LAST_ANSWER_KEPT_S)
-            raise ApiError(503, "not_ready", "the searcher's queue is full (busy), and this "
-                           "replica holds no answer of its readiness check asked within "
-                           f"{LAST_ANSWER_KEPT_S:g} s", {"Retry-After": "5"}) from None
-        except asyncio.TimeoutError:
-            log.warning("not ready: the searcher has not answered within %g s (still "
-                        "starting, or busy)", READY_WAIT_S)
-            raise ApiError(503, "not_ready", f"the searcher has not answered within "
-                           f"{READY_WAIT_S:g} s (still starting, or busy)",
-                           {"Retry-After": "5"}) from None
-        return shown_to(ready, request)
+        return shown_to(await searcher.ready(), request)
 
     def shown_to(ready: dict, request: Request) -> dict:
         """`ready` as this caller may see it: `not_ready` only with a key (any index it may
@@ -577,7 +541,7 @@ def create_app(state: ServiceState):
     async def indexes(request: Request):
         """The indexes this key may search (owned and declared external)."""
         key = state.principal(request.headers.get("authorization"))
-        return {"indexes": [i for i in await searcher.or_last("indexes") if key.may_use(i)]}
+        return {"indexes": [i for i in await searcher.indexes() if key.may_use(i)]}
 
     @app.post("/v1/search", tags=["search"], dependencies=keyed,
               responses=_answers(SearchResponse, 400, 401, 403, 404, 413, 415, 422, 429, 503,

@@ -25,6 +25,8 @@ from branchsearch.infra.errors import BranchsearchError, error_line, redact
 from branchsearch.orchestrator.service.admission import Limits, for_replica
 from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, create_app
 from branchsearch.orchestrator.service.auth import KeyStore
+from branchsearch.orchestrator.service.board import (BOARD_NAMESPACE, BoardReader, Publisher,
+                                                     readiness_board)
 
 log = logging.getLogger("branchsearch.service")
 GRACE_S = 30  # SIGTERM: how long requests in flight may take to finish
@@ -358,8 +360,9 @@ def build_application(opts: ServeOptions):
     class Ingress:
         def __init__(self, searcher, o: dict):
             context = serve.get_replica_context()
-            self.state = ServiceState(SearcherClient(searcher, o["searcher_max_queued"]),
-                                      KeyStore(o["keys"]) if o["keys"] else None,
+            client = SearcherClient(searcher, o["searcher_max_queued"],
+                                    BoardReader(readiness_board(context.app_name)))
+            self.state = ServiceState(client, KeyStore(o["keys"]) if o["keys"] else None,
                                       Limits(**o["limits"]))
             self.state.peers = SharedMetrics(self.state.metrics, board_name(context.app_name),
                                              context.replica_tag, on_drain=self._drain)
@@ -400,14 +403,19 @@ def build_application(opts: ServeOptions):
             _log_to_replica()
             super().__init__(*args, **kwargs)
             self._serving = True
+            context = serve.get_replica_context()  # what /readyz and the index list answer
+            self._publisher = Publisher(self, readiness_board(context.app_name),
+                                        context.replica_tag)
 
         def __del__(self):
             """Serve calls this once the replica has drained (its graceful shutdown), before
-            it stops the replica's process: close every index (its stores, Milvus Lite server
-            and retriever actors) and the branch pool, as `serve --standalone` does on exit.
+            it stops the replica's process: take its answers off the readiness board, close
+            every index (its stores, Milvus Lite server and retriever actors) and the branch
+            pool, as `serve --standalone` does on exit.
             Python calls it again when it collects the object: once is enough."""
             if not self.__dict__.pop("_serving", False):
                 return
+            self._publisher.stop()
             try:
                 self.close()
             except Exception as exc:  # noqa: BLE001 — the replica stops either way
@@ -570,7 +578,6 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
 
 
 APP = "branchsearch"  # the Serve application `serve` deploys
-BOARD_NAMESPACE = "serve"  # named where `drained` (the `serve` process) finds it
 
 
 # how Serve's deployment message begins once a replica's constructor has raised (it retries

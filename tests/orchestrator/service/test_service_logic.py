@@ -1540,3 +1540,27 @@ def test_an_index_that_cannot_be_searched_closes_no_other_to_make_room(tmp_path)
     assert sorted(drivers.by_index) == ["a", "b"] and log == ["open a", "open b"]
     assert drivers.open("b", wait=10) is drivers.by_index["b"] and log == ["open a", "open b"]
     drivers.close()
+
+
+def test_the_readiness_board_answers_for_a_live_searcher_and_not_for_a_silent_one():
+    """Under Ray Serve /readyz and GET /v1/indexes answer from the searcher replicas' posts on
+    the readiness board (`service.board`): with no post, or only posts older than the bound (a
+    searcher gone or wedged), 503 `not_ready` saying so; else a ready replica's answers (a
+    search goes to whichever replica is free), the youngest such."""
+    from branchsearch.orchestrator.service.board import STALE_S, Published, current
+
+    ready = Published({"status": "ready", "indexes": 1, "indexes_not_ready": 0}, ["acl"])
+    down = Published(ApiError(503, "not_ready", "the default index is not ready"), ["acl"])
+    for posts, said in (([], "has not published whether it is ready (still starting, or "
+                              "gone)"),
+                        ([(STALE_S + 1, ready)], f"has not said whether it is ready for "
+                                                 f"{STALE_S + 1:.0f} s (gone, or wedged)")):
+        with pytest.raises(ApiError) as refused:
+            current(posts)
+        assert (refused.value.status, refused.value.error) == (503, "not_ready")
+        assert refused.value.detail == f"the searcher {said}"
+        assert refused.value.headers == {"Retry-After": "5"}
+    assert current([(1.0, down), (3.0, ready)]) is ready
+    assert current([(1.0, down), (STALE_S + 1, ready)]) is down
+    younger = Published({"status": "ready", "indexes": 2, "indexes_not_ready": 0}, ["acl", "b"])
+    assert current([(4.0, ready), (0.5, younger)]) is younger

@@ -356,8 +356,9 @@ def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, 
     searcher replica may still be starting (loading the default index's models: a probe right
     after `serve` started took 17 s here) or, as here, waiting for room on the cluster. /readyz
     waited for it with no bound, past any balancer's probe timeout; it now answers 503
-    `not_ready` within its wait (`app.READY_WAIT_S`)."""
-    from branchsearch.orchestrator.service.app import READY_WAIT_S
+    `not_ready` within its wait (`board.READ_WAIT_S`: no searcher has published its
+    readiness)."""
+    from branchsearch.orchestrator.service.board import READ_WAIT_S
 
     client, _ = serve_app
     with _searcher_never_placed(client, tmp_path, "late"):
@@ -367,7 +368,7 @@ def test_readyz_answers_within_its_wait_while_the_searcher_is_not_up(serve_app, 
             took = time.monotonic() - began
             assert r.status_code == 503 and r.json()["error"] == "not_ready", r.text
             assert r.headers["retry-after"] == "5"
-            assert took < READY_WAIT_S + 2, took
+            assert took < READ_WAIT_S + 2, took
 
 
 @contextlib.contextmanager
@@ -463,10 +464,10 @@ def test_what_the_key_alone_refuses_is_403_also_while_the_searcher_queue_is_full
 
 
 def test_readyz_and_the_index_list_answer_while_a_burst_fills_the_searcher_queue(serve_app):
-    """/readyz and GET /v1/indexes ask the searcher replica through the same Serve queue as the
-    searches. A full queue is a searcher that is up and busy: while a burst fills it, each
-    ingress replica answers them from the searcher's last answer, 200, so a balancer keeps a
-    busy, healthy replica in service and a client can list its indexes."""
+    """/readyz and GET /v1/indexes asked the searcher replica through the same Serve queue as
+    the searches. A full queue is a searcher that is up and busy: while a burst fills it, both
+    answer 200 (from the readiness board the searcher publishes), so a balancer keeps a busy,
+    healthy replica in service and a client can list its indexes."""
     client, keys = serve_app
     for _ in range(12):  # each ingress replica has met the searcher's answer once
         assert client.get("/readyz").status_code == 200
@@ -483,6 +484,58 @@ def test_readyz_and_the_index_list_answer_while_a_burst_fills_the_searcher_queue
     assert [r.status_code for r in lists] == [200] * 15, [r.text for r in lists
                                                           if r.status_code != 200]
     assert {tuple(r.json()["indexes"]) for r in lists} == {("acl",)}
+
+
+def test_readyz_answers_from_the_board_while_long_searches_fill_the_searcher_queue(serve_app,
+                                                                                   tmp_path):
+    """The searcher replica takes one search and queues one, and both hold it for their 20 s
+    deadline (their index's backend takes connections and never answers): its Serve queue is
+    full for as long. /readyz and GET /v1/indexes went through that queue, and each ingress
+    replica answered them from the searcher's last answer; an application that nobody had
+    probed before the burst (a replica just started, a balancer's first probe) had none, so
+    /readyz answered 503 `not_ready` and the index list 503 `overloaded` for a searcher that is
+    up and healthy. The searcher now publishes its readiness and index list on the
+    application's board, and the ingress answers both from it, never through that queue."""
+    import socket
+
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    hole = socket.socket()  # a backend that takes connections and never answers
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    home = bm_home(tmp_path / "full")
+    config = home / "branchsearch.toml"
+    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
+                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
+    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
+                        searcher_max_ongoing=1, searcher_max_queued=1)
+    serve.run(build_application(opts), name="full", route_prefix="/full")
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            hung = {"question": "harbor", "index": "hole", "deadline_s": 20}
+            running = pool.submit(client.post, "/full/v1/search", json=hung)
+            time.sleep(2)  # the searcher runs it (its index starting), then one waits
+            queued = pool.submit(client.post, "/full/v1/search", json=hung)
+            time.sleep(2)
+            deadline = time.monotonic() + 10
+            while True:  # the queue is full once a third search is refused
+                r = client.post("/full/v1/search", json={"question": "harbor", "deadline_s": 1})
+                if r.status_code == 503 and r.json()["error"] == "overloaded":
+                    break
+                assert time.monotonic() < deadline, r.text
+            probe = client.get("/full/readyz", timeout=30)
+            listed = client.get("/full/v1/indexes", timeout=30)
+            assert not running.done() and not queued.done()  # (still full)
+        assert probe.status_code == 200, probe.text
+        assert probe.json()["status"] == "ready" and probe.json()["indexes"] == 2, probe.text
+        assert listed.status_code == 200, listed.text
+        assert listed.json() == {"indexes": ["bm", "hole"]}
+    finally:
+        hole.close()
+        serve.delete("full")  # the module's own app goes on
 
 
 def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(serve_app,

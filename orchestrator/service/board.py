@@ -1,0 +1,181 @@
+"""The readiness board of a Ray Serve application: what `/readyz` and `GET /v1/indexes` answer.
+
+    searcher replica ─ posts every PUBLISH_S ─▶ board (a Ray actor) ◀─ read ─ ingress
+
+Searches wait in the searcher deployment's Serve queue, and a burst fills it; a readiness probe
+or an index list asked through that queue would wait behind them, or be refused with them,
+though the searcher is up and healthy. So each searcher replica runs its readiness check and
+lists its indexes on a thread of its own (`Publisher`) and posts the answers on the board, a
+named actor of the application, and the ingress replicas answer both from the board with no
+call into the searcher's queue (`BoardReader`). A post older than `STALE_S` is a searcher gone
+or wedged: 503 `not_ready`, saying so. Each caller's view (the indexes its key may use) is
+cut from the board's answers by the ingress, as from the searcher's own.
+
+`serve --standalone` has no board: its app asks the searcher in its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from branchsearch.infra.errors import error_line
+from branchsearch.orchestrator.service.errors import ApiError, api_error
+
+log = logging.getLogger("branchsearch.service")
+BOARD_NAMESPACE = "serve"  # the application's named actors (boards, owner), found by `serve`
+PUBLISH_S = 2.0  # how often a searcher replica posts its answers
+STALE_S = 30.0  # a post older than this is of a searcher gone or wedged
+READ_WAIT_S = 2.0  # how long the ingress waits for the board's answer
+
+
+def readiness_board(app: str) -> str:
+    """The name of application `app`'s readiness board."""
+    return f"{app}-readiness"
+
+
+@dataclass(frozen=True)
+class Published:
+    """A searcher replica's answers: its readiness check's (the `/readyz` body before it is cut
+    to a caller's view, or its 503) and its index names (or the error listing them met)."""
+
+    ready: dict | ApiError
+    indexes: list[str] | ApiError
+
+
+class ReadinessBoard:
+    """The board (a Ray actor): each searcher replica's latest post, with when it came."""
+
+    def __init__(self):
+        self.posts: dict[str, tuple[float, Published]] = {}
+
+    def post(self, replica: str, published: Published) -> None:
+        self.posts[replica] = (time.monotonic(), published)
+
+    def withdraw(self, replica: str) -> None:
+        """`replica` stops: its answers are no longer the application's."""
+        self.posts.pop(replica, None)
+
+    def read(self) -> list[tuple[float, Published]]:
+        """Every post, each with its age in seconds."""
+        now = time.monotonic()
+        return [(now - at, published) for at, published in self.posts.values()]
+
+
+def current(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> Published:
+    """The application's answers from the board's `posts` (age, answers): those of a replica
+    that is ready, if any is (a search goes to whichever replica is free), the youngest such;
+    else the youngest post. 503 `not_ready` when no post is younger than `stale_s`."""
+    fresh = sorted((post for post in posts if post[0] <= stale_s), key=lambda post: post[0])
+    if not fresh:
+        oldest = max((age for age, _ in posts), default=None)
+        said = ("has not published whether it is ready (still starting, or gone)"
+                if oldest is None else
+                f"has not said whether it is ready for {oldest:.0f} s (gone, or wedged)")
+        raise ApiError(503, "not_ready", f"the searcher {said}", {"Retry-After": "5"})
+    ready = [published for _, published in fresh if isinstance(published.ready, dict)]
+    return ready[0] if ready else fresh[0][1]
+
+
+def answered(ask, *errors: type[BaseException]) -> object:
+    """`ask()`'s value, or the ApiError it raised (or one of `errors`, as its ApiError)."""
+    try:
+        return ask()
+    except ApiError as exc:
+        return exc
+    except errors as exc:
+        return api_error(exc)
+
+
+class Publisher:
+    """A searcher replica's side: its answers posted on the board every `PUBLISH_S` seconds,
+    from a daemon thread (not the replica's request loop, nor its Serve queue). The board is
+    made by the first replica that posts, and made anew when it died with that replica. The
+    first post is made before the constructor returns, so a replica Serve counts as running
+    has its answers on the board (a probe right after the service says it serves is answered)."""
+
+    def __init__(self, searcher, name: str, replica: str):
+        self.searcher, self.name, self.replica = searcher, name, replica
+        self._handle = None
+        self._stop = threading.Event()
+        self._post()
+        threading.Thread(target=self._run, daemon=True, name="readiness-board").start()
+
+    def _board(self):
+        """The board, made on this replica's node when there is none: the loss of another
+        node does not take it away while the searcher lives."""
+        if self._handle is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                  soft=True)
+            self._handle = ray.remote(ReadinessBoard).options(
+                name=self.name, namespace=BOARD_NAMESPACE, get_if_exists=True, num_cpus=0,
+                scheduling_strategy=here).remote()
+        return self._handle
+
+    def answers(self) -> Published:
+        """The replica's readiness check and index names, each an error when it failed (any
+        error: the thread goes on publishing)."""
+        return Published(answered(self.searcher._ready_now, Exception),
+                         answered(self.searcher.index_names, Exception))
+
+    def _run(self) -> None:
+        while not self._stop.wait(PUBLISH_S):
+            self._post()
+
+    def _post(self) -> None:
+        import ray
+
+        published = self.answers()
+        if self._stop.is_set():
+            return
+        try:
+            ray.get(self._board().post.remote(self.replica, published), timeout=30)
+        except Exception as exc:  # noqa: BLE001 — the board died with its owner: anew
+            log.debug("readiness board: %s", error_line(exc, 300))
+            self._handle = None
+
+    def stop(self) -> None:
+        """No more posts, and this replica's taken off the board."""
+        self._stop.set()
+        if self._handle is None:  # no board reached: none to take it off
+            return
+        try:
+            import ray
+
+            ray.get(self._handle.withdraw.remote(self.replica), timeout=5)
+        except Exception as exc:  # noqa: BLE001 — the board is gone: nothing to take off
+            log.debug("readiness board: %s", error_line(exc, 300))
+
+
+class BoardReader:
+    """An ingress replica's side: the application's answers read from the board."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._handle = None
+
+    async def current(self) -> Published:
+        """`current` of the board's posts; 503 `not_ready` when the board has none fresh, or
+        is not there, or does not answer within `READ_WAIT_S` (no searcher replica has
+        published, or the one that made the board has just gone)."""
+        try:
+            posts = await asyncio.wait_for(self._read(), READ_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 — no board (yet), or one gone with its owner
+            log.warning("not ready: the readiness board: %s", error_line(exc, 300))
+            self._handle = None
+            posts = []
+        return current(posts)
+
+    async def _read(self) -> list:
+        if self._handle is None:
+            import ray
+
+            self._handle = await asyncio.to_thread(ray.get_actor, self.name,
+                                                   namespace=BOARD_NAMESPACE)
+        return await self._handle.read.remote()
