@@ -486,6 +486,20 @@ def test_readyz_and_the_index_list_answer_while_a_burst_fills_the_searcher_queue
     assert {tuple(r.json()["indexes"]) for r in lists} == {("acl",)}
 
 
+def _until_the_searcher_is_held(client, prefix: str, held) -> None:
+    """Returns once search `held` (a future) holds the searcher replica of the app at `prefix`
+    (one search at a time): a short search then waits behind it until its deadline (504). Not
+    from a connection to the held search's backend, which the readiness checks also open; and
+    not at once, as Serve refuses simultaneous arrivals at a one-place queue."""
+    time.sleep(2)
+    deadline = time.monotonic() + 60
+    while client.post(f"{prefix}/v1/search", json={"question": "harbor", "deadline_s": 1}
+                      ).status_code != 504:
+        assert not held.done(), held.result().text
+        assert time.monotonic() < deadline, "no search holds the searcher"
+        time.sleep(0.2)
+
+
 def test_readyz_answers_from_the_board_while_long_searches_fill_the_searcher_queue(serve_app,
                                                                                    tmp_path):
     """The searcher replica takes one search and queues one, and both hold it for their 20 s
@@ -517,10 +531,9 @@ def test_readyz_answers_from_the_board_while_long_searches_fill_the_searcher_que
         with cf.ThreadPoolExecutor(2) as pool:
             hung = {"question": "harbor", "index": "hole", "deadline_s": 20}
             running = pool.submit(client.post, "/full/v1/search", json=hung)
-            time.sleep(2)  # the searcher runs it (its index starting), then one waits
+            _until_the_searcher_is_held(client, "/full", running)
             queued = pool.submit(client.post, "/full/v1/search", json=hung)
-            time.sleep(2)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while True:  # the queue is full once a third search is refused
                 r = client.post("/full/v1/search", json={"question": "harbor", "deadline_s": 1})
                 if r.status_code == 503 and r.json()["error"] == "overloaded":
@@ -565,13 +578,11 @@ def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(ser
     opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
                         searcher_max_ongoing=1, searcher_max_queued=1)
     serve.run(build_application(opts), name="busy", route_prefix="/busy")
-    held = None
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             blocker = pool.submit(client.post, "/busy/v1/search", json={
                 "question": "harbor", "index": "hole", "deadline_s": 20})
-            hole.settimeout(60)
-            held, _ = hole.accept()  # the searcher runs it: its index is starting
+            _until_the_searcher_is_held(client, "/busy", blocker)
             answers = []
             for accept in ("application/json", "text/event-stream", "application/json"):
                 began = time.monotonic()
@@ -586,9 +597,7 @@ def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(ser
             assert r.json()["error"] == "deadline_exceeded", r.text
             assert took < 2 + 2 + 3, (took, r.text)  # (the old wait: the first's end, ~19 s)
     finally:
-        for s in (held, hole):
-            if s is not None:
-                s.close()
+        hole.close()
         serve.delete("busy")  # the module's own app goes on
 
 
