@@ -117,6 +117,17 @@ def check_body_encoding(encoding: str) -> None:
                        "identity)")
 
 
+def check_declared_size(headers: dict[bytes, bytes], limits: Limits) -> None:
+    """A body whose Content-Length is over `max_body_bytes`: 413 before a byte of it is read.
+    One sent without it (chunked), or with one that is not a number, is measured as it is
+    read (`check_body_size`)."""
+    try:
+        length = int(headers.get(b"content-length", b""))
+    except ValueError:
+        return
+    check_body_size(length, limits)
+
+
 def check_body_size(length: int | None, limits: Limits) -> None:
     if length is not None and length > limits.max_body_bytes:
         raise ApiError(413, "body_too_large", f"request body of {length} bytes; the limit is "

@@ -29,7 +29,7 @@ from branchsearch.infra.errors import (BranchsearchError, KeysFileError, error_l
                                        redact)
 from branchsearch.infra.textfile import KeyTwice, json_once
 from branchsearch.orchestrator.service.admission import (Limits, check_body_headers,
-                                                          check_body_size)
+                                                          check_body_size, check_declared_size)
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error, shutting_down
 from branchsearch.orchestrator.service.events import sse
@@ -38,8 +38,8 @@ from branchsearch.orchestrator.service.protocol import (DOCUMENTS_BODY, INDEX_NA
                                                         SSE_EVENT_SCHEMA, Deleted, ErrorBody,
                                                         Health, IndexList, KeyInfo,
                                                         KeyRefusal, Overload, Ready,
-                                                        SearchResponse, Upserted, parse_search,
-                                                        search_body_schema)
+                                                        SearchResponse, Upserted, check_no_query,
+                                                        parse_search, search_body_schema)
 
 log = logging.getLogger("branchsearch.service")
 WEB = Path(__file__).parent / "web"
@@ -210,8 +210,9 @@ class ServiceState:
 
 
 class Observe:
-    """ASGI middleware: the body limit, in-flight gauge and request metrics (a stream until its
-    last event; a disconnect as 499). Plain ASGI, so streaming and disconnects pass through.
+    """ASGI middleware: the in-flight gauge and request metrics (a stream until its last
+    event; a disconnect as 499), and a stopping server's 503. Plain ASGI, so streaming and
+    disconnects pass through.
 
     A client that leaves is counted 499 however the server learns it: its body cut short
     (`ClientDisconnect`), a stream Starlette ends quietly, the request cancelled (Serve's proxy
@@ -245,26 +246,7 @@ class Observe:
 
         metrics.in_flight.inc()
         try:
-            headers = dict(scope.get("headers") or [])
-            length = headers.get(b"content-length")
-            try:
-                check_body_size(int(length) if length is not None else None, self.state.limits)
-            except ValueError:
-                pass
-            except ApiError as err:
-                return await _send_error(sending, err, metrics)
-            route = _route_path(scope)
-            query = scope.get("query_string") or b""
-            if query and route.startswith("/v1/"):
-                from urllib.parse import parse_qsl
-
-                names = sorted({k for k, _ in parse_qsl(query.decode("latin-1"),
-                                                        keep_blank_values=True)}) or ["?"]
-                return await _send_error(sending, ApiError(
-                    422, "bad_request", f"unknown query parameter(s): {', '.join(names)[:200]}; "
-                    "this API takes none (a search's fields go in its JSON body; a '?' in a "
-                    "document id is sent as %3F)"), metrics)
-            if self.state.draining and route not in ("/healthz", "/metrics"):
+            if self.state.draining and _route_path(scope) not in ("/healthz", "/metrics"):
                 # /readyz too: balancers move on
                 return await _send_error(sending, shutting_down(), metrics)
             await self.app(scope, receiving, sending)
@@ -333,7 +315,7 @@ def _client_gone(exc: BaseException) -> bool:
 
 def _endpoint(scope) -> str:
     """The route's path template (bounded labels), also for a request refused before routing
-    (the body limit): the route it was sent to. "unmatched" when no route takes the path."""
+    (a stopping server's 503): the route it was sent to. "unmatched" when no route takes the path."""
     from starlette.routing import Match
 
     route = scope.get("route")
@@ -431,13 +413,26 @@ def create_app(state: ServiceState):
             error.detail = f"no such path: {request.method} {path[:200]} (see {docs})"
         return error_response(error)
 
+    def caller(request: Request, writes: str | None = None) -> ApiKey:
+        """The key of a `/v1` request (401 without a good one; 403 when it may not write to
+        index `writes`), then 422 for a query string: judged once its path and method are
+        known good (404, 405 first), as any request's."""
+        key = state.principal(request.headers.get("authorization"))
+        if writes is not None:
+            Searcher.check_writer(key, writes)
+        check_no_query(request.scope.get("query_string") or b"")
+        return key
+
     async def read_body(request: Request) -> bytes:
-        """The body, refused with 415 when its headers declare one this API cannot read
-        (`check_body_headers`), before a byte of it is read, and with 413 as soon as it passes
-        the limit (chunked bodies too). A route reads it once its path, method and key are
-        known good, so a body that is not JSON to a path no route takes is a 404, and one
-        without a key a 401, as any request's would be."""
-        check_body_headers(request.method, dict(request.scope.get("headers") or []))
+        """The body, refused with 413 when its Content-Length is over the limit, and with 415
+        when its headers declare one this API cannot read (`check_body_headers`), before a
+        byte of it is read, and with 413 as soon as it passes the limit (chunked bodies too).
+        A route reads it once its path, method and key are known good, so a body too large or
+        not JSON to a path no route takes is a 404, and one without a key a 401, as any
+        request's would be."""
+        headers = dict(request.scope.get("headers") or [])
+        check_declared_size(headers, limits)
+        check_body_headers(request.method, headers)
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)
@@ -534,13 +529,13 @@ def create_app(state: ServiceState):
              responses=_answers(KeyInfo, 401, 503))
     async def whoami(request: Request):
         """The calling key: name, groups, indexes, admin."""
-        return state.principal(request.headers.get("authorization")).public()
+        return caller(request).public()
 
     @app.get("/v1/indexes", tags=["indexes"], dependencies=keyed,
              responses=_answers(IndexList, 401, 503))
     async def indexes(request: Request):
         """The indexes this key may search (owned and declared external)."""
-        key = state.principal(request.headers.get("authorization"))
+        key = caller(request)
         return {"indexes": [i for i in await searcher.indexes() if key.may_use(i)]}
 
     @app.post("/v1/search", tags=["search"], dependencies=keyed,
@@ -552,7 +547,7 @@ def create_app(state: ServiceState):
         """Parallel-branch search. JSON result, or with `Accept: text/event-stream` the events
         plan, branch_started, search, prune, branch_done and result as they happen."""
         received = time.time()  # the deadline counts from here (SearchRequest.received_at)
-        key = state.principal(request.headers.get("authorization"))
+        key = caller(request)
         body = await read_body(request)
         try:
             data = json_once(body or b"null")
@@ -588,8 +583,7 @@ def create_app(state: ServiceState):
         """Upsert documents by id (JSON array or JSONL of {id, title?, text, acl?}): admin
         keys, for documents of their groups; a search after the answer sees them."""
         received = time.time()  # the deadline counts from here (`Searcher._writing`)
-        key = state.principal(request.headers.get("authorization"))
-        Searcher.check_writer(key, index_name(index))  # (as a search's index)
+        key = caller(request, writes=index_name(index))  # (as a search's index)
         body = await read_body(request)
         return await searcher.call("upsert", index_name(index), body, key, received,
                                    within=write_time_left(received, limits))
@@ -604,8 +598,7 @@ def create_app(state: ServiceState):
         """Delete a document and its chunks: admin keys, for documents of their groups."""
         received = time.time()
         doc_id = sent_path_end(request.scope["path"], doc_id)
-        key = state.principal(request.headers.get("authorization"))
-        Searcher.check_writer(key, index_name(index))  # (as a search's index)
+        key = caller(request, writes=index_name(index))  # (as a search's index)
         return await searcher.call("delete", index_name(index), doc_id, key, received,
                                    within=write_time_left(received, limits))
 

@@ -32,6 +32,20 @@ class SearchRequest:
 _FIELDS = {"question", "index", "branches", "k", "deadline_s"}
 
 
+def check_no_query(query: bytes) -> None:
+    """The `/v1` routes take no query string: a search's fields go in its JSON body, and
+    `?index=other` would otherwise search the default index. 422 naming the parameters."""
+    if not query:
+        return
+    from urllib.parse import parse_qsl
+
+    names = sorted({k for k, _ in parse_qsl(query.decode("latin-1"),
+                                            keep_blank_values=True)}) or ["?"]
+    raise ApiError(422, "bad_request", f"unknown query parameter(s): {', '.join(names)[:200]}; "
+                   "this API takes none (a search's fields go in its JSON body; a '?' in a "
+                   "document id is sent as %3F)")
+
+
 def parse_search(body: object, limits: Limits) -> SearchRequest:
     """Validate a /v1/search body; ApiError 422 names the first bad field."""
     if not isinstance(body, dict):

@@ -658,6 +658,41 @@ def test_a_jsonl_upload_under_each_jsonl_type_is_written(site):
                              headers=admin).status_code == 200
 
 
+def test_an_oversized_body_or_a_query_string_is_judged_after_the_path_and_the_key(site):
+    """A body over `max_body_bytes` and a query string on a `/v1` route were refused in a
+    middleware before routing and authentication: to a path no route takes a 413 or a 422, not
+    the 404 any other request there meets; with a method the path does not take, not the 405;
+    without a key or with a bad one, not the 401. They are now judged, as the 415 is, once the
+    path, method and key are known good (a key that may not write is a 403 first too)."""
+    client, keys, _ = site
+    big = b"x" * (LIMITS.max_body_bytes + 1)
+    admin, alpha = auth(keys["admin"]), auth(keys["alpha"])
+    for body, query in (({"content": big}, ""), ({"json": {"question": "harbor"}}, "?k=3")):
+        for headers in ({}, admin):
+            for method, path in (("POST", "/v1/nowhere"), ("PUT", "/v1/indexes/acl/nowhere"),
+                                 ("POST", "/nope")):
+                r = client.request(method, path + query, headers=headers, **body)
+                assert_error(r, 404, "not_found")
+            r = client.request("PUT", "/v1/search" + query, headers=headers, **body)
+            assert_error(r, 405, "method_not_allowed")
+        for key in (None, "bsk_not-a-key", keys["gone"]):
+            headers = auth(key) if key else {}
+            for method, path in (("POST", "/v1/search"), ("PUT", "/v1/indexes/acl/documents")):
+                r = client.request(method, path + query, headers=headers, **body)
+                assert_error(r, 401, "unauthorized")
+        r = client.request("PUT", "/v1/indexes/acl/documents" + query, headers=alpha, **body)
+        assert_error(r, 403, "forbidden")
+        status = 413 if query == "" else 422
+        for method, path in (("POST", "/v1/search"), ("PUT", "/v1/indexes/acl/documents")):
+            assert_error(client.request(method, path + query, headers=admin, **body), status)
+    for path in ("/v1/whoami", "/v1/indexes"):  # the GET routes: a key, then the query
+        assert_error(client.get(path + "?x=1"), 401, "unauthorized")
+        r = client.get(path + "?x=1", headers=alpha)
+        assert "unknown query parameter(s): x;" in assert_error(r, 422, "bad_request")["detail"]
+    r = client.delete("/v1/indexes/acl/documents/none?x=1", headers=admin)
+    assert_error(r, 422, "bad_request")
+
+
 def test_input_that_gave_500s_is_a_422(site):
     """A 300-character index name, a lone surrogate in the question and JSON nested 100,000
     deep each answered 500; now a 422 naming the problem (as do a U+0000 in the question and a
@@ -1579,7 +1614,7 @@ def test_limits(site):
         assert name in metrics
     assert 'branchsearch_refusals_total{reason="too_many_requests"} 2.0' in metrics
     assert 'endpoint="/v1/search",method="POST",status="429"' in metrics
-    # refused from its Content-Length before routing: still counted under its endpoint
+    # refused from its Content-Length, before its body is read: counted under its endpoint
     assert 'endpoint="/v1/search",method="POST",status="413"' in metrics
     assert 'endpoint="unmatched",method="GET",status="404"' in metrics  # /nope, /passwd, …
 
