@@ -315,7 +315,8 @@ def _client_gone(exc: BaseException) -> bool:
 
 def _endpoint(scope) -> str:
     """The route's path template (bounded labels), also for a request refused before routing
-    (a stopping server's 503): the route it was sent to. "unmatched" when no route takes the path."""
+    (a stopping server's 503): the route it was sent to. "unmatched" when no route takes the
+    path."""
     from starlette.routing import Match
 
     route = scope.get("route")
