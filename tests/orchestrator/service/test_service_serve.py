@@ -486,6 +486,34 @@ def test_readyz_and_the_index_list_answer_while_a_burst_fills_the_searcher_queue
     assert {tuple(r.json()["indexes"]) for r in lists} == {("acl",)}
 
 
+@contextlib.contextmanager
+def _app_over_a_hung_backend(tmp_path, name: str, **options):
+    """Application `name` at `/name` on a copy of the bm home, with a second index `hole` on an
+    Elasticsearch URL that takes connections and never answers (a search of it holds its
+    place until its deadline); yields that listening socket. `options`: `ServeOptions` fields."""
+    import socket
+
+    from ray import serve
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    home = bm_home(tmp_path / name)
+    config = home / "branchsearch.toml"
+    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
+                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
+    serve.run(build_application(ServeOptions(home=str(home), index="bm", config=str(config),
+                                             executor="local", **options)),
+              name=name, route_prefix=f"/{name}")
+    try:
+        yield hole
+    finally:
+        hole.close()
+        serve.delete(name)  # the module's own app goes on
+
+
 def _until_the_searcher_is_held(client, prefix: str, held) -> None:
     """Returns once search `held` (a future) holds the searcher replica of the app at `prefix`
     (one search at a time): a short search then waits behind it until its deadline (504). Not
@@ -510,24 +538,9 @@ def test_readyz_answers_from_the_board_while_long_searches_fill_the_searcher_que
     /readyz answered 503 `not_ready` and the index list 503 `overloaded` for a searcher that is
     up and healthy. The searcher now publishes its readiness and index list on the
     application's board, and the ingress answers both from it, never through that queue."""
-    import socket
-
-    from ray import serve
-
-    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
-
     client, _ = serve_app
-    hole = socket.socket()  # a backend that takes connections and never answers
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(8)
-    home = bm_home(tmp_path / "full")
-    config = home / "branchsearch.toml"
-    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
-                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
-    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
-                        searcher_max_ongoing=1, searcher_max_queued=1)
-    serve.run(build_application(opts), name="full", route_prefix="/full")
-    try:
+    with _app_over_a_hung_backend(tmp_path, "full", searcher_max_ongoing=1,
+                                  searcher_max_queued=1):
         with cf.ThreadPoolExecutor(2) as pool:
             hung = {"question": "harbor", "index": "hole", "deadline_s": 20}
             running = pool.submit(client.post, "/full/v1/search", json=hung)
@@ -546,9 +559,6 @@ def test_readyz_answers_from_the_board_while_long_searches_fill_the_searcher_que
         assert probe.json()["status"] == "ready" and probe.json()["indexes"] == 2, probe.text
         assert listed.status_code == 200, listed.text
         assert listed.json() == {"indexes": ["bm", "hole"]}
-    finally:
-        hole.close()
-        serve.delete("full")  # the module's own app goes on
 
 
 def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(serve_app,
@@ -561,24 +571,9 @@ def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(ser
     only until the deadline (and the searcher's 2 s grace past it): a 504 `deadline_exceeded`
     in JSON, also to a caller that asked for a stream (no event came). Its call is cancelled
     in Serve's queue, whose one place the next such search then takes (not 503 `overloaded`)."""
-    import socket
-
-    from ray import serve
-
-    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
-
     client, _ = serve_app
-    hole = socket.socket()  # a backend that takes connections and never answers
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(8)
-    home = bm_home(tmp_path / "busy")
-    config = home / "branchsearch.toml"
-    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
-                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
-    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
-                        searcher_max_ongoing=1, searcher_max_queued=1)
-    serve.run(build_application(opts), name="busy", route_prefix="/busy")
-    try:
+    with _app_over_a_hung_backend(tmp_path, "busy", searcher_max_ongoing=1,
+                                  searcher_max_queued=1):
         with cf.ThreadPoolExecutor(1) as pool:
             blocker = pool.submit(client.post, "/busy/v1/search", json={
                 "question": "harbor", "index": "hole", "deadline_s": 20})
@@ -596,9 +591,6 @@ def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(ser
             assert r.headers["content-type"] == "application/json", r.headers
             assert r.json()["error"] == "deadline_exceeded", r.text
             assert took < 2 + 2 + 3, (took, r.text)  # (the old wait: the first's end, ~19 s)
-    finally:
-        hole.close()
-        serve.delete("busy")  # the module's own app goes on
 
 
 def test_the_load_test_counts_every_replicas_searches_from_metrics(serve_app):
@@ -631,35 +623,22 @@ def test_a_keys_429_under_serve_gives_the_queue_the_replica_cut(serve_app, tmp_p
     to 1, with 1 slot a key and 4 searches a replica). A key's 429 body gives the cut limit
     as data, with why it was refused and the key's counts (the fields cross the Serve handle
     with the refusal), as `serve --standalone` does."""
-    import socket
     import threading
 
-    from ray import serve
-
-    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
-
     client, _ = serve_app
-    hole = socket.socket()  # a backend that takes connections and never answers: a search of
-    hole.bind(("127.0.0.1", 0))  # it holds the key's one slot for its deadline
-    hole.listen(8)
-    home = bm_home(tmp_path / "keyq")
-    config = home / "branchsearch.toml"
-    config.write_text(f'backend_timeout_s = 120\n[indexes.hole]\nlexical = "elasticsearch"\n'
-                      f'es_index = "x"\nes_url = "http://127.0.0.1:{hole.getsockname()[1]}"\n')
-    opts = ServeOptions(home=str(home), index="bm", config=str(config), executor="local",
-                        searcher_max_ongoing=4, searcher_max_queued=4,
-                        limits={"per_key_concurrency": 1})
-    serve.run(build_application(opts), name="keyq", route_prefix="/keyq")
-    held, answers = None, []
+    answers = []
 
     def search(index, deadline_s):
         answers.append(client.post("/keyq/v1/search", json={
             "question": "harbor", "index": index, "deadline_s": deadline_s}))
 
-    try:
+    with _app_over_a_hung_backend(tmp_path, "keyq", searcher_max_ongoing=4,
+                                  searcher_max_queued=4,
+                                  limits={"per_key_concurrency": 1}) as hole:
         threading.Thread(target=search, args=("hole", 20), daemon=True).start()
         hole.settimeout(60)
-        held, _ = hole.accept()  # the key's one slot is taken
+        held, _ = hole.accept()  # the key's one slot is taken (or a readiness probe's: the
+        # loop below waits for the refusal itself); kept open, as a closed one ends its search
         deadline = time.monotonic() + 60
         while True:  # until a waiter holds the queue's one place and a probe is refused for it
             if not any(t.name == "waiter" and t.is_alive() for t in threading.enumerate()):
@@ -678,8 +657,4 @@ def test_a_keys_429_under_serve_gives_the_queue_the_replica_cut(serve_app, tmp_p
             "limits": {"per_key_concurrency": 1, "per_key_queue": 1}}, body
         assert "the limits are 1 and 1 (per_key_queue)" in body["detail"], body
         assert r.headers["retry-after"] == "1"
-    finally:
-        for s in (held, hole):
-            if s is not None:
-                s.close()
-        serve.delete("keyq")  # the module's own app goes on
+        held.close()
