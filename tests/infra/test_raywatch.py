@@ -68,14 +68,22 @@ def test_a_killed_driver_leaves_nothing_under_its_roots_and_a_stranger_alone(tmp
         "(session_x); stopped the 1 process(es) it left: python"), said
 
 
-def test_a_cluster_its_driver_shut_down_ends_its_watch_without_a_word():
-    script = ("from branchsearch.infra.config.settings import Settings\n"
+def _connected(ray_address: str, then: str) -> subprocess.CompletedProcess:
+    """A Python process that connects (`raycluster.connect`, the default settings) with
+    RAY_ADDRESS `ray_address`, runs `then` (`ray` and `_WATCHES` in scope) and exits (Ray's
+    exit hook shuts the cluster down)."""
+    script = ("import ray\n"
+              "from branchsearch.infra.config.settings import Settings\n"
               "from branchsearch.infra.raycluster import _WATCHES, connect\n"
-              "connect(Settings())\n"
-              "print(_WATCHES[-1].pid, flush=True)\n")
+              "connect(Settings())\n" + then)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+                          timeout=300, env={**os.environ, "RAY_ADDRESS": ray_address})
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_a_cluster_its_driver_shut_down_ends_its_watch_without_a_word():
+    done = _connected("", "print(_WATCHES[-1].pid, flush=True)\n")
     assert _gone(int(done.stdout.split()[-1]), 10), "the watch outlived its cluster"
     assert "Ray cluster" not in done.stderr, done.stderr
 
@@ -85,15 +93,8 @@ def test_ray_address_local_starts_a_watched_cluster_of_our_size():
     with no address is (the object store's 256 MB, a watch over its processes), not as a
     joined cluster (Ray's own defaults: gigabytes of object store, and after a kill -9 of the
     driver its agents left running)."""
-    script = ("import ray\n"
-              "from branchsearch.infra.config.settings import Settings\n"
-              "from branchsearch.infra.raycluster import _WATCHES, connect\n"
-              "connect(Settings())\n"
-              "store = ray.available_resources().get('object_store_memory', 0)\n"
-              "print(len(_WATCHES), int(store), flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "RAY_ADDRESS": "local"})
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _connected("local", "store = ray.available_resources().get('object_store_memory', 0)\n"
+                               "print(len(_WATCHES), int(store), flush=True)\n")
     watches, store = map(int, done.stdout.split()[-2:])
     assert watches == 1
     assert 0 < store <= 256 * 1024 * 1024
