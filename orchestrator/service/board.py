@@ -28,7 +28,9 @@ from branchsearch.orchestrator.service.errors import ApiError, api_error
 log = logging.getLogger("branchsearch.service")
 BOARD_NAMESPACE = "serve"  # the application's named actors (boards, owner), found by `serve`
 PUBLISH_S = 2.0  # how often a searcher replica posts its answers
-STALE_S = 30.0  # a post older than this is of a searcher gone or wedged
+# a post older than this is of a searcher gone or wedged: a live one posts at least every
+# PUBLISH_S plus its check's bound (5 s), so three periods and the bound
+STALE_S = 3 * PUBLISH_S + 5.0
 READ_WAIT_S = 2.0  # how long the ingress waits for the board's answer
 
 
@@ -47,13 +49,17 @@ class Published:
 
 
 class ReadinessBoard:
-    """The board (a Ray actor): each searcher replica's latest post, with when it came."""
+    """The board (a Ray actor): each searcher replica's latest post, with when it came. A post
+    gone stale is dropped at the next post (a replica that died without withdrawing: killed,
+    its node lost), so the board holds at most the replicas of the last `STALE_S`."""
 
     def __init__(self):
         self.posts: dict[str, tuple[float, Published]] = {}
 
     def post(self, replica: str, published: Published) -> None:
-        self.posts[replica] = (time.monotonic(), published)
+        now = time.monotonic()
+        self.posts = {r: p for r, p in self.posts.items() if now - p[0] <= STALE_S}
+        self.posts[replica] = (now, published)
 
     def withdraw(self, replica: str) -> None:
         """`replica` stops: its answers are no longer the application's."""
@@ -71,22 +77,24 @@ def current(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> P
     else the youngest post. 503 `not_ready` when no post is younger than `stale_s`."""
     fresh = sorted((post for post in posts if post[0] <= stale_s), key=lambda post: post[0])
     if not fresh:
-        oldest = max((age for age, _ in posts), default=None)
+        youngest = min((age for age, _ in posts), default=None)
         said = ("has not published whether it is ready (still starting, or gone)"
-                if oldest is None else
-                f"has not said whether it is ready for {oldest:.0f} s (gone, or wedged)")
+                if youngest is None else
+                f"has not said whether it is ready for {youngest:.0f} s (gone, or wedged)")
         raise ApiError(503, "not_ready", f"the searcher {said}", {"Retry-After": "5"})
     ready = [published for _, published in fresh if isinstance(published.ready, dict)]
     return ready[0] if ready else fresh[0][1]
 
 
 def answered(ask, *errors: type[BaseException]) -> object:
-    """`ask()`'s value, or the ApiError it raised (or one of `errors`, as its ApiError)."""
+    """`ask()`'s value, or the ApiError it raised (or one of `errors`, as its ApiError: the
+    caller reads "details in the server log", so the error goes there with its traceback)."""
     try:
         return ask()
     except ApiError as exc:
         return exc
     except errors as exc:
+        log.error("readiness board: %s", error_line(exc, 300), exc_info=True)
         return api_error(exc)
 
 
@@ -101,6 +109,8 @@ class Publisher:
         self.searcher, self.name, self.replica = searcher, name, replica
         self._handle = None
         self._stop = threading.Event()
+        self._turn = threading.Lock()  # a post and the stop's withdrawal, one at a time
+        self._failed = 0  # posts failed in a row
         self._post()
         threading.Thread(target=self._run, daemon=True, name="readiness-board").start()
 
@@ -132,25 +142,34 @@ class Publisher:
         import ray
 
         published = self.answers()
-        if self._stop.is_set():
-            return
-        try:
-            ray.get(self._board().post.remote(self.replica, published), timeout=30)
-        except Exception as exc:  # noqa: BLE001 — the board died with its owner: anew
-            log.debug("readiness board: %s", error_line(exc, 300))
-            self._handle = None
+        with self._turn:
+            for attempt in (1, 2):  # the board died with its owner replica: made anew at once
+                if self._stop.is_set():
+                    return
+                try:
+                    ray.get(self._board().post.remote(self.replica, published), timeout=30)
+                    self._failed = 0
+                    return
+                except Exception as exc:  # noqa: BLE001 — a board gone, or not answering
+                    self._handle = None
+                    if attempt == 2:
+                        self._failed += 1
+                        (log.warning if self._failed >= 3 else log.debug)(
+                            "readiness board: %d post(s) failed: %s", self._failed,
+                            error_line(exc, 300))
 
     def stop(self) -> None:
         """No more posts, and this replica's taken off the board."""
         self._stop.set()
-        if self._handle is None:  # no board reached: none to take it off
-            return
-        try:
-            import ray
+        with self._turn:  # (a post under way lands first, and is withdrawn)
+            if self._handle is None:  # no board reached: none to take it off
+                return
+            try:
+                import ray
 
-            ray.get(self._handle.withdraw.remote(self.replica), timeout=5)
-        except Exception as exc:  # noqa: BLE001 — the board is gone: nothing to take off
-            log.debug("readiness board: %s", error_line(exc, 300))
+                ray.get(self._handle.withdraw.remote(self.replica), timeout=5)
+            except Exception as exc:  # noqa: BLE001 — the board is gone: nothing to take off
+                log.debug("readiness board: %s", error_line(exc, 300))
 
 
 class BoardReader:
@@ -164,12 +183,18 @@ class BoardReader:
         """`current` of the board's posts; 503 `not_ready` when the board has none fresh, or
         is not there, or does not answer within `READ_WAIT_S` (no searcher replica has
         published, or the one that made the board has just gone)."""
-        try:
-            posts = await asyncio.wait_for(self._read(), READ_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 — no board (yet), or one gone with its owner
-            log.warning("not ready: the readiness board: %s", error_line(exc, 300))
-            self._handle = None
-            posts = []
+        began = time.monotonic()
+        posts = []
+        for attempt in (1, 2):  # a board gone with its owner: once more, found anew
+            try:
+                posts = await asyncio.wait_for(
+                    self._read(), max(READ_WAIT_S - (time.monotonic() - began), 0.1))
+                break
+            except Exception as exc:  # noqa: BLE001 — no board (yet), or one gone
+                self._handle = None
+                if attempt == 2 or time.monotonic() - began >= READ_WAIT_S:
+                    log.warning("not ready: the readiness board: %s", error_line(exc, 300))
+                    break
         return current(posts)
 
     async def _read(self) -> list:

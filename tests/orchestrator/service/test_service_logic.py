@@ -1564,3 +1564,26 @@ def test_the_readiness_board_answers_for_a_live_searcher_and_not_for_a_silent_on
     assert current([(1.0, down), (STALE_S + 1, ready)]) is down
     younger = Published({"status": "ready", "indexes": 2, "indexes_not_ready": 0}, ["acl", "b"])
     assert current([(4.0, ready), (0.5, younger)]) is younger
+    with pytest.raises(ApiError) as refused:  # the age said is the youngest post's
+        current([(86400.0, ready), (STALE_S + 5, down)])
+    assert refused.value.detail.endswith(f"for {STALE_S + 5:.0f} s (gone, or wedged)")
+
+
+def test_the_readiness_board_forgets_a_replica_that_died_without_withdrawing(monkeypatch):
+    """A searcher replica killed (OOM, its node lost) never withdraws its post; the board drops
+    a post gone stale at the next post of any replica, so it holds no more than the replicas
+    of the last `STALE_S`, and a dead replica's "ready" never outlives that bound."""
+    from branchsearch.orchestrator.service import board
+
+    clock = [1000.0]
+    monkeypatch.setattr(board.time, "monotonic", lambda: clock[0])
+    posts = board.ReadinessBoard()
+    ready = board.Published({"status": "ready", "indexes": 1, "indexes_not_ready": 0}, ["acl"])
+    for n in range(50):  # fifty replicas that came and died, one after another
+        posts.post(f"dead-{n}", ready)
+        clock[0] += board.STALE_S / 10
+    posts.post("live", ready)
+    assert len(posts.read()) <= 11
+    clock[0] += board.STALE_S + 1
+    posts.post("live", ready)
+    assert [age for age, _ in posts.read()] == [0.0]
