@@ -86,16 +86,23 @@ def current(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> P
     return ready[0] if ready else fresh[0][1]
 
 
-def answered(ask, *errors: type[BaseException]) -> object:
+def answered(ask, *errors: type[BaseException], logged: dict | None = None) -> object:
     """`ask()`'s value, or the ApiError it raised (or one of `errors`, as its ApiError: the
-    caller reads "details in the server log", so the error goes there with its traceback)."""
+    caller reads "details in the server log", so the error goes there with its traceback, once
+    while it repeats: `logged` holds the last error line logged for each `ask`)."""
+    logged = {} if logged is None else logged
     try:
-        return ask()
+        value = ask()
     except ApiError as exc:
-        return exc
+        value = exc
     except errors as exc:
-        log.error("readiness board: %s", error_line(exc, 300), exc_info=True)
+        line = error_line(exc, 300)
+        if logged.get(ask) != line:
+            log.error("readiness board: %s", line, exc_info=True)
+        logged[ask] = line
         return api_error(exc)
+    logged.pop(ask, None)
+    return value
 
 
 class Publisher:
@@ -111,6 +118,8 @@ class Publisher:
         self._stop = threading.Event()
         self._turn = threading.Lock()  # a post and the stop's withdrawal, one at a time
         self._failed = 0  # posts failed in a row
+        self._ready, self._names = searcher._ready_now, searcher.index_names
+        self._logged: dict = {}  # the error each of them last met, logged once (`answered`)
         self._post()
         threading.Thread(target=self._run, daemon=True, name="readiness-board").start()
 
@@ -131,8 +140,8 @@ class Publisher:
     def answers(self) -> Published:
         """The replica's readiness check and index names, each an error when it failed (any
         error: the thread goes on publishing)."""
-        return Published(answered(self.searcher._ready_now, Exception),
-                         answered(self.searcher.index_names, Exception))
+        return Published(answered(self._ready, Exception, logged=self._logged),
+                         answered(self._names, Exception, logged=self._logged))
 
     def _run(self) -> None:
         while not self._stop.wait(PUBLISH_S):

@@ -1587,3 +1587,31 @@ def test_the_readiness_board_forgets_a_replica_that_died_without_withdrawing(mon
     clock[0] += board.STALE_S + 1
     posts.post("live", ready)
     assert [age for age, _ in posts.read()] == [0.0]
+
+
+def test_a_readiness_error_the_board_answers_is_logged_once_while_it_repeats(caplog):
+    """The board answers an unexpected error of the readiness check or the index list as 500
+    "… (details in the server log)": the log has it with its traceback, once while the same
+    error repeats at every post (every 2 s), again when it changes or after it cleared."""
+    from branchsearch.orchestrator.service.board import answered
+
+    met = [PermissionError("[Errno 13] Permission denied: 'indexes'")]
+
+    def names():
+        if met[0] is None:
+            return ["acl"]
+        raise met[0]
+
+    logged: dict = {}
+    with caplog.at_level("ERROR", logger="branchsearch.service"):
+        for _ in range(5):
+            refused = answered(names, Exception, logged=logged)
+            assert isinstance(refused, ApiError) and refused.status == 500
+            assert "details in the server log" in refused.detail
+        met[0] = None
+        assert answered(names, Exception, logged=logged) == ["acl"]
+        met[0] = PermissionError("[Errno 13] Permission denied: 'indexes'")
+        answered(names, Exception, logged=logged)
+    lines = [r for r in caplog.records if r.name == "branchsearch.service"]
+    assert len(lines) == 2 and all(r.exc_info for r in lines)
+    assert "Permission denied" in lines[0].getMessage()
