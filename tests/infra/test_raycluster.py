@@ -81,6 +81,10 @@ HOLD = ("import ray, sys\n"
         "        return 1\n"
         "h = Holder.options(name='holder', lifetime='detached').remote()\n"
         "ray.get(h.ping.remote(), timeout=120)\n"
+        "import time\n"  # the cluster's view of free CPUs trails the actor's start by a report
+        "end = time.monotonic() + 30\n"
+        "while ray.available_resources().get('CPU', 0) > 1 and time.monotonic() < end:\n"
+        "    time.sleep(0.2)\n"
         "print('held', ray.available_resources().get('CPU', 0))\n")
 
 
