@@ -44,9 +44,17 @@ def token_cluster():
     try:
         yield f"127.0.0.1:{port}", token
     finally:
-        for sig in ("-TERM", "-KILL"):
-            subprocess.run(["pkill", sig, "-f", temp])
-            time.sleep(2)
+        _stop_head(temp, port)
+
+
+def _stop_head(temp: str, port: int) -> None:
+    """Stop the processes of the head started with `--temp-dir temp --port port`, by their
+    command lines (never `ray stop`): those naming the folder, and `ray start`'s client
+    server, which names no folder, by its cluster's port."""
+    for sig in ("-TERM", "-KILL"):
+        subprocess.run(["pkill", sig, "-f", temp])
+        subprocess.run(["pkill", sig, "-f", f"ray.util.client.server --address=[^ ]*:{port} "])
+        time.sleep(2)
 
 
 def _connect(address: str, **env) -> subprocess.CompletedProcess:
@@ -123,9 +131,7 @@ def test_a_batch_joining_a_busy_cluster_plans_on_its_free_cpus(hotpot_settings, 
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["evidence"] for r in rows)
     finally:
-        for sig in ("-TERM", "-KILL"):
-            subprocess.run(["pkill", sig, "-f", temp])
-            time.sleep(2)
+        _stop_head(temp, port)
 
 
 KILL_AN_ACTOR = (
