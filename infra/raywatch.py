@@ -84,6 +84,24 @@ def descendants(roots: Noted, table: dict[int, tuple[int, int]]) -> Noted:
     return found
 
 
+def of_session(session: str, table: dict[int, tuple[int, int]]) -> Noted:
+    """The processes (but this one) whose command line names the cluster's session folder: a
+    worker its raylet started less than a note before dying is re-parented to pid 1, out of
+    every root's tree, and Ray gives each its session folder."""
+    found: Noted = {}
+    needle = session.encode()
+    for pid, (_, started) in table.items():
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle in f.read():
+                    found[pid] = started
+        except OSError:
+            pass
+    return found
+
+
 def stop(noted: Noted) -> list[str]:
     """SIGTERM the noted processes still running, SIGKILL those still there after `GRACE_S`;
     the names of those stopped."""
@@ -123,7 +141,9 @@ def watch(driver: int, session: str, root_pids: list[int]) -> None:
            and any(running(pid, started) for pid, started in roots.items())):
         noted.update(descendants(roots, _table()))
         time.sleep(NOTE_S)
-    noted.update(descendants(roots, _table()))
+    table = _table()
+    noted.update(descendants(roots, table))
+    noted.update(of_session(session, table))  # workers started since the last note, orphaned
     ended = not running(driver, driver_started)
     end = time.monotonic() + GRACE_S  # what a cluster shut down stops on its own
     while any(running(pid, started) for pid, started in noted.items()) and \

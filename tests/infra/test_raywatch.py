@@ -82,6 +82,31 @@ def _connected(ray_address: str, then: str) -> subprocess.CompletedProcess:
     return done
 
 
+def test_a_worker_orphaned_before_its_first_note_is_stopped_by_its_session(tmp_path):
+    """A worker the raylet starts less than a note before it dies is re-parented to pid 1,
+    under no root: the watch finds it by the session folder its command line names."""
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
+                               "--session-dir=session_x"])
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER, ROOT, raywatch.__file__],
+                                  stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        driver.stdout.readline()
+        root, watch = map(int, driver.stdout.readline().split())
+        time.sleep(2 * raywatch.NOTE_S)
+        os.kill(root, signal.SIGKILL)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        assert _gone(orphan.pid, 10) or orphan.poll() is not None, "the orphan still runs"
+        assert _gone(watch, 10), "the watch did not end"
+        assert stranger.poll() is None
+    finally:
+        for p in (orphan, stranger):
+            p.kill()
+            p.wait()
+
+
 def test_a_cluster_its_driver_shut_down_ends_its_watch_without_a_word():
     done = _connected("", "print(_WATCHES[-1].pid, flush=True)\n")
     assert _gone(int(done.stdout.split()[-1]), 10), "the watch outlived its cluster"
