@@ -132,13 +132,21 @@ def _prepare(out_dir: str | Path, docs: int, extra_bytes: int, force: bool = Fal
     return out
 
 
+def _check_sizes(docs: int, tasks: int) -> None:
+    """Each task's chain and distractors need eight documents."""
+    if tasks < 1:
+        raise SynthError(f"synth: --tasks must be at least 1 (got {tasks})")
+    if docs < tasks * 8:
+        raise SynthError(f"synth: --docs must be at least 8 × --tasks, {tasks * 8:,} for "
+                         f"--tasks {tasks:,} (got --docs {docs:,})")
+
+
 def synth(out_dir: str | Path, docs: int = 2000, tasks: int = 100, seed: int = 7,
           force: bool = False) -> dict:
     """Write corpus.jsonl, queries.jsonl and qrels/test.tsv; returns counts."""
     if tasks > MAX_TASKS:  # first: more documents would not make room for them
         raise SynthError(f"synth: at most {MAX_TASKS:,} tasks (got {tasks:,})")
-    if tasks < 1 or docs < tasks * 8:
-        raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    _check_sizes(docs, tasks)
     out = _prepare(out_dir, docs, tasks * 600, force)
     rng = random.Random(seed)
     seen: set = set()
@@ -259,8 +267,7 @@ def synth_hard(out_dir: str | Path, docs: int = 1000, tasks: int = 100, seed: in
     by seed; written like `synth`."""
     if tasks > MAX_HARD_TASKS:  # first: more documents would not make room for them
         raise SynthError(f"synth --hard: at most {MAX_HARD_TASKS} tasks (got {tasks})")
-    if tasks < 1 or docs < tasks * 8:
-        raise SynthError(f"synth: need tasks >= 1 and docs >= 8 * tasks (got {docs}, {tasks})")
+    _check_sizes(docs, tasks)
     out = _prepare(out_dir, docs, tasks * 800, force)
     rng = random.Random(seed)
     seen: set = set()

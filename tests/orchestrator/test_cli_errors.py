@@ -558,7 +558,7 @@ def test_synth_asked_for_too_many_tasks_says_the_cap_first(tmp_path, args):
     documents lifts, is said at once."""
     done = subprocess.run([*CLI, "synth", str(tmp_path / "out"), *args], capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 2 and "at most" in done.stderr and "8 * tasks" not in \
+    assert done.returncode == 2 and "at most" in done.stderr and "8 ×" not in \
         done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
 

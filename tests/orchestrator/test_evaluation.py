@@ -134,7 +134,8 @@ def test_eval_report_with_attribution_plots_and_comparison(hotpot_settings, tmp_
     (["eval", str(HOTPOT / "queries.jsonl"), "--mode", "bm25"],  # its file, not its folder
      f"{HOTPOT / 'queries.jsonl'} is a file; give the BEIR folder that holds it ({HOTPOT})"),
     (["eval", ".", "--mode", "fuzzy"], "unknown mode"),
-    (["synth", "out", "--docs", "10", "--tasks", "5"], "docs >= 8 * tasks"),
+    (["synth", "out", "--docs", "10", "--tasks", "5"],
+     "synth: --docs must be at least 8 × --tasks, 40 for --tasks 5 (got --docs 10)"),
 ])
 def test_cli_errors_are_one_line_and_nonzero(tmp_path, args, message):
     done = run_cli(*args, "--home", str(tmp_path)) if args[0] != "synth" else \
