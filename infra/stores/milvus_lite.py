@@ -15,7 +15,8 @@ stores (`infra.stores.milvus`):
 * **Signals**: a server starts with ^C blocked (`lite_spawn`): it ends with its owner, not with
   the terminal's ^C to the process group.
 * **Logs**: a server writes its glog files under the data home (`log_lite_under`,
-  `lite_log_dir`), not in /tmp, where a long batch or a service would leave them by thousands.
+  `lite_log_dir`), not in /tmp, where a long batch or a service would leave them by thousands;
+  each start keeps the folder to the newest `KEEP_LOG_FILES` (`prune_logs`).
 * **Leftovers**: what a server killed with its owner (`kill -9` of the process group) leaves in
   the temp folder goes when the next server starts on the same file (`lite_leftovers`).
 
@@ -187,6 +188,26 @@ def lite_log_dir(home: str | Path) -> Path:
     return Path(home) / "logs" / "milvus"
 
 
+KEEP_LOG_FILES = 100  # glog files (a few KB each, two per server start) a start leaves
+
+
+def prune_logs(folder: Path, keep: int = KEEP_LOG_FILES) -> None:
+    """Delete all but the newest `keep` glog files in `folder` (glog writes new ones at every
+    server start and never deletes one). Its links to the newest (`milvus.INFO`) and files of
+    other names stay; a file that cannot be deleted is left."""
+    try:
+        files = [p for p in folder.iterdir() if ".log." in p.name and not p.is_symlink()
+                 and p.is_file()]
+        files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for old in files[keep:]:
+        try:
+            old.unlink()
+        except OSError:
+            pass
+
+
 _lite_logs: dict[str, Path] = {}  # embedded file -> the folder its server's glog files go to
 _glog_env = threading.Lock()  # held while GLOG_log_dir is set for a server that starts
 
@@ -219,6 +240,7 @@ def _logging_to(folder: Path | None):
         except OSError:
             yield
             return
+        prune_logs(folder, KEEP_LOG_FILES - 2)  # room for the two this start writes
         os.environ["GLOG_log_dir"] = str(folder)
         try:
             yield

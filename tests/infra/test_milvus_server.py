@@ -265,13 +265,25 @@ def test_the_products_milvus_lite_servers_log_under_the_home(hotpot_settings, tm
     """`branchsearch ingest` then `search`, run as a user runs them (no GLOG_log_dir in the
     environment) with a relative `--home`: the Milvus Lite servers they start write their glog
     files under the data home's `logs/milvus` (made on demand), and none of them writes in
-    /tmp."""
+    /tmp. The folder does not grow without end: a start keeps it to the newest
+    `KEEP_LOG_FILES` glog files (a service restarted daily for a year, a cron job every
+    minute, each left two files a start)."""
     import subprocess
     import sys
 
     home = tmp_path / "home"  # the embeddings, so that the ingest does not embed
     copy_store(Path(hotpot_settings.home) / "cache" / "embeddings.sqlite",
                home / "cache" / "embeddings.sqlite")
+    from branchsearch.infra.stores.milvus_lite import KEEP_LOG_FILES
+
+    logs = home / "logs" / "milvus"
+    logs.mkdir(parents=True)
+    old = [logs / f"milvus.host.user.log.INFO.20250101-0000{i:02d}.{1000 + i}"
+           for i in range(KEEP_LOG_FILES + 20)]  # left by earlier starts, oldest first
+    for age, path in enumerate(reversed(old)):
+        path.write_text("I0101 started\n")
+        os.utime(path, (1e9 - age, 1e9 - age))
+    (logs / "notes.txt").write_text("the operator's own file")
     env = {k: v for k, v in os.environ.items() if k != "GLOG_log_dir"}
     before = _tmp_names()
     for args in (["ingest", str(HOTPOT)],
@@ -281,10 +293,12 @@ def test_the_products_milvus_lite_servers_log_under_the_home(hotpot_settings, tm
                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
         assert run.returncode == 0, (args, run.stderr[-2000:])
         assert "LOGGINGFILE" not in run.stderr, run.stderr[-2000:]  # glog's "could not create"
-    logs = home / "logs" / "milvus"
-    assert logs.is_dir(), sorted(p.name for p in home.iterdir())
-    pids = {int(p.name.rpartition(".")[2]) for p in logs.iterdir() if ".log." in p.name}
+    glogs = [p for p in logs.iterdir() if ".log." in p.name and not p.is_symlink()]
+    pids = {int(p.name.rpartition(".")[2]) for p in glogs} - {1000 + i for i in range(len(old))}
     assert len(pids) >= 2, sorted(p.name for p in logs.iterdir())  # the ingest's, the search's
+    assert len(glogs) <= KEEP_LOG_FILES, len(glogs)
+    assert not old[0].exists() and old[-1].exists()  # the oldest went, the newest stayed
+    assert (logs / "notes.txt").exists()
     left = _tmp_names() - before
     assert [n for pid in pids for n in _named_for(pid, left)] == []
 
