@@ -27,6 +27,7 @@ from branchsearch.orchestrator.service.app import SearcherClient, ServiceState, 
 from branchsearch.orchestrator.service.auth import KeyStore
 from branchsearch.orchestrator.service.board import (BOARD_NAMESPACE, BoardReader, Publisher,
                                                      readiness_board)
+from branchsearch.orchestrator.service.errors import ApiError
 
 log = logging.getLogger("branchsearch.service")
 GRACE_S = 30  # SIGTERM: how long requests in flight may take to finish
@@ -197,7 +198,33 @@ def standalone_server(app, state: ServiceState, grace_s: float = GRACE_S,
                 cut.cancel()
 
     return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_s,
-                                 **config))
+                                 **{"http": json_400_protocol(), **config}))
+
+
+UNPARSED = ApiError(400, "bad_request", "not a valid HTTP/1.1 request: a malformed request "
+                    "line or header (a path and query must be ASCII: percent-encode other "
+                    "bytes, as %C3%A9 for é)")
+
+
+def json_400_protocol() -> type:
+    """uvicorn's HTTP protocol (httptools, else h11) whose answer to a request it cannot parse
+    (a raw non-ASCII byte in the target, a malformed request line or header) is the service's
+    JSON error body, not uvicorn's plain text: such a request never reaches the app."""
+    from starlette.responses import JSONResponse
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    body = JSONResponse(UNPARSED.body()).body  # as the app renders its errors
+    head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n" % len(body))
+
+    class Protocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            default = b"".join(b"%s: %s\r\n" % pair
+                               for pair in self.server_state.default_headers)
+            self.transport.write(head + default + b"\r\n" + body)
+            self.transport.close()
+
+    return Protocol
 
 
 def _log_to_stderr() -> None:

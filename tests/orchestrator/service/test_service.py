@@ -2336,6 +2336,43 @@ def test_a_service_whose_indexes_are_closed_answers_503_shutting_down(tmp_path):
         state.searcher.target.close()
 
 
+def test_a_request_uvicorn_cannot_parse_is_answered_with_the_json_error_body(tmp_path):
+    """A raw non-ASCII byte in the request target (a client that does not percent-encode `é`)
+    or a malformed header never reaches the app: uvicorn's parser refuses it. The answer is
+    still the service's JSON error body, a 400 `bad_request` saying how to send it, not
+    uvicorn's plain text; the same target percent-encoded reaches the app."""
+    import socket
+
+    settings = load_settings(overrides={"home": tmp_path}, read_env=False, read_file=False)
+    state = service.local_state(settings, executor="local", limits=LIMITS)  # dev mode
+    server = start_uvicorn(service.create_app(state), state)
+    host, port = server.url.removeprefix("http://").split(":")
+
+    def raw(request: bytes) -> tuple[bytes, dict]:
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(request)
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        return head, json.loads(body)
+
+    try:
+        for request in (b"GET /v1/indexes?q=\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n",
+                        b"GET /v1/ind\xc3\xa9xes HTTP/1.1\r\nHost: x\r\n\r\n",
+                        b"GET /v1/indexes HTTP/1.1\r\nHost: x\r\nno colon\r\n\r\n"):
+            head, body = raw(request)
+            assert head.startswith(b"HTTP/1.1 400 "), head
+            assert b"content-type: application/json" in head.lower(), head
+            assert body["error"] == "bad_request", body
+            assert "percent-encode" in body["detail"], body
+        r = httpx.get(f"{server.url}/v1/indexes?q=%C3%A9", timeout=30)
+        assert_error(r, 422, "bad_request")
+    finally:
+        server.stop()
+        state.searcher.target.close()
+
+
 def test_a_client_that_leaves_mid_body_while_the_server_drains_is_counted_499(tmp_path, caplog):
     """A client that disconnects before its body has all arrived, while the server drains, is
     counted 499, as any client gone: not a 500, and no traceback in the log (nobody is left to
