@@ -299,8 +299,22 @@ class JsonlSpanExporter(SpanExporter):
     each batch is written with one `write` call to a file opened in append mode."""
 
     def __init__(self, path: str | Path):
+        """A path that can hold no file (a folder, or under a file or an unwritable place) is
+        a bad setting, said at once; a failure once it exports is counted and said once."""
+        from branchsearch.infra.errors import SettingsError
+
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir():
+            raise SettingsError(f"trace file {self.path} is a folder: give a file path, as "
+                                f"{self.path / 'spans.jsonl'}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = ("a file holds a name on its path"
+                   if isinstance(exc, (FileExistsError, NotADirectoryError))
+                   else exc.strerror or str(exc))
+            raise SettingsError(f"trace file {self.path}: its folder {self.path.parent} cannot "
+                                f"be made ({why})") from None
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:

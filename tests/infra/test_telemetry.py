@@ -209,8 +209,8 @@ def test_span_roles_follow_genai_and_openinference():
 
 def test_a_failing_exporter_never_breaks_the_work(tmp_path, capfd):
     folder = tmp_path / "a-directory.jsonl"
-    folder.mkdir()
-    telemetry.configure("jsonl", str(folder))  # every write fails: IsADirectoryError
+    telemetry.configure("jsonl", str(folder))
+    folder.mkdir()  # made after (a folder given is refused): every write fails, IsADirectoryError
     for _ in range(5):
         span("turn")
     assert telemetry.stats()["dropped"] == 5

@@ -1327,6 +1327,23 @@ def test_search_trace_appends_spans_and_episodes_joined_by_trace_id(tmp_path):
     assert all("branch" in e and "kind" in e for e in episodes)
 
 
+def test_search_trace_to_a_path_that_can_hold_no_file_is_one_error_line(tmp_path):
+    """`search --trace PATH` where no file can be: under a file, under a folder that cannot be
+    made, or a folder itself. One line naming the path, exit 2, before the search: not
+    a traceback, and not a search whose spans are all dropped."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"_id": "d", "title": "T", "text": "Falcon plan"}) + "\n")
+    home = ["--home", tmp_path / "home", "--index", "ix"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    for trace, expect in ((corpus / "t.jsonl", "a file holds a name on its path"),
+                          ("/proc/no-such-folder/t.jsonl", "cannot be made"),
+                          (tmp_path, "is a folder: give a file path")):
+        done = run(["search", "Falcon plan", "--trace", trace, *home])
+        assert_one_error_line(done, expect, str(trace))
+        assert "question:" not in done.stdout, done.stdout
+    assert not tmp_path.with_name(tmp_path.name + ".episodes.jsonl").exists()
+
+
 def test_an_ingest_whose_backend_is_down_leaves_no_half_made_index(tmp_path):
     """A new index whose Elasticsearch (a URL with a password) cannot be reached: one line, no
     password, and no folder left behind that `indexes` would then call incomplete."""
