@@ -189,7 +189,11 @@ def redact(text: str) -> str:
 def public_line(exc_or_text: BaseException | str, width: int = 300) -> str:
     """One line for a caller of the service: `redact`ed, URLs, Unix sockets and host[:port]
     addresses replaced by `<server>`, absolute file paths by `<path>`, process and Ray ids
-    (pid, actor_id, namespace, ...) by `<hidden>`; a repr's memory address is left out."""
+    (pid, actor_id, namespace, ...) by `<hidden>`; a repr's memory address is left out. Our own
+    errors (`BranchsearchError`) give their message alone, written for a user; another
+    exception is named by its type."""
+    if isinstance(exc_or_text, BranchsearchError):
+        exc_or_text = str(exc_or_text)
     text = error_line(exc_or_text, 10_000) if isinstance(exc_or_text, BaseException) \
         else " ".join(redact(exc_or_text).split())
     text = _URL.sub("<server>", text)

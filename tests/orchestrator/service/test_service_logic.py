@@ -93,6 +93,12 @@ def test_what_a_caller_is_told_keeps_placeholders_and_names_a_wrong_type():
     assert public_line("collection not loaded[collection=470918235429536255]") == \
         "collection not loaded[collection=<hidden>]"  # Milvus's internal id
     assert public_line("collection=docs_ix not loaded") == "collection=docs_ix not loaded"
+    # a search's 503 said "BackendUnavailable: elasticsearch at <server> …" and a PUT's, in the
+    # same outage, "elasticsearch at <server> …": our own errors are their message alone
+    from branchsearch.infra.errors import BackendUnavailable
+    down = BackendUnavailable("elasticsearch at http://u:pw@10.0.0.7:9200 is not reachable")
+    assert public_line(down) == "elasticsearch at <server> is not reachable"
+    assert public_line(ConnectionRefusedError(111, "refused")).startswith("ConnectionRefused")
     # a branch's error event after its retriever died (a 2-node cluster): no memory address
     line = public_line("search failed after 2 retries: The actor died because of an error "
                        "raised in its creation task, ray::RetrieverService.__init__() (pid=4242, "
