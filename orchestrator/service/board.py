@@ -1,13 +1,14 @@
-"""The readiness board of a Ray Serve application: what `/readyz` and `GET /v1/indexes` answer.
+"""The readiness board of a Ray Serve application: what `/readyz` and `GET /v1/indexes` answer,
+and the searcher's part of `/metrics`.
 
     searcher replica ─ posts every PUBLISH_S ─▶ board (a Ray actor) ◀─ read ─ ingress
 
-Searches wait in the searcher deployment's Serve queue, and a burst fills it; a readiness probe
-or an index list asked through that queue would wait behind them, or be refused with them,
-though the searcher is up and healthy. So each searcher replica runs its readiness check and
-lists its indexes on a thread of its own (`Publisher`) and posts the answers on the board, a
-named actor of the application, and the ingress replicas answer both from the board with no
-call into the searcher's queue (`BoardReader`). A post older than `STALE_S` is a searcher gone
+Searches wait in the searcher deployment's Serve queue, and a burst fills it; a readiness probe,
+an index list or a scrape asked through that queue would wait behind them, or be refused with
+them, though the searcher is up and healthy. So each searcher replica runs its readiness check
+and lists its indexes on a thread of its own (`Publisher`) and posts the answers, with its ACL
+guard's count, on the board, a named actor of the application, and the ingress replicas answer
+from the board with no call into the searcher's queue (`BoardReader`). A post older than `STALE_S` is a searcher gone
 or wedged: 503 `not_ready`, saying so. Each caller's view (the indexes its key may use) is
 cut from the board's answers by the ingress, as from the searcher's own.
 
@@ -42,10 +43,12 @@ def readiness_board(app: str) -> str:
 @dataclass(frozen=True)
 class Published:
     """A searcher replica's answers: its readiness check's (the `/readyz` body before it is cut
-    to a caller's view, or its 503) and its index names (or the error listing them met)."""
+    to a caller's view, or its 503), its index names (or the error listing them met), and the
+    ids its ACL guard removed (`Searcher.acl_guard_dropped`)."""
 
     ready: dict | ApiError
     indexes: list[str] | ApiError
+    guard_dropped: int = 0
 
 
 class ReadinessBoard:
@@ -84,6 +87,13 @@ def current(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> P
         raise ApiError(503, "not_ready", f"the searcher {said}", {"Retry-After": "5"})
     ready = [published for _, published in fresh if isinstance(published.ready, dict)]
     return ready[0] if ready else fresh[0][1]
+
+
+def dropped_ids(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> int | None:
+    """The ids the ACL guard removed, over the searcher replicas whose posts (age, answers) are
+    younger than `stale_s` (each replica counts its own: summed); None when there is none."""
+    fresh = [published.guard_dropped for age, published in posts if age <= stale_s]
+    return sum(fresh) if fresh else None
 
 
 def answered(ask, *errors: type[BaseException], logged: dict | None = None) -> object:
@@ -139,9 +149,10 @@ class Publisher:
 
     def answers(self) -> Published:
         """The replica's readiness check and index names, each an error when it failed (any
-        error: the thread goes on publishing)."""
+        error: the thread goes on publishing), and its ACL guard's count."""
         return Published(answered(self._ready, Exception, logged=self._logged),
-                         answered(self._names, Exception, logged=self._logged))
+                         answered(self._names, Exception, logged=self._logged),
+                         self.searcher.acl_guard_dropped)
 
     def _run(self) -> None:
         while not self._stop.wait(PUBLISH_S):
@@ -192,6 +203,11 @@ class BoardReader:
         """`current` of the board's posts; 503 `not_ready` when the board has none fresh, or
         is not there, or does not answer within `READ_WAIT_S` (no searcher replica has
         published, or the one that made the board has just gone)."""
+        return current(await self.posts())
+
+    async def posts(self) -> list[tuple[float, Published]]:
+        """The board's posts (age, answers); [] when it is not there, or does not answer
+        within `READ_WAIT_S`."""
         began = time.monotonic()
         posts = []
         for attempt in (1, 2):  # a board gone with its owner: once more, found anew
@@ -204,7 +220,7 @@ class BoardReader:
                 if attempt == 2 or time.monotonic() - began >= READ_WAIT_S:
                     log.warning("not ready: the readiness board: %s", error_line(exc, 300))
                     break
-        return current(posts)
+        return posts
 
     async def _read(self) -> list:
         if self._handle is None:

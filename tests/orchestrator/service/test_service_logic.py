@@ -1575,6 +1575,21 @@ def test_the_readiness_board_answers_for_a_live_searcher_and_not_for_a_silent_on
     assert refused.value.detail.endswith(f"for {STALE_S + 5:.0f} s (gone, or wedged)")
 
 
+def test_the_acl_guard_count_a_scrape_reads_from_the_board_sums_the_live_replicas():
+    """Under Ray Serve /metrics reads the ACL guard's count from the searcher replicas' posts
+    on the readiness board (each replica counts its own), not through the searcher's queue:
+    the sum over the posts younger than the bound; None (the gauge left as it was) when the
+    board has none."""
+    from branchsearch.orchestrator.service.board import STALE_S, Published, dropped_ids
+
+    ready = {"status": "ready", "indexes": 1, "indexes_not_ready": 0}
+    assert dropped_ids([]) is None
+    assert dropped_ids([(STALE_S + 1, Published(ready, ["acl"], 7))]) is None
+    assert dropped_ids([(1.0, Published(ready, ["acl"], 2)),
+                        (3.0, Published(ApiError(503, "not_ready", "x"), ["acl"], 3)),
+                        (STALE_S + 1, Published(ready, ["acl"], 100))]) == 5
+
+
 def test_the_readiness_board_forgets_a_replica_that_died_without_withdrawing(monkeypatch):
     """A searcher replica killed (OOM, its node lost) never withdraws its post; the board drops
     a post gone stale at the next post of any replica, so it holds no more than the replicas

@@ -561,6 +561,41 @@ def test_readyz_answers_from_the_board_while_long_searches_fill_the_searcher_que
         assert listed.json() == {"indexes": ["bm", "hole"]}
 
 
+def test_metrics_answer_at_once_while_a_long_search_holds_the_searcher(serve_app, tmp_path):
+    """A load tester scrapes /metrics while the service is saturated. The scrape asked the
+    searcher replica for the ACL guard's count through the searches' Serve queue, with no
+    bound: behind a search that holds the searcher (its backend takes connections and never
+    answers) it waited for that search's end, ~18 s, and meanwhile held the queue's one place,
+    so a search that came then was refused 503 `overloaded`. The searcher now posts the
+    count on the application's readiness board with its readiness, and the ingress answers
+    the scrape from there, never through that queue."""
+    client, _ = serve_app
+    with _app_over_a_hung_backend(tmp_path, "scraped", searcher_max_ongoing=1,
+                                  searcher_max_queued=1):
+        with cf.ThreadPoolExecutor(2) as pool:
+            blocker = pool.submit(client.post, "/scraped/v1/search", json={
+                "question": "harbor", "index": "hole", "deadline_s": 20})
+            _until_the_searcher_is_held(client, "/scraped", blocker)
+            began = time.monotonic()
+            scrape = pool.submit(client.get, "/scraped/metrics", timeout=30)
+            time.sleep(0.5)  # (the old scrape is in the searcher's queue by now)
+            queued = client.post("/scraped/v1/search",
+                                 json={"question": "harbor", "deadline_s": 2})
+            scraped = scrape.result()
+            took = time.monotonic() - began
+            held = not blocker.done()
+    assert scraped.status_code == 200, scraped.text
+    assert took < 5, took  # (the old wait: the holding search's end)
+    assert held  # (the searcher was held throughout)
+    for family in ("branchsearch_http_requests_total", "branchsearch_searches_total",
+                   "branchsearch_http_requests_in_flight", "branchsearch_acl_guard_dropped_ids"):
+        assert f"# TYPE {family.removesuffix('_total')}" in scraped.text, family
+    assert "branchsearch_acl_guard_dropped_ids 0.0" in scraped.text, scraped.text
+    # the queue's one place was the search's, not the scrape's: it waited there for its 504
+    assert queued.status_code == 504 and queued.json()["error"] == "deadline_exceeded", \
+        queued.text
+
+
 def test_a_search_queued_behind_a_busy_searcher_gets_its_504_by_its_deadline(serve_app,
                                                                               tmp_path):
     """The searcher replica takes one search at a time and queues one (`searcher_max_ongoing`,
