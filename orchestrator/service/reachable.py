@@ -6,22 +6,68 @@ index no request has asked for. So the probe reads what opening would read first
 profile (complete, not being ingested, its files in place, its settings) — and asks each server
 backend it needs whether it answers: Elasticsearch its root, Milvus a TCP connection. Embedded
 stores (tantivy, a Lite file) are files, which the profile has checked.
+
+Many indexes usually live on a few servers (one Elasticsearch cluster, one Milvus): a server
+is asked once for all of them (`Servers`), not once an index.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
 from branchsearch.infra.errors import BackendUnavailable, redact
 
 
-def check_unopened(settings, profile, timeout_s: float) -> None:
+class Servers:
+    """Whether each server backend answers, asked once for every index that lives on it: an
+    answer is given again for `fresh_s` seconds after its question ended, and a question that
+    comes while one to the same server is under way waits for that one."""
+
+    def __init__(self, fresh_s: float):
+        self.fresh_s = fresh_s
+        self._lock = threading.Lock()
+        # key -> (its last question's outcome: the exception raised, or None; when it ended,
+        # None while under way)
+        self._asked: dict[tuple, tuple[Future, float | None]] = {}
+
+    def check(self, key: tuple, ask: Callable[[], None]) -> None:
+        """`ask()` (which raises when the server does not answer), or the outcome of the one
+        under way or ended within `fresh_s` for the same `key`, raised as it was."""
+        with self._lock:
+            outcome, ended = self._asked.get(key, (None, None))
+            mine = outcome is None or (ended is not None
+                                       and time.monotonic() - ended >= self.fresh_s)
+            if mine:
+                outcome = Future()
+                self._asked[key] = (outcome, None)
+        if mine:
+            try:
+                ask()
+                error = None
+            except Exception as exc:  # noqa: BLE001 — the server's answer, for every index on it
+                error = exc
+            with self._lock:
+                self._asked[key] = (outcome, time.monotonic())
+            outcome.set_result(error)
+        error = outcome.result()
+        if error is not None:
+            raise error.with_traceback(None)
+
+
+def check_unopened(settings, profile, timeout_s: float, servers: Servers) -> None:
     """Raise what a request for the index would meet at its start: the profile's problem
     (`IndexIncomplete`, `SettingsError`, `IndexBusy`…) or `BackendUnavailable` for a server
-    backend that does not answer within `timeout_s`."""
+    backend that does not answer within `timeout_s` (asked through `servers`)."""
     profile.require_searchable()
     ext = settings.external
     if profile.lexical == "elasticsearch":
         url = (ext.es_url if ext is not None and ext.es_url else "") or settings.es_url
-        _elastic_answers(url, settings.es_api_key or None, timeout_s)
+        api_key = settings.es_api_key or None
+        servers.check(("elasticsearch", url, api_key),
+                      lambda: _elastic_answers(url, api_key, timeout_s))
     # an external index opens its collection for a bm25 search too (a hybrid one's groups)
     if profile.dense == "milvus" and (settings.search_mode != "bm25" or ext is not None):
         if ext is not None:
@@ -32,7 +78,7 @@ def check_unopened(settings, profile, timeout_s: float) -> None:
             uri = dense_uri(settings)
         from branchsearch.infra.stores.milvus import server_answers
 
-        server_answers(str(uri), timeout_s)
+        servers.check(("milvus", str(uri)), lambda: server_answers(str(uri), timeout_s))
 
 
 def _elastic_answers(url: str, api_key: str | None, timeout_s: float) -> None:

@@ -40,6 +40,7 @@ from branchsearch.orchestrator.service.drivers import Drivers
 from branchsearch.orchestrator.service.errors import (ApiError, Refused, api_error,
                                                       error_code)
 from branchsearch.orchestrator.service.protocol import SearchRequest
+from branchsearch.orchestrator.service.reachable import Servers, check_unopened
 from branchsearch.orchestrator.service.readiness import (IndexProbes, Pending, SharedCheck,
                                                          Unanswered)
 
@@ -89,6 +90,13 @@ class Searcher:
         # the indexes' probes: the other indexes' of a check (`_ready`), and those of a search
         # that failed or found nothing, one running at a time an index (`_probe_until`)
         self._index_probes = IndexProbes(fresh_s=PROBE_FRESH_S, slow_s=PROBE_TIMEOUT_S)
+        # the server backends those probes ask, each once for the indexes that live on it
+        self._servers = Servers(fresh_s=OTHERS_WAIT_S)
+        # each index's settings for those probes, made once: `Settings.replace` reads every
+        # declared index anew, so made at each probe its cost grew with the square of their
+        # number (300 external indexes: most of a CPU core)
+        self._settings_of = functools.lru_cache(maxsize=4096)(
+            lambda index: settings.replace(index=index))
         if warm:
             self.open_default()
 
@@ -822,10 +830,9 @@ class Searcher:
 
     def _probe_unopened(self, index: str) -> None:
         from branchsearch.infra.index.profile import index_profile
-        from branchsearch.orchestrator.service.reachable import check_unopened
 
-        settings = self.settings.replace(index=index)
-        check_unopened(settings, index_profile(settings), PROBE_TIMEOUT_S)
+        settings = self._settings_of(index)
+        check_unopened(settings, index_profile(settings), PROBE_TIMEOUT_S, self._servers)
 
     def _probe_held(self, index: str, driver) -> None:
         if self.drivers.hold(index, driver, probe=True) is None:  # closed meanwhile (idle,

@@ -7,6 +7,7 @@ test_service_web.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import html
 import json
@@ -2228,6 +2229,114 @@ def test_readyz_answers_within_a_probe_timeout_with_many_indexes_and_one_hung_ba
         server.stop()
         state.searcher.target.close()
         hung.close()
+
+
+def _counted_port(upstream: tuple[str, int] | None = None):
+    """A loopback port that counts the connections made to it (how often a server backend is
+    asked) and forwards each to `upstream` (None: closes it once taken, as a TCP probe needs
+    no more; an upstream that refuses: closed too). Returns (the listening socket, the
+    count: a one-item list)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    count = [0]
+
+    def pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            count[0] += 1
+            try:
+                up = socket.create_connection(upstream) if upstream else None
+            except OSError:
+                up = None
+            if up is None:
+                conn.close()
+                continue
+            for ends in ((conn, up), (up, conn)):
+                threading.Thread(target=pipe, args=ends, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, count
+
+
+def test_indexes_on_the_same_servers_cost_one_probe_of_each_server_per_readiness_check(
+        tmp_path, monkeypatch):
+    """An operator declares many indexes on one Elasticsearch cluster and one Milvus server.
+    Every readiness check (every 2 s on each searcher replica under Ray Serve, and every
+    /readyz standalone) asked each index not open whether its servers answer: one
+    Elasticsearch client and request, one Milvus connection, an index (12 of each here, for
+    12 indexes on each). Each server is now asked once a check for all the indexes on it, and
+    its answer is still each index's: with the Elasticsearch down, its 12 indexes are not
+    ready and the Milvus ones are. And each probe made its index's settings anew, which
+    parses every declared index again (quadratic: 300 external indexes took 46 CPU-seconds a
+    minute); each index's are now made once."""
+    from es_emulator import start_es_emulator
+
+    from branchsearch.infra.config.settings import Settings
+    from branchsearch.orchestrator.service.searcher import PROBE_FRESH_S
+
+    made, replace = [], Settings.replace
+    monkeypatch.setattr(Settings, "replace", lambda self, **changes: (
+        made.append(changes.get("index")), replace(self, **changes))[1])
+
+    es = start_es_emulator(tmp_path / "es")
+    es_port, es_asked = _counted_port(("127.0.0.1", es.port))
+    mv_port, mv_asked = _counted_port()
+    state = None
+    try:
+        config = tmp_path / "branchsearch.toml"
+        config.write_text("".join(
+            f'[indexes.es{i:02d}]\nlexical = "elasticsearch"\nes_index = "corp{i}"\n'
+            f'es_url = "http://127.0.0.1:{es_port.getsockname()[1]}"\n'
+            f'[indexes.mv{i:02d}]\ndense = "milvus"\nmilvus_collection = "c{i}"\n'
+            f'milvus_uri = "http://127.0.0.1:{mv_port.getsockname()[1]}"\n' for i in range(12)))
+        settings = load_settings(config, {"home": tmp_path / "home", "index": "local",
+                                          "branches": 1}, read_env=False)
+        ingest(write_corpus(tmp_path / "c.jsonl", CORPUS[:2]), settings, dense=False)
+        state = service.local_state(settings, executor="local", limits=LIMITS)
+        searcher = state.searcher.target
+        deadline = time.monotonic() + 60
+        while searcher._ready_now()["indexes_not_ready"]:  # (the first probes may not end
+            assert time.monotonic() < deadline  # within the check's wait on a busy machine)
+            time.sleep(0.5)
+        asked, made_before = [], len(made)
+        for stop_es in (False, False, True):
+            if stop_es:
+                es.stop()
+            time.sleep(PROBE_FRESH_S + 0.5)  # every index's answer is out of date: asked anew
+            before = es_asked[0], mv_asked[0]
+            ready = searcher._ready_now()
+            time.sleep(1)  # (the probes a check waits for at most 0.5 s have ended)
+            asked.append((es_asked[0] - before[0], mv_asked[0] - before[1]))
+        assert ready == {"status": "ready", "indexes": 25, "indexes_not_ready": 12,
+                         "not_ready": [{"index": f"es{i:02d}", "error": "backend_unavailable"}
+                                       for i in range(12)]}, ready
+        # once a server a check (12 before: once an index); twice at most on a starved CPU,
+        # whose probes of one check spread over more than the half second an answer is kept
+        assert all(1 <= n <= 2 for n in sum(asked, ())), asked
+        assert made[made_before:] == [], made[made_before:]  # (24 a check before)
+    finally:
+        if state is not None:
+            state.searcher.target.close()
+        es.stop()
+        es_port.close()
+        mv_port.close()
 
 
 def test_an_index_whose_backend_is_down_is_counted_not_ready_before_any_request(tmp_path,

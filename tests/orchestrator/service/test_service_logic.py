@@ -1166,6 +1166,55 @@ def test_readiness_answers_within_its_wait_and_probes_share_one_check():
     ready.close()
 
 
+def test_a_server_is_asked_once_for_the_indexes_on_it_while_its_answer_is_fresh():
+    """The probes of many indexes on one server (`reachable.Servers`): those that come while
+    its question is under way wait for it (a server that takes connections and does not
+    answer holds one probe thread, not one an index), its answer is given again for
+    `fresh_s`, an error raised to each, and the server is asked anew after that."""
+    import threading
+    import time
+
+    from branchsearch.infra.errors import BackendUnavailable
+    from branchsearch.orchestrator.service.reachable import Servers
+
+    asked, down = [], [False]
+
+    def ask():
+        asked.append(time.monotonic())
+        time.sleep(0.3)
+        if down[0]:
+            raise BackendUnavailable("elasticsearch at http://es:9200 is not answering")
+
+    servers = Servers(fresh_s=1.0)
+    outcomes = []
+
+    def probe():
+        try:
+            servers.check(("elasticsearch", "http://es:9200", None), ask)
+            outcomes.append(None)
+        except BackendUnavailable as exc:
+            outcomes.append(str(exc))
+
+    def probes(n):
+        threads = [threading.Thread(target=probe) for _ in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+
+    probes(8)
+    assert len(asked) == 1 and outcomes == [None] * 8
+    servers.check(("milvus", "http://mv:19530"), ask)  # another server: asked
+    assert len(asked) == 2
+    down[0] = True
+    probes(4)  # within fresh_s: the answer of before
+    assert len(asked) == 2 and outcomes[8:] == [None] * 4
+    time.sleep(1.0)
+    probes(4)
+    assert len(asked) == 3
+    assert outcomes[12:] == ["elasticsearch at http://es:9200 is not answering"] * 4
+
+
 def test_a_readiness_probe_is_answered_by_a_check_begun_after_it():
     """A probe that arrives while a check runs is not given that check's answer: the check
     looked at the backends before the probe came, and a backend that died (or recovered)
