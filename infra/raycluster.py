@@ -41,7 +41,7 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
         for attempt in (1, 2) if address is None else (2,):
             said: list[str] = []  # what Ray's core printed meanwhile
             try:
-                with _without_ray_notices(said):
+                with _without_ray_notices(said), _sigterm_handler_kept():
                     ray.init(address=address, **kwargs)
                 break
             except Exception as exc:  # noqa: BLE001 — ray raises plain Exception on a timeout
@@ -88,6 +88,29 @@ def _watch_started_cluster() -> None:
 
 
 _WATCHES: list = []  # the watches this process started (`_watch_started_cluster`)
+
+
+@contextmanager
+def _sigterm_handler_kept():
+    """Meanwhile `ray.init` keeps a SIGTERM handler this process set (a batch's stop, which
+    writes what ran and exits 143): Ray would put its own in its place (`sys.exit(15)`, raised
+    wherever the start is, leaving the agents it started for a minute) and its core a C++ one
+    that prints a stack. A process without one of its own gets Ray's, as before."""
+    import signal
+
+    import ray._private.utils as ray_utils
+
+    was = signal.getsignal(signal.SIGTERM)
+    if not callable(was):  # the default, or ignored: Ray's handler is as good
+        yield
+        return
+    set_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = set_handler
+        signal.signal(signal.SIGTERM, was)  # in front of the C++ handler Ray's core put there
 
 
 def _cluster_errors_to_log() -> None:

@@ -573,8 +573,9 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
 
     try:
         with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
-            queue = iter(todo)
-            pending = {pool.submit(one, *item) for item in islice(queue, max(concurrency, 1))}
+            queue = iter(todo)  # (a stop before the run, as workers started: none starts)
+            pending = {pool.submit(one, *item) for item in
+                       islice(queue, 0 if interrupted() else max(concurrency, 1))}
             while pending:
                 finished_now, pending = wait(pending, timeout=None if stop is None else 0.2,
                                              return_when=FIRST_COMPLETED)

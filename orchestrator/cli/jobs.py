@@ -73,7 +73,6 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     from branchsearch.orchestrator.batch import (check_output, differing, made_with,
                                                  read_questions, resume_state, run_batch,
                                                  to_ask)
-    from branchsearch.orchestrator.driver import open_driver
 
     check_output(output, input)
     settings = settings_to_read(home, index, config, batch_concurrency=concurrency,
@@ -97,7 +96,6 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     for bad in data.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     from branchsearch.orchestrator.execution import pick_executor
-    from branchsearch.orchestrator.execution.processes import QuestionProcesses, worker_count
 
     made = made_with(settings, groups)
     state = resume_state(output, settings.index, made, version)
@@ -148,21 +146,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
         print(f"asking again {len(changed)} question(s) whose text changed since their ok row "
               f"was written: {', '.join(map(shown_id, changed[:10]))}{more}", file=sys.stderr)
-    picked = pick_executor(settings, executor)
-    if not todo:  # every id ok already: the output is rewritten; no driver, no worker starts
-        driver = None
-
-        def search(question: str) -> dict:  # another batch wrote the output since it was read
-            raise BranchsearchError("the output changed as this batch started; run it again")
-    elif picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
-        workers = worker_count(min(settings.batch_concurrency, len(todo)))  # none idle
-        driver = QuestionProcesses(settings, workers, groups)
-        search = driver.search
-    else:
-        driver = open_driver(settings, picked)
-        search = (lambda q: driver.search(q, acl_groups=groups).to_dict())
-    bar = progress_bar(len(todo), "q", "batch")
-    seen = {"partial": 0, "failed": 0}
+    bar, seen = None, {"partial": 0, "failed": 0}
 
     def tick(status: str) -> None:
         if status in seen:
@@ -170,9 +154,11 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         bar.update(1)
         bar.set_postfix(seen)
 
-    stop, counts, first = threading.Event(), None, {}
-    try:
+    stop, counts, first, driver = threading.Event(), None, {}, None
+    try:  # a stop from here on, also while workers or a Ray cluster start, writes what ran
         with first_stop_signal_sets(stop, first):
+            driver, search = _searcher(settings, pick_executor(settings, executor), todo, groups)
+            bar = progress_bar(len(todo), "q", "batch")
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
                                stop=stop, locked=True, made=made, version=version)
@@ -183,7 +169,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     else:
         terminated = False
     finally:
-        bar.close(done=counts is not None)
+        if bar is not None:
+            bar.close(done=counts is not None)
         if driver is not None:
             driver.close()
     if terminated:  # a scheduler's stop (or `kill PID`), as ^C: 128 + SIGTERM's number
@@ -219,6 +206,25 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
               "Fix the cause and run the same command again: it resumes", file=sys.stderr)
     if counts["failed"] or counts["not_run"] or data.bad_lines:  # nobody answered these
         sys.exit(1)
+
+
+def _searcher(settings, picked: str, todo: list, groups):
+    """(what to close, `search(question) -> row`) for a batch's questions: worker processes
+    on one machine, else the driver on `picked`; none when every id is answered."""
+    from branchsearch.orchestrator.driver import open_driver
+    from branchsearch.orchestrator.execution.processes import QuestionProcesses, worker_count
+
+    if not todo:  # every id ok already: the output is rewritten; no driver, no worker starts
+        def search(question: str) -> dict:  # another batch wrote the output since it was read
+            raise BranchsearchError("the output changed as this batch started; run it again")
+
+        return None, search
+    if picked == "local" and settings.batch_concurrency > 1:  # past the GIL: processes
+        workers = worker_count(min(settings.batch_concurrency, len(todo)))  # none idle
+        driver = QuestionProcesses(settings, workers, groups)
+        return driver, driver.search
+    driver = open_driver(settings, picked)
+    return driver, (lambda q: driver.search(q, acl_groups=groups).to_dict())
 
 
 def shown(value) -> str:

@@ -904,6 +904,57 @@ def test_ctrl_c_or_sigterm_on_a_batch_says_so_and_writes_what_ran(tmp_path, name
     assert 3 <= len(lines) < 2000 and all(json.loads(line)["status"] == "ok" for line in lines)
 
 
+@pytest.mark.parametrize("executor, starting", [
+    ("local", "forkserver"),  # its worker processes import
+    pytest.param("ray", "raylet", marks=pytest.mark.ray)])  # its local cluster starts
+def test_sigterm_as_a_batch_starts_ends_as_terminated(tmp_path, executor, starting):
+    """A scheduler's SIGTERM while the batch still starts: the same stop as later — nothing
+    starts, `terminated`, exit status 143, no process of it left. Before, the signal's default
+    killed it without a word (worker processes starting), or Ray's handler, put in place as
+    its cluster started, exited 15 (or 1, after its core printed a stack), leaving Ray's
+    agents running for a minute."""
+    import signal
+
+    import psutil
+
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": "Who directed Ed Wood?"})
+                           + "\n" for i in range(50)))  # more than one: worker processes
+    proc = subprocess.Popen([*CLI, "batch", inp, "-o", out, "--executor", executor,
+                             "--concurrency", "2", *home],
+                            env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def mid_start() -> list:  # the batch's processes, once one of them shows it is starting
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+            return children if any(starting in " ".join(c.cmdline()) for c in children) else []
+        except psutil.Error:
+            return []
+
+    try:
+        children, deadline = [], time.monotonic() + 120
+        while not children and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+            children = mid_start()
+        assert proc.poll() is None and children, "the batch ended before it was stopped"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 143, (proc.returncode, stderr[-1500:])
+    assert stderr.splitlines()[-1].startswith("terminated"), stderr[-1500:]
+    assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr[-1500:]
+    _, alive = psutil.wait_procs([c for c in children if c.is_running()], timeout=30)
+    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+
+
 def test_ctrl_c_on_eval_does_not_say_done(tmp_path):
     """^C during `eval`: its last progress line said ", done" (the bar closed as if the
     questions had all run), then `interrupted`. It says where it stopped, and not done. The
