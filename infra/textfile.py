@@ -63,8 +63,11 @@ class KeyTwice(ValueError):
 
 def json_once(text: str | bytes):
     """`json.loads(text)` for JSON a user wrote (a corpus or questions line, a request body):
-    an object that names a key twice, at any depth, raises KeyTwice (a ValueError)."""
-    return json.loads(text, object_pairs_hook=_once_each)
+    an object that names a key twice, at any depth, raises KeyTwice (a ValueError). A line's
+    end is not parsed: a line cut inside a string is an unterminated string, not one holding
+    a control character (the newline)."""
+    return json.loads(text.rstrip("\r\n" if isinstance(text, str) else b"\r\n"),
+                      object_pairs_hook=_once_each)
 
 
 def key_twice_element(text: str) -> int | None:

@@ -88,6 +88,19 @@ def test_a_line_whose_two_spellings_of_a_field_differ_is_refused(tmp_path):
                                  "27 of the line)")
 
 
+def test_a_line_cut_short_says_where_its_string_began(tmp_path):
+    """A questions line cut inside a string (a file copied with `head -c`, a writer killed):
+    its newline read as a control character inside that string ("Invalid control character
+    at character 33"), which names neither the cut nor a character the line shows."""
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"id": "a", "question": "Who is Ed Wood?"}\n{"id": "trunc", "question": '
+                    '"Who\r\n', encoding="utf-8")
+    data = read_questions(path)
+    assert data.items == [("a", "Who is Ed Wood?")]
+    assert data.bad_lines == [f"{path}:2: not JSON (Unterminated string starting at character "
+                              "29 of the line)"]
+
+
 @pytest.fixture
 def es_index(tmp_path):
     """hotpot-mini with its lexical index in the emulator (BM25 only: no embedding needed)."""
