@@ -131,7 +131,7 @@ def progress_bar(total: int | None, unit: str, desc: str):
     """A tqdm bar on a terminal; elsewhere (a pipe, a log file, CI) one plain line every
     few seconds, so long work is never silent. Both take update(n), set_postfix(...),
     format_dict["elapsed"] and close(done=True)."""
-    if not sys.stderr.isatty():
+    if not _sized_terminal(sys.stderr):
         return ProgressLines(total, unit, desc)
     from tqdm import tqdm
 
@@ -140,6 +140,18 @@ def progress_bar(total: int | None, unit: str, desc: str):
             super().close()  # where it stopped either way
 
     return Bar(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def _sized_terminal(stream) -> bool:
+    """`stream` is a terminal that says how wide it is. A pseudo-terminal given no size (`script`,
+    a CI runner's or a container's, `pty.openpty`) says 0 columns, and tqdm draws nothing there:
+    a long run would show no progress at all."""
+    import os
+
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no descriptor (a test's stream), closed
+        return False
 
 
 class ProgressLines:

@@ -18,11 +18,15 @@ HOTPOT = Path(__file__).parents[1] / "fixtures" / "hotpot-mini"
 
 
 def on_terminal(args, timeout: float = 300) -> tuple[int, str]:
-    """Run the CLI with a pseudo-terminal as stdin, stdout and stderr; (exit status, what the
-    terminal showed)."""
+    """Run the CLI with a pseudo-terminal 120 columns wide as stdin, stdout and stderr; (exit
+    status, what the terminal showed)."""
+    import fcntl
+    import struct
+    import termios
+
     master, slave = pty.openpty()
-    proc = subprocess.Popen([*CLI, *map(str, args)], stdin=slave, stdout=slave, stderr=slave,
-                            env={**os.environ, "COLUMNS": "120"})
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([*CLI, *map(str, args)], stdin=slave, stdout=slave, stderr=slave)
     os.close(slave)
     shown, end, quiet_since = [], time.monotonic() + timeout, None
     try:
@@ -49,6 +53,29 @@ def on_terminal(args, timeout: float = 300) -> tuple[int, str]:
         os.close(master)
 
 
+def test_progress_shows_on_a_terminal_that_gives_no_width(monkeypatch):
+    """A pseudo-terminal given no size (`script`, a CI runner's, `pty.openpty`: 0 columns)
+    showed nothing of a long run's progress (tqdm draws no bar 0 columns wide); it gets the
+    plain lines a pipe gets."""
+    from branchsearch.orchestrator.cli.options import progress_bar
+
+    master, slave = pty.openpty()
+    assert os.get_terminal_size(slave).columns == 0
+    shown = b""
+    try:
+        with os.fdopen(slave, "w") as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            bar = progress_bar(3, "q", "batch")
+            bar.update(3)
+            bar.close()
+            terminal.flush()
+            while select.select([master], [], [], 0.5)[0]:
+                shown += os.read(master, 65536)
+    finally:
+        os.close(master)
+    assert b"batch: 3/3 q, " in shown and shown.rstrip().endswith(b", done"), shown
+
+
 def test_ingest_batch_and_eval_end_cleanly_on_a_terminal(hotpot_settings, tmp_path):
     home, index = hotpot_settings.home, "on-a-terminal"  # the home's embedding cache is warm
     rc, shown = on_terminal(["ingest", HOTPOT, "--home", home, "--index", index])
@@ -63,6 +90,7 @@ def test_ingest_batch_and_eval_end_cleanly_on_a_terminal(hotpot_settings, tmp_pa
     out = tmp_path / "out.jsonl"
     rc, shown = on_terminal(["batch", questions, "-o", out, "--home", home, "--index", index])
     assert rc == 0 and "Traceback" not in shown, shown[-2000:]
+    assert "batch: 100%|" in shown and "4/4" in shown, shown[-2000:]  # tqdm's bar
     assert "batch: 4 ok, 0 partial, 0 failed" in shown  # the summary after the bar
     assert [json.loads(line)["status"] for line in out.read_text().splitlines()] == ["ok"] * 4
 
