@@ -97,14 +97,16 @@ def _sigterm_handler_kept():
     wherever the start is, leaving the agents it started for a minute) and its core a C++ one
     that prints a stack. A process without one of its own gets Ray's, as before."""
     import signal
+    import threading
 
     import ray._private.utils as ray_utils
 
     was = signal.getsignal(signal.SIGTERM)
-    if not callable(was):  # the default, or ignored: Ray's handler is as good
+    set_handler = getattr(ray_utils, "set_sigterm_handler", None)  # (Ray's own, not an API)
+    if not callable(was) or set_handler is None or \
+            threading.current_thread() is not threading.main_thread():  # (no handler set there)
         yield
         return
-    set_handler = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = lambda handler: None
     try:
         yield
