@@ -106,7 +106,7 @@ class Searcher:
         """The result dict (`search --json` shape plus `status`, `index`). ApiError for every
         refusal."""
         arrived = self._arrived(req)  # the deadline counts from here
-        self.check_index(self._index(req), key)
+        self._check_searched(req, key)
         return await self._searching(await self._admit(req, key, arrived), req, key, None,
                                      arrived)
 
@@ -114,7 +114,7 @@ class Searcher:
         """Events as they happen, ending with `result` (or `error`). A refusal before the search
         starts (403, 429, 404) is raised, so the HTTP status can still say so."""
         arrived = self._arrived(req)
-        self.check_index(self._index(req), key)
+        self._check_searched(req, key)
         slot = await self._admit(req, key, arrived)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -410,6 +410,16 @@ class Searcher:
             raise ApiError(422, "bad_request", problem)
         if not key.may_use(index):
             raise ApiError(403, "forbidden", f"key {key.name!r} may not use index {index!r}")
+
+    def _check_searched(self, req: SearchRequest, key: ApiKey) -> None:
+        """`check_index` for the index a search runs on. The default, when the request names
+        none, is not named to a key that may not use it: index names are for the keys that
+        may use them (GET /v1/indexes, /readyz)."""
+        if req.index is None and not key.may_use(self.settings.index):
+            raise ApiError(403, "forbidden", f"key {key.name!r} may not use the server's "
+                           "default index: name one of its indexes as `index` (GET "
+                           "/v1/indexes lists them)")
+        self.check_index(self._index(req), key)
 
     def _search(self, req: SearchRequest, key: ApiKey,
                 on_event: Callable[[dict], None] | None, arrived: float, slot) -> dict:

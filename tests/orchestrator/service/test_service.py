@@ -145,6 +145,24 @@ def test_auth_matrix(site):
     assert "question" in json.dumps(paths["/v1/search"])
 
 
+def test_a_key_that_may_not_use_the_default_index_is_not_told_its_name(site):
+    """A search that names no index runs on the server's default. A key scoped to other
+    indexes is refused it (403) without learning its name, which GET /v1/indexes does not
+    list to it either; an index the caller names itself is named back."""
+    client, _, state = site
+    key = KeyStore(state.keys.path).add("other-only", ("bravo",), ("other",))
+    q = {"question": "harbor lighthouse", "branches": 1}
+    assert client.get("/v1/indexes", headers=auth(key)).json() == {"indexes": ["other"]}
+    for accept in ("application/json", "text/event-stream"):
+        r = client.post("/v1/search", json=q, headers={**auth(key), "Accept": accept})
+        err = assert_error(r, 403, "forbidden")
+        assert "'acl'" not in err["detail"] and "GET /v1/indexes" in err["detail"], err
+    named = client.post("/v1/search", json={**q, "index": "acl"}, headers=auth(key))
+    assert "may not use index 'acl'" in assert_error(named, 403, "forbidden")["detail"]
+    r = client.post("/v1/search", json={**q, "index": "other"}, headers=auth(key))
+    assert r.status_code == 200, r.text
+
+
 QUESTIONS = ["What is Quokkavault?", "zephyrledger obsidianpact", "Bravo secret harbor project",
              "Zephyrledger Plan quokkavault archive", "Who are the obsidianpact members?",
              "Which boats does the lighthouse record?", "b-vault b-ledger",
