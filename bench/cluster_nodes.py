@@ -40,8 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = ROOT / ".venv" / "bin"
+BIN = Path(sys.executable).parent  # the virtualenv running this script
 NODES = [("bsnodeA", "bsnvA", "10.77.0.1", 0), ("bsnodeB", "bsnvB", "10.77.0.2", 1)]
 PORT = 6390
 RAY_TMP = "/tmp/bsnodes-ray"  # Ray's session folder, ours alone (short: socket paths)
@@ -113,7 +112,9 @@ class Cluster:
 
     # --- ray -------------------------------------------------------------------------------
 
-    def start(self, nodes: int) -> str:
+    def start(self, nodes: int, head_cpus: int = 1) -> str:
+        """`nodes` Ray nodes, the head (node A) with `head_cpus` logical CPUs, a worker with 1;
+        the head's address."""
         os.makedirs(RAY_TMP, exist_ok=True)
         address = f"{NODES[0][2]}:{PORT}"
         for i in range(nodes):
@@ -124,8 +125,8 @@ class Cluster:
             self.logs.append(log)
             self.procs.append(subprocess.Popen(
                 ns_exec(ns, core, str(BIN / "ray"), "start", *role, f"--node-ip-address={ip}",
-                        "--num-cpus=1", "--num-gpus=0", "--object-store-memory=150000000",
-                        "--disable-usage-stats", "--block"),
+                        f"--num-cpus={head_cpus if i == 0 else 1}", "--num-gpus=0",
+                        "--object-store-memory=150000000", "--disable-usage-stats", "--block"),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env()))
             say(f"ray start in {ns} (core {core})")
             self.wait_nodes(address, i + 1)
