@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import sys
@@ -248,7 +249,7 @@ def make_workload(o: Options, settings: Settings) -> wl.Workload:
 
 def make_target(o: Options, settings: Settings, workload: wl.Workload):
     if o.url:
-        shown = redact(o.url) if "@" not in o.url else "***@" + o.url.rsplit("@", 1)[1]
+        shown = _shown_url(o.url)
         if not o.url.startswith(("http://", "https://")):
             raise BranchsearchError(f"--url {shown!r}: expected http(s)://host:port")
         try:
@@ -261,7 +262,7 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
                                     "the URL without them")
         if "?" in o.url or "#" in o.url:  # /v1/search would land in the query: every request
             # a 405, and a token in the query printed in the report
-            raise BranchsearchError(f"--url {o.url.split('?')[0].split('#')[0]}…: give the "
+            raise BranchsearchError(f"--url {shown}: give the "
                                     "service's address alone (http(s)://host:port[/prefix]), "
                                     "without a ?query or #fragment; the key goes in --key-file "
                                     "or BRANCHSEARCH_API_KEY")
@@ -286,6 +287,15 @@ def make_target(o: Options, settings: Settings, workload: wl.Workload):
     executor = "local" if o.executor == "local" else "ray"
     driver = Driver(settings, mode=executor, **({"pool_size": pool} if executor == "ray" else {}))
     return DriverTarget(driver, branches=o.branches, deadline_s=o.deadline_s)
+
+
+def _shown_url(url: str) -> str:
+    """`url` as an error line may show it: no ?query or #fragment (a token may stand there,
+    under any name) and no user or password."""
+    address, cut = re.split(r"[?#]", url, maxsplit=1)[0], "?" in url or "#" in url
+    if "@" in address:
+        address = "***@" + address.rsplit("@", 1)[1]
+    return redact(address) + ("…" if cut else "")
 
 
 def _same_synth_corpus(settings: Settings, workload: wl.Workload, o: Options) -> None:

@@ -1015,6 +1015,24 @@ def test_a_url_with_a_query_is_refused_and_its_query_never_shown(live_service, t
         preflight(HttpTarget(url + "/?token=s3cretq", key), "Who built the lighthouse?")
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("http://bob:pw@127.0.0.1:1/?key=s3cretq", "***@127.0.0.1:1/…"),
+    ("ftp://127.0.0.1:1/?key=s3cretq", "ftp://127.0.0.1:1/…"),
+    ("127.0.0.1:1?key=s3cretq", "127.0.0.1:1…"), ("http://[::1/?key=s3cretq", "http://[::1/…"),
+    ("http://127.0.0.1:1/#s3cretq", "http://127.0.0.1:1/…")])
+def test_a_refused_url_never_shows_its_query(url, shown):
+    """A --url refused for its scheme, its syntax or its user and password printed its
+    ?query whole (`--url '***@127.0.0.1:1/?key=s3cretq' holds a user or password`): the
+    address is shown without it."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.orchestrator.loadtest.run import Options, make_target
+
+    with pytest.raises(BranchsearchError) as refused:
+        make_target(Options(url=url, keys=("k",)),
+                    load_settings(read_env=False, read_file=False), None)
+    assert "s3cretq" not in str(refused.value) and shown in str(refused.value)
+
+
 def test_every_key_of_a_key_file_is_tried_before_any_load(live_service, tmp_path):
     """A --key-file whose second key the service does not know: the first question went with
     the first key only, so the run began and one request in two was a 401. Each key is now
