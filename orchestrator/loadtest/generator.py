@@ -11,6 +11,7 @@ waits at most `drain_s` for running requests; what is still running then is `unf
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -200,17 +201,12 @@ class Generator:
         state = _Step(index, step.load, self.spec.loop)
         self._current = state
         probe = self.probe() if self.probe else None
-        if probe:
-            probe.__enter__()
-        try:
+        with probe or contextlib.nullcontext():
             if self.spec.loop == "open":
                 self._open(state, step.load, step.duration_s)
             else:
                 self._closed(state, int(step.load), step.duration_s)
             samples, cutoff = state.drain(self.spec.drain_s)
-        finally:
-            if probe:
-                probe.__exit__(None, None, None)
         summary = summarize(samples, load=step.load, loop=self.spec.loop,
                             duration_s=step.duration_s, cutoff=cutoff)
         summary["step"] = index

@@ -246,6 +246,8 @@ class StepProbe:
     def __exit__(self, *exc) -> None:
         self._sampler.__exit__()
         self._wall = time.monotonic() - self._t0
+        if exc[0] is not None:  # a step cut short (^C): its summary is made now, unprobed
+            return
         self._engines_after = engine_counters(self.settings)
         self._metrics_after = {}
         if self.metrics_text:  # the rates stay over the step's own time (`_wall`)

@@ -416,6 +416,28 @@ def test_queueing_shows_in_latency_measured_from_the_schedule():
     assert closed["steps"][0]["latency_ms"]["p99"] < 300
 
 
+def test_a_step_cut_by_ctrl_c_is_measured_up_to_the_ctrl_c():
+    """^C against a service: the step's /metrics probe still waited its 3 s for the replicas'
+    counts before the partial step was summed, and those 3 s entered its time: 10/s offered
+    for 1.5 s was reported as 'offered 3.3/s, achieved 3.3/s'. The cut step is measured up
+    to the ^C, and the ^C stops the run at once."""
+    import signal
+
+    from branchsearch.orchestrator.loadtest.probes import StepProbe
+
+    spec = LoadSpec("open", (arrivals.Step(10.0, 30.0),), warmup=0, process="constant")
+    generator = Generator(SleepTarget(0.05), Workload(["q1", "q2"]), spec,
+                          probe=lambda: StepProbe(None, lambda: ""))
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    out = generator.run()
+    wall = time.monotonic() - started
+    step = out["steps"][0]
+    assert out["interrupted"] and step["partial"]
+    assert wall < 2.5 and step["wall_s"] < 2.0, (wall, step["wall_s"])
+    assert step["offered_rate"] == pytest.approx(10, rel=0.25)
+
+
 def test_in_flight_cap_drops_and_drain_bounds_the_step():
     out, wall = _run(SleepTarget(5.0), loads=(10.0,), process="constant", duration=0.5,
                      max_inflight=2, drain_s=0.3)
