@@ -22,7 +22,7 @@ from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressO
                                                    caller_acl,
                                                    choice, progress_bar, settings_from,
                                                    settings_to_read, writable_file,
-                                                   writable_folder)
+                                                   writable_folder, writable_report)
 from branchsearch.orchestrator.cli.render import (one_line, print_demo_branches,
                                                   print_demo_evidence, print_evaluation)
 from branchsearch.orchestrator.loadtest.command import loadtest
@@ -304,8 +304,7 @@ def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),
     from branchsearch.orchestrator.evaluation.run import EvalOptions, dataset_index, run_evaluation
 
     if report is not None:  # before the run: a report that cannot be written is said first
-        writable_file(output_path(report), "report")
-        writable_file(output_path(report).with_suffix(".md"), "report")
+        writable_report(output_path(report), "report")
     if plots is not None:
         writable_folder(plots, "--plots")
     options = EvalOptions(dataset, mode=mode, policy=policy, baseline=baseline, compare=compare,

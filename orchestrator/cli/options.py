@@ -87,6 +87,17 @@ def writable_file(path: Path, what: str) -> None:
         raise BranchsearchError(f"{what} {path}: no permission to write there")
 
 
+def writable_report(path: Path, what: str) -> None:
+    """`writable_file` for a JSON report `path` and the Markdown summary written beside it
+    (`path` with the suffix `.md`), which must be another file."""
+    if path.suffix == ".md":
+        raise BranchsearchError(f"{what} {path}: its Markdown summary is written to the same "
+                                "name with .md, over the JSON: give OUT.json (OUT.md is "
+                                "written beside it)")
+    writable_file(path, what)
+    writable_file(path.with_suffix(".md"), what)
+
+
 def writable_folder(path: Path, what: str) -> None:
     """Stop with one line when files cannot be written into the folder `path` (made if
     missing)."""

@@ -11,8 +11,8 @@ from typing import Optional
 import typer
 
 from branchsearch.infra.config.choices import EXECUTORS
-from branchsearch.orchestrator.cli.options import (settings_from, settings_to_read, writable_file,
-                                                 writable_folder)
+from branchsearch.orchestrator.cli.options import (settings_from, settings_to_read, writable_folder,
+                                                 writable_report)
 
 
 def _printer():
@@ -103,8 +103,7 @@ def loadtest(
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
                                  param_hint="'--executor'")
     if report:  # checked before any load is sent: a ramp's results are not lost at its end
-        writable_file(report, "--report")
-        writable_file(report.with_suffix(".md"), "--report")
+        writable_report(report, "--report")
     if plots:
         writable_folder(plots, "--plots")
     flags = {"branches": branches, "policy": policy, "ray_address": address}

@@ -139,6 +139,11 @@ def test_usage_errors(inputs, tmp_path):
         "loadtest --report where nothing can be written": (
             ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
              "1", "--report", "/proc/bs-lt.json", *home], "cannot write in /proc"),
+        "eval --report OUT.md": (["eval", inputs / "dev-only", "--split", "dev", "--report",
+                                  tmp_path / "ev.md", *home], "give OUT.json"),
+        "loadtest --report OUT.md": (  # the Markdown summary was written over the JSON
+            ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
+             "1", "--report", tmp_path / "lt.md", *home], "give OUT.json"),
         "loadtest --plots under a file": (
             ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
              "1", "--plots", inputs / "a-file" / "plots", *home], "not a folder"),
@@ -150,6 +155,7 @@ def test_usage_errors(inputs, tmp_path):
     for name, (_, expect) in cases.items():
         assert_one_error_line(results[name], expect, name)
     assert not (tmp_path / "s").exists()  # nothing written by the refused synth runs
+    assert not (tmp_path / "ev.md").exists() and not (tmp_path / "lt.md").exists()
     assert not (tmp_path / "e.jsonl").exists()  # nor by the empty batch
     assert not (tmp_path / "t.jsonl").exists()  # nor by the plain text one
     assert (inputs / "questions.jsonl").read_text().count("\n") == 1  # input untouched
