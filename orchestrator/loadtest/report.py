@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.evaluation.report import write_report
 
 
 def _ms(v) -> str:
@@ -129,12 +130,11 @@ def markdown(report: dict, md_dir: str | Path | None = None) -> str:
 
 
 def write(report: dict, path: str | Path) -> Path:
-    """OUT.json and OUT.md beside it."""
+    """OUT.json and OUT.md beside it, each whole or not at all."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    write_report(path, json.dumps(report, indent=1, default=str) + "\n")
     md = path.with_suffix(".md")
-    md.write_text(markdown(report, path.parent))
+    write_report(md, markdown(report, path.parent))
     return md
 
 

@@ -950,6 +950,28 @@ def test_cli_report_says_why_the_slo_broke(live_service, tmp_path):
                            "not held at any step; broken at 2: p99 "), line
 
 
+def test_a_report_the_disk_cannot_hold_is_not_left_half_written(tmp_path, monkeypatch):
+    """A full disk while the report was written left OUT.json cut in the middle (not JSON) over
+    the last run's; now each file is whole or untouched, and no temporary copy stays."""
+    import errno
+
+    from branchsearch.orchestrator.loadtest import report as rep
+
+    (tmp_path / "lt.json").write_text('{"steps": []}\n')  # the last run's report
+    real = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError):
+        rep.write({"steps": [], "notes": ["x" * 1000]}, tmp_path / "lt.json")
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["lt.json"]
+    assert json.loads((tmp_path / "lt.json").read_text()) == {"steps": []}
+
+
 def test_cli_user_errors_are_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest",
                            "--queries", str(tmp_path / "none.jsonl"), "--ramp", "1:2",
