@@ -51,6 +51,7 @@ class LoadSpec:
     warmup: int = 2  # requests sent one by one before the first step, not measured
     stop_at_knee: bool = True
     slo_p99_ms: float | None = None
+    not_reached: str = "raise the ramp's STOP"  # what to do when no step saturated
 
 
 def ask(target: Target, question: str, deadline_s: float | None = None) -> dict:
@@ -299,7 +300,9 @@ class Generator:
             self._stop.set()
             if ticker:
                 ticker.join(timeout=2)
-        out = {"steps": steps, "knee": find_knee(steps), "stopped": stopped,
+        not_reached = "interrupted before the last step" if interrupted \
+            else self.spec.not_reached
+        out = {"steps": steps, "knee": find_knee(steps, not_reached), "stopped": stopped,
                "interrupted": interrupted}
         if self.spec.slo_p99_ms is not None:
             out["slo"] = {"p99_ms": self.spec.slo_p99_ms, "max_error_rate": 0.01,

@@ -173,9 +173,12 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
             if any(x != int(x) for x in loads):
                 raise BranchsearchError(f"--ramp {o.ramp}: users must be whole numbers")
         steps, cut = arrivals.plan_steps(loads, o.step_duration_s, o.duration_s, o.drain_s)
+        not_reached = "raise the ramp's STOP"
         if cut:
             notes.append(f"--duration {o.duration_s:g} s leaves room for {len(steps)} of "
                          f"{len(loads)} ramp steps: the last {cut} were not run")
+            not_reached = f"--duration {o.duration_s:g} s ran {len(steps)} of the ramp's " \
+                          f"{len(loads)} steps: lengthen it"
     else:
         load = o.rate if loop == "open" else o.users
         if load is None:
@@ -184,6 +187,7 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
         if load <= 0:
             raise BranchsearchError("--rate and --users must be > 0")
         steps = [arrivals.Step(float(load), o.duration_s if o.duration_s else 30.0)]
+        not_reached = "one load measured; --ramp START:STOP:STEP looks for the knee"
     process = o.arrivals or "poisson"
     if process not in arrivals.PROCESSES:
         raise BranchsearchError(f"--arrivals {o.arrivals!r}: use poisson or constant")
@@ -200,7 +204,7 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
         raise BranchsearchError("--max-inflight must be >= 1; --drain and --think >= 0")
     _each_step_sends(steps, loop, process, o)
     return LoadSpec(loop, tuple(steps), process, o.drain_s, o.max_inflight, o.think_s,
-                    o.seed, o.warmup, o.stop_at_knee, o.slo_p99_ms), notes
+                    o.seed, o.warmup, o.stop_at_knee, o.slo_p99_ms, not_reached), notes
 
 
 def _each_step_sends(steps: list[arrivals.Step], loop: str, process: str, o: Options) -> None:

@@ -302,7 +302,8 @@ def _unavailable_counts(step: dict) -> str:
     return f"{step['unavailable']} of {step['sent']} requests: {kinds}"
 
 
-def find_knee(steps: list[dict], **criteria) -> dict:
+def find_knee(steps: list[dict], not_reached: str = "raise the ramp's STOP",
+              **criteria) -> dict:
     """The last step before the first saturated one. Returns {knee, saturated_at, reason}: knee
     is None when the first step already saturates or no step does (then `reason` says which),
     and when a step before either says nothing of saturation (`not_load`: the service
@@ -316,7 +317,7 @@ def find_knee(steps: list[dict], **criteria) -> dict:
                     "reason": why if i else f"already saturated at the first step: {why}"}
     top = steps[-1]["load"] if steps else None
     return {"knee": None, "saturated_at": None,
-            "reason": f"not reached up to {top:g}: raise the ramp's STOP" if steps
+            "reason": f"not reached up to {top:g}: {not_reached}" if steps
             else "no steps"}
 
 

@@ -436,6 +436,22 @@ def test_a_step_cut_by_ctrl_c_is_measured_up_to_the_ctrl_c():
     assert out["interrupted"] and step["partial"]
     assert wall < 2.5 and step["wall_s"] < 2.0, (wall, step["wall_s"])
     assert step["offered_rate"] == pytest.approx(10, rel=0.25)
+    assert out["knee"]["reason"] == "not reached up to 10: interrupted before the last step"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"rate": 2.0, "duration_s": 2.0}, "not reached up to 2: one load measured; --ramp "
+                                       "START:STOP:STEP looks for the knee"),
+    ({"ramp": "2:6:2", "step_duration_s": 1.0, "duration_s": 1.5, "drain_s": 0.2},
+     "not reached up to 2: --duration 1.5 s ran 1 of the ramp's 3 steps: lengthen it"),
+    ({"ramp": "2:4:2", "step_duration_s": 1.0}, "not reached up to 4: raise the ramp's STOP")])
+def test_a_knee_not_reached_says_what_to_change(options, says):
+    """'Knee: none (not reached up to 2: raise the ramp's STOP)' after a --rate run, which has
+    no ramp, and after a ramp that --duration cut short; each now names what to change."""
+    from branchsearch.orchestrator.loadtest.run import Options, load_spec
+
+    spec, _ = load_spec(Options(arrivals="constant", warmup=0, **options))
+    assert Generator(SleepTarget(0.01), Workload(["q1"]), spec).run()["knee"]["reason"] == says
 
 
 def test_in_flight_cap_drops_and_drain_bounds_the_step():
