@@ -66,8 +66,9 @@ def json_once(text: str | bytes):
     an object that names a key twice, at any depth, raises KeyTwice (a ValueError). A line's
     end is not parsed: a line cut inside a string is an unterminated string, not one holding
     a control character (the newline)."""
-    return json.loads(text.rstrip("\r\n" if isinstance(text, str) else b"\r\n"),
-                      object_pairs_hook=_once_each)
+    if isinstance(text, bytes):  # a body: in whichever encoding JSON allows (UTF-16 too)
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    return json.loads(text.rstrip("\r\n"), object_pairs_hook=_once_each)
 
 
 def key_twice_element(text: str) -> int | None:

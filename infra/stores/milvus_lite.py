@@ -193,11 +193,16 @@ KEEP_LOG_FILES = 100  # glog files (a few KB each, two per server start) a start
 
 def prune_logs(folder: Path, keep: int = KEEP_LOG_FILES) -> None:
     """Delete all but the newest `keep` glog files in `folder` (glog writes new ones at every
-    server start and never deletes one). Its links to the newest (`milvus.INFO`) and files of
-    other names stay; a file that cannot be deleted is left."""
+    server start and never deletes one). Its links to the newest (`milvus.INFO`), files of
+    other names and the files of a server still running (glog ends a file's name with its
+    writer's pid) stay; a file that cannot be deleted is left."""
+    def running(path: Path) -> bool:
+        pid = path.name.rpartition(".")[2]
+        return pid.isdigit() and Path(f"/proc/{pid}").exists()
+
     try:
         files = [p for p in folder.iterdir() if ".log." in p.name and not p.is_symlink()
-                 and p.is_file()]
+                 and p.is_file() and not running(p)]
         files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     except OSError:
         return

@@ -90,7 +90,7 @@ def writable_file(path: Path, what: str) -> None:
 def writable_report(path: Path, what: str) -> None:
     """`writable_file` for a JSON report `path` and the Markdown summary written beside it
     (`path` with the suffix `.md`), which must be another file."""
-    if path.suffix == ".md":
+    if path.suffix.lower() == ".md":  # (OUT.MD too: the same file where case is folded)
         raise BranchsearchError(f"{what} {path}: its Markdown summary is written to the same "
                                 "name with .md, over the JSON: give OUT.json (OUT.md is "
                                 "written beside it)")

@@ -103,7 +103,9 @@ def loadtest(
         raise typer.BadParameter(f"{executor!r} is not one of {', '.join(EXECUTORS)}",
                                  param_hint="'--executor'")
     if report:  # checked before any load is sent: a ramp's results are not lost at its end
-        writable_report(report, "--report")
+        from branchsearch.infra.textfile import output_path
+
+        writable_report(output_path(report), "--report")  # (never a device: /dev/null)
     if plots:
         writable_folder(plots, "--plots")
     flags = {"branches": branches, "policy": policy, "ray_address": address}

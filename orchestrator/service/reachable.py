@@ -22,36 +22,44 @@ from branchsearch.infra.errors import BackendUnavailable, redact
 
 
 class Servers:
-    """Whether each server backend answers, asked once for every index that lives on it: an
-    answer is given again for `fresh_s` seconds after its question ended, and a question that
-    comes while one to the same server is under way waits for that one."""
+    """Whether each server backend answers, asked once for every index that lives on it: a
+    probe that comes within `fresh_s` seconds of a question to the same server starting is
+    given that question's answer (waiting for it if it is under way); a success is given again
+    for `fresh_s` after it ended. An error is never given to a probe that came later than
+    that, so a server that is back is seen back by the next probe."""
 
     def __init__(self, fresh_s: float):
         self.fresh_s = fresh_s
         self._lock = threading.Lock()
-        # key -> (its last question's outcome: the exception raised, or None; when it ended,
-        # None while under way)
-        self._asked: dict[tuple, tuple[Future, float | None]] = {}
+        # key -> (its last question's outcome: the exception raised, or None; when it began;
+        # when it ended, None while under way)
+        self._asked: dict[tuple, tuple[Future, float, float | None]] = {}
 
     def check(self, key: tuple, ask: Callable[[], None]) -> None:
-        """`ask()` (which raises when the server does not answer), or the outcome of the one
-        under way or ended within `fresh_s` for the same `key`, raised as it was."""
+        """`ask()` (which raises when the server does not answer), or the outcome of a question
+        for the same `key` that began within `fresh_s`, or succeeded within `fresh_s`, raised
+        as it was."""
+        now = time.monotonic()
         with self._lock:
-            outcome, ended = self._asked.get(key, (None, None))
-            mine = outcome is None or (ended is not None
-                                       and time.monotonic() - ended >= self.fresh_s)
-            if mine:
+            outcome, began, ended = self._asked.get(key, (None, 0.0, None))
+            shared = outcome is not None and (
+                now - began < self.fresh_s
+                or (ended is not None and now - ended < self.fresh_s
+                    and outcome.result() is None))  # (ended: its result is set)
+            if not shared:
                 outcome = Future()
-                self._asked[key] = (outcome, None)
-        if mine:
+                self._asked[key] = (outcome, now, None)
+        if not shared:
+            error = None
             try:
                 ask()
-                error = None
-            except Exception as exc:  # noqa: BLE001 — the server's answer, for every index on it
-                error = exc
-            with self._lock:
-                self._asked[key] = (outcome, time.monotonic())
-            outcome.set_result(error)
+            except BaseException as exc:  # noqa: BLE001 — the server's answer, for every index
+                error = exc  # on it (and never a Future left unset for those waiting)
+            finally:
+                with self._lock:
+                    if self._asked.get(key, (None,))[0] is outcome:
+                        self._asked[key] = (outcome, now, time.monotonic())
+                outcome.set_result(error)
         error = outcome.result()
         if error is not None:
             raise error.with_traceback(None)

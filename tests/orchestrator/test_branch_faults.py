@@ -99,6 +99,13 @@ def test_a_line_cut_short_says_where_its_string_began(tmp_path):
     assert data.items == [("a", "Who is Ed Wood?")]
     assert data.bad_lines == [f"{path}:2: not JSON (Unterminated string starting at character "
                               "29 of the line)"]
+    # a request body is bytes in any encoding JSON allows: dropping its newline as bytes cut a
+    # UTF-16 one in half (the review's case: 422 'body is not JSON' for a valid body)
+    from branchsearch.infra.textfile import json_once
+
+    for encoding in ("utf-8", "utf-16-be", "utf-16-le", "utf-32", "utf-8-sig"):
+        body = '{"question": "Qui a réalisé Ed Wood ?"}\r\n'.encode(encoding)
+        assert json_once(body) == {"question": "Qui a réalisé Ed Wood ?"}, encoding
 
 
 @pytest.fixture

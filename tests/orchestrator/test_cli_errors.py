@@ -144,6 +144,12 @@ def test_usage_errors(inputs, tmp_path):
         "loadtest --report OUT.md": (  # the Markdown summary was written over the JSON
             ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
              "1", "--report", tmp_path / "lt.md", *home], "give OUT.json"),
+        "loadtest --report OUT.MD": (  # the same file on a file system that folds case
+            ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
+             "1", "--report", tmp_path / "LT.MD", *home], "give OUT.json"),
+        "loadtest --report /dev/null": (  # refused after the whole ramp, as root
+            ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
+             "1", "--report", "/dev/null", *home], "not a regular file"),
         "loadtest --plots under a file": (
             ["loadtest", "--queries", inputs / "questions.jsonl", "--rate", "1", "--duration",
              "1", "--plots", inputs / "a-file" / "plots", *home], "not a folder"),

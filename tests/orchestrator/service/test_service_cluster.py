@@ -98,15 +98,17 @@ def two_nodes():
 
 
 def _titled(node: subprocess.Popen, title: str) -> bool:
-    """Whether a process of `node` has the title `title` (`ray::ReadinessBoard`)."""
+    """Whether a process of `node` has the title `title` (`ray::ReadinessBoard`; Ray adds
+    `.METHOD` while it runs a call)."""
     import psutil
 
     for child in psutil.Process(node.pid).children(recursive=True):
         try:
-            if child.cmdline()[:1] == [title]:
-                return True
-        except psutil.Error:
+            words = child.cmdline()[0].split()
+        except (psutil.Error, IndexError):
             continue
+        if words and words[0].split(".")[0] == title:
+            return True
     return False
 
 

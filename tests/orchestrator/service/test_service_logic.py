@@ -1214,6 +1214,31 @@ def test_a_server_is_asked_once_for_the_indexes_on_it_while_its_answer_is_fresh(
     assert len(asked) == 3
     assert outcomes[12:] == ["elasticsearch at http://es:9200 is not answering"] * 4
 
+    # a hung server's question (the review's case): a probe that comes later than `fresh_s`
+    # after it began asks for itself, and sees the server back, instead of waiting for the
+    # hung question and being given its failure
+    slow, answers = Servers(fresh_s=0.5), {}
+
+    def hung_then_back():
+        if not answers:  # the first question: the server hangs, then fails it
+            answers["first"] = time.monotonic()
+            time.sleep(1.5)
+            raise BackendUnavailable("elasticsearch at http://es:9200 is not answering")
+
+    def probe_slow(name):
+        try:
+            slow.check(("elasticsearch", "http://es:9200", None), hung_then_back)
+            answers[name] = "ready"
+        except BackendUnavailable:
+            answers[name] = "down"
+
+    first = threading.Thread(target=probe_slow, args=("a",))
+    first.start()
+    time.sleep(1.0)  # the server is back; the first question still hangs
+    probe_slow("b")
+    first.join(10)
+    assert answers["a"] == "down" and answers["b"] == "ready", answers
+
 
 def test_a_readiness_probe_is_answered_by_a_check_begun_after_it():
     """A probe that arrives while a check runs is not given that check's answer: the check
