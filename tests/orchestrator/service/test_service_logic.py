@@ -1168,9 +1168,9 @@ def test_readiness_answers_within_its_wait_and_probes_share_one_check():
 
 def test_a_server_is_asked_once_for_the_indexes_on_it_while_its_answer_is_fresh():
     """The probes of many indexes on one server (`reachable.Servers`): those that come while
-    its question is under way wait for it (a server that takes connections and does not
-    answer holds one probe thread, not one an index), its answer is given again for
-    `fresh_s`, an error raised to each, and the server is asked anew after that."""
+    its question is under way wait for it (the server is asked once, not once an index), a
+    success is given again for `fresh_s`, an error raised to each, and the server is asked
+    anew after that."""
     import threading
     import time
 
