@@ -135,10 +135,9 @@ class Publisher:
 
     def _board(self):
         """The board, made on this replica's node when there is none: the loss of another
-        node does not take it away while the searcher lives. (The node is required, not
-        preferred: Ray placed a board asked for with `soft=True` on the worker node in 5 of 6
-        two-node runs, and every ingress then answered 503 while the worker was unreachable,
-        though the head searched.)"""
+        node does not take it away while the searcher lives. The node is required, not
+        preferred: Ray may place a softly asked actor on another node, and the loss of that
+        node would then make every ingress answer 503 while the searcher still searches."""
         if self._handle is None:
             import ray
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

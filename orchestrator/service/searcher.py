@@ -94,7 +94,7 @@ class Searcher:
         self._servers = Servers(fresh_s=OTHERS_WAIT_S)
         # each index's settings for those probes, made once: `Settings.replace` reads every
         # declared index anew, so made at each probe its cost grew with the square of their
-        # number (300 external indexes: most of a CPU core)
+        # number
         self._settings_of = functools.lru_cache(maxsize=4096)(
             lambda index: settings.replace(index=index))
         if warm:
