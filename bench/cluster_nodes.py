@@ -349,6 +349,21 @@ def questions_file(source: Path, n: int, work: Path) -> Path:
     return out
 
 
+def on_fresh_cluster(cluster: "Cluster", run):
+    """`run()` (which starts `cluster`'s Ray nodes) on a network built anew, torn down after;
+    a start that fails (`StartFailed`) is tried once more."""
+    for attempt in (1, 2):
+        cluster.build_network()
+        try:
+            return run()
+        except StartFailed as exc:
+            say(f"cluster start failed ({exc})" + ("; again" if attempt == 1 else ""))
+            if attempt == 2:
+                raise
+        finally:
+            cluster.close()
+
+
 def uptime() -> str:
     return sh("uptime").stdout.strip()
 
@@ -387,20 +402,10 @@ def main() -> None:
         questions = questions_file(args.queries, args.n, work)
         for nodes in runs:
             load = uptime()
-            for attempt in (1, 2):  # a cluster start that times out is tried once more
-                cluster.build_network()
-                try:
-                    address = cluster.start(nodes)
-                    run_args = argparse.Namespace(**{**vars(args), "concurrency": (
-                        args.concurrency * nodes if args.per_node else args.concurrency)})
-                    result = run_batch(address, nodes, run_args, questions, work)
-                    break
-                except StartFailed as exc:
-                    say(f"cluster start failed ({exc})" + ("; again" if attempt == 1 else ""))
-                    if attempt == 2:
-                        raise
-                finally:
-                    cluster.close()
+            run_args = argparse.Namespace(**{**vars(args), "concurrency": (
+                args.concurrency * nodes if args.per_node else args.concurrency)})
+            result = on_fresh_cluster(cluster, lambda: run_batch(
+                cluster.start(nodes), nodes, run_args, questions, work))
             result["uptime_before"] = load
             result["uptime_after"] = uptime()
             results.append(result)

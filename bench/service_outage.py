@@ -48,8 +48,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent),
                 str(Path(__file__).resolve().parent.parent / "tests")]
-from cluster_nodes import (BIN, NODES, RAY_TMP, Cluster, StartFailed,  # noqa: E402
-                           namespace_procs, proc_kind, ray_env, say, sh, uptime)
+from cluster_nodes import (BIN, NODES, RAY_TMP, Cluster, namespace_procs,  # noqa: E402
+                           on_fresh_cluster, proc_kind, ray_env, say, sh, uptime)
 
 SERVE_PORT = 8000
 QUESTION = "Alpha harbor budget {i}"
@@ -371,17 +371,8 @@ def main() -> None:
         home, key = prepare(work)
         for name in names:
             load = uptime()
-            for attempt in (1, 2):  # a cluster start that times out is tried once more
-                cluster.build_network()
-                try:
-                    result = scenario(name, cluster, home, key, args, work)
-                    break
-                except StartFailed as exc:
-                    say(f"cluster start failed ({exc})" + ("; again" if attempt == 1 else ""))
-                    if attempt == 2:
-                        raise
-                finally:
-                    cluster.close()
+            result = on_fresh_cluster(
+                cluster, lambda: scenario(name, cluster, home, key, args, work))
             result["uptime_before"] = load
             result["uptime_after"] = uptime()
             results.append(result)
