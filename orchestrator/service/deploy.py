@@ -364,7 +364,8 @@ class ServeOptions:
     # proxies are ("EveryNode": at most one a node; "HeadOnly": on the head), and one searcher
     # replica on the head node; None: Serve places them
     proxies: str | None = None
-    max_ongoing_requests: int = 64  # per ingress replica (HTTP connections being served)
+    # per ingress replica (HTTP requests being served); None: `ingress_room`
+    max_ongoing_requests: int | None = None
     max_queued_requests: int = 256  # per ingress replica; past it Serve's proxy answers 503
     searcher_max_ongoing: int = 16  # searches at once per searcher replica
     searcher_max_queued: int = 32  # waiting searches, then 503 {error: overloaded} (JSON)
@@ -374,6 +375,22 @@ class ServeOptions:
     ingress_cpus: float = 0.05
     searcher_cpus: float = 0.1
     limits: dict = field(default_factory=dict)  # Limits fields
+
+
+# requests an ingress replica serves beside the searches it waits on: probes, scrapes, the index
+# list, the page, and the 429s and 503s being answered
+PROBE_ROOM = 16
+
+
+def ingress_room(opts: ServeOptions) -> int:
+    """An ingress replica's `max_ongoing_requests` when none is given: every search the searcher
+    replicas can hold (running and in their Serve queues) and `PROBE_ROOM` more. Load is
+    bounded by the searchers' queues and the keys' limits, which answer JSON 503s and 429s;
+    an ingress cap below them only queues requests in front of the application, where
+    /healthz, /readyz and /metrics would wait behind searches (a liveness probe timing out
+    in a burst) and no deadline runs. 64 with the defaults (one searcher replica)."""
+    return opts.searcher_replicas * (opts.searcher_max_ongoing + opts.searcher_max_queued) \
+        + PROBE_ROOM
 
 
 def build_application(opts: ServeOptions):
@@ -413,7 +430,7 @@ def build_application(opts: ServeOptions):
                  limits.per_key_queue, opts.searcher_max_ongoing)
     o["limits"] = asdict(limits)
     grace = {"graceful_shutdown_timeout_s": GRACE_S, "graceful_shutdown_wait_loop_s": 0.5}
-    ingress_cfg = {"max_ongoing_requests": opts.max_ongoing_requests,
+    ingress_cfg = {"max_ongoing_requests": opts.max_ongoing_requests or ingress_room(opts),
                    "max_queued_requests": opts.max_queued_requests,
                    "ray_actor_options": {"num_cpus": opts.ingress_cpus}} | grace
     ingress_cfg |= ({"autoscaling_config": opts.autoscaling} if opts.autoscaling

@@ -693,3 +693,43 @@ def test_a_keys_429_under_serve_gives_the_queue_the_replica_cut(serve_app, tmp_p
         assert "the limits are 1 and 1 (per_key_queue)" in body["detail"], body
         assert r.headers["retry-after"] == "1"
         held.close()
+
+
+def test_probes_answer_at_once_while_searches_fill_every_place_the_searchers_have(serve_app,
+                                                                                  tmp_path):
+    """An operator gives the searcher room for more searches than 64 (`--max-searches`,
+    `--max-queued`, or several searcher replicas on server backends), and a burst fills it:
+    70 searches each held for its 15 s deadline (their index's backend takes connections and
+    never answers). The ingress replica served at most 64 requests at once, so /healthz and
+    /metrics waited in Serve's queue in front of it until searches ended — a liveness probe
+    with a 1 s timeout failed for as long. The ingress now has room for every search its
+    searchers hold and `PROBE_ROOM` more (`deploy.ingress_room`)."""
+    from branchsearch.orchestrator.service.deploy import PROBE_ROOM, ServeOptions, ingress_room
+
+    assert ingress_room(ServeOptions()) == 64  # the defaults: one searcher, 16 + 32, and 16
+    assert ingress_room(ServeOptions(searcher_replicas=2)) == 2 * 48 + PROBE_ROOM
+    client, _ = serve_app
+    held = 70
+    with _app_over_a_hung_backend(tmp_path, "crowd", searcher_max_ongoing=40,
+                                  searcher_max_queued=40,
+                                  limits={"per_key_concurrency": held}), \
+            httpx.Client(base_url=client.base_url, timeout=60,
+                         limits=httpx.Limits(max_connections=held + 8)) as burst, \
+            cf.ThreadPoolExecutor(held) as pool:
+        assert client.get("/crowd/healthz").status_code == 200
+        searches = [pool.submit(burst.post, "/crowd/v1/search",
+                                json={"question": "harbor", "index": "hole", "deadline_s": 15})
+                    for _ in range(held)]
+        time.sleep(4)  # every search has reached the ingress and waits on the searcher
+        running = sum(not s.done() for s in searches)
+        began = time.monotonic()
+        health = client.get("/crowd/healthz", timeout=30)
+        health_s = time.monotonic() - began
+        scrape = client.get("/crowd/metrics", timeout=30)
+        took = time.monotonic() - began
+        answers = [s.result() for s in searches]
+    assert running == held, f"only {running} searches held: the test shows nothing"
+    assert health_s < 3 and took < 5, (health_s, took)  # (the old wait: the searches' 15 s)
+    assert health.status_code == 200 and scrape.status_code == 200, (health.text, scrape.text)
+    assert {r.status_code for r in answers} <= {503, 504}, {r.status_code for r in answers}
+    assert all(r.headers["content-type"].startswith("application/json") for r in answers)
