@@ -155,9 +155,15 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         bar.set_postfix(seen)
 
     stop, counts, first, driver = threading.Event(), None, {}, None
-    try:  # a stop from here on, also while workers or a Ray cluster start, writes what ran
-        with first_stop_signal_sets(stop, first):
-            driver, search = _searcher(settings, pick_executor(settings, executor), todo, groups)
+    picked = pick_executor(settings, executor)
+    starting = "Ray has started" if picked == "ray" and todo else None
+    # a stop from here on, also while workers or a Ray cluster start, writes what ran; it is
+    # said at once (a Ray cluster may take many seconds more to start)
+    said = {"now": f"stopping once {starting}" if starting else "stopping"}
+    try:
+        with first_stop_signal_sets(stop, first, said):
+            driver, search = _searcher(settings, picked, todo, groups)
+            said["now"] = "stopping: the questions under way finish and are written"
             bar = progress_bar(len(todo), "q", "batch")
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
@@ -241,24 +247,39 @@ def shown(value) -> str:
 
 
 @contextmanager
-def first_stop_signal_sets(stop: threading.Event, first: dict):
+def first_stop_signal_sets(stop: threading.Event, first: dict, said: dict | None = None):
     """Meanwhile, a ^C (SIGINT) or a SIGTERM (a job scheduler's stop, `kill PID`) sets `stop`
     (the batch starts nothing more, writes the rows of the questions running, then stops with
     KeyboardInterrupt), and `first["signal"]` says which came first; a second one interrupts
     at once. A flag, not an exception raised wherever the main thread happens to be: one
     raised inside a finalizer is printed and dropped, and the batch would run on to its end.
-    A signal the parent made this process ignore (^C for a background job) stays ignored."""
+    A signal the parent made this process ignore (^C for a background job) stays ignored.
+    With `said`, the first signal is answered at once by one stderr line: `said["now"]` (what
+    the stop waits for, as the caller last set it) and how to stop at once. It is written to
+    the stderr of the start, not to fd 2, which Ray's start holds in a file until it is done
+    (`infra.raycluster`), and with one `os.write`, which a handler may do whatever the main
+    thread was writing."""
+    import os
     import signal
 
     def handle(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt
-        first.setdefault("signal", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        first.setdefault("signal", name)
         stop.set()
+        if said is not None and err is not None:
+            again = "^C again" if name == "SIGINT" else f"a second {name}"
+            line = f"{said['now']}; {again} to stop at once\n"
+            try:  # on a terminal, below what the bar (or the ^C echo) left on its line
+                os.write(err, (("\n" if os.isatty(err) else "") + line).encode())
+            except OSError:
+                pass
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    err = os.dup(2) if said is not None else None
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
            if signal.getsignal(sig) is not signal.SIG_IGN}
     for sig in old:
@@ -268,6 +289,8 @@ def first_stop_signal_sets(stop: threading.Event, first: dict):
     finally:
         for sig, was in old.items():
             signal.signal(sig, was if was is not None else signal.SIG_DFL)
+        if err is not None:
+            os.close(err)
 
 
 def evaluate(dataset: Path = typer.Argument(..., help="BEIR folder"),

@@ -967,6 +967,62 @@ def test_sigterm_as_a_batch_starts_ends_as_terminated(tmp_path, executor, starti
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
+@pytest.mark.ray
+def test_ctrl_c_as_a_ray_batch_starts_is_answered_at_once(tmp_path):
+    """^C while a batch's Ray cluster starts: the stop waits for the start (seconds, up to
+    ~18 s on a loaded machine), and before, nothing said so until then: the ^C looked lost.
+    Now one line answers it at once (while Ray's start holds fd 2), saying what it waits for
+    and how to stop at once; then the stop ends as before, `interrupted`, exit status 130."""
+    import signal
+    import threading
+
+    import psutil
+
+    from conftest import HOTPOT, prepared
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": "Who directed Ed Wood?"})
+                           + "\n" for i in range(20)))
+    proc = subprocess.Popen(prepared([*CLI, "batch", inp, "-o", out, "--executor", "ray",
+                                      *home], sigint_default=True),
+                            env={**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line.rstrip())
+                                                          for line in proc.stderr))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if any("raylet" in " ".join(c.cmdline())
+                       for c in psutil.Process(proc.pid).children(recursive=True)):
+                    break  # its cluster is starting
+            except psutil.Error:
+                pass
+            time.sleep(0.02)
+        assert proc.poll() is None, "the batch ended before it was stopped"
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what ^C sends: the group
+        proc.wait(timeout=120)
+        ended = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        reader.join(30)
+    said = [(when, line) for when, line in lines if line.startswith("stopping")]
+    assert said, [line for _, line in lines][-10:]
+    when, line = said[0]
+    assert line == "stopping once Ray has started; ^C again to stop at once", line
+    assert when - sent < 2.0 and when < ended, (when - sent, ended - sent)
+    assert proc.returncode == 130, (proc.returncode, lines[-5:])
+    assert lines[-1][1] == "interrupted" and not any("Traceback" in l for _, l in lines)
+
+
 def test_ctrl_c_on_eval_does_not_say_done(tmp_path):
     """^C during `eval`: its last progress line said ", done" (the bar closed as if the
     questions had all run), then `interrupted`. It says where it stopped, and not done. The
