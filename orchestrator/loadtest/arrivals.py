@@ -74,9 +74,8 @@ def parse_ramp(spec: str) -> list[float]:
 def plan_steps(loads: list[float], step_duration_s: float,
                total_s: float | None = None, drain_s: float = 0.0) -> tuple[list[Step], int]:
     """Steps that fit in `total_s` (each step costs its duration plus at most `drain_s`).
-    Returns the steps and how many were left out to stay within the bound."""
-    if step_duration_s <= 0:
-        raise BranchsearchError("step duration must be > 0 seconds")
+    Returns the steps and how many were left out to stay within the bound (`step_duration_s`
+    > 0: `run.load_spec` checks every length first)."""
     steps = [Step(load, step_duration_s) for load in loads]
     if total_s is None:
         return steps, 0

@@ -155,10 +155,20 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
                         ("--deadline-s", o.deadline_s), ("--slo-p99-ms", o.slo_p99_ms)):
         if value is not None and not math.isfinite(value):  # nan and inf: no bounded run
             raise BranchsearchError(f"{flag} {value}: give a number (not nan or inf)")
-    for flag, value in (("--deadline-s", o.deadline_s), ("--slo-p99-ms", o.slo_p99_ms),
-                        ("--timeout-s", o.timeout_s)):
-        if value is not None and value <= 0:  # every request would fail, or no SLO be judged
-            raise BranchsearchError(f"{flag} {value:g}: must be > 0")
+    # every rate and length is checked, also one this run does not use (--step-duration
+    # without --ramp): a value of the wrong sign is a mistake, never silently dropped. A
+    # deadline of 0 would fail every request, an SLO of 0 judge nothing; a drain or a think
+    # time of 0 is no wait.
+    for flag, value, zero_ok in (
+            ("--rate", o.rate, False), ("--users", o.users, False),
+            ("--duration", o.duration_s, False), ("--step-duration", o.step_duration_s, False),
+            ("--deadline-s", o.deadline_s, False), ("--slo-p99-ms", o.slo_p99_ms, False),
+            ("--timeout-s", o.timeout_s, False), ("--drain", o.drain_s, True),
+            ("--think", o.think_s, True)):
+        if value is not None and (value < 0 or (value == 0 and not zero_ok)):
+            raise BranchsearchError(f"{flag} {value:g}: must be {'>= 0' if zero_ok else '> 0'}")
+    if o.max_inflight < 1:
+        raise BranchsearchError(f"--max-inflight {o.max_inflight}: must be >= 1")
     loop = o.loop or ("closed" if o.users is not None and o.rate is None else "open")
     if loop not in ("open", "closed"):
         raise BranchsearchError(f"--loop {loop!r}: use open or closed")
@@ -184,8 +194,6 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
         if load is None:
             raise BranchsearchError("give --rate R (open loop), --users U (closed loop) or "
                                     "--ramp START:STOP:STEP")
-        if load <= 0:
-            raise BranchsearchError("--rate and --users must be > 0")
         steps = [arrivals.Step(float(load), o.duration_s if o.duration_s else 30.0)]
         not_reached = "one load measured; --ramp START:STOP:STEP looks for the knee"
     process = o.arrivals or "poisson"
@@ -198,10 +206,6 @@ def load_spec(o: Options) -> tuple[LoadSpec, list[str]]:
         raise BranchsearchError("--think is a closed loop's pause between an answer and the "
                                 "next question (--users); an open loop sends at its rate: "
                                 "drop --think")
-    if o.duration_s is not None and o.duration_s <= 0:
-        raise BranchsearchError("--duration must be > 0 seconds")
-    if o.max_inflight < 1 or o.drain_s < 0 or o.think_s < 0:
-        raise BranchsearchError("--max-inflight must be >= 1; --drain and --think >= 0")
     _each_step_sends(steps, loop, process, o)
     return LoadSpec(loop, tuple(steps), process, o.drain_s, o.max_inflight, o.think_s,
                     o.seed, o.warmup, o.stop_at_knee, o.slo_p99_ms, not_reached), notes

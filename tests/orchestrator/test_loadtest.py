@@ -988,13 +988,19 @@ def test_a_report_the_disk_cannot_hold_is_not_left_half_written(tmp_path, monkey
     assert json.loads((tmp_path / "lt.json").read_text()) == {"steps": []}
 
 
-def test_cli_user_errors_are_one_line_exit_2(tmp_path):
+@pytest.mark.parametrize("flags, says", [
+    (["--ramp", "1:2"], "--ramp"),
+    (["--rate", "5", "--step-duration", "-1"], "--step-duration -1: must be > 0"),
+    (["--users", "1", "--step-duration", "0"], "--step-duration 0: must be > 0")])
+def test_cli_user_errors_are_one_line_exit_2(tmp_path, flags, says):
+    """`--step-duration -1` without a ramp was dropped without a word (the run went on with
+    --duration): a length or rate of the wrong sign is one error line wherever it is given."""
     proc = subprocess.run([sys.executable, "-m", "branchsearch.orchestrator.cli", "loadtest",
-                           "--queries", str(tmp_path / "none.jsonl"), "--ramp", "1:2",
+                           "--queries", str(tmp_path / "none.jsonl"), *flags,
                            "--home", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "--ramp" in proc.stderr
+    assert proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("options", [
@@ -1015,6 +1021,15 @@ def test_nan_and_inf_are_refused_before_anything_runs(options):
     ({"rate": 1.0, "deadline_s": -1.0}, "--deadline-s -1: must be > 0"),
     ({"rate": 1.0, "slo_p99_ms": -3.0}, "--slo-p99-ms -3: must be > 0"),
     ({"rate": 1.0, "timeout_s": 0.0}, "--timeout-s 0: must be > 0"),
+    ({"rate": 1.0, "step_duration_s": -1.0}, "--step-duration -1: must be > 0"),
+    ({"users": 2, "step_duration_s": 0.0}, "--step-duration 0: must be > 0"),
+    ({"ramp": "1:2:1", "step_duration_s": -5.0}, "--step-duration -5: must be > 0"),
+    ({"rate": 0.0}, "--rate 0: must be > 0"), ({"rate": -1.0}, "--rate -1: must be > 0"),
+    ({"users": 0}, "--users 0: must be > 0"),
+    ({"rate": 1.0, "duration_s": -2.0}, "--duration -2: must be > 0"),
+    ({"rate": 1.0, "drain_s": -1.0}, "--drain -1: must be >= 0"),
+    ({"users": 2, "think_s": -0.5}, "--think -0.5: must be >= 0"),
+    ({"rate": 1.0, "max_inflight": 0}, "--max-inflight 0: must be >= 1"),
     ({"users": 2, "arrivals": "constant"}, "drop --arrivals"),
     ({"rate": 1.0, "think_s": 1.0}, "drop --think")])
 def test_values_that_would_fail_every_request_or_change_nothing_are_refused(options, says):
@@ -1028,6 +1043,7 @@ def test_values_that_would_fail_every_request_or_change_nothing_are_refused(opti
     assert load_spec(Options(users=2, think_s=1.0))[0].think_s == 1.0  # where they belong
     assert load_spec(Options(rate=1.0, arrivals="constant"))[0].process == "constant"
     assert load_spec(Options(rate=1.0))[0].process == "poisson"
+    assert load_spec(Options(users=2, drain_s=0.0))[0].drain_s == 0.0  # 0: no wait
 
 
 @pytest.mark.parametrize("options, says", [
