@@ -37,6 +37,11 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
         if address is None:
             kwargs |= {"num_cpus": max(os.cpu_count() or 1, 2),
                        "object_store_memory": object_store_mb * 1024 * 1024}
+            # the last task events go to a GCS that ends with this process, read by no one
+            # after: Ray's shutdown waits 5 s for a GCS already gone (a SIGTERM to the batch's
+            # process group stops it first); a setting of the user's own wins
+            os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms",
+                                  str(FLUSH_AT_SHUTDOWN_MS))
         # a local start that times out (a slow raylet on a loaded machine) is tried once more
         for attempt in (1, 2) if address is None else (2,):
             said: list[str] = []  # what Ray's core printed meanwhile
@@ -63,6 +68,37 @@ def connect(settings: Settings, *, object_store_mb: int = 256) -> dict:
         _watch_started_cluster()  # (a joined cluster started no process here: no watch)
     _cluster_errors_to_log()
     return ray.cluster_resources()
+
+
+def _started_node():
+    """Ray's node of the local cluster this process started (its GCS, raylet and the rest, as
+    processes of ours), or None: none started, or a cluster joined."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None) or {}
+    return node if "gcs_server" in processes else None
+
+
+def local_cluster_lost() -> str | None:
+    """Why the local cluster this process started is gone, asked at once (no wait for a restart:
+    none restarts it); None while its GCS takes connections, and for a joined cluster
+    (`cluster_lost` waits for that one)."""
+    return cluster_lost() if _started_node() is not None else None
+
+
+def stop_lost_cluster() -> None:
+    """Kill at once what is left of the local cluster this process started, once it is lost
+    (`cluster_lost`): a GCS told to stop (a SIGTERM sent to a batch's whole process group
+    reaches it) closes its port but does not end, and Ray's shutdown at exit would give it,
+    and each other process, a second's grace first. A joined cluster is not ours to stop."""
+    node = _started_node()
+    if node is None:
+        return
+    try:
+        node.kill_all_processes(check_alive=False, allow_graceful=False)
+    except Exception as exc:  # noqa: BLE001 — Ray's shutdown at exit tries again
+        log.info("ray: stopping the lost local cluster: %s: %s", type(exc).__name__, exc)
 
 
 def _watch_started_cluster() -> None:
@@ -144,8 +180,13 @@ REACH_S = 5.0
 
 # How long the GCS of a cluster this process uses may take no connection before the cluster is
 # lost: a GCS with fault tolerance (HA Redis) restarting within it is waited for. Ray's core
-# ends this process itself after `RAY_gcs_rpc_server_reconnect_timeout_s` (60 s).
+# ends this process itself after `RAY_gcs_rpc_server_reconnect_timeout_s` (60 s). A local
+# cluster this process started has no one to restart its GCS: one that refuses connections
+# is gone at once.
 LOST_AFTER_S = 10.0
+
+# How long Ray's shutdown waits to send the last task events of a local cluster it started
+FLUSH_AT_SHUTDOWN_MS = 1000
 
 
 def cluster_lost(wait_s: float = LOST_AFTER_S) -> str | None:
@@ -161,11 +202,15 @@ def cluster_lost(wait_s: float = LOST_AFTER_S) -> str | None:
 
     host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
     end = time.monotonic() + wait_s
+    started = _started_node() is not None
     while True:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
             return None
         except OSError as exc:
+            if started and isinstance(exc, ConnectionRefusedError):  # (its port closed)
+                return ("its head node (the GCS of the local cluster this process started) "
+                        f"takes no connection ({exc.strerror or type(exc).__name__})")
             if time.monotonic() >= end:
                 return (f"its head node (the GCS) has taken no connection for {wait_s:g} s "
                         f"({exc.strerror or type(exc).__name__})")

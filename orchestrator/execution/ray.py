@@ -477,8 +477,13 @@ class RayExecutor:
         """Nothing to do: every actor loaded its models as it started."""
 
     def close(self) -> None:
+        from branchsearch.infra.raycluster import local_cluster_lost, stop_lost_cluster
+
         self._closed.set()
+        # a local cluster stopped since the last look (a SIGTERM to the batch's process group)
+        self.lost = self.lost or local_cluster_lost() or ""
         if self.lost:  # nothing of it is left to release, and each call would wait for it
+            stop_lost_cluster()
             return
         import ray
 

@@ -79,3 +79,45 @@ def test_a_killed_ray_batch_leaves_no_process_of_its_cluster_and_resumes_whole(
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["id"] for row in rows] == ids  # none lost, none twice, in input order
     assert all(row["status"] == "ok" for row in rows)
+
+
+def test_a_sigterm_to_a_ray_batchs_group_ends_it_within_seconds(hotpot_settings, tmp_path):
+    """A scheduler's SIGTERM to the whole process group of a running `--executor ray` batch
+    reaches its local cluster too: the GCS closes its port (and does not end), the raylet
+    ends 10 s later. The batch waited 10 s to call the cluster lost, then Ray's shutdown 5 s
+    to send task events to the dead GCS and a second's grace to each process left: 9-20 s
+    (median 10.2 s of 3 on this machine). A cluster this process started is lost once its
+    GCS refuses connections, and what is left of it is killed: about 3 s. The rows written
+    stay whole, no process of the cluster stays, and the exit says `terminated` (143)."""
+    settings = ingest_copy(hotpot_settings, "sigterm-ray")
+    ids = _questions(tmp_path / "q.jsonl", copies=8)
+    out = tmp_path / "out.jsonl"
+    command = [*CLI, "batch", str(tmp_path / "q.jsonl"), "-o", str(out), "--home",
+               str(settings.home), "--index", "sigterm-ray", "--executor", "ray"]
+    batch = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)  # its own group, as a job's
+    try:
+        end = time.monotonic() + 240
+        while _lines(out) < 3 and batch.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert batch.poll() is None and 3 <= _lines(out) < len(ids)
+        cluster = psutil.Process(batch.pid).children(recursive=True)
+        sent = time.monotonic()
+        os.killpg(batch.pid, signal.SIGTERM)
+        _, stderr = batch.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if batch.poll() is None:
+            batch.kill()
+            batch.wait()
+    assert batch.returncode == 143, stderr[-2000:]
+    assert stderr.splitlines()[-1].startswith("terminated") and "Traceback" not in stderr
+    assert took < 6.0, f"{took:.1f} s from SIGTERM to exit"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["status"] == "ok" for row in rows)
+    written = [row["id"] for row in rows]
+    assert len(set(written)) == len(written) and set(written) <= set(ids)  # once each
+    end = time.monotonic() + 15
+    while _running(cluster) and time.monotonic() < end:
+        time.sleep(0.25)
+    assert _running(cluster) == [], f"left running: {_running(cluster)}"
