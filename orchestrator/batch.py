@@ -29,6 +29,9 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   and the counts say how many were not run and why; re-running the command resumes.
 * A search that raises `ClusterLost` (the Ray cluster is gone) writes no row: its question
   is not run, none is started after it, and the counts say why (`lost`).
+* So does one that ends once the index is no longer the one the batch began with
+  (`index_gone`: its folder removed, or made anew): the output holds only answers from the
+  index as it began, stamped with its version; the counts say why (`gone`).
 Malformed input lines are reported with their line numbers and skipped. An id is a non-empty
 string, written back as given, or a number, written back as text (`7` -> "7", `1.5` -> "1.5"); an
 empty id, one of characters that do not show (`infra.ids`), true/false, an array or an object
@@ -509,7 +512,8 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
               on_done: Callable[[str], None] | None = None,
               stop_after: int = STOP_AFTER, stop: threading.Event | None = None,
               locked: bool = False, made: dict | None = None,
-              version: str | None = None) -> dict:
+              version: str | None = None,
+              index_gone: Callable[[], str] | None = None) -> dict:
     """Run `search(question) -> result dict` for each item whose latest row in `out_path` is
     not ok or answered another question (`to_ask`). Returns counts: ok, partial, failed (this
     run; `cut_short`: how many of its ok rows a resume asks again; `question_cut`: how many
@@ -523,19 +527,21 @@ def run_batch(items: list[tuple[str, str]], out_path: str | Path,
     (else it is taken here, for the run). `index` and `made` (`made_with`): written in every
     row, and a row answered on another index or made with other settings is not done; so is
     one answered on another `version` of the index (the manifest's; written as
-    `index_version`)."""
+    `index_version`). `index_gone() -> why or ""`: asked as each question starts and before
+    its row is written; once it says why, that row is not written and nothing more starts
+    (`gone`)."""
     out_path = Path(out_path)
     held = None if locked else OutputLock(out_path).acquire()
     try:
         return _run_batch(items, out_path, search, concurrency, index, on_done, stop_after,
-                          stop, made, version)
+                          stop, made, version, index_gone or (lambda: ""))
     finally:
         if held is not None:
             held.release()
 
 
 def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_after,
-               stop, made, version) -> dict:
+               stop, made, version, index_gone) -> dict:
     drop_killed_rewrites(out_path)
     mend_tail(out_path)
     todo, changed = to_ask(items, done_ids(out_path, index, made, version))
@@ -545,10 +551,18 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
     lock = threading.Lock()
     counts = {"skipped": len(items) - len(todo), "ok": 0, "partial": 0, "failed": 0,
               "cut_short": 0, "question_cut": 0, "not_run": 0, "stopped": "", "lost": "",
-              "changed": changed}
+              "gone": "", "changed": changed}
     in_a_row, last_error, failed_ids, lost = 0, [""], set(), 0
 
+    def gone() -> bool:  # the index is not the one the batch began with: nothing is written
+        why = index_gone()
+        if why:
+            counts["gone"] = counts["gone"] or why
+        return bool(why)
+
     def one(qid: str, question: str) -> str:
+        if gone():
+            return "lost"
         try:
             row = {"id": qid, "question": question, **stamp, **search(question)}
         except ClusterLost as exc:  # not this question's failure: nothing can run now
@@ -557,11 +571,12 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
         except Exception as exc:  # a failed question is recorded, not fatal
             row = {"id": qid, "question": question, **stamp, "status": "failed",
                    "error": f"{type(exc).__name__}: {exc}"}
-        if row_status(row) == "failed":
-            last_error[0] = _why_failed(row)
-            with lock:
-                failed_ids.add(qid)
         with lock:
+            if gone():  # its answer may have read the index as it is now: not written
+                return "lost"
+            if row_status(row) == "failed":
+                last_error[0] = _why_failed(row)
+                failed_ids.add(qid)
             append_row(out_path, row)
             if row_status(row) == "ok" and cut_short(row):
                 counts["cut_short"] += 1
@@ -583,7 +598,8 @@ def _run_batch(items, out_path: Path, search, concurrency, index, on_done, stop_
                     status = future.result()
                     if status == "lost":  # not run: it starts again on a resume
                         lost += 1
-                        counts["stopped"] = counts["stopped"] or counts["lost"]
+                        counts["stopped"] = counts["stopped"] or counts["lost"] or \
+                            counts["gone"]
                         continue
                     counts[status] += 1
                     in_a_row = in_a_row + 1 if status == "failed" else 0

@@ -111,6 +111,19 @@ def read_manifest(index_dir: Path) -> Manifest | None:
         return None
 
 
+def changed_since(index_dir: Path, name: str, version: str | None) -> str:
+    """Why the index at `index_dir` is no longer the one a reader opened at `version` (its
+    manifest's), or "": its folder removed, its manifest gone (being re-ingested) or
+    another version (made anew, or its documents changed by an ingest or a service write)."""
+    manifest = read_manifest(index_dir)
+    if manifest is None:
+        return f"index {name!r} was removed (or is being ingested again) while this batch read it"
+    if (manifest.version or None) != version:
+        return (f"index {name!r} changed while this batch read it (made anew, or its "
+                "documents changed: another version)")
+    return ""
+
+
 def write_manifest(index_dir: Path, manifest: Manifest) -> None:
     """Atomically replace the manifest (write a temporary file, fsync, rename, fsync the dir)."""
     index_dir = Path(index_dir)

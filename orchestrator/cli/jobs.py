@@ -167,7 +167,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             bar = progress_bar(len(todo), "q", "batch")
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
-                               stop=stop, locked=True, made=made, version=version)
+                               stop=stop, locked=True, made=made, version=version,
+                               index_gone=_index_gone(settings, profile, version))
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130
@@ -207,11 +208,27 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             f"{counts['lost']}; {counts['not_run']} question(s) not run, the rows written so "
             f"far stay in {output}; start the cluster again (or give another with --address) "
             "and run the same command: it resumes")
+    if counts["gone"]:  # the rows written are the index's as it began; none after
+        raise BranchsearchError(
+            f"{counts['gone']}; {counts['not_run']} question(s) not run, the rows answered "
+            f"before stay in {output}; run the same command once the index is there again: "
+            "it asks the rest, and again those answered on another version")
     if counts["stopped"]:
         print(f"batch stopped: {counts['stopped']}; {counts['not_run']} questions not run. "
               "Fix the cause and run the same command again: it resumes", file=sys.stderr)
     if counts["failed"] or counts["not_run"] or data.bad_lines:  # nobody answered these
         sys.exit(1)
+
+
+def _index_gone(settings, profile, version):
+    """`index_gone` for `run_batch`: why the index is no longer the one the batch began with
+    (its manifest gone or of another version), or ""; None for an external index (its
+    cluster's own, not ours to watch)."""
+    if profile.kind == "external":
+        return None
+    from branchsearch.infra.index.manifest import changed_since
+
+    return lambda: changed_since(settings.index_dir, settings.index, version)
 
 
 def _searcher(settings, picked: str, todo: list, groups):

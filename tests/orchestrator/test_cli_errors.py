@@ -967,6 +967,57 @@ def test_sigterm_as_a_batch_starts_ends_as_terminated(tmp_path, executor, starti
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
+def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_path):
+    """The index's folder removed while a batch reads it: before, the batch answered every
+    question from the files still open (and its worker processes, finding no index, fell
+    back to the main process), ending `ok` on an index no longer there. Now it stops with one
+    `error:` line once the index is not the one it began with; every row written was
+    answered on that index (its version), and once the index is there again (made anew:
+    another version) the same command asks the rest and again those answered before."""
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    folder = tmp_path / "home" / "indexes" / "wiki"
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    began = json.loads((folder / "manifest.json").read_text())["version"]
+    queries = [json.loads(line)["text"] for line in
+               (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
+                           + "\n" for i in range(2000)))
+    command = [*CLI, "batch", inp, "-o", out, "--executor", "local", "--branches", "1",
+               "--concurrency", "2", *home]
+    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
+    proc = subprocess.Popen(list(map(str, command)), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+            time.sleep(0.1)
+        shutil.rmtree(folder)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 2, (proc.returncode, stderr[-1500:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "index 'wiki' was removed" in errors[0], stderr[-1500:]
+    assert "Traceback" not in stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 3 <= len(rows) < 2000, len(rows)
+    assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
+
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0  # made anew
+    now = json.loads((folder / "manifest.json").read_text())["version"]
+    done = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-1500:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [str(i) for i in range(2000)]
+    assert all(r["status"] == "ok" and r["index_version"] == now != began for r in rows)
+
+
 @pytest.mark.ray
 def test_ctrl_c_as_a_ray_batch_starts_is_answered_at_once(tmp_path):
     """^C while a batch's Ray cluster starts: the stop waits for the start (seconds, up to
