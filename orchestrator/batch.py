@@ -31,7 +31,7 @@ lines carry id, question, status, evidence, branches, metrics and trace_id (or `
   is not run, none is started after it, and the counts say why (`lost`).
 * So does one that ends once the index is no longer the one the batch began with
   (`index_gone`: its folder removed, or made anew): the output holds only answers from the
-  index as it began, stamped with its version; the counts say why (`gone`).
+  index as it began; the counts say why (`gone`).
 Malformed input lines are reported with their line numbers and skipped. An id is a non-empty
 string, written back as given, or a number, written back as text (`7` -> "7", `1.5` -> "1.5"); an
 empty id, one of characters that do not show (`infra.ids`), true/false, an array or an object

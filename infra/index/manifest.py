@@ -111,16 +111,32 @@ def read_manifest(index_dir: Path) -> Manifest | None:
         return None
 
 
-def changed_since(index_dir: Path, name: str, version: str | None) -> str:
-    """Why the index at `index_dir` is no longer the one a reader opened at `version` (its
-    manifest's), or "": its folder removed, its manifest gone (being re-ingested) or
-    another version (made anew, or its documents changed by an ingest or a service write)."""
+def identity(index_dir: Path) -> tuple | None:
+    """What a reader's open files stay good for: the index's folder (its inode: a folder
+    removed and made again is another index) and its layout (`Manifest.layout`: an ingest
+    that changes it changes the index under its readers). Documents added, replaced or
+    deleted in place (an ingest, a service write: a new `version`) keep it. None: no complete
+    index there."""
     manifest = read_manifest(index_dir)
     if manifest is None:
+        return None
+    try:
+        folder = Path(index_dir).stat().st_ino
+    except OSError:
+        return None
+    return folder, manifest.layout()
+
+
+def changed_since(index_dir: Path, name: str, opened: tuple | None) -> str:
+    """Why the index at `index_dir` is no longer the one a reader opened (`opened`: its
+    `identity` then), or "": its folder removed, its manifest gone (being ingested again) or
+    the index made anew. A new `version` alone is not such a change: a reader goes on, and
+    whatever it wrote carries the version it began with."""
+    now = identity(index_dir)
+    if now is None:
         return f"index {name!r} was removed (or is being ingested again) while this batch read it"
-    if (manifest.version or None) != version:
-        return (f"index {name!r} changed while this batch read it (made anew, or its "
-                "documents changed: another version)")
+    if now != opened:
+        return f"index {name!r} was made anew while this batch read it"
     return ""
 
 

@@ -168,7 +168,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
                                stop=stop, locked=True, made=made, version=version,
-                               index_gone=_index_gone(settings, profile, version))
+                               index_gone=_index_gone(settings, profile))
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130
@@ -220,15 +220,18 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         sys.exit(1)
 
 
-def _index_gone(settings, profile, version):
+def _index_gone(settings, profile):
     """`index_gone` for `run_batch`: why the index is no longer the one the batch began with
-    (its manifest gone or of another version), or ""; None for an external index (its
-    cluster's own, not ours to watch)."""
+    (removed, being ingested again, or made anew: `manifest.changed_since`), or ""; None for
+    an external index (its cluster's own, not ours to watch). Documents changed in place (an
+    ingest, a service write) do not stop a batch: its rows carry the version it began with,
+    so a resume asks them again."""
     if profile.kind == "external":
         return None
-    from branchsearch.infra.index.manifest import changed_since
+    from branchsearch.infra.index.manifest import changed_since, identity
 
-    return lambda: changed_since(settings.index_dir, settings.index, version)
+    opened = identity(settings.index_dir)
+    return lambda: changed_since(settings.index_dir, settings.index, opened)
 
 
 def _searcher(settings, picked: str, todo: list, groups):

@@ -1018,6 +1018,57 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
     assert all(r["status"] == "ok" and r["index_version"] == now != began for r in rows)
 
 
+def test_documents_changed_under_a_batch_do_not_stop_it_and_a_resume_asks_again(tmp_path):
+    """A batch over a live index: a write through the service changes its documents in place
+    (a new manifest `version`, as the service's `renew_version` makes it) while the
+    batch runs. The batch goes on to the end (a batch stopped at each write could never end
+    on an index callers write to); every row carries the version the batch began with, and
+    the same command then asks every question again on the index as it is now."""
+    from conftest import HOTPOT
+
+    from branchsearch.infra.index.manifest import renew_version
+
+    home = ["--home", tmp_path / "home", "--index", "live"]
+    folder = tmp_path / "home" / "indexes" / "live"
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    began = json.loads((folder / "manifest.json").read_text())["version"]
+    queries = [json.loads(line)["text"] for line in
+               (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    n = 300
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
+                           + "\n" for i in range(n)))
+    command = [*CLI, "batch", inp, "-o", out, "--executor", "local", "--branches", "1",
+               "--concurrency", "2", *home]
+    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
+    proc = subprocess.Popen(list(map(str, command)), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+            time.sleep(0.1)
+        renew_version(folder)  # (the service's write does it so, its ingest lock held)
+        written = out.read_text().count("\n")
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert written < n, "the batch ended before the write: the test shows nothing"
+    assert proc.returncode == 0, (proc.returncode, stderr[-1500:])
+    now = json.loads((folder / "manifest.json").read_text())["version"]
+    assert now != began
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [str(i) for i in range(n)]
+    assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
+    again = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-1500:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [str(i) for i in range(n)]
+    assert all(r["index_version"] == now for r in rows)
+
+
 @pytest.mark.ray
 def test_ctrl_c_as_a_ray_batch_starts_is_answered_at_once(tmp_path):
     """^C while a batch's Ray cluster starts: the stop waits for the start (seconds, up to
