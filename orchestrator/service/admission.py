@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
@@ -143,15 +144,28 @@ class Slot:
     """One admitted request's place in its key's count (and the server's), held while any of
     its work runs: the request, and a search's own thread that outlives it (`hold`, `let_go`:
     freed when the last lets go). `stop` is set when its caller went away: the search's
-    branches end at their next step, and the slot is free once they have."""
+    branches end at their next step, and the slot is free once they have. A search's thread
+    still running at its request's deadline lets go then (`hold`): whatever it waits on, the
+    deadline bounds how long the slot is held."""
 
     def __init__(self, free):
         self._free, self._users, self._lock = free, 1, threading.Lock()
         self.stop = threading.Event()
 
-    def hold(self) -> None:
+    def hold(self) -> Callable[[], None]:
+        """One more user; returns its let-go, which counts once however often it is called
+        (the user's end, or its deadline, whichever comes first)."""
         with self._lock:
             self._users += 1
+        gone = []
+
+        def let_go() -> None:
+            with self._lock:
+                if gone:
+                    return
+                gone.append(True)
+            self.let_go()
+        return let_go
 
     def let_go(self) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ Standalone (`serve --standalone`) runs it in the uvicorn process; Ray Serve depl
 class as the `Searcher` deployment (`service.deploy`). Its async methods are the whole interface;
 blocking work runs in threads, and a caller that goes away (a cancelled coroutine) calls its
 search off: its branches end at their next turn, and its concurrency slot is free once they
-have (`admission.Slot`).
+have, or at its deadline at the latest (`admission.Slot`).
 """
 
 from __future__ import annotations
@@ -159,9 +159,10 @@ class Searcher:
     async def _searching(self, slot, req: SearchRequest, key: ApiKey,
                          on_event: Callable[[dict], None] | None, arrived: float) -> dict:
         """`_search` on the searcher's threads, holding the key's `slot` (`admission.Slot`)
-        until its work has ended: a caller that goes away (this coroutine cancelled) calls
-        the search off, its branches end at their next turn, and the slot is free once they
-        have. So a key's limit bounds the searches running for it, not only those awaited."""
+        until its work has ended or its deadline (and `JOIN_GRACE_S`) has passed: a caller
+        that goes away (this coroutine cancelled) calls the search off, its branches end at
+        their next turn, and the slot is free once they have. So a key's limit bounds the
+        searches running for it, not only those awaited, each for its deadline at most."""
         call = functools.partial(contextvars.copy_context().run, self._search, req, key,
                                  on_event, arrived, slot)
         try:
@@ -449,15 +450,19 @@ class Searcher:
 
     def _run(self, driver, req: SearchRequest, groups, deadline: float, emit, slot):
         """Driver.search within the deadline (the driver reports late branches as timeouts;
-        the join is the backstop). The search's thread counts as a user of the driver and of
-        the caller's `slot` until it ends, so a search that outlives its request is never left
-        running on closed stores, nor beside the key's next ones; it is called off (its
-        branches end at their next turn) when `slot.stop` is set."""
+        the join is the backstop). The search's thread counts as a user of the driver until it
+        ends, so a search that outlives its request is never left running on closed stores;
+        it is called off (its branches end at their next turn) when `slot.stop` is set. It
+        holds the caller's `slot` until it ends or the join gives up on it (the 504), whichever
+        comes first: a thread stuck past the deadline (a backend call within its
+        `backend_timeout_s`, a retriever actor that Ray restarts and cannot place) would
+        otherwise hold its key's slot as long, and the key's next searches would be refused
+        429 long after this one's caller had its 504."""
         from branchsearch.workers.harness import CALLED_OFF
 
         box: dict = {}
         self.drivers.also(driver)
-        slot.hold()
+        release = slot.hold()
 
         def work():
             CALLED_OFF.set(slot.stop.is_set)  # (this thread's own context)
@@ -471,18 +476,22 @@ class Searcher:
                 box["error"] = exc
             finally:
                 self.drivers.let_go(driver, None)
-                slot.let_go()
+                release()
 
         worker = threading.Thread(target=work, name="search", daemon=True)
         try:
             worker.start()
         except BaseException:
             self.drivers.let_go(driver, None)
-            slot.let_go()
+            release()
             raise
         worker.join(deadline + JOIN_GRACE_S)
         if worker.is_alive():  # no one will read what it finds
             slot.stop.set()
+            release()
+            log.warning("a search still runs %g s past its deadline: called off, its slot "
+                        "freed (it ends at its next turn, or when what it waits on "
+                        "answers)", JOIN_GRACE_S)
             raise ApiError(504, "deadline_exceeded",
                            f"no result within the deadline of {deadline:g} s")
         if "error" in box:

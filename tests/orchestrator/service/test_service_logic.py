@@ -228,6 +228,26 @@ def test_a_key_past_its_slots_waits_in_order_within_its_deadline():
     assert conc.total == 0 and not conc._per_key and conc.waiting("k") == 0
 
 
+def test_a_slot_held_by_a_search_thread_is_let_go_once_by_its_thread_or_its_deadline():
+    """A search's thread holds its request's slot (`Slot.hold`); the request's deadline lets
+    go for it when the thread is stuck, and the thread's own end later counts for nothing: the
+    slot is free once, the key's count never goes below what runs."""
+    conc = Concurrency(Limits(per_key_concurrency=1, max_in_flight=10))
+    slot = conc.take("k")
+    release = slot.hold()
+    slot.let_go()  # the request's answer is out; its thread still runs
+    assert conc._per_key == {"k": 1}
+    release()  # its deadline
+    assert conc.total == 0 and not conc._per_key
+    again = conc.take("k")  # the key's next search is admitted
+    release()  # the stuck thread ends at last: nothing more is freed
+    with pytest.raises(ApiError) as full:
+        conc.take("k")
+    assert full.value.status == 429
+    again.let_go()
+    assert conc.total == 0 and not conc._per_key
+
+
 def test_a_keys_429_says_why_and_its_limits_as_fields():
     """A key's 429 carries, besides its line for people, why it was refused (its queue full,
     its deadline passed waiting, no queue at all), how many of the key's requests ran and

@@ -763,3 +763,57 @@ def test_a_keys_slots_hold_in_all_over_two_searcher_replicas(serve_app, tmp_path
     held = [r for r in answers if r not in refused]  # held by a backend that never answers
     assert len(held) == 2 and all(r.status_code in (503, 504) for r in held), \
         [r.text for r in held]  # (index_starting, backend_unavailable: its index's doing)
+
+
+def test_a_search_stuck_past_its_deadline_frees_its_keys_slot_with_its_504(serve_app,
+                                                                           tmp_path):
+    """A key with one slot and no queue searches an index whose Elasticsearch stops answering
+    (SIGSTOP: connections taken, nothing answered; the search's thread waits out the backend's
+    timeout, 30 s). The search is answered 504 at its 3 s deadline, and its caller searches
+    another index at once. The search's thread held the key's slot until the backend's
+    timeout, long past that 504, so the key's next search was refused 429 `no_queue` (on a
+    two-node cluster that lost its worker, 30-90 s past the 504s, the thread waiting on a
+    retriever actor that Ray could not place again). The 504 now frees the slot: the next
+    search is answered 200 while the stuck thread still waits."""
+    import os
+    import signal
+
+    from ray import serve
+
+    from es_emulator import start_es_emulator
+
+    from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
+
+    client, _ = serve_app
+    with start_es_emulator(tmp_path / "es") as es:
+        home = bm_home(tmp_path / "stuck")
+        ingest(write_corpus(tmp_path / "es.jsonl"), load_settings(
+            overrides={"home": home, "index": "es", "es_url": es.url}, read_env=False,
+            read_file=False), dense=False)
+        config = home / "branchsearch.toml"
+        config.write_text(f'es_url = "{es.url}"\nsearch_mode = "bm25"\n')
+        serve.run(build_application(ServeOptions(
+            home=str(home), index="bm", config=str(config), executor="local",
+            limits={"per_key_concurrency": 1, "per_key_queue": 0})),
+            name="stuck", route_prefix="/stuck")
+        try:
+            stuck = {"question": "harbor festival", "index": "es", "deadline_s": 3}
+            r = client.post("/stuck/v1/search", json={**stuck, "deadline_s": 60})
+            assert r.status_code == 200 and r.json()["evidence"], r.text  # (the index open)
+            os.killpg(es.pid, signal.SIGSTOP)
+            try:
+                began = time.monotonic()
+                late = client.post("/stuck/v1/search", json=stuck)
+                took = time.monotonic() - began
+                assert late.status_code == 504, late.text
+                assert late.json()["error"] == "deadline_exceeded", late.text
+                assert took < 3 + 2 + 3, took
+                after = client.post("/stuck/v1/search",
+                                    json={"question": "harbor festival", "deadline_s": 10})
+                assert after.status_code == 200, after.text  # (before: 429 no_queue)
+                assert after.json()["evidence"], after.text
+                assert time.monotonic() - began < 25  # (the stuck thread waits 30 s)
+            finally:
+                os.killpg(es.pid, signal.SIGCONT)
+        finally:
+            serve.delete("stuck")
