@@ -159,23 +159,32 @@ class RayExecutor:
             max_concurrency=16, max_restarts=self.settings.branch_retries,
             **self.plan.retriever).remote(self.settings.replace(llm_api_key=""))
 
-    def revive(self) -> bool:
+    def revive(self, wait_s: float | None = None) -> bool:
         """After a branch failed: wait for each retriever replica to answer, and start afresh
         every one dead for good (killed past its restarts, its node gone). Whether any had
         died since it was last seen (restarted by Ray: another process now; or started here),
         so that the question that met the death can run again. One busy past the ping's
-        timeout is left as it is. A cluster whose head node is gone (`cluster_lost`) raises
-        `ClusterLost`, now and for every question after: nothing can run on it any more."""
+        timeout, or still restarting, is left as it is. `wait_s`: the most seconds to wait for
+        the replicas' answers and for another question's revive (the question's deadline): a
+        replica that Ray restarts and cannot place (no node with room) would hold the question
+        a minute a replica, and every question that met it in turn, however short their
+        deadlines. A cluster whose head node is gone (`cluster_lost`) raises `ClusterLost`, now
+        and for every question after: nothing can run on it any more."""
         import ray
 
         from branchsearch.infra.raycluster import cluster_lost
 
-        with self._reviving:  # concurrent questions that met the same death: one start
+        end = None if wait_s is None else time.monotonic() + wait_s
+        # concurrent questions that met the same death: one start
+        if not self._reviving.acquire(timeout=-1 if end is None else max(wait_s, 0.0)):
+            return False
+        try:
             self.lost = self.lost or cluster_lost() or ""
             self._not_lost()
             dead, back = [], 0
             for i, replica in enumerate(self.retrievers):
-                pid = _answer(replica)
+                pid = _answer(replica, ANSWER_WAIT_S if end is None
+                              else min(ANSWER_WAIT_S, max(end - time.monotonic(), 0.0)))
                 if pid is _DEAD:
                     dead.append(i)
                 elif pid is not None and pid != self._pids[i]:
@@ -191,6 +200,8 @@ class RayExecutor:
                 self.retriever = self.retrievers[0]
             self.revived += len(dead) + back
             return bool(dead or back)
+        finally:
+            self._reviving.release()
 
     def _not_lost(self) -> None:
         """Raise `ClusterLost` once the cluster is known to be gone (`_watch`, `revive`)."""
@@ -238,7 +249,7 @@ class RayExecutor:
         revived = self.revived
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover, question)
         if any(r.status == "error" for r in reports):
-            self.revive()  # (or another question met the death first and did)
+            self.revive(_left(tasks))  # (or another question met the death first and did)
             replaced = any(r.status == "error" and r.error.startswith(ACTOR_DIED)
                            for r in reports)  # a branch actor lost (its node): replaced
             if self.revived != revived or replaced:
@@ -507,9 +518,10 @@ class RayExecutor:
 
 
 _DEAD = object()
+ANSWER_WAIT_S = 60.0  # the most a revive waits for a replica's answer, with no deadline
 
 
-def _answer(replica, wait_s: float = 60.0):
+def _answer(replica, wait_s: float = ANSWER_WAIT_S):
     """The replica's pid once it answers: waiting while Ray restarts it (its calls fail fast
     meanwhile); `_DEAD` when it is dead for good; None when it does not answer in time."""
     import ray

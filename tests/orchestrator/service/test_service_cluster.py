@@ -28,7 +28,7 @@ from service_fixtures import free_port, write_corpus
 pytestmark = pytest.mark.ray
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 ALIVE = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-         "print(sum(1 for n in ray.nodes() if n['Alive']))")
+         "print('alive', sum(1 for n in ray.nodes() if n['Alive']))")
 
 
 def _node(env: dict, *args: str) -> subprocess.Popen:
@@ -54,10 +54,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _alive(env: dict, address: str) -> int:
+    """The cluster's nodes alive, as its GCS counts them (Ray may print warnings on stdout too:
+    "raylet has lagging heartbeats" while a node dies)."""
     done = subprocess.run([sys.executable, "-c", ALIVE, address], env=env, capture_output=True,
                           text=True, timeout=120)
-    lines = done.stdout.strip().splitlines()
-    return int(lines[-1]) if done.returncode == 0 and lines else 0
+    counts = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("alive ")]
+    return int(counts[-1]) if done.returncode == 0 and counts else 0
 
 
 @contextlib.contextmanager
@@ -602,3 +604,67 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
         done = subprocess.run([sys.executable, "-c", ON_THE_CLUSTER, one_node["address"],
                                "shutdown"], env=env, capture_output=True, timeout=300)
         assert done.returncode == 0
+
+
+STRANDED = """
+import json, os, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.orchestrator.driver import Driver
+address, home = sys.argv[1], sys.argv[2]
+settings = load_settings(overrides={"home": home, "index": "bm", "ray_address": address,
+                                    "branches": 1, "search_mode": "bm25"},
+                         read_env=False, read_file=False)
+ray.init(address=address, log_to_driver=False)
+head = next(n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and "node:__internal_head__" in n["Resources"])
+class Hold:
+    def ping(self):
+        return 0
+hold = ray.remote(Hold).options(num_cpus=2, scheduling_strategy=NodeAffinitySchedulingStrategy(
+    head, soft=False)).remote()
+ray.get(hold.ping.remote(), timeout=120)
+driver = Driver(settings, mode="ray")  # on the worker's CPU: the head has none free
+first = driver.search("Alpha harbor budget", deadline_s=60)
+print(json.dumps({"first": first.status}), flush=True)
+sys.stdin.readline()  # the worker node is gone
+began = time.monotonic()
+late = driver.search("Alpha harbor budget", deadline_s=3)
+print(json.dumps({"took": time.monotonic() - began, "status": late.status}), flush=True)
+os._exit(0)  # (closing waits on the stranded retriever)
+"""
+
+
+def test_a_question_whose_retriever_cannot_be_restarted_ends_by_its_deadline(tmp_path):
+    """A driver on a two-node cluster whose head has no CPU free: its retriever and branch
+    actors run on the worker node, which dies. Ray restarts the retriever, and nothing can
+    place it. A question with a 3 s deadline met the dead retriever and waited a minute for
+    its answer (the executor's `revive`), after it, one question at a time: a service's search
+    thread outlived its 504 by that much. Now the wait ends by the question's deadline."""
+    import json
+
+    home = tmp_path / "home"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    with _cluster(1) as cluster:
+        proc = subprocess.Popen([sys.executable, "-c", STRANDED, cluster["address"], str(home)],
+                                env=cluster["env"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(proc.stdout.readline()) == {"first": "ok"}
+            os.killpg(cluster["worker"].pid, signal.SIGKILL)  # the worker node dies
+            deadline = time.monotonic() + 120
+            while _alive(cluster["env"], cluster["address"]) > 1:
+                assert time.monotonic() < deadline, "the worker node is still counted alive"
+                time.sleep(1)
+            proc.stdin.write("gone\n")
+            proc.stdin.flush()
+            late = json.loads(proc.stdout.readline())
+            assert late["status"] in ("failed", "partial"), late
+            assert late["took"] < 3 + 5, late  # (before: 60 s and more)
+        finally:
+            proc.kill()
+            proc.wait(30)
