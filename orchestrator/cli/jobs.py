@@ -177,7 +177,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
         terminated = False
     finally:
         if bar is not None:
-            bar.close(done=counts is not None)
+            bar.close(done=counts is not None and not counts["not_run"])  # (not: stopped)
         if driver is not None:
             driver.close()
     if terminated:  # a scheduler's stop (or `kill PID`), as ^C: 128 + SIGTERM's number

@@ -1004,6 +1004,7 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "index 'wiki' was removed" in errors[0], stderr[-1500:]
     assert "Traceback" not in stderr
+    assert ", done" not in stderr, stderr[-1500:]  # the last progress line: stopped, not done
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert 3 <= len(rows) < 2000, len(rows)
     assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
