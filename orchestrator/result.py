@@ -56,7 +56,8 @@ class SearchResult:
     def to_dict(self, full: bool = False) -> dict:
         return {"question": self.question, "status": self.status, "notes": self.notes,
                 "evidence": self.evidence, "ranked_chunk_ids": self.ranked_chunk_ids,
-                "branches": [b.to_dict(full) for b in self.branches],
+                "branches": [b.to_dict(full) | {"trace_id": self.trace_id}
+                             for b in self.branches],
                 "covered": self.covered, "metrics": self.metrics, "trace_id": self.trace_id}
 
 

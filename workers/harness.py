@@ -88,7 +88,6 @@ class EpisodeResult:
     pruned_ids: list[str] = field(default_factory=list)
     final_context_ids: list[str] = field(default_factory=list)
     trace: list[dict] = field(repr=False, default_factory=list)
-    trace_id: str = ""
     fork_candidates: list[dict] = field(default_factory=list)  # pruned hypotheses it could not
     # rule out (a policy's `fork_candidates()`; orchestrator/forks.py)
     policy_s: float = 0.0  # time the policy spent deciding
@@ -141,9 +140,7 @@ class Episode:
                 span.set_attributes({"termination": end.reason, "turns": self.ws.turn,
                                      "context_tokens_final": self.ws.used,
                                      "tokens_read": self.ws.tokens_read})
-                result = self.result(end)
-            result.trace_id = format(span.get_span_context().trace_id, "032x")
-            return result
+                return self.result(end)
 
     def _no_retrieval_worked(self, end: EpisodeEnd) -> EpisodeEnd:
         """An episode whose every retrieval failed (an error that is neither the backend being

@@ -1549,6 +1549,27 @@ def test_search_trace_appends_spans_and_episodes_joined_by_trace_id(tmp_path):
     assert all("branch" in e and "kind" in e for e in episodes)
 
 
+def test_search_branches_carry_the_questions_trace_id_traced_or_not(tmp_path):
+    """`search --json` with tracing off (no --trace) and on: each branch line carries the
+    question's trace id, the one the result names (with tracing on, the id its spans share),
+    never an id of zeros that joins nothing."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"_id": f"d{i}", "title": f"Falcon {i}",
+                                          "text": f"Falcon plan {i} harbor " * 20}) + "\n"
+                              for i in range(20)))
+    home = ["--home", tmp_path / "home", "--index", "ix"]
+    assert run(["ingest", corpus, "--no-dense", *home]).returncode == 0
+    for traced in ([], ["--trace", tmp_path / "t.jsonl"]):
+        done = run(["search", "Were Falcon 3 and Falcon 7 in the same harbor?", "--json",
+                    *traced, *home])
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert len(result["trace_id"]) == 32 and result["trace_id"].strip("0"), result
+        assert result["branches"], result
+        assert [b["trace_id"] for b in result["branches"]] == \
+            [result["trace_id"]] * len(result["branches"]), (traced, result["branches"])
+
+
 def test_search_trace_to_a_path_that_can_hold_no_file_is_one_error_line(tmp_path):
     """`search --trace PATH` where no file can be: under a file, under a folder that cannot be
     made, or a folder itself. One line naming the path, exit 2, before the search: not
