@@ -49,8 +49,8 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
         running = running_ingest(folder)
         if manifest is not None:
             backends = " + ".join(f"{role}: {where}" for role, where in
-                                  sorted(backends_now(folder, manifest).items()))
-            backends = redact(backends)  # (a manifest an older version wrote may hold them)
+                                  sorted(backends_now(folder, manifest, settings).items()))
+            backends = redact(backends)  # (credentials in es_url, milvus_uri or a manifest)
             health = "ingesting" if running else files_health(folder, manifest)
             if health == "ok":
                 health = _servers_health(settings.replace(index=folder.name), check)
@@ -67,17 +67,24 @@ def owned_indexes(settings: Settings, *, check: bool = True) -> list[IndexInfo]:
     return out
 
 
-def backends_now(folder: Path, manifest) -> dict[str, str]:
-    """The backends an index's manifest records, its Milvus Lite file named where the index
-    reads it now: the `dense.db` in its own folder (`open.dense_uri`). The manifest keeps the
-    path its ingest wrote to, which an index folder copied to another home (or a home moved)
-    no longer uses."""
+def backends_now(folder: Path, manifest, settings: Settings) -> dict[str, str]:
+    """The backends an index's manifest records, each named where a search reads it now: an
+    Elasticsearch or Milvus server at the settings' `es_url` or `milvus_uri` (the one the
+    health check asks; the manifest keeps the address its ingest wrote to, which the settings
+    may since name otherwise, a moved cluster or another name for it; the manifest's when the
+    setting is unset, which the health line says to set), and the Milvus Lite file in the
+    index's own folder (`open.dense_uri`; the manifest keeps the path its ingest wrote to,
+    which an index folder copied to another home, or a home moved, no longer uses)."""
     backends = dict(manifest.backends or {})
     kind, _, rest = str(backends.get("dense", "")).partition(" ")
-    if kind == "milvus-lite":  # "milvus-lite <path> (<vector index>)"; the path may hold " ("
-        _, paren, spec = rest.rpartition(" (")
-        backends["dense"] = f"milvus-lite {Path(folder) / 'dense.db'}" + \
-            (f" ({spec}" if paren else "")
+    _, paren, spec = rest.rpartition(" (")  # "<kind> <where> (<vector index>)"; the path
+    spec = f" ({spec}" if paren else ""  # may hold " ("
+    if kind == "milvus-lite":
+        backends["dense"] = f"milvus-lite {Path(folder) / 'dense.db'}{spec}"
+    elif kind == "milvus" and settings.milvus_uri:
+        backends["dense"] = f"milvus {settings.milvus_uri}{spec}"
+    if str(backends.get("lexical", "")).startswith("elasticsearch") and settings.es_url:
+        backends["lexical"] = f"elasticsearch {settings.es_url}"
     return backends
 
 

@@ -1278,6 +1278,34 @@ def test_indexes_shows_where_a_copied_index_reads_its_vectors(tmp_path):
     assert json.loads(found.stdout)[0]["doc_id"] == "otter"
 
 
+def test_indexes_shows_the_elasticsearch_its_searches_use_without_its_password(tmp_path,
+                                                                               es_url):
+    """An index ingested into Elasticsearch at one address, listed with `es_url` naming it
+    otherwise (another name for the server, with a user and password): `indexes` showed the
+    address its manifest recorded, while its health was asked at the settings' and its
+    searches go there. It shows the settings' address, its password masked."""
+    from urllib.parse import urlsplit
+
+    (tmp_path / "c.jsonl").write_text(
+        '{"_id": "otter", "title": "Otter", "text": "Sea otters float on kelp beds."}\n')
+    home = ["--home", tmp_path / "home", "--index", f"addr{os.getpid()}"]
+    made = run(["ingest", tmp_path / "c.jsonl", "--no-dense", *home],
+               env={"BRANCHSEARCH_ES_URL": es_url})
+    assert made.returncode == 0, made.stderr[-800:]
+    parts = urlsplit(es_url)
+    other = {"127.0.0.1": "localhost", "localhost": "127.0.0.1"}.get(parts.hostname,
+                                                                     parts.hostname)
+    user = parts.netloc.rpartition("@")[0] or "elastic:hunter2"  # (a real cluster's own)
+    now = f"{parts.scheme}://{user}@{other}:{parts.port}"
+    listed = run(["indexes", "--home", tmp_path / "home", "--json"],
+                 env={"BRANCHSEARCH_ES_URL": now})
+    assert listed.returncode == 0, (listed.stdout, listed.stderr[-800:])
+    [info] = json.loads(listed.stdout)
+    assert info["health"] == "ok", info
+    assert info["backends"] == f"lexical: elasticsearch {parts.scheme}://***@{other}:" \
+                               f"{parts.port}", info
+    assert (parts.password or "hunter2") not in listed.stdout + listed.stderr
+
 def test_ray_serve_with_an_index_it_cannot_serve_is_one_line_before_any_cluster(hotpot_settings,
                                                                                   tmp_path):
     """`serve` (Ray Serve, the default) checks the default index in the command's process: a
