@@ -4,7 +4,8 @@ Either way Ray is connected once, from the main thread, before any request or st
 cluster started from a thread that later ends dies with it), and one `Searcher` serves every
 index. Serve deploys the plain `Searcher` class as is, behind an ingress that holds the FastAPI
 app; standalone runs both in this process. SIGTERM drains: requests in flight, streams
-included, finish within the grace period, and the process exits 0.
+included, finish within the grace period, the last line says it stopped and why, and the
+process exits 0; ^C stops it the same way and ends as every command's: `interrupted`, 130.
 
 Ray Serve users deploy it with `serve run deploy/serve_config.yaml` (see README, "Service"), or
 `serve run branchsearch.orchestrator.service.deploy:app_builder home=… keys=…`.
@@ -124,11 +125,17 @@ class Stopping:
         self.starting = False
 
 
+def stopped(why: str) -> None:
+    """The last line of a `serve` that SIGTERM stopped: a supervisor's log says it ended, and
+    why, after its drain."""
+    print(f"stopped (SIGTERM): {why}", file=sys.stderr)
+
+
 def run_standalone(settings, *, executor: str, keys, sock) -> None:
     """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits).
     SIGTERM before it serves stops it as cleanly: what it opened is closed, exit 0."""
     _log_to_stderr()
-    stopping, state = Stopping(), None
+    stopping, state, served = Stopping(), None, False
     try:
         state = local_state(settings, executor=executor, keys_path=keys,
                             limits=Limits.of(settings))
@@ -142,14 +149,18 @@ def run_standalone(settings, *, executor: str, keys, sock) -> None:
         print(serving_line(sock.getsockname()[:2], settings, executor), file=sys.stderr)
         server = standalone_server(create_app(state), state,
                                    stop_asked=lambda: stopping.asked)
+        served = True
         server.run(sockets=[sock])
     except StopRequest:
-        log.info("stopped by SIGTERM before serving")
+        pass
     finally:
         stopping.serving()  # a SIGTERM while it closes is noted, not raised into the close
         sock.close()
         if state is not None:
             state.searcher.target.close()
+    if stopping.asked:
+        stopped("requests in flight drained, every index closed" if served else
+                "before it served; what it had opened is closed")
 
 
 def serving_line(where: tuple, settings, executor: str) -> str:
@@ -580,7 +591,7 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
         import signal
 
         def stop(signum, frame):
-            raise KeyboardInterrupt
+            raise Terminated
 
         signal.signal(signal.SIGTERM, stop)  # `kill PID` stops it as ^C does: drain, then exit
     serving = False
@@ -603,27 +614,43 @@ def run_serve(settings, opts: ServeOptions, host: str, port: int, *, block: bool
             return
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        try:
-            over = declared(APP)  # a Serve config deployed over ours: the application is its
-        except Exception:  # noqa: BLE001 — Serve's controller unreachable: stop as before
-            over = False
-        if over:
-            print(f"stopping: the application '{APP}' was since deployed from a Serve "
-                  "config; leaving it, and Serve, running", file=sys.stderr)
-            return
-        if serving:
-            print(f"stopping: draining requests in flight (up to {GRACE_S} s)",
-                  file=sys.stderr)
-        else:
-            print("stopping before it served: taking the application off the cluster",
-                  file=sys.stderr)
-        done = not serving or drained(APP)
-        if joined or not done:  # (requests still running: each replica's graceful
-            serve.delete(APP)  # shutdown lets them end)
-        if not joined:
-            serve.shutdown()
+    except KeyboardInterrupt as exc:  # ^C, or SIGTERM (`Terminated`)
+        done = _stop_serve(serving, joined)
+        if not isinstance(exc, Terminated):
+            raise  # as every command's ^C: `interrupted`, exit status 130
+        stopped(done)
 
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while `serve` (Ray Serve) runs: the stop ^C makes, ending with exit 0."""
+
+
+def _stop_serve(serving: bool, joined: bool) -> str:
+    """Take what `run_serve` put on the cluster away (`serving`: after its `serving on`;
+    `joined`: Serve ran there before it, and stays); what it did, in words."""
+    from ray import serve
+
+    try:
+        over = declared(APP)  # a Serve config deployed over ours: the application is its
+    except Exception:  # noqa: BLE001 — Serve's controller unreachable: stop as before
+        over = False
+    if over:
+        print(f"stopping: the application '{APP}' was since deployed from a Serve "
+              "config; leaving it, and Serve, running", file=sys.stderr)
+        return f"the application '{APP}' deployed from a Serve config left running"
+    if serving:
+        print(f"stopping: draining requests in flight (up to {GRACE_S} s)", file=sys.stderr)
+    else:
+        print("stopping before it served: taking the application off the cluster",
+              file=sys.stderr)
+    done = not serving or drained(APP)
+    if joined or not done:  # (requests still running: each replica's graceful
+        serve.delete(APP)  # shutdown lets them end)
+    if not joined:
+        serve.shutdown()
+    return (("requests in flight drained; " if serving else "before it served; ")
+            + f"the application '{APP}' taken off the cluster"
+            + (", Serve left running for the others there" if joined else ", Serve shut down"))
 
 APP = "branchsearch"  # the Serve application `serve` deploys
 

@@ -25,7 +25,7 @@ from branchsearch.infra.config.settings import load_settings
 from branchsearch.orchestrator.service.auth import KeyStore
 from branchsearch.orchestrator.service.events import parse_sse
 
-from conftest import HOTPOT
+from conftest import HOTPOT, prepared
 from service_fixtures import free_port, write_corpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.es]
@@ -69,14 +69,18 @@ def site(tmp_path_factory, es_url):
     es.close()
 
 
-def start(site, mode: str) -> tuple[subprocess.Popen, str]:
+def start(site, mode: str, *, sigint_default: bool = False) -> tuple[subprocess.Popen, str]:
+    """`serve` in `mode`, once ready; `sigint_default`: SIGINT as a terminal gives it (^C)."""
     port = free_port()
     args = {"standalone-local": ["--standalone", "--executor", "local"],
             "standalone-ray": ["--standalone", "--executor", "ray"],
-            "serve": [], "serve-2": ["--replicas", "2", "--executor", "local"]}[mode]
+            "serve": [], "serve-local": ["--executor", "local"],
+            "serve-2": ["--replicas", "2", "--executor", "local"]}[mode]
     cmd = [sys.executable, "-m", "branchsearch.orchestrator.cli", "serve", *args,
            "--home", str(site["home"]), "--config", str(site["config"]), "--index", "acl",
            "--keys", str(site["home"] / "keys.json"), "--port", str(port)]
+    if sigint_default:
+        cmd = prepared(cmd, sigint_default=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BRANCHSEARCH_", "RAY_"))}
     log = open(site["home"] / f"{mode}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -288,6 +292,32 @@ def test_the_service_as_deployed(site, mode):
         assert not any("ApiError" in text for text in logged), logged
     finally:
         stop(proc)
+
+
+@pytest.mark.parametrize("mode, sig, code, last", [
+    ("standalone-local", "SIGTERM", 0, "stopped (SIGTERM): requests in flight drained, every "
+                                       "index closed"),
+    ("standalone-local", "SIGINT", 130, "interrupted"),
+    ("serve-local", "SIGTERM", 0, "stopped (SIGTERM): requests in flight drained; the "
+                                  "application 'branchsearch' taken off the cluster"),
+    ("serve-local", "SIGINT", 130, "interrupted")])
+def test_a_stopped_service_says_last_that_it_stopped_and_why(site, mode, sig, code, last):
+    """A supervisor's SIGTERM, or ^C, to a serving `serve`: the last line of its log says it
+    stopped and why, and it exits as documented: 0 for SIGTERM (a stop asked for, drained),
+    130 and `interrupted` for ^C, as every command. Before, standalone ended a SIGTERM
+    without a word, and Ray Serve's ^C exited 0 as if SIGTERM had stopped it."""
+    proc, _ = start(site, mode, sigint_default=True)
+    try:
+        deadline = time.time() + 120  # (Serve answers /readyz a moment before `serving on`)
+        while "serving on" not in _log(site, mode) and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(120) == code, _log(site, mode)
+    finally:
+        stop(proc)
+    lines = [line for line in _log(site, mode).splitlines() if line.strip()]
+    assert lines[-1].startswith(last), lines[-4:]
+    assert "Traceback" not in _log(site, mode)
 
 
 def test_two_ingress_replicas_answer_metrics_for_both(site):
