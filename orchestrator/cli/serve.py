@@ -126,7 +126,11 @@ def keys_revoke(name: str, keys: Optional[Path] = KeysOpt,
 
 
 def serve(ctx: typer.Context,
-          index: Optional[str] = typer.Option(None, "--index", help="default index"),
+          index: Optional[str] = typer.Option(None, "--index", help="the default index: "
+                                              "the one a request that names none searches "
+                                              "(default: the home's only index; a home of "
+                                              "several has none unless named). Every index "
+                                              "of the home is served either way"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to listen on "
                                    "(0.0.0.0: every interface; needs --keys)"),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on"),
@@ -151,9 +155,9 @@ def serve(ctx: typer.Context,
                                           "joins a Ray cluster for the branches; --executor "
                                           "local runs them here too)"),
           home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt):
-    """Run the search service (Ray Serve + FastAPI): JSON and streaming search, API keys,
-    document upsert/delete, /metrics, a web page at /."""
-    from branchsearch.orchestrator.cli.options import settings_to_read
+    """Run the search service (Ray Serve + FastAPI) over every index of the data home: JSON
+    and streaming search, API keys, document upsert/delete, /metrics, a web page at /."""
+    from branchsearch.orchestrator.cli.options import settings_of_home
     from branchsearch.orchestrator.service import deploy as service
     from branchsearch.orchestrator.service.searcher import check_default
 
@@ -169,8 +173,13 @@ def serve(ctx: typer.Context,
     if keys is not None and not keys.exists():
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
                                 f"add NAME --groups G --keys {keys}`)")
-    settings = settings_to_read(home, index, config, ray_address=address)
-    check_default(settings)  # one line before anything starts, not a replica's traceback
+    settings, several = settings_of_home(home, index, config, ray_address=address)
+    if several:  # every one served; a request names its own
+        print(f"no default index: this data home ({settings.home}) has "
+              f"{', '.join(map(repr, several))}, and a search names one as `index` (without, "
+              "a 422); --index NAME makes one the default", file=sys.stderr)
+    else:
+        check_default(settings)  # one line before anything starts, not a replica's traceback
     # a taken port is said before any index is opened; with Ray Serve on a local cluster (its
     # proxy binds here) also before the cluster starts, and on a cluster joined before Serve
     # starts there: not as the traceback of a proxy that failed to bind
@@ -184,12 +193,13 @@ def serve(ctx: typer.Context,
     if standalone:
         if not keys:
             print(service.dev_mode_banner(host, sock.getsockname()[1]), file=sys.stderr)
-        service.run_standalone(settings, executor=executor, keys=keys, sock=sock)
+        service.run_standalone(settings, executor=executor, keys=keys, sock=sock,
+                               default_index=not several)
         return
     if not keys:
         print(service.dev_mode_banner(host, port), file=sys.stderr)
     service.run_serve(settings, service.ServeOptions(
-        home=str(Path(settings.home).resolve()), index=settings.index,
+        home=str(Path(settings.home).resolve()), index="" if several else settings.index,
         config=str(config.resolve()) if config else None,
         keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas or 0,
         searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)

@@ -492,14 +492,14 @@ def create_app(state: ServiceState):
     @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", tags=["health"], responses=_answers(Ready, 503))
     async def readyz(request: Request):
-        """Ready when the default index is open and its backends answer, and the API keys
-        file can be read; else 503, within a few seconds whatever the backends do. `indexes`:
-        how many the service serves; `indexes_not_ready`: how many of those cannot serve now,
-        a backend that does not answer, a start that failed, or an index not open that could
-        not open (their searches answer 503). `not_ready` names them, with the code their
-        searches meet, to a caller whose key may use them (everyone on a development server):
-        anyone may ask, and index names are for keys (GET /v1/indexes). Why in full: the
-        server log."""
+        """Ready when the default index (where the server has one) is open and its backends
+        answer, and the API keys file can be read; else 503, within a few seconds whatever the
+        backends do. `indexes`: how many the service serves; `indexes_not_ready`: how many of
+        those cannot serve now, a backend that does not answer, a start that failed, or an index
+        not open that could not open (their searches answer 503). `not_ready` names them, with
+        the code their searches meet, to a caller whose key may use them (everyone on a
+        development server): anyone may ask, and index names are for keys (GET /v1/indexes). Why
+        in full: the server log."""
         if state.keys is not None:
             try:
                 state.keys.check()

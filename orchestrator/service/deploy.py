@@ -78,16 +78,18 @@ def listen(host: str, port: int):
 # --- standalone: uvicorn ------------------------------------------------------------------------
 
 def local_state(settings, *, executor: str = "local", keys_path=None,
-                limits: Limits = Limits(), driver_factory=None) -> ServiceState:
-    """The app's state with the Searcher in this process. With the Ray executor, connect to Ray
-    here — call this from the main thread."""
+                limits: Limits = Limits(), driver_factory=None,
+                default_index: bool = True) -> ServiceState:
+    """The app's state with the Searcher in this process (`default_index`: as the Searcher's).
+    With the Ray executor, connect to Ray here — call this from the main thread."""
     from branchsearch.orchestrator.service.searcher import Searcher
 
     if executor == "ray":
         from branchsearch.infra.raycluster import connect
 
         connect(settings)
-    searcher = Searcher(settings, executor=executor, limits=limits, driver_factory=driver_factory)
+    searcher = Searcher(settings, executor=executor, limits=limits, driver_factory=driver_factory,
+                        default_index=default_index)
     return ServiceState(SearcherClient(searcher), KeyStore(keys_path) if keys_path else None,
                         limits)
 
@@ -131,14 +133,15 @@ def stopped(why: str) -> None:
     print(f"stopped (SIGTERM): {why}", file=sys.stderr)
 
 
-def run_standalone(settings, *, executor: str, keys, sock) -> None:
+def run_standalone(settings, *, executor: str, keys, sock, default_index: bool = True) -> None:
     """uvicorn on `sock` until SIGTERM or ^C (uvicorn drains in-flight requests, then exits).
-    SIGTERM before it serves stops it as cleanly: what it opened is closed, exit 0."""
+    SIGTERM before it serves stops it as cleanly: what it opened is closed, exit 0.
+    `default_index` False: no default index (`Searcher`)."""
     _log_to_stderr()
     stopping, state, served = Stopping(), None, False
     try:
         state = local_state(settings, executor=executor, keys_path=keys,
-                            limits=Limits.of(settings))
+                            limits=Limits.of(settings), default_index=default_index)
         stopping.install()  # again: connecting to Ray put Ray's own handler in its place
         if stopping.asked:
             raise StopRequest()
@@ -365,7 +368,7 @@ class ServeOptions:
     """What `branchsearch serve` and `app_builder` pass to the deployments."""
 
     home: str = ".branchsearch"
-    index: str = "default"
+    index: str = "default"  # the default index; "": none (a search names its index)
     config: str | None = None
     keys: str | None = None
     executor: str = "ray"
@@ -431,7 +434,8 @@ def build_application(opts: ServeOptions):
     from branchsearch.infra.config.settings import load_settings
 
     o = asdict(opts)
-    settings = load_settings(opts.config, {"home": opts.home, "index": opts.index})
+    settings = load_settings(opts.config, {"home": opts.home}
+                             | ({"index": opts.index} if opts.index else {}))
     limits = Limits.of(settings, **opts.limits)  # the config's `limits` over the settings'
     queue, slots = limits.per_key_queue, limits.per_key_concurrency
     limits = for_replica(limits, opts.searcher_max_ongoing, opts.searcher_replicas)
@@ -486,7 +490,8 @@ def build_application(opts: ServeOptions):
         num_replicas=opts.searcher_replicas, max_ongoing_requests=opts.searcher_max_ongoing,
         max_queued_requests=opts.searcher_max_queued,
         ray_actor_options=searcher_actor, **grace).bind(
-        settings, executor=opts.executor, limits=limits, warm=True)
+        settings, executor=opts.executor, limits=limits, warm=True,
+        default_index=bool(opts.index))
     return Ingress.options(**ingress_cfg).bind(searcher, o)
 
 

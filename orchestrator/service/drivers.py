@@ -39,19 +39,22 @@ from branchsearch.infra.index.catalog import index_names
 from branchsearch.orchestrator.service.errors import ApiError, error_code, shutting_down
 
 log = logging.getLogger("branchsearch.service")
+SETTINGS_INDEX = object()  # `Drivers`' default index when none is given: the settings' index
 
 
 class Drivers:
     def __init__(self, settings: Settings, *, make: Callable[[Settings], object],
-                 close: Callable[[object, object], None], idle_close_s: float = 0.0,
-                 max_open: int = 0, retry_after_s: int = 1):
+                 close: Callable[[object, object], None], default: object = SETTINGS_INDEX,
+                 idle_close_s: float = 0.0, max_open: int = 0, retry_after_s: int = 1):
         """`make(settings)`: start the driver of `settings.index`; `close(driver, docstore)`:
-        close one; `idle_close_s` > 0: close an index (not the default) unused that long;
+        close one; `default`: the default index (`settings.index` unless given; None: none);
+        `idle_close_s` > 0: close an index (not the default) unused that long;
         `max_open` > 0: the most indexes open at once (`_make_room`), a refusal past it
         saying `Retry-After: retry_after_s`."""
         self.settings, self._make, self._close, self.idle_close_s = (settings, make, close,
                                                                      idle_close_s)
         self.max_open, self.retry_after_s = max_open, retry_after_s
+        self.default = settings.index if default is SETTINGS_INDEX else default
         self.by_index: dict[str, object] = {}  # the drivers in service
         self._docstores: dict[str, object] = {}
         self._opened_as: dict[str, tuple] = {}  # index -> what it was opened as (`_stale`)
@@ -196,7 +199,7 @@ class Drivers:
                            overload("max_open_indexes",
                                     len(self.by_index.keys() | self._background.keys()),
                                     max_open_indexes=self.max_open))
-        index = min(idle, key=lambda i: (i == self.settings.index, self._last_used.get(i, 0.0)))
+        index = min(idle, key=lambda i: (i == self.default, self._last_used.get(i, 0.0)))
         self._retire(index, f"was closed to make room for another (max_open_indexes = "
                      f"{self.max_open})")
         return index
@@ -330,7 +333,7 @@ class Drivers:
             now = time.monotonic()
             with self._lock:
                 for index in [i for i, d in self.by_index.items()
-                              if i != self.settings.index and not self._users.get(d)
+                              if i != self.default and not self._users.get(d)
                               and now - self._last_used.get(i, now) >= idle_s]:
                     self._retire(index, f"was not used for {idle_s:g} s")
 

@@ -128,7 +128,8 @@ def search_body_schema(limits: Limits) -> dict:
                                         "one letter or digit (any script), and no control "
                                         "character but tab, newline and carriage return"},
             "index": optional({**INDEX_NAME_SCHEMA, "description": "the index to search (the "
-                               "server's default index when absent)"}),
+                               "server's default index when absent; a server without one, "
+                               "serving a home of several indexes, answers 422)"}),
             "branches": optional({"type": "integer", "minimum": 1,
                                   "maximum": limits.max_branches,
                                   "description": "at most this many branches (the planner may "

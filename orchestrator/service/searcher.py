@@ -63,10 +63,15 @@ JOIN_GRACE_S = 2.0
 
 class Searcher:
     def __init__(self, settings: Settings, *, executor: str = "ray", limits: Limits = Limits(),
-                 driver_factory: Callable | None = None, warm: bool = False):
+                 driver_factory: Callable | None = None, warm: bool = False,
+                 default_index: bool = True):
         """`driver_factory(settings, executor)`: how a driver is made (tests); `warm`: open the
-        default index now (a Serve replica loads its models before taking traffic)."""
+        default index now (a Serve replica loads its models before taking traffic);
+        `default_index`: `settings.index` is the default index, the one a search that names
+        none searches; False: there is none (a home of several indexes, none named), and such
+        a search is a 422."""
         self.settings, self.executor, self.limits = settings, executor, limits
+        self.default = settings.index if default_index else None
         self.driver_factory = driver_factory or self._make_driver
         self.concurrency = Concurrency(limits)
         # a thread for every request the server admits (and a few for readiness and writes), so
@@ -83,7 +88,8 @@ class Searcher:
         self._cpu_holders: set = set()
         self.acl_guard_dropped = 0  # ids a layer below returned to a caller who may not see them
         self.drivers = Drivers(settings, make=lambda s: self.driver_factory(s, self.executor),
-                               close=self._close, idle_close_s=limits.index_idle_close_s,
+                               close=self._close, default=self.default,
+                               idle_close_s=limits.index_idle_close_s,
                                max_open=limits.max_open_indexes,
                                retry_after_s=limits.retry_after_s)
         self._readiness = SharedCheck(self._ready)  # one at a time, on its own thread
@@ -246,14 +252,21 @@ class Searcher:
 
     def open_default(self):
         """The default index's driver, opened before the service takes traffic (its models
-        loaded); a default index that is not there names the ones that are."""
+        loaded); a default index that is not there names the ones that are. None without a
+        default index."""
+        if self.default is None:
+            return None
         try:
-            return self.drivers.open(self.settings.index)
+            return self.drivers.open(self.default)
         except IndexNotFound as exc:
             raise not_found(exc, self.settings) from None
 
     def _index(self, req: SearchRequest) -> str:
-        return req.index or self.settings.index
+        if req.index is None and self.default is None:
+            raise ApiError(422, "bad_request", "this server has no default index: name the "
+                           "index to search as `index` (GET /v1/indexes lists those your key "
+                           "may use)")
+        return req.index or self.default
 
     def _make_driver(self, settings: Settings, executor: str):
         from branchsearch.orchestrator.driver import Driver
@@ -416,11 +429,12 @@ class Searcher:
         """`check_index` for the index a search runs on. The default, when the request names
         none, is not named to a key that may not use it: index names are for the keys that
         may use them (GET /v1/indexes, /readyz)."""
-        if req.index is None and not key.may_use(self.settings.index):
+        index = self._index(req)  # (a 422 where there is no default)
+        if req.index is None and not key.may_use(index):
             raise ApiError(403, "forbidden", f"key {key.name!r} may not use the server's "
                            "default index: name one of its indexes as `index` (GET "
                            "/v1/indexes lists them)")
-        self.check_index(self._index(req), key)
+        self.check_index(index, key)
 
     def _search(self, req: SearchRequest, key: ApiKey,
                 on_event: Callable[[dict], None] | None, arrived: float, slot) -> dict:
@@ -769,8 +783,9 @@ class Searcher:
                            "it ends)", {"Retry-After": "5"}) from None
 
     def _ready(self) -> dict:
-        """Ready when the default index is open and its backends answer; ApiError 503
-        otherwise. Every other index of the service is counted (`indexes`), and one that
+        """Ready when the default index is open and its backends answer (without a default
+        index, when the server is up); ApiError 503 otherwise. Every other index of the
+        service is counted (`indexes`), and one that
         cannot serve is counted in `indexes_not_ready` and listed in `not_ready` (its name and
         the code its searches would meet), not made the server's state: an open one whose
         backends do not answer its probe, one a request asked for whose last start failed
@@ -789,30 +804,32 @@ class Searcher:
         its probe. The ingress shows `not_ready` only to a caller whose key may use those
         indexes (a load balancer has no key); the server log says why in full."""
         began = time.monotonic()
+        default = self.default  # (None: no default index; every index is one of the others)
         try:
-            self.drivers.open(self.settings.index, wait=self.limits.default_deadline_s)
+            if default is not None:
+                self.drivers.open(default, wait=self.limits.default_deadline_s)
         except Exception as exc:  # noqa: BLE001
-            log.warning("not ready: index %r: %s", self.settings.index, error_line(exc, 1000))
+            log.warning("not ready: index %r: %s", default, error_line(exc, 1000))
             raise ApiError(503, "not_ready", "the default index is not ready (the server log "
                            "says why)", {"Retry-After": "5"}) from None
         opened = self.drivers.opened()
         probes = {(index, driver): functools.partial(self._probe_held, index, driver)
-                  for index, driver in opened if index != self.settings.index}
+                  for index, driver in opened if index != default}
         probed = {index for index, _ in probes}
         names = self.index_names()
         # (one removed since its start failed is no index to count)
         failed = {i: why for i, why in self.drivers.failed().items()
-                  if i != self.settings.index and i in names and i not in probed}
+                  if i != default and i in names and i not in probed}
         # an index not open is asked whether it could open: never started, or its last start
         # failed on a backend not answering (which may be back)
         failed_for_good = {i for i, (_, code) in failed.items() if code != "backend_unavailable"}
         ask = [index for index in names if index not in probed
-               and index != self.settings.index and index not in failed_for_good]
+               and index != default and index not in failed_for_good]
         probes.update(((index, None), functools.partial(self._probe_unopened, index))
                       for index in ask)
         waits = self._index_probes.start(probes)
-        index = self.settings.index
-        driver = next((d for i, d in opened if i == index), None)
+        index = default
+        driver = next((d for i, d in opened if i == index), None) if index is not None else None
         if driver is not None and self.drivers.hold(index, driver, probe=True) is not None:
             try:
                 self._probe(index, driver)
@@ -823,7 +840,8 @@ class Searcher:
             finally:
                 self.drivers.let_go(driver, None, probe=True)
         not_ready: dict[str, str] = {}  # index -> the code its searches would meet
-        counted = 1 + len({i for i, _ in probes} | set(failed))  # the default, and the others
+        counted = (default is not None) + len({i for i, _ in probes} | set(failed))  # the
+        # default, and the others
         answers = self._index_probes.answers(waits, began + OTHERS_WAIT_S)
         for (index, _), answer in answers.items():
             if answer is None:

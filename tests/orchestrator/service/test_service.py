@@ -2042,7 +2042,7 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
     assert re.search(r"\d\d:\d\d:\d\d,\d+ INFO index 'acl' changed on disk", logged), logged
     assert re.search(r"WARNING not ready: index 'acl': .*not found", logged), logged
     # no --index, and no index named 'default' in this home: its only index is served (said
-    # first); with two there, one line naming them
+    # first), the default; with two there, both, and no default
     bare = [a for a in cmd if a not in ("--index", "acl")]
     proc = subprocess.Popen(bare, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
@@ -2061,12 +2061,77 @@ def test_standalone_serve_says_where_it_listens_and_a_taken_port_is_one_line(tmp
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     ingest(write_corpus(tmp_path / "corpus.jsonl"), settings.replace(index="zweiter"))
-    two = subprocess.run(bare, capture_output=True, text=True, timeout=120)
-    errors = [ln for ln in two.stderr.splitlines() if ln.startswith("error:")]
-    assert two.returncode == 2 and len(errors) == 1, two.stderr
-    assert errors[0].startswith("error: which index? This data home"), errors
-    assert "has 'acl', 'zweiter'; pick one with --index NAME" in errors[0], errors
+    proc = subprocess.Popen(bare, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "BRANCHSEARCH_TRACE_EXPORTER": "none"})
+    try:
+        served = _served_url(proc)
+        assert_several_served_without_a_default(served, ["acl", "zweiter"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    said = proc.stderr.read()
+    assert proc.returncode == 0 and "Traceback" not in said, said
 
+
+def assert_several_served_without_a_default(url: str, names: list[str]) -> None:
+    """A `serve` without --index in a home of several indexes (`names`) serves every one and
+    has no default index: a search that names none is a 422 in JSON saying so (not a search of
+    some index, nor a start refused), one that names an index is answered, and /readyz is
+    ready, counting them all. (A development server: no keys.)"""
+    question = {"question": "Harbor Festival in June", "branches": 1}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for accept in ("application/json", "text/event-stream"):
+            r = client.post("/v1/search", json=question, headers={"Accept": accept})
+            assert r.status_code == 422, r.text
+            assert r.json()["error"] == "bad_request", r.text
+            assert "no default index" in r.json()["detail"], r.text
+        for name in names:
+            r = client.post("/v1/search", json={**question, "index": name})
+            assert r.status_code == 200 and r.json()["index"] == name, r.text
+            assert r.json()["evidence"], r.text
+        ready = client.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["indexes"] == len(names) and not ready.json()["not_ready"], \
+            ready.text
+        assert client.get("/v1/indexes").json()["indexes"] == names
+
+
+
+@pytest.mark.ray
+def test_ray_serve_without_index_serves_every_index_of_the_home(tmp_path):
+    """`serve` (Ray Serve) in a home of two indexes, no --index: it stopped with 'which
+    index?' while its --help called --index the *default* index. It serves both, with no
+    default, as `serve --standalone` does."""
+    from service_fixtures import free_port
+
+    home = tmp_path / "home"
+    for name in ("acl", "zweiter"):
+        ingest(write_corpus(tmp_path / "corpus.jsonl"),
+               load_settings(overrides={"home": home, "index": name}, read_env=False,
+                             read_file=False), dense=False)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "branchsearch.orchestrator.cli", "serve",
+                             "--host", "127.0.0.1", "--port", str(port), "--home", str(home),
+                             "--executor", "local"], stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items()
+                                 if not k.startswith(("BRANCHSEARCH_", "RAY_"))},
+                            start_new_session=True)
+    try:
+        said, deadline = [], time.monotonic() + 300
+        while not (said and "serving on" in said[-1]) and time.monotonic() < deadline:
+            said.append(proc.stderr.readline())
+            assert said[-1] or proc.poll() is None, "serve exited: " + "".join(said)
+        assert any("no default index" in line and "'acl', 'zweiter'" in line
+                   for line in said), said
+        assert_several_served_without_a_default(f"http://127.0.0.1:{port}", ["acl", "zweiter"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 0, proc.stderr.read()
 
 
 @pytest.mark.ray
