@@ -198,11 +198,13 @@ def lexical_store(settings: Settings):
                               f"{settings.index_dir} and ingest it again") from None
 
 
-def dense_uri(settings: Settings) -> str:
+def dense_uri(settings: Settings, backends: dict | None = None) -> str:
     """Where the owned index's vectors live: Milvus at `milvus_uri`, else the index's Lite
     file. A complete index ingested into its Lite file stays there when `milvus_uri` is set
-    (for another index, or in the environment): its manifest says where its vectors are."""
-    recorded = str(recorded_backends(settings).get("dense", ""))
+    (for another index, or in the environment): its manifest says where its vectors are
+    (`backends`, its record, when the caller has read it; else read here)."""
+    backends = recorded_backends(settings) if backends is None else backends
+    recorded = str(backends.get("dense", ""))
     if settings.milvus_uri and not recorded.startswith("milvus-lite "):
         return str(settings.milvus_uri)
     return str(settings.index_dir / "dense.db")

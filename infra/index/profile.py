@@ -76,13 +76,14 @@ def _owned(settings: Settings) -> IndexProfile:
     from branchsearch.infra.index.open import dense_uri
 
     folder = settings.index_dir
-    uri = dense_uri(settings)
     try:
         manifest = require_complete(folder, settings.index, home_flag(settings))
     except BranchsearchError as exc:  # not found, incomplete, being ingested, copied: taken
+        uri = dense_uri(settings)
         lite = "" if settings.search_mode == "bm25" or is_server(uri) else uri  # as on Lite
         return IndexProfile(settings.index, "owned", folder, "", "", lite, "", exc)
     backends = manifest.backends or {}
+    uri = dense_uri(settings, backends)
     lexical = str(backends.get("lexical", ""))
     dense = str(backends.get("dense", "")) if manifest.embedding is not None else ""
     problem: BranchsearchError | None = None

@@ -83,7 +83,7 @@ def check_unopened(settings, profile, timeout_s: float, servers: Servers) -> Non
         else:
             from branchsearch.infra.index.open import dense_uri
 
-            uri = dense_uri(settings)
+            uri = dense_uri(settings, profile.manifest.backends or {})  # (read once)
         from branchsearch.infra.stores.milvus import server_answers
 
         servers.check(("milvus", str(uri)), lambda: server_answers(str(uri), timeout_s))

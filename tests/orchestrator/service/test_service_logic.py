@@ -1748,3 +1748,26 @@ def test_a_readiness_error_the_board_answers_is_logged_once_while_it_repeats(cap
     lines = [r for r in caplog.records if r.name == "branchsearch.service"]
     assert len(lines) == 2 and all(r.exc_info for r in lines)
     assert "Permission denied" in lines[0].getMessage()
+
+
+def test_a_probe_of_an_unopened_index_reads_its_manifest_once(tmp_path, monkeypatch):
+    """A readiness probe of an index no request has opened (`reachable.check_unopened` on its
+    profile) read the index's manifest twice: once for where its vectors live, once for its
+    profile (a third time for an index on a Milvus server). Once, now: a service with many
+    indexes probes each every 2 s."""
+    from branchsearch.infra.config.settings import load_settings
+    from branchsearch.infra.index import manifest
+    from branchsearch.infra.index.profile import index_profile
+    from branchsearch.infra.ingest.pipeline import ingest
+    from branchsearch.orchestrator.service.reachable import Servers, check_unopened
+
+    from service_fixtures import write_corpus
+
+    settings = load_settings(overrides={"home": tmp_path / "home", "index": "acl"},
+                             read_env=False, read_file=False)
+    ingest(write_corpus(tmp_path / "corpus.jsonl"), settings, dense=False)
+    reads, read = [], manifest.read_manifest
+    monkeypatch.setattr(manifest, "read_manifest",
+                        lambda *args, **kwargs: reads.append(args) or read(*args, **kwargs))
+    check_unopened(settings, index_profile(settings), 3.0, Servers(fresh_s=0.5))
+    assert len(reads) == 1, reads
