@@ -54,19 +54,14 @@ class Limits:
         return cls(**{**limits, "max_k": min(limits["max_k"], settings.final_k)})
 
 
-def for_replica(limits: Limits, max_ongoing: int, replicas: int = 1) -> Limits:
-    """`limits` as each of `replicas` Ray Serve searcher replicas applies them. Each keeps its
-    own counts, so a key's slots and queue are shared out among them (`ceil(n / replicas)`
-    each, at least 1 slot): a key runs `per_key_concurrency` searches in all when the
-    replicas divide it, not that many on every replica. And a request waiting for its key's
-    slot holds one of its replica's `max_ongoing` requests (`searcher_max_ongoing`), so a
-    key's queue is cut to keep its running and waiting requests to half of them at most (none
-    past its slots when its slots alone take that): one caller's burst cannot fill a replica
-    that every caller shares."""
-    concurrency = max(-(-limits.per_key_concurrency // replicas), 1)
-    queue = -(-limits.per_key_queue // replicas)
-    room = max(max_ongoing // 2 - concurrency, 0)
-    return replace(limits, per_key_concurrency=concurrency, per_key_queue=min(queue, room))
+def for_replica(limits: Limits, max_ongoing: int) -> Limits:
+    """`limits` as a Ray Serve searcher replica applies them: there a request waiting for its
+    key's slot holds one of the replica's `max_ongoing` requests (`searcher_max_ongoing`), so
+    a key's queue is cut to keep its running and waiting requests to half of them at most
+    (none past its slots when its slots alone take that): one caller's burst cannot fill a
+    replica that every caller shares."""
+    room = max(max_ongoing // 2 - limits.per_key_concurrency, 0)
+    return replace(limits, per_key_queue=min(limits.per_key_queue, room))
 
 
 # the media types a body may be declared as: JSON (`application/*+json` too), and JSONL, which a

@@ -437,13 +437,9 @@ def build_application(opts: ServeOptions):
     settings = load_settings(opts.config, {"home": opts.home}
                              | ({"index": opts.index} if opts.index else {}))
     limits = Limits.of(settings, **opts.limits)  # the config's `limits` over the settings'
-    queue, slots = limits.per_key_queue, limits.per_key_concurrency
-    limits = for_replica(limits, opts.searcher_max_ongoing, opts.searcher_replicas)
-    if opts.searcher_replicas > 1:
-        log.info("per_key_concurrency %d and per_key_queue %d shared out among %d searcher "
-                 "replicas: %d and %d each", slots, queue, opts.searcher_replicas,
-                 limits.per_key_concurrency, limits.per_key_queue)
-    elif limits.per_key_queue < queue:
+    queue = limits.per_key_queue
+    limits = for_replica(limits, opts.searcher_max_ongoing)
+    if limits.per_key_queue < queue:
         log.info("per_key_queue %d cut to %d: a key's searches in flight and waiting take at "
                  "most half of a searcher replica's %d (searcher_max_ongoing)", queue,
                  limits.per_key_queue, opts.searcher_max_ongoing)

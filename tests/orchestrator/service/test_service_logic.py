@@ -315,24 +315,6 @@ def test_a_serve_replica_keeps_one_key_to_half_its_requests():
     assert for_replica(Limits(per_key_concurrency=4, per_key_queue=16), 64).per_key_queue == 16
 
 
-def test_serve_replicas_share_out_a_keys_slots_and_queue():
-    """Each searcher replica keeps its own counts: a key's slots and queue are shared out
-    among the replicas (rounded up; at least one slot), so a key runs per_key_concurrency
-    searches in all, not that many on each replica."""
-    from branchsearch.orchestrator.service.admission import for_replica
-
-    def cut(concurrency, queue, replicas, max_ongoing=64):
-        got = for_replica(Limits(per_key_concurrency=concurrency, per_key_queue=queue),
-                          max_ongoing, replicas)
-        return got.per_key_concurrency, got.per_key_queue
-
-    assert cut(4, 16, 1) == (4, 16)
-    assert cut(4, 16, 2) == (2, 8)
-    assert cut(4, 16, 3) == (2, 6)
-    assert cut(1, 0, 4) == (1, 0)  # one slot can only be had whole
-    assert cut(4, 16, 2, max_ongoing=8) == (2, 2)  # then half a replica's requests, as ever
-
-
 def test_errors_map_to_statuses_without_internals():
     assert api_error(BackendUnavailable("es down")).status == 503
     assert api_error(IndexNotFound("nope")).status == 404

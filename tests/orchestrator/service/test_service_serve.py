@@ -735,36 +735,6 @@ def test_probes_answer_at_once_while_searches_fill_every_place_the_searchers_hav
     assert all(r.headers["content-type"].startswith("application/json") for r in answers)
 
 
-def test_a_keys_slots_hold_in_all_over_two_searcher_replicas(serve_app, tmp_path):
-    """Two searcher replicas (server backends) and `per_key_concurrency` 2, no queue: each
-    replica kept its own counts, so one key ran 2 searches on each, 4 in all, and only the
-    fifth and sixth of six simultaneous held searches were refused. The replicas now share
-    the key's slots out (`for_replica`: 1 each), so it runs 2 in all and the others get 429
-    at once."""
-    client, _ = serve_app
-    with _app_over_a_hung_backend(tmp_path, "pair", searcher_replicas=2,
-                                  searcher_max_ongoing=4, searcher_max_queued=4,
-                                  limits={"per_key_concurrency": 2, "per_key_queue": 0}), \
-            httpx.Client(base_url=client.base_url, timeout=60) as burst, \
-            cf.ThreadPoolExecutor(6) as pool:
-        assert client.get("/pair/healthz").status_code == 200
-        searches = []
-        for _ in range(6):
-            searches.append(pool.submit(burst.post, "/pair/v1/search", json={
-                "question": "harbor", "index": "hole", "deadline_s": 15}))
-            time.sleep(0.3)  # (each routed knowing where the last went)
-        time.sleep(3)
-        refused = [s.result() for s in searches if s.done()]
-        answers = [s.result() for s in searches]
-    assert len(refused) == 4, [(r.status_code, r.text) for r in refused]
-    assert all(r.status_code == 429 for r in refused), [r.text for r in refused]
-    body = refused[0].json()
-    assert body["limits"] == {"per_key_concurrency": 1, "per_key_queue": 0}, body
-    held = [r for r in answers if r not in refused]  # held by a backend that never answers
-    assert len(held) == 2 and all(r.status_code in (503, 504) for r in held), \
-        [r.text for r in held]  # (index_starting, backend_unavailable: its index's doing)
-
-
 def test_a_search_stuck_past_its_deadline_frees_its_keys_slot_with_its_504(serve_app,
                                                                            tmp_path):
     """A key with one slot and no queue searches an index whose Elasticsearch stops answering
