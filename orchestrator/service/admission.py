@@ -140,11 +140,14 @@ class Slot:
     its work runs: the request, and a search's own thread that outlives it (`hold`, `let_go`:
     freed when the last lets go). `stop` is set when its caller went away: the search's
     branches end at their next step, and the slot is free once they have. A search's thread
-    still running at its request's deadline lets go then (`hold`): whatever it waits on, the
-    deadline bounds how long the slot is held."""
+    still running at its request's deadline gives its key's place back then (`outlive`):
+    whatever it waits on, the deadline bounds how long a key's slot is held; the server's
+    count (`max_in_flight`) keeps it until it ends, so threads stuck on a backend stay
+    bounded."""
 
-    def __init__(self, free):
+    def __init__(self, free, keep=None):
         self._free, self._users, self._lock = free, 1, threading.Lock()
+        self._keep = keep or (lambda: lambda: None)
         self.stop = threading.Event()
 
     def hold(self) -> Callable[[], None]:
@@ -161,6 +164,14 @@ class Slot:
                 gone.append(True)
             self.let_go()
         return let_go
+
+    def outlive(self, let_go: Callable[[], None]) -> Callable[[], None]:
+        """A user (`hold`'s `let_go`) that runs on past its request's deadline: its place in
+        the key's count is given back now, and it keeps a count of its own in the server's
+        until it calls what this returns (once; its end)."""
+        end = self._keep()
+        let_go()
+        return end
 
     def let_go(self) -> None:
         with self._lock:
@@ -259,7 +270,21 @@ class Concurrency:
         """A slot of `key_name`'s, counted for the key and the server. Holding the lock."""
         self._per_key[key_name] = self._per_key.get(key_name, 0) + 1
         self.total += 1
-        return Slot(lambda: self._free(key_name))
+        return Slot(lambda: self._free(key_name), self._keep)
+
+    def _keep(self) -> Callable[[], None]:
+        """One more in the server's count, for a search's thread that runs on past its
+        request (`Slot.outlive`); returns its end, which counts once."""
+        with self._lock:
+            self.total += 1
+        ended = []
+
+        def end() -> None:
+            with self._lock:
+                if not ended:
+                    ended.append(True)
+                    self.total -= 1
+        return end
 
     def _server_refusal(self) -> ApiError | None:
         """The 503 when the server runs `max_in_flight` requests: a line for people, and as

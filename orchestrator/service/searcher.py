@@ -471,12 +471,15 @@ class Searcher:
         comes first: a thread stuck past the deadline (a backend call within its
         `backend_timeout_s`, a retriever actor that Ray restarts and cannot place) would
         otherwise hold its key's slot as long, and the key's next searches would be refused
-        429 long after this one's caller had its 504."""
+        429 long after this one's caller had its 504. Such a thread keeps its place in the
+        server's count (`max_in_flight`) until it ends (`Slot.outlive`)."""
         from branchsearch.workers.harness import CALLED_OFF
 
         box: dict = {}
         self.drivers.also(driver)
         release = slot.hold()
+        past = threading.Lock()  # the thread's end and the 504's `outlive`, one after the other
+        state: dict = {"ended": False, "end": None}
 
         def work():
             CALLED_OFF.set(slot.stop.is_set)  # (this thread's own context)
@@ -490,7 +493,11 @@ class Searcher:
                 box["error"] = exc
             finally:
                 self.drivers.let_go(driver, None)
+                with past:
+                    state["ended"] = True
                 release()
+                if state["end"] is not None:  # (set before `ended`, or never)
+                    state["end"]()
 
         worker = threading.Thread(target=work, name="search", daemon=True)
         try:
@@ -502,7 +509,9 @@ class Searcher:
         worker.join(deadline + JOIN_GRACE_S)
         if worker.is_alive():  # no one will read what it finds
             slot.stop.set()
-            release()
+            with past:
+                if not state["ended"]:
+                    state["end"] = slot.outlive(release)
             log.warning("a search still runs %g s past its deadline: called off, its slot "
                         "freed (it ends at its next turn, or when what it waits on "
                         "answers)", JOIN_GRACE_S)

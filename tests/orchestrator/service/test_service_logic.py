@@ -229,21 +229,32 @@ def test_a_key_past_its_slots_waits_in_order_within_its_deadline():
 
 
 def test_a_slot_held_by_a_search_thread_is_let_go_once_by_its_thread_or_its_deadline():
-    """A search's thread holds its request's slot (`Slot.hold`); the request's deadline lets
-    go for it when the thread is stuck, and the thread's own end later counts for nothing: the
-    slot is free once, the key's count never goes below what runs."""
-    conc = Concurrency(Limits(per_key_concurrency=1, max_in_flight=10))
+    """A search's thread holds its request's slot (`Slot.hold`); at the request's deadline a
+    stuck thread gives its key's place back (`Slot.outlive`), and its own end later frees
+    nothing more of the key's: the key's count never goes below what runs. The server's count
+    keeps the stuck thread until it ends, so `max_in_flight` still bounds the threads a hung
+    backend holds (a key answered 504 each deadline would otherwise start them without end)."""
+    conc = Concurrency(Limits(per_key_concurrency=1, max_in_flight=3))
     slot = conc.take("k")
     release = slot.hold()
     slot.let_go()  # the request's answer is out; its thread still runs
     assert conc._per_key == {"k": 1}
-    release()  # its deadline
-    assert conc.total == 0 and not conc._per_key
+    end = slot.outlive(release)  # its deadline
+    assert not conc._per_key and conc.total == 1  # the key's place back; the thread counted
     again = conc.take("k")  # the key's next search is admitted
-    release()  # the stuck thread ends at last: nothing more is freed
+    release()  # the stuck thread ends at last: nothing more of the key's is freed
     with pytest.raises(ApiError) as full:
         conc.take("k")
     assert full.value.status == 429
+    other = conc.take("other")
+    with pytest.raises(ApiError) as busy:  # the stuck thread, `again`, `other`: the server's 3
+        conc.take("third")
+    assert busy.value.status == 503
+    end()
+    end()  # (counts once)
+    assert conc.total == 2
+    conc.take("third").let_go()
+    other.let_go()
     again.let_go()
     assert conc.total == 0 and not conc._per_key
 
