@@ -165,6 +165,20 @@ def _unplaced_actors() -> bool | None:
         return None
 
 
+def unplaced(actors: list) -> bool | None:
+    """Whether each of `actors` waits for room on the cluster (created, on no node yet: no
+    process), where one placed and loading has its process. None when Ray's actor table
+    cannot be read."""
+    try:
+        from ray._private import state
+
+        table = [state.actors(actor_id=a._actor_id.hex()) for a in actors]
+        return all(info.get("State") == "PENDING_CREATION" and not info.get("Pid")
+                   for info in table)
+    except Exception:  # noqa: BLE001 — a private table: its shape may change
+        return None
+
+
 def _free():
     import ray
 

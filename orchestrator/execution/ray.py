@@ -35,11 +35,13 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import BranchsearchError, ClusterLost, Overloaded
+from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, ClusterLost,
+                                       Overloaded)
 from branchsearch.orchestrator.execution import (Cover, Events, bounded, done_event, emit,
                                                   not_started)
 from branchsearch.orchestrator.execution.balancer import Placement, ReplicaBalancer
-from branchsearch.orchestrator.execution.pool import BranchPool, branch_settings, wait_started
+from branchsearch.orchestrator.execution.pool import (BranchPool, branch_settings, unplaced,
+                                                      wait_started)
 from branchsearch.workers.branch import BranchReport, BranchTask
 from branchsearch.workers.harness import called_off
 
@@ -84,6 +86,7 @@ class RayExecutor:
         self.retrievers = [self._start_retriever() for _ in range(replicas)]
         self.retriever = self.retrievers[0]  # the stores' owner for writes (documents, probe)
         self._reviving = threading.Lock()
+        self._starting: dict[int, object] = {}  # replica → the ping of its fresh start, pending
         self.lost = ""  # why the cluster is gone, once `_watch` or `revive` found it so
         self._closed = threading.Event()
         self.revived = 0  # replicas back after a death: restarted by Ray or here (`revive`)
@@ -169,9 +172,8 @@ class RayExecutor:
         replica that Ray restarts and cannot place (no node with room) would hold the question
         a minute a replica, and every question that met it in turn, however short their
         deadlines. A cluster whose head node is gone (`cluster_lost`) raises `ClusterLost`, now
-        and for every question after: nothing can run on it any more."""
-        import ray
-
+        and for every question after: nothing can run on it any more. A replica started
+        afresh is waited for until the deadline too (`_start_again`)."""
         from branchsearch.infra.raycluster import cluster_lost
 
         end = None if wait_s is None else time.monotonic() + wait_s
@@ -190,18 +192,62 @@ class RayExecutor:
                 elif pid is not None and pid != self._pids[i]:
                     self._pids[i], back = pid, back + 1
             if dead:
-                log.warning("%d retriever actor(s) died for good; starting them again",
-                            len(dead))
-                fresh = [self._start_retriever() for _ in dead]
-                pings = [f.ping.remote() for f in fresh]
-                self._wait_started(pings, f"{len(dead)} retriever actor(s)")
-                for i, actor, pid in zip(dead, fresh, ray.get(pings)):
-                    self.retrievers[i], self._pids[i] = actor, pid
-                self.retriever = self.retrievers[0]
+                self._start_again(dead, end)
             self.revived += len(dead) + back
             return bool(dead or back)
         finally:
             self._reviving.release()
+
+    def _start_again(self, dead: list[int], end: float | None) -> None:
+        """Start afresh the replicas numbered `dead` (dead for good) and wait for them: until
+        `end` (the question's deadline), else `actor_start_timeout_s` as every start (a batch).
+        Each takes its place at once, so a question after this one finds it starting, not
+        dead to start once more. One not started by `end` (no node with room for it, or still
+        loading) raises `BackendUnavailable`: a 503 to retry, at the question's deadline, where
+        the start's whole timeout would have held the question, and the service's thread."""
+        import ray
+
+        log.warning("%d retriever actor(s) died for good; starting them again", len(dead))
+        fresh = [self._start_retriever() for _ in dead]
+        pings = [f.ping.remote() for f in fresh]
+        for i, actor, ping in zip(dead, fresh, pings):
+            self.retrievers[i], self._pids[i] = actor, None  # (its pid once it answers)
+            self._starting[i] = ping
+        self.retriever = self.retrievers[0]
+        what = f"{len(dead)} retriever actor(s)"
+        if end is not None:
+            _, pending = ray.wait(pings, num_returns=len(pings),
+                                  timeout=max(end - time.monotonic(), 0.0))
+            if pending:
+                raise BackendUnavailable(
+                    f"ray: {what} of index {self.settings.index!r} died and started again, "
+                    "not started by the question's deadline (placed on no node yet, or still "
+                    "loading); retry")
+        self._wait_started(pings, what)  # (an error of their constructor is raised here)
+        for i, pid in zip(dead, ray.get(pings)):
+            self._pids[i] = pid
+            self._starting.pop(i, None)
+
+    def _not_placed(self) -> None:
+        """Raise `BackendUnavailable` at once while every retriever replica is one started
+        afresh (`_start_again`) that waits for room on the cluster (`pool.unplaced`): the
+        question would wait on it until its deadline and end as a timeout (a 504), however
+        long the cluster stays without room; a replica placed and loading is waited for."""
+        import ray
+
+        starting = dict(self._starting)
+        if not starting:
+            return
+        ready, _ = ray.wait(list(starting.values()), num_returns=len(starting), timeout=0)
+        for i, ping in starting.items():
+            if ping in ready and self._starting.get(i) is ping:  # started (or died
+                del self._starting[i]  # starting: the question meets it, and `revive`)
+        if (len(starting) - len(ready) == len(self.retrievers)
+                and unplaced([self.retrievers[i] for i in starting])):
+            raise BackendUnavailable(
+                f"ray: the retriever actor(s) of index {self.settings.index!r} are starting "
+                "again and wait for room on the cluster (no node has the CPUs they ask now); "
+                "retry")
 
     def _not_lost(self) -> None:
         """Raise `ClusterLost` once the cluster is known to be gone (`_watch`, `revive`)."""
@@ -246,6 +292,7 @@ class RayExecutor:
                 return self.run(tasks, settings=settings, policy_factory=policy_factory,
                                 on_event=on_event, cover=cover, question=share)
         self._not_lost()
+        self._not_placed()
         revived = self.revived
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover, question)
         if any(r.status == "error" for r in reports):

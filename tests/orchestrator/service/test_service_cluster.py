@@ -611,10 +611,13 @@ import json, os, sys, time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.driver import Driver
-address, home = sys.argv[1], sys.argv[2]
+address, home, retries = sys.argv[1], sys.argv[2], int(sys.argv[3])
+deadlines = [float(d) for d in sys.argv[4].split(",")]
 settings = load_settings(overrides={"home": home, "index": "bm", "ray_address": address,
-                                    "branches": 1, "search_mode": "bm25"},
+                                    "branches": 1, "search_mode": "bm25",
+                                    "branch_retries": retries, "actor_start_timeout_s": 60},
                          read_env=False, read_file=False)
 ray.init(address=address, log_to_driver=False)
 head = next(n["NodeID"] for n in ray.nodes()
@@ -629,19 +632,21 @@ driver = Driver(settings, mode="ray")  # on the worker's CPU: the head has none 
 first = driver.search("Alpha harbor budget", deadline_s=60)
 print(json.dumps({"first": first.status}), flush=True)
 sys.stdin.readline()  # the worker node is gone
-began = time.monotonic()
-late = driver.search("Alpha harbor budget", deadline_s=3)
-print(json.dumps({"took": time.monotonic() - began, "status": late.status}), flush=True)
+for deadline in deadlines:  # one question after another
+    began = time.monotonic()
+    try:
+        late = {"status": driver.search("Alpha harbor budget", deadline_s=deadline).status}
+    except BranchsearchError as exc:
+        late = {"error": type(exc).__name__, "line": str(exc)}
+    print(json.dumps({"took": time.monotonic() - began, **late}), flush=True)
 os._exit(0)  # (closing waits on the stranded retriever)
 """
 
 
-def test_a_question_whose_retriever_cannot_be_restarted_ends_by_its_deadline(tmp_path):
-    """A driver on a two-node cluster whose head has no CPU free: its retriever and branch
-    actors run on the worker node, which dies. Ray restarts the retriever, and nothing can
-    place it. A question with a 3 s deadline met the dead retriever and waited a minute for
-    its answer (the executor's `revive`), after it, one question at a time: a service's search
-    thread outlived its 504 by that much. Now the wait ends by the question's deadline."""
+def _stranded(tmp_path, retries: int, deadlines: tuple[float, ...] = (3,)) -> list[dict]:
+    """`STRANDED` on a two-node cluster (its retriever with `retries` restarts): what its
+    questions after the worker node's death (one after another, with these `deadlines`)
+    answered, and how long each took."""
     import json
 
     home = tmp_path / "home"
@@ -650,7 +655,8 @@ def test_a_question_whose_retriever_cannot_be_restarted_ends_by_its_deadline(tmp
                              read_file=False)
     ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
     with _cluster(1) as cluster:
-        proc = subprocess.Popen([sys.executable, "-c", STRANDED, cluster["address"], str(home)],
+        proc = subprocess.Popen([sys.executable, "-c", STRANDED, cluster["address"], str(home),
+                                 str(retries), ",".join(map(str, deadlines))],
                                 env=cluster["env"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         try:
@@ -662,9 +668,37 @@ def test_a_question_whose_retriever_cannot_be_restarted_ends_by_its_deadline(tmp
                 time.sleep(1)
             proc.stdin.write("gone\n")
             proc.stdin.flush()
-            late = json.loads(proc.stdout.readline())
-            assert late["status"] in ("failed", "partial"), late
-            assert late["took"] < 3 + 5, late  # (before: 60 s and more)
+            return [json.loads(proc.stdout.readline()) for _ in deadlines]
         finally:
             proc.kill()
             proc.wait(30)
+
+
+def test_a_question_whose_retriever_cannot_be_restarted_ends_by_its_deadline(tmp_path):
+    """A driver on a two-node cluster whose head has no CPU free: its retriever and branch
+    actors run on the worker node, which dies. Ray restarts the retriever, and nothing can
+    place it. A question with a 3 s deadline met the dead retriever and waited a minute for
+    its answer (the executor's `revive`), after it, one question at a time: a service's search
+    thread outlived its 504 by that much. Now the wait ends by the question's deadline."""
+    [late] = _stranded(tmp_path, retries=1)
+    assert late.get("status") in ("failed", "partial"), late
+    assert late["took"] < 3 + 5, late  # (before: 60 s and more)
+
+
+def test_a_question_whose_retriever_died_for_good_waits_for_its_fresh_start_until_its_deadline(
+        tmp_path):
+    """As above, with no restarts left (`branch_retries` 0): the retriever is dead for good
+    and the question that meets it starts a fresh one, which nothing can place either. The
+    3 s-deadline question waited for that start's whole `actor_start_timeout_s` (60 s here,
+    300 s by default) and then failed; now it waits until its deadline and says the
+    retriever is starting again: BackendUnavailable, a 503 to retry in the service. The
+    question after it (a 30 s deadline) waited on that fresh replica, which Ray holds
+    unplaced, until its deadline, and ended with every branch timed out (a 504); now it is
+    told at once."""
+    late, after = _stranded(tmp_path, retries=0, deadlines=(3, 30))
+    assert late["took"] < 3 + 5, late  # (before: 60 s, the start's timeout)
+    assert late.get("error") == "BackendUnavailable", late
+    assert "started again, not started by the question's deadline" in late["line"], late
+    assert after["took"] < 5, after  # (before: 30 s, its deadline)
+    assert after.get("error") == "BackendUnavailable", after
+    assert "wait for room on the cluster" in after["line"], after
