@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import Overloaded
+from branchsearch.infra.errors import BackendUnavailable, Overloaded
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.retrieval.retriever import searched_mode
 from branchsearch.orchestrator.execution import done_event, emit, make_executor, not_started
@@ -312,14 +312,15 @@ class Driver:
     def _later_wave(self, tasks: list, on_event, shared=None) -> list:
         """A second or third wave run on the executor (on the question's cache `shared`).
         One that finds no branch actor free before its deadline (`Overloaded`: the pool is busy
-        with other searches) is reported as timed out, branch by branch, as the executor
-        reports a first-wave branch that could not start: the earlier waves' evidence stands,
-        and the question is not refused for a wave it could do without."""
+        with other searches), or no retriever to search (`BackendUnavailable`: one started
+        afresh and not placed by then), is reported as not started, branch by branch, as the
+        executor reports a first-wave branch that could not start: the earlier waves' evidence
+        stands, and the question is not refused for a wave it could do without."""
         try:
             return self.executor.run(tasks, settings=self.settings,
                                      policy_factory=self.policy_factory, on_event=on_event,
                                      question=shared)
-        except Overloaded as exc:
+        except (Overloaded, BackendUnavailable) as exc:
             reports = [not_started(t, str(exc)) for t in tasks]
             for report in reports:
                 emit(on_event, done_event(report))

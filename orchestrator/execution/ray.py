@@ -239,15 +239,14 @@ class RayExecutor:
         if not starting:
             return
         ready, _ = ray.wait(list(starting.values()), num_returns=len(starting), timeout=0)
-        for i, ping in starting.items():
-            if ping in ready and self._starting.get(i) is ping:  # started (or died
-                del self._starting[i]  # starting: the question meets it, and `revive`)
+        for i, ping in starting.items():  # started (or died starting: the question meets it,
+            if ping in ready and self._starting.get(i) is ping:  # and `revive`)
+                self._starting.pop(i, None)  # (another question may have taken it off first)
         if (len(starting) - len(ready) == len(self.retrievers)
                 and unplaced([self.retrievers[i] for i in starting])):
             raise BackendUnavailable(
                 f"ray: the retriever actor(s) of index {self.settings.index!r} are starting "
-                "again and wait for room on the cluster (no node has the CPUs they ask now); "
-                "retry")
+                "again and are not placed on a node yet; retry")
 
     def _not_lost(self) -> None:
         """Raise `ClusterLost` once the cluster is known to be gone (`_watch`, `revive`)."""
@@ -292,7 +291,8 @@ class RayExecutor:
                 return self.run(tasks, settings=settings, policy_factory=policy_factory,
                                 on_event=on_event, cover=cover, question=share)
         self._not_lost()
-        self._not_placed()
+        if _left(tasks) is not None:  # a question with a deadline; a batch's waits (`revive`)
+            self._not_placed()
         revived = self.revived
         reports = self._run_question(tasks, settings, policy_factory, on_event, cover, question)
         if any(r.status == "error" for r in reports):

@@ -145,9 +145,8 @@ class Slot:
     count (`max_in_flight`) keeps it until it ends, so threads stuck on a backend stay
     bounded."""
 
-    def __init__(self, free, keep=None):
-        self._free, self._users, self._lock = free, 1, threading.Lock()
-        self._keep = keep or (lambda: lambda: None)
+    def __init__(self, free, keep):
+        self._free, self._keep, self._users, self._lock = free, keep, 1, threading.Lock()
         self.stop = threading.Event()
 
     def hold(self) -> Callable[[], None]:
@@ -259,7 +258,7 @@ class Concurrency:
                     late = self._key_refusal(key_name, DEADLINE_IN_QUEUE, began)
                 raise late from None
             raise
-        return Slot(lambda: self._free(key_name))
+        return Slot(lambda: self._free(key_name), self._keep)
 
     def waiting(self, key_name: str) -> int:
         """How many of `key_name`'s requests wait for one of its slots now."""

@@ -3,6 +3,7 @@ No server, no Ray."""
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -257,6 +258,37 @@ def test_a_slot_held_by_a_search_thread_is_let_go_once_by_its_thread_or_its_dead
     other.let_go()
     again.let_go()
     assert conc.total == 0 and not conc._per_key
+
+
+def test_a_search_thread_stuck_past_its_deadline_counts_also_when_its_request_waited():
+    """A request that waited in its key's queue is handed its slot by the request before it
+    (`admit`); its thread, stuck past its deadline, keeps its place in the server's count as
+    any other's (`Slot.outlive`), so a key's queue cannot feed stuck threads past
+    `max_in_flight` either."""
+    import asyncio
+
+    conc = Concurrency(Limits(per_key_concurrency=1, per_key_queue=1, max_in_flight=2))
+
+    async def run():
+        first = conc.take("k")
+        waiting = asyncio.ensure_future(conc.admit("k", time.monotonic() + 10))
+        await asyncio.sleep(0.05)
+        first_thread = first.hold()
+        first.let_go()
+        first_end = first.outlive(first_thread)  # its 504: the slot goes to the waiter
+        second = await waiting
+        second_thread = second.hold()
+        second.let_go()
+        second_end = second.outlive(second_thread)
+        assert conc.total == 2 and not conc._per_key  # two stuck threads, no key's slot held
+        with pytest.raises(ApiError) as busy:
+            conc.take("other")
+        assert busy.value.status == 503
+        first_end()
+        second_end()
+        assert conc.total == 0
+
+    asyncio.run(run())
 
 
 def test_a_keys_429_says_why_and_its_limits_as_fields():
