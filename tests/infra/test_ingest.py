@@ -745,3 +745,37 @@ def test_each_ingest_says_plainly_whether_it_made_resumed_updated_or_repeated_th
     assert "the index was complete and already held every document, unchanged: nothing " \
            "committed; 30 documents the index holds are not in this corpus: kept (ingest adds " \
            "and updates, it never deletes)" in smaller, smaller
+
+
+def test_what_a_batch_counts_as_its_index_made_anew(tmp_path):
+    """`manifest.changed_since`, which a batch asks before each question and row: documents
+    changed in place (a new `version`) are no change of index; another layout (an ingest
+    with other chunking), another folder in its place, or no manifest (removed, or an ingest
+    running) are."""
+    import shutil
+    from dataclasses import replace
+
+    from branchsearch.infra.index.manifest import (Manifest, changed_since, identity,
+                                                   read_manifest, write_manifest)
+
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    first = Manifest(documents=1, chunks={"docstore": 1}, embedding=None, encoding="cl100k_base",
+                     chunk_tokens=200, chunk_overlap=20, backends={"lexical": "tantivy"},
+                     version="v1")
+    write_manifest(folder, first)
+    opened = identity(folder)
+    assert changed_since(folder, "idx", opened) == ""
+    write_manifest(folder, replace(first, version="v2", documents=2))  # a service write
+    assert changed_since(folder, "idx", opened) == ""
+    write_manifest(folder, replace(first, chunk_tokens=100))  # re-chunked: another layout
+    assert "made anew" in changed_since(folder, "idx", opened)
+    write_manifest(folder, first)
+    kept = tmp_path / "kept"
+    folder.rename(kept)  # another folder in its place, the same manifest
+    folder.mkdir()
+    shutil.copy(kept / "manifest.json", folder / "manifest.json")
+    assert read_manifest(folder) == first
+    assert "made anew" in changed_since(folder, "idx", opened)
+    (folder / "manifest.json").unlink()
+    assert "was removed, or is being ingested" in changed_since(folder, "idx", opened)
