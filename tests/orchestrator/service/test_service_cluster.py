@@ -701,4 +701,4 @@ def test_a_question_whose_retriever_died_for_good_waits_for_its_fresh_start_unti
     assert "started again, not started by the question's deadline" in late["line"], late
     assert after["took"] < 5, after  # (before: 30 s, its deadline)
     assert after.get("error") == "BackendUnavailable", after
-    assert "wait for room on the cluster" in after["line"], after
+    assert "not placed on a node yet" in after["line"], after
