@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from branchsearch.infra import telemetry
 from branchsearch.infra.config.settings import Settings
-from branchsearch.infra.errors import BackendUnavailable, Overloaded
+from branchsearch.infra.errors import BackendUnavailable, ClusterLost, Overloaded
 from branchsearch.infra.models.tokenizer import TokenCounter
 from branchsearch.infra.retrieval.retriever import searched_mode
 from branchsearch.orchestrator.execution import done_event, emit, make_executor, not_started
@@ -320,6 +320,8 @@ class Driver:
             return self.executor.run(tasks, settings=self.settings,
                                      policy_factory=self.policy_factory, on_event=on_event,
                                      question=shared)
+        except ClusterLost:  # (a BackendUnavailable) nothing runs on it: the question is
+            raise  # not answered, and a batch asks it again on its resume
         except (Overloaded, BackendUnavailable) as exc:
             reports = [not_started(t, str(exc)) for t in tasks]
             for report in reports:

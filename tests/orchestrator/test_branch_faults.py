@@ -40,7 +40,7 @@ def test_batch_retries_what_is_not_ok_and_keeps_one_line_per_id(tmp_path):
     counts = run_batch(items, out, search, concurrency=2)
     assert sorted(asked) == ["qb", "qc", "qd", "qe"]
     assert counts == {"skipped": 1, "ok": 3, "partial": 0, "failed": 1, "cut_short": 0,
-                      "question_cut": 0, "not_run": 0, "stopped": "", "lost": "",
+                      "question_cut": 0, "not_run": 0, "stopped": "", "lost": "", "gone": "",
                       "changed": [], "failed_ids": ["d"]}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == list("abcde")  # one line each, input order
@@ -170,7 +170,7 @@ def test_backend_stopped_mid_batch_then_rerun(es_index, tmp_path):
         driver.close()
     assert again == {"skipped": 3, "ok": len(items) - 3, "partial": 0, "failed": 0,
                      "cut_short": 0, "question_cut": 0, "not_run": 0, "stopped": "", "lost": "",
-                     "changed": [],
+                     "gone": "", "changed": [],
                      "failed_ids": []}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [qid for qid, _ in items]  # one line per id
