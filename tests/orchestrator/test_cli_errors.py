@@ -967,6 +967,32 @@ def test_sigterm_as_a_batch_starts_ends_as_terminated(tmp_path, executor, starti
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
+def _batch_under_way(tmp_path, name: str, n: int):
+    """A BM25 index `name` of hotpot-mini and a local batch of `n` questions on it, started
+    and 3 rows in: (its folder, its version then, the output, the command, its environment,
+    the running process)."""
+    from conftest import HOTPOT
+
+    home = ["--home", tmp_path / "home", "--index", name]
+    folder = tmp_path / "home" / "indexes" / name
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    began = json.loads((folder / "manifest.json").read_text())["version"]
+    queries = [json.loads(line)["text"] for line in
+               (HOTPOT / "queries.jsonl").read_text().splitlines()]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
+                           + "\n" for i in range(n)))
+    command = [*CLI, "batch", inp, "-o", out, "--executor", "local", "--branches", "1",
+               "--concurrency", "2", *home]
+    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
+    proc = subprocess.Popen(list(map(str, command)), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.1)
+    return folder, began, out, command, env, proc
+
+
 def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_path):
     """The index's folder removed while a batch reads it: before, the batch answered every
     question from the files still open (and its worker processes, finding no index, fell
@@ -976,24 +1002,8 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
     another version) the same command asks the rest and again those answered before."""
     from conftest import HOTPOT
 
-    home = ["--home", tmp_path / "home", "--index", "wiki"]
-    folder = tmp_path / "home" / "indexes" / "wiki"
-    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
-    began = json.loads((folder / "manifest.json").read_text())["version"]
-    queries = [json.loads(line)["text"] for line in
-               (HOTPOT / "queries.jsonl").read_text().splitlines()]
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
-                           + "\n" for i in range(2000)))
-    command = [*CLI, "batch", inp, "-o", out, "--executor", "local", "--branches", "1",
-               "--concurrency", "2", *home]
-    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
-    proc = subprocess.Popen(list(map(str, command)), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    folder, began, out, command, env, proc = _batch_under_way(tmp_path, "wiki", 2000)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
-            time.sleep(0.1)
         shutil.rmtree(folder)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -1009,6 +1019,7 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
     assert 3 <= len(rows) < 2000, len(rows)
     assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
 
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
     assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0  # made anew
     now = json.loads((folder / "manifest.json").read_text())["version"]
     done = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True,
@@ -1025,29 +1036,11 @@ def test_documents_changed_under_a_batch_do_not_stop_it_and_a_resume_asks_again(
     batch runs. The batch goes on to the end (a batch stopped at each write could never end
     on an index callers write to); every row carries the version the batch began with, and
     the same command then asks every question again on the index as it is now."""
-    from conftest import HOTPOT
-
     from branchsearch.infra.index.manifest import renew_version
 
-    home = ["--home", tmp_path / "home", "--index", "live"]
-    folder = tmp_path / "home" / "indexes" / "live"
-    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
-    began = json.loads((folder / "manifest.json").read_text())["version"]
-    queries = [json.loads(line)["text"] for line in
-               (HOTPOT / "queries.jsonl").read_text().splitlines()]
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     n = 300
-    inp.write_text("".join(json.dumps({"id": f"{i}", "question": queries[i % len(queries)]})
-                           + "\n" for i in range(n)))
-    command = [*CLI, "batch", inp, "-o", out, "--executor", "local", "--branches", "1",
-               "--concurrency", "2", *home]
-    env = {**os.environ, "BRANCHSEARCH_SEARCH_MODE": "bm25"}
-    proc = subprocess.Popen(list(map(str, command)), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    folder, began, out, command, env, proc = _batch_under_way(tmp_path, "live", n)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
-            time.sleep(0.1)
         renew_version(folder)  # (the service's write does it so, its ingest lock held)
         written = out.read_text().count("\n")
         stdout, stderr = proc.communicate(timeout=300)
