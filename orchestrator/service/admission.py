@@ -143,7 +143,7 @@ class Slot:
     still running at its request's deadline gives its key's place back then (`outlive`):
     whatever it waits on, the deadline bounds how long a key's slot is held; the server's
     count (`max_in_flight`) keeps it until it ends, so threads stuck on a backend stay
-    bounded."""
+    bounded, and counted apart (`Concurrency.past_deadline`)."""
 
     def __init__(self, free, keep):
         self._free, self._keep, self._users, self._lock = free, keep, 1, threading.Lock()
@@ -214,6 +214,9 @@ class Concurrency:
         self._per_key: dict[str, int] = {}
         self._waiting: dict[str, deque[_Waiter]] = {}
         self.total = 0
+        # of `total`, the searches whose caller had its 504 while their thread still waits on
+        # a backend (`Slot.outlive`): they hold the server's places until they end
+        self.past_deadline = 0
 
     def take(self, key_name: str) -> Slot:
         """A slot of `key_name`'s, held until its last user lets go (`Slot`); ApiError 503
@@ -276,6 +279,7 @@ class Concurrency:
         request (`Slot.outlive`); returns its end, which counts once."""
         with self._lock:
             self.total += 1
+            self.past_deadline += 1
         ended = []
 
         def end() -> None:
@@ -283,19 +287,27 @@ class Concurrency:
                 if not ended:
                     ended.append(True)
                     self.total -= 1
+                    self.past_deadline -= 1
         return end
 
     def _server_refusal(self) -> ApiError | None:
         """The 503 when the server runs `max_in_flight` requests: a line for people, and as
-        fields (`Overload` in the OpenAPI schema) the limit met, the requests in flight and
-        the limit. Holding the lock."""
+        fields (`Overload` in the OpenAPI schema) the limit met, the requests in flight, the
+        limit, and how many of those requests are past their deadline (`past_deadline`: their
+        callers had their 504, their searches still wait on a backend; the line says so when
+        any are, since more load is then not the cause). Holding the lock."""
         if self.total >= self.limits.max_in_flight:
-            many = "request" if self.total == 1 else "requests"
-            return ApiError(503, "overloaded", f"{self.total} {many} in flight; the server "
-                            f"takes {self.limits.max_in_flight}",
+            stuck = self.past_deadline
+            detail = f"{_requests(self.total)} in flight"
+            if stuck:
+                detail += (f" ({stuck} of them past the deadline, answered 504 and still "
+                           "waiting on a backend)")
+            return ApiError(503, "overloaded", f"{detail}; the server takes "
+                            f"{self.limits.max_in_flight}",
                             {"Retry-After": str(self.limits.retry_after_s)},
                             overload("max_in_flight", self.total,
-                                     max_in_flight=self.limits.max_in_flight))
+                                     max_in_flight=self.limits.max_in_flight)
+                            | {"past_deadline": stuck})
         return None
 
     def _key_full(self, key_name: str) -> bool:

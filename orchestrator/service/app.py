@@ -31,7 +31,7 @@ from branchsearch.infra.textfile import KeyTwice, json_once
 from branchsearch.orchestrator.service.admission import (Limits, check_body_headers,
                                                           check_body_size, check_declared_size)
 from branchsearch.orchestrator.service.auth import ApiKey, AuthError, KeyStore, bearer
-from branchsearch.orchestrator.service.board import dropped_ids
+from branchsearch.orchestrator.service.board import gauges
 from branchsearch.orchestrator.service.errors import ApiError, Refused, api_error, shutting_down
 from branchsearch.orchestrator.service.events import sse
 from branchsearch.orchestrator.service.metrics import ServiceMetrics
@@ -94,14 +94,14 @@ class SearcherClient:
             return await self.call("indexes")
         return _given((await self.board.current()).indexes)
 
-    async def guard_dropped(self) -> int | None:
-        """The ids the searcher's ACL guard removed: asked in this process, or through Serve
-        read from its board, summed over its replicas, never through its queue (a scrape
-        while searches fill it would wait behind them); None when the board has no fresh
-        post."""
+    async def gauges(self) -> dict | None:
+        """The searcher's figures in `/metrics` (`Searcher.gauges_now`): asked in this
+        process, or through Serve read from its board, summed over its replicas, never
+        through its queue (a scrape while searches fill it would wait behind them); None
+        when the board has no fresh post."""
         if self.board is None:
-            return await self.call("guard_dropped")
-        return dropped_ids(await self.board.posts())
+            return await self.call("gauges")
+        return gauges(await self.board.posts())
 
     async def stream(self, req, key, within: float | None = None):
         """The search's events; through Serve, those not come by `within` s from now end it
@@ -528,11 +528,12 @@ def create_app(state: ServiceState):
     async def prometheus():
         """Prometheus text exposition (names prefixed `branchsearch_`)."""
         try:
-            dropped = await searcher.guard_dropped()
+            figures = await searcher.gauges()
         except Exception:  # noqa: BLE001 — metrics must answer even when the searcher cannot
-            dropped = None
-        if dropped is not None:
-            metrics.acl_guard_dropped.set(dropped)
+            figures = None
+        if figures is not None:
+            metrics.acl_guard_dropped.set(figures.get("guard_dropped", 0))
+            metrics.searches_past_deadline.set(figures.get("past_deadline", 0))
         others = await state.peers.others() if state.peers is not None else None
         return Response(metrics.render(others), media_type="text/plain; version=0.0.4")
 

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from branchsearch.infra.errors import error_line
 from branchsearch.orchestrator.service.errors import ApiError, api_error
@@ -43,12 +43,13 @@ def readiness_board(app: str) -> str:
 @dataclass(frozen=True)
 class Published:
     """A searcher replica's answers: its readiness check's (the `/readyz` body before it is cut
-    to a caller's view, or its 503), its index names (or the error listing them met), and the
-    ids its ACL guard removed (`Searcher.acl_guard_dropped`)."""
+    to a caller's view, or its 503), its index names (or the error listing them met), and its
+    figures in `/metrics` (`Searcher.gauges_now`: the ids its ACL guard removed, its searches past
+    their deadline still waiting on a backend)."""
 
     ready: dict | ApiError
     indexes: list[str] | ApiError
-    guard_dropped: int = 0
+    gauges: dict = field(default_factory=dict)
 
 
 class ReadinessBoard:
@@ -89,11 +90,13 @@ def current(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> P
     return ready[0] if ready else fresh[0][1]
 
 
-def dropped_ids(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> int | None:
-    """The ids the ACL guard removed, over the searcher replicas whose posts (age, answers) are
-    younger than `stale_s` (each replica counts its own: summed); None when there is none."""
-    fresh = [published.guard_dropped for age, published in posts if age <= stale_s]
-    return sum(fresh) if fresh else None
+def gauges(posts: list[tuple[float, Published]], stale_s: float = STALE_S) -> dict | None:
+    """The searcher's figures (`Searcher.gauges_now`) over its replicas whose posts (age, answers)
+    are younger than `stale_s` (each replica counts its own: summed); None when there is none."""
+    fresh = [published.gauges for age, published in posts if age <= stale_s]
+    if not fresh:
+        return None
+    return {name: sum(g.get(name, 0) for g in fresh) for name in set().union(*fresh)}
 
 
 def answered(ask, *errors: type[BaseException], logged: dict | None = None) -> object:
@@ -151,10 +154,10 @@ class Publisher:
 
     def answers(self) -> Published:
         """The replica's readiness check and index names, each an error when it failed (any
-        error: the thread goes on publishing), and its ACL guard's count."""
+        error: the thread goes on publishing), and its figures in `/metrics`."""
         return Published(answered(self._ready, Exception, logged=self._logged),
                          answered(self._names, Exception, logged=self._logged),
-                         self.searcher.acl_guard_dropped)
+                         self.searcher.gauges_now())
 
     def _run(self) -> None:
         while not self._stop.wait(PUBLISH_S):

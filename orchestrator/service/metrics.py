@@ -46,6 +46,10 @@ class ServiceMetrics:
         self.acl_guard_dropped = Gauge("branchsearch_acl_guard_dropped_ids",
                                        "ids the service's ACL guard removed (0 unless documents' groups change during searches)",
                                        registry=r)
+        self.searches_past_deadline = Gauge(
+            "branchsearch_searches_past_deadline",
+            "searches past their deadline (answered 504) whose thread still waits on a "
+            "backend; each holds a place of max_in_flight until it ends", registry=r)
 
     def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
         labels = (endpoint, method, str(status))
@@ -81,7 +85,8 @@ class ServiceMetrics:
         return generate_latest(_Merged([self.snapshot(), *others]))
 
 
-SHARED_GAUGES = {"branchsearch_acl_guard_dropped_ids"}  # every replica reads the same value
+# every replica reads the same value, the searcher's (`SearcherClient.gauges`)
+SHARED_GAUGES = {"branchsearch_acl_guard_dropped_ids", "branchsearch_searches_past_deadline"}
 
 
 class _Merged:

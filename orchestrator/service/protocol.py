@@ -215,6 +215,11 @@ class Overload(ErrorBody):
     limits: dict[str, int] = Field(description="the limit met, by its setting's name (e.g. "
                                    "{\"max_in_flight\": 64}); empty where the service does not "
                                    "know it")
+    past_deadline: int | None = Field(None, description="max_in_flight only: of the requests "
+                                      "in flight, the searches past their deadline (answered "
+                                      "504) whose thread still waits on a backend; they hold "
+                                      "their places until it answers or times out "
+                                      "(branchsearch_searches_past_deadline in /metrics)")
 
 
 class Health(BaseModel):

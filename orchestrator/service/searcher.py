@@ -197,8 +197,15 @@ class Searcher:
     async def indexes(self) -> list[str]:
         return self.index_names()
 
-    async def guard_dropped(self) -> int:
-        return self.acl_guard_dropped
+    async def gauges(self) -> dict[str, int]:
+        return self.gauges_now()
+
+    def gauges_now(self) -> dict[str, int]:
+        """The searcher's figures in `/metrics`: the ids its ACL guard removed, and the
+        searches past their deadline (answered 504) whose thread still waits on a backend,
+        holding places of `max_in_flight` (`Concurrency.past_deadline`)."""
+        return {"guard_dropped": self.acl_guard_dropped,
+                "past_deadline": self.concurrency.past_deadline}
 
     # --- across a Ray Serve handle (`app.SearcherClient`) --------------------------------------
 

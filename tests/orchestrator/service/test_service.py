@@ -83,9 +83,11 @@ def assert_error(r: httpx.Response, status: int, error: str | None = None) -> di
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
     # a key's 429 and an overloaded 503 add why and the figures as fields (`KeyRefusal`,
-    # `Overload`)
+    # `Overload`; `max_in_flight`'s also how many of its requests are past their deadline)
     fields = {"reason", "running", "waiting", "limits"} if status == 429 else \
         {"reason", "in_use", "limits"} if body.get("error") == "overloaded" else set()
+    if body.get("reason") == "max_in_flight":
+        fields |= {"past_deadline"}
     assert set(body) == {"error", "detail"} | fields and body["detail"], body
     assert "Traceback" not in r.text
     # every error is written alike: compact JSON, UTF-8 as is (not \u-escaped)

@@ -260,6 +260,45 @@ def test_a_slot_held_by_a_search_thread_is_let_go_once_by_its_thread_or_its_dead
     assert conc.total == 0 and not conc._per_key
 
 
+def test_a_503_max_in_flight_says_how_many_of_its_requests_are_stuck_past_their_deadline():
+    """Searches whose threads wait on a hung backend past their deadline keep the server's
+    places until they end; when they fill `max_in_flight`, the 503 says so (its line, and
+    `past_deadline` as a field), and `past_deadline` counts them until each ends: the operator
+    sees a backend to look at, not load."""
+    conc = Concurrency(Limits(per_key_concurrency=3, max_in_flight=2))
+    ends = []
+    for _ in range(2):
+        slot = conc.take("k")
+        thread = slot.hold()
+        slot.let_go()  # its 504 is out
+        ends.append(slot.outlive(thread))
+    assert (conc.total, conc.past_deadline) == (2, 2)
+    with pytest.raises(ApiError) as busy:
+        conc.take("k")
+    assert busy.value.status == 503
+    assert busy.value.detail == ("2 requests in flight (2 of them past the deadline, answered "
+                                 "504 and still waiting on a backend); the server takes 2")
+    assert busy.value.fields == {"reason": "max_in_flight", "in_use": 2,
+                                 "limits": {"max_in_flight": 2}, "past_deadline": 2}
+    ends[0]()
+    ends[0]()  # (counts once)
+    held = conc.take("k")  # a search that runs: in flight, not past its deadline
+    with pytest.raises(ApiError) as busy:
+        conc.take("k")
+    assert busy.value.detail == ("2 requests in flight (1 of them past the deadline, answered "
+                                 "504 and still waiting on a backend); the server takes 2")
+    ends[1]()
+    assert conc.past_deadline == 0
+    other = conc.take("k")
+    with pytest.raises(ApiError) as busy:  # only load: the line says no more than that
+        conc.take("k")
+    assert busy.value.detail == "2 requests in flight; the server takes 2"
+    assert busy.value.fields["past_deadline"] == 0
+    held.let_go()
+    other.let_go()
+    assert (conc.total, conc.past_deadline) == (0, 0)
+
+
 def test_a_search_thread_stuck_past_its_deadline_counts_also_when_its_request_waited():
     """A request that waited in its key's queue is handed its slot by the request before it
     (`admit`); its thread, stuck past its deadline, keeps its place in the server's count as
@@ -986,6 +1025,7 @@ def test_metrics_of_several_replicas_merge():
             m.observe_request("/v1/search", "POST", status, 0.5)
         m.in_flight.inc()
         m.acl_guard_dropped.set(3)
+        m.searches_past_deadline.set(2)
     merged = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in text_string_to_metric_families(a.render([b.snapshot()]).decode())
               for s in f.samples}
@@ -996,6 +1036,7 @@ def test_metrics_of_several_replicas_merge():
                    search + (("status", "200"),))] == 1.5
     assert merged[("branchsearch_http_requests_in_flight", ())] == 2
     assert merged[("branchsearch_acl_guard_dropped_ids", ())] == 3
+    assert merged[("branchsearch_searches_past_deadline", ())] == 2
     created = ("branchsearch_http_requests_created", search + (("status", "200"),))
     own = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for f in text_string_to_metric_families(a.render().decode()) for s in f.samples}
@@ -1712,19 +1753,23 @@ def test_the_readiness_board_answers_for_a_live_searcher_and_not_for_a_silent_on
     assert refused.value.detail.endswith(f"for {STALE_S + 5:.0f} s (gone, or wedged)")
 
 
-def test_the_acl_guard_count_a_scrape_reads_from_the_board_sums_the_live_replicas():
-    """Under Ray Serve /metrics reads the ACL guard's count from the searcher replicas' posts
-    on the readiness board (each replica counts its own), not through the searcher's queue:
-    the sum over the posts younger than the bound; None (the gauge left as it was) when the
-    board has none."""
-    from branchsearch.orchestrator.service.board import STALE_S, Published, dropped_ids
+def test_the_searchers_figures_a_scrape_reads_from_the_board_sum_the_live_replicas():
+    """Under Ray Serve /metrics reads the searcher's figures (the ACL guard's count, the
+    searches past their deadline) from the searcher replicas' posts on the readiness board
+    (each replica counts its own), not through the searcher's queue: the sum over the posts
+    younger than the bound; None (the gauges left as they were) when the board has none."""
+    from branchsearch.orchestrator.service.board import STALE_S, Published, gauges
+
+    def figures(dropped, stuck):
+        return {"guard_dropped": dropped, "past_deadline": stuck}
 
     ready = {"status": "ready", "indexes": 1, "indexes_not_ready": 0}
-    assert dropped_ids([]) is None
-    assert dropped_ids([(STALE_S + 1, Published(ready, ["acl"], 7))]) is None
-    assert dropped_ids([(1.0, Published(ready, ["acl"], 2)),
-                        (3.0, Published(ApiError(503, "not_ready", "x"), ["acl"], 3)),
-                        (STALE_S + 1, Published(ready, ["acl"], 100))]) == 5
+    assert gauges([]) is None
+    assert gauges([(STALE_S + 1, Published(ready, ["acl"], figures(7, 1)))]) is None
+    assert gauges([(1.0, Published(ready, ["acl"], figures(2, 1))),
+                   (3.0, Published(ApiError(503, "not_ready", "x"), ["acl"], figures(3, 0))),
+                   (STALE_S + 1, Published(ready, ["acl"], figures(100, 9)))]) == \
+        figures(5, 1)
 
 
 def test_the_readiness_board_forgets_a_replica_that_died_without_withdrawing(monkeypatch):

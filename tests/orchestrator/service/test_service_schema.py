@@ -93,6 +93,8 @@ def test_schema_declares_security_answers_and_limits(live):
                                                        "deadline_in_queue"]
     overload = spec["components"]["schemas"]["Overload"]
     assert overload["required"] == ["error", "detail", "reason", "in_use", "limits"]
+    assert overload["properties"]["past_deadline"]["anyOf"] == [{"type": "integer"},
+                                                                {"type": "null"}]
     assert overload["properties"]["reason"]["enum"] == ["max_in_flight", "max_open_indexes",
                                                         "branch_actors", "searcher_queue"]
     assert spec["components"]["schemas"]["KeyLimits"]["required"] == ["per_key_concurrency",

@@ -745,45 +745,109 @@ def test_a_search_stuck_past_its_deadline_frees_its_keys_slot_with_its_504(serve
     two-node cluster that lost its worker, 30-90 s past the 504s, the thread waiting on a
     retriever actor that Ray could not place again). The 504 now frees the slot: the next
     search is answered 200 while the stuck thread still waits."""
-    import os
-    import signal
+    client, _ = serve_app
+    with _app_over_an_es(client, tmp_path, "stuck",
+                         {"per_key_concurrency": 1, "per_key_queue": 0}) as es, _frozen(es):
+        began = time.monotonic()
+        late = client.post("/stuck/v1/search", json=STUCK)
+        took = time.monotonic() - began
+        assert late.status_code == 504, late.text
+        assert late.json()["error"] == "deadline_exceeded", late.text
+        assert took < 3 + 2 + 3, took
+        after = client.post("/stuck/v1/search",
+                            json={"question": "harbor festival", "deadline_s": 10})
+        assert after.status_code == 200, after.text  # (before: 429 no_queue)
+        assert after.json()["evidence"], after.text
+        assert time.monotonic() - began < 25  # (the stuck thread waits 30 s)
 
+
+def test_searches_stuck_past_their_deadline_are_counted_and_named_in_the_503(serve_app,
+                                                                             tmp_path):
+    """A server of `max_in_flight` 2 whose Elasticsearch stops answering (SIGSTOP): two
+    searches of it are answered 504 at their deadline while their threads wait on it, each
+    keeping its place in the server's count. The next search, of another index, was refused
+    503 `overloaded` "2 requests in flight; the server takes 2" — plain load, as far as its
+    caller and the operator could tell, and /metrics had no figure for them. Now the 503 says
+    both are past their deadline and waiting on a backend (and `past_deadline` 2 as a field),
+    and `branchsearch_searches_past_deadline` is 2, back to 0 once the backend answers again
+    (SIGCONT) and the threads end."""
+    client, _ = serve_app
+    limits = {"max_in_flight": 2, "per_key_concurrency": 2, "per_key_queue": 0}
+    with _app_over_an_es(client, tmp_path, "full", limits) as es:
+        assert _past_deadline(client, "/full") == 0
+        with _frozen(es), cf.ThreadPoolExecutor(2) as pool:
+            late = list(pool.map(lambda _: client.post("/full/v1/search", json=STUCK),
+                                 range(2)))
+            assert [r.status_code for r in late] == [504, 504], [r.text for r in late]
+            refused = client.post("/full/v1/search",
+                                  json={"question": "harbor festival", "deadline_s": 10})
+            assert refused.status_code == 503, refused.text
+            body = refused.json()
+            assert (body["error"], body["reason"], body["in_use"], body["past_deadline"]) == (
+                "overloaded", "max_in_flight", 2, 2), body
+            assert body["detail"] == ("2 requests in flight (2 of them past the deadline, "
+                                      "answered 504 and still waiting on a backend); the "
+                                      "server takes 2"), body
+            _until(lambda: _past_deadline(client, "/full") == 2, "the gauge never read 2")
+        _until(lambda: _past_deadline(client, "/full") == 0, "the gauge stayed above 0")
+        after = client.post("/full/v1/search", json=STUCK)
+        assert after.status_code == 200, after.text
+
+
+STUCK = {"question": "harbor festival", "index": "es", "deadline_s": 3}
+
+
+@contextlib.contextmanager
+def _app_over_an_es(client, tmp_path, name: str, limits: dict):
+    """Application `name` at `/name` with `limits`, on the bm home and a second index `es` on
+    an Elasticsearch emulator (BM25 only), opened by a first search; yields the emulator."""
     from ray import serve
 
     from es_emulator import start_es_emulator
 
     from branchsearch.orchestrator.service.deploy import ServeOptions, build_application
 
-    client, _ = serve_app
     with start_es_emulator(tmp_path / "es") as es:
-        home = bm_home(tmp_path / "stuck")
+        home = bm_home(tmp_path / name)
         ingest(write_corpus(tmp_path / "es.jsonl"), load_settings(
             overrides={"home": home, "index": "es", "es_url": es.url}, read_env=False,
             read_file=False), dense=False)
         config = home / "branchsearch.toml"
         config.write_text(f'es_url = "{es.url}"\nsearch_mode = "bm25"\n')
         serve.run(build_application(ServeOptions(
-            home=str(home), index="bm", config=str(config), executor="local",
-            limits={"per_key_concurrency": 1, "per_key_queue": 0})),
-            name="stuck", route_prefix="/stuck")
+            home=str(home), index="bm", config=str(config), executor="local", limits=limits)),
+            name=name, route_prefix=f"/{name}")
         try:
-            stuck = {"question": "harbor festival", "index": "es", "deadline_s": 3}
-            r = client.post("/stuck/v1/search", json={**stuck, "deadline_s": 60})
+            r = client.post(f"/{name}/v1/search", json={**STUCK, "deadline_s": 60})
             assert r.status_code == 200 and r.json()["evidence"], r.text  # (the index open)
-            os.killpg(es.pid, signal.SIGSTOP)
-            try:
-                began = time.monotonic()
-                late = client.post("/stuck/v1/search", json=stuck)
-                took = time.monotonic() - began
-                assert late.status_code == 504, late.text
-                assert late.json()["error"] == "deadline_exceeded", late.text
-                assert took < 3 + 2 + 3, took
-                after = client.post("/stuck/v1/search",
-                                    json={"question": "harbor festival", "deadline_s": 10})
-                assert after.status_code == 200, after.text  # (before: 429 no_queue)
-                assert after.json()["evidence"], after.text
-                assert time.monotonic() - began < 25  # (the stuck thread waits 30 s)
-            finally:
-                os.killpg(es.pid, signal.SIGCONT)
+            yield es
         finally:
-            serve.delete("stuck")
+            serve.delete(name)
+
+
+@contextlib.contextmanager
+def _frozen(es):
+    """The emulator stopped (SIGSTOP: it takes connections and answers nothing) for the block."""
+    import os
+    import signal
+
+    os.killpg(es.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(es.pid, signal.SIGCONT)
+
+
+def _past_deadline(client, prefix: str) -> float:
+    import re
+
+    text = client.get(f"{prefix}/metrics").text
+    return float(re.search(r"^branchsearch_searches_past_deadline (\S+)$", text, re.M)[1])
+
+
+def _until(check, failure: str, within_s: float = 30) -> None:
+    """Returns once `check()` is true (the readiness board posts every 2 s)."""
+    end = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < end, failure
+        time.sleep(0.5)
