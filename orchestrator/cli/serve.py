@@ -150,6 +150,10 @@ def serve(ctx: typer.Context,
           max_searches: int = typer.Option(16, "--max-searches", min=1, help="searches at "
                                            "once per searcher replica (Ray Serve only, as "
                                            "--max-queued)"),
+          searcher_replicas: int = typer.Option(1, "--searcher-replicas", min=1, help="searcher "
+                                                "replicas (Ray Serve only; more than 1 only "
+                                                "when every index is on server backends: no "
+                                                "Milvus Lite file)"),
           standalone: bool = typer.Option(False, "--standalone", help="uvicorn in this process, "
                                           "no Ray Serve (the ray executor still starts or "
                                           "joins a Ray cluster for the branches; --executor "
@@ -180,6 +184,8 @@ def serve(ctx: typer.Context,
               "a 422); --index NAME makes one the default", file=sys.stderr)
     else:
         check_default(settings)  # one line before anything starts, not a replica's traceback
+    if not standalone:
+        service.check_searcher_replicas(settings, searcher_replicas)
     # a taken port is said before any index is opened; with Ray Serve on a local cluster (its
     # proxy binds here) also before the cluster starts, and on a cluster joined before Serve
     # starts there: not as the traceback of a proxy that failed to bind
@@ -202,10 +208,11 @@ def serve(ctx: typer.Context,
         home=str(Path(settings.home).resolve()), index="" if several else settings.index,
         config=str(config.resolve()) if config else None,
         keys=str(keys.resolve()) if keys else None, executor=executor, replicas=replicas or 0,
-        searcher_max_queued=max_queued, searcher_max_ongoing=max_searches), host, port)
+        searcher_max_queued=max_queued, searcher_max_ongoing=max_searches,
+        searcher_replicas=searcher_replicas), host, port)
 
 
-SERVE_ONLY = ("replicas", "max_queued", "max_searches")  # `serve` options of Ray Serve's
+SERVE_ONLY = ("replicas", "max_queued", "max_searches", "searcher_replicas")  # `serve` options of Ray Serve's
 
 
 def check_standalone(ctx: typer.Context) -> None:

@@ -407,6 +407,28 @@ def ingress_room(opts: ServeOptions) -> int:
         + PROBE_ROOM
 
 
+def check_searcher_replicas(settings, replicas: int) -> None:
+    """Several searcher replicas only over server backends: each replica opens every index of
+    the home itself, and an index whose dense side is a Milvus Lite file has one owning process
+    (`IndexProfile.lite_file`, the rule retriever replicas follow); BranchsearchError naming
+    the first such index and the fix."""
+    from branchsearch.infra.index.catalog import index_names
+    from branchsearch.infra.index.profile import index_profile
+
+    if replicas < 1:
+        raise BranchsearchError(f"searcher_replicas = {replicas}: it must be at least 1")
+    if replicas == 1:
+        return
+    for name in index_names(settings):
+        lite = index_profile(settings.replace(index=name)).lite_file
+        if lite:
+            raise BranchsearchError(
+                f"searcher_replicas = {replicas}: index {name!r} keeps its vectors in a Milvus "
+                "Lite file, which one process owns, and each searcher replica opens it; "
+                "several searcher replicas need server backends (milvus_uri, es_url): run one, "
+                "or ingest into a Milvus server")
+
+
 def build_application(opts: ServeOptions):
     """The Serve application (Ingress → Searcher); `serve.run` or `serve deploy` it."""
     from ray import serve
@@ -436,6 +458,7 @@ def build_application(opts: ServeOptions):
     o = asdict(opts)
     settings = load_settings(opts.config, {"home": opts.home}
                              | ({"index": opts.index} if opts.index else {}))
+    check_searcher_replicas(settings, opts.searcher_replicas)
     limits = Limits.of(settings, **opts.limits)  # the config's `limits` over the settings'
     queue = limits.per_key_queue
     limits = for_replica(limits, opts.searcher_max_ongoing)

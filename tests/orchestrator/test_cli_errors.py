@@ -1787,3 +1787,27 @@ def test_serve_standalone_refuses_the_options_of_ray_serve_s_deployments(tmp_pat
     helped = run(["serve", "--help"], env={"COLUMNS": "200"}).stdout
     shown = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", helped).split())  # rich's styles, if any
     assert shown.count("Ray Serve only") >= 3, shown
+
+
+def test_serve_searcher_replicas_is_checked_before_anything_starts(hotpot_settings, tmp_path):
+    """`serve --searcher-replicas N` asks Ray Serve for N searcher replicas, as a Serve
+    config's `searcher_replicas` does (before, the CLI had no way to). Each replica opens every
+    index of the home, so more than one over an index whose vectors are a Milvus Lite file
+    (one owning process) is one line naming the index and the fix, exit 2, before Ray or Serve
+    starts; 0 is refused as any out-of-range option is, and --standalone (no replicas) refuses
+    it as it does --replicas."""
+    from conftest import ingest_copy
+
+    settings = ingest_copy(hotpot_settings, "hotpot-replicas")
+    home = ["--home", settings.home, "--index", "hotpot-replicas", "--port", 0]
+    done = run_all({"lite": ["serve", "--searcher-replicas", "2", *home],
+                    "zero": ["serve", "--searcher-replicas", "0", *home],
+                    "standalone": ["serve", "--standalone", "--searcher-replicas", "2", *home]})
+    assert_one_error_line(done["lite"], "searcher_replicas = 2: index 'hotpot", "lite")
+    assert "keeps its vectors in a Milvus Lite file" in done["lite"].stderr
+    assert "server backends" in done["lite"].stderr
+    assert_one_error_line(done["zero"], "--searcher-replicas", "zero")
+    assert_one_error_line(done["standalone"], "--searcher-replicas sizes Ray Serve's "
+                          "deployments", "standalone")
+    for name, answer in done.items():
+        assert "serving on" not in answer.stderr, name
