@@ -212,7 +212,8 @@ def serve(ctx: typer.Context,
         searcher_replicas=searcher_replicas), host, port)
 
 
-SERVE_ONLY = ("replicas", "max_queued", "max_searches", "searcher_replicas")  # `serve` options of Ray Serve's
+# `serve`'s options that size Ray Serve's deployments
+SERVE_ONLY = ("replicas", "max_queued", "max_searches", "searcher_replicas")
 
 
 def check_standalone(ctx: typer.Context) -> None:
