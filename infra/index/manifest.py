@@ -50,6 +50,10 @@ class Manifest:
     # that commits none (`next_version`); a batch row names it, so a resume after documents
     # changed asks again what it answered before. "": a manifest written before versions.
     version: str = ""
+    # which index this is, as an id: new when an ingest makes the index (a fresh folder, or
+    # one with no manifest) or changes its layout, kept by ingests and service writes that
+    # only change its documents (`index_id_for`). "": a manifest written before index ids.
+    index_id: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +74,17 @@ def next_version(previous: "Manifest | None", committed: int) -> str:
     import uuid
 
     return uuid.uuid4().hex[:16]
+
+
+def index_id_for(previous: "Manifest | None", layout: tuple) -> str:
+    """The `index_id` of an index an ingest has just filled with `layout`: the previous one
+    when the index was complete and keeps its layout (documents added or replaced in place),
+    else a new one (the index made anew)."""
+    if previous is not None and previous.index_id and previous.layout() == layout:
+        return previous.index_id
+    import uuid
+
+    return uuid.uuid4().hex
 
 
 def renew_version(index_dir: Path) -> None:
@@ -113,10 +128,12 @@ def read_manifest(index_dir: Path) -> Manifest | None:
 
 def identity(index_dir: Path) -> tuple | None:
     """What a reader's open files stay good for: the index's folder (its inode: a folder
-    removed and made again is another index) and its layout (`Manifest.layout`: an ingest
-    that changes it changes the index under its readers). Documents added, replaced or
-    deleted in place (an ingest, a service write: a new `version`) keep it. None: no complete
-    index there."""
+    removed and made again is another index), its `index_id` (an index made anew has another,
+    even in a folder that reuses a freed inode; "" in manifests written before ids) and its
+    layout (`Manifest.layout`: an ingest that changes it changes the index under its readers).
+    Documents added, replaced or deleted in place (an ingest, a service write: a new
+    `version`) keep it. None: no complete index there. A reader that compares identities over
+    time holds the folder open (`hold`), so its inode cannot be reused while it reads."""
     manifest = read_manifest(index_dir)
     if manifest is None:
         return None
@@ -124,7 +141,18 @@ def identity(index_dir: Path) -> tuple | None:
         folder = Path(index_dir).stat().st_ino
     except OSError:
         return None
-    return folder, manifest.layout()
+    return folder, manifest.index_id, manifest.layout()
+
+
+def hold(index_dir: Path) -> int | None:
+    """An open descriptor of the index's folder, kept by a reader for as long as it reads: a
+    removed folder's inode stays taken meanwhile, so a folder made in its place (restored by
+    `cp -a` from a backup, made by an ingest) has another and `identity` tells them apart.
+    None when the folder cannot be opened (`identity` says so then)."""
+    try:
+        return os.open(index_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
 
 
 def changed_since(index_dir: Path, name: str, opened: tuple | None) -> str:

@@ -52,8 +52,9 @@ from pathlib import Path
 from branchsearch.infra.config.settings import Settings
 from branchsearch.infra.errors import (BackendUnavailable, BranchsearchError, IndexNameTaken,
                                        redact)
-from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, next_version,
-                                               read_manifest, remove_manifest, write_manifest)
+from branchsearch.infra.index.manifest import (IngestLock, Manifest, check_name, index_id_for,
+                                               next_version, read_manifest, remove_manifest,
+                                               write_manifest)
 from branchsearch.infra.ingest import agreement
 from branchsearch.infra.ingest.batches import (BATCH_DOCS, STATIC_BATCH_DOCS, EmbeddedBatch,
                                                chunk_documents, embedder_name, indexed,
@@ -267,6 +268,7 @@ def _ingest_locked(path, settings: Settings, docs: list[Document], report: Inges
                 chunk_overlap=settings.chunk_overlap,
                 backends=_backends(settings, dense_store), corpus=str(Path(path).resolve()),
                 version=next_version(previous, len(todo)))
+            manifest.index_id = index_id_for(previous, manifest.layout())
         finally:
             for store in (lexical, dense_store, docstore):
                 if store is not None:

@@ -232,8 +232,9 @@ def _index_gone(settings, profile):
     resume asks them again; an `ingest` does (the index is incomplete while it runs)."""
     if profile.kind == "external":
         return None
-    from branchsearch.infra.index.manifest import changed_since, identity
+    from branchsearch.infra.index.manifest import changed_since, hold, identity
 
+    hold(settings.index_dir)  # open until the batch's process ends: its inode is not reused
     opened = identity(settings.index_dir)
     return lambda: changed_since(settings.index_dir, settings.index, opened)
 

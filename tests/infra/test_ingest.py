@@ -779,3 +779,68 @@ def test_what_a_batch_counts_as_its_index_made_anew(tmp_path):
     assert "made anew" in changed_since(folder, "idx", opened)
     (folder / "manifest.json").unlink()
     assert "was removed, or is being ingested" in changed_since(folder, "idx", opened)
+
+
+def test_an_index_restored_in_a_folder_that_reuses_its_inode_is_another_index_by_its_id(
+        tmp_path):
+    """A folder removed and made again at once (restored by `cp -a`, or by an ingest) gets
+    the freed inode back on ext4 and overlayfs, so before, with the same layout, `identity`
+    called it the same index. Now the manifest's `index_id` tells them apart: a copy whose id
+    is fresh is another index, one with the same id (a backup of this very index) is the same,
+    as is an old manifest with no id (today's rule: folder and layout)."""
+    import shutil
+    from dataclasses import replace
+
+    from branchsearch.infra.index.manifest import (Manifest, changed_since, identity,
+                                                   write_manifest)
+
+    folder, backup = tmp_path / "idx", tmp_path / "backup"
+    folder.mkdir()
+    first = Manifest(documents=1, chunks={"docstore": 1}, embedding=None, encoding="cl100k_base",
+                     chunk_tokens=200, chunk_overlap=20, backends={"lexical": "tantivy"},
+                     version="v1", index_id="a" * 32)
+    write_manifest(folder, first)
+    opened = identity(folder)
+
+    def restored(manifest: Manifest) -> None:  # removed, then made again from a copy
+        shutil.rmtree(backup, ignore_errors=True)
+        subprocess.run(["cp", "-a", folder, backup], check=True)
+        write_manifest(backup, manifest)
+        inode = folder.stat().st_ino
+        shutil.rmtree(folder)
+        subprocess.run(["cp", "-a", backup, folder], check=True)
+        if folder.stat().st_ino != inode:
+            pytest.skip("this filesystem gave the restored folder another inode")
+
+    restored(replace(first, index_id="b" * 32))  # an index made anew, the same layout
+    assert "made anew" in changed_since(folder, "idx", opened)
+    restored(first)  # this index's own backup
+    assert changed_since(folder, "idx", opened) == ""
+    restored(replace(first, index_id=""))  # a manifest from before ids: folder and layout
+    assert identity(folder) == (opened[0], "", first.layout())
+
+
+def test_an_index_keeps_its_id_until_an_ingest_makes_it_anew(tmp_path):
+    """`index_id`: made by the ingest that creates the index, kept by one that adds or
+    replaces documents and by a service write (a new `version`), new when an ingest changes
+    the layout or fills a fresh folder."""
+    import shutil
+
+    from branchsearch.infra.index.manifest import renew_version
+
+    settings = _settings(tmp_path / "home")
+    corpus = _corpus(tmp_path / "c.jsonl", 5)
+    ingest(corpus, settings, dense=False)
+    made = read_manifest(settings.index_dir)
+    assert len(made.index_id) == 32
+    ingest(_corpus(tmp_path / "more.jsonl", 8), settings, dense=False)  # 3 added, 5 again
+    again = read_manifest(settings.index_dir)
+    assert again.version != made.version and again.index_id == made.index_id
+    renew_version(settings.index_dir)  # a service write
+    assert read_manifest(settings.index_dir).index_id == made.index_id
+    ingest(corpus, _settings(tmp_path / "home", chunk_tokens=64), dense=False)  # re-chunked
+    rechunked = read_manifest(settings.index_dir)
+    assert rechunked.chunk_tokens == 64 and rechunked.index_id != made.index_id
+    shutil.rmtree(settings.index_dir)
+    ingest(corpus, settings, dense=False)  # a fresh folder
+    assert read_manifest(settings.index_dir).index_id not in (made.index_id, rechunked.index_id)

@@ -967,15 +967,17 @@ def test_sigterm_as_a_batch_starts_ends_as_terminated(tmp_path, executor, starti
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
-def _batch_under_way(tmp_path, name: str, n: int):
-    """A BM25 index `name` of hotpot-mini and a local batch of `n` questions on it, started
-    and 3 rows in: (its folder, its version then, the output, the command, its environment,
-    the running process)."""
+def _batch_under_way(tmp_path, name: str, n: int, backup: Path | None = None):
+    """A BM25 index `name` of hotpot-mini (copied by `cp -a` to `backup` when given) and a
+    local batch of `n` questions on it, started and 3 rows in: (its folder, its version then,
+    the output, the command, its environment, the running process)."""
     from conftest import HOTPOT
 
     home = ["--home", tmp_path / "home", "--index", name]
     folder = tmp_path / "home" / "indexes" / name
     assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0
+    if backup is not None:
+        subprocess.run(["cp", "-a", folder, backup], check=True)
     began = json.loads((folder / "manifest.json").read_text())["version"]
     queries = [json.loads(line)["text"] for line in
                (HOTPOT / "queries.jsonl").read_text().splitlines()]
@@ -1028,6 +1030,63 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [str(i) for i in range(2000)]
     assert all(r["status"] == "ok" and r["index_version"] == now != began for r in rows)
+
+
+@pytest.mark.parametrize("restore", ["folder", "in place"])
+def test_an_index_restored_under_a_batch_stops_it_and_the_resume_runs(tmp_path, restore):
+    """The index restored by `cp -a` under a batch, the same layout: `folder`, its folder
+    removed and made again at once from a backup of it made before the batch (ext4 and
+    overlayfs may give the new folder the freed inode); `in place`, the folder kept and its
+    files replaced by those of another ingest of the same corpus, manifest last. Before, the
+    same folder inode and layout passed for the same index: the batch went on reading the
+    removed files and ended `ok`, exit 0. Now the batch holds its index's folder open (so its
+    inode is not reused) and the manifest names the index by its `index_id`: the batch stops
+    with one `error:` line, exit 2, and the same command then answers the rest on the index
+    as restored (and again those answered on another version)."""
+    from conftest import HOTPOT
+
+    backup = tmp_path / "backup"
+    if restore == "in place":  # another index of the same corpus, the same layout
+        assert run(["ingest", HOTPOT, "--no-dense", "--home", tmp_path / "other", "--index",
+                    "wiki"]).returncode == 0
+        subprocess.run(["cp", "-a", tmp_path / "other" / "indexes" / "wiki", backup],
+                       check=True)
+    folder, began, out, command, env, proc = _batch_under_way(
+        tmp_path, "wiki", 2000, backup if restore == "folder" else None)
+    try:
+        if restore == "folder":
+            shutil.rmtree(folder)
+            subprocess.run(["cp", "-a", backup, folder], check=True)
+        else:
+            inode = folder.stat().st_ino
+            for path in folder.iterdir():
+                if path.name != "manifest.json":
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            for path in backup.iterdir():
+                subprocess.run(["cp", "-a", path, folder / f".{path.name}"], check=True)
+            for path in sorted(folder.glob(".*"), key=lambda p: p.name == ".manifest.json"):
+                path.rename(folder / path.name[1:])
+            assert folder.stat().st_ino == inode
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 2, (proc.returncode, stderr[-1500:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "index 'wiki' was" in errors[0], stderr[-1500:]
+    assert "Traceback" not in stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 3 <= len(rows) < 2000, len(rows)
+    assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
+    now = json.loads((folder / "manifest.json").read_text())["version"]
+    assert (now == began) == (restore == "folder")
+    done = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-1500:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [str(i) for i in range(2000)]
+    assert all(r["status"] == "ok" and r["index_version"] == now for r in rows)
 
 
 def test_documents_changed_under_a_batch_do_not_stop_it_and_a_resume_asks_again(tmp_path):
