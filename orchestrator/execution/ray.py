@@ -248,6 +248,26 @@ class RayExecutor:
                 f"ray: the retriever actor(s) of index {self.settings.index!r} are starting "
                 "again and are not placed on a node yet; retry")
 
+    def owner_started(self, wait_s: float) -> None:
+        """Wait at most `wait_s` for the stores' owner (`retriever`) when it is a replica
+        started afresh (`_start_again`) and still starting; `BackendUnavailable` when it has not
+        started by then. A call sent to it meanwhile would wait for its placement, however
+        long the cluster stays without room, and run whenever that comes: a document write
+        long after its caller's answer, a probe past any probe's timeout."""
+        import ray
+
+        ping = self._starting.get(0)
+        if ping is None:
+            return
+        ready, _ = ray.wait([ping], timeout=max(wait_s, 0.0))
+        if not ready:
+            raise BackendUnavailable(
+                f"ray: the retriever actor of index {self.settings.index!r} is starting again "
+                f"and has not started within {wait_s:.3g} s (placed on no node yet, or still "
+                "loading); nothing was sent to it: retry")
+        if self._starting.get(0) is ping:
+            self._starting.pop(0, None)
+
     def _not_lost(self) -> None:
         """Raise `ClusterLost` once the cluster is known to be gone (`_watch`, `revive`)."""
         if self.lost:

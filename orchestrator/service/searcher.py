@@ -384,17 +384,21 @@ class Searcher:
             self.pool = None
 
     def _in_retriever(self, index: str, driver, local_fn, actor_fn, *args,
-                      timeout: float | None = 120):
+                      timeout: float | None = 120, start_s: float = PROBE_TIMEOUT_S):
         """Run on the stores' owner: in this process (local) or in the retriever actor (Ray),
         waiting at most `timeout` s for the actor (None: until it is done). A retriever actor
         dead for good (killed past its restarts, its node gone) takes its driver out of
-        service, so the next request starts the index afresh: a 503 to retry."""
+        service, so the next request starts the index afresh: a 503 to retry. One started
+        afresh and still starting (placed on no node: a cluster without room) is waited for
+        at most `start_s` before anything is sent to it, then a 503 to retry
+        (`RayExecutor.owner_started`)."""
         from branchsearch.orchestrator.execution.ray import RayExecutor
 
         if not isinstance(driver.executor, RayExecutor):
             return local_fn(driver.executor.retriever, *args)
         import ray
 
+        driver.executor.owner_started(start_s)
         try:
             # __ray_call__ runs a function on the actor, its instance as first argument
             return ray.get(driver.executor.retriever.__ray_call__.remote(actor_fn, *args),
@@ -612,7 +616,7 @@ class Searcher:
                                        f"({', '.join(key.groups)}); {why}")
                 self._check_files(driver)
                 self._renew_version(driver, before=True)  # a write failing midway changes it
-                counts = self._write(index, driver, documents.upsert,
+                counts = self._write(index, driver, end, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
                 self._renew_version(driver)
         return {"index": index, "upserted": [d.id for d in docs], **counts}
@@ -637,8 +641,8 @@ class Searcher:
                 self._check_files(driver)
                 if olds:  # (none: a repeat clearing what a failed delete left, renewed then)
                     self._renew_version(driver, before=True)  # one failing midway changes it
-                found = self._write(index, driver, documents.delete, documents.delete_in_actor,
-                                    driver.settings, doc_id)
+                found = self._write(index, driver, end, documents.delete,
+                                    documents.delete_in_actor, driver.settings, doc_id)
                 if found:
                     self._renew_version(driver)
         if not found:
@@ -695,13 +699,16 @@ class Searcher:
                         f"document {doc.id!r} is held in this index by another group")
         return ""
 
-    def _write(self, index: str, driver, local_fn, actor_fn, *args):
-        """A document write on the stores' owner. A store that fails under it (a file gone, a
+    def _write(self, index: str, driver, end: float, local_fn, actor_fn, *args):
+        """A document write on the stores' owner. An owner started afresh and not started by
+        `end` (the write's deadline: a cluster with no room for it) is sent nothing, a 503 to
+        retry; the write never lands later. A store that fails under it (a file gone, a
         server down) is a 503 saying what searches see now, not a 500. Domain errors and
         timeouts keep their status (api_error); a bug stays a 500."""
         try:  # waited for whole, as in this process: a write cut off by a timeout would go
             # on in the actor after its answer (a 504) and after the index's write lock
-            done = self._in_retriever(index, driver, local_fn, actor_fn, *args, timeout=None)
+            done = self._in_retriever(index, driver, local_fn, actor_fn, *args, timeout=None,
+                                      start_s=end - time.time())
         except Exception as exc:  # noqa: BLE001
             self._not_moved(index)
             cause = getattr(exc, "cause", None) or exc

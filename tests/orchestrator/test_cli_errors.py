@@ -758,7 +758,7 @@ from branchsearch.orchestrator.service.errors import ApiError
 from branchsearch.orchestrator.service.searcher import Searcher
 
 ray_executor = object.__new__(RayExecutor)
-ray_executor.retriever = Slow.remote(0)
+ray_executor.retriever, ray_executor._starting = Slow.remote(0), {}
 driver = SimpleNamespace(executor=ray_executor)
 try:
     Searcher._in_retriever(object.__new__(Searcher), "idx", driver, None,

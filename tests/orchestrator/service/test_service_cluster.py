@@ -702,3 +702,105 @@ def test_a_question_whose_retriever_died_for_good_waits_for_its_fresh_start_unti
     assert after["took"] < 5, after  # (before: 30 s, its deadline)
     assert after.get("error") == "BackendUnavailable", after
     assert "not placed on a node yet" in after["line"], after
+
+
+STRANDED_WRITE = """
+import asyncio, json, os, sqlite3, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from branchsearch.infra.config.settings import load_settings
+from branchsearch.infra.errors import BranchsearchError
+from branchsearch.orchestrator.driver import Driver
+from branchsearch.orchestrator.service.admission import Limits
+from branchsearch.orchestrator.service.auth import ApiKey
+from branchsearch.orchestrator.service.errors import api_error
+from branchsearch.orchestrator.service.searcher import Searcher
+address, home = sys.argv[1], sys.argv[2]
+settings = load_settings(overrides={"home": home, "index": "bm", "ray_address": address,
+                                    "branches": 1, "search_mode": "bm25",
+                                    "branch_retries": 0, "actor_start_timeout_s": 60},
+                         read_env=False, read_file=False)
+ray.init(address=address, log_to_driver=False)
+head = next(n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and "node:__internal_head__" in n["Resources"])
+class Hold:
+    def ping(self):
+        return 0
+hold = ray.remote(Hold).options(num_cpus=2, scheduling_strategy=NodeAffinitySchedulingStrategy(
+    head, soft=False)).remote()
+ray.get(hold.ping.remote(), timeout=120)
+searcher = Searcher(settings, executor="ray", limits=Limits(default_deadline_s=8),
+                    driver_factory=lambda s, executor: Driver(s, mode="ray"))
+driver = searcher.drivers.open("bm", wait=120)  # on the worker's CPU: the head has none free
+print(json.dumps({"first": driver.search("Alpha harbor budget", deadline_s=60).status}),
+      flush=True)
+sys.stdin.readline()  # the worker node is gone
+try:  # meets the dead retriever and starts a fresh one, which nothing can place
+    driver.search("Alpha harbor budget", deadline_s=3)
+except BranchsearchError:
+    pass
+def timed(fn):
+    began = time.monotonic()
+    try:
+        fn()
+        out = {"ok": True}
+    except Exception as exc:
+        error = api_error(exc)
+        out = {"status": error.status, "code": error.error, "headers": error.headers}
+    return {"took": time.monotonic() - began, **out}
+admin = ApiKey("admin", ("*",), admin=True)
+body = json.dumps([{"id": "late-doc", "text": "Written while the retriever had no node."}])
+print(json.dumps(timed(lambda: asyncio.run(searcher.upsert("bm", body.encode(), admin)))),
+      flush=True)
+print(json.dumps(timed(lambda: searcher._probe("bm", driver))), flush=True)
+ray.kill(hold)  # room again: the fresh retriever is placed and starts
+ray.get(driver.executor.retriever.ping.remote(), timeout=120)
+time.sleep(2)
+db = sqlite3.connect(f"file:{settings.index_dir / 'docs.sqlite'}?mode=ro", uri=True)
+held = db.execute("select count(*) from chunks where doc_id = 'late-doc'").fetchone()[0]
+print(json.dumps({"landed": held}), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_write_or_probe_through_a_retriever_that_cannot_be_placed_ends_by_its_deadline(
+        tmp_path):
+    """As above (`branch_retries` 0): a question met the retriever dead for good and started a
+    fresh one, which nothing can place. A document write through the service then waited for
+    that placement with no bound, holding the index's write lock: its caller got a 504 at
+    the deadline and the write went on, to land whenever the cluster had room again; an
+    index probe (readiness, a failed search's) waited 120 s. Now a write waits for the fresh
+    start until its deadline and is a 503 `backend_unavailable` with Retry-After, sent to no
+    store, so it never lands later; a probe answers the same within `PROBE_TIMEOUT_S`."""
+    import json
+
+    from branchsearch.orchestrator.service.searcher import PROBE_TIMEOUT_S
+
+    home = tmp_path / "home"
+    home.mkdir()
+    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
+                             read_file=False)
+    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
+    with _cluster(1) as cluster:
+        proc = subprocess.Popen([sys.executable, "-c", STRANDED_WRITE, cluster["address"],
+                                 str(home)], env=cluster["env"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(proc.stdout.readline()) == {"first": "ok"}
+            os.killpg(cluster["worker"].pid, signal.SIGKILL)  # the worker node dies
+            deadline = time.monotonic() + 120
+            while _alive(cluster["env"], cluster["address"]) > 1:
+                assert time.monotonic() < deadline, "the worker node is still counted alive"
+                time.sleep(1)
+            proc.stdin.write("gone\n")
+            proc.stdin.flush()
+            write, probe, landed = (json.loads(proc.stdout.readline()) for _ in range(3))
+        finally:
+            proc.kill()
+            proc.wait(30)
+    assert write.get("status") == 503 and write["code"] == "backend_unavailable", write
+    assert write["headers"].get("Retry-After"), write
+    assert write["took"] < 8 + 3, write  # its deadline (before: a 504 at 8 + 2 s, going on)
+    assert probe.get("status") == 503 and probe["code"] == "backend_unavailable", probe
+    assert probe["took"] < PROBE_TIMEOUT_S + 3, probe  # (before: 120 s)
+    assert landed == {"landed": 0}, landed  # (before: the write landed once placed)
