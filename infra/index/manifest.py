@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,8 +72,6 @@ def next_version(previous: "Manifest | None", committed: int) -> str:
     no document (the same text again changes no evidence), else a new one."""
     if previous is not None and previous.version and not committed:
         return previous.version
-    import uuid
-
     return uuid.uuid4().hex[:16]
 
 
@@ -82,8 +81,6 @@ def index_id_for(previous: "Manifest | None", layout: tuple) -> str:
     else a new one (the index made anew)."""
     if previous is not None and previous.index_id and previous.layout() == layout:
         return previous.index_id
-    import uuid
-
     return uuid.uuid4().hex
 
 
