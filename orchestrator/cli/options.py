@@ -52,27 +52,31 @@ def settings_to_read(home, index, config, **flags) -> Settings:
     loadtest). With no index named (no --index, and the settings still at the default name) and
     no index of that name in the data home, the home's only index is the one, said on stderr;
     with several, one line names them. (`ingest` keeps the default name: it makes indexes.)"""
-    settings, several = settings_of_home(home, index, config, **flags)
+    settings, several, picked = settings_of_home(home, index, config, **flags)
     if several:
         raise BranchsearchError(f"which index? This data home ({settings.home}) has "
                                 f"{', '.join(map(repr, several))}; pick one with --index NAME")
+    if picked:
+        print(picked, file=sys.stderr)
     return settings
 
 
-def settings_of_home(home, index, config, **flags) -> tuple[Settings, list[str]]:
-    """`settings_to_read`'s settings, and the home's indexes when none is named and it holds
-    several (the settings' index then names none of them); [] otherwise."""
+def settings_of_home(home, index, config,
+                     **flags) -> tuple[Settings, list[str], str | None]:
+    """`settings_to_read`'s settings; the home's indexes when none is named and it holds
+    several (the settings' index then names none of them), [] otherwise; and, when the home's
+    only index is the one, the line that says so, for the caller to print once its own checks
+    have passed (a mistake found before is its one `error:` line), else None."""
     from branchsearch.infra.index.catalog import index_names
 
     settings = settings_from(home, index, config, **flags)
     if index is not None or settings.index != Settings().index or settings.index_dir.exists():
-        return settings, []
+        return settings, [], None
     names = index_names(settings)
     if len(names) == 1:
-        print(f"index {names[0]!r} (the only one in {settings.home}; --index NAME picks one)",
-              file=sys.stderr)
-        return settings.replace(index=names[0]), []
-    return settings, names if len(names) > 1 else []
+        return (settings.replace(index=names[0]), [],
+                f"index {names[0]!r} (the only one in {settings.home}; --index NAME picks one)")
+    return settings, names if len(names) > 1 else [], None
 
 
 def caller_acl(settings: Settings, groups: list[str] | None, admin: bool) -> list[str] | None:

@@ -177,12 +177,8 @@ def serve(ctx: typer.Context,
     if keys is not None and not keys.exists():
         raise BranchsearchError(f"keys file {keys} not found (make one with `branchsearch keys "
                                 f"add NAME --groups G --keys {keys}`)")
-    settings, several = settings_of_home(home, index, config, ray_address=address)
-    if several:  # every one served; a request names its own
-        print(f"no default index: this data home ({settings.home}) has "
-              f"{', '.join(map(repr, several))}, and a search names one as `index` (without, "
-              "a 422); --index NAME makes one the default", file=sys.stderr)
-    else:
+    settings, several, picked = settings_of_home(home, index, config, ray_address=address)
+    if not several:
         check_default(settings)  # one line before anything starts, not a replica's traceback
     if not standalone:
         service.check_searcher_replicas(settings, searcher_replicas)
@@ -194,7 +190,14 @@ def serve(ctx: typer.Context,
         service.listen(host, port).close()
     elif not standalone:
         service.check_head_port(settings, host, port)
-    if default_keys:  # said once it serves: a mistake found before is its one line
+    # said once it serves: a mistake found before is its one line
+    if picked:
+        print(picked, file=sys.stderr)
+    if several:  # every one served; a request names its own
+        print(f"no default index: this data home ({settings.home}) has "
+              f"{', '.join(map(repr, several))}, and a search names one as `index` (without, "
+              "a 422); --index NAME makes one the default", file=sys.stderr)
+    if default_keys:
         print(f"keys file {keys}", file=sys.stderr)
     if standalone:
         if not keys:

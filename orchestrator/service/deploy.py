@@ -425,8 +425,8 @@ def check_searcher_replicas(settings, replicas: int) -> None:
             raise BranchsearchError(
                 f"searcher_replicas = {replicas}: index {name!r} keeps its vectors in a Milvus "
                 "Lite file, which one process owns, and each searcher replica opens it; "
-                "several searcher replicas need server backends (milvus_uri, es_url): run one, "
-                "or ingest into a Milvus server")
+                "several searcher replicas need server backends (milvus_uri, es_url): serve "
+                "with one searcher replica, or ingest the index into a Milvus server")
 
 
 def build_application(opts: ServeOptions):

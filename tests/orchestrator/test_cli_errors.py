@@ -1848,6 +1848,30 @@ def test_serve_standalone_refuses_the_options_of_ray_serve_s_deployments(tmp_pat
     assert shown.count("Ray Serve only") >= 3, shown
 
 
+def test_serve_s_mistakes_on_a_home_of_one_index_are_one_line(hotpot_settings, tmp_path):
+    """`serve` with no --index on a home of one index (the demo's) said "index 'hotpot' (the
+    only one in …)" before the error of `--searcher-replicas 2` or of a port in use: two lines
+    where a mistake is one. That line (and the one a home of several gets) is said once the
+    checks have passed, before `serving on`, as the keys file's is."""
+    import socket
+
+    home = tmp_path / "home"
+    copy_store(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        done = run_all({
+            "replicas": ["serve", "--searcher-replicas", "2", "--home", home, "--port", 0],
+            "port": ["serve", "--standalone", "--home", home, "--port", port]})
+    finally:
+        held.close()
+    assert_one_error_line(done["replicas"], "searcher_replicas = 2: index 'hotpot'", "replicas")
+    assert "serve with one searcher replica" in done["replicas"].stderr
+    assert_one_error_line(done["port"], f"127.0.0.1:{port}", "port")
+
+
 def test_serve_searcher_replicas_is_checked_before_anything_starts(hotpot_settings, tmp_path):
     """`serve --searcher-replicas N` asks Ray Serve for N searcher replicas, as a Serve
     config's `searcher_replicas` does (before, the CLI had no way to). Each replica opens every
