@@ -5,6 +5,7 @@ embedded defaults, explained)."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import threading
 from contextlib import contextmanager
@@ -423,3 +424,6 @@ def demo(home: Optional[Path] = HomeOpt,
         driver.close()
     print_demo_branches(result)
     print_demo_evidence(result, task)
+    where = f" --home {shlex.quote(str(settings.home))}" if home is not None else ""
+    print(f"next: your own question on this index: branchsearch search \"QUESTION\" --index "
+          f"demo{where}; over HTTP: branchsearch serve --index demo{where} (README: the tour)")

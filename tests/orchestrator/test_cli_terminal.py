@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
+import shlex
 import subprocess
 import sys
 import time
@@ -108,6 +110,12 @@ def test_the_readmes_first_command_on_a_terminal(tmp_path):
     assert any(line.startswith("3. question") for line in lines), lines
     noise = [line for line in lines if any(w in line for w in ("Warning", "WARNING", "warn("))]
     assert not noise, noise
+    # its last line says what to run next on the index it made, and that command runs
+    assert lines[-1].startswith("next: "), lines[-3:]
+    told = re.search(r"(branchsearch search .*?);", lines[-1]).group(1)
+    args = shlex.split(told.replace("QUESTION", "Who chaired the review of the contract?"))
+    done = subprocess.run([*CLI, *args[1:]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "status: ok" in done.stdout, done.stderr[-2000:]
 
 
 def test_batch_reads_its_questions_from_a_pipe(hotpot_settings, tmp_path):
