@@ -3,7 +3,7 @@
 python apply.py MODEL DATA K10.jsonl K30.jsonl
 Rows: the default (final_k 10), final_k 30 cut at 10, JR = RRF(k=60) of the fused order and the
 judge's, JA = the judge's order alone; ties keep the fused order. Judge scores are cached in
-K30.jsonl.MODELNAME.json.
+MODEL/scores-K30.jsonl (beside the weights, never beside the dump).
 """
 import json, os, sys
 import torch
@@ -58,7 +58,7 @@ def main(model_dir, data, k10, k30):
     base = [json.loads(l) for l in open(k10)]
     deep = [json.loads(l) for l in open(k30)]
     assert [r["id"] for r in base] == [r["id"] for r in deep]
-    cache = f"{k30}.{os.path.basename(os.path.normpath(model_dir))}.json"
+    cache = os.path.join(model_dir, f"scores-{os.path.basename(k30)}")
     if os.path.exists(cache):
         scores = json.load(open(cache))
     else:
