@@ -85,13 +85,16 @@ class ServiceMetrics:
         return generate_latest(_Merged([self.snapshot(), *others]))
 
 
-# every replica reads the same value, the searcher's (`SearcherClient.gauges`)
+# every replica reads the same value, the searcher's (`SearcherClient.gauges`), when it is
+# scraped: the scraped replica's own reading is the current one (another's is as old as its
+# last scrape, and these gauges go down too)
 SHARED_GAUGES = {"branchsearch_acl_guard_dropped_ids", "branchsearch_searches_past_deadline"}
 
 
 class _Merged:
     """A collector of several replicas' snapshots: a sample's values summed across replicas,
-    but `_created` timestamps (the earliest) and shared gauges (the largest)."""
+    but `_created` timestamps (the earliest) and shared gauges (the first snapshot's: the
+    scraped replica's own, read now)."""
 
     def __init__(self, snapshots: list):
         self.snapshots = snapshots
@@ -110,7 +113,7 @@ class _Merged:
                     elif sample.endswith("_created"):
                         values[key] = min(values[key], value)
                     elif name in SHARED_GAUGES:
-                        values[key] = max(values[key], value)
+                        pass
                     else:
                         values[key] += value
         for name, (kind, doc, values) in families.items():

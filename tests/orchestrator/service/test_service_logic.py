@@ -1013,8 +1013,10 @@ def test_a_burst_at_a_starting_index_is_answered_by_each_deadline(tmp_path):
 
 def test_metrics_of_several_replicas_merge():
     """What a scrape of one ingress replica shows with the others' snapshots: counters,
-    histograms and in-flight requests summed; the ACL guard's count (every replica reads the
-    searcher's) once; a counter's creation time the earliest."""
+    histograms and in-flight requests summed; the searcher's gauges (every replica reads them
+    when scraped) as the scraped replica read them, not the largest: another replica's is as
+    old as its last scrape, and the count of searches past their deadline goes down (before,
+    a stale 60 stayed once the backend recovered); a counter's creation time the earliest."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from branchsearch.orchestrator.service.metrics import ServiceMetrics
@@ -1025,7 +1027,8 @@ def test_metrics_of_several_replicas_merge():
             m.observe_request("/v1/search", "POST", status, 0.5)
         m.in_flight.inc()
         m.acl_guard_dropped.set(3)
-        m.searches_past_deadline.set(2)
+    a.searches_past_deadline.set(0)  # read now: the backend recovered
+    b.searches_past_deadline.set(60)  # read at b's last scrape, while it hung
     merged = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in text_string_to_metric_families(a.render([b.snapshot()]).decode())
               for s in f.samples}
@@ -1036,7 +1039,7 @@ def test_metrics_of_several_replicas_merge():
                    search + (("status", "200"),))] == 1.5
     assert merged[("branchsearch_http_requests_in_flight", ())] == 2
     assert merged[("branchsearch_acl_guard_dropped_ids", ())] == 3
-    assert merged[("branchsearch_searches_past_deadline", ())] == 2
+    assert merged[("branchsearch_searches_past_deadline", ())] == 0
     created = ("branchsearch_http_requests_created", search + (("status", "200"),))
     own = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for f in text_string_to_metric_families(a.render().decode()) for s in f.samples}
