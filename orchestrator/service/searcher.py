@@ -615,6 +615,7 @@ class Searcher:
                                        f"documents whose acl is within its groups "
                                        f"({', '.join(key.groups)}); {why}")
                 self._check_files(driver)
+                self._owner_started(driver, end)
                 self._renew_version(driver, before=True)  # a write failing midway changes it
                 counts = self._write(index, driver, end, documents.upsert,
                                      documents.upsert_in_actor, driver.settings, docs)
@@ -639,6 +640,7 @@ class Searcher:
                                    f"{doc_id!r} is {held}")
                 doc_id = olds[0]["doc_id"] if olds else doc_id  # as the index holds it
                 self._check_files(driver)
+                self._owner_started(driver, end)
                 if olds:  # (none: a repeat clearing what a failed delete left, renewed then)
                     self._renew_version(driver, before=True)  # one failing midway changes it
                 found = self._write(index, driver, end, documents.delete,
@@ -648,6 +650,15 @@ class Searcher:
         if not found:
             raise missing
         return {"index": index, "deleted": doc_id}
+
+    @staticmethod
+    def _owner_started(driver, end: float) -> None:
+        """A write's wait, until `end`, for its index's retriever started afresh (Ray), before
+        the index's version changes: a write refused for it (503) changed nothing."""
+        from branchsearch.orchestrator.execution.ray import RayExecutor
+
+        if isinstance(driver.executor, RayExecutor):
+            driver.executor.owner_started(end - time.time())
 
     def _writable(self, index: str, end: float):
         """`drivers.using` for a document write until `end` (its deadline, wall clock), which

@@ -750,8 +750,10 @@ def timed(fn):
     return {"took": time.monotonic() - began, **out}
 admin = ApiKey("admin", ("*",), admin=True)
 body = json.dumps([{"id": "late-doc", "text": "Written while the retriever had no node."}])
-print(json.dumps(timed(lambda: asyncio.run(searcher.upsert("bm", body.encode(), admin)))),
-      flush=True)
+version = lambda: json.loads((settings.index_dir / "manifest.json").read_text())["version"]
+began = version()
+print(json.dumps(timed(lambda: asyncio.run(searcher.upsert("bm", body.encode(), admin)))
+                 | {"version_kept": version() == began}), flush=True)
 print(json.dumps(timed(lambda: searcher._probe("bm", driver))), flush=True)
 ray.kill(hold)  # room again: the fresh retriever is placed and starts
 ray.get(driver.executor.retriever.ping.remote(), timeout=120)
@@ -801,6 +803,7 @@ def test_a_write_or_probe_through_a_retriever_that_cannot_be_placed_ends_by_its_
     assert write.get("status") == 503 and write["code"] == "backend_unavailable", write
     assert write["headers"].get("Retry-After"), write
     assert write["took"] < 8 + 3, write  # its deadline (before: a 504 at 8 + 2 s, going on)
+    assert write["version_kept"], write  # nothing sent: a batch's resume asks nothing again
     assert probe.get("status") == 503 and probe["code"] == "backend_unavailable", probe
     assert probe["took"] < PROBE_TIMEOUT_S + 3, probe  # (before: 120 s)
     assert landed == {"landed": 0}, landed  # (before: the write landed once placed)
