@@ -78,7 +78,8 @@ def next_version(previous: "Manifest | None", committed: int) -> str:
 def index_id_for(previous: "Manifest | None", layout: tuple) -> str:
     """The `index_id` of an index an ingest has just filled with `layout`: the previous one
     when the index was complete and keeps its layout (documents added or replaced in place),
-    else a new one (the index made anew)."""
+    else a new one (the index made anew, or an ingest resumed after one stopped unfinished:
+    no manifest kept the id)."""
     if previous is not None and previous.index_id and previous.layout() == layout:
         return previous.index_id
     return uuid.uuid4().hex
