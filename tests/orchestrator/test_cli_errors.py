@@ -365,6 +365,16 @@ def test_no_arguments_prints_help_and_exits_2():
     assert run(["--help"]).returncode == 0
 
 
+def test_help_shows_a_flag_as_taking_no_value():
+    """`search --help`: a flag (`--json`, `--acl-admin`) is shown bare. typer 0.29 showed
+    `--json <bool>`, and a user who then typed `--json true` got "unexpected extra
+    argument"."""
+    done = run(["search", "--help"], env={"COLUMNS": "200"})
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
+    flags = [line for line in shown.splitlines() if "--json" in line or "--acl-admin" in line]
+    assert len(flags) == 2 and not any("<" in line for line in flags), flags
+
+
 def test_the_command_list_says_each_command_in_one_line():
     """`branchsearch --help` on a wide terminal: each command's summary whole on its own line,
     not broken where its docstring's lines end."""
