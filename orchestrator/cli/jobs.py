@@ -21,7 +21,7 @@ from branchsearch.orchestrator.batch import STOP_AFTER
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, JsonOpt,
                                                    caller_acl,
-                                                   choice, progress_bar, settings_from,
+                                                   choice, progress_bar, say, settings_from,
                                                    settings_to_read, writable_file,
                                                    writable_folder, writable_report)
 from branchsearch.orchestrator.cli.render import (one_line, print_demo_branches,
@@ -76,8 +76,8 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
                                                  to_ask)
 
     check_output(output, input)
-    settings = settings_to_read(home, index, config, batch_concurrency=concurrency,
-                                branches=branches, ray_address=address)
+    settings, picked = settings_to_read(home, index, config, batch_concurrency=concurrency,
+                                        branches=branches, ray_address=address)
     groups = caller_acl(settings, acl, acl_admin)
     data = read_questions(input)
     if not data.items:  # (a plain text file of questions: one line, not one a line)
@@ -95,8 +95,6 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
     gone = _index_gone(settings, profile)  # the index as the batch begins, with its version
     how = ("a write in its Elasticsearch index" if profile.kind == "external" else
            "an ingest, or a write through the service")  # what changes a version
-    for bad in data.bad_lines:
-        print(f"skipped {bad}", file=sys.stderr)
     from branchsearch.orchestrator.execution import pick_executor
 
     made = made_with(settings, groups)
@@ -126,6 +124,9 @@ def _batch(input, output, concurrency, branches, executor, address, acl, acl_adm
             f"{settings.index!r} changed ({how}), for "
             "questions this input does not ask; "
             "they would stay beside the new rows: give another -o")
+    say(picked)  # the checks passed: the notes, before the work
+    for bad in data.bad_lines:
+        print(f"skipped {bad}", file=sys.stderr)
     answered = len(data.items) - len(todo)
     unversioned = len(state.unversioned & (asked - {qid for qid, _ in todo}))
     if unseen and answered:  # an external index with no version: say what is not seen

@@ -47,18 +47,24 @@ def settings_from(home, index, config, **flags) -> Settings:
     return load_settings(config, {"home": home, "index": index, **flags})
 
 
-def settings_to_read(home, index, config, **flags) -> Settings:
-    """`settings_from` for a command that reads an index (retrieve, search, batch, serve,
-    loadtest). With no index named (no --index, and the settings still at the default name) and
-    no index of that name in the data home, the home's only index is the one, said on stderr;
-    with several, one line names them. (`ingest` keeps the default name: it makes indexes.)"""
+def settings_to_read(home, index, config, **flags) -> tuple[Settings, str | None]:
+    """`settings_from` for a command that reads an index (retrieve, search, batch, loadtest).
+    With no index named (no --index, and the settings still at the default name) and no index
+    of that name in the data home, the home's only index is the one, and the line that says so
+    is returned for the caller to print (`say`) once its own checks have passed; with several,
+    one error line names them. (`ingest` keeps the default name: it makes indexes.)"""
     settings, several, picked = settings_of_home(home, index, config, **flags)
     if several:
         raise BranchsearchError(f"which index? This data home ({settings.home}) has "
                                 f"{', '.join(map(repr, several))}; pick one with --index NAME")
-    if picked:
-        print(picked, file=sys.stderr)
-    return settings
+    return settings, picked
+
+
+def say(note: str | None) -> None:
+    """A command's note on stderr (none when None): said once its checks have passed and its
+    work starts, so that a mistake found before is its one `error:` line."""
+    if note:
+        print(note, file=sys.stderr)
 
 
 def settings_of_home(home, index, config,

@@ -13,7 +13,7 @@ import typer
 from branchsearch.infra.config.choices import MODES
 from branchsearch.orchestrator.cli.options import (AclAdminOpt, AclOpt, AddressOpt, ConfigOpt,
                                                    ExecutorOpt, HomeOpt, IndexOpt, JsonOpt, KOpt,
-                                                   PolicyOpt, caller_acl, choice,
+                                                   PolicyOpt, caller_acl, choice, say,
                                                    settings_to_read)
 from branchsearch.orchestrator.cli.render import one_line, print_result
 
@@ -36,9 +36,10 @@ def retrieve(query: str, mode: str = typer.Option("hybrid", callback=choice(*MOD
     from branchsearch.workers.query import check_question
 
     query = check_question(query, "query")  # in NFC, as documents are indexed
-    settings = settings_to_read(home, index, config)
+    settings, picked = settings_to_read(home, index, config)
     groups = caller_acl(settings, acl, acl_admin)
     retriever = open_retriever(settings, need_dense=mode != "bm25")
+    say(picked)
     side = one_side(settings) if mode == "hybrid" else ""
     if side:  # the results would say `source: bm25` and nothing else: say why, once
         why = ("its config maps no " + ("dense" if side == "bm25" else "lexical") + " store"
@@ -78,9 +79,10 @@ def search(question: str, branches: Optional[int] = typer.Option(None, min=1,
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     if trace:
         flags |= {"trace_exporter": "jsonl", "trace_file": str(trace)}
-    settings = settings_to_read(home, index, config, **flags)
+    settings, picked = settings_to_read(home, index, config, **flags)
     groups = caller_acl(settings, acl, acl_admin)
     driver = open_driver(settings, pick_executor(settings, executor))
+    say(picked)
     try:
         result = driver.search(question, acl_groups=groups)
     finally:

@@ -161,7 +161,7 @@ def serve(ctx: typer.Context,
           home: Optional[Path] = HomeOpt, config: Optional[Path] = ConfigOpt):
     """Run the search service (Ray Serve + FastAPI) over every index of the data home: JSON
     and streaming search, API keys, document upsert/delete, /metrics, a web page at /."""
-    from branchsearch.orchestrator.cli.options import settings_of_home
+    from branchsearch.orchestrator.cli.options import say, settings_of_home
     from branchsearch.orchestrator.service import deploy as service
     from branchsearch.orchestrator.service.searcher import check_default
 
@@ -191,8 +191,7 @@ def serve(ctx: typer.Context,
     elif not standalone:
         service.check_head_port(settings, host, port)
     # said once it serves: a mistake found before is its one line
-    if picked:
-        print(picked, file=sys.stderr)
+    say(picked)
     if several:  # every one served; a request names its own
         print(f"no default index: this data home ({settings.home}) has "
               f"{', '.join(map(repr, several))}, and a search names one as `index` (without, "

@@ -110,7 +110,7 @@ def loadtest(
         writable_folder(plots, "--plots")
     flags = {"branches": branches, "policy": policy, "ray_address": address}
     # against a URL the index is the service's to name; in-process, the home's only one serves
-    settings = settings_from(home, index, config, **flags) if url else \
+    settings, picked = (settings_from(home, index, config, **flags), None) if url else \
         settings_to_read(home, index, config, **flags)
     keys, source = read_keys(key_file, key)
     if key is not None:
@@ -125,7 +125,7 @@ def loadtest(
                       deadline_s=deadline_s, executor=executor, concurrency=concurrency,
                       timeout_s=timeout_s, report=report, plots=plots)
     out = run(options, settings, progress=None if as_json else _printer(),
-              argv=["branchsearch", *sys.argv[1:]])
+              argv=["branchsearch", *sys.argv[1:]], note=picked)
     if as_json:
         print(json.dumps(out | {"steps": [
             {k_: v for k_, v in s.items() if k_ != "latencies_ms"} for s in out["steps"]]},

@@ -522,11 +522,15 @@ def overload_notes(reasons: dict[str, int], limits: dict[str, dict[str, int]]) -
     return notes
 
 
-def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | None = None) -> dict:
-    """Run the whole load test; returns the report (also written when o.report is set)."""
+def loadtest(o: Options, settings: Settings, progress=None, argv: list[str] | None = None,
+             note: str | None = None) -> dict:
+    """Run the whole load test; returns the report (also written when o.report is set).
+    `note` (the index the home's only one) is said on stderr once the options are checked."""
     spec, notes = load_spec(o)
     workload = make_workload(o, settings)
     target = make_target(o, settings, workload)
+    if note:
+        print(note, file=sys.stderr)
     if isinstance(target, HttpTarget):
         preflight(target, workload.question(0))
     else:

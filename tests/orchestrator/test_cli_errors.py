@@ -1884,6 +1884,29 @@ def test_serve_s_mistakes_on_a_home_of_one_index_are_one_line(hotpot_settings, t
     assert_one_error_line(done["port"], f"127.0.0.1:{port}", "port")
 
 
+def test_reading_commands_mistakes_on_a_home_of_one_index_are_one_line(hotpot_settings,
+                                                                        tmp_path):
+    """`search`, `retrieve`, `batch` and `loadtest` with no --index on a home of one index
+    said "index 'hotpot' (the only one in …)" before their own checks, so a mistake found
+    after (a trace file that cannot be made, a batch input that is not there) was two lines.
+    The line is said once the checks have passed, right before the work; a good run still
+    says it, once."""
+    home = tmp_path / "home"
+    copy_store(hotpot_settings.index_dir, home / "indexes" / "hotpot")
+    trace = Path("/proc/nope/t.jsonl")  # a folder no one can make
+    assert_one_error_line(run(["search", "Ed Wood", "--home", home, "--trace", trace]),
+                          f"trace file {trace}", "trace")
+    assert_one_error_line(run(["batch", tmp_path / "none.jsonl", "-o", tmp_path / "out.jsonl",
+                               "--home", home]), "batch input not found", "batch")
+    assert_one_error_line(run(["loadtest", "--home", home, "--executor", "local"]),
+                          "give --rate", "loadtest")
+    good = run(["search", "Who directed Ed Wood?", "--home", home, "--branches", "1",
+                "--trace", tmp_path / "t.jsonl", "--json"])
+    assert good.returncode == 0, good.stderr[-800:]
+    assert good.stderr.count("index 'hotpot' (the only one in") == 1, good.stderr[-800:]
+    assert json.loads(good.stdout)["evidence"]
+
+
 def test_serve_searcher_replicas_is_checked_before_anything_starts(hotpot_settings, tmp_path):
     """`serve --searcher-replicas N` asks Ray Serve for N searcher replicas, as a Serve
     config's `searcher_replicas` does (before, the CLI had no way to). Each replica opens every
