@@ -1015,8 +1015,23 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
     from conftest import HOTPOT
 
     folder, began, out, command, env, proc = _batch_under_way(tmp_path, "wiki", 2000)
+    stderr = _stopped(proc, lambda: shutil.rmtree(folder), out, began,
+                      "index 'wiki' was removed")
+    assert ", done" not in stderr, stderr[-1500:]  # the last progress line: stopped, not done
+
+    home = ["--home", tmp_path / "home", "--index", "wiki"]
+    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0  # made anew
+    now = json.loads((folder / "manifest.json").read_text())["version"]
+    rows = _resumed(command, env, out)
+    assert all(r["status"] == "ok" and r["index_version"] == now != began for r in rows)
+
+
+def _stopped(proc, change, out, began: str, says: str) -> str:
+    """`change` the index under the batch `proc`: it stops, exit 2, with one `error:` line
+    holding `says` and no traceback, every row it wrote answered on the index as it began
+    (version `began`); its stderr."""
     try:
-        shutil.rmtree(folder)
+        change()
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -1024,22 +1039,22 @@ def test_an_index_removed_under_a_batch_stops_it_and_the_resume_asks_again(tmp_p
             proc.wait(30)
     assert proc.returncode == 2, (proc.returncode, stderr[-1500:])
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "index 'wiki' was removed" in errors[0], stderr[-1500:]
+    assert len(errors) == 1 and says in errors[0], stderr[-1500:]
     assert "Traceback" not in stderr
-    assert ", done" not in stderr, stderr[-1500:]  # the last progress line: stopped, not done
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert 3 <= len(rows) < 2000, len(rows)
     assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
+    return stderr
 
-    home = ["--home", tmp_path / "home", "--index", "wiki"]
-    assert run(["ingest", HOTPOT, "--no-dense", *home]).returncode == 0  # made anew
-    now = json.loads((folder / "manifest.json").read_text())["version"]
+
+def _resumed(command, env, out) -> list[dict]:
+    """The same batch command run again: exit 0, one row per id of its 2,000; the rows."""
     done = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-1500:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [str(i) for i in range(2000)]
-    assert all(r["status"] == "ok" and r["index_version"] == now != began for r in rows)
+    return rows
 
 
 @pytest.mark.parametrize("restore", ["folder", "in place"])
@@ -1065,39 +1080,26 @@ def test_an_index_restored_under_a_batch_stops_it_and_the_resume_runs(tmp_path, 
                        check=True)
     folder, began, out, command, env, proc = _batch_under_way(
         tmp_path, "wiki", 2000, backup if restore == "folder" else None)
-    try:
+
+    def restored():
         if restore == "folder":
             shutil.rmtree(folder)
             subprocess.run(["cp", "-a", backup, folder], check=True)
-        else:
-            inode = folder.stat().st_ino
-            for path in folder.iterdir():
-                if path.name != "manifest.json":
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
-            for path in backup.iterdir():
-                subprocess.run(["cp", "-a", path, folder / f".{path.name}"], check=True)
-            for path in sorted(folder.glob(".*"), key=lambda p: p.name == ".manifest.json"):
-                path.rename(folder / path.name[1:])
-            assert folder.stat().st_ino == inode
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    assert proc.returncode == 2, (proc.returncode, stderr[-1500:])
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "index 'wiki' was" in errors[0], stderr[-1500:]
-    assert "Traceback" not in stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert 3 <= len(rows) < 2000, len(rows)
-    assert all(r["status"] == "ok" and r["index_version"] == began for r in rows)
+            return
+        inode = folder.stat().st_ino
+        for path in folder.iterdir():
+            if path.name != "manifest.json":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in backup.iterdir():
+            subprocess.run(["cp", "-a", path, folder / f".{path.name}"], check=True)
+        for path in sorted(folder.glob(".*"), key=lambda p: p.name == ".manifest.json"):
+            path.rename(folder / path.name[1:])
+        assert folder.stat().st_ino == inode
+
+    _stopped(proc, restored, out, began, "index 'wiki' was")
     now = json.loads((folder / "manifest.json").read_text())["version"]
     assert (now == began) == (restore == "folder")
-    done = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-1500:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == [str(i) for i in range(2000)]
+    rows = _resumed(command, env, out)
     assert all(r["status"] == "ok" and r["index_version"] == now for r in rows)
 
 

@@ -606,7 +606,7 @@ def test_serve_refuses_an_application_deployed_from_a_serve_config(one_node, tmp
         assert done.returncode == 0
 
 
-STRANDED = """
+STRANDED_START = """
 import json, os, sys, time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -614,7 +614,6 @@ from branchsearch.infra.config.settings import load_settings
 from branchsearch.infra.errors import BranchsearchError
 from branchsearch.orchestrator.driver import Driver
 address, home, retries = sys.argv[1], sys.argv[2], int(sys.argv[3])
-deadlines = [float(d) for d in sys.argv[4].split(",")]
 settings = load_settings(overrides={"home": home, "index": "bm", "ray_address": address,
                                     "branches": 1, "search_mode": "bm25",
                                     "branch_retries": retries, "actor_start_timeout_s": 60},
@@ -628,6 +627,10 @@ class Hold:
 hold = ray.remote(Hold).options(num_cpus=2, scheduling_strategy=NodeAffinitySchedulingStrategy(
     head, soft=False)).remote()
 ray.get(hold.ping.remote(), timeout=120)
+"""  # a driver on a two-node cluster whose head has no CPU free (`Hold` takes it)
+
+STRANDED = STRANDED_START + """
+deadlines = [float(d) for d in sys.argv[4].split(",")]
 driver = Driver(settings, mode="ray")  # on the worker's CPU: the head has none free
 first = driver.search("Alpha harbor budget", deadline_s=60)
 print(json.dumps({"first": first.status}), flush=True)
@@ -647,6 +650,15 @@ def _stranded(tmp_path, retries: int, deadlines: tuple[float, ...] = (3,)) -> li
     """`STRANDED` on a two-node cluster (its retriever with `retries` restarts): what its
     questions after the worker node's death (one after another, with these `deadlines`)
     answered, and how long each took."""
+    return _after_the_worker_dies(tmp_path, STRANDED, [str(retries),
+                                                       ",".join(map(str, deadlines))],
+                                  len(deadlines))
+
+
+def _after_the_worker_dies(tmp_path, script: str, args: list[str], answers: int) -> list[dict]:
+    """`script` (a `STRANDED_START` one) on a two-node cluster over a BM25 index: its first
+    line once its driver answered, then the worker node killed, then its next `answers`
+    JSON lines."""
     import json
 
     home = tmp_path / "home"
@@ -655,9 +667,8 @@ def _stranded(tmp_path, retries: int, deadlines: tuple[float, ...] = (3,)) -> li
                              read_file=False)
     ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
     with _cluster(1) as cluster:
-        proc = subprocess.Popen([sys.executable, "-c", STRANDED, cluster["address"], str(home),
-                                 str(retries), ",".join(map(str, deadlines))],
-                                env=cluster["env"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", script, cluster["address"], str(home),
+                                 *args], env=cluster["env"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert json.loads(proc.stdout.readline()) == {"first": "ok"}
@@ -668,7 +679,7 @@ def _stranded(tmp_path, retries: int, deadlines: tuple[float, ...] = (3,)) -> li
                 time.sleep(1)
             proc.stdin.write("gone\n")
             proc.stdin.flush()
-            return [json.loads(proc.stdout.readline()) for _ in deadlines]
+            return [json.loads(proc.stdout.readline()) for _ in range(answers)]
         finally:
             proc.kill()
             proc.wait(30)
@@ -704,31 +715,12 @@ def test_a_question_whose_retriever_died_for_good_waits_for_its_fresh_start_unti
     assert "not placed on a node yet" in after["line"], after
 
 
-STRANDED_WRITE = """
-import asyncio, json, os, sqlite3, sys, time
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from branchsearch.infra.config.settings import load_settings
-from branchsearch.infra.errors import BranchsearchError
-from branchsearch.orchestrator.driver import Driver
+STRANDED_WRITE = STRANDED_START + """
+import asyncio, sqlite3
 from branchsearch.orchestrator.service.admission import Limits
 from branchsearch.orchestrator.service.auth import ApiKey
 from branchsearch.orchestrator.service.errors import api_error
 from branchsearch.orchestrator.service.searcher import Searcher
-address, home = sys.argv[1], sys.argv[2]
-settings = load_settings(overrides={"home": home, "index": "bm", "ray_address": address,
-                                    "branches": 1, "search_mode": "bm25",
-                                    "branch_retries": 0, "actor_start_timeout_s": 60},
-                         read_env=False, read_file=False)
-ray.init(address=address, log_to_driver=False)
-head = next(n["NodeID"] for n in ray.nodes()
-            if n["Alive"] and "node:__internal_head__" in n["Resources"])
-class Hold:
-    def ping(self):
-        return 0
-hold = ray.remote(Hold).options(num_cpus=2, scheduling_strategy=NodeAffinitySchedulingStrategy(
-    head, soft=False)).remote()
-ray.get(hold.ping.remote(), timeout=120)
 searcher = Searcher(settings, executor="ray", limits=Limits(default_deadline_s=8),
                     driver_factory=lambda s, executor: Driver(s, mode="ray"))
 driver = searcher.drivers.open("bm", wait=120)  # on the worker's CPU: the head has none free
@@ -774,32 +766,9 @@ def test_a_write_or_probe_through_a_retriever_that_cannot_be_placed_ends_by_its_
     index probe (readiness, a failed search's) waited 120 s. Now a write waits for the fresh
     start until its deadline and is a 503 `backend_unavailable` with Retry-After, sent to no
     store, so it never lands later; a probe answers the same within `PROBE_TIMEOUT_S`."""
-    import json
-
     from branchsearch.orchestrator.service.searcher import PROBE_TIMEOUT_S
 
-    home = tmp_path / "home"
-    home.mkdir()
-    settings = load_settings(overrides={"home": home, "index": "bm"}, read_env=False,
-                             read_file=False)
-    ingest(write_corpus(home / "corpus.jsonl"), settings, dense=False)
-    with _cluster(1) as cluster:
-        proc = subprocess.Popen([sys.executable, "-c", STRANDED_WRITE, cluster["address"],
-                                 str(home)], env=cluster["env"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-        try:
-            assert json.loads(proc.stdout.readline()) == {"first": "ok"}
-            os.killpg(cluster["worker"].pid, signal.SIGKILL)  # the worker node dies
-            deadline = time.monotonic() + 120
-            while _alive(cluster["env"], cluster["address"]) > 1:
-                assert time.monotonic() < deadline, "the worker node is still counted alive"
-                time.sleep(1)
-            proc.stdin.write("gone\n")
-            proc.stdin.flush()
-            write, probe, landed = (json.loads(proc.stdout.readline()) for _ in range(3))
-        finally:
-            proc.kill()
-            proc.wait(30)
+    write, probe, landed = _after_the_worker_dies(tmp_path, STRANDED_WRITE, ["0"], 3)
     assert write.get("status") == 503 and write["code"] == "backend_unavailable", write
     assert write["headers"].get("Retry-After"), write
     assert write["took"] < 8 + 3, write  # its deadline (before: a 504 at 8 + 2 s, going on)
